@@ -1,0 +1,227 @@
+"""Llama family: Llama 2/3, Mistral, SmolLM, Qwen2 (GQA, RoPE, RMSNorm, SwiGLU)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from engine.arch import register
+from engine.backends import cpu as ops
+from engine.kv_cache import KVCache
+from engine.rope import RopeScaling, rope_inv_freq
+from engine.weights import Weight
+
+# llama.cpp's converter permutes Llama's q/k weights so GGML's "normal" RoPE (adjacent pairs) applies;
+# these families keep HF's half-split ("NeoX") layout instead.
+_NEOX_ROPE = frozenset({"qwen2"})
+
+
+@dataclass
+class LlamaConfig:
+    """Hyper-parameters, named as in Hugging Face config.json."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    vocab_size: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    max_position_embeddings: int = 4096
+    head_dim: int = 0  # 0: hidden_size // num_attention_heads
+    rotary_dim: int = 0  # 0: head_dim
+    rope_neox: bool = False
+    rope_scaling: RopeScaling = field(default_factory=RopeScaling)
+    architecture: str = "llama"
+    # derived in __post_init__
+    n_rep: int = field(init=False)
+    q_dim: int = field(init=False)
+    kv_dim: int = field(init=False)
+
+    def __post_init__(self):
+        if self.head_dim == 0:
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        if self.rotary_dim == 0:
+            self.rotary_dim = self.head_dim
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
+        self.n_rep = self.num_attention_heads // self.num_key_value_heads
+        self.q_dim = self.num_attention_heads * self.head_dim
+        self.kv_dim = self.num_key_value_heads * self.head_dim
+
+    @classmethod
+    def from_gguf(cls, metadata: dict, vocab_size: int) -> LlamaConfig:
+        arch = metadata["general.architecture"]
+
+        def key(name, default=None):
+            value = metadata.get(f"{arch}.{name}", default)
+            if value is None:
+                raise KeyError(f"{arch}.{name}")
+            return value
+
+        n_heads = int(key("attention.head_count"))
+        hidden = int(key("embedding_length"))
+        head_dim = int(key("attention.key_length", hidden // n_heads))
+        kind = str(metadata.get(f"{arch}.rope.scaling.type", "none"))
+        scaling = RopeScaling(
+            kind=kind,
+            factor=float(metadata.get(f"{arch}.rope.scaling.factor", 1.0)),
+            original_max_position=int(metadata.get(f"{arch}.rope.scaling.original_context_length", 8192)),
+        )
+        if scaling.kind == "linear" and scaling.factor == 1.0:
+            scaling = RopeScaling()
+        return cls(
+            hidden_size=hidden,
+            intermediate_size=int(key("feed_forward_length")),
+            num_hidden_layers=int(key("block_count")),
+            num_attention_heads=n_heads,
+            num_key_value_heads=int(key("attention.head_count_kv", n_heads)),
+            vocab_size=vocab_size,
+            rms_norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-5)),
+            rope_theta=float(key("rope.freq_base", 10000.0)),
+            max_position_embeddings=int(key("context_length", 4096)),
+            head_dim=head_dim,
+            rotary_dim=int(key("rope.dimension_count", head_dim)),
+            rope_neox=arch in _NEOX_ROPE,
+            rope_scaling=scaling,
+            architecture=arch,
+        )
+
+
+@dataclass
+class LlamaLayer:
+    attn_norm: np.ndarray  # (hidden,)
+    wq: Weight  # (q_dim, hidden)
+    wk: Weight  # (kv_dim, hidden)
+    wv: Weight  # (kv_dim, hidden)
+    wo: Weight  # (hidden, q_dim)
+    ffn_norm: np.ndarray  # (hidden,)
+    w_gate: Weight  # (ffn, hidden)
+    w_up: Weight  # (ffn, hidden)
+    w_down: Weight  # (hidden, ffn)
+    bq: np.ndarray | None = None  # optional QKV biases (Qwen2)
+    bk: np.ndarray | None = None
+    bv: np.ndarray | None = None
+
+
+class _Scratch:
+    """Activation buffers for n tokens, allocated once per batch size."""
+
+    def __init__(self, cfg: LlamaConfig, n: int):
+        f32 = np.float32
+        self.x = np.empty((n, cfg.hidden_size), f32)
+        self.h = np.empty((n, cfg.hidden_size), f32)
+        self.q = np.empty((n, cfg.q_dim), f32)
+        self.k = np.empty((n, cfg.kv_dim), f32)
+        self.v = np.empty((n, cfg.kv_dim), f32)
+        self.attn = np.empty((n, cfg.q_dim), f32)
+        self.o = np.empty((n, cfg.hidden_size), f32)
+        self.gate = np.empty((n, cfg.intermediate_size), f32)
+        self.up = np.empty((n, cfg.intermediate_size), f32)
+        self.positions = np.empty(n, np.int64)
+
+
+@register("llama", "mistral", "qwen2")
+class LlamaModel:
+    """A Llama-family decoder over weights that stay in their file format."""
+
+    config_class = LlamaConfig
+
+    def __init__(self, cfg: LlamaConfig, weights):
+        """Args: cfg; weights: a weight source with matrix(name, rows, cols), vector(name, n), has(name)."""
+        self.cfg = cfg
+        d, q, kv, ff = cfg.hidden_size, cfg.q_dim, cfg.kv_dim, cfg.intermediate_size
+        self.token_embd = weights.matrix("token_embd.weight", cfg.vocab_size, d)
+        self.output_norm = weights.vector("output_norm.weight", d)
+        # Tied embeddings: small models reuse the input embedding as the output projection.
+        self.output = (
+            weights.matrix("output.weight", cfg.vocab_size, d) if weights.has("output.weight") else self.token_embd
+        )
+        self.layers = []
+        for i in range(cfg.num_hidden_layers):
+            p = f"blk.{i}."
+
+            def bias(name, n, p=p):
+                return weights.vector(p + name, n) if weights.has(p + name) else None
+
+            self.layers.append(
+                LlamaLayer(
+                    attn_norm=weights.vector(p + "attn_norm.weight", d),
+                    wq=weights.matrix(p + "attn_q.weight", q, d),
+                    wk=weights.matrix(p + "attn_k.weight", kv, d),
+                    wv=weights.matrix(p + "attn_v.weight", kv, d),
+                    wo=weights.matrix(p + "attn_output.weight", d, q),
+                    ffn_norm=weights.vector(p + "ffn_norm.weight", d),
+                    w_gate=weights.matrix(p + "ffn_gate.weight", ff, d),
+                    w_up=weights.matrix(p + "ffn_up.weight", ff, d),
+                    w_down=weights.matrix(p + "ffn_down.weight", d, ff),
+                    bq=bias("attn_q.bias", q),
+                    bk=bias("attn_k.bias", kv),
+                    bv=bias("attn_v.bias", kv),
+                )
+            )
+        freq_factors = weights.vector("rope_freqs.weight", cfg.rotary_dim // 2) if weights.has("rope_freqs.weight") else None
+        self.inv_freq = rope_inv_freq(cfg.rotary_dim, cfg.rope_theta, cfg.rope_scaling, freq_factors)
+        self.scale = np.float32(1.0 / np.sqrt(cfg.head_dim))
+        self._decode = _Scratch(cfg, 1)
+        self._logits = np.empty((1, cfg.vocab_size), np.float32)
+
+    def new_cache(self, n_ctx: int) -> KVCache:
+        cfg = self.cfg
+        return KVCache(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, n_ctx)
+
+    def forward(self, tokens, cache: KVCache, all_logits: bool = False) -> np.ndarray:
+        """Run tokens (n,) through the model at positions cache.offset.., appending to the cache.
+
+        Returns:
+            float32 logits (n, vocab) when all_logits, else (1, vocab) for the last token. The
+            (1, vocab) array is a reused buffer for decode: copy it to keep it past the next call.
+        """
+        cfg = self.cfg
+        tokens = np.asarray(tokens, dtype=np.int64)
+        n = len(tokens)
+        cache.check_room(n)
+        s = self._decode if n == 1 else _Scratch(cfg, n)
+        pos0 = cache.offset
+        s.positions[:] = np.arange(pos0, pos0 + n)
+        ops.get_rows(s.x, self.token_embd, tokens)
+        heads, kv_heads, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        q3 = s.q.reshape(n, heads, hd)
+        k3 = s.k.reshape(n, kv_heads, hd)
+        v3 = s.v.reshape(n, kv_heads, hd)
+        attn3 = s.attn.reshape(n, heads, hd)
+        for i, layer in enumerate(self.layers):
+            ops.rmsnorm(s.h, s.x, layer.attn_norm, cfg.rms_norm_eps)
+            ops.linear(s.q, layer.wq, s.h)
+            ops.linear(s.k, layer.wk, s.h)
+            ops.linear(s.v, layer.wv, s.h)
+            if layer.bq is not None:
+                s.q += layer.bq
+            if layer.bk is not None:
+                s.k += layer.bk
+            if layer.bv is not None:
+                s.v += layer.bv
+            ops.rope(q3, s.positions, self.inv_freq, cfg.rotary_dim, cfg.rope_neox)
+            ops.rope(k3, s.positions, self.inv_freq, cfg.rotary_dim, cfg.rope_neox)
+            k_cache, v_cache = cache.update_and_fetch(i, k3, v3)
+            ops.attention(attn3, q3, k_cache, v_cache, pos0, self.scale)
+            ops.linear(s.o, layer.wo, s.attn)
+            s.x += s.o
+            ops.rmsnorm(s.h, s.x, layer.ffn_norm, cfg.rms_norm_eps)
+            ops.linear(s.gate, layer.w_gate, s.h)
+            ops.linear(s.up, layer.w_up, s.h)
+            ops.silu_mul(s.gate, s.gate, s.up)
+            ops.linear(s.o, layer.w_down, s.gate)
+            s.x += s.o
+        cache.advance(tokens)
+        if all_logits:
+            ops.rmsnorm(s.h, s.x, self.output_norm, cfg.rms_norm_eps)
+            logits = np.empty((n, cfg.vocab_size), np.float32)
+            ops.linear(logits, self.output, s.h)
+            return logits
+        last = s.h[n - 1 : n]
+        ops.rmsnorm(last, s.x[n - 1 : n], self.output_norm, cfg.rms_norm_eps)
+        ops.linear(self._logits, self.output, last)
+        return self._logits

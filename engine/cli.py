@@ -1,0 +1,90 @@
+"""`hearth` command line: run, chat, tokenize, bench.
+
+Heavy imports (numpy, numba, the engine) happen after argument parsing, so that `--threads`
+can size OpenBLAS's pool (it reads its environment once, when numpy loads).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+DEFAULT_CTX = 4096
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-m", "--model", default=DEFAULT_MODEL, help="model file path or starter model name")
+    p.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (default: all cores)")
+    p.add_argument("--ctx", type=int, default=DEFAULT_CTX, help=f"context length in tokens (default {DEFAULT_CTX})")
+
+
+def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
+    p.add_argument("-n", "--max-tokens", type=int, default=max_tokens)
+    p.add_argument("--temperature", "--temp", type=float, default=0.7, help="0 = greedy")
+    p.add_argument("--top-k", type=int, default=40)
+    p.add_argument("--top-p", type=float, default=0.95)
+    p.add_argument("--min-p", type=float, default=0.05)
+    p.add_argument("--repeat-penalty", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="hearth", description="Chat with language models on your own machine.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    run = sub.add_parser("run", help="generate a reply to one prompt (streams to stdout)")
+    _add_model_args(run)
+    _add_sampling_args(run, 256)
+    run.add_argument("prompt")
+    run.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    run.add_argument("--system", default=None, help="system prompt (with --chat)")
+    run.add_argument("--json", action="store_true", help="print one JSON object with text, ids and stats")
+
+    chat = sub.add_parser("chat", help="interactive multi-turn chat")
+    _add_model_args(chat)
+    _add_sampling_args(chat, 1024)
+    chat.add_argument("--system", default=None, help="system prompt")
+
+    tok = sub.add_parser("tokenize", help="print the token ids of a text")
+    tok.add_argument("-m", "--model", default=DEFAULT_MODEL)
+    tok.add_argument("text")
+    tok.add_argument("--special", action="store_true", help="add BOS/EOS as the model's metadata asks")
+    tok.add_argument("--json", action="store_true")
+
+    bench = sub.add_parser("bench", help="measure load time, prefill and decode speed, TTFT and peak memory")
+    _add_model_args(bench)
+    bench.add_argument("-p", "--prompt-tokens", type=int, default=512)
+    bench.add_argument("-g", "--gen-tokens", type=int, default=128)
+    bench.add_argument("-r", "--repetitions", type=int, default=1, help="repeat prefill/decode, report the best")
+    bench.add_argument("--json", action="store_true")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if getattr(args, "threads", None):
+        if args.threads < 1:
+            print("hearth: --threads must be at least 1", file=sys.stderr)
+            return 2
+        for var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "NUMBA_NUM_THREADS"):
+            os.environ[var] = str(args.threads)
+
+    from models.errors import HearthError
+
+    try:
+        from engine import commands
+
+        return getattr(commands, f"cmd_{args.command}")(args)
+    except HearthError as e:
+        print(f"hearth: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

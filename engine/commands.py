@@ -1,0 +1,243 @@
+"""Implementations of the `hearth` subcommands (parsing lives in engine.cli)."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+from engine.backends import cpu
+from engine.errors import HearthError
+from engine.generate import GenerationParams, generate
+from engine.loader import LoadedModel, load_model
+from engine.memory import peak_rss_mb
+from models.resolve import resolve_model
+
+
+def _download_progress(stage: str, done: int, total: int) -> None:
+    if total:
+        print(f"\rfetching {stage}: {done / total:6.1%}", end="", file=sys.stderr, flush=True)
+        if done >= total:
+            print(file=sys.stderr)
+
+
+def _load(args) -> LoadedModel:
+    path = resolve_model(args.model, progress=_download_progress)
+    if getattr(args, "threads", None):
+        cpu.set_threads(args.threads)
+    return load_model(path)
+
+
+def _params(args) -> GenerationParams:
+    try:
+        return GenerationParams(
+            max_tokens=args.max_tokens,
+            temperature=args.temperature,
+            top_k=args.top_k,
+            top_p=args.top_p,
+            min_p=args.min_p,
+            repetition_penalty=args.repeat_penalty,
+            seed=args.seed,
+            stop=tuple(args.stop),
+        )
+    except ValueError as e:
+        raise HearthError(f"invalid sampling option: {e}") from e
+
+
+def _context(lm: LoadedModel, requested: int) -> int:
+    if requested < 16:
+        raise HearthError("--ctx must be at least 16 tokens")
+    return min(requested, lm.context_length)
+
+
+def _chat_prompt(lm: LoadedModel, messages: list[dict]) -> list[int]:
+    if lm.template is None:
+        raise HearthError(
+            f"{lm.name} has no chat template (it is a base/completion model); use `hearth run` without --chat"
+        )
+    text = lm.template.render(messages, add_generation_prompt=True)
+    # the template writes BOS itself when the model wants it; encode its special tokens as such
+    return lm.tokenizer.encode(text, add_special=False)
+
+
+def cmd_run(args) -> int:
+    lm = _load(args)
+    params = _params(args)
+    if args.chat:
+        messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
+            {"role": "user", "content": args.prompt}
+        ]
+        ids = _chat_prompt(lm, messages)
+    else:
+        ids = lm.tokenizer.encode(args.prompt, add_special=True)
+    cache = lm.model.new_cache(_context(lm, args.ctx))
+    pieces, tokens, last = [], [], None
+    for event in generate(lm.model, lm.tokenizer, ids, cache, params):
+        pieces.append(event.text)
+        if event.token is not None and event.token not in lm.tokenizer.eot_ids:
+            tokens.append(event.token)
+        if not args.json and event.text:
+            print(event.text, end="", flush=True)
+        last = event
+    if args.json:
+        print(
+            json.dumps(
+                {
+                    "text": "".join(pieces),
+                    "ids": tokens,
+                    "prompt_ids": ids,
+                    "finish_reason": last.finish_reason,
+                    "ttft_s": round(last.ttft_s, 4),
+                    "prefill_tps": round(last.prompt_tps, 2),
+                    "decode_tps": round(last.generation_tps, 2),
+                },
+                ensure_ascii=False,
+            )
+        )
+    else:
+        print()
+        print(
+            f"[{last.generated_tokens} tokens, {last.finish_reason}; TTFT {last.ttft_s:.2f}s, "
+            f"prefill {last.prompt_tps:.1f} tok/s, decode {last.generation_tps:.1f} tok/s]",
+            file=sys.stderr,
+        )
+    return 0
+
+
+def cmd_chat(args) -> int:
+    lm = _load(args)
+    params = _params(args)
+    n_ctx = _context(lm, args.ctx)
+    cache = lm.model.new_cache(n_ctx)
+    system = [{"role": "system", "content": args.system}] if args.system else []
+    messages = list(system)
+    print(f"{lm.name} ready (context {n_ctx}). /reset clears the chat, /exit or Ctrl-D quits.", file=sys.stderr)
+    while True:
+        try:
+            line = input(">>> ")
+        except EOFError:
+            print(file=sys.stderr)
+            return 0
+        if not line.strip():
+            continue
+        if line.strip() in ("/exit", "/quit", "/bye"):
+            return 0
+        if line.strip() == "/reset":
+            messages = list(system)
+            print("(chat cleared)", file=sys.stderr)
+            continue
+        messages.append({"role": "user", "content": line})
+        try:
+            ids = _chat_prompt(lm, messages)
+            reply, last = [], None
+            for event in generate(lm.model, lm.tokenizer, ids, cache, params):
+                reply.append(event.text)
+                print(event.text, end="", flush=True)
+                last = event
+        except KeyboardInterrupt:
+            print("\n(stopped)", file=sys.stderr)
+            messages.append({"role": "assistant", "content": "".join(reply)})
+            continue
+        except HearthError as e:
+            messages.pop()
+            print(f"\nhearth: {e}", file=sys.stderr)
+            continue
+        messages.append({"role": "assistant", "content": "".join(reply)})
+        print()
+        print(
+            f"[{last.generated_tokens} tokens; {last.cached_tokens} of {last.prompt_tokens} prompt tokens reused; "
+            f"TTFT {last.ttft_s:.2f}s; {last.generation_tps:.1f} tok/s; context {cache.offset}/{n_ctx}]",
+            file=sys.stderr,
+        )
+
+
+def cmd_tokenize(args) -> int:
+    from engine.tokenizer import Tokenizer
+    from models.formats.gguf import open_gguf
+
+    path = resolve_model(args.model, progress=_download_progress)
+    with open_gguf(path) as gguf:
+        tokenizer = Tokenizer.from_gguf_metadata(gguf.metadata)
+    ids = tokenizer.encode(args.text, add_special=args.special)
+    if args.json:
+        print(json.dumps({"ids": ids}))
+    else:
+        print(" ".join(map(str, ids)))
+    return 0
+
+
+BENCH_TEXT = (
+    "The history of computing is a story of people, machines and ideas. Early mechanical calculators "
+    "gave way to electronic computers, which filled rooms and consumed enormous power. def fib(n):\n"
+    "    return n if n < 2 else fib(n - 1) + fib(n - 2)\nToday, a phone holds more memory than those "
+    "machines ever did, and language models run on laptops. Numbers like 3.14159 and 2718281828 appear. "
+)
+
+
+def bench_prompt(lm: LoadedModel, n_tokens: int) -> list[int]:
+    """A deterministic prompt of exactly n_tokens real tokens."""
+    ids = lm.tokenizer.encode(BENCH_TEXT, add_special=False)
+    return (ids * (n_tokens // len(ids) + 1))[:n_tokens]
+
+
+def run_bench(lm: LoadedModel, n_prompt: int, n_gen: int, n_ctx: int, repetitions: int = 1) -> dict:
+    """Measure prefill (n_prompt tokens from an empty cache) and greedy decode (n_gen tokens).
+
+    Returns:
+        dict with prefill_tps, decode_tps, ttft_s (prefill plus sampling the first token), kv_cache_mb.
+    """
+    import numpy as np
+
+    model = lm.model
+    if n_prompt + n_gen > n_ctx:
+        raise HearthError(f"bench needs {n_prompt + n_gen} tokens of context; raise --ctx")
+    prompt = bench_prompt(lm, n_prompt)
+    best = {"prefill_tps": 0.0, "decode_tps": 0.0, "ttft_s": float("inf")}
+    for _ in range(repetitions):
+        cache = model.new_cache(n_ctx)
+        t0 = time.perf_counter()
+        logits = model.forward(prompt, cache)
+        token = int(np.argmax(logits[-1]))
+        ttft = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        for _ in range(n_gen):
+            token = int(np.argmax(model.forward([token], cache)[-1]))
+        decode_s = time.perf_counter() - t1
+        best["prefill_tps"] = max(best["prefill_tps"], n_prompt / ttft)
+        best["ttft_s"] = min(best["ttft_s"], ttft)
+        best["decode_tps"] = max(best["decode_tps"], n_gen / decode_s)
+    kv_bytes_per_token = cache.nbytes / cache.n_ctx
+    best["kv_cache_mb"] = kv_bytes_per_token * (n_prompt + n_gen) / 2**20
+    return best
+
+
+def cmd_bench(args) -> int:
+    t0 = time.perf_counter()
+    lm = _load(args)
+    # "ready" includes the first forward pass, which loads the cached Numba kernels
+    warm = lm.model.new_cache(8)
+    lm.model.forward(bench_prompt(lm, 4), warm)
+    lm.model.forward([1], warm)
+    load_s = time.perf_counter() - t0
+    del warm
+    result = run_bench(lm, args.prompt_tokens, args.gen_tokens, _context(lm, args.ctx), args.repetitions)
+    out = {
+        "model": lm.name,
+        "file": str(lm.path),
+        "file_mb": round(lm.file_size / 2**20, 1),
+        "threads": cpu.get_threads(),
+        "load_s": round(load_s, 3),
+        "prefill_tokens": args.prompt_tokens,
+        "prefill_tps": round(result["prefill_tps"], 2),
+        "decode_tokens": args.gen_tokens,
+        "decode_tps": round(result["decode_tps"], 2),
+        "ttft_s": round(result["ttft_s"], 4),
+        "kv_cache_mb": round(result["kv_cache_mb"], 1),
+        "peak_rss_mb": round(peak_rss_mb(), 1),
+    }
+    if args.json:
+        print(json.dumps(out))
+    else:
+        for key, value in out.items():
+            print(f"{key:>15}: {value}")
+    return 0

@@ -1,0 +1,33 @@
+"""Errors the engine reports to users. All derive from models.errors.HearthError."""
+
+from __future__ import annotations
+
+from models.errors import HearthError, ModelFormatError
+
+__all__ = [
+    "ContextOverflowError",
+    "HearthError",
+    "MissingTensorError",
+    "ModelFormatError",
+    "UnsupportedArchitectureError",
+]
+
+
+class UnsupportedArchitectureError(HearthError):
+    """The file's `general.architecture` has no implementation here."""
+
+
+class MissingTensorError(ModelFormatError):
+    """A tensor the architecture needs is absent (or has the wrong shape) in the file."""
+
+
+class ContextOverflowError(HearthError):
+    """A prompt (plus what is already cached) does not fit the context window."""
+
+    def __init__(self, needed: int, n_ctx: int):
+        self.needed = needed
+        self.n_ctx = n_ctx
+        super().__init__(
+            f"the prompt needs {needed} tokens but the context holds {n_ctx}; "
+            "shorten the prompt or load the model with a larger context (--ctx)"
+        )

@@ -1,0 +1,78 @@
+"""The KV cache: allocated once per context size, knows the tokens it holds."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from engine.errors import ContextOverflowError
+
+
+class KVCache:
+    """Keys and values of every layer for up to n_ctx positions, plus the token history.
+
+    The arrays come from np.zeros, so the OS commits pages only as positions are written:
+    a 8k-token cache costs memory only for the tokens actually used.
+
+    Interface (as mlx-lm's): `update_and_fetch` during a forward pass, `advance` once the pass
+    is done, `offset`, `trim(n)`, `state`.
+    """
+
+    def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, n_ctx: int):
+        self.n_ctx = n_ctx
+        # (n_layers, n_kv_heads, n_ctx, head_dim): per layer and head the positions are contiguous,
+        # which is what attention reads.
+        self.k = np.zeros((n_layers, n_kv_heads, n_ctx, head_dim), dtype=np.float32)
+        self.v = np.zeros((n_layers, n_kv_heads, n_ctx, head_dim), dtype=np.float32)
+        self._tokens: list[int] = []
+
+    @property
+    def offset(self) -> int:
+        """Number of positions filled."""
+        return len(self._tokens)
+
+    @property
+    def tokens(self) -> list[int]:
+        return list(self._tokens)
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.k.nbytes + self.v.nbytes)
+
+    def check_room(self, n: int) -> None:
+        if self.offset + n > self.n_ctx:
+            raise ContextOverflowError(self.offset + n, self.n_ctx)
+
+    def update_and_fetch(self, layer: int, k: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Store k, v (n_tok, n_kv_heads, head_dim) at positions offset.. of `layer`.
+
+        Returns that layer's full (n_kv_heads, n_ctx, head_dim) key and value arrays.
+        """
+        n = k.shape[0]
+        pos = self.offset
+        self.k[layer, :, pos : pos + n, :] = k.transpose(1, 0, 2)
+        self.v[layer, :, pos : pos + n, :] = v.transpose(1, 0, 2)
+        return self.k[layer], self.v[layer]
+
+    def advance(self, tokens) -> None:
+        """Record that `tokens` now occupy the next positions (call after every layer was updated)."""
+        self._tokens.extend(int(t) for t in tokens)
+
+    def trim(self, n: int) -> int:
+        """Forget the last n positions (speculation rollback, regenerate). Returns how many were dropped."""
+        n = max(0, min(n, self.offset))
+        if n:
+            del self._tokens[self.offset - n :]
+        return n
+
+    def common_prefix(self, tokens) -> int:
+        """Length of the longest common prefix between the cached tokens and `tokens`."""
+        n = 0
+        for a, b in zip(self._tokens, tokens):
+            if a != int(b):
+                break
+            n += 1
+        return n
+
+    @property
+    def state(self) -> tuple[np.ndarray, np.ndarray, list[int]]:
+        return self.k, self.v, self.tokens

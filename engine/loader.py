@@ -1,0 +1,123 @@
+"""Turn a model file into a ready model: weights mapped, tokenizer and chat template built."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from engine.arch import model_class
+from engine.backends import cpu
+from engine.chat_template import ChatTemplate
+from engine.errors import MissingTensorError, ModelFormatError
+from engine.tokenizer import Tokenizer
+from engine.weights import Weight
+from models.errors import ModelNotFoundError
+from models.formats.gguf import GGUFFile, open_gguf
+
+
+class GGUFWeights:
+    """Weights of an open GGUF file, handed to an architecture by canonical name and checked shape."""
+
+    def __init__(self, gguf: GGUFFile):
+        self.gguf = gguf
+
+    def has(self, name: str) -> bool:
+        return name in self.gguf.tensors
+
+    def _info(self, name: str, shape: tuple[int, ...]):
+        info = self.gguf.tensors.get(name)
+        if info is None:
+            raise MissingTensorError(self.gguf.path, f"tensor {name!r} is missing; the file is incomplete or not a "
+                                     f"{self.gguf.architecture} model")
+        if tuple(info.shape) != shape:
+            raise MissingTensorError(self.gguf.path, f"tensor {name!r} has shape {tuple(info.shape)}, expected {shape}")
+        return info
+
+    def matrix(self, name: str, rows: int, cols: int) -> Weight:
+        info = self._info(name, (rows, cols))
+        if info.ggml_type not in cpu.SUPPORTED_TYPES:
+            raise ModelFormatError(
+                self.gguf.path,
+                f"tensor {name!r} uses weight type {_type_name(info.ggml_type)}, which this version of Hearth "
+                f"cannot compute with yet; pick a file in another quantization (e.g. Q4_0, Q4_1, Q8_0, F16)",
+            )
+        return Weight(info.ggml_type, info.raw(), rows, cols)
+
+    def vector(self, name: str, n: int) -> np.ndarray:
+        info = self._info(name, (n,))
+        try:
+            return np.array(info.array(), dtype=np.float32)  # small: a copy in float32 is fine
+        except ModelFormatError as e:
+            raise ModelFormatError(self.gguf.path, f"tensor {name!r}: {e.problem}") from e
+
+
+def _type_name(ggml_type: int) -> str:
+    import gguf
+
+    try:
+        return gguf.GGMLQuantizationType(ggml_type).name
+    except ValueError:
+        return f"#{ggml_type}"
+
+
+@dataclass
+class LoadedModel:
+    """Everything needed to chat with one model."""
+
+    path: Path
+    model: object  # an architecture instance (forward, new_cache, cfg)
+    tokenizer: Tokenizer
+    template: ChatTemplate | None
+    metadata: dict
+    load_s: float
+    file_size: int
+
+    @property
+    def name(self) -> str:
+        return str(self.metadata.get("general.name") or self.path.stem)
+
+    @property
+    def context_length(self) -> int:
+        return int(self.model.cfg.max_position_embeddings)
+
+
+def load_model(path: str | Path) -> LoadedModel:
+    """Open a GGUF model file and build its model, tokenizer and chat template.
+
+    Raises:
+        ModelNotFoundError: the path does not exist.
+        ModelFormatError: the file is malformed, incomplete or uses unsupported types.
+        UnsupportedArchitectureError: the architecture is not implemented.
+    """
+    t0 = time.perf_counter()
+    path = Path(path)
+    if not path.is_file():
+        raise ModelNotFoundError(f"{path}: no such model file")
+    gguf = open_gguf(path)
+    metadata = gguf.metadata
+    arch = metadata.get("general.architecture")
+    if not isinstance(arch, str):
+        raise ModelFormatError(path, "no general.architecture in the metadata; this is not a model file")
+    cls = model_class(arch)
+    tokenizer = Tokenizer.from_gguf_metadata(metadata)
+    weights = GGUFWeights(gguf)
+    embd = gguf.tensors.get("token_embd.weight")
+    vocab_size = int(embd.shape[0]) if embd is not None and len(embd.shape) == 2 else tokenizer.vocab_size
+    try:
+        cfg = cls.config_class.from_gguf(metadata, vocab_size=vocab_size)
+    except (KeyError, ValueError, TypeError) as e:
+        raise ModelFormatError(path, f"incomplete or invalid {arch} hyper-parameters in the metadata ({e})") from e
+    model = cls(cfg, weights)
+    template = ChatTemplate.from_gguf_metadata(metadata)
+    return LoadedModel(
+        path=path,
+        model=model,
+        tokenizer=tokenizer,
+        template=template,
+        metadata=metadata,
+        load_s=time.perf_counter() - t0,
+        file_size=path.stat().st_size,
+    )

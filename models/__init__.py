@@ -1,0 +1,1 @@
+"""Artifacts: model containers (GGUF, safetensors), starter models, paths. No numba, no Qt."""

@@ -1,0 +1,28 @@
+"""Turn what a user typed as MODEL (a path or a starter model's name) into a file path."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from models.errors import ModelNotFoundError
+from models.starter import STARTERS, Progress, ensure_starter
+
+
+def resolve_model(spec: str, progress: Progress | None = None) -> Path:
+    """A path to an existing file, or the name of a starter model (fetched on first use).
+
+    Raises:
+        ModelNotFoundError: neither an existing file nor a known starter name.
+    """
+    path = Path(spec).expanduser()
+    if path.is_file():
+        return path
+    if spec in STARTERS:
+        return ensure_starter(spec, progress=progress)
+    if path.is_dir():
+        ggufs = sorted(path.glob("*.gguf"))
+        if len(ggufs) == 1:
+            return ggufs[0]
+        raise ModelNotFoundError(f"{path} is a folder with {len(ggufs)} .gguf files; name the file to use")
+    names = ", ".join(sorted(STARTERS))
+    raise ModelNotFoundError(f"{spec!r} is neither a model file nor a starter model name (starters: {names})")

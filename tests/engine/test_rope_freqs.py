@@ -1,0 +1,29 @@
+import numpy as np
+import pytest
+
+from engine.rope import RopeScaling, rope_inv_freq
+
+
+def test_plain_and_linear():
+    inv = rope_inv_freq(8, 10000.0)
+    np.testing.assert_allclose(inv, 10000.0 ** (-np.arange(0, 8, 2) / 8), rtol=1e-6)
+    np.testing.assert_allclose(rope_inv_freq(8, 10000.0, RopeScaling("linear", 4.0)), inv / 4, rtol=1e-6)
+    np.testing.assert_allclose(rope_inv_freq(8, 10000.0, freq_factors=np.full(4, 2.0)), inv / 2, rtol=1e-6)
+
+
+def test_llama3_scaling_matches_reference_formula():
+    # Llama 3.1: factor 8, low 1, high 4, original 8192, theta 500000, head_dim 128
+    s = RopeScaling("llama3", 8.0, 1.0, 4.0, 8192)
+    inv = rope_inv_freq(128, 500000.0, s).astype(np.float64)
+    base = 500000.0 ** (-np.arange(0, 128, 2) / 128)
+    wavelen = 2 * np.pi / base
+    assert inv[0] == pytest.approx(base[0], rel=1e-6)  # short wavelengths unchanged
+    assert inv[-1] == pytest.approx(base[-1] / 8, rel=1e-6)  # long ones divided by the factor
+    mid = (wavelen >= 8192 / 4) & (wavelen <= 8192 / 1)
+    assert mid.any()
+    assert np.all((inv[mid] <= base[mid] * (1 + 1e-6)) & (inv[mid] >= base[mid] / 8 * (1 - 1e-6)))
+
+
+def test_unknown_scaling():
+    with pytest.raises(ValueError, match="unsupported RoPE scaling"):
+        rope_inv_freq(8, 1e4, RopeScaling("yarn", 2.0))

@@ -1,0 +1,62 @@
+import numpy as np
+import pytest
+
+from engine.sampling import filtered_distribution, make_sampler, repetition_penalty
+
+
+def _logits():
+    return np.log(np.array([0.5, 0.2, 0.15, 0.1, 0.05], dtype=np.float32))
+
+
+def test_greedy_is_argmax():
+    sample = make_sampler(0.0)
+    logits = np.array([0.1, 3.0, -1.0, 2.9], dtype=np.float32)
+    assert sample(logits) == 1
+
+
+def test_seed_reproducible_and_varies():
+    logits = np.zeros(1000, dtype=np.float32)
+    a = [make_sampler(1.0, seed=7)(logits) for _ in range(1)]
+    s1, s2 = make_sampler(1.0, seed=7), make_sampler(1.0, seed=7)
+    draws1 = [s1(logits) for _ in range(50)]
+    draws2 = [s2(logits) for _ in range(50)]
+    assert draws1 == draws2
+    assert len(set(draws1)) > 20
+    assert a[0] == draws1[0]
+
+
+def test_top_k_top_p_min_p():
+    ids, p = filtered_distribution(_logits(), 1.0, top_k=2)
+    assert list(ids) == [0, 1]
+    np.testing.assert_allclose(p, [0.5 / 0.7, 0.2 / 0.7], rtol=1e-6)
+    ids, p = filtered_distribution(_logits(), 1.0, top_p=0.8)
+    assert list(ids) == [0, 1, 2]  # 0.5 + 0.2 < 0.8 <= 0.85
+    ids, p = filtered_distribution(_logits(), 1.0, min_p=0.25)
+    assert list(ids) == [0, 1, 2]  # 0.1 < 0.25 * 0.5
+    ids, _ = filtered_distribution(_logits(), 1.0, top_p=0.01)
+    assert list(ids) == [0]
+
+
+def test_temperature_sharpens_and_flattens():
+    _, cold = filtered_distribution(_logits(), 0.5)
+    _, hot = filtered_distribution(_logits(), 2.0)
+    assert cold[0] > 0.5 > hot[0]
+    np.testing.assert_allclose(cold.sum(), 1.0)
+
+
+def test_sampling_frequencies_follow_distribution():
+    sample = make_sampler(1.0, seed=1)
+    draws = np.bincount([sample(_logits()) for _ in range(20000)], minlength=5) / 20000
+    np.testing.assert_allclose(draws, [0.5, 0.2, 0.15, 0.1, 0.05], atol=0.015)
+
+
+def test_repetition_penalty():
+    logits = np.array([2.0, -2.0, 1.0], dtype=np.float32)
+    out = repetition_penalty(2.0)([0, 1, 1], logits.copy())
+    np.testing.assert_allclose(out, [1.0, -4.0, 1.0])
+
+
+@pytest.mark.parametrize("kwargs", [{"temp": -1}, {"top_p": 0}, {"top_k": -1}, {"min_p": 1.0}])
+def test_invalid_options(kwargs):
+    with pytest.raises(ValueError):
+        make_sampler(**kwargs)
