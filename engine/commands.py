@@ -111,7 +111,9 @@ def cmd_chat(args) -> int:
     cache = lm.model.new_cache(n_ctx)
     system = [{"role": "system", "content": args.system}] if args.system else []
     messages = list(system)
-    print(f"{lm.name} ready (context {n_ctx}). /reset clears the chat, /exit or Ctrl-D quits.", file=sys.stderr)
+    print(
+        f"{lm.name} ready (context {n_ctx}). /reset clears the chat, /exit or Ctrl-D quits.", file=sys.stderr
+    )
     while True:
         try:
             line = input(">>> ")
@@ -145,7 +147,7 @@ def cmd_chat(args) -> int:
         messages.append({"role": "assistant", "content": "".join(reply)})
         print()
         print(
-            f"[{last.generated_tokens} tokens; {last.cached_tokens} of {last.prompt_tokens} prompt tokens reused; "
+            f"[{last.generated_tokens} tokens; {last.cached_tokens}/{last.prompt_tokens} prompt reused; "
             f"TTFT {last.ttft_s:.2f}s; {last.generation_tps:.1f} tok/s; context {cache.offset}/{n_ctx}]",
             file=sys.stderr,
         )

