@@ -17,7 +17,9 @@ DEFAULT_CTX = 4096
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("-m", "--model", default=DEFAULT_MODEL, help="model file path or starter model name")
     p.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (default: all cores)")
-    p.add_argument("--ctx", type=int, default=DEFAULT_CTX, help=f"context length in tokens (default {DEFAULT_CTX})")
+    p.add_argument(
+        "--ctx", type=int, default=DEFAULT_CTX, help=f"context length in tokens (default {DEFAULT_CTX})"
+    )
 
 
 def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
@@ -32,7 +34,9 @@ def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="hearth", description="Chat with language models on your own machine.")
+    parser = argparse.ArgumentParser(
+        prog="hearth", description="Chat with language models on your own machine."
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
     run = sub.add_parser("run", help="generate a reply to one prompt (streams to stdout)")
@@ -58,7 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(bench)
     bench.add_argument("-p", "--prompt-tokens", type=int, default=512)
     bench.add_argument("-g", "--gen-tokens", type=int, default=128)
-    bench.add_argument("-r", "--repetitions", type=int, default=1, help="repeat prefill/decode, report the best")
+    bench.add_argument(
+        "-r", "--repetitions", type=int, default=1, help="repeat prefill/decode, report the best"
+    )
     bench.add_argument("--json", action="store_true")
     return parser
 

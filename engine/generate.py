@@ -176,6 +176,8 @@ def generate(
             ttft_s=stats.ttft_s,
             prompt_tps=stats.prompt_tps,
             # the first token came from the prefill pass; rate the decode passes only
-            generation_tps=(stats.generated_tokens - 1) / elapsed if stats.generated_tokens > 1 and elapsed else 0.0,
+            generation_tps=(stats.generated_tokens - 1) / elapsed
+            if stats.generated_tokens > 1 and elapsed
+            else 0.0,
             peak_memory_mb=peak_rss_mb() if finish else 0.0,
         )

@@ -46,7 +46,9 @@ def rope_inv_freq(
             scaling.high_freq_factor - scaling.low_freq_factor
         )
         mid = (1 - smooth) * inv / scaling.factor + smooth * inv
-        inv = np.where(wavelen > low_wavelen, inv / scaling.factor, np.where(wavelen < high_wavelen, inv, mid))
+        inv = np.where(
+            wavelen > low_wavelen, inv / scaling.factor, np.where(wavelen < high_wavelen, inv, mid)
+        )
     elif scaling.kind not in ("none", ""):
         raise ValueError(f"unsupported RoPE scaling {scaling.kind!r}")
     if freq_factors is not None:

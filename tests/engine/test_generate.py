@@ -72,7 +72,9 @@ def test_max_tokens_gives_length(tokenizer):
 def test_stop_string_is_cut_and_not_emitted(tokenizer):
     words = tokenizer.encode(" alpha beta\n\nUser: gamma")
     model = ScriptedModel(words, tokenizer.vocab_size)
-    events, text = _run(model, tokenizer, tokenizer.encode("x"), KVCache(1, 1, 4, 64), max_tokens=40, stop=["\nUser:"])
+    events, text = _run(
+        model, tokenizer, tokenizer.encode("x"), KVCache(1, 1, 4, 64), max_tokens=40, stop=["\nUser:"]
+    )
     assert events[-1].finish_reason == "stop"
     assert text == " alpha beta\n"
 
