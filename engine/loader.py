@@ -46,7 +46,7 @@ class GGUFWeights:
             raise ModelFormatError(
                 self.gguf.path,
                 f"tensor {name!r} uses weight type {_type_name(info.ggml_type)}, which this version of "
-                f"Hearth cannot compute with yet; pick another quantization of the model (e.g. Q4_0, Q8_0, F16)",
+                f"Hearth cannot compute with yet; pick another quantization (e.g. Q4_0, Q8_0, F16)",
             )
         return Weight(info.ggml_type, info.raw(), rows, cols)
 
