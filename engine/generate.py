@@ -11,7 +11,7 @@ import numpy as np
 from engine.errors import ContextOverflowError
 from engine.kv_cache import KVCache
 from engine.memory import peak_rss_mb
-from engine.sampling import make_sampler, repetition_penalty
+from engine.sampling import check_sampling, make_sampler, repetition_penalty
 from engine.tokenizer import StreamDecoder, Tokenizer
 
 
@@ -35,6 +35,9 @@ class GenerationParams:
             raise ValueError("max_tokens must be at least 1")
         if self.prefill_chunk < 1:
             raise ValueError("prefill_chunk must be at least 1")
+        if self.repetition_penalty <= 0:
+            raise ValueError("repetition penalty must be > 0")
+        check_sampling(self.temperature, self.top_k, self.top_p, self.min_p)
 
 
 @dataclass

@@ -15,6 +15,7 @@ from engine.errors import MissingTensorError, ModelFormatError
 from engine.tokenizer import Tokenizer
 from engine.weights import Weight
 from models.errors import ModelNotFoundError
+from models.formats.ggml_types import type_name
 from models.formats.gguf import GGUFFile, open_gguf
 
 
@@ -45,7 +46,7 @@ class GGUFWeights:
         if info.ggml_type not in cpu.SUPPORTED_TYPES:
             raise ModelFormatError(
                 self.gguf.path,
-                f"tensor {name!r} uses weight type {_type_name(info.ggml_type)}, which this version of "
+                f"tensor {name!r} uses weight type {type_name(info.ggml_type)}, which this version of "
                 f"Hearth cannot compute with yet; pick another quantization (e.g. Q4_0, Q8_0, F16)",
             )
         return Weight(info.ggml_type, info.raw(), rows, cols)
@@ -56,15 +57,6 @@ class GGUFWeights:
             return np.array(info.array(), dtype=np.float32)  # small: a copy in float32 is fine
         except ModelFormatError as e:
             raise ModelFormatError(self.gguf.path, f"tensor {name!r}: {e.problem}") from e
-
-
-def _type_name(ggml_type: int) -> str:
-    import gguf
-
-    try:
-        return gguf.GGMLQuantizationType(ggml_type).name
-    except ValueError:
-        return f"#{ggml_type}"
 
 
 @dataclass

@@ -13,6 +13,14 @@ Sampler = Callable[[np.ndarray], int]
 LogitsProcessor = Callable[[Sequence[int], np.ndarray], np.ndarray]
 
 
+def check_sampling(temp: float, top_k: int, top_p: float, min_p: float) -> None:
+    """Raise ValueError for options no sampler can honour."""
+    if temp < 0:
+        raise ValueError("temperature must be >= 0")
+    if top_k < 0 or not 0.0 < top_p <= 1.0 or not 0.0 <= min_p < 1.0:
+        raise ValueError("need top_k >= 0, 0 < top_p <= 1 and 0 <= min_p < 1")
+
+
 def make_sampler(
     temp: float = 0.0, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0, seed: int | None = None
 ) -> Sampler:
@@ -28,10 +36,7 @@ def make_sampler(
     Returns:
         sampler(logits (vocab,) float32) -> token id.
     """
-    if temp < 0:
-        raise ValueError("temperature must be >= 0")
-    if top_k < 0 or not 0.0 < top_p <= 1.0 or not 0.0 <= min_p < 1.0:
-        raise ValueError("need top_k >= 0, 0 < top_p <= 1 and 0 <= min_p < 1")
+    check_sampling(temp, top_k, top_p, min_p)
     if temp == 0:
         return lambda logits: int(np.argmax(logits))
     rng = np.random.default_rng(seed)

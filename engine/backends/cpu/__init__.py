@@ -1,0 +1,246 @@
+"""CPU backend: Numba kernels over weights kept in their on-disk (ggml) encoding.
+
+Public ops (all float32, output buffer first, nothing allocated in the decode path except the
+kernels' small activation scratch):
+  linear(out, w, x)            out (n_tok, rows) = x (n_tok, cols) @ W.T for a quantized/float Weight
+  get_rows(out, w, ids)        embedding lookup: out (len(ids), cols) = W[ids]
+  rmsnorm(out, x, weight, eps) rope(x, positions, inv_freq, n_rot, neox)
+  attention(out, q, k_cache, v_cache, pos0, scale)
+  silu_mul(out, gate, up)      gelu_tanh_mul(out, gate, up)
+  softmax(x)                   argmax(x)                  set_threads(n)
+
+Import through the `engine` package (it points Numba's JIT cache at the user cache dir first).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+import numba
+import numpy as np
+
+from engine.backends.cpu import ops, quant
+from engine.weights import Weight
+from models.errors import HearthError
+from models.formats.ggml_types import type_name
+
+F32, F16, Q4_0, Q4_1, Q8_0, BF16 = 0, 1, 2, 3, 8, 30
+
+# ggml type -> (elements per block, bytes per block)
+_BLOCK = {F32: (1, 4), F16: (1, 2), BF16: (1, 2), Q8_0: (32, 34), Q4_0: (32, 18), Q4_1: (32, 20)}
+
+# The ggml types this backend computes with; loaders check weights against it before any kernel runs.
+SUPPORTED_TYPES = frozenset(_BLOCK)
+
+# float32 scratch per prefill tile of dequantized rows. Large enough that every layer matrix is one
+# tile (BLAS then writes `out` contiguously, ~15% faster than into a column slice), small enough to
+# bound memory for the 49152 x 576 embedding/output matrix (tiled into ~7300-row pieces).
+PREFILL_TILE_BYTES = 16 << 20
+
+
+class UnsupportedWeightType(HearthError):
+    """A weight uses a ggml type the CPU backend has no kernel for.
+
+    Args:
+        ggml_type: the type id found on the weight.
+    """
+
+    def __init__(self, ggml_type: int):
+        self.ggml_type = int(ggml_type)
+        name = type_name(self.ggml_type)
+        supported = ", ".join(type_name(t) for t in sorted(_BLOCK))
+        super().__init__(
+            f"weight type {name} (ggml type {self.ggml_type}) is not supported by the CPU backend "
+            f"(supported: {supported}); pick a model file quantized to one of these."
+        )
+
+
+def _f32_view(raw: np.ndarray) -> np.ndarray:
+    # F32 rows arrive as uint8 (rows, cols*4); the kernels take them as float32 (rows, cols)
+    return raw.view(np.float32)
+
+
+def _identity(raw: np.ndarray) -> np.ndarray:
+    return raw
+
+
+# ggml type -> (matvec kernel, dequant kernel, how the raw bytes are passed)
+_KERNELS: dict[int, tuple[Callable, Callable, Callable]] = {
+    F32: (quant.matvec_f32, quant.dequant_f32, _f32_view),
+    F16: (quant.matvec_f16, quant.dequant_f16, _identity),
+    BF16: (quant.matvec_bf16, quant.dequant_bf16, _identity),
+    Q8_0: (quant.matvec_q8_0, quant.dequant_q8_0, _identity),
+    Q4_0: (quant.matvec_q4_0, quant.dequant_q4_0, _identity),
+    Q4_1: (quant.matvec_q4_1, quant.dequant_q4_1, _identity),
+}
+
+_scratch = threading.local()
+
+
+def _kernels_for(w: Weight) -> tuple[Callable, Callable, np.ndarray]:
+    """Kernels for w's type and its bytes in the form they take; validates the weight's layout."""
+    try:
+        matvec, dequant, view = _KERNELS[w.ggml_type]
+    except KeyError:
+        raise UnsupportedWeightType(w.ggml_type) from None
+    block, nbytes = _BLOCK[w.ggml_type]
+    raw = w.raw
+    if (
+        w.cols % block
+        or raw.dtype != np.uint8
+        or raw.shape != (w.rows, w.cols // block * nbytes)
+        or not raw.flags.c_contiguous
+    ):
+        raise ValueError(
+            f"{type_name(w.ggml_type)} weight {w.rows}x{w.cols} needs C-contiguous uint8 raw of shape "
+            f"({w.rows}, {w.cols // block * nbytes}) with cols a multiple of {block}; got {raw.dtype} "
+            f"{raw.shape}"
+        )
+    return matvec, dequant, view(raw)
+
+
+def _tile_scratch(n_floats: int) -> np.ndarray:
+    buf = getattr(_scratch, "buf", None)
+    if buf is None or buf.size < n_floats:
+        buf = np.empty(n_floats, np.float32)
+        _scratch.buf = buf
+    return buf
+
+
+def linear(out: np.ndarray, w: Weight, x: np.ndarray) -> None:
+    """out = x @ W.T, reading W in its stored encoding.
+
+    Args:
+        out: float32 (n_tok, w.rows), written.
+        w: the weight (F32, F16, BF16, Q8_0, Q4_0 or Q4_1).
+        x: float32 (n_tok, w.cols), C-contiguous.
+
+    n_tok == 1 (decode) runs a matrix-vector kernel on the quantized blocks, with x quantized to
+    int8 per block of 32 for the quantized types (relative error ~1e-3..1e-2). n_tok > 1 (prefill)
+    dequantizes tiles of rows to float32 and multiplies them with BLAS, exact to float32 rounding.
+
+    Raises:
+        UnsupportedWeightType: no kernel for w.ggml_type.
+        ValueError: shapes or dtypes do not match.
+    """
+    matvec, dequant, raw = _kernels_for(w)
+    n_tok = x.shape[0]
+    if x.ndim != 2 or x.shape[1] != w.cols or out.shape != (n_tok, w.rows):
+        raise ValueError(f"linear: x {x.shape} and out {out.shape} do not fit a {w.rows}x{w.cols} weight")
+    if n_tok == 1:
+        matvec(out[0], raw, x[0], w.rows, w.cols)
+        return
+    tile = max(4, min(w.rows, PREFILL_TILE_BYTES // (4 * w.cols)))
+    scratch = _tile_scratch(tile * w.cols)
+    for r0 in range(0, w.rows, tile):
+        r1 = min(r0 + tile, w.rows)
+        rows = scratch[: (r1 - r0) * w.cols].reshape(r1 - r0, w.cols)
+        dequant(rows, raw, np.arange(r0, r1, dtype=np.int64), w.cols)
+        np.matmul(x, rows.T, out=out[:, r0:r1])
+
+
+def get_rows(out: np.ndarray, w: Weight, ids: np.ndarray) -> None:
+    """Embedding lookup: out (len(ids), w.cols) float32 = dequantized rows `ids` of w.
+
+    Raises:
+        UnsupportedWeightType: no kernel for w.ggml_type.
+        ValueError: an id is outside [0, w.rows) or out has the wrong shape.
+    """
+    _, dequant, raw = _kernels_for(w)
+    ids = np.ascontiguousarray(ids, dtype=np.int64).reshape(-1)
+    if out.shape != (ids.shape[0], w.cols) or not out.flags.c_contiguous:
+        raise ValueError(f"get_rows: out {out.shape} should be C-contiguous ({ids.shape[0]}, {w.cols})")
+    if ids.size and (ids.min() < 0 or ids.max() >= w.rows):
+        raise ValueError(f"get_rows: ids must lie in [0, {w.rows}), got [{ids.min()}, {ids.max()}]")
+    dequant(out, raw, ids, w.cols)
+
+
+def rmsnorm(out: np.ndarray, x: np.ndarray, weight: np.ndarray, eps: float) -> None:
+    """out = x / sqrt(mean(x**2, axis=-1) + eps) * weight; x, out (n_tok, dim), weight (dim,)."""
+    ops.rmsnorm(out, x, weight, np.float32(eps))
+
+
+def rope(x: np.ndarray, positions: np.ndarray, inv_freq: np.ndarray, n_rot: int, neox: bool) -> None:
+    """Rotary embedding in place on x (n_tok, n_heads, head_dim), first n_rot dims of each head.
+
+    Args:
+        positions: (n_tok,) integer positions.
+        inv_freq: float32 (n_rot // 2,), frequency scaling already applied.
+        neox: False pairs dims (2i, 2i+1) (GGML "normal", llama GGUFs); True pairs (i, i + n_rot/2).
+    """
+    if n_rot % 2 or n_rot > x.shape[2] or inv_freq.shape[0] != n_rot // 2:
+        raise ValueError(f"rope: n_rot={n_rot} must be even, <= head_dim {x.shape[2]}, with n_rot/2 freqs")
+    ops.rope(x, np.asarray(positions, dtype=np.int64), inv_freq, int(n_rot), bool(neox))
+
+
+def attention(
+    out: np.ndarray, q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, pos0: int, scale: float
+) -> None:
+    """Causal multi-head attention over one layer's KV cache (GQA aware).
+
+    Args:
+        out: float32 (n_tok, n_heads, head_dim), written.
+        q: float32 (n_tok, n_heads, head_dim); query i sits at position pos0 + i.
+        k_cache, v_cache: float32 (n_kv_heads, max_ctx, head_dim) holding positions [0, pos0 + n_tok).
+        pos0: position of the first query.
+        scale: multiplies q.k (usually head_dim ** -0.5).
+    """
+    n_tok, n_heads, _ = q.shape
+    if n_heads % k_cache.shape[0] or pos0 + n_tok > k_cache.shape[1]:
+        raise ValueError(
+            f"attention: {n_heads} heads over {k_cache.shape[0]} kv heads, positions up to {pos0 + n_tok} "
+            f"in a cache of {k_cache.shape[1]}"
+        )
+    ops.attention(out, q, k_cache, v_cache, int(pos0), np.float32(scale))
+
+
+def _flat(a: np.ndarray, name: str) -> np.ndarray:
+    if not a.flags.c_contiguous:
+        raise ValueError(f"{name} must be C-contiguous")
+    return a.reshape(-1)
+
+
+def silu_mul(out: np.ndarray, gate: np.ndarray, up: np.ndarray) -> None:
+    """out = silu(gate) * up (SwiGLU), float32 arrays of one shape."""
+    ops.silu_mul(_flat(out, "out"), _flat(gate, "gate"), _flat(up, "up"))
+
+
+def gelu_tanh_mul(out: np.ndarray, gate: np.ndarray, up: np.ndarray) -> None:
+    """out = gelu_tanh(gate) * up (GeGLU, tanh approximation), float32 arrays of one shape."""
+    ops.gelu_tanh_mul(_flat(out, "out"), _flat(gate, "gate"), _flat(up, "up"))
+
+
+def softmax(x: np.ndarray) -> None:
+    """Softmax over the last axis, in place; x float32, C-contiguous, any number of leading axes."""
+    ops.softmax_rows(_flat(x, "x").reshape(-1, x.shape[-1]))
+
+
+def argmax(x: np.ndarray) -> int | np.ndarray:
+    """Index of the maximum along the last axis: an int for 1-D x, an int64 array for (n, m) x."""
+    rows = _flat(x, "x").reshape(-1, x.shape[-1])
+    idx = np.empty(rows.shape[0], np.int64)
+    ops.argmax_rows(idx, rows)
+    return int(idx[0]) if x.ndim == 1 else idx.reshape(x.shape[:-1])
+
+
+def set_threads(n: int) -> int:
+    """Set the number of Numba threads for kernels launched from the calling thread.
+
+    Clamped to [1, NUMBA_NUM_THREADS]; returns the number in effect.
+    """
+    n = max(1, min(int(n), numba.config.NUMBA_NUM_THREADS))
+    numba.set_num_threads(n)
+    return n
+
+
+def get_threads() -> int:
+    """The number of Numba threads kernels launched from the calling thread use."""
+    return numba.get_num_threads()
+
+
+__all__ = [
+    "UnsupportedWeightType", "linear", "get_rows", "rmsnorm", "rope", "attention", "silu_mul",
+    "gelu_tanh_mul", "softmax", "argmax", "set_threads", "get_threads", "PREFILL_TILE_BYTES",
+    "SUPPORTED_TYPES",
+]

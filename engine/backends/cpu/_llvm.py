@@ -1,0 +1,305 @@
+"""LLVM-level helpers (Numba intrinsics) the CPU kernels are built from.
+
+Numba types every int8/int32 product as int64, which stops LLVM from using the narrow SIMD
+dot-product instructions. These intrinsics spell the block arithmetic as LLVM vector IR so the
+x86 backend can select vpdpbusd / vpmaddwd (AVX-512 VNNI / AVX2) and vcvtph2ps (F16C).
+
+Every array argument must be C-contiguous; offsets are flat *element* offsets from the first
+element (for the uint8 weight arrays: byte offsets), so a 2-D weight can be addressed row by row
+without reshaping it. No bounds checks: callers compute offsets from validated shapes.
+"""
+
+from __future__ import annotations
+
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.core.errors import TypingError
+from numba.extending import intrinsic
+
+_I8 = ir.IntType(8)
+_I16 = ir.IntType(16)
+_I32 = ir.IntType(32)
+_F32 = ir.FloatType()
+
+
+def _splat(ty: ir.Type, n: int, value) -> ir.Constant:
+    return ir.Constant(ir.VectorType(ty, n), [ir.Constant(ty, value)] * n)
+
+
+def _check_c_array(arr, dtype, what: str) -> None:
+    if not (isinstance(arr, types.Array) and arr.layout == "C" and arr.dtype == dtype):
+        raise TypingError(f"{what} must be a C-contiguous {dtype} array, got {arr}")
+
+
+def _ptr(context, builder, arrty, arr, offset, elem_ty: ir.Type):
+    """Pointer to element `offset` of a C-contiguous array, cast to elem_ty*."""
+    data = context.make_array(arrty)(context, builder, arr).data
+    p = builder.gep(data, [offset])
+    return builder.bitcast(p, elem_ty.as_pointer())
+
+
+def _broadcast_f32(builder, value, n: int):
+    """<n x float> with every lane = value."""
+    undef = ir.Constant(ir.VectorType(_F32, n), ir.Undefined)
+    one = builder.insert_element(undef, value, ir.Constant(_I32, 0))
+    return builder.shuffle_vector(one, undef, ir.Constant(ir.VectorType(_I32, n), [0] * n))
+
+
+def _reduce_add_i32(builder, vec, n: int):
+    fnty = ir.FunctionType(_I32, [ir.VectorType(_I32, n)])
+    fn = cgutils.get_or_insert_function(builder.module, fnty, f"llvm.vector.reduce.add.v{n}i32")
+    return builder.call(fn, [vec])
+
+
+def _nibbles32(builder, packed):
+    """<16 x i8> packed nibbles -> <32 x i8>: low nibbles are elements 0..15, high 16..31."""
+    lo = builder.and_(packed, _splat(_I8, 16, 15))
+    hi = builder.lshr(packed, _splat(_I8, 16, 4))
+    return builder.shuffle_vector(lo, hi, ir.Constant(ir.VectorType(_I32, 32), list(range(32))))
+
+
+@intrinsic
+def ld_f16(typingctx, arr, off):
+    """float32 of the IEEE half stored little-endian at byte `off` of a uint8 array."""
+    _check_c_array(arr, types.uint8, "ld_f16 array")
+    sig = types.float32(arr, types.intp)
+
+    def codegen(context, builder, signature, args):
+        p = _ptr(context, builder, signature.args[0], args[0], args[1], _I16)
+        h = builder.load(p, align=1)
+        return builder.fpext(builder.bitcast(h, ir.HalfType()), _F32)
+
+    return sig, codegen
+
+
+@intrinsic
+def ld_bf16(typingctx, arr, off):
+    """float32 of the bfloat16 stored little-endian at byte `off` of a uint8 array."""
+    _check_c_array(arr, types.uint8, "ld_bf16 array")
+    sig = types.float32(arr, types.intp)
+
+    def codegen(context, builder, signature, args):
+        p = _ptr(context, builder, signature.args[0], args[0], args[1], _I16)
+        h = builder.zext(builder.load(p, align=1), _I32)
+        return builder.bitcast(builder.shl(h, ir.Constant(_I32, 16)), _F32)
+
+    return sig, codegen
+
+
+@intrinsic
+def dot_q4(typingctx, w, wo, xq, xo):
+    """int32 sum over 32 elements of nibble(w) * xq.
+
+    w: uint8 array, 16 bytes of packed nibbles at byte `wo` (unsigned 0..15);
+    xq: int8 array, 32 activations at `xo`.
+    """
+    _check_c_array(w, types.uint8, "dot_q4 weights")
+    _check_c_array(xq, types.int8, "dot_q4 activations")
+    sig = types.int32(w, types.intp, xq, types.intp)
+
+    def codegen(context, builder, signature, args):
+        v16, v32 = ir.VectorType(_I8, 16), ir.VectorType(_I8, 32)
+        packed = builder.load(_ptr(context, builder, signature.args[0], args[0], args[1], v16), align=1)
+        q = _nibbles32(builder, packed)
+        x = builder.load(_ptr(context, builder, signature.args[2], args[2], args[3], v32), align=1)
+        wide = ir.VectorType(_I32, 32)
+        prod = builder.mul(builder.zext(q, wide), builder.sext(x, wide))
+        return _reduce_add_i32(builder, prod, 32)
+
+    return sig, codegen
+
+
+@intrinsic
+def dot_q8(typingctx, w, wo, xq, xo):
+    """int32 sum over 32 elements of (int8(w) + 128) * xq; w: uint8 array read as int8 at byte `wo`.
+
+    The +128 bias (a xor of the sign bit) makes the weight operand unsigned, which is the form
+    vpdpbusd multiplies (u8 x s8); the caller subtracts 128 * sum(xq).
+    """
+    _check_c_array(w, types.uint8, "dot_q8 weights")
+    _check_c_array(xq, types.int8, "dot_q8 activations")
+    sig = types.int32(w, types.intp, xq, types.intp)
+
+    def codegen(context, builder, signature, args):
+        v32 = ir.VectorType(_I8, 32)
+        q = builder.load(_ptr(context, builder, signature.args[0], args[0], args[1], v32), align=1)
+        biased = builder.xor(q, _splat(_I8, 32, 0x80))
+        x = builder.load(_ptr(context, builder, signature.args[2], args[2], args[3], v32), align=1)
+        wide = ir.VectorType(_I32, 32)
+        prod = builder.mul(builder.zext(biased, wide), builder.sext(x, wide))
+        return _reduce_add_i32(builder, prod, 32)
+
+    return sig, codegen
+
+
+def _store_f32x32(context, builder, arrty, arr, off, vec):
+    v32f = ir.VectorType(_F32, 32)
+    builder.store(vec, _ptr(context, builder, arrty, arr, off, v32f), align=4)
+
+
+@intrinsic
+def deq_q4_block(typingctx, out, oo, w, wo, d, m):
+    """out[oo:oo+32] = nibble(w[wo:wo+16]) * d + m (float32); Q4_0 passes m = -8 d."""
+    _check_c_array(out, types.float32, "deq_q4_block output")
+    _check_c_array(w, types.uint8, "deq_q4_block weights")
+    sig = types.void(out, types.intp, w, types.intp, types.float32, types.float32)
+
+    def codegen(context, builder, signature, args):
+        v16 = ir.VectorType(_I8, 16)
+        packed = builder.load(_ptr(context, builder, signature.args[2], args[2], args[3], v16), align=1)
+        v32f = ir.VectorType(_F32, 32)
+        qf = builder.uitofp(_nibbles32(builder, packed), v32f)
+        vals = builder.fadd(builder.fmul(qf, _broadcast_f32(builder, args[4], 32)),
+                            _broadcast_f32(builder, args[5], 32))
+        _store_f32x32(context, builder, signature.args[0], args[0], args[1], vals)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def deq_q8_block(typingctx, out, oo, w, wo, d):
+    """out[oo:oo+32] = int8(w[wo:wo+32]) * d (float32)."""
+    _check_c_array(out, types.float32, "deq_q8_block output")
+    _check_c_array(w, types.uint8, "deq_q8_block weights")
+    sig = types.void(out, types.intp, w, types.intp, types.float32)
+
+    def codegen(context, builder, signature, args):
+        v32, v32f = ir.VectorType(_I8, 32), ir.VectorType(_F32, 32)
+        q = builder.load(_ptr(context, builder, signature.args[2], args[2], args[3], v32), align=1)
+        vals = builder.fmul(builder.sitofp(q, v32f), _broadcast_f32(builder, args[4], 32))
+        _store_f32x32(context, builder, signature.args[0], args[0], args[1], vals)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+# ---------------------------------------------------------------------------------------------
+# Decode dot products with int16 activations.
+#
+# x is quantized per block of 32 to int16 (scale max|x|/32767, ~1.5e-5 relative: float32-grade for a
+# greedy decode, where int8's ~4e-3 flipped tokens). A block's 32 weights are widened to int16 and
+# multiplied with the int16 activations pairwise into 16 int32 lanes (the pattern x86 selects as one
+# vpmaddwd; |sum| <= 2 * 32767 * 128, no overflow); the lanes are converted to float and added to a
+# per-row float vector with one FMA by the block's combined scale d_w * d_x. The horizontal sum
+# happens once per row, not per block.
+# ---------------------------------------------------------------------------------------------
+
+# ggml type name -> (bytes per block, byte offset of the quants, byte offset of Q4_1's f16 min or -1,
+#                    4-bit nibbles?, offset subtracted from each quant)
+_DOT_LAYOUTS = {
+    "q8_0": (34, 2, -1, False, 0),
+    "q4_0": (18, 2, -1, True, 8),
+    "q4_1": (20, 4, 2, True, 0),
+}
+
+
+def _load_f16(builder, base, off):
+    p = builder.bitcast(builder.gep(base, [off]), _I16.as_pointer())
+    return builder.fpext(builder.bitcast(builder.load(p, align=1), ir.HalfType()), _F32)
+
+
+def _block_quants_i16(builder, blk, layout):
+    """<32 x i16> quants of the block starting at uint8* blk (offset already subtracted)."""
+    _, q_off, _, nibbles, sub = layout
+    v32i16 = ir.VectorType(_I16, 32)
+    if nibbles:
+        p = builder.bitcast(builder.gep(blk, [ir.Constant(_I32, q_off)]), ir.VectorType(_I8, 16).as_pointer())
+        q = builder.zext(_nibbles32(builder, builder.load(p, align=1)), v32i16)
+    else:
+        p = builder.bitcast(builder.gep(blk, [ir.Constant(_I32, q_off)]), ir.VectorType(_I8, 32).as_pointer())
+        q = builder.sext(builder.load(p, align=1), v32i16)
+    if sub:
+        q = builder.sub(q, _splat(_I16, 32, sub))
+    return q
+
+
+def _pmaddwd(builder, a, b):
+    """<32 x i16> a, b -> <16 x i32> with lane i = a[2i] b[2i] + a[2i+1] b[2i+1]."""
+    v32i32 = ir.VectorType(_I32, 32)
+    prod = builder.mul(builder.sext(a, v32i32), builder.sext(b, v32i32), flags=["nsw"])
+    even = builder.shuffle_vector(prod, prod, ir.Constant(ir.VectorType(_I32, 16), list(range(0, 32, 2))))
+    odd = builder.shuffle_vector(prod, prod, ir.Constant(ir.VectorType(_I32, 16), list(range(1, 32, 2))))
+    return builder.add(even, odd, flags=["nsw"])
+
+
+def _fmuladd16(builder, a, b, c):
+    v16f = ir.VectorType(_F32, 16)
+    fnty = ir.FunctionType(v16f, [v16f, v16f, v16f])
+    fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.fmuladd.v16f32")
+    return builder.call(fn, [a, b, c])
+
+
+def _reduce_add_f32x16(builder, vec):
+    """Tree sum of a <16 x float> (halving shuffles: the order LLVM would pick with reassoc)."""
+    n = 16
+    while n > 1:
+        n //= 2
+        lo = builder.shuffle_vector(vec, vec, ir.Constant(ir.VectorType(_I32, n), list(range(n))))
+        hi = builder.shuffle_vector(vec, vec, ir.Constant(ir.VectorType(_I32, n), list(range(n, 2 * n))))
+        vec = builder.fadd(lo, hi)
+    return builder.extract_element(vec, ir.Constant(_I32, 0))
+
+
+def _make_dot4(kind: str):
+    layout = _DOT_LAYOUTS[kind]
+    block_bytes, _, min_off, _, _ = layout
+
+    @intrinsic
+    def dot4(typingctx, raw, p0, p1, p2, p3, nb, xq, xd, xs):
+        _check_c_array(raw, types.uint8, f"dot4_{kind} weights")
+        _check_c_array(xq, types.int16, f"dot4_{kind} activations")
+        _check_c_array(xd, types.float32, f"dot4_{kind} activation scales")
+        _check_c_array(xs, types.float32, f"dot4_{kind} activation sums")
+        sig = types.UniTuple(types.float32, 4)(
+            raw, types.intp, types.intp, types.intp, types.intp, types.intp, xq, xd, xs
+        )
+
+        def codegen(context, builder, signature, args):
+            raw_v, *row_offs, nb_v, xq_v, xd_v, xs_v = args
+            arrtys = signature.args
+            base = context.make_array(arrtys[0])(context, builder, raw_v).data
+            xq_p = context.make_array(arrtys[6])(context, builder, xq_v).data
+            xd_p = context.make_array(arrtys[7])(context, builder, xd_v).data
+            xs_p = context.make_array(arrtys[8])(context, builder, xs_v).data
+            v16f = ir.VectorType(_F32, 16)
+            intp = nb_v.type
+            accs = [cgutils.alloca_once_value(builder, ir.Constant(v16f, None)) for _ in range(4)]
+            mins = [cgutils.alloca_once_value(builder, ir.Constant(_F32, 0.0)) for _ in range(4)]
+            rows = [builder.gep(base, [off]) for off in row_offs]
+            with cgutils.for_range(builder, nb_v) as loop:
+                b = loop.index
+                xp = builder.bitcast(builder.gep(xq_p, [builder.mul(b, intp(32))]),
+                                     ir.VectorType(_I16, 32).as_pointer())
+                xv = builder.load(xp, align=2)
+                dx = builder.load(builder.gep(xd_p, [b]))
+                sx = builder.load(builder.gep(xs_p, [b])) if min_off >= 0 else None
+                boff = builder.mul(b, intp(block_bytes))
+                for row, acc, mn in zip(rows, accs, mins):
+                    blk = builder.gep(row, [boff])
+                    dots = builder.sitofp(_pmaddwd(builder, _block_quants_i16(builder, blk, layout), xv), v16f)
+                    scale = builder.fmul(_load_f16(builder, blk, ir.Constant(_I32, 0)), dx)
+                    builder.store(_fmuladd16(builder, dots, _broadcast_f32(builder, scale, 16),
+                                             builder.load(acc)), acc)
+                    if sx is not None:
+                        m = _load_f16(builder, blk, ir.Constant(_I32, min_off))
+                        builder.store(builder.fadd(builder.load(mn), builder.fmul(m, sx)), mn)
+            sums = [builder.fadd(_reduce_add_f32x16(builder, builder.load(acc)), builder.load(mn))
+                    for acc, mn in zip(accs, mins)]
+            return context.make_tuple(builder, signature.return_type, sums)
+
+        return sig, codegen
+
+    dot4.__doc__ = (
+        f"(float32 x4) dot products of four {kind.upper()} rows with int16-quantized activations.\n\n"
+        "raw: uint8 weight bytes; p0..p3: byte offsets of the rows; nb: blocks per row;\n"
+        "xq: int16 (nb*32,) activations; xd: float32 (nb,) block scales; xs: float32 (nb,) block sums\n"
+        "of the float activations (used by Q4_1's min term; any array for the other types)."
+    )
+    return dot4
+
+
+dot4_q8_0 = _make_dot4("q8_0")
+dot4_q4_0 = _make_dot4("q4_0")
+dot4_q4_1 = _make_dot4("q4_1")

@@ -1,0 +1,144 @@
+"""Element-wise, normalization, rotary and attention kernels (float32).
+
+Cheap ops run serially: at decode sizes a parallel region costs more than the work. Attention is
+the exception and runs one parallel region over (query, head) pairs.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import njit, prange
+
+_KW = dict(nogil=True, cache=True, fastmath=True)
+# softmax/argmax see logits a sampler may have masked with -inf (and may see NaN): fastmath would let
+# LLVM assume neither occurs, so these two keep IEEE semantics. They are O(vocab) and cheap anyway.
+_KW_IEEE = dict(nogil=True, cache=True, fastmath=False)
+
+
+@njit(**_KW)
+def rmsnorm(out, x, weight, eps):
+    # x, out (n_tok, dim) f32; weight (dim,) f32; out = x / sqrt(mean(x^2) + eps) * weight
+    n, dim = x.shape
+    for t in range(n):
+        ss = np.float32(0.0)
+        for j in range(dim):
+            ss += x[t, j] * x[t, j]
+        inv = np.float32(1.0) / np.sqrt(ss / np.float32(dim) + np.float32(eps))
+        for j in range(dim):
+            out[t, j] = x[t, j] * inv * weight[j]
+
+
+@njit(**_KW)
+def rope(x, positions, inv_freq, n_rot, neox):
+    # x (n_tok, n_heads, head_dim) f32, rotated in place; positions (n_tok,) int; inv_freq (n_rot/2,) f32.
+    # neox=False pairs (2i, 2i+1); neox=True pairs (i, i + n_rot/2). Dims >= n_rot are left as they are.
+    n_tok, n_heads, _ = x.shape
+    half = n_rot // 2
+    cs = np.empty(half, np.float32)
+    sn = np.empty(half, np.float32)
+    for t in range(n_tok):
+        pos = np.float64(positions[t])
+        for i in range(half):
+            # angle in float64: positions up to ~1e6 times inv_freq lose too much in float32
+            ang = pos * np.float64(inv_freq[i])
+            cs[i] = math.cos(ang)
+            sn[i] = math.sin(ang)
+        for h in range(n_heads):
+            if neox:
+                for i in range(half):
+                    a = x[t, h, i]
+                    b = x[t, h, i + half]
+                    x[t, h, i] = a * cs[i] - b * sn[i]
+                    x[t, h, i + half] = a * sn[i] + b * cs[i]
+            else:
+                for i in range(half):
+                    a = x[t, h, 2 * i]
+                    b = x[t, h, 2 * i + 1]
+                    x[t, h, 2 * i] = a * cs[i] - b * sn[i]
+                    x[t, h, 2 * i + 1] = a * sn[i] + b * cs[i]
+
+
+@njit(parallel=True, **_KW)
+def attention(out, q, k_cache, v_cache, pos0, scale):
+    # q (n_tok, n_heads, hd) f32; k_cache, v_cache (n_kv, max_ctx, hd) f32 holding [0, pos0+n_tok);
+    # out (n_tok, n_heads, hd) f32. Query t is at position pos0+t and sees keys [0, pos0+t].
+    n_tok, n_heads, hd = q.shape
+    group = n_heads // k_cache.shape[0]
+    for item in prange(n_tok * n_heads):
+        t = item // n_heads
+        h = item - t * n_heads
+        kv = h // group
+        n_keys = pos0 + t + 1
+        scores = np.empty(n_keys, np.float32)
+        m = np.float32(-3.0e38)  # not -inf: fastmath lets LLVM assume no infinities
+        for s in range(n_keys):
+            acc = np.float32(0.0)
+            for d in range(hd):
+                acc += q[t, h, d] * k_cache[kv, s, d]
+            acc *= scale
+            scores[s] = acc
+            m = max(m, acc)
+        total = np.float32(0.0)
+        for s in range(n_keys):
+            e = np.exp(scores[s] - m)
+            scores[s] = e
+            total += e
+        inv = np.float32(1.0) / total
+        for d in range(hd):
+            out[t, h, d] = 0.0
+        for s in range(n_keys):
+            p = scores[s] * inv
+            for d in range(hd):
+                out[t, h, d] += p * v_cache[kv, s, d]
+
+
+@njit(**_KW)
+def silu_mul(out, gate, up):
+    # out, gate, up (n,) f32 (flattened by the caller): out = gate * sigmoid(gate) * up
+    for i in range(out.shape[0]):
+        g = gate[i]
+        out[i] = g / (np.float32(1.0) + np.exp(-g)) * up[i]
+
+
+@njit(**_KW)
+def gelu_tanh_mul(out, gate, up):
+    # out, gate, up (n,) f32: out = gelu_tanh(gate) * up, gelu_tanh(g) = g/2 (1 + tanh(c (g + 0.044715 g^3)))
+    c = np.float32(math.sqrt(2.0 / math.pi))
+    for i in range(out.shape[0]):
+        g = gate[i]
+        inner = c * (g + np.float32(0.044715) * g * g * g)
+        out[i] = np.float32(0.5) * g * (np.float32(1.0) + np.tanh(inner)) * up[i]
+
+
+@njit(**_KW_IEEE)
+def softmax_rows(x):
+    # x (n, m) f32, softmax over each row in place (max subtracted for stability)
+    n, m = x.shape
+    for r in range(n):
+        mx = np.float32(-np.inf)
+        for j in range(m):
+            mx = max(mx, x[r, j])
+        total = np.float32(0.0)
+        for j in range(m):
+            e = np.exp(x[r, j] - mx)
+            x[r, j] = e
+            total += e
+        inv = np.float32(1.0) / total
+        for j in range(m):
+            x[r, j] *= inv
+
+
+@njit(**_KW_IEEE)
+def argmax_rows(out, x):
+    # x (n, m) f32 -> out (n,) int64 index of each row's first maximum (NaNs never win)
+    n, m = x.shape
+    for r in range(n):
+        best = 0
+        bv = x[r, 0]
+        for j in range(1, m):
+            if x[r, j] > bv:
+                bv = x[r, j]
+                best = j
+        out[r] = best

@@ -1,0 +1,127 @@
+"""The `hearth` command line, in process (kernels stay compiled) and once as a real subprocess."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from engine.cli import main
+
+GOLDENS = Path(__file__).resolve().parents[1] / "goldens"
+
+
+def _json_out(capsys, argv) -> dict:
+    assert main(argv) == 0
+    return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+
+def test_run_chat_greedy_json(capsys, smollm2_path):
+    golden = json.loads((GOLDENS / "smollm2_greedy.json").read_text())
+    out = _json_out(
+        capsys,
+        [
+            "run",
+            "-m",
+            str(smollm2_path),
+            "--chat",
+            "--temperature",
+            "0",
+            "-n",
+            "32",
+            "--json",
+            "What is the capital of France?",
+        ],
+    )
+    assert out["prompt_ids"] == golden["prompt_ids"]
+    assert out["ids"] == golden["new_ids"][: golden["eos_index"]]
+    assert out["text"] == golden["text_skip_special"]
+    assert out["finish_reason"] == "stop"
+
+
+def test_run_streams_text_and_respects_max_tokens(capsys, smollm2_path):
+    assert main(["run", "-m", str(smollm2_path), "-n", "5", "--seed", "3", "Once upon a time"]) == 0
+    captured = capsys.readouterr()
+    assert captured.out.strip()
+    assert "5 tokens, length" in captured.err
+
+
+def test_seeded_sampling_is_reproducible(capsys, smollm2_path):
+    argv = [
+        "run",
+        "-m",
+        str(smollm2_path),
+        "-n",
+        "12",
+        "--temperature",
+        "1.0",
+        "--seed",
+        "42",
+        "--json",
+        "Hello",
+    ]
+    first = _json_out(capsys, argv)
+    second = _json_out(capsys, argv)
+    assert first["ids"] == second["ids"] and len(first["ids"]) == 12
+
+
+def test_tokenize_json(capsys, smollm2_path):
+    golden = json.loads((GOLDENS / "smollm2_tokens.json").read_text())
+    text, ids = golden["texts"][0], golden["ids"][0]
+    assert _json_out(capsys, ["tokenize", "-m", str(smollm2_path), "--json", text]) == {"ids": ids}
+
+
+def test_bench_json(capsys, smollm2_path):
+    out = _json_out(
+        capsys, ["bench", "-m", str(smollm2_path), "-p", "32", "-g", "4", "--ctx", "64", "--json"]
+    )
+    for key in ("load_s", "prefill_tps", "decode_tps", "ttft_s", "peak_rss_mb"):
+        assert out[key] > 0, key
+
+
+def test_chat_multi_turn_reuses_cache(monkeypatch, capsys, smollm2_path):
+    lines = iter(["What is the capital of France?", "/reset", "Say hi", "/exit"])
+    monkeypatch.setattr("builtins.input", lambda prompt="": next(lines))
+    assert main(["chat", "-m", str(smollm2_path), "--temperature", "0", "-n", "16"]) == 0
+    captured = capsys.readouterr()
+    assert "Paris" in captured.out
+    # the second chat shares the system prompt with the first: its prefix comes from the cache
+    reused = [line for line in captured.err.splitlines() if "prompt reused" in line]
+    assert len(reused) == 2
+    assert not reused[1].split("tokens; ")[1].startswith("0/")
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["run", "-m", "/nonexistent/model.gguf", "hi"], "neither a model file nor a starter"),
+        (["run", "-m", "{model}", "--top-p", "0", "hi"], "invalid sampling option"),
+        (["run", "-m", "{model}", "--ctx", "8", "hi"], "at least 16"),
+        (["run", "-m", "{model}", "--ctx", "16", "word " * 40], "context holds 16"),
+        (["run", "-m", "{notgguf}", "hi"], "not a GGUF file|magic"),
+    ],
+)
+def test_errors_are_clear(capsys, smollm2_path, tmp_path, argv, message):
+    import re
+
+    notgguf = tmp_path / "x.gguf"
+    notgguf.write_bytes(b"PK\x03\x04 this is a zip, not a model" * 4)
+    argv = [a.format(model=smollm2_path, notgguf=notgguf) for a in argv]
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("hearth: ") and re.search(message, err), err
+    assert "Traceback" not in err
+
+
+def test_console_entry_point_runs(smollm2_path):
+    result = subprocess.run(
+        [sys.executable, "-m", "engine.cli", "tokenize", "-m", str(smollm2_path), "--json", "Hello world"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["ids"]

@@ -1,0 +1,226 @@
+"""CPU backend kernels against independent references.
+
+Weights are quantized with `gguf.quants.quantize` and the oracle is `gguf.quants.dequantize(raw) @ x`
+in float64. Decode (n_tok == 1) quantizes activations to int8 per block of 32, so its tolerance is
+~1e-2 of |w_row| |x|; prefill and the float types are held to 1e-4 of it.
+"""
+
+from __future__ import annotations
+
+import math
+
+import gguf
+import numpy as np
+import pytest
+
+import engine  # noqa: F401  (points the Numba cache at the user cache dir before kernels compile)
+from engine.backends import cpu
+from engine.weights import Weight
+
+T = gguf.GGMLQuantizationType
+ALL_TYPES = [T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1]
+QUANTIZED = {T.Q8_0, T.Q4_0, T.Q4_1}
+
+
+def make_weight(ggml_type: T, rows: int, cols: int, rng: np.random.Generator) -> tuple[Weight, np.ndarray]:
+    """A random weight in ggml_type and its float64 dequantization by gguf (the oracle)."""
+    dense = rng.standard_normal((rows, cols)).astype(np.float32)
+    raw = np.ascontiguousarray(gguf.quants.quantize(dense, ggml_type)).view(np.uint8).reshape(rows, -1)
+    oracle = gguf.quants.dequantize(raw, ggml_type).astype(np.float64).reshape(rows, cols)
+    return Weight(int(ggml_type), raw, rows, cols), oracle
+
+
+def assert_linear_close(out: np.ndarray, oracle: np.ndarray, x: np.ndarray, rel: float) -> None:
+    # out (n_tok, rows) vs x @ oracle.T, each element within rel * |w_row| * |x_tok|
+    ref = x.astype(np.float64) @ oracle.T
+    bound = rel * np.outer(np.linalg.norm(x, axis=1), np.linalg.norm(oracle, axis=1))
+    worst = np.max(np.abs(out - ref) / bound)
+    assert worst <= 1.0, f"error is {worst:.2f}x the tolerance"
+
+
+@pytest.mark.parametrize("ggml_type", ALL_TYPES, ids=lambda t: t.name)
+def test_matvec_matches_dequantize(ggml_type):
+    rng = np.random.default_rng(int(ggml_type))
+    w, oracle = make_weight(ggml_type, 37, 96, rng)  # 37 rows: exercises the 4-row group tail
+    x = rng.standard_normal((1, 96)).astype(np.float32)
+    out = np.full((1, 37), np.nan, np.float32)
+    cpu.linear(out, w, x)
+    assert_linear_close(out, oracle, x, 1e-2 if ggml_type in QUANTIZED else 1e-5)
+
+
+@pytest.mark.parametrize("ggml_type", ALL_TYPES, ids=lambda t: t.name)
+def test_matmul_matches_dequantize(ggml_type, monkeypatch):
+    rng = np.random.default_rng(100 + int(ggml_type))
+    w, oracle = make_weight(ggml_type, 45, 64, rng)
+    x = rng.standard_normal((9, 64)).astype(np.float32)
+    # tiles of 12 rows (45 = 3 x 12 + 9) exercise the tile loop and its remainder
+    monkeypatch.setattr(cpu, "PREFILL_TILE_BYTES", 12 * 64 * 4)
+    out = np.full((9, 45), np.nan, np.float32)
+    cpu.linear(out, w, x)
+    assert_linear_close(out, oracle, x, 1e-4)
+
+
+def test_decode_error_is_small_relative_to_float_result():
+    # int8 activations must not cost more than ~1% of the float result on a realistic shape
+    rng = np.random.default_rng(7)
+    w, oracle = make_weight(T.Q4_1, 256, 576, rng)
+    x = rng.standard_normal((1, 576)).astype(np.float32)
+    out = np.empty((1, 256), np.float32)
+    cpu.linear(out, w, x)
+    ref = x.astype(np.float64) @ oracle.T
+    assert np.linalg.norm(out - ref) / np.linalg.norm(ref) < 1e-2
+
+
+@pytest.mark.parametrize("ggml_type", ALL_TYPES, ids=lambda t: t.name)
+def test_get_rows_matches_dequantize(ggml_type):
+    rng = np.random.default_rng(200 + int(ggml_type))
+    w, oracle = make_weight(ggml_type, 20, 64, rng)
+    ids = np.array([19, 0, 5, 5])
+    out = np.empty((4, 64), np.float32)
+    cpu.get_rows(out, w, ids)
+    np.testing.assert_allclose(out, oracle[ids], rtol=1e-6, atol=1e-6)
+
+
+def test_get_rows_rejects_out_of_range_ids():
+    w, _ = make_weight(T.Q8_0, 8, 32, np.random.default_rng(0))
+    with pytest.raises(ValueError, match="ids"):
+        cpu.get_rows(np.empty((1, 32), np.float32), w, np.array([8]))
+
+
+def test_unsupported_type_raises_typed_error():
+    w = Weight(int(T.Q4_K), np.zeros((2, 144), np.uint8), 2, 256)
+    with pytest.raises(cpu.UnsupportedWeightType, match="Q4_K"):
+        cpu.linear(np.empty((1, 2), np.float32), w, np.zeros((1, 256), np.float32))
+    with pytest.raises(cpu.UnsupportedWeightType, match="Q4_K"):
+        cpu.get_rows(np.empty((1, 256), np.float32), w, np.array([0]))
+
+
+def test_linear_rejects_mismatched_shapes():
+    w, _ = make_weight(T.Q4_1, 8, 64, np.random.default_rng(0))
+    with pytest.raises(ValueError):
+        cpu.linear(np.empty((1, 8), np.float32), w, np.zeros((1, 32), np.float32))
+    bad = Weight(w.ggml_type, w.raw[:, :-1].copy(), 8, 64)  # row bytes do not match the type
+    with pytest.raises(ValueError):
+        cpu.linear(np.empty((1, 8), np.float32), bad, np.zeros((1, 64), np.float32))
+
+
+def test_rmsnorm():
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((3, 48)).astype(np.float32)
+    weight = rng.standard_normal(48).astype(np.float32)
+    out = np.empty_like(x)
+    cpu.rmsnorm(out, x, weight, 1e-5)
+    ref = x / np.sqrt(np.mean(x.astype(np.float64) ** 2, axis=1, keepdims=True) + 1e-5) * weight
+    np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-6)
+
+
+def rope_reference(x, positions, inv_freq, n_rot, neox):
+    out = x.astype(np.float64).copy()
+    half = n_rot // 2
+    for t, pos in enumerate(positions):
+        ang = pos * inv_freq.astype(np.float64)
+        c, s = np.cos(ang), np.sin(ang)
+        if neox:
+            a, b = out[t, :, :half].copy(), out[t, :, half:n_rot].copy()
+            out[t, :, :half], out[t, :, half:n_rot] = a * c - b * s, a * s + b * c
+        else:
+            a, b = out[t, :, 0:n_rot:2].copy(), out[t, :, 1:n_rot:2].copy()
+            out[t, :, 0:n_rot:2], out[t, :, 1:n_rot:2] = a * c - b * s, a * s + b * c
+    return out
+
+
+@pytest.mark.parametrize("neox", [False, True])
+@pytest.mark.parametrize("n_rot", [16, 10])  # 10 < head_dim: partial rotation
+def test_rope(neox, n_rot):
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((4, 3, 16)).astype(np.float32)
+    positions = np.array([0, 1, 7, 300])
+    inv_freq = (10000.0 ** (-np.arange(0, n_rot, 2) / n_rot)).astype(np.float32)
+    ref = rope_reference(x, positions, inv_freq, n_rot, neox)
+    cpu.rope(x, positions, inv_freq, n_rot, neox)
+    np.testing.assert_allclose(x, ref, rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(x[..., n_rot:], ref[..., n_rot:].astype(np.float32))
+
+
+def attention_reference(q, k_cache, v_cache, pos0, scale):
+    n_tok, n_heads, hd = q.shape
+    group = n_heads // k_cache.shape[0]
+    out = np.zeros(q.shape)
+    for t in range(n_tok):
+        for h in range(n_heads):
+            k = k_cache[h // group, : pos0 + t + 1].astype(np.float64)
+            v = v_cache[h // group, : pos0 + t + 1].astype(np.float64)
+            s = k @ q[t, h] * scale
+            p = np.exp(s - s.max())
+            out[t, h] = (p / p.sum()) @ v
+    return out
+
+
+@pytest.mark.parametrize("n_tok,pos0", [(1, 0), (1, 9), (5, 0), (6, 4)])
+def test_attention_gqa_causal(n_tok, pos0):
+    rng = np.random.default_rng(3)
+    n_heads, n_kv, hd, max_ctx = 6, 2, 16, 32
+    q = rng.standard_normal((n_tok, n_heads, hd)).astype(np.float32)
+    k_cache = rng.standard_normal((n_kv, max_ctx, hd)).astype(np.float32)
+    v_cache = rng.standard_normal((n_kv, max_ctx, hd)).astype(np.float32)
+    # positions past pos0+n_tok hold garbage that a non-causal kernel would read
+    k_cache[:, pos0 + n_tok :] = 1e4
+    out = np.empty_like(q)
+    cpu.attention(out, q, k_cache, v_cache, pos0, 1 / math.sqrt(hd))
+    np.testing.assert_allclose(out, attention_reference(q, k_cache, v_cache, pos0, 1 / math.sqrt(hd)),
+                               rtol=1e-4, atol=1e-5)
+
+
+def test_silu_mul_and_gelu_tanh_mul():
+    rng = np.random.default_rng(4)
+    gate = (rng.standard_normal((3, 40)) * 4).astype(np.float32)
+    up = rng.standard_normal((3, 40)).astype(np.float32)
+    out = np.empty_like(gate)
+    g = gate.astype(np.float64)
+    cpu.silu_mul(out, gate, up)
+    np.testing.assert_allclose(out, g / (1 + np.exp(-g)) * up, rtol=1e-5, atol=1e-6)
+    cpu.gelu_tanh_mul(out, gate, up)
+    gelu = 0.5 * g * (1 + np.tanh(math.sqrt(2 / math.pi) * (g + 0.044715 * g**3)))
+    np.testing.assert_allclose(out, gelu * up, rtol=1e-5, atol=1e-6)
+
+
+def test_softmax_and_argmax():
+    rng = np.random.default_rng(5)
+    x = (rng.standard_normal((3, 50)) * 10).astype(np.float32)
+    x[1, :10] = -np.inf  # masked logits
+    ref = np.exp(x.astype(np.float64) - x.max(axis=1, keepdims=True))
+    ref /= ref.sum(axis=1, keepdims=True)
+    assert cpu.argmax(x[2]) == int(np.argmax(x[2]))
+    np.testing.assert_array_equal(cpu.argmax(x), np.argmax(x, axis=1))
+    cpu.softmax(x)
+    np.testing.assert_allclose(x, ref, rtol=1e-5, atol=1e-7)
+    assert np.all(x[1, :10] == 0)
+
+
+def test_set_threads_clamps():
+    assert cpu.set_threads(0) == 1
+    assert cpu.set_threads(10_000) >= 1
+    cpu.set_threads(2)
+
+
+@pytest.mark.parametrize("name", ["blk.0.ffn_down.weight", "token_embd.weight"])
+def test_real_smollm2_matrices(smollm2_path, name):
+    reader = gguf.GGUFReader(smollm2_path)
+    tensor = next(t for t in reader.tensors if t.name == name)
+    cols, rows = (int(n) for n in tensor.shape)
+    raw = np.ascontiguousarray(tensor.data).reshape(rows, -1)
+    if name == "token_embd.weight":
+        raw = raw[:4096]  # enough rows to be representative, and keeps the float64 oracle small
+        rows = 4096
+    w = Weight(int(tensor.tensor_type), raw, rows, cols)
+    oracle = gguf.quants.dequantize(raw, tensor.tensor_type).astype(np.float64).reshape(rows, cols)
+    x = np.random.default_rng(6).standard_normal((1, cols)).astype(np.float32)
+    out = np.empty((1, rows), np.float32)
+    cpu.linear(out, w, x)
+    assert_linear_close(out, oracle, x, 1e-2)
+    ref = x.astype(np.float64) @ oracle.T
+    assert np.linalg.norm(out - ref) / np.linalg.norm(ref) < 1e-2
+    xs = np.random.default_rng(8).standard_normal((3, cols)).astype(np.float32)
+    outs = np.empty((3, rows), np.float32)
+    cpu.linear(outs, w, xs)
+    assert_linear_close(outs, oracle, xs, 1e-4)
