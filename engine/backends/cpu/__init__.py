@@ -117,8 +117,9 @@ def linear(out: np.ndarray, w: Weight, x: np.ndarray) -> None:
         x: float32 (n_tok, w.cols), C-contiguous.
 
     n_tok == 1 (decode) runs a matrix-vector kernel on the quantized blocks, with x quantized to
-    int8 per block of 32 for the quantized types (relative error ~1e-3..1e-2). n_tok > 1 (prefill)
-    dequantizes tiles of rows to float32 and multiplies them with BLAS, exact to float32 rounding.
+    int16 per block of 32 for the quantized types (error ~1e-5 of |w_row| |x|, float32-grade).
+    n_tok > 1 (prefill) dequantizes tiles of rows to float32 and multiplies them with BLAS, exact to
+    float32 rounding.
 
     Raises:
         UnsupportedWeightType: no kernel for w.ggml_type.
