@@ -185,10 +185,14 @@ class LlamaModel:
             float32 logits (n, vocab) when all_logits, else (1, vocab) for the last token. The
             (1, vocab) array is a reused buffer for decode: copy it to keep it past the next call.
         """
-        cfg = self.cfg
         tokens = np.asarray(tokens, dtype=np.int64)
+        cache.check_room(len(tokens))
+        with ops.batch_phase(len(tokens)):
+            return self._forward(tokens, cache, all_logits)
+
+    def _forward(self, tokens: np.ndarray, cache: KVCache, all_logits: bool) -> np.ndarray:
+        cfg = self.cfg
         n = len(tokens)
-        cache.check_room(n)
         s = self._decode if n == 1 else _Scratch(cfg, n)
         pos0 = cache.offset
         s.positions[:] = np.arange(pos0, pos0 + n)
