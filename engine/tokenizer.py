@@ -99,7 +99,7 @@ _PRE_ALIASES: dict[str, tuple[str, bool]] = {
 SUPPORTED_PRE_TOKENIZERS = tuple(sorted(_PRE_ALIASES))
 
 
-def _bytes_to_unicode() -> dict[int, str]:
+def bytes_to_unicode() -> dict[int, str]:
     """GPT-2's byte -> printable char table used by byte-level BPE vocabularies.
 
     Printable Latin-1 bytes map to themselves; the other 68 bytes (controls, space, ...) map to
@@ -115,7 +115,7 @@ def _bytes_to_unicode() -> dict[int, str]:
     return table
 
 
-_BYTE_ENCODER = _bytes_to_unicode()
+_BYTE_ENCODER = bytes_to_unicode()
 _BYTE_DECODER = {c: b for b, c in _BYTE_ENCODER.items()}
 _BYTE_TOKEN_RE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 

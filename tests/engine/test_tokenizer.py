@@ -17,6 +17,7 @@ from engine.tokenizer import (
     Tokenizer,
     TokenizerError,
     UnsupportedTokenizer,
+    bytes_to_unicode,
 )
 from models.errors import HearthError
 from models.formats.gguf import open_gguf
@@ -41,17 +42,10 @@ def smollm2(smollm2_metadata) -> Tokenizer:
     return Tokenizer.from_gguf_metadata(smollm2_metadata)
 
 
-# Byte-level alphabet for synthetic vocabularies: the 256 single-byte tokens, no merges.
 def _byte_alphabet() -> list[str]:
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAD)) + list(range(0xAE, 0x100))
-    chars, n = {}, 0
-    for b in range(256):
-        if b in printable:
-            chars[b] = chr(b)
-        else:
-            chars[b] = chr(256 + n)
-            n += 1
-    return [chars[b] for b in range(256)]
+    """The 256 single-byte tokens of a byte-level vocabulary, in byte order (no merges)."""
+    table = bytes_to_unicode()
+    return [table[b] for b in range(256)]
 
 
 def synthetic_metadata(pre: str = "gpt2", **overrides) -> dict:

@@ -13,20 +13,15 @@ from pathlib import Path
 import gguf
 import numpy as np
 
+from engine.tokenizer import bytes_to_unicode
+
 T = gguf.GGMLQuantizationType
 
 
 def _byte_vocab() -> list[str]:
-    """The 256 byte-level BPE symbols (GPT-2's printable mapping), one merge result and end-of-text."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAD)) + list(range(0xAE, 0x100))
-    mapping, extra = {}, 0
-    for b in range(256):
-        if b in printable:
-            mapping[b] = chr(b)
-        else:
-            mapping[b] = chr(256 + extra)
-            extra += 1
-    return [mapping[b] for b in range(256)] + ["Ġt", "<|endoftext|>"]
+    """The 256 byte-level BPE symbols, one merge result and end-of-text."""
+    table = bytes_to_unicode()
+    return [table[b] for b in range(256)] + ["Ġt", "<|endoftext|>"]
 
 
 @dataclass

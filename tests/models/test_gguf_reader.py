@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import mmap
 import struct
 import time
 from pathlib import Path
@@ -15,23 +14,12 @@ from gguf import GGUFValueType as V
 
 from models.errors import ModelFormatError, ModelNotFoundError
 from models.formats import open_gguf
+from tests.models.mmap_util import ends_in_mmap
 
 RNG = np.random.default_rng(0)
 
 
 # ---------------------------------------------------------------- helpers
-
-
-def ends_in_mmap(arr: np.ndarray) -> bool:
-    """True when the array's base chain ends in a memory map (numpy wraps it in a memoryview)."""
-    base = arr
-    while isinstance(base, np.ndarray):
-        if base.flags.owndata:
-            return False
-        base = base.base
-    if isinstance(base, memoryview):
-        base = base.obj
-    return isinstance(base, mmap.mmap)
 
 
 def reader_value(field: gguf.ReaderField):

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import mmap
 import struct
 from pathlib import Path
 
@@ -13,20 +12,9 @@ from safetensors.numpy import load_file, save_file
 
 from models.errors import ModelFormatError, ModelNotFoundError
 from models.formats import open_safetensors, open_safetensors_repo
+from tests.models.mmap_util import ends_in_mmap
 
 RNG = np.random.default_rng(1)
-
-
-def ends_in_mmap(arr: np.ndarray) -> bool:
-    """True when the array's base chain ends in a memory map (numpy wraps it in a memoryview)."""
-    base = arr
-    while isinstance(base, np.ndarray):
-        if base.flags.owndata:
-            return False
-        base = base.base
-    if isinstance(base, memoryview):
-        base = base.obj
-    return isinstance(base, mmap.mmap)
 
 
 def sample() -> dict[str, np.ndarray]:
