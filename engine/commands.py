@@ -13,12 +13,18 @@ from engine.loader import LoadedModel, load_model
 from engine.memory import peak_rss_mb
 from models.resolve import resolve_model
 
+_shown: dict[str, int] = {}
+
 
 def _download_progress(stage: str, done: int, total: int) -> None:
-    if total:
-        print(f"\rfetching {stage}: {done / total:6.1%}", end="", file=sys.stderr, flush=True)
-        if done >= total:
-            print(file=sys.stderr)
+    if not total:
+        return
+    percent = done * 100 // total
+    if _shown.get(stage) == percent:
+        return  # redraw once per percent, not once per chunk
+    _shown[stage] = percent
+    end = "\n" if done >= total else ""
+    print(f"\rfetching {stage}: {percent:3d}%", end=end, file=sys.stderr, flush=True)
 
 
 def _load(args) -> LoadedModel:
