@@ -2,16 +2,34 @@
 
 from __future__ import annotations
 
+import mmap
+
 import numpy as np
 
 from engine.errors import ContextOverflowError
 
 
+def lazy_zeros(shape: tuple[int, ...], dtype=np.float32) -> np.ndarray:
+    """A zero-filled array whose memory is committed page by page as it is written.
+
+    np.zeros gives that too, except where the kernel backs large mappings with transparent huge
+    pages: then the first write to each head's slice commits 2 MiB, and a 4k-token cache is fully
+    resident after one token. An anonymous map with huge pages declined keeps memory proportional
+    to the positions used.
+    """
+    nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
+    if nbytes == 0 or not hasattr(mmap, "MADV_NOHUGEPAGE"):
+        return np.zeros(shape, dtype)
+    buf = mmap.mmap(-1, nbytes)
+    buf.madvise(mmap.MADV_NOHUGEPAGE)
+    return np.frombuffer(buf, dtype=dtype).reshape(shape)
+
+
 class KVCache:
     """Keys and values of every layer for up to n_ctx positions, plus the token history.
 
-    The arrays come from np.zeros, so the OS commits pages only as positions are written:
-    a 8k-token cache costs memory only for the tokens actually used.
+    The arrays are committed only as positions are written (see lazy_zeros): an 8k-token cache
+    costs memory for the tokens actually used.
 
     Interface (as mlx-lm's): `update_and_fetch` during a forward pass, `advance` once the pass
     is done, `offset`, `trim(n)`, `state`.
@@ -21,8 +39,8 @@ class KVCache:
         self.n_ctx = n_ctx
         # (n_layers, n_kv_heads, n_ctx, head_dim): per layer and head the positions are contiguous,
         # which is what attention reads.
-        self.k = np.zeros((n_layers, n_kv_heads, n_ctx, head_dim), dtype=np.float32)
-        self.v = np.zeros((n_layers, n_kv_heads, n_ctx, head_dim), dtype=np.float32)
+        self.k = lazy_zeros((n_layers, n_kv_heads, n_ctx, head_dim))
+        self.v = lazy_zeros((n_layers, n_kv_heads, n_ctx, head_dim))
         self._tokens: list[int] = []
 
     @property

@@ -1,3 +1,5 @@
+import mmap
+
 import numpy as np
 import pytest
 
@@ -24,3 +26,17 @@ def test_overflow_is_typed():
     cache.check_room(1)
     with pytest.raises(ContextOverflowError, match="needs 5 tokens but the context holds 4"):
         cache.check_room(2)
+
+
+@pytest.mark.skipif(not hasattr(mmap, "MADV_NOHUGEPAGE"), reason="Linux-only memory advice")
+def test_memory_is_committed_per_position_not_per_context():
+    from engine.memory import rss_mb
+
+    before = rss_mb()
+    cache = KVCache(n_layers=30, n_kv_heads=3, head_dim=64, n_ctx=8192)  # 377 MiB if fully committed
+    one = np.ones((1, 3, 64), np.float32)
+    for layer in range(30):
+        cache.update_and_fetch(layer, one, one)
+    cache.advance([1])
+    assert rss_mb() - before < 32
+    assert cache.k[0, 0, 0, 0] == 1.0 and cache.k[0, 0, 1, 0] == 0.0
