@@ -13,6 +13,14 @@ import sys
 DEFAULT_MODEL = "smollm2-135m-instruct"
 DEFAULT_CTX = 4096
 
+# subcommand -> "module:function(args) -> exit code"; imported only when that command runs
+HANDLERS = {
+    "run": "engine.commands:cmd_run",
+    "chat": "engine.commands:cmd_chat",
+    "tokenize": "engine.commands:cmd_tokenize",
+    "bench": "engine.commands:cmd_bench",
+}
+
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("-m", "--model", default=DEFAULT_MODEL, help="model file path or starter model name")
@@ -81,9 +89,10 @@ def main(argv: list[str] | None = None) -> int:
     from models.errors import HearthError
 
     try:
-        from engine import commands
+        import importlib
 
-        return getattr(commands, f"cmd_{args.command}")(args)
+        module, function = HANDLERS[args.command].split(":")
+        return getattr(importlib.import_module(module), function)(args)
     except HearthError as e:
         print(f"hearth: {e}", file=sys.stderr)
         return 1
