@@ -111,6 +111,11 @@ class _StopMatcher:
         return out
 
 
+def _mask_from(logits: np.ndarray, start: int) -> np.ndarray:
+    logits[start:] = -np.inf
+    return logits
+
+
 def generate(
     model, tokenizer: Tokenizer, prompt_ids: Sequence[int], cache: KVCache, params: GenerationParams
 ) -> Iterator[GenerationEvent]:
@@ -132,6 +137,9 @@ def generate(
 
     t0 = time.perf_counter()
     logits, reused = prefill(model, cache, prompt_ids, params.prefill_chunk)
+    if len(logits) > tokenizer.vocab_size:
+        # padded embedding rows (e.g. Qwen: 151936 rows, 151665 tokens) stand for no text: never sample them
+        processors.insert(0, lambda tokens, logits: _mask_from(logits, tokenizer.vocab_size))
     t_prefill = time.perf_counter() - t0
     stats = GenerationEvent(
         text="",

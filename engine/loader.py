@@ -12,6 +12,7 @@ from engine.arch import model_class
 from engine.backends import cpu
 from engine.chat_template import ChatTemplate
 from engine.errors import MissingTensorError, ModelFormatError
+from engine.hf_repo import is_hf_repo, open_hf_repo
 from engine.tokenizer import Tokenizer
 from engine.weights import Weight
 from models.errors import ModelNotFoundError
@@ -80,8 +81,19 @@ class LoadedModel:
         return int(self.model.cfg.max_position_embeddings)
 
 
+def _load_hf_repo(folder: Path, t0: float) -> LoadedModel:
+    cfg, weights, tokenizer, template_source, metadata, nbytes = open_hf_repo(folder)
+    model = model_class(cfg.architecture)(cfg, weights)
+    template = (
+        ChatTemplate(template_source, bos_token=tokenizer.bos_token, eos_token=tokenizer.eos_token)
+        if template_source
+        else None
+    )
+    return LoadedModel(folder, model, tokenizer, template, metadata, time.perf_counter() - t0, nbytes)
+
+
 def load_model(path: str | Path) -> LoadedModel:
-    """Open a GGUF model file and build its model, tokenizer and chat template.
+    """Open a GGUF model file or a Hugging Face safetensors folder; build model, tokenizer and template.
 
     Raises:
         ModelNotFoundError: the path does not exist.
@@ -90,8 +102,10 @@ def load_model(path: str | Path) -> LoadedModel:
     """
     t0 = time.perf_counter()
     path = Path(path)
+    if is_hf_repo(path):
+        return _load_hf_repo(path, t0)
     if not path.is_file():
-        raise ModelNotFoundError(f"{path}: no such model file")
+        raise ModelNotFoundError(f"{path}: no such model file (or Hugging Face folder with a config.json)")
     gguf = open_gguf(path)
     metadata = gguf.metadata
     arch = metadata.get("general.architecture")

@@ -26,3 +26,9 @@ class Weight:
     @property
     def nbytes(self) -> int:
         return int(self.raw.nbytes)
+
+    def row_block(self, start: int, stop: int) -> Weight:
+        """Rows [start, stop) as a Weight of their own (a view: fused QKV/gate-up tensors split this way)."""
+        if not 0 <= start < stop <= self.rows:
+            raise ValueError(f"row block [{start}, {stop}) outside a {self.rows}-row weight")
+        return Weight(self.ggml_type, self.raw[start:stop], stop - start, self.cols)

@@ -19,6 +19,8 @@ def resolve_model(spec: str, progress: Progress | None = None) -> Path:
         return path
     if spec in STARTERS:
         return ensure_starter(spec, progress=progress)
+    if path.is_dir() and (path / "config.json").is_file():
+        return path  # a Hugging Face model folder
     if path.is_dir():
         ggufs = sorted(path.glob("*.gguf"))
         if len(ggufs) == 1:

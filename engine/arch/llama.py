@@ -1,4 +1,4 @@
-"""Llama family: Llama 2/3, Mistral, SmolLM, Qwen2 (GQA, RoPE, RMSNorm, SwiGLU)."""
+"""Llama family: Llama 2/3, Mistral, SmolLM, Qwen2/3, Phi-3 (GQA, RoPE, RMSNorm, SwiGLU)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from engine.weights import Weight
 
 # llama.cpp's converter permutes Llama's q/k weights so GGML's "normal" RoPE (adjacent pairs) applies;
 # these families keep HF's half-split ("NeoX") layout instead.
-_NEOX_ROPE = frozenset({"qwen2"})
+_NEOX_ROPE = frozenset({"qwen2", "qwen3", "phi3"})
 
 
 @dataclass
@@ -104,6 +104,8 @@ class LlamaLayer:
     bq: np.ndarray | None = None  # optional QKV biases (Qwen2)
     bk: np.ndarray | None = None
     bv: np.ndarray | None = None
+    q_norm: np.ndarray | None = None  # optional per-head RMSNorm of q and k before RoPE (Qwen3), (head_dim,)
+    k_norm: np.ndarray | None = None
 
 
 class _Scratch:
@@ -123,7 +125,27 @@ class _Scratch:
         self.positions = np.empty(n, np.int64)
 
 
-@register("llama", "mistral", "qwen2")
+def _attention_weights(weights, p: str, q: int, kv: int, d: int) -> tuple[Weight, Weight, Weight]:
+    """q, k, v projections: separate tensors, or row blocks of a fused attn_qkv (Phi-3)."""
+    if weights.has(p + "attn_qkv.weight"):
+        fused = weights.matrix(p + "attn_qkv.weight", q + 2 * kv, d)
+        return fused.row_block(0, q), fused.row_block(q, q + kv), fused.row_block(q + kv, q + 2 * kv)
+    return (
+        weights.matrix(p + "attn_q.weight", q, d),
+        weights.matrix(p + "attn_k.weight", kv, d),
+        weights.matrix(p + "attn_v.weight", kv, d),
+    )
+
+
+def _ffn_weights(weights, p: str, ff: int, d: int) -> tuple[Weight, Weight]:
+    """gate and up projections: separate, or one ffn_up of 2*ff rows holding gate then up (Phi-3)."""
+    if not weights.has(p + "ffn_gate.weight") and weights.has(p + "ffn_up.weight"):
+        fused = weights.matrix(p + "ffn_up.weight", 2 * ff, d)
+        return fused.row_block(0, ff), fused.row_block(ff, 2 * ff)
+    return weights.matrix(p + "ffn_gate.weight", ff, d), weights.matrix(p + "ffn_up.weight", ff, d)
+
+
+@register("llama", "mistral", "qwen2", "qwen3", "phi3")
 class LlamaModel:
     """A Llama-family decoder over weights that stay in their file format."""
 
@@ -145,23 +167,27 @@ class LlamaModel:
         for i in range(cfg.num_hidden_layers):
             p = f"blk.{i}."
 
-            def bias(name, n, p=p):
+            def optional(name, n, p=p):
                 return weights.vector(p + name, n) if weights.has(p + name) else None
 
+            wq, wk, wv = _attention_weights(weights, p, q, kv, d)
+            w_gate, w_up = _ffn_weights(weights, p, ff, d)
             self.layers.append(
                 LlamaLayer(
                     attn_norm=weights.vector(p + "attn_norm.weight", d),
-                    wq=weights.matrix(p + "attn_q.weight", q, d),
-                    wk=weights.matrix(p + "attn_k.weight", kv, d),
-                    wv=weights.matrix(p + "attn_v.weight", kv, d),
+                    wq=wq,
+                    wk=wk,
+                    wv=wv,
                     wo=weights.matrix(p + "attn_output.weight", d, q),
                     ffn_norm=weights.vector(p + "ffn_norm.weight", d),
-                    w_gate=weights.matrix(p + "ffn_gate.weight", ff, d),
-                    w_up=weights.matrix(p + "ffn_up.weight", ff, d),
+                    w_gate=w_gate,
+                    w_up=w_up,
                     w_down=weights.matrix(p + "ffn_down.weight", d, ff),
-                    bq=bias("attn_q.bias", q),
-                    bk=bias("attn_k.bias", kv),
-                    bv=bias("attn_v.bias", kv),
+                    bq=optional("attn_q.bias", q),
+                    bk=optional("attn_k.bias", kv),
+                    bv=optional("attn_v.bias", kv),
+                    q_norm=optional("attn_q_norm.weight", cfg.head_dim),
+                    k_norm=optional("attn_k_norm.weight", cfg.head_dim),
                 )
             )
         freq_factors = (
@@ -213,6 +239,12 @@ class LlamaModel:
                 s.k += layer.bk
             if layer.bv is not None:
                 s.v += layer.bv
+            if layer.q_norm is not None:
+                heads_q = s.q.reshape(n * heads, hd)
+                ops.rmsnorm(heads_q, heads_q, layer.q_norm, cfg.rms_norm_eps)
+            if layer.k_norm is not None:
+                heads_k = s.k.reshape(n * kv_heads, hd)
+                ops.rmsnorm(heads_k, heads_k, layer.k_norm, cfg.rms_norm_eps)
             ops.rope(q3, s.positions, self.inv_freq, cfg.rotary_dim, cfg.rope_neox)
             ops.rope(k3, s.positions, self.inv_freq, cfg.rotary_dim, cfg.rope_neox)
             k_cache, v_cache = cache.update_and_fetch(i, k3, v3)

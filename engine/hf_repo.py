@@ -1,0 +1,273 @@
+"""Hugging Face model folders (config.json + safetensors + tokenizer.json) as Hearth models.
+
+Weights stay mapped from the safetensors files (F32/F16/BF16 are kernel formats already); HF tensor
+names are mapped to the canonical GGUF names, so each architecture has one code path. The
+config.json is translated into the same config dataclass a GGUF's metadata gives.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import numpy as np
+from tokenizers import Tokenizer as HFTokenizer
+
+from engine.arch.llama import LlamaConfig
+from engine.errors import MissingTensorError, ModelFormatError, UnsupportedArchitectureError
+from engine.rope import RopeScaling
+from engine.tokenizer import TOKEN_CONTROL, TOKEN_NORMAL, TOKEN_USER_DEFINED, Tokenizer, UnsupportedTokenizer
+from engine.weights import Weight
+from models.formats.safetensors import SafetensorsModel, open_safetensors_repo
+
+# safetensors dtype -> ggml type id the CPU kernels take as is
+_DTYPE_TO_GGML = {"F32": 0, "F16": 1, "BF16": 30}
+
+# HF model_type -> Hearth architecture name (the GGUF `general.architecture` of the same family)
+_FAMILIES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3"}
+
+# HF per-layer name -> GGUF per-layer name
+_LAYER_NAMES = {
+    "input_layernorm.weight": "attn_norm.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight",
+    "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight",
+    "self_attn.q_proj.bias": "attn_q.bias",
+    "self_attn.k_proj.bias": "attn_k.bias",
+    "self_attn.v_proj.bias": "attn_v.bias",
+    "self_attn.o_proj.weight": "attn_output.weight",
+    "self_attn.q_norm.weight": "attn_q_norm.weight",
+    "self_attn.k_norm.weight": "attn_k_norm.weight",
+    "self_attn.qkv_proj.weight": "attn_qkv.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight",
+    "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+    "mlp.gate_up_proj.weight": "ffn_up.weight",  # gate rows then up rows, as GGUF's phi3 stores it
+}
+_GLOBAL_NAMES = {
+    "model.embed_tokens.weight": "token_embd.weight",
+    "model.norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",
+}
+_LAYER_RE = re.compile(r"model\.layers\.(\d+)\.(.+)")
+
+
+def is_hf_repo(path: Path) -> bool:
+    return path.is_dir() and (path / "config.json").is_file()
+
+
+def read_json(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ModelFormatError(path, "missing; a Hugging Face model folder needs it") from None
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ModelFormatError(path, f"not valid JSON ({e})") from e
+    if not isinstance(data, dict):
+        raise ModelFormatError(path, "expected a JSON object")
+    return data
+
+
+class HFWeights:
+    """A weight source (has/matrix/vector by GGUF name) over a mapped safetensors repo.
+
+    Fused HF tensors (Phi-3's qkv_proj, gate_up_proj) keep their GGUF names (attn_qkv, a 2*ff-row
+    ffn_up); the architecture splits them into row blocks.
+    """
+
+    def __init__(self, st: SafetensorsModel, folder: Path):
+        self.st = st
+        self.folder = folder
+        self.names = {g: hf for hf in st.tensors if (g := _gguf_name(hf))}
+
+    def has(self, name: str) -> bool:
+        return name in self.names
+
+    def _tensor(self, name: str):
+        hf_name = self.names.get(name)
+        if hf_name is None:
+            raise MissingTensorError(
+                self.folder, f"tensor for {name!r} is missing from the safetensors files"
+            )
+        dtype = self.st.tensors[hf_name].dtype
+        if dtype not in _DTYPE_TO_GGML:
+            raise ModelFormatError(
+                self.folder,
+                f"tensor {hf_name!r} is {dtype}; Hearth loads F32, F16 and BF16 safetensors weights "
+                "(convert or pick another repo)",
+            )
+        return self.st.array(hf_name), dtype
+
+    def matrix(self, name: str, rows: int, cols: int) -> Weight:
+        array, dtype = self._tensor(name)
+        if array.shape != (rows, cols):
+            raise MissingTensorError(
+                self.folder, f"tensor for {name!r} has shape {array.shape}, expected {(rows, cols)}"
+            )
+        raw = np.ascontiguousarray(array).view(np.uint8)
+        return Weight(_DTYPE_TO_GGML[dtype], raw, rows, cols)
+
+    def vector(self, name: str, n: int) -> np.ndarray:
+        array, dtype = self._tensor(name)
+        if array.shape != (n,):
+            raise MissingTensorError(
+                self.folder, f"tensor for {name!r} has shape {array.shape}, expected {(n,)}"
+            )
+        if dtype == "BF16":
+            return (array.astype(np.uint32) << 16).view(np.float32)
+        return np.array(array, dtype=np.float32)
+
+
+def _gguf_name(hf_name: str) -> str | None:
+    if hf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[hf_name]
+    m = _LAYER_RE.fullmatch(hf_name)
+    if m and m.group(2) in _LAYER_NAMES:
+        return f"blk.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}"
+    return None
+
+
+def _rope_scaling(config: dict) -> tuple[float, RopeScaling]:
+    """(rope theta, scaling) from either the transformers-5 `rope_parameters` or older fields."""
+    params = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    theta = float(params.get("rope_theta", config.get("rope_theta", 10000.0)))
+    kind = params.get("rope_type", params.get("type", "default")) or "default"
+    if kind == "default":
+        return theta, RopeScaling()
+    if kind == "linear":
+        return theta, RopeScaling("linear", float(params["factor"]))
+    if kind == "llama3":
+        return theta, RopeScaling(
+            "llama3",
+            float(params["factor"]),
+            float(params.get("low_freq_factor", 1.0)),
+            float(params.get("high_freq_factor", 4.0)),
+            int(params.get("original_max_position_embeddings", 8192)),
+        )
+    raise UnsupportedArchitectureError(
+        f"RoPE scaling {kind!r} is not supported yet (supported: linear, llama3)"
+    )
+
+
+def config_from_hf(folder: Path, config: dict) -> LlamaConfig:
+    """The architecture config for a config.json. Raises UnsupportedArchitectureError for other families."""
+    model_type = config.get("model_type")
+    arch = _FAMILIES.get(model_type)
+    if arch is None:
+        raise UnsupportedArchitectureError(
+            f"{folder}: model_type {model_type!r} is not supported from safetensors yet "
+            f"(supported: {', '.join(sorted(_FAMILIES))})"
+        )
+    if (
+        config.get(
+            "partial_rotary_factor", (config.get("rope_parameters") or {}).get("partial_rotary_factor", 1.0)
+        )
+        != 1.0
+    ):
+        raise UnsupportedArchitectureError(f"{folder}: partial rotary embeddings are not supported yet")
+    theta, scaling = _rope_scaling(config)
+    try:
+        heads = int(config["num_attention_heads"])
+        hidden = int(config["hidden_size"])
+        head_dim = int(config.get("head_dim") or hidden // heads)
+        return LlamaConfig(
+            hidden_size=hidden,
+            intermediate_size=int(config["intermediate_size"]),
+            num_hidden_layers=int(config["num_hidden_layers"]),
+            num_attention_heads=heads,
+            num_key_value_heads=int(config.get("num_key_value_heads") or heads),
+            vocab_size=int(config["vocab_size"]),
+            rms_norm_eps=float(config.get("rms_norm_eps", 1e-5)),
+            rope_theta=theta,
+            max_position_embeddings=int(config.get("max_position_embeddings", 4096)),
+            head_dim=head_dim,
+            # HF checkpoints keep q/k in the half-split layout (rotate_half); only llama.cpp's
+            # converter permutes them for adjacent-pair RoPE.
+            rope_neox=True,
+            rope_scaling=scaling,
+            architecture=arch,
+        )
+    except (KeyError, TypeError, ValueError) as e:
+        raise ModelFormatError(folder / "config.json", f"missing or invalid hyper-parameter ({e})") from e
+
+
+def _token_id(value, vocab: dict[str, int]) -> int | None:
+    if isinstance(value, dict):  # {"content": "<s>", ...} in older tokenizer_config files
+        value = value.get("content")
+    return vocab.get(value) if isinstance(value, str) else None
+
+
+def tokenizer_from_hf(folder: Path, tok_config: dict, gen_config: dict) -> Tokenizer:
+    """Our Tokenizer over the repo's own tokenizer.json (the reference tokenizer, used as is)."""
+    path = folder / "tokenizer.json"
+    if not path.is_file():
+        raise ModelFormatError(path, "missing; Hearth needs the fast tokenizer file (tokenizer.json)")
+    try:
+        hf = HFTokenizer.from_file(str(path))
+    except Exception as e:  # the Rust side reports malformed files as generic exceptions
+        raise ModelFormatError(path, f"cannot be read ({e})") from e
+    spec = json.loads(path.read_text(encoding="utf-8"))
+    if (spec.get("decoder") or {}).get("type") != "ByteLevel":
+        raise UnsupportedTokenizer(
+            f"{path}: only byte-level BPE tokenizer.json files are supported from Hugging Face folders so far"
+        )
+    vocab = hf.get_vocab(with_added_tokens=True)
+    tokens = [""] * (max(vocab.values()) + 1)
+    for text, i in vocab.items():
+        tokens[i] = text
+    types = [TOKEN_NORMAL] * len(tokens)
+    for added in spec.get("added_tokens", []):
+        types[added["id"]] = TOKEN_CONTROL if added.get("special") else TOKEN_USER_DEFINED
+    bos = _token_id(tok_config.get("bos_token"), vocab)
+    eos = _token_id(tok_config.get("eos_token"), vocab)
+    gen_eos = gen_config.get("eos_token_id")
+    eot = {eos} if eos is not None else set()
+    eot.update(gen_eos if isinstance(gen_eos, list) else [gen_eos] if isinstance(gen_eos, int) else [])
+    for text in ("<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "<end_of_turn>", "<|endoftext|>", "<|end|>"):
+        if text in vocab and types[vocab[text]] == TOKEN_CONTROL:
+            eot.add(vocab[text])
+    return Tokenizer(
+        hf,
+        tokens,
+        types,
+        bos_id=bos,
+        eos_id=eos,
+        unk_id=_token_id(tok_config.get("unk_token"), vocab),
+        pad_id=_token_id(tok_config.get("pad_token"), vocab),
+        eot_ids=eot,
+        add_bos=bool(tok_config.get("add_bos_token", False)),
+        add_eos=bool(tok_config.get("add_eos_token", False)),
+        pre="hf",
+    )
+
+
+def chat_template_source(tok_config: dict) -> str | None:
+    """tokenizer_config.json's chat template: a string, or the "default" of a named list."""
+    template = tok_config.get("chat_template")
+    if isinstance(template, list):
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default") or next(iter(named.values()), None)
+    return template if isinstance(template, str) else None
+
+
+def open_hf_repo(folder: Path):
+    """Map a Hugging Face folder. Returns (config, weights, tokenizer, template source, metadata, nbytes)."""
+    config = read_json(folder / "config.json")
+    cfg = config_from_hf(folder, config)
+    st = open_safetensors_repo(folder)
+    tok_config = (
+        read_json(folder / "tokenizer_config.json") if (folder / "tokenizer_config.json").exists() else {}
+    )
+    gen_path = folder / "generation_config.json"
+    gen_config = read_json(gen_path) if gen_path.exists() else {}
+    tokenizer = tokenizer_from_hf(folder, tok_config, gen_config)
+    metadata = {
+        "general.architecture": cfg.architecture,
+        "general.name": folder.name,
+        "general.source": "huggingface",
+        f"{cfg.architecture}.context_length": cfg.max_position_embeddings,
+    }
+    nbytes = sum(f.stat().st_size for f in folder.glob("*.safetensors"))
+    return cfg, HFWeights(st, folder), tokenizer, chat_template_source(tok_config), metadata, nbytes

@@ -1,0 +1,160 @@
+"""Write tiny randomly initialised Hugging Face checkpoints and their reference outputs.
+
+Dev-only (needs torch + transformers; see tests/goldens/README.md for the virtualenv):
+
+    /work/venv-golden/bin/python scripts/make_tiny_checkpoints.py [--out tests/fixtures/tiny]
+
+For each family a folder with config.json, model.safetensors (or shards + index), a small byte-level BPE
+tokenizer.json/tokenizer_config.json (with a chat template) and generation_config.json, plus golden.json:
+the token ids fed, float32 logits at every position (rounded to 5 decimals) and 8 greedy tokens computed by
+transformers itself. Hearth's tests load these folders through its own safetensors path and compare.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+from pathlib import Path
+
+import torch
+import transformers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+ROOT = Path(__file__).resolve().parents[1]
+TOKENS = [5, 17, 42, 99, 3, 250, 77, 1, 300, 8, 120, 64, 33, 2, 181, 9]
+VOCAB = 320
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+COMMON = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-6,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+
+# family -> (config class, extra config, dtype written, shard the weights)
+FAMILIES = {
+    "llama": (transformers.LlamaConfig, dict(tie_word_embeddings=True), torch.float32, False),
+    "llama3-scaled": (
+        transformers.LlamaConfig,
+        dict(
+            tie_word_embeddings=False,
+            rope_parameters=dict(
+                rope_type="llama3",
+                rope_theta=500000.0,
+                factor=8.0,
+                low_freq_factor=1.0,
+                high_freq_factor=4.0,
+                original_max_position_embeddings=64,
+            ),
+        ),
+        torch.bfloat16,
+        True,
+    ),
+    "mistral": (
+        transformers.MistralConfig,
+        dict(tie_word_embeddings=False, sliding_window=None),
+        torch.float16,
+        False,
+    ),
+    "qwen2": (transformers.Qwen2Config, dict(tie_word_embeddings=True), torch.float32, False),
+    "qwen3": (transformers.Qwen3Config, dict(tie_word_embeddings=True, head_dim=32), torch.bfloat16, False),
+    "phi3": (transformers.Phi3Config, dict(tie_word_embeddings=False, pad_token_id=0), torch.float32, True),
+}
+
+
+def tiny_tokenizer() -> Tokenizer:
+    """A byte-level BPE: the 256 byte symbols, a few merges, and chat special tokens."""
+    table = pre_tokenizers.ByteLevel.alphabet()
+    alphabet = sorted(table)
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    for ch in alphabet:
+        vocab[ch] = len(vocab)
+    merges = [("Ġ", "t"), ("h", "e"), ("Ġt", "he"), ("i", "n"), ("Ġ", "a")]
+    for a, b in merges:
+        vocab[a + b] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(["<|im_start|>", "<|im_end|>"])
+    return tok
+
+
+def write_family(name: str, out: Path) -> None:
+    cls, extra, dtype, shard = FAMILIES[name]
+    torch.manual_seed(sum(map(ord, name)))
+    config = cls(**{**COMMON, **extra})
+    model = transformers.AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32).eval()
+    with torch.no_grad():  # larger than default init so the logits are not all near zero
+        for pname, p in model.named_parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 0.15)
+            elif "norm" in pname:
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            else:  # biases
+                p.normal_(0.0, 0.1)
+    model = model.to(dtype)
+    folder = out / name
+    shutil.rmtree(folder, ignore_errors=True)
+    model.save_pretrained(folder, safe_serialization=True, max_shard_size="60KB" if shard else "1GB")
+    tok = tiny_tokenizer()
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "bos_token": "<s>",
+                "eos_token": "<|im_end|>",
+                "unk_token": "<unk>",
+                "chat_template": CHAT_TEMPLATE,
+                "add_bos_token": False,
+            },
+            indent=1,
+        )
+    )
+    # reference: transformers loading the folder as written (bf16/f16 weights) in float32; loading
+    # afresh recomputes RoPE buffers in float32 (casting the live model would round them to bf16)
+    ref = transformers.AutoModelForCausalLM.from_pretrained(folder, torch_dtype=torch.float32).eval()
+    ids = torch.tensor([TOKENS])
+    with torch.no_grad():
+        logits = ref(ids).logits[0]
+        greedy = ref.generate(ids, max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0)[
+            0, len(TOKENS) :
+        ]
+    golden = {
+        "family": name,
+        "generator": f"transformers {transformers.__version__}, torch {torch.__version__}",
+        "dtype": str(dtype).removeprefix("torch."),
+        "tokens": TOKENS,
+        "logits": [[round(float(v), 5) for v in row] for row in logits],
+        "greedy": [int(t) for t in greedy],
+    }
+    (folder / "golden.json").write_text(json.dumps(golden))
+    size = sum(f.stat().st_size for f in folder.iterdir())
+    print(f"wrote {folder} ({size:,} bytes)")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=ROOT / "tests" / "fixtures" / "tiny")
+    parser.add_argument("families", nargs="*", default=sorted(FAMILIES))
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    torch.use_deterministic_algorithms(True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    for name in args.families:
+        write_family(name, args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
