@@ -21,15 +21,20 @@ from contextlib import contextmanager
 import numba
 import numpy as np
 
-from engine.backends.cpu import ops, quant
+from engine.backends.cpu import kquant, ops, quant
 from engine.weights import Weight
 from models.errors import HearthError
 from models.formats.ggml_types import type_name
 
 F32, F16, Q4_0, Q4_1, Q8_0, BF16 = 0, 1, 2, 3, 8, 30
+Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS = 6, 7, 10, 11, 12, 13, 14, 20, 23
 
 # ggml type -> (elements per block, bytes per block)
-_BLOCK = {F32: (1, 4), F16: (1, 2), BF16: (1, 2), Q8_0: (32, 34), Q4_0: (32, 18), Q4_1: (32, 20)}
+_BLOCK = {
+    F32: (1, 4), F16: (1, 2), BF16: (1, 2), Q8_0: (32, 34), Q4_0: (32, 18), Q4_1: (32, 20),
+    Q5_0: (32, 22), Q5_1: (32, 24), Q2_K: (256, 84), Q3_K: (256, 110), Q4_K: (256, 144), Q5_K: (256, 176),
+    Q6_K: (256, 210), IQ4_NL: (32, 18), IQ4_XS: (256, 136),
+}
 
 # The ggml types this backend computes with; loaders check weights against it before any kernel runs.
 SUPPORTED_TYPES = frozenset(_BLOCK)
@@ -74,6 +79,15 @@ _KERNELS: dict[int, tuple[Callable, Callable, Callable]] = {
     Q8_0: (quant.matvec_q8_0, quant.dequant_q8_0, _identity),
     Q4_0: (quant.matvec_q4_0, quant.dequant_q4_0, _identity),
     Q4_1: (quant.matvec_q4_1, quant.dequant_q4_1, _identity),
+    Q5_0: (kquant.matvec_q5_0, kquant.dequant_q5_0, _identity),
+    Q5_1: (kquant.matvec_q5_1, kquant.dequant_q5_1, _identity),
+    Q2_K: (kquant.matvec_q2_k, kquant.dequant_q2_k, _identity),
+    Q3_K: (kquant.matvec_q3_k, kquant.dequant_q3_k, _identity),
+    Q4_K: (kquant.matvec_q4_k, kquant.dequant_q4_k, _identity),
+    Q5_K: (kquant.matvec_q5_k, kquant.dequant_q5_k, _identity),
+    Q6_K: (kquant.matvec_q6_k, kquant.dequant_q6_k, _identity),
+    IQ4_NL: (kquant.matvec_iq4_nl, kquant.dequant_iq4_nl, _identity),
+    IQ4_XS: (kquant.matvec_iq4_xs, kquant.dequant_iq4_xs, _identity),
 }
 
 _scratch = threading.local()
@@ -114,7 +128,8 @@ def linear(out: np.ndarray, w: Weight, x: np.ndarray) -> None:
 
     Args:
         out: float32 (n_tok, w.rows), written.
-        w: the weight (F32, F16, BF16, Q8_0, Q4_0 or Q4_1).
+        w: the weight, in one of SUPPORTED_TYPES (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1,
+            Q2_K..Q6_K, IQ4_NL, IQ4_XS).
         x: float32 (n_tok, w.cols), C-contiguous.
 
     n_tok == 1 (decode) runs a matrix-vector kernel on the quantized blocks, with x quantized to
