@@ -15,8 +15,9 @@ os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 
 TEST_MODELS = Path(os.environ.get("HEARTH_TEST_MODELS", Path.home() / ".cache" / "hearth-test-models"))
 # The Numba cache must survive between test runs (compiling every kernel each run costs minutes),
-# so it lives next to the cached test models rather than in the per-test HEARTH_HOME.
-os.environ.setdefault("NUMBA_CACHE_DIR", str(TEST_MODELS / "numba-cache"))
+# so it lives next to the cached test models rather than in the per-test HEARTH_HOME (engine/__init__
+# adds a folder per hash of the kernel sources).
+os.environ.setdefault("HEARTH_KERNEL_CACHE", str(TEST_MODELS / "numba-cache"))
 
 
 @pytest.fixture(autouse=True)

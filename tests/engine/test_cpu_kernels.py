@@ -20,14 +20,32 @@ from engine.weights import Weight
 from models.formats.gguf import open_gguf
 
 T = gguf.GGMLQuantizationType
-ALL_TYPES = [T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1]
-QUANTIZED = {T.Q8_0, T.Q4_0, T.Q4_1}
+ALL_TYPES = [T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K,
+             T.Q6_K, T.IQ4_NL, T.IQ4_XS]
+QUANTIZED = set(ALL_TYPES) - {T.F32, T.F16, T.BF16}
+# Types gguf.quants cannot quantize to: their test weights are random bytes with sane f16 scales.
+HAND_BUILT = {T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_NL, T.IQ4_XS}
+# Byte offsets of the f16 fields (d, and dmin/m where present) in one block of a hand-built type.
+F16_FIELDS = {T.Q2_K: (80, 82), T.Q3_K: (108,), T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,),
+              T.IQ4_NL: (0,), T.IQ4_XS: (0,)}
+
+
+def random_blocks(ggml_type: T, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
+    """uint8 (rows, row_nbytes): every quant, scale and mask byte random, f16 scales in [1e-3, 5e-2)."""
+    block, nbytes = gguf.GGML_QUANT_SIZES[ggml_type]
+    raw = rng.integers(0, 256, (rows * cols // block, nbytes), dtype=np.uint8)
+    for off in F16_FIELDS[ggml_type]:
+        raw[:, off : off + 2] = rng.uniform(1e-3, 5e-2, (raw.shape[0], 1)).astype(np.float16).view(np.uint8)
+    return raw.reshape(rows, -1)
 
 
 def make_weight(ggml_type: T, rows: int, cols: int, rng: np.random.Generator) -> tuple[Weight, np.ndarray]:
     """A random weight in ggml_type and its float64 dequantization by gguf (the oracle)."""
-    dense = rng.standard_normal((rows, cols)).astype(np.float32)
-    raw = np.ascontiguousarray(gguf.quants.quantize(dense, ggml_type)).view(np.uint8).reshape(rows, -1)
+    if ggml_type in HAND_BUILT:
+        raw = random_blocks(ggml_type, rows, cols, rng)
+    else:
+        dense = rng.standard_normal((rows, cols)).astype(np.float32)
+        raw = np.ascontiguousarray(gguf.quants.quantize(dense, ggml_type)).view(np.uint8).reshape(rows, -1)
     oracle = gguf.quants.dequantize(raw, ggml_type).astype(np.float64).reshape(rows, cols)
     return Weight(int(ggml_type), raw, rows, cols), oracle
 
@@ -70,10 +88,10 @@ def test_matvec_matches_dequantize(ggml_type, outliers):
 @pytest.mark.parametrize("ggml_type", ALL_TYPES, ids=lambda t: t.name)
 def test_matmul_matches_dequantize(ggml_type, monkeypatch):
     rng = np.random.default_rng(100 + int(ggml_type))
-    w, oracle = make_weight(ggml_type, 45, 64, rng)
-    x = rng.standard_normal((9, 64)).astype(np.float32)
+    w, oracle = make_weight(ggml_type, 45, 256, rng)
+    x = rng.standard_normal((9, 256)).astype(np.float32)
     # tiles of 12 rows (45 = 3 x 12 + 9) exercise the tile loop and its remainder
-    monkeypatch.setattr(cpu, "PREFILL_TILE_BYTES", 12 * 64 * 4)
+    monkeypatch.setattr(cpu, "PREFILL_TILE_BYTES", 12 * 256 * 4)
     out = np.full((9, 45), np.nan, np.float32)
     cpu.linear(out, w, x)
     assert_linear_close(out, oracle, x, 1e-4)
@@ -84,8 +102,8 @@ def test_decode_agrees_with_prefill(ggml_type):
     # The same token through the matvec kernel and through the dequantize + BLAS path (as one row of
     # a 3-token batch): a decode step must see what a prefill of the same prompt saw.
     rng = np.random.default_rng(300 + int(ggml_type))
-    w, oracle = make_weight(ggml_type, 130, 576, rng)
-    xs = llm_like_activations(3, 576, rng)
+    w, oracle = make_weight(ggml_type, 130, 768, rng)
+    xs = llm_like_activations(3, 768, rng)
     batch = np.empty((3, 130), np.float32)
     cpu.linear(batch, w, xs)
     for t in range(3):
@@ -110,9 +128,9 @@ def test_decode_error_is_float32_grade_on_a_layer_shape():
 @pytest.mark.parametrize("ggml_type", ALL_TYPES, ids=lambda t: t.name)
 def test_get_rows_matches_dequantize(ggml_type):
     rng = np.random.default_rng(200 + int(ggml_type))
-    w, oracle = make_weight(ggml_type, 20, 64, rng)
+    w, oracle = make_weight(ggml_type, 20, 256, rng)
     ids = np.array([19, 0, 5, 5])
-    out = np.empty((4, 64), np.float32)
+    out = np.empty((4, 256), np.float32)
     cpu.get_rows(out, w, ids)
     np.testing.assert_allclose(out, oracle[ids], rtol=1e-6, atol=1e-6)
 
@@ -124,11 +142,15 @@ def test_get_rows_rejects_out_of_range_ids():
 
 
 def test_unsupported_type_raises_typed_error():
-    w = Weight(int(T.Q4_K), np.zeros((2, 144), np.uint8), 2, 256)
-    with pytest.raises(cpu.UnsupportedWeightType, match="Q4_K"):
+    w = Weight(int(T.IQ2_XXS), np.zeros((2, 66), np.uint8), 2, 256)
+    with pytest.raises(cpu.UnsupportedWeightType, match="IQ2_XXS"):
         cpu.linear(np.empty((1, 2), np.float32), w, np.zeros((1, 256), np.float32))
-    with pytest.raises(cpu.UnsupportedWeightType, match="Q4_K"):
+    with pytest.raises(cpu.UnsupportedWeightType, match="IQ2_XXS"):
         cpu.get_rows(np.empty((1, 256), np.float32), w, np.array([0]))
+
+
+def test_supported_types_cover_every_kernel_type():
+    assert {int(t) for t in ALL_TYPES} == set(cpu.SUPPORTED_TYPES)
 
 
 def test_linear_rejects_mismatched_shapes():
@@ -239,14 +261,14 @@ def test_set_threads_clamps():
     cpu.set_threads(2)
 
 
-@pytest.mark.parametrize("name", ["blk.0.ffn_down.weight", "token_embd.weight"])
-def test_real_smollm2_matrices(smollm2_path, name):
-    # Real weight statistics (Q4_1 ffn_down, the Q8_0 embedding that is also the output matrix).
-    f = open_gguf(smollm2_path)
+def check_real_matrix(path, name: str, ggml_type: T) -> None:
+    """Decode and prefill through one real tensor (at most 4096 rows of it) against gguf's oracle."""
+    f = open_gguf(path)
     tensor = f.tensors[name]
+    assert tensor.ggml_type == ggml_type
     rows, cols = tensor.shape
     raw = tensor.raw()
-    if name == "token_embd.weight":
+    if rows > 4096:
         raw = raw[:4096]  # enough rows to be representative, and keeps the float64 oracle small
         rows = 4096
     w = Weight(int(tensor.ggml_type), np.ascontiguousarray(raw), rows, cols)
@@ -261,3 +283,20 @@ def test_real_smollm2_matrices(smollm2_path, name):
     cpu.linear(outs, w, xs)
     assert_linear_close(outs, oracle, xs, 1e-4)
     f.close()
+
+
+@pytest.mark.parametrize("name,ggml_type", [("blk.0.ffn_down.weight", T.Q4_1), ("token_embd.weight", T.Q8_0)])
+def test_real_smollm2_matrices(smollm2_path, name, ggml_type):
+    # Real weight statistics (Q4_1 ffn_down, the Q8_0 embedding that is also the output matrix).
+    check_real_matrix(smollm2_path, name, ggml_type)
+
+
+@pytest.mark.parametrize("name,ggml_type", [
+    ("blk.0.attn_q.weight", T.Q5_0),
+    ("blk.0.attn_output.weight", T.Q4_K),
+    ("blk.0.ffn_down.weight", T.Q6_K),
+    ("blk.0.attn_v.weight", T.Q8_0),
+])
+def test_real_gemma3_matrices(gemma3_path, name, ggml_type):
+    # Gemma-3-270M Q4_K_M mixes Q5_0 (640-column matrices), Q4_K, Q6_K and Q8_0.
+    check_real_matrix(gemma3_path, name, ggml_type)

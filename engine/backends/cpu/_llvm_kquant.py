@@ -1,0 +1,369 @@
+"""LLVM-level block decoders for Q5_0, Q5_1, the K-quants (Q2_K..Q6_K) and IQ4_NL/IQ4_XS.
+
+Every type is described by one function, `sub(builder, blk, s)`, that emits the IR decoding
+sub-block s (32 elements) of the block at uint8* blk into
+
+    q     <32 x i16>  the integer quants in element order,
+    scale float32, or a (first 16, last 16) pair for types with a scale per 16 elements,
+    minc  None, or the additive constant per element (same shape rules as scale),
+
+so that element i of the sub-block is `scale * q[i] + minc`. From that one description this module
+builds two Numba intrinsics per type:
+
+  dot4_<type>(raw, p0, p1, p2, p3, n_blocks, xq, xd, xs) -> 4 x float32
+      decode dot products of four rows with int16-quantized activations (the scheme of _llvm.dot4_*:
+      vpmaddwd per 32 elements, one FMA per sub-block into a float vector, scale applied per
+      sub-block, mins through the activation block sums);
+  deq_<type>(out, oo, raw, off)
+      out[oo : oo + block elements] = the block at byte `off`, float32, bit-identical to
+      gguf.quants.dequantize (same float operations in the same order).
+
+Block layouts (bytes; little-endian; gguf.quants is the executable spec):
+  Q5_0   22 = f16 d | u32 qh | 16 qs           q = (nibble | bit<<4) - 16; value d*q
+  Q5_1   24 = f16 d | f16 m | u32 qh | 16 qs   value d*q + m  (nibble: as Q4_0; bit i of qh -> element i)
+  Q2_K   84 = 16 scales | 64 qs | f16 d | f16 dmin; per 16: d*(sc&15)*q - dmin*(sc>>4), q 2-bit
+  Q3_K  110 = 32 hmask | 64 qs | 12 scales (6-bit, -32) | f16 d; q = 2-bit - 4*(1 - hmask bit)
+  Q4_K  144 = f16 d | f16 dmin | 12 scales (6-bit scale+min per 32) | 128 qs; d*sc*q - dmin*m
+  Q5_K  176 = as Q4_K with 32 qh bytes before qs (bit s of qh[l] = 5th bit of sub-block s, element l)
+  Q6_K  210 = 128 ql | 64 qh | 16 int8 scales | f16 d; q = (4 low | 2 high << 4) - 32, scale per 16
+  IQ4_NL 18 = f16 d | 16 qs; value d * KVALUES[nibble]
+  IQ4_XS 136 = f16 d | u16 scales_h | 4 scales_l | 128 qs; per 32: d*(6-bit scale - 32)*KVALUES[nibble]
+In the 256-element K-quants, sub-block s = 4h + t of a 2-bit-per-byte array reads bytes
+[32h, 32h + 32) shifted by 2t; of a nibble array (Q4_K/Q5_K), bytes [32(s//2), +32) shifted by 4(s%2).
+"""
+
+from __future__ import annotations
+
+import llvmlite.binding as llvm_binding
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+from engine.backends.cpu._llvm import (
+    _F32,
+    _I8,
+    _I16,
+    _I32,
+    PREFETCH_ROWS,
+    _broadcast_f32,
+    _check_c_array,
+    _fmuladd16,
+    _load_f16,
+    _pmaddwd,
+    _prefetch,
+    _ptr,
+    _reduce_add_f32x16,
+    _splat,
+)
+
+# IQ4_NL / IQ4_XS non-linear 4-bit codebook (gguf.quants.IQ4_NL.kvalues)
+KVALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
+
+_V32I8 = ir.VectorType(_I8, 32)
+_V16I8 = ir.VectorType(_I8, 16)
+_V32I16 = ir.VectorType(_I16, 32)
+_X86 = llvm_binding.get_process_triple().startswith(("x86_64", "i686", "i386"))
+
+
+# ---------------------------------------------------------------------------------------------
+# Small IR pieces
+# ---------------------------------------------------------------------------------------------
+
+
+def _c(v: int) -> ir.Constant:
+    return ir.Constant(_I32, v)
+
+
+def _byte(builder, blk, off: int):
+    """i32 zero-extension of the byte at blk + off."""
+    return builder.zext(builder.load(builder.gep(blk, [_c(off)])), _I32)
+
+
+def _f16(builder, blk, off: int):
+    return _load_f16(builder, blk, _c(off))
+
+
+def _vload(builder, blk, off: int, vty: ir.VectorType):
+    return builder.load(builder.bitcast(builder.gep(blk, [_c(off)]), vty.as_pointer()), align=1)
+
+
+def _bits32(builder, blk, off: int, shift: int, mask: int):
+    """<32 x i8> (blk[off + l] >> shift) & mask for l in 0..31."""
+    v = _vload(builder, blk, off, _V32I8)
+    if shift:
+        v = builder.lshr(v, _splat(_I8, 32, shift))
+    return builder.and_(v, _splat(_I8, 32, mask))
+
+
+def _nibbles(builder, blk, off: int):
+    """(<16 x i8> low nibbles, <16 x i8> high nibbles) of the 16 bytes at blk + off."""
+    packed = _vload(builder, blk, off, _V16I8)
+    return builder.and_(packed, _splat(_I8, 16, 15)), builder.lshr(packed, _splat(_I8, 16, 4))
+
+
+def _concat16(builder, lo, hi):
+    return builder.shuffle_vector(lo, hi, ir.Constant(ir.VectorType(_I32, 32), list(range(32))))
+
+
+def _high_bits32(builder, blk, off: int):
+    """<32 x i8> bit i of the little-endian u32 at blk + off, shifted to 16 (the 5th quant bit)."""
+    word = builder.load(builder.bitcast(builder.gep(blk, [_c(off)]), _I32.as_pointer()), align=1)
+    bits = builder.zext(builder.bitcast(word, ir.VectorType(ir.IntType(1), 32)), _V32I8)
+    return builder.shl(bits, _splat(_I8, 32, 4))
+
+
+def _lookup16(builder, table: tuple[int, ...], idx):
+    """<16 x i8> table[idx] for a 16-entry int8 table and <16 x i8> indices in 0..15."""
+    tab = ir.Constant(_V16I8, [ir.Constant(_I8, v & 0xFF) for v in table])
+    if _X86:  # SSSE3 pshufb: one instruction per 16 lookups
+        fnty = ir.FunctionType(_V16I8, [_V16I8, _V16I8])
+        fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.x86.ssse3.pshuf.b.128")
+        return builder.call(fn, [tab, idx])
+    out = ir.Constant(_V16I8, ir.Undefined)
+    for i in range(16):
+        val = builder.extract_element(tab, builder.extract_element(idx, _c(i)))
+        out = builder.insert_element(out, val, _c(i))
+    return out
+
+
+def _scale6_q4k(builder, blk, j: int):
+    """(scale, min) 6-bit pair j (0..7) of the 12 packed bytes at blk + 4 (Q4_K/Q5_K)."""
+    if j < 4:
+        return (builder.and_(_byte(builder, blk, 4 + j), _c(63)),
+                builder.and_(_byte(builder, blk, 8 + j), _c(63)))
+    lo = _byte(builder, blk, 8 + j)
+
+    def top2(off):  # the two high bits of byte blk[off], as bits 4..5
+        return builder.shl(builder.lshr(_byte(builder, blk, off), _c(6)), _c(4))
+
+    sc = builder.or_(builder.and_(lo, _c(15)), top2(j))
+    mn = builder.or_(builder.lshr(lo, _c(4)), top2(4 + j))
+    return sc, mn
+
+
+def _scale6_q3k(builder, blk, i: int):
+    """Signed 6-bit scale i (0..15) of Q3_K's 12 packed bytes at blk + 96, as float32."""
+    low = builder.and_(builder.lshr(_byte(builder, blk, 96 + i % 8), _c(4 * (i // 8))), _c(15))
+    high = builder.and_(builder.lshr(_byte(builder, blk, 104 + i % 4), _c(2 * (i // 4))), _c(3))
+    return builder.sitofp(builder.sub(builder.or_(low, builder.shl(high, _c(4))), _c(32)), _F32)
+
+
+def _u2f(builder, v):
+    return builder.uitofp(v, _F32)
+
+
+# ---------------------------------------------------------------------------------------------
+# Per-type sub-block decoders: (q <32 x i16>, scale, minc); see the module docstring.
+# ---------------------------------------------------------------------------------------------
+
+
+def _sub_q5_0(builder, blk, s):
+    lo, hi = _nibbles(builder, blk, 6)
+    q = builder.or_(_concat16(builder, lo, hi), _high_bits32(builder, blk, 2))
+    return builder.sub(builder.zext(q, _V32I16), _splat(_I16, 32, 16)), _f16(builder, blk, 0), None
+
+
+def _sub_q5_1(builder, blk, s):
+    lo, hi = _nibbles(builder, blk, 8)
+    q = builder.or_(_concat16(builder, lo, hi), _high_bits32(builder, blk, 4))
+    return builder.zext(q, _V32I16), _f16(builder, blk, 0), _f16(builder, blk, 2)
+
+
+def _sub_q2_k(builder, blk, s):
+    q = builder.zext(_bits32(builder, blk, 16 + 32 * (s // 4), 2 * (s % 4), 3), _V32I16)
+    d, dmin = _f16(builder, blk, 80), _f16(builder, blk, 82)
+    sc = [_byte(builder, blk, 2 * s + k) for k in (0, 1)]
+    scale = tuple(builder.fmul(d, _u2f(builder, builder.and_(v, _c(15)))) for v in sc)
+    minc = tuple(builder.fneg(builder.fmul(dmin, _u2f(builder, builder.lshr(v, _c(4))))) for v in sc)
+    return q, scale, minc
+
+
+def _sub_q3_k(builder, blk, s):
+    low = _bits32(builder, blk, 32 + 32 * (s // 4), 2 * (s % 4), 3)
+    high = builder.shl(_bits32(builder, blk, 0, s, 1), _splat(_I8, 32, 2))
+    q = builder.sub(builder.zext(builder.or_(low, high), _V32I16), _splat(_I16, 32, 4))
+    d = _f16(builder, blk, 108)
+    return q, tuple(builder.fmul(d, _scale6_q3k(builder, blk, 2 * s + k)) for k in (0, 1)), None
+
+
+def _sub_q4_k(builder, blk, s):
+    q = builder.zext(_bits32(builder, blk, 16 + 32 * (s // 2), 4 * (s % 2), 15), _V32I16)
+    return (q, *_k_scale_min(builder, blk, s))
+
+
+def _sub_q5_k(builder, blk, s):
+    low = _bits32(builder, blk, 48 + 32 * (s // 2), 4 * (s % 2), 15)
+    high = builder.shl(_bits32(builder, blk, 16, s, 1), _splat(_I8, 32, 4))
+    return (builder.zext(builder.or_(low, high), _V32I16), *_k_scale_min(builder, blk, s))
+
+
+def _k_scale_min(builder, blk, s):
+    sc, mn = _scale6_q4k(builder, blk, s)
+    scale = builder.fmul(_f16(builder, blk, 0), _u2f(builder, sc))
+    return scale, builder.fneg(builder.fmul(_f16(builder, blk, 2), _u2f(builder, mn)))
+
+
+def _sub_q6_k(builder, blk, s):
+    h, t = divmod(s, 4)
+    low = _bits32(builder, blk, 64 * h + 32 * (t % 2), 4 * (t // 2), 15)
+    high = builder.shl(_bits32(builder, blk, 128 + 32 * h, 2 * t, 3), _splat(_I8, 32, 4))
+    q = builder.sub(builder.zext(builder.or_(low, high), _V32I16), _splat(_I16, 32, 32))
+    d = _f16(builder, blk, 208)
+    sc = [builder.sitofp(builder.load(builder.gep(blk, [_c(192 + 2 * s + k)])), _F32) for k in (0, 1)]
+    return q, tuple(builder.fmul(d, v) for v in sc), None
+
+
+def _iq4_quants(builder, blk, off: int):
+    lo, hi = _nibbles(builder, blk, off)
+    q = _concat16(builder, _lookup16(builder, KVALUES, lo), _lookup16(builder, KVALUES, hi))
+    return builder.sext(q, _V32I16)
+
+
+def _sub_iq4_nl(builder, blk, s):
+    return _iq4_quants(builder, blk, 2), _f16(builder, blk, 0), None
+
+
+def _sub_iq4_xs(builder, blk, s):
+    low = builder.and_(builder.lshr(_byte(builder, blk, 4 + s // 2), _c(4 * (s % 2))), _c(15))
+    hword = builder.zext(builder.load(builder.bitcast(builder.gep(blk, [_c(2)]), _I16.as_pointer()), align=1),
+                         _I32)
+    high = builder.and_(builder.lshr(hword, _c(2 * s)), _c(3))
+    ls = builder.sitofp(builder.sub(builder.or_(low, builder.shl(high, _c(4))), _c(32)), _F32)
+    return _iq4_quants(builder, blk, 8 + 16 * s), builder.fmul(_f16(builder, blk, 0), ls), None
+
+
+# ggml type name -> (bytes per block, 32-element sub-blocks per block, sub-block decoder)
+LAYOUTS = {
+    "q5_0": (22, 1, _sub_q5_0),
+    "q5_1": (24, 1, _sub_q5_1),
+    "q2_k": (84, 8, _sub_q2_k),
+    "q3_k": (110, 8, _sub_q3_k),
+    "q4_k": (144, 8, _sub_q4_k),
+    "q5_k": (176, 8, _sub_q5_k),
+    "q6_k": (210, 8, _sub_q6_k),
+    "iq4_nl": (18, 1, _sub_iq4_nl),
+    "iq4_xs": (136, 8, _sub_iq4_xs),
+}
+
+
+# ---------------------------------------------------------------------------------------------
+# Intrinsic factories
+# ---------------------------------------------------------------------------------------------
+
+
+def _vec(builder, value, n: int):
+    """<n x float> of a scalar (all lanes) or a (first half, second half) pair."""
+    if not isinstance(value, tuple):
+        return _broadcast_f32(builder, value, n)
+    pair = builder.insert_element(ir.Constant(ir.VectorType(_F32, 2), ir.Undefined), value[0], _c(0))
+    pair = builder.insert_element(pair, value[1], _c(1))
+    mask = [0] * (n // 2) + [1] * (n // 2)
+    return builder.shuffle_vector(pair, pair, ir.Constant(ir.VectorType(_I32, n), mask))
+
+
+def _make_dot4(kind: str):
+    block_bytes, subs, sub = LAYOUTS[kind]
+    n_lines = (block_bytes + 63) // 64
+
+    @intrinsic
+    def dot4(typingctx, raw, p0, p1, p2, p3, nb, xq, xd, xs):
+        _check_c_array(raw, types.uint8, f"dot4_{kind} weights")
+        _check_c_array(xq, types.int16, f"dot4_{kind} activations")
+        _check_c_array(xd, types.float32, f"dot4_{kind} activation scales")
+        _check_c_array(xs, types.float32, f"dot4_{kind} activation sums")
+        sig = types.UniTuple(types.float32, 4)(
+            raw, types.intp, types.intp, types.intp, types.intp, types.intp, xq, xd, xs
+        )
+
+        def codegen(context, builder, signature, args):
+            raw_v, *row_offs, nb_v, xq_v, xd_v, xs_v = args
+            arrtys = signature.args
+            base = context.make_array(arrtys[0])(context, builder, raw_v).data
+            xq_p = context.make_array(arrtys[6])(context, builder, xq_v).data
+            xd_p = context.make_array(arrtys[7])(context, builder, xd_v).data
+            xs_p = context.make_array(arrtys[8])(context, builder, xs_v).data
+            v16f = ir.VectorType(_F32, 16)
+            intp = nb_v.type
+            accs = [cgutils.alloca_once_value(builder, ir.Constant(v16f, None)) for _ in range(4)]
+            mins = [cgutils.alloca_once_value(builder, ir.Constant(_F32, 0.0)) for _ in range(4)]
+            rows = [builder.gep(base, [off]) for off in row_offs]
+            # p1 - p0 is the row stride (0 in a clamped tail group: a harmless re-read of this row)
+            pf_dist = builder.mul(builder.sub(row_offs[1], row_offs[0]), intp(PREFETCH_ROWS))
+            with cgutils.for_range(builder, nb_v) as loop:
+                b = loop.index
+                boff = builder.mul(b, intp(block_bytes))
+                for row in rows:
+                    for line in range(n_lines):
+                        ahead = builder.add(builder.add(boff, pf_dist), intp(64 * line))
+                        _prefetch(builder, builder.gep(row, [ahead]))
+                for s in range(subs):
+                    k = builder.add(builder.mul(b, intp(subs)), intp(s))
+                    xp = builder.bitcast(builder.gep(xq_p, [builder.mul(k, intp(32))]), _V32I16.as_pointer())
+                    xv = builder.load(xp, align=2)
+                    dx = builder.load(builder.gep(xd_p, [k]))
+                    sx = builder.load(builder.gep(xs_p, [k]))
+                    xsum = None  # per-pair sums of the int16 activations, for mins per 16 elements
+                    for row, acc, mn in zip(rows, accs, mins):
+                        q, scale, minc = sub(builder, builder.gep(row, [boff]), s)
+                        dots = builder.sitofp(_pmaddwd(builder, q, xv), v16f)
+                        scl = builder.fmul(_vec(builder, scale, 16), _broadcast_f32(builder, dx, 16))
+                        a = _fmuladd16(builder, dots, scl, builder.load(acc))
+                        if isinstance(minc, tuple):
+                            if xsum is None:
+                                xsum = builder.sitofp(_pmaddwd(builder, xv, _splat(_I16, 32, 1)), v16f)
+                            mv = builder.fmul(_vec(builder, minc, 16), _broadcast_f32(builder, dx, 16))
+                            a = _fmuladd16(builder, xsum, mv, a)
+                        elif minc is not None:
+                            builder.store(builder.fadd(builder.load(mn), builder.fmul(minc, sx)), mn)
+                        builder.store(a, acc)
+            sums = [builder.fadd(_reduce_add_f32x16(builder, builder.load(acc)), builder.load(mn))
+                    for acc, mn in zip(accs, mins)]
+            return context.make_tuple(builder, signature.return_type, sums)
+
+        return sig, codegen
+
+    dot4.__doc__ = (
+        f"(float32 x4) dot products of four {kind.upper()} rows with int16-quantized activations.\n\n"
+        "raw: uint8 weight bytes; p0..p3: byte offsets of the rows; nb: blocks per row;\n"
+        "xq: int16 (nb*block elements,) activations; xd, xs: float32 scale and float sum of x per 32."
+    )
+    return dot4
+
+
+def _make_deq(kind: str):
+    _, subs, sub = LAYOUTS[kind]
+
+    @intrinsic
+    def deq(typingctx, out, oo, w, wo):
+        _check_c_array(out, types.float32, f"deq_{kind} output")
+        _check_c_array(w, types.uint8, f"deq_{kind} weights")
+        sig = types.void(out, types.intp, w, types.intp)
+
+        def codegen(context, builder, signature, args):
+            v32f = ir.VectorType(_F32, 32)
+            blk = _ptr(context, builder, signature.args[2], args[2], args[3], _I8)
+            for s in range(subs):
+                q, scale, minc = sub(builder, blk, s)
+                vals = builder.fmul(builder.sitofp(q, v32f), _vec(builder, scale, 32))
+                if minc is not None:
+                    vals = builder.fadd(vals, _vec(builder, minc, 32))
+                dst = builder.add(args[1], ir.Constant(args[1].type, 32 * s))
+                builder.store(vals, _ptr(context, builder, signature.args[0], args[0], dst, v32f), align=4)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    deq.__doc__ = f"out[oo : oo + {32 * subs}] = the {kind.upper()} block at byte wo of w, as float32."
+    return deq
+
+
+dot4_q5_0, deq_q5_0 = _make_dot4("q5_0"), _make_deq("q5_0")
+dot4_q5_1, deq_q5_1 = _make_dot4("q5_1"), _make_deq("q5_1")
+dot4_q2_k, deq_q2_k = _make_dot4("q2_k"), _make_deq("q2_k")
+dot4_q3_k, deq_q3_k = _make_dot4("q3_k"), _make_deq("q3_k")
+dot4_q4_k, deq_q4_k = _make_dot4("q4_k"), _make_deq("q4_k")
+dot4_q5_k, deq_q5_k = _make_dot4("q5_k"), _make_deq("q5_k")
+dot4_q6_k, deq_q6_k = _make_dot4("q6_k"), _make_deq("q6_k")
+dot4_iq4_nl, deq_iq4_nl = _make_dot4("iq4_nl"), _make_deq("iq4_nl")
+dot4_iq4_xs, deq_iq4_xs = _make_dot4("iq4_xs"), _make_deq("iq4_xs")
