@@ -19,6 +19,11 @@ HANDLERS = {
     "chat": "engine.commands:cmd_chat",
     "tokenize": "engine.commands:cmd_tokenize",
     "bench": "engine.commands:cmd_bench",
+    "search": "engine.commands_library:cmd_search",
+    "pull": "engine.commands_library:cmd_pull",
+    "ls": "engine.commands_library:cmd_ls",
+    "rm": "engine.commands_library:cmd_rm",
+    "import": "engine.commands_library:cmd_import",
 }
 
 
@@ -74,7 +79,35 @@ def build_parser() -> argparse.ArgumentParser:
         "-r", "--repetitions", type=int, default=1, help="repeat prefill/decode, report the best"
     )
     bench.add_argument("--json", action="store_true")
+    _add_library_parsers(sub)
     return parser
+
+
+def _add_library_parsers(sub) -> None:
+    search = sub.add_parser("search", help="search models on the Hugging Face Hub")
+    search.add_argument("query", nargs="?", default="")
+    search.add_argument("--format", choices=("gguf", "safetensors"), default=None)
+    search.add_argument("--sort", choices=("downloads", "likes", "recent"), default="downloads")
+    search.add_argument("--limit", type=int, default=20)
+    search.add_argument("--json", action="store_true")
+
+    pull = sub.add_parser("pull", help="download a model: REPO, REPO:QUANT, REPO:FILE or a starter name")
+    pull.add_argument("spec")
+    pull.add_argument("--revision", default=None, help="branch, tag or commit (default: main)")
+    pull.add_argument("--parallel", type=int, default=2, help="files downloaded at once")
+    pull.add_argument("--ctx", type=int, default=DEFAULT_CTX, help="context length for the fit estimate")
+
+    ls = sub.add_parser("ls", help="list the models in the library")
+    ls.add_argument("--no-scan", action="store_true", help="skip looking into the Hugging Face cache")
+    ls.add_argument("--json", action="store_true")
+
+    rm = sub.add_parser("rm", help="remove a model from the library (and files Hearth downloaded)")
+    rm.add_argument("model", help="id, path or REPO:FILE as `hearth ls` shows")
+    rm.add_argument("--delete-files", action="store_true", help="also delete files imported in place")
+
+    imp = sub.add_parser("import", help="add a model file or folder to the library (indexed in place)")
+    imp.add_argument("path")
+    imp.add_argument("--copy", action="store_true", help="copy it into the library folder")
 
 
 def main(argv: list[str] | None = None) -> int:

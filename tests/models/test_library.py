@@ -1,0 +1,155 @@
+"""The SQLite library index: import in place/copy, delete, HF cache discovery, starters, partial files."""
+
+from __future__ import annotations
+
+import sqlite3
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from models import library
+from models.errors import ModelFormatError, ModelNotFoundError
+from models.library import Library, inspect_model
+from tests.models.hubserver import HubServer, isolate_hf
+
+
+def write_gguf(path: Path, arch: str = "llama", n_layer: int = 2, ctx: int = 256, kv_heads=2) -> Path:
+    """A tiny valid GGUF model file (two F32 tensors) written with the gguf package."""
+    import gguf
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(n_layer)
+    w.add_context_length(ctx)
+    w.add_embedding_length(64)
+    w.add_head_count(4)
+    w.add_head_count_kv(kv_heads)
+    w.add_tensor("token_embd.weight", np.zeros((10, 64), dtype=np.float32))
+    w.add_tensor("output_norm.weight", np.ones(64, dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+@pytest.fixture
+def lib(tmp_path):
+    return Library(tmp_path / "db" / "library.sqlite3", root=tmp_path / "models")
+
+
+def test_real_model_facts_and_wal(lib, smollm2_path):
+    facts = inspect_model(smollm2_path)
+    assert (facts.format, facts.architecture, facts.context_length, facts.quant) == (
+        "gguf",
+        "llama",
+        8192,
+        "Q4_1",
+    )
+    assert 130e6 < facts.params < 140e6 and facts.size == smollm2_path.stat().st_size
+    (entry,) = lib.import_path(smollm2_path)
+    assert entry.path == str(smollm2_path) and entry.source == "import", "imported in place, not copied"
+    assert entry.exists and lib.get(entry.id) == entry and lib.get(str(smollm2_path)) == entry
+    with sqlite3.connect(lib.db_path) as db:
+        assert db.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+    removed = lib.remove(entry.id)
+    assert removed.id == entry.id and smollm2_path.exists(), "an in-place import is only unindexed"
+    assert lib.entries() == []
+
+
+def test_import_folder_skips_partials_hidden_and_later_split_parts(lib, tmp_path):
+    folder = tmp_path / "incoming"
+    write_gguf(folder / "a-Q8_0.gguf")
+    write_gguf(folder / "sub" / "b-00001-of-00002.gguf", arch="qwen2")
+    write_gguf(folder / "sub" / "b-00002-of-00002.gguf", arch="qwen2")
+    write_gguf(folder / ".hidden.gguf")
+    (folder / "c.gguf.hearth-partial").write_bytes(b"GGUF partial")
+    (folder / "d.gguf.hearth-partial.gguf").write_bytes(b"not a model")
+    with pytest.raises(ModelFormatError):
+        lib.import_path(folder)  # a bogus .gguf is refused, not indexed half-read
+    (folder / "d.gguf.hearth-partial.gguf").unlink()
+    entries = lib.import_path(folder)
+    assert sorted(Path(e.path).name for e in entries) == ["a-Q8_0.gguf", "b-00001-of-00002.gguf"]
+    split = next(e for e in entries if e.architecture == "qwen2")
+    assert split.size == sum(p.stat().st_size for p in (folder / "sub").iterdir())
+    assert next(e for e in entries if e.quant == "Q8_0").context_length == 256
+    with pytest.raises(ModelFormatError, match="partial"):
+        lib.add(folder / "c.gguf.hearth-partial")
+    with pytest.raises(ModelNotFoundError):
+        lib.import_path(tmp_path / "nothing")
+
+
+def test_copy_import_and_delete(lib, tmp_path):
+    src = write_gguf(tmp_path / "src" / "m.gguf")
+    (entry,) = lib.import_path(src, copy=True)
+    assert Path(entry.path) == lib.root / "imported" / "m.gguf" and src.exists()
+    with pytest.raises(library.HearthError, match="already exists"):
+        lib.import_path(src, copy=True)
+    lib.remove(entry.path)
+    assert not Path(entry.path).exists(), "a copy inside the library is deleted with its entry"
+    (inplace,) = lib.import_path(src)
+    lib.remove(inplace.id, delete_files=True)
+    assert not src.exists()
+    with pytest.raises(ModelNotFoundError, match="hearth ls"):
+        lib.remove(12345)
+
+
+def test_download_entries_find_and_used(lib):
+    path = write_gguf(lib.root / "hub" / "org" / "m" / "m-Q4_0.gguf")
+    entry = lib.add(
+        path, repo="org/m", revision="a" * 40, file="m-Q4_0.gguf", sha256="b" * 64, source="download"
+    )
+    assert lib.find("org/m", "m-Q4_0.gguf", "b" * 64) == entry
+    assert lib.find("org/m", "m-Q4_0.gguf", "c" * 64) is None
+    assert lib.get("org/m:m-Q4_0.gguf").id == entry.id and entry.name == "org/m:m-Q4_0.gguf"
+    other = lib.add(write_gguf(lib.root / "x.gguf"))
+    assert lib.entries()[0].id == other.id
+    lib.mark_used(path)
+    assert lib.entries()[0].id == entry.id and lib.get(entry.id).used_at
+    again = lib.add(path, source="download")
+    assert again.id == entry.id and again.repo == "org/m", "re-adding keeps what was known"
+    with pytest.raises(ValueError):
+        lib.add(path, source="elsewhere")
+    path.unlink()
+    assert not lib.get(entry.id).exists and lib.find("org/m", "m-Q4_0.gguf") is None
+
+
+def test_starters_are_registered(smollm2_path):
+    lib = Library(root=smollm2_path.parent.parent)
+    names = {e.file for e in lib.register_starters()}
+    assert "smollm2-135m-instruct" in names
+    assert lib.get(str(smollm2_path)).source == "starter"
+
+
+def test_hf_cache_discovery_and_no_duplicate_download(lib, tmp_path, monkeypatch):
+    """A real HF cache, filled by huggingface_hub itself from the loopback Hub."""
+    from huggingface_hub import hf_hub_download
+
+    server = HubServer()
+    try:
+        isolate_hf(monkeypatch, tmp_path, server)
+        model = write_gguf(tmp_path / "m-Q4_0.gguf").read_bytes()
+        server.add_repo("org/cached-GGUF", {"m-Q4_0.gguf": model, "README.md": b"hi"})
+        cache = tmp_path / "hf-cache"
+        got = hf_hub_download("org/cached-GGUF", "m-Q4_0.gguf", cache_dir=cache, endpoint=server.url)
+        hf_hub_download("org/cached-GGUF", "README.md", cache_dir=cache, endpoint=server.url)
+    finally:
+        server.close()
+    import hashlib
+
+    sha = hashlib.sha256(model).hexdigest()
+    assert library.hf_cached_file("org/cached-GGUF", "m-Q4_0.gguf", sha, cache_dir=cache) == Path(got)
+    assert library.hf_cached_file("org/cached-GGUF", "m-Q4_0.gguf", "0" * 64, cache_dir=cache) is None
+    assert library.hf_cached_file("org/other", "m-Q4_0.gguf", cache_dir=cache) is None
+    (entry,) = lib.discover_hf_cache(cache)
+    assert (entry.repo, entry.file, entry.source, entry.sha256) == (
+        "org/cached-GGUF",
+        "m-Q4_0.gguf",
+        "hf-cache",
+        sha,
+    )
+    assert lib.find("org/cached-GGUF", "m-Q4_0.gguf", sha) == entry
+    lib.remove(entry.id)
+    assert Path(got).exists(), "the Hugging Face cache is never deleted from"
+    assert lib.discover_hf_cache(tmp_path / "no-cache-here") == []
