@@ -57,9 +57,25 @@ def _context(lm: LoadedModel, requested: int) -> int:
 
 
 def _chat_prompt(lm: LoadedModel, messages: list[dict]) -> list[int]:
+    """Prompt ids for a conversation, in the model's chat template.
+
+    A model without a template (a base checkpoint) gets its family's fallback template from
+    resources/templates/, announced once on stderr; lm.template keeps it for later turns.
+    """
     if lm.template is None:
-        raise HearthError(
-            f"{lm.name} has no chat template (it is a base/completion model); use `hearth run` without --chat"
+        from engine.templates import fallback_template, fallback_template_name
+
+        arch = str(lm.metadata.get("general.architecture", ""))
+        tok = lm.tokenizer
+        # the prompt is encoded without added specials, so the template writes BOS when the model wants it
+        lm.template = fallback_template(
+            arch, bos_token=tok.bos_token if tok.add_bos else None, eos_token=tok.eos_token
+        )
+        print(
+            f"hearth: {lm.name} has no chat template (a base model, trained to continue text); chatting "
+            f"in the fallback {fallback_template_name(arch)} turn format, so replies may be poor. "
+            "`hearth run` without --chat continues a text instead.",
+            file=sys.stderr,
         )
     text = lm.template.render(messages, add_generation_prompt=True)
     # the template writes BOS itself when the model wants it; encode its special tokens as such
@@ -117,6 +133,8 @@ def cmd_chat(args) -> int:
     cache = lm.model.new_cache(n_ctx)
     system = [{"role": "system", "content": args.system}] if args.system else []
     messages = list(system)
+    if lm.template is None:
+        _chat_prompt(lm, messages)  # pick the fallback template now, so its notice precedes the prompt
     print(
         f"{lm.name} ready (context {n_ctx}). /reset clears the chat, /exit or Ctrl-D quits.", file=sys.stderr
     )

@@ -89,13 +89,14 @@ CORPUS = [
 
 def test_build_is_fast(smollm2_metadata):
     best = min(_timed_build(smollm2_metadata) for _ in range(3))
-    assert best < 0.5, f"building the 49k-token tokenizer took {best:.3f} s"
+    assert best < 0.5, f"building the 49k-token tokenizer took {best:.3f} s of CPU"
 
 
 def _timed_build(metadata: dict) -> float:
-    start = time.perf_counter()
+    # CPU time of this process: wall time swings with whatever else the (shared) test machine runs.
+    start = time.process_time()
     Tokenizer.from_gguf_metadata(metadata)
-    return time.perf_counter() - start
+    return time.process_time() - start
 
 
 def test_smollm2_basics(smollm2):
@@ -242,9 +243,10 @@ def test_unknown_pre_is_a_typed_error():
         Tokenizer.from_gguf_metadata(synthetic_metadata("no-such-pre"))
 
 
-def test_sentencepiece_is_a_typed_error():
-    with pytest.raises(UnsupportedTokenizer, match="'llama'") as info:
-        Tokenizer.from_gguf_metadata(synthetic_metadata(**{"tokenizer.ggml.model": "llama"}))
+def test_unknown_tokenizer_model_is_a_typed_error():
+    # SentencePiece ("llama") is covered in test_tokenizer_spm.py; other kinds are refused clearly.
+    with pytest.raises(UnsupportedTokenizer, match="'bert'") as info:
+        Tokenizer.from_gguf_metadata(synthetic_metadata(**{"tokenizer.ggml.model": "bert"}))
     assert isinstance(info.value, HearthError)
 
 
