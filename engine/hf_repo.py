@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 from tokenizers import Tokenizer as HFTokenizer
 
+from engine.arch.gemma3 import Gemma3Config
 from engine.arch.llama import LlamaConfig
 from engine.errors import MissingTensorError, ModelFormatError, UnsupportedArchitectureError
 from engine.rope import RopeScaling
@@ -25,7 +26,14 @@ from models.formats.safetensors import SafetensorsModel, open_safetensors_repo
 _DTYPE_TO_GGML = {"F32": 0, "F16": 1, "BF16": 30}
 
 # HF model_type -> Hearth architecture name (the GGUF `general.architecture` of the same family)
-_FAMILIES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3"}
+_FAMILIES = {
+    "llama": "llama",
+    "mistral": "llama",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "phi3": "phi3",
+    "gemma3_text": "gemma3",
+}
 
 # HF per-layer name -> GGUF per-layer name
 _LAYER_NAMES = {
@@ -45,6 +53,13 @@ _LAYER_NAMES = {
     "mlp.up_proj.weight": "ffn_up.weight",
     "mlp.down_proj.weight": "ffn_down.weight",
     "mlp.gate_up_proj.weight": "ffn_up.weight",  # gate rows then up rows, as GGUF's phi3 stores it
+}
+# Gemma 3 has four norms per layer; HF's post_attention_layernorm is the llama family's ffn_norm
+_GEMMA3_LAYER_NAMES = {
+    **_LAYER_NAMES,
+    "post_attention_layernorm.weight": "post_attention_norm.weight",
+    "pre_feedforward_layernorm.weight": "ffn_norm.weight",
+    "post_feedforward_layernorm.weight": "post_ffw_norm.weight",
 }
 _GLOBAL_NAMES = {
     "model.embed_tokens.weight": "token_embd.weight",
@@ -77,10 +92,13 @@ class HFWeights:
     ffn_up); the architecture splits them into row blocks.
     """
 
-    def __init__(self, st: SafetensorsModel, folder: Path):
+    def __init__(self, st: SafetensorsModel, folder: Path, arch: str):
         self.st = st
         self.folder = folder
-        self.names = {g: hf for hf in st.tensors if (g := _gguf_name(hf))}
+        layer_names = _GEMMA3_LAYER_NAMES if arch == "gemma3" else _LAYER_NAMES
+        self.names = {g: hf for hf in st.tensors if (g := _gguf_name(hf, layer_names))}
+        # Gemma's RMSNorm multiplies by (1 + w); GGUF files (and so our architecture) store 1 + w
+        self.norm_offset = 1.0 if arch == "gemma3" else 0.0
 
     def has(self, name: str) -> bool:
         return name in self.names
@@ -116,16 +134,20 @@ class HFWeights:
                 self.folder, f"tensor for {name!r} has shape {array.shape}, expected {(n,)}"
             )
         if dtype == "BF16":
-            return (array.astype(np.uint32) << 16).view(np.float32)
-        return np.array(array, dtype=np.float32)
+            vector = (array.astype(np.uint32) << 16).view(np.float32)
+        else:
+            vector = np.array(array, dtype=np.float32)
+        if self.norm_offset and name.endswith("norm.weight"):
+            vector = vector + np.float32(self.norm_offset)
+        return vector
 
 
-def _gguf_name(hf_name: str) -> str | None:
+def _gguf_name(hf_name: str, layer_names: dict[str, str]) -> str | None:
     if hf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[hf_name]
     m = _LAYER_RE.fullmatch(hf_name)
-    if m and m.group(2) in _LAYER_NAMES:
-        return f"blk.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}"
+    if m and m.group(2) in layer_names:
+        return f"blk.{m.group(1)}.{layer_names[m.group(2)]}"
     return None
 
 
@@ -151,7 +173,38 @@ def _rope_scaling(config: dict) -> tuple[float, RopeScaling]:
     )
 
 
-def config_from_hf(folder: Path, config: dict) -> LlamaConfig:
+def _gemma3_config(config: dict) -> Gemma3Config:
+    params = config.get("rope_parameters") or {}
+    full = params.get("full_attention", params)
+    local = params.get("sliding_attention", {})
+    _, scaling = _rope_scaling({"rope_parameters": full})
+    heads = int(config["num_attention_heads"])
+    return Gemma3Config(
+        hidden_size=int(config["hidden_size"]),
+        intermediate_size=int(config["intermediate_size"]),
+        num_hidden_layers=int(config["num_hidden_layers"]),
+        num_attention_heads=heads,
+        num_key_value_heads=int(config.get("num_key_value_heads") or heads),
+        vocab_size=int(config["vocab_size"]),
+        head_dim=int(config.get("head_dim", 256)),
+        rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+        rope_theta=float(full.get("rope_theta", config.get("rope_theta", 1_000_000.0))),
+        rope_local_base_freq=float(local.get("rope_theta", config.get("rope_local_base_freq", 10_000.0))),
+        rope_scaling=scaling,
+        sliding_window=int(config.get("sliding_window") or 4096),
+        sliding_window_pattern=int(
+            config.get("sliding_window_pattern") or config.get("_sliding_window_pattern") or 6
+        ),
+        layer_types=config.get("layer_types"),
+        max_position_embeddings=int(config.get("max_position_embeddings", 32768)),
+        query_pre_attn_scalar=float(config.get("query_pre_attn_scalar") or 0),
+        final_logit_softcapping=config.get("final_logit_softcapping"),
+        attn_logit_softcapping=config.get("attn_logit_softcapping"),
+        architecture="gemma3",
+    )
+
+
+def config_from_hf(folder: Path, config: dict) -> LlamaConfig | Gemma3Config:
     """The architecture config for a config.json. Raises UnsupportedArchitectureError for other families."""
     model_type = config.get("model_type")
     arch = _FAMILIES.get(model_type)
@@ -160,6 +213,11 @@ def config_from_hf(folder: Path, config: dict) -> LlamaConfig:
             f"{folder}: model_type {model_type!r} is not supported from safetensors yet "
             f"(supported: {', '.join(sorted(_FAMILIES))})"
         )
+    if arch == "gemma3":
+        try:
+            return _gemma3_config(config)
+        except (KeyError, TypeError, ValueError) as e:
+            raise ModelFormatError(folder / "config.json", f"missing or invalid hyper-parameter ({e})") from e
     if (
         config.get(
             "partial_rotary_factor", (config.get("rope_parameters") or {}).get("partial_rotary_factor", 1.0)
@@ -270,4 +328,11 @@ def open_hf_repo(folder: Path):
         f"{cfg.architecture}.context_length": cfg.max_position_embeddings,
     }
     nbytes = sum(f.stat().st_size for f in folder.glob("*.safetensors"))
-    return cfg, HFWeights(st, folder), tokenizer, chat_template_source(tok_config), metadata, nbytes
+    return (
+        cfg,
+        HFWeights(st, folder, cfg.architecture),
+        tokenizer,
+        chat_template_source(tok_config),
+        metadata,
+        nbytes,
+    )

@@ -70,6 +70,14 @@ FAMILIES = {
     "qwen2": (transformers.Qwen2Config, dict(tie_word_embeddings=True), torch.float32, False),
     "qwen3": (transformers.Qwen3Config, dict(tie_word_embeddings=True, head_dim=32), torch.bfloat16, False),
     "phi3": (transformers.Phi3Config, dict(tie_word_embeddings=False, pad_token_id=0), torch.float32, True),
+    "gemma3": (
+        transformers.Gemma3TextConfig,
+        dict(
+            head_dim=32, sliding_window=4, layer_types=["sliding_attention", "full_attention"], pad_token_id=0
+        ),
+        torch.bfloat16,
+        False,
+    ),
 }
 
 

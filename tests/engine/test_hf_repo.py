@@ -28,7 +28,7 @@ def _golden(family: str) -> dict:
 
 
 def test_every_family_has_a_fixture():
-    assert {"llama", "llama3-scaled", "mistral", "qwen2", "qwen3", "phi3"} <= set(FAMILIES)
+    assert {"llama", "llama3-scaled", "mistral", "qwen2", "qwen3", "phi3", "gemma3"} <= set(FAMILIES)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -104,7 +104,7 @@ def test_unsupported_family(tmp_path):
     config = json.loads((folder / "config.json").read_text())
     config["model_type"] = "mamba"
     (folder / "config.json").write_text(json.dumps(config))
-    with pytest.raises(UnsupportedArchitectureError, match="mamba.*supported: llama"):
+    with pytest.raises(UnsupportedArchitectureError, match="mamba.*supported: gemma3_text, llama"):
         load_model(folder)
 
 
