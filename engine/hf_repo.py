@@ -18,7 +18,14 @@ from engine.arch.gemma3 import Gemma3Config
 from engine.arch.llama import LlamaConfig
 from engine.errors import MissingTensorError, ModelFormatError, UnsupportedArchitectureError
 from engine.rope import RopeScaling
-from engine.tokenizer import TOKEN_CONTROL, TOKEN_NORMAL, TOKEN_USER_DEFINED, Tokenizer, UnsupportedTokenizer
+from engine.tokenizer import (
+    TOKEN_BYTE,
+    TOKEN_CONTROL,
+    TOKEN_NORMAL,
+    TOKEN_USER_DEFINED,
+    Tokenizer,
+    UnsupportedTokenizer,
+)
 from engine.weights import Weight
 from models.formats.safetensors import SafetensorsModel, open_safetensors_repo
 
@@ -267,15 +274,16 @@ def tokenizer_from_hf(folder: Path, tok_config: dict, gen_config: dict) -> Token
     except Exception as e:  # the Rust side reports malformed files as generic exceptions
         raise ModelFormatError(path, f"cannot be read ({e})") from e
     spec = json.loads(path.read_text(encoding="utf-8"))
-    if (spec.get("decoder") or {}).get("type") != "ByteLevel":
-        raise UnsupportedTokenizer(
-            f"{path}: only byte-level BPE tokenizer.json files are supported from Hugging Face folders so far"
-        )
+    kind, add_space_prefix = _tokenizer_kind(path, spec)
     vocab = hf.get_vocab(with_added_tokens=True)
     tokens = [""] * (max(vocab.values()) + 1)
     for text, i in vocab.items():
         tokens[i] = text
     types = [TOKEN_NORMAL] * len(tokens)
+    if kind == "llama":
+        for i, text in enumerate(tokens):
+            if _BYTE_PIECE.fullmatch(text):
+                types[i] = TOKEN_BYTE
     for added in spec.get("added_tokens", []):
         types[added["id"]] = TOKEN_CONTROL if added.get("special") else TOKEN_USER_DEFINED
     bos = _token_id(tok_config.get("bos_token"), vocab)
@@ -298,6 +306,32 @@ def tokenizer_from_hf(folder: Path, tok_config: dict, gen_config: dict) -> Token
         add_bos=bool(tok_config.get("add_bos_token", False)),
         add_eos=bool(tok_config.get("add_eos_token", False)),
         pre="hf",
+        kind=kind,
+        add_space_prefix=add_space_prefix,
+    )
+
+
+_BYTE_PIECE = re.compile(r"<0x[0-9A-Fa-f]{2}>")
+
+
+def _tokenizer_kind(path: Path, spec: dict) -> tuple[str, bool]:
+    """("gpt2", False) for byte-level BPE; ("llama", prefix?) for SentencePiece-style (U+2581 spaces,
+    <0xXX> byte fallback), where prefix says whether a space is put before the text."""
+    decoder = spec.get("decoder") or {}
+    if decoder.get("type") == "ByteLevel":
+        return "gpt2", False
+    parts = [decoder, *decoder.get("decoders", [])]
+    if any(p.get("type") == "ByteFallback" for p in parts) or (spec.get("model") or {}).get("byte_fallback"):
+        normalizer = spec.get("normalizer") or {}
+        steps = [normalizer, *normalizer.get("normalizers", [])]
+        pre = spec.get("pre_tokenizer") or {}
+        prefix = any(s.get("type") == "Prepend" for s in steps) or (
+            pre.get("type") == "Metaspace" and pre.get("prepend_scheme", "always") != "never"
+        )
+        return "llama", prefix
+    raise UnsupportedTokenizer(
+        f"{path}: this kind of tokenizer.json (decoder {decoder.get('type')!r}) is not supported yet; "
+        "byte-level BPE and SentencePiece-style BPE with byte fallback are"
     )
 
 

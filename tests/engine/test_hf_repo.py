@@ -126,3 +126,88 @@ def test_missing_tokenizer_and_bad_config(tmp_path):
     (folder / "config.json").write_text("{not json")
     with pytest.raises(ModelFormatError, match="config.json.*JSON"):
         load_model(folder)
+
+
+def _spm_tokenizer_json(path: Path, prefix: bool) -> None:
+    """A SentencePiece-style tokenizer.json as HF writes Llama 2 / Mistral ones: U+2581 for spaces,
+    <0xXX> byte fallback, Replace/ByteFallback/Fuse decoders (written with the tokenizers library)."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models, normalizers
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    for b in range(256):
+        vocab[f"<0x{b:02X}>"] = len(vocab)
+    pieces = [
+        "▁",
+        "H",
+        "e",
+        "l",
+        "o",
+        "w",
+        "r",
+        "d",
+        "ü",
+        "ll",
+        "He",
+        "Hell",
+        "Hello",
+        "▁w",
+        "▁wor",
+        "▁world",
+        "or",
+    ]
+    for p in pieces:
+        vocab.setdefault(p, len(vocab))
+    merges = [
+        ("l", "l"),
+        ("H", "e"),
+        ("He", "ll"),
+        ("Hell", "o"),
+        ("▁", "w"),
+        ("o", "r"),
+        ("▁w", "or"),
+        ("▁wor", "l"),
+        ("▁worl", "d"),
+    ]
+    vocab["▁worl"] = len(vocab)
+    tok = HFTokenizer(models.BPE(vocab=vocab, merges=merges, byte_fallback=True, unk_token="<unk>"))
+    steps = [normalizers.Replace(" ", "▁")]
+    if prefix:
+        steps.insert(0, normalizers.Prepend("▁"))
+    tok.normalizer = normalizers.Sequence(steps)
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()])
+    tok.add_special_tokens(["<s>", "</s>"])
+    tok.save(str(path))
+
+
+@pytest.mark.parametrize("prefix", [False, True])
+def test_sentencepiece_style_tokenizer_json(tmp_path, prefix):
+    from tokenizers import Tokenizer as HFTokenizer
+
+    from engine.tokenizer import StreamDecoder
+
+    folder = _copy("llama", tmp_path)
+    _spm_tokenizer_json(folder / "tokenizer.json", prefix)
+    (folder / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>"}))
+    lm = load_model(folder)
+    reference = HFTokenizer.from_file(str(folder / "tokenizer.json"))
+    text = "Hello world ü €"  # € is not in the vocabulary: three byte-fallback pieces
+    ids = lm.tokenizer.encode(text)
+    assert ids == reference.encode(text, add_special_tokens=False).ids
+    assert [lm.tokenizer.token_text(i) for i in ids[-3:]] == ["<0xE2>", "<0x82>", "<0xAC>"]
+    assert lm.tokenizer.decode(ids) == text
+    stream = StreamDecoder(lm.tokenizer)
+    pieces = [stream.push(i) for i in ids] + [stream.flush()]
+    assert "".join(pieces) == text and "\ufffd" not in "".join(pieces)
+    assert lm.tokenizer.eos_id == 2 and 2 in lm.tokenizer.eot_ids
+
+
+def test_unknown_tokenizer_kind(tmp_path):
+    folder = _copy("llama", tmp_path)
+    spec = json.loads((folder / "tokenizer.json").read_text())
+    spec["decoder"] = {"type": "WordPiece", "prefix": "##", "cleanup": True}
+    (folder / "tokenizer.json").write_text(json.dumps(spec))
+    from engine.tokenizer import UnsupportedTokenizer
+
+    with pytest.raises(UnsupportedTokenizer, match="WordPiece"):
+        load_model(folder)
