@@ -132,7 +132,9 @@ def generate(
     if params.repetition_penalty != 1.0:
         processors.append(repetition_penalty(params.repetition_penalty, params.repeat_last_n))
     stop_ids = tokenizer.eot_ids
-    decoder = StreamDecoder(tokenizer, skip_special=True)
+    # After a turn marker the reply starts a new text (a SentencePiece prefix space is dropped); a
+    # completion continues the prompt's text, so its first word keeps its space.
+    decoder = StreamDecoder(tokenizer, skip_special=True, text_start=tokenizer.is_control(prompt_ids[-1]))
     matcher = _StopMatcher(params.stop)
 
     t0 = time.perf_counter()

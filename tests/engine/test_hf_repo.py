@@ -211,3 +211,30 @@ def test_unknown_tokenizer_kind(tmp_path):
 
     with pytest.raises(UnsupportedTokenizer, match="WordPiece"):
         load_model(folder)
+
+
+def test_completion_keeps_the_space_a_chat_reply_drops(tmp_path):
+    """With add_space_prefix, "▁world" continues "Hello" as " world" but opens a reply as "world"."""
+    from engine.kv_cache import KVCache
+
+    folder = _copy("llama", tmp_path)
+    _spm_tokenizer_json(folder / "tokenizer.json", prefix=True)
+    (folder / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>"}))
+    tok = load_model(folder).tokenizer
+    world = tok.encode("world")[0]
+    assert tok.token_text(world) == "▁world"
+
+    class OneWord:
+        def forward(self, tokens, cache, all_logits=False):
+            cache.advance(tokens)
+            logits = np.zeros((1, tok.vocab_size), np.float32)
+            logits[0, world if cache.offset == len(prompt) else tok.eos_id] = 1.0
+            return logits
+
+    params = GenerationParams(max_tokens=4, temperature=0)
+    prompt = tok.encode("Hello")
+    text = "".join(e.text for e in generate(OneWord(), tok, prompt, KVCache(1, 1, 2, 16), params))
+    assert text == " world"
+    prompt = [*tok.encode("Hello"), tok.bos_id]  # ends on a control token: a new turn
+    text = "".join(e.text for e in generate(OneWord(), tok, prompt, KVCache(1, 1, 2, 16), params))
+    assert text == "world"
