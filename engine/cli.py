@@ -79,6 +79,12 @@ def build_parser() -> argparse.ArgumentParser:
         "-r", "--repetitions", type=int, default=1, help="repeat prefill/decode, report the best"
     )
     bench.add_argument("--json", action="store_true")
+    bench.add_argument(
+        "--chat",
+        action="store_true",
+        help="scripted 8-turn chat: prefilled tokens, TTFT and tok/s per turn, with and without KV reuse "
+        "(-g: reply tokens per turn)",
+    )
     _add_library_parsers(sub)
     return parser
 

@@ -238,6 +238,10 @@ def run_bench(lm: LoadedModel, n_prompt: int, n_gen: int, n_ctx: int, repetition
 
 
 def cmd_bench(args) -> int:
+    if getattr(args, "chat", False):
+        from engine.bench_chat import cmd_bench_chat
+
+        return cmd_bench_chat(args)
     t0 = time.perf_counter()
     lm = _load(args)
     # "ready" includes the first forward pass, which loads the cached Numba kernels

@@ -1,0 +1,156 @@
+"""Refuse a load that would not fit in RAM, before touching the weights.
+
+Estimate = weights (the file is mapped and every page is read per token, so all of it ends up
+resident) + the KV cache for the requested context (float32 keys and values for every layer)
++ working buffers for a prefill batch + a fixed overhead (interpreter, Numba, tokenizer). It is
+compared with what the OS reports as available (free plus reclaimable), keeping a margin for the
+rest of the system, so Hearth declines with advice instead of swapping or being OOM-killed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from models.errors import HearthError, ModelFormatError
+
+FIXED_OVERHEAD = 300 << 20  # Python, numpy/Numba runtime, tokenizer, chat template
+HEADROOM = 0.9  # use at most this share of the available memory
+KV_ITEMSIZE = 4  # float32 keys and values
+
+
+class InsufficientMemoryError(HearthError):
+    """A model with the requested context would not fit in the memory available."""
+
+    def __init__(self, estimate: MemoryEstimate):
+        self.estimate = estimate
+        mib = 1 << 20
+        advice = (
+            f"load it with a context of at most {estimate.max_fitting_ctx} tokens"
+            if estimate.max_fitting_ctx >= 256
+            else "the weights alone do not fit"
+        )
+        super().__init__(
+            f"not enough memory: {estimate.n_ctx} tokens of context need about "
+            f"{estimate.total_bytes // mib} MiB (weights {estimate.weights_bytes // mib} MiB, KV cache "
+            f"{estimate.kv_bytes // mib} MiB, buffers {estimate.overhead_bytes // mib} MiB) but only "
+            f"{estimate.available_bytes // mib} MiB are available; {advice}, pick a smaller quantization, "
+            "or close other programs / unload other models"
+        )
+
+
+@dataclass(frozen=True)
+class KVShape:
+    """What the KV cache size depends on, read from a model's metadata."""
+
+    n_layers: int
+    n_kv_heads: int
+    head_dim: int
+    hidden_size: int
+    trained_ctx: int
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return self.n_layers * self.n_kv_heads * self.head_dim * 2 * KV_ITEMSIZE
+
+
+@dataclass
+class MemoryEstimate:
+    """Bytes a load would need against bytes available. `warnings` are for the user, not errors."""
+
+    n_ctx: int
+    weights_bytes: int
+    kv_bytes: int
+    overhead_bytes: int
+    available_bytes: int
+    kv_bytes_per_token: int
+    max_fitting_ctx: int
+    trained_ctx: int
+    warnings: list[str] = field(default_factory=list)
+
+    @property
+    def total_bytes(self) -> int:
+        return self.weights_bytes + self.kv_bytes + self.overhead_bytes
+
+    @property
+    def fits(self) -> bool:
+        return self.total_bytes <= self.available_bytes * HEADROOM
+
+
+def kv_shape_from_gguf(metadata: dict[str, Any], path: str = "model") -> KVShape:
+    """Layers, KV heads, head size and trained context from GGUF metadata (`{arch}.*` keys).
+
+    Raises:
+        ModelFormatError: the keys the estimate needs are missing or not integers.
+    """
+    arch = metadata.get("general.architecture")
+    try:
+        layers = int(metadata[f"{arch}.block_count"])
+        heads = int(metadata[f"{arch}.attention.head_count"])
+        kv_heads = int(metadata.get(f"{arch}.attention.head_count_kv", heads))
+        hidden = int(metadata[f"{arch}.embedding_length"])
+        head_dim = int(metadata.get(f"{arch}.attention.key_length", hidden // heads))
+        trained = int(metadata.get(f"{arch}.context_length", 0))
+    except (KeyError, TypeError, ValueError, ZeroDivisionError) as e:
+        raise ModelFormatError(path, f"metadata lacks the {arch} hyper-parameters ({e})") from e
+    return KVShape(layers, kv_heads, head_dim, hidden, trained)
+
+
+def available_bytes() -> int:
+    """Memory the OS can give us now without swapping (psutil's `available`)."""
+    import psutil
+
+    return int(psutil.virtual_memory().available)
+
+
+def estimate(
+    weights_bytes: int, shape: KVShape, n_ctx: int, batch: int = 512, available: int | None = None
+) -> MemoryEstimate:
+    """Estimate the memory of a load with `n_ctx` tokens of context and prefill batches of `batch`.
+
+    Args:
+        weights_bytes: size of the model file (mapped, eventually all resident).
+        shape: from kv_shape_from_gguf.
+        n_ctx: requested context length.
+        batch: prefill batch size (sizes activation buffers).
+        available: bytes available (default: asked from the OS).
+    """
+    if n_ctx < 1:
+        raise ValueError("n_ctx must be at least 1")
+    available = available_bytes() if available is None else int(available)
+    per_token = shape.kv_bytes_per_token
+    # activations of a prefill batch: residual, norm, q/k/v/o and the FFN's gate/up (~4x hidden each)
+    activations = batch * shape.hidden_size * 16 * 4
+    overhead = FIXED_OVERHEAD + activations
+    room = int(available * HEADROOM) - weights_bytes - overhead
+    warnings = []
+    if shape.trained_ctx and n_ctx > shape.trained_ctx:
+        warnings.append(
+            f"the context of {n_ctx} tokens is longer than the {shape.trained_ctx} this model was trained "
+            f"on; replies will degrade past {shape.trained_ctx} tokens"
+        )
+    return MemoryEstimate(
+        n_ctx=n_ctx,
+        weights_bytes=int(weights_bytes),
+        kv_bytes=per_token * n_ctx,
+        overhead_bytes=overhead,
+        available_bytes=available,
+        kv_bytes_per_token=per_token,
+        max_fitting_ctx=max(0, room // per_token) if per_token else 0,
+        trained_ctx=shape.trained_ctx,
+        warnings=warnings,
+    )
+
+
+def check(
+    weights_bytes: int, shape: KVShape, n_ctx: int, batch: int = 512, available: int | None = None
+) -> MemoryEstimate:
+    """estimate(), raising InsufficientMemoryError when it does not fit.
+
+    Raises:
+        InsufficientMemoryError: with the numbers and the largest context that would fit.
+    """
+    result = estimate(weights_bytes, shape, n_ctx, batch, available)
+    if not result.fits:
+        raise InsufficientMemoryError(result)
+    return result

@@ -1,0 +1,358 @@
+"""The engine worker process: owns the loaded models and runs chat turns for engine.client.
+
+Generation runs in the worker's main thread; a listener thread reads the pipe so that `cancel`
+(a flag checked between prefill batches and between tokens) and `status` are served while a reply
+is being computed. See engine.client for the message protocol.
+
+ChatRunner is the per-model chat engine (also used in process by `hearth bench --chat`): it fits
+the conversation to the context (engine.context_policy), reuses the longest prefix the live KV
+cache holds, restores a longer one from the prefix store (engine.prefix_cache) when the user
+switched chats, prefills the rest in batches, and streams the reply.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import queue
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import replace
+from pathlib import Path
+
+from engine import memory_guard
+from engine.backends import cpu
+from engine.client import (
+    ChatEvent,
+    EngineStatus,
+    LoadOptions,
+    LoadProgress,
+    ModelInfo,
+    NoChatTemplateError,
+    NoModelLoadedError,
+    error_payload,
+)
+from engine.context_policy import DEFAULT_POLICY, ChatContext, fit_conversation
+from engine.generate import GenerationParams, generate, prefill
+from engine.loader import LoadedModel, load_model
+from engine.memory import peak_rss_mb, rss_mb
+from engine.prefix_cache import PrefixCache
+from models.formats.gguf import open_gguf
+from models.resolve import resolve_model
+
+MAX_CHAT_STATES = 512  # per-chat context-policy states kept (LRU)
+
+
+class ChatRunner:
+    """One loaded model with its live KV cache, its prefix store and per-chat context state.
+
+    Args:
+        lm: the loaded model.
+        key: the name clients address it by.
+        options: the load options.
+        prefix_cache_bytes: budget of the prefix store (0: none).
+        estimate: the memory estimate made before loading (None when not checked).
+    """
+
+    def __init__(
+        self,
+        lm: LoadedModel,
+        key: str,
+        options: LoadOptions,
+        prefix_cache_bytes: int = 0,
+        estimate: memory_guard.MemoryEstimate | None = None,
+    ):
+        self.lm = lm
+        self.key = key
+        self.options = options
+        self.estimate = estimate
+        self.cache = lm.model.new_cache(options.n_ctx)
+        self.store = PrefixCache(prefix_cache_bytes) if prefix_cache_bytes > 0 else None
+        self.contexts: OrderedDict[str, ChatContext] = OrderedDict()
+        self.load_s = 0.0
+
+    @classmethod
+    def load(
+        cls,
+        spec: str | Path,
+        options: LoadOptions,
+        progress: Callable[[LoadProgress], None] = lambda p: None,
+        available: int | None = None,
+    ) -> ChatRunner:
+        """Resolve, check memory, map and warm up a model.
+
+        Args:
+            spec: a model file path or a starter model's name.
+            options: context, batch, threads, prefix store budget.
+            progress: receives LoadProgress steps (warnings come as stage "warning").
+            available: bytes of RAM to plan with (default: what the OS reports).
+
+        Raises:
+            ModelNotFoundError, ModelFormatError, InsufficientMemoryError, UnsupportedArchitectureError.
+        """
+        t0 = time.perf_counter()
+        progress(LoadProgress("resolve", 0.0, str(spec)))
+
+        def download(stage: str, done: int, total: int) -> None:
+            if total:
+                progress(LoadProgress("download", 0.5 * done / total, stage))
+
+        path = resolve_model(str(spec), progress=download)
+        progress(LoadProgress("check", 0.5, "estimating memory"))
+        with open_gguf(path) as gguf:
+            shape = memory_guard.kv_shape_from_gguf(gguf.metadata, str(path))
+        available = memory_guard.available_bytes() if available is None else available
+        estimate = memory_guard.check(
+            path.stat().st_size, shape, options.n_ctx, options.batch_size, available
+        )
+        for warning in estimate.warnings:
+            progress(LoadProgress("warning", 0.5, warning))
+        # the prefix store is a cache: give it at most half of what the load leaves free
+        spare = int(available * memory_guard.HEADROOM) - estimate.total_bytes
+        store_bytes = max(0, min(options.prefix_cache_mb << 20, spare // 2))
+        progress(LoadProgress("map", 0.6, "mapping weights"))
+        lm = load_model(path)
+        if options.threads:
+            cpu.set_threads(options.threads)
+        progress(LoadProgress("warmup", 0.8, "loading compiled kernels"))
+        warm = lm.model.new_cache(8)
+        lm.model.forward([lm.tokenizer.bos_id or 0] * 2, warm)  # batch path
+        lm.model.forward([0], warm)  # decode path
+        runner = cls(lm, options.name or path.stem, options, store_bytes, estimate)
+        runner.load_s = time.perf_counter() - t0
+        return runner
+
+    @property
+    def info(self) -> ModelInfo:
+        est = self.estimate
+        return ModelInfo(
+            key=self.key,
+            name=self.lm.name,
+            path=str(self.lm.path),
+            n_ctx=self.cache.n_ctx,
+            trained_ctx=self.lm.context_length,
+            file_size=self.lm.file_size,
+            load_s=self.load_s,
+            prefix_cache_bytes=self.store.max_bytes if self.store else 0,
+            estimated_bytes=est.total_bytes if est else 0,
+            warnings=list(est.warnings) if est else [],
+        )
+
+    def status(self) -> dict:
+        """Context use and prefix store figures of this model."""
+        return {
+            "key": self.key,
+            "name": self.lm.name,
+            "n_ctx": self.cache.n_ctx,
+            "context_used": self.cache.offset,
+            "prefix_cache_bytes": self.store.nbytes if self.store else 0,
+            "prefix_cache_budget": self.store.max_bytes if self.store else 0,
+        }
+
+    def encode(self, messages: Sequence[dict]) -> list[int]:
+        """Render a conversation with the model's template (generation prompt added) into token ids."""
+        template = self.lm.template
+        if template is None:
+            raise NoChatTemplateError(
+                f"{self.lm.name} has no chat template (it is a base/completion model), so it cannot chat"
+            )
+        text = template.render(list(messages), add_generation_prompt=True)
+        # the template writes BOS itself when the model wants it
+        return self.lm.tokenizer.encode(text, add_special=False)
+
+    def _context_state(self, chat_id: str | None) -> ChatContext | None:
+        if chat_id is None:
+            return None
+        state = self.contexts.pop(chat_id, None) or ChatContext()
+        self.contexts[chat_id] = state
+        while len(self.contexts) > MAX_CHAT_STATES:
+            self.contexts.popitem(last=False)
+        return state
+
+    def chat(
+        self,
+        messages: Sequence[dict],
+        params: GenerationParams,
+        *,
+        chat_id: str | None = None,
+        policy: str = DEFAULT_POLICY,
+        reuse: bool = True,
+        should_stop: Callable[[], bool] = lambda: False,
+    ) -> Iterator[ChatEvent]:
+        """Stream the reply to `messages` (see ChatEvent).
+
+        Args:
+            reuse: False prefills the whole prompt from scratch (benchmarks, cold-run checks).
+            should_stop: polled between prefill batches and between tokens; True ends the reply
+                with finish_reason "cancelled".
+        """
+        t0 = time.perf_counter()
+        model, cache, n_ctx = self.lm.model, self.cache, self.cache.n_ctx
+        if self.options.threads:
+            cpu.set_threads(self.options.threads)
+        reserve = min(params.max_tokens, n_ctx // 4)
+        fitted = fit_conversation(messages, self.encode, n_ctx, reserve, policy, self._context_state(chat_id))
+        ids = fitted.ids
+        restored = 0
+        if not reuse:
+            cache.trim(cache.offset)
+        elif self.store is not None:
+            live = cache.common_prefix(ids)
+            restored = max(0, self.store.restore(ids, cache, start=live) - live)
+        cached = min(cache.common_prefix(ids), len(ids) - 1)
+        chunk = self.options.batch_size
+        base = ChatEvent(
+            prompt_tokens=len(ids),
+            cached_tokens=cached,
+            restored_tokens=min(restored, cached),
+            to_prefill=len(ids) - cached,
+            context_size=n_ctx,
+            context_before=len(ids),
+            dropped_messages=fitted.dropped,
+        )
+
+        def cancelled(**counts) -> ChatEvent:
+            return replace(base, finish_reason="cancelled", context_after=cache.offset, **counts)
+
+        try:
+            done = cached
+            while len(ids) - done > chunk:  # the last piece is prefilled by generate()
+                if should_stop():
+                    yield cancelled(prefilled=done - cached)
+                    return
+                prefill(model, cache, ids[: done + chunk], chunk)
+                done += chunk
+                yield replace(base, prefilled=done - cached, context_after=cache.offset)
+            if should_stop():
+                yield cancelled(prefilled=done - cached)
+                return
+            ttft = 0.0
+            stream = generate(model, self.lm.tokenizer, ids, cache, replace(params, prefill_chunk=chunk))
+            for event in stream:
+                if not ttft:
+                    ttft = time.perf_counter() - t0
+                out = replace(
+                    base,
+                    text=event.text,
+                    token=event.token,
+                    finish_reason=event.finish_reason,
+                    prefilled=base.to_prefill,
+                    generated_tokens=event.generated_tokens,
+                    ttft_s=ttft,
+                    prompt_tps=base.to_prefill / ttft,
+                    generation_tps=event.generation_tps,
+                    context_after=cache.offset,
+                    peak_memory_mb=event.peak_memory_mb,
+                )
+                yield out
+                if event.finish_reason:
+                    return
+                if should_stop():
+                    stream.close()
+                    yield replace(
+                        out, text="", token=None, finish_reason="cancelled", peak_memory_mb=peak_rss_mb()
+                    )
+                    return
+        finally:
+            if reuse and self.store is not None and cache.offset:
+                self.store.insert(cache)
+
+
+def serve(conn) -> None:
+    """Worker main loop: run requests from `conn` until shutdown or until the client goes away."""
+    send_lock = threading.Lock()
+    inbox: queue.Queue = queue.Queue()
+    cancelled: set[int] = set()
+    stopping = threading.Event()
+    busy = threading.Event()
+    runners: dict[str, ChatRunner] = {}
+
+    def send(kind: str, req_id: int, payload) -> None:
+        with send_lock:
+            conn.send((kind, req_id, payload))
+
+    def status() -> EngineStatus:
+        return EngineStatus(
+            pid=os.getpid(),
+            rss_mb=rss_mb(),
+            busy=busy.is_set(),
+            models=[r.status() for r in list(runners.values())],
+        )
+
+    def listen() -> None:
+        while True:
+            try:
+                op, req_id, payload = conn.recv()
+            except (EOFError, OSError):
+                op, req_id, payload = "shutdown", 0, None
+            if op == "cancel":
+                cancelled.update(payload)
+            elif op == "status":
+                try:
+                    send("status", req_id, status())
+                except Exception as e:  # noqa: BLE001 - report, keep listening
+                    send("error", req_id, error_payload(e))
+            else:
+                inbox.put((op, req_id, payload))
+            if op == "shutdown":
+                stopping.set()
+                return
+
+    threading.Thread(target=listen, name="hearth-listener", daemon=True).start()
+    while True:
+        op, req_id, payload = inbox.get()
+        if op == "shutdown":
+            break
+        busy.set()
+        try:
+            if op == "load":
+                runner = ChatRunner.load(
+                    payload["model"], payload["options"], lambda p, r=req_id: send("progress", r, p)
+                )
+                old = runners.pop(runner.key, None)
+                runners[runner.key] = runner  # the newest model is the default one
+                del old
+                gc.collect()
+                send("loaded", req_id, runner.info)
+            elif op == "generate":
+                runner = _pick(runners, payload["model"])
+                stream = runner.chat(
+                    payload["messages"],
+                    payload["params"],
+                    chat_id=payload["chat_id"],
+                    policy=payload["policy"],
+                    reuse=payload["reuse"],
+                    should_stop=lambda r=req_id: r in cancelled or stopping.is_set(),
+                )
+                for event in stream:
+                    send("event", req_id, event)
+            elif op == "unload":
+                if payload is None:
+                    runners.clear()
+                elif runners.pop(payload, None) is None:
+                    raise NoModelLoadedError(f"no model named {payload!r} is loaded")
+                gc.collect()
+                send("done", req_id, None)
+        except (EOFError, OSError, BrokenPipeError):
+            break  # the client is gone
+        except Exception as e:  # noqa: BLE001 - every failure goes back to the caller as a typed error
+            try:
+                send("error", req_id, error_payload(e))
+            except (OSError, BrokenPipeError):
+                break
+        finally:
+            cancelled.discard(req_id)
+            busy.clear()
+    conn.close()
+
+
+def _pick(runners: dict[str, ChatRunner], key: str | None) -> ChatRunner:
+    if not runners:
+        raise NoModelLoadedError("no model is loaded; load one first")
+    if key is None:
+        return next(reversed(runners.values()))
+    if key not in runners:
+        raise NoModelLoadedError(f"no model named {key!r} is loaded (loaded: {', '.join(runners)})")
+    return runners[key]

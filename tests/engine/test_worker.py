@@ -1,0 +1,78 @@
+"""ChatRunner (the worker's per-model chat engine) in process, and `hearth bench --chat`."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from engine.cli import main
+from engine.client import LoadOptions, NoChatTemplateError
+from engine.context_policy import ContextFullError
+from engine.generate import GenerationParams
+
+GREEDY = GenerationParams(max_tokens=24, temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def runner(smollm2_path):
+    from engine.worker import ChatRunner
+
+    return ChatRunner.load(smollm2_path, LoadOptions(n_ctx=256, batch_size=128, prefix_cache_mb=32))
+
+
+def _reply(runner, messages, **kw):
+    pieces, last = [], None
+    for event in runner.chat(messages, GREEDY, **kw):
+        pieces.append(event.text)
+        last = event
+    return "".join(pieces), last
+
+
+def test_long_chat_is_truncated_in_the_middle_and_keeps_reusing(runner):
+    msgs = [{"role": "system", "content": "You answer in one sentence."}]
+    lasts = []
+    for i in range(9):
+        msgs.append({"role": "user", "content": f"Tell me fact number {i} about the ocean, briefly please."})
+        reply, last = _reply(runner, msgs, chat_id="ocean")
+        msgs.append({"role": "assistant", "content": reply})
+        lasts.append(last)
+        assert last.context_before + GREEDY.max_tokens <= last.context_size + 1
+        assert last.context_after <= last.context_size
+    dropped = [e.dropped_messages for e in lasts]
+    assert dropped[0] == 0 and dropped[-1] > 0 and dropped == sorted(dropped)
+    # after a truncation, the following turn reuses the truncated prefix again
+    first_cut = dropped.index(next(d for d in dropped if d))
+    after = lasts[first_cut + 1]
+    if after.dropped_messages == lasts[first_cut].dropped_messages:
+        assert after.cached_tokens >= lasts[first_cut].context_after - 2
+
+
+def test_stop_policy_refuses_when_full(runner):
+    msgs = [{"role": "user", "content": "word " * 400}]
+    with pytest.raises(ContextFullError):
+        list(runner.chat(msgs, GREEDY, policy="stop"))
+
+
+def test_model_without_template_is_refused_clearly(runner, monkeypatch):
+    monkeypatch.setattr(runner.lm, "template", None)
+    with pytest.raises(NoChatTemplateError, match="no chat template"):
+        list(runner.chat([{"role": "user", "content": "hi"}], GREEDY))
+
+
+def test_bench_chat_json(capsys, smollm2_path):
+    argv = ["bench", "--chat", "-m", str(smollm2_path), "-g", "32", "-r", "2", "--ctx", "1024", "--json"]
+    assert main(argv) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    turns = out["turns"]
+    assert len(turns) == 8
+    for t in turns:
+        print(t)
+        # with reuse only what the turn added is prefilled (user message, template glue, end of reply)
+        assert abs(t["prefilled"] - t["new_tokens"]) <= 2
+        assert t["prefilled_no_reuse"] == t["prompt_tokens"]
+    assert turns[0]["prefilled"] == turns[0]["prompt_tokens"]
+    print(f"TTFT speedup on turn 8: {out['ttft_speedup_last_turn']}x")
+    # the target is 5x (measured with the CLI on a quiet machine: see the report); timings on a
+    # machine shared by several jobs are noisy, so the test asks for a margin that noise cannot erase
+    assert out["ttft_speedup_last_turn"] >= 2.0
