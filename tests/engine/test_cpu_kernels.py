@@ -214,7 +214,8 @@ def attention_reference(q, k_cache, v_cache, pos0, scale):
     return out
 
 
-@pytest.mark.parametrize("n_tok,pos0", [(1, 0), (1, 9), (5, 0), (6, 4)])
+# 12 and 16 queries take the BLAS prefill path
+@pytest.mark.parametrize("n_tok,pos0", [(1, 0), (1, 9), (5, 0), (6, 4), (12, 0), (16, 5)])
 def test_attention_gqa_causal(n_tok, pos0):
     rng = np.random.default_rng(3)
     n_heads, n_kv, hd, max_ctx = 6, 2, 16, 32

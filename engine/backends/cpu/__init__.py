@@ -209,7 +209,36 @@ def attention(
             f"attention: {n_heads} heads over {k_cache.shape[0]} kv heads, positions up to {pos0 + n_tok} "
             f"in a cache of {k_cache.shape[1]}"
         )
-    ops.attention(out, q, k_cache, v_cache, int(pos0), np.float32(scale))
+    if n_tok >= _BLAS_ATTENTION_MIN_TOKENS:
+        _attention_blas(out, q, k_cache, v_cache, int(pos0), np.float32(scale))
+    else:
+        ops.attention(out, q, k_cache, v_cache, int(pos0), np.float32(scale))
+
+
+# From this many queries on, attention runs as BLAS matmuls per kv head (prefill): the Numba loop
+# runs on one thread there (batch_phase) and is scalar over keys.
+_BLAS_ATTENTION_MIN_TOKENS = 8
+
+
+def _attention_blas(out, q, k_cache, v_cache, pos0: int, scale: np.float32) -> None:
+    """attention() for many queries: scores = Q K^T per kv head (all its query heads at once), causal
+    mask, softmax in float32, then P V; the same maths as ops.attention."""
+    n_tok, n_heads, head_dim = q.shape
+    n_kv = k_cache.shape[0]
+    rep = n_heads // n_kv
+    ctx = pos0 + n_tok
+    # query i (position pos0 + i) sees keys [0, pos0 + i]
+    masked = np.arange(ctx)[None, :] > (pos0 + np.arange(n_tok))[:, None]  # (n_tok, ctx)
+    for g in range(n_kv):
+        qg = q[:, g * rep : (g + 1) * rep, :].transpose(1, 0, 2).reshape(rep * n_tok, head_dim)
+        scores = (qg @ k_cache[g, :ctx].T).reshape(rep, n_tok, ctx)
+        scores *= scale
+        scores[:, masked] = -np.inf
+        scores -= scores.max(axis=-1, keepdims=True)
+        np.exp(scores, out=scores)
+        scores /= scores.sum(axis=-1, keepdims=True)
+        og = scores.reshape(rep * n_tok, ctx) @ v_cache[g, :ctx]  # (rep * n_tok, head_dim)
+        out[:, g * rep : (g + 1) * rep, :] = og.reshape(rep, n_tok, head_dim).transpose(1, 0, 2)
 
 
 def _flat(a: np.ndarray, name: str) -> np.ndarray:
