@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from engine.arch import register
+from engine.arch.base import Decoder
 from engine.backends import cpu as ops
 from engine.kv_cache import KVCache
 from engine.rope import RopeScaling, rope_inv_freq
@@ -190,7 +191,7 @@ class _Scratch:
 
 
 @register("gemma3")
-class Gemma3Model:
+class Gemma3Model(Decoder):
     """A Gemma 3 decoder over weights that stay in their file format."""
 
     config_class = Gemma3Config
@@ -234,22 +235,6 @@ class Gemma3Model:
         self.scale = np.float32(cfg.query_pre_attn_scalar**-0.5)
         self._decode = _Scratch(cfg, 1)
         self._logits = np.empty((1, cfg.vocab_size), np.float32)
-
-    def new_cache(self, n_ctx: int) -> KVCache:
-        cfg = self.cfg
-        return KVCache(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, n_ctx)
-
-    def forward(self, tokens, cache: KVCache, all_logits: bool = False) -> np.ndarray:
-        """Run tokens (n,) through the model at positions cache.offset.., appending to the cache.
-
-        Returns:
-            float32 logits (n, vocab) when all_logits, else (1, vocab) for the last token. The
-            (1, vocab) array is a reused buffer for decode: copy it to keep it past the next call.
-        """
-        tokens = np.asarray(tokens, dtype=np.int64)
-        cache.check_room(len(tokens))
-        with ops.batch_phase(len(tokens)):
-            return self._forward(tokens, cache, all_logits)
 
     def _attend(self, out3, q3, k_cache, v_cache, pos0: int, window: int | None) -> None:
         """Causal attention of q3 (n, heads, hd) at positions pos0.. over one layer's cache.

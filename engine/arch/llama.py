@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from engine.arch import register
+from engine.arch.base import Decoder
 from engine.backends import cpu as ops
 from engine.kv_cache import KVCache
 from engine.rope import RopeScaling, rope_inv_freq
@@ -146,7 +147,7 @@ def _ffn_weights(weights, p: str, ff: int, d: int) -> tuple[Weight, Weight]:
 
 
 @register("llama", "mistral", "qwen2", "qwen3", "phi3")
-class LlamaModel:
+class LlamaModel(Decoder):
     """A Llama-family decoder over weights that stay in their file format."""
 
     config_class = LlamaConfig
@@ -199,22 +200,6 @@ class LlamaModel:
         self.scale = np.float32(1.0 / np.sqrt(cfg.head_dim))
         self._decode = _Scratch(cfg, 1)
         self._logits = np.empty((1, cfg.vocab_size), np.float32)
-
-    def new_cache(self, n_ctx: int) -> KVCache:
-        cfg = self.cfg
-        return KVCache(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, n_ctx)
-
-    def forward(self, tokens, cache: KVCache, all_logits: bool = False) -> np.ndarray:
-        """Run tokens (n,) through the model at positions cache.offset.., appending to the cache.
-
-        Returns:
-            float32 logits (n, vocab) when all_logits, else (1, vocab) for the last token. The
-            (1, vocab) array is a reused buffer for decode: copy it to keep it past the next call.
-        """
-        tokens = np.asarray(tokens, dtype=np.int64)
-        cache.check_room(len(tokens))
-        with ops.batch_phase(len(tokens)):
-            return self._forward(tokens, cache, all_logits)
 
     def _forward(self, tokens: np.ndarray, cache: KVCache, all_logits: bool) -> np.ndarray:
         cfg = self.cfg
