@@ -25,6 +25,10 @@ def lazy_zeros(shape: tuple[int, ...], dtype=np.float32) -> np.ndarray:
     return np.frombuffer(buf, dtype=dtype).reshape(shape)
 
 
+# The element types a cache can hold (attention reads both).
+KV_DTYPES = (np.dtype(np.float32), np.dtype(np.float16))
+
+
 class KVCache:
     """Keys and values of every layer for up to n_ctx positions, plus the token history.
 
@@ -35,12 +39,16 @@ class KVCache:
     is done, `offset`, `trim(n)`, `state`.
     """
 
-    def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, n_ctx: int):
+    def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, n_ctx: int, dtype=np.float32):
+        dtype = np.dtype(dtype)
+        if dtype not in KV_DTYPES:
+            raise ValueError(f"KV cache dtype must be float32 or float16, got {dtype}")
         self.n_ctx = n_ctx
+        self.dtype = dtype
         # (n_layers, n_kv_heads, n_ctx, head_dim): per layer and head the positions are contiguous,
-        # which is what attention reads.
-        self.k = lazy_zeros((n_layers, n_kv_heads, n_ctx, head_dim))
-        self.v = lazy_zeros((n_layers, n_kv_heads, n_ctx, head_dim))
+        # which is what attention reads. float16 halves the memory; attention widens it to float32.
+        self.k = lazy_zeros((n_layers, n_kv_heads, n_ctx, head_dim), dtype)
+        self.v = lazy_zeros((n_layers, n_kv_heads, n_ctx, head_dim), dtype)
         self._tokens: list[int] = []
 
     @property
@@ -63,7 +71,9 @@ class KVCache:
     def update_and_fetch(self, layer: int, k: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Store k, v (n_tok, n_kv_heads, head_dim) at positions offset.. of `layer`.
 
-        Returns that layer's full (n_kv_heads, n_ctx, head_dim) key and value arrays.
+        k, v are float32; they are stored converted to the cache's dtype (rounded to nearest for
+        float16). Returns that layer's full (n_kv_heads, n_ctx, head_dim) key and value arrays, in
+        the cache's dtype.
         """
         n = k.shape[0]
         pos = self.offset

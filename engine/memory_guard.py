@@ -1,7 +1,7 @@
 """Refuse a load that would not fit in RAM, before touching the weights.
 
 Estimate = weights (the file is mapped and every page is read per token, so all of it ends up
-resident) + the KV cache for the requested context (float32 keys and values for every layer)
+resident) + the KV cache for the requested context (float32 or float16 keys and values for every layer)
 + working buffers for a prefill batch + a fixed overhead (interpreter, Numba, tokenizer). It is
 compared with what the OS reports as available (free plus reclaimable), keeping a margin for the
 rest of the system, so Hearth declines with advice instead of swapping or being OOM-killed.
@@ -16,7 +16,7 @@ from models.errors import HearthError, ModelFormatError
 
 FIXED_OVERHEAD = 300 << 20  # Python, numpy/Numba runtime, tokenizer, chat template
 HEADROOM = 0.9  # use at most this share of the available memory
-KV_ITEMSIZE = 4  # float32 keys and values
+KV_ITEMSIZE = 4  # float32 keys and values (the default; a float16 cache passes kv_itemsize=2)
 
 
 class InsufficientMemoryError(HearthError):
@@ -51,7 +51,12 @@ class KVShape:
 
     @property
     def kv_bytes_per_token(self) -> int:
-        return self.n_layers * self.n_kv_heads * self.head_dim * 2 * KV_ITEMSIZE
+        """Bytes of keys and values per token with a float32 cache."""
+        return self.kv_bytes_per_token_at(KV_ITEMSIZE)
+
+    def kv_bytes_per_token_at(self, itemsize: int) -> int:
+        """Bytes of keys and values per token with `itemsize`-byte elements (4: float32, 2: float16)."""
+        return self.n_layers * self.n_kv_heads * self.head_dim * 2 * int(itemsize)
 
 
 @dataclass
@@ -104,7 +109,12 @@ def available_bytes() -> int:
 
 
 def estimate(
-    weights_bytes: int, shape: KVShape, n_ctx: int, batch: int = 512, available: int | None = None
+    weights_bytes: int,
+    shape: KVShape,
+    n_ctx: int,
+    batch: int = 512,
+    available: int | None = None,
+    kv_itemsize: int = KV_ITEMSIZE,
 ) -> MemoryEstimate:
     """Estimate the memory of a load with `n_ctx` tokens of context and prefill batches of `batch`.
 
@@ -114,11 +124,12 @@ def estimate(
         n_ctx: requested context length.
         batch: prefill batch size (sizes activation buffers).
         available: bytes available (default: asked from the OS).
+        kv_itemsize: bytes per KV cache element (4 for float32, 2 for float16).
     """
     if n_ctx < 1:
         raise ValueError("n_ctx must be at least 1")
     available = available_bytes() if available is None else int(available)
-    per_token = shape.kv_bytes_per_token
+    per_token = shape.kv_bytes_per_token_at(kv_itemsize)
     # activations of a prefill batch: residual, norm, q/k/v/o and the FFN's gate/up (~4x hidden each)
     activations = batch * shape.hidden_size * 16 * 4
     overhead = FIXED_OVERHEAD + activations
@@ -143,14 +154,19 @@ def estimate(
 
 
 def check(
-    weights_bytes: int, shape: KVShape, n_ctx: int, batch: int = 512, available: int | None = None
+    weights_bytes: int,
+    shape: KVShape,
+    n_ctx: int,
+    batch: int = 512,
+    available: int | None = None,
+    kv_itemsize: int = KV_ITEMSIZE,
 ) -> MemoryEstimate:
     """estimate(), raising InsufficientMemoryError when it does not fit.
 
     Raises:
         InsufficientMemoryError: with the numbers and the largest context that would fit.
     """
-    result = estimate(weights_bytes, shape, n_ctx, batch, available)
+    result = estimate(weights_bytes, shape, n_ctx, batch, available, kv_itemsize)
     if not result.fits:
         raise InsufficientMemoryError(result)
     return result

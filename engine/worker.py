@@ -68,7 +68,7 @@ class ChatRunner:
         self.key = key
         self.options = options
         self.estimate = estimate
-        self.cache = lm.model.new_cache(options.n_ctx)
+        self.cache = lm.model.new_cache(options.n_ctx, options.kv_numpy_dtype)
         self.store = PrefixCache(prefix_cache_bytes) if prefix_cache_bytes > 0 else None
         self.contexts: OrderedDict[str, ChatContext] = OrderedDict()
         self.load_s = 0.0
@@ -105,7 +105,8 @@ class ChatRunner:
             shape = memory_guard.kv_shape_from_gguf(gguf.metadata, str(path))
         available = memory_guard.available_bytes() if available is None else available
         estimate = memory_guard.check(
-            path.stat().st_size, shape, options.n_ctx, options.batch_size, available
+            path.stat().st_size, shape, options.n_ctx, options.batch_size, available,
+            options.kv_numpy_dtype.itemsize,
         )
         for warning in estimate.warnings:
             progress(LoadProgress("warning", 0.5, warning))
@@ -117,7 +118,7 @@ class ChatRunner:
         if options.threads:
             cpu.set_threads(options.threads)
         progress(LoadProgress("warmup", 0.8, "loading compiled kernels"))
-        warm = lm.model.new_cache(8)
+        warm = lm.model.new_cache(8, options.kv_numpy_dtype)  # compiles the kernels this dtype uses
         lm.model.forward([lm.tokenizer.bos_id or 0] * 2, warm)  # batch path
         lm.model.forward([0], warm)  # decode path
         runner = cls(lm, options.name or path.stem, options, store_bytes, estimate)

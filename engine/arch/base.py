@@ -12,9 +12,10 @@ class Decoder:
     """Base of the architecture classes. A subclass sets `cfg` (num_hidden_layers, num_key_value_heads,
     head_dim) and implements `_forward(tokens, cache, all_logits)`."""
 
-    def new_cache(self, n_ctx: int) -> KVCache:
+    def new_cache(self, n_ctx: int, dtype=np.float32) -> KVCache:
+        """An empty KV cache for n_ctx positions holding keys and values as dtype (float32 or float16)."""
         cfg = self.cfg
-        return KVCache(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, n_ctx)
+        return KVCache(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, n_ctx, dtype)
 
     def forward(self, tokens, cache: KVCache, all_logits: bool = False) -> np.ndarray:
         """Run tokens (n,) through the model at positions cache.offset.., appending to the cache.

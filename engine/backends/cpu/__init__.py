@@ -5,7 +5,7 @@ kernels' small activation scratch):
   linear(out, w, x)            out (n_tok, rows) = x (n_tok, cols) @ W.T for a quantized/float Weight
   get_rows(out, w, ids)        embedding lookup: out (len(ids), cols) = W[ids]
   rmsnorm(out, x, weight, eps) rope(x, positions, inv_freq, n_rot, neox)
-  attention(out, q, k_cache, v_cache, pos0, scale)
+  attention(out, q, k_cache, v_cache, pos0, scale)   (k/v caches float32 or float16)
   silu_mul(out, gate, up)      gelu_tanh_mul(out, gate, up)
   softmax(x)                   argmax(x)                  set_threads(n)
 
@@ -199,7 +199,8 @@ def attention(
     Args:
         out: float32 (n_tok, n_heads, head_dim), written.
         q: float32 (n_tok, n_heads, head_dim); query i sits at position pos0 + i.
-        k_cache, v_cache: float32 (n_kv_heads, max_ctx, head_dim) holding positions [0, pos0 + n_tok).
+        k_cache, v_cache: float32 or float16 (n_kv_heads, max_ctx, head_dim) holding positions
+            [0, pos0 + n_tok); both of one dtype. Scores and sums are float32 either way.
         pos0: position of the first query.
         scale: multiplies q.k (usually head_dim ** -0.5).
     """
@@ -209,6 +210,22 @@ def attention(
             f"attention: {n_heads} heads over {k_cache.shape[0]} kv heads, positions up to {pos0 + n_tok} "
             f"in a cache of {k_cache.shape[1]}"
         )
+    if k_cache.dtype == np.float16:
+        if v_cache.dtype != np.float16 or v_cache.shape != k_cache.shape:
+            raise ValueError(
+                f"attention: v_cache {v_cache.dtype} {v_cache.shape} does not match the float16 k_cache"
+            )
+        if n_tok >= _BLAS_ATTENTION_MIN_TOKENS:
+            # prefill: widen only the positions in use, then the float32 path
+            ctx = pos0 + n_tok
+            k32 = k_cache[:, :ctx].astype(np.float32)
+            v32 = v_cache[:, :ctx].astype(np.float32)
+            _attention_blas(out, q, k32, v32, int(pos0), np.float32(scale))
+        else:
+            # Numba has no float16: the kernel reads the halves' bits and widens them itself
+            k_bits, v_bits = k_cache.view(np.uint16), v_cache.view(np.uint16)
+            ops.attention_f16(out, q, k_bits, v_bits, int(pos0), np.float32(scale))
+        return
     if n_tok >= _BLAS_ATTENTION_MIN_TOKENS:
         _attention_blas(out, q, k_cache, v_cache, int(pos0), np.float32(scale))
     else:

@@ -68,6 +68,19 @@ def ld_f16(typingctx, arr, off):
 
 
 @intrinsic
+def half_to_f32(typingctx, bits):
+    """float32 of an IEEE half given as its uint16 bits (how float16 arrays reach Numba, as a uint16 view)."""
+    if bits != types.uint16:
+        raise TypingError(f"half_to_f32 takes uint16 bits, got {bits}")
+    sig = types.float32(bits)
+
+    def codegen(context, builder, signature, args):
+        return builder.fpext(builder.bitcast(args[0], ir.HalfType()), _F32)
+
+    return sig, codegen
+
+
+@intrinsic
 def ld_bf16(typingctx, arr, off):
     """float32 of the bfloat16 stored little-endian at byte `off` of a uint8 array."""
     _check_c_array(arr, types.uint8, "ld_bf16 array")

@@ -1,4 +1,4 @@
-"""Element-wise, normalization, rotary and attention kernels (float32).
+"""Element-wise, normalization, rotary and attention kernels (float32; attention also over float16 caches).
 
 Cheap ops run serially: at decode sizes a parallel region costs more than the work. Attention is
 the exception and runs one parallel region over (query, head) pairs.
@@ -10,6 +10,8 @@ import math
 
 import numpy as np
 from numba import njit, prange
+
+from engine.backends.cpu._llvm import half_to_f32
 
 _KW = dict(nogil=True, cache=True, fastmath=True)
 # softmax/argmax see logits a sampler may have masked with -inf (and may see NaN): fastmath would let
@@ -92,6 +94,40 @@ def attention(out, q, k_cache, v_cache, pos0, scale):
             p = scores[s] * inv
             for d in range(hd):
                 out[t, h, d] += p * v_cache[kv, s, d]
+
+
+@njit(parallel=True, **_KW)
+def attention_f16(out, q, k_bits, v_bits, pos0, scale):
+    # attention() over a float16 cache. k_bits, v_bits: the (n_kv, ctx, hd) half caches viewed as
+    # uint16 (Numba has no float16 on the CPU); each half is widened in registers (vcvtph2ps).
+    n_tok, n_heads, hd = q.shape
+    group = n_heads // k_bits.shape[0]
+    for item in prange(n_tok * n_heads):
+        t = item // n_heads
+        h = item - t * n_heads
+        kv = h // group
+        n_keys = pos0 + t + 1
+        scores = np.empty(n_keys, np.float32)
+        m = np.float32(-3.0e38)
+        for s in range(n_keys):
+            acc = np.float32(0.0)
+            for d in range(hd):
+                acc += q[t, h, d] * half_to_f32(k_bits[kv, s, d])
+            acc *= scale
+            scores[s] = acc
+            m = max(m, acc)
+        total = np.float32(0.0)
+        for s in range(n_keys):
+            e = np.exp(scores[s] - m)
+            scores[s] = e
+            total += e
+        inv = np.float32(1.0) / total
+        for d in range(hd):
+            out[t, h, d] = 0.0
+        for s in range(n_keys):
+            p = scores[s] * inv
+            for d in range(hd):
+                out[t, h, d] += p * half_to_f32(v_bits[kv, s, d])
 
 
 @njit(**_KW)
