@@ -60,10 +60,6 @@ class NoModelLoadedError(HearthError):
     """A reply was requested but no (or no such) model is loaded."""
 
 
-class NoChatTemplateError(HearthError):
-    """The model has no chat template, so a conversation cannot be rendered for it."""
-
-
 @dataclass
 class LoadOptions:
     """How to load a model.

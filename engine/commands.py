@@ -11,6 +11,7 @@ from engine.errors import HearthError
 from engine.generate import GenerationParams, generate
 from engine.loader import LoadedModel, load_model
 from engine.memory import peak_rss_mb
+from engine.templates import ensure_chat_template
 from models.resolve import resolve_model
 
 _shown: dict[str, int] = {}
@@ -62,21 +63,9 @@ def _chat_prompt(lm: LoadedModel, messages: list[dict]) -> list[int]:
     A model without a template (a base checkpoint) gets its family's fallback template from
     resources/templates/, announced once on stderr; lm.template keeps it for later turns.
     """
-    if lm.template is None:
-        from engine.templates import fallback_template, fallback_template_name
-
-        arch = str(lm.metadata.get("general.architecture", ""))
-        tok = lm.tokenizer
-        # the prompt is encoded without added specials, so the template writes BOS when the model wants it
-        lm.template = fallback_template(
-            arch, bos_token=tok.bos_token if tok.add_bos else None, eos_token=tok.eos_token
-        )
-        print(
-            f"hearth: {lm.name} has no chat template (a base model, trained to continue text); chatting "
-            f"in the fallback {fallback_template_name(arch)} turn format, so replies may be poor. "
-            "`hearth run` without --chat continues a text instead.",
-            file=sys.stderr,
-        )
+    notice = ensure_chat_template(lm)
+    if notice:
+        print(f"hearth: {notice}", file=sys.stderr)
     text = lm.template.render(messages, add_generation_prompt=True)
     # the template writes BOS itself when the model wants it; encode its special tokens as such
     return lm.tokenizer.encode(text, add_special=False)

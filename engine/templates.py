@@ -23,6 +23,29 @@ def fallback_template_name(architecture: str) -> str:
     return _FAMILY_TEMPLATES.get(architecture, DEFAULT_TEMPLATE)
 
 
+def ensure_chat_template(lm) -> str | None:
+    """Give a model without a chat template (a base checkpoint) its family's fallback template.
+
+    Args:
+        lm: an engine.loader.LoadedModel; its `template` is set when it had none.
+
+    Returns:
+        A notice for the user when the fallback was chosen, else None.
+    """
+    if lm.template is not None:
+        return None
+    arch = str(lm.metadata.get("general.architecture", ""))
+    tok = lm.tokenizer
+    # prompts are encoded without added specials, so the template writes BOS when the model wants it
+    bos = tok.bos_token if tok.add_bos else None
+    lm.template = fallback_template(arch, bos_token=bos, eos_token=tok.eos_token)
+    return (
+        f"{lm.name} has no chat template (a base model, trained to continue text); chatting in the fallback "
+        f"{fallback_template_name(arch)} turn format, so replies may be poor. "
+        "`hearth run` without --chat continues a text instead."
+    )
+
+
 def fallback_template(
     architecture: str, bos_token: str | None = None, eos_token: str | None = None
 ) -> ChatTemplate:

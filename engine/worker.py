@@ -30,7 +30,6 @@ from engine.client import (
     LoadOptions,
     LoadProgress,
     ModelInfo,
-    NoChatTemplateError,
     NoModelLoadedError,
     error_payload,
 )
@@ -39,6 +38,7 @@ from engine.generate import GenerationParams, generate, prefill
 from engine.loader import LoadedModel, load_model
 from engine.memory import peak_rss_mb, rss_mb
 from engine.prefix_cache import PrefixCache
+from engine.templates import ensure_chat_template
 from models.formats.gguf import open_gguf
 from models.resolve import resolve_model
 
@@ -115,6 +115,9 @@ class ChatRunner:
         store_bytes = max(0, min(options.prefix_cache_mb << 20, spare // 2))
         progress(LoadProgress("map", 0.6, "mapping weights"))
         lm = load_model(path)
+        notice = ensure_chat_template(lm)
+        if notice:
+            progress(LoadProgress("warning", 0.6, notice))
         if options.threads:
             cpu.set_threads(options.threads)
         progress(LoadProgress("warmup", 0.8, "loading compiled kernels"))
@@ -154,12 +157,8 @@ class ChatRunner:
 
     def encode(self, messages: Sequence[dict]) -> list[int]:
         """Render a conversation with the model's template (generation prompt added) into token ids."""
-        template = self.lm.template
-        if template is None:
-            raise NoChatTemplateError(
-                f"{self.lm.name} has no chat template (it is a base/completion model), so it cannot chat"
-            )
-        text = template.render(list(messages), add_generation_prompt=True)
+        ensure_chat_template(self.lm)  # normally done at load, where its notice is reported
+        text = self.lm.template.render(list(messages), add_generation_prompt=True)
         # the template writes BOS itself when the model wants it
         return self.lm.tokenizer.encode(text, add_special=False)
 
