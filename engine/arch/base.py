@@ -8,6 +8,24 @@ from engine.backends import cpu as ops
 from engine.kv_cache import KVCache
 
 
+class Scratch:
+    """Activation buffers for n tokens of a decoder whose cfg has hidden_size, q_dim, kv_dim and
+    intermediate_size; allocated once per batch size (decode reuses one)."""
+
+    def __init__(self, cfg, n: int):
+        f32 = np.float32
+        self.x = np.empty((n, cfg.hidden_size), f32)
+        self.h = np.empty((n, cfg.hidden_size), f32)
+        self.q = np.empty((n, cfg.q_dim), f32)
+        self.k = np.empty((n, cfg.kv_dim), f32)
+        self.v = np.empty((n, cfg.kv_dim), f32)
+        self.attn = np.empty((n, cfg.q_dim), f32)
+        self.o = np.empty((n, cfg.hidden_size), f32)
+        self.gate = np.empty((n, cfg.intermediate_size), f32)
+        self.up = np.empty((n, cfg.intermediate_size), f32)
+        self.positions = np.empty(n, np.int64)
+
+
 class Decoder:
     """Base of the architecture classes. A subclass sets `cfg` (num_hidden_layers, num_key_value_heads,
     head_dim) and implements `_forward(tokens, cache, all_logits)`."""

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from engine.arch import register
-from engine.arch.base import Decoder
+from engine.arch.base import Decoder, Scratch
 from engine.backends import cpu as ops
 from engine.kv_cache import KVCache
 from engine.rope import RopeScaling, rope_inv_freq
@@ -173,23 +173,6 @@ class Gemma3Layer:
     inv_freq: np.ndarray  # (head_dim // 2,) this layer's RoPE frequencies
 
 
-class _Scratch:
-    """Activation buffers for n tokens, allocated once per batch size."""
-
-    def __init__(self, cfg: Gemma3Config, n: int):
-        f32 = np.float32
-        self.x = np.empty((n, cfg.hidden_size), f32)
-        self.h = np.empty((n, cfg.hidden_size), f32)
-        self.q = np.empty((n, cfg.q_dim), f32)
-        self.k = np.empty((n, cfg.kv_dim), f32)
-        self.v = np.empty((n, cfg.kv_dim), f32)
-        self.attn = np.empty((n, cfg.q_dim), f32)
-        self.o = np.empty((n, cfg.hidden_size), f32)
-        self.gate = np.empty((n, cfg.intermediate_size), f32)
-        self.up = np.empty((n, cfg.intermediate_size), f32)
-        self.positions = np.empty(n, np.int64)
-
-
 @register("gemma3")
 class Gemma3Model(Decoder):
     """A Gemma 3 decoder over weights that stay in their file format."""
@@ -233,7 +216,7 @@ class Gemma3Model(Decoder):
         # HF multiplies by torch.tensor(hidden ** 0.5) cast to the weights' dtype: float32 here.
         self.embed_scale = np.float32(cfg.hidden_size**0.5)
         self.scale = np.float32(cfg.query_pre_attn_scalar**-0.5)
-        self._decode = _Scratch(cfg, 1)
+        self._decode = Scratch(cfg, 1)
         self._logits = np.empty((1, cfg.vocab_size), np.float32)
 
     def _attend(self, out3, q3, k_cache, v_cache, pos0: int, window: int | None) -> None:
@@ -261,7 +244,7 @@ class Gemma3Model(Decoder):
         cfg = self.cfg
         eps = cfg.rms_norm_eps
         n = len(tokens)
-        s = self._decode if n == 1 else _Scratch(cfg, n)
+        s = self._decode if n == 1 else Scratch(cfg, n)
         pos0 = cache.offset
         s.positions[:] = np.arange(pos0, pos0 + n)
         ops.get_rows(s.x, self.token_embd, tokens)

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from engine.arch import register
-from engine.arch.base import Decoder
+from engine.arch.base import Decoder, Scratch
 from engine.backends import cpu as ops
 from engine.kv_cache import KVCache
 from engine.rope import RopeScaling, rope_inv_freq
@@ -109,23 +109,6 @@ class LlamaLayer:
     k_norm: np.ndarray | None = None
 
 
-class _Scratch:
-    """Activation buffers for n tokens, allocated once per batch size."""
-
-    def __init__(self, cfg: LlamaConfig, n: int):
-        f32 = np.float32
-        self.x = np.empty((n, cfg.hidden_size), f32)
-        self.h = np.empty((n, cfg.hidden_size), f32)
-        self.q = np.empty((n, cfg.q_dim), f32)
-        self.k = np.empty((n, cfg.kv_dim), f32)
-        self.v = np.empty((n, cfg.kv_dim), f32)
-        self.attn = np.empty((n, cfg.q_dim), f32)
-        self.o = np.empty((n, cfg.hidden_size), f32)
-        self.gate = np.empty((n, cfg.intermediate_size), f32)
-        self.up = np.empty((n, cfg.intermediate_size), f32)
-        self.positions = np.empty(n, np.int64)
-
-
 def _attention_weights(weights, p: str, q: int, kv: int, d: int) -> tuple[Weight, Weight, Weight]:
     """q, k, v projections: separate tensors, or row blocks of a fused attn_qkv (Phi-3)."""
     if weights.has(p + "attn_qkv.weight"):
@@ -198,13 +181,13 @@ class LlamaModel(Decoder):
         )
         self.inv_freq = rope_inv_freq(cfg.rotary_dim, cfg.rope_theta, cfg.rope_scaling, freq_factors)
         self.scale = np.float32(1.0 / np.sqrt(cfg.head_dim))
-        self._decode = _Scratch(cfg, 1)
+        self._decode = Scratch(cfg, 1)
         self._logits = np.empty((1, cfg.vocab_size), np.float32)
 
     def _forward(self, tokens: np.ndarray, cache: KVCache, all_logits: bool) -> np.ndarray:
         cfg = self.cfg
         n = len(tokens)
-        s = self._decode if n == 1 else _Scratch(cfg, n)
+        s = self._decode if n == 1 else Scratch(cfg, n)
         pos0 = cache.offset
         s.positions[:] = np.arange(pos0, pos0 + n)
         ops.get_rows(s.x, self.token_embd, tokens)
