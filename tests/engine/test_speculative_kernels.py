@@ -1,0 +1,68 @@
+"""The small-batch linear kernels (engine.backends.cpu.smalln) a speculative verify pass runs on.
+
+Held to the dequantize oracle like every linear path, and, for the quantized types, to bit-identity
+with the matvec kernel token by token: that identity is what lets a batched verify pass reproduce a
+sequential greedy decode exactly.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from engine.backends import cpu
+from tests.engine.test_cpu_kernels import (
+    ALL_TYPES,
+    DECODE_REL,
+    QUANTIZED,
+    assert_linear_close,
+    llm_like_activations,
+    make_weight,
+)
+
+
+@pytest.mark.parametrize("ggml_type", ALL_TYPES, ids=lambda t: t.name)
+def test_small_batch_matches_dequantize_and_matvec(ggml_type):
+    rng = np.random.default_rng(500 + int(ggml_type))
+    w, oracle = make_weight(ggml_type, 37, 512, rng)  # 37 rows: the 4-row group tail
+    for n in (2, 3, 5, 6, 9, cpu.SMALL_BATCH_MAX):  # token tails of the 4-token float groups
+        x = llm_like_activations(n, 512, rng)
+        out = np.full((n, 37), np.nan, np.float32)
+        cpu.linear(out, w, x)
+        assert_linear_close(out, oracle, x, DECODE_REL if ggml_type in QUANTIZED else 1e-5)
+        for t in range(n):
+            one = np.empty((1, 37), np.float32)
+            cpu.linear(one, w, x[t : t + 1])
+            if ggml_type in QUANTIZED:
+                assert np.array_equal(one[0], out[t]), f"n={n} token {t} differs from its matvec"
+            else:
+                np.testing.assert_allclose(out[t], one[0], rtol=1e-5, atol=1e-5 * np.abs(one).max())
+
+
+def test_small_batch_runs_the_small_kernel_not_blas(monkeypatch):
+    # Routing: 2..SMALL_BATCH_MAX tokens never dequantize the matrix; one more token does (prefill).
+    import gguf
+
+    rng = np.random.default_rng(7)
+    w, _ = make_weight(gguf.GGMLQuantizationType.Q4_1, 8, 64, rng)
+    calls = []
+    matvec, dequant, view = cpu._KERNELS[w.ggml_type]
+
+    def spy(*args):
+        calls.append(len(args[2]))
+        return dequant(*args)
+
+    monkeypatch.setitem(cpu._KERNELS, w.ggml_type, (matvec, spy, view))
+    for n, dequantized in ((2, False), (cpu.SMALL_BATCH_MAX, False), (cpu.SMALL_BATCH_MAX + 1, True)):
+        calls.clear()
+        cpu.linear(np.empty((n, 8), np.float32), w, rng.standard_normal((n, 64)).astype(np.float32))
+        assert bool(calls) == dequantized, n
+
+
+def test_small_batch_keeps_every_thread():
+    n = cpu.get_threads()
+    with cpu.batch_phase(cpu.SMALL_BATCH_MAX):
+        assert cpu.get_threads() == n
+    with cpu.batch_phase(cpu.SMALL_BATCH_MAX + 1):
+        assert cpu.get_threads() == 1
+    assert cpu.get_threads() == n
