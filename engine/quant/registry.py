@@ -105,8 +105,13 @@ def _load_builtins() -> None:
     # (yet) are simply skipped.
     import importlib
 
-    for module in ("engine.quant.gguf_formats", "engine.export", "engine.quant.awq",
-                   "engine.quant.fp8", "engine.quant.nvfp4"):
+    for module in (
+        "engine.quant.gguf_formats",
+        "engine.export",
+        "engine.quant.awq",
+        "engine.quant.fp8",
+        "engine.quant.nvfp4",
+    ):
         try:
             importlib.import_module(module)
         except ModuleNotFoundError as e:
@@ -124,9 +129,7 @@ def lookup(spec: str) -> tuple[TargetFormat, str | None]:
     name, _, param = spec.partition(":")
     fmt = _FORMATS.get(name.strip().lower())
     if fmt is None:
-        raise UnknownFormatError(
-            f"unknown target format {spec!r}; known formats: {', '.join(names())}"
-        )
+        raise UnknownFormatError(f"unknown target format {spec!r}; known formats: {', '.join(names())}")
     if fmt.takes_param and not param:
         raise UnknownFormatError(f"format {fmt.name} needs a parameter, e.g. {fmt.name}:4.5")
     if param and not fmt.takes_param:

@@ -1,0 +1,274 @@
+"""Model description between the two worlds: GGUF metadata <-> Hugging Face config.json + tokenizer files.
+
+`metadata_from_hf` builds the GGUF keys (hyper-parameters, tokenizer.ggml.*, chat template) a converted
+GGUF must carry to be self-contained; `hf_files_from_metadata` writes the reverse for an export.
+
+Tokenizers: byte-level BPE vocabularies map one to one (tokens, merges, pre-tokenizer name recovered
+from the split regexes). SentencePiece-BPE vocabularies (Gemma) are stored by HF as BPE merges; GGUF's
+SentencePiece tokenizer needs per-token scores instead, so a merged token's score is minus its merge
+rank (earlier merge = higher score), which reproduces the merge order; tokens no merge produces get
+a score below every merge.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from engine.errors import ModelFormatError
+from engine.tokenizer import (
+    _PRE_REGEXES,
+    TOKEN_BYTE,
+    TOKEN_CONTROL,
+    TOKEN_NORMAL,
+    TOKEN_UNKNOWN,
+    TOKEN_USER_DEFINED,
+    Tokenizer,
+)
+
+_BYTE_PIECE = re.compile(r"<0x[0-9A-Fa-f]{2}>")
+# regex family (engine.tokenizer) -> the tokenizer.ggml.pre name written for it
+_FAMILY_PRE = {
+    "default": "default",
+    "gpt2": "gpt2",
+    "llama3": "llama-bpe",
+    "qwen2": "qwen2",
+    "starcoder": "smollm",
+    "falcon": "falcon",
+}
+
+
+def _hparams(arch: str, config: dict, cfg) -> dict[str, Any]:
+    a = arch
+    md: dict[str, Any] = {
+        "general.architecture": arch,
+        f"{a}.block_count": cfg.num_hidden_layers,
+        f"{a}.context_length": cfg.max_position_embeddings,
+        f"{a}.embedding_length": cfg.hidden_size,
+        f"{a}.feed_forward_length": cfg.intermediate_size,
+        f"{a}.attention.head_count": cfg.num_attention_heads,
+        f"{a}.attention.head_count_kv": cfg.num_key_value_heads,
+        f"{a}.rope.freq_base": float(cfg.rope_theta),
+        f"{a}.attention.layer_norm_rms_epsilon": float(cfg.rms_norm_eps),
+    }
+    if arch == "gemma3":
+        md[f"{a}.attention.key_length"] = cfg.head_dim
+        md[f"{a}.attention.value_length"] = cfg.head_dim
+        md[f"{a}.attention.sliding_window"] = cfg.sliding_window
+    else:
+        md[f"{a}.vocab_size"] = cfg.vocab_size
+        md[f"{a}.rope.dimension_count"] = cfg.head_dim
+        if cfg.head_dim != cfg.hidden_size // cfg.num_attention_heads:
+            md[f"{a}.attention.key_length"] = cfg.head_dim
+            md[f"{a}.attention.value_length"] = cfg.head_dim
+    scaling = cfg.rope_scaling
+    if scaling.kind not in ("none", "default", ""):
+        md[f"{a}.rope.scaling.type"] = scaling.kind
+        md[f"{a}.rope.scaling.factor"] = float(scaling.factor)
+    return md
+
+
+def _pre_name(spec: dict) -> str:
+    pre = spec.get("pre_tokenizer") or {}
+    steps = pre.get("pretokenizers", [pre]) if pre.get("type") == "Sequence" else [pre]
+    patterns = tuple((s.get("pattern") or {}).get("Regex") for s in steps if s.get("type") == "Split")
+    for family, regexes in _PRE_REGEXES.items():
+        if patterns == regexes:
+            return _FAMILY_PRE[family]
+    kinds = [s.get("type") for s in steps]
+    if kinds == ["Digits", "ByteLevel"] and steps[0].get("individual_digits"):
+        return "smollm"
+    if kinds == ["ByteLevel"] and steps[0].get("use_regex", True):
+        return "gpt2"
+    raise ModelFormatError(
+        "tokenizer.json", f"its pre-tokenizer {json.dumps(pre)[:120]} is not one conversion can name for GGUF"
+    )
+
+
+def _tokenizer_metadata(folder: Path, tok_config: dict) -> dict[str, Any]:
+    path = folder / "tokenizer.json"
+    try:
+        spec = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ModelFormatError(path, "missing; conversion needs the fast tokenizer file") from None
+    model = spec.get("model") or {}
+    if model.get("type") != "BPE":
+        raise ModelFormatError(path, f"tokenizer model {model.get('type')!r} cannot be converted (BPE only)")
+    vocab: dict[str, int] = dict(model.get("vocab") or {})
+    for added in spec.get("added_tokens", []):
+        vocab.setdefault(added["content"], added["id"])
+    n = max(vocab.values()) + 1
+    tokens = [f"[PAD{i}]" for i in range(n)]
+    for text, i in vocab.items():
+        tokens[i] = text
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
+    spm = bool(model.get("byte_fallback"))
+    types = np.full(n, TOKEN_NORMAL, np.int32)
+    if spm:
+        for i, t in enumerate(tokens):
+            if _BYTE_PIECE.fullmatch(t):
+                types[i] = TOKEN_BYTE
+    for added in spec.get("added_tokens", []):
+        types[added["id"]] = TOKEN_CONTROL if added.get("special") else TOKEN_USER_DEFINED
+
+    def tid(key):
+        v = tok_config.get(key)
+        if isinstance(v, dict):
+            v = v.get("content")
+        return vocab.get(v) if isinstance(v, str) else None
+
+    md: dict[str, Any] = {"tokenizer.ggml.tokens": tokens, "tokenizer.ggml.token_type": types}
+    if spm:
+        unk = tid("unk_token")
+        if unk is not None:
+            types[unk] = TOKEN_UNKNOWN
+        scores = np.full(n, -1e9, np.float32)
+        for rank, m in enumerate(merges):
+            left, _, right = m.partition(" ")
+            merged = vocab.get(left + right)
+            if merged is not None and scores[merged] == -1e9:
+                scores[merged] = -float(rank)
+        normalizer = spec.get("normalizer") or {}
+        steps = [normalizer, *normalizer.get("normalizers", [])]
+        md.update(
+            {
+                "tokenizer.ggml.model": "llama",
+                "tokenizer.ggml.pre": "default",
+                "tokenizer.ggml.scores": scores,
+                "tokenizer.ggml.add_space_prefix": any(s.get("type") == "Prepend" for s in steps),
+            }
+        )
+    else:
+        md.update(
+            {
+                "tokenizer.ggml.model": "gpt2",
+                "tokenizer.ggml.pre": _pre_name(spec),
+                "tokenizer.ggml.merges": merges,
+            }
+        )
+    for key, gguf_key in (
+        ("bos_token", "bos_token_id"),
+        ("eos_token", "eos_token_id"),
+        ("unk_token", "unknown_token_id"),
+        ("pad_token", "padding_token_id"),
+    ):
+        if (i := tid(key)) is not None:
+            md[f"tokenizer.ggml.{gguf_key}"] = i
+    md["tokenizer.ggml.add_bos_token"] = bool(tok_config.get("add_bos_token", False))
+    md["tokenizer.ggml.add_eos_token"] = bool(tok_config.get("add_eos_token", False))
+    return md
+
+
+def metadata_from_hf(folder: Path, config: dict, cfg) -> dict[str, Any]:
+    """GGUF metadata for a Hugging Face folder: hyper-parameters, tokenizer.ggml.*, chat template."""
+    from engine.hf_repo import chat_template_source, read_json
+
+    tok_path = folder / "tokenizer_config.json"
+    tok_config = read_json(tok_path) if tok_path.exists() else {}
+    md = {"general.type": "model", "general.name": folder.name, **_hparams(cfg.architecture, config, cfg)}
+    md.update(_tokenizer_metadata(folder, tok_config))
+    template = chat_template_source(tok_config)
+    if template:
+        md["tokenizer.chat_template"] = template
+    return md
+
+
+# --- export: GGUF metadata -> config.json, tokenizer.json, tokenizer_config.json -------------------
+
+_HF_MODEL = {
+    "llama": ("LlamaForCausalLM", "llama"),
+    "qwen2": ("Qwen2ForCausalLM", "qwen2"),
+    "qwen3": ("Qwen3ForCausalLM", "qwen3"),
+    "gemma3": ("Gemma3ForCausalLM", "gemma3_text"),
+}
+
+
+def config_json(metadata: dict[str, Any], vocab_size: int, tied: bool) -> dict[str, Any]:
+    """The config.json of a GGUF model (for the families conversion supports)."""
+    from engine.arch import model_class
+
+    arch = metadata["general.architecture"]
+    if arch not in _HF_MODEL:
+        raise ModelFormatError("config.json", f"no Hugging Face layout is known for {arch} models")
+    cfg = model_class(arch).config_class.from_gguf(metadata, vocab_size=vocab_size)
+    cls, model_type = _HF_MODEL[arch]
+    out: dict[str, Any] = {
+        "architectures": [cls],
+        "model_type": model_type,
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": cfg.num_hidden_layers,
+        "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": cfg.num_key_value_heads,
+        "vocab_size": vocab_size,
+        "head_dim": cfg.head_dim,
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "tie_word_embeddings": tied,
+        "torch_dtype": "float16",
+    }
+    if cfg.rope_scaling.kind not in ("none", "default", ""):
+        out["rope_scaling"] = {"rope_type": cfg.rope_scaling.kind, "factor": cfg.rope_scaling.factor}
+    if arch == "gemma3":
+        out.update(
+            {
+                "sliding_window": cfg.sliding_window,
+                "rope_local_base_freq": cfg.rope_local_base_freq,
+                "sliding_window_pattern": cfg.sliding_window_pattern,
+                "query_pre_attn_scalar": cfg.query_pre_attn_scalar or cfg.head_dim,
+                "final_logit_softcapping": cfg.final_logit_softcapping,
+                "attn_logit_softcapping": cfg.attn_logit_softcapping,
+                "hidden_activation": "gelu_pytorch_tanh",
+            }
+        )
+        if cfg.layer_types is not None:
+            out["layer_types"] = list(cfg.layer_types)
+    else:
+        out["hidden_act"] = "silu"
+    for key, gguf_key in (
+        ("bos_token_id", "bos_token_id"),
+        ("eos_token_id", "eos_token_id"),
+        ("pad_token_id", "padding_token_id"),
+    ):
+        v = metadata.get(f"tokenizer.ggml.{gguf_key}")
+        if v is not None:
+            out[key] = int(v)
+    return out
+
+
+def tokenizer_files(metadata: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """(tokenizer.json text, tokenizer_config.json object) for a GGUF's vocabulary and chat template."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders
+
+    tok = Tokenizer.from_gguf_metadata(metadata)
+    hf = HFTokenizer.from_str(tok._hf.to_str())  # a copy: the decoder is set for HF users below
+    if tok.kind == "llama":
+        steps = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+        if tok.add_space_prefix:
+            steps.append(decoders.Strip(" ", 1, 0))
+        hf.decoder = decoders.Sequence(steps)
+    tok_config: dict[str, Any] = {
+        "add_bos_token": tok.add_bos,
+        "add_eos_token": tok.add_eos,
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "model_max_length": 1 << 30,
+        "clean_up_tokenization_spaces": False,
+    }
+    for key, tid in (
+        ("bos_token", tok.bos_id),
+        ("eos_token", tok.eos_id),
+        ("unk_token", tok.unk_id),
+        ("pad_token", tok.pad_id),
+    ):
+        if tid is not None:
+            tok_config[key] = tok.token_text(tid)
+    template = metadata.get("tokenizer.chat_template")
+    if isinstance(template, str) and template:
+        tok_config["chat_template"] = template
+    return hf.to_str(), tok_config

@@ -1,0 +1,229 @@
+"""The source side of a conversion: a GGUF file or a Hugging Face folder as float32 tensors + GGUF metadata.
+
+`open_source(path)` gives a `SourceModel` whatever the input is:
+  * tensors by canonical GGUF name, in a stable order, decoded to float32 on demand (one at a time, so
+    memory stays at one tensor's worth);
+  * `metadata`: a GGUF-style key/value dict (architecture, hyper-parameters, tokenizer.ggml.*, the chat
+    template) that a GGUF writer can copy as is; for a GGUF source it is the file's own, for a folder it
+    is built from config.json / tokenizer.json / tokenizer_config.json (engine/quant/hf_meta.py).
+
+Layout differences between the two worlds are undone here, so converters see GGUF conventions only:
+llama-family q/k rows are permuted for GGUF's interleaved RoPE, Gemma norms are stored as 1 + w.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from engine.errors import ModelFormatError, UnsupportedArchitectureError
+from models.errors import ModelNotFoundError
+from models.formats.ggml_types import PLAIN_DTYPES, type_name
+from models.formats.gguf import GGUFFile, open_gguf
+
+# architectures whose GGUF stores q/k for interleaved (non-NeoX) RoPE: HF rows are permuted on the way in
+PERMUTED_QK = frozenset({"llama"})
+GEMMA_NORM_OFFSET = frozenset({"gemma3"})
+SUPPORTED_ARCHS = frozenset({"llama", "qwen2", "qwen3", "gemma3"})
+_F32, _F16, _BF16 = 0, 1, 30
+
+
+@dataclass
+class SourceModel:
+    """A model to convert. Use `tensor(name)` for float32 data, `metadata` for everything else.
+
+    Attributes:
+        path: the file or folder.
+        kind: "gguf" or "safetensors".
+        architecture: general.architecture ("llama", "gemma3", ...).
+        metadata: GGUF key -> value (Python scalars, str lists, numpy arrays).
+        names: canonical tensor names in write order.
+        shapes: name -> numpy shape.
+        source_types: name -> ggml type id as stored in the source (F16 for an F16 safetensors tensor).
+    """
+
+    path: Path
+    kind: str
+    architecture: str
+    metadata: dict[str, Any]
+    names: list[str]
+    shapes: dict[str, tuple[int, ...]]
+    source_types: dict[str, int]
+    _loader: Any = field(repr=False, default=None)
+    _closer: Any = field(repr=False, default=None)
+
+    def tensor(self, name: str) -> np.ndarray:
+        """float32 array of tensor `name` in numpy shape (a new array; the source is never written)."""
+        return self._loader(name)
+
+    @property
+    def n_layers(self) -> int:
+        return int(self.metadata[f"{self.architecture}.block_count"])
+
+    @property
+    def source_bytes(self) -> int:
+        """Size of the source on disk."""
+        if self.path.is_dir():
+            return sum(p.stat().st_size for p in self.path.glob("*.safetensors"))
+        return self.path.stat().st_size
+
+    def close(self) -> None:
+        if self._closer is not None:
+            self._closer()
+
+    def __enter__(self) -> SourceModel:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def permute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
+    """HF q/k rows (half-split RoPE) -> GGUF llama rows (interleaved pairs), per head."""
+    rows = w.shape[0]
+    return w.reshape(n_head, 2, rows // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Inverse of permute_qk: GGUF llama q/k rows -> HF rows."""
+    rows = w.shape[0]
+    return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _gguf_source(path: Path) -> SourceModel:
+    from engine.quant.encode import dequantize
+
+    g: GGUFFile = open_gguf(path)
+    arch = g.architecture
+    if arch not in SUPPORTED_ARCHS:
+        g.close()
+        raise UnsupportedArchitectureError(
+            f"{path}: architecture {arch!r} cannot be converted yet "
+            f"(supported: {', '.join(sorted(SUPPORTED_ARCHS))})"
+        )
+
+    def load(name: str) -> np.ndarray:
+        info = g.tensors[name]
+        if info.ggml_type in PLAIN_DTYPES:
+            a = info.array()
+            if info.ggml_type == _BF16:
+                return (a.astype(np.uint32) << 16).view(np.float32)
+            return np.array(a, dtype=np.float32)
+        try:
+            flat = dequantize(info.ggml_type, info.raw(), info.dims[0])
+        except Exception as e:
+            raise ModelFormatError(
+                path, f"tensor {name!r} is {info.type_name}, which cannot be decoded for conversion ({e})"
+            ) from e
+        return flat.reshape(info.shape)
+
+    return SourceModel(
+        path=path,
+        kind="gguf",
+        architecture=arch,
+        metadata=dict(g.metadata),
+        names=list(g.tensors),
+        shapes={n: tuple(t.shape) for n, t in g.tensors.items()},
+        source_types={n: t.ggml_type for n, t in g.tensors.items()},
+        _loader=load,
+        _closer=g.close,
+    )
+
+
+def _hf_source(folder: Path) -> SourceModel:
+    from engine.hf_repo import HFWeights, config_from_hf, read_json
+    from engine.quant.hf_meta import metadata_from_hf
+    from models.formats.safetensors import open_safetensors_repo
+
+    config = read_json(folder / "config.json")
+    cfg = config_from_hf(folder, config)
+    arch = cfg.architecture
+    if arch not in SUPPORTED_ARCHS:
+        raise UnsupportedArchitectureError(
+            f"{folder}: {arch} models cannot be converted yet "
+            f"(supported: {', '.join(sorted(SUPPORTED_ARCHS))})"
+        )
+    st = open_safetensors_repo(folder)
+    names_map = HFWeights(st, folder, arch).names  # gguf name -> hf name
+    metadata = metadata_from_hf(folder, config, cfg)
+    n_head = cfg.num_attention_heads
+    n_kv = cfg.num_key_value_heads
+    dtype_types = {"F32": _F32, "F16": _F16, "BF16": _BF16}
+    for _g_name, hf_name in names_map.items():
+        dtype = st.tensors[hf_name].dtype
+        if dtype not in dtype_types:
+            st.close()
+            raise ModelFormatError(
+                folder,
+                f"tensor {hf_name!r} is {dtype}; conversion reads F32, F16 and BF16 safetensors "
+                "weights (an already-quantized repo cannot be re-quantized from here)",
+            )
+
+    def load(name: str) -> np.ndarray:
+        hf_name = names_map[name]
+        a = st.array(hf_name)
+        if st.tensors[hf_name].dtype == "BF16":
+            x = (a.astype(np.uint32) << 16).view(np.float32)
+        else:
+            x = np.array(a, dtype=np.float32)
+        if arch in PERMUTED_QK and name.endswith("attn_q.weight"):
+            x = permute_qk(x, n_head)
+        elif arch in PERMUTED_QK and name.endswith("attn_k.weight"):
+            x = permute_qk(x, n_kv)
+        if arch in GEMMA_NORM_OFFSET and name.endswith("norm.weight"):
+            x = x + np.float32(1.0)
+        return np.ascontiguousarray(x)
+
+    order = sorted(names_map, key=_tensor_order)
+    return SourceModel(
+        path=folder,
+        kind="safetensors",
+        architecture=arch,
+        metadata=metadata,
+        names=order,
+        shapes={n: tuple(st.tensors[names_map[n]].shape) for n in order},
+        source_types={n: dtype_types[st.tensors[names_map[n]].dtype] for n in order},
+        _loader=load,
+        _closer=st.close,
+    )
+
+
+def _tensor_order(name: str) -> tuple:
+    # token_embd first, then layers in order, then output_norm/output: the order llama.cpp writes
+    if name.startswith("blk."):
+        layer, _, rest = name[4:].partition(".")
+        return (1, int(layer), rest)
+    return (0 if name.startswith("token_embd") else 2, 0, name)
+
+
+def open_source(path: str | Path) -> SourceModel:
+    """Open a GGUF file or a Hugging Face folder (config.json + *.safetensors + tokenizer.json) to convert.
+
+    Raises:
+        ModelNotFoundError: nothing at the path.
+        ModelFormatError: malformed input, or weights in a dtype that cannot be read (e.g. int8, fp8).
+        UnsupportedArchitectureError: a family conversion does not know.
+    """
+    path = Path(path)
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ModelFormatError(
+                path, "is a folder without config.json; give a GGUF file or a Hugging Face model folder"
+            )
+        return _hf_source(path)
+    if not path.is_file():
+        raise ModelNotFoundError(f"{path}: no such model file or folder")
+    with open(path, "rb") as fh:
+        magic = fh.read(4)
+    if magic != b"GGUF":
+        raise ModelFormatError(
+            path, "is neither a GGUF file nor a Hugging Face folder; convert takes one of those"
+        )
+    return _gguf_source(path)
+
+
+def describe_type(t: int) -> str:
+    return type_name(t)
