@@ -24,6 +24,9 @@ HANDLERS = {
     "ls": "engine.commands_library:cmd_ls",
     "rm": "engine.commands_library:cmd_rm",
     "import": "engine.commands_library:cmd_import",
+    "convert": "engine.commands_quant:cmd_convert",
+    "eval": "engine.commands_quant:cmd_eval",
+    "quant-report": "engine.commands_quant:cmd_quant_report",
 }
 
 
@@ -86,6 +89,9 @@ def build_parser() -> argparse.ArgumentParser:
         "(-g: reply tokens per turn)",
     )
     _add_library_parsers(sub)
+    from engine.commands_quant import _add_quant_parsers
+
+    _add_quant_parsers(sub)
     return parser
 
 
