@@ -172,3 +172,36 @@ def test_gemma3_safetensors_round_trip(gemma3_path):
     ids1, l1 = _logits(q)
     assert ids1 == ids0  # scores rebuilt from the merges give the same SentencePiece tokens
     assert np.corrcoef(l1.ravel(), l0.ravel())[0, 1] > 0.99
+
+
+def test_cli_convert_list_and_errors(smollm2_path, tmp_path, capsys):
+    from engine.cli import main
+
+    assert main(["convert", "--list"]) == 0
+    listed = capsys.readouterr().out
+    for name in ("Q4_K_M", "Q8_0", "mixed:BPW", "safetensors"):
+        assert name in listed
+    assert main(["convert", str(smollm2_path), "--to", "Q9_Z", "-o", str(tmp_path / "x.gguf")]) == 1
+    assert "unknown target format" in capsys.readouterr().err
+    out = tmp_path / "q.gguf"
+    assert main(["convert", str(smollm2_path), "--to", "Q4_0", "-o", str(out), "--json"]) == 0
+    assert '"tensor_types"' in capsys.readouterr().out and out.is_file()
+    assert (
+        main(
+            [
+                "eval",
+                "ppl",
+                "-m",
+                str(out),
+                "--ctx",
+                "128",
+                "--stride",
+                "64",
+                "--json",
+                "--text",
+                str(tmp_path / "none.txt"),
+            ]
+        )
+        == 1
+    )
+    assert "no such text" in capsys.readouterr().err
