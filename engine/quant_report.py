@@ -1,6 +1,6 @@
 """`hearth quant-report SRC`: what each quantization costs and loses, measured, for the GUI's picker.
 
-For the source and each format: file size, bits per weight (file bytes * 8 / parameters), sliding-
+For the source and each format: file size, bits per weight (tensor bytes * 8 / parameters), sliding-
 window perplexity on the evaluation text, its change against the source, and decode tokens/s (greedy,
 after a short prompt). Converted files go to a temporary folder (or `keep_dir`); the report is saved
 as JSON next to the model: `MODEL.gguf.quant-report.json`, or `quant-report.json` inside a folder.
@@ -52,6 +52,19 @@ def decode_tps(loaded, n_prompt: int = 16, n_gen: int = 32) -> float:
     return n_gen / (time.perf_counter() - t0)
 
 
+def tensor_bytes(path: Path) -> int:
+    """Bytes of tensor data (no header, tokenizer or padding) in a GGUF file or a safetensors folder."""
+    if path.is_dir():
+        from models.formats.safetensors import open_safetensors_repo
+
+        with open_safetensors_repo(path) as st:
+            return sum(t.nbytes for t in st.tensors.values())
+    from models.formats.gguf import open_gguf
+
+    with open_gguf(path) as g:
+        return sum(t.nbytes for t in g.tensors.values())
+
+
 def _n_params(loaded_path: Path) -> int:
     from engine.quant.source import open_source
 
@@ -76,7 +89,8 @@ def measure(
     res = perplexity_detail(loaded.model, tokens, ctx, stride)
     size = loaded.file_size
     delta = None if baseline is None else (res.ppl / baseline - 1.0) * 100.0
-    return ReportRow(label, size, size * 8 / n_params, res.ppl, delta, decode_tps(loaded), convert_s)
+    bpw = tensor_bytes(path) * 8 / n_params
+    return ReportRow(label, size, bpw, res.ppl, delta, decode_tps(loaded), convert_s)
 
 
 def quant_report(
@@ -96,7 +110,7 @@ def quant_report(
     say(f"source {src.name}")
     base = measure(src, text, ctx, stride, n_params, "source", None)
     rows = [base]
-    with tempfile.TemporaryDirectory(prefix="hearth-qreport-", dir=keep_dir and None) as tmp:
+    with tempfile.TemporaryDirectory(prefix="hearth-qreport-") as tmp:
         out_dir = Path(keep_dir) if keep_dir else Path(tmp)
         out_dir.mkdir(parents=True, exist_ok=True)
         stem = src.name[:-5] if src.name.endswith(".gguf") else src.name
