@@ -158,7 +158,12 @@ class ChatRunner:
     def encode(self, messages: Sequence[dict]) -> list[int]:
         """Render a conversation with the model's template (generation prompt added) into token ids."""
         ensure_chat_template(self.lm)  # normally done at load, where its notice is reported
-        text = self.lm.template.render(list(messages), add_generation_prompt=True)
+        messages = list(messages)
+        partial = ""
+        if messages and messages[-1].get("role") == "assistant" and messages[-1].get("continue"):
+            # "continue": the reply goes on from the last assistant message's text, rendered unclosed
+            partial = messages.pop()["content"]
+        text = self.lm.template.render(messages, add_generation_prompt=True) + partial
         # the template writes BOS itself when the model wants it
         return self.lm.tokenizer.encode(text, add_special=False)
 

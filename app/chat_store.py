@@ -1,0 +1,421 @@
+"""Chats in SQLite: conversations and their messages, written as they happen.
+
+WAL journal, one connection per store (the GUI thread's), a `meta` table holding the schema version and
+a list of migrations applied in order, so a database written by an older Hearth opens in a newer one.
+The app stores a user message when it is sent and the assistant's reply while it streams (at least
+once a second) and when it ends, so a killed app loses at most the last second of a reply.
+
+Deleting a chat only marks it (so it can be undone); marked chats are purged on the next start.
+Qt-free: the window layer calls it; tests use it directly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import sqlite3
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from models.errors import HearthError
+from models.paths import data_dir
+
+EXPORT_FORMAT = "hearth-chat"
+EXPORT_VERSION = 1
+ROLES = ("system", "user", "assistant")
+STATES = ("done", "streaming", "stopped", "error")
+_INSERT_MESSAGE = (
+    "INSERT INTO messages (chat_id, position, role, content, state, created_at, updated_at, stats) "
+    "VALUES (?, ?, ?, ?, ?, ?, ?, ?)"
+)
+
+
+class ChatStoreError(HearthError):
+    """The chat database or an imported chat file is unusable."""
+
+
+def _v1(db: sqlite3.Connection) -> None:
+    # statement by statement: executescript would commit the migration's transaction half-way
+    _run_script(
+        db,
+        """
+        CREATE TABLE chats (
+            id TEXT PRIMARY KEY,
+            title TEXT NOT NULL,
+            created_at REAL NOT NULL,
+            updated_at REAL NOT NULL,
+            system_prompt TEXT NOT NULL DEFAULT '',
+            overrides TEXT NOT NULL DEFAULT '{}',
+            model TEXT
+        );
+        CREATE TABLE messages (
+            id INTEGER PRIMARY KEY AUTOINCREMENT,
+            chat_id TEXT NOT NULL REFERENCES chats(id) ON DELETE CASCADE,
+            position INTEGER NOT NULL,
+            role TEXT NOT NULL,
+            content TEXT NOT NULL,
+            state TEXT NOT NULL DEFAULT 'done',
+            created_at REAL NOT NULL,
+            updated_at REAL NOT NULL
+        );
+        CREATE INDEX messages_chat ON messages (chat_id, position);
+        """
+    )
+
+
+def _run_script(db: sqlite3.Connection, script: str) -> None:
+    for statement in script.split(";"):
+        if statement.strip():
+            db.execute(statement)
+
+
+def _v2(db: sqlite3.Connection) -> None:
+    # undoable delete, and the reply's figures (TTFT, tokens/s) kept with it
+    db.execute("ALTER TABLE chats ADD COLUMN deleted_at REAL")
+    db.execute("ALTER TABLE messages ADD COLUMN stats TEXT NOT NULL DEFAULT '{}'")
+    db.execute("CREATE INDEX chats_updated ON chats (updated_at)")
+
+
+MIGRATIONS: list[Callable[[sqlite3.Connection], None]] = [_v1, _v2]
+SCHEMA_VERSION = len(MIGRATIONS)
+
+
+@dataclass
+class Message:
+    """One message of a chat."""
+
+    id: int
+    chat_id: str
+    position: int
+    role: str
+    content: str
+    state: str = "done"
+    created_at: float = 0.0
+    updated_at: float = 0.0
+    stats: dict = field(default_factory=dict)
+
+
+@dataclass
+class Chat:
+    """One conversation (without its messages)."""
+
+    id: str
+    title: str
+    created_at: float
+    updated_at: float
+    system_prompt: str = ""
+    overrides: dict = field(default_factory=dict)
+    model: str | None = None
+
+
+def store_path() -> Path:
+    """The chat database (user data dir)."""
+    return data_dir() / "chats.sqlite3"
+
+
+class ChatStore:
+    """The chat database. Use from one thread (the GUI's).
+
+    Args:
+        path: the SQLite file (default store_path()).
+
+    Raises:
+        ChatStoreError: the file is not a database, or was written by a newer Hearth.
+    """
+
+    def __init__(self, path: Path | None = None):
+        self.path = path or store_path()
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            self.db = sqlite3.connect(self.path, timeout=10, isolation_level=None)
+            self.db.row_factory = sqlite3.Row
+            self.db.execute("PRAGMA journal_mode=WAL")
+            self.db.execute("PRAGMA synchronous=NORMAL")  # WAL + NORMAL: a killed process loses nothing
+            self.db.execute("PRAGMA foreign_keys=ON")
+            self._migrate()
+            self.purge_deleted()
+        except sqlite3.DatabaseError as e:
+            raise ChatStoreError(
+                f"{self.path}: cannot open the chat database ({e}); move the file away to start afresh"
+            ) from None
+
+    def _migrate(self) -> None:
+        self.db.execute("CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)")
+        row = self.db.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
+        version = int(row[0]) if row else 0
+        if version > SCHEMA_VERSION:
+            raise ChatStoreError(
+                f"{self.path} was written by a newer Hearth (schema {version}, this one reads up to "
+                f"{SCHEMA_VERSION}); update Hearth"
+            )
+        for step in range(version, SCHEMA_VERSION):
+            with self._tx():
+                MIGRATIONS[step](self.db)
+                self.db.execute(
+                    "INSERT INTO meta (key, value) VALUES ('schema_version', ?) "
+                    "ON CONFLICT(key) DO UPDATE SET value = excluded.value",
+                    (str(step + 1),),
+                )
+
+    def _tx(self):
+        store = self
+
+        class _Tx:
+            def __enter__(self):
+                store.db.execute("BEGIN IMMEDIATE")
+
+            def __exit__(self, exc_type, *_):
+                store.db.execute("ROLLBACK" if exc_type else "COMMIT")
+
+        return _Tx()
+
+    @property
+    def schema_version(self) -> int:
+        row = self.db.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
+        return int(row[0]) if row else 0
+
+    def close(self) -> None:
+        """Close the database (a checkpoint folds the WAL into the file)."""
+        with contextlib.suppress(sqlite3.Error):
+            self.db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        self.db.close()
+
+    # ---- chats
+    @staticmethod
+    def _chat(row: sqlite3.Row) -> Chat:
+        return Chat(
+            id=row["id"],
+            title=row["title"],
+            created_at=row["created_at"],
+            updated_at=row["updated_at"],
+            system_prompt=row["system_prompt"],
+            overrides=json.loads(row["overrides"] or "{}"),
+            model=row["model"],
+        )
+
+    def create_chat(
+        self,
+        title: str = "New chat",
+        system_prompt: str = "",
+        overrides: dict | None = None,
+        model: str | None = None,
+        chat_id: str | None = None,
+        created_at: float | None = None,
+    ) -> Chat:
+        """A new, empty chat."""
+        now = time.time()
+        created = created_at or now
+        chat = Chat(
+            chat_id or uuid.uuid4().hex, title, created, now, system_prompt, dict(overrides or {}), model
+        )
+        self.db.execute(
+            "INSERT INTO chats (id, title, created_at, updated_at, system_prompt, overrides, model) "
+            "VALUES (?, ?, ?, ?, ?, ?, ?)",
+            (chat.id, title, created, now, system_prompt, json.dumps(chat.overrides), model),
+        )
+        return chat
+
+    def get_chat(self, chat_id: str) -> Chat:
+        """One chat (deleted ones included until purged). Raises ChatStoreError when unknown."""
+        row = self.db.execute("SELECT * FROM chats WHERE id = ?", (chat_id,)).fetchone()
+        if row is None:
+            raise ChatStoreError(f"no chat {chat_id!r}")
+        return self._chat(row)
+
+    def list_chats(self, query: str = "") -> list[Chat]:
+        """Chats not deleted, most recently updated first; with a query, those whose title or any
+        message contains it (case-insensitive)."""
+        if not query:
+            rows = self.db.execute(
+                "SELECT * FROM chats WHERE deleted_at IS NULL ORDER BY updated_at DESC"
+            ).fetchall()
+        else:
+            like = "%" + query.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "%"
+            rows = self.db.execute(
+                "SELECT * FROM chats c WHERE deleted_at IS NULL AND (title LIKE ? ESCAPE '\\' OR EXISTS "
+                "(SELECT 1 FROM messages m WHERE m.chat_id = c.id AND m.content LIKE ? ESCAPE '\\')) "
+                "ORDER BY updated_at DESC",
+                (like, like),
+            ).fetchall()
+        return [self._chat(r) for r in rows]
+
+    def update_chat(self, chat_id: str, **values: Any) -> None:
+        """Change title, system_prompt, overrides (dict) or model."""
+        allowed = {"title", "system_prompt", "overrides", "model"}
+        if not values or set(values) - allowed:
+            raise ValueError(f"can update only {sorted(allowed)}")
+        if "overrides" in values:
+            values["overrides"] = json.dumps(values["overrides"] or {})
+        sets = ", ".join(f"{k} = ?" for k in values)
+        self.db.execute(
+            f"UPDATE chats SET {sets}, updated_at = ? WHERE id = ?", (*values.values(), time.time(), chat_id)
+        )
+
+    def delete_chat(self, chat_id: str) -> None:
+        """Mark a chat deleted (undo_delete brings it back until the next start purges it)."""
+        self.db.execute("UPDATE chats SET deleted_at = ? WHERE id = ?", (time.time(), chat_id))
+
+    def undo_delete(self, chat_id: str) -> None:
+        self.db.execute("UPDATE chats SET deleted_at = NULL WHERE id = ?", (chat_id,))
+
+    def purge_deleted(self) -> int:
+        """Remove chats marked deleted, with their messages. Returns how many."""
+        with self._tx():
+            ids = [r[0] for r in self.db.execute("SELECT id FROM chats WHERE deleted_at IS NOT NULL")]
+            for chat_id in ids:
+                self.db.execute("DELETE FROM messages WHERE chat_id = ?", (chat_id,))
+                self.db.execute("DELETE FROM chats WHERE id = ?", (chat_id,))
+        return len(ids)
+
+    # ---- messages
+    @staticmethod
+    def _message(row: sqlite3.Row) -> Message:
+        return Message(
+            id=row["id"],
+            chat_id=row["chat_id"],
+            position=row["position"],
+            role=row["role"],
+            content=row["content"],
+            state=row["state"],
+            created_at=row["created_at"],
+            updated_at=row["updated_at"],
+            stats=json.loads(row["stats"] or "{}"),
+        )
+
+    def messages(self, chat_id: str) -> list[Message]:
+        """A chat's messages in order."""
+        rows = self.db.execute(
+            "SELECT * FROM messages WHERE chat_id = ? ORDER BY position", (chat_id,)
+        ).fetchall()
+        return [self._message(r) for r in rows]
+
+    def add_message(
+        self,
+        chat_id: str,
+        role: str,
+        content: str,
+        state: str = "done",
+        stats: dict | None = None,
+        created_at: float | None = None,
+    ) -> Message:
+        """Append a message (committed before this returns)."""
+        if role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}")
+        if state not in STATES:
+            raise ValueError(f"state must be one of {STATES}")
+        now = time.time()
+        created = created_at or now
+        with self._tx():
+            row = self.db.execute(
+                "SELECT COALESCE(MAX(position), -1) + 1 FROM messages WHERE chat_id = ?", (chat_id,)
+            ).fetchone()
+            cur = self.db.execute(
+                _INSERT_MESSAGE,
+                (chat_id, row[0], role, content, state, created, now, json.dumps(stats or {})),
+            )
+            self.db.execute("UPDATE chats SET updated_at = ? WHERE id = ?", (now, chat_id))
+        return Message(cur.lastrowid, chat_id, row[0], role, content, state, created, now, dict(stats or {}))
+
+    def update_message(
+        self, message_id: int, content: str | None = None, state: str | None = None, stats: dict | None = None
+    ) -> None:
+        """Replace a message's text, state and/or figures (committed before this returns)."""
+        if state is not None and state not in STATES:
+            raise ValueError(f"state must be one of {STATES}")
+        sets, args = ["updated_at = ?"], [time.time()]
+        for col, value in (("content", content), ("state", state)):
+            if value is not None:
+                sets.append(f"{col} = ?")
+                args.append(value)
+        if stats is not None:
+            sets.append("stats = ?")
+            args.append(json.dumps(stats))
+        self.db.execute(f"UPDATE messages SET {', '.join(sets)} WHERE id = ?", (*args, message_id))
+
+    def delete_from(self, chat_id: str, position: int) -> None:
+        """Remove the messages at `position` and after (edit-and-resend, regenerate)."""
+        self.db.execute("DELETE FROM messages WHERE chat_id = ? AND position >= ?", (chat_id, position))
+
+    # ---- export / import
+    def export_json(self, chat_id: str) -> dict:
+        """A chat as a JSON-able dict (EXPORT_FORMAT)."""
+        chat = self.get_chat(chat_id)
+        return {
+            "format": EXPORT_FORMAT,
+            "version": EXPORT_VERSION,
+            "title": chat.title,
+            "created_at": chat.created_at,
+            "system_prompt": chat.system_prompt,
+            "overrides": chat.overrides,
+            "model": chat.model,
+            "messages": [
+                {
+                    "role": m.role,
+                    "content": m.content,
+                    "created_at": m.created_at,
+                    "state": m.state,
+                    "stats": m.stats,
+                }
+                for m in self.messages(chat_id)
+            ],
+        }
+
+    def export_markdown(self, chat_id: str) -> str:
+        """A chat as Markdown: a title, the system prompt, then one section per message."""
+        chat = self.get_chat(chat_id)
+        out = [f"# {chat.title}", ""]
+        if chat.model:
+            out += [f"*Model: {chat.model}*", ""]
+        if chat.system_prompt:
+            out += ["## System", "", chat.system_prompt, ""]
+        for m in self.messages(chat_id):
+            out += [f"## {m.role.capitalize()}", "", m.content, ""]
+        return "\n".join(out).rstrip() + "\n"
+
+    def import_json(self, data: Any) -> Chat:
+        """A new chat from export_json's output (or a bare {"messages": [{"role", "content"}]}).
+
+        Raises:
+            ChatStoreError: not a chat export, or a malformed message.
+        """
+        if not isinstance(data, dict) or not isinstance(data.get("messages"), list):
+            raise ChatStoreError('not a Hearth chat export: expected an object with a "messages" list')
+        if data.get("format", EXPORT_FORMAT) != EXPORT_FORMAT:
+            raise ChatStoreError(f"not a Hearth chat export (format {data.get('format')!r})")
+        if int(data.get("version", EXPORT_VERSION)) > EXPORT_VERSION:
+            raise ChatStoreError("this chat was exported by a newer Hearth; update Hearth to import it")
+        messages = []
+        system = data.get("system_prompt") or ""
+        for i, m in enumerate(data["messages"]):
+            if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content"), str):
+                raise ChatStoreError(f"message {i + 1}: needs a role ({', '.join(ROLES)}) and a text content")
+            if m["role"] == "system" and not system:
+                system = m["content"]
+                continue
+            messages.append(m)
+        overrides = data.get("overrides") if isinstance(data.get("overrides"), dict) else {}
+        title = str(data.get("title") or "Imported chat")
+        with self._tx():
+            chat = self.create_chat(title, str(system), overrides, data.get("model"))
+            now = time.time()
+            for pos, m in enumerate(messages):
+                state = m.get("state") if m.get("state") in STATES else "done"
+                state = "stopped" if state == "streaming" else state
+                self.db.execute(
+                    _INSERT_MESSAGE,
+                    (
+                        chat.id,
+                        pos,
+                        m["role"],
+                        m["content"],
+                        state,
+                        float(m.get("created_at") or now),
+                        now,
+                        json.dumps(m.get("stats") if isinstance(m.get("stats"), dict) else {}),
+                    ),
+                )
+        return chat

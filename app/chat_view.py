@@ -1,0 +1,238 @@
+"""The conversation column: one MessageWidget per message, in a scroll area that follows the stream.
+
+Each message shows its role, its Markdown (app.markdown_view) and buttons: Copy for every message,
+Edit for the user's, Regenerate and Continue for the last reply. The view never talks to the store or
+the engine: it emits signals the window forwards to the controller.
+"""
+
+from __future__ import annotations
+
+from app.chat_store import Message
+from app.markdown_view import MarkdownView
+from app.qt import (
+    QFrame,
+    QGuiApplication,
+    QHBoxLayout,
+    QLabel,
+    QPlainTextEdit,
+    QPushButton,
+    QScrollArea,
+    Qt,
+    QTimer,
+    QToolButton,
+    QVBoxLayout,
+    QWidget,
+    Signal,
+    Slot,
+)
+
+ROLE_NAMES = {"user": "You", "assistant": "Assistant", "system": "System"}
+STATE_NOTES = {"stopped": "stopped", "error": "interrupted", "streaming": "writing…"}
+
+
+class MessageWidget(QFrame):
+    """One message.
+
+    Signals:
+        editRequested(message_id: int, text: str): the user edited this message and pressed Resend.
+    """
+
+    editRequested = Signal(int, str)
+
+    def __init__(self, message: Message, dark: bool = False, parent=None):
+        super().__init__(parent)
+        self.message = message
+        self.setObjectName(f"message-{message.role}")
+        self.setFrameShape(QFrame.Shape.StyledPanel)
+        layout = QVBoxLayout(self)
+        layout.setContentsMargins(8, 4, 8, 4)
+        head = QHBoxLayout()
+        self.role_label = QLabel(f"<b>{ROLE_NAMES.get(message.role, message.role)}</b>")
+        self.state_label = QLabel("")
+        self.state_label.setAccessibleName("Message state")
+        head.addWidget(self.role_label)
+        head.addWidget(self.state_label)
+        head.addStretch(1)
+        self.copy_button = self._button("Copy", "Copy this message")
+        self.copy_button.clicked.connect(self.copy)
+        self.edit_button = self._button("Edit", "Edit this message and send it again")
+        self.edit_button.clicked.connect(self.start_edit)
+        self.edit_button.setVisible(message.role == "user")
+        self.regenerate_button = self._button("Regenerate", "Write this reply again")
+        self.continue_button = self._button("Continue", "Let the model go on writing this reply")
+        self.regenerate_button.hide()
+        self.continue_button.hide()
+        for b in (self.copy_button, self.edit_button, self.regenerate_button, self.continue_button):
+            head.addWidget(b)
+        layout.addLayout(head)
+        self.body = MarkdownView(self, dark)
+        self.body.setAccessibleName(f"{ROLE_NAMES.get(message.role, message.role)} message")
+        layout.addWidget(self.body)
+        self.editor: QPlainTextEdit | None = None
+        self.set_text(message.content, immediate=True)
+        self.set_state(message.state)
+
+    def _button(self, text: str, accessible: str) -> QToolButton:
+        b = QToolButton(self)
+        b.setText(text)
+        b.setAccessibleName(accessible)
+        b.setToolTip(accessible)
+        b.setAutoRaise(True)
+        return b
+
+    def set_text(self, text: str, immediate: bool = False) -> None:
+        self.message.content = text
+        self.body.set_markdown_text(text, immediate=immediate)
+
+    def set_state(self, state: str) -> None:
+        self.message.state = state
+        self.state_label.setText(STATE_NOTES.get(state, ""))
+
+    @Slot()
+    def copy(self) -> None:
+        QGuiApplication.clipboard().setText(self.message.content)
+
+    @Slot()
+    def start_edit(self) -> None:
+        """Swap the rendered text for an editor with Resend / Cancel."""
+        if self.editor is not None:
+            return
+        self.editor = QPlainTextEdit(self)
+        self.editor.setAccessibleName("Edit message")
+        self.editor.setPlainText(self.message.content)
+        row = QHBoxLayout()
+        resend = QPushButton("Resend", self)
+        resend.setAccessibleName("Send the edited message")
+        cancel = QPushButton("Cancel", self)
+        resend.clicked.connect(self._resend)
+        cancel.clicked.connect(self._cancel_edit)
+        row.addStretch(1)
+        row.addWidget(cancel)
+        row.addWidget(resend)
+        self._edit_row = QWidget(self)
+        self._edit_row.setLayout(row)
+        self.layout().addWidget(self.editor)
+        self.layout().addWidget(self._edit_row)
+        self.body.hide()
+        self.editor.setFocus()
+
+    @Slot()
+    def _resend(self) -> None:
+        if self.editor is not None:
+            self.editRequested.emit(self.message.id, self.editor.toPlainText())
+
+    @Slot()
+    def _cancel_edit(self) -> None:
+        if self.editor is not None:
+            self.editor.deleteLater()
+            self._edit_row.deleteLater()
+            self.editor = None
+            self.body.show()
+
+
+class ChatView(QScrollArea):
+    """The messages of the current chat.
+
+    Signals:
+        editRequested(message_id: int, text: str)
+        regenerateRequested()
+        continueRequested()
+    """
+
+    editRequested = Signal(int, str)
+    regenerateRequested = Signal()
+    continueRequested = Signal()
+
+    def __init__(self, parent=None):
+        super().__init__(parent)
+        self.setAccessibleName("Conversation")
+        self.setWidgetResizable(True)
+        self.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
+        self.dark = False
+        self._inner = QWidget()
+        self._column = QVBoxLayout(self._inner)
+        self._column.setContentsMargins(12, 12, 12, 12)
+        self._column.setSpacing(8)
+        self.notice_label = QLabel("")
+        self.notice_label.setWordWrap(True)
+        self.notice_label.setAccessibleName("Notice")
+        self.notice_label.hide()
+        self._column.addStretch(1)
+        self._column.addWidget(self.notice_label)
+        self.setWidget(self._inner)
+        self.widgets: dict[int, MessageWidget] = {}
+        self._follow = True
+        self.verticalScrollBar().valueChanged.connect(self._on_scrolled)
+        self.verticalScrollBar().rangeChanged.connect(self._on_range)
+
+    def clear(self) -> None:
+        for w in self.widgets.values():
+            w.setParent(None)
+            w.deleteLater()
+        self.widgets.clear()
+        self.show_notice("")
+        self._follow = True
+
+    def set_messages(self, messages: list[Message]) -> None:
+        """Show a whole chat."""
+        self.clear()
+        for m in messages:
+            self.add_message(m, update=False)
+        self._update_actions()
+
+    def add_message(self, message: Message, update: bool = True) -> MessageWidget:
+        w = MessageWidget(message, self.dark, self._inner)
+        w.editRequested.connect(self.editRequested)
+        w.regenerate_button.clicked.connect(self.regenerateRequested)
+        w.continue_button.clicked.connect(self.continueRequested)
+        self._column.insertWidget(self._column.count() - 1, w)
+        self.widgets[message.id] = w
+        if update:
+            self._follow = True
+            self._update_actions()
+        return w
+
+    def set_text(self, message_id: int, text: str) -> None:
+        w = self.widgets.get(message_id)
+        if w is not None:
+            w.set_text(text)
+
+    def finish(self, message: Message) -> None:
+        w = self.widgets.get(message.id)
+        if w is not None:
+            w.set_text(message.content, immediate=True)
+            w.set_state(message.state)
+        self._update_actions()
+
+    def set_busy(self, busy: bool) -> None:
+        self._busy = busy
+        self._update_actions()
+
+    def show_notice(self, text: str) -> None:
+        self.notice_label.setText(text)
+        self.notice_label.setVisible(bool(text))
+
+    def _update_actions(self) -> None:
+        busy = getattr(self, "_busy", False)
+        items = list(self.widgets.values())
+        for i, w in enumerate(items):
+            last = i == len(items) - 1
+            is_reply = w.message.role == "assistant"
+            w.regenerate_button.setVisible(last and is_reply and not busy)
+            w.continue_button.setVisible(last and is_reply and not busy and bool(w.message.content))
+            w.edit_button.setVisible(w.message.role == "user" and not busy)
+
+    @Slot(int)
+    def _on_scrolled(self, value: int) -> None:
+        bar = self.verticalScrollBar()
+        self._follow = value >= bar.maximum() - 24
+
+    @Slot(int, int)
+    def _on_range(self, lo: int, hi: int) -> None:
+        if self._follow:
+            QTimer.singleShot(0, self._to_bottom)
+
+    @Slot()
+    def _to_bottom(self) -> None:
+        bar = self.verticalScrollBar()
+        bar.setValue(bar.maximum())

@@ -1,0 +1,311 @@
+"""The chat controller: turns user actions into store writes and engine requests, and back into signals.
+
+No widgets here. The window calls send / stop / regenerate / edit_and_resend / continue_reply and
+listens to the signals; the controller keeps the SQLite store in step with what is on screen:
+- the user's message is committed before the request goes to the engine;
+- the assistant's message is created (state "streaming") when the reply starts, its text is flushed
+  every FLUSH_S while it streams and written with its final state and figures when it ends;
+- a reply that fails keeps what had arrived and says why (state "error" or "stopped").
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict
+
+from app.chat_store import Chat, ChatStore, Message
+from app.engine_bridge import EngineBridge
+from app.qt import QObject, QTimer, Signal, Slot
+from app.settings import SAMPLING_KEYS, Settings
+from engine.client import ChatEvent
+from engine.generate import GenerationParams
+
+FLUSH_S = 0.5  # the store is at most this far behind the screen while a reply streams
+TITLE_CHARS = 48
+STATS_KEYS = (
+    "ttft_s",
+    "generation_tps",
+    "prompt_tps",
+    "generated_tokens",
+    "prompt_tokens",
+    "cached_tokens",
+    "context_after",
+    "context_size",
+)
+
+
+def sampling_params(settings: Settings, overrides: dict | None = None) -> GenerationParams:
+    """GenerationParams from the settings' sampling defaults and a chat's overrides."""
+    values = {k: settings.get(k) for k in SAMPLING_KEYS}
+    values.update({k: v for k, v in (overrides or {}).items() if k in SAMPLING_KEYS and v is not None})
+    return GenerationParams(
+        max_tokens=int(values["max_tokens"]),
+        temperature=float(values["temperature"]),
+        top_k=int(values["top_k"]),
+        top_p=float(values["top_p"]),
+        min_p=float(values["min_p"]),
+        repetition_penalty=float(values["repetition_penalty"]),
+        seed=overrides.get("seed") if overrides else None,
+    )
+
+
+def event_stats(event: ChatEvent | None) -> dict:
+    """The figures of a reply kept with its message (and speculative counters when the engine sends them)."""
+    if event is None:
+        return {}
+    data = asdict(event) if hasattr(event, "__dataclass_fields__") else dict(vars(event))
+    keep = {k: data[k] for k in STATS_KEYS if k in data}
+    keep.update({k: v for k, v in data.items() if ("draft" in k or "accept" in k) and v is not None})
+    return keep
+
+
+class ChatController(QObject):
+    """One window's chats.
+
+    Signals:
+        chatsChanged(): the chat list changed (new, renamed, deleted, reordered).
+        chatOpened(chat_id: str): the current chat changed; the view reloads its messages.
+        messageAdded(message: Message): a message was appended to the current chat.
+        messageText(message_id: int, text: str): the streaming message's whole text so far.
+        messageDone(message: Message): a reply ended (state done, stopped or error).
+        busyChanged(busy: bool): a reply started or ended.
+        replyEvent(event: ChatEvent): the latest engine event of the reply (for the status bar).
+        notice(text: str): something to tell the user in the chat (engine crash, errors).
+    """
+
+    chatsChanged = Signal()
+    chatOpened = Signal(str)
+    messageAdded = Signal(object)
+    messageText = Signal(int, str)
+    messageDone = Signal(object)
+    busyChanged = Signal(bool)
+    replyEvent = Signal(object)
+    notice = Signal(str)
+
+    def __init__(
+        self, store: ChatStore, bridge: EngineBridge, settings: Settings, parent: QObject | None = None
+    ):
+        super().__init__(parent)
+        self.store = store
+        self.bridge = bridge
+        self.settings = settings
+        self.chat: Chat | None = None
+        self.busy = False
+        self._turn = 0
+        self._reply: Message | None = None
+        self._text = ""
+        self._flushed_text = ""
+        self._last_event: ChatEvent | None = None
+        self._flush_timer = QTimer(self)
+        self._flush_timer.setInterval(int(FLUSH_S * 1000))
+        self._flush_timer.timeout.connect(self.flush)
+        bridge.chunk.connect(self._on_chunk)
+        bridge.progress.connect(self._on_progress)
+        bridge.finished.connect(self._on_finished)
+        bridge.failed.connect(self._on_failed)
+
+    # ---- chats
+    def new_chat(self) -> Chat:
+        """Create and open an empty chat."""
+        chat = self.store.create_chat(model=self.bridge.model.name if self.bridge.model else None)
+        self.open_chat(chat.id)
+        self.chatsChanged.emit()
+        return chat
+
+    def open_chat(self, chat_id: str) -> None:
+        """Make `chat_id` the current chat (refused while a reply streams into another)."""
+        if self.busy and self.chat and chat_id != self.chat.id:
+            self.stop()
+        self.chat = self.store.get_chat(chat_id)
+        self.chatOpened.emit(chat_id)
+
+    def rename_chat(self, chat_id: str, title: str) -> None:
+        title = title.strip()
+        if title:
+            self.store.update_chat(chat_id, title=title)
+            if self.chat and self.chat.id == chat_id:
+                self.chat.title = title
+            self.chatsChanged.emit()
+
+    def delete_chat(self, chat_id: str) -> None:
+        """Delete (undoable with undo_delete until the app restarts)."""
+        if self.chat and self.chat.id == chat_id:
+            if self.busy:
+                self.stop()
+            self.chat = None
+            self.chatOpened.emit("")
+        self.store.delete_chat(chat_id)
+        self.chatsChanged.emit()
+
+    def undo_delete(self, chat_id: str) -> None:
+        self.store.undo_delete(chat_id)
+        self.chatsChanged.emit()
+        self.open_chat(chat_id)
+
+    def set_chat_options(self, system_prompt: str, overrides: dict) -> None:
+        """The current chat's system prompt and sampling overrides."""
+        if self.chat is None:
+            self.new_chat()
+        assert self.chat is not None
+        clean = {k: v for k, v in overrides.items() if k in SAMPLING_KEYS or k == "seed"}
+        self.store.update_chat(self.chat.id, system_prompt=system_prompt, overrides=clean)
+        self.chat.system_prompt, self.chat.overrides = system_prompt, clean
+
+    def messages(self) -> list[Message]:
+        return self.store.messages(self.chat.id) if self.chat else []
+
+    # ---- turns
+    def send(self, text: str) -> bool:
+        """Store the user's message and request a reply. False if not sent (empty, busy, no model)."""
+        text = text.strip()
+        if not text or self.busy:
+            return False
+        if self.bridge.model is None:
+            self.notice.emit("No model is loaded yet: pick one above (or wait for the load to finish).")
+            return False
+        if self.chat is None:
+            self.new_chat()
+        assert self.chat is not None
+        first = not self.store.messages(self.chat.id)
+        msg = self.store.add_message(self.chat.id, "user", text)
+        if first:
+            title = " ".join(text.split())[:TITLE_CHARS]
+            self.store.update_chat(self.chat.id, title=title)
+            self.chat.title = title
+        self.messageAdded.emit(msg)
+        self.chatsChanged.emit()
+        self._start_reply()
+        return True
+
+    def regenerate(self) -> bool:
+        """Replace the last assistant reply with a new one."""
+        msgs = self.messages()
+        if self.busy or not msgs or self.bridge.model is None:
+            return False
+        if msgs[-1].role == "assistant":
+            self.store.delete_from(self.chat.id, msgs[-1].position)
+            self.chatOpened.emit(self.chat.id)
+        if not self.messages() or self.messages()[-1].role != "user":
+            return False
+        self._start_reply()
+        return True
+
+    def edit_and_resend(self, message_id: int, text: str) -> bool:
+        """Replace a user message (and everything after it) by `text`, then ask for a reply."""
+        text = text.strip()
+        msgs = self.messages()
+        target = next((m for m in msgs if m.id == message_id), None)
+        if self.busy or target is None or target.role != "user" or not text or self.bridge.model is None:
+            return False
+        self.store.delete_from(self.chat.id, target.position)
+        msg = self.store.add_message(self.chat.id, "user", text)
+        self.chatOpened.emit(self.chat.id)
+        del msg
+        self._start_reply()
+        return True
+
+    def continue_reply(self) -> bool:
+        """Let the model go on writing the last assistant reply (after a stop or the length limit)."""
+        msgs = self.messages()
+        if self.busy or not msgs or msgs[-1].role != "assistant" or self.bridge.model is None:
+            return False
+        self._start_reply(resume=msgs[-1])
+        return True
+
+    def stop(self) -> None:
+        """Stop the reply in progress (what arrived is kept)."""
+        if self.busy:
+            self.bridge.cancel()
+
+    def _conversation(self, resume: Message | None) -> list[dict]:
+        conv = []
+        if self.chat and self.chat.system_prompt.strip():
+            conv.append({"role": "system", "content": self.chat.system_prompt})
+        for m in self.messages():
+            if m.state == "error" and not m.content or (m.role == "assistant" and not m.content):
+                continue
+            conv.append({"role": m.role, "content": m.content})
+        if resume is not None and conv and conv[-1]["role"] == "assistant":
+            conv[-1]["continue"] = True
+        return conv
+
+    def _start_reply(self, resume: Message | None = None) -> None:
+        assert self.chat is not None
+        conversation = self._conversation(resume)
+        self._turn += 1
+        if resume is None:
+            self._reply = self.store.add_message(self.chat.id, "assistant", "", state="streaming")
+            self._text = ""
+            self.messageAdded.emit(self._reply)
+        else:
+            self._reply = resume
+            self._text = resume.content
+            self.store.update_message(resume.id, state="streaming")
+        self._flushed_text = self._text
+        self._last_event = None
+        self._set_busy(True)
+        self._flush_timer.start()
+        params = sampling_params(self.settings, self.chat.overrides)
+        self.bridge.generate(
+            self._turn, conversation, params, self.chat.id, self.settings.get("context_policy")
+        )
+
+    def _set_busy(self, busy: bool) -> None:
+        if busy != self.busy:
+            self.busy = busy
+            self.busyChanged.emit(busy)
+
+    @Slot()
+    def flush(self) -> None:
+        """Write the streaming reply's text to the store if it changed since the last write."""
+        if self._reply is not None and self._text != self._flushed_text:
+            self.store.update_message(self._reply.id, content=self._text)
+            self._flushed_text = self._text
+
+    @Slot(int, str, object)
+    def _on_chunk(self, turn: int, text: str, event: ChatEvent) -> None:
+        if turn != self._turn or self._reply is None:
+            return
+        self._text += text
+        self._last_event = event
+        self.messageText.emit(self._reply.id, self._text)
+        self.replyEvent.emit(event)
+
+    @Slot(int, object)
+    def _on_progress(self, turn: int, event: ChatEvent) -> None:
+        if turn == self._turn:
+            self.replyEvent.emit(event)
+
+    def _end(self, state: str, event: ChatEvent | None) -> Message | None:
+        self._flush_timer.stop()
+        reply, self._reply = self._reply, None
+        if reply is None:
+            return None
+        stats = event_stats(event or self._last_event)
+        stats["finish_reason"] = event.finish_reason if event else state
+        self.store.update_message(reply.id, content=self._text, state=state, stats=stats)
+        self._flushed_text = self._text
+        reply.content, reply.state, reply.stats, reply.updated_at = self._text, state, stats, time.time()
+        self._set_busy(False)
+        self.messageDone.emit(reply)
+        return reply
+
+    @Slot(int, object)
+    def _on_finished(self, turn: int, event: ChatEvent) -> None:
+        if turn != self._turn:
+            return
+        state = "stopped" if event.finish_reason == "cancelled" else "done"
+        self._end(state, event)
+        self.replyEvent.emit(event)
+
+    @Slot(int, str, bool)
+    def _on_failed(self, turn: int, message: str, crashed: bool) -> None:
+        if turn != self._turn:
+            return
+        self._end("error", None)
+        if crashed:
+            self.notice.emit(
+                f"The engine stopped unexpectedly ({message}). It is restarting; your chat is safe."
+            )
+        else:
+            self.notice.emit(message)

@@ -1,0 +1,677 @@
+"""The main window: chat list, conversation, composer, model picker and status bar.
+
+Layout: a sidebar (search, New chat, the chat list) beside the chat column (model picker with load
+progress and fit label, the conversation, the composer). Everything that can block runs elsewhere:
+the engine in its worker process (app.engine_bridge), fit estimates and library scans in threads.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+
+from app.chat_store import ChatStore, ChatStoreError, Message
+from app.chat_view import ChatView
+from app.controller import ChatController
+from app.engine_bridge import EngineBridge
+from app.qt import (
+    QAction,
+    QComboBox,
+    QDialog,
+    QDialogButtonBox,
+    QDoubleSpinBox,
+    QFileDialog,
+    QFormLayout,
+    QHBoxLayout,
+    QInputDialog,
+    QKeySequence,
+    QLabel,
+    QLineEdit,
+    QListWidget,
+    QListWidgetItem,
+    QMainWindow,
+    QMenu,
+    QMessageBox,
+    QObject,
+    QPlainTextEdit,
+    QProgressBar,
+    QPushButton,
+    QShortcut,
+    QSpinBox,
+    QSplitter,
+    Qt,
+    QTimer,
+    QVBoxLayout,
+    QWidget,
+    Signal,
+    Slot,
+)
+from app.settings import Settings
+from engine.client import ChatEvent, EngineStatus, LoadOptions, ModelInfo
+from models.starter import STARTERS, starter_path
+from models.version import VERSION
+
+STATUS_POLL_MS = 2000
+CONTEXT_WARN = 0.85  # warn when the context is this full
+UNDO_MS = 10000
+
+
+class Composer(QPlainTextEdit):
+    """The message editor: Enter sends, Shift+Enter starts a new line.
+
+    Signals:
+        submitted(): Enter was pressed.
+    """
+
+    submitted = Signal()
+
+    def keyPressEvent(self, event) -> None:  # noqa: N802 - Qt override
+        if event.key() in (Qt.Key.Key_Return, Qt.Key.Key_Enter) and not (
+            event.modifiers() & Qt.KeyboardModifier.ShiftModifier
+        ):
+            self.submitted.emit()
+            return
+        super().keyPressEvent(event)
+
+
+class _Relay(QObject):
+    """Carries results of plain threads to the GUI thread."""
+
+    fit = Signal(str, str)
+
+
+class ChatOptionsDialog(QDialog):
+    """Per-chat system prompt and sampling overrides (empty fields follow the settings)."""
+
+    def __init__(self, system_prompt: str, overrides: dict, settings: Settings, parent=None):
+        super().__init__(parent)
+        self.setWindowTitle("Chat options")
+        form = QFormLayout(self)
+        self.system = QPlainTextEdit(system_prompt)
+        self.system.setAccessibleName("System prompt")
+        form.addRow("System prompt", self.system)
+        self.temperature = QDoubleSpinBox()
+        self.temperature.setRange(-0.01, 2.0)
+        self.temperature.setSingleStep(0.05)
+        self.temperature.setSpecialValueText(f"default ({settings.get('temperature')})")
+        self.temperature.setValue(overrides.get("temperature", -0.01))
+        self.temperature.setAccessibleName("Temperature for this chat")
+        form.addRow("Temperature", self.temperature)
+        self.max_tokens = QSpinBox()
+        self.max_tokens.setRange(0, 32768)
+        self.max_tokens.setSpecialValueText(f"default ({settings.get('max_tokens')})")
+        self.max_tokens.setValue(overrides.get("max_tokens", 0))
+        self.max_tokens.setAccessibleName("Reply length limit for this chat")
+        form.addRow("Reply length limit", self.max_tokens)
+        self.seed = QSpinBox()
+        self.seed.setRange(-1, 2**31 - 1)
+        self.seed.setSpecialValueText("random")
+        self.seed.setValue(overrides.get("seed", -1) if overrides.get("seed") is not None else -1)
+        self.seed.setAccessibleName("Sampling seed for this chat")
+        form.addRow("Seed", self.seed)
+        buttons = QDialogButtonBox(
+            QDialogButtonBox.StandardButton.Ok | QDialogButtonBox.StandardButton.Cancel
+        )
+        buttons.accepted.connect(self.accept)
+        buttons.rejected.connect(self.reject)
+        form.addRow(buttons)
+
+    def result_values(self) -> tuple[str, dict]:
+        overrides: dict = {}
+        if self.temperature.value() >= 0:
+            overrides["temperature"] = round(self.temperature.value(), 2)
+        if self.max_tokens.value() > 0:
+            overrides["max_tokens"] = self.max_tokens.value()
+        if self.seed.value() >= 0:
+            overrides["seed"] = self.seed.value()
+        return self.system.toPlainText(), overrides
+
+
+class MainWindow(QMainWindow):
+    """Hearth's main window.
+
+    Args:
+        settings: the app settings.
+        store: the chat database.
+        bridge: the engine (a fresh one when None).
+        model: model to load at start (default: the settings' default model); "" loads nothing.
+    """
+
+    def __init__(
+        self,
+        settings: Settings,
+        store: ChatStore,
+        bridge: EngineBridge | None = None,
+        model: str | None = None,
+        dark: bool = False,
+    ):
+        super().__init__()
+        self.setWindowTitle("Hearth")
+        self.resize(1100, 760)
+        self.settings = settings
+        self.store = store
+        self._owns_bridge = bridge is None
+        self.bridge = bridge or EngineBridge(threads=settings.get("threads") or None, parent=self)
+        self.controller = ChatController(store, self.bridge, settings, self)
+        self.model_info: ModelInfo | None = None
+        self.last_event: ChatEvent | None = None
+        self.library_window = None
+        self._relay = _Relay(self)
+        self._relay.fit.connect(self._on_fit)
+        self._deleted: str | None = None
+        self._closing = False
+        self._build(dark)
+        self._wire()
+        self.refresh_chats()
+        self.refresh_models()
+        self._status_timer = QTimer(self)
+        self._status_timer.setInterval(STATUS_POLL_MS)
+        self._status_timer.timeout.connect(self.bridge.poll_status)
+        self._status_timer.start()
+        chats = store.list_chats()
+        if chats:
+            self.controller.open_chat(chats[0].id)
+        target = settings.get("default_model") if model is None else model
+        if self.bridge.model is not None and not model:
+            self._on_loaded(self.bridge.model)  # a shared engine with its model already loaded
+        elif target:
+            self.load_model(target)
+        else:
+            self._offer_starter()
+
+    # ---- building
+    def _build(self, dark: bool) -> None:
+        side = QWidget()
+        sv = QVBoxLayout(side)
+        self.search = QLineEdit()
+        self.search.setPlaceholderText("Search chats (Ctrl+F)")
+        self.search.setAccessibleName("Search chats")
+        self.new_button = QPushButton("New chat")
+        self.new_button.setAccessibleName("New chat")
+        self.chat_list = QListWidget()
+        self.chat_list.setAccessibleName("Chats")
+        self.chat_list.setContextMenuPolicy(Qt.ContextMenuPolicy.CustomContextMenu)
+        self.undo_button = QPushButton("Undo delete")
+        self.undo_button.setAccessibleName("Undo delete")
+        self.undo_button.hide()
+        for w in (self.search, self.new_button, self.chat_list, self.undo_button):
+            sv.addWidget(w)
+
+        main = QWidget()
+        mv = QVBoxLayout(main)
+        top = QHBoxLayout()
+        self.model_box = QComboBox()
+        self.model_box.setAccessibleName("Model")
+        self.model_box.setMinimumWidth(320)
+        self.load_progress = QProgressBar()
+        self.load_progress.setAccessibleName("Model load progress")
+        self.load_progress.setRange(0, 100)
+        self.load_progress.setMaximumWidth(180)
+        self.load_progress.hide()
+        self.fit_label = QLabel("")
+        self.fit_label.setAccessibleName("Fits this machine")
+        self.options_button = QPushButton("Chat options…")
+        self.options_button.setAccessibleName("Chat options")
+        top.addWidget(QLabel("Model:"))
+        top.addWidget(self.model_box, 1)
+        top.addWidget(self.load_progress)
+        top.addWidget(self.fit_label)
+        top.addWidget(self.options_button)
+        mv.addLayout(top)
+        self.view = ChatView()
+        self.view.dark = dark
+        mv.addWidget(self.view, 1)
+        self.starter_button = QPushButton("Get the starter model (SmolLM2 135M, 94 MiB)")
+        self.starter_button.setAccessibleName("Get the starter model")
+        self.starter_button.hide()
+        mv.addWidget(self.starter_button)
+        bottom = QHBoxLayout()
+        self.composer = Composer()
+        self.composer.setAccessibleName("Message")
+        self.composer.setPlaceholderText("Write a message. Enter sends, Shift+Enter adds a line.")
+        self.composer.setMaximumHeight(140)
+        self.send_button = QPushButton("Send")
+        self.send_button.setAccessibleName("Send message")
+        self.stop_button = QPushButton("Stop")
+        self.stop_button.setAccessibleName("Stop the reply")
+        self.stop_button.setEnabled(False)
+        bottom.addWidget(self.composer, 1)
+        col = QVBoxLayout()
+        col.addWidget(self.send_button)
+        col.addWidget(self.stop_button)
+        bottom.addLayout(col)
+        mv.addLayout(bottom)
+
+        split = QSplitter()
+        split.addWidget(side)
+        split.addWidget(main)
+        split.setStretchFactor(1, 1)
+        split.setSizes([260, 840])
+        self.setCentralWidget(split)
+
+        sb = self.statusBar()
+        self.status_model = QLabel("no model")
+        self.status_device = QLabel("CPU")
+        self.status_speed = QLabel("")
+        self.status_context = QLabel("")
+        self.status_ram = QLabel("")
+        self.status_spec = QLabel("")
+        for w, name in (
+            (self.status_model, "Loaded model"),
+            (self.status_device, "Device"),
+            (self.status_speed, "Speed"),
+            (self.status_context, "Context use"),
+            (self.status_ram, "Memory use"),
+            (self.status_spec, "Speculative decoding"),
+        ):
+            w.setAccessibleName(name)
+            sb.addPermanentWidget(w)
+        self.status_spec.hide()
+
+        menu = self.menuBar()
+        file_menu = menu.addMenu("&File")
+        self.act_new = self._action(
+            file_menu, "&New chat", QKeySequence.StandardKey.New, self.controller.new_chat
+        )
+        self._action(file_menu, "&Import chat…", None, self.import_chat)
+        self._action(file_menu, "Export as &Markdown…", None, lambda: self.export_chat("md"))
+        self._action(file_menu, "Export as &JSON…", None, lambda: self.export_chat("json"))
+        file_menu.addSeparator()
+        self._action(file_menu, "&Quit", QKeySequence.StandardKey.Quit, self.close)
+        edit = menu.addMenu("&Edit")
+        self._action(edit, "&Find chats", QKeySequence.StandardKey.Find, self.focus_search)
+        self._action(edit, "&Stop reply", QKeySequence(Qt.Key.Key_Escape), self.controller.stop)
+        self._action(edit, "&Undo delete", None, self.undo_delete)
+        tools = menu.addMenu("&Tools")
+        self._action(tools, "Model &library…", QKeySequence("Ctrl+Shift+L"), self.open_library)
+        self._action(tools, "&Settings…", QKeySequence("Ctrl+,"), self.open_settings)
+        help_menu = menu.addMenu("&Help")
+        self._action(help_menu, "&About Hearth", None, self.about)
+
+    def _action(self, menu: QMenu, text: str, shortcut, slot) -> QAction:
+        act = QAction(text, self)
+        if shortcut is not None:
+            act.setShortcut(shortcut)
+            act.setShortcutContext(Qt.ShortcutContext.ApplicationShortcut)
+        act.triggered.connect(lambda _=False: slot())
+        menu.addAction(act)
+        return act
+
+    def _wire(self) -> None:
+        c, b = self.controller, self.bridge
+        self.search.textChanged.connect(self.refresh_chats)
+        self.new_button.clicked.connect(c.new_chat)
+        self.chat_list.currentItemChanged.connect(self._on_chat_selected)
+        self.chat_list.customContextMenuRequested.connect(self._chat_menu)
+        self.undo_button.clicked.connect(self.undo_delete)
+        self.model_box.activated.connect(self._on_model_picked)
+        self.options_button.clicked.connect(self.chat_options)
+        self.starter_button.clicked.connect(lambda: self.load_model("smollm2-135m-instruct"))
+        self.composer.submitted.connect(self.send)
+        self.send_button.clicked.connect(self.send)
+        self.stop_button.clicked.connect(c.stop)
+        self.view.editRequested.connect(c.edit_and_resend)
+        self.view.regenerateRequested.connect(c.regenerate)
+        self.view.continueRequested.connect(c.continue_reply)
+        c.chatsChanged.connect(self.refresh_chats)
+        c.chatOpened.connect(self._on_chat_opened)
+        c.messageAdded.connect(self._on_message_added)
+        c.messageText.connect(self.view.set_text)
+        c.messageDone.connect(self.view.finish)
+        c.busyChanged.connect(self._on_busy)
+        c.replyEvent.connect(self._on_reply_event)
+        c.notice.connect(self.view.show_notice)
+        self._bridge_slots = [
+            (b.loadProgress, self._on_load_progress),
+            (b.loaded, self._on_loaded),
+            (b.loadFailed, self._on_load_failed),
+            (b.statusReady, self._on_status),
+            (b.restarted, self._on_restarted),
+            (b.chunk, c._on_chunk),
+            (b.progress, c._on_progress),
+            (b.finished, c._on_finished),
+            (b.failed, c._on_failed),
+        ]
+        for signal, slot in self._bridge_slots[:5]:
+            signal.connect(slot)
+
+    # ---- chats
+    @Slot()
+    def refresh_chats(self, *_args) -> None:
+        current = self.controller.chat.id if self.controller.chat else None
+        self.chat_list.blockSignals(True)
+        self.chat_list.clear()
+        for chat in self.store.list_chats(self.search.text().strip()):
+            item = QListWidgetItem(chat.title)
+            item.setData(Qt.ItemDataRole.UserRole, chat.id)
+            item.setToolTip(chat.title)
+            self.chat_list.addItem(item)
+            if chat.id == current:
+                self.chat_list.setCurrentItem(item)
+        self.chat_list.blockSignals(False)
+
+    def focus_search(self) -> None:
+        self.search.setFocus()
+        self.search.selectAll()
+
+    @Slot(object, object)
+    def _on_chat_selected(self, item, _previous) -> None:
+        if item is not None:
+            chat_id = item.data(Qt.ItemDataRole.UserRole)
+            if not self.controller.chat or self.controller.chat.id != chat_id:
+                self.controller.open_chat(chat_id)
+
+    @Slot(str)
+    def _on_chat_opened(self, chat_id: str) -> None:
+        self.view.set_messages(self.controller.messages() if chat_id else [])
+        self.refresh_chats()
+        self.composer.setFocus()
+
+    @Slot(object)
+    def _on_message_added(self, message: Message) -> None:
+        self.view.show_notice("")
+        self.view.add_message(message)
+
+    def _chat_menu(self, pos) -> None:
+        item = self.chat_list.itemAt(pos)
+        if item is None:
+            return
+        chat_id = item.data(Qt.ItemDataRole.UserRole)
+        menu = QMenu(self)
+        menu.addAction("Rename…", lambda: self.rename_chat(chat_id))
+        menu.addAction("Delete", lambda: self.delete_chat(chat_id))
+        menu.addAction("Export as Markdown…", lambda: self.export_chat("md", chat_id))
+        menu.addAction("Export as JSON…", lambda: self.export_chat("json", chat_id))
+        menu.exec(self.chat_list.mapToGlobal(pos))
+
+    def rename_chat(self, chat_id: str, title: str | None = None) -> None:
+        if title is None:
+            old = self.store.get_chat(chat_id).title
+            title, ok = QInputDialog.getText(self, "Rename chat", "Title:", text=old)
+            if not ok:
+                return
+        self.controller.rename_chat(chat_id, title)
+
+    def delete_chat(self, chat_id: str) -> None:
+        """Delete a chat; an Undo button stays for UNDO_MS."""
+        self.controller.delete_chat(chat_id)
+        self._deleted = chat_id
+        self.undo_button.show()
+        self.statusBar().showMessage("Chat deleted", UNDO_MS)
+        QTimer.singleShot(UNDO_MS, self._forget_undo)
+
+    def undo_delete(self) -> None:
+        if self._deleted:
+            self.controller.undo_delete(self._deleted)
+        self._forget_undo()
+
+    def _forget_undo(self) -> None:
+        self._deleted = None
+        self.undo_button.hide()
+
+    def export_chat(self, fmt: str, chat_id: str | None = None, path: str | None = None) -> Path | None:
+        """Write a chat as Markdown or JSON (to `path`, or where the user picks)."""
+        chat_id = chat_id or (self.controller.chat.id if self.controller.chat else None)
+        if not chat_id:
+            return None
+        chat = self.store.get_chat(chat_id)
+        if path is None:
+            folder = self.settings.get("export_folder") or str(Path.home())
+            safe = "".join(ch if ch.isalnum() or ch in " -_" else "_" for ch in chat.title)[:60] or "chat"
+            path, _ = QFileDialog.getSaveFileName(
+                self,
+                "Export chat",
+                str(Path(folder) / f"{safe}.{fmt}"),
+                "Markdown (*.md)" if fmt == "md" else "JSON (*.json)",
+            )
+            if not path:
+                return None
+        text = (
+            self.store.export_markdown(chat_id)
+            if fmt == "md"
+            else json.dumps(self.store.export_json(chat_id), indent=1, ensure_ascii=False)
+        )
+        target = Path(path)
+        tmp = target.with_name(f".{target.name}.tmp")
+        try:
+            tmp.write_text(text, encoding="utf-8")
+            tmp.replace(target)
+        except OSError as e:
+            tmp.unlink(missing_ok=True)
+            QMessageBox.warning(self, "Export failed", f"{target}: {e}")
+            return None
+        self.statusBar().showMessage(f"Exported to {target}", 5000)
+        return target
+
+    def import_chat(self, path: str | None = None) -> str | None:
+        """Import a chat exported as JSON; returns its id."""
+        if path is None:
+            path, _ = QFileDialog.getOpenFileName(self, "Import chat", str(Path.home()), "JSON (*.json)")
+            if not path:
+                return None
+        try:
+            data = json.loads(Path(path).read_text(encoding="utf-8"))
+            chat = self.store.import_json(data)
+        except (OSError, ValueError, ChatStoreError) as e:
+            QMessageBox.warning(self, "Import failed", f"{path}: {e}")
+            return None
+        self.refresh_chats()
+        self.controller.open_chat(chat.id)
+        return chat.id
+
+    def chat_options(self) -> None:
+        chat = self.controller.chat
+        dialog = ChatOptionsDialog(
+            chat.system_prompt if chat else "", chat.overrides if chat else {}, self.settings, self
+        )
+        if dialog.exec():
+            self.controller.set_chat_options(*dialog.result_values())
+
+    # ---- sending
+    @Slot()
+    def send(self) -> None:
+        if self.controller.send(self.composer.toPlainText()):
+            self.composer.clear()
+
+    @Slot(bool)
+    def _on_busy(self, busy: bool) -> None:
+        self.stop_button.setEnabled(busy)
+        self.send_button.setEnabled(not busy)
+        self.view.set_busy(busy)
+
+    @Slot(object)
+    def _on_reply_event(self, event: ChatEvent) -> None:
+        self.last_event = event
+        if event.token is None and not event.finish_reason and event.to_prefill:
+            self.status_speed.setText(f"reading prompt {event.prefilled}/{event.to_prefill}")
+        elif event.generated_tokens:
+            self.status_speed.setText(f"TTFT {event.ttft_s:.2f} s · {event.generation_tps:.1f} tok/s")
+        self._show_context(event.context_after, event.context_size)
+        spec = {k: v for k, v in vars(event).items() if ("draft" in k or "accept" in k) and v}
+        if spec:
+            self.status_spec.setText(
+                " · ".join(f"{k.replace('_', ' ')} {v}" for k, v in sorted(spec.items()))
+            )
+            self.status_spec.show()
+
+    def _show_context(self, used: int, total: int) -> None:
+        if not total:
+            return
+        warn = used >= CONTEXT_WARN * total
+        text = f"context {used}/{total}"
+        self.status_context.setText(
+            ("⚠ " + text + " (nearly full: older turns will be dropped)") if warn else text
+        )
+
+    @Slot(object)
+    def _on_status(self, status: EngineStatus) -> None:
+        self.status_ram.setText(f"engine RAM {status.rss_mb:,.0f} MB")
+        for m in status.models:
+            if self.model_info and m.get("key") == self.model_info.key and not self.controller.busy:
+                self._show_context(m.get("context_used", 0), m.get("n_ctx", 0))
+
+    # ---- models
+    def refresh_models(self) -> None:
+        """Fill the picker: starter models, then the library's local models."""
+        self.model_box.blockSignals(True)
+        current = self.model_box.currentData()
+        self.model_box.clear()
+        for name, starter in STARTERS.items():
+            here = starter_path(name).is_file()
+            self.model_box.addItem(f"{starter.description}{'' if here else ' (download)'}", name)
+        try:
+            from models.library import Library
+
+            for entry in Library().entries():
+                if entry.format == "gguf" and entry.source != "starter" and entry.exists:
+                    self.model_box.addItem(entry.name, entry.path)
+        except Exception:  # noqa: BLE001 - an unreadable library must not stop the window
+            pass
+        if current is not None and self.model_box.findData(current) >= 0:
+            self.model_box.setCurrentIndex(self.model_box.findData(current))
+        self.model_box.blockSignals(False)
+
+    @Slot(int)
+    def _on_model_picked(self, index: int) -> None:
+        spec = self.model_box.itemData(index)
+        if spec and (not self.model_info or spec not in (self.model_info.path, self.model_info.key)):
+            self.load_model(spec)
+
+    def load_model(self, spec: str) -> None:
+        """Load a model (starter name or path) with the settings' options; progress shows in the top bar."""
+        if self.model_box.findData(spec) < 0:
+            self.model_box.addItem(Path(spec).name, spec)
+        self.model_box.setCurrentIndex(self.model_box.findData(spec))
+        self.starter_button.hide()
+        self.load_progress.setValue(0)
+        self.load_progress.show()
+        self.status_model.setText(f"loading {Path(spec).name}…")
+        s = self.settings
+        options = LoadOptions(
+            n_ctx=s.get("n_ctx"),
+            threads=s.get("threads") or None,
+            prefix_cache_mb=s.get("prefix_cache_mb"),
+            kv_dtype=s.get("kv_dtype"),
+        )
+        self.bridge.load(spec, options)
+        self._estimate_fit(spec)
+
+    def _estimate_fit(self, spec: str) -> None:
+        n_ctx = self.settings.get("n_ctx")
+
+        def run() -> None:
+            from models import fit
+
+            path = starter_path(spec) if spec in STARTERS else Path(spec)
+            try:
+                text = fit.fit_for_file(path, n_ctx).verdict if path.exists() else "not downloaded yet"
+                tip = fit.fit_for_file(path, n_ctx).summary() if path.exists() else ""
+            except Exception as e:  # noqa: BLE001 - a label, never an error dialog
+                text, tip = "fit unknown", str(e)
+            self._relay.fit.emit(text, tip)
+
+        threading.Thread(target=run, daemon=True, name="hearth-fit").start()
+
+    @Slot(str, str)
+    def _on_fit(self, text: str, tip: str) -> None:
+        if not self._closing:
+            self.fit_label.setText(text)
+            self.fit_label.setToolTip(tip)
+
+    @Slot(str, float, str)
+    def _on_load_progress(self, stage: str, fraction: float, message: str) -> None:
+        self.load_progress.setValue(int(fraction * 100))
+        if stage == "warning":
+            self.statusBar().showMessage(message, 8000)
+        else:
+            self.load_progress.setFormat(f"{stage} %p%")
+
+    @Slot(object)
+    def _on_loaded(self, info: ModelInfo) -> None:
+        self.model_info = info
+        self.load_progress.hide()
+        self.status_model.setText(f"{info.name} · loaded in {info.load_s:.1f} s")
+        self.status_device.setText("CPU")
+        self._show_context(0, info.n_ctx)
+        self.refresh_models()
+        try:
+            from models.library import Library
+
+            Library().mark_used(info.path)
+        except Exception:  # noqa: BLE001
+            pass
+
+    @Slot(str)
+    def _on_load_failed(self, message: str) -> None:
+        self.load_progress.hide()
+        self.status_model.setText("no model" if self.model_info is None else self.model_info.name)
+        self.view.show_notice(f"The model could not be loaded: {message}")
+        if self.model_info is None:
+            self._offer_starter()
+
+    def _offer_starter(self) -> None:
+        self.starter_button.setVisible(True)
+        if not starter_path("smollm2-135m-instruct").is_file():
+            self.view.show_notice(
+                "Hearth needs a model. The starter model is small and runs on any computer."
+            )
+
+    @Slot(bool, str)
+    def _on_restarted(self, ok: bool, message: str) -> None:
+        if ok:
+            self.view.show_notice("The engine was restarted after a crash. Your chat is intact; send again.")
+        else:
+            self.view.show_notice(message)
+
+    # ---- windows
+    def open_library(self) -> None:
+        from app.library_window import LibraryWindow
+
+        if self.library_window is None:
+            self.library_window = LibraryWindow(self.settings, self)
+            self.library_window.modelsChanged.connect(self.refresh_models)
+            self.library_window.useModel.connect(self.load_model)
+        self.library_window.show()
+        self.library_window.raise_()
+
+    def open_settings(self):
+        from app.settings_dialog import SettingsDialog
+
+        params = None
+        dialog = SettingsDialog(self.settings, self, model_params=params)
+        dialog.open()
+        return dialog
+
+    def about(self) -> None:
+        QMessageBox.about(
+            self,
+            "About Hearth",
+            f"<b>Hearth {VERSION}</b><br>Chat with language models on "
+            "your own machine. Engine, quantizers and converters are Hearth's own Python.",
+        )
+
+    def closeEvent(self, event) -> None:  # noqa: N802 - Qt override
+        """Stop the reply (its text is saved), pause downloads (they resume next start), stop the engine."""
+        self._closing = True
+        self._status_timer.stop()
+        self.controller.stop()
+        self.controller.flush()
+        if self.controller._reply is not None:
+            self.controller._end("stopped", None)
+        if self.library_window is not None:
+            self.library_window.shutdown()
+        if self._owns_bridge:
+            self.bridge.shutdown()
+        else:
+            self.bridge.cancel()
+        for signal, slot in self._bridge_slots:
+            signal.disconnect(slot)
+        super().closeEvent(event)
+
+
+def install_shortcut(window: QWidget, keys: str, slot) -> QShortcut:
+    """A window-wide shortcut."""
+    sc = QShortcut(QKeySequence(keys), window)
+    sc.activated.connect(slot)
+    return sc

@@ -1,0 +1,119 @@
+"""What the quantization picker shows: the target formats, their size per weight and a plain-language hint.
+
+Formats come from engine.quant.registry (the formats `hearth convert` can write) when it imports, else
+from the GGUF types the engine runs. Measured quality comes from a quant report (JSON written next to
+a converted model) when one is there.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+from models.fit import bits_per_weight
+
+FALLBACK = (
+    "Q4_K_M",
+    "Q5_K_M",
+    "Q6_K",
+    "Q8_0",
+    "Q4_0",
+    "Q4_1",
+    "Q5_0",
+    "Q5_1",
+    "Q3_K",
+    "Q2_K",
+    "IQ4_XS",
+    "IQ4_NL",
+    "F16",
+    "BF16",
+    "F32",
+)
+_HINTS = (
+    (3.2, "Smallest and fastest; answers get noticeably worse. For tight memory only."),
+    (4.3, "Small and fast; a little less accurate. A good default for most machines."),
+    (5.2, "Balanced: close to the original quality at about a third of its size."),
+    (6.2, "Near the original quality; larger and a bit slower."),
+    (8.6, "Practically the original quality; twice the size of 4-bit formats."),
+    (99.0, "Full precision: the largest and slowest; for reference or further conversion."),
+)
+
+
+@dataclass(frozen=True)
+class QuantChoice:
+    """One entry of the picker."""
+
+    name: str
+    description: str
+    bits: float
+    hint: str
+
+
+def hint_for(bits: float) -> str:
+    """A plain-language description of a format with `bits` bits per weight."""
+    return next(text for limit, text in _HINTS if bits <= limit)
+
+
+def _from_registry() -> list[QuantChoice] | None:
+    try:
+        from engine.quant import registry
+    except Exception:  # noqa: BLE001 - the picker falls back to the formats the engine runs
+        return None
+    try:
+        formats = registry.formats()
+    except Exception:  # noqa: BLE001
+        return None
+    out = []
+    for f in formats:
+        bits = bits_per_weight(f.name)
+        out.append(QuantChoice(f.name, f.description, bits, hint_for(bits)))
+    return out or None
+
+
+_cache: list[QuantChoice] | None = None
+_lock = threading.Lock()
+
+
+def choices() -> list[QuantChoice]:
+    """The formats to pick from (the registry's when available). May import the quantizers: call it off the
+    GUI thread the first time (prefetch())."""
+    global _cache
+    with _lock:
+        if _cache is None:
+            _cache = _from_registry() or [
+                QuantChoice(n, "GGUF " + n, bits_per_weight(n), hint_for(bits_per_weight(n)))
+                for n in FALLBACK
+            ]
+        return list(_cache)
+
+
+def prefetch() -> None:
+    """Fill the cache in a background thread."""
+    threading.Thread(target=choices, daemon=True, name="hearth-quant-formats").start()
+
+
+def from_registry() -> bool:
+    """Whether the picker lists the converter registry's formats (else the fallback list)."""
+    return bool(_cache) and _cache[0].description != "GGUF " + _cache[0].name
+
+
+def report_for(model_path: str | Path) -> dict | None:
+    """The quant report written next to a converted model (`<model>.quant-report.json`), if any."""
+    p = Path(model_path)
+    for candidate in (
+        p.with_name(p.name + ".quant-report.json"),
+        p.with_suffix(".quant-report.json"),
+        p / "quant-report.json",
+    ):
+        try:
+            return json.loads(candidate.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            continue
+    return None
+
+
+def size_estimate(params: int | None, bits: float) -> int | None:
+    """Bytes of a model of `params` weights in a format of `bits` bits per weight."""
+    return int(params * bits / 8) if params else None

@@ -1,0 +1,271 @@
+"""The app's settings: one typed schema, one object that reads/writes it, change notifications per key.
+
+Qt-free on purpose (the settings dialog is generated from SCHEMA; tests check the round trip without
+a display). The file is JSON in the user config dir, written to a temp file and renamed; unknown keys
+in it are kept (a newer version's settings survive a downgrade) and invalid values fall back to the
+default with a warning instead of refusing to start.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from collections.abc import Callable
+from dataclasses import MISSING, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from models.errors import HearthError
+from models.paths import config_dir
+
+SETTINGS_VERSION = 1
+
+
+class SettingsError(HearthError):
+    """A value does not fit its setting (wrong type, out of range, not one of the choices)."""
+
+
+def _opt(default, label: str, description: str, section: str, **extra) -> Any:
+    meta = {"label": label, "description": description, "section": section, **extra}
+    return field(default=default, metadata=meta)
+
+
+@dataclass
+class Schema:
+    """Every setting with its default, label, description, section and limits (metadata)."""
+
+    # -- model and engine
+    default_model: str = _opt(
+        "smollm2-135m-instruct",
+        "Default model",
+        "Loaded at start: a starter model's name or a model file.",
+        "Model",
+        kind="model",
+    )
+    quant_format: str = _opt(
+        "Q4_K_M",
+        "Quantization",
+        "Target format when Hearth converts or re-quantizes a model.",
+        "Model",
+        kind="quant",
+    )
+    device: str = _opt("cpu", "Device", "Where the model runs.", "Model", choices=("cpu", "cuda"))
+    threads: int = _opt(0, "CPU threads", "Threads for the engine (0: all cores).", "Model", min=0, max=256)
+    n_ctx: int = _opt(4096, "Context length", "Tokens the model sees at once.", "Model", min=256, max=131072)
+    kv_dtype: str = _opt(
+        "f32",
+        "KV cache precision",
+        "f16 halves the memory per token of context.",
+        "Model",
+        choices=("f32", "f16"),
+    )
+    prefix_cache_mb: int = _opt(
+        512,
+        "KV reuse memory (MiB)",
+        "RAM kept for other chats' states so returning to a chat is instant.",
+        "Model",
+        min=0,
+        max=65536,
+    )
+    speculation: str = _opt(
+        "off",
+        "Speculative decoding",
+        "A small draft model or prompt lookup can speed up replies.",
+        "Model",
+        choices=("off", "draft", "prompt-lookup"),
+    )
+    draft_model: str = _opt(
+        "", "Draft model", "Model file used for drafting (speculation: draft).", "Model", kind="path"
+    )
+    context_policy: str = _opt(
+        "truncate-middle",
+        "When the chat outgrows the context",
+        "truncate-middle keeps the start and the latest turns; rolling-window the latest; stop refuses.",
+        "Model",
+        choices=("truncate-middle", "rolling-window", "stop"),
+    )
+    # -- sampling defaults (a chat can override them)
+    temperature: float = _opt(
+        0.7, "Temperature", "0 always picks the likeliest word.", "Sampling", min=0.0, max=2.0
+    )
+    top_k: int = _opt(
+        40, "Top-k", "Sample among this many likeliest tokens (0: all).", "Sampling", min=0, max=1000
+    )
+    top_p: float = _opt(0.95, "Top-p", "Nucleus sampling mass.", "Sampling", min=0.0, max=1.0)
+    min_p: float = _opt(
+        0.05, "Min-p", "Drop tokens below this share of the best one.", "Sampling", min=0.0, max=1.0
+    )
+    repetition_penalty: float = _opt(
+        1.0, "Repetition penalty", "Above 1 discourages repeats.", "Sampling", min=0.5, max=2.0
+    )
+    max_tokens: int = _opt(
+        1024, "Reply length limit", "Most tokens in one reply.", "Sampling", min=1, max=32768
+    )
+    # -- appearance and folders
+    theme: str = _opt(
+        "system",
+        "Theme",
+        "Follow the system, or force light or dark.",
+        "Appearance",
+        choices=("system", "light", "dark"),
+    )
+    font_size: int = _opt(0, "Font size", "Points (0: the system's size).", "Appearance", min=0, max=48)
+    models_folder: str = _opt(
+        "", "Models folder", "Where downloads go (empty: Hearth's data folder).", "Folders", kind="dir"
+    )
+    export_folder: str = _opt(
+        "", "Export folder", "Default folder for exported chats.", "Folders", kind="dir"
+    )
+    # -- internal state, not shown in the dialog
+    first_run_done: bool = _opt(False, "", "", "", hidden=True)
+
+
+SCHEMA = {f.name: f for f in fields(Schema)}
+SAMPLING_KEYS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "max_tokens")
+
+
+def default(key: str) -> Any:
+    """The default value of a setting."""
+    f = SCHEMA[key]
+    return f.default if f.default is not MISSING else f.default_factory()  # type: ignore[misc]
+
+
+def validate(key: str, value: Any) -> Any:
+    """The value converted to the setting's type.
+
+    Raises:
+        SettingsError: unknown key, wrong type, out of range or not one of the choices.
+    """
+    if key not in SCHEMA:
+        raise SettingsError(f"unknown setting {key!r}")
+    f = SCHEMA[key]
+    kind = type(default(key))
+    label = f.metadata.get("label") or key
+    try:
+        if kind is bool:
+            if not isinstance(value, bool):
+                raise TypeError
+            out: Any = value
+        elif kind is int:
+            if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+                raise TypeError
+            out = int(value)
+        elif kind is float:
+            if isinstance(value, bool):
+                raise TypeError
+            out = float(value)
+        else:
+            if not isinstance(value, str):
+                raise TypeError
+            out = value
+    except (TypeError, ValueError):
+        raise SettingsError(f"{label}: expected {kind.__name__}, got {value!r}") from None
+    lo, hi = f.metadata.get("min"), f.metadata.get("max")
+    if lo is not None and out < lo or hi is not None and out > hi:
+        raise SettingsError(f"{label}: {out} is outside {lo}..{hi}")
+    choices = f.metadata.get("choices")
+    if choices and out not in choices:
+        raise SettingsError(f"{label}: {out!r} is not one of {', '.join(choices)}")
+    return out
+
+
+def settings_path() -> Path:
+    """The settings file (config dir)."""
+    return config_dir() / "settings.json"
+
+
+class Settings:
+    """The values of SCHEMA, persisted to `path`; thread-safe.
+
+    Args:
+        path: the JSON file (default settings_path()).
+
+    Attributes:
+        warnings: problems met while reading the file (bad values replaced by defaults).
+    """
+
+    def __init__(self, path: Path | None = None):
+        self.path = path or settings_path()
+        self._lock = threading.Lock()
+        self._values = {k: default(k) for k in SCHEMA}
+        self._extra: dict[str, Any] = {}
+        self._listeners: list[Callable[[str, Any], None]] = []
+        self.warnings: list[str] = []
+        self._read()
+
+    def _read(self) -> None:
+        try:
+            saved = json.loads(self.path.read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            return
+        except (OSError, ValueError) as e:
+            self.warnings.append(f"{self.path}: unreadable ({e}); using the defaults")
+            return
+        values = saved.get("values", {}) if isinstance(saved, dict) else {}
+        for key, value in values.items() if isinstance(values, dict) else ():
+            if key not in SCHEMA:
+                self._extra[key] = value
+                continue
+            try:
+                self._values[key] = validate(key, value)
+            except SettingsError as e:
+                self.warnings.append(f"{e}; using the default")
+
+    def get(self, key: str) -> Any:
+        """A setting's value (KeyError for an unknown key)."""
+        if key not in SCHEMA:
+            raise KeyError(key)
+        with self._lock:
+            return self._values[key]
+
+    def __getitem__(self, key: str) -> Any:
+        return self.get(key)
+
+    def as_dict(self) -> dict[str, Any]:
+        """All values."""
+        with self._lock:
+            return dict(self._values)
+
+    def set(self, key: str, value: Any) -> bool:
+        """Validate, store and persist one value; listeners hear about it if it changed.
+
+        Returns:
+            whether the value changed.
+
+        Raises:
+            SettingsError: see validate().
+        """
+        return bool(self.update({key: value}))
+
+    def update(self, values: dict[str, Any]) -> list[str]:
+        """Set several values at once (all validated first, one write). Returns the keys that changed."""
+        checked = {k: validate(k, v) for k, v in values.items()}
+        with self._lock:
+            changed = [k for k, v in checked.items() if self._values[k] != v]
+            self._values.update(checked)
+            if changed:
+                self._write()
+        for key in changed:
+            for listener in list(self._listeners):
+                listener(key, checked[key])
+        return changed
+
+    def reset(self, key: str) -> bool:
+        """Back to the default."""
+        return self.set(key, default(key))
+
+    def subscribe(self, listener: Callable[[str, Any], None]) -> Callable[[], None]:
+        """Call listener(key, value) after each change; returns a function that unsubscribes."""
+        self._listeners.append(listener)
+        return lambda: self._listeners.remove(listener) if listener in self._listeners else None
+
+    def _write(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        data = {"version": SETTINGS_VERSION, "values": {**self._extra, **self._values}}
+        tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
+        try:
+            tmp.write_text(json.dumps(data, indent=1, sort_keys=True), encoding="utf-8")
+            os.replace(tmp, self.path)
+        finally:
+            tmp.unlink(missing_ok=True)

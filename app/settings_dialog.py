@@ -1,0 +1,193 @@
+"""The settings dialog, generated from app.settings.SCHEMA (one editor per field, grouped by section).
+
+Choices become combo boxes, ints/floats spin boxes with the schema's limits, bools check boxes, folders
+and files a line edit with a Browse button; the quantization field is a picker showing bits per weight,
+the estimated size for the current model and a plain-language hint. OK validates everything through
+Settings.update (one write); Cancel changes nothing.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from app import quant_info
+from app.qt import (
+    QCheckBox,
+    QComboBox,
+    QDialog,
+    QDialogButtonBox,
+    QDoubleSpinBox,
+    QFileDialog,
+    QFormLayout,
+    QHBoxLayout,
+    QLabel,
+    QLineEdit,
+    QPushButton,
+    QSpinBox,
+    QTabWidget,
+    QVBoxLayout,
+    QWidget,
+    Slot,
+)
+from app.settings import SCHEMA, Settings, SettingsError, default
+
+
+class SettingsDialog(QDialog):
+    """Edit the settings. `editors[key]` is the widget of each setting (tests drive them)."""
+
+    def __init__(
+        self, settings: Settings, parent=None, model_params: int | None = None, cuda_available: bool = False
+    ):
+        super().__init__(parent)
+        self.setWindowTitle("Settings")
+        self.setAccessibleName("Settings")
+        self.settings = settings
+        self.model_params = model_params
+        self.editors: dict[str, QWidget] = {}
+        self.error_label = QLabel("")
+        self.error_label.setWordWrap(True)
+        tabs = QTabWidget(self)
+        forms: dict[str, QFormLayout] = {}
+        for key, f in SCHEMA.items():
+            meta = f.metadata
+            if meta.get("hidden"):
+                continue
+            section = meta["section"]
+            if section not in forms:
+                page = QWidget()
+                forms[section] = QFormLayout(page)
+                tabs.addTab(page, section)
+            editor, row = self._editor(key, meta, settings.get(key), cuda_available)
+            editor.setAccessibleName(meta["label"])
+            editor.setToolTip(meta["description"])
+            self.editors[key] = editor
+            forms[section].addRow(meta["label"], row)
+            if key == "quant_format":
+                self.quant_hint = QLabel("")
+                self.quant_hint.setWordWrap(True)
+                self.quant_hint.setAccessibleName("Quantization hint")
+                forms[section].addRow("", self.quant_hint)
+                editor.currentIndexChanged.connect(self._quant_changed)
+                self._quant_changed()
+        buttons = QDialogButtonBox(
+            QDialogButtonBox.StandardButton.Ok
+            | QDialogButtonBox.StandardButton.Cancel
+            | QDialogButtonBox.StandardButton.RestoreDefaults
+        )
+        buttons.accepted.connect(self.accept)
+        buttons.rejected.connect(self.reject)
+        buttons.button(QDialogButtonBox.StandardButton.RestoreDefaults).clicked.connect(self.restore_defaults)
+        layout = QVBoxLayout(self)
+        layout.addWidget(tabs)
+        layout.addWidget(self.error_label)
+        layout.addWidget(buttons)
+
+    def _editor(self, key: str, meta: dict, value: Any, cuda: bool) -> tuple[QWidget, QWidget]:
+        kind = type(default(key))
+        if meta.get("kind") == "quant":
+            box = QComboBox()
+            for c in quant_info.choices():
+                box.addItem(f"{c.name}  ({c.bits:.2f} bits/weight)", c.name)
+            if box.findData(value) < 0:
+                box.addItem(str(value), value)
+            box.setCurrentIndex(box.findData(value))
+            return box, box
+        if meta.get("choices"):
+            box = QComboBox()
+            for choice in meta["choices"]:
+                box.addItem(choice, choice)
+                if key == "device" and choice == "cuda" and not cuda:
+                    box.model().item(box.count() - 1).setEnabled(False)
+            box.setCurrentIndex(max(0, box.findData(value)))
+            return box, box
+        if kind is bool:
+            check = QCheckBox()
+            check.setChecked(bool(value))
+            return check, check
+        if kind is int:
+            spin = QSpinBox()
+            spin.setRange(int(meta.get("min", -(2**31))), int(meta.get("max", 2**31 - 1)))
+            spin.setValue(int(value))
+            if key in ("threads", "font_size"):
+                spin.setSpecialValueText("automatic" if key == "threads" else "system")
+            return spin, spin
+        if kind is float:
+            spin = QDoubleSpinBox()
+            spin.setDecimals(2)
+            spin.setSingleStep(0.05)
+            spin.setRange(float(meta.get("min", -1e9)), float(meta.get("max", 1e9)))
+            spin.setValue(float(value))
+            return spin, spin
+        line = QLineEdit(str(value))
+        if meta.get("kind") in ("dir", "path", "model"):
+            row = QWidget()
+            h = QHBoxLayout(row)
+            h.setContentsMargins(0, 0, 0, 0)
+            h.addWidget(line)
+            browse = QPushButton("Browse…")
+            browse.setAccessibleName(f"Browse for {meta['label']}")
+            kind_name = meta.get("kind") or ""
+            browse.clicked.connect(lambda _=False, ln=line, k=kind_name: self._browse(ln, k))
+            h.addWidget(browse)
+            return line, row
+        return line, line
+
+    def _browse(self, line: QLineEdit, kind: str) -> None:
+        if kind == "dir":
+            path = QFileDialog.getExistingDirectory(self, "Choose a folder", line.text())
+        else:
+            path, _ = QFileDialog.getOpenFileName(
+                self, "Choose a model", line.text(), "Models (*.gguf);;All (*)"
+            )
+        if path:
+            line.setText(path)
+
+    @Slot()
+    def _quant_changed(self) -> None:
+        name = self.editors["quant_format"].currentData()
+        found = next((c for c in quant_info.choices() if c.name == name), None)
+        if found is None:
+            self.quant_hint.setText("")
+            return
+        text = found.hint
+        size = quant_info.size_estimate(self.model_params, found.bits)
+        if size:
+            text += f" The current model would take about {size / 2**20:,.0f} MiB."
+        if found.description and found.description != "GGUF " + found.name:
+            text += f" ({found.description})"
+        self.quant_hint.setText(text)
+
+    def values(self) -> dict[str, Any]:
+        """What the editors hold, by key."""
+        out: dict[str, Any] = {}
+        for key, w in self.editors.items():
+            if isinstance(w, QComboBox):
+                out[key] = w.currentData()
+            elif isinstance(w, QCheckBox):
+                out[key] = w.isChecked()
+            elif isinstance(w, (QSpinBox, QDoubleSpinBox)):
+                out[key] = w.value()
+            else:
+                out[key] = w.text()
+        return out
+
+    @Slot()
+    def restore_defaults(self) -> None:
+        for key, w in self.editors.items():
+            value = default(key)
+            if isinstance(w, QComboBox):
+                w.setCurrentIndex(max(0, w.findData(value)))
+            elif isinstance(w, QCheckBox):
+                w.setChecked(bool(value))
+            elif isinstance(w, (QSpinBox, QDoubleSpinBox)):
+                w.setValue(value)
+            else:
+                w.setText(str(value))
+
+    def accept(self) -> None:
+        try:
+            self.settings.update(self.values())
+        except SettingsError as e:
+            self.error_label.setText(str(e))
+            return
+        super().accept()

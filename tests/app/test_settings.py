@@ -1,0 +1,69 @@
+"""The settings schema and its file: round trip, validation, bad files, notifications."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from app.settings import SCHEMA, Settings, SettingsError, default, settings_path, validate
+
+
+def test_every_field_has_label_description_and_a_valid_default():
+    for key, f in SCHEMA.items():
+        if not f.metadata.get("hidden"):
+            assert f.metadata["label"] and f.metadata["description"] and f.metadata["section"], key
+        assert validate(key, default(key)) == default(key)
+
+
+def test_round_trip_and_notifications(tmp_path):
+    path = tmp_path / "settings.json"
+    s = Settings(path)
+    heard = []
+    unsubscribe = s.subscribe(lambda k, v: heard.append((k, v)))
+    assert s.set("temperature", 0) is True  # an int for a float field is converted
+    assert s.get("temperature") == 0.0 and isinstance(s.get("temperature"), float)
+    assert s.update({"theme": "dark", "n_ctx": 2048, "quant_format": "Q8_0"}) == [
+        "theme",
+        "n_ctx",
+        "quant_format",
+    ]
+    assert s.set("theme", "dark") is False  # unchanged: no write, no notification
+    unsubscribe()
+    s.set("threads", 2)
+    assert heard == [("temperature", 0.0), ("theme", "dark"), ("n_ctx", 2048), ("quant_format", "Q8_0")]
+    again = Settings(path)
+    assert again.as_dict() == s.as_dict()
+    assert not list(tmp_path.glob(".*tmp")), "no temp file left behind"
+
+
+@pytest.mark.parametrize(
+    "key, value",
+    [
+        ("theme", "purple"),
+        ("n_ctx", 10),
+        ("temperature", "hot"),
+        ("threads", 1.5),
+        ("first_run_done", 1),
+        ("nope", 1),
+    ],
+)
+def test_bad_values_are_refused_with_a_clear_error(tmp_path, key, value):
+    s = Settings(tmp_path / "s.json")
+    with pytest.raises(SettingsError):
+        s.set(key, value)
+    assert not (tmp_path / "s.json").exists()
+
+
+def test_bad_file_falls_back_to_defaults_and_keeps_unknown_keys(tmp_path):
+    path = settings_path()
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps({"version": 1, "values": {"theme": "purple", "n_ctx": 8192, "future": 3}}))
+    s = Settings()
+    assert s.get("theme") == "system" and s.get("n_ctx") == 8192
+    assert any("Theme" in w for w in s.warnings)
+    s.set("font_size", 14)
+    assert json.loads(path.read_text())["values"]["future"] == 3
+    path.write_text("{not json")
+    broken = Settings()
+    assert broken.get("n_ctx") == default("n_ctx") and broken.warnings
