@@ -104,17 +104,16 @@ def cmd_convert(args) -> int:
 
 def cmd_eval(args) -> int:
     from engine.loader import load_model
-    from engine.perplexity import llamacpp_perplexity, load_text, perplexity_detail
+    from engine.perplexity import bos_for, llamacpp_perplexity, load_text, perplexity_detail
     from models.resolve import resolve_model
 
     text = load_text(args.text)
     loaded = load_model(resolve_model(args.model))
     tokens = loaded.tokenizer.encode(text, add_special=True)
     if args.llamacpp:
-        tok = loaded.tokenizer
-        res = llamacpp_perplexity(loaded.model, tokens, args.ctx, tok.bos_id if tok.add_bos else None)
+        res = llamacpp_perplexity(loaded.model, tokens, args.ctx, bos_for(loaded))
     else:
-        res = perplexity_detail(loaded.model, tokens, args.ctx, args.stride)
+        res = perplexity_detail(loaded.model, tokens, args.ctx, args.stride, bos_id=bos_for(loaded))
     if args.json:
         print(
             json.dumps(

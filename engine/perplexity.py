@@ -69,9 +69,20 @@ def _check(tokens, ctx: int, stride: int) -> np.ndarray:
 
 
 def perplexity_detail(
-    model, tokens, ctx: int = DEFAULT_CTX, stride: int = DEFAULT_STRIDE, progress=None
+    model,
+    tokens,
+    ctx: int = DEFAULT_CTX,
+    stride: int = DEFAULT_STRIDE,
+    progress=None,
+    bos_id: int | None = None,
 ) -> PerplexityResult:
-    """Sliding-window perplexity of `tokens` under `model` (an architecture instance). See module doc."""
+    """Sliding-window perplexity of `tokens` under `model` (an architecture instance). See module doc.
+
+    Args:
+        bos_id: for models that expect BOS at position 0 (Gemma breaks down without it), every window
+            after the first gets its first token (context only, never scored) replaced by BOS, as
+            llama.cpp does per chunk.
+    """
     import time
 
     t0 = time.perf_counter()
@@ -90,6 +101,9 @@ def perplexity_detail(
     for i, start in enumerate(starts):
         end = min(start + ctx, n)
         window = tokens[start:end]
+        if bos_id is not None and start > 0:
+            window = window.copy()
+            window[0] = bos_id
         first = max(scored_to - start, 0)  # index in window of the last already-scored token
         nll.append(_window_nll(model, window, first))
         scored_to = end - 1
@@ -100,9 +114,14 @@ def perplexity_detail(
     return PerplexityResult(math.exp(mean), mean, len(all_nll), n, ctx, stride, time.perf_counter() - t0)
 
 
-def perplexity(model, tokens, ctx: int = DEFAULT_CTX, stride: int = DEFAULT_STRIDE) -> float:
-    """Sliding-window perplexity (windows of ctx tokens every stride tokens; each token scored once)."""
-    return perplexity_detail(model, tokens, ctx, stride).ppl
+def perplexity(
+    model, tokens, ctx: int = DEFAULT_CTX, stride: int = DEFAULT_STRIDE, bos_id: int | None = None
+) -> float:
+    """Sliding-window perplexity (windows of ctx tokens every stride tokens; each token scored once).
+
+    Pass the tokenizer's bos_id when the model adds BOS (see perplexity_detail).
+    """
+    return perplexity_detail(model, tokens, ctx, stride, bos_id=bos_id).ppl
 
 
 def llamacpp_perplexity(
@@ -142,6 +161,12 @@ def load_text(path: str | Path | None) -> str:
         raise PerplexityError(f"{p}: no such text file") from None
     except UnicodeDecodeError:
         raise PerplexityError(f"{p}: not UTF-8 text") from None
+
+
+def bos_for(loaded) -> int | None:
+    """The BOS id a LoadedModel's windows should start with, or None when it adds no BOS."""
+    tok = loaded.tokenizer
+    return tok.bos_id if tok.add_bos else None
 
 
 def text_tokens(loaded, text: str) -> list[int]:

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from engine.convert import convert
-from engine.perplexity import DEFAULT_CTX, DEFAULT_STRIDE, load_text, perplexity_detail
+from engine.perplexity import DEFAULT_CTX, DEFAULT_STRIDE, bos_for, load_text, perplexity_detail
 
 DEFAULT_FORMATS = ("Q8_0", "Q6_K", "Q5_K_M", "Q4_K_M", "Q4_0", "Q3_K_M", "Q2_K")
 REPORT_VERSION = 1
@@ -86,7 +86,7 @@ def measure(
 
     loaded = load_model(path)
     tokens = loaded.tokenizer.encode(tokens_text, add_special=True)
-    res = perplexity_detail(loaded.model, tokens, ctx, stride)
+    res = perplexity_detail(loaded.model, tokens, ctx, stride, bos_id=bos_for(loaded))
     size = loaded.file_size
     delta = None if baseline is None else (res.ppl / baseline - 1.0) * 100.0
     bpw = tensor_bytes(path) * 8 / n_params

@@ -36,6 +36,7 @@ class CountingModel:
         tokens = np.asarray(tokens)
         assert len(tokens) <= cache.n
         self.calls.append(len(tokens))
+        self.firsts = [*getattr(self, "firsts", []), int(tokens[0])]
         q = (1 - self.p) / (self.vocab - 1)
         logits = np.full((len(tokens), self.vocab), math.log(q), np.float32)
         logits[np.arange(len(tokens)), (tokens + 1) % self.vocab] = math.log(self.p)
@@ -85,3 +86,12 @@ def test_default_text_ships_and_real_model_ppl_is_sane(smollm2_path):
     tokens = m.tokenizer.encode(text, add_special=True)[:700]
     ppl = perplexity(m.model, tokens, 256, 128)
     assert 5 < ppl < 100  # SmolLM2-135M on plain English prose
+
+
+def test_windows_start_with_bos_when_the_model_adds_one():
+    model = CountingModel(vocab=10)
+    tokens = np.arange(600) % 9 + 1  # token 0 never occurs in the text
+    tokens[0] = 0  # the text's own BOS
+    with_bos = perplexity_detail(model, tokens, ctx=128, stride=64, bos_id=0)
+    assert model.firsts and all(f == 0 for f in model.firsts)
+    assert with_bos.n_scored == 599  # the replaced first tokens are context only, never scored
