@@ -1,0 +1,56 @@
+"""The library window against the loopback Hub: search, variants with fit, download, local list, delete."""
+
+from __future__ import annotations
+
+import pytest
+
+from app.library_window import LibraryWindow
+from app.settings import Settings
+from models.downloads import DownloadManager, DownloadSettings
+from tests.models.hubserver import HubServer, isolate_hf
+from tests.models.test_library import write_gguf
+
+pytestmark = pytest.mark.gui
+
+
+@pytest.fixture
+def server(monkeypatch, tmp_path):
+    s = HubServer()
+    isolate_hf(monkeypatch, tmp_path, s)
+    q4 = write_gguf(tmp_path / "src" / "Tiny-Q4_K_M.gguf").read_bytes()
+    s.add_repo("org/Tiny-GGUF", {"Tiny-Q4_K_M.gguf": q4}, tags=("gguf",), downloads=9)
+    yield s
+    s.close()
+
+
+def test_search_download_use_and_delete(qtbot, server):
+    win = LibraryWindow(Settings())
+    mgr = DownloadManager(
+        settings=DownloadSettings(backoff_base=0.0),
+        on_progress=lambda p: win.relay.progress.emit(p.job_id, p.done, p.total or 0),
+        on_state=lambda job: win.relay.state.emit(job),
+    )
+    win.manager.close()
+    win.manager = mgr
+    qtbot.addWidget(win)
+    win.show()
+    win.query.setText("tiny")
+    with qtbot.waitSignal(win.relay.searched, timeout=10000):
+        win.search_button.click()
+    assert win.results.count() == 1 and "org/Tiny-GGUF" in win.results.item(0).text()
+    with qtbot.waitSignal(win.relay.variants, timeout=10000):
+        win.results.setCurrentRow(0)
+    assert win.variants.count() == 1
+    text = win.variants.item(0).text()
+    assert text.startswith("Q4_K_M") and ("fits" in text or "tight" in text or "too large" in text)
+    win.variants.setCurrentRow(0)
+    with qtbot.waitSignal(win.modelsChanged, timeout=20000):
+        win.download_button.click()
+    assert win.local.count() == 1 and "Tiny-Q4_K_M.gguf" in win.local.item(0).text()
+    win.local.setCurrentRow(0)
+    with qtbot.waitSignal(win.useModel) as used:
+        win.use_selected()
+    assert used.args[0].endswith("Tiny-Q4_K_M.gguf")
+    win.delete_selected(confirm=False)
+    assert win.local.count() == 0
+    win.shutdown()
