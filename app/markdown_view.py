@@ -201,6 +201,13 @@ class MarkdownView(QTextBrowser):
         first = tmp.begin()
         fix = QTextCursor(doc)
         fix.setPosition(start)
+        if start > 0 and not fix.block().text() and fix.block().next().isValid() and first.text():
+            # Qt kept the fragment's first block separate (lists do): drop the empty block made above
+            fix.setPosition(start - 1)
+            fix.setPosition(start, QTextCursor.MoveMode.KeepAnchor)
+            fix.removeSelectedText()
+            cursor.movePosition(QTextCursor.MoveOperation.End)
+            return
         fix.setBlockFormat(first.blockFormat())
         if first.textList() is not None:
             nxt = fix.block().next()
