@@ -88,6 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="scripted 8-turn chat: prefilled tokens, TTFT and tok/s per turn, with and without KV reuse "
         "(-g: reply tokens per turn)",
     )
+    from engine.commands_spec import add_spec_bench_args
+
+    add_spec_bench_args(bench)
     _add_library_parsers(sub)
     from engine.commands_quant import _add_quant_parsers
 

@@ -227,6 +227,12 @@ def run_bench(lm: LoadedModel, n_prompt: int, n_gen: int, n_ctx: int, repetition
 
 
 def cmd_bench(args) -> int:
+    from engine.commands_spec import wants_speculative_bench
+
+    if wants_speculative_bench(args):
+        from engine.bench_spec import cmd_bench_spec
+
+        return cmd_bench_spec(args)
     if getattr(args, "chat", False):
         from engine.bench_chat import cmd_bench_chat
 
