@@ -53,7 +53,16 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="hearth", description="Chat with language models on your own machine."
     )
-    sub = parser.add_subparsers(dest="command", required=True)
+    from models.version import VERSION
+
+    parser.add_argument("--version", action="version", version=f"hearth {VERSION}")
+    parser.add_argument(
+        "--self-test",
+        action="store_true",
+        help="check this installation: load the starter model, generate a few tokens, check the data "
+        "folders are writable; prints one PASS/FAIL line (exit status 0/1)",
+    )
+    sub = parser.add_subparsers(dest="command")  # required unless --self-test (checked in main)
 
     run = sub.add_parser("run", help="generate a reply to one prompt (streams to stdout)")
     _add_model_args(run)
@@ -126,7 +135,14 @@ def _add_library_parsers(sub) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.self_test:
+        from engine.selftest import main as self_test
+
+        return self_test()
+    if args.command is None:
+        parser.error("a command is required (or --self-test)")
     if getattr(args, "threads", None):
         if args.threads < 1:
             print("hearth: --threads must be at least 1", file=sys.stderr)
