@@ -48,7 +48,10 @@ def test_prefill_decode_and_chunks_match_reference(name, tmp_path):
     cache = model.new_cache(32)
     got = model.forward(TOKENS, cache, all_logits=True)
     assert got.shape == ref.shape
-    assert _rel_err(got, ref) < 1e-4, name
+    # up to 16 tokens run the small-batch kernels, which quantize activations to int16 per 32 for
+    # block types (as the matvec does); longer prompts dequantize weights for BLAS
+    exact = 1e-4 if spec.matrix_type == T.F32 else 5e-4
+    assert _rel_err(got, ref) < exact, name
     assert np.array_equal(got.argmax(-1), ref.argmax(-1))
 
     # decode one token at a time past the window (quantized activations for block types)
@@ -64,12 +67,12 @@ def test_prefill_decode_and_chunks_match_reference(name, tmp_path):
     chunks = []
     for a, b in ((0, 3), (3, 8), (8, 9), (9, 14)):
         chunks.append(model.forward(TOKENS[a:b], cache, all_logits=True).copy())
-    assert _rel_err(np.concatenate(chunks), ref) < 1e-4, name
+    assert _rel_err(np.concatenate(chunks), ref) < exact, name
 
     # trim and re-run the tail (what prefix reuse and regenerate do)
     cache.trim(6)
     again = model.forward(TOKENS[-6:], cache, all_logits=True)
-    assert _rel_err(again, ref[-6:]) < 1e-4
+    assert _rel_err(again, ref[-6:]) < exact
     assert cache.offset == len(TOKENS)
 
 
