@@ -46,3 +46,37 @@ class Decoder:
         cache.check_room(len(tokens))
         with ops.batch_phase(len(tokens)):
             return self._forward(tokens, cache, all_logits)
+
+    def forward_batch(self, tokens, caches: list[KVCache]) -> np.ndarray:
+        """One decode step for B sequences: token b goes to caches[b] at position caches[b].offset.
+
+        The linears take all B activations at once (each weight row read once per step for every
+        sequence); RoPE uses each sequence's own position and attention runs per sequence over its
+        own cache. Every cache is advanced by its token.
+
+        Args:
+            tokens: (B,) one token id per sequence.
+            caches: B distinct KV caches.
+
+        Returns:
+            float32 logits (B, vocab): a buffer reused by the next call with the same B (copy rows
+            to keep them).
+        """
+        tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
+        if len(tokens) != len(caches) or not len(caches):
+            raise ValueError(f"forward_batch: {len(tokens)} tokens for {len(caches)} caches")
+        if len({id(c) for c in caches}) != len(caches):
+            raise ValueError("forward_batch: each sequence needs its own KV cache")
+        for cache in caches:
+            cache.check_room(1)
+        with ops.batch_phase(len(tokens)):
+            return self._forward_batch(tokens, list(caches))
+
+    def _batch_buffers(self, n: int) -> tuple[Scratch, np.ndarray]:
+        """Scratch and (n, vocab) logits for batched decode of n sequences, kept per n."""
+        buffers = self.__dict__.setdefault("_batch_scratch", {})
+        if n not in buffers:
+            if len(buffers) > 16:
+                buffers.clear()
+            buffers[n] = (Scratch(self.cfg, n), np.empty((n, self.cfg.vocab_size), np.float32))
+        return buffers[n]

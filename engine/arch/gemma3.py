@@ -247,6 +247,60 @@ class Gemma3Model(Decoder):
         s = self._decode if n == 1 else Scratch(cfg, n)
         pos0 = cache.offset
         s.positions[:] = np.arange(pos0, pos0 + n)
+
+        def attend(i, attn3, q3, k3, v3, window):
+            k_cache, v_cache = cache.update_and_fetch(i, k3, v3)
+            self._attend(attn3, q3, k_cache, v_cache, pos0, window)
+
+        self._layers(s, tokens, attend)
+        cache.advance(tokens)
+        if all_logits:
+            ops.rmsnorm(s.h, s.x, self.output_norm, eps)
+            logits = np.empty((n, cfg.vocab_size), np.float32)
+            ops.linear(logits, self.output, s.h)
+        else:
+            last = s.h[n - 1 : n]
+            ops.rmsnorm(last, s.x[n - 1 : n], self.output_norm, eps)
+            logits = self._logits
+            ops.linear(logits, self.output, last)
+        return self._softcap(logits)
+
+    def _forward_batch(self, tokens: np.ndarray, caches: list[KVCache]) -> np.ndarray:
+        n = len(tokens)
+        s, logits = self._batch_buffers(n)
+        for b, cache in enumerate(caches):
+            s.positions[b] = cache.offset
+
+        def attend(i, attn3, q3, k3, v3, window):
+            # each sequence attends over its own cache, at its own position
+            for b, cache in enumerate(caches):
+                k_cache, v_cache = cache.update_and_fetch(i, k3[b : b + 1], v3[b : b + 1])
+                self._attend(attn3[b : b + 1], q3[b : b + 1], k_cache, v_cache, int(s.positions[b]), window)
+
+        self._layers(s, tokens, attend)
+        for b, cache in enumerate(caches):
+            cache.advance(tokens[b : b + 1])
+        ops.rmsnorm(s.h, s.x, self.output_norm, self.cfg.rms_norm_eps)
+        ops.linear(logits, self.output, s.h)
+        return self._softcap(logits)
+
+    def _softcap(self, logits: np.ndarray) -> np.ndarray:
+        cap = self.cfg.final_logit_softcapping
+        if cap is not None:
+            # cap * tanh(logits / cap), in place
+            np.multiply(logits, np.float32(1.0 / cap), out=logits)
+            np.tanh(logits, out=logits)
+            np.multiply(logits, np.float32(cap), out=logits)
+        return logits
+
+    def _layers(self, s: Scratch, tokens: np.ndarray, attend) -> None:
+        """Embed tokens (n,) into s.x and run every layer; s.positions holds each row's position.
+
+        attend(layer index, attn3 out, q3, k3, v3, window) stores k, v in the cache(s) and writes attn3.
+        """
+        cfg = self.cfg
+        eps = cfg.rms_norm_eps
+        n = len(tokens)
         ops.get_rows(s.x, self.token_embd, tokens)
         s.x *= self.embed_scale
         heads, kv_heads, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
@@ -265,8 +319,7 @@ class Gemma3Model(Decoder):
             ops.rmsnorm(k_rows, k_rows, layer.k_norm, eps)
             ops.rope(q3, s.positions, layer.inv_freq, hd, True)
             ops.rope(k3, s.positions, layer.inv_freq, hd, True)
-            k_cache, v_cache = cache.update_and_fetch(i, k3, v3)
-            self._attend(attn3, q3, k_cache, v_cache, pos0, cfg.sliding_window if layer.sliding else None)
+            attend(i, attn3, q3, k3, v3, cfg.sliding_window if layer.sliding else None)
             ops.linear(s.o, layer.wo, s.attn)
             ops.rmsnorm(s.h, s.o, layer.post_attn_norm, eps)
             s.x += s.h
@@ -277,23 +330,6 @@ class Gemma3Model(Decoder):
             ops.linear(s.o, layer.w_down, s.gate)
             ops.rmsnorm(s.h, s.o, layer.post_ffn_norm, eps)
             s.x += s.h
-        cache.advance(tokens)
-        if all_logits:
-            ops.rmsnorm(s.h, s.x, self.output_norm, eps)
-            logits = np.empty((n, cfg.vocab_size), np.float32)
-            ops.linear(logits, self.output, s.h)
-        else:
-            last = s.h[n - 1 : n]
-            ops.rmsnorm(last, s.x[n - 1 : n], self.output_norm, eps)
-            logits = self._logits
-            ops.linear(logits, self.output, last)
-        cap = cfg.final_logit_softcapping
-        if cap is not None:
-            # cap * tanh(logits / cap), in place
-            np.multiply(logits, np.float32(1.0 / cap), out=logits)
-            np.tanh(logits, out=logits)
-            np.multiply(logits, np.float32(cap), out=logits)
-        return logits
 
 
 def _softcapped_attention(out3, q3, k_cache, v_cache, pos0, scale, cap, window) -> None:

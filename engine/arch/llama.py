@@ -190,6 +190,50 @@ class LlamaModel(Decoder):
         s = self._decode if n == 1 else Scratch(cfg, n)
         pos0 = cache.offset
         s.positions[:] = np.arange(pos0, pos0 + n)
+
+        def attend(i, attn3, q3, k3, v3):
+            k_cache, v_cache = cache.update_and_fetch(i, k3, v3)
+            ops.attention(attn3, q3, k_cache, v_cache, pos0, self.scale)
+
+        self._layers(s, tokens, attend)
+        cache.advance(tokens)
+        if all_logits:
+            ops.rmsnorm(s.h, s.x, self.output_norm, cfg.rms_norm_eps)
+            logits = np.empty((n, cfg.vocab_size), np.float32)
+            ops.linear(logits, self.output, s.h)
+            return logits
+        last = s.h[n - 1 : n]
+        ops.rmsnorm(last, s.x[n - 1 : n], self.output_norm, cfg.rms_norm_eps)
+        ops.linear(self._logits, self.output, last)
+        return self._logits
+
+    def _forward_batch(self, tokens: np.ndarray, caches: list[KVCache]) -> np.ndarray:
+        n = len(tokens)
+        s, logits = self._batch_buffers(n)
+        for b, cache in enumerate(caches):
+            s.positions[b] = cache.offset
+
+        def attend(i, attn3, q3, k3, v3):
+            # each sequence attends over its own cache, at its own position
+            for b, cache in enumerate(caches):
+                k_cache, v_cache = cache.update_and_fetch(i, k3[b : b + 1], v3[b : b + 1])
+                pos = int(s.positions[b])
+                ops.attention(attn3[b : b + 1], q3[b : b + 1], k_cache, v_cache, pos, self.scale)
+
+        self._layers(s, tokens, attend)
+        for b, cache in enumerate(caches):
+            cache.advance(tokens[b : b + 1])
+        ops.rmsnorm(s.h, s.x, self.output_norm, self.cfg.rms_norm_eps)
+        ops.linear(logits, self.output, s.h)
+        return logits
+
+    def _layers(self, s: Scratch, tokens: np.ndarray, attend) -> None:
+        """Embed tokens (n,) into s.x and run every layer; s.positions holds each row's position.
+
+        attend(layer index, attn3 out, q3, k3, v3) stores k, v in the cache(s) and writes attn3.
+        """
+        cfg = self.cfg
+        n = len(tokens)
         ops.get_rows(s.x, self.token_embd, tokens)
         heads, kv_heads, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         q3 = s.q.reshape(n, heads, hd)
@@ -215,8 +259,7 @@ class LlamaModel(Decoder):
                 ops.rmsnorm(heads_k, heads_k, layer.k_norm, cfg.rms_norm_eps)
             ops.rope(q3, s.positions, self.inv_freq, cfg.rotary_dim, cfg.rope_neox)
             ops.rope(k3, s.positions, self.inv_freq, cfg.rotary_dim, cfg.rope_neox)
-            k_cache, v_cache = cache.update_and_fetch(i, k3, v3)
-            ops.attention(attn3, q3, k_cache, v_cache, pos0, self.scale)
+            attend(i, attn3, q3, k3, v3)
             ops.linear(s.o, layer.wo, s.attn)
             s.x += s.o
             ops.rmsnorm(s.h, s.x, layer.ffn_norm, cfg.rms_norm_eps)
@@ -225,13 +268,3 @@ class LlamaModel(Decoder):
             ops.silu_mul(s.gate, s.gate, s.up)
             ops.linear(s.o, layer.w_down, s.gate)
             s.x += s.o
-        cache.advance(tokens)
-        if all_logits:
-            ops.rmsnorm(s.h, s.x, self.output_norm, cfg.rms_norm_eps)
-            logits = np.empty((n, cfg.vocab_size), np.float32)
-            ops.linear(logits, self.output, s.h)
-            return logits
-        last = s.h[n - 1 : n]
-        ops.rmsnorm(last, s.x[n - 1 : n], self.output_norm, cfg.rms_norm_eps)
-        ops.linear(self._logits, self.output, last)
-        return self._logits
