@@ -100,6 +100,45 @@ class LoadOptions:
         return np.dtype(KV_DTYPES[self.kv_dtype])
 
 
+# SpeculationOptions.mode values ("lookup" is accepted as a short form of "prompt-lookup")
+SPECULATION_MODES = ("off", "draft", "prompt-lookup")
+
+
+@dataclass
+class SpeculationOptions:
+    """Speculative decoding for one reply (EngineClient.generate's `speculation`).
+
+    The reply is the target model's either way (greedy: token for token the same; sampling: the
+    same distribution); speculation only makes it faster when the drafts are often right.
+
+    Args:
+        mode: "off", "draft" (a small model with the target's tokenizer proposes tokens) or
+            "prompt-lookup" (tokens copied from the conversation itself: rewrites, quotes, code edits).
+        draft_model: the draft's file path or starter name (mode "draft"); loaded in the worker on
+            first use and kept for later replies. Load and compatibility failures come back as
+            engine.speculative.DraftLoadError / IncompatibleDraftError from the reply's stream.
+        k: draft length to start from (1..15).
+        adaptive: adapt k to the measured acceptance and switch speculation off for the rest of
+            a stretch when it would be slower than plain decoding.
+    """
+
+    mode: str = "off"
+    draft_model: str | None = None
+    k: int = 4
+    adaptive: bool = True
+
+    def __post_init__(self):
+        if self.mode == "lookup":
+            self.mode = "prompt-lookup"
+        if self.mode not in SPECULATION_MODES:
+            modes = ", ".join(SPECULATION_MODES)
+            raise ValueError(f"speculation mode must be one of {modes}, got {self.mode!r}")
+        if self.mode == "draft" and not self.draft_model:
+            raise ValueError("speculation mode 'draft' needs draft_model (a model path or starter name)")
+        if not 1 <= self.k <= 15:
+            raise ValueError(f"speculation k must be between 1 and 15, got {self.k}")
+
+
 @dataclass
 class LoadProgress:
     """A step of a load: stage in resolve, download, check, map, warmup; fraction 0..1 of the load."""
@@ -151,6 +190,16 @@ class ChatEvent:
     context_after: int = 0  # tokens in context after this event
     dropped_messages: int = 0  # messages the context policy left out
     peak_memory_mb: float = 0.0
+    # Speculative decoding (all zero / "" when the reply runs without it); running figures of the reply.
+    speculation: str = ""  # the mode in use: "draft" or "prompt-lookup"
+    from_draft: bool = False  # this event's token was drafted and accepted by the target
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+    acceptance_rate: float = 0.0  # accepted / drafted
+    tokens_per_pass: float = 0.0  # tokens emitted per target forward pass (1.0 = plain decoding)
+    speedup_estimate: float = 0.0  # modelled speed over plain decoding from measured pass times
+    draft_k: int = 0  # draft length in use now (0: switched off for the moment)
+    target_passes: int = 0
 
 
 @dataclass
@@ -187,6 +236,7 @@ _ERROR_MODULES = (
     "engine.context_policy",
     "engine.chat_template",
     "engine.client",
+    "engine.speculative",
 )
 
 
@@ -426,19 +476,21 @@ class EngineClient:
         chat_id: str | None = None,
         context_policy: str = "truncate-middle",
         reuse: bool = True,
+        speculation: SpeculationOptions | None = None,
     ) -> Iterator[ChatEvent]:
         """Stream the reply to a conversation (list of {"role", "content"}; the last one is answered).
 
         The request is sent now. Args: model (key; default the last loaded), chat_id (the chat's
         identity for its context policy state), context_policy ("stop", "truncate-middle",
-        "rolling-window"), reuse (False: prefill from scratch, for benchmarks).
+        "rolling-window"), reuse (False: prefill from scratch, for benchmarks), speculation
+        (draft model or prompt lookup for this reply; its stats arrive in the ChatEvents).
 
         Yields:
             ChatEvent; the last has finish_reason set. After cancel() the stream ends within
             CANCEL_GRACE_S with finish_reason "cancelled".
 
         Raises (while iterating):
-            ContextFullError, TemplateError, WorkerDiedError, ...
+            ContextFullError, TemplateError, WorkerDiedError, DraftLoadError, IncompatibleDraftError, ...
         """
         from engine.context_policy import check_policy
 
@@ -450,6 +502,7 @@ class EngineClient:
             "chat_id": chat_id,
             "policy": context_policy,
             "reuse": reuse,
+            "speculation": speculation,
         }
         req_id, q = self._request("generate", payload)
         self._active_generations.add(req_id)

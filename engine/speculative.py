@@ -32,6 +32,21 @@ class IncompatibleDraftError(HearthError):
     """The draft model cannot propose tokens for the target: a different vocabulary or special tokens."""
 
 
+class DraftLoadError(HearthError):
+    """The draft model asked for could not be found or loaded (the reason is in the message).
+
+    Attributes:
+        draft: the draft model spec (path or starter name) as given.
+        reason_kind: the class name of the underlying error (ModelNotFoundError, ModelFormatError, ...).
+    """
+
+    def __init__(self, draft: str, reason: BaseException):
+        self.draft = str(draft)
+        self.reason_kind = type(reason).__name__
+        super().__init__(f"the draft model {draft!r} could not be loaded: {reason}; pick another draft "
+                         "model (same tokenizer as the chat model) or turn speculation off")
+
+
 @dataclass
 class SpeculativeEvent(GenerationEvent):
     """A GenerationEvent plus the reply's running speculation stats (for the status bar).
@@ -39,14 +54,14 @@ class SpeculativeEvent(GenerationEvent):
     from_draft: this token was proposed by the draft (or lookup) and accepted by the target.
     acceptance_rate: accepted / drafted tokens so far. tokens_per_pass: tokens emitted per target
     forward pass. speedup_estimate: modelled tokens/s with speculation over plain decoding, from the
-    measured pass times. spec_k: the draft length now in use (0: speculation switched off).
+    measured pass times. draft_k: the draft length now in use (0: speculation switched off).
     """
 
     from_draft: bool = False
     acceptance_rate: float = 0.0
     tokens_per_pass: float = 0.0
     speedup_estimate: float = 1.0
-    spec_k: int = 0
+    draft_k: int = 0
     drafted_tokens: int = 0
     accepted_tokens: int = 0
     target_passes: int = 0
@@ -97,12 +112,13 @@ class DraftModel:
         model: the draft architecture instance (forward, new_cache, cfg).
         tokenizer: the draft's tokenizer, checked against the target's.
         n_ctx: draft KV cache size; when the conversation outgrows it, speculation switches off.
+        dtype: the draft cache's element type (float32 or float16).
     """
 
-    def __init__(self, model, tokenizer: Tokenizer, n_ctx: int):
+    def __init__(self, model, tokenizer: Tokenizer, n_ctx: int, dtype=np.float32):
         self.model = model
         self.tokenizer = tokenizer
-        self.cache: KVCache = model.new_cache(min(n_ctx, int(model.cfg.max_position_embeddings)))
+        self.cache: KVCache = model.new_cache(min(n_ctx, int(model.cfg.max_position_embeddings)), dtype)
 
     def check_compatible(self, target_model, target_tokenizer: Tokenizer) -> None:
         from engine.draft_pairing import compatibility_problem
@@ -136,10 +152,21 @@ class DraftModel:
                 logits = self.model.forward(tokens[-1:], self.cache)[-1]
         return tokens, dists
 
-    def prime(self, history: list[int]) -> None:
-        """Prefill the prompt into the draft cache (part of the reply's time to first token)."""
-        if len(history) < self.cache.n_ctx:
-            prefill(self.model, self.cache, history, 512)
+    def prime(self, history: list[int], chunk: int = 512) -> Iterator[int]:
+        """Prefill all of the prompt but its last token into the draft cache, `chunk` tokens a pass.
+
+        (The first `propose` feeds the last token and takes its logits.) Yields the number of
+        positions the cache holds after each pass, so a caller can check for cancel in between; a
+        prompt the draft's context cannot hold is skipped (speculation then stays off).
+        """
+        if not 1 < len(history) < self.cache.n_ctx:
+            return
+        done = min(self.cache.common_prefix(history), len(history) - 1)
+        self.cache.trim(self.cache.offset - done)
+        for start in range(done, len(history) - 1, chunk):
+            stop = min(start + chunk, len(history) - 1)
+            self.model.forward(history[start:stop], self.cache)
+            yield stop
 
 
 class _Adaptive:
@@ -254,7 +281,8 @@ def speculative_generate(
     t0 = time.perf_counter()
     logits, reused = prefill(model, cache, prompt_ids, params.prefill_chunk)
     if hasattr(proposer, "prime"):
-        proposer.prime(prompt_ids)
+        for _ in proposer.prime(prompt_ids, params.prefill_chunk):
+            pass
     t_prefill = time.perf_counter() - t0
     ev = SpeculativeEvent(text="", token=None, prompt_tokens=len(prompt_ids), cached_tokens=reused,
                           ttft_s=t_prefill,
@@ -324,7 +352,7 @@ def speculative_generate(
                 peak_memory_mb=peak_rss_mb() if finish else 0.0, from_draft=accepted,
                 acceptance_rate=ev.accepted_tokens / ev.drafted_tokens if ev.drafted_tokens else 0.0,
                 tokens_per_pass=(ev.generated_tokens - 1) / passes if ev.target_passes else 0.0,
-                speedup_estimate=policy.speedup(policy.k) if policy.k else 1.0, spec_k=policy.k,
+                speedup_estimate=policy.speedup(policy.k) if policy.k else 1.0, draft_k=policy.k,
                 drafted_tokens=ev.drafted_tokens, accepted_tokens=ev.accepted_tokens,
                 target_passes=ev.target_passes,
             )

@@ -31,6 +31,7 @@ from engine.client import (
     LoadProgress,
     ModelInfo,
     NoModelLoadedError,
+    SpeculationOptions,
     error_payload,
 )
 from engine.context_policy import DEFAULT_POLICY, ChatContext, fit_conversation
@@ -38,6 +39,8 @@ from engine.generate import GenerationParams, generate, prefill
 from engine.loader import LoadedModel, load_model
 from engine.memory import peak_rss_mb, rss_mb
 from engine.prefix_cache import PrefixCache
+from engine.spec_chat import DraftSlot, prime, proposer_for, spec_fields
+from engine.speculative import speculative_generate
 from engine.templates import ensure_chat_template
 from models.formats.gguf import open_gguf
 from models.resolve import resolve_model
@@ -71,6 +74,7 @@ class ChatRunner:
         self.cache = lm.model.new_cache(options.n_ctx, options.kv_numpy_dtype)
         self.store = PrefixCache(prefix_cache_bytes) if prefix_cache_bytes > 0 else None
         self.contexts: OrderedDict[str, ChatContext] = OrderedDict()
+        self.drafts = DraftSlot(lm, options.n_ctx, options.kv_numpy_dtype)  # speculation's draft model
         self.load_s = 0.0
 
     @classmethod
@@ -185,11 +189,14 @@ class ChatRunner:
         policy: str = DEFAULT_POLICY,
         reuse: bool = True,
         should_stop: Callable[[], bool] = lambda: False,
+        speculation: SpeculationOptions | None = None,
     ) -> Iterator[ChatEvent]:
         """Stream the reply to `messages` (see ChatEvent).
 
         Args:
             reuse: False prefills the whole prompt from scratch (benchmarks, cold-run checks).
+            speculation: draft model or prompt lookup for this reply (engine.spec_chat); the
+                draft is loaded (and checked) before anything is prefilled.
             should_stop: polled between prefill batches and between tokens; True ends the reply
                 with finish_reason "cancelled".
         """
@@ -197,6 +204,7 @@ class ChatRunner:
         model, cache, n_ctx = self.lm.model, self.cache, self.cache.n_ctx
         if self.options.threads:
             cpu.set_threads(self.options.threads)
+        proposer = proposer_for(speculation, self.drafts)
         reserve = min(params.max_tokens, n_ctx // 4)
         fitted = fit_conversation(messages, self.encode, n_ctx, reserve, policy, self._context_state(chat_id))
         ids = fitted.ids
@@ -230,11 +238,21 @@ class ChatRunner:
                 prefill(model, cache, ids[: done + chunk], chunk)
                 done += chunk
                 yield replace(base, prefilled=done - cached, context_after=cache.offset)
+            for _ in prime(proposer, ids, chunk):  # the draft's own prefill, cancellable between chunks
+                if should_stop():
+                    yield cancelled(prefilled=done - cached)
+                    return
             if should_stop():
                 yield cancelled(prefilled=done - cached)
                 return
             ttft = 0.0
-            stream = generate(model, self.lm.tokenizer, ids, cache, replace(params, prefill_chunk=chunk))
+            gen_params = replace(params, prefill_chunk=chunk)
+            if proposer is None:
+                stream = generate(model, self.lm.tokenizer, ids, cache, gen_params)
+            else:
+                stream = speculative_generate(model, self.lm.tokenizer, ids, cache, gen_params, proposer,
+                                              k=speculation.k, k_max=max(8, speculation.k),
+                                              adaptive=speculation.adaptive)
             for event in stream:
                 if not ttft:
                     ttft = time.perf_counter() - t0
@@ -250,6 +268,7 @@ class ChatRunner:
                     generation_tps=event.generation_tps,
                     context_after=cache.offset,
                     peak_memory_mb=event.peak_memory_mb,
+                    **spec_fields(speculation.mode if speculation else "", event),
                 )
                 yield out
                 if event.finish_reason:
@@ -330,6 +349,7 @@ def serve(conn) -> None:
                     policy=payload["policy"],
                     reuse=payload["reuse"],
                     should_stop=lambda r=req_id: r in cancelled or stopping.is_set(),
+                    speculation=payload.get("speculation"),
                 )
                 for event in stream:
                     send("event", req_id, event)
