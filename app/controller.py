@@ -20,6 +20,15 @@ from app.settings import SAMPLING_KEYS, Settings
 from engine.client import ChatEvent
 from engine.generate import GenerationParams
 
+SPEC_KEYS = (
+    "speculation",
+    "drafted_tokens",
+    "accepted_tokens",
+    "acceptance_rate",
+    "tokens_per_pass",
+    "speedup_estimate",
+    "draft_k",
+)
 FLUSH_S = 0.5  # the store is at most this far behind the screen while a reply streams
 TITLE_CHARS = 48
 STATS_KEYS = (
@@ -49,13 +58,29 @@ def sampling_params(settings: Settings, overrides: dict | None = None) -> Genera
     )
 
 
+def speculation_options(settings: Settings):
+    """The engine's SpeculationOptions for the speculation settings; None when off (or when this engine
+    has no speculative decoding)."""
+    mode = settings.get("speculation")
+    if mode == "off":
+        return None
+    try:
+        from engine.client import SpeculationOptions
+    except ImportError:
+        return None
+    draft = settings.get("draft_model").strip() or None
+    if mode == "draft" and draft is None:
+        raise ValueError("Speculative decoding is set to 'draft' but no draft model is chosen (Settings).")
+    return SpeculationOptions(mode=mode, draft_model=draft if mode == "draft" else None)
+
+
 def event_stats(event: ChatEvent | None) -> dict:
     """The figures of a reply kept with its message (and speculative counters when the engine sends them)."""
     if event is None:
         return {}
     data = asdict(event) if hasattr(event, "__dataclass_fields__") else dict(vars(event))
     keep = {k: data[k] for k in STATS_KEYS if k in data}
-    keep.update({k: v for k, v in data.items() if ("draft" in k or "accept" in k) and v is not None})
+    keep.update({k: data[k] for k in SPEC_KEYS if data.get(k)})
     return keep
 
 
@@ -246,8 +271,13 @@ class ChatController(QObject):
         self._set_busy(True)
         self._flush_timer.start()
         params = sampling_params(self.settings, self.chat.overrides)
+        try:
+            speculation = speculation_options(self.settings)
+        except ValueError as e:
+            self.notice.emit(str(e))
+            speculation = None
         self.bridge.generate(
-            self._turn, conversation, params, self.chat.id, self.settings.get("context_policy")
+            self._turn, conversation, params, self.chat.id, self.settings.get("context_policy"), speculation
         )
 
     def _set_busy(self, busy: bool) -> None:

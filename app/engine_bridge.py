@@ -94,6 +94,21 @@ class EngineBridge(QObject):
         except Exception as e:  # noqa: BLE001 - shown in the window, never a traceback dialog
             self._emit(self.loadFailed, f"the model could not be loaded: {e!r}")
 
+    def reload(self, model: str, options: LoadOptions, threads: int | None = None) -> None:
+        """Load `model` again with new options; a changed thread count restarts the worker first (its
+        thread pools are sized when it starts)."""
+        self._spawn(self._reload, model, options, threads or None)
+
+    def _reload(self, model: str, options: LoadOptions, threads: int | None) -> None:
+        if threads != self.client.threads:
+            self.client.threads = threads
+            try:
+                self.client.restart(reload=False)
+            except Exception as e:  # noqa: BLE001 - shown in the window
+                self._emit(self.loadFailed, f"the engine could not be restarted: {e}")
+                return
+        self._load(model, options)
+
     # ---- replies
     def generate(
         self,
@@ -102,17 +117,30 @@ class EngineBridge(QObject):
         params: GenerationParams,
         chat_id: str | None,
         context_policy: str = "truncate-middle",
+        speculation=None,
     ) -> None:
-        """Stream a reply; `turn` tags every signal of it."""
+        """Stream a reply; `turn` tags every signal of it. `speculation`: engine SpeculationOptions."""
         self.generating = True
-        self._spawn(self._generate, turn, [dict(m) for m in conversation], params, chat_id, context_policy)
+        self._spawn(
+            self._generate,
+            turn,
+            [dict(m) for m in conversation],
+            params,
+            chat_id,
+            context_policy,
+            speculation,
+        )
 
-    def _generate(self, turn, conversation, params, chat_id, policy) -> None:
+    def _generate(self, turn, conversation, params, chat_id, policy, speculation=None) -> None:
         pending: list[str] = []
         last_emit = 0.0
         last: ChatEvent | None = None
         try:
-            for event in self.client.generate(conversation, params, chat_id=chat_id, context_policy=policy):
+            extra = {"speculation": speculation} if speculation is not None else {}
+            stream = self.client.generate(
+                conversation, params, chat_id=chat_id, context_policy=policy, **extra
+            )
+            for event in stream:
                 last = event
                 if event.text:
                     pending.append(event.text)

@@ -2,8 +2,10 @@
 (progress, pause / resume / cancel) and the local models (use, delete with confirmation, show in folder,
 import a file).
 
-Hub calls run in threads; DownloadManager runs its own worker threads and its callbacks reach the GUI
-as queued signals. Closing the app pauses running downloads; they resume on the next start.
+Hub calls run in threads; downloads belong to the app's DownloadService (app.downloads, started with
+the main window so unfinished downloads resume at launch), whose callbacks reach the GUI as queued
+signals. "Convert…" opens app.convert_dialog (the conversion runs in a `hearth convert` child process).
+Closing the app pauses running downloads (they resume on the next start) and cancels conversions.
 """
 
 from __future__ import annotations
@@ -39,8 +41,7 @@ from models.errors import HearthError
 class _Relay(QObject):
     searched = Signal(object, str)  # list[RepoSummary] | None, error
     variants = Signal(str, object, str)  # repo, list[(variant, fit label)], error
-    progress = Signal(str, int, int)  # job id, done, total
-    state = Signal(object)  # DownloadJob
+    local = Signal(object)  # list[ModelEntry]
 
 
 def _mib(n: int) -> str:
@@ -49,14 +50,16 @@ def _mib(n: int) -> str:
 
 class LibraryWindow(QWidget):
     """Signals:
-    modelsChanged(): a download finished or a model was imported/deleted.
+    modelsChanged(): a download or conversion finished or a model was imported/deleted.
     useModel(path: str): the user asked to chat with a local model.
+    localChanged(): the list of local models was refreshed.
     """
 
     modelsChanged = Signal()
     useModel = Signal(str)
+    localChanged = Signal()
 
-    def __init__(self, settings: Settings, parent=None, manager=None):
+    def __init__(self, settings: Settings, parent=None, downloads=None):
         super().__init__(parent, Qt.WindowType.Window)
         self.setWindowTitle("Model library")
         self.resize(820, 560)
@@ -64,22 +67,28 @@ class LibraryWindow(QWidget):
         self.relay = _Relay(self)
         self.relay.searched.connect(self._on_searched)
         self.relay.variants.connect(self._on_variants)
-        self.relay.progress.connect(self._on_progress)
-        self.relay.state.connect(self._on_state)
-        from models.downloads import DownloadManager
+        self.relay.local.connect(self._on_local)
+        self._owns_downloads = downloads is None
+        if downloads is None:
+            from app.downloads import DownloadService
 
-        self.manager = manager or DownloadManager(
-            on_progress=lambda p: self.relay.progress.emit(p.job_id, p.done, p.total or 0),
-            on_state=lambda job: self.relay.state.emit(job),
-        )
+            downloads = DownloadService(models_folder(settings), parent=self)
+        self.downloads = downloads
+        downloads.progress.connect(self._on_progress)
+        downloads.state.connect(self._on_state)
+        downloads.modelsChanged.connect(self._on_downloaded)
+        downloads.error.connect(self._on_download_error)
         self.bars: dict[str, QProgressBar] = {}
         self.variant_items: list = []
+        self.convert_dialogs: list = []
+        self.entries: list = []
         tabs = QTabWidget(self)
         tabs.addTab(self._hub_tab(), "Hub")
         tabs.addTab(self._downloads_tab(), "Downloads")
         tabs.addTab(self._local_tab(), "On this computer")
+        self.tabs = tabs
         QVBoxLayout(self).addWidget(tabs)
-        for job in self.manager.jobs():
+        for job in self.downloads.jobs():
             self._add_job_row(job)
         self.refresh_local()
 
@@ -191,7 +200,7 @@ class LibraryWindow(QWidget):
             job = DownloadJob(
                 repo, f.path, revision=commit or "main", size=f.size, sha256=f.sha256, blob_id=f.blob_id
             )
-            self._add_job_row(self.manager.add(job))
+            self._add_job_row(self.downloads.add(job))
 
     # ---- downloads
     def _downloads_tab(self) -> QWidget:
@@ -211,9 +220,9 @@ class LibraryWindow(QWidget):
         bar.setFormat(job.state)
         h.addWidget(bar, 2)
         for text, fn in (
-            ("Pause", self.manager.pause),
-            ("Resume", self.manager.resume),
-            ("Cancel", self.manager.cancel),
+            ("Pause", self.downloads.pause),
+            ("Resume", self.downloads.resume),
+            ("Cancel", self.downloads.cancel),
         ):
             b = QPushButton(text)
             b.setAccessibleName(f"{text} {job.filename}")
@@ -235,25 +244,22 @@ class LibraryWindow(QWidget):
 
     @Slot(object)
     def _on_state(self, job) -> None:
-        bar = self.bars.get(job.id)
-        if bar is not None:
-            bar.setFormat(f"{job.state} %p%" if job.state != "failed" else f"failed: {job.error}")
-        if job.state == "done" and job.path:
-            try:
-                from models.library import Library
+        if job.id not in self.bars:
+            self._add_job_row(job)
+        bar = self.bars[job.id]
+        bar.setFormat(f"{job.state} %p%" if job.state != "failed" else f"failed: {job.error}")
+        if job.state == "done":
+            bar.setMaximum(1000)
+            bar.setValue(1000)
 
-                Library().add(
-                    job.path,
-                    repo=job.repo_id,
-                    revision=job.commit,
-                    file=job.filename,
-                    sha256=job.sha256,
-                    source="download",
-                )
-            except HearthError as e:
-                self.hub_status.setText(str(e))
-            self.refresh_local()
-            self.modelsChanged.emit()
+    @Slot()
+    def _on_downloaded(self) -> None:
+        self.refresh_local()
+        self.modelsChanged.emit()
+
+    @Slot(str)
+    def _on_download_error(self, message: str) -> None:
+        self.hub_status.setText(message)
 
     # ---- local
     def _local_tab(self) -> QWidget:
@@ -265,6 +271,7 @@ class LibraryWindow(QWidget):
         row = QHBoxLayout()
         for text, slot in (
             ("Chat with it", self.use_selected),
+            ("Convert…", self.convert_selected),
             ("Import…", self.import_file),
             ("Show in folder", self.show_selected),
             ("Delete…", self.delete_selected),
@@ -277,18 +284,34 @@ class LibraryWindow(QWidget):
         return page
 
     def refresh_local(self) -> None:
-        from models.library import Library
+        """Re-read the library in a thread (it also indexes starter models present on disk)."""
 
+        def run():
+            from models.library import Library
+
+            try:
+                lib = Library()
+                lib.register_starters()
+                entries = [e for e in lib.entries() if e.exists]
+            except HearthError:
+                entries = []
+            self.relay.local.emit(entries)
+
+        threading.Thread(target=run, daemon=True, name="hearth-library").start()
+
+    @Slot(object)
+    def _on_local(self, entries) -> None:
+        current = self._selected()
+        self.entries = entries
         self.local.clear()
-        try:
-            entries = Library().entries()
-        except HearthError:
-            entries = []
         for e in entries:
             item = QListWidgetItem(f"{e.name}  ·  {e.quant or e.format}  ·  {_mib(e.size)}  ·  {e.source}")
             item.setData(Qt.ItemDataRole.UserRole, e.id)
             item.setData(Qt.ItemDataRole.UserRole + 1, e.path)
             self.local.addItem(item)
+            if current and current[0] == e.id:
+                self.local.setCurrentItem(item)
+        self.localChanged.emit()
 
     def _selected(self) -> tuple[int, str] | None:
         item = self.local.currentItem()
@@ -341,6 +364,44 @@ class LibraryWindow(QWidget):
         self.refresh_local()
         self.modelsChanged.emit()
 
+    def convert_selected(self):
+        """Open the Convert dialog for the selected local model; returns it (None without a selection)."""
+        sel = self._selected()
+        if sel is None:
+            QMessageBox.information(self, "Convert", "Select a model on this computer first.")
+            return None
+        from app.convert_dialog import ConvertDialog
+
+        entry = next((e for e in self.entries if e.id == sel[0]), None)
+        dialog = ConvertDialog(
+            sel[1],
+            entry.params if entry else None,
+            self.settings.get("quant_format"),
+            models_folder(self.settings),
+            self.settings.get("threads") or None,
+            self,
+        )
+        dialog.converted.connect(self._on_converted)
+        self.convert_dialogs = [d for d in self.convert_dialogs if d.isVisible() or d.running] + [dialog]
+        dialog.show()
+        return dialog
+
+    @Slot(str)
+    def _on_converted(self, _path: str) -> None:
+        self.refresh_local()
+        self.modelsChanged.emit()
+
     def shutdown(self) -> None:
-        """Pause running downloads (they resume on the next start) and stop the download threads."""
-        self.manager.close(timeout=5.0)
+        """Cancel conversions (no partial file stays) and, when the window owns them, pause downloads."""
+        for dialog in self.convert_dialogs:
+            dialog.shutdown()
+        if self._owns_downloads:
+            self.downloads.close(timeout=5.0)
+
+
+def models_folder(settings: Settings) -> Path:
+    """Where downloads and conversions go: the settings' models folder, else the library folder."""
+    from models.paths import models_dir
+
+    folder = settings.get("models_folder")
+    return Path(folder).expanduser() if folder else models_dir()

@@ -1,8 +1,13 @@
 """The main window: chat list, conversation, composer, model picker and status bar.
 
 Layout: a sidebar (search, New chat, the chat list) beside the chat column (model picker with load
-progress and fit label, the conversation, the composer). Everything that can block runs elsewhere:
-the engine in its worker process (app.engine_bridge), fit estimates and library scans in threads.
+progress and fit label, the Serve toggle, the conversation, the composer). Everything that can block
+runs elsewhere: the engine in its worker process (app.engine_bridge), downloads in the app's download
+threads (app.downloads, resumed at launch), conversions and the API server in child processes
+(app.conversion, app.serve), fit estimates and library writes in threads.
+
+Engine settings (context length, KV precision, KV reuse memory, threads, device) reload the loaded
+model when they change (after the reply in progress, if any); sampling settings apply to the next reply.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from pathlib import Path
 from app.chat_store import ChatStore, ChatStoreError, Message
 from app.chat_view import ChatView
 from app.controller import ChatController
+from app.downloads import DownloadService
 from app.engine_bridge import EngineBridge
 from app.qt import (
     QAction,
@@ -47,7 +53,8 @@ from app.qt import (
     Signal,
     Slot,
 )
-from app.settings import Settings
+from app.serve import ServeController, serve_available
+from app.settings import ENGINE_KEYS, Settings, cuda_status
 from engine.client import ChatEvent, EngineStatus, LoadOptions, ModelInfo
 from models.starter import STARTERS, starter_path
 from models.version import VERSION
@@ -136,6 +143,8 @@ class MainWindow(QMainWindow):
         store: the chat database.
         bridge: the engine (a fresh one when None).
         model: model to load at start (default: the settings' default model); "" loads nothing.
+        downloads: the download queue (default: a new one, which resumes unfinished downloads now).
+        serve_command: argv prefix run by the Serve toggle instead of `hearth serve` (tests).
     """
 
     def __init__(
@@ -145,6 +154,8 @@ class MainWindow(QMainWindow):
         bridge: EngineBridge | None = None,
         model: str | None = None,
         dark: bool = False,
+        downloads: DownloadService | None = None,
+        serve_command: list[str] | None = None,
     ):
         super().__init__()
         self.setWindowTitle("Hearth")
@@ -161,6 +172,15 @@ class MainWindow(QMainWindow):
         self._relay.fit.connect(self._on_fit)
         self._deleted: str | None = None
         self._closing = False
+        self._engine_dirty = False
+        self.cuda_ok, self.cuda_reason = cuda_status()
+        self._owns_downloads = downloads is None
+        if downloads is None:
+            from app.library_window import models_folder
+
+            downloads = DownloadService(models_folder(settings), parent=self)
+        self.downloads = downloads
+        self.server = ServeController(serve_command, self)
         self._build(dark)
         self._wire()
         self.refresh_chats()
@@ -169,6 +189,10 @@ class MainWindow(QMainWindow):
         self._status_timer.setInterval(STATUS_POLL_MS)
         self._status_timer.timeout.connect(self.bridge.poll_status)
         self._status_timer.start()
+        self._unsubscribe = settings.subscribe(self._on_setting)
+        from app import quant_info
+
+        QTimer.singleShot(3000, quant_info.prefetch)  # the format list, for settings and Convert
         chats = store.list_chats()
         if chats:
             self.controller.open_chat(chats[0].id)
@@ -213,11 +237,24 @@ class MainWindow(QMainWindow):
         self.fit_label.setAccessibleName("Fits this machine")
         self.options_button = QPushButton("Chat options…")
         self.options_button.setAccessibleName("Chat options")
+        self.serve_button = QPushButton("Serve API")
+        self.serve_button.setCheckable(True)
+        self.serve_button.setAccessibleName("Serve the model over a local API")
+        ok, why = serve_available() if self.server.command is None else (True, "")
+        self.serve_button.setEnabled(ok)
+        self.serve_button.setToolTip(
+            why or "Run an OpenAI-compatible server (hearth serve) for the loaded model"
+        )
+        self.serve_label = QLabel("")
+        self.serve_label.setAccessibleName("Server address")
+        self.serve_label.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
         top.addWidget(QLabel("Model:"))
         top.addWidget(self.model_box, 1)
         top.addWidget(self.load_progress)
         top.addWidget(self.fit_label)
         top.addWidget(self.options_button)
+        top.addWidget(self.serve_button)
+        top.addWidget(self.serve_label)
         mv.addLayout(top)
         self.view = ChatView()
         self.view.dark = dark
@@ -307,6 +344,9 @@ class MainWindow(QMainWindow):
         self.undo_button.clicked.connect(self.undo_delete)
         self.model_box.activated.connect(self._on_model_picked)
         self.options_button.clicked.connect(self.chat_options)
+        self.serve_button.toggled.connect(self._on_serve_toggled)
+        self.server.stateChanged.connect(self._on_serve_state)
+        self.downloads.modelsChanged.connect(self.refresh_models)
         self.starter_button.clicked.connect(lambda: self.load_model("smollm2-135m-instruct"))
         self.composer.submitted.connect(self.send)
         self.send_button.clicked.connect(self.send)
@@ -320,6 +360,7 @@ class MainWindow(QMainWindow):
         c.messageText.connect(self.view.set_text)
         c.messageDone.connect(self.view.finish)
         c.busyChanged.connect(self._on_busy)
+        c.busyChanged.connect(self._apply_engine_settings)
         c.replyEvent.connect(self._on_reply_event)
         c.notice.connect(self.view.show_notice)
         self._bridge_slots = [
@@ -488,12 +529,12 @@ class MainWindow(QMainWindow):
         elif event.generated_tokens:
             self.status_speed.setText(f"TTFT {event.ttft_s:.2f} s · {event.generation_tps:.1f} tok/s")
         self._show_context(event.context_after, event.context_size)
-        spec = {k: v for k, v in vars(event).items() if ("draft" in k or "accept" in k) and v}
-        if spec:
-            self.status_spec.setText(
-                " · ".join(f"{k.replace('_', ' ')} {v}" for k, v in sorted(spec.items()))
-            )
+        text = speculation_text(event)
+        if text:
+            self.status_spec.setText(text)
             self.status_spec.show()
+        elif event.generated_tokens and event.token is not None:
+            self.status_spec.hide()
 
     def _show_context(self, used: int, total: int) -> None:
         if not total:
@@ -547,15 +588,48 @@ class MainWindow(QMainWindow):
         self.load_progress.setValue(0)
         self.load_progress.show()
         self.status_model.setText(f"loading {Path(spec).name}…")
+        self._loading = spec
+        self.bridge.load(spec, self.load_options())
+        self._estimate_fit(spec)
+
+    def load_options(self) -> LoadOptions:
+        """The engine options the settings ask for."""
         s = self.settings
-        options = LoadOptions(
+        return LoadOptions(
             n_ctx=s.get("n_ctx"),
             threads=s.get("threads") or None,
             prefix_cache_mb=s.get("prefix_cache_mb"),
             kv_dtype=s.get("kv_dtype"),
         )
-        self.bridge.load(spec, options)
-        self._estimate_fit(spec)
+
+    def _on_setting(self, key: str, _value) -> None:
+        if self._closing:
+            return
+        if key in ENGINE_KEYS:
+            self._engine_dirty = True
+            QTimer.singleShot(0, self._apply_engine_settings)
+        if key == "device":
+            QTimer.singleShot(0, self._show_device)
+
+    @Slot()
+    def _apply_engine_settings(self, *_args) -> None:
+        """Reload the loaded model with the new engine settings (after the reply in progress)."""
+        if not self._engine_dirty or self._closing or self.controller.busy or self.model_info is None:
+            return
+        self._engine_dirty = False
+        spec = self.model_info.path
+        self.load_progress.setValue(0)
+        self.load_progress.show()
+        self.status_model.setText(f"reloading {self.model_info.name} with the new settings…")
+        self.bridge.reload(spec, self.load_options(), self.settings.get("threads") or None)
+
+    def _show_device(self) -> None:
+        if self.settings.get("device") == "cuda" and not self.cuda_ok:
+            self.status_device.setText("CPU (CUDA unavailable)")
+            self.status_device.setToolTip(self.cuda_reason)
+        else:
+            self.status_device.setText("CPU")
+            self.status_device.setToolTip("The model runs on the CPU")
 
     def _estimate_fit(self, spec: str) -> None:
         n_ctx = self.settings.get("n_ctx")
@@ -592,15 +666,10 @@ class MainWindow(QMainWindow):
         self.model_info = info
         self.load_progress.hide()
         self.status_model.setText(f"{info.name} · loaded in {info.load_s:.1f} s")
-        self.status_device.setText("CPU")
+        self._show_device()
         self._show_context(0, info.n_ctx)
         self.refresh_models()
-        try:
-            from models.library import Library
-
-            Library().mark_used(info.path)
-        except Exception:  # noqa: BLE001
-            pass
+        threading.Thread(target=_mark_used, args=(info.path,), daemon=True, name="hearth-used").start()
 
     @Slot(str)
     def _on_load_failed(self, message: str) -> None:
@@ -629,7 +698,7 @@ class MainWindow(QMainWindow):
         from app.library_window import LibraryWindow
 
         if self.library_window is None:
-            self.library_window = LibraryWindow(self.settings, self)
+            self.library_window = LibraryWindow(self.settings, self, downloads=self.downloads)
             self.library_window.modelsChanged.connect(self.refresh_models)
             self.library_window.useModel.connect(self.load_model)
         self.library_window.show()
@@ -639,7 +708,18 @@ class MainWindow(QMainWindow):
         from app.settings_dialog import SettingsDialog
 
         params = None
-        dialog = SettingsDialog(self.settings, self, model_params=params)
+        if self.model_info is not None and self.model_info.file_size:
+            from models.fit import bits_per_weight
+
+            quant = Path(self.model_info.path).stem.rsplit(".", 1)[-1]
+            params = int(self.model_info.file_size * 8 / bits_per_weight(quant))
+        dialog = SettingsDialog(
+            self.settings,
+            self,
+            model_params=params,
+            cuda_available=self.cuda_ok,
+            cuda_reason=self.cuda_reason,
+        )
         dialog.open()
         return dialog
 
@@ -651,9 +731,44 @@ class MainWindow(QMainWindow):
             "your own machine. Engine, quantizers and converters are Hearth's own Python.",
         )
 
+    # ---- the API server
+    @Slot(bool)
+    def _on_serve_toggled(self, on: bool) -> None:
+        if on and not self.server.running:
+            if self.model_info is None:
+                self.serve_label.setText("load a model first")
+                self.serve_button.setChecked(False)
+                return
+            s = self.settings
+            self.server.start(self.model_info.path, s.get("serve_host"), s.get("serve_port"))
+        elif not on and self.server.running:
+            self.server.stop()
+
+    @Slot(str, str, str)
+    def _on_serve_state(self, state: str, url: str, message: str) -> None:
+        if self._closing:
+            return
+        text = {
+            "starting": "server starting…",
+            "running": url,
+            "stopping": "server stopping…",
+            "stopped": "",
+            "failed": "server failed",
+        }.get(state, state)
+        self.serve_label.setText(text)
+        self.serve_label.setToolTip(message)
+        if state in ("stopped", "failed"):
+            self.serve_button.blockSignals(True)
+            self.serve_button.setChecked(False)
+            self.serve_button.blockSignals(False)
+        if state == "failed":
+            self.statusBar().showMessage(message, 10000)
+
     def closeEvent(self, event) -> None:  # noqa: N802 - Qt override
-        """Stop the reply (its text is saved), pause downloads (they resume next start), stop the engine."""
+        """Stop the reply (its text is saved), cancel conversions, pause downloads (they resume next start),
+        stop the API server and the engine."""
         self._closing = True
+        self._unsubscribe()
         self._status_timer.stop()
         self.controller.stop()
         self.controller.flush()
@@ -661,6 +776,10 @@ class MainWindow(QMainWindow):
             self.controller._end("stopped", None)
         if self.library_window is not None:
             self.library_window.shutdown()
+            self.library_window.close()
+        self.server.shutdown()
+        if self._owns_downloads:
+            self.downloads.close(timeout=5.0)
         if self._owns_bridge:
             self.bridge.shutdown()
         else:
@@ -668,6 +787,34 @@ class MainWindow(QMainWindow):
         for signal, slot in self._bridge_slots:
             signal.disconnect(slot)
         super().closeEvent(event)
+
+
+def speculation_text(event) -> str:
+    """'draft: 71% accepted · 2.4 tokens/pass · ≈1.6× faster' for an event of a speculative reply."""
+    mode = getattr(event, "speculation", "")
+    if not mode:
+        return ""
+    parts = [mode]
+    drafted = getattr(event, "drafted_tokens", 0)
+    if drafted:
+        parts.append(f"{100 * getattr(event, 'acceptance_rate', 0.0):.0f}% of {drafted} drafts accepted")
+    if getattr(event, "tokens_per_pass", 0.0):
+        parts.append(f"{event.tokens_per_pass:.2f} tokens/pass")
+    if getattr(event, "speedup_estimate", 0.0):
+        parts.append(f"≈{event.speedup_estimate:.2f}× plain")
+    if getattr(event, "draft_k", None) == 0 and drafted:
+        parts.append("paused (not paying off)")
+    return "speculation " + " · ".join(parts)
+
+
+def _mark_used(path: str) -> None:
+    """Library.mark_used in a thread (a SQLite write)."""
+    try:
+        from models.library import Library
+
+        Library().mark_used(path)
+    except Exception:  # noqa: BLE001 - a model outside the library simply has no row
+        pass
 
 
 def install_shortcut(window: QWidget, keys: str, slot) -> QShortcut:

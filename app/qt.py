@@ -13,6 +13,8 @@ from PySide6.QtCore import (  # noqa: F401 - re-exported
     QModelIndex,
     QObject,
     QPoint,
+    QProcess,
+    QProcessEnvironment,
     QSize,
     QSortFilterProxyModel,
     QStandardPaths,

@@ -49,6 +49,17 @@ class QuantChoice:
     description: str
     bits: float
     hint: str
+    container: str = "gguf"
+    takes_param: bool = False
+
+    def bits_for(self, param: str | None = None) -> float:
+        """Bits per weight, using the parameter of a parameterised format (mixed:4.5 -> 4.5)."""
+        if self.takes_param and param:
+            try:
+                return float(param)
+            except ValueError:
+                return self.bits
+        return self.bits
 
 
 def hint_for(bits: float) -> str:
@@ -67,9 +78,20 @@ def _from_registry() -> list[QuantChoice] | None:
         return None
     out = []
     for f in formats:
-        bits = bits_per_weight(f.name)
-        out.append(QuantChoice(f.name, f.description, bits, hint_for(bits)))
+        bits = _bits(f.name, f.takes_param)
+        out.append(QuantChoice(f.name, f.description, bits, hint_for(bits), f.container, f.takes_param))
     return out or None
+
+
+# formats whose names models.fit does not know (safetensors-side formats, parameterised mixes)
+_EXTRA_BITS = {"safetensors": 16.0, "awq": 4.25, "awq-int4": 4.25, "nvfp4": 4.5, "fp8": 8.0, "mixed": 4.5}
+
+
+def _bits(name: str, takes_param: bool = False) -> float:
+    key = name.lower()
+    if key in _EXTRA_BITS:
+        return _EXTRA_BITS[key]
+    return bits_per_weight(name)
 
 
 _cache: list[QuantChoice] | None = None
@@ -112,6 +134,34 @@ def report_for(model_path: str | Path) -> dict | None:
         except (OSError, ValueError):
             continue
     return None
+
+
+def measured(report: dict | None, name: str) -> dict | None:
+    """The quant report's row for format `name` (case-insensitive; "mixed:4.5" matches "mixed-4.5")."""
+    if not report:
+        return None
+    want = name.lower().replace(":", "-")
+    for row in report.get("rows", []):
+        if isinstance(row, dict) and str(row.get("format", "")).lower().replace(":", "-") == want:
+            return row
+    return None
+
+
+def measured_text(row: dict | None) -> str:
+    """'ppl 14.21 (+2.3 %), 61 tok/s' for a report row ('' without one)."""
+    if not row:
+        return ""
+    parts = []
+    if isinstance(row.get("ppl"), (int, float)):
+        delta = row.get("delta_ppl_pct")
+        parts.append(
+            f"ppl {row['ppl']:.2f}" + (f" ({delta:+.1f} %)" if isinstance(delta, (int, float)) else "")
+        )
+    if isinstance(row.get("decode_tps"), (int, float)):
+        parts.append(f"{row['decode_tps']:.0f} tok/s")
+    if isinstance(row.get("file_bytes"), int):
+        parts.append(f"{row['file_bytes'] / 2**20:,.0f} MiB")
+    return ", ".join(parts)
 
 
 def size_estimate(params: int | None, bits: float) -> int | None:

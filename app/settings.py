@@ -117,11 +117,23 @@ class Schema:
     export_folder: str = _opt(
         "", "Export folder", "Default folder for exported chats.", "Folders", kind="dir"
     )
+    # -- the local API server (the Serve toggle)
+    serve_host: str = _opt(
+        "127.0.0.1",
+        "Server address",
+        "Where `hearth serve` listens; 127.0.0.1 keeps it to this computer.",
+        "Server",
+    )
+    serve_port: int = _opt(
+        8080, "Server port", "TCP port of the local API server.", "Server", min=1, max=65535
+    )
     # -- internal state, not shown in the dialog
     first_run_done: bool = _opt(False, "", "", "", hidden=True)
 
 
 SCHEMA = {f.name: f for f in fields(Schema)}
+# settings the loaded model is reloaded for when they change
+ENGINE_KEYS = ("n_ctx", "kv_dtype", "prefix_cache_mb", "threads", "device")
 SAMPLING_KEYS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "max_tokens")
 
 
@@ -168,6 +180,27 @@ def validate(key: str, value: Any) -> Any:
     if choices and out not in choices:
         raise SettingsError(f"{label}: {out!r} is not one of {', '.join(choices)}")
     return out
+
+
+def cuda_status() -> tuple[bool, str]:
+    """Whether models can run on CUDA here, and the reason when not (for the Device setting).
+
+    Checked without importing the engine: a CUDA backend package, then CuPy, then a GPU.
+    """
+    import importlib.util
+
+    if not (Path(__file__).resolve().parents[1] / "engine" / "backends" / "cuda").is_dir():
+        return False, "Hearth has no CUDA backend yet: models run on the CPU."
+    if importlib.util.find_spec("cupy") is None:
+        return False, "CuPy is not installed (pip install cupy-cuda12x) - models run on the CPU."
+    try:
+        import cupy
+
+        if cupy.cuda.runtime.getDeviceCount() < 1:
+            return False, "No NVIDIA GPU was found."
+    except Exception as e:  # noqa: BLE001 - any driver problem means: no CUDA
+        return False, f"The NVIDIA driver is not usable ({e})."
+    return True, ""
 
 
 def settings_path() -> Path:

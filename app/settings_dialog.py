@@ -36,13 +36,19 @@ class SettingsDialog(QDialog):
     """Edit the settings. `editors[key]` is the widget of each setting (tests drive them)."""
 
     def __init__(
-        self, settings: Settings, parent=None, model_params: int | None = None, cuda_available: bool = False
+        self,
+        settings: Settings,
+        parent=None,
+        model_params: int | None = None,
+        cuda_available: bool = False,
+        cuda_reason: str = "",
     ):
         super().__init__(parent)
         self.setWindowTitle("Settings")
         self.setAccessibleName("Settings")
         self.settings = settings
         self.model_params = model_params
+        self.cuda_reason = cuda_reason or "CUDA is not available on this computer."
         self.editors: dict[str, QWidget] = {}
         self.error_label = QLabel("")
         self.error_label.setWordWrap(True)
@@ -69,6 +75,11 @@ class SettingsDialog(QDialog):
                 forms[section].addRow("", self.quant_hint)
                 editor.currentIndexChanged.connect(self._quant_changed)
                 self._quant_changed()
+            if key == "device" and not cuda_available:
+                self.device_note = QLabel(f"CUDA: {self.cuda_reason}")
+                self.device_note.setWordWrap(True)
+                self.device_note.setAccessibleName("Why CUDA is unavailable")
+                forms[section].addRow("", self.device_note)
         buttons = QDialogButtonBox(
             QDialogButtonBox.StandardButton.Ok
             | QDialogButtonBox.StandardButton.Cancel
@@ -97,8 +108,14 @@ class SettingsDialog(QDialog):
             for choice in meta["choices"]:
                 box.addItem(choice, choice)
                 if key == "device" and choice == "cuda" and not cuda:
-                    box.model().item(box.count() - 1).setEnabled(False)
-            box.setCurrentIndex(max(0, box.findData(value)))
+                    item = box.model().item(box.count() - 1)
+                    item.setEnabled(False)
+                    item.setToolTip(self.cuda_reason)
+                    box.setItemText(box.count() - 1, "cuda (unavailable)")
+            index = box.findData(value)
+            if key == "device" and value == "cuda" and not cuda:
+                index = box.findData("cpu")  # a saved "cuda" runs on the CPU until CUDA is there
+            box.setCurrentIndex(max(0, index))
             return box, box
         if kind is bool:
             check = QCheckBox()

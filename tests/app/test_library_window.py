@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from app.downloads import DownloadService
 from app.library_window import LibraryWindow
 from app.settings import Settings
 from models.downloads import DownloadManager, DownloadSettings
@@ -24,14 +25,9 @@ def server(monkeypatch, tmp_path):
 
 
 def test_search_download_use_and_delete(qtbot, server):
-    win = LibraryWindow(Settings())
-    mgr = DownloadManager(
-        settings=DownloadSettings(backoff_base=0.0),
-        on_progress=lambda p: win.relay.progress.emit(p.job_id, p.done, p.total or 0),
-        on_state=lambda job: win.relay.state.emit(job),
-    )
-    win.manager.close()
-    win.manager = mgr
+    mgr = DownloadManager(settings=DownloadSettings(backoff_base=0.0), autostart=False)
+    downloads = DownloadService(manager=mgr)
+    win = LibraryWindow(Settings(), downloads=downloads)
     qtbot.addWidget(win)
     win.show()
     win.query.setText("tiny")
@@ -44,13 +40,17 @@ def test_search_download_use_and_delete(qtbot, server):
     text = win.variants.item(0).text()
     assert text.startswith("Q4_K_M") and ("fits" in text or "tight" in text or "too large" in text)
     win.variants.setCurrentRow(0)
-    with qtbot.waitSignal(win.modelsChanged, timeout=20000):
+    with qtbot.waitSignal(win.localChanged, timeout=20000):
         win.download_button.click()
+        qtbot.waitSignal(win.modelsChanged, timeout=20000).wait()
+    qtbot.waitUntil(lambda: win.local.count() == 1, timeout=5000)
     assert win.local.count() == 1 and "Tiny-Q4_K_M.gguf" in win.local.item(0).text()
     win.local.setCurrentRow(0)
     with qtbot.waitSignal(win.useModel) as used:
         win.use_selected()
     assert used.args[0].endswith("Tiny-Q4_K_M.gguf")
-    win.delete_selected(confirm=False)
+    with qtbot.waitSignal(win.localChanged, timeout=5000):
+        win.delete_selected(confirm=False)
     assert win.local.count() == 0
     win.shutdown()
+    downloads.close()

@@ -1,0 +1,126 @@
+"""Convert… in the library window: the starter model to Q8_0 through a real `hearth convert` child process,
+cancel and close mid-conversion (nothing partial left), a bad source reported."""
+
+from __future__ import annotations
+
+import pytest
+
+from app.convert_dialog import ConvertDialog, output_path
+from app.library_window import LibraryWindow
+from app.settings import Settings
+from models.formats.gguf import open_gguf
+from models.library import Library
+from models.paths import models_dir
+
+pytestmark = pytest.mark.gui
+
+
+def _leftovers(folder):
+    return sorted(p.name for p in folder.glob(".*part*"))
+
+
+@pytest.fixture
+def library_window(qtbot, smollm2_path):
+    Library().import_path(smollm2_path)
+    win = LibraryWindow(Settings())
+    qtbot.addWidget(win)
+    win.show()
+    qtbot.waitUntil(lambda: win.local.count() >= 1, timeout=5000)
+    yield win
+    win.shutdown()
+
+
+def _dialog(qtbot, win, name: str) -> ConvertDialog:
+    row = next(i for i in range(win.local.count()) if name in win.local.item(i).text())
+    win.local.setCurrentRow(row)
+    dialog = win.convert_selected()
+    qtbot.waitUntil(lambda: dialog.table.rowCount() > 0, timeout=30000)
+    return dialog
+
+
+def test_convert_the_starter_to_q8_0_lands_in_the_library(qtbot, library_window):
+    win = library_window
+    dialog = _dialog(qtbot, win, "SmolLM2")
+    names = [c.name for c in dialog.choices]
+    assert {"Q8_0", "Q4_K_M", "F16"} <= set(names), "the converter registry's formats are listed"
+    assert dialog.selected().name == Settings().get("quant_format"), "the settings' format is preselected"
+    dialog.select_format("Q8_0")
+    row = dialog.table.currentRow()
+    assert dialog.table.item(row, 1).text() == "8.50"
+    assert "MiB" in dialog.table.item(row, 2).text(), "a size estimate from the parameter count"
+    assert dialog.table.item(row, 4).text(), "a plain-language hint"
+    target = dialog.target()
+    assert target.parent == models_dir() and target.name == "SmolLM2-135M-Instruct.Q8_0.gguf"
+    fractions = []
+    with qtbot.waitSignal(win.modelsChanged, timeout=120000):
+        dialog.start()
+        dialog.job.progress.connect(lambda f, _m: fractions.append(f))
+    result = dialog.last_result
+    assert result.state == "done", result.error
+    assert fractions and fractions == sorted(fractions) and 0 < fractions[-1] <= 1.0
+    assert dialog.bar.value() == 1000 and "Done" in dialog.status.text()
+    with open_gguf(target) as g:
+        types = {t.type_name for t in g.tensors.values()}
+    assert types == {"Q8_0", "F32"}, types
+    entry = next(e for e in Library().entries() if e.path == str(target))
+    assert entry.quant == "Q8_0" and entry.size == target.stat().st_size
+    qtbot.waitUntil(lambda: any("Q8_0.gguf" in win.local.item(i).text() for i in range(win.local.count())))
+    assert _leftovers(target.parent) == []
+    # a second conversion to the same format gets a fresh name instead of failing
+    assert dialog.target().name == "SmolLM2-135M-Instruct.Q8_0-2.gguf"
+    dialog.close()
+
+
+def test_cancel_and_close_mid_conversion_leave_nothing_behind(qtbot, library_window):
+    win = library_window
+    dialog = _dialog(qtbot, win, "SmolLM2")
+    dialog.select_format("Q4_K_M")
+    target = dialog.target()
+    dialog.start()
+    job = dialog.job
+    with qtbot.waitSignal(job.finished, timeout=120000):
+        qtbot.waitUntil(lambda: job.fraction > 0, timeout=60000)
+        assert dialog.cancel_button.isEnabled()
+        dialog.cancel_button.click()
+    assert dialog.last_result.state == "cancelled" and "Cancelled" in dialog.status.text()
+    assert not target.exists() and _leftovers(target.parent) == []
+    assert dialog.convert_button.isEnabled()
+
+    # closing the library window while converting stops the child process and cleans up
+    dialog.start()
+    job = dialog.job
+    qtbot.waitUntil(lambda: job.fraction > 0, timeout=60000)
+    pid = job.pid
+    win.shutdown()
+    assert not job.running and job.result.state == "cancelled"
+    assert not target.exists() and _leftovers(target.parent) == []
+    import os
+
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+
+
+def test_a_bad_source_is_reported(qtbot, tmp_path):
+    junk = tmp_path / "junk.gguf"
+    junk.write_bytes(b"not a gguf at all" * 10)
+    dialog = ConvertDialog(junk, None, "Q8_0", tmp_path / "out")
+    qtbot.addWidget(dialog)
+    qtbot.waitUntil(lambda: dialog.table.rowCount() > 0, timeout=30000)
+    dialog.select_format("Q8_0")
+    dialog.start()
+    with qtbot.waitSignal(dialog.job.finished, timeout=60000):
+        pass
+    assert dialog.last_result.state == "failed"
+    assert "junk.gguf" in dialog.status.text() and "failed" in dialog.status.text()
+    assert not list((tmp_path / "out").iterdir())
+
+
+def test_output_names():
+    from pathlib import Path
+
+    folder = Path("/lib")
+    assert output_path(Path("/x/SmolLM2-135M-Instruct.Q4_1.gguf"), "Q8_0", None, folder) == Path(
+        "/lib/SmolLM2-135M-Instruct.Q8_0.gguf"
+    )
+    assert output_path(Path("/x/m-F16.gguf"), "mixed", "4.5", folder) == Path("/lib/m.mixed-4.5.gguf")
+    assert output_path(Path("/x/m.gguf"), "safetensors", None, folder) == Path("/lib/m-hf")
