@@ -168,6 +168,7 @@ class MainWindow(QMainWindow):
         self.model_info: ModelInfo | None = None
         self.last_event: ChatEvent | None = None
         self.library_window = None
+        self.settings_dialog = None
         self._relay = _Relay(self)
         self._relay.fit.connect(self._on_fit)
         self._deleted: str | None = None
@@ -605,7 +606,7 @@ class MainWindow(QMainWindow):
     def _on_setting(self, key: str, _value) -> None:
         if self._closing:
             return
-        if key in ENGINE_KEYS:
+        if key in ENGINE_KEYS and not (key == "device" and not self.cuda_ok):  # no CUDA: CPU either way
             self._engine_dirty = True
             QTimer.singleShot(0, self._apply_engine_settings)
         if key == "device":
@@ -721,6 +722,7 @@ class MainWindow(QMainWindow):
             cuda_reason=self.cuda_reason,
         )
         dialog.open()
+        self.settings_dialog = dialog
         return dialog
 
     def about(self) -> None:

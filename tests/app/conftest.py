@@ -10,8 +10,12 @@ pytest.importorskip("pytestqt")
 from app.qt import QtMsgType, qInstallMessageHandler  # noqa: E402
 
 _FAILING = (QtMsgType.QtWarningMsg, QtMsgType.QtCriticalMsg, QtMsgType.QtFatalMsg)
-# the offscreen platform plugin says this whenever a window's size limits change; not the app's fault
-_PLATFORM_NOISE = ("This plugin does not support propagateSizeHints()",)
+# the offscreen platform plugin says these whenever a window's size limits change or a window is raised;
+# not the app's fault
+_PLATFORM_NOISE = (
+    "This plugin does not support propagateSizeHints()",
+    "This plugin does not support raise()",
+)
 
 
 @pytest.fixture(autouse=True)
