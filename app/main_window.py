@@ -725,13 +725,15 @@ class MainWindow(QMainWindow):
         self.settings_dialog = dialog
         return dialog
 
-    def about(self) -> None:
-        QMessageBox.about(
-            self,
-            "About Hearth",
+    def about_text(self) -> str:
+        """The About box's text (the version is models.version.VERSION, as `hearth --version` prints)."""
+        return (
             f"<b>Hearth {VERSION}</b><br>Chat with language models on "
-            "your own machine. Engine, quantizers and converters are Hearth's own Python.",
+            "your own machine. Engine, quantizers and converters are Hearth's own Python."
         )
+
+    def about(self) -> None:
+        QMessageBox.about(self, "About Hearth", self.about_text())
 
     # ---- the API server
     @Slot(bool)

@@ -33,9 +33,9 @@ FALLBACK = (
 )
 _HINTS = (
     (3.2, "Smallest and fastest; answers get noticeably worse. For tight memory only."),
-    (4.3, "Small and fast; a little less accurate. A good default for most machines."),
-    (5.2, "Balanced: close to the original quality at about a third of its size."),
-    (6.2, "Near the original quality; larger and a bit slower."),
+    (4.0, "Small; answers get a little worse. When memory is tight."),
+    (4.9, "Small and fast; a little less accurate. A good default for most machines."),
+    (6.2, "Balanced: close to the original quality; larger and a bit slower than 4-bit."),
     (8.6, "Practically the original quality; twice the size of 4-bit formats."),
     (99.0, "Full precision: the largest and slowest; for reference or further conversion."),
 )

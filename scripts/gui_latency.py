@@ -5,11 +5,12 @@ Phases (each measured with a 5 ms QTimer probe; latency = how late each tick fir
     generation  a long greedy reply streams into the chat view (Markdown rendered as it arrives)
     download    models.downloads.DownloadManager fetches a throttled file from a loopback Hub server,
                 its progress callbacks driving a progress bar in the window
-    conversion  only when engine.convert exists (not measured otherwise)
+    conversion  the Convert dialog converts the model (default to Q4_K_M) in a `hearth convert` child
+                process, its progress lines driving the dialog's progress bar
 Then `--first-token` runs `python -m app.main` in a fresh process N times and reports launch -> first
 streamed token (warm Numba cache: HEARTH_KERNEL_CACHE, default the test models' cache).
 
-    .venv/bin/python scripts/gui_latency.py [-r 3] [--model PATH]
+    .venv/bin/python scripts/gui_latency.py [-r 3] [--model PATH] [--convert-to FORMAT]
 """
 
 from __future__ import annotations
@@ -74,10 +75,10 @@ def wait(app, cond, timeout):
         raise SystemExit("timed out")
 
 
-def measure_window(model: str) -> dict[str, list[float]]:
+def measure_window(model: str, fmt: str = "Q4_K_M") -> dict[str, list[float]]:
     from app.chat_store import ChatStore
     from app.main_window import MainWindow
-    from app.qt import QApplication, QObject, QProgressBar, Signal
+    from app.qt import QApplication, QProgressBar
     from app.settings import Settings
 
     app = QApplication.instance() or QApplication([])
@@ -104,7 +105,7 @@ def measure_window(model: str) -> dict[str, list[float]]:
     wait(app, lambda: bool(done), 300)
     results["generation"] = probe.stop()
 
-    from models.downloads import DownloadJob, DownloadManager
+    from models.downloads import DownloadJob
     from tests.models.hubserver import HubServer
 
     server = HubServer()
@@ -113,33 +114,39 @@ def measure_window(model: str) -> dict[str, list[float]]:
     server.throttle = 8 << 20
     os.environ["HF_ENDPOINT"] = server.url
 
-    class Relay(QObject):
-        progress = Signal(int, int)
-
-    relay = Relay()
+    # the app's own download service (what the library window's queue shows), its progress in a bar
     bar = QProgressBar()
     w.statusBar().addWidget(bar)
-    relay.progress.connect(lambda d, t: (bar.setMaximum(t), bar.setValue(d)))
+    w.downloads.progress.connect(lambda _id, d, t: (bar.setMaximum(max(1, t >> 10)), bar.setValue(d >> 10)))
     import hashlib
 
-    mgr = DownloadManager(on_progress=lambda p: relay.progress.emit(p.done >> 10, (p.total or 1) >> 10))
-    job = mgr.add(
+    mgr = w.downloads.manager
+    job = w.downloads.add(
         DownloadJob("org/Big-GGUF", "big-Q4_0.gguf", size=len(data), sha256=hashlib.sha256(data).hexdigest())
     )
     probe.start()
     wait(app, lambda: mgr.get(job.id).state not in ("queued", "running"), 120)
     results["download"] = probe.stop()
     state = mgr.get(job.id).state
-    mgr.close()
     server.close()
     if state != "done":
         print(f"download ended {state}: {mgr.get(job.id).error}")
-    try:
-        import engine.convert  # noqa: F401
 
-        print("conversion: engine.convert exists but the Convert dialog is not wired; not measured")
-    except ImportError:
-        print("conversion: engine.convert is not there yet; not measured")
+    # conversion: the library's Convert dialog runs `hearth convert` (a child process) on the model
+    from app.convert_dialog import ConvertDialog
+
+    out_dir = Path(tempfile.mkdtemp(prefix="hearth-lat-convert-"))
+    dialog = ConvertDialog(model, None, fmt, out_dir, parent=w)
+    dialog.show()
+    wait(app, lambda: dialog.table.rowCount() > 0, 120)
+    dialog.select_format(fmt)
+    probe.start()
+    dialog.start()
+    wait(app, lambda: dialog.last_result is not None, 600)
+    results["conversion"] = probe.stop()
+    r = dialog.last_result
+    print(f"conversion to {fmt}: {r.state} in {r.seconds:.1f} s ({r.nbytes / 2**20:,.1f} MiB) {r.error}")
+    dialog.close()
     w.close()
     store.close()
     return results
@@ -186,10 +193,11 @@ def main() -> int:
     ap.add_argument("-r", "--repeat", type=int, default=3, help="first-token runs")
     ap.add_argument("--model", default=str(CACHE / "starter" / "SmolLM2-135M-Instruct.Q4_1.gguf"))
     ap.add_argument("--skip-window", action="store_true")
+    ap.add_argument("--convert-to", default="Q4_K_M", help="target format of the conversion phase")
     args = ap.parse_args()
     os.environ["HEARTH_HOME"] = tempfile.mkdtemp(prefix="hearth-lat-")
     if not args.skip_window:
-        for name, samples in measure_window(args.model).items():
+        for name, samples in measure_window(args.model, args.convert_to).items():
             print(summary(name, samples), flush=True)
     times = first_token(args.model, args.repeat)
     print(

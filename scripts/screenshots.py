@@ -1,7 +1,8 @@
-"""Screenshots of each window (main window with a sample chat, library, settings) for the README.
+"""Screenshots of each window (main window with a sample chat, library, Convert, settings) for the README.
 
 Runs under Xvfb when `xvfb-run` is installed (`apt-get install xvfb`; real X11 rendering), else on
-Qt's offscreen platform. No engine is started: the chat shown is a stored sample conversation.
+Qt's offscreen platform. No engine is started: the chat shown is a stored sample conversation; the
+library lists the starter model from the test-model cache when it is there (and Convert shows its formats).
 
     .venv/bin/python scripts/screenshots.py [--out DIR]
 """
@@ -49,13 +50,39 @@ def shoot(out: Path) -> None:
         app.processEvents()
     out.mkdir(parents=True, exist_ok=True)
     w.grab().save(str(out / "main-window.png"))
-    lib = LibraryWindow(settings)
+    import time
+
+    def settle(cond=lambda: True, seconds: float = 20.0) -> None:
+        end = time.monotonic() + seconds
+        while time.monotonic() < end and not cond():
+            app.processEvents()
+            time.sleep(0.01)
+        for _ in range(10):
+            app.processEvents()
+
+    from models.library import Library
+    from models.starter import starter_path
+
+    name = starter_path("smollm2-135m-instruct").name
+    starter = Path.home() / ".cache" / "hearth-test-models" / "starter" / name
+    if starter.is_file():
+        Library().import_path(starter)
+    lib = LibraryWindow(settings, downloads=w.downloads)
+    lib.tabs.setCurrentIndex(2)
     lib.show()
-    app.processEvents()
+    settle(lambda: lib.local.count() > 0, 5.0)
+    lib.local.setCurrentRow(0)
+    settle()
     lib.grab().save(str(out / "library.png"))
-    dialog = SettingsDialog(settings, w)
+    if lib.entries:
+        convert = lib.convert_selected()
+        convert.resize(900, 520)
+        settle(lambda: convert.table.rowCount() > 0, 60.0)
+        convert.grab().save(str(out / "convert.png"))
+        convert.close()
+    dialog = SettingsDialog(settings, w, cuda_available=w.cuda_ok, cuda_reason=w.cuda_reason)
     dialog.show()
-    app.processEvents()
+    settle()
     dialog.grab().save(str(out / "settings.png"))
     lib.shutdown()
     w.close()
@@ -65,7 +92,7 @@ def shoot(out: Path) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description="screenshots of Hearth's windows")
-    ap.add_argument("--out", default=str(Path(tempfile.gettempdir()) / "hearth-screenshots"))
+    ap.add_argument("--out", default=str(ROOT / "docs" / "screenshots"))
     ap.add_argument("--inner", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if not args.inner and shutil.which("xvfb-run") and not os.environ.get("DISPLAY"):

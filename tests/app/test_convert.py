@@ -3,6 +3,8 @@ cancel and close mid-conversion (nothing partial left), a bad source reported.""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from app.convert_dialog import ConvertDialog, output_path
@@ -103,9 +105,23 @@ def test_cancel_and_close_mid_conversion_leave_nothing_behind(qtbot, library_win
 def test_a_bad_source_is_reported(qtbot, tmp_path):
     junk = tmp_path / "junk.gguf"
     junk.write_bytes(b"not a gguf at all" * 10)
-    dialog = ConvertDialog(junk, None, "Q8_0", tmp_path / "out")
+    row = {
+        "format": "Q8_0",
+        "file_bytes": 144811136,
+        "bits_per_weight": 8.5,
+        "ppl": 14.213,
+        "delta_ppl_pct": 0.42,
+        "decode_tps": 61.0,
+    }
+    (tmp_path / "junk.gguf.quant-report.json").write_text(json.dumps({"version": 1, "rows": [row]}))
+    dialog = ConvertDialog(junk, 135_000_000, "Q8_0", tmp_path / "out")
     qtbot.addWidget(dialog)
     qtbot.waitUntil(lambda: dialog.table.rowCount() > 0, timeout=30000)
+    dialog.select_format("Q8_0")
+    measured = dialog.table.item(dialog.table.currentRow(), 3).text()
+    assert measured == "ppl 14.21 (+0.4 %), 61 tok/s, 138 MiB", "the quant report's figures are shown"
+    dialog.select_format("Q4_0")
+    assert dialog.table.item(dialog.table.currentRow(), 3).text() == "not measured"
     dialog.select_format("Q8_0")
     dialog.start()
     with qtbot.waitSignal(dialog.job.finished, timeout=60000):

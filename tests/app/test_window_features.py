@@ -72,6 +72,9 @@ def test_keyboard_shortcuts(qtbot, engine):
     qtbot.keyClick(w, Qt.Key.Key_L, ctrl | Qt.KeyboardModifier.ShiftModifier)
     qtbot.waitUntil(lambda: w.library_window is not None and w.library_window.isVisible(), timeout=5000)
     w.library_window.close()
+    from models.version import VERSION
+
+    assert f"Hearth {VERSION}" in w.about_text()
     w.close()
     store.close()
 
