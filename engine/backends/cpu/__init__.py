@@ -73,9 +73,10 @@ def _identity(raw: np.ndarray) -> np.ndarray:
 
 # ggml type -> (matvec kernel, dequant kernel, how the raw bytes are passed)
 _KERNELS: dict[int, tuple[Callable, Callable, Callable]] = {
-    F32: (quant.matvec_f32, quant.dequant_f32, _f32_view),
-    F16: (quant.matvec_f16, quant.dequant_f16, _identity),
-    BF16: (quant.matvec_bf16, quant.dequant_bf16, _identity),
+    # float matvecs: smalln's loop on one token (bit-identical to its small batches, 16-lane FMAs)
+    F32: (smalln.matvec_f32, quant.dequant_f32, _f32_view),
+    F16: (smalln.matvec_f16, quant.dequant_f16, _identity),
+    BF16: (smalln.matvec_bf16, quant.dequant_bf16, _identity),
     Q8_0: (quant.matvec_q8_0, quant.dequant_q8_0, _identity),
     Q4_0: (quant.matvec_q4_0, quant.dequant_q4_0, _identity),
     Q4_1: (quant.matvec_q4_1, quant.dequant_q4_1, _identity),
@@ -150,7 +151,8 @@ def linear(out: np.ndarray, w: Weight, x: np.ndarray) -> None:
     n_tok == 1 (decode) runs a matrix-vector kernel on the quantized blocks, with x quantized to
     int16 per block of 32 for the quantized types (error ~1e-5 of |w_row| |x|, float32-grade).
     2 <= n_tok <= SMALL_BATCH_MAX (speculative verify, batched decode) runs the small-batch kernels:
-    each weight row is read once for all tokens, and every token's result equals the matvec's on it.
+    each weight row is read once for all tokens, and every token's result equals the matvec's on it
+    bit for bit (float types included).
     n_tok > SMALL_BATCH_MAX (prefill) dequantizes tiles of rows to float32 and multiplies them with
     BLAS, exact to float32 rounding.
 
@@ -253,8 +255,11 @@ def attention(
 
 
 # From this many queries on, attention runs as BLAS matmuls per kv head (prefill): the Numba loop
-# runs on one thread there (batch_phase) and is scalar over keys.
-_BLAS_ATTENTION_MIN_TOKENS = 8
+# runs on one thread there (batch_phase) and is scalar over keys. Small batches (speculative verify
+# passes, batched decode) keep every thread and the decode kernel: a 9-token verify pass on SmolLM2
+# spent 10.6 ms in the BLAS path's per-head numpy calls, 3.5 ms in the kernel (which also gives
+# each query the bits a one-token decode step would).
+_BLAS_ATTENTION_MIN_TOKENS = SMALL_BATCH_MAX + 1
 
 
 def _attention_blas(out, q, k_cache, v_cache, pos0: int, scale: np.float32) -> None:

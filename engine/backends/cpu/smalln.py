@@ -9,8 +9,11 @@ Quantized types: the activations of every token are quantized to int16 per 32 ex
 kernels do (quant.quantize_act16), then each group of four weight rows runs the type's `dot4`
 intrinsic once per token while those rows sit in L1. Each token's result is therefore bit-identical
 to the matvec kernel's on that token alone, so a batched verify pass reproduces sequential decode.
-Float types (F32/F16/BF16): four rows x four tokens per pass over the row group, so each weight is
-loaded (and widened) once for four tokens; float32 accumulation (a tail token runs a 4x1 loop).
+Float types (F32/F16/BF16): four rows x four tokens per pass over the row group, spelled as LLVM vector
+IR (16-lane float32 FMAs, weights widened in registers, prefetched PREFETCH_ROWS rows ahead), so each
+weight is loaded once for four tokens; a 1-3 token tail runs the same loop with fewer tokens. Every
+(row, token) sum is formed identically whatever the batch size, and the float matvec kernels here are
+the same loop on one token, so these results too are bit-identical to decoding token by token.
 
 Every kernel takes out (n, rows) f32 C-contiguous, the weight bytes as the matvec kernels do and
 x (n, cols) f32 C-contiguous.
@@ -19,10 +22,22 @@ x (n, cols) f32 C-contiguous.
 from __future__ import annotations
 
 import numpy as np
-from numba import njit, prange
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.core import cgutils
+from numba.core.errors import TypingError
+from numba.extending import intrinsic
 
 from engine.backends.cpu import _llvm_kquant as K
-from engine.backends.cpu._llvm import dot4_q4_0, dot4_q4_1, dot4_q8_0, ld_bf16, ld_f16
+from engine.backends.cpu._llvm import (
+    PREFETCH_ROWS,
+    _fmuladd16,
+    _prefetch,
+    _reduce_add_f32x16,
+    dot4_q4_0,
+    dot4_q4_1,
+    dot4_q8_0,
+)
 from engine.backends.cpu.quant import QK, _store4, quantize_act16
 
 _KW = dict(nogil=True, cache=True, fastmath=True)
@@ -184,217 +199,165 @@ def matmul_iq4_xs(out, raw, x, rows, cols):
             a0, a1, a2, a3 = K.dot4_iq4_xs(raw, r0 * rb, p1, p2, p3, cols // 256, xq[t], xd[t], xs[t])
             _store4(out[t], r0, rows, a0, a1, a2, a3)
 
-@njit(inline="always", **_KW)
-def _f32_4x4(out, w, x, p0, p1, p2, p3, r0, rows, cols, t0, n_valid):
-    # rows r0..r0+3 (row indices p0..p3) x tokens t0..t0+3 (clamped to n); stores n_valid tokens
-    last = x.shape[0] - 1
-    t1, t2, t3 = min(t0 + 1, last), min(t0 + 2, last), min(t0 + 3, last)
-    a00 = a01 = a02 = a03 = a10 = a11 = a12 = a13 = np.float32(0.0)
-    a20 = a21 = a22 = a23 = a30 = a31 = a32 = a33 = np.float32(0.0)
-    for j in range(cols):
-        w0 = w[p0, j]
-        w1 = w[p1, j]
-        w2 = w[p2, j]
-        w3 = w[p3, j]
-        x0, x1, x2, x3 = x[t0, j], x[t1, j], x[t2, j], x[t3, j]
-        a00 += w0 * x0
-        a01 += w1 * x0
-        a02 += w2 * x0
-        a03 += w3 * x0
-        a10 += w0 * x1
-        a11 += w1 * x1
-        a12 += w2 * x1
-        a13 += w3 * x1
-        a20 += w0 * x2
-        a21 += w1 * x2
-        a22 += w2 * x2
-        a23 += w3 * x2
-        a30 += w0 * x3
-        a31 += w1 * x3
-        a32 += w2 * x3
-        a33 += w3 * x3
-    _store4(out[t0], r0, rows, a00, a01, a02, a03)
-    if n_valid > 1:
-        _store4(out[t1], r0, rows, a10, a11, a12, a13)
-    if n_valid > 2:
-        _store4(out[t2], r0, rows, a20, a21, a22, a23)
-    if n_valid > 3:
-        _store4(out[t3], r0, rows, a30, a31, a32, a33)
+_I16 = ir.IntType(16)
+_I32 = ir.IntType(32)
+_F32 = ir.FloatType()
+_LANES = 16  # float32 lanes per vector: one zmm register
+# weight array dtype -> (element kind, bytes per weight): F16 weights arrive as their uint8 bytes, BF16
+# as a uint16 view of them, F32 as float32
+_FLOAT_KINDS = {types.uint8: ("f16", 2), types.uint16: ("bf16", 2), types.float32: ("f32", 4)}
 
 
-@njit(inline="always", **_KW)
-def _f32_4x1(out, w, x, p0, p1, p2, p3, r0, rows, cols, t):
-    # rows r0..r0+3 x the single token t
-    a0 = a1 = a2 = a3 = np.float32(0.0)
-    for j in range(cols):
-        w0 = w[p0, j]
-        w1 = w[p1, j]
-        w2 = w[p2, j]
-        w3 = w[p3, j]
-        xj = x[t, j]
-        a0 += w0 * xj
-        a1 += w1 * xj
-        a2 += w2 * xj
-        a3 += w3 * xj
-    _store4(out[t], r0, rows, a0, a1, a2, a3)
+def _widen(builder, kind: str, ptr, n: int):
+    """<n x float> of n consecutive weights of `kind` at byte pointer ptr."""
+    if kind == "f32":
+        return builder.load(builder.bitcast(ptr, ir.VectorType(_F32, n).as_pointer()), align=4)
+    h = builder.load(builder.bitcast(ptr, ir.VectorType(_I16, n).as_pointer()), align=2)
+    if kind == "f16":
+        return builder.fpext(builder.bitcast(h, ir.VectorType(ir.HalfType(), n)), ir.VectorType(_F32, n))
+    wide = builder.shl(builder.zext(h, ir.VectorType(_I32, n)), ir.Constant(ir.VectorType(_I32, n), [16] * n))
+    return builder.bitcast(wide, ir.VectorType(_F32, n))
+
+
+def _fmuladd1(builder, a, b, c):
+    fnty = ir.FunctionType(_F32, [_F32, _F32, _F32])
+    return builder.call(cgutils.get_or_insert_function(builder.module, fnty, "llvm.fmuladd.f32"), [a, b, c])
+
+
+def _make_rows4(n_tok: int):
+    """Intrinsic: dot products of 4 float weight rows with n_tok activation rows (4 * n_tok float32s).
+
+    Each (row, token) sum is built the same way whatever n_tok is: 16 float32 lanes accumulated with
+    fused multiply-adds over the columns in order, a fixed halving tree over the lanes, then the
+    cols % 16 tail in order. So a token's result is bit-identical across batch sizes.
+    """
+
+    @intrinsic
+    def rows4(typingctx, raw, p0, p1, p2, p3, x, xo, cols):
+        if not (isinstance(raw, types.Array) and raw.layout == "C" and raw.dtype in _FLOAT_KINDS):
+            raise TypingError(f"float weights must be a C-contiguous uint8/uint16/float32 array, got {raw}")
+        if not (isinstance(x, types.Array) and x.layout == "C" and x.dtype == types.float32):
+            raise TypingError(f"activations must be a C-contiguous float32 array, got {x}")
+        kind, elem_bytes = _FLOAT_KINDS[raw.dtype]
+        sig = types.UniTuple(types.float32, 4 * n_tok)(
+            raw, types.intp, types.intp, types.intp, types.intp, x, types.intp, types.intp
+        )
+
+        def codegen(context, builder, signature, args):
+            raw_v, q0, q1, q2, q3, x_v, xo_v, cols_v = args
+            base = builder.bitcast(context.make_array(signature.args[0])(context, builder, raw_v).data,
+                                   ir.IntType(8).as_pointer())
+            xp = context.make_array(signature.args[5])(context, builder, x_v).data
+            intp = cols_v.type
+            vec = ir.VectorType(_F32, _LANES)
+            rows = [builder.gep(base, [q]) for q in (q0, q1, q2, q3)]
+            xrows = [builder.gep(xp, [builder.add(xo_v, builder.mul(cols_v, intp(t)))]) for t in range(n_tok)]
+            accs = [[cgutils.alloca_once_value(builder, ir.Constant(vec, None)) for _ in range(4)]
+                    for _ in range(n_tok)]
+            # weights stream from DRAM: prefetch the same columns PREFETCH_ROWS rows ahead (p1 - p0 is the
+            # row stride; 0 in a clamped tail group, a harmless re-read)
+            ahead = builder.mul(builder.sub(q1, q0), intp(PREFETCH_ROWS))
+            n_vec = builder.udiv(cols_v, intp(_LANES))
+            with cgutils.for_range(builder, n_vec) as loop:
+                j = builder.mul(loop.index, intp(_LANES))
+                byte = builder.mul(j, intp(elem_bytes))
+                ws = []
+                for r in rows:
+                    p = builder.gep(r, [byte])
+                    _prefetch(builder, builder.gep(p, [ahead]))
+                    ws.append(_widen(builder, kind, p, _LANES))
+                for t in range(n_tok):
+                    xv = builder.load(builder.bitcast(builder.gep(xrows[t], [j]), vec.as_pointer()), align=4)
+                    for r in range(4):
+                        builder.store(_fmuladd16(builder, ws[r], xv, builder.load(accs[t][r])), accs[t][r])
+            sums = [[cgutils.alloca_once_value(builder, _reduce_add_f32x16(builder, builder.load(a)))
+                     for a in acc_t] for acc_t in accs]
+            tail0 = builder.mul(n_vec, intp(_LANES))
+            with cgutils.for_range_slice(builder, tail0, cols_v, intp(1)) as (j, _):
+                byte = builder.mul(j, intp(elem_bytes))
+                ws = [builder.extract_element(_widen(builder, kind, builder.gep(r, [byte]), 1), _I32(0))
+                      for r in rows]
+                for t in range(n_tok):
+                    xs = builder.load(builder.gep(xrows[t], [j]))
+                    for r in range(4):
+                        builder.store(_fmuladd1(builder, ws[r], xs, builder.load(sums[t][r])), sums[t][r])
+            vals = [builder.load(s) for sums_t in sums for s in sums_t]
+            return context.make_tuple(builder, signature.return_type, vals)
+
+        return sig, codegen
+
+    return rows4
+
+
+_rows4x4 = _make_rows4(4)
+_rows4x3 = _make_rows4(3)
+_rows4x2 = _make_rows4(2)
+_rows4x1 = _make_rows4(1)
 
 
 @njit(parallel=True, **_KW)
+def _matmul_float(out, w, x, rows, cols, rb):
+    # w (rows, ...) uint8 (F16 bytes) / uint16 (BF16) / float32 (F32), row stride rb bytes;
+    # x (n, cols) f32 -> out (n, rows) f32. Four rows x four tokens per pass; a 1-3 token tail at the end.
+    n = x.shape[0]
+    for g in prange((rows + 3) // 4):
+        r0 = g * 4
+        p0, p1 = r0 * rb, min(r0 + 1, rows - 1) * rb
+        p2, p3 = min(r0 + 2, rows - 1) * rb, min(r0 + 3, rows - 1) * rb
+        t0 = 0
+        while n - t0 >= 4:
+            a = _rows4x4(w, p0, p1, p2, p3, x, t0 * cols, cols)
+            _store4(out[t0], r0, rows, a[0], a[1], a[2], a[3])
+            _store4(out[t0 + 1], r0, rows, a[4], a[5], a[6], a[7])
+            _store4(out[t0 + 2], r0, rows, a[8], a[9], a[10], a[11])
+            _store4(out[t0 + 3], r0, rows, a[12], a[13], a[14], a[15])
+            t0 += 4
+        left = n - t0
+        if left == 3:
+            a = _rows4x3(w, p0, p1, p2, p3, x, t0 * cols, cols)
+            _store4(out[t0], r0, rows, a[0], a[1], a[2], a[3])
+            _store4(out[t0 + 1], r0, rows, a[4], a[5], a[6], a[7])
+            _store4(out[t0 + 2], r0, rows, a[8], a[9], a[10], a[11])
+        elif left == 2:
+            a = _rows4x2(w, p0, p1, p2, p3, x, t0 * cols, cols)
+            _store4(out[t0], r0, rows, a[0], a[1], a[2], a[3])
+            _store4(out[t0 + 1], r0, rows, a[4], a[5], a[6], a[7])
+        elif left == 1:
+            a = _rows4x1(w, p0, p1, p2, p3, x, t0 * cols, cols)
+            _store4(out[t0], r0, rows, a[0], a[1], a[2], a[3])
+
+
+@njit(**_KW)
 def matmul_f32(out, w, x, rows, cols):
     # w (rows, cols) float32, x (n, cols) f32 -> out (n, rows) f32
-    n = x.shape[0]
-    rb = 1  # p0..p3 are row indices of the float32 view
-    for g in prange((rows + 3) // 4):
-        r0 = g * 4
-        p0, p1 = r0 * rb, min(r0 + 1, rows - 1) * rb
-        p2, p3 = min(r0 + 2, rows - 1) * rb, min(r0 + 3, rows - 1) * rb
-        t0 = 0
-        while n - t0 >= 2:  # four tokens at a time; a tail of 2-3 runs clamped to n
-            _f32_4x4(out, w, x, p0, p1, p2, p3, r0, rows, cols, t0, min(4, n - t0))
-            t0 += 4
-        if t0 < n:
-            _f32_4x1(out, w, x, p0, p1, p2, p3, r0, rows, cols, t0)
+    _matmul_float(out, w, x, rows, cols, cols * 4)
 
 
-@njit(inline="always", **_KW)
-def _f16_4x4(out, raw, x, p0, p1, p2, p3, r0, rows, cols, t0, n_valid):
-    # rows r0..r0+3 (byte offsets p0..p3) x tokens t0..t0+3 (clamped to n); stores n_valid tokens
-    last = x.shape[0] - 1
-    t1, t2, t3 = min(t0 + 1, last), min(t0 + 2, last), min(t0 + 3, last)
-    a00 = a01 = a02 = a03 = a10 = a11 = a12 = a13 = np.float32(0.0)
-    a20 = a21 = a22 = a23 = a30 = a31 = a32 = a33 = np.float32(0.0)
-    for j in range(cols):
-        w0 = ld_f16(raw, p0 + 2 * j)
-        w1 = ld_f16(raw, p1 + 2 * j)
-        w2 = ld_f16(raw, p2 + 2 * j)
-        w3 = ld_f16(raw, p3 + 2 * j)
-        x0, x1, x2, x3 = x[t0, j], x[t1, j], x[t2, j], x[t3, j]
-        a00 += w0 * x0
-        a01 += w1 * x0
-        a02 += w2 * x0
-        a03 += w3 * x0
-        a10 += w0 * x1
-        a11 += w1 * x1
-        a12 += w2 * x1
-        a13 += w3 * x1
-        a20 += w0 * x2
-        a21 += w1 * x2
-        a22 += w2 * x2
-        a23 += w3 * x2
-        a30 += w0 * x3
-        a31 += w1 * x3
-        a32 += w2 * x3
-        a33 += w3 * x3
-    _store4(out[t0], r0, rows, a00, a01, a02, a03)
-    if n_valid > 1:
-        _store4(out[t1], r0, rows, a10, a11, a12, a13)
-    if n_valid > 2:
-        _store4(out[t2], r0, rows, a20, a21, a22, a23)
-    if n_valid > 3:
-        _store4(out[t3], r0, rows, a30, a31, a32, a33)
-
-
-@njit(inline="always", **_KW)
-def _f16_4x1(out, raw, x, p0, p1, p2, p3, r0, rows, cols, t):
-    # rows r0..r0+3 x the single token t
-    a0 = a1 = a2 = a3 = np.float32(0.0)
-    for j in range(cols):
-        w0 = ld_f16(raw, p0 + 2 * j)
-        w1 = ld_f16(raw, p1 + 2 * j)
-        w2 = ld_f16(raw, p2 + 2 * j)
-        w3 = ld_f16(raw, p3 + 2 * j)
-        xj = x[t, j]
-        a0 += w0 * xj
-        a1 += w1 * xj
-        a2 += w2 * xj
-        a3 += w3 * xj
-    _store4(out[t], r0, rows, a0, a1, a2, a3)
-
-
-@njit(parallel=True, **_KW)
+@njit(**_KW)
 def matmul_f16(out, raw, x, rows, cols):
-    # raw (rows, cols*2) uint8, x (n, cols) f32 -> out (n, rows) f32
-    n = x.shape[0]
-    rb = raw.shape[1]
-    for g in prange((rows + 3) // 4):
-        r0 = g * 4
-        p0, p1 = r0 * rb, min(r0 + 1, rows - 1) * rb
-        p2, p3 = min(r0 + 2, rows - 1) * rb, min(r0 + 3, rows - 1) * rb
-        t0 = 0
-        while n - t0 >= 2:  # four tokens at a time; a tail of 2-3 runs clamped to n
-            _f16_4x4(out, raw, x, p0, p1, p2, p3, r0, rows, cols, t0, min(4, n - t0))
-            t0 += 4
-        if t0 < n:
-            _f16_4x1(out, raw, x, p0, p1, p2, p3, r0, rows, cols, t0)
+    # raw (rows, cols*2) uint8 IEEE halves, x (n, cols) f32 -> out (n, rows) f32
+    _matmul_float(out, raw, x, rows, cols, raw.shape[1])
 
 
-@njit(inline="always", **_KW)
-def _bf16_4x4(out, raw, x, p0, p1, p2, p3, r0, rows, cols, t0, n_valid):
-    # rows r0..r0+3 (byte offsets p0..p3) x tokens t0..t0+3 (clamped to n); stores n_valid tokens
-    last = x.shape[0] - 1
-    t1, t2, t3 = min(t0 + 1, last), min(t0 + 2, last), min(t0 + 3, last)
-    a00 = a01 = a02 = a03 = a10 = a11 = a12 = a13 = np.float32(0.0)
-    a20 = a21 = a22 = a23 = a30 = a31 = a32 = a33 = np.float32(0.0)
-    for j in range(cols):
-        w0 = ld_bf16(raw, p0 + 2 * j)
-        w1 = ld_bf16(raw, p1 + 2 * j)
-        w2 = ld_bf16(raw, p2 + 2 * j)
-        w3 = ld_bf16(raw, p3 + 2 * j)
-        x0, x1, x2, x3 = x[t0, j], x[t1, j], x[t2, j], x[t3, j]
-        a00 += w0 * x0
-        a01 += w1 * x0
-        a02 += w2 * x0
-        a03 += w3 * x0
-        a10 += w0 * x1
-        a11 += w1 * x1
-        a12 += w2 * x1
-        a13 += w3 * x1
-        a20 += w0 * x2
-        a21 += w1 * x2
-        a22 += w2 * x2
-        a23 += w3 * x2
-        a30 += w0 * x3
-        a31 += w1 * x3
-        a32 += w2 * x3
-        a33 += w3 * x3
-    _store4(out[t0], r0, rows, a00, a01, a02, a03)
-    if n_valid > 1:
-        _store4(out[t1], r0, rows, a10, a11, a12, a13)
-    if n_valid > 2:
-        _store4(out[t2], r0, rows, a20, a21, a22, a23)
-    if n_valid > 3:
-        _store4(out[t3], r0, rows, a30, a31, a32, a33)
-
-
-@njit(inline="always", **_KW)
-def _bf16_4x1(out, raw, x, p0, p1, p2, p3, r0, rows, cols, t):
-    # rows r0..r0+3 x the single token t
-    a0 = a1 = a2 = a3 = np.float32(0.0)
-    for j in range(cols):
-        w0 = ld_bf16(raw, p0 + 2 * j)
-        w1 = ld_bf16(raw, p1 + 2 * j)
-        w2 = ld_bf16(raw, p2 + 2 * j)
-        w3 = ld_bf16(raw, p3 + 2 * j)
-        xj = x[t, j]
-        a0 += w0 * xj
-        a1 += w1 * xj
-        a2 += w2 * xj
-        a3 += w3 * xj
-    _store4(out[t], r0, rows, a0, a1, a2, a3)
-
-
-@njit(parallel=True, **_KW)
+@njit(**_KW)
 def matmul_bf16(out, raw, x, rows, cols):
-    # raw (rows, cols*2) uint8, x (n, cols) f32 -> out (n, rows) f32
-    n = x.shape[0]
-    rb = raw.shape[1]
-    for g in prange((rows + 3) // 4):
-        r0 = g * 4
-        p0, p1 = r0 * rb, min(r0 + 1, rows - 1) * rb
-        p2, p3 = min(r0 + 2, rows - 1) * rb, min(r0 + 3, rows - 1) * rb
-        t0 = 0
-        while n - t0 >= 2:  # four tokens at a time; a tail of 2-3 runs clamped to n
-            _bf16_4x4(out, raw, x, p0, p1, p2, p3, r0, rows, cols, t0, min(4, n - t0))
-            t0 += 4
-        if t0 < n:
-            _bf16_4x1(out, raw, x, p0, p1, p2, p3, r0, rows, cols, t0)
+    # raw (rows, cols*2) uint8 bfloat16s, x (n, cols) f32 -> out (n, rows) f32
+    _matmul_float(out, raw.view(np.uint16), x, rows, cols, raw.shape[1])
+
+
+@njit(**_KW)
+def matvec_f32(out, w, x, rows, cols):
+    # w (rows, cols) float32, x (cols,) f32 -> out (rows,) f32: matmul_f32 on one token
+    _matmul_float(out.reshape((1, rows)), w, x.reshape((1, cols)), rows, cols, cols * 4)
+
+
+@njit(**_KW)
+def matvec_f16(out, raw, x, rows, cols):
+    # raw (rows, cols*2) uint8, x (cols,) f32 -> out (rows,) f32: matmul_f16 on one token
+    _matmul_float(out.reshape((1, rows)), raw, x.reshape((1, cols)), rows, cols, raw.shape[1])
+
+
+@njit(**_KW)
+def matvec_bf16(out, raw, x, rows, cols):
+    # raw (rows, cols*2) uint8, x (cols,) f32 -> out (rows,) f32: matmul_bf16 on one token
+    _matmul_float(out.reshape((1, rows)), raw.view(np.uint16), x.reshape((1, cols)), rows, cols, raw.shape[1])
