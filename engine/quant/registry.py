@@ -126,6 +126,9 @@ def lookup(spec: str) -> tuple[TargetFormat, str | None]:
         UnknownFormatError: no such format (the message lists the known ones).
     """
     _load_builtins()
+    exact = _FORMATS.get(spec.strip().lower())  # names with a colon of their own: "awq:q4_k"
+    if exact is not None and not exact.takes_param:
+        return exact, None
     name, _, param = spec.partition(":")
     fmt = _FORMATS.get(name.strip().lower())
     if fmt is None:
@@ -156,7 +159,7 @@ def default_output(source: Path, fmt: TargetFormat, param: str | None) -> Path:
         if stem.endswith("." + old) or stem.endswith("-" + old):
             stem = stem[: -len(old) - 1]
             break
-    tag = fmt.name + (f"-{param}" if param else "")
+    tag = fmt.name.replace(":", "-") + (f"-{param}" if param else "")
     if fmt.name.lower() == "safetensors":
         return source.parent / f"{stem}-hf"
     return source.parent / f"{stem}.{tag}{fmt.suffix}"
