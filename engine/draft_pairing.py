@@ -62,14 +62,20 @@ class DraftCandidate:
     same_model: bool  # the target's own weights at another quantization (self-speculation)
 
 
-def _gguf_identity(path: Path) -> tuple[Tokenizer, int, str, str, str] | None:
-    """(tokenizer, logit rows, name, quantization, base name) of a GGUF, without building the model."""
+def _gguf_identity(path: Path, n_tokens: int | None = None) -> tuple[Tokenizer, int, str, str, str] | None:
+    """(tokenizer, logit rows, name, quantization, base name) of a GGUF, without building the model.
+
+    With n_tokens, a file whose vocabulary has another size is answered None before its tokenizer is
+    built (building Gemma's 262k-token tokenizer takes seconds; the size check reads the metadata only).
+    """
     from models.formats.ggml_types import type_name
     from models.formats.gguf import open_gguf
 
     try:
         g = open_gguf(path)
         md = g.metadata
+        if n_tokens is not None and len(md.get("tokenizer.ggml.tokens", ())) != n_tokens:
+            return None
         tok = Tokenizer.from_gguf_metadata(md)
         embd = g.tensors.get("token_embd.weight")
         rows = int(embd.shape[0]) if embd is not None else tok.vocab_size
@@ -106,7 +112,7 @@ def draft_candidates(target_path: Path, paths=None) -> list[DraftCandidate]:
         size = p.stat().st_size
         if size >= t_size:
             continue  # a draft must be cheaper to run than the target
-        d = _gguf_identity(p)
+        d = _gguf_identity(p, n_tokens=t_tok.vocab_size)
         if d is None or compatibility_problem(t_tok, d[0], t_rows, d[1]):
             continue
         out.append(DraftCandidate(p, d[2], size, d[3], same_model=d[4] == t_base))

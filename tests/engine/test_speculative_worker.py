@@ -45,7 +45,9 @@ def _run(client, messages, **kw) -> tuple[list[int], str, ChatEvent]:
 def test_draft_reply_is_the_plain_reply_with_stats(client, smollm2_path):
     plain_ids, plain_text, plain = _run(client, ASK)
     assert plain.speculation == "" and plain.drafted_tokens == 0 and plain.speedup_estimate == 0.0
-    options = SpeculationOptions(mode="draft", draft_model=str(smollm2_path), k=4)
+    # fixed k: with adaptation a loaded machine's timings may switch speculation off mid-reply, and the
+    # tokens-per-pass check below is about the stats, not the policy (tested in test_speculative.py)
+    options = SpeculationOptions(mode="draft", draft_model=str(smollm2_path), k=4, adaptive=False)
     for _ in range(2):  # the second reply reuses the loaded draft
         ids, text, last = _run(client, ASK, speculation=options)
         assert (ids, text) == (plain_ids, plain_text)
