@@ -27,6 +27,7 @@ HANDLERS = {
     "convert": "engine.commands_quant:cmd_convert",
     "eval": "engine.commands_quant:cmd_eval",
     "quant-report": "engine.commands_quant:cmd_quant_report",
+    "serve": "engine.commands_server:cmd_serve",
 }
 
 
@@ -104,6 +105,9 @@ def build_parser() -> argparse.ArgumentParser:
     from engine.commands_quant import _add_quant_parsers
 
     _add_quant_parsers(sub)
+    from engine.commands_server import add_serve_parser
+
+    add_serve_parser(sub)
     return parser
 
 

@@ -1,0 +1,175 @@
+"""`hearth serve`: the local OpenAI-compatible HTTP server (engine.server) on one model.
+
+Loads the model the way the chat runtime does (engine.worker.ChatRunner.load: resolve, memory check,
+chat template, kernel warm-up), starts the engine thread, binds the port, and prints its ready line
+(`Hearth is serving MODEL at http://HOST:PORT/v1`) once connections are accepted; the app's Serve
+toggle waits for that line. SIGTERM or Ctrl+C stops it cleanly ("stopped" is its last line).
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import socket
+import sys
+
+DEFAULT_PORT = 8080
+
+
+def add_serve_parser(sub) -> None:
+    p = sub.add_parser(
+        "serve", help="serve a model over an OpenAI-compatible HTTP API (/v1/chat/completions)"
+    )
+    p.add_argument(
+        "-m", "--model", default="smollm2-135m-instruct", help="model file path or starter model name"
+    )
+    p.add_argument(
+        "--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)"
+    )
+    p.add_argument(
+        "--port", type=int, default=DEFAULT_PORT, help=f"port (default {DEFAULT_PORT}; 0: any free one)"
+    )
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get("HEARTH_API_KEY"),
+        help="require 'Authorization: Bearer KEY' (default $HEARTH_API_KEY); needed unless --host is "
+        "a loopback address",
+    )
+    p.add_argument(
+        "--allow-host",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="a further name the Host header may carry (repeatable)",
+    )
+    p.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (default: all cores)")
+    p.add_argument(
+        "--ctx", type=int, default=4096, help="context length per request in tokens (default 4096)"
+    )
+    p.add_argument("--max-seqs", type=int, default=16, help="requests decoded together at most (default 16)")
+    p.add_argument(
+        "--prefill-chunk", type=int, default=256, help="prompt tokens per prefill pass (default 256)"
+    )
+    p.add_argument(
+        "--prefix-cache-mb", type=int, default=256, help="RAM for shared prompt prefixes (default 256)"
+    )
+    p.add_argument(
+        "--request-timeout", type=float, default=600.0, help="seconds a request may run (default 600)"
+    )
+    p.add_argument("--name", default=None, help="model id clients use (default: the file name without .gguf)")
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    from engine.server.errors import ServeError
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        if e.errno == errno.EADDRINUSE:
+            raise ServeError(f"{host}:{port} is already in use; pick another --port") from e
+        raise ServeError(f"cannot listen on {host}:{port} ({e.strerror}); check --host and --port") from e
+    sock.listen(128)
+    sock.set_inheritable(True)
+    return sock
+
+
+def cmd_serve(args) -> int:
+    import uvicorn
+
+    from engine.client import LoadOptions
+    from engine.server.app import ServerConfig, create_app, ready_line
+    from engine.server.constraints import ll_tokenizer
+    from engine.server.errors import ServeError
+    from engine.server.scheduler import Engine
+    from engine.worker import ChatRunner
+
+    for name, value, low in (
+        ("--max-seqs", args.max_seqs, 1),
+        ("--prefill-chunk", args.prefill_chunk, 1),
+        ("--ctx", args.ctx, 16),
+        ("--prefix-cache-mb", args.prefix_cache_mb, 0),
+    ):
+        if value < low:
+            raise ServeError(f"{name} must be at least {low}")
+    if not 0 <= args.port <= 65535:
+        raise ServeError("--port must be in 0..65535")
+    if args.request_timeout <= 0:
+        raise ServeError("--request-timeout must be > 0")
+    # checked before the (slow) load: an unsafe binding fails at once
+    ServerConfig(model_name="-", host=args.host, port=args.port, api_key=args.api_key)
+    sock = _bind(args.host, args.port)
+
+    print(f"loading {args.model}", flush=True)
+    runner = ChatRunner.load(
+        args.model,
+        LoadOptions(
+            n_ctx=args.ctx,
+            threads=args.threads,
+            prefix_cache_mb=args.prefix_cache_mb,
+            batch_size=args.prefill_chunk,
+        ),
+        progress=lambda p: print(f"warning: {p.message}", flush=True) if p.stage == "warning" else None,
+    )
+    lm = runner.lm
+    name = args.name or lm.path.stem
+    engine = Engine(
+        lm.model,
+        lm.tokenizer,
+        n_ctx=args.ctx,
+        max_seqs=args.max_seqs,
+        prefill_chunk=args.prefill_chunk,
+        prefix_cache_bytes=runner.store.max_bytes if runner.store else 0,
+    )
+    del runner  # its live cache and prefix store are not used: the engine has its own
+    # compile/warm the batched decode path and build the grammar vocabulary before the ready line
+    warm = [lm.model.new_cache(8) for _ in range(2)]
+    for c in warm:
+        lm.model.forward([0], c)
+    lm.model.forward_batch([0, 0], warm)
+    ll_tokenizer(lm.tokenizer, engine.n_vocab)
+    config = ServerConfig(
+        model_name=name,
+        host=args.host,
+        port=sock.getsockname()[1],
+        api_key=args.api_key,
+        allowed_hosts=list(args.allow_host),
+        aliases=[lm.name, lm.path.name],
+        request_timeout_s=args.request_timeout,
+    )
+    app = create_app(config, engine, lm)
+    engine.start()
+
+    class _Server(uvicorn.Server):
+        async def startup(self, sockets=None):
+            await super().startup(sockets)
+            if not self.should_exit:
+                print(ready_line(config, config.port), flush=True)
+
+        def handle_exit(self, sig, frame):
+            # uvicorn re-raises a caught signal after shutting down (the process then dies of it);
+            # a SIGTERM here means "stop cleanly", so only the shutdown is kept (twice: at once)
+            self.force_exit = self.should_exit
+            self.should_exit = True
+
+    server = _Server(
+        uvicorn.Config(
+            app, log_level="warning", lifespan="off", timeout_graceful_shutdown=3, access_log=False
+        )
+    )
+    try:
+        server.run(sockets=[sock])
+    finally:
+        engine.stop()
+        sock.close()
+        print("stopped", flush=True)
+    return 0 if server.started else 1
+
+
+def main() -> int:  # pragma: no cover - `python -m engine.commands_server` for debugging
+    from engine.cli import main as cli_main
+
+    return cli_main(["serve", *sys.argv[1:]])

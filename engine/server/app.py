@@ -1,0 +1,587 @@
+"""The Starlette application of `hearth serve`: routes, guards, SSE streaming, cancellation.
+
+Guards run before any route (one ASGI middleware): the Host header must name this server (DNS
+rebinding: a web page's script cannot reach a loopback server through its own domain name), the API
+key must match when one is set, and bodies are bounded. Every rejection is an OpenAI-style error body
+with a 4xx status. Handlers validate (engine.server.protocol), render the chat template and tokenize
+on a worker thread, and hand the request to the engine thread (engine.server.scheduler); replies come
+back through an asyncio queue. A client that goes away cancels its generation at the next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import ipaddress
+import json
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from engine.chat_template import TemplateError
+from engine.server import protocol
+from engine.server.constraints import grammar_for
+from engine.server.errors import APIError, ServeError, invalid
+from engine.server.metrics import CONTENT_TYPE, ServerMetrics
+from engine.server.scheduler import Delta, Engine, SeqParams
+from engine.tokenizer import TokenizerError
+
+LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
+
+
+@dataclass
+class ServerConfig:
+    """How the server is exposed.
+
+    Args:
+        model_name: the id clients pass as `model` (GET /v1/models lists it).
+        host: the address bound; a non-loopback one needs api_key.
+        port: the port bound (for the Host check).
+        api_key: required as `Authorization: Bearer KEY` on /v1/* and /metrics when set.
+        allowed_hosts: further names the Host header may carry (a LAN name, a reverse proxy's).
+        aliases: further model ids accepted (the file name, the model's own name).
+        request_timeout_s: a generation still running after this is stopped (504).
+        max_body_bytes: larger request bodies get 413.
+    """
+
+    model_name: str
+    host: str = "127.0.0.1"
+    port: int = 8080
+    api_key: str | None = None
+    allowed_hosts: list[str] = field(default_factory=list)
+    aliases: list[str] = field(default_factory=list)
+    request_timeout_s: float = 600.0
+    max_body_bytes: int = 4 << 20
+
+    def __post_init__(self):
+        if not is_loopback(self.host) and not self.api_key:
+            raise ServeError(
+                f"binding to {self.host} exposes the server to the network: pass --api-key KEY "
+                "(or bind to 127.0.0.1)"
+            )
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def _host_name(header: str) -> str:
+    """The name part of a Host header ("[::1]:8080" -> "::1", "localhost:80" -> "localhost")."""
+    header = header.strip().lower()
+    if header.startswith("["):
+        return header[1:].split("]", 1)[0]
+    return header.rsplit(":", 1)[0] if header.count(":") == 1 else header
+
+
+class _Guard:
+    """ASGI middleware: Host allowlist, API key, body size; counts every answer in the metrics."""
+
+    def __init__(self, app, config: ServerConfig, metrics: ServerMetrics):
+        self.app = app
+        self.config = config
+        self.metrics = metrics
+        wildcard = config.host in ("0.0.0.0", "::", "")
+        self.any_host = wildcard and not config.allowed_hosts
+        self.hosts = {n.lower() for n in (*LOOPBACK_NAMES, config.host, *config.allowed_hosts)}
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path = scope.get("path", "")
+        endpoint = path if path in _ENDPOINTS else "other"
+        status = {"code": 500}
+
+        async def counted_send(message):
+            if message["type"] == "http.response.start":
+                status["code"] = message["status"]
+            await send(message)
+
+        try:
+            error = self._check(scope)
+            if error is not None:
+                await _error_response(error)(scope, receive, counted_send)
+            else:
+                await self.app(scope, receive, counted_send)
+        finally:
+            self.metrics.requests.inc(endpoint=endpoint, status=str(status["code"]))
+
+    def _check(self, scope) -> APIError | None:
+        headers = {}
+        for k, v in scope.get("headers", []):
+            headers.setdefault(k.decode("latin-1").lower(), v.decode("latin-1"))
+        host = headers.get("host")
+        if not self.any_host and (host is None or _host_name(host) not in self.hosts):
+            return APIError(
+                403,
+                f"Host {host!r} is not allowed; use http://127.0.0.1:{self.config.port} or start the "
+                "server with --allow-host NAME",
+                "permission_error",
+                code="host_not_allowed",
+            )
+        if self.config.api_key and scope.get("path", "") != "/health":
+            auth = headers.get("authorization", "")
+            scheme, _, token = auth.partition(" ")
+            if scheme.lower() != "bearer" or not hmac.compare_digest(
+                token.strip().encode("utf-8", "replace"), self.config.api_key.encode()
+            ):
+                return APIError(
+                    401,
+                    "missing or wrong API key: send 'Authorization: Bearer KEY' with the key given to "
+                    "hearth serve --api-key",
+                    "authentication_error",
+                    code="invalid_api_key",
+                )
+        length = headers.get("content-length")
+        if length is not None:
+            if not length.isdigit():
+                return invalid("Content-Length must be a number")
+            if int(length) > self.config.max_body_bytes:
+                return APIError(
+                    413,
+                    f"the request body is over {self.config.max_body_bytes >> 20} MiB",
+                    code="request_too_large",
+                )
+        return None
+
+
+_ENDPOINTS = {"/v1/models", "/v1/chat/completions", "/v1/completions", "/health", "/metrics"}
+
+
+def _error_response(e: APIError) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status)
+
+
+def _sse(obj: dict) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+class _Api:
+    """Route handlers over one engine and model."""
+
+    def __init__(self, engine: Engine, lm, config: ServerConfig, metrics: ServerMetrics):
+        self.engine = engine
+        self.lm = lm
+        self.tok = lm.tokenizer
+        self.config = config
+        self.metrics = metrics
+        self.names = [config.model_name, *[a for a in config.aliases if a and a != config.model_name]]
+        self.created = protocol.now()
+        source = getattr(lm.template, "source", "") or ""
+        self.template_has_tools = "tools" in source
+
+    # --- small routes ---
+
+    async def health(self, request: Request) -> Response:
+        ok = self.engine.alive
+        body = {
+            "status": "ok" if ok else "engine stopped",
+            "model": self.config.model_name,
+            "running": self.engine.running,
+        }
+        return JSONResponse(body, status_code=200 if ok else 503)
+
+    async def models(self, request: Request) -> Response:
+        return JSONResponse(protocol.model_list(self.names[:1], self.created))
+
+    async def metrics_text(self, request: Request) -> Response:
+        return Response(self.metrics.render(), media_type=CONTENT_TYPE)
+
+    # --- helpers ---
+
+    async def _json(self, request: Request) -> object:
+        limit = self.config.max_body_bytes
+        chunks, size = [], 0
+        try:
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise APIError(
+                        413, f"the request body is over {limit >> 20} MiB", code="request_too_large"
+                    )
+                chunks.append(chunk)
+        except ClientDisconnect as e:
+            raise APIError(400, "the client went away before sending the body") from e
+        raw = b"".join(chunks)
+        if not raw:
+            raise invalid("the request body is empty; send a JSON object")
+        try:
+            return json.loads(raw)
+        except (ValueError, RecursionError) as e:
+            raise invalid(f"the request body is not valid JSON: {e}") from e
+
+    def _check_model(self, model: str) -> None:
+        if model not in self.names:
+            raise APIError(
+                404,
+                f"the model {model!r} does not exist on this server; it serves {self.names[0]!r} "
+                "(GET /v1/models)",
+                "invalid_request_error",
+                "model",
+                "model_not_found",
+            )
+
+    def _limits(self, n_prompt: int, max_tokens: int | None) -> int:
+        n_ctx = self.engine.n_ctx
+        if n_prompt >= n_ctx:
+            raise invalid(
+                f"the prompt is {n_prompt} tokens; this server's context is {n_ctx} (hearth serve --ctx)",
+                "messages",
+                "context_length_exceeded",
+            )
+        room = n_ctx - n_prompt
+        if max_tokens is not None and max_tokens > room:
+            raise invalid(
+                f"max_tokens {max_tokens} + the prompt's {n_prompt} tokens exceed the context of {n_ctx}",
+                "max_tokens",
+                "context_length_exceeded",
+            )
+        return max_tokens or room
+
+    def _encode_chat(self, req: protocol.ChatRequest) -> list[int]:
+        extra = {}
+        if req.tools and req.tool_choice != "none":
+            if not self.template_has_tools:
+                raise invalid(f"{self.config.model_name}'s chat template does not support tools", "tools")
+            extra["tools"] = req.tools
+        text = self.lm.template.render(req.messages, add_generation_prompt=True, **extra)
+        return self.tok.encode(text, add_special=False)
+
+    def _encode_completion(self, req: protocol.CompletionRequest) -> list[int]:
+        if isinstance(req.prompt, list):
+            bad = [t for t in req.prompt if not 0 <= t < self.tok.vocab_size]
+            if bad:
+                raise invalid(
+                    f"token id {bad[0]} is outside the vocabulary of {self.tok.vocab_size}", "prompt"
+                )
+            return list(req.prompt)
+        return self.tok.encode(req.prompt, add_special=True)
+
+    async def _submit(self, params: SeqParams):
+        loop = asyncio.get_running_loop()
+        q: asyncio.Queue[Delta] = asyncio.Queue()
+
+        def emit(delta: Delta) -> None:
+            loop.call_soon_threadsafe(q.put_nowait, delta)
+
+        job = await run_in_threadpool(self.engine.submit, params, emit)
+        return job, q
+
+    def _token_logprobs(self, d: Delta) -> dict:
+        def entry(tid: int, lp: float) -> dict:
+            raw = self.tok.token_bytes(tid)
+            return {"token": raw.decode("utf-8", "replace"), "logprob": lp, "bytes": list(raw)}
+
+        out = entry(d.token, d.logprob)
+        out["top_logprobs"] = [entry(t, lp) for t, lp in d.top_logprobs]
+        return out
+
+    # --- chat ---
+
+    async def chat(self, request: Request) -> Response:
+        req = protocol.parse_chat(await self._json(request), self.engine.n_ctx)
+        self._check_model(req.model)
+        grammar = grammar_for(req.response_format)
+        if grammar is not None and req.tools and req.tool_choice != "none":
+            raise invalid("response_format and tools cannot be combined", "response_format")
+        try:
+            ids = await run_in_threadpool(self._encode_chat, req)
+        except (TemplateError, TokenizerError) as e:
+            raise invalid(str(e), "messages") from e
+        params = SeqParams(
+            prompt_ids=ids,
+            max_tokens=self._limits(len(ids), req.max_tokens),
+            temperature=req.temperature,
+            top_p=req.top_p,
+            seed=req.seed,
+            stop=req.stop,
+            logprobs=req.logprobs,
+            grammar=grammar,
+            text_start=True,
+            timeout_s=self.config.request_timeout_s,
+        )
+        job, q = await self._submit(params)
+        meta = {"id": protocol.new_id("chatcmpl"), "created": protocol.now(), "model": req.model}
+        if req.stream:
+            return StreamingResponse(
+                self._chat_stream(req, job, q, meta),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache"},
+            )
+        deltas = await self._collect(request, job, q)
+        last = deltas[-1]
+        text = "".join(d.text for d in deltas)
+        message: dict = {"role": "assistant", "content": text}
+        reason = protocol.finish(last.finish_reason)
+        if req.tools:
+            rest, calls = protocol.parse_tool_calls(text)
+            if calls:
+                message = {"role": "assistant", "content": rest or None, "tool_calls": calls}
+                reason = "tool_calls"
+        logprobs = None
+        if req.logprobs is not None:
+            logprobs = {
+                "content": [
+                    self._token_logprobs(d)
+                    for d in deltas
+                    if d.token is not None and d.token not in self.tok.eot_ids
+                ]
+            }
+        return JSONResponse(
+            {
+                **meta,
+                "object": "chat.completion",
+                "choices": [{"index": 0, "message": message, "logprobs": logprobs, "finish_reason": reason}],
+                "usage": protocol.usage(last.prompt_tokens, last.generated_tokens, last.cached_tokens),
+            }
+        )
+
+    async def _collect(self, request: Request, job, q: asyncio.Queue) -> list[Delta]:
+        """Wait for a whole reply; a client that disconnects meanwhile cancels it."""
+
+        async def watch() -> None:
+            while True:
+                message = await request.receive()
+                if message["type"] == "http.disconnect":
+                    job.cancel()
+                    return
+
+        watcher = asyncio.create_task(watch())
+        deltas: list[Delta] = []
+        try:
+            while True:
+                d = await q.get()
+                if d.error is not None:
+                    raise d.error
+                deltas.append(d)
+                if d.finish_reason is not None:
+                    return deltas
+        finally:
+            watcher.cancel()
+            job.cancel()
+
+    async def _chat_stream(self, req, job, q: asyncio.Queue, meta: dict) -> AsyncIterator[str]:
+        chunk = {**meta, "object": "chat.completion.chunk"}
+
+        def choice(delta: dict, reason=None, logprobs=None) -> str:
+            return _sse(
+                {
+                    **chunk,
+                    "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": reason}],
+                }
+            )
+
+        buffer_tools = bool(req.tools)  # tool calls are only known once the reply is complete
+        held: list[str] = []
+        try:
+            yield choice({"role": "assistant", "content": ""})
+            while True:
+                d = await q.get()
+                if d.error is not None:
+                    yield _sse(d.error.body())
+                    break
+                if buffer_tools:
+                    held.append(d.text)
+                elif d.text or (
+                    req.logprobs is not None and d.token is not None and d.token not in self.tok.eot_ids
+                ):
+                    lp = {"content": [self._token_logprobs(d)]} if req.logprobs is not None else None
+                    yield choice({"content": d.text}, logprobs=lp)
+                if d.finish_reason is not None:
+                    reason = protocol.finish(d.finish_reason)
+                    if buffer_tools:
+                        rest, calls = protocol.parse_tool_calls("".join(held))
+                        if calls:
+                            reason = "tool_calls"
+                            yield choice(
+                                {
+                                    "content": rest or None,
+                                    "tool_calls": [{"index": i, **c} for i, c in enumerate(calls)],
+                                }
+                            )
+                        elif rest:
+                            yield choice({"content": rest})
+                    yield choice({}, reason)
+                    if req.include_usage:
+                        yield _sse(
+                            {
+                                **chunk,
+                                "choices": [],
+                                "usage": protocol.usage(d.prompt_tokens, d.generated_tokens, d.cached_tokens),
+                            }
+                        )
+                    break
+            yield "data: [DONE]\n\n"
+        finally:
+            job.cancel()  # the client went away (or the reply ended: then a no-op)
+
+    # --- completions ---
+
+    async def completions(self, request: Request) -> Response:
+        req = protocol.parse_completion(await self._json(request), self.engine.n_ctx)
+        self._check_model(req.model)
+        try:
+            ids = await run_in_threadpool(self._encode_completion, req)
+        except TokenizerError as e:
+            raise invalid(str(e), "prompt") from e
+        if not ids:
+            raise invalid("the prompt encodes to no tokens", "prompt")
+        params = SeqParams(
+            prompt_ids=ids,
+            max_tokens=self._limits(len(ids), req.max_tokens or 16),
+            temperature=req.temperature,
+            top_p=req.top_p,
+            seed=req.seed,
+            stop=req.stop,
+            logprobs=req.logprobs,
+            text_start=self.tok.is_control(ids[-1]),
+            timeout_s=self.config.request_timeout_s,
+        )
+        job, q = await self._submit(params)
+        meta = {
+            "id": protocol.new_id("cmpl"),
+            "created": protocol.now(),
+            "model": req.model,
+            "object": "text_completion",
+        }
+        if req.stream:
+            return StreamingResponse(
+                self._completion_stream(req, job, q, meta),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache"},
+            )
+        deltas = await self._collect(request, job, q)
+        last = deltas[-1]
+        return JSONResponse(
+            {
+                **meta,
+                "choices": [
+                    {
+                        "index": 0,
+                        "text": "".join(d.text for d in deltas),
+                        "logprobs": self._completion_logprobs(deltas, req.logprobs),
+                        "finish_reason": protocol.finish(last.finish_reason),
+                    }
+                ],
+                "usage": protocol.usage(last.prompt_tokens, last.generated_tokens, last.cached_tokens),
+            }
+        )
+
+    def _completion_logprobs(self, deltas: list[Delta], k: int | None) -> dict | None:
+        if k is None:
+            return None
+        out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        offset = 0
+        for d in deltas:
+            if d.token is None or d.token in self.tok.eot_ids:
+                continue
+            text = lambda t: self.tok.token_bytes(t).decode("utf-8", "replace")  # noqa: E731
+            out["tokens"].append(text(d.token))
+            out["token_logprobs"].append(d.logprob)
+            out["top_logprobs"].append({text(t): lp for t, lp in d.top_logprobs})
+            out["text_offset"].append(offset)
+            offset += len(d.text)
+        return out
+
+    async def _completion_stream(self, req, job, q: asyncio.Queue, meta: dict) -> AsyncIterator[str]:
+        try:
+            while True:
+                d = await q.get()
+                if d.error is not None:
+                    yield _sse(d.error.body())
+                    break
+                reason = protocol.finish(d.finish_reason)
+                if d.text or reason:
+                    yield _sse(
+                        {
+                            **meta,
+                            "choices": [
+                                {
+                                    "index": 0,
+                                    "text": d.text,
+                                    "logprobs": self._completion_logprobs([d], req.logprobs),
+                                    "finish_reason": reason,
+                                }
+                            ],
+                        }
+                    )
+                if reason:
+                    if req.include_usage:
+                        yield _sse(
+                            {
+                                **meta,
+                                "choices": [],
+                                "usage": protocol.usage(d.prompt_tokens, d.generated_tokens, d.cached_tokens),
+                            }
+                        )
+                    break
+            yield "data: [DONE]\n\n"
+        finally:
+            job.cancel()
+
+
+async def _api_error(request: Request, exc: APIError) -> Response:
+    return _error_response(exc)
+
+
+async def _http_error(request: Request, exc: HTTPException) -> Response:
+    kinds = {404: "not_found_error", 405: "invalid_request_error"}
+    message = {
+        404: f"no route {request.url.path}; see /v1/models, /v1/chat/completions, /v1/completions",
+        405: f"{request.method} is not allowed on {request.url.path}",
+    }.get(exc.status_code, exc.detail)
+    return _error_response(
+        APIError(exc.status_code, message, kinds.get(exc.status_code, "invalid_request_error"))
+    )
+
+
+async def _unexpected(request: Request, exc: Exception) -> Response:
+    return _error_response(APIError(500, f"internal error: {type(exc).__name__}: {exc}", "server_error"))
+
+
+def create_app(config: ServerConfig, engine: Engine, lm) -> Starlette:
+    """The ASGI application serving `lm` through `engine` (whose thread the caller starts and stops).
+
+    Args:
+        config: exposure settings.
+        engine: the running engine (engine.server.scheduler.Engine) over lm's model and tokenizer.
+        lm: the engine.loader.LoadedModel (tokenizer, chat template).
+    """
+    api = _Api(engine, lm, config, engine.metrics)
+    routes = [
+        Route("/health", api.health, methods=["GET"]),
+        Route("/metrics", api.metrics_text, methods=["GET"]),
+        Route("/v1/models", api.models, methods=["GET"]),
+        Route("/v1/chat/completions", api.chat, methods=["POST"]),
+        Route("/v1/completions", api.completions, methods=["POST"]),
+    ]
+    app = Starlette(
+        routes=routes,
+        exception_handlers={APIError: _api_error, HTTPException: _http_error, Exception: _unexpected},
+    )
+    app.add_middleware(_Guard, config=config, metrics=engine.metrics)
+    app.state.api = api
+    return app
+
+
+def ready_line(config: ServerConfig, port: int) -> str:
+    """The line `hearth serve` prints once it accepts connections (the app waits for its URL)."""
+    host = config.host
+    shown = (
+        "127.0.0.1"
+        if host in ("0.0.0.0", "")
+        else "[::1]"
+        if host == "::"
+        else (f"[{host}]" if ":" in host else host)
+    )
+    return f"Hearth is serving {config.model_name} at http://{shown}:{port}/v1"

@@ -1,0 +1,339 @@
+"""The OpenAI wire format: request validation (typed, bounded) and response / chunk bodies.
+
+Every field a request may carry is checked for type and range here, so the engine only ever sees
+values it can honour; anything else becomes an APIError (400) naming the field. Unknown fields are
+ignored, as OpenAI-compatible servers do (clients send vendor extras).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.server.errors import APIError, invalid
+
+MAX_STOP = 4
+MAX_STOP_CHARS = 256
+MAX_MESSAGES = 2048
+MAX_TOP_LOGPROBS = 20
+ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+@dataclass
+class Common:
+    """Fields chat and text completions share."""
+
+    model: str
+    max_tokens: int | None
+    temperature: float
+    top_p: float
+    seed: int | None
+    stop: list[str]
+    stream: bool
+    include_usage: bool
+    logprobs: int | None  # None, or how many alternatives to report per token (0: only the chosen)
+
+
+@dataclass
+class ChatRequest(Common):
+    messages: list[dict] = field(default_factory=list)
+    response_format: dict = field(default_factory=dict)
+    tools: list[dict] | None = None
+    tool_choice: Any = None
+
+
+@dataclass
+class CompletionRequest(Common):
+    prompt: str | list[int] = ""
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_num(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _number(body: dict, name: str, default: float, lo: float, hi: float, lo_open: bool = False) -> float:
+    v = body.get(name)
+    if v is None:
+        return default
+    if not _is_num(v) or v != v:
+        raise invalid(f"'{name}' must be a number", name)
+    if v > hi or v < lo or (lo_open and v == lo):
+        bound = f"({lo}, {hi}]" if lo_open else f"[{lo}, {hi}]"
+        raise invalid(f"'{name}' must be in {bound}, got {v}", name)
+    return float(v)
+
+
+def _common(body: Any, n_ctx: int, max_tokens_names: tuple[str, ...]) -> dict:
+    if not isinstance(body, dict):
+        raise invalid("the request body must be a JSON object")
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise invalid("'model' is required: a model id from GET /v1/models", "model")
+    max_tokens = None
+    for name in max_tokens_names:
+        v = body.get(name)
+        if v is None:
+            continue
+        if not _is_int(v) or v < 1:
+            raise invalid(f"'{name}' must be a positive integer, got {v!r}", name)
+        if v > n_ctx:
+            raise invalid(
+                f"'{name}' is {v}, more than this server's context of {n_ctx} tokens",
+                name,
+                "context_length_exceeded",
+            )
+        max_tokens = v
+    n = body.get("n")
+    if n is not None and (not _is_int(n) or n != 1):
+        raise invalid("only n=1 is supported", "n")
+    seed = body.get("seed")
+    if seed is not None and (not _is_int(seed) or not -(2**63) <= seed < 2**64):
+        raise invalid("'seed' must be an integer", "seed")
+    if seed is not None and seed < 0:
+        seed = seed % 2**64
+    stop = body.get("stop")
+    if stop is None:
+        stop = []
+    elif isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, list) or len(stop) > MAX_STOP or not all(isinstance(s, str) for s in stop):
+        raise invalid(f"'stop' must be a string or a list of at most {MAX_STOP} strings", "stop")
+    if any(len(s) > MAX_STOP_CHARS for s in stop):
+        raise invalid(f"each stop string must be at most {MAX_STOP_CHARS} characters", "stop")
+    stream = body.get("stream", False)
+    if stream is None:
+        stream = False
+    if not isinstance(stream, bool):
+        raise invalid("'stream' must be true or false", "stream")
+    options = body.get("stream_options")
+    if options is not None and not isinstance(options, dict):
+        raise invalid("'stream_options' must be an object", "stream_options")
+    include_usage = bool(options and options.get("include_usage") is True)
+    for name in ("presence_penalty", "frequency_penalty"):
+        _number(body, name, 0.0, -2.0, 2.0)  # accepted for compatibility; not applied
+    return dict(
+        model=model,
+        max_tokens=max_tokens,
+        temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
+        top_p=_number(body, "top_p", 1.0, 0.0, 1.0, lo_open=True),
+        seed=seed,
+        stop=[s for s in stop if s],
+        stream=stream,
+        include_usage=include_usage,
+        logprobs=None,
+    )
+
+
+def _content_text(content: Any, n: int) -> str | None:
+    if content is None or isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            if (
+                not isinstance(part, dict)
+                or part.get("type") != "text"
+                or not isinstance(part.get("text"), str)
+            ):
+                raise invalid(
+                    f"messages[{n}].content parts must be {{'type': 'text', 'text': ...}} (this server "
+                    "takes text only)",
+                    "messages",
+                )
+            parts.append(part["text"])
+        return "".join(parts)
+    raise invalid(f"messages[{n}].content must be a string or a list of text parts", "messages")
+
+
+def parse_chat(body: Any, n_ctx: int) -> ChatRequest:
+    """Validate a /v1/chat/completions body.
+
+    Raises:
+        APIError (400): a missing, mistyped or out-of-range field (the message names it).
+    """
+    fields = _common(body, n_ctx, ("max_tokens", "max_completion_tokens"))
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise invalid("'messages' must be a non-empty list of {role, content} objects", "messages")
+    if len(messages) > MAX_MESSAGES:
+        raise invalid(f"at most {MAX_MESSAGES} messages per request", "messages")
+    clean = []
+    for n, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise invalid(f"messages[{n}] must be an object with 'role' and 'content'", "messages")
+        role = m.get("role")
+        if role not in ROLES:
+            raise invalid(f"messages[{n}].role must be one of {', '.join(ROLES)}, got {role!r}", "messages")
+        content = _content_text(m.get("content"), n)
+        out: dict[str, Any] = {"role": "system" if role == "developer" else role, "content": content or ""}
+        if content is None and not (role == "assistant" and m.get("tool_calls")):
+            raise invalid(f"messages[{n}].content is required", "messages")
+        if role == "assistant" and m.get("tool_calls") is not None:
+            calls = m["tool_calls"]
+            if not isinstance(calls, list) or not all(isinstance(c, dict) for c in calls):
+                raise invalid(f"messages[{n}].tool_calls must be a list of objects", "messages")
+            out["tool_calls"] = [_template_tool_call(c, n) for c in calls]
+        if role == "tool":
+            out["tool_call_id"] = str(m.get("tool_call_id") or "")
+        if isinstance(m.get("name"), str):
+            out["name"] = m["name"]
+        clean.append(out)
+    logprobs = body.get("logprobs")
+    if logprobs is not None and not isinstance(logprobs, bool):
+        raise invalid("'logprobs' must be true or false", "logprobs")
+    top = body.get("top_logprobs")
+    if top is not None and (not _is_int(top) or not 0 <= top <= MAX_TOP_LOGPROBS):
+        raise invalid(f"'top_logprobs' must be an integer in [0, {MAX_TOP_LOGPROBS}]", "top_logprobs")
+    if top and not logprobs:
+        raise invalid("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+    fields["logprobs"] = (top or 0) if logprobs else None
+    response_format = body.get("response_format")
+    if response_format is None:
+        response_format = {}
+    if not isinstance(response_format, dict):
+        raise invalid(
+            "'response_format' must be an object such as {'type': 'json_object'}", "response_format"
+        )
+    tools = body.get("tools")
+    if tools is not None:
+        if not isinstance(tools, list) or not all(_valid_tool(t) for t in tools):
+            raise invalid(
+                "'tools' must be a list of {'type': 'function', 'function': {'name': ..., "
+                "'parameters': {...}}}",
+                "tools",
+            )
+        if not tools:
+            tools = None
+    tool_choice = body.get("tool_choice")
+    if (
+        tool_choice is not None
+        and tool_choice not in ("none", "auto", "required")
+        and not (isinstance(tool_choice, dict) and isinstance(tool_choice.get("function"), dict))
+    ):
+        raise invalid(
+            "'tool_choice' must be 'none', 'auto', 'required' or {'type': 'function', ...}", "tool_choice"
+        )
+    return ChatRequest(
+        **fields, messages=clean, response_format=response_format, tools=tools, tool_choice=tool_choice
+    )
+
+
+def _valid_tool(t: Any) -> bool:
+    if not isinstance(t, dict) or t.get("type") != "function" or not isinstance(t.get("function"), dict):
+        return False
+    f = t["function"]
+    return isinstance(f.get("name"), str) and bool(f["name"]) and isinstance(f.get("parameters", {}), dict)
+
+
+def _template_tool_call(call: dict, n: int) -> dict:
+    """An OpenAI tool call in the form HF chat templates read (arguments as an object)."""
+    fn = call.get("function")
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+        raise invalid(f"messages[{n}].tool_calls[].function must have a 'name'", "messages")
+    args = fn.get("arguments", {})
+    if isinstance(args, str):
+        try:
+            args = json.loads(args) if args.strip() else {}
+        except ValueError as e:
+            raise invalid(
+                f"messages[{n}].tool_calls[].function.arguments is not JSON: {e}", "messages"
+            ) from e
+    return {"id": call.get("id"), "type": "function", "function": {"name": fn["name"], "arguments": args}}
+
+
+def parse_completion(body: Any, n_ctx: int) -> CompletionRequest:
+    """Validate a /v1/completions body (prompt: a string, a one-string list, or token ids).
+
+    Raises:
+        APIError (400): a missing, mistyped or out-of-range field.
+    """
+    fields = _common(body, n_ctx, ("max_tokens",))
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if isinstance(prompt, list):
+        if not prompt or not all(_is_int(t) for t in prompt):
+            raise invalid("'prompt' must be a string or a non-empty list of token ids (one prompt)", "prompt")
+    elif not isinstance(prompt, str) or not prompt:
+        raise invalid("'prompt' must be a non-empty string (one prompt per request)", "prompt")
+    for name, ok in (("echo", False), ("best_of", 1), ("suffix", None)):
+        if body.get(name) not in (None, ok):
+            raise invalid(f"'{name}' is not supported by this server", name)
+    logprobs = body.get("logprobs")
+    if logprobs is not None and (not _is_int(logprobs) or not 0 <= logprobs <= 5):
+        raise invalid("'logprobs' must be an integer in [0, 5]", "logprobs")
+    fields["logprobs"] = logprobs
+    return CompletionRequest(**fields, prompt=prompt)
+
+
+# --- tool calls in the reply ------------------------------------------------------------------
+
+_TOOL_CALL = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.S)
+
+
+def parse_tool_calls(text: str) -> tuple[str, list[dict]]:
+    """Split `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks (Hermes/Qwen format, what
+    tool-capable chat templates teach) out of a reply. Returns (remaining text, OpenAI tool_calls)."""
+    calls = []
+    for m in _TOOL_CALL.finditer(text):
+        try:
+            obj = json.loads(m.group(1))
+        except ValueError:
+            continue
+        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+            continue
+        args = obj.get("arguments", obj.get("parameters", {}))
+        calls.append(
+            {
+                "id": f"call_{uuid.uuid4().hex[:24]}",
+                "type": "function",
+                "function": {"name": obj["name"], "arguments": json.dumps(args, ensure_ascii=False)},
+            }
+        )
+    if not calls:
+        return text, []
+    return _TOOL_CALL.sub("", text).strip(), calls
+
+
+# --- bodies ------------------------------------------------------------------------------------
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+    }
+
+
+def finish(reason: str | None) -> str | None:
+    """The engine's finish reason as OpenAI names it."""
+    return {"context": "length", "cancelled": "stop"}.get(reason, reason)
+
+
+def model_list(names: list[str], created: int) -> dict:
+    return {
+        "object": "list",
+        "data": [{"id": n, "object": "model", "created": created, "owned_by": "hearth"} for n in names],
+    }
+
+
+def now() -> int:
+    return int(time.time())
+
+
+def error_body(e: APIError) -> dict:
+    return e.body()
