@@ -106,6 +106,10 @@ class HFWeights:
         self.names = {g: hf for hf in st.tensors if (g := _gguf_name(hf, layer_names))}
         # Gemma's RMSNorm multiplies by (1 + w); GGUF files (and so our architecture) store 1 + w
         self.norm_offset = 1.0 if arch == "gemma3" else 0.0
+        # FP8 / NVFP4 linears: engine/quant/fp_load.py (compressed-tensors NVFP4 codes are weight_packed)
+        for hf in st.tensors:
+            if hf.endswith(".weight_packed") and (g := _gguf_name(hf[: -len("_packed")], layer_names)):
+                self.names.setdefault(g, hf)
 
     def has(self, name: str) -> bool:
         return name in self.names
@@ -126,6 +130,11 @@ class HFWeights:
         return self.st.array(hf_name), dtype
 
     def matrix(self, name: str, rows: int, cols: int) -> Weight:
+        hf_name = self.names.get(name)
+        if hf_name is not None and self.st.tensors[hf_name].dtype in ("F8_E4M3", "U8"):
+            from engine.quant.fp_load import fp_matrix
+
+            return fp_matrix(self.st, self.folder, hf_name, rows, cols)
         array, dtype = self._tensor(name)
         if array.shape != (rows, cols):
             raise MissingTensorError(

@@ -21,7 +21,7 @@ from contextlib import contextmanager
 import numba
 import numpy as np
 
-from engine.backends.cpu import kquant, ops, quant, smalln
+from engine.backends.cpu import fpquant, kquant, ops, quant, smalln
 from engine.weights import Weight
 from models.errors import HearthError
 from models.formats.ggml_types import type_name
@@ -160,6 +160,9 @@ def linear(out: np.ndarray, w: Weight, x: np.ndarray) -> None:
         UnsupportedWeightType: no kernel for w.ggml_type.
         ValueError: shapes or dtypes do not match.
     """
+    if w.ggml_type in fpquant.FP_TYPES:  # FP8 / NVFP4 from safetensors: per-row scales beside the codes
+        fpquant.linear(out, w, x, SMALL_BATCH_MAX)
+        return
     matvec, dequant, raw = _kernels_for(w)
     n_tok = x.shape[0]
     if x.ndim != 2 or x.shape[1] != w.cols or out.shape != (n_tok, w.rows):
@@ -186,6 +189,9 @@ def get_rows(out: np.ndarray, w: Weight, ids: np.ndarray) -> None:
         UnsupportedWeightType: no kernel for w.ggml_type.
         ValueError: an id is outside [0, w.rows) or out has the wrong shape.
     """
+    if w.ggml_type in fpquant.FP_TYPES:
+        fpquant.get_rows(out, w, ids)
+        return
     _, dequant, raw = _kernels_for(w)
     ids = np.ascontiguousarray(ids, dtype=np.int64).reshape(-1)
     if out.shape != (ids.shape[0], w.cols) or not out.flags.c_contiguous:
