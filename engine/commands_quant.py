@@ -14,6 +14,7 @@ def _add_quant_parsers(sub) -> None:
     conv.add_argument("-o", "--output", default=None, help="output file/folder (default: next to SRC)")
     conv.add_argument("--force", action="store_true", help="replace an existing output")
     conv.add_argument("--dtype", default=None, help="safetensors export: f16 (default), bf16 or f32")
+    conv.add_argument("--calib", default=None, help="AWQ calibration text file (default: the built-in set)")
     conv.add_argument("--list", action="store_true", help="list the target formats")
     conv.add_argument("--json", action="store_true", help="print the result as JSON")
     conv.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (default: all cores)")
@@ -75,6 +76,8 @@ def cmd_convert(args) -> int:
         print("hearth convert: SRC and --to FORMAT are required (see --list)", file=sys.stderr)
         return 2
     options = {"dtype": args.dtype} if args.dtype else {}
+    if args.calib:
+        options["calibration"] = args.calib
     outcome = convert(
         args.src, args.to, args.output, options=options, progress=_Progress(), overwrite=args.force
     )

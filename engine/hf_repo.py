@@ -104,6 +104,12 @@ class HFWeights:
         self.folder = folder
         layer_names = _GEMMA3_LAYER_NAMES if arch == "gemma3" else _LAYER_NAMES
         self.names = {g: hf for hf in st.tensors if (g := _gguf_name(hf, layer_names))}
+        # AutoAWQ linears (prefix + qweight/qzeros/scales) run as Q4_1: engine/quant/awq_pack.py
+        self.awq = {
+            g: hf[: -len("qweight")]
+            for hf in st.tensors
+            if hf.endswith(".qweight") and (g := _gguf_name(hf[: -len("qweight")] + "weight", layer_names))
+        }
         # Gemma's RMSNorm multiplies by (1 + w); GGUF files (and so our architecture) store 1 + w
         self.norm_offset = 1.0 if arch == "gemma3" else 0.0
         # FP8 / NVFP4 linears: engine/quant/fp_load.py (compressed-tensors NVFP4 codes are weight_packed)
@@ -112,7 +118,7 @@ class HFWeights:
                 self.names.setdefault(g, hf)
 
     def has(self, name: str) -> bool:
-        return name in self.names
+        return name in self.names or name in self.awq
 
     def _tensor(self, name: str):
         hf_name = self.names.get(name)
@@ -130,6 +136,10 @@ class HFWeights:
         return self.st.array(hf_name), dtype
 
     def matrix(self, name: str, rows: int, cols: int) -> Weight:
+        if name in self.awq:
+            from engine.quant.awq_pack import awq_weight
+
+            return awq_weight(self.st, self.awq[name], rows, cols, self.folder)
         hf_name = self.names.get(name)
         if hf_name is not None and self.st.tensors[hf_name].dtype in ("F8_E4M3", "U8"):
             from engine.quant.fp_load import fp_matrix

@@ -28,7 +28,14 @@ class Scratch:
 
 class Decoder:
     """Base of the architecture classes. A subclass sets `cfg` (num_hidden_layers, num_key_value_heads,
-    head_dim) and implements `_forward(tokens, cache, all_logits)`."""
+    head_dim) and implements `_forward(tokens, cache, all_logits)`.
+
+    `capture`, when set to a callable, is called as capture(layer, key, x) with the input x (n, cols)
+    of each layer's linears: key "attn_q" (shared by q/k/v), "attn_output", "ffn_up" (shared by
+    gate/up) and "ffn_down". AWQ calibration (engine/quant/awq.py) uses it; None costs nothing.
+    """
+
+    capture = None
 
     def new_cache(self, n_ctx: int, dtype=np.float32) -> KVCache:
         """An empty KV cache for n_ctx positions holding keys and values as dtype (float32 or float16)."""

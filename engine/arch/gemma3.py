@@ -310,8 +310,11 @@ class Gemma3Model(Decoder):
         q_rows = s.q.reshape(n * heads, hd)  # per-head rows for the q/k norms
         k_rows = s.k.reshape(n * kv_heads, hd)
         attn3 = s.attn.reshape(n, heads, hd)
+        capture = self.capture
         for i, layer in enumerate(self.layers):
             ops.rmsnorm(s.h, s.x, layer.attn_norm, eps)
+            if capture is not None:
+                capture(i, "attn_q", s.h)
             ops.linear(s.q, layer.wq, s.h)
             ops.linear(s.k, layer.wk, s.h)
             ops.linear(s.v, layer.wv, s.h)
@@ -320,13 +323,19 @@ class Gemma3Model(Decoder):
             ops.rope(q3, s.positions, layer.inv_freq, hd, True)
             ops.rope(k3, s.positions, layer.inv_freq, hd, True)
             attend(i, attn3, q3, k3, v3, cfg.sliding_window if layer.sliding else None)
+            if capture is not None:
+                capture(i, "attn_output", s.attn)
             ops.linear(s.o, layer.wo, s.attn)
             ops.rmsnorm(s.h, s.o, layer.post_attn_norm, eps)
             s.x += s.h
             ops.rmsnorm(s.h, s.x, layer.ffn_norm, eps)
+            if capture is not None:
+                capture(i, "ffn_up", s.h)
             ops.linear(s.gate, layer.w_gate, s.h)
             ops.linear(s.up, layer.w_up, s.h)
             ops.gelu_tanh_mul(s.gate, s.gate, s.up)
+            if capture is not None:
+                capture(i, "ffn_down", s.gate)
             ops.linear(s.o, layer.w_down, s.gate)
             ops.rmsnorm(s.h, s.o, layer.post_ffn_norm, eps)
             s.x += s.h

@@ -240,8 +240,11 @@ class LlamaModel(Decoder):
         k3 = s.k.reshape(n, kv_heads, hd)
         v3 = s.v.reshape(n, kv_heads, hd)
         attn3 = s.attn.reshape(n, heads, hd)
+        capture = self.capture
         for i, layer in enumerate(self.layers):
             ops.rmsnorm(s.h, s.x, layer.attn_norm, cfg.rms_norm_eps)
+            if capture is not None:
+                capture(i, "attn_q", s.h)
             ops.linear(s.q, layer.wq, s.h)
             ops.linear(s.k, layer.wk, s.h)
             ops.linear(s.v, layer.wv, s.h)
@@ -260,11 +263,17 @@ class LlamaModel(Decoder):
             ops.rope(q3, s.positions, self.inv_freq, cfg.rotary_dim, cfg.rope_neox)
             ops.rope(k3, s.positions, self.inv_freq, cfg.rotary_dim, cfg.rope_neox)
             attend(i, attn3, q3, k3, v3)
+            if capture is not None:
+                capture(i, "attn_output", s.attn)
             ops.linear(s.o, layer.wo, s.attn)
             s.x += s.o
             ops.rmsnorm(s.h, s.x, layer.ffn_norm, cfg.rms_norm_eps)
+            if capture is not None:
+                capture(i, "ffn_up", s.h)
             ops.linear(s.gate, layer.w_gate, s.h)
             ops.linear(s.up, layer.w_up, s.h)
             ops.silu_mul(s.gate, s.gate, s.up)
+            if capture is not None:
+                capture(i, "ffn_down", s.gate)
             ops.linear(s.o, layer.w_down, s.gate)
             s.x += s.o
