@@ -138,6 +138,13 @@ class DraftModel:
         logits, _ = prefill(self.model, self.cache, history, 64)
         tokens, dists = [], []
         for i in range(k):
+            if not sample and not processors:
+                # greedy fast path: the argmax of the logits buffer itself, no copy, no distribution
+                tokens.append(int(np.argmax(logits)))  # as the plain sampler picks
+                dists.append(None)
+                if i + 1 < k:
+                    logits = self.model.forward(tokens[-1:], self.cache)[-1]
+                continue
             row = logits.copy()
             for process in processors:
                 row = process(history + tokens, row)
@@ -292,6 +299,10 @@ def speculative_generate(
     pending = [logits]  # target logits rows for the positions still to be decided, in order
 
     def decide(row: np.ndarray, seen: list[int], drafted: int | None, q) -> tuple[bool, int]:
+        if greedy and not processors:
+            # greedy fast path: the target's argmax over the real vocabulary, read in place
+            best = int(np.argmax(row[:vocab]))  # as the plain greedy sampler picks
+            return (drafted == best, best) if drafted is not None else (False, best)
         row = row.copy()
         if len(row) > vocab:
             row[vocab:] = -np.inf  # padded embedding rows stand for no text
