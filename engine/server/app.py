@@ -307,7 +307,7 @@ class _Api:
             stop=req.stop,
             logprobs=req.logprobs,
             grammar=grammar,
-            text_start=True,
+            text_start=True, ignore_eos=req.ignore_eos,
             timeout_s=self.config.request_timeout_s,
         )
         job, q = await self._submit(params)
@@ -444,7 +444,7 @@ class _Api:
             seed=req.seed,
             stop=req.stop,
             logprobs=req.logprobs,
-            text_start=self.tok.is_control(ids[-1]),
+            text_start=self.tok.is_control(ids[-1]), ignore_eos=req.ignore_eos,
             timeout_s=self.config.request_timeout_s,
         )
         job, q = await self._submit(params)

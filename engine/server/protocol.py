@@ -36,6 +36,7 @@ class Common:
     stream: bool
     include_usage: bool
     logprobs: int | None  # None, or how many alternatives to report per token (0: only the chosen)
+    ignore_eos: bool  # vLLM's extension: keep generating past end-of-turn (benchmarks)
 
 
 @dataclass
@@ -117,6 +118,9 @@ def _common(body: Any, n_ctx: int, max_tokens_names: tuple[str, ...]) -> dict:
     if options is not None and not isinstance(options, dict):
         raise invalid("'stream_options' must be an object", "stream_options")
     include_usage = bool(options and options.get("include_usage") is True)
+    ignore_eos = body.get("ignore_eos", False)
+    if not isinstance(ignore_eos, bool):
+        raise invalid("'ignore_eos' must be true or false", "ignore_eos")
     for name in ("presence_penalty", "frequency_penalty"):
         _number(body, name, 0.0, -2.0, 2.0)  # accepted for compatibility; not applied
     return dict(
@@ -129,6 +133,7 @@ def _common(body: Any, n_ctx: int, max_tokens_names: tuple[str, ...]) -> dict:
         stream=stream,
         include_usage=include_usage,
         logprobs=None,
+        ignore_eos=ignore_eos,
     )
 
 

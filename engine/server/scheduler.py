@@ -51,6 +51,7 @@ class SeqParams:
     grammar: str | None = None  # llguidance grammar (engine.server.constraints.grammar_for)
     text_start: bool = True  # the reply starts a new text (chat), not the prompt's continuation
     timeout_s: float = 600.0
+    ignore_eos: bool = False  # end-of-turn tokens are never sampled (benchmarks: fixed reply lengths)
 
 
 @dataclass
@@ -288,6 +289,8 @@ class Engine:
         logits = logits.copy() if p.logprobs is not None else logits
         if len(logits) > tok.vocab_size:
             logits[tok.vocab_size :] = -np.inf  # padded embedding rows stand for no text
+        if p.ignore_eos:
+            logits[list(tok.eot_ids)] = -np.inf
         if seq.constraint is not None:
             seq.constraint.apply(logits)
         token = seq.sampler(logits)

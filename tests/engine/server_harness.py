@@ -1,0 +1,37 @@
+"""Runs `hearth serve`'s application in process, on a free 127.0.0.1 port, in a uvicorn thread."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import uvicorn
+
+from engine.server.app import ServerConfig, create_app
+
+
+class LiveServer:
+    """One uvicorn server over an existing engine; `url` is its /v1 base."""
+
+    def __init__(self, engine, lm, **config):
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(64)
+        self.port = self.sock.getsockname()[1]
+        self.config = ServerConfig(model_name="smol", port=self.port, aliases=[lm.name], **config)
+        self.app = create_app(self.config, engine, lm)
+        self.server = uvicorn.Server(uvicorn.Config(self.app, log_level="warning", lifespan="off"))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 20
+        while not self.server.started:
+            if time.monotonic() > deadline:
+                raise RuntimeError("the test server did not start")
+            time.sleep(0.02)
+        self.url = f"http://127.0.0.1:{self.port}/v1"
+
+    def close(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)
+        self.sock.close()
