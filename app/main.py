@@ -6,6 +6,8 @@ Options for scripts and tests (the app is normally started without any):
     --quit-after-reply  quit when that reply ends
     --print-stream      print one JSON line per streamed chunk to stdout ({"t": seconds since launch,
                         "text": the reply so far}), for latency and durability checks
+    --smoke SECONDS     print {"shown_at_s": seconds since the process started} once the window is on
+                        screen, then close it after SECONDS (the installer test's GUI check)
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--send", default=None, help=argparse.SUPPRESS)
     p.add_argument("--quit-after-reply", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--print-stream", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--smoke", type=float, default=None, metavar="SECONDS", help=argparse.SUPPRESS)
     return p
 
 
@@ -55,6 +58,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.send is not None:
         _script(window, args)
     window.show()
+    if args.smoke is not None:
+        _smoke(window, args.smoke)
     settings.subscribe(lambda key, value: _on_setting(app, window, settings, key))
     code = app.exec()
     store.close()
@@ -73,6 +78,23 @@ def _icon() -> str | None:
 
     path = Path(__file__).resolve().parents[1] / "resources" / "icons" / "hearth.svg"
     return str(path) if path.is_file() else None
+
+
+def _smoke(window, seconds: float) -> None:
+    """--smoke: report when the event loop first runs with the window shown, close it `seconds` later."""
+    from app.qt import QTimer
+
+    def shown() -> None:
+        try:
+            import psutil
+
+            started = psutil.Process().create_time()
+        except Exception:  # noqa: BLE001 - fall back to the time this module was imported
+            started = time.time() - (time.perf_counter() - T0)
+        print(json.dumps({"shown_at_s": round(time.time() - started, 3)}), flush=True)
+        QTimer.singleShot(int(seconds * 1000), window.close)
+
+    QTimer.singleShot(0, shown)
 
 
 def _script(window, args) -> None:

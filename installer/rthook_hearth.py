@@ -1,10 +1,25 @@
-"""PyInstaller runtime hook: seed the user's model library from a starter model inside the bundle.
+"""PyInstaller runtime hook, run before the entry point in every process of the bundle.
+
+1. Bytecode of the modules shipped as .py files (the Numba kernels, see hearth.spec) is cached in
+   the user cache dir (sys.pycache_prefix), never next to the sources in the install dir, which may
+   be read-only and must stay as installed. The Numba JIT cache goes there too: engine/__init__
+   sets NUMBA_CACHE_DIR to <user cache dir>/numba/<kernel source hash> on import.
+2. The user's model library is seeded from a starter model inside the bundle.
 
 Only the "with model" bundle variant has `_internal/starter/*.gguf`. On the first start the file is
 copied (temp file, then rename) to where models.starter looks for it; models.starter then checks
 its sha256 once, as for a downloaded copy. An existing copy is never touched; a failure (disk full,
 read-only home) leaves nothing partial behind and the normal download path takes over.
 """
+
+
+def _user_pycache() -> None:
+    import sys
+
+    from models.paths import cache_dir
+
+    sys.pycache_prefix = str(cache_dir() / "pycache")
+    sys.dont_write_bytecode = False  # the bootloader turns writing off; the prefix makes it safe
 
 
 def _seed_starter() -> None:
@@ -38,4 +53,5 @@ def _seed_starter() -> None:
                 Path(tmp).unlink(missing_ok=True)
 
 
+_user_pycache()
 _seed_starter()
