@@ -101,6 +101,7 @@ class ConvertDialog(QDialog):
         self.threads = threads
         self.job: ConversionJob | None = None
         self.choices: list[quant_info.QuantChoice] = []
+        self.planned: dict[str, int] = {}  # format -> planned output bytes (quant_info.planned_sizes)
         self.last_result: ConversionResult | None = None
         self.setWindowTitle(f"Convert {self.source.name}")
         self.setAccessibleName("Convert a model")
@@ -166,6 +167,7 @@ class ConvertDialog(QDialog):
     # ---- formats
     def _load_formats(self) -> None:
         choices = quant_info.choices()
+        self.planned = quant_info.planned_sizes(self.source, [c.name for c in choices if not c.takes_param])
         self._relay.formats.emit(choices, quant_info.report_for(self.source))
 
     @Slot(object, object)
@@ -174,7 +176,7 @@ class ConvertDialog(QDialog):
         self.table.setRowCount(len(choices))
         for i, c in enumerate(choices):
             row = quant_info.measured(report, c.name)
-            size = quant_info.size_estimate(self.params, c.bits)
+            size = self._size(c, None)
             cells = (
                 c.name + (":BPW" if c.takes_param else ""),
                 f"{c.bits:.2f}",
@@ -194,6 +196,11 @@ class ConvertDialog(QDialog):
             + ("" if report else " Measured quality appears after `hearth quant-report` on this model.")
         )
         self.convert_button.setEnabled(bool(choices))
+
+    def _size(self, c: quant_info.QuantChoice, param: str | None) -> int | None:
+        """The output size: planned per tensor for the GGUF presets, else bits x parameters."""
+        planned = self.planned.get(c.name.upper())
+        return planned if planned is not None else quant_info.size_estimate(self.params, c.bits_for(param))
 
     def select_format(self, name: str) -> None:
         """Select the row of format `name` (tests and keyboard users)."""
@@ -239,7 +246,7 @@ class ConvertDialog(QDialog):
         if target is None or c is None:
             self.target_label.setText("")
             return
-        size = quant_info.size_estimate(self.params, c.bits_for(self.format_spec()[1]))
+        size = self._size(c, self.format_spec()[1])
         approx = f" (about {size / 2**20:,.0f} MiB)" if size else ""
         self.target_label.setText(f"Writes {target}{approx}")
 

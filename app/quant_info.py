@@ -167,3 +167,40 @@ def measured_text(row: dict | None) -> str:
 def size_estimate(params: int | None, bits: float) -> int | None:
     """Bytes of a model of `params` weights in a format of `bits` bits per weight."""
     return int(params * bits / 8) if params else None
+
+
+def planned_sizes(source: str | Path, names: list[str]) -> dict[str, int]:
+    """Format name (upper case) -> output bytes, for the formats whose per-tensor types are known
+    in advance (the GGUF presets: which tensors get more bits, and the fallbacks of rows that do
+    not split into 256-blocks), from the source's tensor shapes. Empty when the source cannot be
+    read (the caller falls back to bits x parameters). Reads headers only: call it off the GUI thread."""
+    from engine.convert import estimate_bytes
+    from engine.quant.registry import lookup
+    from engine.quant.source import open_source
+    from models.errors import HearthError
+
+    out: dict[str, int] = {}
+    try:
+        with open_source(source) as src:
+            metadata = sum(_metadata_bytes(v) for v in src.metadata.values())  # tokenizer: a few MB
+            for name in names:
+                try:
+                    size = estimate_bytes(lookup(name)[0], src)
+                except (HearthError, KeyError, ValueError):
+                    continue
+                if size is not None:
+                    out[name.upper()] = size + metadata
+    except (HearthError, OSError, ValueError, KeyError):
+        return {}
+    return out
+
+
+def _metadata_bytes(value) -> int:
+    """About what a GGUF metadata value takes in the file."""
+    if hasattr(value, "nbytes"):
+        return int(value.nbytes)
+    if isinstance(value, (list, tuple)):
+        return sum(_metadata_bytes(v) for v in value)
+    if isinstance(value, (str, bytes)):
+        return 8 + len(value)
+    return 8

@@ -59,8 +59,9 @@ def _remove(path: Path) -> None:
             path.unlink()
 
 
-def _estimate_bytes(fmt: TargetFormat, source, param: str | None) -> int | None:
-    """Output size for the preset GGUF formats (known from the type plan), None for the others."""
+def estimate_bytes(fmt: TargetFormat, source, param: str | None = None) -> int | None:
+    """Weight bytes of the output of a preset GGUF format (known from the type plan, fallbacks
+    included), None for the other formats. The file adds its metadata (tokenizer: ~1-5 MB)."""
     from engine.quant.presets import PRESETS, plan
 
     name = fmt.name.upper()
@@ -116,7 +117,7 @@ def convert(
             raise ConvertError(f"{out_path} already exists; remove it or pass --force")
         if not out_path.parent.is_dir():
             raise ConvertError(f"{out_path.parent}: no such folder for the output")
-        need = _estimate_bytes(fmt, source, param)
+        need = estimate_bytes(fmt, source, param)
         if need is not None:
             free = shutil.disk_usage(out_path.parent).free
             if free < need:

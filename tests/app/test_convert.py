@@ -49,7 +49,7 @@ def test_convert_the_starter_to_q8_0_lands_in_the_library(qtbot, library_window)
     dialog.select_format("Q8_0")
     row = dialog.table.currentRow()
     assert dialog.table.item(row, 1).text() == "8.50"
-    assert "MiB" in dialog.table.item(row, 2).text(), "a size estimate from the parameter count"
+    assert "MiB" in dialog.table.item(row, 2).text(), "a size estimate"
     assert dialog.table.item(row, 4).text(), "a plain-language hint"
     target = dialog.target()
     assert target.parent == models_dir() and target.name == "SmolLM2-135M-Instruct.Q8_0.gguf"
@@ -66,6 +66,8 @@ def test_convert_the_starter_to_q8_0_lands_in_the_library(qtbot, library_window)
     assert types == {"Q8_0", "F32"}, types
     entry = next(e for e in Library().entries() if e.path == str(target))
     assert entry.quant == "Q8_0" and entry.size == target.stat().st_size
+    # the size shown was planned per tensor (576-wide rows, the tied embedding): within 2% of the file
+    assert abs(dialog.planned["Q8_0"] - entry.size) < 0.02 * entry.size, (dialog.planned["Q8_0"], entry.size)
     qtbot.waitUntil(lambda: any("Q8_0.gguf" in win.local.item(i).text() for i in range(win.local.count())))
     assert _leftovers(target.parent) == []
     # a second conversion to the same format gets a fresh name instead of failing
