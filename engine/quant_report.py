@@ -18,6 +18,7 @@ import numpy as np
 
 from engine.convert import convert
 from engine.perplexity import DEFAULT_CTX, DEFAULT_STRIDE, bos_for, load_text, perplexity_detail
+from engine.quant.registry import lookup
 
 DEFAULT_FORMATS = ("Q8_0", "Q6_K", "Q5_K_M", "Q4_K_M", "Q4_0", "Q3_K_M", "Q2_K")
 REPORT_VERSION = 1
@@ -116,7 +117,8 @@ def quant_report(
         stem = src.name[:-5] if src.name.endswith(".gguf") else src.name
         for fmt in formats:
             say(f"converting to {fmt}")
-            outcome = convert(src, fmt, out_dir / f"{stem}.{fmt.replace(':', '-')}.gguf", overwrite=True)
+            suffix = ".gguf" if lookup(fmt)[0].container == "gguf" else ""  # fp8, nvfp4, awq: folders
+            outcome = convert(src, fmt, out_dir / f"{stem}.{fmt.replace(':', '-')}{suffix}", overwrite=True)
             say(f"measuring {fmt}")
             rows.append(measure(outcome.output, text, ctx, stride, n_params, fmt, base.ppl, outcome.seconds))
     report = {

@@ -413,13 +413,7 @@ class _Api:
                             yield choice({"content": rest})
                     yield choice({}, reason)
                     if req.include_usage:
-                        yield _sse(
-                            {
-                                **chunk,
-                                "choices": [],
-                                "usage": protocol.usage(d.prompt_tokens, d.generated_tokens, d.cached_tokens),
-                            }
-                        )
+                        yield _usage_chunk(chunk, d)
                     break
             yield "data: [DONE]\n\n"
         finally:
@@ -517,17 +511,17 @@ class _Api:
                     )
                 if reason:
                     if req.include_usage:
-                        yield _sse(
-                            {
-                                **meta,
-                                "choices": [],
-                                "usage": protocol.usage(d.prompt_tokens, d.generated_tokens, d.cached_tokens),
-                            }
-                        )
+                        yield _usage_chunk(meta, d)
                     break
             yield "data: [DONE]\n\n"
         finally:
             job.cancel()
+
+
+def _usage_chunk(base: dict, last: Delta) -> str:
+    """The stream's closing usage chunk (stream_options.include_usage): no choices, the counts."""
+    usage = protocol.usage(last.prompt_tokens, last.generated_tokens, last.cached_tokens)
+    return _sse({**base, "choices": [], "usage": usage})
 
 
 async def _api_error(request: Request, exc: APIError) -> Response:
