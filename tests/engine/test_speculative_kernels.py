@@ -26,7 +26,7 @@ def test_small_batch_matches_dequantize_and_matvec(ggml_type):
     rng = np.random.default_rng(500 + int(ggml_type))
     cols = 512 if ggml_type in QUANTIZED else 520  # float rows: a column tail after the 16-lane vectors
     w, oracle = make_weight(ggml_type, 37, cols, rng)  # 37 rows: the 4-row group tail
-    for n in (2, 3, 5, 6, 9, cpu.SMALL_BATCH_MAX):  # token tails of the 4-token float groups
+    for n in (2, 3, 4, 5, 6, 8, 9, cpu.SMALL_BATCH_MAX):  # 4-token groups and their tails
         x = llm_like_activations(n, cols, rng)
         out = np.full((n, 37), np.nan, np.float32)
         cpu.linear(out, w, x)

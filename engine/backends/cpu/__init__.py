@@ -21,7 +21,7 @@ from contextlib import contextmanager
 import numba
 import numpy as np
 
-from engine.backends.cpu import fpquant, kquant, ops, quant, smalln
+from engine.backends.cpu import batchq, fpquant, kquant, ops, quant, smalln
 from engine.weights import Weight
 from models.errors import HearthError
 from models.formats.ggml_types import type_name
@@ -92,9 +92,10 @@ _KERNELS: dict[int, tuple[Callable, Callable, Callable]] = {
 }
 
 # ggml type -> small-batch kernel (smalln): out (n, rows) = x (n, cols) @ W.T, weights read once for all n
+# (Q8_0/Q4_0/Q4_1: batchq, which unpacks each weight block once for four tokens)
 _SMALL: dict[int, Callable] = {
-    F32: smalln.matmul_f32, F16: smalln.matmul_f16, BF16: smalln.matmul_bf16, Q8_0: smalln.matmul_q8_0,
-    Q4_0: smalln.matmul_q4_0, Q4_1: smalln.matmul_q4_1, Q5_0: smalln.matmul_q5_0, Q5_1: smalln.matmul_q5_1,
+    F32: smalln.matmul_f32, F16: smalln.matmul_f16, BF16: smalln.matmul_bf16, Q8_0: batchq.matmul_q8_0,
+    Q4_0: batchq.matmul_q4_0, Q4_1: batchq.matmul_q4_1, Q5_0: smalln.matmul_q5_0, Q5_1: smalln.matmul_q5_1,
     Q2_K: smalln.matmul_q2_k, Q3_K: smalln.matmul_q3_k, Q4_K: smalln.matmul_q4_k, Q5_K: smalln.matmul_q5_k,
     Q6_K: smalln.matmul_q6_k, IQ4_NL: smalln.matmul_iq4_nl, IQ4_XS: smalln.matmul_iq4_xs,
 }
