@@ -1,0 +1,458 @@
+"""A llama-family / Gemma 3 decoder on the GPU, built from the CPU model of the same file.
+
+The CPU model (engine.arch.llama / gemma3) has parsed the config and mapped every weight; this
+class uploads those weights unchanged (GGUF blocks) and runs the same maths with the CUDA kernels:
+
+- decode (one token): per layer a fused norm + q|k|v matvec, RoPE + KV write (with Gemma's q/k
+  norms), split-K attention + its reduction, the output matvec added into the residual, a fused
+  norm + gate|up matvec and the down matvec with the activation fused into its input. The whole step
+  is captured once per cache as a CUDA graph (position and token live in device memory), so a
+  step costs one graph launch from Python.
+- prefill (several tokens): weight tiles dequantized to float16 (or float32) and multiplied with
+  cuBLAS; attention runs the split-K kernel with one query per grid row.
+
+Not done: partial offload (first N layers on the GPU, the rest on the CPU); the whole model goes to
+the GPU or the load fails with CudaOutOfMemoryError.
+"""
+
+from __future__ import annotations
+
+import cupy as cp
+import numpy as np
+
+from engine.arch.gemma3 import Gemma3Model
+from engine.arch.llama import LlamaModel
+from engine.backends.cuda import ops
+from engine.backends.cuda.device import CudaOutOfMemoryError
+from engine.kv_cache import KVCache
+from models.errors import HearthError
+
+PREFILL_TILE_ELEMS = 32 << 20  # dequantized weight elements per prefill tile (64 MiB in float16)
+MARGIN_BYTES = 512 << 20  # CUDA context, cuBLAS workspace, allocator slack
+
+
+class UnsupportedCudaModelError(HearthError):
+    """The model uses a weight type or a feature the CUDA backend does not implement."""
+
+
+class CudaKVCache(KVCache):
+    """KVCache's interface (offset, tokens, trim, common_prefix, advance) over GPU arrays
+    k, v (n_layers, n_kv_heads, n_ctx, head_dim), float16 or float32."""
+
+    def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, n_ctx: int, dtype=np.float16):
+        dtype = np.dtype(dtype)
+        if dtype not in (np.dtype(np.float16), np.dtype(np.float32)):
+            raise ValueError(f"KV cache dtype must be float32 or float16, got {dtype}")
+        self.n_ctx = n_ctx
+        self.dtype = dtype
+        self.k = cp.zeros((n_layers, n_kv_heads, n_ctx, head_dim), dtype)
+        self.v = cp.zeros((n_layers, n_kv_heads, n_ctx, head_dim), dtype)
+        self._tokens: list[int] = []
+
+    def update_and_fetch(self, layer, k, v):  # the GPU decoder writes the cache in its RoPE kernel
+        raise NotImplementedError("CudaKVCache is written by the CUDA decoder's kernels")
+
+    @property
+    def state(self):
+        return cp.asnumpy(self.k), cp.asnumpy(self.v), self.tokens
+
+
+def _weights_of(model) -> list:
+    seen, out = set(), []
+    names = ["token_embd", "output"]
+    for w in [getattr(model, n) for n in names] + [
+        getattr(layer, a)
+        for layer in model.layers
+        for a in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
+    ]:
+        if id(w) not in seen:
+            seen.add(id(w))
+            out.append(w)
+    return out
+
+
+def estimate_vram(model, n_ctx: int, kv_dtype=np.float16, prefill_tokens: int = 512) -> int:
+    """Bytes of GPU memory the model needs: weights, KV cache for n_ctx, prefill buffers, a margin."""
+    cfg = model.cfg
+    weights = sum(w.nbytes for w in _weights_of(model))
+    norms = 4 * cfg.hidden_size * (4 * cfg.num_hidden_layers + 1)
+    kv = (
+        2
+        * cfg.num_hidden_layers
+        * cfg.num_key_value_heads
+        * n_ctx
+        * cfg.head_dim
+        * np.dtype(kv_dtype).itemsize
+    )
+    acts = (
+        4
+        * prefill_tokens
+        * (3 * cfg.hidden_size + 2 * cfg.q_dim + 2 * cfg.kv_dim + 3 * cfg.intermediate_size)
+    )
+    attn_parts = (
+        4 * prefill_tokens * cfg.num_attention_heads * (-(-n_ctx // ops.ATTN_CHUNK)) * (cfg.head_dim + 2)
+    )
+    tile = 2 * PREFILL_TILE_ELEMS + 4 * cfg.vocab_size * 2
+    return int(weights + norms + kv + acts + attn_parts + tile + MARGIN_BYTES)
+
+
+class _Step:
+    """Decode-step buffers, allocated once."""
+
+    def __init__(self, cfg, n_splits: int):
+        f32 = cp.float32
+        d, q, kv, ff = cfg.hidden_size, cfg.q_dim, cfg.kv_dim, cfg.intermediate_size
+        self.x = cp.empty(d, f32)
+        self.o = cp.empty(d, f32)
+        self.qkv = cp.empty(q + 2 * kv, f32)
+        self.attn = cp.empty(q, f32)
+        self.gu = cp.empty(2 * ff, f32)
+        self.logits = cp.empty(cfg.vocab_size, f32)
+        self.ids = cp.zeros(1, cp.int32)
+        self.pos = cp.zeros(1, cp.int32)
+        h = cfg.num_attention_heads
+        self.parts = (cp.empty(h * n_splits * cfg.head_dim, f32), cp.empty(h * n_splits * 2, f32))
+
+
+class CudaDecoder:
+    """The GPU twin of a LlamaModel or Gemma3Model (same forward/new_cache interface, numpy logits).
+
+    Args:
+        model: the CPU model built from the file (weights still mapped, nothing dequantized).
+        device: CUDA device ordinal.
+        n_ctx: the context the VRAM estimate plans for.
+        prefill_dtype: "float16" (cuBLAS on half tiles, the fast path) or "float32" (exact checks).
+        progress: progress(done_bytes, total_bytes) while weights upload.
+        use_graphs: capture the decode step as a CUDA graph (False: launch kernel by kernel).
+
+    Raises:
+        UnsupportedCudaModelError: a weight type without CUDA kernel, or Gemma's attention soft-capping.
+        CudaOutOfMemoryError: the estimate exceeds the GPU's free memory.
+    """
+
+    def __init__(
+        self,
+        model,
+        device: int = 0,
+        n_ctx: int = 4096,
+        prefill_dtype: str = "float16",
+        progress=None,
+        use_graphs: bool = True,
+    ):
+        if not isinstance(model, (LlamaModel, Gemma3Model)):
+            raise UnsupportedCudaModelError(
+                f"the CUDA backend runs llama and gemma3 models, not {type(model).__name__}"
+            )
+        self.gemma = isinstance(model, Gemma3Model)
+        cfg = self.cfg = model.cfg
+        if self.gemma and cfg.attn_logit_softcapping is not None:
+            raise UnsupportedCudaModelError(
+                "attention logit soft-capping has no CUDA kernel; use --device cpu"
+            )
+        for w in _weights_of(model):
+            try:
+                ops.check_type(w.ggml_type, w.cols)
+            except ops.UnsupportedCudaWeightType as e:
+                raise UnsupportedCudaModelError(f"{e}; use --device cpu") from None
+        self.device = int(device)
+        self.prefill_dtype = cp.float16 if prefill_dtype == "float16" else cp.float32
+        self.use_graphs = use_graphs
+        with cp.cuda.Device(self.device):
+            free, _ = cp.cuda.runtime.memGetInfo()
+            needed = estimate_vram(model, n_ctx)
+            if needed > free:
+                raise CudaOutOfMemoryError(needed, free, self.device)
+            self._upload(model, progress)
+            self.stream = cp.cuda.Stream(non_blocking=True)
+        self._graphs: dict = {}
+        self._steps: dict = {}
+        self.max_position_embeddings = cfg.max_position_embeddings
+
+    # ---- loading -------------------------------------------------------------------------
+    def _upload(self, model, progress) -> None:
+        total = sum(w.nbytes for w in _weights_of(model))
+        done = [0]
+
+        def tick(n):
+            done[0] += n
+            if progress is not None:
+                progress(done[0], total)
+
+        uploaded: dict[int, ops.GpuWeight] = {}
+
+        def up(w):
+            if id(w) not in uploaded:
+                uploaded[id(w)] = ops.upload(w, tick)
+            return uploaded[id(w)]
+
+        def vec(a):
+            return None if a is None else cp.asarray(np.ascontiguousarray(a, np.float32))
+
+        self.token_embd = up(model.token_embd)
+        self.output = up(model.output)
+        self.output_norm = vec(model.output_norm)
+        self.layers = []
+        for layer in model.layers:
+            g = {
+                "attn_norm": vec(layer.attn_norm),
+                "ffn_norm": vec(layer.ffn_norm),
+                "wq": up(layer.wq),
+                "wk": up(layer.wk),
+                "wv": up(layer.wv),
+                "wo": up(layer.wo),
+                "w_gate": up(layer.w_gate),
+                "w_up": up(layer.w_up),
+                "w_down": up(layer.w_down),
+                "q_norm": vec(getattr(layer, "q_norm", None)),
+                "k_norm": vec(getattr(layer, "k_norm", None)),
+                "bq": vec(getattr(layer, "bq", None)),
+                "bk": vec(getattr(layer, "bk", None)),
+                "bv": vec(getattr(layer, "bv", None)),
+                "post_attn_norm": vec(getattr(layer, "post_attn_norm", None)),
+                "post_ffn_norm": vec(getattr(layer, "post_ffn_norm", None)),
+                "inv_freq": vec(layer.inv_freq if self.gemma else model.inv_freq),
+                "window": model.cfg.sliding_window if self.gemma and layer.sliding else 0,
+            }
+            self.layers.append(g)
+        self.scale = float(model.scale)
+        self.embed_scale = float(model.embed_scale) if self.gemma else 1.0
+        self.n_rot = self.cfg.head_dim if self.gemma else self.cfg.rotary_dim
+        self.neox = True if self.gemma else bool(self.cfg.rope_neox)
+        biggest = max(w.cols for w in uploaded.values())
+        self._tile = cp.empty(max(PREFILL_TILE_ELEMS, biggest * 8), self.prefill_dtype)
+        self.weight_bytes = total
+
+    # ---- the Decoder interface --------------------------------------------------------------
+    def new_cache(self, n_ctx: int, dtype=np.float16) -> CudaKVCache:
+        cfg = self.cfg
+        with cp.cuda.Device(self.device):
+            return CudaKVCache(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, n_ctx, dtype)
+
+    def forward(self, tokens, cache: CudaKVCache, all_logits: bool = False) -> np.ndarray:
+        """As Decoder.forward: float32 numpy logits (n, vocab) when all_logits, else (1, vocab)."""
+        tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
+        cache.check_room(len(tokens))
+        with cp.cuda.Device(self.device), self.stream:
+            if len(tokens) == 1 and not all_logits:
+                logits = self._decode(int(tokens[0]), cache, greedy=False)
+                out = cp.asnumpy(logits, stream=self.stream).reshape(1, -1)
+            else:
+                out = cp.asnumpy(self._prefill(tokens, cache, all_logits), stream=self.stream)
+            self.stream.synchronize()
+        cache.advance(tokens)
+        return out
+
+    def forward_batch(self, tokens, caches):
+        raise UnsupportedCudaModelError("batched decode is not implemented on CUDA; use --device cpu")
+
+    def greedy_step(self, token: int, cache: CudaKVCache) -> int:
+        """Decode one token and return the argmax of its logits; only the token crosses to the host."""
+        cache.check_room(1)
+        with cp.cuda.Device(self.device), self.stream:
+            step = self._decode(int(token), cache, greedy=True)
+            nxt = int(cp.asnumpy(step.ids, stream=self.stream)[0])
+        cache.advance([token])
+        return nxt
+
+    def sample_step(
+        self, token: int, cache: CudaKVCache, temp: float, top_k: int, top_p: float, u: float
+    ) -> int:
+        """Decode one token and draw the next on the GPU (top-k, then top-p, at temperature temp)."""
+        cache.check_room(1)
+        with cp.cuda.Device(self.device), self.stream:
+            logits = self._decode(int(token), cache, greedy=False)
+            step = self._steps[id(cache)]
+            ops.sample_topk(step.ids, logits, top_k, temp, top_p, u)
+            nxt = int(cp.asnumpy(step.ids, stream=self.stream)[0])
+        cache.advance([token])
+        return nxt
+
+    # ---- decode -----------------------------------------------------------------------------
+    def _step_for(self, cache) -> _Step:
+        key = id(cache)
+        if key not in self._steps:
+            self._steps = {k: v for k, v in self._steps.items() if k == key}  # one cache at a time
+            self._graphs = {}
+            self._steps[key] = _Step(self.cfg, -(-cache.n_ctx // ops.ATTN_CHUNK))
+        return self._steps[key]
+
+    def _decode(self, token: int, cache: CudaKVCache, greedy: bool):
+        step = self._step_for(cache)
+        step.ids[0] = token
+        step.pos[0] = cache.offset
+        if not self.use_graphs:
+            self._decode_kernels(step, cache, greedy)
+            return step if greedy else step.logits
+        graph = self._graphs.get((id(cache), greedy))
+        if graph is None:
+            self._decode_kernels(step, cache, greedy)  # warm-up: every kernel loaded before capture
+            step.ids[0] = token
+            step.pos[0] = cache.offset
+            self.stream.begin_capture()
+            try:
+                self._decode_kernels(step, cache, greedy)
+            finally:
+                graph = self.stream.end_capture()
+            self._graphs[(id(cache), greedy)] = graph
+        graph.launch(self.stream)
+        return step if greedy else step.logits
+
+    def _decode_kernels(self, s: _Step, cache: CudaKVCache, greedy: bool) -> None:
+        cfg = self.cfg
+        eps = cfg.rms_norm_eps
+        q_dim, kv_dim, ff = cfg.q_dim, cfg.kv_dim, cfg.intermediate_size
+        H, KV, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        ops.dequant(s.x.reshape(1, -1), self.token_embd, ids=s.ids, scale=self.embed_scale)
+        q = s.qkv[:q_dim]
+        k = s.qkv[q_dim : q_dim + kv_dim]
+        v = s.qkv[q_dim + kv_dim :]
+        for i, L in enumerate(self.layers):
+            _stacked(s.qkv, [L["wq"], L["wk"], L["wv"]], s.x, norm=L["attn_norm"], eps=eps, prologue=1)
+            for b, part in ((L["bq"], q), (L["bk"], k), (L["bv"], v)):
+                if b is not None:
+                    ops.add_inplace(part, b)
+            ops.rope_store(
+                q.reshape(1, H, hd),
+                k.reshape(1, KV, hd),
+                v.reshape(1, KV, hd),
+                cache.k[i],
+                cache.v[i],
+                s.pos,
+                L["inv_freq"],
+                self.n_rot,
+                self.neox,
+                eps,
+                L["q_norm"],
+                L["k_norm"],
+            )
+            ops.attention(
+                s.attn.reshape(1, H, hd),
+                q.reshape(1, H, hd),
+                cache.k[i],
+                cache.v[i],
+                s.pos,
+                self.scale,
+                cache.n_ctx,
+                L["window"],
+                s.parts,
+            )
+            if self.gemma:
+                ops.matvec(s.o, [L["wo"]], s.attn)
+                ops.rmsnorm(s.x.reshape(1, -1), s.o.reshape(1, -1), L["post_attn_norm"], eps, accumulate=True)
+            else:
+                ops.matvec(s.x, [L["wo"]], s.attn, accumulate=True)
+            _stacked(s.gu, [L["w_gate"], L["w_up"]], s.x, norm=L["ffn_norm"], eps=eps, prologue=1)
+            act = 3 if self.gemma else 2
+            if self.gemma:
+                ops.matvec(s.o, [L["w_down"]], s.gu[:ff], x2=s.gu[ff:], prologue=act)
+                ops.rmsnorm(s.x.reshape(1, -1), s.o.reshape(1, -1), L["post_ffn_norm"], eps, accumulate=True)
+            else:
+                ops.matvec(s.x, [L["w_down"]], s.gu[:ff], x2=s.gu[ff:], prologue=act, accumulate=True)
+        ops.matvec(s.logits, [self.output], s.x, norm=self.output_norm, eps=eps, prologue=1)
+        cap = getattr(cfg, "final_logit_softcapping", None)
+        if cap is not None:
+            ops.softcap(s.logits, cap)
+        if greedy:
+            ops.argmax(s.ids, s.logits)
+
+    # ---- prefill ----------------------------------------------------------------------------
+    def _linear(self, out, w: ops.GpuWeight, x16) -> None:
+        tile_rows = max(1, min(w.rows, self._tile.size // w.cols))
+        ops.linear_prefill(out, w, x16, self._tile, tile_rows)
+
+    def _prefill(self, tokens: np.ndarray, cache: CudaKVCache, all_logits: bool):
+        cfg = self.cfg
+        eps = cfg.rms_norm_eps
+        n = len(tokens)
+        f32, dt = cp.float32, self.prefill_dtype
+        H, KV, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        d, ff = cfg.hidden_size, cfg.intermediate_size
+        pos0 = cache.offset
+        ids = cp.asarray(tokens.astype(np.int32))
+        pos = cp.asarray(np.array([pos0], np.int32))
+        x = cp.empty((n, d), f32)
+        ops.dequant(x, self.token_embd, ids=ids, scale=self.embed_scale)
+        h = cp.empty((n, d), f32)
+        o = cp.empty((n, d), f32)
+        q = cp.empty((n, cfg.q_dim), f32)
+        k = cp.empty((n, cfg.kv_dim), f32)
+        v = cp.empty((n, cfg.kv_dim), f32)
+        attn = cp.empty((n, cfg.q_dim), f32)
+        gate = cp.empty((n, ff), f32)
+        up = cp.empty((n, ff), f32)
+
+        def half(a):
+            # the GEMM input in the tiles' dtype
+            if dt != cp.float16:
+                return a
+            out = cp.empty(a.shape, cp.float16)
+            ops.to_half(out, a)
+            return out
+
+        for i, L in enumerate(self.layers):
+            ops.rmsnorm(h, x, L["attn_norm"], eps)
+            hh = half(h)
+            self._linear(q, L["wq"], hh)
+            self._linear(k, L["wk"], hh)
+            self._linear(v, L["wv"], hh)
+            for b, part in ((L["bq"], q), (L["bk"], k), (L["bv"], v)):
+                if b is not None:
+                    part += b
+            q3, k3, v3 = q.reshape(n, H, hd), k.reshape(n, KV, hd), v.reshape(n, KV, hd)
+            ops.rope_store(
+                q3,
+                k3,
+                v3,
+                cache.k[i],
+                cache.v[i],
+                pos,
+                L["inv_freq"],
+                self.n_rot,
+                self.neox,
+                eps,
+                L["q_norm"],
+                L["k_norm"],
+            )
+            ops.attention(
+                attn.reshape(n, H, hd), q3, cache.k[i], cache.v[i], pos, self.scale, pos0 + n, L["window"]
+            )
+            self._linear(o, L["wo"], half(attn))
+            if self.gemma:
+                ops.rmsnorm(x, o, L["post_attn_norm"], eps, accumulate=True)
+            else:
+                x += o
+            ops.rmsnorm(h, x, L["ffn_norm"], eps)
+            hh = half(h)
+            self._linear(gate, L["w_gate"], hh)
+            self._linear(up, L["w_up"], hh)
+            ops.glu(gate, gate, up, self.gemma)
+            self._linear(o, L["w_down"], half(gate))
+            if self.gemma:
+                ops.rmsnorm(x, o, L["post_ffn_norm"], eps, accumulate=True)
+            else:
+                x += o
+        cap = getattr(cfg, "final_logit_softcapping", None)
+        if all_logits:
+            ops.rmsnorm(h, x, self.output_norm, eps)
+            logits = cp.empty((n, cfg.vocab_size), f32)
+            self._linear(logits, self.output, half(h))
+        else:
+            logits = cp.empty((1, cfg.vocab_size), f32)
+            ops.matvec(logits[0], [self.output], x[n - 1], norm=self.output_norm, eps=eps, prologue=1)
+        if cap is not None:
+            ops.softcap(logits, cap)
+        return logits
+
+
+def _stacked(out, ws: list, x, **kw) -> None:
+    """Matvecs of weights whose outputs lie back to back in out: one launch per run of one type."""
+    r = 0
+    i = 0
+    while i < len(ws):
+        j = i + 1
+        while j < len(ws) and ws[j].ggml_type == ws[i].ggml_type and ws[j].cols == ws[i].cols:
+            j += 1
+        rows = sum(w.rows for w in ws[i:j])
+        ops.matvec(out[r : r + rows], ws[i:j], x, **kw)
+        r += rows
+        i = j

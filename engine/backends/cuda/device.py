@@ -1,0 +1,94 @@
+"""Which device a model runs on: `--device cpu|cuda[:N]`, with a fallback to the CPU.
+
+Nothing here imports CuPy at module import; `probe()` tries it and says why CUDA cannot be used
+(CuPy missing, no driver, no GPU, index out of range). `choose_device` turns a request into the
+device to use plus the notice to show when a CUDA request falls back to the CPU.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+
+from models.errors import HearthError
+
+
+class DeviceSpecError(HearthError):
+    """A --device value that is neither `cpu`, `cuda` nor `cuda:N`."""
+
+
+class CudaOutOfMemoryError(HearthError):
+    """The model (weights + KV cache + buffers) does not fit the GPU's free memory."""
+
+    def __init__(self, needed: int, free: int, device: int):
+        self.needed, self.free, self.device = int(needed), int(free), int(device)
+        super().__init__(
+            f"the model needs about {needed / 2**30:.2f} GiB on GPU {device} but only "
+            f"{free / 2**30:.2f} GiB is free; use a smaller quantization or context (--ctx), "
+            "or run on the CPU (--device cpu)"
+        )
+
+
+@dataclass(frozen=True)
+class Device:
+    """kind "cpu" or "cuda"; index: the CUDA device ordinal (0 for cpu)."""
+
+    kind: str
+    index: int = 0
+
+    def __str__(self) -> str:
+        return "cpu" if self.kind == "cpu" else f"cuda:{self.index}"
+
+
+@dataclass(frozen=True)
+class DeviceChoice:
+    device: Device
+    notice: str | None = None  # set when a CUDA request fell back to the CPU
+
+
+def parse_device(spec: str | None) -> Device:
+    """'cpu', 'cuda', 'cuda:N' (None: cpu) -> Device. Raises DeviceSpecError otherwise."""
+    text = (spec or "cpu").strip().lower()
+    if text == "cpu":
+        return Device("cpu")
+    if text == "cuda":
+        return Device("cuda", 0)
+    if text.startswith("cuda:") and text[5:].isdigit():
+        return Device("cuda", int(text[5:]))
+    raise DeviceSpecError(f"unknown device {spec!r}: use cpu, cuda or cuda:N (N = GPU index)")
+
+
+def _import_cupy():
+    return importlib.import_module("cupy")
+
+
+def probe(index: int = 0) -> str | None:
+    """None when CUDA device `index` is usable, else the reason it is not (one line)."""
+    try:
+        cupy = _import_cupy()
+    except Exception as e:  # ImportError, or a broken install raising at import
+        return f"CuPy is not installed ({type(e).__name__}: {e}); install hearth[cuda]"
+    try:
+        count = int(cupy.cuda.runtime.getDeviceCount())
+    except Exception as e:  # CUDARuntimeError: no driver, insufficient driver, ...
+        return f"no usable CUDA driver ({e})"
+    if count == 0:
+        return "no CUDA GPU found"
+    if index >= count:
+        return f"GPU {index} does not exist ({count} CUDA device{'s' if count > 1 else ''} found)"
+    return None
+
+
+def choose_device(spec: str | None) -> DeviceChoice:
+    """The device to run on for a --device value; CUDA falls back to the CPU with a notice.
+
+    Raises:
+        DeviceSpecError: spec is not a device name.
+    """
+    device = parse_device(spec)
+    if device.kind == "cpu":
+        return DeviceChoice(device)
+    reason = probe(device.index)
+    if reason is None:
+        return DeviceChoice(device)
+    return DeviceChoice(Device("cpu"), f"CUDA unavailable: {reason}; running on the CPU")

@@ -1,0 +1,281 @@
+// Normalization, rotary embedding + KV-cache write, split-K attention, activations and sampling.
+// Positions come from a device int (pos_base) so that one captured decode step (CUDA graph) replays
+// at every position.
+
+// out (n, dim) = x / sqrt(mean(x^2) + eps) * (w (+1 when add_one: HF-style Gemma weights));
+// accumulate: out += that (Gemma's post-attention / post-MLP norms on the residual stream).
+extern "C" __global__ void rmsnorm(float* __restrict__ out, const float* __restrict__ x,
+                                   const float* __restrict__ w, int dim, float eps, int add_one,
+                                   int accumulate) {
+    __shared__ float red[32];
+    const float* xr = x + (long long)blockIdx.x * dim;
+    float* orow = out + (long long)blockIdx.x * dim;
+    float ss = 0.f;
+    for (int j = threadIdx.x; j < dim; j += blockDim.x) ss += xr[j] * xr[j];
+    ss = block_sum(ss, red);
+    float inv = rsqrtf(ss / (float)dim + eps);
+    for (int j = threadIdx.x; j < dim; j += blockDim.x) {
+        float g = add_one ? 1.f + w[j] : w[j];
+        float v = xr[j] * inv * g;
+        orow[j] = accumulate ? orow[j] + v : v;
+    }
+}
+
+// One block per (token t = blockIdx.y, head h = blockIdx.x) of q (n, H, hd) then k (n, KV, hd):
+// optional per-head RMSNorm (qn / kn, may be null), RoPE on the first n_rot dims at position
+// pos_base[0] + t (neox: pairs (i, i + n_rot/2), else (2i, 2i+1)); q is rotated in place, k (rotated)
+// and v are written to this layer's cache (KV, n_ctx, hd), float32 or float16 (kv_half).
+// blockDim.x >= hd / 2, a multiple of 32.
+extern "C" __global__ void rope_store(float* __restrict__ q, const float* __restrict__ k,
+                                      const float* __restrict__ v, void* __restrict__ kc,
+                                      void* __restrict__ vc, const int* __restrict__ pos_base,
+                                      const float* __restrict__ inv_freq, const float* __restrict__ qn,
+                                      const float* __restrict__ kn, int H, int KV, int hd, int n_rot,
+                                      int neox, int n_ctx, float eps, int kv_half) {
+    __shared__ float red[32];
+    __shared__ float row[512];
+    int t = blockIdx.y, h = blockIdx.x;
+    int pos = pos_base[0] + t;
+    bool is_q = h < H;
+    int kh = h - H;
+    const float* src = is_q ? q + ((long long)t * H + h) * hd : k + ((long long)t * KV + kh) * hd;
+    const float* nw = is_q ? qn : kn;
+    for (int j = threadIdx.x; j < hd; j += blockDim.x) row[j] = src[j];
+    if (nw) {
+        float ss = 0.f;
+        for (int j = threadIdx.x; j < hd; j += blockDim.x) ss += row[j] * row[j];
+        ss = block_sum(ss, red);
+        float inv = rsqrtf(ss / (float)hd + eps);
+        for (int j = threadIdx.x; j < hd; j += blockDim.x) row[j] = row[j] * inv * nw[j];
+    }
+    __syncthreads();
+    int half = n_rot >> 1;
+    for (int i = threadIdx.x; i < half; i += blockDim.x) {
+        double s, c;
+        sincos((double)pos * (double)inv_freq[i], &s, &c);
+        float cs = (float)c, sn = (float)s;
+        int ia = neox ? i : 2 * i, ib = neox ? i + half : 2 * i + 1;
+        float a = row[ia], b = row[ib];
+        row[ia] = a * cs - b * sn;
+        row[ib] = a * sn + b * cs;
+    }
+    __syncthreads();
+    if (is_q) {
+        float* dst = q + ((long long)t * H + h) * hd;
+        for (int j = threadIdx.x; j < hd; j += blockDim.x) dst[j] = row[j];
+        return;
+    }
+    long long o = ((long long)kh * n_ctx + pos) * hd;
+    const float* vs = v + ((long long)t * KV + kh) * hd;
+    for (int j = threadIdx.x; j < hd; j += blockDim.x) {
+        if (kv_half) {
+            ((ushort*)kc)[o + j] = f2h(row[j]);
+            ((ushort*)vc)[o + j] = f2h(vs[j]);
+        } else {
+            ((float*)kc)[o + j] = row[j];
+            ((float*)vc)[o + j] = vs[j];
+        }
+    }
+}
+
+__device__ __forceinline__ float kv_load(const void* c, long long i, int kv_half) {
+    return kv_half ? h2f(((const ushort*)c)[i]) : ((const float*)c)[i];
+}
+
+// Split-K ("flash decoding") attention, pass 1. Grid (H, S, n_tok); block (split s, head h, query t)
+// covers keys [s*chunk, (s+1)*chunk) clipped to the query's visible range [start, pos] (start > 0 with
+// a sliding window). It writes unnormalised partial sums acc (n_tok, H, S, hd) and (max, sum) pairs
+// ml (n_tok, H, S, 2); attn_reduce combines them. 128 threads; chunk <= 256; hd <= 512.
+extern "C" __global__ void __launch_bounds__(128) attn_split(
+    float* __restrict__ acc, float* __restrict__ ml, const float* __restrict__ q, const void* __restrict__ kc,
+    const void* __restrict__ vc, const int* __restrict__ pos_base, int H, int KV, int hd, int n_ctx,
+    float scale, int window, int chunk, int kv_half) {
+    __shared__ float red[32];
+    __shared__ float sq[512];
+    __shared__ float sc[256];
+    int h = blockIdx.x, s = blockIdx.y, t = blockIdx.z, S = gridDim.y;
+    int pos = pos_base[0] + t;
+    int start = window > 0 ? max(0, pos - window + 1) : 0;
+    int k0 = max(start, s * chunk), k1 = min(pos + 1, (s + 1) * chunk);
+    long long part = ((long long)t * H + h) * S + s;
+    if (k0 >= k1) {
+        if (threadIdx.x == 0) {
+            ml[2 * part] = -3.0e38f;
+            ml[2 * part + 1] = 0.f;
+        }
+        return;
+    }
+    int g = h / (H / KV);
+    const float* qr = q + ((long long)t * H + h) * hd;
+    for (int j = threadIdx.x; j < hd; j += blockDim.x) sq[j] = qr[j];
+    __syncthreads();
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nw = blockDim.x >> 5;
+    long long base = (long long)g * n_ctx * hd;
+    for (int key = k0 + warp; key < k1; key += nw) {
+        long long kr = base + (long long)key * hd;
+        float d = 0.f;
+        for (int j = lane; j < hd; j += 32) d += sq[j] * kv_load(kc, kr + j, kv_half);
+        d = warp_sum(d);
+        if (lane == 0) sc[key - k0] = d * scale;
+    }
+    __syncthreads();
+    float m = -3.0e38f;
+    for (int i = threadIdx.x; i < k1 - k0; i += blockDim.x) m = fmaxf(m, sc[i]);
+    m = block_max(m, red);
+    float l = 0.f;
+    for (int i = threadIdx.x; i < k1 - k0; i += blockDim.x) {
+        float e = expf(sc[i] - m);
+        sc[i] = e;
+        l += e;
+    }
+    l = block_sum(l, red);  // its leading __syncthreads also publishes sc
+    for (int j = threadIdx.x; j < hd; j += blockDim.x) {
+        float a = 0.f;
+        for (int key = k0; key < k1; key++) a += sc[key - k0] * kv_load(vc, base + (long long)key * hd + j, kv_half);
+        acc[part * hd + j] = a;
+    }
+    if (threadIdx.x == 0) {
+        ml[2 * part] = m;
+        ml[2 * part + 1] = l;
+    }
+}
+
+// Pass 2: grid (H, n_tok); out (n_tok, H, hd) = sum_s acc_s e^(m_s - M) / sum_s l_s e^(m_s - M).
+extern "C" __global__ void attn_reduce(float* __restrict__ out, const float* __restrict__ acc,
+                                       const float* __restrict__ ml, int H, int S, int hd) {
+    int h = blockIdx.x, t = blockIdx.y;
+    long long p0 = ((long long)t * H + h) * S;
+    float M = -3.0e38f;
+    for (int s = 0; s < S; s++) M = fmaxf(M, ml[2 * (p0 + s)]);
+    float L = 0.f;
+    for (int s = 0; s < S; s++) {
+        float l = ml[2 * (p0 + s) + 1];
+        if (l > 0.f) L += l * expf(ml[2 * (p0 + s)] - M);
+    }
+    float inv = 1.f / L;
+    for (int j = threadIdx.x; j < hd; j += blockDim.x) {
+        float a = 0.f;
+        for (int s = 0; s < S; s++)
+            if (ml[2 * (p0 + s) + 1] > 0.f) a += acc[(p0 + s) * hd + j] * expf(ml[2 * (p0 + s)] - M);
+        out[((long long)t * H + h) * hd + j] = a * inv;
+    }
+}
+
+// Gated activations: mode 0 SwiGLU out = silu(gate) * up, mode 1 GeGLU (tanh GELU).
+extern "C" __global__ void glu(float* __restrict__ out, const float* __restrict__ gate,
+                               const float* __restrict__ up, long long n, int mode) {
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) out[i] = (mode ? gelu_tanh(gate[i]) : silu(gate[i])) * up[i];
+}
+// Gated activation of rows stacked as (n, 2, ff) [gate | up] -> out (n, ff)
+extern "C" __global__ void glu_stacked(float* __restrict__ out, const float* __restrict__ gu, int ff,
+                                       long long n, int mode) {
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n * ff) return;
+    long long t = i / ff, j = i % ff;
+    float g = gu[t * 2 * ff + j], u = gu[t * 2 * ff + ff + j];
+    out[i] = (mode ? gelu_tanh(g) : silu(g)) * u;
+}
+extern "C" __global__ void add_inplace(float* __restrict__ x, const float* __restrict__ y, long long n) {
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) x[i] += y[i];
+}
+extern "C" __global__ void to_half(ushort* __restrict__ out, const float* __restrict__ x, long long n) {
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) out[i] = f2h(x[i]);
+}
+// logits (n,) <- cap * tanh(logits / cap)
+extern "C" __global__ void softcap(float* __restrict__ x, float cap, long long n) {
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) x[i] = cap * tanhf(x[i] / cap);
+}
+// Increment the device position (after a captured decode step).
+extern "C" __global__ void bump(int* __restrict__ pos, int by) {
+    if (threadIdx.x == 0) pos[0] += by;
+}
+
+// (value, index) order: larger value first, then smaller index (np.argmax's tie rule).
+__device__ __forceinline__ bool better(float va, int ia, float vb, int ib) {
+    return va > vb || (va == vb && ia < ib);
+}
+__device__ __forceinline__ void block_best(float* v, int* i, float* rv, int* ri) {
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        float ov = __shfl_xor_sync(0xffffffffu, *v, o);
+        int oi = __shfl_xor_sync(0xffffffffu, *i, o);
+        if (better(ov, oi, *v, *i)) { *v = ov; *i = oi; }
+    }
+    __syncthreads();
+    if (lane == 0) { rv[warp] = *v; ri[warp] = *i; }
+    __syncthreads();
+    *v = lane < nw ? rv[lane] : -3.4e38f;
+    *i = lane < nw ? ri[lane] : 0x7fffffff;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        float ov = __shfl_xor_sync(0xffffffffu, *v, o);
+        int oi = __shfl_xor_sync(0xffffffffu, *i, o);
+        if (better(ov, oi, *v, *i)) { *v = ov; *i = oi; }
+    }
+}
+
+// Greedy: token[0] = argmax(logits (n,)); one block of 1024 threads.
+extern "C" __global__ void argmax(int* __restrict__ token, const float* __restrict__ x, int n) {
+    __shared__ float rv[32];
+    __shared__ int ri[32];
+    float bv = -3.4e38f;
+    int bi = 0x7fffffff;
+    for (int j = threadIdx.x; j < n; j += blockDim.x)
+        if (better(x[j], j, bv, bi)) { bv = x[j]; bi = j; }
+    block_best(&bv, &bi, rv, ri);
+    if (threadIdx.x == 0) token[0] = bi;
+}
+
+// Top-k / top-p sampling on the GPU, one block of 1024 threads. The k best logits are found in k
+// passes (each takes the best below the previous one in (value, index) order), then softmax at
+// temperature temp over them, the smallest prefix whose probability reaches top_p is kept and
+// token[0] is drawn with the uniform u in [0, 1). k <= 256.
+extern "C" __global__ void sample_topk(int* __restrict__ token, const float* __restrict__ x, int n, int k,
+                                       float temp, float top_p, float u) {
+    __shared__ float rv[32];
+    __shared__ int ri[32];
+    __shared__ float tv[256];
+    __shared__ int ti[256];
+    float pv = 3.4e38f;
+    int pi = -1;
+    for (int r = 0; r < k; r++) {
+        float bv = -3.4e38f;
+        int bi = 0x7fffffff;
+        for (int j = threadIdx.x; j < n; j += blockDim.x) {
+            float v = x[j];
+            if (better(pv, pi, v, j) && better(v, j, bv, bi)) { bv = v; bi = j; }
+        }
+        block_best(&bv, &bi, rv, ri);
+        if (threadIdx.x == 0) { tv[r] = bv; ti[r] = bi; }
+        pv = bv;
+        pi = bi;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        float total = 0.f;
+        for (int r = 0; r < k; r++) {
+            tv[r] = expf((tv[r] - tv[0]) / temp);
+            total += tv[r];
+        }
+        float keep = 0.f;
+        int m = k;
+        for (int r = 0; r < k; r++) {
+            keep += tv[r] / total;
+            if (keep >= top_p) { m = r + 1; break; }
+        }
+        float mass = 0.f;
+        for (int r = 0; r < m; r++) mass += tv[r];
+        float target = u * mass, c = 0.f;
+        int pick = ti[m - 1];
+        for (int r = 0; r < m; r++) {
+            c += tv[r];
+            if (c > target) { pick = ti[r]; break; }
+        }
+        token[0] = pick;
+    }
+}

@@ -1,0 +1,309 @@
+// Matrix-vector products read straight from GGUF blocks, and row dequantization (prefill tiles,
+// embeddings). Layouts as engine/backends/cpu/quant.py and _llvm_kquant.py describe them; every
+// type has one decoder dec_<type>(block, sub, v) that writes the 32 values of sub-block `sub`
+// (0 for 32-element types, 0..7 for the 256-element K-quants), so the matvec and the dequant
+// kernels cannot disagree.
+
+__device__ __forceinline__ void dec_q8_0(const uchar* b, int s, float* v) {
+    float d = ldh(b);
+    const signed char* q = (const signed char*)(b + 2);
+#pragma unroll
+    for (int i = 0; i < 32; i++) v[i] = d * (float)q[i];
+}
+__device__ __forceinline__ void dec_q4_0(const uchar* b, int s, float* v) {
+    float d = ldh(b);
+    const uchar* q = b + 2;
+#pragma unroll
+    for (int j = 0; j < 16; j++) {
+        v[j] = d * (float)((q[j] & 15) - 8);
+        v[j + 16] = d * (float)((q[j] >> 4) - 8);
+    }
+}
+__device__ __forceinline__ void dec_q4_1(const uchar* b, int s, float* v) {
+    float d = ldh(b), m = ldh(b + 2);
+    const uchar* q = b + 4;
+#pragma unroll
+    for (int j = 0; j < 16; j++) {
+        v[j] = d * (float)(q[j] & 15) + m;
+        v[j + 16] = d * (float)(q[j] >> 4) + m;
+    }
+}
+__device__ __forceinline__ uint ld32_2(const uchar* p) {  // u32 at a 2-byte-aligned address
+    const ushort* h = (const ushort*)p;
+    return (uint)h[0] | ((uint)h[1] << 16);
+}
+__device__ __forceinline__ void dec_q5_0(const uchar* b, int s, float* v) {
+    float d = ldh(b);
+    uint qh = ld32_2(b + 2);
+    const uchar* q = b + 6;
+#pragma unroll
+    for (int j = 0; j < 16; j++) {
+        v[j] = d * (float)((int)((q[j] & 15) | (((qh >> j) & 1) << 4)) - 16);
+        v[j + 16] = d * (float)((int)((q[j] >> 4) | (((qh >> (j + 16)) & 1) << 4)) - 16);
+    }
+}
+__device__ __forceinline__ void dec_q5_1(const uchar* b, int s, float* v) {
+    float d = ldh(b), m = ldh(b + 2);
+    uint qh = ld32_2(b + 4);
+    const uchar* q = b + 8;
+#pragma unroll
+    for (int j = 0; j < 16; j++) {
+        v[j] = d * (float)((q[j] & 15) | (((qh >> j) & 1) << 4)) + m;
+        v[j + 16] = d * (float)((q[j] >> 4) | (((qh >> (j + 16)) & 1) << 4)) + m;
+    }
+}
+// Q2_K: 16 scales | 64 qs | f16 d | f16 dmin; sub-block s = 4n + t reads qs[32n..] >> 2t
+__device__ __forceinline__ void dec_q2_k(const uchar* b, int s, float* v) {
+    float d = ldh(b + 80), dmin = ldh(b + 82);
+    int n = s >> 2, t = s & 3;
+    const uchar* q = b + 16 + 32 * n;
+    uchar sc0 = b[2 * s], sc1 = b[2 * s + 1];
+    float d0 = d * (float)(sc0 & 15), m0 = dmin * (float)(sc0 >> 4);
+    float d1 = d * (float)(sc1 & 15), m1 = dmin * (float)(sc1 >> 4);
+#pragma unroll
+    for (int l = 0; l < 16; l++) {
+        v[l] = d0 * (float)((q[l] >> (2 * t)) & 3) - m0;
+        v[l + 16] = d1 * (float)((q[l + 16] >> (2 * t)) & 3) - m1;
+    }
+}
+// Q3_K: 32 hmask | 64 qs | 12 scales (6-bit, -32) | f16 d
+__device__ __forceinline__ int q3k_scale(const uchar* sc, int i) {
+    int low = i < 8 ? (sc[i] & 15) : (sc[i - 8] >> 4);
+    int high = (sc[8 + (i & 3)] >> (2 * (i >> 2))) & 3;
+    return (low | (high << 4)) - 32;
+}
+__device__ __forceinline__ void dec_q3_k(const uchar* b, int s, float* v) {
+    float d = ldh(b + 108);
+    int n = s >> 2, t = s & 3;
+    const uchar* hm = b;
+    const uchar* q = b + 32 + 32 * n;
+    float d0 = d * (float)q3k_scale(b + 96, 2 * s), d1 = d * (float)q3k_scale(b + 96, 2 * s + 1);
+    uchar m = (uchar)(1u << s);
+#pragma unroll
+    for (int l = 0; l < 16; l++) {
+        v[l] = d0 * (float)((int)((q[l] >> (2 * t)) & 3) - ((hm[l] & m) ? 0 : 4));
+        v[l + 16] = d1 * (float)((int)((q[l + 16] >> (2 * t)) & 3) - ((hm[l + 16] & m) ? 0 : 4));
+    }
+}
+// 6-bit scale and min j of a Q4_K/Q5_K block (12 bytes at q)
+__device__ __forceinline__ void scale_min_k4(int j, const uchar* q, float* sc, float* mn) {
+    if (j < 4) {
+        *sc = (float)(q[j] & 63);
+        *mn = (float)(q[j + 4] & 63);
+    } else {
+        *sc = (float)((q[j + 4] & 15) | ((q[j - 4] >> 6) << 4));
+        *mn = (float)((q[j + 4] >> 4) | ((q[j] >> 6) << 4));
+    }
+}
+// Q4_K: f16 d | f16 dmin | 12 scales | 128 qs; qs of sub-block s: bytes [32(s/2), +32) >> 4(s%2).
+// The block is 144 bytes (a multiple of 16), so the qs come in as two 128-bit loads.
+__device__ __forceinline__ void dec_q4_k(const uchar* b, int s, float* v) {
+    float d = ldh(b), dmin = ldh(b + 2), sc, mn;
+    scale_min_k4(s, b + 4, &sc, &mn);
+    float ds = d * sc, dm = dmin * mn;
+    const uint4* q4 = (const uint4*)(b + 16 + 32 * (s >> 1));
+    uint4 a = q4[0], c = q4[1];
+    uint w[8] = {a.x, a.y, a.z, a.w, c.x, c.y, c.z, c.w};
+    int sh = 4 * (s & 1);
+#pragma unroll
+    for (int i = 0; i < 32; i++) v[i] = ds * (float)((w[i >> 2] >> (8 * (i & 3) + sh)) & 15) - dm;
+}
+// Q5_K: as Q4_K with 32 qh bytes before the qs (bit s of qh[l] is the 5th bit of element l)
+__device__ __forceinline__ void dec_q5_k(const uchar* b, int s, float* v) {
+    float d = ldh(b), dmin = ldh(b + 2), sc, mn;
+    scale_min_k4(s, b + 4, &sc, &mn);
+    float ds = d * sc, dm = dmin * mn;
+    const uint4* h4 = (const uint4*)(b + 16);
+    const uint4* q4 = (const uint4*)(b + 48 + 32 * (s >> 1));
+    uint4 a = q4[0], c = q4[1], ha = h4[0], hc = h4[1];
+    uint w[8] = {a.x, a.y, a.z, a.w, c.x, c.y, c.z, c.w};
+    uint h[8] = {ha.x, ha.y, ha.z, ha.w, hc.x, hc.y, hc.z, hc.w};
+    int sh = 4 * (s & 1);
+#pragma unroll
+    for (int i = 0; i < 32; i++) {
+        int lo = (w[i >> 2] >> (8 * (i & 3) + sh)) & 15;
+        int hi = (h[i >> 2] >> (8 * (i & 3) + s)) & 1;
+        v[i] = ds * (float)(lo | (hi << 4)) - dm;
+    }
+}
+// Q6_K: 128 ql | 64 qh | 16 int8 scales | f16 d; sub-block s = 4n + t: ql[64n + 32(t&1)] >> 4(t>>1),
+// qh[32n] >> 2t, scale 8n + 2t + l/16
+__device__ __forceinline__ void dec_q6_k(const uchar* b, int s, float* v) {
+    float d = ldh(b + 208);
+    int n = s >> 2, t = s & 3;
+    const uchar* ql = b + 64 * n + 32 * (t & 1);
+    const uchar* qh = b + 128 + 32 * n;
+    const signed char* sc = (const signed char*)(b + 192 + 8 * n + 2 * t);
+    float d0 = d * (float)sc[0], d1 = d * (float)sc[1];
+    int sl = 4 * (t >> 1), shh = 2 * t;
+#pragma unroll
+    for (int l = 0; l < 32; l++) {
+        int q = (int)(((ql[l] >> sl) & 15) | (((qh[l] >> shh) & 3) << 4)) - 32;
+        v[l] = (l < 16 ? d0 : d1) * (float)q;
+    }
+}
+
+// Activations for a matvec, built in shared memory by the whole block:
+//   prologue 0: x; 1: rmsnorm(x) * nw (the layer's input norm, fused); 2: silu(x) * x2; 3: gelu_tanh(x) * x2.
+// transposed: element e goes to sx[(e % 32) * units + e / 32], so the 32 lanes of a warp, each on its
+// own 32-element unit, read 32 consecutive words (no bank conflicts).
+__device__ __forceinline__ void load_x(float* sx, const float* __restrict__ x, const float* __restrict__ x2,
+                                       const float* __restrict__ nw, float eps, int cols, int prologue,
+                                       int transposed) {
+    __shared__ float red[32];
+    float inv = 1.f;
+    if (prologue == 1) {
+        float ss = 0.f;
+        for (int e = threadIdx.x; e < cols; e += blockDim.x) ss += x[e] * x[e];
+        ss = block_sum(ss, red);
+        inv = rsqrtf(ss / (float)cols + eps);
+    }
+    int units = cols >> 5;
+    for (int e = threadIdx.x; e < cols; e += blockDim.x) {
+        float a = x[e];
+        if (prologue == 1) a = a * inv * nw[e];
+        else if (prologue == 2) a = silu(a) * x2[e];
+        else if (prologue == 3) a = gelu_tanh(a) * x2[e];
+        sx[transposed ? (e & 31) * units + (e >> 5) : e] = a;
+    }
+    __syncthreads();
+}
+
+// The row r of up to three matrices stacked (q|k|v or gate|up in one launch); all share cols and type.
+__device__ __forceinline__ const uchar* stacked_row(const uchar* w0, const uchar* w1, const uchar* w2,
+                                                   int rows0, int rows1, int r, long long row_bytes) {
+    if (r < rows0) return w0 + (long long)r * row_bytes;
+    if (r < rows0 + rows1) return w1 + (long long)(r - rows0) * row_bytes;
+    return w2 + (long long)(r - rows0 - rows1) * row_bytes;
+}
+
+// out (rows0+rows1+rows2,) (=, or += when accumulate) = [W0; W1; W2] (.., cols) @ act(x) (cols,).
+// 256 threads = 8 warps, one row per warp at a time, rows grid-strided; lane l takes 32-element units
+// l, l+32, ... of the row (consecutive lanes read consecutive blocks). Dynamic shared memory: cols floats.
+#define QMATVEC(NAME, BYTES, SUBS)                                                                        \
+    extern "C" __global__ void __launch_bounds__(256) matvec_##NAME(                                      \
+        float* __restrict__ out, const uchar* __restrict__ w0, const uchar* __restrict__ w1,               \
+        const uchar* __restrict__ w2, int rows0, int rows1, int rows2, int cols,                           \
+        const float* __restrict__ x, const float* __restrict__ x2, const float* __restrict__ nw, float eps, \
+        int prologue, int accumulate) {                                                                    \
+        extern __shared__ float sx[];                                                                      \
+        load_x(sx, x, x2, nw, eps, cols, prologue, 1);                                                     \
+        int units = cols >> 5, rows = rows0 + rows1 + rows2;                                               \
+        long long row_bytes = (long long)(units / SUBS) * BYTES;                                           \
+        int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;                                              \
+        for (int r = blockIdx.x * 8 + warp; r < rows; r += gridDim.x * 8) {                                \
+            const uchar* w = stacked_row(w0, w1, w2, rows0, rows1, r, row_bytes);                          \
+            float acc = 0.f;                                                                               \
+            for (int u = lane; u < units; u += 32) {                                                       \
+                float v[32];                                                                               \
+                dec_##NAME(w + (long long)(u / SUBS) * BYTES, u % SUBS, v);                                \
+                _Pragma("unroll") for (int i = 0; i < 32; i++) acc = fmaf(v[i], sx[i * units + u], acc);   \
+            }                                                                                              \
+            acc = warp_sum(acc);                                                                           \
+            if (lane == 0) out[r] = accumulate ? out[r] + acc : acc;                                       \
+        }                                                                                                  \
+    }                                                                                                      \
+    /* out (n, cols) float32 or float16 bits = rows (ids[i] or r0 + i) of W, times scale */                \
+    extern "C" __global__ void dequant_##NAME(void* __restrict__ out, const uchar* __restrict__ w,          \
+                                              const int* __restrict__ ids, int r0, int n, int cols,   \
+                                              int half_out, float scale) {                                 \
+        int units = cols >> 5;                                                                             \
+        long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;                                  \
+        if (idx >= (long long)n * units) return;                                                           \
+        int i = (int)(idx / units), u = (int)(idx % units);                                                \
+        long long row = ids ? ids[i] : (long long)(r0 + i);                                                \
+        long long row_bytes = (long long)(units / SUBS) * BYTES;                                           \
+        float v[32];                                                                                       \
+        dec_##NAME(w + row * row_bytes + (long long)(u / SUBS) * BYTES, u % SUBS, v);                      \
+        long long o = (long long)i * cols + (long long)u * 32;                                             \
+        if (half_out) {                                                                                    \
+            uint* oh = (uint*)((ushort*)out + o);                                                          \
+            _Pragma("unroll") for (int j = 0; j < 16; j++) oh[j] =                                         \
+                (uint)f2h(v[2 * j] * scale) | ((uint)f2h(v[2 * j + 1] * scale) << 16);                     \
+        } else {                                                                                           \
+            float4* of = (float4*)((float*)out + o);                                                       \
+            _Pragma("unroll") for (int j = 0; j < 8; j++) of[j] =                                          \
+                make_float4(v[4 * j] * scale, v[4 * j + 1] * scale, v[4 * j + 2] * scale, v[4 * j + 3] * scale); \
+        }                                                                                                  \
+    }
+
+QMATVEC(q8_0, 34, 1)
+QMATVEC(q4_0, 18, 1)
+QMATVEC(q4_1, 20, 1)
+QMATVEC(q5_0, 22, 1)
+QMATVEC(q5_1, 24, 1)
+QMATVEC(q2_k, 84, 8)
+QMATVEC(q3_k, 110, 8)
+QMATVEC(q4_k, 144, 8)
+QMATVEC(q5_k, 176, 8)
+QMATVEC(q6_k, 210, 8)
+
+// Float types: 8 elements (F16/BF16) or 4 (F32) per 128-bit load, lanes on consecutive loads.
+// Rows must be 16-byte aligned (cols a multiple of 8, weights in their own allocation: checked by
+// the caller). x in shared memory in natural order.
+__device__ __forceinline__ void unpack8_f16(uint4 p, float* v) {
+    uint w[4] = {p.x, p.y, p.z, p.w};
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        v[2 * i] = h2f((ushort)(w[i] & 0xffff));
+        v[2 * i + 1] = h2f((ushort)(w[i] >> 16));
+    }
+}
+__device__ __forceinline__ void unpack8_bf16(uint4 p, float* v) {
+    uint w[4] = {p.x, p.y, p.z, p.w};
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        v[2 * i] = __uint_as_float(w[i] << 16);
+        v[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+    }
+}
+__device__ __forceinline__ void unpack4_f32(uint4 p, float* v) {
+    v[0] = __uint_as_float(p.x);
+    v[1] = __uint_as_float(p.y);
+    v[2] = __uint_as_float(p.z);
+    v[3] = __uint_as_float(p.w);
+}
+
+#define FMATVEC(NAME, PER, ESIZE)                                                                         \
+    extern "C" __global__ void __launch_bounds__(256) matvec_##NAME(                                      \
+        float* __restrict__ out, const uchar* __restrict__ w0, const uchar* __restrict__ w1,               \
+        const uchar* __restrict__ w2, int rows0, int rows1, int rows2, int cols,                           \
+        const float* __restrict__ x, const float* __restrict__ x2, const float* __restrict__ nw, float eps, \
+        int prologue, int accumulate) {                                                                    \
+        extern __shared__ float sx[];                                                                      \
+        load_x(sx, x, x2, nw, eps, cols, prologue, 0);                                                     \
+        int loads = cols / PER, rows = rows0 + rows1 + rows2;                                              \
+        long long row_bytes = (long long)cols * ESIZE;                                                     \
+        int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;                                              \
+        for (int r = blockIdx.x * 8 + warp; r < rows; r += gridDim.x * 8) {                                \
+            const uint4* w = (const uint4*)stacked_row(w0, w1, w2, rows0, rows1, r, row_bytes);            \
+            float acc = 0.f;                                                                               \
+            for (int u = lane; u < loads; u += 32) {                                                       \
+                float v[PER];                                                                              \
+                unpack##PER##_##NAME(w[u], v);                                                             \
+                _Pragma("unroll") for (int i = 0; i < PER; i++) acc = fmaf(v[i], sx[u * PER + i], acc);    \
+            }                                                                                              \
+            acc = warp_sum(acc);                                                                           \
+            if (lane == 0) out[r] = accumulate ? out[r] + acc : acc;                                       \
+        }                                                                                                  \
+    }                                                                                                      \
+    extern "C" __global__ void dequant_##NAME(void* __restrict__ out, const uchar* __restrict__ w,          \
+                                              const int* __restrict__ ids, int r0, int n, int cols,   \
+                                              int half_out, float scale) {                                 \
+        int loads = cols / PER;                                                                            \
+        long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;                                  \
+        if (idx >= (long long)n * loads) return;                                                           \
+        int i = (int)(idx / loads), u = (int)(idx % loads);                                                \
+        long long row = ids ? ids[i] : (long long)(r0 + i);                                                \
+        float v[PER];                                                                                      \
+        unpack##PER##_##NAME(((const uint4*)(w + row * (long long)cols * ESIZE))[u], v);                   \
+        long long o = (long long)i * cols + (long long)u * PER;                                            \
+        _Pragma("unroll") for (int j = 0; j < PER; j++) {                                                  \
+            if (half_out) ((ushort*)out)[o + j] = f2h(v[j] * scale);                                       \
+            else ((float*)out)[o + j] = v[j] * scale;                                                      \
+        }                                                                                                  \
+    }
+
+FMATVEC(f16, 8, 2)
+FMATVEC(bf16, 8, 2)
+FMATVEC(f32, 4, 4)

@@ -1,0 +1,317 @@
+"""Launch wrappers for the CUDA kernels (kernels/*.cu), on CuPy arrays. Needs a GPU.
+
+Conventions as the CPU backend's: output first, float32 activations, weights kept in their GGUF
+encoding on the GPU (`GpuWeight`). Shapes are given on every array argument.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import cupy as cp
+import numpy as np
+
+from engine.backends.cuda.kernels import kernel
+from engine.weights import Weight
+
+F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 = 0, 1, 2, 3, 6, 7, 8
+Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, BF16 = 10, 11, 12, 13, 14, 30
+
+# ggml type -> (kernel suffix, elements per block, bytes per block)
+TYPES = {
+    F32: ("f32", 1, 4),
+    F16: ("f16", 1, 2),
+    BF16: ("bf16", 1, 2),
+    Q8_0: ("q8_0", 32, 34),
+    Q4_0: ("q4_0", 32, 18),
+    Q4_1: ("q4_1", 32, 20),
+    Q5_0: ("q5_0", 32, 22),
+    Q5_1: ("q5_1", 32, 24),
+    Q2_K: ("q2_k", 256, 84),
+    Q3_K: ("q3_k", 256, 110),
+    Q4_K: ("q4_k", 256, 144),
+    Q5_K: ("q5_k", 256, 176),
+    Q6_K: ("q6_k", 256, 210),
+}
+SUPPORTED_TYPES = frozenset(TYPES)
+_FLOAT_TYPES = (F32, F16, BF16)
+
+MATVEC_THREADS = 256  # 8 warps, one row each at a time
+MATVEC_BLOCKS_PER_SM = 4
+ATTN_CHUNK = 256  # keys per split-K block
+NULL = np.uint64(0)  # a null pointer argument
+
+_i32, _f32 = np.int32, np.float32
+
+
+@dataclass(frozen=True)
+class GpuWeight:
+    """A weight's GGUF rows on the GPU: raw uint8 (rows, row_nbytes), in its own allocation."""
+
+    ggml_type: int
+    raw: cp.ndarray
+    rows: int
+    cols: int
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.raw.nbytes)
+
+
+class UnsupportedCudaWeightType(ValueError):
+    pass
+
+
+def check_type(ggml_type: int, cols: int) -> None:
+    """Raise UnsupportedCudaWeightType unless the kernels handle this type at this width."""
+    if ggml_type not in TYPES:
+        raise UnsupportedCudaWeightType(f"ggml type {ggml_type} has no CUDA kernel")
+    block = TYPES[ggml_type][1]
+    if ggml_type in _FLOAT_TYPES and cols % 8:
+        raise UnsupportedCudaWeightType(f"float weights need cols % 8 == 0 on CUDA, got {cols}")
+    if cols % max(block, 32):
+        raise UnsupportedCudaWeightType(f"cols {cols} is not a multiple of {max(block, 32)}")
+
+
+def upload(w: Weight, progress=None, chunk_bytes: int = 64 << 20) -> GpuWeight:
+    """Copy a Weight's rows to the GPU in chunks of about chunk_bytes; progress(nbytes) after each."""
+    check_type(w.ggml_type, w.cols)
+    raw = np.ascontiguousarray(w.raw)
+    dst = cp.empty(raw.shape, cp.uint8)
+    step = max(1, chunk_bytes // max(1, raw.shape[1]))
+    for r0 in range(0, raw.shape[0], step):
+        r1 = min(r0 + step, raw.shape[0])
+        dst[r0:r1].set(raw[r0:r1])
+        if progress is not None:
+            progress(int(raw[r0:r1].nbytes))
+    return GpuWeight(w.ggml_type, dst, w.rows, w.cols)
+
+
+def _sm_count() -> int:
+    dev = cp.cuda.Device()
+    return int(dev.attributes["MultiProcessorCount"])
+
+
+def _launch_matvec(name: str, grid: int, shared: int, args: tuple) -> None:
+    k = kernel(name, cp.cuda.Device().id)
+    if shared > 48 * 1024 and k.max_dynamic_shared_size_bytes < shared:
+        k.max_dynamic_shared_size_bytes = shared
+    k((grid,), (MATVEC_THREADS,), args, shared_mem=shared)
+
+
+def matvec(
+    out: cp.ndarray,
+    ws: list[GpuWeight],
+    x: cp.ndarray,
+    x2: cp.ndarray | None = None,
+    norm: cp.ndarray | None = None,
+    eps: float = 0.0,
+    prologue: int = 0,
+    accumulate: bool = False,
+) -> None:
+    """out (sum of rows,) (= or +=) [W0; W1; W2] @ act(x), one launch for up to 3 stacked weights.
+
+    Args:
+        ws: 1-3 weights of one type and one cols.
+        x: float32 (cols,); x2: (cols,) the up half for prologue 2/3.
+        norm: (cols,) RMSNorm weight for prologue 1.
+        prologue: 0 x, 1 rmsnorm(x) * norm, 2 silu(x) * x2, 3 gelu_tanh(x) * x2.
+    """
+    t, cols = ws[0].ggml_type, ws[0].cols
+    if not 1 <= len(ws) <= 3 or any(w.ggml_type != t or w.cols != cols for w in ws):
+        raise ValueError("matvec stacks 1-3 weights of one type and width")
+    rows = [w.rows for w in ws] + [0] * (3 - len(ws))
+    ptrs = [w.raw for w in ws] + [NULL] * (3 - len(ws))
+    total = sum(rows)
+    grid = max(1, min(-(-total // 8), _sm_count() * MATVEC_BLOCKS_PER_SM))
+    _launch_matvec(
+        "matvec_" + TYPES[t][0],
+        grid,
+        4 * cols,
+        (
+            out,
+            ptrs[0],
+            ptrs[1],
+            ptrs[2],
+            _i32(rows[0]),
+            _i32(rows[1]),
+            _i32(rows[2]),
+            _i32(cols),
+            x,
+            NULL if x2 is None else x2,
+            NULL if norm is None else norm,
+            _f32(eps),
+            _i32(prologue),
+            _i32(bool(accumulate)),
+        ),
+    )
+
+
+def dequant(
+    out: cp.ndarray,
+    w: GpuWeight,
+    ids: cp.ndarray | None = None,
+    r0: int = 0,
+    n: int | None = None,
+    scale: float = 1.0,
+) -> None:
+    """out (n, cols) float32 or float16 = rows ids (int32 (n,)) or r0..r0+n of w, times scale."""
+    n = int(ids.shape[0]) if ids is not None else (w.rows - r0 if n is None else n)
+    name, block, _ = TYPES[w.ggml_type]
+    per = (4 if w.ggml_type == F32 else 8) if w.ggml_type in _FLOAT_TYPES else 32
+    items = n * (w.cols // per)
+    half = out.dtype == cp.float16
+    kernel("dequant_" + name, cp.cuda.Device().id)(
+        (-(-items // 256),),
+        (256,),
+        (out, w.raw, NULL if ids is None else ids, _i32(r0), _i32(n), _i32(w.cols), _i32(half), _f32(scale)),
+    )
+
+
+def _grid1(n: int, threads: int = 256) -> tuple[tuple[int], tuple[int]]:
+    return (max(1, -(-n // threads)),), (threads,)
+
+
+def rmsnorm(out, x, w, eps: float, add_one: bool = False, accumulate: bool = False) -> None:
+    """out (n, dim) (= or +=) rmsnorm(x (n, dim)) * (w or 1 + w)."""
+    n, dim = x.shape
+    kernel("rmsnorm", cp.cuda.Device().id)(
+        (n,), (256,), (out, x, w, _i32(dim), _f32(eps), _i32(add_one), _i32(accumulate))
+    )
+
+
+def rope_store(
+    q,
+    k,
+    v,
+    k_cache,
+    v_cache,
+    pos,
+    inv_freq,
+    n_rot: int,
+    neox: bool,
+    eps: float = 0.0,
+    q_norm=None,
+    k_norm=None,
+) -> None:
+    """RoPE q (n, H, hd) in place, write rotated k and v (n, KV, hd) into one layer's caches
+    (KV, n_ctx, hd) at positions pos[0]..; per-head q/k RMSNorm first when q_norm/k_norm are given."""
+    n, H, hd = q.shape
+    KV = k.shape[1]
+    threads = max(32, min(256, -(-hd // 2 // 32) * 32))
+    kernel("rope_store", cp.cuda.Device().id)(
+        (H + KV, n),
+        (threads,),
+        (
+            q,
+            k,
+            v,
+            k_cache,
+            v_cache,
+            pos,
+            inv_freq,
+            NULL if q_norm is None else q_norm,
+            NULL if k_norm is None else k_norm,
+            _i32(H),
+            _i32(KV),
+            _i32(hd),
+            _i32(n_rot),
+            _i32(neox),
+            _i32(k_cache.shape[1]),
+            _f32(eps),
+            _i32(k_cache.dtype == cp.float16),
+        ),
+    )
+
+
+def attention(
+    out,
+    q,
+    k_cache,
+    v_cache,
+    pos,
+    scale: float,
+    n_keys_max: int,
+    window: int = 0,
+    parts: tuple[cp.ndarray, cp.ndarray] | None = None,
+) -> None:
+    """Split-K attention of q (n, H, hd), query t at position pos[0] + t, over one layer's caches.
+
+    n_keys_max: an upper bound on positions seen (sets the number of splits; a captured decode step
+    passes the cache size). parts: optional preallocated (acc (n*H*S*hd,), ml (n*H*S*2,)) float32.
+    """
+    n, H, hd = q.shape
+    KV, n_ctx, _ = k_cache.shape
+    S = max(1, -(-n_keys_max // ATTN_CHUNK))
+    if parts is None:
+        parts = (cp.empty(n * H * S * hd, cp.float32), cp.empty(n * H * S * 2, cp.float32))
+    acc, ml = parts
+    dev = cp.cuda.Device().id
+    kernel("attn_split", dev)(
+        (H, S, n),
+        (128,),
+        (
+            acc,
+            ml,
+            q,
+            k_cache,
+            v_cache,
+            pos,
+            _i32(H),
+            _i32(KV),
+            _i32(hd),
+            _i32(n_ctx),
+            _f32(scale),
+            _i32(window),
+            _i32(ATTN_CHUNK),
+            _i32(k_cache.dtype == cp.float16),
+        ),
+    )
+    kernel("attn_reduce", dev)(
+        (H, n), (min(256, -(-hd // 32) * 32),), (out, acc, ml, _i32(H), _i32(S), _i32(hd))
+    )
+
+
+def glu(out, gate, up, gelu: bool) -> None:
+    """out = silu(gate) * up (SwiGLU) or gelu_tanh(gate) * up (GeGLU); float32 arrays of one size."""
+    n = out.size
+    kernel("glu", cp.cuda.Device().id)(*_grid1(n), (out, gate, up, np.int64(n), _i32(gelu)))
+
+
+def add_inplace(x, y) -> None:
+    kernel("add_inplace", cp.cuda.Device().id)(*_grid1(x.size), (x, y, np.int64(x.size)))
+
+
+def to_half(out, x) -> None:
+    kernel("to_half", cp.cuda.Device().id)(*_grid1(x.size), (out, x, np.int64(x.size)))
+
+
+def softcap(x, cap: float) -> None:
+    kernel("softcap", cp.cuda.Device().id)(*_grid1(x.size), (x, _f32(cap), np.int64(x.size)))
+
+
+def bump(pos, by: int = 1) -> None:
+    kernel("bump", cp.cuda.Device().id)((1,), (32,), (pos, _i32(by)))
+
+
+def argmax(token, x) -> None:
+    """token int32 (1,) = argmax of x float32 (n,) (first index on ties, as numpy)."""
+    kernel("argmax", cp.cuda.Device().id)((1,), (1024,), (token, x, _i32(x.size)))
+
+
+def sample_topk(token, x, k: int, temp: float, top_p: float, u: float) -> None:
+    """token int32 (1,) drawn from softmax(top-k of x / temp), cut to top_p, with uniform u in [0, 1)."""
+    k = max(1, min(int(k), 256, x.size))
+    kernel("sample_topk", cp.cuda.Device().id)(
+        (1,), (1024,), (token, x, _i32(x.size), _i32(k), _f32(temp), _f32(top_p), _f32(u))
+    )
+
+
+def linear_prefill(out, w: GpuWeight, x16, scratch, tile_rows: int) -> None:
+    """out (n, rows) float32 = x16 (n, cols) @ W.T: tiles of W dequantized into scratch (float16 or
+    float32, >= tile_rows * cols elements) and multiplied by cuBLAS; x16 has scratch's dtype."""
+    for r0 in range(0, w.rows, tile_rows):
+        r1 = min(r0 + tile_rows, w.rows)
+        tile = scratch[: (r1 - r0) * w.cols].reshape(r1 - r0, w.cols)
+        dequant(tile, w, r0=r0, n=r1 - r0)
+        out[:, r0:r1] = cp.matmul(x16, tile.T)
