@@ -39,6 +39,14 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_device_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--device",
+        default="cpu",
+        help="cpu, cuda or cuda:N (GPU N); without CuPy or a GPU it runs on the CPU and says so",
+    )
+
+
 def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
     p.add_argument("-n", "--max-tokens", type=int, default=max_tokens)
     p.add_argument("--temperature", "--temp", type=float, default=0.7, help="0 = greedy")
@@ -72,6 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     run.add_argument("--system", default=None, help="system prompt (with --chat)")
     run.add_argument("--json", action="store_true", help="print one JSON object with text, ids and stats")
+    _add_device_arg(run)
 
     chat = sub.add_parser("chat", help="interactive multi-turn chat")
     _add_model_args(chat)
@@ -92,6 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
         "-r", "--repetitions", type=int, default=1, help="repeat prefill/decode, report the best"
     )
     bench.add_argument("--json", action="store_true")
+    _add_device_arg(bench)
     bench.add_argument(
         "--chat",
         action="store_true",

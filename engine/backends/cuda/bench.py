@@ -1,0 +1,98 @@
+"""`hearth bench --device cuda`: prefill and decode tok/s and decode's share of peak memory bandwidth.
+
+Decode bytes per token = every weight byte read once (the matvecs read each matrix in full) plus
+the KV cache positions read by attention; the fraction is bytes/token / time/token / peak, with
+peak = memoryClockRate (kHz) * 1e3 * 2 (DDR) * busWidth (bits) / 8 from the device attributes.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+
+def peak_bandwidth(device: int = 0) -> float:
+    """Theoretical DRAM bandwidth of a CUDA device in bytes/s."""
+    import cupy as cp
+
+    attrs = cp.cuda.Device(device).attributes
+    return float(attrs["MemoryClockRate"]) * 1e3 * 2 * float(attrs["GlobalMemoryBusWidth"]) / 8
+
+
+def kv_bytes_read(cfg, positions: float, itemsize: int) -> float:
+    """K and V bytes attention reads at one decode step that sees `positions` keys, all layers."""
+    per_pos = 2 * cfg.num_key_value_heads * cfg.head_dim * itemsize
+    total = 0.0
+    for i in range(cfg.num_hidden_layers):
+        window = None
+        if hasattr(cfg, "layer_types") and cfg.layer_types[i] == "sliding_attention":
+            window = cfg.sliding_window
+        total += per_pos * (min(positions, window) if window else positions)
+    return total
+
+
+def bench_decoder(
+    dec, prompt: list[int], n_gen: int, n_ctx: int, repetitions: int = 1, kv_dtype=np.float16
+) -> dict:
+    """Best-of-repetitions prefill and greedy decode (GPU argmax, CUDA graph) on a CudaDecoder."""
+    import cupy as cp
+
+    best = {"prefill_tps": 0.0, "decode_tps": 0.0, "ttft_s": float("inf")}
+    for _ in range(repetitions + 1):  # the first round warms up (kernels, graph capture, cuBLAS)
+        cache = dec.new_cache(n_ctx, kv_dtype)
+        cp.cuda.Device(dec.device).synchronize()
+        t0 = time.perf_counter()
+        logits = dec.forward(prompt, cache)
+        token = int(np.argmax(logits[-1]))
+        ttft = time.perf_counter() - t0
+        token = dec.greedy_step(token, cache)  # captures the graph outside the timed loop
+        t1 = time.perf_counter()
+        for _ in range(n_gen):
+            token = dec.greedy_step(token, cache)
+        decode_s = time.perf_counter() - t1
+        if _ == 0:
+            continue
+        best["prefill_tps"] = max(best["prefill_tps"], len(prompt) / ttft)
+        best["ttft_s"] = min(best["ttft_s"], ttft)
+        best["decode_tps"] = max(best["decode_tps"], n_gen / decode_s)
+    cfg = dec.cfg
+    mean_pos = len(prompt) + 1 + n_gen / 2
+    bytes_per_token = dec.weight_bytes + kv_bytes_read(cfg, mean_pos, np.dtype(kv_dtype).itemsize)
+    peak = peak_bandwidth(dec.device)
+    best["decode_bytes_per_token"] = bytes_per_token
+    best["decode_bandwidth_gbs"] = bytes_per_token * best["decode_tps"] / 1e9
+    best["peak_bandwidth_gbs"] = peak / 1e9
+    best["decode_bandwidth_fraction"] = bytes_per_token * best["decode_tps"] / peak
+    return best
+
+
+def cmd_bench_cuda(args, lm, load_s: float) -> dict:
+    """The figures `hearth bench --device cuda` prints, for a model already placed on the GPU."""
+    import cupy as cp
+
+    from engine.commands import bench_prompt
+
+    dec = lm.model
+    n_ctx = min(args.ctx, lm.context_length)
+    prompt = bench_prompt(lm, args.prompt_tokens)
+    r = bench_decoder(dec, prompt, args.gen_tokens, n_ctx, args.repetitions)
+    props = cp.cuda.runtime.getDeviceProperties(dec.device)
+    name = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
+    return {
+        "model": lm.name,
+        "file": str(lm.path),
+        "file_mb": round(lm.file_size / 2**20, 1),
+        "device": f"cuda:{dec.device} ({name})",
+        "load_s": round(load_s, 3),
+        "prefill_tokens": args.prompt_tokens,
+        "prefill_tps": round(r["prefill_tps"], 2),
+        "decode_tokens": args.gen_tokens,
+        "decode_tps": round(r["decode_tps"], 2),
+        "ttft_s": round(r["ttft_s"], 4),
+        "decode_gb_per_token": round(r["decode_bytes_per_token"] / 1e9, 4),
+        "decode_bandwidth_gbs": round(r["decode_bandwidth_gbs"], 1),
+        "peak_bandwidth_gbs": round(r["peak_bandwidth_gbs"], 1),
+        "decode_bandwidth_fraction": round(r["decode_bandwidth_fraction"], 3),
+        "vram_used_mb": round(cp.get_default_memory_pool().used_bytes() / 2**20, 1),
+    }

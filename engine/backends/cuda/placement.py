@@ -1,0 +1,39 @@
+"""Put a loaded model on the device a `--device` option asks for (CPU fallback with a notice)."""
+
+from __future__ import annotations
+
+import sys
+
+from engine.backends.cuda.device import DeviceChoice, choose_device
+
+
+def place_model(lm, spec: str | None, n_ctx: int = 4096, notify=None, progress=None) -> DeviceChoice:
+    """Move lm.model (a LoadedModel's CPU model) to the GPU when spec asks for CUDA and CUDA works.
+
+    Args:
+        lm: an engine.loader.LoadedModel; lm.model is replaced by a CudaDecoder on success.
+        spec: "cpu", "cuda", "cuda:N" or None (cpu).
+        n_ctx: context the VRAM estimate plans for.
+        notify: called with the fallback notice (default: print to stderr as `hearth: ...`).
+        progress: progress(done_bytes, total_bytes) while weights upload.
+
+    Returns:
+        the DeviceChoice made (its notice set when CUDA was asked for and is not usable).
+
+    Raises:
+        DeviceSpecError, CudaOutOfMemoryError, UnsupportedCudaModelError.
+    """
+    choice = choose_device(spec)
+    if choice.notice:
+        (notify or (lambda text: print(f"hearth: {text}", file=sys.stderr)))(choice.notice)
+    if choice.device.kind == "cuda":
+        from engine.backends.cuda.decoder import CudaDecoder
+
+        lm.model = CudaDecoder(lm.model, device=choice.device.index, n_ctx=n_ctx, progress=progress)
+    return choice
+
+
+def upload_progress(done: int, total: int) -> None:
+    """A stderr progress line for weight uploads, redrawn in place."""
+    end = "\n" if done >= total else ""
+    print(f"\ruploading weights: {done * 100 // max(total, 1):3d}%", end=end, file=sys.stderr, flush=True)
