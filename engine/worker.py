@@ -290,6 +290,7 @@ def serve(conn) -> None:
     inbox: queue.Queue = queue.Queue()
     cancelled: set[int] = set()
     stopping = threading.Event()
+    loading = threading.Event()  # a load request is running
     busy = threading.Event()
     runners: dict[str, ChatRunner] = {}
 
@@ -322,6 +323,10 @@ def serve(conn) -> None:
                 inbox.put((op, req_id, payload))
             if op == "shutdown":
                 stopping.set()
+                if loading.is_set():
+                    # a model load cannot stop half-way and has nothing to keep: leave at once
+                    # instead of holding the app's exit until the load is over
+                    os._exit(0)
                 return
 
     threading.Thread(target=listen, name="hearth-listener", daemon=True).start()
@@ -332,9 +337,13 @@ def serve(conn) -> None:
         busy.set()
         try:
             if op == "load":
-                runner = ChatRunner.load(
-                    payload["model"], payload["options"], lambda p, r=req_id: send("progress", r, p)
-                )
+                loading.set()
+                try:
+                    runner = ChatRunner.load(
+                        payload["model"], payload["options"], lambda p, r=req_id: send("progress", r, p)
+                    )
+                finally:
+                    loading.clear()
                 old = runners.pop(runner.key, None)
                 runners[runner.key] = runner  # the newest model is the default one
                 del old

@@ -181,3 +181,20 @@ def test_killed_worker_raises_then_restarts(client):
     _, last = _run(client, [{"role": "user", "content": "Hi"}], model="smol")  # restarts and reloads
     print(f"\nrestart + reload + reply: {time.perf_counter() - t0:.1f} s")
     assert client.pid != old_pid and last.finish_reason in ("stop", "length")
+
+
+def test_close_during_a_load_ends_the_worker_at_once(smollm2_path, tmp_path, monkeypatch):
+    # closing the app while a model loads: the worker leaves (exit code 0) instead of finishing the load
+    monkeypatch.setenv("HEARTH_HOME", str(tmp_path))
+    engine = EngineClient()
+    events = engine.load(smollm2_path, LoadOptions(n_ctx=512, name="smol"))
+    first = next(events)
+    assert isinstance(first, LoadProgress) and first.stage == "resolve"
+    proc = engine._proc
+    engine.close()
+    assert proc.exitcode == 0, "the worker should have left by itself, not been killed"
+    rest = []
+    with pytest.raises(WorkerDiedError):
+        for event in events:
+            rest.append(event)
+    assert not any(isinstance(e, ModelInfo) for e in rest), "the load was not cut short"
