@@ -39,7 +39,7 @@ def bench_decoder(
     import cupy as cp
 
     best = {"prefill_tps": 0.0, "decode_tps": 0.0, "ttft_s": float("inf")}
-    for _ in range(repetitions + 1):  # the first round warms up (kernels, graph capture, cuBLAS)
+    for rep in range(repetitions + 1):  # the first round warms up (kernels, graph capture, cuBLAS)
         cache = dec.new_cache(n_ctx, kv_dtype)
         cp.cuda.Device(dec.device).synchronize()
         t0 = time.perf_counter()
@@ -51,7 +51,7 @@ def bench_decoder(
         for _ in range(n_gen):
             token = dec.greedy_step(token, cache)
         decode_s = time.perf_counter() - t1
-        if _ == 0:
+        if rep == 0:
             continue
         best["prefill_tps"] = max(best["prefill_tps"], len(prompt) / ttft)
         best["ttft_s"] = min(best["ttft_s"], ttft)

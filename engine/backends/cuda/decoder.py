@@ -165,7 +165,8 @@ class CudaDecoder:
             self._upload(model, progress)
             self.stream = cp.cuda.Stream(non_blocking=True)
         self._graphs: dict = {}
-        self._steps: dict = {}
+        self._owner = None
+        self._step: _Step | None = None
         self.max_position_embeddings = cfg.max_position_embeddings
 
     # ---- loading -------------------------------------------------------------------------
@@ -261,20 +262,20 @@ class CudaDecoder:
         cache.check_room(1)
         with cp.cuda.Device(self.device), self.stream:
             logits = self._decode(int(token), cache, greedy=False)
-            step = self._steps[id(cache)]
-            ops.sample_topk(step.ids, logits, top_k, temp, top_p, u)
-            nxt = int(cp.asnumpy(step.ids, stream=self.stream)[0])
+            ops.sample_topk(self._step.ids, logits, top_k, temp, top_p, u)
+            nxt = int(cp.asnumpy(self._step.ids, stream=self.stream)[0])
         cache.advance([token])
         return nxt
 
     # ---- decode -----------------------------------------------------------------------------
     def _step_for(self, cache) -> _Step:
-        key = id(cache)
-        if key not in self._steps:
-            self._steps = {k: v for k, v in self._steps.items() if k == key}  # one cache at a time
+        # Buffers and graphs belong to one cache at a time (the graphs hold its pointers); the
+        # strong reference keeps a freed cache's memory from being reused under a stale graph.
+        if self._owner is not cache:
+            self._owner = cache
             self._graphs = {}
-            self._steps[key] = _Step(self.cfg, -(-cache.n_ctx // ops.ATTN_CHUNK))
-        return self._steps[key]
+            self._step = _Step(self.cfg, -(-cache.n_ctx // ops.ATTN_CHUNK))
+        return self._step
 
     def _decode(self, token: int, cache: CudaKVCache, greedy: bool):
         step = self._step_for(cache)
@@ -283,7 +284,7 @@ class CudaDecoder:
         if not self.use_graphs:
             self._decode_kernels(step, cache, greedy)
             return step if greedy else step.logits
-        graph = self._graphs.get((id(cache), greedy))
+        graph = self._graphs.get(greedy)
         if graph is None:
             self._decode_kernels(step, cache, greedy)  # warm-up: every kernel loaded before capture
             step.ids[0] = token
@@ -293,7 +294,7 @@ class CudaDecoder:
                 self._decode_kernels(step, cache, greedy)
             finally:
                 graph = self.stream.end_capture()
-            self._graphs[(id(cache), greedy)] = graph
+            self._graphs[greedy] = graph
         graph.launch(self.stream)
         return step if greedy else step.logits
 

@@ -6,6 +6,7 @@ encoding on the GPU (`GpuWeight`). Shapes are given on every array argument.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import cupy as cp
@@ -88,8 +89,12 @@ def upload(w: Weight, progress=None, chunk_bytes: int = 64 << 20) -> GpuWeight:
 
 
 def _sm_count() -> int:
-    dev = cp.cuda.Device()
-    return int(dev.attributes["MultiProcessorCount"])
+    return _sm_count_of(cp.cuda.Device().id)
+
+
+@functools.cache
+def _sm_count_of(device: int) -> int:
+    return int(cp.cuda.runtime.deviceGetAttribute(cp.cuda.runtime.cudaDevAttrMultiProcessorCount, device))
 
 
 def _launch_matvec(name: str, grid: int, shared: int, args: tuple) -> None:
@@ -300,8 +305,10 @@ def argmax(token, x) -> None:
 
 
 def sample_topk(token, x, k: int, temp: float, top_p: float, u: float) -> None:
-    """token int32 (1,) drawn from softmax(top-k of x / temp), cut to top_p, with uniform u in [0, 1)."""
-    k = max(1, min(int(k), 256, x.size))
+    """token int32 (1,) drawn from softmax(top-k of x / temp), cut to top_p, with uniform u in [0, 1).
+
+    k is capped at 256 (the kernel's shared buffer); temp > 0 (temp 0 is argmax)."""
+    k = min(int(k) if k > 0 else 256, 256, x.size)  # top_k 0 (off) keeps the 256 most likely
     kernel("sample_topk", cp.cuda.Device().id)(
         (1,), (1024,), (token, x, _i32(x.size), _i32(k), _f32(temp), _f32(top_p), _f32(u))
     )

@@ -281,7 +281,11 @@ __device__ __forceinline__ void unpack4_f32(uint4 p, float* v) {
             for (int u = lane; u < loads; u += 32) {                                                       \
                 float v[PER];                                                                              \
                 unpack##PER##_##NAME(w[u], v);                                                             \
-                _Pragma("unroll") for (int i = 0; i < PER; i++) acc = fmaf(v[i], sx[u * PER + i], acc);    \
+                const float4* s4 = (const float4*)(sx + u * PER);                                          \
+                _Pragma("unroll") for (int i = 0; i < PER / 4; i++) {                                      \
+                    float4 a = s4[i];                                                                      \
+                    acc = fmaf(v[4 * i], a.x, fmaf(v[4 * i + 1], a.y, fmaf(v[4 * i + 2], a.z, fmaf(v[4 * i + 3], a.w, acc)))); \
+                }                                                                                          \
             }                                                                                              \
             acc = warp_sum(acc);                                                                           \
             if (lane == 0) out[r] = accumulate ? out[r] + acc : acc;                                       \

@@ -1,0 +1,147 @@
+"""The CUDA decoder against the CPU model of the same file: logits within tolerance, identical
+greedy tokens (tiny random llama/gemma3 files and both starter models). Needs a GPU."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from engine.loader import load_model
+from tests.engine.tiny_gemma3 import TinyGemmaSpec, write_tiny_gemma3
+from tests.engine.tiny_models import T, TinySpec, write_tiny_gguf
+
+pytestmark = pytest.mark.cuda
+
+PROMPT = [72, 101, 108, 108, 111, 44, 32, 119, 111, 114, 108, 100, 33, 32, 116, 104, 101, 32, 99, 97]
+
+
+def _rel(a, b) -> float:
+    return float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
+
+
+def _cpu_greedy(model, prompt, n):
+    cache = model.new_cache(128)
+    logits = model.forward(prompt, cache)
+    out = [int(np.argmax(logits[-1]))]
+    for _ in range(n - 1):
+        out.append(int(np.argmax(model.forward([out[-1]], cache)[-1])))
+    return out
+
+
+def _gpu_greedy(dec, prompt, n, kv=np.float32):
+    cache = dec.new_cache(128, kv)
+    logits = dec.forward(prompt, cache)
+    out = [int(np.argmax(logits[-1]))]
+    for _ in range(n - 1):
+        out.append(dec.greedy_step(out[-1], cache))
+    return out
+
+
+def _check(model, prompt, n_tokens=16, logit_tol=1e-3):
+    from engine.backends.cuda.decoder import CudaDecoder
+
+    dec = CudaDecoder(model, n_ctx=128, prefill_dtype="float32")
+    cpu_cache, gpu_cache = model.new_cache(128), dec.new_cache(128, np.float32)
+    ref = model.forward(prompt, cpu_cache, all_logits=True)
+    got = dec.forward(prompt, gpu_cache, all_logits=True)
+    assert got.shape == ref.shape and _rel(got, ref) < logit_tol
+    # one decode step through the captured graph and through plain launches agree with the CPU
+    nxt = int(np.argmax(ref[-1]))
+    step_ref = model.forward([nxt], cpu_cache)
+    plain = CudaDecoder(model, n_ctx=128, prefill_dtype="float32", use_graphs=False)
+    plain_cache = plain.new_cache(128, np.float32)
+    plain.forward(prompt, plain_cache)
+    a = dec.forward([nxt], gpu_cache)
+    b = plain.forward([nxt], plain_cache)
+    assert _rel(a, step_ref) < logit_tol
+    np.testing.assert_array_equal(a, b)
+    assert _gpu_greedy(dec, prompt, n_tokens) == _cpu_greedy(model, prompt, n_tokens)
+    # the fast defaults (float16 prefill tiles and KV cache) stay close and pick the same first token
+    fast = CudaDecoder(model, n_ctx=128)
+    logits16 = fast.forward(prompt, fast.new_cache(128))
+    assert _rel(logits16[-1], ref[-1]) < 5e-2
+    assert int(np.argmax(logits16[-1])) == nxt
+    return dec
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        TinySpec(),
+        TinySpec(matrix_type=T.Q8_0, seed=1, heads=8, kv_heads=2),
+        TinySpec(arch="qwen2", qkv_bias=True, seed=2),
+    ],
+    ids=["f32", "q8_0", "qwen2"],
+)
+def test_tiny_llama(gpu, tmp_path, spec):
+    path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(path, spec)
+    _check(load_model(path).model, PROMPT)
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        TinyGemmaSpec(),
+        TinyGemmaSpec(matrix_type=T.Q8_0, seed=5),
+        TinyGemmaSpec(pattern=2, layers=4, final_softcap=3.0, seed=4),
+    ],
+    ids=["f32", "q8_0", "final-softcap"],
+)
+def test_tiny_gemma3(gpu, tmp_path, spec):
+    path = tmp_path / "tiny-gemma3.gguf"
+    write_tiny_gemma3(path, spec)
+    _check(load_model(path).model, [258] + PROMPT)
+
+
+@pytest.mark.slow
+def test_smollm2_starter(gpu, smollm2_path):
+    lm = load_model(smollm2_path)
+    _check(lm.model, lm.tokenizer.encode("The capital of France is", add_special=True), 24, 2e-3)
+
+
+@pytest.mark.slow
+def test_gemma3_starter(gpu, gemma3_path):
+    lm = load_model(gemma3_path)
+    _check(lm.model, lm.tokenizer.encode("The capital of France is", add_special=True), 24, 2e-3)
+
+
+def test_vram_estimate_too_large_is_a_typed_error(gpu, tmp_path, monkeypatch):
+    import cupy as cp
+
+    from engine.backends.cuda.decoder import CudaDecoder
+    from engine.backends.cuda.device import CudaOutOfMemoryError
+
+    path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(path, TinySpec())
+    monkeypatch.setattr(cp.cuda.runtime, "memGetInfo", lambda: (1 << 20, 1 << 30))
+    with pytest.raises(CudaOutOfMemoryError, match="--device cpu"):
+        CudaDecoder(load_model(path).model)
+
+
+def test_upload_progress_and_run_on_gpu(gpu, tmp_path, capsys):
+    from engine.backends.cuda.placement import place_model
+
+    path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(path, TinySpec())
+    lm = load_model(path)
+    seen = []
+    choice = place_model(lm, "cuda", n_ctx=64, progress=lambda done, total: seen.append((done, total)))
+    assert str(choice.device) == "cuda:0" and choice.notice is None
+    assert seen and seen[-1][0] == seen[-1][1] and all(a <= b for (a, _), (b, _) in zip(seen, seen[1:]))
+    from engine.cli import main
+
+    assert main(["run", "-m", str(path), "--device", "cuda", "--temperature", "0", "-n", "4", "ab"]) == 0
+    assert "CUDA unavailable" not in capsys.readouterr().err
+
+
+def test_bench_reports_bandwidth_fraction(gpu, smollm2_path, capsys):
+    import json
+
+    from engine.cli import main
+
+    argv = ["bench", "-m", str(smollm2_path), "--device", "cuda", "-p", "64", "-g", "32", "--json"]
+    assert main(argv) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["device"].startswith("cuda:0") and out["decode_tps"] > 0 and out["prefill_tps"] > 0
+    assert 0 < out["decode_bandwidth_fraction"] < 1.5

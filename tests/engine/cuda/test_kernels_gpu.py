@@ -1,0 +1,197 @@
+"""Per-kernel parity of the CUDA backend with the CPU kernels on random data (needs a GPU)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from engine.backends import cpu
+from engine.quant.encode import dequantize, quantize
+from engine.weights import Weight
+
+pytestmark = pytest.mark.cuda
+
+# ggml id -> elements per block
+TYPES = {0: 1, 1: 1, 30: 1, 8: 32, 2: 32, 3: 32, 6: 32, 7: 32, 10: 256, 11: 256, 12: 256, 13: 256, 14: 256}
+
+
+def _weight(t: int, rows: int, cols: int, seed: int) -> tuple[Weight, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    m = (rng.standard_normal((rows, cols)) * rng.uniform(0.05, 1.0, (rows, 1))).astype(np.float32)
+    raw = quantize(t, m)
+    return Weight(t, raw, rows, cols), dequantize(t, raw, cols)
+
+
+def _rel(a, b) -> float:
+    return float(np.max(np.abs(np.asarray(a) - np.asarray(b))) / max(np.max(np.abs(b)), 1e-30))
+
+
+@pytest.mark.parametrize("t", sorted(TYPES))
+def test_matvec_and_dequant_match_cpu(gpu, t):
+    import cupy as cp
+
+    from engine.backends.cuda import ops
+
+    rows, cols = 77, 512  # rows not a multiple of the 8 warps of a block
+    w, dense = _weight(t, rows, cols, t)
+    x = np.random.default_rng(1).standard_normal((1, cols)).astype(np.float32)
+    ref = np.empty((1, rows), np.float32)
+    cpu.linear(ref, w, x)
+    gw = ops.upload(w)
+    out = cp.empty(rows, cp.float32)
+    ops.matvec(out, [gw], cp.asarray(x[0]))
+    assert _rel(out.get(), ref[0]) < 1e-4, t  # CPU kernels quantize x to int16 per 32 (~1e-5)
+    np.testing.assert_allclose(out.get(), dense @ x[0], rtol=0, atol=2e-5 * np.abs(dense).sum(1).max())
+    # dequant of all rows (float32 and float16) and of picked rows (embedding lookup)
+    full = cp.empty((rows, cols), cp.float32)
+    ops.dequant(full, gw)
+    # the GPU may contract d * q - m into one FMA: last-bit differences
+    np.testing.assert_allclose(full.get(), dense, rtol=1e-6, atol=1e-7 * np.abs(dense).max())
+    half = cp.empty((rows, cols), cp.float16)
+    ops.dequant(half, gw)
+    np.testing.assert_allclose(
+        half.get().astype(np.float32), dense, rtol=1e-3, atol=1e-4 * np.abs(dense).max()
+    )
+    ids = np.array([5, 0, 76, 5], np.int32)
+    picked = cp.empty((4, cols), cp.float32)
+    ops.dequant(picked, gw, ids=cp.asarray(ids), scale=2.0)
+    np.testing.assert_allclose(picked.get(), dense[ids] * 2.0, rtol=1e-6)
+
+
+@pytest.mark.parametrize("t", [12, 8, 1])
+def test_stacked_matvec_prologues_and_accumulate(gpu, t):
+    import cupy as cp
+
+    from engine.backends.cuda import ops
+
+    cols = 512
+    parts = [_weight(t, r, cols, 10 + r) for r in (64, 16, 16)]
+    dense = np.concatenate([d for _, d in parts])
+    rng = np.random.default_rng(3)
+    x, x2, nw = (rng.standard_normal(cols).astype(np.float32) for _ in range(3))
+    eps = 1e-5
+    normed = x / np.sqrt(np.mean(x * x) + eps) * nw
+    silu = x / (1 + np.exp(-x)) * x2
+    c = np.sqrt(2 / np.pi)
+    gelu = 0.5 * x * (1 + np.tanh(c * (x + 0.044715 * x**3))) * x2
+    ws = [ops.upload(w) for w, _ in parts]
+    gx, gx2, gnw = cp.asarray(x), cp.asarray(x2), cp.asarray(nw)
+    scale = np.abs(dense).sum(1).max() * 4e-6
+    for prologue, act in ((0, x), (1, normed), (2, silu), (3, gelu)):
+        out = cp.empty(96, cp.float32)
+        ops.matvec(out, ws, gx, x2=gx2, norm=gnw, eps=eps, prologue=prologue)
+        np.testing.assert_allclose(out.get(), dense @ act, rtol=0, atol=scale * (1 + np.abs(act).max()))
+    base = np.random.default_rng(4).standard_normal(96).astype(np.float32)
+    out = cp.asarray(base)
+    ops.matvec(out, ws, gx, accumulate=True)
+    np.testing.assert_allclose(out.get(), base + dense @ x, rtol=0, atol=scale * (1 + np.abs(x).max()))
+
+
+@pytest.mark.parametrize("add_one", [False, True])
+def test_rmsnorm(gpu, add_one):
+    import cupy as cp
+
+    from engine.backends.cuda import ops
+
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((3, 640)).astype(np.float32)
+    w = rng.standard_normal(640).astype(np.float32)
+    ref = np.empty_like(x)
+    cpu.rmsnorm(ref, x, (1 + w) if add_one else w, 1e-6)
+    out = cp.empty((3, 640), cp.float32)
+    ops.rmsnorm(out, cp.asarray(x), cp.asarray(w), 1e-6, add_one=add_one)
+    np.testing.assert_allclose(out.get(), ref, rtol=1e-5, atol=1e-6)
+    acc = cp.ones((3, 640), cp.float32)
+    ops.rmsnorm(acc, cp.asarray(x), cp.asarray(w), 1e-6, add_one=add_one, accumulate=True)
+    np.testing.assert_allclose(acc.get(), ref + 1, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("kv_dtype", [np.float32, np.float16])
+@pytest.mark.parametrize("neox,window,qk_norm", [(False, 0, False), (True, 0, True), (True, 5, True)])
+def test_rope_store_and_attention_match_cpu(gpu, kv_dtype, neox, window, qk_norm):
+    import cupy as cp
+
+    from engine.backends.cuda import ops
+    from engine.rope import rope_inv_freq
+
+    H, KV, hd, n_ctx, pos0, n = 8, 2, 64, 600, 517, 3  # 517 + 3 keys: three splits of 256
+    rng = np.random.default_rng(6)
+    q = rng.standard_normal((n, H, hd)).astype(np.float32)
+    k = rng.standard_normal((n, KV, hd)).astype(np.float32)
+    v = rng.standard_normal((n, KV, hd)).astype(np.float32)
+    kc = np.zeros((KV, n_ctx, hd), kv_dtype)
+    vc = np.zeros((KV, n_ctx, hd), kv_dtype)
+    kc[:, :pos0] = rng.standard_normal((KV, pos0, hd))
+    vc[:, :pos0] = rng.standard_normal((KV, pos0, hd))
+    inv = rope_inv_freq(hd, 10000.0)
+    qn = rng.standard_normal(hd).astype(np.float32) if qk_norm else None
+    kn = rng.standard_normal(hd).astype(np.float32) if qk_norm else None
+    # CPU reference: per-head norm, RoPE, cache write, attention (window through cache views)
+    qr, kr = q.copy(), k.copy()
+    if qk_norm:
+        cpu.rmsnorm(qr.reshape(-1, hd), qr.reshape(-1, hd), qn, 1e-6)
+        cpu.rmsnorm(kr.reshape(-1, hd), kr.reshape(-1, hd), kn, 1e-6)
+    positions = np.arange(pos0, pos0 + n)
+    cpu.rope(qr, positions, inv, hd, neox)
+    cpu.rope(kr, positions, inv, hd, neox)
+    kref, vref = kc.copy(), vc.copy()
+    kref[:, pos0 : pos0 + n] = kr.transpose(1, 0, 2)
+    vref[:, pos0 : pos0 + n] = v.transpose(1, 0, 2)
+    ref = np.empty_like(q)
+    scale = hd**-0.5
+    for i in range(n):
+        p = pos0 + i
+        start = max(0, p - window + 1) if window else 0
+        cpu.attention(ref[i : i + 1], qr[i : i + 1], kref[:, start:], vref[:, start:], p - start, scale)
+    gq, gk, gv = cp.asarray(q), cp.asarray(k), cp.asarray(v)
+    gkc, gvc = cp.asarray(kc), cp.asarray(vc)
+    pos = cp.asarray(np.array([pos0], np.int32))
+    ops.rope_store(
+        gq,
+        gk,
+        gv,
+        gkc,
+        gvc,
+        pos,
+        cp.asarray(inv),
+        hd,
+        neox,
+        1e-6,
+        None if qn is None else cp.asarray(qn),
+        None if kn is None else cp.asarray(kn),
+    )
+    tol = 1e-5 if kv_dtype == np.float32 else 1e-3
+    np.testing.assert_allclose(gq.get(), qr, rtol=tol, atol=tol)
+    np.testing.assert_allclose(gkc.get().astype(np.float32), kref.astype(np.float32), rtol=tol, atol=tol)
+    np.testing.assert_array_equal(gvc.get(), vref)
+    out = cp.empty((n, H, hd), cp.float32)
+    ops.attention(out, gq, gkc, gvc, pos, scale, pos0 + n, window)
+    np.testing.assert_allclose(out.get(), ref, rtol=1e-4, atol=10 * tol)
+
+
+def test_glu_argmax_and_sampling(gpu):
+    import cupy as cp
+
+    from engine.backends.cuda import ops
+
+    rng = np.random.default_rng(7)
+    g, u = rng.standard_normal(1000).astype(np.float32), rng.standard_normal(1000).astype(np.float32)
+    for gelu, fn in ((False, cpu.silu_mul), (True, cpu.gelu_tanh_mul)):
+        ref = np.empty_like(g)
+        fn(ref, g, u)
+        out = cp.empty(1000, cp.float32)
+        ops.glu(out, cp.asarray(g), cp.asarray(u), gelu)
+        np.testing.assert_allclose(out.get(), ref, rtol=1e-5, atol=1e-6)
+    logits = rng.standard_normal(50000).astype(np.float32)
+    logits[[123, 40000]] = 9.0  # a tie: the first index wins, as np.argmax
+    tok = cp.zeros(1, cp.int32)
+    ops.argmax(tok, cp.asarray(logits))
+    assert int(tok.get()[0]) == int(np.argmax(logits)) == 123
+    top5 = set(np.argsort(-logits, kind="stable")[:5].tolist())
+    seen = set()
+    for i in range(200):
+        ops.sample_topk(tok, cp.asarray(logits), 5, 1.0, 1.0, (i + 0.5) / 200)
+        seen.add(int(tok.get()[0]))
+    assert seen <= top5 and len(seen) > 1
+    ops.sample_topk(tok, cp.asarray(logits), 40, 1.0, 1e-6, 0.99)  # top_p tiny: only the best token
+    assert int(tok.get()[0]) == 123
