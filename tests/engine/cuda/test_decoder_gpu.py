@@ -95,14 +95,14 @@ def test_tiny_gemma3(gpu, tmp_path, spec):
 
 
 @pytest.mark.slow
-def test_smollm2_starter(gpu, smollm2_path):
-    lm = load_model(smollm2_path)
+def test_smollm2_starter(gpu, smollm2_gpu_path):
+    lm = load_model(smollm2_gpu_path)
     _check(lm.model, lm.tokenizer.encode("The capital of France is", add_special=True), 24, 2e-3)
 
 
 @pytest.mark.slow
-def test_gemma3_starter(gpu, gemma3_path):
-    lm = load_model(gemma3_path)
+def test_gemma3_starter(gpu, gemma3_gpu_path):
+    lm = load_model(gemma3_gpu_path)
     _check(lm.model, lm.tokenizer.encode("The capital of France is", add_special=True), 24, 2e-3)
 
 
@@ -135,12 +135,14 @@ def test_upload_progress_and_run_on_gpu(gpu, tmp_path, capsys):
     assert "CUDA unavailable" not in capsys.readouterr().err
 
 
-def test_bench_reports_bandwidth_fraction(gpu, smollm2_path, capsys):
+def test_bench_reports_bandwidth_fraction(gpu, tmp_path, capsys):
     import json
 
     from engine.cli import main
 
-    argv = ["bench", "-m", str(smollm2_path), "--device", "cuda", "-p", "64", "-g", "32", "--json"]
+    path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(path, TinySpec(ctx=256))
+    argv = ["bench", "-m", str(path), "--device", "cuda", "-p", "64", "-g", "32", "--ctx", "128", "--json"]
     assert main(argv) == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert out["device"].startswith("cuda:0") and out["decode_tps"] > 0 and out["prefill_tps"] > 0

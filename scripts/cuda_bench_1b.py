@@ -1,0 +1,215 @@
+"""CUDA decode/prefill benchmark on a randomly initialised Llama-3.2-1B-shaped model (GPU machine).
+
+Writes a GGUF per quantization with the repo's own encoder and writer (engine.quant.encode,
+engine.quant.gguf_writer): Llama-3.2-1B shapes (hidden 2048, ffn 8192, 16 layers, 32 heads / 8 KV
+heads of 64, vocab 128256, tied embeddings, RoPE base 500000). Every tensor is stored separately in
+the file (and so on the GPU); to keep the build fast, layers reuse the bytes of one random matrix
+per shape and the embedding tiles one random 4096-row block.
+
+For each file it measures, with engine.backends.cuda.bench.bench_decoder:
+  decode tok/s and the fraction of peak memory bandwidth (weights + KV bytes per token / time / peak);
+  prefill tok/s at --prompt tokens, against cupy float16 GEMMs of the same shapes (the 7 layer
+  matrices x 16 layers at --prompt rows): prefill_vs_cublas = GEMM time / our prefill time.
+
+Usage: python3 scripts/cuda_bench_1b.py --out results.json [--types Q4_K,Q8_0] [--prompt 512] [--gen 128]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+HIDDEN, FFN, LAYERS, HEADS, KV_HEADS, HEAD_DIM, VOCAB = 2048, 8192, 16, 32, 8, 64, 128256
+
+
+def _metadata() -> dict:
+    a = "llama"
+    return {
+        "general.architecture": a,
+        "general.name": "random Llama-3.2-1B shape",
+        f"{a}.block_count": LAYERS,
+        f"{a}.context_length": 131072,
+        f"{a}.embedding_length": HIDDEN,
+        f"{a}.feed_forward_length": FFN,
+        f"{a}.attention.head_count": HEADS,
+        f"{a}.attention.head_count_kv": KV_HEADS,
+        f"{a}.attention.key_length": HEAD_DIM,
+        f"{a}.rope.freq_base": 500000.0,
+        f"{a}.attention.layer_norm_rms_epsilon": 1e-5,
+    }
+
+
+def _shapes() -> dict[str, tuple[int, int]]:
+    q, kv = HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM
+    return {
+        "attn_q": (q, HIDDEN),
+        "attn_k": (kv, HIDDEN),
+        "attn_v": (kv, HIDDEN),
+        "attn_output": (HIDDEN, q),
+        "ffn_gate": (FFN, HIDDEN),
+        "ffn_up": (FFN, HIDDEN),
+        "ffn_down": (HIDDEN, FFN),
+    }
+
+
+def build_gguf(path: Path, qtype: str, seed: int = 0) -> float:
+    """Write the model quantized to qtype; returns seconds taken."""
+    from engine.quant.encode import quantize, type_id
+    from engine.quant.gguf_writer import GGUFWriter
+
+    t0 = time.perf_counter()
+    t = type_id(qtype)
+    rng = np.random.default_rng(seed)
+    blocks = {
+        name: quantize(t, rng.normal(0, 0.02, shape).astype(np.float32)) for name, shape in _shapes().items()
+    }
+    embd_block = quantize(t, rng.normal(0, 0.02, (4096, HIDDEN)).astype(np.float32))
+    embd = np.concatenate([embd_block] * (-(-VOCAB // 4096)))[:VOCAB]
+    norm = np.ones(HIDDEN, np.float32)
+    tensors = [("token_embd.weight", t, (VOCAB, HIDDEN)), ("output_norm.weight", 0, (HIDDEN,))]
+    for i in range(LAYERS):
+        p = f"blk.{i}."
+        tensors += [(p + "attn_norm.weight", 0, (HIDDEN,)), (p + "ffn_norm.weight", 0, (HIDDEN,))]
+        tensors += [(p + n + ".weight", t, s) for n, s in _shapes().items()]
+    with open(path, "wb") as fh:
+        w = GGUFWriter(fh, _metadata(), tensors)
+        w.write_header()
+        for name, _, _ in tensors:
+            if name == "token_embd.weight":
+                w.write_tensor(name, embd)
+            elif name.endswith("norm.weight"):
+                w.write_tensor(name, norm.view(np.uint8))
+            else:
+                w.write_tensor(name, blocks[name.split(".")[2]])
+        w.finish()
+    return time.perf_counter() - t0
+
+
+def open_model(path: Path):
+    """The CPU LlamaModel over the file (no tokenizer needed)."""
+    from engine.arch.llama import LlamaConfig, LlamaModel
+    from engine.loader import GGUFWeights
+    from models.formats.gguf import open_gguf
+
+    g = open_gguf(path)
+    return LlamaModel(LlamaConfig.from_gguf(g.metadata, VOCAB), GGUFWeights(g))
+
+
+def cublas_reference(n_tokens: int, repeats: int = 5) -> float:
+    """Seconds for the float16 GEMMs of one prefill (7 matrices x 16 layers at n_tokens rows), best of."""
+    import cupy as cp
+
+    x = {
+        c: cp.random.standard_normal((n_tokens, c), dtype=cp.float32).astype(cp.float16)
+        for c in (HIDDEN, FFN)
+    }
+    ws = [cp.random.standard_normal(s, dtype=cp.float32).astype(cp.float16) for s in _shapes().values()]
+    best = float("inf")
+    for _ in range(repeats + 1):
+        cp.cuda.Device().synchronize()
+        t0 = time.perf_counter()
+        for _ in range(LAYERS):
+            for w in ws:
+                cp.matmul(x[w.shape[1]], w.T)
+        cp.cuda.Device().synchronize()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def bench_file(path: Path, n_prompt: int, n_gen: int, repetitions: int) -> dict:
+    import cupy as cp
+
+    from engine.backends.cuda.bench import bench_decoder
+    from engine.backends.cuda.decoder import CudaDecoder
+
+    model = open_model(path)
+    n_ctx = n_prompt + n_gen + 8
+    t0 = time.perf_counter()
+    dec = CudaDecoder(model, n_ctx=n_ctx)
+    upload_s = time.perf_counter() - t0
+    prompt = np.random.default_rng(1).integers(0, VOCAB, n_prompt).tolist()
+    r = bench_decoder(dec, prompt, n_gen, n_ctx, repetitions)
+    # the same step launched kernel by kernel: what the CUDA graph saves
+    plain = {}
+    dec.use_graphs = False
+    cache = dec.new_cache(n_ctx)
+    dec.forward(prompt[:8], cache)
+    tok = 0
+    for _ in range(4):
+        tok = dec.greedy_step(tok, cache)
+    cp.cuda.Device().synchronize()
+    t1 = time.perf_counter()
+    for _ in range(32):
+        tok = dec.greedy_step(tok, cache)
+    plain["decode_tps_without_graph"] = 32 / (time.perf_counter() - t1)
+    dec.use_graphs = True
+    gemm_s = cublas_reference(n_prompt)
+    prefill_s = n_prompt / r["prefill_tps"]
+    out = {
+        "file_gb": round(path.stat().st_size / 1e9, 3),
+        "weights_gb": round(dec.weight_bytes / 1e9, 3),
+        "upload_s": round(upload_s, 2),
+        "prefill_tokens": n_prompt,
+        "prefill_tps": round(r["prefill_tps"], 1),
+        "prefill_s": round(prefill_s, 5),
+        "cublas_f16_gemm_s": round(gemm_s, 5),
+        "prefill_vs_cublas": round(gemm_s / prefill_s, 3),
+        "decode_tokens": n_gen,
+        "decode_tps": round(r["decode_tps"], 1),
+        "decode_tps_without_graph": round(plain["decode_tps_without_graph"], 1),
+        "decode_gb_per_token": round(r["decode_bytes_per_token"] / 1e9, 4),
+        "decode_bandwidth_gbs": round(r["decode_bandwidth_gbs"], 1),
+        "peak_bandwidth_gbs": round(r["peak_bandwidth_gbs"], 1),
+        "decode_bandwidth_fraction": round(r["decode_bandwidth_fraction"], 3),
+    }
+    del dec
+    cp.get_default_memory_pool().free_all_blocks()
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--types", default="Q4_K,Q8_0")
+    ap.add_argument("--prompt", type=int, default=512)
+    ap.add_argument("--gen", type=int, default=128)
+    ap.add_argument("--repetitions", type=int, default=3)
+    ap.add_argument("--workdir", default=None, help="where the GGUF files go (default: a temp dir)")
+    args = ap.parse_args()
+    import cupy as cp
+
+    props = cp.cuda.runtime.getDeviceProperties(0)
+    name = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
+    results: dict = {"device": name, "shape": "Llama-3.2-1B", "models": {}}
+    work = Path(args.workdir or tempfile.mkdtemp(prefix="hearth-1b-"))
+    work.mkdir(parents=True, exist_ok=True)
+    for qtype in args.types.split(","):
+        path = work / f"llama-1b-random.{qtype}.gguf"
+        entry: dict = {}
+        try:
+            entry["build_s"] = round(build_gguf(path, qtype), 1)
+            print(f"{qtype}: wrote {path} in {entry['build_s']} s", flush=True)
+            entry.update(bench_file(path, args.prompt, args.gen, args.repetitions))
+        except Exception as e:  # noqa: BLE001 - record the failure, keep the other types' figures
+            import traceback
+
+            entry["error"] = f"{type(e).__name__}: {e}"
+            traceback.print_exc()
+        finally:
+            path.unlink(missing_ok=True)
+        results["models"][qtype] = entry
+        print(json.dumps({qtype: entry}), flush=True)
+        Path(args.out).write_text(json.dumps(results, indent=2))
+    return 0 if all("error" not in e for e in results["models"].values()) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# The CUDA backend's GPU check, in one call on the GPU machine (about 5-8 minutes):
+#   1. the CUDA tests (tests/engine/cuda: kernel parity with the CPU kernels, decoder parity on tiny
+#      llama/qwen2/gemma3 files and on the starter models when they are cached, bench, fallback);
+#   2. scripts/cuda_bench_1b.py: a random Llama-3.2-1B-shaped model in Q4_K and Q8_0, decode tok/s and
+#      fraction of peak memory bandwidth, prefill at 512 tokens against cuBLAS float16 GEMMs.
+# Results: $OUT/cuda_results.json (bench figures + test summary), $OUT/cuda_check.log (everything
+# printed), $OUT/cuda_tests.xml (JUnit).
+#
+# The GPU machine's python3 has CuPy, numba, numpy, tokenizers, jinja2, pytest but not gguf or
+# platformdirs: run scripts/cuda_device_prepare.sh here first (wheels into .whl/), then e.g.
+#   run(command="bash scripts/cuda_device_check.sh", carry=[".whl"], timeout_s=540)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/hearth-cuda-out}
+mkdir -p "$OUT"
+exec > >(tee -a "$OUT/cuda_check.log") 2>&1
+PY=${PYTHON:-python3}
+if ls .whl/*.whl >/dev/null 2>&1; then
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/hearth-site \
+        .whl/*.whl || echo "wheel install failed"
+    export PYTHONPATH=/tmp/hearth-site
+fi
+export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD"
+export PYTHONUNBUFFERED=1 HEARTH_CUDA_OFFLINE=1
+export HEARTH_TEST_MODELS=${HEARTH_TEST_MODELS:-/tmp/hearth-test-models}
+export NUMBA_CACHE_DIR=/tmp/hearth-numba
+date
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv || true
+"$PY" -c "import cupy, numba, numpy; print('cupy', cupy.__version__, 'devices', cupy.cuda.runtime.getDeviceCount(), 'numba', numba.__version__, 'numpy', numpy.__version__)"
+
+echo "== CUDA tests"
+timeout 330 "$PY" -m pytest -q -p no:cacheprovider tests/engine/cuda -rs --durations=10 \
+    --junitxml="$OUT/cuda_tests.xml"
+TEST_RC=$?
+echo "tests rc=$TEST_RC"
+
+echo "== 1B-shape benchmark"
+timeout 210 "$PY" scripts/cuda_bench_1b.py --out "$OUT/cuda_results.json" --workdir /tmp/hearth-1b
+BENCH_RC=$?
+echo "bench rc=$BENCH_RC"
+
+"$PY" - "$OUT" "$TEST_RC" "$BENCH_RC" <<'PYEOF'
+import json, sys, xml.etree.ElementTree as ET
+from pathlib import Path
+out, test_rc, bench_rc = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+res_path = out / "cuda_results.json"
+res = json.loads(res_path.read_text()) if res_path.exists() else {}
+summary = {"rc": test_rc}
+try:
+    suite = ET.parse(out / "cuda_tests.xml").getroot()
+    suite = suite.find("testsuite") if suite.tag == "testsuites" else suite
+    summary.update({k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")})
+    summary["failed"] = [
+        f"{c.get('classname')}::{c.get('name')}" for c in suite.iter("testcase")
+        if c.find("failure") is not None or c.find("error") is not None
+    ]
+except Exception as e:  # noqa: BLE001
+    summary["junit_error"] = repr(e)
+res["tests"] = summary
+res["bench_rc"] = bench_rc
+res_path.write_text(json.dumps(res, indent=2))
+print(json.dumps(res, indent=2))
+PYEOF
+date
+exit $(( TEST_RC != 0 || BENCH_RC != 0 ))
