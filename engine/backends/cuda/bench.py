@@ -58,7 +58,7 @@ def bench_decoder(
         best["decode_tps"] = max(best["decode_tps"], n_gen / decode_s)
     cfg = dec.cfg
     mean_pos = len(prompt) + 1 + n_gen / 2
-    bytes_per_token = dec.weight_bytes + kv_bytes_read(cfg, mean_pos, np.dtype(kv_dtype).itemsize)
+    bytes_per_token = dec.decode_weight_bytes + kv_bytes_read(cfg, mean_pos, np.dtype(kv_dtype).itemsize)
     peak = peak_bandwidth(dec.device)
     best["decode_bytes_per_token"] = bytes_per_token
     best["decode_bandwidth_gbs"] = bytes_per_token * best["decode_tps"] / 1e9

@@ -162,7 +162,11 @@ class CudaDecoder:
             needed = estimate_vram(model, n_ctx)
             if needed > free:
                 raise CudaOutOfMemoryError(needed, free, self.device)
-            self._upload(model, progress)
+            try:
+                self._upload(model, progress)
+            except cp.cuda.memory.OutOfMemoryError:
+                cp.get_default_memory_pool().free_all_blocks()
+                raise CudaOutOfMemoryError(needed, free, self.device) from None
             self.stream = cp.cuda.Stream(non_blocking=True)
         self._graphs: dict = {}
         self._owner = None
@@ -222,11 +226,19 @@ class CudaDecoder:
         biggest = max(w.cols for w in uploaded.values())
         self._tile = cp.empty(max(PREFILL_TILE_ELEMS, biggest * 8), self.prefill_dtype)
         self.weight_bytes = total
+        # what one decode step reads: every layer matrix and the output projection in full, one
+        # embedding row (the whole embedding only when it is the tied output matrix)
+        layer_bytes = sum(
+            g[k].nbytes for g in self.layers for k in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
+        )
+        embd_row = 0 if self.token_embd is self.output else self.token_embd.nbytes // self.token_embd.rows
+        self.decode_weight_bytes = layer_bytes + self.output.nbytes + embd_row
 
     # ---- the Decoder interface --------------------------------------------------------------
     def new_cache(self, n_ctx: int, dtype=np.float16) -> CudaKVCache:
         cfg = self.cfg
-        with cp.cuda.Device(self.device):
+        # zeroed on the decoder's stream (a non-blocking stream does not wait for the default one)
+        with cp.cuda.Device(self.device), self.stream:
             return CudaKVCache(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, n_ctx, dtype)
 
     def forward(self, tokens, cache: CudaKVCache, all_logits: bool = False) -> np.ndarray:

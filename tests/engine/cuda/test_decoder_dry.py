@@ -1,0 +1,231 @@
+"""The CUDA decoder's host code run against a stand-in CuPy (numpy arrays, kernels that only check
+their arguments), so the launch code is exercised without a GPU.
+
+Every launch is checked against the kernel's parameter list as NVRTC compiled it (.param types in
+the PTX): the argument count, pointers for pointers, np.int32 for int, np.float32 for float (a plain
+Python int or float would reach the GPU as a 64-bit value), block sizes, dynamic shared memory. The
+decoder's control flow (prefill, graph capture, greedy and sampled steps, cache switches, the bench)
+runs end to end; the numbers it produces are meaningless, what matters is that nothing mismatches.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import re
+import sys
+import types
+
+import numpy as np
+import pytest
+
+from engine.backends.cuda import kernels
+from tests.engine.tiny_gemma3 import TinyGemmaSpec, write_tiny_gemma3
+from tests.engine.tiny_models import T, TinySpec, write_tiny_gguf
+
+
+class FakeArray(np.ndarray):
+    """numpy with CuPy's set/get."""
+
+    def set(self, a):
+        self[...] = a
+
+    def get(self, stream=None):
+        return np.array(self)
+
+
+def _wrap(a):
+    return np.asarray(a).view(FakeArray)
+
+
+class FakeKernel:
+    def __init__(self, name: str, params: list[str], launches: list):
+        self.name, self.params, self.launches = name, params, launches
+        self.max_dynamic_shared_size_bytes = 48 * 1024
+
+    def __call__(self, grid, block, args, shared_mem=0):
+        where = f"{self.name}{tuple(grid)}x{tuple(block)}"
+        assert len(args) == len(self.params), f"{where}: {len(args)} args for {len(self.params)} params"
+        for i, (a, p) in enumerate(zip(args, self.params)):
+            if isinstance(a, np.ndarray):
+                assert p == "u64", f"{where}: arg {i} is an array for a .{p} parameter"
+                assert a.flags.c_contiguous, f"{where}: arg {i} is not contiguous"
+            elif isinstance(a, (np.uint64, np.int64)):
+                assert p == "u64", f"{where}: arg {i} is 64-bit for a .{p} parameter"
+            elif isinstance(a, np.int32):
+                assert p == "u32", f"{where}: arg {i} is int32 for a .{p} parameter"
+            elif isinstance(a, np.float32):
+                assert p == "f32", f"{where}: arg {i} is float32 for a .{p} parameter"
+            else:
+                pytest.fail(f"{where}: arg {i} is {type(a).__name__} (needs a numpy scalar or an array)")
+        assert all(int(g) >= 1 for g in grid) and len(grid) <= 3
+        assert 1 <= int(np.prod(block)) <= 1024 and int(np.prod(block)) % 32 == 0, where
+        if self.name.startswith("matvec_"):
+            assert tuple(block) == (256,), where
+        assert shared_mem <= max(48 * 1024, self.max_dynamic_shared_size_bytes) <= 227 * 1024, where
+        self.launches.append(self.name)
+
+
+def _fake_cupy():
+    cp = types.ModuleType("cupy")
+    for name in ("float16", "float32", "int32", "uint8"):
+        setattr(cp, name, np.dtype(name).type)
+    cp.ndarray = FakeArray
+    cp.empty = lambda shape, dtype=np.float32: _wrap(np.zeros(shape, dtype))  # no NaN warnings
+    cp.zeros = lambda shape, dtype=np.float32: _wrap(np.zeros(shape, dtype))
+    cp.asarray = lambda a, dtype=None: _wrap(np.array(a, dtype=dtype))
+    cp.ascontiguousarray = lambda a: _wrap(np.ascontiguousarray(a))
+    cp.asnumpy = lambda a, stream=None: np.array(a)
+    cp.matmul = lambda a, b: _wrap(np.matmul(a, b))
+    pool = types.SimpleNamespace(free_all_blocks=lambda: None, used_bytes=lambda: 0)
+    cp.get_default_memory_pool = lambda: pool
+
+    class Device(contextlib.AbstractContextManager):
+        def __init__(self, index=0):
+            self.id = index
+            self.attributes = {"MemoryClockRate": 3_200_000, "GlobalMemoryBusWidth": 6144}
+
+        def __exit__(self, *exc):
+            return None
+
+        def synchronize(self):
+            pass
+
+    class Graph:
+        def __init__(self, launches):
+            self.launches = launches
+
+        def launch(self, stream=None):
+            pass
+
+    class Stream(contextlib.AbstractContextManager):
+        captures = []
+
+        def __init__(self, non_blocking=False):
+            pass
+
+        def __exit__(self, *exc):
+            return None
+
+        def begin_capture(self):
+            Stream.captures.append("begin")
+
+        def end_capture(self):
+            Stream.captures.append("end")
+            return Graph([])
+
+        def synchronize(self):
+            pass
+
+    runtime = types.SimpleNamespace(
+        memGetInfo=lambda: (80 << 30, 80 << 30),
+        getDeviceCount=lambda: 1,
+        cudaDevAttrMultiProcessorCount=16,
+        deviceGetAttribute=lambda attr, dev: 132,
+        getDeviceProperties=lambda dev: {"name": b"Fake GPU"},
+    )
+    memory = types.SimpleNamespace(OutOfMemoryError=MemoryError)
+    cp.cuda = types.SimpleNamespace(Device=Device, Stream=Stream, runtime=runtime, memory=memory, Graph=Graph)
+    return cp
+
+
+@pytest.fixture(scope="module")
+def ptx_params() -> dict[str, list[str]]:
+    try:
+        kernels._add_pip_nvrtc_path()
+        from cupy.cuda import nvrtc
+
+        nvrtc.getVersion()
+    except Exception as e:  # noqa: BLE001
+        pytest.skip(f"NVRTC cannot be loaded ({e})")
+    ptx = kernels.compile_ptx(kernels.full_source(), "hearth.cu")
+    return {
+        m.group(1): re.findall(r"\.param\s+\.(\w+)", m.group(2))
+        for m in re.finditer(r"\.entry\s+(\w+)\(([^)]*)\)", ptx)
+    }
+
+
+@pytest.fixture
+def fake(monkeypatch, ptx_params):
+    """engine.backends.cuda.{ops,decoder,bench} imported over the stand-in CuPy."""
+    cp = _fake_cupy()
+    monkeypatch.setitem(sys.modules, "cupy", cp)
+    for mod in ("engine.backends.cuda.ops", "engine.backends.cuda.decoder", "engine.backends.cuda.bench"):
+        monkeypatch.delitem(sys.modules, mod, raising=False)
+    ops = importlib.import_module("engine.backends.cuda.ops")
+    launches: list[str] = []
+    made: dict[str, FakeKernel] = {}
+
+    def kernel(name, device_id=0):
+        assert name in ptx_params, f"no kernel {name!r} in the compiled module"
+        return made.setdefault(name, FakeKernel(name, ptx_params[name], launches))
+
+    monkeypatch.setattr(ops, "kernel", kernel)
+    decoder = importlib.import_module("engine.backends.cuda.decoder")
+    bench = importlib.import_module("engine.backends.cuda.bench")
+    yield types.SimpleNamespace(cp=cp, ops=ops, decoder=decoder, bench=bench, launches=launches)
+    for mod in ("engine.backends.cuda.ops", "engine.backends.cuda.decoder", "engine.backends.cuda.bench"):
+        sys.modules.pop(mod, None)
+
+
+def _model(tmp_path, kind: str):
+    from engine.loader import load_model
+
+    path = tmp_path / f"{kind}.gguf"
+    if kind == "gemma3":
+        write_tiny_gemma3(path, TinyGemmaSpec(matrix_type=T.Q8_0, final_softcap=3.0))
+    elif kind == "qwen2":
+        write_tiny_gguf(path, TinySpec(arch="qwen2", qkv_bias=True))
+    else:
+        write_tiny_gguf(path, TinySpec(matrix_type=T.Q8_0))
+    return load_model(path).model
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "gemma3"])
+def test_decoder_launches_match_the_kernels(fake, tmp_path, kind):
+    model = _model(tmp_path, kind)
+    seen = []
+    dec = fake.decoder.CudaDecoder(model, n_ctx=64, progress=lambda d, t: seen.append((d, t)))
+    assert seen[-1][0] == seen[-1][1] == dec.weight_bytes
+    cache = dec.new_cache(64)
+    logits = dec.forward([1, 2, 3, 4, 5], cache)
+    assert logits.shape == (1, model.cfg.vocab_size) and cache.offset == 5
+    prefill = set(fake.launches)
+    assert {"rope_store", "attn_split", "attn_reduce", "rmsnorm", "to_half"} <= prefill
+    fake.launches.clear()
+    dec.forward([6], cache)  # decode: warm-up launches, then the captured graph
+    assert fake.cp.cuda.Stream.captures[-2:] == ["begin", "end"] and cache.offset == 6
+    per_step = len(fake.launches) // 2
+    n_layers = model.cfg.num_hidden_layers
+    assert per_step <= (9 + 3) * n_layers + 4  # the fused step: ~7-9 launches a layer
+    token = dec.greedy_step(3, cache)
+    assert 0 <= token < 2**31 and cache.offset == 7
+    dec.sample_step(3, cache, temp=0.8, top_k=0, top_p=0.9, u=0.5)
+    assert cache.offset == 8
+    all_logits = dec.forward([1, 2, 3], cache, all_logits=True)
+    assert all_logits.shape == (3, model.cfg.vocab_size)
+    dec.use_graphs = False
+    dec.forward([7], dec.new_cache(16))  # another cache, plain launches
+
+
+def test_bench_and_vram_error(fake, tmp_path, monkeypatch):
+    model = _model(tmp_path, "llama")
+    dec = fake.decoder.CudaDecoder(model, n_ctx=64)
+    r = fake.bench.bench_decoder(dec, [1, 2, 3, 4], 3, 64, repetitions=1)
+    assert r["peak_bandwidth_gbs"] == pytest.approx(3_200_000 * 1e3 * 2 * 6144 / 8 / 1e9)
+    assert r["decode_bytes_per_token"] > dec.decode_weight_bytes > 0
+    from engine.backends.cuda.device import CudaOutOfMemoryError
+
+    monkeypatch.setattr(fake.cp.cuda.runtime, "memGetInfo", lambda: (1 << 20, 1 << 30))
+    with pytest.raises(CudaOutOfMemoryError):
+        fake.decoder.CudaDecoder(model, n_ctx=64)
+
+
+def test_unsupported_weight_type_is_a_typed_error(fake, tmp_path):
+    from engine.weights import Weight
+
+    model = _model(tmp_path, "llama")
+    w = model.layers[0].wq
+    model.layers[0].wq = Weight(20, w.raw[:, :18], w.rows, w.cols)  # IQ4_NL: no CUDA kernel
+    with pytest.raises(fake.decoder.UnsupportedCudaModelError, match="--device cpu"):
+        fake.decoder.CudaDecoder(model, n_ctx=64)
