@@ -14,6 +14,28 @@ _STARTERS = {
 }
 
 
+def nvrtc_or_skip() -> None:
+    """Skip unless CuPy's NVRTC can be loaded (CuPy plus the nvidia-cuda-nvrtc-cu12 wheel)."""
+    from engine.backends.cuda import kernels
+
+    try:
+        kernels._add_pip_nvrtc_path()
+        from cupy.cuda import nvrtc
+
+        nvrtc.getVersion()
+    except Exception as e:  # noqa: BLE001 - CuPy or libnvrtc missing: nothing to compile with
+        pytest.skip(f"NVRTC cannot be loaded ({type(e).__name__}: {e}); pip install -e .[dev]")
+
+
+@pytest.fixture(scope="session")
+def module_ptx() -> str:
+    """PTX of the module the backend builds (every source in one unit), compiled once per session."""
+    from engine.backends.cuda import kernels
+
+    nvrtc_or_skip()
+    return kernels.compile_ptx(kernels.full_source(), "hearth.cu")
+
+
 @pytest.fixture(scope="session")
 def gpu() -> int:
     from engine.backends.cuda.device import probe

@@ -7,6 +7,7 @@ import re
 import pytest
 
 from engine.backends.cuda import kernels
+from tests.engine.cuda.conftest import nvrtc_or_skip
 
 TYPES = ["f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k"]
 OPS = [
@@ -25,21 +26,9 @@ OPS = [
 ]
 
 
-def _nvrtc_or_skip():
-    try:
-        kernels._add_pip_nvrtc_path()
-        from cupy.cuda import nvrtc
-
-        nvrtc.getVersion()
-    except Exception as e:  # noqa: BLE001 - CuPy or libnvrtc missing: nothing to compile with
-        pytest.skip(f"NVRTC cannot be loaded ({type(e).__name__}: {e}); pip install -e .[dev]")
-
-
-@pytest.fixture(scope="module")
-def ptx() -> str:
-    """PTX of the module the backend builds (every source in one unit)."""
-    _nvrtc_or_skip()
-    return kernels.compile_ptx(kernels.full_source(), "hearth.cu")
+@pytest.fixture
+def ptx(module_ptx) -> str:
+    return module_ptx
 
 
 def _entries(text: str) -> set[str]:
@@ -58,13 +47,13 @@ def test_op_kernels_compile(ptx):
 
 
 def test_each_source_compiles_on_its_own():
-    _nvrtc_or_skip()
+    nvrtc_or_skip()
     assert kernels.SOURCES == ("quant.cu", "ops.cu")
     # quant.cu is most of the full module (compiled by the fixture); ops.cu must stand alone too
     assert set(OPS) <= _entries(kernels.compile_ptx(kernels.source("ops.cu"), "ops.cu"))
 
 
 def test_a_syntax_error_is_reported():
-    _nvrtc_or_skip()
+    nvrtc_or_skip()
     with pytest.raises(RuntimeError, match="does not compile"):
         kernels.compile_ptx('extern "C" __global__ void k(float* a) { a[0] = undefined_name; }', "bad.cu")

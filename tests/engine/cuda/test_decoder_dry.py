@@ -19,7 +19,6 @@ import types
 import numpy as np
 import pytest
 
-from engine.backends.cuda import kernels
 from tests.engine.tiny_gemma3 import TinyGemmaSpec, write_tiny_gemma3
 from tests.engine.tiny_models import T, TinySpec, write_tiny_gguf
 
@@ -130,18 +129,10 @@ def _fake_cupy():
 
 
 @pytest.fixture(scope="module")
-def ptx_params() -> dict[str, list[str]]:
-    try:
-        kernels._add_pip_nvrtc_path()
-        from cupy.cuda import nvrtc
-
-        nvrtc.getVersion()
-    except Exception as e:  # noqa: BLE001
-        pytest.skip(f"NVRTC cannot be loaded ({e})")
-    ptx = kernels.compile_ptx(kernels.full_source(), "hearth.cu")
+def ptx_params(module_ptx) -> dict[str, list[str]]:
     return {
         m.group(1): re.findall(r"\.param\s+\.(\w+)", m.group(2))
-        for m in re.finditer(r"\.entry\s+(\w+)\(([^)]*)\)", ptx)
+        for m in re.finditer(r"\.entry\s+(\w+)\(([^)]*)\)", module_ptx)
     }
 
 
