@@ -30,13 +30,13 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv || true
 "$PY" -c "import cupy, numba, numpy; print('cupy', cupy.__version__, 'devices', cupy.cuda.runtime.getDeviceCount(), 'numba', numba.__version__, 'numpy', numpy.__version__)"
 
 echo "== CUDA tests"
-timeout 330 "$PY" -m pytest -q -p no:cacheprovider tests/engine/cuda -rs --durations=10 \
+timeout 270 "$PY" -m pytest -q -p no:cacheprovider tests/engine/cuda -rs --durations=10 \
     --junitxml="$OUT/cuda_tests.xml"
 TEST_RC=$?
 echo "tests rc=$TEST_RC"
 
 echo "== 1B-shape benchmark"
-timeout 210 "$PY" scripts/cuda_bench_1b.py --out "$OUT/cuda_results.json" --workdir /tmp/hearth-1b
+timeout 180 "$PY" scripts/cuda_bench_1b.py --out "$OUT/cuda_results.json" --workdir /tmp/hearth-1b
 BENCH_RC=$?
 echo "bench rc=$BENCH_RC"
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 _DIR = Path(__file__).with_name("kernels")
 SOURCES = ("quant.cu", "ops.cu")
-NVRTC_OPTIONS = ("--std=c++14", "-default-device")
+NVRTC_OPTIONS = ("--std=c++17", "-default-device")
 
 
 def source(name: str) -> str:
