@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import os
 import re
 import sys
 import types
@@ -35,6 +36,11 @@ class FakeArray(np.ndarray):
 
 def _wrap(a):
     return np.asarray(a).view(FakeArray)
+
+
+# capture: the launches a stand-in stream records between begin_capture and end_capture (None: run
+# them now); simt: a tests.engine.cuda.simt.Simt that executes kernels on the host (None: check only)
+STATE = types.SimpleNamespace(capture=None, simt=None)
 
 
 class FakeKernel:
@@ -63,6 +69,17 @@ class FakeKernel:
             assert tuple(block) == (256,), where
         assert shared_mem <= max(48 * 1024, self.max_dynamic_shared_size_bytes) <= 227 * 1024, where
         self.launches.append(self.name)
+        if STATE.simt is not None:
+            call = (self.name, tuple(grid), tuple(block), tuple(args), shared_mem)
+            if STATE.capture is not None:
+                STATE.capture.append(call)
+            else:
+                _execute(call)
+
+
+def _execute(call) -> None:
+    name, grid, block, args, shared_mem = call
+    STATE.simt.launch(name, grid, block, args, shared_mem)
 
 
 def _fake_cupy():
@@ -95,7 +112,8 @@ def _fake_cupy():
             self.launches = launches
 
         def launch(self, stream=None):
-            pass
+            for call in self.launches:
+                _execute(call)
 
     class Stream(contextlib.AbstractContextManager):
         captures = []
@@ -108,10 +126,12 @@ def _fake_cupy():
 
         def begin_capture(self):
             Stream.captures.append("begin")
+            STATE.capture = []
 
         def end_capture(self):
             Stream.captures.append("end")
-            return Graph([])
+            calls, STATE.capture = STATE.capture or [], None
+            return Graph(calls)
 
         def synchronize(self):
             pass
@@ -155,6 +175,7 @@ def fake(monkeypatch, ptx_params):
     decoder = importlib.import_module("engine.backends.cuda.decoder")
     bench = importlib.import_module("engine.backends.cuda.bench")
     yield types.SimpleNamespace(cp=cp, ops=ops, decoder=decoder, bench=bench, launches=launches)
+    STATE.simt = STATE.capture = None
     for mod in ("engine.backends.cuda.ops", "engine.backends.cuda.decoder", "engine.backends.cuda.bench"):
         sys.modules.pop(mod, None)
 
@@ -165,6 +186,8 @@ def _model(tmp_path, kind: str):
     path = tmp_path / f"{kind}.gguf"
     if kind == "gemma3":
         write_tiny_gemma3(path, TinyGemmaSpec(matrix_type=T.Q8_0, final_softcap=3.0))
+    elif kind == "llama-1layer":
+        write_tiny_gguf(path, TinySpec(matrix_type=T.Q8_0, layers=1))
     elif kind == "qwen2":
         write_tiny_gguf(path, TinySpec(arch="qwen2", qkv_bias=True))
     else:
@@ -220,3 +243,54 @@ def test_unsupported_weight_type_is_a_typed_error(fake, tmp_path):
     model.layers[0].wq = Weight(20, w.raw[:, :18], w.rows, w.cols)  # IQ4_NL: no CUDA kernel
     with pytest.raises(fake.decoder.UnsupportedCudaModelError, match="--device cpu"):
         fake.decoder.CudaDecoder(model, n_ctx=64)
+
+
+@pytest.fixture(scope="module")
+def simt(tmp_path_factory):
+    from tests.engine.cuda.simt import Simt
+
+    try:
+        return Simt(tmp_path_factory.mktemp("simt"))
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+
+
+def _rel(a, b) -> float:
+    return float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
+
+
+# One host thread per CUDA thread is slow on a 2-core CI machine: CI runs the one-layer llama case;
+# HEARTH_CUDA_SIMT=1 runs every family with a longer prompt (about 4 minutes there).
+FULL_SIMT = bool(os.environ.get("HEARTH_CUDA_SIMT"))
+
+
+@pytest.mark.parametrize(
+    "kind",
+    ["llama-1layer"]
+    + [
+        pytest.param(k, marks=pytest.mark.skipif(not FULL_SIMT, reason="set HEARTH_CUDA_SIMT=1 (minutes)"))
+        for k in ("llama", "qwen2", "gemma3")
+    ],
+)
+def test_decoder_computes_the_cpu_models_logits_on_host_threads(fake, simt, tmp_path, kind):
+    """The kernels executed on host threads (tests/engine/cuda/simt.py) through the decoder: prefill,
+    captured-graph decode steps and the GPU argmax give the CPU model's logits and greedy tokens."""
+    STATE.simt = simt
+    model = _model(tmp_path, kind)
+    full = kind != "llama-1layer"
+    prompt = [1, 2, 3, 4, 5, 6, 7] if full else [1, 2, 3]
+    dec = fake.decoder.CudaDecoder(model, n_ctx=32, prefill_dtype="float32")
+    cpu_cache, gpu_cache = model.new_cache(32), dec.new_cache(32, np.float32)
+    ref = model.forward(prompt, cpu_cache, all_logits=True)
+    got = dec.forward(prompt, gpu_cache, all_logits=True)
+    assert _rel(got, ref) < 1e-3  # the CPU's small-batch kernels quantize activations (int16 per 32)
+    token = int(np.argmax(ref[-1]))
+    for _ in range(3 if full else 2):  # graph capture on the first step, replays after
+        ref_step = model.forward([token], cpu_cache)
+        got_step = dec.forward([token], gpu_cache)
+        assert _rel(got_step, ref_step) < 1e-3
+        token = int(np.argmax(ref_step[-1]))
+    assert dec.greedy_step(token, gpu_cache) == int(np.argmax(model.forward([token], cpu_cache)[-1]))
+    if full:  # float16 prefill tiles and KV cache: close
+        fast = fake.decoder.CudaDecoder(model, n_ctx=32)
+        assert _rel(fast.forward(prompt, fast.new_cache(32))[-1], ref[-1]) < 3e-2
