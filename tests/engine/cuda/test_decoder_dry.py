@@ -89,6 +89,7 @@ def _fake_cupy():
     cp.ndarray = FakeArray
     cp.empty = lambda shape, dtype=np.float32: _wrap(np.zeros(shape, dtype))  # no NaN warnings
     cp.zeros = lambda shape, dtype=np.float32: _wrap(np.zeros(shape, dtype))
+    cp.ones = lambda shape, dtype=np.float32: _wrap(np.ones(shape, dtype))
     cp.asarray = lambda a, dtype=None: _wrap(np.array(a, dtype=dtype))
     cp.ascontiguousarray = lambda a: _wrap(np.ascontiguousarray(a))
     cp.asnumpy = lambda a, stream=None: np.array(a)
@@ -294,3 +295,29 @@ def test_decoder_computes_the_cpu_models_logits_on_host_threads(fake, simt, tmp_
     if full:  # float16 prefill tiles and KV cache: close
         fast = fake.decoder.CudaDecoder(model, n_ctx=32)
         assert _rel(fast.forward(prompt, fast.new_cache(32))[-1], ref[-1]) < 3e-2
+
+
+def _opt_in(*values):
+    mark = pytest.mark.skipif(not FULL_SIMT, reason="set HEARTH_CUDA_SIMT=1 (minutes)")
+    return [pytest.param(v, marks=mark) for v in values]
+
+
+# CI: one type per kernel macro shape (32-element blocks, 256-element K-quant blocks, float loads)
+@pytest.mark.parametrize("t", [2, 12, 1, *_opt_in(0, 30, 8, 3, 6, 7, 10, 11, 13, 14)])
+def test_matvec_and_dequant_kernels_on_host_threads(fake, simt, t):
+    """tests/engine/cuda/test_kernels_gpu.py's per-type parity check, its kernels run on host threads."""
+    from tests.engine.cuda import test_kernels_gpu as gpu_tests
+
+    STATE.simt = simt
+    gpu_tests.test_matvec_and_dequant_match_cpu(0, t)
+
+
+@pytest.mark.skipif(not FULL_SIMT, reason="set HEARTH_CUDA_SIMT=1 (about 9 minutes on 2 cores)")
+def test_op_kernels_on_host_threads(fake, simt):
+    from tests.engine.cuda import test_kernels_gpu as gpu_tests
+
+    STATE.simt = simt
+    gpu_tests.test_stacked_matvec_prologues_and_accumulate(0, 12)
+    gpu_tests.test_rmsnorm(0, True)
+    gpu_tests.test_rope_store_and_attention_match_cpu(0, np.float16, True, 5, True)
+    gpu_tests.test_glu_argmax_and_sampling(0)
