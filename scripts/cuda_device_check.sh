@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The CUDA backend's GPU check, in one call on the GPU machine (about 5-8 minutes):
-#   1. the CUDA tests (tests/engine/cuda: kernel parity with the CPU kernels, decoder parity on tiny
+#   1. the GPU tests (-m cuda in tests/engine/cuda: kernel parity with the CPU kernels, decoder parity on tiny
 #      llama/qwen2/gemma3 files and on the starter models when they are cached, bench, fallback);
 #   2. scripts/cuda_bench_1b.py: a random Llama-3.2-1B-shaped model in Q4_K and Q8_0, decode tok/s and
 #      fraction of peak memory bandwidth, prefill at 512 tokens against cuBLAS float16 GEMMs.
@@ -30,7 +30,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv || true
 "$PY" -c "import cupy, numba, numpy; print('cupy', cupy.__version__, 'devices', cupy.cuda.runtime.getDeviceCount(), 'numba', numba.__version__, 'numpy', numpy.__version__)"
 
 echo "== CUDA tests"
-timeout 270 "$PY" -m pytest -q -p no:cacheprovider tests/engine/cuda -rs --durations=10 \
+timeout 270 "$PY" -m pytest -q -p no:cacheprovider -m cuda tests/engine/cuda -rs --durations=10 \
     --junitxml="$OUT/cuda_tests.xml"
 TEST_RC=$?
 echo "tests rc=$TEST_RC"
