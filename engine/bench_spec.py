@@ -138,6 +138,12 @@ def cmd_bench_spec(args) -> int:
             warm = lm.model.new_cache(32)
             lm.model.forward([1, 2, 3, 4, 5], warm, all_logits=True)
             lm.model.forward([1], warm)
+    if draft is not None:  # the draft's fused step too (engine.backends.cpu.draft), when it has one
+        fast = factory().fast
+        if fast is not None:
+            warm = draft.model.new_cache(32)
+            fast.forward([1, 2], warm)
+            fast.forward([3], warm)
     result = run_spec_bench(target, factory, prompts, args.gen_tokens, n_ctx, max(1, args.repetitions),
                             args.spec_k, not args.fixed_k)
     out = {

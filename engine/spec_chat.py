@@ -61,6 +61,10 @@ class DraftSlot:
         warm = lm.model.new_cache(8, self.kv_dtype)
         lm.model.forward([0, 0], warm)
         lm.model.forward([0], warm)
+        if draft.fast is not None:  # and the draft's own fused step (float32 cache)
+            warm32 = lm.model.new_cache(8)
+            draft.fast.forward([0, 0], warm32)
+            draft.fast.forward([0], warm32)
         self.draft, self.spec = draft, spec
         return draft
 

@@ -15,11 +15,14 @@ the output follows the target's distribution; at temperature 0 it is the target'
 from __future__ import annotations
 
 import time
+import weakref
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
+from engine.backends.cpu.draft import MAX_TOKENS as MAX_FAST_TOKENS
+from engine.backends.cpu.draft import DraftForward
 from engine.errors import ContextOverflowError, HearthError
 from engine.generate import GenerationEvent, GenerationParams, _StopMatcher, prefill
 from engine.kv_cache import KVCache
@@ -105,6 +108,17 @@ def accept_or_resample(
     return False, int(rng.choice(len(residual), p=residual / total))
 
 
+_FAST: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def fast_forward(model):
+    """The model's engine.backends.cpu.draft.DraftForward (built once per model: it repacks the weights),
+    or None when that path does not cover the model."""
+    if model not in _FAST:
+        _FAST[model] = DraftForward.build(model)
+    return _FAST[model]
+
+
 class DraftModel:
     """A small model proposing tokens for a target (same vocabulary and special tokens).
 
@@ -113,12 +127,20 @@ class DraftModel:
         tokenizer: the draft's tokenizer, checked against the target's.
         n_ctx: draft KV cache size; when the conversation outgrows it, speculation switches off.
         dtype: the draft cache's element type (float32 or float16).
+        fast: decode steps through engine.backends.cpu.draft (weights repacked for VNNI, int16-grade
+            activations in two int8 levels, one fused call a step: ~1.6x the exact forward's speed,
+            proposals as good) when the model and a float32 cache allow it; False (or a model it
+            does not cover) runs the model's exact forward. Either way the output is the target's:
+            it verifies every drafted token.
     """
 
-    def __init__(self, model, tokenizer: Tokenizer, n_ctx: int, dtype=np.float32):
+    def __init__(self, model, tokenizer: Tokenizer, n_ctx: int, dtype=np.float32, fast: bool = True):
         self.model = model
         self.tokenizer = tokenizer
         self.cache: KVCache = model.new_cache(min(n_ctx, int(model.cfg.max_position_embeddings)), dtype)
+        self.fast = fast_forward(model) if fast else None
+        if self.fast is not None and not self.fast.supports(self.cache):
+            self.fast = None
 
     def check_compatible(self, target_model, target_tokenizer: Tokenizer) -> None:
         from engine.draft_pairing import compatibility_problem
@@ -133,9 +155,27 @@ class DraftModel:
         """How many tokens the draft can still propose after a history of this length."""
         return self.cache.n_ctx - history_len
 
+    def _catch_up(self, history: list[int]) -> np.ndarray:
+        """Bring the draft cache to hold `history`; the logits (vocab,) after its last token (a view)."""
+        if self.fast is None:
+            return prefill(self.model, self.cache, history, 64)[0]
+        reused = min(self.cache.common_prefix(history), len(history) - 1)
+        self.cache.trim(self.cache.offset - reused)
+        missing = history[reused:]
+        if len(missing) > MAX_FAST_TOKENS:  # a long gap (a new prompt): the exact prefill path
+            for start in range(0, len(missing) - 1, 64):
+                self.model.forward(missing[start : min(start + 64, len(missing) - 1)], self.cache)
+            missing = missing[-1:]
+        return self.fast.forward(missing, self.cache)[-1]
+
+    def _step(self, token: int) -> np.ndarray:
+        if self.fast is not None:
+            return self.fast.forward([token], self.cache)[-1]
+        return self.model.forward([token], self.cache)[-1]
+
     def propose(self, history: list[int], k: int, params: GenerationParams, processors, rng, sample: bool):
         """k tokens continuing history, with the draft's processed distributions (None when greedy)."""
-        logits, _ = prefill(self.model, self.cache, history, 64)
+        logits = self._catch_up(history)
         tokens, dists = [], []
         for i in range(k):
             if not sample and not processors:
@@ -143,7 +183,7 @@ class DraftModel:
                 tokens.append(int(np.argmax(logits)))  # as the plain sampler picks
                 dists.append(None)
                 if i + 1 < k:
-                    logits = self.model.forward(tokens[-1:], self.cache)[-1]
+                    logits = self._step(tokens[-1])
                 continue
             row = logits.copy()
             for process in processors:
@@ -156,7 +196,7 @@ class DraftModel:
                 tokens.append(int(np.argmax(row)))
                 dists.append(None)
             if i + 1 < k:
-                logits = self.model.forward(tokens[-1:], self.cache)[-1]
+                logits = self._step(tokens[-1])
         return tokens, dists
 
     def prime(self, history: list[int], chunk: int = 512) -> Iterator[int]:

@@ -284,3 +284,150 @@ def _make_dot4(kind: str):
 dot4_q8_0 = _make_dot4("q8_0")
 dot4_q4_0 = _make_dot4("q4_0")
 dot4_q4_1 = _make_dot4("q4_1")
+
+
+# ---------------------------------------------------------------------------------------------
+# Draft-only kernels with int8 activations over repacked weights (engine.backends.cpu.draft).
+#
+# A draft model need not be exact (the target verifies every token), but the closer it follows the
+# target the more drafts are accepted. Its activations are quantized per block of 32 to two int8 levels
+# (x ~= (254 hi + lo) dx: int16-grade, as fine as the exact path; one int8 level, ~4e-3, cost SmolLM2's
+# Q4_1 draft a third of its accepted tokens), and its weights are repacked once, at
+# load, for 16 rows at a time: per block of 32 columns, 32-bit lane r of a 64-byte vector holds four
+# consecutive weights of row r as unsigned bytes. One vpdpbusd (AVX512-VNNI) with four activation
+# bytes broadcast to every lane then adds four products to each of the 16 rows' int32 sums: 16 of them
+# (8 per level) per block for 16 rows, against ~16 instructions per row and block in the one-row loop.
+#   4-bit (Q4_0/Q4_1): 256 bytes per block; byte e of lane r of vector p in 0..3 holds row r's element
+#       4p + e in its low nibble and element 16 + 4p + e in its high nibble.
+#   8-bit (Q8_0): 512 bytes per block; vector j in 0..7 holds elements 4j..4j+3, as q + 128.
+# Each block also has 32 float16 scales (as uint16 bits): 16 row scales d, then 16 row offsets c. A block adds
+# d * dx * sum(u * (254 hi + lo)) + c * sx to a row: 4-bit c is Q4_1's min (Q4_0: -8 d) with sx the
+# float sum of the block's activations; 8-bit c is -128 d with sx the sum of the quantized ones,
+# taking the +128 back out.
+# Without VNNI the same integer sums come from int16 widening and vpmaddwd.
+# ---------------------------------------------------------------------------------------------
+
+
+def _host_has_vnni() -> bool:
+    from llvmlite import binding as llvm_binding
+
+    try:
+        feats = llvm_binding.get_host_cpu_features()
+    except RuntimeError:  # features unknown (not x86): the portable integer path
+        return False
+    return bool(feats.get("avx512vnni")) and bool(feats.get("avx512bw"))
+
+
+HAS_VNNI = _host_has_vnni()
+_V64I8 = ir.VectorType(_I8, 64)
+_V16I32 = ir.VectorType(_I32, 16)
+
+
+def _dpbusd16(builder, acc, w, x):
+    """acc <16 x i32> + lane-wise sums of four products of unsigned w and signed x (<64 x i8> each)."""
+    if HAS_VNNI:
+        fnty = ir.FunctionType(_V16I32, [_V16I32, _V64I8, _V64I8])
+        fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.x86.avx512.vpdpbusd.512")
+        return builder.call(fn, [acc, w, x])
+    v64i32 = ir.VectorType(_I32, 64)
+    prod = builder.mul(builder.zext(w, v64i32), builder.sext(x, v64i32), flags=["nsw"])
+    for n in (32, 16):  # pairwise sums twice: 64 products -> 16 lanes of four
+        ev = builder.shuffle_vector(prod, prod, ir.Constant(ir.VectorType(_I32, n), list(range(0, 2 * n, 2))))
+        od = builder.shuffle_vector(prod, prod, ir.Constant(ir.VectorType(_I32, n), list(range(1, 2 * n, 2))))
+        prod = builder.add(ev, od, flags=["nsw"])
+    return builder.add(acc, prod)
+
+
+def _bcast_dword(builder, ptr):
+    """<64 x i8>: the four bytes at ptr repeated in every 32-bit lane."""
+    word = builder.load(builder.bitcast(ptr, _I32.as_pointer()), align=1)
+    undef = ir.Constant(_V16I32, ir.Undefined)
+    one = builder.insert_element(undef, word, ir.Constant(_I32, 0))
+    return builder.bitcast(builder.shuffle_vector(one, undef, ir.Constant(_V16I32, [0] * 16)), _V64I8)
+
+
+def _widen_f16x16(builder, ptr):
+    """<16 x float> of the 16 IEEE halves at i16* ptr (vcvtph2ps)."""
+    h = builder.load(builder.bitcast(ptr, ir.VectorType(_I16, 16).as_pointer()), align=2)
+    return builder.fpext(builder.bitcast(h, ir.VectorType(ir.HalfType(), 16)), ir.VectorType(_F32, 16))
+
+
+def _make_dot16(bits: int):
+    n_vec = 4 if bits == 4 else 8
+    block_bytes = 64 * n_vec
+
+    @intrinsic
+    def dot16(typingctx, out, oo, w, wo, sc, so, nb, xq, xd, xs):
+        _check_c_array(out, types.float32, f"dot16_q{bits} output")
+        _check_c_array(w, types.uint8, f"dot16_q{bits} weights")
+        _check_c_array(sc, types.uint16, f"dot16_q{bits} scales")
+        _check_c_array(xq, types.int8, f"dot16_q{bits} activations")
+        _check_c_array(xd, types.float32, f"dot16_q{bits} activation scales")
+        _check_c_array(xs, types.float32, f"dot16_q{bits} activation sums")
+        sig = types.void(out, types.intp, w, types.intp, sc, types.intp, types.intp, xq, xd, xs)
+
+        def codegen(context, builder, signature, args):
+            out_v, oo_v, w_v, wo_v, sc_v, so_v, nb_v, xq_v, xd_v, xs_v = args
+            arrtys = signature.args
+
+            def data(i, v):
+                return context.make_array(arrtys[i])(context, builder, v).data
+
+            wp = builder.gep(data(2, w_v), [wo_v])
+            sp = builder.gep(data(4, sc_v), [so_v])
+            xq_p, xd_p, xs_p = data(7, xq_v), data(8, xd_v), data(9, xs_v)
+            v16f = ir.VectorType(_F32, 16)
+            intp = nb_v.type
+            acc = cgutils.alloca_once_value(builder, ir.Constant(v16f, None))
+            with cgutils.for_range(builder, nb_v) as loop:
+                b = loop.index
+                blk = builder.gep(wp, [builder.mul(b, intp(block_bytes))])
+                xb = builder.gep(xq_p, [builder.mul(b, intp(64))])
+                _prefetch(builder, builder.gep(blk, [intp(4 * block_bytes)]))
+                # int32 sums of the coarse (hi) and fine (lo) activation bytes, two chains of each
+                hi_s = [ir.Constant(_V16I32, None), ir.Constant(_V16I32, None)]
+                lo_s = [ir.Constant(_V16I32, None), ir.Constant(_V16I32, None)]
+
+                def add(chain, wv, elem):
+                    xh = _bcast_dword(builder, builder.gep(xb, [intp(elem)]))
+                    xl = _bcast_dword(builder, builder.gep(xb, [intp(32 + elem)]))
+                    hi_s[chain] = _dpbusd16(builder, hi_s[chain], wv, xh)
+                    lo_s[chain] = _dpbusd16(builder, lo_s[chain], wv, xl)
+
+                for p in range(n_vec):
+                    vp = builder.bitcast(builder.gep(blk, [intp(64 * p)]), _V64I8.as_pointer())
+                    packed = builder.load(vp, align=1)
+                    if bits == 4:
+                        add(0, builder.and_(packed, _splat(_I8, 64, 15)), 4 * p)
+                        add(1, builder.lshr(packed, _splat(_I8, 64, 4)), 16 + 4 * p)
+                    else:
+                        add(p % 2, packed, 4 * p)
+                coarse = builder.sitofp(builder.add(hi_s[0], hi_s[1]), v16f)
+                fine = builder.sitofp(builder.add(lo_s[0], lo_s[1]), v16f)
+                k254 = _broadcast_f32(builder, ir.Constant(_F32, 254.0), 16)
+                total = _fmuladd16(builder, coarse, k254, fine)
+                sb = builder.gep(sp, [builder.mul(b, intp(32))])
+                dvec = _widen_f16x16(builder, sb)
+                cvec = _widen_f16x16(builder, builder.gep(sb, [intp(16)]))
+                dx = _broadcast_f32(builder, builder.load(builder.gep(xd_p, [b])), 16)
+                sx = _broadcast_f32(builder, builder.load(builder.gep(xs_p, [b])), 16)
+                a = _fmuladd16(builder, total, builder.fmul(dvec, dx), builder.load(acc))
+                builder.store(_fmuladd16(builder, cvec, sx, a), acc)
+            op = builder.bitcast(builder.gep(data(0, out_v), [oo_v]), v16f.as_pointer())
+            builder.store(builder.load(acc), op, align=4)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    dot16.__doc__ = (
+        f"out[oo:oo+16] = approximate dot products of 16 repacked {bits}-bit rows with int8 activations.\n\n"
+        "w: uint8 repacked weights, the rows' first block at byte wo; sc: float16 scales as uint16,\n"
+        "the first block's at so; nb: blocks per row; xq: int8 (nb*64,) activations (per block 32 hi, 32 lo\n"
+        "bytes); xd: float32 (nb,) fine scales; xs: float32 (nb,) block sums (4-bit: of the float\n"
+        "activations, 8-bit: of the quantized ones)."
+    )
+    return dot16
+
+
+dot16_q4 = _make_dot16(4)
+dot16_q8 = _make_dot16(8)
