@@ -185,7 +185,8 @@ def validate(key: str, value: Any) -> Any:
 def cuda_status() -> tuple[bool, str]:
     """Whether models can run on CUDA here, and the reason when not (for the Device setting).
 
-    Checked without importing the engine: a CUDA backend package, then CuPy, then a GPU.
+    Checked without importing the engine: a CUDA backend package, then CuPy, then a GPU. The app's
+    engine worker does not run the CUDA backend yet, so the answer is never True for now.
     """
     import importlib.util
 
@@ -200,7 +201,11 @@ def cuda_status() -> tuple[bool, str]:
             return False, "No NVIDIA GPU was found."
     except Exception as e:  # noqa: BLE001 - any driver problem means: no CUDA
         return False, f"The NVIDIA driver is not usable ({e})."
-    return True, ""
+    # The engine worker (chat sessions, the prefix store, speculation) runs on the CPU backend only;
+    # the CUDA backend serves `hearth run/bench --device cuda` until the worker can host it.
+    return False, (
+        "A GPU is here, but the app runs models on the CPU for now (`hearth run --device cuda` uses it)."
+    )
 
 
 def settings_path() -> Path:
