@@ -138,6 +138,12 @@ def _add_library_parsers(sub) -> None:
     ls = sub.add_parser("ls", help="list the models in the library")
     ls.add_argument("--no-scan", action="store_true", help="skip looking into the Hugging Face cache")
     ls.add_argument("--json", action="store_true")
+    ls.add_argument(
+        "--drafts-for",
+        metavar="MODEL",
+        default=None,
+        help="list the local models that can draft for MODEL (same tokenizer, smaller), smallest first",
+    )
 
     rm = sub.add_parser("rm", help="remove a model from the library (and files Hearth downloaded)")
     rm.add_argument("model", help="id, path or REPO:FILE as `hearth ls` shows")

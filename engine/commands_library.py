@@ -132,6 +132,27 @@ def cmd_pull(args) -> int:
     return 0
 
 
+def _print_drafts(target: str, as_json: bool) -> int:
+    """`hearth ls --drafts-for MODEL`: speculative-decoding drafts for MODEL among the local GGUFs."""
+    from engine.draft_pairing import draft_candidates
+    from models.resolve import resolve_model
+
+    path = resolve_model(target)
+    found = draft_candidates(path)
+    if as_json:
+        rows = [dict(c.__dict__, path=str(c.path)) for c in found]
+        print(json.dumps({"target": str(path), "drafts": rows}, indent=1))
+        return 0
+    if not found:
+        print(f"no local model can draft for {path.name}: a draft needs its tokenizer and a smaller file")
+        return 0
+    print(f"drafts for {path.name} (same tokenizer, smallest first):")
+    for c in found:
+        same = "  (same model, lower precision)" if c.same_model else ""
+        print(f"  {_mib(c.size_bytes)}  {c.quantization:8s} {c.name}  {c.path}{same}")
+    return 0
+
+
 def cmd_ls(args) -> int:
     from models import downloads, library
     from models.starter import STARTERS, starter_path
@@ -140,6 +161,8 @@ def cmd_ls(args) -> int:
     lib.register_starters()
     if not args.no_scan:
         lib.discover_hf_cache()
+    if args.drafts_for:
+        return _print_drafts(args.drafts_for, args.json)
     entries = lib.entries()
     pending = []
     with contextlib.suppress(OSError, ValueError):

@@ -149,7 +149,8 @@ class DraftModel:
                                         self.model.cfg.vocab_size)
         if problem:
             raise IncompatibleDraftError(f"the draft model cannot be used with this target: {problem}; "
-                                         "pick a draft with the same tokenizer (see `hearth ls` pairs)")
+                                         "pick a draft with the same tokenizer "
+                                         "(`hearth ls --drafts-for MODEL` lists them)")
 
     def room(self, history_len: int) -> int:
         """How many tokens the draft can still propose after a history of this length."""

@@ -91,3 +91,22 @@ def test_tiny_draft_of_the_same_vocabulary_is_listed(tmp_path):
     found = draft_candidates(target, [draft, other])
     assert [c.path for c in found] == [other, draft]  # both smaller than the target, smallest first
     assert not any(c.same_model for c in found)  # different files of no shared model name
+
+
+def test_hearth_ls_drafts_for_lists_the_library_pairs(
+    smollm2_family, gemma3_path, tmp_path, monkeypatch, capsys
+):
+    import json
+
+    from engine.cli import main
+    from models.library import Library
+
+    monkeypatch.setenv("HEARTH_HOME", str(tmp_path))
+    f32, f16, q4_1 = smollm2_family
+    for p in (f16, q4_1, gemma3_path):
+        Library().import_path(p)
+    assert main(["ls", "--no-scan", "--drafts-for", str(f32), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert [d["path"] for d in out["drafts"]] == [str(q4_1), str(f16)]
+    assert main(["ls", "--no-scan", "--drafts-for", str(q4_1)]) == 0
+    assert "no local model can draft" in capsys.readouterr().out
