@@ -720,6 +720,7 @@ class MainWindow(QMainWindow):
             model_params=params,
             cuda_available=self.cuda_ok,
             cuda_reason=self.cuda_reason,
+            model_path=self.model_info.path if self.model_info is not None else None,
         )
         dialog.open()
         self.settings_dialog = dialog

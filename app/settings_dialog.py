@@ -8,6 +8,8 @@ Settings.update (one write); Cancel changes nothing.
 
 from __future__ import annotations
 
+import threading
+from pathlib import Path
 from typing import Any
 
 from app import quant_info
@@ -22,14 +24,20 @@ from app.qt import (
     QHBoxLayout,
     QLabel,
     QLineEdit,
+    QObject,
     QPushButton,
     QSpinBox,
     QTabWidget,
     QVBoxLayout,
     QWidget,
+    Signal,
     Slot,
 )
 from app.settings import SCHEMA, Settings, SettingsError, default
+
+
+class _Relay(QObject):
+    drafts = Signal(object)  # list[engine.draft_pairing.DraftCandidate], from a worker thread
 
 
 class SettingsDialog(QDialog):
@@ -42,8 +50,13 @@ class SettingsDialog(QDialog):
         model_params: int | None = None,
         cuda_available: bool = False,
         cuda_reason: str = "",
+        model_path: str | None = None,
     ):
         super().__init__(parent)
+        self.model_path = model_path
+        self.draft_suggestions: QComboBox | None = None  # filled with draft_candidates(model_path)
+        self._relay = _Relay()
+        self._relay.drafts.connect(self._on_drafts)
         self.setWindowTitle("Settings")
         self.setAccessibleName("Settings")
         self.settings = settings
@@ -146,8 +159,45 @@ class SettingsDialog(QDialog):
             kind_name = meta.get("kind") or ""
             browse.clicked.connect(lambda _=False, ln=line, k=kind_name: self._browse(ln, k))
             h.addWidget(browse)
+            if key == "draft_model":
+                h.addWidget(self._draft_box(line))
             return line, row
         return line, line
+
+    def _draft_box(self, line: QLineEdit) -> QComboBox:
+        """Local models that can draft for the loaded one, smallest first; picking one fills `line`."""
+        box = QComboBox()
+        box.setAccessibleName("Compatible draft models")
+        box.addItem("finding compatible drafts…" if self.model_path else "load a model to see drafts", "")
+        box.setEnabled(False)
+        box.activated.connect(lambda i, b=box, ln=line: b.itemData(i) and ln.setText(b.itemData(i)))
+        self.draft_suggestions = box
+        if self.model_path:
+            # reading every library model's tokenizer takes a while: off the GUI thread
+            threading.Thread(target=self._find_drafts, daemon=True, name="hearth-drafts").start()
+        return box
+
+    def _find_drafts(self) -> None:
+        from engine.draft_pairing import draft_candidates
+
+        try:
+            found = draft_candidates(Path(self.model_path))
+        except (OSError, ValueError):
+            found = []
+        self._relay.drafts.emit(found)
+
+    @Slot(object)
+    def _on_drafts(self, found) -> None:
+        box = self.draft_suggestions
+        box.clear()
+        if not found:
+            box.addItem("no compatible draft in the library", "")
+            return
+        box.addItem(f"{len(found)} compatible draft{'s' if len(found) > 1 else ''}…", "")
+        for c in found:
+            same = ", same model" if c.same_model else ""
+            box.addItem(f"{c.name} · {c.quantization} · {c.size_bytes / 2**20:,.0f} MiB{same}", str(c.path))
+        box.setEnabled(True)
 
     def _browse(self, line: QLineEdit, kind: str) -> None:
         if kind == "dir":

@@ -67,3 +67,29 @@ def test_bad_file_falls_back_to_defaults_and_keeps_unknown_keys(tmp_path):
     path.write_text("{not json")
     broken = Settings()
     assert broken.get("n_ctx") == default("n_ctx") and broken.warnings
+
+
+@pytest.mark.gui
+def test_settings_offer_the_library_drafts_for_the_loaded_model(
+    qtbot, smollm2_path, gemma3_path, monkeypatch, tmp_path
+):
+    # the loaded model is the F16 SmolLM2; the library has its Q4_1 starter (a draft) and Gemma (not one)
+    from app.settings_dialog import SettingsDialog
+    from models.library import Library
+    from tests.conftest import TEST_MODELS
+    from tests.engine.spec_models import float_copy
+
+    monkeypatch.setenv("HEARTH_HOME", str(tmp_path))
+    target = float_copy(smollm2_path, "F16", TEST_MODELS / "spec")
+    for p in (smollm2_path, gemma3_path):
+        Library().import_path(p)
+    dialog = SettingsDialog(Settings(), model_path=str(target))
+    qtbot.addWidget(dialog)
+    box = dialog.draft_suggestions
+    qtbot.waitUntil(box.isEnabled, timeout=30000)
+    assert [box.itemData(i) for i in range(box.count())] == ["", str(smollm2_path)]
+    box.activated.emit(1)
+    assert dialog.editors["draft_model"].text() == str(smollm2_path)
+    none = SettingsDialog(Settings(), model_path=str(smollm2_path))  # nothing in the library is smaller
+    qtbot.addWidget(none)
+    qtbot.waitUntil(lambda: "no compatible" in none.draft_suggestions.itemText(0), timeout=30000)
