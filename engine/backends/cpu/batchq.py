@@ -144,54 +144,46 @@ dot4x4_q4_1 = _make_dot4x4("q4_1")
 
 # out (n, rows) f32 = x (n, cols) f32 @ W.T; raw (rows, row bytes) uint8 as for the matvec kernels.
 # Row groups of four in parallel; per group, tokens four at a time, then the 1-3 left one by one.
+# One kernel serves the three types: `kind` (loop-invariant, so the branch costs nothing measurable)
+# picks the intrinsics, which must be named as globals for the kernel to be cached.
+_Q8_0, _Q4_0, _Q4_1 = 0, 1, 2
 
 
 @njit(parallel=True, **_KW)
+def _matmul(out, raw, x, rows, cols, kind):
+    xq, xd, xs = _act16_rows(x)
+    rb, nb, n = raw.shape[1], cols // 32, x.shape[0]
+    full = n - n % TOKENS
+    for g in prange((rows + 3) // 4):
+        r0 = g * 4
+        p0 = r0 * rb
+        p1, p2, p3 = min(r0 + 1, rows - 1) * rb, min(r0 + 2, rows - 1) * rb, min(r0 + 3, rows - 1) * rb
+        for t in range(0, full, TOKENS):
+            if kind == _Q8_0:
+                a = dot4x4_q8_0(raw, p0, p1, p2, p3, nb, xq, xd, xs, t)
+            elif kind == _Q4_0:
+                a = dot4x4_q4_0(raw, p0, p1, p2, p3, nb, xq, xd, xs, t)
+            else:
+                a = dot4x4_q4_1(raw, p0, p1, p2, p3, nb, xq, xd, xs, t)
+            for u in range(TOKENS):
+                _store4(out[t + u], r0, rows, a[4 * u], a[4 * u + 1], a[4 * u + 2], a[4 * u + 3])
+        for t in range(full, n):
+            if kind == _Q8_0:
+                a0, a1, a2, a3 = dot4_q8_0(raw, p0, p1, p2, p3, nb, xq[t], xd[t], xs[t])
+            elif kind == _Q4_0:
+                a0, a1, a2, a3 = dot4_q4_0(raw, p0, p1, p2, p3, nb, xq[t], xd[t], xs[t])
+            else:
+                a0, a1, a2, a3 = dot4_q4_1(raw, p0, p1, p2, p3, nb, xq[t], xd[t], xs[t])
+            _store4(out[t], r0, rows, a0, a1, a2, a3)
+
+
 def matmul_q8_0(out, raw, x, rows, cols):
-    xq, xd, xs = _act16_rows(x)
-    rb, nb, n = raw.shape[1], cols // 32, x.shape[0]
-    full = n - n % TOKENS
-    for g in prange((rows + 3) // 4):
-        r0 = g * 4
-        p1, p2, p3 = min(r0 + 1, rows - 1) * rb, min(r0 + 2, rows - 1) * rb, min(r0 + 3, rows - 1) * rb
-        for t in range(0, full, TOKENS):
-            a = dot4x4_q8_0(raw, r0 * rb, p1, p2, p3, nb, xq, xd, xs, t)
-            for u in range(TOKENS):
-                _store4(out[t + u], r0, rows, a[4 * u], a[4 * u + 1], a[4 * u + 2], a[4 * u + 3])
-        for t in range(full, n):
-            a0, a1, a2, a3 = dot4_q8_0(raw, r0 * rb, p1, p2, p3, nb, xq[t], xd[t], xs[t])
-            _store4(out[t], r0, rows, a0, a1, a2, a3)
+    _matmul(out, raw, x, rows, cols, _Q8_0)
 
 
-@njit(parallel=True, **_KW)
 def matmul_q4_0(out, raw, x, rows, cols):
-    xq, xd, xs = _act16_rows(x)
-    rb, nb, n = raw.shape[1], cols // 32, x.shape[0]
-    full = n - n % TOKENS
-    for g in prange((rows + 3) // 4):
-        r0 = g * 4
-        p1, p2, p3 = min(r0 + 1, rows - 1) * rb, min(r0 + 2, rows - 1) * rb, min(r0 + 3, rows - 1) * rb
-        for t in range(0, full, TOKENS):
-            a = dot4x4_q4_0(raw, r0 * rb, p1, p2, p3, nb, xq, xd, xs, t)
-            for u in range(TOKENS):
-                _store4(out[t + u], r0, rows, a[4 * u], a[4 * u + 1], a[4 * u + 2], a[4 * u + 3])
-        for t in range(full, n):
-            a0, a1, a2, a3 = dot4_q4_0(raw, r0 * rb, p1, p2, p3, nb, xq[t], xd[t], xs[t])
-            _store4(out[t], r0, rows, a0, a1, a2, a3)
+    _matmul(out, raw, x, rows, cols, _Q4_0)
 
 
-@njit(parallel=True, **_KW)
 def matmul_q4_1(out, raw, x, rows, cols):
-    xq, xd, xs = _act16_rows(x)
-    rb, nb, n = raw.shape[1], cols // 32, x.shape[0]
-    full = n - n % TOKENS
-    for g in prange((rows + 3) // 4):
-        r0 = g * 4
-        p1, p2, p3 = min(r0 + 1, rows - 1) * rb, min(r0 + 2, rows - 1) * rb, min(r0 + 3, rows - 1) * rb
-        for t in range(0, full, TOKENS):
-            a = dot4x4_q4_1(raw, r0 * rb, p1, p2, p3, nb, xq, xd, xs, t)
-            for u in range(TOKENS):
-                _store4(out[t + u], r0, rows, a[4 * u], a[4 * u + 1], a[4 * u + 2], a[4 * u + 3])
-        for t in range(full, n):
-            a0, a1, a2, a3 = dot4_q4_1(raw, r0 * rb, p1, p2, p3, nb, xq[t], xd[t], xs[t])
-            _store4(out[t], r0, rows, a0, a1, a2, a3)
+    _matmul(out, raw, x, rows, cols, _Q4_1)
