@@ -30,6 +30,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.parse
 import urllib.request
 from pathlib import Path
 
@@ -88,7 +89,7 @@ def one_stream(url: str, model: str, question: str, tokens: int) -> dict:
     Plain http.client with a line-by-line SSE read, not the openai client: its per-chunk objects cost
     the client more CPU than the server spends on the token, and here both share the same cores.
     """
-    host, port = url.split("//", 1)[1].split("/", 1)[0].rsplit(":", 1)
+    where = urllib.parse.urlsplit(url)
     body = {
         "model": model,
         "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}],
@@ -101,7 +102,7 @@ def one_stream(url: str, model: str, question: str, tokens: int) -> dict:
     t0 = time.perf_counter()
     first = last = None
     usage = None
-    conn = http.client.HTTPConnection(host, int(port), timeout=600)
+    conn = http.client.HTTPConnection(where.hostname, where.port, timeout=600)
     try:
         conn.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
         r = conn.getresponse()
@@ -190,7 +191,7 @@ def main() -> int:
 
     proc, url = start_server(args.model, args.threads, max(args.clients, 1))
     try:
-        port = int(url.rsplit(":", 1)[1].split("/", 1)[0])
+        port = urllib.parse.urlsplit(url).port
         client = openai.OpenAI(base_url=url, api_key="none", max_retries=0, timeout=600)
         model = client.models.list().data[0].id
         phase(url, model, QUESTIONS[:2], 8)  # warm-up: prefix store, kernels, batch shapes
