@@ -93,13 +93,10 @@ else
     echo "note: cannot hide $ROOT (no mount namespace here); the app runs with it on disk but on no path"
 fi
 run_clean() {
-    if [ "$HIDE_SRC" = 1 ]; then
-        # sh -c: $0 is the folder to hide, $1 the home folder, the rest the command
-        (cd "$HOMEDIR" && unshare --mount -- sh -c 'mount -t tmpfs -o size=1m hearth-no-src "$0" && h=$1 && shift &&
-            exec env -i HOME="$h" PATH=/usr/bin:/bin LANG=C.UTF-8 "$@"' "$ROOT" "$HOMEDIR" "$@")
-    else
-        (cd "$HOMEDIR" && env -i HOME="$HOMEDIR" PATH=/usr/bin:/bin LANG=C.UTF-8 "$@")
-    fi
+    local hide=()
+    # sh -c: $0 is the folder to hide, the rest the command
+    [ "$HIDE_SRC" = 0 ] || hide=(unshare --mount -- sh -c 'mount -t tmpfs -o size=1m hearth-no-src "$0" && exec "$@"' "$ROOT")
+    (cd "$HOMEDIR" && "${hide[@]}" env -i HOME="$HOMEDIR" PATH=/usr/bin:/bin LANG=C.UTF-8 "$@")
 }
 
 step "hearth --version"
