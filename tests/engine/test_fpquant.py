@@ -180,6 +180,10 @@ def test_linear_matches_oracle(make, n_tok):
         for t in (0, n_tok - 1):
             cpu.linear(one, w, x[t : t + 1])
             np.testing.assert_array_equal(one[0], out[t])  # a batch gives each token the decode bits
+    if 2 < n_tok <= cpu.SMALL_BATCH_MAX:
+        two = np.empty((2, rows), np.float32)
+        cpu.linear(two, w, x[n_tok - 2 :])
+        np.testing.assert_array_equal(two, out[n_tok - 2 :])  # a token's bits do not depend on the batch
 
 
 @pytest.mark.parametrize("make", [_random_fp8, _random_nvfp4], ids=["fp8", "nvfp4"])

@@ -5,8 +5,8 @@ block, plus the float block sum for Q4_1's min term) and run `_llvm.dot4_*`: fou
 share each activation block, a block's weights are widened to int16 and multiplied pairwise into
 int32 lanes (vpmaddwd), and each block's lanes are added to a float vector with the block's scale.
 The error is ~1e-5 of |w_row| |x|, as good as float32 accumulation, so a greedy decode reproduces
-a float32 reference (int8 activations, ~4e-3, did not). The float types (F32/F16/BF16) use the
-same four-row shape with float FMAs.
+a float32 reference (int8 activations, ~4e-3, did not). The float types' (F32/F16/BF16) one-token
+kernels are smalln's small-batch loop on one token.
 
 Block layouts (gguf.GGML_QUANT_SIZES / gguf.quants), all little-endian:
   Q8_0: 34 bytes = f16 d, 32 x int8 q;               value = q * d
@@ -114,73 +114,6 @@ def matvec_q4_1(out, raw, x, rows, cols):
         r0 = g * 4
         a0, a1, a2, a3 = dot4_q4_1(raw, r0 * rb, min(r0 + 1, rows - 1) * rb, min(r0 + 2, rows - 1) * rb,
                                    min(r0 + 3, rows - 1) * rb, nb, xq, xd, xs)
-        _store4(out, r0, rows, a0, a1, a2, a3)
-
-
-@njit(parallel=True, **_KW)
-def matvec_f32(out, w, x, rows, cols):
-    # w (rows, cols) float32 (the raw bytes viewed as float32), x (cols,) f32 -> out (rows,) f32
-    for g in prange((rows + 3) // 4):
-        r0 = g * 4
-        r1 = min(r0 + 1, rows - 1)
-        r2 = min(r0 + 2, rows - 1)
-        r3 = min(r0 + 3, rows - 1)
-        a0 = np.float32(0.0)
-        a1 = np.float32(0.0)
-        a2 = np.float32(0.0)
-        a3 = np.float32(0.0)
-        for j in range(cols):
-            xj = x[j]
-            a0 += w[r0, j] * xj
-            a1 += w[r1, j] * xj
-            a2 += w[r2, j] * xj
-            a3 += w[r3, j] * xj
-        _store4(out, r0, rows, a0, a1, a2, a3)
-
-
-@njit(parallel=True, **_KW)
-def matvec_f16(out, raw, x, rows, cols):
-    # raw (rows, cols*2) uint8 holding IEEE halves, x (cols,) f32 -> out (rows,) f32
-    rb = raw.shape[1]
-    for g in prange((rows + 3) // 4):
-        r0 = g * 4
-        p0 = r0 * rb
-        p1 = min(r0 + 1, rows - 1) * rb
-        p2 = min(r0 + 2, rows - 1) * rb
-        p3 = min(r0 + 3, rows - 1) * rb
-        a0 = np.float32(0.0)
-        a1 = np.float32(0.0)
-        a2 = np.float32(0.0)
-        a3 = np.float32(0.0)
-        for j in range(cols):
-            xj = x[j]
-            a0 += ld_f16(raw, p0 + 2 * j) * xj
-            a1 += ld_f16(raw, p1 + 2 * j) * xj
-            a2 += ld_f16(raw, p2 + 2 * j) * xj
-            a3 += ld_f16(raw, p3 + 2 * j) * xj
-        _store4(out, r0, rows, a0, a1, a2, a3)
-
-
-@njit(parallel=True, **_KW)
-def matvec_bf16(out, raw, x, rows, cols):
-    # raw (rows, cols*2) uint8 holding bfloat16s, x (cols,) f32 -> out (rows,) f32
-    rb = raw.shape[1]
-    for g in prange((rows + 3) // 4):
-        r0 = g * 4
-        p0 = r0 * rb
-        p1 = min(r0 + 1, rows - 1) * rb
-        p2 = min(r0 + 2, rows - 1) * rb
-        p3 = min(r0 + 3, rows - 1) * rb
-        a0 = np.float32(0.0)
-        a1 = np.float32(0.0)
-        a2 = np.float32(0.0)
-        a3 = np.float32(0.0)
-        for j in range(cols):
-            xj = x[j]
-            a0 += ld_bf16(raw, p0 + 2 * j) * xj
-            a1 += ld_bf16(raw, p1 + 2 * j) * xj
-            a2 += ld_bf16(raw, p2 + 2 * j) * xj
-            a3 += ld_bf16(raw, p3 + 2 * j) * xj
         _store4(out, r0, rows, a0, a1, a2, a3)
 
 
