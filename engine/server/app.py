@@ -14,7 +14,7 @@ import asyncio
 import hmac
 import ipaddress
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from starlette.applications import Starlette
@@ -267,6 +267,50 @@ class _Api:
             return list(req.prompt)
         return self.tok.encode(req.prompt, add_special=True)
 
+    def _seq_params(
+        self,
+        req: protocol.Common,
+        ids: list[int],
+        max_tokens: int | None,
+        *,
+        text_start: bool,
+        grammar: str | None = None,
+    ) -> SeqParams:
+        """The engine's parameters for a parsed chat / completion request whose prompt encodes to `ids`."""
+        return SeqParams(
+            prompt_ids=ids,
+            max_tokens=self._limits(len(ids), max_tokens),
+            temperature=req.temperature,
+            top_p=req.top_p,
+            seed=req.seed,
+            stop=req.stop,
+            logprobs=req.logprobs,
+            grammar=grammar,
+            text_start=text_start,
+            ignore_eos=req.ignore_eos,
+            timeout_s=self.config.request_timeout_s,
+        )
+
+    async def _answer(
+        self,
+        request: Request,
+        req: protocol.Common,
+        params: SeqParams,
+        meta: dict,
+        stream: Callable[..., AsyncIterator[str]],
+        reply: Callable[..., dict],
+    ) -> Response:
+        """Run `params` for an endpoint: with req.stream, the SSE events of `stream(req, job, q, meta)`;
+        otherwise the JSON `reply(req, meta, deltas)` of the whole reply (a client that leaves cancels it)."""
+        job, q = await self._submit(params)
+        if req.stream:
+            return StreamingResponse(
+                stream(req, job, q, meta),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache"},
+            )
+        return JSONResponse(reply(req, meta, await self._collect(request, job, q)))
+
     async def _submit(self, params: SeqParams):
         loop = asyncio.get_running_loop()
         q: asyncio.Queue[Delta] = asyncio.Queue()
@@ -298,27 +342,11 @@ class _Api:
             ids = await run_in_threadpool(self._encode_chat, req)
         except (TemplateError, TokenizerError) as e:
             raise invalid(str(e), "messages") from e
-        params = SeqParams(
-            prompt_ids=ids,
-            max_tokens=self._limits(len(ids), req.max_tokens),
-            temperature=req.temperature,
-            top_p=req.top_p,
-            seed=req.seed,
-            stop=req.stop,
-            logprobs=req.logprobs,
-            grammar=grammar,
-            text_start=True, ignore_eos=req.ignore_eos,
-            timeout_s=self.config.request_timeout_s,
-        )
-        job, q = await self._submit(params)
+        params = self._seq_params(req, ids, req.max_tokens, text_start=True, grammar=grammar)
         meta = {"id": protocol.new_id("chatcmpl"), "created": protocol.now(), "model": req.model}
-        if req.stream:
-            return StreamingResponse(
-                self._chat_stream(req, job, q, meta),
-                media_type="text/event-stream",
-                headers={"Cache-Control": "no-cache"},
-            )
-        deltas = await self._collect(request, job, q)
+        return await self._answer(request, req, params, meta, self._chat_stream, self._chat_reply)
+
+    def _chat_reply(self, req, meta: dict, deltas: list[Delta]) -> dict:
         last = deltas[-1]
         text = "".join(d.text for d in deltas)
         message: dict = {"role": "assistant", "content": text}
@@ -337,14 +365,12 @@ class _Api:
                     if d.token is not None and d.token not in self.tok.eot_ids
                 ]
             }
-        return JSONResponse(
-            {
-                **meta,
-                "object": "chat.completion",
-                "choices": [{"index": 0, "message": message, "logprobs": logprobs, "finish_reason": reason}],
-                "usage": protocol.usage(last.prompt_tokens, last.generated_tokens, last.cached_tokens),
-            }
-        )
+        return {
+            **meta,
+            "object": "chat.completion",
+            "choices": [{"index": 0, "message": message, "logprobs": logprobs, "finish_reason": reason}],
+            "usage": protocol.usage(last.prompt_tokens, last.generated_tokens, last.cached_tokens),
+        }
 
     async def _collect(self, request: Request, job, q: asyncio.Queue) -> list[Delta]:
         """Wait for a whole reply; a client that disconnects meanwhile cancels it."""
@@ -430,46 +456,29 @@ class _Api:
             raise invalid(str(e), "prompt") from e
         if not ids:
             raise invalid("the prompt encodes to no tokens", "prompt")
-        params = SeqParams(
-            prompt_ids=ids,
-            max_tokens=self._limits(len(ids), req.max_tokens or 16),
-            temperature=req.temperature,
-            top_p=req.top_p,
-            seed=req.seed,
-            stop=req.stop,
-            logprobs=req.logprobs,
-            text_start=self.tok.is_control(ids[-1]), ignore_eos=req.ignore_eos,
-            timeout_s=self.config.request_timeout_s,
-        )
-        job, q = await self._submit(params)
+        params = self._seq_params(req, ids, req.max_tokens or 16, text_start=self.tok.is_control(ids[-1]))
         meta = {
             "id": protocol.new_id("cmpl"),
             "created": protocol.now(),
             "model": req.model,
             "object": "text_completion",
         }
-        if req.stream:
-            return StreamingResponse(
-                self._completion_stream(req, job, q, meta),
-                media_type="text/event-stream",
-                headers={"Cache-Control": "no-cache"},
-            )
-        deltas = await self._collect(request, job, q)
+        return await self._answer(request, req, params, meta, self._completion_stream, self._completion_reply)
+
+    def _completion_reply(self, req, meta: dict, deltas: list[Delta]) -> dict:
         last = deltas[-1]
-        return JSONResponse(
-            {
-                **meta,
-                "choices": [
-                    {
-                        "index": 0,
-                        "text": "".join(d.text for d in deltas),
-                        "logprobs": self._completion_logprobs(deltas, req.logprobs),
-                        "finish_reason": protocol.finish(last.finish_reason),
-                    }
-                ],
-                "usage": protocol.usage(last.prompt_tokens, last.generated_tokens, last.cached_tokens),
-            }
-        )
+        return {
+            **meta,
+            "choices": [
+                {
+                    "index": 0,
+                    "text": "".join(d.text for d in deltas),
+                    "logprobs": self._completion_logprobs(deltas, req.logprobs),
+                    "finish_reason": protocol.finish(last.finish_reason),
+                }
+            ],
+            "usage": protocol.usage(last.prompt_tokens, last.generated_tokens, last.cached_tokens),
+        }
 
     def _completion_logprobs(self, deltas: list[Delta], k: int | None) -> dict | None:
         if k is None:

@@ -100,6 +100,17 @@ def test_chat_streamed_equals_non_streamed(client):
     assert chunks[-1].usage.prompt_tokens_details.cached_tokens >= full.usage.prompt_tokens - 1
 
 
+def test_completion_streamed_equals_non_streamed(client):
+    kw = dict(model="smol", prompt="1, 2, 3, 4,", max_tokens=6, temperature=0)
+    full = client.completions.create(**kw)
+    assert full.object == "text_completion" and full.id.startswith("cmpl-") and full.choices[0].text
+    chunks = list(client.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == full.choices[0].text
+    reasons = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert reasons == [full.choices[0].finish_reason]
+    assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+
+
 def test_completion_stop_seed_and_logprobs(client):
     r = client.completions.create(
         model="smol", prompt="1, 2, 3, 4,", max_tokens=12, temperature=0, stop=[" 7"], logprobs=2
