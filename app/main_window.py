@@ -175,6 +175,7 @@ class MainWindow(QMainWindow):
         self._closing = False
         self._engine_dirty = False
         self.cuda_ok, self.cuda_reason = cuda_status()
+        self._device_notice = ""  # the worker's reason when a CUDA load fell back to the CPU
         self._owns_downloads = downloads is None
         if downloads is None:
             from app.library_window import models_folder
@@ -596,21 +597,32 @@ class MainWindow(QMainWindow):
     def load_options(self) -> LoadOptions:
         """The engine options the settings ask for."""
         s = self.settings
+        gpu_layers = s.get("gpu_layers")
         return LoadOptions(
             n_ctx=s.get("n_ctx"),
             threads=s.get("threads") or None,
             prefix_cache_mb=s.get("prefix_cache_mb"),
             kv_dtype=s.get("kv_dtype"),
+            device="cuda" if self.cuda_ok and s.get("device") == "cuda" else "cpu",
+            gpu_layers=None if gpu_layers < 0 else gpu_layers,
         )
 
     def _on_setting(self, key: str, _value) -> None:
         if self._closing:
             return
-        if key in ENGINE_KEYS and not (key == "device" and not self.cuda_ok):  # no CUDA: CPU either way
+        if key in ENGINE_KEYS and self._changes_engine(key):
             self._engine_dirty = True
             QTimer.singleShot(0, self._apply_engine_settings)
         if key == "device":
             QTimer.singleShot(0, self._show_device)
+
+    def _changes_engine(self, key: str) -> bool:
+        """Whether a changed engine setting changes how the model runs (without CUDA: CPU either way)."""
+        if key == "device":
+            return self.cuda_ok
+        if key == "gpu_layers":
+            return self.cuda_ok and self.settings.get("device") == "cuda"
+        return True
 
     @Slot()
     def _apply_engine_settings(self, *_args) -> None:
@@ -625,9 +637,13 @@ class MainWindow(QMainWindow):
         self.bridge.reload(spec, self.load_options(), self.settings.get("threads") or None)
 
     def _show_device(self) -> None:
-        if self.settings.get("device") == "cuda" and not self.cuda_ok:
+        where = self.model_info.device if self.model_info is not None else "cpu"
+        if where != "cpu":
+            self.status_device.setText(f"GPU {where}")
+            self.status_device.setToolTip(f"The model runs on {where}")
+        elif self.settings.get("device") == "cuda":
             self.status_device.setText("CPU (CUDA unavailable)")
-            self.status_device.setToolTip(self.cuda_reason)
+            self.status_device.setToolTip(self.cuda_reason or self._device_notice)
         else:
             self.status_device.setText("CPU")
             self.status_device.setToolTip("The model runs on the CPU")
@@ -659,6 +675,8 @@ class MainWindow(QMainWindow):
         self.load_progress.setValue(int(fraction * 100))
         if stage == "warning":
             self.statusBar().showMessage(message, 8000)
+            if message.startswith("CUDA unavailable"):
+                self._device_notice = message
         else:
             self.load_progress.setFormat(f"{stage} %p%")
 

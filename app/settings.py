@@ -51,6 +51,15 @@ class Schema:
         kind="quant",
     )
     device: str = _opt("cpu", "Device", "Where the model runs.", "Model", choices=("cpu", "cuda"))
+    gpu_layers: int = _opt(
+        -1,
+        "GPU layers",
+        "With Device: cuda, how many layers go to the GPU (-1: all). Fewer when the model does not fit "
+        "in GPU memory: the rest run on the CPU.",
+        "Model",
+        min=-1,
+        max=1024,
+    )
     threads: int = _opt(0, "CPU threads", "Threads for the engine (0: all cores).", "Model", min=0, max=256)
     n_ctx: int = _opt(4096, "Context length", "Tokens the model sees at once.", "Model", min=256, max=131072)
     kv_dtype: str = _opt(
@@ -133,7 +142,7 @@ class Schema:
 
 SCHEMA = {f.name: f for f in fields(Schema)}
 # settings the loaded model is reloaded for when they change
-ENGINE_KEYS = ("n_ctx", "kv_dtype", "prefix_cache_mb", "threads", "device")
+ENGINE_KEYS = ("n_ctx", "kv_dtype", "prefix_cache_mb", "threads", "device", "gpu_layers")
 SAMPLING_KEYS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "max_tokens")
 
 
@@ -185,27 +194,14 @@ def validate(key: str, value: Any) -> Any:
 def cuda_status() -> tuple[bool, str]:
     """Whether models can run on CUDA here, and the reason when not (for the Device setting).
 
-    Checked without importing the engine: a CUDA backend package, then CuPy, then a GPU. The app's
-    engine worker does not run the CUDA backend yet, so the answer is never True for now.
+    The engine's own probe: CuPy, a driver, a GPU and NVRTC (which compiles the kernels at load).
     """
-    import importlib.util
+    from engine.backends.cuda.device import probe  # imports CuPy only inside the probe
 
-    if not (Path(__file__).resolve().parents[1] / "engine" / "backends" / "cuda").is_dir():
-        return False, "Hearth has no CUDA backend yet: models run on the CPU."
-    if importlib.util.find_spec("cupy") is None:
-        return False, "CuPy is not installed (pip install cupy-cuda12x) - models run on the CPU."
-    try:
-        import cupy
-
-        if cupy.cuda.runtime.getDeviceCount() < 1:
-            return False, "No NVIDIA GPU was found."
-    except Exception as e:  # noqa: BLE001 - any driver problem means: no CUDA
-        return False, f"The NVIDIA driver is not usable ({e})."
-    # The engine worker (chat sessions, the prefix store, speculation) runs on the CPU backend only;
-    # the CUDA backend serves `hearth run/bench --device cuda` until the worker can host it.
-    return False, (
-        "A GPU is here, but the app runs models on the CPU for now (`hearth run --device cuda` uses it)."
-    )
+    reason = probe(0)
+    if reason is None:
+        return True, ""
+    return False, f"{reason[0].upper()}{reason[1:]} - models run on the CPU."
 
 
 def settings_path() -> Path:

@@ -45,6 +45,15 @@ def _add_device_arg(p: argparse.ArgumentParser) -> None:
         default="cpu",
         help="cpu, cuda or cuda:N (GPU N); without CuPy or a GPU it runs on the CPU and says so",
     )
+    p.add_argument(
+        "-ngl",
+        "--gpu-layers",
+        type=int,
+        default=None,
+        metavar="N",
+        help="with --device cuda: put only the first N layers on the GPU, the rest run on the CPU "
+        "(default: all layers)",
+    )
 
 
 def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
@@ -86,6 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(chat)
     _add_sampling_args(chat, 1024)
     chat.add_argument("--system", default=None, help="system prompt")
+    _add_device_arg(chat)
 
     tok = sub.add_parser("tokenize", help="print the token ids of a text")
     tok.add_argument("-m", "--model", default=DEFAULT_MODEL)

@@ -73,6 +73,10 @@ class LoadOptions:
         name: key to address the model by (default: the file name without extension).
         kv_dtype: KV cache precision, "f32" or "f16" (half the memory per token of context;
             attention still sums in float32).
+        device: "cpu", "cuda" or "cuda:N". Without CuPy or a usable GPU the model runs on the CPU
+            and the load reports why (a "warning" progress step).
+        gpu_layers: with a CUDA device, how many layers go to the GPU (None: all; 0: none); the
+            others run on the CPU (partial offload).
     """
 
     n_ctx: int = 4096
@@ -81,6 +85,8 @@ class LoadOptions:
     prefix_cache_mb: int = 512
     name: str | None = None
     kv_dtype: str = "f32"
+    device: str = "cpu"
+    gpu_layers: int | None = None
 
     def __post_init__(self):
         if self.n_ctx < 16:
@@ -93,6 +99,14 @@ class LoadOptions:
             raise ValueError("prefix_cache_mb must be >= 0")
         if self.kv_dtype not in KV_DTYPES:
             raise ValueError(f"kv_dtype must be one of {', '.join(KV_DTYPES)}, got {self.kv_dtype!r}")
+        from engine.backends.cuda.device import DeviceSpecError, parse_device  # no CuPy import
+
+        try:
+            parse_device(self.device)
+        except DeviceSpecError as e:
+            raise ValueError(str(e)) from None
+        if self.gpu_layers is not None and self.gpu_layers < 0:
+            raise ValueError("gpu_layers must be >= 0 (None: all layers)")
 
     @property
     def kv_numpy_dtype(self) -> np.dtype:
@@ -162,6 +176,7 @@ class ModelInfo:
     prefix_cache_bytes: int
     estimated_bytes: int
     warnings: list[str] = field(default_factory=list)
+    device: str = "cpu"  # where it runs: "cpu", "cuda:0", "cuda:0 (12/28 layers)"
 
 
 @dataclass

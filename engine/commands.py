@@ -36,7 +36,10 @@ def _load(args) -> LoadedModel:
     if getattr(args, "device", "cpu") != "cpu":
         from engine.backends.cuda.placement import place_model, upload_progress
 
-        place_model(lm, args.device, n_ctx=getattr(args, "ctx", 4096), progress=upload_progress)
+        place_model(
+            lm, args.device, n_ctx=getattr(args, "ctx", 4096), progress=upload_progress,
+            gpu_layers=getattr(args, "gpu_layers", None),
+        )
     return lm
 
 
@@ -130,7 +133,9 @@ def cmd_chat(args) -> int:
     if lm.template is None:
         _chat_prompt(lm, messages)  # pick the fallback template now, so its notice precedes the prompt
     print(
-        f"{lm.name} ready (context {n_ctx}). /reset clears the chat, /exit or Ctrl-D quits.", file=sys.stderr
+        f"{lm.name} ready (context {n_ctx}, on {getattr(lm.model, 'placement', 'cpu')}). "
+        "/reset clears the chat, /exit or Ctrl-D quits.",
+        file=sys.stderr,
     )
     while True:
         try:
@@ -260,6 +265,7 @@ def cmd_bench(args) -> int:
         "model": lm.name,
         "file": str(lm.path),
         "file_mb": round(lm.file_size / 2**20, 1),
+        "device": getattr(lm.model, "placement", "cpu"),
         "threads": cpu.get_threads(),
         "load_s": round(load_s, 3),
         "prefill_tokens": args.prompt_tokens,

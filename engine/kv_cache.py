@@ -102,5 +102,21 @@ class KVCache:
         return n
 
     @property
+    def bytes_per_token(self) -> int:
+        """Bytes one position's keys and values take over all layers."""
+        n_layers, n_kv_heads, _, head_dim = self.k.shape
+        return 2 * n_layers * n_kv_heads * head_dim * self.dtype.itemsize
+
+    def read(self, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray]:
+        """Copies of the keys and values of positions lo..hi: (n_layers, n_kv_heads, hi - lo, head_dim)."""
+        return np.array(self.k[:, :, lo:hi, :]), np.array(self.v[:, :, lo:hi, :])
+
+    def write(self, lo: int, k: np.ndarray, v: np.ndarray) -> None:
+        """Store k, v (n_layers, n_kv_heads, n, head_dim), as `read` returns them, at positions lo.."""
+        n = k.shape[2]
+        self.k[:, :, lo : lo + n, :] = k
+        self.v[:, :, lo : lo + n, :] = v
+
+    @property
     def state(self) -> tuple[np.ndarray, np.ndarray, list[int]]:
         return self.k, self.v, self.tokens

@@ -128,8 +128,7 @@ class PrefixCache:
             lo, hi = max(start, pos), min(pos + m, matched)
             if lo < hi:
                 # node positions pos..pos+m map onto cache positions of the same index
-                cache.k[:, :, lo:hi, :] = node.k[:, :, lo - pos : hi - pos, :]
-                cache.v[:, :, lo:hi, :] = node.v[:, :, lo - pos : hi - pos, :]
+                cache.write(lo, node.k[:, :, lo - pos : hi - pos, :], node.v[:, :, lo - pos : hi - pos, :])
             pos += m
         cache.advance(ids[start:matched])
         return matched
@@ -142,8 +141,7 @@ class PrefixCache:
         ids = np.asarray(cache.tokens, dtype=np.int64)
         if len(ids) == 0 or self.max_bytes == 0:
             return 0
-        per_token = 2 * cache.k.shape[0] * cache.k.shape[1] * cache.k.shape[3] * cache.k.dtype.itemsize
-        ids = ids[: self.max_bytes // per_token]
+        ids = ids[: self.max_bytes // cache.bytes_per_token]
         path, matched = self._walk(ids)
         self._touch(path)
         parent = self._root
@@ -152,12 +150,7 @@ class PrefixCache:
             parent = self._split(node, m) if m < len(node.tokens) else node
         added = 0
         if matched < len(ids):
-            leaf = _Node(
-                ids[matched:].copy(),
-                np.array(cache.k[:, :, matched : len(ids), :]),
-                np.array(cache.v[:, :, matched : len(ids), :]),
-                parent,
-            )
+            leaf = _Node(ids[matched:].copy(), *cache.read(matched, len(ids)), parent)
             leaf.last_used = self._clock
             parent.children[int(ids[matched])] = leaf
             added = leaf.nbytes

@@ -124,6 +124,8 @@ class ChatRunner:
             progress(LoadProgress("warning", 0.6, notice))
         if options.threads:
             cpu.set_threads(options.threads)
+        if options.device != "cpu":
+            _place(lm, options, progress)
         progress(LoadProgress("warmup", 0.8, "loading compiled kernels"))
         warm = lm.model.new_cache(8, options.kv_numpy_dtype)  # compiles the kernels this dtype uses
         lm.model.forward([lm.tokenizer.bos_id or 0] * 2, warm)  # batch path
@@ -146,6 +148,7 @@ class ChatRunner:
             prefix_cache_bytes=self.store.max_bytes if self.store else 0,
             estimated_bytes=est.total_bytes if est else 0,
             warnings=list(est.warnings) if est else [],
+            device=getattr(self.lm.model, "placement", "cpu"),
         )
 
     def status(self) -> dict:
@@ -282,6 +285,23 @@ class ChatRunner:
         finally:
             if reuse and self.store is not None and cache.offset:
                 self.store.insert(cache)
+
+
+def _place(lm: LoadedModel, options: LoadOptions, progress: Callable[[LoadProgress], None]) -> None:
+    """Move the model to the GPU the options ask for; a CUDA fallback is reported as a warning."""
+    from engine.backends.cuda.placement import place_model
+
+    def uploaded(done: int, total: int) -> None:
+        progress(LoadProgress("upload", 0.6 + 0.2 * done / max(total, 1), "uploading weights to the GPU"))
+
+    place_model(
+        lm,
+        options.device,
+        n_ctx=options.n_ctx,
+        notify=lambda text: progress(LoadProgress("warning", 0.6, text)),
+        progress=uploaded,
+        gpu_layers=options.gpu_layers,
+    )
 
 
 def serve(conn) -> None:

@@ -54,6 +54,24 @@ class Decoder:
         with ops.batch_phase(len(tokens)):
             return self._forward(tokens, cache, all_logits)
 
+    def forward_from(
+        self, first_layer: int, hidden: np.ndarray, tokens, cache: KVCache, all_logits: bool = False
+    ) -> np.ndarray:
+        """As forward, for the layers from `first_layer` on, starting from their input `hidden`.
+
+        Partial GPU offload runs the first layers elsewhere and hands the residual stream over here.
+
+        Args:
+            first_layer: index of the first layer to run (0 < first_layer <= num_hidden_layers).
+            hidden: (n, hidden_size) float32, the residual stream entering that layer.
+            tokens: the n tokens (recorded in the cache).
+            cache: a cache of num_hidden_layers - first_layer layers (its layer 0 is first_layer).
+        """
+        tokens = np.asarray(tokens, dtype=np.int64)
+        cache.check_room(len(tokens))
+        with ops.batch_phase(len(tokens)):
+            return self._forward(tokens, cache, all_logits, first=first_layer, hidden=hidden)
+
     def forward_batch(self, tokens, caches: list[KVCache]) -> np.ndarray:
         """One decode step for B sequences: token b goes to caches[b] at position caches[b].offset.
 

@@ -240,7 +240,7 @@ class Gemma3Model(Decoder):
                 out3[i : i + 1], q3[i : i + 1], k_cache[:, start:], v_cache[:, start:], window - 1, self.scale
             )
 
-    def _forward(self, tokens: np.ndarray, cache: KVCache, all_logits: bool) -> np.ndarray:
+    def _forward(self, tokens: np.ndarray, cache: KVCache, all_logits: bool, first: int = 0, hidden=None):
         cfg = self.cfg
         eps = cfg.rms_norm_eps
         n = len(tokens)
@@ -249,10 +249,10 @@ class Gemma3Model(Decoder):
         s.positions[:] = np.arange(pos0, pos0 + n)
 
         def attend(i, attn3, q3, k3, v3, window):
-            k_cache, v_cache = cache.update_and_fetch(i, k3, v3)
+            k_cache, v_cache = cache.update_and_fetch(i - first, k3, v3)
             self._attend(attn3, q3, k_cache, v_cache, pos0, window)
 
-        self._layers(s, tokens, attend)
+        self._layers(s, tokens, attend, first, hidden)
         cache.advance(tokens)
         if all_logits:
             ops.rmsnorm(s.h, s.x, self.output_norm, eps)
@@ -293,16 +293,20 @@ class Gemma3Model(Decoder):
             np.multiply(logits, np.float32(cap), out=logits)
         return logits
 
-    def _layers(self, s: Scratch, tokens: np.ndarray, attend) -> None:
-        """Embed tokens (n,) into s.x and run every layer; s.positions holds each row's position.
+    def _layers(self, s: Scratch, tokens: np.ndarray, attend, first: int = 0, hidden=None) -> None:
+        """Embed tokens (n,) into s.x (or start from `hidden`, the residual stream entering layer
+        `first`) and run the layers from `first` on; s.positions holds each row's position.
 
         attend(layer index, attn3 out, q3, k3, v3, window) stores k, v in the cache(s) and writes attn3.
         """
         cfg = self.cfg
         eps = cfg.rms_norm_eps
         n = len(tokens)
-        ops.get_rows(s.x, self.token_embd, tokens)
-        s.x *= self.embed_scale
+        if hidden is None:
+            ops.get_rows(s.x, self.token_embd, tokens)
+            s.x *= self.embed_scale
+        else:
+            s.x[:] = hidden
         heads, kv_heads, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         q3 = s.q.reshape(n, heads, hd)
         k3 = s.k.reshape(n, kv_heads, hd)
@@ -311,7 +315,7 @@ class Gemma3Model(Decoder):
         k_rows = s.k.reshape(n * kv_heads, hd)
         attn3 = s.attn.reshape(n, heads, hd)
         capture = self.capture
-        for i, layer in enumerate(self.layers):
+        for i, layer in enumerate(self.layers[first:], first):
             ops.rmsnorm(s.h, s.x, layer.attn_norm, eps)
             if capture is not None:
                 capture(i, "attn_q", s.h)

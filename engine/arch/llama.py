@@ -184,7 +184,7 @@ class LlamaModel(Decoder):
         self._decode = Scratch(cfg, 1)
         self._logits = np.empty((1, cfg.vocab_size), np.float32)
 
-    def _forward(self, tokens: np.ndarray, cache: KVCache, all_logits: bool) -> np.ndarray:
+    def _forward(self, tokens: np.ndarray, cache: KVCache, all_logits: bool, first: int = 0, hidden=None):
         cfg = self.cfg
         n = len(tokens)
         s = self._decode if n == 1 else Scratch(cfg, n)
@@ -192,10 +192,10 @@ class LlamaModel(Decoder):
         s.positions[:] = np.arange(pos0, pos0 + n)
 
         def attend(i, attn3, q3, k3, v3):
-            k_cache, v_cache = cache.update_and_fetch(i, k3, v3)
+            k_cache, v_cache = cache.update_and_fetch(i - first, k3, v3)
             ops.attention(attn3, q3, k_cache, v_cache, pos0, self.scale)
 
-        self._layers(s, tokens, attend)
+        self._layers(s, tokens, attend, first, hidden)
         cache.advance(tokens)
         if all_logits:
             ops.rmsnorm(s.h, s.x, self.output_norm, cfg.rms_norm_eps)
@@ -227,21 +227,25 @@ class LlamaModel(Decoder):
         ops.linear(logits, self.output, s.h)
         return logits
 
-    def _layers(self, s: Scratch, tokens: np.ndarray, attend) -> None:
-        """Embed tokens (n,) into s.x and run every layer; s.positions holds each row's position.
+    def _layers(self, s: Scratch, tokens: np.ndarray, attend, first: int = 0, hidden=None) -> None:
+        """Embed tokens (n,) into s.x (or start from `hidden`, the residual stream entering layer
+        `first`) and run the layers from `first` on; s.positions holds each row's position.
 
         attend(layer index, attn3 out, q3, k3, v3) stores k, v in the cache(s) and writes attn3.
         """
         cfg = self.cfg
         n = len(tokens)
-        ops.get_rows(s.x, self.token_embd, tokens)
+        if hidden is None:
+            ops.get_rows(s.x, self.token_embd, tokens)
+        else:
+            s.x[:] = hidden
         heads, kv_heads, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         q3 = s.q.reshape(n, heads, hd)
         k3 = s.k.reshape(n, kv_heads, hd)
         v3 = s.v.reshape(n, kv_heads, hd)
         attn3 = s.attn.reshape(n, heads, hd)
         capture = self.capture
-        for i, layer in enumerate(self.layers):
+        for i, layer in enumerate(self.layers[first:], first):
             ops.rmsnorm(s.h, s.x, layer.attn_norm, cfg.rms_norm_eps)
             if capture is not None:
                 capture(i, "attn_q", s.h)

@@ -217,6 +217,27 @@ def test_settings_reach_the_engine(qtbot, engine):
     w.settings.set("device", "cuda")
     qtbot.waitUntil(lambda: "CUDA unavailable" in w.status_device.text(), timeout=5000)
 
+    # a machine where the app sees a GPU: device and GPU layers reach the worker, which runs the
+    # model there (or, where the GPU is not usable after all, on the CPU with its reason shown)
+    from engine.backends.cuda.device import probe
+
+    w.cuda_ok, w.cuda_reason = True, ""
+    w.settings.set("device", "cpu")
+    with qtbot.waitSignal(engine.loaded, timeout=60000) as loaded:
+        w.settings.update({"device": "cuda", "gpu_layers": 12})
+    options = w.load_options()
+    assert options.device == "cuda" and options.gpu_layers == 12
+    info = loaded.args[0]
+    qtbot.waitUntil(lambda: w.model_info is info, timeout=5000)
+    if probe(0) is None:
+        assert info.device == "cuda:0 (12/30 layers)" and w.status_device.text() == f"GPU {info.device}"
+    else:
+        assert info.device == "cpu" and w.status_device.text() == "CPU (CUDA unavailable)"
+        assert w.status_device.toolTip().startswith("CUDA unavailable: ")
+    w.cuda_ok, w.cuda_reason = False, "no GPU here"
+    w.settings.update({"device": "cpu", "gpu_layers": -1})
+    assert w.load_options().device == "cpu" and w.load_options().gpu_layers is None
+
     # context length, KV precision and KV reuse budget reload the model with them
     with qtbot.waitSignal(engine.loaded, timeout=60000) as loaded:
         w.settings.update({"n_ctx": 768, "kv_dtype": "f16", "prefix_cache_mb": 16})

@@ -11,8 +11,8 @@ class uploads those weights unchanged (GGUF blocks) and runs the same maths with
 - prefill (several tokens): weight tiles dequantized to float16 (or float32) and multiplied with
   cuBLAS; attention runs the split-K kernel with one query per grid row.
 
-Not done: partial offload (first N layers on the GPU, the rest on the CPU); the whole model goes to
-the GPU or the load fails with CudaOutOfMemoryError.
+Partial offload: with n_layers below the model's layer count the decoder runs the embedding and the
+first n_layers layers only and hands the residual stream to the CPU model (engine.backends.cuda.hybrid).
 """
 
 from __future__ import annotations
@@ -39,12 +39,15 @@ class CudaKVCache(KVCache):
     """KVCache's interface (offset, tokens, trim, common_prefix, advance) over GPU arrays
     k, v (n_layers, n_kv_heads, n_ctx, head_dim), float16 or float32."""
 
-    def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, n_ctx: int, dtype=np.float16):
+    def __init__(
+        self, n_layers: int, n_kv_heads: int, head_dim: int, n_ctx: int, dtype=np.float16, stream=None
+    ):
         dtype = np.dtype(dtype)
         if dtype not in (np.dtype(np.float16), np.dtype(np.float32)):
             raise ValueError(f"KV cache dtype must be float32 or float16, got {dtype}")
         self.n_ctx = n_ctx
         self.dtype = dtype
+        self.stream = stream if stream is not None else cp.cuda.Stream(non_blocking=True)
         self.k = cp.zeros((n_layers, n_kv_heads, n_ctx, head_dim), dtype)
         self.v = cp.zeros((n_layers, n_kv_heads, n_ctx, head_dim), dtype)
         self._tokens: list[int] = []
@@ -52,33 +55,56 @@ class CudaKVCache(KVCache):
     def update_and_fetch(self, layer, k, v):  # the GPU decoder writes the cache in its RoPE kernel
         raise NotImplementedError("CudaKVCache is written by the CUDA decoder's kernels")
 
+    # on the decoder's stream, finished before returning: its kernels are ordered with these copies
+    def read(self, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray]:
+        with self.stream:
+            k = cp.asnumpy(self.k[:, :, lo:hi, :], stream=self.stream)
+            v = cp.asnumpy(self.v[:, :, lo:hi, :], stream=self.stream)
+            self.stream.synchronize()
+        return k, v
+
+    def write(self, lo: int, k: np.ndarray, v: np.ndarray) -> None:
+        n = k.shape[2]
+        with self.stream:
+            self.k[:, :, lo : lo + n, :] = cp.asarray(k, self.dtype)
+            self.v[:, :, lo : lo + n, :] = cp.asarray(v, self.dtype)
+            self.stream.synchronize()
+
     @property
     def state(self):
         return cp.asnumpy(self.k), cp.asnumpy(self.v), self.tokens
 
 
-def _weights_of(model) -> list:
+LAYER_WEIGHTS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
+
+
+def _weights_of(model, n_layers: int | None = None) -> list:
+    """The distinct weights on the GPU: embedding, the first n_layers layers' matrices (all: None) and
+    the output projection when every layer is there."""
     seen, out = set(), []
-    names = ["token_embd", "output"]
-    for w in [getattr(model, n) for n in names] + [
-        getattr(layer, a)
-        for layer in model.layers
-        for a in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
-    ]:
+    n = len(model.layers) if n_layers is None else n_layers
+    heads = [model.token_embd] + ([model.output] if n >= len(model.layers) else [])
+    for w in heads + [getattr(layer, a) for layer in model.layers[:n] for a in LAYER_WEIGHTS]:
         if id(w) not in seen:
             seen.add(id(w))
             out.append(w)
     return out
 
 
-def estimate_vram(model, n_ctx: int, kv_dtype=np.float16, prefill_tokens: int = 512) -> int:
-    """Bytes of GPU memory the model needs: weights, KV cache for n_ctx, prefill buffers, a margin."""
+def estimate_vram(
+    model, n_ctx: int, kv_dtype=np.float16, prefill_tokens: int = 512, n_layers: int | None = None
+) -> int:
+    """Bytes of GPU memory the model needs: weights, KV cache for n_ctx, prefill buffers, a margin.
+
+    n_layers: how many layers go to the GPU (None: all of them and the output projection).
+    """
     cfg = model.cfg
-    weights = sum(w.nbytes for w in _weights_of(model))
-    norms = 4 * cfg.hidden_size * (4 * cfg.num_hidden_layers + 1)
+    n = cfg.num_hidden_layers if n_layers is None else min(n_layers, cfg.num_hidden_layers)
+    weights = sum(w.nbytes for w in _weights_of(model, n))
+    norms = 4 * cfg.hidden_size * (4 * n + 1)
     kv = (
         2
-        * cfg.num_hidden_layers
+        * n
         * cfg.num_key_value_heads
         * n_ctx
         * cfg.head_dim
@@ -92,8 +118,23 @@ def estimate_vram(model, n_ctx: int, kv_dtype=np.float16, prefill_tokens: int = 
     attn_parts = (
         4 * prefill_tokens * cfg.num_attention_heads * (-(-n_ctx // ops.ATTN_CHUNK)) * (cfg.head_dim + 2)
     )
-    tile = 2 * PREFILL_TILE_ELEMS + 4 * cfg.vocab_size * 2
+    tile = 2 * PREFILL_TILE_ELEMS + (4 * cfg.vocab_size * 2 if n == cfg.num_hidden_layers else 0)
     return int(weights + norms + kv + acts + attn_parts + tile + MARGIN_BYTES)
+
+
+def layers_that_fit(model, n_ctx: int, free: int, kv_dtype=np.float16) -> int:
+    """The most layers whose estimate fits in `free` bytes (the whole model counts as all layers)."""
+    n_all = model.cfg.num_hidden_layers
+    if estimate_vram(model, n_ctx, kv_dtype) <= free:
+        return n_all
+    lo, hi = 0, n_all - 1  # estimates grow with n: the largest n in 1..hi that fits, else 0
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if estimate_vram(model, n_ctx, kv_dtype, n_layers=mid) <= free:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 
 
 class _Step:
@@ -124,6 +165,8 @@ class CudaDecoder:
         prefill_dtype: "float16" (cuBLAS on half tiles, the fast path) or "float32" (exact checks).
         progress: progress(done_bytes, total_bytes) while weights upload.
         use_graphs: capture the decode step as a CUDA graph (False: launch kernel by kernel).
+        n_layers: layers on the GPU (None: all, with the output projection). Fewer make a head
+            decoder: `hidden` returns the residual stream after them instead of logits.
 
     Raises:
         UnsupportedCudaModelError: a weight type without CUDA kernel, or Gemma's attention soft-capping.
@@ -138,6 +181,7 @@ class CudaDecoder:
         prefill_dtype: str = "float16",
         progress=None,
         use_graphs: bool = True,
+        n_layers: int | None = None,
     ):
         if not isinstance(model, (LlamaModel, Gemma3Model)):
             raise UnsupportedCudaModelError(
@@ -149,7 +193,12 @@ class CudaDecoder:
             raise UnsupportedCudaModelError(
                 "attention logit soft-capping has no CUDA kernel; use --device cpu"
             )
-        for w in _weights_of(model):
+        n_all = len(model.layers)
+        self.n_layers = n_all if n_layers is None else int(n_layers)
+        if not 1 <= self.n_layers <= n_all:
+            raise ValueError(f"n_layers must be 1..{n_all}, got {n_layers}")
+        self.head_only = self.n_layers < n_all
+        for w in _weights_of(model, self.n_layers):
             try:
                 ops.check_type(w.ggml_type, w.cols)
             except ops.UnsupportedCudaWeightType as e:
@@ -159,9 +208,10 @@ class CudaDecoder:
         self.use_graphs = use_graphs
         with cp.cuda.Device(self.device):
             free, _ = cp.cuda.runtime.memGetInfo()
-            needed = estimate_vram(model, n_ctx)
+            needed = estimate_vram(model, n_ctx, n_layers=self.n_layers)
             if needed > free:
-                raise CudaOutOfMemoryError(needed, free, self.device)
+                fit = layers_that_fit(model, n_ctx, free)
+                raise CudaOutOfMemoryError(needed, free, self.device, fit, n_all)
             try:
                 self._upload(model, progress)
             except cp.cuda.memory.OutOfMemoryError:
@@ -175,7 +225,7 @@ class CudaDecoder:
 
     # ---- loading -------------------------------------------------------------------------
     def _upload(self, model, progress) -> None:
-        total = sum(w.nbytes for w in _weights_of(model))
+        total = sum(w.nbytes for w in _weights_of(model, self.n_layers))
         done = [0]
 
         def tick(n):
@@ -194,10 +244,10 @@ class CudaDecoder:
             return None if a is None else cp.asarray(np.ascontiguousarray(a, np.float32))
 
         self.token_embd = up(model.token_embd)
-        self.output = up(model.output)
-        self.output_norm = vec(model.output_norm)
+        self.output = None if self.head_only else up(model.output)
+        self.output_norm = None if self.head_only else vec(model.output_norm)
         self.layers = []
-        for layer in model.layers:
+        for layer in model.layers[: self.n_layers]:
             g = {
                 "attn_norm": vec(layer.attn_norm),
                 "ffn_norm": vec(layer.ffn_norm),
@@ -228,27 +278,43 @@ class CudaDecoder:
         self.weight_bytes = total
         # what one decode step reads: every layer matrix and the output projection in full, one
         # embedding row (the whole embedding only when it is the tied output matrix)
-        layer_bytes = sum(
-            g[k].nbytes for g in self.layers for k in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
-        )
+        layer_bytes = sum(g[k].nbytes for g in self.layers for k in LAYER_WEIGHTS)
         embd_row = 0 if self.token_embd is self.output else self.token_embd.nbytes // self.token_embd.rows
-        self.decode_weight_bytes = layer_bytes + self.output.nbytes + embd_row
+        output = 0 if self.output is None else self.output.nbytes
+        self.decode_weight_bytes = layer_bytes + output + embd_row
+
+    @property
+    def placement(self) -> str:
+        """Where the model runs, for status lines: "cuda:N"."""
+        return f"cuda:{self.device}"
 
     # ---- the Decoder interface --------------------------------------------------------------
     def new_cache(self, n_ctx: int, dtype=np.float16) -> CudaKVCache:
         cfg = self.cfg
         # zeroed on the decoder's stream (a non-blocking stream does not wait for the default one)
         with cp.cuda.Device(self.device), self.stream:
-            return CudaKVCache(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, n_ctx, dtype)
+            kv_heads, hd = cfg.num_key_value_heads, cfg.head_dim
+            return CudaKVCache(self.n_layers, kv_heads, hd, n_ctx, dtype, self.stream)
 
     def forward(self, tokens, cache: CudaKVCache, all_logits: bool = False) -> np.ndarray:
         """As Decoder.forward: float32 numpy logits (n, vocab) when all_logits, else (1, vocab)."""
+        if self.head_only:
+            raise ValueError("this decoder holds only the first layers: use hidden()")
+        return self._run(tokens, cache, all_logits)
+
+    def hidden(self, tokens, cache: CudaKVCache) -> np.ndarray:
+        """Head decoder: run tokens through the GPU layers; the residual stream after them, (n, hidden)."""
+        if not self.head_only:
+            raise ValueError("this decoder holds every layer: use forward()")
+        return self._run(tokens, cache, True)
+
+    def _run(self, tokens, cache: CudaKVCache, all_logits: bool) -> np.ndarray:
         tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
         cache.check_room(len(tokens))
         with cp.cuda.Device(self.device), self.stream:
-            if len(tokens) == 1 and not all_logits:
-                logits = self._decode(int(tokens[0]), cache, greedy=False)
-                out = cp.asnumpy(logits, stream=self.stream).reshape(1, -1)
+            if len(tokens) == 1 and (self.head_only or not all_logits):
+                out = self._decode(int(tokens[0]), cache, greedy=False)
+                out = cp.asnumpy(out, stream=self.stream).reshape(1, -1)
             else:
                 out = cp.asnumpy(self._prefill(tokens, cache, all_logits), stream=self.stream)
             self.stream.synchronize()
@@ -260,6 +326,7 @@ class CudaDecoder:
 
     def greedy_step(self, token: int, cache: CudaKVCache) -> int:
         """Decode one token and return the argmax of its logits; only the token crosses to the host."""
+        self._need_output()
         cache.check_room(1)
         with cp.cuda.Device(self.device), self.stream:
             step = self._decode(int(token), cache, greedy=True)
@@ -271,6 +338,7 @@ class CudaDecoder:
         self, token: int, cache: CudaKVCache, temp: float, top_k: int, top_p: float, u: float
     ) -> int:
         """Decode one token and draw the next on the GPU (top-k, then top-p, at temperature temp)."""
+        self._need_output()
         cache.check_room(1)
         with cp.cuda.Device(self.device), self.stream:
             logits = self._decode(int(token), cache, greedy=False)
@@ -278,6 +346,10 @@ class CudaDecoder:
             nxt = int(cp.asnumpy(self._step.ids, stream=self.stream)[0])
         cache.advance([token])
         return nxt
+
+    def _need_output(self) -> None:
+        if self.head_only:
+            raise ValueError("this decoder holds only the first layers: the CPU computes the logits")
 
     # ---- decode -----------------------------------------------------------------------------
     def _step_for(self, cache) -> _Step:
@@ -293,9 +365,10 @@ class CudaDecoder:
         step = self._step_for(cache)
         step.ids[0] = token
         step.pos[0] = cache.offset
+        result = step if greedy else step.x if self.head_only else step.logits
         if not self.use_graphs:
             self._decode_kernels(step, cache, greedy)
-            return step if greedy else step.logits
+            return result
         graph = self._graphs.get(greedy)
         if graph is None:
             self._decode_kernels(step, cache, greedy)  # warm-up: every kernel loaded before capture
@@ -308,7 +381,7 @@ class CudaDecoder:
                 graph = self.stream.end_capture()
             self._graphs[greedy] = graph
         graph.launch(self.stream)
-        return step if greedy else step.logits
+        return result
 
     def _decode_kernels(self, s: _Step, cache: CudaKVCache, greedy: bool) -> None:
         cfg = self.cfg
@@ -361,6 +434,8 @@ class CudaDecoder:
                 ops.rmsnorm(s.x.reshape(1, -1), s.o.reshape(1, -1), L["post_ffn_norm"], eps, accumulate=True)
             else:
                 ops.matvec(s.x, [L["w_down"]], s.gu[:ff], x2=s.gu[ff:], prologue=act, accumulate=True)
+        if self.head_only:
+            return
         ops.matvec(s.logits, [self.output], s.x, norm=self.output_norm, eps=eps, prologue=1)
         cap = getattr(cfg, "final_logit_softcapping", None)
         if cap is not None:
@@ -444,6 +519,8 @@ class CudaDecoder:
                 ops.rmsnorm(x, o, L["post_ffn_norm"], eps, accumulate=True)
             else:
                 x += o
+        if self.head_only:
+            return x
         cap = getattr(cfg, "final_logit_softcapping", None)
         if all_logits:
             ops.rmsnorm(h, x, self.output_norm, eps)

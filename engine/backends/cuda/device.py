@@ -20,11 +20,17 @@ class DeviceSpecError(HearthError):
 class CudaOutOfMemoryError(HearthError):
     """The model (weights + KV cache + buffers) does not fit the GPU's free memory."""
 
-    def __init__(self, needed: int, free: int, device: int):
+    def __init__(self, needed: int, free: int, device: int, layers_fit: int | None = None, n_layers: int = 0):
         self.needed, self.free, self.device = int(needed), int(free), int(device)
+        self.layers_fit = layers_fit
+        partial = (
+            f"offload only {layers_fit} of the {n_layers} layers (--gpu-layers {layers_fit}), "
+            if layers_fit and layers_fit < n_layers
+            else ""
+        )
         super().__init__(
             f"the model needs about {needed / 2**30:.2f} GiB on GPU {device} but only "
-            f"{free / 2**30:.2f} GiB is free; use a smaller quantization or context (--ctx), "
+            f"{free / 2**30:.2f} GiB is free; {partial}use a smaller quantization or context (--ctx), "
             "or run on the CPU (--device cpu)"
         )
 
@@ -76,6 +82,13 @@ def probe(index: int = 0) -> str | None:
         return "no CUDA GPU found"
     if index >= count:
         return f"GPU {index} does not exist ({count} CUDA device{'s' if count > 1 else ''} found)"
+    try:  # the kernels are compiled at load time by NVRTC
+        from engine.backends.cuda.kernels import _add_pip_nvrtc_path
+
+        _add_pip_nvrtc_path()
+        cupy.cuda.nvrtc.getVersion()
+    except Exception as e:  # the library is missing or does not load
+        return f"NVRTC, the CUDA compiler, cannot be loaded ({e}); pip install nvidia-cuda-nvrtc-cu12"
     return None
 
 

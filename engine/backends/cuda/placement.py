@@ -4,32 +4,47 @@ from __future__ import annotations
 
 import sys
 
-from engine.backends.cuda.device import DeviceChoice, choose_device
+from engine.backends.cuda.device import Device, DeviceChoice, choose_device
 
 
-def place_model(lm, spec: str | None, n_ctx: int = 4096, notify=None, progress=None) -> DeviceChoice:
+def place_model(
+    lm, spec: str | None, n_ctx: int = 4096, notify=None, progress=None, gpu_layers: int | None = None
+) -> DeviceChoice:
     """Move lm.model (a LoadedModel's CPU model) to the GPU when spec asks for CUDA and CUDA works.
 
     Args:
-        lm: an engine.loader.LoadedModel; lm.model is replaced by a CudaDecoder on success.
+        lm: an engine.loader.LoadedModel; lm.model is replaced by a CudaDecoder (every layer on
+            the GPU) or a HybridDecoder (the first gpu_layers layers) on success.
         spec: "cpu", "cuda", "cuda:N" or None (cpu).
         n_ctx: context the VRAM estimate plans for.
         notify: called with the fallback notice (default: print to stderr as `hearth: ...`).
         progress: progress(done_bytes, total_bytes) while weights upload.
+        gpu_layers: layers to offload (None or >= the layer count: all; 0: none, the CPU runs it).
 
     Returns:
         the DeviceChoice made (its notice set when CUDA was asked for and is not usable).
 
     Raises:
-        DeviceSpecError, CudaOutOfMemoryError, UnsupportedCudaModelError.
+        DeviceSpecError, CudaOutOfMemoryError, UnsupportedCudaModelError, ValueError (gpu_layers < 0).
     """
+    if gpu_layers is not None and gpu_layers < 0:
+        raise ValueError(f"gpu_layers must be >= 0, got {gpu_layers}")
     choice = choose_device(spec)
     if choice.notice:
         (notify or (lambda text: print(f"hearth: {text}", file=sys.stderr)))(choice.notice)
-    if choice.device.kind == "cuda":
+    if choice.device.kind != "cuda" or gpu_layers == 0:
+        return choice if choice.device.kind != "cuda" else DeviceChoice(Device("cpu"))
+    n_all = lm.model.cfg.num_hidden_layers
+    if gpu_layers is None or gpu_layers >= n_all:
         from engine.backends.cuda.decoder import CudaDecoder
 
         lm.model = CudaDecoder(lm.model, device=choice.device.index, n_ctx=n_ctx, progress=progress)
+    else:
+        from engine.backends.cuda.hybrid import HybridDecoder
+
+        lm.model = HybridDecoder(
+            lm.model, gpu_layers, device=choice.device.index, n_ctx=n_ctx, progress=progress
+        )
     return choice
 
 

@@ -145,8 +145,20 @@ def _fake_cupy():
         getDeviceProperties=lambda dev: {"name": b"Fake GPU"},
     )
     memory = types.SimpleNamespace(OutOfMemoryError=MemoryError)
-    cp.cuda = types.SimpleNamespace(Device=Device, Stream=Stream, runtime=runtime, memory=memory, Graph=Graph)
+    nvrtc = types.SimpleNamespace(getVersion=lambda: (12, 9))
+    cp.cuda = types.SimpleNamespace(
+        Device=Device, Stream=Stream, runtime=runtime, memory=memory, Graph=Graph, nvrtc=nvrtc
+    )
     return cp
+
+
+# the backend's modules that import CuPy: imported afresh over the stand-in, dropped after
+CUPY_MODULES = (
+    "engine.backends.cuda.ops",
+    "engine.backends.cuda.decoder",
+    "engine.backends.cuda.hybrid",
+    "engine.backends.cuda.bench",
+)
 
 
 @pytest.fixture(scope="module")
@@ -162,7 +174,7 @@ def fake(monkeypatch, ptx_params):
     """engine.backends.cuda.{ops,decoder,bench} imported over the stand-in CuPy."""
     cp = _fake_cupy()
     monkeypatch.setitem(sys.modules, "cupy", cp)
-    for mod in ("engine.backends.cuda.ops", "engine.backends.cuda.decoder", "engine.backends.cuda.bench"):
+    for mod in CUPY_MODULES:
         monkeypatch.delitem(sys.modules, mod, raising=False)
     ops = importlib.import_module("engine.backends.cuda.ops")
     launches: list[str] = []
@@ -175,9 +187,12 @@ def fake(monkeypatch, ptx_params):
     monkeypatch.setattr(ops, "kernel", kernel)
     decoder = importlib.import_module("engine.backends.cuda.decoder")
     bench = importlib.import_module("engine.backends.cuda.bench")
-    yield types.SimpleNamespace(cp=cp, ops=ops, decoder=decoder, bench=bench, launches=launches)
+    hybrid = importlib.import_module("engine.backends.cuda.hybrid")
+    yield types.SimpleNamespace(
+        cp=cp, ops=ops, decoder=decoder, bench=bench, hybrid=hybrid, launches=launches
+    )
     STATE.simt = STATE.capture = None
-    for mod in ("engine.backends.cuda.ops", "engine.backends.cuda.decoder", "engine.backends.cuda.bench"):
+    for mod in CUPY_MODULES:
         sys.modules.pop(mod, None)
 
 

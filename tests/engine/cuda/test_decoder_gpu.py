@@ -3,6 +3,8 @@ greedy tokens (tiny random llama/gemma3 files and both starter models). Needs a 
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -64,6 +66,20 @@ def _check(model, prompt, n_tokens=16, logit_tol=1e-3):
     return dec
 
 
+def _check_hybrid(model, prompt, n_tokens=16, logit_tol=1e-3):
+    """Half the layers on the GPU, half on the CPU: the CPU model's logits and greedy tokens."""
+    from engine.backends.cuda.hybrid import HybridDecoder
+
+    hyb = HybridDecoder(model, model.cfg.num_hidden_layers // 2, n_ctx=128, prefill_dtype="float32")
+    cpu_cache, cache = model.new_cache(128), hyb.new_cache(128, np.float32)
+    ref = model.forward(prompt, cpu_cache, all_logits=True)
+    assert _rel(hyb.forward(prompt, cache, all_logits=True), ref) < logit_tol
+    out = [int(np.argmax(ref[-1]))]
+    for _ in range(n_tokens - 1):
+        out.append(int(np.argmax(hyb.forward([out[-1]], cache)[-1])))
+    assert out == _cpu_greedy(model, prompt, n_tokens)
+
+
 @pytest.mark.parametrize(
     "spec",
     [
@@ -77,6 +93,7 @@ def test_tiny_llama(gpu, tmp_path, spec):
     path = tmp_path / "tiny.gguf"
     write_tiny_gguf(path, spec)
     _check(load_model(path).model, PROMPT)
+    _check_hybrid(load_model(path).model, PROMPT)
 
 
 @pytest.mark.parametrize(
@@ -92,18 +109,48 @@ def test_tiny_gemma3(gpu, tmp_path, spec):
     path = tmp_path / "tiny-gemma3.gguf"
     write_tiny_gemma3(path, spec)
     _check(load_model(path).model, [258] + PROMPT)
+    _check_hybrid(load_model(path).model, [258] + PROMPT)
 
 
 @pytest.mark.slow
 def test_smollm2_starter(gpu, smollm2_gpu_path):
     lm = load_model(smollm2_gpu_path)
-    _check(lm.model, lm.tokenizer.encode("The capital of France is", add_special=True), 24, 2e-3)
+    prompt = lm.tokenizer.encode("The capital of France is", add_special=True)
+    _check(lm.model, prompt, 24, 2e-3)
+    _check_hybrid(load_model(smollm2_gpu_path).model, prompt, 24, 2e-3)
 
 
 @pytest.mark.slow
 def test_gemma3_starter(gpu, gemma3_gpu_path):
     lm = load_model(gemma3_gpu_path)
-    _check(lm.model, lm.tokenizer.encode("The capital of France is", add_special=True), 24, 2e-3)
+    prompt = lm.tokenizer.encode("The capital of France is", add_special=True)
+    _check(lm.model, prompt, 24, 2e-3)
+    _check_hybrid(load_model(gemma3_gpu_path).model, prompt, 24, 2e-3)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("gpu_layers", [None, 10])
+def test_chat_runner_on_the_gpu(gpu, smollm2_gpu_path, gpu_layers):
+    """The app's engine worker path: a chat turn on the GPU (fully or 10 of 30 layers), then a second
+    turn reusing the cache, replies that start as the CPU runner's."""
+    from engine.client import LoadOptions
+    from engine.generate import GenerationParams
+    from engine.worker import ChatRunner
+
+    greedy = GenerationParams(max_tokens=12, temperature=0.0)
+    messages = [{"role": "user", "content": "Name three colours."}]
+
+    def reply(runner):
+        return [e.token for e in runner.chat(messages, greedy) if e.token is not None]
+
+    options = LoadOptions(n_ctx=512, batch_size=64, prefix_cache_mb=16)
+    want = reply(ChatRunner.load(smollm2_gpu_path, options))
+    gpu_options = dataclasses.replace(options, device="cuda", gpu_layers=gpu_layers)
+    gpu_runner = ChatRunner.load(smollm2_gpu_path, gpu_options)
+    assert gpu_runner.info.device == ("cuda:0" if gpu_layers is None else "cuda:0 (10/30 layers)")
+    got = reply(gpu_runner)
+    assert got[:4] == want[:4]
+    assert reply(gpu_runner)[:4] == want[:4]  # the next turn reuses the GPU cache
 
 
 def test_vram_estimate_too_large_is_a_typed_error(gpu, tmp_path, monkeypatch):

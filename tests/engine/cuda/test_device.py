@@ -9,14 +9,22 @@ import pytest
 from engine.backends.cuda import device as dev
 
 
-def _fake_cupy(count=None, error=None):
+def _fake_cupy(count=None, error=None, nvrtc_error=None):
     def get_count():
         if error is not None:
             raise error
         return count
 
+    def nvrtc_version():
+        if nvrtc_error is not None:
+            raise nvrtc_error
+        return (12, 9)
+
     return types.SimpleNamespace(
-        cuda=types.SimpleNamespace(runtime=types.SimpleNamespace(getDeviceCount=get_count))
+        cuda=types.SimpleNamespace(
+            runtime=types.SimpleNamespace(getDeviceCount=get_count),
+            nvrtc=types.SimpleNamespace(getVersion=nvrtc_version),
+        )
     )
 
 
@@ -64,6 +72,15 @@ def test_index_out_of_range_and_a_usable_gpu(monkeypatch):
     assert choice.device.kind == "cpu" and "GPU 2 does not exist (2 CUDA devices found)" in choice.notice
 
 
+def test_fallback_without_nvrtc(monkeypatch):
+    missing = OSError("libnvrtc.so.12: cannot open shared object file")
+    monkeypatch.setattr(dev, "_import_cupy", lambda: _fake_cupy(count=1, nvrtc_error=missing))
+    choice = dev.choose_device("cuda")
+    assert choice.device.kind == "cpu" and "pip install nvidia-cuda-nvrtc-cu12" in choice.notice
+
+
 def test_out_of_memory_error_says_what_to_do():
     e = dev.CudaOutOfMemoryError(3 * 2**30, 2**30, 0)
-    assert "3.00 GiB" in str(e) and "--device cpu" in str(e)
+    assert "3.00 GiB" in str(e) and "--device cpu" in str(e) and "--gpu-layers" not in str(e)
+    e = dev.CudaOutOfMemoryError(3 * 2**30, 2**30, 0, layers_fit=9, n_layers=28)
+    assert "offload only 9 of the 28 layers (--gpu-layers 9)" in str(e)

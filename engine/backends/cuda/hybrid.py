@@ -1,0 +1,118 @@
+"""Partial offload (`--gpu-layers N`, llama.cpp's -ngl): the first N layers on the GPU, the rest on the CPU.
+
+The GPU runs the embedding and layers 0..N-1 (a CudaDecoder built with n_layers=N); the residual
+stream of each token, hidden_size floats, crosses to the host, where the CPU model runs layers N..
+and the output projection (Decoder.forward_from). Each side keeps the KV cache of its own layers;
+HybridKVCache presents the two as one cache to the chat runtime, the prefix store and speculation.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from engine.backends.cuda.decoder import CudaDecoder, CudaKVCache, UnsupportedCudaModelError
+from engine.kv_cache import KVCache
+
+
+class HybridKVCache:
+    """A CudaKVCache for the GPU layers and a KVCache for the CPU layers, kept at the same tokens."""
+
+    def __init__(self, gpu: CudaKVCache, cpu: KVCache):
+        self.gpu, self.cpu = gpu, cpu
+        self.n_ctx = cpu.n_ctx
+        self.dtype = cpu.dtype
+
+    @property
+    def offset(self) -> int:
+        return self.cpu.offset
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.cpu.tokens
+
+    @property
+    def nbytes(self) -> int:
+        return self.gpu.nbytes + self.cpu.nbytes
+
+    @property
+    def bytes_per_token(self) -> int:
+        return self.gpu.bytes_per_token + self.cpu.bytes_per_token
+
+    def check_room(self, n: int) -> None:
+        self.cpu.check_room(n)
+
+    def advance(self, tokens) -> None:
+        tokens = list(tokens)
+        self.gpu.advance(tokens)
+        self.cpu.advance(tokens)
+
+    def trim(self, n: int) -> int:
+        self.gpu.trim(n)
+        return self.cpu.trim(n)
+
+    def common_prefix(self, tokens) -> int:
+        return self.cpu.common_prefix(tokens)
+
+    def read(self, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray]:
+        (gk, gv), (ck, cv) = self.gpu.read(lo, hi), self.cpu.read(lo, hi)
+        return np.concatenate([gk, ck]), np.concatenate([gv, cv])
+
+    def write(self, lo: int, k: np.ndarray, v: np.ndarray) -> None:
+        n = self.gpu.k.shape[0]
+        self.gpu.write(lo, k[:n], v[:n])
+        self.cpu.write(lo, k[n:], v[n:])
+
+    def update_and_fetch(self, layer, k, v):
+        raise NotImplementedError("HybridKVCache is written through its gpu and cpu parts")
+
+
+class HybridDecoder:
+    """A decoder whose first n_gpu_layers layers run on the GPU and the others on the CPU.
+
+    Args:
+        model: the CPU model built from the file (LlamaModel or Gemma3Model).
+        n_gpu_layers: layers on the GPU, 1 <= n < the model's layer count.
+        device, n_ctx, prefill_dtype, progress, use_graphs: as CudaDecoder's.
+
+    Raises:
+        UnsupportedCudaModelError, CudaOutOfMemoryError: as CudaDecoder.
+    """
+
+    def __init__(self, model, n_gpu_layers: int, device: int = 0, n_ctx: int = 4096,
+                 prefill_dtype: str = "float16", progress=None, use_graphs: bool = True):
+        n_all = model.cfg.num_hidden_layers
+        if not 1 <= n_gpu_layers < n_all:
+            raise ValueError(f"n_gpu_layers must be 1..{n_all - 1} for a hybrid decoder, got {n_gpu_layers}")
+        self.cpu = model
+        self.gpu = CudaDecoder(model, device=device, n_ctx=n_ctx, prefill_dtype=prefill_dtype,
+                               progress=progress, use_graphs=use_graphs, n_layers=n_gpu_layers)
+        self.n_gpu_layers = n_gpu_layers
+        self.cfg = model.cfg
+        self.device = self.gpu.device
+        self.max_position_embeddings = model.cfg.max_position_embeddings
+        self.weight_bytes = self.gpu.weight_bytes
+
+    @property
+    def placement(self) -> str:
+        """Where the model runs, for status lines: "cuda:N (n/total layers)"."""
+        return f"cuda:{self.device} ({self.n_gpu_layers}/{self.cfg.num_hidden_layers} layers)"
+
+    def new_cache(self, n_ctx: int, dtype=np.float32) -> HybridKVCache:
+        cfg = self.cfg
+        n_cpu = cfg.num_hidden_layers - self.n_gpu_layers
+        cpu = KVCache(n_cpu, cfg.num_key_value_heads, cfg.head_dim, n_ctx, dtype)
+        return HybridKVCache(self.gpu.new_cache(n_ctx, dtype), cpu)
+
+    def forward(self, tokens, cache: HybridKVCache, all_logits: bool = False) -> np.ndarray:
+        """As Decoder.forward: float32 logits (n, vocab) when all_logits, else (1, vocab)."""
+        tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
+        cache.check_room(len(tokens))
+        hidden = self.gpu.hidden(tokens, cache.gpu)
+        try:
+            return self.cpu.forward_from(self.n_gpu_layers, hidden, tokens, cache.cpu, all_logits)
+        except BaseException:
+            cache.gpu.trim(len(tokens))  # the two halves stay at the same tokens
+            raise
+
+    def forward_batch(self, tokens, caches):
+        raise UnsupportedCudaModelError("batched decode is not implemented on CUDA; use --device cpu")

@@ -1,0 +1,130 @@
+"""Partial offload (engine.backends.cuda.hybrid): the first layers on the GPU, the rest on the CPU.
+
+Run without a GPU over test_decoder_dry's stand-in CuPy: launch checks, the VRAM plan, placement and
+the joined KV cache; with the kernels executed on host threads (tests/engine/cuda/simt.py), the
+hybrid decoder's logits against the CPU model's, also after a prefix-store round trip.
+"""
+# ruff: noqa: F811 - the stand-in CuPy fixtures are imported from test_decoder_dry
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from engine.loader import load_model
+from engine.prefix_cache import PrefixCache
+from tests.engine.cuda.test_decoder_dry import STATE, _rel, fake, ptx_params, simt  # noqa: F401 - fixtures
+from tests.engine.tiny_models import T, TinySpec, write_tiny_gguf
+
+
+def _lm(tmp_path, layers: int = 2):
+    path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(path, TinySpec(matrix_type=T.Q8_0, layers=layers))
+    return load_model(path)
+
+
+def test_hybrid_runs_only_its_layers_on_the_gpu(fake, tmp_path):
+    model = _lm(tmp_path, layers=3).model
+    hyb = fake.hybrid.HybridDecoder(model, 1, n_ctx=64)
+    assert hyb.gpu.output is None and len(hyb.gpu.layers) == 1 and hyb.placement == "cuda:0 (1/3 layers)"
+    full = fake.decoder.CudaDecoder(model, n_ctx=64)
+    assert hyb.weight_bytes < full.weight_bytes and hyb.gpu.decode_weight_bytes < full.decode_weight_bytes
+    cache = hyb.new_cache(64)
+    assert cache.gpu.k.shape[0] == 1 and cache.cpu.k.shape[0] == 2
+    logits = hyb.forward([1, 2, 3, 4], cache)
+    assert logits.shape == (1, model.cfg.vocab_size) and cache.offset == 4 and cache.gpu.offset == 4
+    assert hyb.forward([5], cache).shape == (1, model.cfg.vocab_size) and cache.tokens == [1, 2, 3, 4, 5]
+    assert hyb.forward([6, 7], cache, all_logits=True).shape == (2, model.cfg.vocab_size)
+    assert cache.trim(3) == 3 and cache.gpu.offset == cache.cpu.offset == 4
+    with pytest.raises(ValueError, match="hidden"):
+        hyb.gpu.forward([1], cache.gpu)  # a head decoder has no logits
+    with pytest.raises(ValueError, match="CPU computes the logits"):
+        hyb.gpu.greedy_step(1, cache.gpu)
+    with pytest.raises(ValueError, match="n_gpu_layers"):
+        fake.hybrid.HybridDecoder(model, 3)
+
+
+def test_cpu_half_failing_rolls_the_gpu_half_back(fake, tmp_path, monkeypatch):
+    model = _lm(tmp_path).model
+    hyb = fake.hybrid.HybridDecoder(model, 1, n_ctx=32)
+    cache = hyb.new_cache(32)
+    hyb.forward([1, 2], cache)
+
+    def boom(*a, **k):
+        raise MemoryError("out of memory in the CPU layers")
+
+    monkeypatch.setattr(model, "forward_from", boom)
+    with pytest.raises(MemoryError):
+        hyb.forward([3], cache)
+    assert cache.gpu.tokens == cache.cpu.tokens == [1, 2]
+
+
+def test_vram_plan_suggests_the_layers_that_fit(fake, tmp_path, monkeypatch):
+    model = _lm(tmp_path, layers=4).model
+    est = [fake.decoder.estimate_vram(model, 64, n_layers=n) for n in range(5)]
+    assert est == sorted(est) and est[4] == fake.decoder.estimate_vram(model, 64)
+    assert est[4] - est[3] > est[3] - est[2]  # the output projection only comes with every layer
+    free = (est[2] + est[3]) // 2
+    assert fake.decoder.layers_that_fit(model, 64, free) == 2
+    assert fake.decoder.layers_that_fit(model, 64, est[0] - 1) == 0
+    assert fake.decoder.layers_that_fit(model, 64, est[4]) == 4
+    monkeypatch.setattr(fake.cp.cuda.runtime, "memGetInfo", lambda: (free, 1 << 40))
+    from engine.backends.cuda.device import CudaOutOfMemoryError
+
+    with pytest.raises(CudaOutOfMemoryError, match=r"offload only 2 of the 4 layers \(--gpu-layers 2\)") as e:
+        fake.decoder.CudaDecoder(model, n_ctx=64)
+    assert e.value.layers_fit == 2
+    fake.hybrid.HybridDecoder(model, 2, n_ctx=64)  # what the message suggests loads
+
+
+def test_place_model_gpu_layers(fake, tmp_path):
+    from engine.backends.cuda.placement import place_model
+
+    lm = _lm(tmp_path, layers=3)
+    cpu_model = lm.model
+    assert place_model(lm, "cuda", n_ctx=32, gpu_layers=0).device.kind == "cpu" and lm.model is cpu_model
+    with pytest.raises(ValueError, match="gpu_layers"):
+        place_model(lm, "cuda", gpu_layers=-1)
+    assert str(place_model(lm, "cuda", n_ctx=32, gpu_layers=2).device) == "cuda:0"
+    assert lm.model.placement == "cuda:0 (2/3 layers)"
+    lm.model = cpu_model
+    place_model(lm, "cuda:0", n_ctx=32, gpu_layers=99)
+    assert lm.model.placement == "cuda:0" and not lm.model.head_only
+
+
+def test_hybrid_cache_read_write_round_trip(fake, tmp_path):
+    model = _lm(tmp_path, layers=3).model
+    hyb = fake.hybrid.HybridDecoder(model, 1, n_ctx=16)
+    cache = hyb.new_cache(16)
+    rng = np.random.default_rng(0)
+    k = rng.standard_normal((3, model.cfg.num_key_value_heads, 5, model.cfg.head_dim)).astype(np.float32)
+    v = -k
+    cache.write(2, k, v)
+    got_k, got_v = cache.read(2, 7)
+    np.testing.assert_array_equal(got_k, k)
+    np.testing.assert_array_equal(got_v, v)
+    np.testing.assert_array_equal(np.asarray(cache.gpu.k[0, :, 2:7]), k[0])
+    np.testing.assert_array_equal(cache.cpu.k[1, :, 2:7], k[2])
+    assert cache.bytes_per_token == 2 * 3 * model.cfg.num_key_value_heads * model.cfg.head_dim * 4
+
+
+def test_hybrid_decoder_computes_the_cpu_models_logits_on_host_threads(fake, simt, tmp_path):
+    """1 of 2 layers on (emulated) GPU threads: prefill, graph-captured decode steps, and a restore
+    from the prefix store into a fresh hybrid cache give the CPU model's logits."""
+    STATE.simt = simt
+    model = _lm(tmp_path).model
+    hyb = fake.hybrid.HybridDecoder(model, 1, n_ctx=32, prefill_dtype="float32")
+    prompt = [1, 2, 3]
+    cpu_cache, cache = model.new_cache(32), hyb.new_cache(32, np.float32)
+    ref = model.forward(prompt, cpu_cache, all_logits=True)
+    assert _rel(hyb.forward(prompt, cache, all_logits=True), ref) < 1e-3
+    token = int(np.argmax(ref[-1]))
+    for _ in range(2):  # capture, then replay
+        ref_step = model.forward([token], cpu_cache)
+        assert _rel(hyb.forward([token], cache), ref_step) < 1e-3
+        token = int(np.argmax(ref_step[-1]))
+    store = PrefixCache(1 << 20)
+    store.insert(cache)
+    fresh = hyb.new_cache(32, np.float32)
+    assert store.restore(cache.tokens + [token], fresh) == cache.offset and fresh.tokens == cache.tokens
+    assert _rel(hyb.forward([token], fresh), model.forward([token], cpu_cache)) < 1e-3
