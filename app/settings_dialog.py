@@ -140,6 +140,11 @@ class SettingsDialog(QDialog):
             spin.setValue(int(value))
             if key in ("threads", "font_size"):
                 spin.setSpecialValueText("automatic" if key == "threads" else "system")
+            if key == "gpu_layers":
+                spin.setSpecialValueText("all")  # -1, the minimum
+                if not cuda:
+                    spin.setEnabled(False)
+                    spin.setToolTip(self.cuda_reason)
             return spin, spin
         if kind is float:
             spin = QDoubleSpinBox()

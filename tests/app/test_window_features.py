@@ -213,6 +213,8 @@ def test_settings_reach_the_engine(qtbot, engine):
     box = dialog.editors["device"]
     cuda = box.model().item(box.findData("cuda"))
     assert not cuda.isEnabled() and "CUDA" in cuda.toolTip() and dialog.device_note.text()
+    layers = dialog.editors["gpu_layers"]
+    assert not layers.isEnabled() and layers.text() == "all"  # -1: every layer, where CUDA works
     dialog.reject()
     w.settings.set("device", "cuda")
     qtbot.waitUntil(lambda: "CUDA unavailable" in w.status_device.text(), timeout=5000)
