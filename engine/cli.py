@@ -39,7 +39,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _add_device_arg(p: argparse.ArgumentParser) -> None:
+def add_device_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--device",
         default="cpu",
@@ -89,13 +89,13 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     run.add_argument("--system", default=None, help="system prompt (with --chat)")
     run.add_argument("--json", action="store_true", help="print one JSON object with text, ids and stats")
-    _add_device_arg(run)
+    add_device_args(run)
 
     chat = sub.add_parser("chat", help="interactive multi-turn chat")
     _add_model_args(chat)
     _add_sampling_args(chat, 1024)
     chat.add_argument("--system", default=None, help="system prompt")
-    _add_device_arg(chat)
+    add_device_args(chat)
 
     tok = sub.add_parser("tokenize", help="print the token ids of a text")
     tok.add_argument("-m", "--model", default=DEFAULT_MODEL)
@@ -111,7 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
         "-r", "--repetitions", type=int, default=1, help="repeat prefill/decode, report the best"
     )
     bench.add_argument("--json", action="store_true")
-    _add_device_arg(bench)
+    add_device_args(bench)
     bench.add_argument(
         "--chat",
         action="store_true",

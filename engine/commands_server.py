@@ -57,6 +57,9 @@ def add_serve_parser(sub) -> None:
         "--request-timeout", type=float, default=600.0, help="seconds a request may run (default 600)"
     )
     p.add_argument("--name", default=None, help="model id clients use (default: the file name without .gguf)")
+    from engine.cli import add_device_args
+
+    add_device_args(p)
 
 
 def _bind(host: str, port: int) -> socket.socket:
@@ -99,6 +102,11 @@ def cmd_serve(args) -> int:
         raise ServeError("--port must be in 0..65535")
     if args.request_timeout <= 0:
         raise ServeError("--request-timeout must be > 0")
+    if args.gpu_layers is not None and args.gpu_layers < 0:
+        raise ServeError("--gpu-layers must be at least 0")
+    from engine.backends.cuda.device import parse_device
+
+    parse_device(args.device)  # DeviceSpecError says what a device name looks like
     # checked before the (slow) load: an unsafe binding fails at once
     ServerConfig(model_name="-", host=args.host, port=args.port, api_key=args.api_key)
     sock = _bind(args.host, args.port)
@@ -111,6 +119,8 @@ def cmd_serve(args) -> int:
             threads=args.threads,
             prefix_cache_mb=args.prefix_cache_mb,
             batch_size=args.prefill_chunk,
+            device=args.device,
+            gpu_layers=args.gpu_layers,
         ),
         progress=lambda p: print(f"warning: {p.message}", flush=True) if p.stage == "warning" else None,
     )

@@ -26,6 +26,21 @@ class Scratch:
         self.positions = np.empty(n, np.int64)
 
 
+def check_batch(tokens, caches) -> np.ndarray:
+    """forward_batch's arguments checked: one token per cache, distinct caches with room for one more.
+
+    Returns the tokens as int64 (B,). Raises ValueError, ContextOverflowError.
+    """
+    tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
+    if len(tokens) != len(caches) or not len(caches):
+        raise ValueError(f"forward_batch: {len(tokens)} tokens for {len(caches)} caches")
+    if len({id(c) for c in caches}) != len(caches):
+        raise ValueError("forward_batch: each sequence needs its own KV cache")
+    for cache in caches:
+        cache.check_room(1)
+    return tokens
+
+
 class Decoder:
     """Base of the architecture classes. A subclass sets `cfg` (num_hidden_layers, num_key_value_heads,
     head_dim) and implements `_forward(tokens, cache, all_logits)`.
@@ -87,15 +102,16 @@ class Decoder:
             float32 logits (B, vocab): a buffer reused by the next call with the same B (copy rows
             to keep them).
         """
-        tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
-        if len(tokens) != len(caches) or not len(caches):
-            raise ValueError(f"forward_batch: {len(tokens)} tokens for {len(caches)} caches")
-        if len({id(c) for c in caches}) != len(caches):
-            raise ValueError("forward_batch: each sequence needs its own KV cache")
-        for cache in caches:
-            cache.check_room(1)
+        tokens = check_batch(tokens, caches)
         with ops.batch_phase(len(tokens)):
             return self._forward_batch(tokens, list(caches))
+
+    def forward_batch_from(self, first_layer: int, hidden: np.ndarray, tokens, caches: list) -> np.ndarray:
+        """forward_batch for the layers from `first_layer` on, from their input hidden (B, hidden_size);
+        each cache holds those layers only (see forward_from)."""
+        tokens = check_batch(tokens, caches)
+        with ops.batch_phase(len(tokens)):
+            return self._forward_batch(tokens, list(caches), first=first_layer, hidden=hidden)
 
     def _batch_buffers(self, n: int) -> tuple[Scratch, np.ndarray]:
         """Scratch and (n, vocab) logits for batched decode of n sequences, kept per n."""

@@ -265,7 +265,7 @@ class Gemma3Model(Decoder):
             ops.linear(logits, self.output, last)
         return self._softcap(logits)
 
-    def _forward_batch(self, tokens: np.ndarray, caches: list[KVCache]) -> np.ndarray:
+    def _forward_batch(self, tokens: np.ndarray, caches: list[KVCache], first: int = 0, hidden=None):
         n = len(tokens)
         s, logits = self._batch_buffers(n)
         for b, cache in enumerate(caches):
@@ -274,10 +274,10 @@ class Gemma3Model(Decoder):
         def attend(i, attn3, q3, k3, v3, window):
             # each sequence attends over its own cache, at its own position
             for b, cache in enumerate(caches):
-                k_cache, v_cache = cache.update_and_fetch(i, k3[b : b + 1], v3[b : b + 1])
+                k_cache, v_cache = cache.update_and_fetch(i - first, k3[b : b + 1], v3[b : b + 1])
                 self._attend(attn3[b : b + 1], q3[b : b + 1], k_cache, v_cache, int(s.positions[b]), window)
 
-        self._layers(s, tokens, attend)
+        self._layers(s, tokens, attend, first, hidden)
         for b, cache in enumerate(caches):
             cache.advance(tokens[b : b + 1])
         ops.rmsnorm(s.h, s.x, self.output_norm, self.cfg.rms_norm_eps)

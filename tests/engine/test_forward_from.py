@@ -66,3 +66,28 @@ def test_forward_from_continues_the_first_layers(tmp_path, family, k):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
         token = int(np.argmax(want[-1]))
     assert tail.tokens == full.tokens
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_forward_batch_from_continues_the_first_layers(tmp_path, family):
+    from engine.kv_cache import KVCache
+
+    path = tmp_path / f"{family}.gguf"
+    if family == "gemma3":
+        write_tiny_gemma3(path, TinyGemmaSpec(matrix_type=T.Q8_0))
+    else:
+        write_tiny_gguf(path, TinySpec(matrix_type=T.Q8_0, layers=3))
+    model = load_model(path).model
+    cfg, k = model.cfg, 2
+    prompts = [[1, 2, 3, 4, 5], [6, 7, 8]]
+    fulls = [model.new_cache(64) for _ in prompts]
+    heads = [KVCache(k, cfg.num_key_value_heads, cfg.head_dim, 64) for _ in prompts]
+    tails = [KVCache(cfg.num_hidden_layers - k, cfg.num_key_value_heads, cfg.head_dim, 64) for _ in prompts]
+    for p, f, h, t in zip(prompts, fulls, heads, tails):
+        model.forward(p, f)
+        model.forward_from(k, _head_hidden(model, k, p, h), p, t)
+    want = model.forward_batch([9, 10], fulls).copy()
+    hidden = np.concatenate([_head_hidden(model, k, [tok], h) for tok, h in zip([9, 10], heads)])
+    got = model.forward_batch_from(k, hidden, [9, 10], tails)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    assert [t.tokens for t in tails] == [f.tokens for f in fulls]

@@ -11,15 +11,20 @@ class uploads those weights unchanged (GGUF blocks) and runs the same maths with
 - prefill (several tokens): weight tiles dequantized to float16 (or float32) and multiplied with
   cuBLAS; attention runs the split-K kernel with one query per grid row.
 
+Batched decode (the server): forward_batch replays each sequence's own captured step, one after another.
+
 Partial offload: with n_layers below the model's layer count the decoder runs the embedding and the
 first n_layers layers only and hands the residual stream to the CPU model (engine.backends.cuda.hybrid).
 """
 
 from __future__ import annotations
 
+import weakref
+
 import cupy as cp
 import numpy as np
 
+from engine.arch.base import check_batch
 from engine.arch.gemma3 import Gemma3Model
 from engine.arch.llama import LlamaModel
 from engine.backends.cuda import ops
@@ -218,9 +223,9 @@ class CudaDecoder:
                 cp.get_default_memory_pool().free_all_blocks()
                 raise CudaOutOfMemoryError(needed, free, self.device) from None
             self.stream = cp.cuda.Stream(non_blocking=True)
-        self._graphs: dict = {}
-        self._owner = None
-        self._step: _Step | None = None
+        # per cache: its decode-step buffers and captured graphs (the graphs hold the cache's and the
+        # buffers' pointers, so they live and die with the cache)
+        self._steps: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self.max_position_embeddings = cfg.max_position_embeddings
 
     # ---- loading -------------------------------------------------------------------------
@@ -321,8 +326,30 @@ class CudaDecoder:
         cache.advance(tokens)
         return out
 
-    def forward_batch(self, tokens, caches):
-        raise UnsupportedCudaModelError("batched decode is not implemented on CUDA; use --device cpu")
+    def forward_batch(self, tokens, caches: list[CudaKVCache]) -> np.ndarray:
+        """As Decoder.forward_batch: one decode step for B sequences, float32 logits (B, vocab).
+
+        Each sequence replays its own cache's captured step, so every sequence reads the weights
+        (no batching gain yet: a kernel with B activation vectors would read them once).
+        """
+        self._need_output()
+        return self._run_batch(tokens, caches)
+
+    def hidden_batch(self, tokens, caches: list[CudaKVCache]) -> np.ndarray:
+        """Head decoder: forward_batch's residual streams after the GPU layers, (B, hidden)."""
+        if not self.head_only:
+            raise ValueError("this decoder holds every layer: use forward_batch()")
+        return self._run_batch(tokens, caches)
+
+    def _run_batch(self, tokens, caches) -> np.ndarray:
+        tokens = check_batch(tokens, caches)
+        with cp.cuda.Device(self.device), self.stream:
+            rows = [self._decode(int(t), c, greedy=False) for t, c in zip(tokens, caches)]
+            out = cp.asnumpy(cp.stack(rows), stream=self.stream)
+            self.stream.synchronize()
+        for t, cache in zip(tokens, caches):
+            cache.advance([int(t)])
+        return out
 
     def greedy_step(self, token: int, cache: CudaKVCache) -> int:
         """Decode one token and return the argmax of its logits; only the token crosses to the host."""
@@ -342,8 +369,9 @@ class CudaDecoder:
         cache.check_room(1)
         with cp.cuda.Device(self.device), self.stream:
             logits = self._decode(int(token), cache, greedy=False)
-            ops.sample_topk(self._step.ids, logits, top_k, temp, top_p, u)
-            nxt = int(cp.asnumpy(self._step.ids, stream=self.stream)[0])
+            ids = self._steps[cache][0].ids
+            ops.sample_topk(ids, logits, top_k, temp, top_p, u)
+            nxt = int(cp.asnumpy(ids, stream=self.stream)[0])
         cache.advance([token])
         return nxt
 
@@ -352,24 +380,17 @@ class CudaDecoder:
             raise ValueError("this decoder holds only the first layers: the CPU computes the logits")
 
     # ---- decode -----------------------------------------------------------------------------
-    def _step_for(self, cache) -> _Step:
-        # Buffers and graphs belong to one cache at a time (the graphs hold its pointers); the
-        # strong reference keeps a freed cache's memory from being reused under a stale graph.
-        if self._owner is not cache:
-            self._owner = cache
-            self._graphs = {}
-            self._step = _Step(self.cfg, -(-cache.n_ctx // ops.ATTN_CHUNK))
-        return self._step
-
     def _decode(self, token: int, cache: CudaKVCache, greedy: bool):
-        step = self._step_for(cache)
+        if cache not in self._steps:
+            self._steps[cache] = (_Step(self.cfg, -(-cache.n_ctx // ops.ATTN_CHUNK)), {})
+        step, graphs = self._steps[cache]
         step.ids[0] = token
         step.pos[0] = cache.offset
         result = step if greedy else step.x if self.head_only else step.logits
         if not self.use_graphs:
             self._decode_kernels(step, cache, greedy)
             return result
-        graph = self._graphs.get(greedy)
+        graph = graphs.get(greedy)
         if graph is None:
             self._decode_kernels(step, cache, greedy)  # warm-up: every kernel loaded before capture
             step.ids[0] = token
@@ -379,7 +400,7 @@ class CudaDecoder:
                 self._decode_kernels(step, cache, greedy)
             finally:
                 graph = self.stream.end_capture()
-            self._graphs[greedy] = graph
+            graphs[greedy] = graph
         graph.launch(self.stream)
         return result
 

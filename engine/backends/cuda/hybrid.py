@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from engine.backends.cuda.decoder import CudaDecoder, CudaKVCache, UnsupportedCudaModelError
+from engine.backends.cuda.decoder import CudaDecoder, CudaKVCache
 from engine.kv_cache import KVCache
 
 
@@ -114,5 +114,13 @@ class HybridDecoder:
             cache.gpu.trim(len(tokens))  # the two halves stay at the same tokens
             raise
 
-    def forward_batch(self, tokens, caches):
-        raise UnsupportedCudaModelError("batched decode is not implemented on CUDA; use --device cpu")
+    def forward_batch(self, tokens, caches: list[HybridKVCache]) -> np.ndarray:
+        """As Decoder.forward_batch: the GPU layers per sequence, the CPU layers batched."""
+        tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
+        hidden = self.gpu.hidden_batch(tokens, [c.gpu for c in caches])
+        try:
+            return self.cpu.forward_batch_from(self.n_gpu_layers, hidden, tokens, [c.cpu for c in caches])
+        except BaseException:
+            for c in caches:
+                c.gpu.trim(1)
+            raise

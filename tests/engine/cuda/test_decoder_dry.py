@@ -94,6 +94,7 @@ def _fake_cupy():
     cp.ascontiguousarray = lambda a: _wrap(np.ascontiguousarray(a))
     cp.asnumpy = lambda a, stream=None: np.array(a)
     cp.matmul = lambda a, b: _wrap(np.matmul(a, b))
+    cp.stack = lambda arrays: _wrap(np.stack(arrays))
     pool = types.SimpleNamespace(free_all_blocks=lambda: None, used_bytes=lambda: 0)
     cp.get_default_memory_pool = lambda: pool
 

@@ -194,3 +194,42 @@ def test_bench_reports_bandwidth_fraction(gpu, tmp_path, capsys):
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert out["device"].startswith("cuda:0") and out["decode_tps"] > 0 and out["prefill_tps"] > 0
     assert 0 < out["decode_bandwidth_fraction"] < 1.5
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("gpu_layers", [None, 15])
+def test_server_engine_batches_on_the_gpu(gpu, smollm2_gpu_path, gpu_layers):
+    """`hearth serve --device cuda`: four concurrent greedy requests through the scheduler's
+    forward_batch on the GPU (fully or 15 of 30 layers) start as the CPU engine's replies."""
+    import threading
+
+    from engine.backends.cuda.placement import place_model
+    from engine.server.scheduler import Engine, SeqParams
+    from engine.templates import ensure_chat_template
+
+    def replies(lm) -> list[list[int]]:
+        ensure_chat_template(lm)
+        engine = Engine(lm.model, lm.tokenizer, n_ctx=256, max_seqs=4, prefill_chunk=64, prefix_cache_bytes=0)
+        engine.start()
+        outs, done = [[] for _ in range(4)], [threading.Event() for _ in range(4)]
+        try:
+            for i in range(4):
+                ids = lm.tokenizer.encode(f"Count from {i} to {i + 9}:", add_special=True)
+
+                def emit(d, i=i):
+                    if d.token is not None:
+                        outs[i].append(d.token)
+                    if d.finish_reason or d.error:
+                        done[i].set()
+
+                engine.submit(SeqParams(prompt_ids=ids, max_tokens=8, temperature=0.0), emit)
+            assert all(e.wait(120) for e in done)
+        finally:
+            engine.stop()
+        return outs
+
+    want = replies(load_model(smollm2_gpu_path))
+    lm = load_model(smollm2_gpu_path)
+    place_model(lm, "cuda", n_ctx=256, gpu_layers=gpu_layers)
+    got = replies(lm)
+    assert [g[:3] for g in got] == [w[:3] for w in want]

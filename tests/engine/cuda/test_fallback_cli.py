@@ -60,7 +60,7 @@ def test_bench_falls_back_with_zero_gpus(monkeypatch, capsys, tiny_path):
     captured = capsys.readouterr()
     assert "CUDA unavailable: no CUDA GPU found" in captured.err
     out = json.loads(captured.out.strip().splitlines()[-1])
-    assert out["decode_tps"] > 0 and "device" not in out  # the CPU bench's figures
+    assert out["decode_tps"] > 0 and out["device"] == "cpu"  # the CPU bench's figures
 
 
 def test_cpu_device_never_probes(monkeypatch, capsys, tiny_path):
@@ -72,6 +72,13 @@ def test_cpu_device_never_probes(monkeypatch, capsys, tiny_path):
 def test_bad_device_is_a_clear_error(capsys, tiny_path):
     assert main(_run(tiny_path, "--device", "gpu")) == 1
     assert "unknown device 'gpu': use cpu, cuda or cuda:N" in capsys.readouterr().err
+
+
+def test_serve_refuses_bad_device_options_before_loading(capsys, tiny_path):
+    assert main(["serve", "-m", str(tiny_path), "--port", "0", "--device", "gpu"]) == 1
+    assert "unknown device 'gpu'" in capsys.readouterr().err
+    assert main(["serve", "-m", str(tiny_path), "--port", "0", "--device", "cuda", "-ngl", "-3"]) == 1
+    assert "--gpu-layers must be at least 0" in capsys.readouterr().err
 
 
 class _FakeCupy:

@@ -128,3 +128,46 @@ def test_hybrid_decoder_computes_the_cpu_models_logits_on_host_threads(fake, sim
     fresh = hyb.new_cache(32, np.float32)
     assert store.restore(cache.tokens + [token], fresh) == cache.offset and fresh.tokens == cache.tokens
     assert _rel(hyb.forward([token], fresh), model.forward([token], cpu_cache)) < 1e-3
+
+
+def test_forward_batch_keeps_a_step_per_cache(fake, tmp_path):
+    """forward_batch on the GPU (full and hybrid): each cache gets its own buffers and graphs, which
+    go when the cache goes; bad batches are refused as on the CPU."""
+    import gc
+
+    model = _lm(tmp_path, layers=2).model
+    full = fake.decoder.CudaDecoder(model, n_ctx=32)
+    caches = [full.new_cache(32) for _ in range(3)]
+    for i, c in enumerate(caches):
+        full.forward([1, 2, 3][: i + 1], c)
+    out = full.forward_batch([4, 5, 6], caches)
+    assert out.shape == (3, model.cfg.vocab_size) and [c.offset for c in caches] == [2, 3, 4]
+    assert len(full._steps) == 3
+    with pytest.raises(ValueError, match="its own KV cache"):
+        full.forward_batch([1, 2], [caches[0], caches[0]])
+    del caches, c
+    gc.collect()
+    assert len(full._steps) == 0
+    hyb = fake.hybrid.HybridDecoder(model, 1, n_ctx=32)
+    hc = [hyb.new_cache(32) for _ in range(2)]
+    for c in hc:
+        hyb.forward([1, 2], c)
+    assert hyb.forward_batch([3, 4], hc).shape == (2, model.cfg.vocab_size)
+    assert all(c.gpu.tokens == c.cpu.tokens == [1, 2, t] for c, t in zip(hc, [3, 4]))
+    with pytest.raises(ValueError, match="hidden_batch|every layer"):
+        full.hidden_batch([1], [full.new_cache(8)])
+
+
+def test_hybrid_forward_batch_matches_the_cpu_on_host_threads(fake, simt, tmp_path):
+    """Two sequences at different positions, one batched step: the CPU model's forward_batch logits."""
+    STATE.simt = simt
+    model = _lm(tmp_path).model
+    hyb = fake.hybrid.HybridDecoder(model, 1, n_ctx=32, prefill_dtype="float32")
+    prompts = [[1, 2, 3], [4, 5]]
+    cpu_caches = [model.new_cache(32) for _ in prompts]
+    caches = [hyb.new_cache(32, np.float32) for _ in prompts]
+    for p, cc, c in zip(prompts, cpu_caches, caches):
+        model.forward(p, cc)
+        hyb.forward(p, c)
+    ref = model.forward_batch([7, 8], cpu_caches).copy()
+    assert _rel(hyb.forward_batch([7, 8], caches), ref) < 1e-3
