@@ -2,7 +2,9 @@
 
 Sources live in engine/backends/cuda/kernels/*.cu (common.cuh is prepended to each, so they need no
 CUDA headers). `compile_ptx` compiles with NVRTC alone (no driver, no GPU: what CI checks);
-`module()` builds a cupy.RawModule once per process and device, on first use.
+`compile_cubin` also runs ptxas, which checks the inline PTX; `module()` builds a cupy.RawModule once
+per process and device, on first use (for that device's architecture: __CUDA_ARCH__ picks the
+hardware FP8 conversion on sm_89+).
 """
 
 from __future__ import annotations
@@ -58,6 +60,20 @@ def compile_ptx(code: str, name: str = "kernels.cu", arch: str = "compute_90") -
         ImportError: CuPy or NVRTC cannot be loaded.
         RuntimeError: the source does not compile (the message carries NVRTC's log).
     """
+    ptx = _compile(code, name, arch, "getPTX")
+    return ptx.decode() if isinstance(ptx, bytes) else ptx
+
+
+def compile_cubin(code: str, name: str = "kernels.cu", arch: str = "sm_90") -> bytes:
+    """Compile CUDA C to a CUBIN for a real architecture: NVRTC runs ptxas too, so inline PTX is
+    checked as well (compile_ptx passes asm text through). Needs no driver or GPU.
+
+    Raises: as compile_ptx.
+    """
+    return bytes(_compile(code, name, arch, "getCUBIN"))
+
+
+def _compile(code: str, name: str, arch: str, result: str):
     _add_pip_nvrtc_path()
     from cupy.cuda import nvrtc
 
@@ -67,8 +83,7 @@ def compile_ptx(code: str, name: str = "kernels.cu", arch: str = "compute_90") -
             nvrtc.compileProgram(prog, [f"--gpu-architecture={arch}", *NVRTC_OPTIONS])
         except nvrtc.NVRTCError as e:
             raise RuntimeError(f"{name} does not compile: {e}\n{nvrtc.getProgramLog(prog)}") from e
-        ptx = nvrtc.getPTX(prog)
-        return ptx.decode() if isinstance(ptx, bytes) else ptx
+        return getattr(nvrtc, result)(prog)
     finally:
         nvrtc.destroyProgram(prog)
 

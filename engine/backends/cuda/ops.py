@@ -1,7 +1,14 @@
 """Launch wrappers for the CUDA kernels (kernels/*.cu), on CuPy arrays. Needs a GPU.
 
-Conventions as the CPU backend's: output first, float32 activations, weights kept in their GGUF
+Conventions as the CPU backend's: output first, float32 activations, weights kept in their file's
 encoding on the GPU (`GpuWeight`). Shapes are given on every array argument.
+
+Weight formats: the GGUF types of `TYPES` (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K..Q6_K)
+and the safetensors formats of `hearth convert --to fp8 / --to nvfp4` (layouts in
+engine/backends/cpu/fpquant.py): FP8_E4M3 (E4M3 codes, float32 scale per row) and NVFP4 (E2M1 codes,
+E4M3 scale per 16 elements, float32 global scale). Their scales travel beside the codes
+(GpuWeight.scales, .global_scale); on sm_89+ (Ada, Hopper) the kernels widen E4M3 with the hardware
+conversion, elsewhere by bit moves.
 """
 
 from __future__ import annotations
@@ -12,6 +19,8 @@ from dataclasses import dataclass
 import cupy as cp
 import numpy as np
 
+from engine.backends.cpu import fpquant
+from engine.backends.cpu.fpquant import FP8_E4M3, NVFP4
 from engine.backends.cuda.kernels import kernel
 from engine.weights import Weight
 
@@ -33,9 +42,13 @@ TYPES = {
     Q4_K: ("q4_k", 256, 144),
     Q5_K: ("q5_k", 256, 176),
     Q6_K: ("q6_k", 256, 210),
+    # codes only: the scales are arrays of their own (GpuWeight.scales)
+    FP8_E4M3: ("fp8", 1, 1),
+    NVFP4: ("nvfp4", 16, 8),
 }
 SUPPORTED_TYPES = frozenset(TYPES)
 _FLOAT_TYPES = (F32, F16, BF16)
+_FP_TYPES = fpquant.FP_TYPES
 
 MATVEC_THREADS = 256  # 8 warps, one row each at a time
 MATVEC_BLOCKS_PER_SM = 4
@@ -47,16 +60,22 @@ _i32, _f32 = np.int32, np.float32
 
 @dataclass(frozen=True)
 class GpuWeight:
-    """A weight's GGUF rows on the GPU: raw uint8 (rows, row_nbytes), in its own allocation."""
+    """A weight's rows on the GPU: raw uint8 (rows, row_nbytes), in its own allocation.
+
+    scales: FP8_E4M3 float32 (rows,), NVFP4 uint8 E4M3 codes (rows, cols/16), as Weight.scales; None
+    for GGUF types. global_scale: NVFP4's per-tensor scale (1.0 otherwise).
+    """
 
     ggml_type: int
     raw: cp.ndarray
     rows: int
     cols: int
+    scales: cp.ndarray | None = None
+    global_scale: float = 1.0
 
     @property
     def nbytes(self) -> int:
-        return int(self.raw.nbytes)
+        return int(self.raw.nbytes) + (0 if self.scales is None else int(self.scales.nbytes))
 
 
 class UnsupportedCudaWeightType(ValueError):
@@ -75,17 +94,31 @@ def check_type(ggml_type: int, cols: int) -> None:
 
 
 def upload(w: Weight, progress=None, chunk_bytes: int = 64 << 20) -> GpuWeight:
-    """Copy a Weight's rows to the GPU in chunks of about chunk_bytes; progress(nbytes) after each."""
+    """Copy a Weight's rows (and scales) to the GPU in chunks of about chunk_bytes; progress(nbytes)
+    after each, w.nbytes in all.
+
+    Raises:
+        UnsupportedCudaWeightType: see check_type.
+        ValueError: an FP8/NVFP4 weight whose scales do not fit its shape (fpquant.check).
+    """
     check_type(w.ggml_type, w.cols)
-    raw = np.ascontiguousarray(w.raw)
-    dst = cp.empty(raw.shape, cp.uint8)
-    step = max(1, chunk_bytes // max(1, raw.shape[1]))
-    for r0 in range(0, raw.shape[0], step):
-        r1 = min(r0 + step, raw.shape[0])
-        dst[r0:r1].set(raw[r0:r1])
+    if w.ggml_type in _FP_TYPES:
+        fpquant.check(w)
+    raw = _upload_rows(w.raw, progress, chunk_bytes)
+    scales = None if w.scales is None else _upload_rows(w.scales, progress, chunk_bytes)
+    return GpuWeight(w.ggml_type, raw, w.rows, w.cols, scales, float(w.global_scale))
+
+
+def _upload_rows(a: np.ndarray, progress, chunk_bytes: int) -> cp.ndarray:
+    a = np.ascontiguousarray(a)
+    dst = cp.empty(a.shape, a.dtype)
+    step = max(1, chunk_bytes // max(1, a.nbytes // max(1, a.shape[0])))
+    for r0 in range(0, a.shape[0], step):
+        r1 = min(r0 + step, a.shape[0])
+        dst[r0:r1].set(a[r0:r1])
         if progress is not None:
-            progress(int(raw[r0:r1].nbytes))
-    return GpuWeight(w.ggml_type, dst, w.rows, w.cols)
+            progress(int(a[r0:r1].nbytes))
+    return dst
 
 
 def _sm_count() -> int:
@@ -125,8 +158,13 @@ def matvec(
     t, cols = ws[0].ggml_type, ws[0].cols
     if not 1 <= len(ws) <= 3 or any(w.ggml_type != t or w.cols != cols for w in ws):
         raise ValueError("matvec stacks 1-3 weights of one type and width")
-    rows = [w.rows for w in ws] + [0] * (3 - len(ws))
-    ptrs = [w.raw for w in ws] + [NULL] * (3 - len(ws))
+    pad = 3 - len(ws)
+    rows = [w.rows for w in ws] + [0] * pad
+    weights = [w.raw for w in ws] + [NULL] * pad
+    if t in _FP_TYPES:  # FP8: the row scales of each weight; NVFP4: block scales, then global scales
+        weights += [w.scales for w in ws] + [NULL] * pad
+        if t == NVFP4:
+            weights += [_f32(w.global_scale) for w in ws] + [_f32(0.0)] * pad
     total = sum(rows)
     grid = max(1, min(-(-total // 8), _sm_count() * MATVEC_BLOCKS_PER_SM))
     _launch_matvec(
@@ -135,9 +173,7 @@ def matvec(
         4 * cols,
         (
             out,
-            ptrs[0],
-            ptrs[1],
-            ptrs[2],
+            *weights,
             _i32(rows[0]),
             _i32(rows[1]),
             _i32(rows[2]),
@@ -166,10 +202,11 @@ def dequant(
     per = (4 if w.ggml_type == F32 else 8) if w.ggml_type in _FLOAT_TYPES else 32
     items = n * (w.cols // per)
     half = out.dtype == cp.float16
+    weight = (w.raw, w.scales) if w.ggml_type in _FP_TYPES else (w.raw,)
+    scale *= w.global_scale  # NVFP4's global scale; 1.0 for the others
+    rows = (NULL if ids is None else ids, _i32(r0), _i32(n))
     kernel("dequant_" + name, cp.cuda.Device().id)(
-        (-(-items // 256),),
-        (256,),
-        (out, w.raw, NULL if ids is None else ids, _i32(r0), _i32(n), _i32(w.cols), _i32(half), _f32(scale)),
+        (-(-items // 256),), (256,), (out, *weight, *rows, _i32(w.cols), _i32(half), _f32(scale))
     )
 
 

@@ -155,6 +155,10 @@ def _host_source() -> tuple[str, list[str]]:
     return PRELUDE + common + body + LAUNCHER + driver, names
 
 
+# source text -> the library built from it: test modules of one session share one build (seconds of g++)
+_BUILT: dict[str, ctypes.CDLL] = {}
+
+
 class Simt:
     """The compiled host build; `launch` runs one kernel."""
 
@@ -163,17 +167,19 @@ class Simt:
         if gxx is None:
             raise FileNotFoundError("g++ not found")
         src, self.names = _host_source()
-        path = Path(workdir) / "simt.cpp"
-        path.write_text(src)
-        so = path.with_suffix(".so")
-        proc = subprocess.run(
-            [gxx, "-std=c++20", "-O1", "-shared", "-fPIC", "-pthread", "-w", "-o", str(so), str(path)],
-            capture_output=True,
-            text=True,
-        )
-        if proc.returncode:
-            raise RuntimeError(proc.stderr[-4000:])
-        self.lib = ctypes.CDLL(str(so))
+        if src not in _BUILT:
+            path = Path(workdir) / "simt.cpp"
+            path.write_text(src)
+            so = path.with_suffix(".so")
+            proc = subprocess.run(
+                [gxx, "-std=c++20", "-O1", "-shared", "-fPIC", "-pthread", "-w", "-o", str(so), str(path)],
+                capture_output=True,
+                text=True,
+            )
+            if proc.returncode:
+                raise RuntimeError(proc.stderr[-4000:])
+            _BUILT[src] = ctypes.CDLL(str(so))
+        self.lib = _BUILT[src]
         self.lib.simt_launch.argtypes = [
             ctypes.c_char_p,
             ctypes.c_void_p,

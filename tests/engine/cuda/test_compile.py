@@ -1,4 +1,6 @@
-"""Every CUDA kernel source compiles to PTX for sm_90 through NVRTC (no GPU or driver needed)."""
+"""Every CUDA kernel source compiles to PTX for sm_90 through NVRTC (no GPU or driver needed); the
+quantized kernels also assemble with ptxas for sm_90 (hardware FP8 conversion) and compile for sm_80
+(the portable path)."""
 
 from __future__ import annotations
 
@@ -10,6 +12,8 @@ from engine.backends.cuda import kernels
 from tests.engine.cuda.conftest import nvrtc_or_skip
 
 TYPES = ["f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k"]
+TYPES += ["fp8", "nvfp4"]
+HW_E4M3 = "cvt.rn.f16x2.e4m3x2"
 OPS = [
     "rmsnorm",
     "rope_store",
@@ -42,6 +46,21 @@ def test_quant_kernels_compile_for_every_type(ptx):
     assert ".target sm_90" in ptx
 
 
+def test_fp8_kernels_use_the_hardware_conversion_on_sm_90_only(ptx):
+    assert HW_E4M3 in ptx  # the module_ptx fixture compiles for compute_90
+    # pre-Ada GPUs get the bit moves: the same kernels, without the sm_89 instruction
+    older = kernels.compile_ptx(kernels.source("quant.cu"), "quant.cu", arch="compute_80")
+    assert {"matvec_fp8", "dequant_fp8", "matvec_nvfp4", "dequant_nvfp4"} <= _entries(older)
+    assert HW_E4M3 not in older and ".target sm_80" in older
+
+
+def test_quant_kernels_assemble_for_sm_90():
+    # NVRTC passes inline PTX through as text; a CUBIN runs ptxas, which checks it
+    nvrtc_or_skip()
+    cubin = kernels.compile_cubin(kernels.source("quant.cu"), "quant.cu", arch="sm_90")
+    assert cubin[:4] == b"\x7fELF" and b"matvec_nvfp4" in cubin
+
+
 def test_op_kernels_compile(ptx):
     assert set(OPS) <= _entries(ptx)
 
@@ -57,3 +76,7 @@ def test_a_syntax_error_is_reported():
     nvrtc_or_skip()
     with pytest.raises(RuntimeError, match="does not compile"):
         kernels.compile_ptx('extern "C" __global__ void k(float* a) { a[0] = undefined_name; }', "bad.cu")
+    bad_asm = 'extern "C" __global__ void k(unsigned* a) { asm("cvt.rn.f16x2.e4m3x9 %0, %0;" : "+r"(a[0])); }'
+    kernels.compile_ptx(bad_asm, "bad_asm.cu")  # PTX: the asm text is not looked at
+    with pytest.raises(RuntimeError, match="e4m3x9"):
+        kernels.compile_cubin(bad_asm, "bad_asm.cu")

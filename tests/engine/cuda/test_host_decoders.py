@@ -2,7 +2,9 @@
 runs) compiled for the host with g++ and checked against the CPU backend's dequantization.
 
 This runs without a GPU: the decoders are plain C++ once a small shim replaces the CUDA intrinsics
-(PTX half conversion, uint4, __uint_as_float). It is what catches a wrong block layout in CI.
+(PTX half conversion, uint4, __uint_as_float). It is what catches a wrong block layout in CI. The
+FP8 / NVFP4 decoders build here with their portable E4M3 path (bit moves; sm_89+ GPUs convert E4M3 in
+hardware instead, which tests/engine/cuda/test_compile.py assembles with ptxas).
 """
 
 from __future__ import annotations
@@ -14,8 +16,11 @@ import subprocess
 import numpy as np
 import pytest
 
+from engine.backends.cpu import fpquant
 from engine.backends.cuda import kernels
 from engine.quant.encode import dequantize, quantize
+from engine.quant.fp8 import dequantize_fp8, quantize_fp8
+from engine.quant.nvfp4 import dequantize_nvfp4, quantize_nvfp4
 
 SHIM = r"""
 #include <cmath>
@@ -67,6 +72,21 @@ def _driver() -> str:
             f" for (long u = 0; u < loads; u++) {{ uint4 p; std::memcpy(&p, raw + u * 16, 16);"
             f" unpack{per}_{name}(p, out + u * {per}); }} }}"
         )
+    # FP8 / NVFP4 rows as the dequant kernels write them (row / global scale times the unit)
+    lines.append(
+        "void host_fp8(const uchar* raw, const float* scale, long rows, long cols, float* out) {"
+        " for (long r = 0; r < rows; r++) for (long u = 0; u < cols / 32; u++) {"
+        " float* v = out + r * cols + u * 32; dec_fp8(raw + r * cols + u * 32, v);"
+        " for (int i = 0; i < 32; i++) v[i] *= scale[r] * E4M3_UNIT; } }"
+    )
+    lines.append(
+        "void host_nvfp4(const uchar* raw, const uchar* sc, float g, long rows, long cols, float* out) {"
+        " for (long r = 0; r < rows; r++) for (long u = 0; u < cols / 32; u++) {"
+        " float* v = out + r * cols + u * 32;"
+        " dec_nvfp4(raw + r * cols / 2 + u * 16, sc + r * cols / 16 + 2 * u, v);"
+        " for (int i = 0; i < 32; i++) v[i] *= g * (E2M1_UNIT * E4M3_UNIT); } }"
+    )
+    lines.append("float host_e4m3_unit() { return E4M3_UNIT; }")
     lines.append("}")
     return "\n".join(lines)
 
@@ -116,3 +136,56 @@ def test_float_unpack_matches_cpu(lib, name):
     ref = dequantize(ggml, raw, 64).reshape(-1)
     got = _call(lib, name, raw, raw.size // 16, w.size)
     np.testing.assert_array_equal(got, ref)
+
+
+def _fp8(lib, codes: np.ndarray, scale: np.ndarray) -> np.ndarray:
+    rows, cols = codes.shape
+    out = np.zeros(codes.size, np.float32)
+    fn = lib.host_fp8
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_void_p]
+    codes, scale = np.ascontiguousarray(codes), np.ascontiguousarray(scale, np.float32)
+    fn(codes.ctypes.data, scale.ctypes.data, rows, cols, out.ctypes.data)
+    return out.reshape(rows, cols)
+
+
+def _nvfp4(lib, packed: np.ndarray, scales: np.ndarray, g: float) -> np.ndarray:
+    rows, cols = packed.shape[0], packed.shape[1] * 2
+    out = np.zeros(rows * cols, np.float32)
+    fn = lib.host_nvfp4
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_float, ctypes.c_long, ctypes.c_long]
+    fn.argtypes += [ctypes.c_void_p]
+    packed, scales = np.ascontiguousarray(packed), np.ascontiguousarray(scales)
+    fn(packed.ctypes.data, scales.ctypes.data, g, rows, cols, out.ctypes.data)
+    return out.reshape(rows, cols)
+
+
+def test_host_build_takes_the_portable_e4m3_path(lib):
+    lib.host_e4m3_unit.restype = ctypes.c_float
+    assert lib.host_e4m3_unit() == 256.0  # value / 256 from the bit moves, folded into the scales
+
+
+def test_fp8_decoder_every_code_and_quantized_rows(lib):
+    # all 256 codes but the two NaN ones (no weights: the encoder never writes them), one row each
+    codes = np.arange(256, dtype=np.uint8)
+    codes = np.where(np.isin(codes, (0x7F, 0xFF)), 0x38, codes).reshape(8, 32)
+    scale = np.array([1.0, 0.5, 3.0, 2.0**-20, 7.25, 1e3, 1.0, 0.125], np.float32)
+    np.testing.assert_array_equal(_fp8(lib, codes, scale), dequantize_fp8(codes, scale))
+    np.testing.assert_array_equal(_fp8(lib, codes, np.ones(8, np.float32)), fpquant.E4M3_LUT[codes])
+    rng = np.random.default_rng(1001)
+    w = (rng.standard_normal((5, 256)) * rng.uniform(0.01, 2.0, (5, 1))).astype(np.float32)
+    codes, scale = quantize_fp8(w)
+    np.testing.assert_array_equal(_fp8(lib, codes, scale), dequantize_fp8(codes, scale))
+
+
+def test_nvfp4_decoder_every_code_and_quantized_rows(lib):
+    # every E2M1 code in both nibbles, under block scales 1.0 (0x38) and 2**-9 (0x01, subnormal)
+    nibbles = np.arange(256, dtype=np.uint8).reshape(8, 32)  # byte b: low nibble b & 15, high b >> 4
+    scales = np.tile(np.array([0x38, 0x01, 0x7E, 0x40], np.uint8), (8, 1))
+    np.testing.assert_array_equal(_nvfp4(lib, nibbles, scales, 1.0), dequantize_nvfp4(nibbles, scales, 1.0))
+    rng = np.random.default_rng(1002)
+    w = (rng.standard_normal((5, 256)) * rng.uniform(0.01, 2.0, (5, 1))).astype(np.float32)
+    packed, scales, g = quantize_nvfp4(w)
+    ref = dequantize_nvfp4(packed, scales, g)
+    # the host decoder multiplies the block scale and E2M1 value first (exact), the reference the
+    # block and global scale first: one rounding apart
+    np.testing.assert_allclose(_nvfp4(lib, packed, scales, float(g)), ref, rtol=2e-7, atol=0)

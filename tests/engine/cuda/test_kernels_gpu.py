@@ -1,4 +1,5 @@
-"""Per-kernel parity of the CUDA backend with the CPU kernels on random data (needs a GPU)."""
+"""Per-kernel parity of the CUDA backend with the CPU kernels on random data (needs a GPU; the quantized
+matvec / dequant cases also run on host threads in test_decoder_dry.py and test_fp_formats.py)."""
 
 from __future__ import annotations
 
@@ -6,18 +7,28 @@ import numpy as np
 import pytest
 
 from engine.backends import cpu
+from engine.backends.cpu.fpquant import FP8_E4M3, NVFP4
 from engine.quant.encode import dequantize, quantize
+from engine.quant.fp8 import dequantize_fp8, quantize_fp8
+from engine.quant.nvfp4 import dequantize_nvfp4, quantize_nvfp4
 from engine.weights import Weight
 
 pytestmark = pytest.mark.cuda
 
-# ggml id -> elements per block
+# ggml id (or safetensors format id: FP8_E4M3, NVFP4) -> elements per block
 TYPES = {0: 1, 1: 1, 30: 1, 8: 32, 2: 32, 3: 32, 6: 32, 7: 32, 10: 256, 11: 256, 12: 256, 13: 256, 14: 256}
+TYPES |= {FP8_E4M3: 1, NVFP4: 16}
 
 
 def _weight(t: int, rows: int, cols: int, seed: int) -> tuple[Weight, np.ndarray]:
     rng = np.random.default_rng(seed)
     m = (rng.standard_normal((rows, cols)) * rng.uniform(0.05, 1.0, (rows, 1))).astype(np.float32)
+    if t == FP8_E4M3:
+        codes, scale = quantize_fp8(m)
+        return Weight(t, codes, rows, cols, scale), dequantize_fp8(codes, scale)
+    if t == NVFP4:
+        packed, scales, g = quantize_nvfp4(m)
+        return Weight(t, packed, rows, cols, scales, float(g)), dequantize_nvfp4(packed, scales, g)
     raw = quantize(t, m)
     return Weight(t, raw, rows, cols), dequantize(t, raw, cols)
 
@@ -38,6 +49,7 @@ def test_matvec_and_dequant_match_cpu(gpu, t):
     ref = np.empty((1, rows), np.float32)
     cpu.linear(ref, w, x)
     gw = ops.upload(w)
+    assert gw.nbytes == w.nbytes  # codes and scales: what a decode step reads
     out = cp.empty(rows, cp.float32)
     ops.matvec(out, [gw], cp.asarray(x[0]))
     assert _rel(out.get(), ref[0]) < 1e-4, t  # CPU kernels quantize x to int16 per 32 (~1e-5)
@@ -58,7 +70,8 @@ def test_matvec_and_dequant_match_cpu(gpu, t):
     np.testing.assert_allclose(picked.get(), dense[ids] * 2.0, rtol=1e-6)
 
 
-@pytest.mark.parametrize("t", [12, 8, 1])
+# FP8 / NVFP4: each stacked weight brings its own row / block and global scales
+@pytest.mark.parametrize("t", [12, 8, 1, FP8_E4M3, NVFP4])
 def test_stacked_matvec_prologues_and_accumulate(gpu, t):
     import cupy as cp
 

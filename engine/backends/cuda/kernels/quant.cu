@@ -143,6 +143,75 @@ __device__ __forceinline__ void dec_q6_k(const uchar* b, int s, float* v) {
     }
 }
 
+// FP8 E4M3 and NVFP4, the safetensors formats (layouts as engine/backends/cpu/fpquant.py gives them):
+//   FP8:   codes (rows, cols) uint8 E4M3 and a float32 scale per row
+//   NVFP4: codes (rows, cols/2) uint8, element 2i in the low nibble of byte i; E4M3 block scales
+//          (rows, cols/16) uint8; one float32 global scale per matrix
+// Codes widen to halves, then to float. sm_89+ converts two E4M3 codes in one instruction
+// (cvt.rn.f16x2.e4m3x2, exact values); elsewhere (and in the host builds of the tests) their bits move
+// into the half's fields as the CPU kernels do, which leaves value / 256: E4M3_UNIT is what a decoded
+// code must be multiplied by, folded into the row / global scale. E2M1 moves into a half the same way
+// everywhere (value / 16384), subnormal codes included. The E4M3 NaN codes (0x7F/0xFF) are no weights
+// (the encoders never write them): NaN through cvt, +-480 through the bit moves.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+#define E4M3_UNIT 1.f
+#else
+#define E4M3_UNIT 256.f
+#endif
+#define E2M1_UNIT 16384.f
+
+// two E4M3 codes (the low 16 bits of p, low byte first) -> two halves (low half first), value / E4M3_UNIT
+__device__ __forceinline__ uint e4m3x2_h2(uint p) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+    uint h;
+    asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h) : "h"((ushort)p));
+    return h;
+#else
+    // s eeee mmm -> half s 0eeee mmm0000000
+    return ((p & 0x80u) << 8) | ((p & 0x7Fu) << 7) | ((p & 0x8000u) << 16) | ((p & 0x7F00u) << 15);
+#endif
+}
+// the two E2M1 codes of byte q (low nibble first) -> two halves, value / E2M1_UNIT
+__device__ __forceinline__ uint e2m1x2_h2(uint q) {
+    // s ee m -> half s 000ee m000000000
+    return ((q & 0x8u) << 12) | ((q & 0x7u) << 9) | ((q & 0x80u) << 24) | ((q & 0x70u) << 21);
+}
+__device__ __forceinline__ void h2_to_f2(uint h, float* v) {
+    v[0] = h2f((ushort)(h & 0xffffu));
+    v[1] = h2f((ushort)(h >> 16));
+}
+// FP8: the 32 codes at b (16-byte aligned) -> E4M3 values / E4M3_UNIT (times the row scale elsewhere)
+__device__ __forceinline__ void dec_fp8(const uchar* b, float* v) {
+    const uint4* q4 = (const uint4*)b;
+    uint4 a = q4[0], c = q4[1];
+    uint w[8] = {a.x, a.y, a.z, a.w, c.x, c.y, c.z, c.w};
+#pragma unroll
+    for (int i = 0; i < 8; i++) {
+        h2_to_f2(e4m3x2_h2(w[i] & 0xffffu), v + 4 * i);
+        h2_to_f2(e4m3x2_h2(w[i] >> 16), v + 4 * i + 2);
+    }
+}
+// NVFP4: the 16 code bytes at q (16-byte aligned: 32 elements, two blocks) -> E2M1 values / E2M1_UNIT,
+// unscaled; the two block scales at sc (2-byte aligned) -> E4M3 values / E4M3_UNIT
+__device__ __forceinline__ void dec_nvfp4_codes(const uchar* q, const uchar* sc, float* v, float* s) {
+    uint4 a = *(const uint4*)q;
+    uint w[4] = {a.x, a.y, a.z, a.w};
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+#pragma unroll
+        for (int k = 0; k < 4; k++) h2_to_f2(e2m1x2_h2(w[i] >> (8 * k)), v + 8 * i + 2 * k);
+    }
+    h2_to_f2(e4m3x2_h2(*(const ushort*)sc), s);
+}
+// NVFP4: 32 elements with their block scales applied (value / (E2M1_UNIT * E4M3_UNIT), before the
+// global scale)
+__device__ __forceinline__ void dec_nvfp4(const uchar* q, const uchar* sc, float* v) {
+    float s[2];
+    dec_nvfp4_codes(q, sc, v, s);
+#pragma unroll
+    for (int i = 0; i < 32; i++) v[i] *= s[i >> 4];
+}
+
 // Activations for a matvec, built in shared memory by the whole block:
 //   prologue 0: x; 1: rmsnorm(x) * nw (the layer's input norm, fused); 2: silu(x) * x2; 3: gelu_tanh(x) * x2.
 // transposed: element e goes to sx[(e % 32) * units + e / 32], so the 32 lanes of a warp, each on its
@@ -175,6 +244,21 @@ __device__ __forceinline__ const uchar* stacked_row(const uchar* w0, const uchar
     if (r < rows0) return w0 + (long long)r * row_bytes;
     if (r < rows0 + rows1) return w1 + (long long)(r - rows0) * row_bytes;
     return w2 + (long long)(r - rows0 - rows1) * row_bytes;
+}
+
+// 32 values times scale to element o of out (float32, or float16 bits when half_out; 16-byte aligned)
+__device__ __forceinline__ void store32(void* __restrict__ out, long long o, const float* v, float scale,
+                                        int half_out) {
+    if (half_out) {
+        uint* oh = (uint*)((ushort*)out + o);
+#pragma unroll
+        for (int j = 0; j < 16; j++) oh[j] = (uint)f2h(v[2 * j] * scale) | ((uint)f2h(v[2 * j + 1] * scale) << 16);
+    } else {
+        float4* of = (float4*)((float*)out + o);
+#pragma unroll
+        for (int j = 0; j < 8; j++)
+            of[j] = make_float4(v[4 * j] * scale, v[4 * j + 1] * scale, v[4 * j + 2] * scale, v[4 * j + 3] * scale);
+    }
 }
 
 // out (rows0+rows1+rows2,) (=, or += when accumulate) = [W0; W1; W2] (.., cols) @ act(x) (cols,).
@@ -215,16 +299,7 @@ __device__ __forceinline__ const uchar* stacked_row(const uchar* w0, const uchar
         long long row_bytes = (long long)(units / SUBS) * BYTES;                                           \
         float v[32];                                                                                       \
         dec_##NAME(w + row * row_bytes + (long long)(u / SUBS) * BYTES, u % SUBS, v);                      \
-        long long o = (long long)i * cols + (long long)u * 32;                                             \
-        if (half_out) {                                                                                    \
-            uint* oh = (uint*)((ushort*)out + o);                                                          \
-            _Pragma("unroll") for (int j = 0; j < 16; j++) oh[j] =                                         \
-                (uint)f2h(v[2 * j] * scale) | ((uint)f2h(v[2 * j + 1] * scale) << 16);                     \
-        } else {                                                                                           \
-            float4* of = (float4*)((float*)out + o);                                                       \
-            _Pragma("unroll") for (int j = 0; j < 8; j++) of[j] =                                          \
-                make_float4(v[4 * j] * scale, v[4 * j + 1] * scale, v[4 * j + 2] * scale, v[4 * j + 3] * scale); \
-        }                                                                                                  \
+        store32(out, (long long)i * cols + (long long)u * 32, v, scale, half_out);                         \
     }
 
 QMATVEC(q8_0, 34, 1)
@@ -311,3 +386,97 @@ __device__ __forceinline__ void unpack4_f32(uint4 p, float* v) {
 FMATVEC(f16, 8, 2)
 FMATVEC(bf16, 8, 2)
 FMATVEC(f32, 4, 4)
+
+// FP8 / NVFP4 (decoders above): the quantized matvec's loop with the scales beside the codes. Stacked
+// weights each bring their own row scales (s0..s2) and, for NVFP4, their own global scale (g0..g2).
+// Row r of the stack: weight *k, local row returned
+__device__ __forceinline__ int stacked_local(int rows0, int rows1, int r, int* k) {
+    if (r < rows0) return *k = 0, r;
+    if (r < rows0 + rows1) return *k = 1, r - rows0;
+    return *k = 2, r - rows0 - rows1;
+}
+
+// out (rows,) (= or +=) [W0; W1; W2] @ act(x): codes (rows_k, cols) uint8 E4M3, s_k (rows_k,) float32
+extern "C" __global__ void __launch_bounds__(256) matvec_fp8(
+    float* __restrict__ out, const uchar* __restrict__ w0, const uchar* __restrict__ w1,
+    const uchar* __restrict__ w2, const float* __restrict__ s0, const float* __restrict__ s1,
+    const float* __restrict__ s2, int rows0, int rows1, int rows2, int cols, const float* __restrict__ x,
+    const float* __restrict__ x2, const float* __restrict__ nw, float eps, int prologue, int accumulate) {
+    extern __shared__ float sx[];
+    load_x(sx, x, x2, nw, eps, cols, prologue, 1);
+    int units = cols >> 5, rows = rows0 + rows1 + rows2;
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    for (int r = blockIdx.x * 8 + warp; r < rows; r += gridDim.x * 8) {
+        int k, lr = stacked_local(rows0, rows1, r, &k);
+        const uchar* w = (k == 0 ? w0 : k == 1 ? w1 : w2) + (long long)lr * cols;
+        float acc = 0.f;
+        for (int u = lane; u < units; u += 32) {
+            float v[32];
+            dec_fp8(w + 32 * u, v);
+#pragma unroll
+            for (int i = 0; i < 32; i++) acc = fmaf(v[i], sx[i * units + u], acc);
+        }
+        acc = warp_sum(acc) * ((k == 0 ? s0 : k == 1 ? s1 : s2)[lr] * E4M3_UNIT);
+        if (lane == 0) out[r] = accumulate ? out[r] + acc : acc;
+    }
+}
+
+// out (rows,) (= or +=) [W0; W1; W2] @ act(x): codes (rows_k, cols/2) uint8, s_k (rows_k, cols/16) uint8
+// E4M3 block scales, g_k the global scales. Per 32 elements: two block sums, each times its scale.
+extern "C" __global__ void __launch_bounds__(256) matvec_nvfp4(
+    float* __restrict__ out, const uchar* __restrict__ w0, const uchar* __restrict__ w1,
+    const uchar* __restrict__ w2, const uchar* __restrict__ s0, const uchar* __restrict__ s1,
+    const uchar* __restrict__ s2, float g0, float g1, float g2, int rows0, int rows1, int rows2, int cols,
+    const float* __restrict__ x, const float* __restrict__ x2, const float* __restrict__ nw, float eps,
+    int prologue, int accumulate) {
+    extern __shared__ float sx[];
+    load_x(sx, x, x2, nw, eps, cols, prologue, 1);
+    int units = cols >> 5, rows = rows0 + rows1 + rows2;
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    for (int r = blockIdx.x * 8 + warp; r < rows; r += gridDim.x * 8) {
+        int k, lr = stacked_local(rows0, rows1, r, &k);
+        const uchar* w = (k == 0 ? w0 : k == 1 ? w1 : w2) + (long long)lr * (cols >> 1);
+        const uchar* sc = (k == 0 ? s0 : k == 1 ? s1 : s2) + (long long)lr * (cols >> 4);
+        float acc = 0.f;
+        for (int u = lane; u < units; u += 32) {
+            float v[32], s[2], a0 = 0.f, a1 = 0.f;
+            dec_nvfp4_codes(w + 16 * u, sc + 2 * u, v, s);
+#pragma unroll
+            for (int i = 0; i < 16; i++) {
+                a0 = fmaf(v[i], sx[i * units + u], a0);
+                a1 = fmaf(v[i + 16], sx[(i + 16) * units + u], a1);
+            }
+            acc = fmaf(a0, s[0], fmaf(a1, s[1], acc));
+        }
+        acc = warp_sum(acc) * ((k == 0 ? g0 : k == 1 ? g1 : g2) * (E2M1_UNIT * E4M3_UNIT));
+        if (lane == 0) out[r] = accumulate ? out[r] + acc : acc;
+    }
+}
+
+// out (n, cols) float32 or float16 bits = rows (ids[i] or r0 + i) of an FP8 weight, times scale
+extern "C" __global__ void dequant_fp8(void* __restrict__ out, const uchar* __restrict__ w,
+                                       const float* __restrict__ ws, const int* __restrict__ ids, int r0,
+                                       int n, int cols, int half_out, float scale) {
+    int units = cols >> 5;
+    long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (idx >= (long long)n * units) return;
+    int i = (int)(idx / units), u = (int)(idx % units);
+    long long row = ids ? ids[i] : (long long)(r0 + i);
+    float v[32];
+    dec_fp8(w + row * cols + 32 * u, v);
+    store32(out, (long long)i * cols + (long long)u * 32, v, ws[row] * E4M3_UNIT * scale, half_out);
+}
+
+// the same for NVFP4 (ws: block scales); scale carries the global scale
+extern "C" __global__ void dequant_nvfp4(void* __restrict__ out, const uchar* __restrict__ w,
+                                         const uchar* __restrict__ ws, const int* __restrict__ ids, int r0,
+                                         int n, int cols, int half_out, float scale) {
+    int units = cols >> 5;
+    long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (idx >= (long long)n * units) return;
+    int i = (int)(idx / units), u = (int)(idx % units);
+    long long row = ids ? ids[i] : (long long)(r0 + i);
+    float v[32];
+    dec_nvfp4(w + row * (cols >> 1) + 16 * u, ws + row * (cols >> 4) + 2 * u, v);
+    store32(out, (long long)i * cols + (long long)u * 32, v, scale * (E2M1_UNIT * E4M3_UNIT), half_out);
+}
