@@ -13,9 +13,19 @@ import numpy as np
 import pytest
 
 from engine.arch.base import Scratch
+from engine.kv_cache import KVCache
 from engine.loader import load_model
 from tests.engine.tiny_gemma3 import TinyGemmaSpec, write_tiny_gemma3
 from tests.engine.tiny_models import T, TinySpec, write_tiny_gguf
+
+
+def _tiny_model(tmp_path, family: str):
+    path = tmp_path / f"{family}.gguf"
+    if family == "gemma3":
+        write_tiny_gemma3(path, TinyGemmaSpec(matrix_type=T.Q8_0))
+    else:
+        write_tiny_gguf(path, TinySpec(matrix_type=T.Q8_0, layers=3))
+    return load_model(path).model
 
 
 def _head_hidden(model, k: int, tokens, cache) -> np.ndarray:
@@ -43,16 +53,9 @@ def _head_hidden(model, k: int, tokens, cache) -> np.ndarray:
 
 @pytest.mark.parametrize("family, k", [("llama", 1), ("gemma3", 2), ("gemma3", 5)])
 def test_forward_from_continues_the_first_layers(tmp_path, family, k):
-    path = tmp_path / f"{family}.gguf"
-    if family == "gemma3":
-        write_tiny_gemma3(path, TinyGemmaSpec(matrix_type=T.Q8_0))
-    else:
-        write_tiny_gguf(path, TinySpec(matrix_type=T.Q8_0, layers=3))
-    model = load_model(path).model
+    model = _tiny_model(tmp_path, family)
     cfg = model.cfg
     full = model.new_cache(64)
-    from engine.kv_cache import KVCache
-
     head = KVCache(k, cfg.num_key_value_heads, cfg.head_dim, 64)
     tail = KVCache(cfg.num_hidden_layers - k, cfg.num_key_value_heads, cfg.head_dim, 64)
     prompt = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]
@@ -70,14 +73,7 @@ def test_forward_from_continues_the_first_layers(tmp_path, family, k):
 
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
 def test_forward_batch_from_continues_the_first_layers(tmp_path, family):
-    from engine.kv_cache import KVCache
-
-    path = tmp_path / f"{family}.gguf"
-    if family == "gemma3":
-        write_tiny_gemma3(path, TinyGemmaSpec(matrix_type=T.Q8_0))
-    else:
-        write_tiny_gguf(path, TinySpec(matrix_type=T.Q8_0, layers=3))
-    model = load_model(path).model
+    model = _tiny_model(tmp_path, family)
     cfg, k = model.cfg, 2
     prompts = [[1, 2, 3, 4, 5], [6, 7, 8]]
     fulls = [model.new_cache(64) for _ in prompts]

@@ -32,8 +32,10 @@ def place_model(
     choice = choose_device(spec)
     if choice.notice:
         (notify or (lambda text: print(f"hearth: {text}", file=sys.stderr)))(choice.notice)
-    if choice.device.kind != "cuda" or gpu_layers == 0:
-        return choice if choice.device.kind != "cuda" else DeviceChoice(Device("cpu"))
+    if choice.device.kind != "cuda":
+        return choice
+    if gpu_layers == 0:  # CUDA works, but no layer is asked to go there
+        return DeviceChoice(Device("cpu"))
     n_all = lm.model.cfg.num_hidden_layers
     if gpu_layers is None or gpu_layers >= n_all:
         from engine.backends.cuda.decoder import CudaDecoder
