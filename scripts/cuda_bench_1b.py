@@ -7,7 +7,10 @@ the file (and so on the GPU); to keep the build fast, layers reuse the bytes of 
 per shape and the embedding tiles one random 4096-row block.
 
 For each file it measures, with engine.backends.cuda.bench.bench_decoder:
-  decode tok/s and the fraction of peak memory bandwidth (weights + KV bytes per token / time / peak);
+  decode tok/s and the fraction of peak memory bandwidth (weights + KV bytes per token / time / peak),
+  for both decode paths: the captured CUDA graph of per-op kernels ("graphs") and the fused persistent
+  step ("fused", engine.backends.cuda.fused), with the fused step's logits and greedy tokens checked
+  against the graph path's on the same prompt;
   prefill tok/s at --prompt tokens, against cupy float16 GEMMs of the same shapes (the 7 layer
   matrices x 16 layers at --prompt rows): prefill_vs_cublas = GEMM time / our prefill time.
 
@@ -133,7 +136,7 @@ def bench_file(path: Path, n_prompt: int, n_gen: int, repetitions: int) -> dict:
     model = open_model(path)
     n_ctx = n_prompt + n_gen + 8
     t0 = time.perf_counter()
-    dec = CudaDecoder(model, n_ctx=n_ctx)
+    dec = CudaDecoder(model, n_ctx=n_ctx, decode_kernel="graphs")
     upload_s = time.perf_counter() - t0
     prompt = np.random.default_rng(1).integers(0, VOCAB, n_prompt).tolist()
     r = bench_decoder(dec, prompt, n_gen, n_ctx, repetitions)
@@ -151,6 +154,7 @@ def bench_file(path: Path, n_prompt: int, n_gen: int, repetitions: int) -> dict:
         tok = dec.greedy_step(tok, cache)
     plain["decode_tps_without_graph"] = 32 / (time.perf_counter() - t1)
     dec.use_graphs = True
+    fused = _bench_fused(dec, prompt, n_gen, n_ctx, repetitions)
     gemm_s = cublas_reference(n_prompt)
     prefill_s = n_prompt / r["prefill_tps"]
     out = {
@@ -169,9 +173,53 @@ def bench_file(path: Path, n_prompt: int, n_gen: int, repetitions: int) -> dict:
         "decode_bandwidth_gbs": round(r["decode_bandwidth_gbs"], 1),
         "peak_bandwidth_gbs": round(r["peak_bandwidth_gbs"], 1),
         "decode_bandwidth_fraction": round(r["decode_bandwidth_fraction"], 3),
+        **fused,
     }
     del dec
     cp.get_default_memory_pool().free_all_blocks()
+    return out
+
+
+def _bench_fused(dec, prompt: list[int], n_gen: int, n_ctx: int, repetitions: int) -> dict:
+    """The fused step on the same decoder: its logits and greedy tokens against the graph path's,
+    then its decode figures (errors are recorded, the graph figures stand)."""
+    from engine.backends.cuda.bench import bench_decoder
+    from engine.backends.cuda.fused import FusedStep
+
+    out: dict = {}
+    try:
+        t0 = time.perf_counter()
+        fused = FusedStep(dec)
+        out["fused_blocks"] = fused.blocks
+        caches = [dec.new_cache(n_ctx), dec.new_cache(n_ctx)]
+        first = int(np.argmax(dec.forward(prompt[:64], caches[0])[-1]))
+        dec.forward(prompt[:64], caches[1])
+        rels, tokens = [], [[first], [first]]
+        for i, step in enumerate((None, fused)):  # graphs, then fused, from the same prefix
+            dec.fused = step
+            cache = caches[i]
+            logits = dec.forward([first], cache)[-1]
+            if i == 0:
+                ref = logits
+            else:
+                rels.append(float(np.max(np.abs(logits - ref)) / np.max(np.abs(ref))))
+            for _ in range(31):
+                tokens[i].append(dec.greedy_step(tokens[i][-1], cache))
+        out["fused_vs_graphs_rel"] = round(max(rels), 6)
+        out["fused_greedy_matches_graphs"] = tokens[0] == tokens[1]
+        out["fused_greedy_same_prefix"] = next((i for i, (a, b) in enumerate(zip(*tokens)) if a != b), 32)
+        r = bench_decoder(dec, prompt, n_gen, n_ctx, repetitions)
+        out["fused_setup_s"] = round(time.perf_counter() - t0, 2)
+        out["fused_decode_tps"] = round(r["decode_tps"], 1)
+        out["fused_decode_bandwidth_gbs"] = round(r["decode_bandwidth_gbs"], 1)
+        out["fused_decode_bandwidth_fraction"] = round(r["decode_bandwidth_fraction"], 3)
+    except Exception as e:  # noqa: BLE001 - keep the graph path's figures
+        import traceback
+
+        out["fused_error"] = f"{type(e).__name__}: {e}"
+        traceback.print_exc()
+    finally:
+        dec.fused = None
     return out
 
 

@@ -11,6 +11,9 @@ class uploads those weights unchanged (GGUF blocks) and runs the same maths with
 - prefill (several tokens): weight tiles dequantized to float16 (or float32) and multiplied with
   cuBLAS; attention runs the split-K kernel with one query per grid row.
 
+The fused path (decode_kernel="fused" or HEARTH_CUDA_DECODE=fused; llama family): the whole decode step
+is one persistent kernel instead (engine.backends.cuda.fused); `decode_path` says which path runs.
+
 Batched decode (the server): forward_batch replays each sequence's own captured step, one after another.
 
 Partial offload: with n_layers below the model's layer count the decoder runs the embedding and the
@@ -27,7 +30,7 @@ import numpy as np
 from engine.arch.base import check_batch
 from engine.arch.gemma3 import Gemma3Model
 from engine.arch.llama import LlamaModel
-from engine.backends.cuda import ops
+from engine.backends.cuda import fused, ops
 from engine.backends.cuda.device import CudaOutOfMemoryError
 from engine.kv_cache import KVCache
 from models.errors import HearthError
@@ -172,10 +175,14 @@ class CudaDecoder:
         use_graphs: capture the decode step as a CUDA graph (False: launch kernel by kernel).
         n_layers: layers on the GPU (None: all, with the output projection). Fewer make a head
             decoder: `hidden` returns the residual stream after them instead of logits.
+        decode_kernel: "graphs" (a captured CUDA graph of per-op kernels) or "fused" (one persistent
+            kernel per step, llama family; other models keep the graphs); None: $HEARTH_CUDA_DECODE,
+            else "graphs".
 
     Raises:
         UnsupportedCudaModelError: a weight type without CUDA kernel, or Gemma's attention soft-capping.
         CudaOutOfMemoryError: the estimate exceeds the GPU's free memory.
+        ValueError: an unknown decode_kernel.
     """
 
     def __init__(
@@ -187,7 +194,9 @@ class CudaDecoder:
         progress=None,
         use_graphs: bool = True,
         n_layers: int | None = None,
+        decode_kernel: str | None = None,
     ):
+        kind = fused.decode_kind(decode_kernel)
         if not isinstance(model, (LlamaModel, Gemma3Model)):
             raise UnsupportedCudaModelError(
                 f"the CUDA backend runs llama and gemma3 models, not {type(model).__name__}"
@@ -223,6 +232,16 @@ class CudaDecoder:
                 cp.get_default_memory_pool().free_all_blocks()
                 raise CudaOutOfMemoryError(needed, free, self.device) from None
             self.stream = cp.cuda.Stream(non_blocking=True)
+            self.fused = None
+            # decode_path: what runs ("fused", or "graphs" with the reason the fused step was not used)
+            self.decode_path = "graphs"
+            if kind == "fused":
+                reason = fused.unsupported_reason(self)
+                if reason is None:
+                    self.fused = fused.FusedStep(self)
+                    self.decode_path = "fused"
+                else:
+                    self.decode_path = f"graphs (fused step: {reason})"
         # per cache: its decode-step buffers and captured graphs (the graphs hold the cache's and the
         # buffers' pointers, so they live and die with the cache)
         self._steps: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -357,7 +376,10 @@ class CudaDecoder:
         cache.check_room(1)
         with cp.cuda.Device(self.device), self.stream:
             step = self._decode(int(token), cache, greedy=True)
-            nxt = int(cp.asnumpy(step.ids, stream=self.stream)[0])
+            if self.fused is not None:
+                nxt = int(self.fused.check(step)[0])
+            else:
+                nxt = int(cp.asnumpy(step.ids, stream=self.stream)[0])
         cache.advance([token])
         return nxt
 
@@ -384,9 +406,14 @@ class CudaDecoder:
         if cache not in self._steps:
             self._steps[cache] = (_Step(self.cfg, -(-cache.n_ctx // ops.ATTN_CHUNK)), {})
         step, graphs = self._steps[cache]
+        result = step if greedy else step.x if self.head_only else step.logits
+        if self.fused is not None:  # token and position travel as launch arguments
+            self.fused.launch(step, cache, token, greedy)
+            if not greedy:
+                self.fused.check(step)
+            return result
         step.ids[0] = token
         step.pos[0] = cache.offset
-        result = step if greedy else step.x if self.head_only else step.logits
         if not self.use_graphs:
             self._decode_kernels(step, cache, greedy)
             return result

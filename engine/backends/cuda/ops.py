@@ -130,10 +130,17 @@ def _sm_count_of(device: int) -> int:
     return int(cp.cuda.runtime.deviceGetAttribute(cp.cuda.runtime.cudaDevAttrMultiProcessorCount, device))
 
 
+def allow_shared(k, nbytes: int) -> None:
+    """Let kernel function k (from RawModule.get_function) take nbytes of dynamic shared memory
+    (above 48 KiB a function must opt in)."""
+    if nbytes > 48 * 1024:
+        drv = cp.cuda.driver
+        drv.funcSetAttribute(k.ptr, drv.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, int(nbytes))
+
+
 def _launch_matvec(name: str, grid: int, shared: int, args: tuple) -> None:
     k = kernel(name, cp.cuda.Device().id)
-    if shared > 48 * 1024 and k.max_dynamic_shared_size_bytes < shared:
-        k.max_dynamic_shared_size_bytes = shared
+    allow_shared(k, shared)
     k((grid,), (MATVEC_THREADS,), args, shared_mem=shared)
 
 

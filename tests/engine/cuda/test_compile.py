@@ -67,9 +67,20 @@ def test_op_kernels_compile(ptx):
 
 def test_each_source_compiles_on_its_own():
     nvrtc_or_skip()
-    assert kernels.SOURCES == ("quant.cu", "ops.cu")
+    assert kernels.SOURCES == ("quant.cu", "ops.cu", "step.cu")
     # quant.cu is most of the full module (compiled by the fixture); ops.cu must stand alone too
+    # (step.cu builds on quant.cu's decoders: it compiles in the module)
     assert set(OPS) <= _entries(kernels.compile_ptx(kernels.source("ops.cu"), "ops.cu"))
+
+
+def test_fused_step_assembles_for_sm_90_and_compiles_for_sm_80(ptx):
+    # ptxas checks its inline PTX (dp4a, the sm_90 bulk L2 prefetch); older GPUs build it without
+    # the prefetch
+    assert "decode_step" in _entries(ptx) and "cp.async.bulk.prefetch.L2" in ptx
+    cubin = kernels.compile_cubin(kernels.full_source(), "hearth.cu", arch="sm_90")
+    assert b"decode_step" in cubin
+    older = kernels.compile_ptx(kernels.full_source(), "hearth.cu", arch="compute_80")
+    assert "decode_step" in _entries(older) and "cp.async.bulk" not in older and "dp4a" in older
 
 
 def test_a_syntax_error_is_reported():

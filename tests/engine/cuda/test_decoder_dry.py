@@ -25,7 +25,11 @@ from tests.engine.tiny_models import T, TinySpec, write_tiny_gguf
 
 
 class FakeArray(np.ndarray):
-    """numpy with CuPy's set/get."""
+    """numpy with CuPy's set/get and data.ptr (the host address: what the host-thread kernels use)."""
+
+    @property
+    def data(self):
+        return types.SimpleNamespace(ptr=self.ctypes.data)
 
     def set(self, a):
         self[...] = a
@@ -38,6 +42,9 @@ def _wrap(a):
     return np.asarray(a).view(FakeArray)
 
 
+# kernel handle -> dynamic shared memory it was allowed through cuda.driver.funcSetAttribute
+SHARED_ALLOWED: dict[int, int] = {}
+
 # capture: the launches a stand-in stream records between begin_capture and end_capture (None: run
 # them now); simt: a tests.engine.cuda.simt.Simt that executes kernels on the host (None: check only)
 STATE = types.SimpleNamespace(capture=None, simt=None)
@@ -46,7 +53,7 @@ STATE = types.SimpleNamespace(capture=None, simt=None)
 class FakeKernel:
     def __init__(self, name: str, params: list[str], launches: list):
         self.name, self.params, self.launches = name, params, launches
-        self.max_dynamic_shared_size_bytes = 48 * 1024
+        self.ptr = id(self)  # the function handle funcSetAttribute takes
 
     def __call__(self, grid, block, args, shared_mem=0):
         where = f"{self.name}{tuple(grid)}x{tuple(block)}"
@@ -67,7 +74,7 @@ class FakeKernel:
         assert 1 <= int(np.prod(block)) <= 1024 and int(np.prod(block)) % 32 == 0, where
         if self.name.startswith("matvec_"):
             assert tuple(block) == (256,), where
-        assert shared_mem <= max(48 * 1024, self.max_dynamic_shared_size_bytes) <= 227 * 1024, where
+        assert shared_mem <= max(48 * 1024, SHARED_ALLOWED.get(self.ptr, 0)) <= 227 * 1024, where
         self.launches.append(self.name)
         if STATE.simt is not None:
             call = (self.name, tuple(grid), tuple(block), tuple(args), shared_mem)
@@ -79,12 +86,13 @@ class FakeKernel:
 
 def _execute(call) -> None:
     name, grid, block, args, shared_mem = call
-    STATE.simt.launch(name, grid, block, args, shared_mem)
+    # the fused decode step's blocks meet at grid barriers: they must all run at once
+    STATE.simt.launch(name, grid, block, args, shared_mem, cooperative=name == "decode_step")
 
 
 def _fake_cupy():
     cp = types.ModuleType("cupy")
-    for name in ("float16", "float32", "int32", "uint8"):
+    for name in ("float16", "float32", "int32", "uint8", "uint32", "uint64"):
         setattr(cp, name, np.dtype(name).type)
     cp.ndarray = FakeArray
     cp.empty = lambda shape, dtype=np.float32: _wrap(np.zeros(shape, dtype))  # no NaN warnings
@@ -101,7 +109,9 @@ def _fake_cupy():
     class Device(contextlib.AbstractContextManager):
         def __init__(self, index=0):
             self.id = index
-            self.attributes = {"MemoryClockRate": 3_200_000, "GlobalMemoryBusWidth": 6144}
+            self.attributes = {
+                "MemoryClockRate": 3_200_000, "GlobalMemoryBusWidth": 6144, "L2CacheSize": 60 << 20
+            }
 
         def __exit__(self, *exc):
             return None
@@ -147,8 +157,13 @@ def _fake_cupy():
     )
     memory = types.SimpleNamespace(OutOfMemoryError=MemoryError)
     nvrtc = types.SimpleNamespace(getVersion=lambda: (12, 9))
+    driver = types.SimpleNamespace(
+        occupancyMaxActiveBlocksPerMultiprocessor=lambda func, threads, smem: 1,
+        CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES=8,
+        funcSetAttribute=lambda func, attr, value: SHARED_ALLOWED.__setitem__(func, value),
+    )
     cp.cuda = types.SimpleNamespace(
-        Device=Device, Stream=Stream, runtime=runtime, memory=memory, Graph=Graph, nvrtc=nvrtc
+        Device=Device, Stream=Stream, runtime=runtime, memory=memory, Graph=Graph, nvrtc=nvrtc, driver=driver
     )
     return cp
 
@@ -156,6 +171,7 @@ def _fake_cupy():
 # the backend's modules that import CuPy: imported afresh over the stand-in, dropped after
 CUPY_MODULES = (
     "engine.backends.cuda.ops",
+    "engine.backends.cuda.fused",
     "engine.backends.cuda.decoder",
     "engine.backends.cuda.hybrid",
     "engine.backends.cuda.bench",
@@ -186,11 +202,14 @@ def fake(monkeypatch, ptx_params):
         return made.setdefault(name, FakeKernel(name, ptx_params[name], launches))
 
     monkeypatch.setattr(ops, "kernel", kernel)
+    # before the decoder: `from engine.backends.cuda import fused` would take the package attribute,
+    # which still holds an earlier test's module
+    fused = importlib.import_module("engine.backends.cuda.fused")
     decoder = importlib.import_module("engine.backends.cuda.decoder")
     bench = importlib.import_module("engine.backends.cuda.bench")
     hybrid = importlib.import_module("engine.backends.cuda.hybrid")
     yield types.SimpleNamespace(
-        cp=cp, ops=ops, decoder=decoder, bench=bench, hybrid=hybrid, launches=launches
+        cp=cp, ops=ops, decoder=decoder, bench=bench, hybrid=hybrid, fused=fused, launches=launches
     )
     STATE.simt = STATE.capture = None
     for mod in CUPY_MODULES:

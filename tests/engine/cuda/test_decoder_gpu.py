@@ -80,6 +80,52 @@ def _check_hybrid(model, prompt, n_tokens=16, logit_tol=1e-3):
     assert out == _cpu_greedy(model, prompt, n_tokens)
 
 
+def _check_fused(model, prompt, n_tokens=16, logit_tol=2e-3):
+    """The fused decode step (one persistent kernel): each step's logits close to the CPU model's (its
+    int8 activations are a 14-bit grade), the same greedy tokens, full and head-only (partial offload)."""
+    from engine.backends.cuda.decoder import CudaDecoder
+    from engine.backends.cuda.hybrid import HybridDecoder
+
+    dec = CudaDecoder(model, n_ctx=128, prefill_dtype="float32", decode_kernel="fused")
+    assert dec.decode_path == "fused"
+    cpu_cache, cache = model.new_cache(128), dec.new_cache(128, np.float32)
+    token = int(np.argmax(model.forward(prompt, cpu_cache)[-1]))
+    dec.forward(prompt, cache)
+    for _ in range(3):
+        ref = model.forward([token], cpu_cache)
+        assert _rel(dec.forward([token], cache), ref) < logit_tol
+        token = int(np.argmax(ref[-1]))
+    assert _gpu_greedy(dec, prompt, n_tokens) == _cpu_greedy(model, prompt, n_tokens)
+    hyb = HybridDecoder(model, model.cfg.num_hidden_layers // 2, n_ctx=128, prefill_dtype="float32")
+    hyb.gpu = CudaDecoder(model, n_ctx=128, prefill_dtype="float32", n_layers=hyb.gpu.n_layers,
+                          decode_kernel="fused")
+    out = [int(np.argmax(hyb.forward(prompt, (c := hyb.new_cache(128, np.float32)))[-1]))]
+    for _ in range(n_tokens - 1):
+        out.append(int(np.argmax(hyb.forward([out[-1]], c)[-1])))
+    assert out == _cpu_greedy(model, prompt, n_tokens)
+
+
+def _kquant_tiny(path, spec: TinySpec, monkeypatch) -> None:
+    """A tiny file in a K-quant (the engine's encoder: gguf.quants has no K-quant encoder)."""
+    import gguf
+
+    from engine.quant.encode import quantize
+
+    plain = gguf.quants.quantize
+    monkeypatch.setattr(
+        gguf.quants, "quantize",
+        lambda v, t: quantize(int(t), np.asarray(v, np.float32)) if t in (T.Q4_K, T.Q6_K) else plain(v, t),
+    )
+    write_tiny_gguf(path, spec)
+
+
+@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K])
+def test_fused_step_k_quants(gpu, tmp_path, monkeypatch, qtype):
+    path = tmp_path / "tiny-k.gguf"
+    _kquant_tiny(path, TinySpec(matrix_type=qtype, hidden=256, ffn=512, heads=4, kv_heads=2), monkeypatch)
+    _check_fused(load_model(path).model, PROMPT)
+
+
 @pytest.mark.parametrize(
     "spec",
     [
@@ -94,6 +140,7 @@ def test_tiny_llama(gpu, tmp_path, spec):
     write_tiny_gguf(path, spec)
     _check(load_model(path).model, PROMPT)
     _check_hybrid(load_model(path).model, PROMPT)
+    _check_fused(load_model(path).model, PROMPT)
 
 
 @pytest.mark.parametrize(
@@ -118,6 +165,7 @@ def test_smollm2_starter(gpu, smollm2_gpu_path):
     prompt = lm.tokenizer.encode("The capital of France is", add_special=True)
     _check(lm.model, prompt, 24, 2e-3)
     _check_hybrid(load_model(smollm2_gpu_path).model, prompt, 24, 2e-3)
+    _check_fused(load_model(smollm2_gpu_path).model, prompt, 24, 5e-3)
 
 
 @pytest.mark.slow

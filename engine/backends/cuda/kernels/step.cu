@@ -1,0 +1,735 @@
+// The whole decode step of a llama-family model in ONE persistent kernel (decode_step): every block
+// stays resident for the step and the blocks meet at a software grid barrier between phases, so a
+// token costs one launch instead of ~7 per layer, and no kernel boundary drains the memory pipe.
+//
+// Per layer, phases separated by grid barriers:
+//   A  x_in = rmsnorm(x) * attn_norm (layer 0: the token's embedding row)   qkv = [Wq;Wk;Wv] x_in (+ bias)
+//   B  attention items (head, split): q/k norms, RoPE, the new k/v written to the cache, online-softmax
+//      partial sums over the split's keys (flash decoding)
+//   C  attn = combined partials                                              x += Wo attn
+//   D  x_in = rmsnorm(x) * ffn_norm                                          gu = [Wg;Wu] x_in
+//   E  x_in = silu(g) * u                                                    x += Wd x_in
+// then logits = Wout (rmsnorm(x) * out_norm) and, for greedy steps, their argmax (a 64-bit atomicMax
+// of (ordered value, inverted index): larger value first, then smaller index, as np.argmax).
+//
+// Activations reach the matvecs in shared memory in three forms: float32 in natural order (float
+// weights), float32 transposed by 32-element unit (every other quantized type, through its dec_*),
+// and two int8 levels per unit (Q8_0, Q4_0, Q4_1, Q4_K: dp4a dot products; x ~ d (128 hi + lo), a
+// 14-bit grade like the CPU kernels' int16 activations, ~4 integer ops per 4 weights instead of ~5 float
+// ops per weight, which keeps the step memory-bound).
+//
+// Weights of the next phases are prefetched into L2 (sm_90 bulk prefetch) while the current phase
+// runs, up to a byte budget, so the DRAM stream does not stop at the barriers.
+//
+// Rows are split into a contiguous range per block, warps stride through it; a row is one warp's.
+// The grid must be co-resident (the host launches one block per SM after an occupancy check); a barrier
+// that waits too long sets status[1] and lets the step finish with garbage instead of hanging the GPU.
+
+#define STEP_WARPS 16  // at most: the kernel runs with any blockDim.x = 32 * (1..16), 512 on GPUs
+#define LAYER_SLOTS 16  // u64 per layer in the descriptor table (see engine/backends/cuda/fused.py)
+#define MAX_HD 256
+#define XQ_SCALE 16256.f  // 127 * 128: |x| max of a unit -> |128 hi + lo| <= 16256
+
+#ifdef __CUDA_ARCH__
+__device__ __forceinline__ int dp4a(uint a, uint b, int c) {
+    int d;
+    asm("dp4a.s32.s32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+    return d;
+}
+__device__ __forceinline__ void prefetch_l2(const uchar* p, uint bytes) {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
+#endif
+}
+#else  // the host build of the tests (tests/engine/cuda/simt.py)
+static inline int __float2int_rn(float v) { return (int)std::nearbyint(v); }
+static inline uint __float_as_uint(float f) {
+    uint u;
+    std::memcpy(&u, &f, 4);
+    return u;
+}
+__device__ __forceinline__ int dp4a(uint a, uint b, int c) {
+    for (int i = 0; i < 4; i++) c += (int)(signed char)(a >> (8 * i)) * (int)(signed char)(b >> (8 * i));
+    return c;
+}
+__device__ __forceinline__ void prefetch_l2(const uchar* p, uint bytes) {}
+#endif
+
+// ggml type ids (as ops.py)
+#define T_F32 0
+#define T_F16 1
+#define T_Q4_0 2
+#define T_Q4_1 3
+#define T_Q5_0 6
+#define T_Q5_1 7
+#define T_Q8_0 8
+#define T_Q2_K 10
+#define T_Q3_K 11
+#define T_Q4_K 12
+#define T_Q5_K 13
+#define T_Q6_K 14
+#define T_BF16 30
+
+__device__ __forceinline__ long long row_bytes_of(int t, int cols) {
+    switch (t) {
+        case T_F32: return 4LL * cols;
+        case T_F16: case T_BF16: return 2LL * cols;
+        case T_Q8_0: return (cols / 32) * 34LL;
+        case T_Q4_0: return (cols / 32) * 18LL;
+        case T_Q4_1: return (cols / 32) * 20LL;
+        case T_Q5_0: return (cols / 32) * 22LL;
+        case T_Q5_1: return (cols / 32) * 24LL;
+        case T_Q2_K: return (cols / 256) * 84LL;
+        case T_Q3_K: return (cols / 256) * 110LL;
+        case T_Q4_K: return (cols / 256) * 144LL;
+        case T_Q5_K: return (cols / 256) * 176LL;
+        default: return (cols / 256) * 210LL;  // Q6_K
+    }
+}
+
+// One weight matrix of a phase (up to three stacked ones share the phase's input and output buffer).
+struct Mat {
+    const uchar* w;
+    int type, rows;
+};
+
+// Shared-memory views of one phase's input activation (cols elements, units = cols / 32).
+struct XIn {
+    float* f;   // (cols,) natural order
+    float* t;   // (cols,) element e at (e % 32) * units + e / 32
+    uint* w;    // (16 * units) int8 words: word k of unit u at w[k * units + u]; k < 8 hi, k >= 8 lo
+    float* d;   // (units,) scale of unit u (x ~ d * (128 hi + lo))
+    float* s;   // (units,) float sum of unit u
+    int* i;     // (2 * units,) integer sums (128 hi + lo) of the two halves of unit u
+    int cols, units;
+};
+
+__device__ __forceinline__ float warp_sum_f(float v) { return warp_sum(v); }
+__device__ __forceinline__ int warp_sum_i(int v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+// After xin.f holds the activation: the transposed floats and the two int8 levels, one unit per warp
+// at a time (lane = element).
+__device__ void quantize_x(XIn& xin) {
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, units = xin.units;
+    uchar* wb = (uchar*)xin.w;
+    for (int u = warp; u < units; u += blockDim.x >> 5) {
+        float v = xin.f[u * 32 + lane];
+        xin.t[lane * units + u] = v;
+        float amax = warp_max(fabsf(v));
+        float sum = warp_sum(v);
+        int q = amax > 0.f ? __float2int_rn(v * (XQ_SCALE / amax)) : 0;
+        int hi = (q + 64) >> 7, lo = q - 128 * hi;
+        int k = lane >> 2, byte = lane & 3;
+        wb[(k * units + u) * 4 + byte] = (uchar)(signed char)hi;
+        wb[((k + 8) * units + u) * 4 + byte] = (uchar)(signed char)lo;
+        int h0 = warp_sum_i(lane < 16 ? q : 0), h1 = warp_sum_i(lane < 16 ? 0 : q);
+        if (lane == 0) {
+            xin.d[u] = amax / XQ_SCALE;
+            xin.s[u] = sum;
+            xin.i[2 * u] = h0;
+            xin.i[2 * u + 1] = h1;
+        }
+    }
+    __syncthreads();
+}
+
+// Σ over 8 words of q . x for unit u (both int8 levels): 128 Σ q hi + Σ q lo
+__device__ __forceinline__ int dot8(const uint* q, const XIn& x, int u) {
+    int hi = 0, lo = 0;
+#pragma unroll
+    for (int k = 0; k < 8; k++) {
+        hi = dp4a(q[k], x.w[k * x.units + u], hi);
+        lo = dp4a(q[k], x.w[(k + 8) * x.units + u], lo);
+    }
+    return 128 * hi + lo;
+}
+// the same over words k0..k0+3 (a 16-element half)
+__device__ __forceinline__ int dot4h(const uint* q, const XIn& x, int u, int k0) {
+    int hi = 0, lo = 0;
+#pragma unroll
+    for (int k = 0; k < 4; k++) {
+        hi = dp4a(q[k], x.w[(k0 + k) * x.units + u], hi);
+        lo = dp4a(q[k], x.w[(k0 + k + 8) * x.units + u], lo);
+    }
+    return 128 * hi + lo;
+}
+
+#define GENERIC_CASE(T, NAME, BYTES, SUBS)                                                       \
+    case T:                                                                                      \
+        for (int u = lane; u < units; u += 32) {                                                 \
+            float v[32];                                                                         \
+            dec_##NAME(row + (long long)(u / SUBS) * BYTES, u % SUBS, v);                        \
+            _Pragma("unroll") for (int i = 0; i < 32; i++) acc = fmaf(v[i], x.t[i * units + u], acc); \
+        }                                                                                        \
+        break;
+
+// This lane's part of row . x (the caller sums the warp).
+__device__ float row_dot(int type, const uchar* __restrict__ row, const XIn& x, int lane) {
+    float acc = 0.f;
+    int units = x.units;
+    switch (type) {
+        case T_Q8_0:
+            for (int u = lane; u < units; u += 32) {
+                const uchar* b = row + 34LL * u;
+                uint q[8];
+#pragma unroll
+                for (int k = 0; k < 8; k++) q[k] = ld32_2(b + 2 + 4 * k);
+                acc = fmaf(ldh(b) * x.d[u], (float)dot8(q, x, u), acc);
+            }
+            break;
+        case T_Q4_0:
+        case T_Q4_1: {
+            int bytes = type == T_Q4_0 ? 18 : 20, off = type == T_Q4_0 ? 2 : 4;
+            for (int u = lane; u < units; u += 32) {
+                const uchar* b = row + (long long)bytes * u;
+                uint q[8];
+#pragma unroll
+                for (int k = 0; k < 4; k++) {
+                    uint w = ld32_2(b + off + 4 * k);  // byte j: element j low, j + 16 high
+                    q[k] = w & 0x0F0F0F0Fu;
+                    q[k + 4] = (w >> 4) & 0x0F0F0F0Fu;
+                }
+                int dot = dot8(q, x, u);
+                if (type == T_Q4_0) {
+                    acc = fmaf(ldh(b) * x.d[u], (float)(dot - 8 * (x.i[2 * u] + x.i[2 * u + 1])), acc);
+                } else {
+                    acc = fmaf(ldh(b) * x.d[u], (float)dot, fmaf(ldh(b + 2), x.s[u], acc));
+                }
+            }
+            break;
+        }
+        case T_Q4_K:
+            // lane p takes the sub-block pair (2p, 2p + 1): 32 qs bytes, low nibbles then high
+            for (int p = lane; p < units / 2; p += 32) {
+                const uchar* b = row + 144LL * (p >> 2);
+                int j = p & 3, ua = 2 * p, ub = 2 * p + 1;
+                float d = ldh(b), dmin = ldh(b + 2), sa, ma, sb, mb;
+                scale_min_k4(2 * j, b + 4, &sa, &ma);
+                scale_min_k4(2 * j + 1, b + 4, &sb, &mb);
+                const uint4* q4 = (const uint4*)(b + 16 + 32 * j);
+                uint4 c0 = q4[0], c1 = q4[1];
+                uint w[8] = {c0.x, c0.y, c0.z, c0.w, c1.x, c1.y, c1.z, c1.w};
+                uint qa[8], qb[8];
+#pragma unroll
+                for (int k = 0; k < 8; k++) {
+                    qa[k] = w[k] & 0x0F0F0F0Fu;
+                    qb[k] = (w[k] >> 4) & 0x0F0F0F0Fu;
+                }
+                acc += d * (sa * x.d[ua] * (float)dot8(qa, x, ua) + sb * x.d[ub] * (float)dot8(qb, x, ub));
+                acc -= dmin * (ma * x.s[ua] + mb * x.s[ub]);
+            }
+            break;
+        case T_Q6_K:
+            // unit u = sub-block s = 4n + t of block u / 8: ql >> 4(t >> 1), qh >> 2t, a scale per 16
+            for (int u = lane; u < units; u += 32) {
+                const uchar* b = row + 210LL * (u >> 3);
+                int s = u & 7, n = s >> 2, t = s & 3;
+                const uchar* ql = b + 64 * n + 32 * (t & 1);
+                const uchar* qh = b + 128 + 32 * n;
+                const signed char* sc = (const signed char*)(b + 192 + 8 * n + 2 * t);
+                int sl = 4 * (t >> 1), sh = 2 * t;
+                uint q[8];
+#pragma unroll
+                for (int k = 0; k < 8; k++)
+                    q[k] = ((ld32_2(ql + 4 * k) >> sl) & 0x0F0F0F0Fu) | (((ld32_2(qh + 4 * k) >> sh) & 0x03030303u) << 4);
+                int i0 = dot4h(q, x, u, 0) - 32 * x.i[2 * u], i1 = dot4h(q + 4, x, u, 4) - 32 * x.i[2 * u + 1];
+                acc = fmaf(ldh(b + 208) * x.d[u], (float)sc[0] * (float)i0 + (float)sc[1] * (float)i1, acc);
+            }
+            break;
+        case T_F32:
+            for (int u = lane; u < x.cols / 4; u += 32) {
+                float v[4];
+                unpack4_f32(((const uint4*)row)[u], v);
+                for (int i = 0; i < 4; i++) acc = fmaf(v[i], x.f[4 * u + i], acc);
+            }
+            break;
+        case T_F16:
+        case T_BF16:
+            for (int u = lane; u < x.cols / 8; u += 32) {
+                float v[8];
+                if (type == T_F16) unpack8_f16(((const uint4*)row)[u], v);
+                else unpack8_bf16(((const uint4*)row)[u], v);
+#pragma unroll
+                for (int i = 0; i < 8; i++) acc = fmaf(v[i], x.f[8 * u + i], acc);
+            }
+            break;
+        GENERIC_CASE(T_Q5_0, q5_0, 22, 1)
+        GENERIC_CASE(T_Q5_1, q5_1, 24, 1)
+        GENERIC_CASE(T_Q2_K, q2_k, 84, 8)
+        GENERIC_CASE(T_Q3_K, q3_k, 110, 8)
+        GENERIC_CASE(T_Q5_K, q5_k, 176, 8)
+        default: break;
+    }
+    return acc;
+}
+
+// ---- the grid barrier ------------------------------------------------------------------------
+// sync[0]: arrivals, sync[1]: generation, status[1]: set when a wait timed out
+__device__ __forceinline__ void grid_sync(uint* sync, uint* gen, int* status) {
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        uint g = *gen;
+        __threadfence();
+        if (atomicAdd(&sync[0], 1u) == gridDim.x - 1) {
+            sync[0] = 0;
+            __threadfence();
+            atomicExch(&sync[1], g + 1);
+        } else {
+            long long t0 = clock64();
+            while (*(volatile uint*)&sync[1] == g) {
+                if (*(volatile int*)&status[1]) break;  // an earlier barrier gave up: do not wait again
+                if (clock64() - t0 > (1LL << 34)) {  // ~10 s: a block never arrived
+                    atomicExch((uint*)&status[1], 1u);
+                    break;
+                }
+            }
+        }
+        __threadfence();
+        *gen = g + 1;
+    }
+    __syncthreads();
+}
+
+// ---- L2 prefetch of the coming phases' weights -------------------------------------------------
+// A weight phase of the step: up to 3 matrices (the output projection: 1).
+struct Phase {
+    Mat m[3];
+    int n, cols;
+};
+
+__device__ long long phase_bytes(const Phase& p) {
+    long long b = 0;
+    for (int i = 0; i < p.n; i++) b += row_bytes_of(p.m[i].type, p.cols) * p.m[i].rows;
+    return b;
+}
+
+// This block's 1/gridDim share of the phase's matrices (thread 0 issues). A phase larger than the
+// budget is not prefetched here: phase_rows streams it with a rolling prefetch of its own rows.
+__device__ void prefetch_phase(const Phase& p, long long budget) {
+    if (threadIdx.x != 0 || phase_bytes(p) > budget) return;
+    for (int i = 0; i < p.n; i++) {
+        long long bytes = row_bytes_of(p.m[i].type, p.cols) * p.m[i].rows;
+        long long lo = (bytes * blockIdx.x / gridDim.x) & ~15LL, hi = (bytes * (blockIdx.x + 1) / gridDim.x) & ~15LL;
+        for (long long o = lo; o < hi; o += 32768) prefetch_l2(p.m[i].w + o, (uint)min(32768LL, hi - o));
+    }
+}
+
+// ---- phases ---------------------------------------------------------------------------------
+struct Step {
+    const unsigned long long* layers;
+    int n_layers, d, H, KV, hd, ff, vocab, n_rot, neox, n_ctx, kv_half, max_splits, token, pos, greedy;
+    const uchar* embd;
+    int embd_type;
+    float embed_scale, eps, scale;
+    long long prefetch_budget;
+    const uchar* out_w;
+    int out_type;
+    const float* out_norm;
+    void* kc;
+    void* vc;
+    const float* inv_freq;
+    float* x;
+    float* qkv;
+    float* gu;
+    float* parts;
+    float* logits;
+};
+
+// Weight phase k of the step (4 per layer: qkv, wo, gate|up, down; then the output projection).
+__device__ Phase weight_phase(const Step& s, int k) {
+    Phase p;
+    p.n = 0;
+    if (k >= 4 * s.n_layers) {
+        if (s.out_w != nullptr && k == 4 * s.n_layers) {
+            p.m[0] = {s.out_w, s.out_type, s.vocab};
+            p.n = 1;
+            p.cols = s.d;
+        }
+        return p;
+    }
+    const unsigned long long* L = s.layers + (long long)(k >> 2) * LAYER_SLOTS;
+    unsigned long long types = L[14];
+    int qd = s.H * s.hd, kvd = s.KV * s.hd;
+    switch (k & 3) {
+        case 0:
+            p.m[0] = {(const uchar*)L[7], (int)(types & 255), qd};
+            p.m[1] = {(const uchar*)L[8], (int)((types >> 8) & 255), kvd};
+            p.m[2] = {(const uchar*)L[9], (int)((types >> 16) & 255), kvd};
+            p.n = 3;
+            p.cols = s.d;
+            break;
+        case 1:
+            p.m[0] = {(const uchar*)L[10], (int)((types >> 24) & 255), s.d};
+            p.n = 1;
+            p.cols = qd;
+            break;
+        case 2:
+            p.m[0] = {(const uchar*)L[11], (int)((types >> 32) & 255), s.ff};
+            p.m[1] = {(const uchar*)L[12], (int)((types >> 40) & 255), s.ff};
+            p.n = 2;
+            p.cols = s.d;
+            break;
+        default:
+            p.m[0] = {(const uchar*)L[13], (int)((types >> 48) & 255), s.d};
+            p.n = 1;
+            p.cols = s.ff;
+    }
+    return p;
+}
+
+// At the start of weight phase k: phase k+1 unless phase k-1 prefetched it, and phase k+2 when k+1 and
+// k+2 fit the budget together (so each phase is prefetched once, at most a budget ahead).
+__device__ void prefetch_ahead(const Step& s, int k) {
+    long long b0 = phase_bytes(weight_phase(s, k)), b1 = phase_bytes(weight_phase(s, k + 1));
+    long long b2 = phase_bytes(weight_phase(s, k + 2));
+    if (k == 0) prefetch_phase(weight_phase(s, 0), s.prefetch_budget);
+    if (k == 0 || b0 + b1 > s.prefetch_budget) prefetch_phase(weight_phase(s, k + 1), s.prefetch_budget);
+    if (b1 + b2 <= s.prefetch_budget) prefetch_phase(weight_phase(s, k + 2), s.prefetch_budget);
+}
+
+// out rows of the phase's stacked matrices: out[r] = dot (+ bias), or out[r] += dot when accumulate.
+// With best: the argmax candidates of this block's rows go into *best (thread 0, atomicMax).
+// A single matrix over the prefetch budget streams: warp 0 prefetches the rows ROLL_AHEAD rounds ahead.
+#define ROLL_AHEAD 4
+__device__ void phase_rows(const Phase& p, const XIn& x, float* out, const float* const* bias, int accumulate,
+                           unsigned long long* best, float* red, long long budget) {
+    int rows = 0;
+    for (int i = 0; i < p.n; i++) rows += p.m[i].rows;
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    int r0 = (int)((long long)rows * blockIdx.x / gridDim.x), r1 = (int)((long long)rows * (blockIdx.x + 1) / gridDim.x);
+    long long rb0 = row_bytes_of(p.m[0].type, p.cols);
+    bool roll = p.n == 1 && phase_bytes(p) > budget && threadIdx.x == 0;
+    if (roll) {
+        int e = min(r1, r0 + ROLL_AHEAD * (int)(blockDim.x >> 5));
+        if (e > r0) prefetch_l2(p.m[0].w + ((rb0 * r0) & ~15LL), (uint)((rb0 * (e - r0)) & ~15LL));
+    }
+    float bv = -3.4e38f;
+    int bi = 0x7fffffff;
+    for (int r = r0 + warp; r < r1; r += blockDim.x >> 5) {
+        if (roll) {
+            int a = r + ROLL_AHEAD * (int)(blockDim.x >> 5), e = min(r1, a + (int)(blockDim.x >> 5));
+            if (e > a) prefetch_l2(p.m[0].w + ((rb0 * a) & ~15LL), (uint)((rb0 * (e - a)) & ~15LL));
+        }
+        // the stacked matrix of row r by selects (an indexed p.m[k] would live in local memory)
+        int k = r < p.m[0].rows ? 0 : r < p.m[0].rows + p.m[1].rows ? 1 : 2;
+        int lr = k == 0 ? r : k == 1 ? r - p.m[0].rows : r - p.m[0].rows - p.m[1].rows;
+        int type = k == 0 ? p.m[0].type : k == 1 ? p.m[1].type : p.m[2].type;
+        const uchar* w = k == 0 ? p.m[0].w : k == 1 ? p.m[1].w : p.m[2].w;
+        float acc = warp_sum(row_dot(type, w + row_bytes_of(type, p.cols) * lr, x, lane));
+        const float* b = bias == nullptr ? nullptr : k == 0 ? bias[0] : k == 1 ? bias[1] : bias[2];
+        if (b != nullptr) acc += b[lr];
+        if (accumulate) acc += out[r];
+        if (lane == 0) out[r] = acc;
+        if (acc > bv) { bv = acc; bi = r; }  // rows rise, so ties keep the smaller index
+    }
+    if (best == nullptr) return;
+    int* ri = (int*)(red + STEP_WARPS);
+    if (lane == 0) { red[warp] = bv; ri[warp] = bi; }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        for (int w = 1; w < (int)(blockDim.x >> 5); w++)
+            if (red[w] > bv || (red[w] == bv && ri[w] < bi)) { bv = red[w]; bi = ri[w]; }
+        if (bi != 0x7fffffff) {
+            uint bits = __float_as_uint(bv);
+            bits = (bits & 0x80000000u) ? ~bits : (bits | 0x80000000u);  // order-preserving
+            atomicMax(best, ((unsigned long long)bits << 32) | (unsigned long long)(0xFFFFFFFFu - (uint)bi));
+        }
+    }
+    __syncthreads();
+}
+
+// xin.f = rmsnorm(src) * w over n elements (block-wide), then quantize.
+__device__ void load_normed(XIn& xin, const float* src, const float* w, float eps, float* red) {
+    float ss = 0.f;
+    for (int e = threadIdx.x; e < xin.cols; e += blockDim.x) ss += src[e] * src[e];
+    ss = block_sum(ss, red);
+    float inv = rsqrtf(ss / (float)xin.cols + eps);
+    for (int e = threadIdx.x; e < xin.cols; e += blockDim.x) xin.f[e] = src[e] * inv * w[e];
+    __syncthreads();
+    quantize_x(xin);
+}
+
+// dst (d,) natural order = row `token` of the embedding, times scale (block-wide)
+__device__ void embed_row(float* dst, const uchar* embd, int type, int token, int d, float scale) {
+    const uchar* row = embd + row_bytes_of(type, d) * token;
+    if (type == T_F32 || type == T_F16 || type == T_BF16) {
+        for (int e = threadIdx.x; e < d; e += blockDim.x) {
+            float v = type == T_F32 ? ((const float*)row)[e] : type == T_F16 ? ldh(row + 2 * e) : bf2f(((const ushort*)row)[e]);
+            dst[e] = v * scale;
+        }
+        return;
+    }
+    for (int u = threadIdx.x; u < d / 32; u += blockDim.x) {
+        float v[32];
+        switch (type) {
+            case T_Q8_0: dec_q8_0(row + 34LL * u, 0, v); break;
+            case T_Q4_0: dec_q4_0(row + 18LL * u, 0, v); break;
+            case T_Q4_1: dec_q4_1(row + 20LL * u, 0, v); break;
+            case T_Q5_0: dec_q5_0(row + 22LL * u, 0, v); break;
+            case T_Q5_1: dec_q5_1(row + 24LL * u, 0, v); break;
+            case T_Q2_K: dec_q2_k(row + 84LL * (u / 8), u % 8, v); break;
+            case T_Q3_K: dec_q3_k(row + 110LL * (u / 8), u % 8, v); break;
+            case T_Q4_K: dec_q4_k(row + 144LL * (u / 8), u % 8, v); break;
+            case T_Q5_K: dec_q5_k(row + 176LL * (u / 8), u % 8, v); break;
+            default: dec_q6_k(row + 210LL * (u / 8), u % 8, v); break;
+        }
+        for (int i = 0; i < 32; i++) dst[u * 32 + i] = v[i] * scale;
+    }
+}
+
+__device__ __forceinline__ float kv_at(const void* c, long long i, int half) {
+    return half ? h2f(((const ushort*)c)[i]) : ((const float*)c)[i];
+}
+
+// dst (hd,) = rope(optional rmsnorm(src) * nw) at pos; block-wide, sq: shared scratch
+__device__ void rope_head(float* dst, const float* src, const float* nw, const Step& s, float* red) {
+    for (int j = threadIdx.x; j < s.hd; j += blockDim.x) dst[j] = src[j];
+    __syncthreads();
+    if (nw != nullptr) {
+        float ss = 0.f;
+        for (int j = threadIdx.x; j < s.hd; j += blockDim.x) ss += dst[j] * dst[j];
+        ss = block_sum(ss, red);
+        float inv = rsqrtf(ss / (float)s.hd + s.eps);
+        for (int j = threadIdx.x; j < s.hd; j += blockDim.x) dst[j] = dst[j] * inv * nw[j];
+        __syncthreads();
+    }
+    int half = s.n_rot >> 1;
+    for (int i = threadIdx.x; i < half; i += blockDim.x) {
+        double sn, cs;
+        sincos((double)s.pos * (double)s.inv_freq[i], &sn, &cs);
+        int ia = s.neox ? i : 2 * i, ib = s.neox ? i + half : 2 * i + 1;
+        float a = dst[ia], b = dst[ib];
+        dst[ia] = a * (float)cs - b * (float)sn;
+        dst[ib] = a * (float)sn + b * (float)cs;
+    }
+    __syncthreads();
+}
+
+__device__ __forceinline__ int n_splits(const Step& s) {
+    return min(s.max_splits, max(1, (s.pos + 256) / 256));
+}
+
+// Phase B: attention item (h, sp) -> parts[(h * max_splits + sp) * (hd + 2) + ...] = unnormalised
+// output (hd), max, sum. sm: shared scratch of 3 * MAX_HD + STEP_WARPS * (MAX_HD + 2) floats.
+__device__ void attention_item(const Step& s, int layer, int h, int sp, int S, const float* qn, const float* kn,
+                               float* sm, float* red) {
+    float *sq = sm, *sk = sm + MAX_HD, *sv = sm + 2 * MAX_HD, *wpart = sm + 3 * MAX_HD;
+    int hd = s.hd, g = h / (s.H / s.KV), pos = s.pos;
+    int chunk = (pos + S) / S;  // ceil((pos + 1) / S)
+    int k0 = sp * chunk, k1 = min(pos + 1, k0 + chunk);
+    float* part = s.parts + ((long long)h * s.max_splits + sp) * (hd + 2);
+    const float* qkv = s.qkv;
+    rope_head(sq, qkv + (long long)h * hd, qn, s, red);
+    bool has_pos = k1 == pos + 1 && k0 < k1;
+    long long lay = (long long)layer * s.KV * s.n_ctx * hd, base = lay + (long long)g * s.n_ctx * hd;
+    if (has_pos) {
+        rope_head(sk, qkv + (long long)s.H * hd + (long long)g * hd, kn, s, red);
+        const float* v = qkv + (long long)(s.H + s.KV) * hd + (long long)g * hd;
+        for (int j = threadIdx.x; j < hd; j += blockDim.x) {
+            float kv = sk[j], vv = v[j];
+            if (s.kv_half) {  // what the cache will hold
+                kv = h2f(f2h(kv));
+                vv = h2f(f2h(vv));
+            }
+            sk[j] = kv;
+            sv[j] = vv;
+            if (h % (s.H / s.KV) == 0) {  // one writer per KV head
+                long long o = base + (long long)pos * hd + j;
+                if (s.kv_half) {
+                    ((ushort*)s.kc)[o] = f2h(kv);
+                    ((ushort*)s.vc)[o] = f2h(vv);
+                } else {
+                    ((float*)s.kc)[o] = kv;
+                    ((float*)s.vc)[o] = vv;
+                }
+            }
+        }
+        __syncthreads();
+    }
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    float m = -3.0e38f, l = 0.f, acc[MAX_HD / 32];
+#pragma unroll
+    for (int i = 0; i < MAX_HD / 32; i++) acc[i] = 0.f;
+    for (int key = k0 + warp; key < k1; key += blockDim.x >> 5) {
+        bool own = key == pos;
+        long long kr = base + (long long)key * hd;
+        float dsum = 0.f;
+        for (int j = lane; j < hd; j += 32) dsum += sq[j] * (own ? sk[j] : kv_at(s.kc, kr + j, s.kv_half));
+        float sc = warp_sum(dsum) * s.scale;
+        float mn = fmaxf(m, sc), corr = expf(m - mn), pw = expf(sc - mn);
+        l = l * corr + pw;
+        m = mn;
+#pragma unroll
+        for (int i = 0; i < MAX_HD / 32; i++) {
+            int j = lane + 32 * i;
+            if (j < hd) acc[i] = acc[i] * corr + pw * (own ? sv[j] : kv_at(s.vc, kr + j, s.kv_half));
+        }
+    }
+    float* mine = wpart + warp * (MAX_HD + 2);
+#pragma unroll
+    for (int i = 0; i < MAX_HD / 32; i++)
+        if (lane + 32 * i < hd) mine[lane + 32 * i] = acc[i];
+    if (lane == 0) {
+        mine[MAX_HD] = m;
+        mine[MAX_HD + 1] = l;
+    }
+    __syncthreads();
+    float M = -3.0e38f;
+    for (int w = 0; w < (int)(blockDim.x >> 5); w++) M = fmaxf(M, wpart[w * (MAX_HD + 2) + MAX_HD]);
+    for (int j = threadIdx.x; j < hd + 2; j += blockDim.x) {
+        float a = 0.f;
+        for (int w = 0; w < (int)(blockDim.x >> 5); w++) {
+            const float* pw = wpart + w * (MAX_HD + 2);
+            if (pw[MAX_HD + 1] > 0.f) {
+                float e = expf(pw[MAX_HD] - M);
+                a += e * (j < hd ? pw[j] : pw[MAX_HD + 1]);
+            }
+        }
+        part[j] = j == hd ? M : a;  // j == hd: the max; j == hd + 1: the sum
+        if (j == hd && k0 >= k1) part[j] = -3.0e38f;
+    }
+    __syncthreads();
+}
+
+// Phase C's input: attn (H * hd) = the splits' partial sums combined, into xin.f
+__device__ void load_attention(XIn& xin, const Step& s) {
+    int S = n_splits(s), hd = s.hd;
+    for (int e = threadIdx.x; e < s.H * hd; e += blockDim.x) {
+        int h = e / hd, j = e % hd;
+        const float* p = s.parts + (long long)h * s.max_splits * (hd + 2);
+        float M = -3.0e38f;
+        for (int sp = 0; sp < S; sp++) M = fmaxf(M, p[sp * (hd + 2) + hd]);
+        float a = 0.f, L = 0.f;
+        for (int sp = 0; sp < S; sp++) {
+            const float* q = p + sp * (hd + 2);
+            if (q[hd + 1] > 0.f) {
+                float e2 = expf(q[hd] - M);
+                a += e2 * q[j];
+                L += e2 * q[hd + 1];
+            }
+        }
+        xin.f[e] = a / L;
+    }
+    __syncthreads();
+    quantize_x(xin);
+}
+
+// One decode step; see the top of this file. Launch: grid = co-resident blocks (<= one per SM x
+// occupancy), 512 threads (any multiple of 32 up to 512 works), dynamic shared memory = step_smem_bytes (fused.py).
+// layers: (n_layers, LAYER_SLOTS) u64: 0 attn_norm, 1 ffn_norm, 2 q_norm, 3 k_norm, 4 bq, 5 bk, 6 bv,
+// 7 wq, 8 wk, 9 wv, 10 wo, 11 w_gate, 12 w_up, 13 w_down (device pointers, 0 when absent), 14 the
+// seven matrices' ggml types, a byte each (q, k, v, o, gate, up, down from the low byte).
+// status: [0] the greedy token (when greedy), [1] nonzero when a barrier timed out.
+extern "C" __global__ void __launch_bounds__(512, 1) decode_step(
+    const unsigned long long* __restrict__ layers, int n_layers, const uchar* __restrict__ embd, int embd_type,
+    float embed_scale, const uchar* __restrict__ out_w, int out_type, const float* __restrict__ out_norm,
+    void* kc, void* vc, int kv_half, int n_ctx, const float* __restrict__ inv_freq, float* x, float* qkv,
+    float* gu, float* parts, float* logits, uint* sync, unsigned long long* best, int* status, int d, int H,
+    int KV, int hd, int ff, int vocab, int n_rot, int neox, float eps, float scale, int max_splits, int token,
+    int pos, int greedy, long long prefetch_budget) {
+    extern __shared__ float sx[];
+    Step s;
+    s.layers = layers;
+    s.n_layers = n_layers;
+    s.d = d; s.H = H; s.KV = KV; s.hd = hd; s.ff = ff; s.vocab = vocab; s.n_rot = n_rot; s.neox = neox;
+    s.n_ctx = n_ctx; s.kv_half = kv_half; s.max_splits = max_splits; s.token = token; s.pos = pos;
+    s.greedy = greedy; s.embd = embd; s.embd_type = embd_type; s.embed_scale = embed_scale; s.eps = eps;
+    s.scale = scale; s.prefetch_budget = prefetch_budget; s.out_w = out_w; s.out_type = out_type;
+    s.out_norm = out_norm; s.kc = kc; s.vc = vc; s.inv_freq = inv_freq; s.x = x; s.qkv = qkv; s.gu = gu;
+    s.parts = parts; s.logits = logits;
+
+    int maxc = max(d, max(H * hd, ff)), mu = maxc / 32;
+    float* red = sx;  // 32 floats of reductions, then this block's barrier generation
+    uint* gen = (uint*)(sx + 32);
+    XIn xin;
+    xin.f = sx + 64;
+    xin.t = xin.f + maxc;
+    xin.w = (uint*)(xin.t + maxc);
+    xin.d = (float*)(xin.w + 16 * mu);
+    xin.s = xin.d + mu;
+    xin.i = (int*)(xin.s + mu);
+    float* att = (float*)(xin.i + 2 * mu);  // attention scratch (phase B only)
+    if (threadIdx.x == 0) *gen = *(volatile uint*)&sync[1];
+    __syncthreads();
+
+    int wk = 0;  // weight phase counter
+    for (int layer = 0; layer < n_layers; layer++) {
+        const unsigned long long* L = layers + (long long)layer * LAYER_SLOTS;
+        // A: qkv
+        prefetch_ahead(s, wk);
+        xin.cols = d;
+        xin.units = d / 32;
+        if (layer == 0) {  // the embedding row, every block its own copy; block 0 seeds the residual
+            embed_row(xin.t, embd, embd_type, token, d, embed_scale);
+            __syncthreads();
+            if (blockIdx.x == 0)
+                for (int e = threadIdx.x; e < d; e += blockDim.x) x[e] = xin.t[e];
+            load_normed(xin, xin.t, (const float*)L[0], eps, red);  // reads xin.t before quantize_x rewrites it
+        } else {
+            load_normed(xin, x, (const float*)L[0], eps, red);
+        }
+        {
+            const float* bias[3] = {(const float*)L[4], (const float*)L[5], (const float*)L[6]};
+            phase_rows(weight_phase(s, wk), xin, qkv, bias, 0, nullptr, red, prefetch_budget);
+        }
+        grid_sync(sync, gen, status);
+        wk++;
+        // B: attention
+        {
+            int S = n_splits(s);
+            for (int item = blockIdx.x; item < H * S; item += gridDim.x)
+                attention_item(s, layer, item / S, item % S, S, (const float*)L[2], (const float*)L[3], att, red);
+        }
+        grid_sync(sync, gen, status);
+        // C: x += Wo attn
+        prefetch_ahead(s, wk);
+        xin.cols = H * hd;
+        xin.units = xin.cols / 32;
+        load_attention(xin, s);
+        phase_rows(weight_phase(s, wk), xin, x, nullptr, 1, nullptr, red, prefetch_budget);
+        grid_sync(sync, gen, status);
+        wk++;
+        // D: gate | up
+        prefetch_ahead(s, wk);
+        xin.cols = d;
+        xin.units = d / 32;
+        load_normed(xin, x, (const float*)L[1], eps, red);
+        phase_rows(weight_phase(s, wk), xin, gu, nullptr, 0, nullptr, red, prefetch_budget);
+        grid_sync(sync, gen, status);
+        wk++;
+        // E: x += Wd (silu(g) * u)
+        prefetch_ahead(s, wk);
+        xin.cols = ff;
+        xin.units = ff / 32;
+        for (int e = threadIdx.x; e < ff; e += blockDim.x) xin.f[e] = silu(gu[e]) * gu[ff + e];
+        __syncthreads();
+        quantize_x(xin);
+        phase_rows(weight_phase(s, wk), xin, x, nullptr, 1, nullptr, red, prefetch_budget);
+        grid_sync(sync, gen, status);
+        wk++;
+    }
+    if (out_w == nullptr) return;  // head decoder: x is the result
+    prefetch_ahead(s, wk);
+    xin.cols = d;
+    xin.units = d / 32;
+    load_normed(xin, x, out_norm, eps, red);
+    phase_rows(weight_phase(s, wk), xin, logits, nullptr, 0, greedy ? best : nullptr, red, prefetch_budget);
+    if (!greedy) return;
+    // the last block to finish publishes the token and resets the slot for the next step
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        __threadfence();
+        if (atomicAdd(&sync[2], 1u) == gridDim.x - 1) {
+            __threadfence();
+            unsigned long long b = *(volatile unsigned long long*)best;
+            status[0] = (int)(0xFFFFFFFFu - (uint)(b & 0xFFFFFFFFull));
+            *best = 0ull;
+            sync[2] = 0;
+            __threadfence();
+        }
+    }
+}
