@@ -618,6 +618,13 @@ __device__ void load_attention(XIn& xin, const Step& s) {
     quantize_x(xin);
 }
 
+// The start of weight phase k: prefetch ahead, and the input's width
+__device__ __forceinline__ void start_phase(const Step& s, int k, XIn& xin, int cols) {
+    prefetch_ahead(s, k);
+    xin.cols = cols;
+    xin.units = cols / 32;
+}
+
 // One decode step; see the top of this file. Launch: grid = co-resident blocks (<= one per SM x
 // occupancy), 512 threads (any multiple of 32 up to 512 works), dynamic shared memory = step_smem_bytes (fused.py).
 // layers: (n_layers, LAYER_SLOTS) u64: 0 attn_norm, 1 ffn_norm, 2 q_norm, 3 k_norm, 4 bq, 5 bk, 6 bv,
@@ -660,9 +667,7 @@ extern "C" __global__ void __launch_bounds__(512, 1) decode_step(
     for (int layer = 0; layer < n_layers; layer++) {
         const unsigned long long* L = layers + (long long)layer * LAYER_SLOTS;
         // A: qkv
-        prefetch_ahead(s, wk);
-        xin.cols = d;
-        xin.units = d / 32;
+        start_phase(s, wk, xin, d);
         if (layer == 0) {  // the embedding row, every block its own copy; block 0 seeds the residual
             embed_row(xin.t, embd, embd_type, token, d, embed_scale);
             __syncthreads();
@@ -674,10 +679,9 @@ extern "C" __global__ void __launch_bounds__(512, 1) decode_step(
         }
         {
             const float* bias[3] = {(const float*)L[4], (const float*)L[5], (const float*)L[6]};
-            phase_rows(weight_phase(s, wk), xin, qkv, bias, 0, nullptr, red, prefetch_budget);
+            phase_rows(weight_phase(s, wk++), xin, qkv, bias, 0, nullptr, red, prefetch_budget);
         }
         grid_sync(sync, gen, status);
-        wk++;
         // B: attention
         {
             int S = n_splits(s);
@@ -686,36 +690,25 @@ extern "C" __global__ void __launch_bounds__(512, 1) decode_step(
         }
         grid_sync(sync, gen, status);
         // C: x += Wo attn
-        prefetch_ahead(s, wk);
-        xin.cols = H * hd;
-        xin.units = xin.cols / 32;
+        start_phase(s, wk, xin, H * hd);
         load_attention(xin, s);
-        phase_rows(weight_phase(s, wk), xin, x, nullptr, 1, nullptr, red, prefetch_budget);
+        phase_rows(weight_phase(s, wk++), xin, x, nullptr, 1, nullptr, red, prefetch_budget);
         grid_sync(sync, gen, status);
-        wk++;
         // D: gate | up
-        prefetch_ahead(s, wk);
-        xin.cols = d;
-        xin.units = d / 32;
+        start_phase(s, wk, xin, d);
         load_normed(xin, x, (const float*)L[1], eps, red);
-        phase_rows(weight_phase(s, wk), xin, gu, nullptr, 0, nullptr, red, prefetch_budget);
+        phase_rows(weight_phase(s, wk++), xin, gu, nullptr, 0, nullptr, red, prefetch_budget);
         grid_sync(sync, gen, status);
-        wk++;
         // E: x += Wd (silu(g) * u)
-        prefetch_ahead(s, wk);
-        xin.cols = ff;
-        xin.units = ff / 32;
+        start_phase(s, wk, xin, ff);
         for (int e = threadIdx.x; e < ff; e += blockDim.x) xin.f[e] = silu(gu[e]) * gu[ff + e];
         __syncthreads();
         quantize_x(xin);
-        phase_rows(weight_phase(s, wk), xin, x, nullptr, 1, nullptr, red, prefetch_budget);
+        phase_rows(weight_phase(s, wk++), xin, x, nullptr, 1, nullptr, red, prefetch_budget);
         grid_sync(sync, gen, status);
-        wk++;
     }
     if (out_w == nullptr) return;  // head decoder: x is the result
-    prefetch_ahead(s, wk);
-    xin.cols = d;
-    xin.units = d / 32;
+    start_phase(s, wk, xin, d);
     load_normed(xin, x, out_norm, eps, red);
     phase_rows(weight_phase(s, wk), xin, logits, nullptr, 0, greedy ? best : nullptr, red, prefetch_budget);
     if (!greedy) return;
