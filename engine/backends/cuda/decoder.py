@@ -9,7 +9,8 @@ class uploads those weights unchanged (GGUF blocks) and runs the same maths with
   is captured once per cache as a CUDA graph (position and token live in device memory), so a
   step costs one graph launch from Python.
 - prefill (several tokens): weight tiles dequantized to float16 (or float32) and multiplied with
-  cuBLAS; attention runs the split-K kernel with one query per grid row.
+  cuBLAS; attention is two batched float32 cuBLAS GEMMs per batch of KV heads (scores, then the
+  weighted sum of V) around a masked-softmax kernel.
 
 The fused path (decode_kernel="fused" or HEARTH_CUDA_DECODE=fused; llama family): the whole decode step
 is one persistent kernel instead (engine.backends.cuda.fused); `decode_path` says which path runs.
@@ -123,9 +124,8 @@ def estimate_vram(
         * prefill_tokens
         * (3 * cfg.hidden_size + 2 * cfg.q_dim + 2 * cfg.kv_dim + 3 * cfg.intermediate_size)
     )
-    attn_parts = (
-        4 * prefill_tokens * cfg.num_attention_heads * (-(-n_ctx // ops.ATTN_CHUNK)) * (cfg.head_dim + 2)
-    )
+    # prefill attention: scores and K/V copies, q and the output regrouped by KV head
+    attn_parts = ops.ATTN_GEMM_BYTES + 8 * prefill_tokens * cfg.q_dim
     tile = 2 * PREFILL_TILE_ELEMS + (4 * cfg.vocab_size * 2 if n == cfg.num_hidden_layers else 0)
     return int(weights + norms + kv + acts + attn_parts + tile + MARGIN_BYTES)
 
@@ -549,9 +549,8 @@ class CudaDecoder:
                 L["q_norm"],
                 L["k_norm"],
             )
-            ops.attention(
-                attn.reshape(n, H, hd), q3, cache.k[i], cache.v[i], pos, self.scale, pos0 + n, L["window"]
-            )
+            attn3 = attn.reshape(n, H, hd)
+            ops.attention_prefill(attn3, q3, cache.k[i], cache.v[i], pos0, self.scale, L["window"])
             self._linear(o, L["wo"], half(attn))
             if self.gemma:
                 ops.rmsnorm(x, o, L["post_attn_norm"], eps, accumulate=True)

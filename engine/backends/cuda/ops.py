@@ -53,6 +53,7 @@ _FP_TYPES = fpquant.FP_TYPES
 MATVEC_THREADS = 256  # 8 warps, one row each at a time
 MATVEC_BLOCKS_PER_SM = 4
 ATTN_CHUNK = 256  # keys per split-K block
+ATTN_GEMM_BYTES = 128 << 20  # prefill attention: scores + float32 K/V of one batch of KV heads, at most
 NULL = np.uint64(0)  # a null pointer argument
 
 _i32, _f32 = np.int32, np.float32
@@ -319,6 +320,38 @@ def attention(
     kernel("attn_reduce", dev)(
         (H, n), (min(256, -(-hd // 32) * 32),), (out, acc, ml, _i32(H), _i32(S), _i32(hd))
     )
+
+
+def attention_prefill(out, q, k_cache, v_cache, pos0: int, scale: float, window: int = 0) -> None:
+    """out (n, H, hd) = causal attention of q (n, H, hd), query t at position pos0 + t, over one layer's
+    caches (KV, n_ctx, hd) holding keys 0..pos0+n-1: the scores and the weighted sum as batched float32
+    cuBLAS GEMMs per KV head (its `rep` query heads stacked), the masked softmax in between.
+
+    KV heads go in batches and queries in chunks so that scores plus the float32 K/V copies stay
+    under ATTN_GEMM_BYTES (beyond one query per batch, which always runs).
+    """
+    n, H, hd = q.shape
+    KV = k_cache.shape[0]
+    rep, T = H // KV, pos0 + n
+    qg = cp.ascontiguousarray(q.reshape(n, KV, rep, hd).transpose(1, 2, 0, 3))  # (KV, rep, n, hd)
+    og = cp.empty((KV, rep, n, hd), cp.float32)
+    per_head = 8 * T * hd  # float32 K and V of one KV head
+    gb = max(1, min(KV, ATTN_GEMM_BYTES // (per_head + 4 * rep * T)))
+    softmax = kernel("softmax_causal", cp.cuda.Device().id)
+    for g0 in range(0, KV, gb):
+        g1 = min(KV, g0 + gb)
+        k = k_cache[g0:g1, :T].astype(cp.float32)
+        v = v_cache[g0:g1, :T].astype(cp.float32)
+        kt = k.transpose(0, 2, 1)
+        nc = max(1, min(n, (ATTN_GEMM_BYTES - (g1 - g0) * per_head) // (4 * (g1 - g0) * rep * T)))
+        for c0 in range(0, n, nc):
+            c1 = min(n, c0 + nc)
+            rows = (g1 - g0) * rep * (c1 - c0)
+            scores = cp.matmul(qg[g0:g1, :, c0:c1].reshape(g1 - g0, rep * (c1 - c0), hd), kt)
+            args = (scores, _i32(T), _i32(c1 - c0), _i32(pos0 + c0), _f32(scale), _i32(window))
+            softmax((rows,), (256,), args)
+            og[g0:g1, :, c0:c1] = cp.matmul(scores, v).reshape(g1 - g0, rep, c1 - c0, hd)
+    out[...] = og.transpose(2, 0, 1, 3).reshape(n, H, hd)
 
 
 def glu(out, gate, up, gelu: bool) -> None:
