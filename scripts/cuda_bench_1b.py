@@ -155,6 +155,10 @@ def bench_file(path: Path, n_prompt: int, n_gen: int, repetitions: int) -> dict:
     plain["decode_tps_without_graph"] = 32 / (time.perf_counter() - t1)
     dec.use_graphs = True
     fused = _bench_fused(dec, prompt, n_gen, n_ctx, repetitions)
+    try:
+        breakdown = _prefill_breakdown(dec, n_prompt, n_ctx)
+    except Exception as e:  # noqa: BLE001 - the figures above stand
+        breakdown = {"prefill_breakdown_error": f"{type(e).__name__}: {e}"}
     gemm_s = cublas_reference(n_prompt)
     prefill_s = n_prompt / r["prefill_tps"]
     out = {
@@ -173,11 +177,55 @@ def bench_file(path: Path, n_prompt: int, n_gen: int, repetitions: int) -> dict:
         "decode_bandwidth_gbs": round(r["decode_bandwidth_gbs"], 1),
         "peak_bandwidth_gbs": round(r["peak_bandwidth_gbs"], 1),
         "decode_bandwidth_fraction": round(r["decode_bandwidth_fraction"], 3),
+        **breakdown,
         **fused,
     }
     del dec
     cp.get_default_memory_pool().free_all_blocks()
     return out
+
+
+def _prefill_breakdown(dec, n_tokens: int, n_ctx: int) -> dict:
+    """Where a prefill's time goes: every layer's linears (tile dequantization + GEMM) and attention
+    (the GEMMs around the masked softmax) timed alone, each over all layers, best of 3 (wall clock,
+    synchronised: it includes the host's launch overhead, which is what a host-bound prefill shows)."""
+    import cupy as cp
+
+    from engine.backends.cuda import ops
+
+    cfg = dec.cfg
+    x16 = cp.random.standard_normal((n_tokens, max(cfg.hidden_size, cfg.intermediate_size)), dtype=cp.float32)
+    x16 = x16.astype(cp.float16)
+    out = cp.empty((n_tokens, max(cfg.q_dim, cfg.intermediate_size, cfg.hidden_size)), cp.float32)
+    q = cp.random.standard_normal((n_tokens, cfg.num_attention_heads, cfg.head_dim), dtype=cp.float32)
+    attn = cp.empty_like(q)
+    cache = dec.new_cache(n_ctx)
+
+    def linears():
+        for L in dec.layers:
+            for name in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"):
+                w = L[name]
+                dec._linear(out[:, : w.rows], w, x16[:, : w.cols])
+
+    def attention():
+        for i in range(len(dec.layers)):
+            ops.attention_prefill(attn, q, cache.k[i], cache.v[i], 0, dec.scale)
+
+    res = {}
+    with cp.cuda.Device(dec.device), dec.stream:
+        for name, fn in (("linears", linears), ("attention", attention)):
+            best = float("inf")
+            for _ in range(3):
+                dec.stream.synchronize()
+                t0 = time.perf_counter()
+                fn()
+                dec.stream.synchronize()
+                best = min(best, time.perf_counter() - t0)
+            res[f"prefill_{name}_s"] = round(best, 5)
+    res["prefill_gemm_ex"] = not ops._gemm_ex_failed
+    if ops._gemm_ex_failed:
+        res["prefill_gemm_ex_error"] = ops._gemm_ex_failed[0]
+    return res
 
 
 def _bench_fused(dec, prompt: list[int], n_gen: int, n_ctx: int, repetitions: int) -> dict:

@@ -492,9 +492,9 @@ class CudaDecoder:
             ops.argmax(s.ids, s.logits)
 
     # ---- prefill ----------------------------------------------------------------------------
-    def _linear(self, out, w: ops.GpuWeight, x16) -> None:
+    def _linear(self, out, w: ops.GpuWeight, x16, accumulate: bool = False) -> None:
         tile_rows = max(1, min(w.rows, self._tile.size // w.cols))
-        ops.linear_prefill(out, w, x16, self._tile, tile_rows)
+        ops.linear_prefill(out, w, x16, self._tile, tile_rows, accumulate)
 
     def _prefill(self, tokens: np.ndarray, cache: CudaKVCache, all_logits: bool):
         cfg = self.cfg
@@ -551,21 +551,21 @@ class CudaDecoder:
             )
             attn3 = attn.reshape(n, H, hd)
             ops.attention_prefill(attn3, q3, cache.k[i], cache.v[i], pos0, self.scale, L["window"])
-            self._linear(o, L["wo"], half(attn))
             if self.gemma:
+                self._linear(o, L["wo"], half(attn))
                 ops.rmsnorm(x, o, L["post_attn_norm"], eps, accumulate=True)
             else:
-                x += o
+                self._linear(x, L["wo"], half(attn), accumulate=True)  # the residual add in the GEMM
             ops.rmsnorm(h, x, L["ffn_norm"], eps)
             hh = half(h)
             self._linear(gate, L["w_gate"], hh)
             self._linear(up, L["w_up"], hh)
             ops.glu(gate, gate, up, self.gemma)
-            self._linear(o, L["w_down"], half(gate))
             if self.gemma:
+                self._linear(o, L["w_down"], half(gate))
                 ops.rmsnorm(x, o, L["post_ffn_norm"], eps, accumulate=True)
             else:
-                x += o
+                self._linear(x, L["w_down"], half(gate), accumulate=True)
         if self.head_only:
             return x
         cap = getattr(cfg, "final_logit_softcapping", None)

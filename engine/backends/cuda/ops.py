@@ -391,11 +391,51 @@ def sample_topk(token, x, k: int, temp: float, top_p: float, u: float) -> None:
     )
 
 
-def linear_prefill(out, w: GpuWeight, x16, scratch, tile_rows: int) -> None:
-    """out (n, rows) float32 = x16 (n, cols) @ W.T: tiles of W dequantized into scratch (float16 or
-    float32, >= tile_rows * cols elements) and multiplied by cuBLAS; x16 has scratch's dtype."""
+def linear_prefill(out, w: GpuWeight, x16, scratch, tile_rows: int, accumulate: bool = False) -> None:
+    """out (n, rows) float32 (=, or += when accumulate) x16 (n, cols) @ W.T: tiles of W dequantized into
+    scratch (float16 or float32, >= tile_rows * cols elements) and multiplied by cuBLAS; x16 has
+    scratch's dtype."""
     for r0 in range(0, w.rows, tile_rows):
         r1 = min(r0 + tile_rows, w.rows)
         tile = scratch[: (r1 - r0) * w.cols].reshape(r1 - r0, w.cols)
         dequant(tile, w, r0=r0, n=r1 - r0)
-        out[:, r0:r1] = cp.matmul(x16, tile.T)
+        gemm_nt(out[:, r0:r1], x16, tile, accumulate)
+
+
+# cuBLAS enums (cublas_api.h, library_types.h)
+_OP_N, _OP_T = 0, 1
+_R_32F, _R_16F = 0, 2
+_COMPUTE_32F = 68
+_GEMM_DEFAULT = -1
+_POINTER_MODE_HOST = 0
+_gemm_ex_failed: list[str] = []  # the first cublasGemmEx error: later calls use cp.matmul
+
+
+def gemm_nt(c, a, b, accumulate: bool = False) -> None:
+    """c (n, m) float32 (=, or += when accumulate) a (n, k) @ b (m, k).T, a and b float16 or float32 of
+    one dtype, c a row-major view with unit column stride (a column slice of a wider array is fine).
+
+    One cublasGemmEx writing float32 straight into c (float32 accumulation, tensor cores for halves):
+    no float16 product and no copy. Should the call be refused, cp.matmul does it from then on.
+    """
+    n, k = a.shape
+    m = b.shape[0]
+    if not _gemm_ex_failed and a.flags.c_contiguous and b.flags.c_contiguous and c.strides[1] == 4:
+        cublas = cp.cuda.cublas
+        handle = cp.cuda.device.get_cublas_handle()
+        dtype = _R_16F if a.dtype == cp.float16 else _R_32F
+        alpha, beta = np.ones(1, np.float32), np.full(1, float(accumulate), np.float32)
+        # column-major view: c.T (m, n) = b (m, k) @ a.T (k, n); b and a are their own transposes there
+        try:
+            cublas.setPointerMode(handle, _POINTER_MODE_HOST)
+            cublas.gemmEx(
+                handle, _OP_T, _OP_N, m, n, k, alpha.ctypes.data, b.data.ptr, dtype, k, a.data.ptr, dtype, k,
+                beta.ctypes.data, c.data.ptr, _R_32F, c.strides[0] // 4, _COMPUTE_32F, _GEMM_DEFAULT,
+            )
+            return
+        except Exception as e:  # noqa: BLE001 - a cuBLAS that refuses the call: the plain product works
+            _gemm_ex_failed.append(f"{type(e).__name__}: {e}")
+    if accumulate:
+        c += cp.matmul(a, b.T)
+    else:
+        c[...] = cp.matmul(a, b.T)

@@ -11,6 +11,7 @@ runs end to end; the numbers it produces are meaningless, what matters is that n
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import importlib
 import os
 import re
@@ -90,6 +91,27 @@ def _execute(call) -> None:
     STATE.simt.launch(name, grid, block, args, shared_mem, cooperative=name == "decode_step")
 
 
+def _host_matrix(ptr: int, dtype, rows: int, ld: int, cols: int) -> np.ndarray:
+    """The row-major (rows, cols) matrix at host address ptr with leading dimension ld (a view)."""
+    itemsize = np.dtype(dtype).itemsize
+    buf = (ctypes.c_uint8 * (((rows - 1) * ld + cols) * itemsize)).from_address(ptr)
+    flat = np.frombuffer(buf, dtype)
+    return np.lib.stride_tricks.as_strided(flat, (rows, cols), (ld * itemsize, itemsize))
+
+
+def _gemm_ex(handle, transa, transb, m, n, k, alpha, a, atype, lda, b, btype, ldb, beta, c, ctype, ldc,
+             compute, algo):
+    """cublasGemmEx's column-major contract on host memory: C (m, n) = alpha op(A) op(B) + beta C."""
+    types = {0: np.float32, 2: np.float16}
+    assert compute == 68 and algo == -1 and ctype == 0
+    # a column-major (r, c) matrix with leading dimension ld is the row-major (c, ld)[:, :r] transposed
+    op_a = _host_matrix(a, types[atype], m, lda, k) if transa else _host_matrix(a, types[atype], k, lda, m).T
+    op_b = _host_matrix(b, types[btype], k, ldb, n) if transb else _host_matrix(b, types[btype], n, ldb, k).T
+    c_t = _host_matrix(c, np.float32, n, ldc, m)  # C transposed, writable
+    al, be = ctypes.c_float.from_address(alpha).value, ctypes.c_float.from_address(beta).value
+    c_t[...] = (al * (op_a.astype(np.float32) @ op_b.astype(np.float32)) + be * c_t.T).T
+
+
 def _fake_cupy():
     cp = types.ModuleType("cupy")
     for name in ("float16", "float32", "int32", "uint8", "uint32", "uint64"):
@@ -162,8 +184,10 @@ def _fake_cupy():
         CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES=8,
         funcSetAttribute=lambda func, attr, value: SHARED_ALLOWED.__setitem__(func, value),
     )
+    cublas = types.SimpleNamespace(gemmEx=_gemm_ex, setPointerMode=lambda handle, mode: None)
     cp.cuda = types.SimpleNamespace(
-        Device=Device, Stream=Stream, runtime=runtime, memory=memory, Graph=Graph, nvrtc=nvrtc, driver=driver
+        Device=Device, Stream=Stream, runtime=runtime, memory=memory, Graph=Graph, nvrtc=nvrtc, driver=driver,
+        cublas=cublas, device=types.SimpleNamespace(get_cublas_handle=lambda: 0),
     )
     return cp
 
@@ -241,7 +265,8 @@ def test_decoder_launches_match_the_kernels(fake, tmp_path, kind):
     logits = dec.forward([1, 2, 3, 4, 5], cache)
     assert logits.shape == (1, model.cfg.vocab_size) and cache.offset == 5
     prefill = set(fake.launches)
-    assert {"rope_store", "attn_split", "attn_reduce", "rmsnorm", "to_half"} <= prefill
+    # prefill: attention as GEMMs around the masked softmax (the split-K kernels are decode's)
+    assert {"rope_store", "softmax_causal", "rmsnorm", "to_half"} <= prefill and "attn_split" not in prefill
     fake.launches.clear()
     dec.forward([6], cache)  # decode: warm-up launches, then the captured graph
     assert fake.cp.cuda.Stream.captures[-2:] == ["begin", "end"] and cache.offset == 6
@@ -387,3 +412,20 @@ def test_prefill_attention_gemms_on_host_threads(fake, simt, monkeypatch, window
         fake.ops.attention_prefill(out, *args)
         assert np.max(np.abs(out - want)) < 1e-5
     assert fake.launches.count("softmax_causal") == 1 + 2 * 3  # then 2 KV heads x 3 chunks of 2 queries
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32])
+def test_gemm_nt_through_gemm_ex(fake, dtype):
+    """ops.gemm_nt's cublasGemmEx call (its column-major arguments, checked by a host emulation of the
+    cuBLAS contract) writes a @ b.T into a column slice of a wider float32 array, or adds it there."""
+    rng = np.random.default_rng(3)
+    a = fake.cp.asarray(rng.normal(size=(5, 32)).astype(dtype))
+    b = fake.cp.asarray(rng.normal(size=(7, 32)).astype(dtype))
+    want = a.astype(np.float64) @ b.astype(np.float64).T
+    wide = fake.cp.zeros((5, 12), np.float32)
+    wide[:, 3:10] = 1.0
+    fake.ops.gemm_nt(wide[:, 3:10], a, b)
+    assert np.max(np.abs(wide[:, 3:10] - want)) < 1e-4 and not wide[:, :3].any() and not wide[:, 10:].any()
+    fake.ops.gemm_nt(wide[:, 3:10], a, b, accumulate=True)
+    assert np.max(np.abs(wide[:, 3:10] - 2 * want)) < 1e-4
+    assert not fake.ops._gemm_ex_failed

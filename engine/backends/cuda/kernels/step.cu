@@ -36,9 +36,10 @@ __device__ __forceinline__ int dp4a(uint a, uint b, int c) {
     asm("dp4a.s32.s32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
     return d;
 }
+// bytes: a multiple of 16 (smaller requests are dropped), p 16-byte aligned
 __device__ __forceinline__ void prefetch_l2(const uchar* p, uint bytes) {
 #if __CUDA_ARCH__ >= 900
-    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
+    if (bytes >= 16) asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
 #endif
 }
 #else  // the host build of the tests (tests/engine/cuda/simt.py)
