@@ -154,12 +154,13 @@ def bench_file(path: Path, n_prompt: int, n_gen: int, repetitions: int) -> dict:
         tok = dec.greedy_step(tok, cache)
     plain["decode_tps_without_graph"] = 32 / (time.perf_counter() - t1)
     dec.use_graphs = True
-    fused = _bench_fused(dec, prompt, n_gen, n_ctx, repetitions)
     try:
         breakdown = _prefill_breakdown(dec, n_prompt, n_ctx)
     except Exception as e:  # noqa: BLE001 - the figures above stand
         breakdown = {"prefill_breakdown_error": f"{type(e).__name__}: {e}"}
     gemm_s = cublas_reference(n_prompt)
+    # last: a fault in the fused kernel would leave this process's CUDA context unusable
+    fused = _bench_fused(dec, prompt, n_gen, n_ctx, repetitions)
     prefill_s = n_prompt / r["prefill_tps"]
     out = {
         "file_gb": round(path.stat().st_size / 1e9, 3),
@@ -261,6 +262,11 @@ def _bench_fused(dec, prompt: list[int], n_gen: int, n_ctx: int, repetitions: in
         out["fused_decode_tps"] = round(r["decode_tps"], 1)
         out["fused_decode_bandwidth_gbs"] = round(r["decode_bandwidth_gbs"], 1)
         out["fused_decode_bandwidth_fraction"] = round(r["decode_bandwidth_fraction"], 3)
+        # the knobs a GPU session would try first: block size and L2 prefetching
+        for name, kw in (("t256", {"threads": 256}), ("noprefetch", {"prefetch_budget": -1})):
+            dec.fused = FusedStep(dec, **kw)
+            r = bench_decoder(dec, prompt, n_gen, n_ctx, 1)
+            out[f"fused_{name}_decode_bandwidth_fraction"] = round(r["decode_bandwidth_fraction"], 3)
     except Exception as e:  # noqa: BLE001 - keep the graph path's figures
         import traceback
 

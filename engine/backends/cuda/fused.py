@@ -84,14 +84,20 @@ class FusedStep:
 
     Args:
         dec: the CudaDecoder (weights uploaded).
-        threads: block size (512 on GPUs; smaller in host-thread tests).
+        threads: block size, a multiple of 32 up to 512 (default 512; smaller in host-thread tests).
         blocks: grid size (default: one block per SM, when the occupancy check allows one).
+        prefetch_budget: bytes of weights prefetched into L2 ahead of use (default a third of L2;
+            negative: no prefetching).
     """
 
-    def __init__(self, dec, threads: int | None = None, blocks: int | None = None):
+    def __init__(
+        self, dec, threads: int | None = None, blocks: int | None = None, prefetch_budget: int | None = None
+    ):
         self.dec = dec
         cfg = dec.cfg
         self.threads = threads or THREADS
+        if self.threads % 32 or not 32 <= self.threads <= 32 * STEP_WARPS:
+            raise ValueError(f"threads must be a multiple of 32 up to {32 * STEP_WARPS}, got {self.threads}")
         self.smem = smem_bytes(cfg)
         table = np.zeros((len(dec.layers), LAYER_SLOTS), np.uint64)
         for i, L in enumerate(dec.layers):
@@ -105,7 +111,7 @@ class FusedStep:
         n_heads = cfg.num_attention_heads
         self.max_splits = max(1, self.blocks // n_heads)
         # a third of L2 for the weights prefetched ahead (the rest: activations, KV, this phase's lines)
-        self.prefetch_budget = max(1 << 20, _l2_bytes() // 3)
+        self.prefetch_budget = max(1 << 20, _l2_bytes() // 3) if prefetch_budget is None else prefetch_budget
 
     def _resident_blocks(self) -> int:
         per_sm = cp.cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(self.k.ptr, self.threads, self.smem)

@@ -80,9 +80,10 @@ def _check_hybrid(model, prompt, n_tokens=16, logit_tol=1e-3):
     assert out == _cpu_greedy(model, prompt, n_tokens)
 
 
-def _check_fused(model, prompt, n_tokens=16, logit_tol=2e-3):
+def _check_fused(model, prompt, n_tokens=16, logit_tol=1e-3):
     """The fused decode step (one persistent kernel): each step's logits close to the CPU model's (its
-    int8 activations are a 14-bit grade), the same greedy tokens, full and head-only (partial offload)."""
+    activations are two int8 levels, a 15-bit grade like the CPU's int16), the same greedy tokens, full and
+    head-only (partial offload)."""
     from engine.backends.cuda.decoder import CudaDecoder
     from engine.backends.cuda.hybrid import HybridDecoder
 
@@ -165,7 +166,7 @@ def test_smollm2_starter(gpu, smollm2_gpu_path):
     prompt = lm.tokenizer.encode("The capital of France is", add_special=True)
     _check(lm.model, prompt, 24, 2e-3)
     _check_hybrid(load_model(smollm2_gpu_path).model, prompt, 24, 2e-3)
-    _check_fused(load_model(smollm2_gpu_path).model, prompt, 24, 5e-3)
+    _check_fused(load_model(smollm2_gpu_path).model, prompt, 24, 2e-3)
 
 
 @pytest.mark.slow

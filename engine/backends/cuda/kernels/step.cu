@@ -14,8 +14,8 @@
 //
 // Activations reach the matvecs in shared memory in three forms: float32 in natural order (float
 // weights), float32 transposed by 32-element unit (every other quantized type, through its dec_*),
-// and two int8 levels per unit (Q8_0, Q4_0, Q4_1, Q4_K: dp4a dot products; x ~ d (128 hi + lo), a
-// 14-bit grade like the CPU kernels' int16 activations, ~4 integer ops per 4 weights instead of ~5 float
+// and two int8 levels per unit (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K: dp4a dot products; x ~ d (256 hi + lo), a
+// 15-bit grade like the CPU kernels' int16 activations, ~4 integer ops per 4 weights instead of ~5 float
 // ops per weight, which keeps the step memory-bound).
 //
 // Weights of the next phases are prefetched into L2 (sm_90 bulk prefetch) while the current phase
@@ -28,7 +28,7 @@
 #define STEP_WARPS 16  // at most: the kernel runs with any blockDim.x = 32 * (1..16), 512 on GPUs
 #define LAYER_SLOTS 16  // u64 per layer in the descriptor table (see engine/backends/cuda/fused.py)
 #define MAX_HD 256
-#define XQ_SCALE 16256.f  // 127 * 128: |x| max of a unit -> |128 hi + lo| <= 16256
+#define XQ_SCALE 32512.f  // 127 * 256: |x| max of a unit -> |256 hi + lo| <= 32512, hi and lo int8
 
 #ifdef __CUDA_ARCH__
 __device__ __forceinline__ int dp4a(uint a, uint b, int c) {
@@ -99,9 +99,9 @@ struct XIn {
     float* f;   // (cols,) natural order
     float* t;   // (cols,) element e at (e % 32) * units + e / 32
     uint* w;    // (16 * units) int8 words: word k of unit u at w[k * units + u]; k < 8 hi, k >= 8 lo
-    float* d;   // (units,) scale of unit u (x ~ d * (128 hi + lo))
+    float* d;   // (units,) scale of unit u (x ~ d * (256 hi + lo))
     float* s;   // (units,) float sum of unit u
-    int* i;     // (2 * units,) integer sums (128 hi + lo) of the two halves of unit u
+    int* i;     // (2 * units,) integer sums (256 hi + lo) of the two halves of unit u
     int cols, units;
 };
 
@@ -123,7 +123,7 @@ __device__ void quantize_x(XIn& xin) {
         float amax = warp_max(fabsf(v));
         float sum = warp_sum(v);
         int q = amax > 0.f ? __float2int_rn(v * (XQ_SCALE / amax)) : 0;
-        int hi = (q + 64) >> 7, lo = q - 128 * hi;
+        int hi = (q + 128) >> 8, lo = q - 256 * hi;  // hi in [-127, 127], lo in [-128, 127]
         int k = lane >> 2, byte = lane & 3;
         wb[(k * units + u) * 4 + byte] = (uchar)(signed char)hi;
         wb[((k + 8) * units + u) * 4 + byte] = (uchar)(signed char)lo;
@@ -138,7 +138,7 @@ __device__ void quantize_x(XIn& xin) {
     __syncthreads();
 }
 
-// Σ over 8 words of q . x for unit u (both int8 levels): 128 Σ q hi + Σ q lo
+// Σ over 8 words of q . x for unit u (both int8 levels): 256 Σ q hi + Σ q lo
 __device__ __forceinline__ int dot8(const uint* q, const XIn& x, int u) {
     int hi = 0, lo = 0;
 #pragma unroll
@@ -146,7 +146,7 @@ __device__ __forceinline__ int dot8(const uint* q, const XIn& x, int u) {
         hi = dp4a(q[k], x.w[k * x.units + u], hi);
         lo = dp4a(q[k], x.w[(k + 8) * x.units + u], lo);
     }
-    return 128 * hi + lo;
+    return 256 * hi + lo;
 }
 // the same over words k0..k0+3 (a 16-element half)
 __device__ __forceinline__ int dot4h(const uint* q, const XIn& x, int u, int k0) {
@@ -156,7 +156,7 @@ __device__ __forceinline__ int dot4h(const uint* q, const XIn& x, int u, int k0)
         hi = dp4a(q[k], x.w[(k0 + k) * x.units + u], hi);
         lo = dp4a(q[k], x.w[(k0 + k + 8) * x.units + u], lo);
     }
-    return 128 * hi + lo;
+    return 256 * hi + lo;
 }
 
 #define GENERIC_CASE(T, NAME, BYTES, SUBS)                                                       \
@@ -311,7 +311,7 @@ __device__ long long phase_bytes(const Phase& p) {
 // This block's 1/gridDim share of the phase's matrices (thread 0 issues). A phase larger than the
 // budget is not prefetched here: phase_rows streams it with a rolling prefetch of its own rows.
 __device__ void prefetch_phase(const Phase& p, long long budget) {
-    if (threadIdx.x != 0 || phase_bytes(p) > budget) return;
+    if (threadIdx.x != 0 || budget < 0 || phase_bytes(p) > budget) return;  // budget < 0: no prefetch
     for (int i = 0; i < p.n; i++) {
         long long bytes = row_bytes_of(p.m[i].type, p.cols) * p.m[i].rows;
         long long lo = (bytes * blockIdx.x / gridDim.x) & ~15LL, hi = (bytes * (blockIdx.x + 1) / gridDim.x) & ~15LL;
@@ -403,7 +403,7 @@ __device__ void phase_rows(const Phase& p, const XIn& x, float* out, const float
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     int r0 = (int)((long long)rows * blockIdx.x / gridDim.x), r1 = (int)((long long)rows * (blockIdx.x + 1) / gridDim.x);
     long long rb0 = row_bytes_of(p.m[0].type, p.cols);
-    bool roll = p.n == 1 && phase_bytes(p) > budget && threadIdx.x == 0;
+    bool roll = budget >= 0 && p.n == 1 && phase_bytes(p) > budget && threadIdx.x == 0;
     if (roll) {
         int e = min(r1, r0 + ROLL_AHEAD * (int)(blockDim.x >> 5));
         if (e > r0) prefetch_l2(p.m[0].w + ((rb0 * r0) & ~15LL), (uint)((rb0 * (e - r0)) & ~15LL));
