@@ -115,6 +115,7 @@ def estimate(
     batch: int = 512,
     available: int | None = None,
     kv_itemsize: int = KV_ITEMSIZE,
+    gpu_layers: int = 0,
 ) -> MemoryEstimate:
     """Estimate the memory of a load with `n_ctx` tokens of context and prefill batches of `batch`.
 
@@ -125,11 +126,17 @@ def estimate(
         batch: prefill batch size (sizes activation buffers).
         available: bytes available (default: asked from the OS).
         kv_itemsize: bytes per KV cache element (4 for float32, 2 for float16).
+        gpu_layers: layers that run on a GPU (all of them: the whole model): their weights are read
+            from the mapped file once, for the upload (pages the OS can take back), and their KV cache
+            is in GPU memory, so neither counts against RAM. (GPU memory is checked at the upload.)
     """
     if n_ctx < 1:
         raise ValueError("n_ctx must be at least 1")
     available = available_bytes() if available is None else int(available)
-    per_token = shape.kv_bytes_per_token_at(kv_itemsize)
+    n = shape.n_layers
+    cpu_share = (n - min(max(int(gpu_layers), 0), n)) / n if n else 1.0
+    weights_bytes = int(weights_bytes * cpu_share)
+    per_token = int(shape.kv_bytes_per_token_at(kv_itemsize) * cpu_share)
     # activations of a prefill batch: residual, norm, q/k/v/o and the FFN's gate/up (~4x hidden each)
     activations = batch * shape.hidden_size * 16 * 4
     overhead = FIXED_OVERHEAD + activations
@@ -147,7 +154,7 @@ def estimate(
         overhead_bytes=overhead,
         available_bytes=available,
         kv_bytes_per_token=per_token,
-        max_fitting_ctx=max(0, room // per_token) if per_token else 0,
+        max_fitting_ctx=max(0, room // per_token) if per_token else (n_ctx if room >= 0 else 0),
         trained_ctx=shape.trained_ctx,
         warnings=warnings,
     )
@@ -160,13 +167,14 @@ def check(
     batch: int = 512,
     available: int | None = None,
     kv_itemsize: int = KV_ITEMSIZE,
+    gpu_layers: int = 0,
 ) -> MemoryEstimate:
     """estimate(), raising InsufficientMemoryError when it does not fit.
 
     Raises:
         InsufficientMemoryError: with the numbers and the largest context that would fit.
     """
-    result = estimate(weights_bytes, shape, n_ctx, batch, available, kv_itemsize)
+    result = estimate(weights_bytes, shape, n_ctx, batch, available, kv_itemsize, gpu_layers)
     if not result.fits:
         raise InsufficientMemoryError(result)
     return result

@@ -110,7 +110,7 @@ class ChatRunner:
         available = memory_guard.available_bytes() if available is None else available
         estimate = memory_guard.check(
             path.stat().st_size, shape, options.n_ctx, options.batch_size, available,
-            options.kv_numpy_dtype.itemsize,
+            options.kv_numpy_dtype.itemsize, gpu_layers_planned(options, shape.n_layers),
         )
         for warning in estimate.warnings:
             progress(LoadProgress("warning", 0.5, warning))
@@ -285,6 +285,18 @@ class ChatRunner:
         finally:
             if reuse and self.store is not None and cache.offset:
                 self.store.insert(cache)
+
+
+def gpu_layers_planned(options: LoadOptions, n_layers: int) -> int:
+    """How many layers the load will put on a GPU: 0 on the CPU or when CUDA is not usable (the load
+    then falls back to the CPU, so RAM must hold everything), else options.gpu_layers (None: all)."""
+    if options.device == "cpu":
+        return 0
+    from engine.backends.cuda.device import choose_device
+
+    if choose_device(options.device).device.kind != "cuda":
+        return 0
+    return n_layers if options.gpu_layers is None else min(options.gpu_layers, n_layers)
 
 
 def _place(lm: LoadedModel, options: LoadOptions, progress: Callable[[LoadProgress], None]) -> None:

@@ -36,6 +36,32 @@ def test_weights_alone_too_big():
         check(40 * GIB, SMOL, 2048, available=16 * GIB)
 
 
+def test_gpu_layers_leave_ram():
+    """Layers on a GPU keep neither weights nor KV cache in RAM: a model bigger than RAM loads when it
+    all goes to the GPU, and partial offload counts the CPU layers' share."""
+    with pytest.raises(InsufficientMemoryError):
+        check(40 * GIB, SMOL, 8192, available=16 * GIB)
+    full = check(40 * GIB, SMOL, 8192, available=16 * GIB, gpu_layers=30)
+    assert full.weights_bytes == 0 and full.kv_bytes == 0 and full.max_fitting_ctx == 8192
+    third = estimate(30 * GIB, SMOL, 4096, available=64 * GIB, gpu_layers=20)
+    assert third.weights_bytes == 10 * GIB and third.kv_bytes == 4096 * SMOL.kv_bytes_per_token // 3
+    assert estimate(GIB, SMOL, 4096, available=64 * GIB, gpu_layers=99).weights_bytes == 0
+
+
+def test_gpu_layers_planned_only_when_cuda_works(monkeypatch):
+    from engine import worker
+    from engine.backends.cuda import device
+    from engine.client import LoadOptions
+
+    assert worker.gpu_layers_planned(LoadOptions(device="cpu"), 30) == 0
+    monkeypatch.setattr(device, "probe", lambda index=0: "no CUDA GPU found")
+    assert worker.gpu_layers_planned(LoadOptions(device="cuda"), 30) == 0  # falls back: RAM holds it all
+    monkeypatch.setattr(device, "probe", lambda index=0: None)
+    assert worker.gpu_layers_planned(LoadOptions(device="cuda"), 30) == 30
+    assert worker.gpu_layers_planned(LoadOptions(device="cuda:1", gpu_layers=12), 30) == 12
+    assert worker.gpu_layers_planned(LoadOptions(device="cuda", gpu_layers=50), 30) == 30
+
+
 def test_warns_above_trained_context():
     est = check(100 << 20, SMOL, 16384, available=64 * GIB)
     assert est.fits and len(est.warnings) == 1 and "8192" in est.warnings[0]

@@ -1,14 +1,15 @@
-"""The fused decode step: a llama-family decode step as one persistent kernel (kernels/step.cu).
+"""The fused decode step: a llama-family or Gemma 3 decode step as one persistent kernel (kernels/step.cu).
 
 The graph path launches ~7 kernels per layer; each boundary drains the GPU and costs microseconds,
 which on a 1B model is as long as reading the layer's weights. `decode_step` keeps one block per SM
 resident for the whole step, meets at a software grid barrier between phases, prefetches the coming
 phases' weights into L2 and multiplies quantized weights by int8 activations with dp4a.
 
-It is chosen with `CudaDecoder(decode_kernel="fused")` or HEARTH_CUDA_DECODE=fused, for the llama family
-(Llama, Mistral, Qwen2, SmolLM) with GGUF weight types; other models keep the graph path. The grid
-barrier needs every block resident at once: the grid is one block per SM after an occupancy check,
-and a barrier that waits ~10 s gives up and reports FusedStepError instead of hanging the GPU.
+It is chosen with `CudaDecoder(decode_kernel="fused")` or HEARTH_CUDA_DECODE=fused, for the llama
+family (Llama, Mistral, Qwen2, SmolLM) and Gemma 3 with GGUF weight types; FP8/NVFP4 models keep the
+graph path. The grid barrier needs every block resident at once: the grid is one block per SM after an
+occupancy check, and a barrier that waits ~10 s gives up and reports FusedStepError instead of hanging
+the GPU.
 """
 
 from __future__ import annotations
@@ -22,12 +23,13 @@ from engine.backends.cuda import ops
 from models.errors import HearthError
 
 THREADS = 512
-LAYER_SLOTS = 16  # as step.cu
+LAYER_SLOTS = 20  # as step.cu
 MAX_HD = 256
 STEP_WARPS = 16
 ENV = "HEARTH_CUDA_DECODE"
 KINDS = ("graphs", "fused")
 _SLOTS = ("attn_norm", "ffn_norm", "q_norm", "k_norm", "bq", "bk", "bv")
+_GEMMA_SLOTS = {15: "inv_freq", 17: "post_attn_norm", 18: "post_ffn_norm"}  # pointers; 16: the window
 _MATS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
 _i32, _f32 = np.int32, np.float32
 
@@ -51,12 +53,8 @@ def decode_kind(kind: str | None) -> str:
 def unsupported_reason(dec) -> str | None:
     """Why the fused step cannot run this CudaDecoder's model (None when it can)."""
     cfg = dec.cfg
-    if dec.gemma:
-        return "Gemma models use the graph path"
     if cfg.head_dim > MAX_HD:
         return f"head_dim {cfg.head_dim} > {MAX_HD}"
-    if any(L["window"] for L in dec.layers):
-        return "sliding-window attention"
     weights = [L[m] for L in dec.layers for m in _MATS] + [dec.token_embd]
     if dec.output is not None:
         weights.append(dec.output)
@@ -104,6 +102,9 @@ class FusedStep:
             table[i, : len(_SLOTS)] = [_ptr(L[k]) for k in _SLOTS]
             table[i, 7:14] = [_ptr(L[m].raw) for m in _MATS]
             table[i, 14] = sum(L[m].ggml_type << (8 * j) for j, m in enumerate(_MATS))
+            for slot, k in _GEMMA_SLOTS.items():
+                table[i, slot] = _ptr(L[k])
+            table[i, 16] = L["window"]
         self.table = cp.asarray(table)
         self.k = ops.kernel("decode_step", cp.cuda.Device().id)
         ops.allow_shared(self.k, self.smem)
@@ -128,6 +129,7 @@ class FusedStep:
         step.best = cp.zeros(1, cp.uint64)
         step.status = cp.zeros(2, cp.int32)  # greedy token, barrier timed out
         step.fparts = cp.zeros(cfg.num_attention_heads * self.max_splits * (cfg.head_dim + 2), cp.float32)
+        step.xr = cp.zeros(2 * cfg.hidden_size, cp.float32)  # Gemma's residual stream, double-buffered
 
     def launch(self, step, cache, token: int, greedy: bool) -> None:
         """One decode step of token at position cache.offset: logits (or x for a head decoder) in step."""
@@ -147,8 +149,9 @@ class FusedStep:
             cache.v,
             _i32(cache.k.dtype == cp.float16),
             _i32(cache.n_ctx),
-            dec.layers[0]["inv_freq"],
             step.x,
+            step.xr,
+            step.o,
             step.qkv,
             step.gu,
             step.fparts,
@@ -170,6 +173,8 @@ class FusedStep:
             _i32(token),
             _i32(cache.offset),
             _i32(greedy and out is not None),
+            _i32(dec.gemma),
+            _f32(getattr(cfg, "final_logit_softcapping", None) or 0.0),
             np.int64(self.prefetch_budget),
         )
         self.k((self.blocks,), (self.threads,), args, shared_mem=self.smem)

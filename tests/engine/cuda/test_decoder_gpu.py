@@ -158,6 +158,7 @@ def test_tiny_gemma3(gpu, tmp_path, spec):
     write_tiny_gemma3(path, spec)
     _check(load_model(path).model, [258] + PROMPT)
     _check_hybrid(load_model(path).model, [258] + PROMPT)
+    _check_fused(load_model(path).model, [258] + PROMPT)
 
 
 @pytest.mark.slow
@@ -175,6 +176,7 @@ def test_gemma3_starter(gpu, gemma3_gpu_path):
     prompt = lm.tokenizer.encode("The capital of France is", add_special=True)
     _check(lm.model, prompt, 24, 2e-3)
     _check_hybrid(load_model(gemma3_gpu_path).model, prompt, 24, 2e-3)
+    _check_fused(load_model(gemma3_gpu_path).model, prompt, 24, 2e-3)
 
 
 def test_vram_estimate_too_large_is_a_typed_error(gpu, tmp_path, monkeypatch):

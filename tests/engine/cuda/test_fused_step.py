@@ -3,8 +3,9 @@
 Its launch is checked against the compiled PTX by the stand-in CuPy of test_decoder_dry, and the kernel
 itself runs on host threads with every block at once (tests/engine/cuda/simt.py, cooperative mode), so
 its grid barriers, its int8 (dp4a) dot products for Q8_0/Q4_0/Q4_1/Q4_K/Q6_K, the float paths, the
-online-softmax attention with the KV write, the argmax and the partial-offload (head) variant are
-compared with the CPU model. Small blocks (2 warps) and grids (2-3 blocks) keep the thread count sane.
+online-softmax attention with the KV write, Gemma 3's post-norms / windows / soft-capping, the argmax and
+the partial-offload (head) variant are compared with the CPU model. Small blocks (2 warps) and grids
+(2-3 blocks) keep the thread count sane.
 """
 
 from __future__ import annotations
@@ -62,20 +63,17 @@ def test_fused_launch_matches_the_kernel(fake, tmp_path, monkeypatch):
 
 
 def test_decode_kind_and_fallbacks(fake, tmp_path, monkeypatch):
-    from tests.engine.tiny_gemma3 import TinyGemmaSpec, write_tiny_gemma3
-
     with pytest.raises(ValueError, match="graphs, fused"):
         fake.fused.decode_kind("megakernel")
     monkeypatch.setenv(fake.fused.ENV, "fused")
     assert fake.fused.decode_kind(None) == "fused"
     monkeypatch.delenv(fake.fused.ENV)
     assert fake.fused.decode_kind(None) == "graphs"
-    from engine.loader import load_model
-
-    path = tmp_path / "gemma.gguf"
-    write_tiny_gemma3(path, TinyGemmaSpec(matrix_type=T.Q8_0))
-    dec = _fused(fake, monkeypatch, load_model(path).model)
-    assert dec.fused is None and dec.decode_path.startswith("graphs (fused step: Gemma")
+    # a head wider than the kernel's attention registers: the graph path, and the reason
+    dec = _fused(fake, monkeypatch, _model(tmp_path, TinySpec(hidden=512, heads=1, kv_heads=1, layers=1)))
+    assert dec.fused is None and dec.decode_path == "graphs (fused step: head_dim 512 > 256)"
+    with pytest.raises(ValueError, match="multiple of 32"):
+        fake.fused.FusedStep(dec, threads=48)
 
 
 def test_a_barrier_timeout_is_a_typed_error(fake, tmp_path, monkeypatch):
@@ -100,11 +98,19 @@ SPECS = {
 }
 
 
-@pytest.mark.parametrize("kind", list(SPECS))
+@pytest.mark.parametrize("kind", [*SPECS, "gemma3"])
 def test_fused_step_computes_the_cpu_models_logits_on_host_threads(fake, simt, tmp_path, monkeypatch, kind):
     _kquant(monkeypatch)
     STATE.simt = simt
-    model = _model(tmp_path, TinySpec(**SPECS[kind]))
+    if kind == "gemma3":  # post-norms, GeGLU, q/k norms, a window of 4 every other layer, soft-capped logits
+        from engine.loader import load_model
+        from tests.engine.tiny_gemma3 import TinyGemmaSpec, write_tiny_gemma3
+
+        path = tmp_path / "gemma.gguf"
+        write_tiny_gemma3(path, TinyGemmaSpec(matrix_type=T.Q8_0, layers=2, pattern=2, final_softcap=3.0))
+        model = load_model(path).model
+    else:
+        model = _model(tmp_path, TinySpec(**SPECS[kind]))
     dec = _fused(fake, monkeypatch, model, blocks=3 if kind == "q8_0" else 2)
     assert dec.decode_path == "fused"
     cpu_cache, gpu_cache = model.new_cache(32), dec.new_cache(32, np.float32)

@@ -1,4 +1,4 @@
-// The whole decode step of a llama-family model in ONE persistent kernel (decode_step): every block
+// The whole decode step of a llama-family or Gemma 3 model in ONE persistent kernel (decode_step): every block
 // stays resident for the step and the blocks meet at a software grid barrier between phases, so a
 // token costs one launch instead of ~7 per layer, and no kernel boundary drains the memory pipe.
 //
@@ -9,6 +9,8 @@
 //   C  attn = combined partials                                              x += Wo attn
 //   D  x_in = rmsnorm(x) * ffn_norm                                          gu = [Wg;Wu] x_in
 //   E  x_in = silu(g) * u                                                    x += Wd x_in
+// (Gemma 3: Wo and Wd write o, which joins the residual post-normed at the start of the next phase;
+// GeGLU; per-layer RoPE bases and sliding windows; soft-capped logits),
 // then logits = Wout (rmsnorm(x) * out_norm) and, for greedy steps, their argmax (a 64-bit atomicMax
 // of (ordered value, inverted index): larger value first, then smaller index, as np.argmax).
 //
@@ -26,7 +28,7 @@
 // that waits too long sets status[1] and lets the step finish with garbage instead of hanging the GPU.
 
 #define STEP_WARPS 16  // at most: the kernel runs with any blockDim.x = 32 * (1..16), 512 on GPUs
-#define LAYER_SLOTS 16  // u64 per layer in the descriptor table (see engine/backends/cuda/fused.py)
+#define LAYER_SLOTS 20  // u64 per layer in the descriptor table (see engine/backends/cuda/fused.py)
 #define MAX_HD 256
 #define XQ_SCALE 32512.f  // 127 * 256: |x| max of a unit -> |256 hi + lo| <= 32512, hi and lo int8
 
@@ -322,17 +324,16 @@ __device__ void prefetch_phase(const Phase& p, long long budget) {
 // ---- phases ---------------------------------------------------------------------------------
 struct Step {
     const unsigned long long* layers;
-    int n_layers, d, H, KV, hd, ff, vocab, n_rot, neox, n_ctx, kv_half, max_splits, token, pos, greedy;
+    int n_layers, d, H, KV, hd, ff, vocab, n_rot, neox, n_ctx, kv_half, max_splits, token, pos, greedy, gemma;
     const uchar* embd;
     int embd_type;
-    float embed_scale, eps, scale;
+    float embed_scale, eps, scale, softcap;
     long long prefetch_budget;
     const uchar* out_w;
     int out_type;
     const float* out_norm;
     void* kc;
     void* vc;
-    const float* inv_freq;
     float* x;
     float* qkv;
     float* gu;
@@ -396,8 +397,9 @@ __device__ void prefetch_ahead(const Step& s, int k) {
 // With best: the argmax candidates of this block's rows go into *best (thread 0, atomicMax).
 // A single matrix over the prefetch budget streams: warp 0 prefetches the rows ROLL_AHEAD rounds ahead.
 #define ROLL_AHEAD 4
+// cap > 0: out = cap * tanh(dot / cap) (Gemma's final logit soft-capping)
 __device__ void phase_rows(const Phase& p, const XIn& x, float* out, const float* const* bias, int accumulate,
-                           unsigned long long* best, float* red, long long budget) {
+                           unsigned long long* best, float* red, long long budget, float cap = 0.f) {
     int rows = 0;
     for (int i = 0; i < p.n; i++) rows += p.m[i].rows;
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -424,6 +426,7 @@ __device__ void phase_rows(const Phase& p, const XIn& x, float* out, const float
         const float* b = bias == nullptr ? nullptr : k == 0 ? bias[0] : k == 1 ? bias[1] : bias[2];
         if (b != nullptr) acc += b[lr];
         if (accumulate) acc += out[r];
+        if (cap > 0.f) acc = cap * tanhf(acc / cap);
         if (lane == 0) out[r] = acc;
         if (acc > bv) { bv = acc; bi = r; }  // rows rise, so ties keep the smaller index
     }
@@ -487,7 +490,8 @@ __device__ __forceinline__ float kv_at(const void* c, long long i, int half) {
 }
 
 // dst (hd,) = rope(optional rmsnorm(src) * nw) at pos; block-wide, sq: shared scratch
-__device__ void rope_head(float* dst, const float* src, const float* nw, const Step& s, float* red) {
+__device__ void rope_head(float* dst, const float* src, const float* nw, const float* inv_freq, const Step& s,
+                          float* red) {
     for (int j = threadIdx.x; j < s.hd; j += blockDim.x) dst[j] = src[j];
     __syncthreads();
     if (nw != nullptr) {
@@ -501,7 +505,7 @@ __device__ void rope_head(float* dst, const float* src, const float* nw, const S
     int half = s.n_rot >> 1;
     for (int i = threadIdx.x; i < half; i += blockDim.x) {
         double sn, cs;
-        sincos((double)s.pos * (double)s.inv_freq[i], &sn, &cs);
+        sincos((double)s.pos * (double)inv_freq[i], &sn, &cs);
         int ia = s.neox ? i : 2 * i, ib = s.neox ? i + half : 2 * i + 1;
         float a = dst[ia], b = dst[ib];
         dst[ia] = a * (float)cs - b * (float)sn;
@@ -510,25 +514,27 @@ __device__ void rope_head(float* dst, const float* src, const float* nw, const S
     __syncthreads();
 }
 
-__device__ __forceinline__ int n_splits(const Step& s) {
-    return min(s.max_splits, max(1, (s.pos + 256) / 256));
+// the first key position query s.pos sees (a sliding window of `window` keys, or all)
+__device__ __forceinline__ int first_key(const Step& s, int window) { return window > 0 ? max(0, s.pos - window + 1) : 0; }
+__device__ __forceinline__ int n_splits(const Step& s, int window) {
+    return min(s.max_splits, max(1, (s.pos - first_key(s, window) + 256) / 256));
 }
 
 // Phase B: attention item (h, sp) -> parts[(h * max_splits + sp) * (hd + 2) + ...] = unnormalised
 // output (hd), max, sum. sm: shared scratch of 3 * MAX_HD + STEP_WARPS * (MAX_HD + 2) floats.
 __device__ void attention_item(const Step& s, int layer, int h, int sp, int S, const float* qn, const float* kn,
-                               float* sm, float* red) {
+                               const float* inv_freq, int window, float* sm, float* red) {
     float *sq = sm, *sk = sm + MAX_HD, *sv = sm + 2 * MAX_HD, *wpart = sm + 3 * MAX_HD;
-    int hd = s.hd, g = h / (s.H / s.KV), pos = s.pos;
-    int chunk = (pos + S) / S;  // ceil((pos + 1) / S)
-    int k0 = sp * chunk, k1 = min(pos + 1, k0 + chunk);
+    int hd = s.hd, g = h / (s.H / s.KV), pos = s.pos, start = first_key(s, window);
+    int chunk = (pos + 1 - start + S - 1) / S;  // the visible keys [start, pos] in S splits
+    int k0 = start + sp * chunk, k1 = min(pos + 1, k0 + chunk);
     float* part = s.parts + ((long long)h * s.max_splits + sp) * (hd + 2);
     const float* qkv = s.qkv;
-    rope_head(sq, qkv + (long long)h * hd, qn, s, red);
+    rope_head(sq, qkv + (long long)h * hd, qn, inv_freq, s, red);
     bool has_pos = k1 == pos + 1 && k0 < k1;
     long long lay = (long long)layer * s.KV * s.n_ctx * hd, base = lay + (long long)g * s.n_ctx * hd;
     if (has_pos) {
-        rope_head(sk, qkv + (long long)s.H * hd + (long long)g * hd, kn, s, red);
+        rope_head(sk, qkv + (long long)s.H * hd + (long long)g * hd, kn, inv_freq, s, red);
         const float* v = qkv + (long long)(s.H + s.KV) * hd + (long long)g * hd;
         for (int j = threadIdx.x; j < hd; j += blockDim.x) {
             float kv = sk[j], vv = v[j];
@@ -597,8 +603,8 @@ __device__ void attention_item(const Step& s, int layer, int h, int sp, int S, c
 }
 
 // Phase C's input: attn (H * hd) = the splits' partial sums combined, into xin.f
-__device__ void load_attention(XIn& xin, const Step& s) {
-    int S = n_splits(s), hd = s.hd;
+__device__ void load_attention(XIn& xin, const Step& s, int window) {
+    int S = n_splits(s, window), hd = s.hd;
     for (int e = threadIdx.x; e < s.H * hd; e += blockDim.x) {
         int h = e / hd, j = e % hd;
         const float* p = s.parts + (long long)h * s.max_splits * (hd + 2);
@@ -619,6 +625,21 @@ __device__ void load_attention(XIn& xin, const Step& s) {
     quantize_x(xin);
 }
 
+// Gemma's post-norm residual add, block-wide: dst (d,) = resid + rmsnorm(o) * w; block 0 also stores it
+// to `keep` (the next residual buffer: every block still reads `resid` in this phase)
+__device__ void fold(float* dst, const float* resid, const float* o, const float* w, float* keep, int d, float eps,
+                     float* red) {
+    float ss = 0.f;
+    for (int e = threadIdx.x; e < d; e += blockDim.x) ss += o[e] * o[e];
+    float inv = rsqrtf(block_sum(ss, red) / (float)d + eps);
+    for (int e = threadIdx.x; e < d; e += blockDim.x) {
+        float v = resid[e] + o[e] * inv * w[e];
+        dst[e] = v;
+        if (blockIdx.x == 0) keep[e] = v;
+    }
+    __syncthreads();
+}
+
 // The start of weight phase k: prefetch ahead, and the input's width
 __device__ __forceinline__ void start_phase(const Step& s, int k, XIn& xin, int cols) {
     prefetch_ahead(s, k);
@@ -630,24 +651,27 @@ __device__ __forceinline__ void start_phase(const Step& s, int k, XIn& xin, int 
 // occupancy), 512 threads (any multiple of 32 up to 512 works), dynamic shared memory = step_smem_bytes (fused.py).
 // layers: (n_layers, LAYER_SLOTS) u64: 0 attn_norm, 1 ffn_norm, 2 q_norm, 3 k_norm, 4 bq, 5 bk, 6 bv,
 // 7 wq, 8 wk, 9 wv, 10 wo, 11 w_gate, 12 w_up, 13 w_down (device pointers, 0 when absent), 14 the
-// seven matrices' ggml types, a byte each (q, k, v, o, gate, up, down from the low byte).
+// seven matrices' ggml types, a byte each (q, k, v, o, gate, up, down from the low byte), 15 the layer's
+// RoPE inv_freq, 16 its sliding window (0: none), 17 post_attn_norm, 18 post_ffn_norm (Gemma).
+// gemma: post-norms (x += rmsnorm(o) * w after attention and MLP, through xr (2, d) and o (d,)), GeGLU,
+// final logit soft-capping when softcap > 0.
 // status: [0] the greedy token (when greedy), [1] nonzero when a barrier timed out.
 extern "C" __global__ void __launch_bounds__(512, 1) decode_step(
     const unsigned long long* __restrict__ layers, int n_layers, const uchar* __restrict__ embd, int embd_type,
     float embed_scale, const uchar* __restrict__ out_w, int out_type, const float* __restrict__ out_norm,
-    void* kc, void* vc, int kv_half, int n_ctx, const float* __restrict__ inv_freq, float* x, float* qkv,
-    float* gu, float* parts, float* logits, uint* sync, unsigned long long* best, int* status, int d, int H,
-    int KV, int hd, int ff, int vocab, int n_rot, int neox, float eps, float scale, int max_splits, int token,
-    int pos, int greedy, long long prefetch_budget) {
+    void* kc, void* vc, int kv_half, int n_ctx, float* x, float* xr, float* o, float* qkv, float* gu, float* parts,
+    float* logits, uint* sync, unsigned long long* best, int* status, int d, int H, int KV, int hd, int ff,
+    int vocab, int n_rot, int neox, float eps, float scale, int max_splits, int token, int pos, int greedy,
+    int gemma, float softcap, long long prefetch_budget) {
     extern __shared__ float sx[];
     Step s;
     s.layers = layers;
     s.n_layers = n_layers;
     s.d = d; s.H = H; s.KV = KV; s.hd = hd; s.ff = ff; s.vocab = vocab; s.n_rot = n_rot; s.neox = neox;
     s.n_ctx = n_ctx; s.kv_half = kv_half; s.max_splits = max_splits; s.token = token; s.pos = pos;
-    s.greedy = greedy; s.embd = embd; s.embd_type = embd_type; s.embed_scale = embed_scale; s.eps = eps;
+    s.greedy = greedy; s.gemma = gemma; s.softcap = softcap; s.embd = embd; s.embd_type = embd_type; s.embed_scale = embed_scale; s.eps = eps;
     s.scale = scale; s.prefetch_budget = prefetch_budget; s.out_w = out_w; s.out_type = out_type;
-    s.out_norm = out_norm; s.kc = kc; s.vc = vc; s.inv_freq = inv_freq; s.x = x; s.qkv = qkv; s.gu = gu;
+    s.out_norm = out_norm; s.kc = kc; s.vc = vc; s.x = x; s.qkv = qkv; s.gu = gu;
     s.parts = parts; s.logits = logits;
 
     int maxc = max(d, max(H * hd, ff)), mu = maxc / 32;
@@ -664,20 +688,27 @@ extern "C" __global__ void __launch_bounds__(512, 1) decode_step(
     if (threadIdx.x == 0) *gen = *(volatile uint*)&sync[1];
     __syncthreads();
 
-    int wk = 0;  // weight phase counter
+    int wk = 0;     // weight phase counter
+    int cur = 0;    // Gemma: xr + cur * d holds the residual stream (block 0 writes the other half)
+    const unsigned long long* L = layers;
     for (int layer = 0; layer < n_layers; layer++) {
-        const unsigned long long* L = layers + (long long)layer * LAYER_SLOTS;
+        const unsigned long long* prev = L;
+        L = layers + (long long)layer * LAYER_SLOTS;
+        const float* inv_freq = (const float*)L[15];
+        int window = (int)L[16];
         // A: qkv
         start_phase(s, wk, xin, d);
         if (layer == 0) {  // the embedding row, every block its own copy; block 0 seeds the residual
             embed_row(xin.t, embd, embd_type, token, d, embed_scale);
             __syncthreads();
             if (blockIdx.x == 0)
-                for (int e = threadIdx.x; e < d; e += blockDim.x) x[e] = xin.t[e];
-            load_normed(xin, xin.t, (const float*)L[0], eps, red);  // reads xin.t before quantize_x rewrites it
-        } else {
-            load_normed(xin, x, (const float*)L[0], eps, red);
+                for (int e = threadIdx.x; e < d; e += blockDim.x) (gemma ? xr : x)[e] = xin.t[e];
+        } else if (gemma) {  // the previous layer's MLP output, post-normed, joins the residual
+            fold(xin.t, xr + cur * d, o, (const float*)prev[18], xr + (cur ^ 1) * d, d, eps, red);
+            cur ^= 1;
         }
+        // (xin.t is read in full before quantize_x rewrites it)
+        load_normed(xin, layer == 0 || gemma ? xin.t : x, (const float*)L[0], eps, red);
         {
             const float* bias[3] = {(const float*)L[4], (const float*)L[5], (const float*)L[6]};
             phase_rows(weight_phase(s, wk++), xin, qkv, bias, 0, nullptr, red, prefetch_budget);
@@ -685,33 +716,41 @@ extern "C" __global__ void __launch_bounds__(512, 1) decode_step(
         grid_sync(sync, gen, status);
         // B: attention
         {
-            int S = n_splits(s);
+            int S = n_splits(s, window);
             for (int item = blockIdx.x; item < H * S; item += gridDim.x)
-                attention_item(s, layer, item / S, item % S, S, (const float*)L[2], (const float*)L[3], att, red);
+                attention_item(s, layer, item / S, item % S, S, (const float*)L[2], (const float*)L[3], inv_freq,
+                               window, att, red);
         }
         grid_sync(sync, gen, status);
-        // C: x += Wo attn
+        // C: x += Wo attn (Gemma: o = Wo attn, post-normed into the residual in D)
         start_phase(s, wk, xin, H * hd);
-        load_attention(xin, s);
-        phase_rows(weight_phase(s, wk++), xin, x, nullptr, 1, nullptr, red, prefetch_budget);
+        load_attention(xin, s, window);
+        phase_rows(weight_phase(s, wk++), xin, gemma ? o : x, nullptr, !gemma, nullptr, red, prefetch_budget);
         grid_sync(sync, gen, status);
         // D: gate | up
         start_phase(s, wk, xin, d);
-        load_normed(xin, x, (const float*)L[1], eps, red);
+        if (gemma) {
+            fold(xin.t, xr + cur * d, o, (const float*)L[17], xr + (cur ^ 1) * d, d, eps, red);
+            cur ^= 1;
+        }
+        load_normed(xin, gemma ? xin.t : x, (const float*)L[1], eps, red);
         phase_rows(weight_phase(s, wk++), xin, gu, nullptr, 0, nullptr, red, prefetch_budget);
         grid_sync(sync, gen, status);
-        // E: x += Wd (silu(g) * u)
+        // E: x += Wd (silu(g) * u) (Gemma: o = Wd (gelu_tanh(g) * u))
         start_phase(s, wk, xin, ff);
-        for (int e = threadIdx.x; e < ff; e += blockDim.x) xin.f[e] = silu(gu[e]) * gu[ff + e];
+        for (int e = threadIdx.x; e < ff; e += blockDim.x)
+            xin.f[e] = (gemma ? gelu_tanh(gu[e]) : silu(gu[e])) * gu[ff + e];
         __syncthreads();
         quantize_x(xin);
-        phase_rows(weight_phase(s, wk++), xin, x, nullptr, 1, nullptr, red, prefetch_budget);
+        phase_rows(weight_phase(s, wk++), xin, gemma ? o : x, nullptr, !gemma, nullptr, red, prefetch_budget);
         grid_sync(sync, gen, status);
     }
-    if (out_w == nullptr) return;  // head decoder: x is the result
     start_phase(s, wk, xin, d);
-    load_normed(xin, x, out_norm, eps, red);
-    phase_rows(weight_phase(s, wk), xin, logits, nullptr, 0, greedy ? best : nullptr, red, prefetch_budget);
+    if (gemma)  // the last MLP output joins the residual, which lands in x (the head decoder's result)
+        fold(xin.t, xr + cur * d, o, (const float*)L[18], x, d, eps, red);
+    if (out_w == nullptr) return;  // head decoder: x is the result
+    load_normed(xin, gemma ? xin.t : x, out_norm, eps, red);
+    phase_rows(weight_phase(s, wk), xin, logits, nullptr, 0, greedy ? best : nullptr, red, prefetch_budget, softcap);
     if (!greedy) return;
     // the last block to finish publishes the token and resets the slot for the next step
     __syncthreads();
