@@ -615,6 +615,15 @@ class MainWindow(QMainWindow):
             QTimer.singleShot(0, self._apply_engine_settings)
         if key == "device":
             QTimer.singleShot(0, self._show_device)
+        if key in ("device", "n_ctx"):
+            QTimer.singleShot(0, self._refresh_fit)
+
+    @Slot()
+    def _refresh_fit(self) -> None:
+        """The fit label again for the picked model (its verdict depends on the context and the device)."""
+        spec = self.model_box.currentData()
+        if spec and not self._closing:
+            self._estimate_fit(spec)
 
     def _changes_engine(self, key: str) -> bool:
         """Whether a changed engine setting changes how the model runs (without CUDA: CPU either way)."""
@@ -650,14 +659,18 @@ class MainWindow(QMainWindow):
 
     def _estimate_fit(self, spec: str) -> None:
         n_ctx = self.settings.get("n_ctx")
+        device = self.load_options().device  # the GPU's verdict only where the model will run there
 
         def run() -> None:
             from models import fit
 
             path = starter_path(spec) if spec in STARTERS else Path(spec)
             try:
-                text = fit.fit_for_file(path, n_ctx).verdict if path.exists() else "not downloaded yet"
-                tip = fit.fit_for_file(path, n_ctx).summary() if path.exists() else ""
+                if path.exists():
+                    est = fit.fit_for_file(path, n_ctx)
+                    text, tip = fit.label(est, device), est.summary()
+                else:
+                    text, tip = "not downloaded yet", ""
             except Exception as e:  # noqa: BLE001 - a label, never an error dialog
                 text, tip = "fit unknown", str(e)
             self._relay.fit.emit(text, tip)

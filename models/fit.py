@@ -100,6 +100,14 @@ class FitEstimate:
         return text + (f" ({self.note})" if self.note else "")
 
 
+def label(est: FitEstimate, device: str) -> str:
+    """The short verdict for where the model will run: the GPU's (marked so) when the device is CUDA and
+    a GPU was found, else the RAM one."""
+    if device.startswith("cuda") and est.vram_verdict:
+        return f"{est.vram_verdict} (GPU)"
+    return est.verdict
+
+
 def _verdict(needed: int, available: int, total: int) -> str:
     if needed <= FITS_SHARE * available:
         return "fits"

@@ -280,3 +280,26 @@ def test_settings_reach_the_engine(qtbot, engine):
     assert done.args[0].state == "error" and "nope.gguf" in w.view.notice_label.text()
     w.close()
     store.close()
+
+
+def test_fit_label_follows_the_device(qtbot, engine, smollm2_path, monkeypatch):
+    """The fit label gives the GPU's verdict where the model will run on the GPU, the RAM's elsewhere,
+    and is redone when the device or the context changes."""
+    from models import fit
+
+    little_ram = fit.MemoryInfo(
+        total_ram=64 << 20, available_ram=32 << 20, total_vram=80 << 30, free_vram=80 << 30
+    )
+    monkeypatch.setattr(fit, "system_memory", lambda: little_ram)
+    w, store = _window(qtbot, engine)
+    w.model_box.addItem(smollm2_path.name, str(smollm2_path))
+    w.model_box.setCurrentIndex(w.model_box.findData(str(smollm2_path)))
+    w.cuda_ok, w.cuda_reason = True, ""
+    w.settings.set("n_ctx", 1024)  # redone for the context: RAM, since the device is the CPU
+    qtbot.waitUntil(lambda: w.fit_label.text() == "too large", timeout=10000)
+    w.settings.set("device", "cuda")
+    qtbot.waitUntil(lambda: w.fit_label.text() == "fits (GPU)", timeout=10000)
+    assert "GPU: fits" in w.fit_label.toolTip()
+    w.cuda_ok = False  # CUDA unusable: the model runs on the CPU, so RAM decides
+    w.settings.set("n_ctx", 2048)
+    qtbot.waitUntil(lambda: w.fit_label.text() == "too large", timeout=10000)

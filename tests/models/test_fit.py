@@ -55,6 +55,14 @@ def test_metadata_variants():
         fit.kv_bytes_per_token_config({"hidden_size": 5})
 
 
+def test_label_follows_the_device():
+    mem = MemoryInfo(total_ram=8 * GIB, available_ram=4 * GIB, total_vram=24 * GIB, free_vram=20 * GIB)
+    big = fit.estimate_fit(8 * GIB, 0, 4096, memory=mem)  # too large for RAM, fits the GPU
+    assert fit.label(big, "cpu") == "too large" and fit.label(big, "cuda:0") == "fits (GPU)"
+    no_gpu = fit.estimate_fit(8 * GIB, 0, 4096, memory=MemoryInfo(total_ram=8 * GIB, available_ram=4 * GIB))
+    assert fit.label(no_gpu, "cuda") == "too large"  # no GPU found: the RAM verdict (it runs on the CPU)
+
+
 def test_verdicts_and_vram():
     small = MemoryInfo(total_ram=8 * GIB, available_ram=4 * GIB, total_vram=24 * GIB, free_vram=20 * GIB)
     assert fit.estimate_fit(2 * GIB, 0, 1, memory=small).verdict == "fits"
