@@ -26,6 +26,7 @@ THREADS = 512
 LAYER_SLOTS = 20  # as step.cu
 MAX_HD = 256
 STEP_WARPS = 16
+SPLIT_KEYS = 256  # keys per attention split (up to max_splits splits: one per block and head)
 ENV = "HEARTH_CUDA_DECODE"
 KINDS = ("graphs", "fused")
 _SLOTS = ("attn_norm", "ffn_norm", "q_norm", "k_norm", "bq", "bk", "bv")
@@ -170,6 +171,7 @@ class FusedStep:
             _f32(cfg.rms_norm_eps),
             _f32(dec.scale),
             _i32(self.max_splits),
+            _i32(SPLIT_KEYS),
             _i32(token),
             _i32(cache.offset),
             _i32(greedy and out is not None),

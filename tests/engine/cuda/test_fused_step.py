@@ -98,21 +98,28 @@ SPECS = {
 }
 
 
-@pytest.mark.parametrize("kind", [*SPECS, "gemma3"])
+def _gemma(tmp_path):
+    """post-norms, GeGLU, q/k norms, a window of 4 every other layer, soft-capped logits"""
+    from engine.loader import load_model
+    from tests.engine.tiny_gemma3 import TinyGemmaSpec, write_tiny_gemma3
+
+    path = tmp_path / "gemma.gguf"
+    write_tiny_gemma3(path, TinyGemmaSpec(matrix_type=T.Q8_0, layers=2, pattern=2, final_softcap=3.0))
+    return load_model(path).model
+
+
+@pytest.mark.parametrize("kind", [*SPECS, "gemma3", "q8_0-splits", "gemma3-splits"])
 def test_fused_step_computes_the_cpu_models_logits_on_host_threads(fake, simt, tmp_path, monkeypatch, kind):
     _kquant(monkeypatch)
     STATE.simt = simt
-    if kind == "gemma3":  # post-norms, GeGLU, q/k norms, a window of 4 every other layer, soft-capped logits
-        from engine.loader import load_model
-        from tests.engine.tiny_gemma3 import TinyGemmaSpec, write_tiny_gemma3
-
-        path = tmp_path / "gemma.gguf"
-        write_tiny_gemma3(path, TinyGemmaSpec(matrix_type=T.Q8_0, layers=2, pattern=2, final_softcap=3.0))
-        model = load_model(path).model
-    else:
-        model = _model(tmp_path, TinySpec(**SPECS[kind]))
-    dec = _fused(fake, monkeypatch, model, blocks=3 if kind == "q8_0" else 2)
-    assert dec.decode_path == "fused"
+    name = kind.removesuffix("-splits")
+    model = _gemma(tmp_path) if name == "gemma3" else _model(tmp_path, TinySpec(**SPECS[name]))
+    blocks = 3 if kind == "q8_0" else 2
+    if kind.endswith("-splits"):  # 8 blocks for 4 heads: each head's keys in 2 splits of up to 3
+        monkeypatch.setattr(fake.fused, "SPLIT_KEYS", 3)
+        blocks = 8
+    dec = _fused(fake, monkeypatch, model, blocks=blocks)
+    assert dec.decode_path == "fused" and dec.fused.max_splits == (2 if blocks == 8 else 1)
     cpu_cache, gpu_cache = model.new_cache(32), dec.new_cache(32, np.float32)
     prompt = [1, 2, 3, 4, 5]
     ref = model.forward(prompt, cpu_cache)

@@ -324,7 +324,8 @@ __device__ void prefetch_phase(const Phase& p, long long budget) {
 // ---- phases ---------------------------------------------------------------------------------
 struct Step {
     const unsigned long long* layers;
-    int n_layers, d, H, KV, hd, ff, vocab, n_rot, neox, n_ctx, kv_half, max_splits, token, pos, greedy, gemma;
+    int n_layers, d, H, KV, hd, ff, vocab, n_rot, neox, n_ctx, kv_half, max_splits, split_keys, token, pos, greedy;
+    int gemma;
     const uchar* embd;
     int embd_type;
     float embed_scale, eps, scale, softcap;
@@ -517,7 +518,7 @@ __device__ void rope_head(float* dst, const float* src, const float* nw, const f
 // the first key position query s.pos sees (a sliding window of `window` keys, or all)
 __device__ __forceinline__ int first_key(const Step& s, int window) { return window > 0 ? max(0, s.pos - window + 1) : 0; }
 __device__ __forceinline__ int n_splits(const Step& s, int window) {
-    return min(s.max_splits, max(1, (s.pos - first_key(s, window) + 256) / 256));
+    return min(s.max_splits, max(1, (s.pos - first_key(s, window) + s.split_keys) / s.split_keys));
 }
 
 // Phase B: attention item (h, sp) -> parts[(h * max_splits + sp) * (hd + 2) + ...] = unnormalised
@@ -661,14 +662,15 @@ extern "C" __global__ void __launch_bounds__(512, 1) decode_step(
     float embed_scale, const uchar* __restrict__ out_w, int out_type, const float* __restrict__ out_norm,
     void* kc, void* vc, int kv_half, int n_ctx, float* x, float* xr, float* o, float* qkv, float* gu, float* parts,
     float* logits, uint* sync, unsigned long long* best, int* status, int d, int H, int KV, int hd, int ff,
-    int vocab, int n_rot, int neox, float eps, float scale, int max_splits, int token, int pos, int greedy,
+    int vocab, int n_rot, int neox, float eps, float scale, int max_splits, int split_keys, int token, int pos,
+    int greedy,
     int gemma, float softcap, long long prefetch_budget) {
     extern __shared__ float sx[];
     Step s;
     s.layers = layers;
     s.n_layers = n_layers;
     s.d = d; s.H = H; s.KV = KV; s.hd = hd; s.ff = ff; s.vocab = vocab; s.n_rot = n_rot; s.neox = neox;
-    s.n_ctx = n_ctx; s.kv_half = kv_half; s.max_splits = max_splits; s.token = token; s.pos = pos;
+    s.n_ctx = n_ctx; s.kv_half = kv_half; s.max_splits = max_splits; s.split_keys = split_keys; s.token = token; s.pos = pos;
     s.greedy = greedy; s.gemma = gemma; s.softcap = softcap; s.embd = embd; s.embd_type = embd_type; s.embed_scale = embed_scale; s.eps = eps;
     s.scale = scale; s.prefetch_budget = prefetch_budget; s.out_w = out_w; s.out_type = out_type;
     s.out_norm = out_norm; s.kc = kc; s.vc = vc; s.x = x; s.qkv = qkv; s.gu = gu;
