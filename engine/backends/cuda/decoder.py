@@ -12,7 +12,7 @@ class uploads those weights unchanged (GGUF blocks) and runs the same maths with
   cuBLAS; attention is two batched float32 cuBLAS GEMMs per batch of KV heads (scores, then the
   weighted sum of V) around a masked-softmax kernel.
 
-The fused path (decode_kernel="fused" or HEARTH_CUDA_DECODE=fused; llama family): the whole decode step
+The fused path (decode_kernel="fused" or HEARTH_CUDA_DECODE=fused; GGUF weights): the whole decode step
 is one persistent kernel instead (engine.backends.cuda.fused); `decode_path` says which path runs.
 
 Batched decode (the server): forward_batch replays each sequence's own captured step, one after another.
@@ -176,8 +176,7 @@ class CudaDecoder:
         n_layers: layers on the GPU (None: all, with the output projection). Fewer make a head
             decoder: `hidden` returns the residual stream after them instead of logits.
         decode_kernel: "graphs" (a captured CUDA graph of per-op kernels) or "fused" (one persistent
-            kernel per step, llama family; other models keep the graphs); None: $HEARTH_CUDA_DECODE,
-            else "graphs".
+            kernel per step; FP8/NVFP4 models keep the graphs); None: $HEARTH_CUDA_DECODE, else "graphs".
 
     Raises:
         UnsupportedCudaModelError: a weight type without CUDA kernel, or Gemma's attention soft-capping.

@@ -72,20 +72,22 @@ class HybridDecoder:
     Args:
         model: the CPU model built from the file (LlamaModel or Gemma3Model).
         n_gpu_layers: layers on the GPU, 1 <= n < the model's layer count.
-        device, n_ctx, prefill_dtype, progress, use_graphs: as CudaDecoder's.
+        device, n_ctx, prefill_dtype, progress, use_graphs, decode_kernel: as CudaDecoder's.
 
     Raises:
         UnsupportedCudaModelError, CudaOutOfMemoryError: as CudaDecoder.
     """
 
     def __init__(self, model, n_gpu_layers: int, device: int = 0, n_ctx: int = 4096,
-                 prefill_dtype: str = "float16", progress=None, use_graphs: bool = True):
+                 prefill_dtype: str = "float16", progress=None, use_graphs: bool = True,
+                 decode_kernel: str | None = None):
         n_all = model.cfg.num_hidden_layers
         if not 1 <= n_gpu_layers < n_all:
             raise ValueError(f"n_gpu_layers must be 1..{n_all - 1} for a hybrid decoder, got {n_gpu_layers}")
         self.cpu = model
         self.gpu = CudaDecoder(model, device=device, n_ctx=n_ctx, prefill_dtype=prefill_dtype,
-                               progress=progress, use_graphs=use_graphs, n_layers=n_gpu_layers)
+                               progress=progress, use_graphs=use_graphs, n_layers=n_gpu_layers,
+                               decode_kernel=decode_kernel)
         self.n_gpu_layers = n_gpu_layers
         self.cfg = model.cfg
         self.device = self.gpu.device

@@ -97,10 +97,11 @@ def _check_fused(model, prompt, n_tokens=16, logit_tol=1e-3):
         assert _rel(dec.forward([token], cache), ref) < logit_tol
         token = int(np.argmax(ref[-1]))
     assert _gpu_greedy(dec, prompt, n_tokens) == _cpu_greedy(model, prompt, n_tokens)
-    hyb = HybridDecoder(model, model.cfg.num_hidden_layers // 2, n_ctx=128, prefill_dtype="float32")
-    hyb.gpu = CudaDecoder(model, n_ctx=128, prefill_dtype="float32", n_layers=hyb.gpu.n_layers,
-                          decode_kernel="fused")
-    out = [int(np.argmax(hyb.forward(prompt, (c := hyb.new_cache(128, np.float32)))[-1]))]
+    n_gpu = model.cfg.num_hidden_layers // 2
+    hyb = HybridDecoder(model, n_gpu, n_ctx=128, prefill_dtype="float32", decode_kernel="fused")
+    assert hyb.gpu.decode_path == "fused"
+    c = hyb.new_cache(128, np.float32)
+    out = [int(np.argmax(hyb.forward(prompt, c)[-1]))]
     for _ in range(n_tokens - 1):
         out.append(int(np.argmax(hyb.forward([out[-1]], c)[-1])))
     assert out == _cpu_greedy(model, prompt, n_tokens)
