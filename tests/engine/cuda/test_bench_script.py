@@ -1,0 +1,45 @@
+"""scripts/cuda_bench_1b.py end to end over the stand-in CuPy (test_decoder_dry): the GPU machine's one
+benchmark call must not die of a Python error. Tiny shapes stand in for the 1B ones; the figures are
+meaningless here, their presence is what is checked."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import types
+from pathlib import Path
+
+import numpy as np
+
+from tests.engine.cuda import test_decoder_dry as dry
+
+fake, ptx_params = dry.fake, dry.ptx_params  # the stand-in CuPy's fixtures
+
+SCRIPT = Path(__file__).resolve().parents[3] / "scripts" / "cuda_bench_1b.py"
+
+
+def test_bench_script_runs_every_measurement(fake, tmp_path, monkeypatch):
+    spec = importlib.util.spec_from_file_location("cuda_bench_1b", SCRIPT)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    tiny = dict(HIDDEN=256, FFN=512, LAYERS=2, HEADS=4, KV_HEADS=2, HEAD_DIM=64, VOCAB=4096)
+    for name, value in tiny.items():
+        monkeypatch.setattr(bench, name, value)
+    normal = lambda shape, dtype: dry._wrap(np.random.default_rng(0).standard_normal(shape).astype(dtype))  # noqa: E731
+    monkeypatch.setattr(fake.cp, "random", types.SimpleNamespace(standard_normal=normal), raising=False)
+    monkeypatch.setattr(fake.cp, "empty_like", lambda a: dry._wrap(np.zeros_like(a)), raising=False)
+    monkeypatch.setattr(fake.ops, "_sm_count", lambda: 2)
+    out = tmp_path / "results.json"
+    argv = ["cuda_bench_1b", "--out", str(out), "--types", "Q8_0,Q4_K", "--prompt", "64", "--gen", "8"]
+    monkeypatch.setattr("sys.argv", [*argv, "--repetitions", "1", "--workdir", str(tmp_path)])
+    assert bench.main() == 0
+    models = json.loads(out.read_text())["models"]
+    for entry in models.values():
+        assert not [k for k in entry if k.endswith("error")], entry
+        wanted = ("decode_bandwidth_fraction", "prefill_vs_cublas", "prefill_linears_s")
+        wanted += ("prefill_attention_s",)
+        wanted += ("fused_decode_bandwidth_fraction", "fused_greedy_matches_graphs")
+        wanted += ("fused_t256_decode_bandwidth_fraction", "fused_noprefetch_decode_bandwidth_fraction")
+        for key in wanted:
+            assert key in entry, key
+    assert not list(tmp_path.glob("*.gguf"))  # the 1B files are deleted after their run
