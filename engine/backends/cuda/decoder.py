@@ -507,7 +507,6 @@ class CudaDecoder:
         pos = cp.asarray(np.array([pos0], np.int32))
         x = cp.empty((n, d), f32)
         ops.dequant(x, self.token_embd, ids=ids, scale=self.embed_scale)
-        h = cp.empty((n, d), f32)
         o = cp.empty((n, d), f32)
         q = cp.empty((n, cfg.q_dim), f32)
         k = cp.empty((n, cfg.kv_dim), f32)
@@ -515,9 +514,11 @@ class CudaDecoder:
         attn = cp.empty((n, cfg.q_dim), f32)
         gate = cp.empty((n, ff), f32)
         up = cp.empty((n, ff), f32)
+        # the GEMM inputs in the tiles' dtype: the norms and the activation write them directly
+        h_in = cp.empty((n, d), dt)
+        act_in = cp.empty((n, ff), dt)
 
         def half(a):
-            # the GEMM input in the tiles' dtype
             if dt != cp.float16:
                 return a
             out = cp.empty(a.shape, cp.float16)
@@ -525,11 +526,10 @@ class CudaDecoder:
             return out
 
         for i, L in enumerate(self.layers):
-            ops.rmsnorm(h, x, L["attn_norm"], eps)
-            hh = half(h)
-            self._linear(q, L["wq"], hh)
-            self._linear(k, L["wk"], hh)
-            self._linear(v, L["wv"], hh)
+            ops.rmsnorm(h_in, x, L["attn_norm"], eps)
+            self._linear(q, L["wq"], h_in)
+            self._linear(k, L["wk"], h_in)
+            self._linear(v, L["wv"], h_in)
             for b, part in ((L["bq"], q), (L["bk"], k), (L["bv"], v)):
                 if b is not None:
                     part += b
@@ -555,23 +555,22 @@ class CudaDecoder:
                 ops.rmsnorm(x, o, L["post_attn_norm"], eps, accumulate=True)
             else:
                 self._linear(x, L["wo"], half(attn), accumulate=True)  # the residual add in the GEMM
-            ops.rmsnorm(h, x, L["ffn_norm"], eps)
-            hh = half(h)
-            self._linear(gate, L["w_gate"], hh)
-            self._linear(up, L["w_up"], hh)
-            ops.glu(gate, gate, up, self.gemma)
+            ops.rmsnorm(h_in, x, L["ffn_norm"], eps)
+            self._linear(gate, L["w_gate"], h_in)
+            self._linear(up, L["w_up"], h_in)
+            ops.glu(act_in, gate, up, self.gemma)
             if self.gemma:
-                self._linear(o, L["w_down"], half(gate))
+                self._linear(o, L["w_down"], act_in)
                 ops.rmsnorm(x, o, L["post_ffn_norm"], eps, accumulate=True)
             else:
-                self._linear(x, L["w_down"], half(gate), accumulate=True)
+                self._linear(x, L["w_down"], act_in, accumulate=True)
         if self.head_only:
             return x
         cap = getattr(cfg, "final_logit_softcapping", None)
         if all_logits:
-            ops.rmsnorm(h, x, self.output_norm, eps)
+            ops.rmsnorm(h_in, x, self.output_norm, eps)
             logits = cp.empty((n, cfg.vocab_size), f32)
-            self._linear(logits, self.output, half(h))
+            self._linear(logits, self.output, h_in)
         else:
             logits = cp.empty((1, cfg.vocab_size), f32)
             ops.matvec(logits[0], [self.output], x[n - 1], norm=self.output_norm, eps=eps, prologue=1)

@@ -223,10 +223,14 @@ def _grid1(n: int, threads: int = 256) -> tuple[tuple[int], tuple[int]]:
 
 
 def rmsnorm(out, x, w, eps: float, add_one: bool = False, accumulate: bool = False) -> None:
-    """out (n, dim) (= or +=) rmsnorm(x (n, dim)) * (w or 1 + w)."""
+    """out (n, dim) (= or +=) rmsnorm(x (n, dim)) * (w or 1 + w); a float16 out gets the values rounded
+    (no accumulate then)."""
     n, dim = x.shape
+    half = out.dtype == cp.float16
+    if half and accumulate:
+        raise ValueError("rmsnorm accumulates into float32 only")
     kernel("rmsnorm", cp.cuda.Device().id)(
-        (n,), (256,), (out, x, w, _i32(dim), _f32(eps), _i32(add_one), _i32(accumulate))
+        (n,), (256,), (out, x, w, _i32(dim), _f32(eps), _i32(add_one), _i32(accumulate), _i32(half))
     )
 
 
@@ -355,9 +359,11 @@ def attention_prefill(out, q, k_cache, v_cache, pos0: int, scale: float, window:
 
 
 def glu(out, gate, up, gelu: bool) -> None:
-    """out = silu(gate) * up (SwiGLU) or gelu_tanh(gate) * up (GeGLU); float32 arrays of one size."""
+    """out = silu(gate) * up (SwiGLU) or gelu_tanh(gate) * up (GeGLU); gate and up float32 of one size,
+    out float32 or float16."""
     n = out.size
-    kernel("glu", cp.cuda.Device().id)(*_grid1(n), (out, gate, up, np.int64(n), _i32(gelu)))
+    half = _i32(out.dtype == cp.float16)
+    kernel("glu", cp.cuda.Device().id)(*_grid1(n), (out, gate, up, np.int64(n), _i32(gelu), half))
 
 
 def add_inplace(x, y) -> None:

@@ -429,3 +429,22 @@ def test_gemm_nt_through_gemm_ex(fake, dtype):
     fake.ops.gemm_nt(wide[:, 3:10], a, b, accumulate=True)
     assert np.max(np.abs(wide[:, 3:10] - 2 * want)) < 1e-4
     assert not fake.ops._gemm_ex_failed
+
+
+def test_norm_and_activation_write_float16_gemm_inputs_on_host_threads(fake, simt):
+    """rmsnorm and glu write the float16 inputs of the prefill GEMMs directly (no float32 copy)."""
+    STATE.simt = simt
+    rng = np.random.default_rng(5)
+    x = rng.normal(size=(3, 64)).astype(np.float32)
+    w = rng.normal(1, 0.1, 64).astype(np.float32)
+    out = fake.cp.zeros((3, 64), np.float16)
+    fake.ops.rmsnorm(out, fake.cp.asarray(x), fake.cp.asarray(w), 1e-5)
+    want = x / np.sqrt(np.mean(x.astype(np.float64) ** 2, axis=1, keepdims=True) + 1e-5) * w
+    np.testing.assert_allclose(out.astype(np.float32), want, rtol=1e-3, atol=1e-4)  # float16 rounding
+    with pytest.raises(ValueError, match="float32 only"):
+        fake.ops.rmsnorm(out, fake.cp.asarray(x), fake.cp.asarray(w), 1e-5, accumulate=True)
+    gate, up = rng.normal(size=(2, 100)).astype(np.float32)
+    act = fake.cp.zeros(100, np.float16)
+    fake.ops.glu(act, fake.cp.asarray(gate), fake.cp.asarray(up), gelu=False)
+    want = gate / (1 + np.exp(-gate)) * up
+    np.testing.assert_allclose(act.astype(np.float32), want, rtol=1e-3, atol=1e-4)

@@ -3,13 +3,14 @@
 // at every position.
 
 // out (n, dim) = x / sqrt(mean(x^2) + eps) * (w (+1 when add_one: HF-style Gemma weights));
-// accumulate: out += that (Gemma's post-attention / post-MLP norms on the residual stream).
-extern "C" __global__ void rmsnorm(float* __restrict__ out, const float* __restrict__ x,
+// accumulate: out += that (Gemma's post-attention / post-MLP norms on the residual stream);
+// half_out: out is float16 (a prefill GEMM's input), written directly.
+extern "C" __global__ void rmsnorm(void* __restrict__ out, const float* __restrict__ x,
                                    const float* __restrict__ w, int dim, float eps, int add_one,
-                                   int accumulate) {
+                                   int accumulate, int half_out) {
     __shared__ float red[32];
     const float* xr = x + (long long)blockIdx.x * dim;
-    float* orow = out + (long long)blockIdx.x * dim;
+    long long o = (long long)blockIdx.x * dim;
     float ss = 0.f;
     for (int j = threadIdx.x; j < dim; j += blockDim.x) ss += xr[j] * xr[j];
     ss = block_sum(ss, red);
@@ -17,7 +18,8 @@ extern "C" __global__ void rmsnorm(float* __restrict__ out, const float* __restr
     for (int j = threadIdx.x; j < dim; j += blockDim.x) {
         float g = add_one ? 1.f + w[j] : w[j];
         float v = xr[j] * inv * g;
-        orow[j] = accumulate ? orow[j] + v : v;
+        if (half_out) ((ushort*)out)[o + j] = f2h(v);
+        else ((float*)out)[o + j] = accumulate ? ((float*)out)[o + j] + v : v;
     }
 }
 
@@ -183,11 +185,15 @@ extern "C" __global__ void softmax_causal(float* __restrict__ s, int T, int nq, 
     for (int j = threadIdx.x; j < T; j += blockDim.x) r[j] *= inv;
 }
 
-// Gated activations: mode 0 SwiGLU out = silu(gate) * up, mode 1 GeGLU (tanh GELU).
-extern "C" __global__ void glu(float* __restrict__ out, const float* __restrict__ gate,
-                               const float* __restrict__ up, long long n, int mode) {
+// Gated activations: mode 0 SwiGLU out = silu(gate) * up, mode 1 GeGLU (tanh GELU); out float32, or
+// float16 when half_out (a prefill GEMM's input).
+extern "C" __global__ void glu(void* __restrict__ out, const float* __restrict__ gate,
+                               const float* __restrict__ up, long long n, int mode, int half_out) {
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i < n) out[i] = (mode ? gelu_tanh(gate[i]) : silu(gate[i])) * up[i];
+    if (i >= n) return;
+    float v = (mode ? gelu_tanh(gate[i]) : silu(gate[i])) * up[i];
+    if (half_out) ((ushort*)out)[i] = f2h(v);
+    else ((float*)out)[i] = v;
 }
 // Gated activation of rows stacked as (n, 2, ff) [gate | up] -> out (n, ff)
 extern "C" __global__ void glu_stacked(float* __restrict__ out, const float* __restrict__ gu, int ff,
