@@ -107,7 +107,6 @@ struct XIn {
     int cols, units;
 };
 
-__device__ __forceinline__ float warp_sum_f(float v) { return warp_sum(v); }
 __device__ __forceinline__ int warp_sum_i(int v) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
