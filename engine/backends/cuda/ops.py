@@ -350,11 +350,13 @@ def attention_prefill(out, q, k_cache, v_cache, pos0: int, scale: float, window:
         nc = max(1, min(n, (ATTN_GEMM_BYTES - (g1 - g0) * per_head) // (4 * (g1 - g0) * rep * T)))
         for c0 in range(0, n, nc):
             c1 = min(n, c0 + nc)
+            # only the keys some query of the chunk sees: up to its last position, from its first's window
+            k0, k1 = (max(0, pos0 + c0 - window + 1) if window > 0 else 0), pos0 + c1
             rows = (g1 - g0) * rep * (c1 - c0)
-            scores = cp.matmul(qg[g0:g1, :, c0:c1].reshape(g1 - g0, rep * (c1 - c0), hd), kt)
-            args = (scores, _i32(T), _i32(c1 - c0), _i32(pos0 + c0), _f32(scale), _i32(window))
-            softmax((rows,), (256,), args)
-            og[g0:g1, :, c0:c1] = cp.matmul(scores, v).reshape(g1 - g0, rep, c1 - c0, hd)
+            scores = cp.matmul(qg[g0:g1, :, c0:c1].reshape(g1 - g0, rep * (c1 - c0), hd), kt[:, :, k0:k1])
+            keys = (_i32(k1 - k0), _i32(c1 - c0), _i32(pos0 + c0), _i32(k0))
+            softmax((rows,), (256,), (scores, *keys, _f32(scale), _i32(window)))
+            og[g0:g1, :, c0:c1] = cp.matmul(scores, v[:, k0:k1]).reshape(g1 - g0, rep, c1 - c0, hd)
     out[...] = og.transpose(2, 0, 1, 3).reshape(n, H, hd)
 
 

@@ -164,16 +164,17 @@ extern "C" __global__ void attn_reduce(float* __restrict__ out, const float* __r
 }
 
 // Prefill attention's softmax, in place over score rows s (rows, T) from a GEMM: row r is query
-// r % nq of the chunk, at position pos_first + r % nq; keys [start, pos] count (start = pos - window + 1
-// with a sliding window, else 0), the rest become 0. One block per row.
-extern "C" __global__ void softmax_causal(float* __restrict__ s, int T, int nq, int pos_first, float scale,
-                                          int window) {
+// r % nq of the chunk, at position pos_first + r % nq; column j is the key at position key0 + j. Keys
+// [start, pos] count (start = pos - window + 1 with a sliding window, else 0), the rest become 0. One
+// block per row.
+extern "C" __global__ void softmax_causal(float* __restrict__ s, int T, int nq, int pos_first, int key0,
+                                          float scale, int window) {
     __shared__ float red[32];
-    int pos = pos_first + (int)(blockIdx.x % nq);
-    int start = window > 0 ? max(0, pos - window + 1) : 0;
+    int pos = pos_first + (int)(blockIdx.x % nq) - key0;  // in columns
+    int start = (window > 0 ? max(0, pos + key0 - window + 1) : 0) - key0;
     float* r = s + (long long)blockIdx.x * T;
     float m = -3.0e38f;
-    for (int j = start + threadIdx.x; j <= pos; j += blockDim.x) m = fmaxf(m, r[j] * scale);
+    for (int j = max(start, 0) + threadIdx.x; j <= pos; j += blockDim.x) m = fmaxf(m, r[j] * scale);
     m = block_max(m, red);
     float l = 0.f;
     for (int j = threadIdx.x; j < T; j += blockDim.x) {
