@@ -4,12 +4,12 @@
 #      decode tok/s and fraction of peak memory bandwidth for the graph path and the fused persistent step
 #      (the fused one checked against the graph one, plus two of its knobs), prefill at 512 tokens against
 #      cuBLAS float16 GEMMs with a breakdown (linears vs attention);
-#   2. the fast GPU tests (-m "cuda and not slow": kernel parity with the CPU kernels, decoder, fused-step
-#      and partial-offload parity on tiny llama/qwen2/gemma3 files, the chat runner and the server engine on
-#      the GPU, bench, fallback);
+#   2. the fast GPU tests (-m "cuda and not slow": kernel parity with the CPU kernels, decoder and
+#      partial-offload parity on tiny llama/qwen2/gemma3 files, the chat runner and the server engine on
+#      the GPU, bench, fallback), then the fused step's GPU tests in a process of their own;
 #   3. the slow ones (the starter models, when they are cached there: decoder and partial-offload parity).
 # Results: $OUT/cuda_results.json (bench figures + test summary), $OUT/cuda_check.log (everything
-# printed), $OUT/cuda_tests.xml and cuda_tests_slow.xml (JUnit).
+# printed), $OUT/cuda_tests.xml, cuda_tests_fused.xml and cuda_tests_slow.xml (JUnit).
 #
 # The GPU machine's python3 has CuPy, numba, numpy, tokenizers, jinja2, pytest but not gguf or
 # platformdirs: run scripts/cuda_device_prepare.sh here first (wheels into .whl/), then e.g.
@@ -45,22 +45,29 @@ for t in Q4_K Q8_0; do
     [ "$rc" -eq 0 ] || BENCH_RC=$rc
 done
 
-echo "== CUDA tests (fast)"
-timeout 200 "$PY" -m pytest -q -p no:cacheprovider -m "cuda and not slow" tests/engine/cuda -rs --durations=10 \
-    --junitxml="$OUT/cuda_tests.xml"
+echo "== CUDA tests (fast; the fused step's come next, in a process of their own)"
+timeout 180 "$PY" -m pytest -q -p no:cacheprovider -m "cuda and not slow" -k "not fused" tests/engine/cuda -rs \
+    --durations=10 --junitxml="$OUT/cuda_tests.xml"
 TEST_RC=$?
 echo "fast tests rc=$TEST_RC"
 
+echo "== CUDA tests (the fused decode step)"
+timeout 90 "$PY" -m pytest -q -p no:cacheprovider -m "cuda" -k "fused" tests/engine/cuda -rs --durations=10 \
+    --junitxml="$OUT/cuda_tests_fused.xml"
+FUSED_RC=$?
+echo "fused tests rc=$FUSED_RC"
+
 echo "== CUDA tests (slow: starter models, when cached here)"
-timeout 60 "$PY" -m pytest -q -p no:cacheprovider -m "cuda and slow" tests/engine/cuda -rs --durations=10 \
-    --junitxml="$OUT/cuda_tests_slow.xml"
+timeout 45 "$PY" -m pytest -q -p no:cacheprovider -m "cuda and slow" -k "not fused" tests/engine/cuda -rs \
+    --durations=10 --junitxml="$OUT/cuda_tests_slow.xml"
 SLOW_RC=$?
 echo "slow tests rc=$SLOW_RC"
 
-"$PY" - "$OUT" "$TEST_RC" "$BENCH_RC" "$SLOW_RC" <<'PYEOF'
+"$PY" - "$OUT" "$TEST_RC" "$BENCH_RC" "$SLOW_RC" "$FUSED_RC" <<'PYEOF'
 import json, sys, xml.etree.ElementTree as ET
 from pathlib import Path
 out, test_rc, bench_rc, slow_rc = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+fused_rc = int(sys.argv[5])
 res_path = out / "cuda_results.json"
 res = {"models": {}}
 for part in sorted(out.glob("bench_*.json")):
@@ -86,9 +93,10 @@ def junit(name: str, rc: int) -> dict:
 
 res["tests"] = junit("cuda_tests.xml", test_rc)
 res["slow_tests"] = junit("cuda_tests_slow.xml", slow_rc)
+res["fused_tests"] = junit("cuda_tests_fused.xml", fused_rc)
 res["bench_rc"] = bench_rc
 res_path.write_text(json.dumps(res, indent=2))
 print(json.dumps(res, indent=2))
 PYEOF
 date
-exit $(( TEST_RC != 0 || BENCH_RC != 0 || SLOW_RC != 0 ))
+exit $(( TEST_RC != 0 || BENCH_RC != 0 || SLOW_RC != 0 || FUSED_RC != 0 ))
