@@ -237,9 +237,12 @@ class CudaDecoder:
             if kind == "fused":
                 reason = fused.unsupported_reason(self)
                 if reason is None:
-                    self.fused = fused.FusedStep(self)
-                    self.decode_path = "fused"
-                else:
+                    try:
+                        self.fused = fused.FusedStep(self)
+                        self.decode_path = "fused"
+                    except fused.FusedStepError as e:  # e.g. its block does not fit on an SM
+                        reason = str(e)
+                if reason is not None:
                     self.decode_path = f"graphs (fused step: {reason})"
         # per cache: its decode-step buffers and captured graphs (the graphs hold the cache's and the
         # buffers' pointers, so they live and die with the cache)

@@ -29,8 +29,10 @@ STEP_WARPS = 16
 SPLIT_KEYS = 256  # keys per attention split (up to max_splits splits: one per block and head)
 ENV = "HEARTH_CUDA_DECODE"
 KINDS = ("graphs", "fused")
-_SLOTS = ("attn_norm", "ffn_norm", "q_norm", "k_norm", "bq", "bk", "bv")
-_GEMMA_SLOTS = {15: "inv_freq", 17: "post_attn_norm", 18: "post_ffn_norm"}  # pointers; 16: the window
+# descriptor slots holding a layer's vectors (device pointers, 0 when absent); 7-13 hold the matrices,
+# 14 their types, 16 the sliding window
+_SLOTS = {0: "attn_norm", 1: "ffn_norm", 2: "q_norm", 3: "k_norm", 4: "bq", 5: "bk", 6: "bv", 15: "inv_freq"}
+_SLOTS |= {17: "post_attn_norm", 18: "post_ffn_norm"}
 _MATS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
 _i32, _f32 = np.int32, np.float32
 
@@ -100,11 +102,10 @@ class FusedStep:
         self.smem = smem_bytes(cfg)
         table = np.zeros((len(dec.layers), LAYER_SLOTS), np.uint64)
         for i, L in enumerate(dec.layers):
-            table[i, : len(_SLOTS)] = [_ptr(L[k]) for k in _SLOTS]
+            for slot, k in _SLOTS.items():
+                table[i, slot] = _ptr(L[k])
             table[i, 7:14] = [_ptr(L[m].raw) for m in _MATS]
             table[i, 14] = sum(L[m].ggml_type << (8 * j) for j, m in enumerate(_MATS))
-            for slot, k in _GEMMA_SLOTS.items():
-                table[i, slot] = _ptr(L[k])
             table[i, 16] = L["window"]
         self.table = cp.asarray(table)
         self.k = ops.kernel("decode_step", cp.cuda.Device().id)
@@ -118,7 +119,7 @@ class FusedStep:
     def _resident_blocks(self) -> int:
         per_sm = cp.cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(self.k.ptr, self.threads, self.smem)
         if per_sm < 1:
-            raise FusedStepError("the fused decode step does not fit on one SM; use the graph path")
+            raise FusedStepError("its block does not fit on one SM")
         return ops._sm_count()
 
     def buffers(self, step) -> None:

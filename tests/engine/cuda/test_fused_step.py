@@ -74,6 +74,11 @@ def test_decode_kind_and_fallbacks(fake, tmp_path, monkeypatch):
     assert dec.fused is None and dec.decode_path == "graphs (fused step: head_dim 512 > 256)"
     with pytest.raises(ValueError, match="multiple of 32"):
         fake.fused.FusedStep(dec, threads=48)
+    # a GPU where the block does not fit on an SM: the graph path, and why
+    monkeypatch.setattr(fake.cp.cuda.driver, "occupancyMaxActiveBlocksPerMultiprocessor", lambda f, t, m: 0)
+    (tmp_path / "q8").mkdir()  # a file of its own: the first model still maps tiny.gguf
+    dec = _fused(fake, monkeypatch, _model(tmp_path / "q8", TinySpec(matrix_type=T.Q8_0, layers=1)))
+    assert dec.fused is None and dec.decode_path == "graphs (fused step: its block does not fit on one SM)"
 
 
 def test_a_barrier_timeout_is_a_typed_error(fake, tmp_path, monkeypatch):

@@ -321,24 +321,18 @@ __device__ void prefetch_phase(const Phase& p, long long budget) {
 }
 
 // ---- phases ---------------------------------------------------------------------------------
+// What the phase helpers read (the kernel body uses its own parameters for the rest).
 struct Step {
     const unsigned long long* layers;
-    int n_layers, d, H, KV, hd, ff, vocab, n_rot, neox, n_ctx, kv_half, max_splits, split_keys, token, pos, greedy;
-    int gemma;
-    const uchar* embd;
-    int embd_type;
-    float embed_scale, eps, scale, softcap;
+    int n_layers, d, H, KV, hd, ff, vocab, n_rot, neox, n_ctx, kv_half, max_splits, split_keys, pos;
+    float eps, scale;
     long long prefetch_budget;
     const uchar* out_w;
     int out_type;
-    const float* out_norm;
     void* kc;
     void* vc;
-    float* x;
     float* qkv;
-    float* gu;
     float* parts;
-    float* logits;
 };
 
 // Weight phase k of the step (4 per layer: qkv, wo, gate|up, down; then the output projection).
@@ -669,11 +663,9 @@ extern "C" __global__ void __launch_bounds__(512, 1) decode_step(
     s.layers = layers;
     s.n_layers = n_layers;
     s.d = d; s.H = H; s.KV = KV; s.hd = hd; s.ff = ff; s.vocab = vocab; s.n_rot = n_rot; s.neox = neox;
-    s.n_ctx = n_ctx; s.kv_half = kv_half; s.max_splits = max_splits; s.split_keys = split_keys; s.token = token; s.pos = pos;
-    s.greedy = greedy; s.gemma = gemma; s.softcap = softcap; s.embd = embd; s.embd_type = embd_type; s.embed_scale = embed_scale; s.eps = eps;
-    s.scale = scale; s.prefetch_budget = prefetch_budget; s.out_w = out_w; s.out_type = out_type;
-    s.out_norm = out_norm; s.kc = kc; s.vc = vc; s.x = x; s.qkv = qkv; s.gu = gu;
-    s.parts = parts; s.logits = logits;
+    s.n_ctx = n_ctx; s.kv_half = kv_half; s.max_splits = max_splits; s.split_keys = split_keys; s.pos = pos;
+    s.eps = eps; s.scale = scale; s.prefetch_budget = prefetch_budget; s.out_w = out_w; s.out_type = out_type;
+    s.kc = kc; s.vc = vc; s.qkv = qkv; s.parts = parts;
 
     int maxc = max(d, max(H * hd, ff)), mu = maxc / 32;
     float* red = sx;  // 32 floats of reductions, then this block's barrier generation
