@@ -331,6 +331,10 @@ class EngineClient:
             q = self._queues.get(req_id)
             if q is not None:
                 q.put((kind, payload))
+        with self._lock:
+            stopping = self._proc is not proc
+        if stopping:  # _stop reaps it: two threads waiting on one child race for its exit code
+            return
         proc.join(timeout=2.0)
         with self._lock:
             if self._proc is proc:
