@@ -195,18 +195,23 @@ def _prefill_breakdown(dec, n_tokens: int, n_ctx: int) -> dict:
     from engine.backends.cuda import ops
 
     cfg = dec.cfg
-    x16 = cp.random.standard_normal((n_tokens, max(cfg.hidden_size, cfg.intermediate_size)), dtype=cp.float32)
-    x16 = x16.astype(cp.float16)
-    out = cp.empty((n_tokens, max(cfg.q_dim, cfg.intermediate_size, cfg.hidden_size)), cp.float32)
+    # the prefill's GEMM inputs, one contiguous array per width (a column slice would not be contiguous
+    # and would take gemm_nt's cp.matmul fallback)
+    x16 = {
+        c: cp.random.standard_normal((n_tokens, c), dtype=cp.float32).astype(dec.prefill_dtype)
+        for c in {cfg.hidden_size, cfg.q_dim, cfg.intermediate_size}
+    }
+    width = max(cfg.q_dim + 2 * cfg.kv_dim, 2 * cfg.intermediate_size, cfg.hidden_size)
+    out = cp.empty((n_tokens, width), cp.float32)
     q = cp.random.standard_normal((n_tokens, cfg.num_attention_heads, cfg.head_dim), dtype=cp.float32)
     attn = cp.empty_like(q)
     cache = dec.new_cache(n_ctx)
 
-    def linears():
+    def linears():  # the stacked projections as the prefill runs them
         for L in dec.layers:
-            for name in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"):
-                w = L[name]
-                dec._linear(out[:, : w.rows], w, x16[:, : w.cols])
+            for names in (("wq", "wk", "wv"), ("wo",), ("w_gate", "w_up"), ("w_down",)):
+                ws = [L[name] for name in names]
+                dec._linear(out[:, : sum(w.rows for w in ws)], ws, x16[ws[0].cols])
 
     def attention():
         for i in range(len(dec.layers)):

@@ -294,6 +294,14 @@ class CudaDecoder:
                 "inv_freq": vec(layer.inv_freq if self.gemma else model.inv_freq),
                 "window": model.cfg.sliding_window if self.gemma and layer.sliding else 0,
             }
+            # the q|k|v biases as one vector over the stacked projection (zeros where one is missing)
+            biases = [getattr(layer, b, None) for b in ("bq", "bk", "bv")]
+            sizes = (self.cfg.q_dim, self.cfg.kv_dim, self.cfg.kv_dim)
+            if all(b is None for b in biases):
+                g["bqkv"] = None
+            else:
+                parts = [np.zeros(m) if b is None else b for b, m in zip(biases, sizes)]
+                g["bqkv"] = vec(np.concatenate(parts))
             self.layers.append(g)
         self.scale = float(model.scale)
         self.embed_scale = float(model.embed_scale) if self.gemma else 1.0
@@ -436,21 +444,17 @@ class CudaDecoder:
     def _decode_kernels(self, s: _Step, cache: CudaKVCache, greedy: bool) -> None:
         cfg = self.cfg
         eps = cfg.rms_norm_eps
-        q_dim, kv_dim, ff = cfg.q_dim, cfg.kv_dim, cfg.intermediate_size
-        H, KV, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        q_dim, ff = cfg.q_dim, cfg.intermediate_size
+        H, hd = cfg.num_attention_heads, cfg.head_dim
         ops.dequant(s.x.reshape(1, -1), self.token_embd, ids=s.ids, scale=self.embed_scale)
         q = s.qkv[:q_dim]
-        k = s.qkv[q_dim : q_dim + kv_dim]
-        v = s.qkv[q_dim + kv_dim :]
         for i, L in enumerate(self.layers):
             _stacked(s.qkv, [L["wq"], L["wk"], L["wv"]], s.x, norm=L["attn_norm"], eps=eps, prologue=1)
-            for b, part in ((L["bq"], q), (L["bk"], k), (L["bv"], v)):
-                if b is not None:
-                    ops.add_inplace(part, b)
+            if L["bqkv"] is not None:
+                ops.add_inplace(s.qkv, L["bqkv"])
             ops.rope_store(
-                q.reshape(1, H, hd),
-                k.reshape(1, KV, hd),
-                v.reshape(1, KV, hd),
+                s.qkv,
+                H,
                 cache.k[i],
                 cache.v[i],
                 s.pos,
@@ -494,16 +498,15 @@ class CudaDecoder:
             ops.argmax(s.ids, s.logits)
 
     # ---- prefill ----------------------------------------------------------------------------
-    def _linear(self, out, w: ops.GpuWeight, x16, accumulate: bool = False) -> None:
-        tile_rows = max(1, min(w.rows, self._tile.size // w.cols))
-        ops.linear_prefill(out, w, x16, self._tile, tile_rows, accumulate)
+    def _linear(self, out, ws: list[ops.GpuWeight], x16, accumulate: bool = False) -> None:
+        ops.linear_prefill(out, ws, x16, self._tile, accumulate)
 
     def _prefill(self, tokens: np.ndarray, cache: CudaKVCache, all_logits: bool):
         cfg = self.cfg
         eps = cfg.rms_norm_eps
         n = len(tokens)
         f32, dt = cp.float32, self.prefill_dtype
-        H, KV, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        H, hd = cfg.num_attention_heads, cfg.head_dim
         d, ff = cfg.hidden_size, cfg.intermediate_size
         pos0 = cache.offset
         ids = cp.asarray(tokens.astype(np.int32))
@@ -511,12 +514,10 @@ class CudaDecoder:
         x = cp.empty((n, d), f32)
         ops.dequant(x, self.token_embd, ids=ids, scale=self.embed_scale)
         o = cp.empty((n, d), f32)
-        q = cp.empty((n, cfg.q_dim), f32)
-        k = cp.empty((n, cfg.kv_dim), f32)
-        v = cp.empty((n, cfg.kv_dim), f32)
+        qkv = cp.empty((n, cfg.q_dim + 2 * cfg.kv_dim), f32)  # one GEMM for q|k|v
+        q3 = qkv[:, : cfg.q_dim].reshape(n, H, hd)
         attn = cp.empty((n, cfg.q_dim), f32)
-        gate = cp.empty((n, ff), f32)
-        up = cp.empty((n, ff), f32)
+        gu = cp.empty((n, 2 * ff), f32)  # one GEMM for gate|up
         # the GEMM inputs in the tiles' dtype: the norms and the activation write them directly
         h_in = cp.empty((n, d), dt)
         act_in = cp.empty((n, ff), dt)
@@ -530,17 +531,12 @@ class CudaDecoder:
 
         for i, L in enumerate(self.layers):
             ops.rmsnorm(h_in, x, L["attn_norm"], eps)
-            self._linear(q, L["wq"], h_in)
-            self._linear(k, L["wk"], h_in)
-            self._linear(v, L["wv"], h_in)
-            for b, part in ((L["bq"], q), (L["bk"], k), (L["bv"], v)):
-                if b is not None:
-                    part += b
-            q3, k3, v3 = q.reshape(n, H, hd), k.reshape(n, KV, hd), v.reshape(n, KV, hd)
+            self._linear(qkv, [L["wq"], L["wk"], L["wv"]], h_in)
+            if L["bqkv"] is not None:
+                qkv += L["bqkv"]
             ops.rope_store(
-                q3,
-                k3,
-                v3,
+                qkv,
+                H,
                 cache.k[i],
                 cache.v[i],
                 pos,
@@ -554,26 +550,25 @@ class CudaDecoder:
             attn3 = attn.reshape(n, H, hd)
             ops.attention_prefill(attn3, q3, cache.k[i], cache.v[i], pos0, self.scale, L["window"])
             if self.gemma:
-                self._linear(o, L["wo"], half(attn))
+                self._linear(o, [L["wo"]], half(attn))
                 ops.rmsnorm(x, o, L["post_attn_norm"], eps, accumulate=True)
             else:
-                self._linear(x, L["wo"], half(attn), accumulate=True)  # the residual add in the GEMM
+                self._linear(x, [L["wo"]], half(attn), accumulate=True)  # the residual add in the GEMM
             ops.rmsnorm(h_in, x, L["ffn_norm"], eps)
-            self._linear(gate, L["w_gate"], h_in)
-            self._linear(up, L["w_up"], h_in)
-            ops.glu(act_in, gate, up, self.gemma)
+            self._linear(gu, [L["w_gate"], L["w_up"]], h_in)
+            ops.glu(act_in, gu, self.gemma)
             if self.gemma:
-                self._linear(o, L["w_down"], act_in)
+                self._linear(o, [L["w_down"]], act_in)
                 ops.rmsnorm(x, o, L["post_ffn_norm"], eps, accumulate=True)
             else:
-                self._linear(x, L["w_down"], act_in, accumulate=True)
+                self._linear(x, [L["w_down"]], act_in, accumulate=True)
         if self.head_only:
             return x
         cap = getattr(cfg, "final_logit_softcapping", None)
         if all_logits:
             ops.rmsnorm(h_in, x, self.output_norm, eps)
             logits = cp.empty((n, cfg.vocab_size), f32)
-            self._linear(logits, self.output, h_in)
+            self._linear(logits, [self.output], h_in)
         else:
             logits = cp.empty((1, cfg.vocab_size), f32)
             ops.matvec(logits[0], [self.output], x[n - 1], norm=self.output_norm, eps=eps, prologue=1)

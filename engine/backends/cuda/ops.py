@@ -235,9 +235,8 @@ def rmsnorm(out, x, w, eps: float, add_one: bool = False, accumulate: bool = Fal
 
 
 def rope_store(
-    q,
-    k,
-    v,
+    qkv,
+    H: int,
     k_cache,
     v_cache,
     pos,
@@ -248,18 +247,17 @@ def rope_store(
     q_norm=None,
     k_norm=None,
 ) -> None:
-    """RoPE q (n, H, hd) in place, write rotated k and v (n, KV, hd) into one layer's caches
-    (KV, n_ctx, hd) at positions pos[0]..; per-head q/k RMSNorm first when q_norm/k_norm are given."""
-    n, H, hd = q.shape
-    KV = k.shape[1]
+    """RoPE the q part of qkv (n, (H + 2 KV) hd), rows [q (H, hd) | k (KV, hd) | v (KV, hd)], in place,
+    and write rotated k and v into one layer's caches (KV, n_ctx, hd) at positions pos[0]..; per-head
+    q/k RMSNorm first when q_norm/k_norm are given."""
+    KV, n_ctx, hd = k_cache.shape
+    n = qkv.size // ((H + 2 * KV) * hd)
     threads = max(32, min(256, -(-hd // 2 // 32) * 32))
     kernel("rope_store", cp.cuda.Device().id)(
         (H + KV, n),
         (threads,),
         (
-            q,
-            k,
-            v,
+            qkv,
             k_cache,
             v_cache,
             pos,
@@ -271,7 +269,7 @@ def rope_store(
             _i32(hd),
             _i32(n_rot),
             _i32(neox),
-            _i32(k_cache.shape[1]),
+            _i32(n_ctx),
             _f32(eps),
             _i32(k_cache.dtype == cp.float16),
         ),
@@ -328,8 +326,9 @@ def attention(
 
 def attention_prefill(out, q, k_cache, v_cache, pos0: int, scale: float, window: int = 0) -> None:
     """out (n, H, hd) = causal attention of q (n, H, hd), query t at position pos0 + t, over one layer's
-    caches (KV, n_ctx, hd) holding keys 0..pos0+n-1: the scores and the weighted sum as batched float32
-    cuBLAS GEMMs per KV head (its `rep` query heads stacked), the masked softmax in between.
+    caches (KV, n_ctx, hd) holding keys 0..pos0+n-1: the scores and the weighted sum as strided-batched
+    float32 cuBLAS GEMMs over KV heads (each one's `rep` query heads side by side, token-major, so a
+    chunk of queries is a block of rows), the masked softmax in between.
 
     KV heads go in batches and queries in chunks so that scores plus the float32 K/V copies stay
     under ATTN_GEMM_BYTES (beyond one query per batch, which always runs).
@@ -337,8 +336,8 @@ def attention_prefill(out, q, k_cache, v_cache, pos0: int, scale: float, window:
     n, H, hd = q.shape
     KV = k_cache.shape[0]
     rep, T = H // KV, pos0 + n
-    qg = cp.ascontiguousarray(q.reshape(n, KV, rep, hd).transpose(1, 2, 0, 3))  # (KV, rep, n, hd)
-    og = cp.empty((KV, rep, n, hd), cp.float32)
+    qg = cp.ascontiguousarray(q.reshape(n, KV, rep, hd).transpose(1, 0, 2, 3)).reshape(KV, n * rep, hd)
+    og = cp.empty((KV, n * rep, hd), cp.float32)
     per_head = 8 * T * hd  # float32 K and V of one KV head
     gb = max(1, min(KV, ATTN_GEMM_BYTES // (per_head + 4 * rep * T)))
     softmax = kernel("softmax_causal", cp.cuda.Device().id)
@@ -346,26 +345,27 @@ def attention_prefill(out, q, k_cache, v_cache, pos0: int, scale: float, window:
         g1 = min(KV, g0 + gb)
         k = k_cache[g0:g1, :T].astype(cp.float32)
         v = v_cache[g0:g1, :T].astype(cp.float32)
-        kt = k.transpose(0, 2, 1)
         nc = max(1, min(n, (ATTN_GEMM_BYTES - (g1 - g0) * per_head) // (4 * (g1 - g0) * rep * T)))
         for c0 in range(0, n, nc):
             c1 = min(n, c0 + nc)
             # only the keys some query of the chunk sees: up to its last position, from its first's window
             k0, k1 = (max(0, pos0 + c0 - window + 1) if window > 0 else 0), pos0 + c1
-            rows = (g1 - g0) * rep * (c1 - c0)
-            scores = cp.matmul(qg[g0:g1, :, c0:c1].reshape(g1 - g0, rep * (c1 - c0), hd), kt[:, :, k0:k1])
-            keys = (_i32(k1 - k0), _i32(c1 - c0), _i32(pos0 + c0), _i32(k0))
-            softmax((rows,), (256,), (scores, *keys, _f32(scale), _i32(window)))
-            og[g0:g1, :, c0:c1] = cp.matmul(scores, v[:, k0:k1]).reshape(g1 - g0, rep, c1 - c0, hd)
-    out[...] = og.transpose(2, 0, 1, 3).reshape(n, H, hd)
+            rows = slice(c0 * rep, c1 * rep)
+            scores = cp.empty((g1 - g0, (c1 - c0) * rep, k1 - k0), cp.float32)
+            gemm_batched(scores, qg[g0:g1, rows], k[:, k0:k1], trans_b=True)
+            keys = (_i32(k1 - k0), _i32(c1 - c0), _i32(rep), _i32(pos0 + c0), _i32(k0))
+            softmax((scores.size // (k1 - k0),), (256,), (scores, *keys, _f32(scale), _i32(window)))
+            gemm_batched(og[g0:g1, rows], scores, v[:, k0:k1])
+    out[...] = og.reshape(KV, n, rep, hd).transpose(1, 0, 2, 3).reshape(n, H, hd)
 
 
-def glu(out, gate, up, gelu: bool) -> None:
-    """out = silu(gate) * up (SwiGLU) or gelu_tanh(gate) * up (GeGLU); gate and up float32 of one size,
-    out float32 or float16."""
-    n = out.size
+def glu(out, gu, gelu: bool) -> None:
+    """out (n, ff) = silu(gate) * up (SwiGLU) or gelu_tanh(gate) * up (GeGLU) of gu (n, 2 ff) float32,
+    each row [gate | up]; out float32 or float16."""
+    ff = out.shape[-1]
+    n = out.size // ff
     half = _i32(out.dtype == cp.float16)
-    kernel("glu", cp.cuda.Device().id)(*_grid1(n), (out, gate, up, np.int64(n), _i32(gelu), half))
+    kernel("glu", cp.cuda.Device().id)(*_grid1(n * ff), (out, gu, _i32(ff), np.int64(n), _i32(gelu), half))
 
 
 def add_inplace(x, y) -> None:
@@ -399,14 +399,25 @@ def sample_topk(token, x, k: int, temp: float, top_p: float, u: float) -> None:
     )
 
 
-def linear_prefill(out, w: GpuWeight, x16, scratch, tile_rows: int, accumulate: bool = False) -> None:
-    """out (n, rows) float32 (=, or += when accumulate) x16 (n, cols) @ W.T: tiles of W dequantized into
-    scratch (float16 or float32, >= tile_rows * cols elements) and multiplied by cuBLAS; x16 has
-    scratch's dtype."""
-    for r0 in range(0, w.rows, tile_rows):
-        r1 = min(r0 + tile_rows, w.rows)
-        tile = scratch[: (r1 - r0) * w.cols].reshape(r1 - r0, w.cols)
-        dequant(tile, w, r0=r0, n=r1 - r0)
+def linear_prefill(out, ws: list[GpuWeight], x16, scratch, accumulate: bool = False) -> None:
+    """out (n, R) float32 (=, or += when accumulate) x16 (n, cols) @ W.T, W the rows of ws (one cols)
+    stacked, R rows in all: tiles of W dequantized into scratch (float16 or float32, >= cols elements)
+    and multiplied by cuBLAS, one GEMM per tile; x16 has scratch's dtype.
+
+    A tile may span several weights (q|k|v, gate|up), so stacked projections cost one GEMM."""
+    cols = ws[0].cols
+    if any(w.cols != cols for w in ws):
+        raise ValueError("stacked weights must have the same number of columns")
+    total = sum(w.rows for w in ws)
+    tile_rows = min(total, scratch.size // cols)
+    starts = np.cumsum([0] + [w.rows for w in ws])
+    for r0 in range(0, total, tile_rows):
+        r1 = min(r0 + tile_rows, total)
+        tile = scratch[: (r1 - r0) * cols].reshape(r1 - r0, cols)
+        for w, s0 in zip(ws, starts[:-1]):
+            lo, hi = max(r0, s0), min(r1, s0 + w.rows)  # the part of w in this tile
+            if lo < hi:
+                dequant(tile[lo - r0 : hi - r0], w, r0=int(lo - s0), n=int(hi - lo))
         gemm_nt(out[:, r0:r1], x16, tile, accumulate)
 
 
@@ -417,6 +428,9 @@ _COMPUTE_32F = 68
 _GEMM_DEFAULT = -1
 _POINTER_MODE_HOST = 0
 _gemm_ex_failed: list[str] = []  # the first cublasGemmEx error: later calls use cp.matmul
+
+
+_ONE, _ZERO = np.ones(1, np.float32), np.zeros(1, np.float32)  # host alpha / beta
 
 
 def gemm_nt(c, a, b, accumulate: bool = False) -> None:
@@ -432,12 +446,12 @@ def gemm_nt(c, a, b, accumulate: bool = False) -> None:
         cublas = cp.cuda.cublas
         handle = cp.cuda.device.get_cublas_handle()
         dtype = _R_16F if a.dtype == cp.float16 else _R_32F
-        alpha, beta = np.ones(1, np.float32), np.full(1, float(accumulate), np.float32)
+        beta = _ONE if accumulate else _ZERO
         # column-major view: c.T (m, n) = b (m, k) @ a.T (k, n); b and a are their own transposes there
         try:
             cublas.setPointerMode(handle, _POINTER_MODE_HOST)
             cublas.gemmEx(
-                handle, _OP_T, _OP_N, m, n, k, alpha.ctypes.data, b.data.ptr, dtype, k, a.data.ptr, dtype, k,
+                handle, _OP_T, _OP_N, m, n, k, _ONE.ctypes.data, b.data.ptr, dtype, k, a.data.ptr, dtype, k,
                 beta.ctypes.data, c.data.ptr, _R_32F, c.strides[0] // 4, _COMPUTE_32F, _GEMM_DEFAULT,
             )
             return
@@ -447,3 +461,32 @@ def gemm_nt(c, a, b, accumulate: bool = False) -> None:
         c += cp.matmul(a, b.T)
     else:
         c[...] = cp.matmul(a, b.T)
+
+
+def _rows_unit(a) -> bool:
+    """A (B, rows, cols) float32 view cuBLAS can take as strided batches: unit column stride."""
+    return a.dtype == cp.float32 and a.strides[2] == 4 and a.strides[1] % 4 == 0 and a.strides[0] % 4 == 0
+
+
+def gemm_batched(c, a, b, trans_b: bool = False) -> None:
+    """c (B, m, n) = a (B, m, k) @ (b (B, n, k).T if trans_b else b (B, k, n)), float32 views with unit
+    column strides and any row and batch strides: one cublasSgemmStridedBatched, cp.matmul should cuBLAS
+    refuse."""
+    B, m, k = a.shape
+    n = b.shape[1] if trans_b else b.shape[2]
+    if not _gemm_ex_failed and all(_rows_unit(x) for x in (a, b, c)):
+        cublas = cp.cuda.cublas
+        handle = cp.cuda.device.get_cublas_handle()
+        # column-major: c.T (n, m) = op(b.T) @ a.T, each row-major matrix read as its own transpose
+        try:
+            cublas.setPointerMode(handle, _POINTER_MODE_HOST)
+            cublas.sgemmStridedBatched(
+                handle, _OP_T if trans_b else _OP_N, _OP_N, n, m, k, _ONE.ctypes.data,
+                b.data.ptr, b.strides[1] // 4, b.strides[0] // 4,
+                a.data.ptr, a.strides[1] // 4, a.strides[0] // 4, _ZERO.ctypes.data,
+                c.data.ptr, c.strides[1] // 4, c.strides[0] // 4, B,
+            )
+            return
+        except Exception as e:  # noqa: BLE001 - a cuBLAS that refuses the call: the plain product works
+            _gemm_ex_failed.append(f"{type(e).__name__}: {e}")
+    c[...] = cp.matmul(a, b.transpose(0, 2, 1) if trans_b else b)

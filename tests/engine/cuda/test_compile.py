@@ -20,7 +20,6 @@ OPS = [
     "attn_split",
     "attn_reduce",
     "glu",
-    "glu_stacked",
     "add_inplace",
     "to_half",
     "softcap",

@@ -112,6 +112,15 @@ def _gemm_ex(handle, transa, transb, m, n, k, alpha, a, atype, lda, b, btype, ld
     c_t[...] = (al * (op_a.astype(np.float32) @ op_b.astype(np.float32)) + be * c_t.T).T
 
 
+def _sgemm_strided_batched(
+    handle, transa, transb, m, n, k, alpha, a, lda, stride_a, b, ldb, stride_b, beta, c, ldc, stride_c, batch
+):
+    """cublasSgemmStridedBatched's contract on host memory: cublasGemmEx's per batch, float32 only."""
+    for i in range(batch):
+        a_i, b_i, c_i = a + 4 * i * stride_a, b + 4 * i * stride_b, c + 4 * i * stride_c
+        _gemm_ex(handle, transa, transb, m, n, k, alpha, a_i, 0, lda, b_i, 0, ldb, beta, c_i, 0, ldc, 68, -1)
+
+
 def _fake_cupy():
     cp = types.ModuleType("cupy")
     for name in ("float16", "float32", "int32", "uint8", "uint32", "uint64"):
@@ -184,7 +193,9 @@ def _fake_cupy():
         CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES=8,
         funcSetAttribute=lambda func, attr, value: SHARED_ALLOWED.__setitem__(func, value),
     )
-    cublas = types.SimpleNamespace(gemmEx=_gemm_ex, setPointerMode=lambda handle, mode: None)
+    cublas = types.SimpleNamespace(
+        gemmEx=_gemm_ex, sgemmStridedBatched=_sgemm_strided_batched, setPointerMode=lambda handle, mode: None
+    )
     cp.cuda = types.SimpleNamespace(
         Device=Device, Stream=Stream, runtime=runtime, memory=memory, Graph=Graph, nvrtc=nvrtc, driver=driver,
         cublas=cublas, device=types.SimpleNamespace(get_cublas_handle=lambda: 0),
@@ -412,6 +423,18 @@ def test_prefill_attention_gemms_on_host_threads(fake, simt, monkeypatch, window
         fake.ops.attention_prefill(out, *args)
         assert np.max(np.abs(out - want)) < 1e-5
     assert fake.launches.count("softmax_causal") == 1 + 2 * 3  # then 2 KV heads x 3 chunks of 2 queries
+    assert not fake.ops._gemm_ex_failed  # every product through cublasSgemmStridedBatched
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_stacked_prefill_linear_on_host_threads(fake, simt, dtype):
+    """test_kernels_gpu's stacked-tile check: the dequant kernels on host threads, the GEMMs through the
+    host emulation of cublasGemmEx."""
+    from tests.engine.cuda import test_kernels_gpu as gpu_tests
+
+    STATE.simt = simt
+    gpu_tests.test_linear_prefill_stacks_weights_across_tiles(0, dtype)
+    assert fake.launches.count("dequant_q8_0") == 6 and not fake.ops._gemm_ex_failed  # W1 in 2 tiles, W3
 
 
 @pytest.mark.parametrize("dtype", [np.float16, np.float32])
@@ -443,8 +466,8 @@ def test_norm_and_activation_write_float16_gemm_inputs_on_host_threads(fake, sim
     np.testing.assert_allclose(out.astype(np.float32), want, rtol=1e-3, atol=1e-4)  # float16 rounding
     with pytest.raises(ValueError, match="float32 only"):
         fake.ops.rmsnorm(out, fake.cp.asarray(x), fake.cp.asarray(w), 1e-5, accumulate=True)
-    gate, up = rng.normal(size=(2, 100)).astype(np.float32)
-    act = fake.cp.zeros(100, np.float16)
-    fake.ops.glu(act, fake.cp.asarray(gate), fake.cp.asarray(up), gelu=False)
+    gate, up = rng.normal(size=(2, 2, 50)).astype(np.float32)
+    act = fake.cp.zeros((2, 50), np.float16)
+    fake.ops.glu(act, fake.cp.asarray(np.concatenate([gate, up], axis=1)), gelu=False)
     want = gate / (1 + np.exp(-gate)) * up
     np.testing.assert_allclose(act.astype(np.float32), want, rtol=1e-3, atol=1e-4)

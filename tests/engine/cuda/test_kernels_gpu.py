@@ -100,6 +100,30 @@ def test_stacked_matvec_prologues_and_accumulate(gpu, t):
     np.testing.assert_allclose(out.get(), base + dense @ x, rtol=0, atol=scale * (1 + np.abs(x).max()))
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_linear_prefill_stacks_weights_across_tiles(gpu, dtype):
+    """linear_prefill over stacked weights of different types (q|k|v, gate|up) with a scratch so small
+    that tiles start and end inside weights and one tile spans two: out = x @ [W1; W2; W3].T, then +=."""
+    import cupy as cp
+
+    from engine.backends.cuda import ops
+
+    parts = [_weight(t, rows, 64, seed) for t, rows, seed in ((8, 5, 1), (2, 3, 2), (8, 4, 3))]
+    dense = np.concatenate([d for _, d in parts])
+    x = np.random.default_rng(4).standard_normal((3, 64)).astype(np.float32)
+    scratch = cp.empty(64 * 5, dtype)  # tiles of 5 rows: [0, 5) [5, 10) [10, 12)
+    out = cp.zeros((3, 12), cp.float32)
+    ws = [ops.upload(w) for w, _ in parts]
+    ops.linear_prefill(out, ws, cp.asarray(x.astype(dtype)), scratch)
+    want = x.astype(dtype).astype(np.float64) @ dense.astype(dtype).astype(np.float64).T
+    tol = 1e-4 if dtype == np.float32 else 2e-3
+    np.testing.assert_allclose(out.get(), want, rtol=tol, atol=tol * np.abs(want).max())
+    ops.linear_prefill(out, ws, cp.asarray(x.astype(dtype)), scratch, accumulate=True)
+    np.testing.assert_allclose(out.get(), 2 * want, rtol=tol, atol=2 * tol * np.abs(want).max())
+    with pytest.raises(ValueError, match="same number of columns"):
+        ops.linear_prefill(out, [ws[0], ops.upload(_weight(8, 2, 96, 5)[0])], cp.asarray(x), scratch)
+
+
 @pytest.mark.parametrize("add_one", [False, True])
 def test_rmsnorm(gpu, add_one):
     import cupy as cp
@@ -156,13 +180,13 @@ def test_rope_store_and_attention_match_cpu(gpu, kv_dtype, neox, window, qk_norm
         p = pos0 + i
         start = max(0, p - window + 1) if window else 0
         cpu.attention(ref[i : i + 1], qr[i : i + 1], kref[:, start:], vref[:, start:], p - start, scale)
-    gq, gk, gv = cp.asarray(q), cp.asarray(k), cp.asarray(v)
+    # the rows as the stacked q|k|v projection leaves them
+    gqkv = cp.asarray(np.concatenate([q.reshape(n, -1), k.reshape(n, -1), v.reshape(n, -1)], axis=1))
     gkc, gvc = cp.asarray(kc), cp.asarray(vc)
     pos = cp.asarray(np.array([pos0], np.int32))
     ops.rope_store(
-        gq,
-        gk,
-        gv,
+        gqkv,
+        H,
         gkc,
         gvc,
         pos,
@@ -174,7 +198,9 @@ def test_rope_store_and_attention_match_cpu(gpu, kv_dtype, neox, window, qk_norm
         None if kn is None else cp.asarray(kn),
     )
     tol = 1e-5 if kv_dtype == np.float32 else 1e-3
+    gq = cp.ascontiguousarray(gqkv[:, : H * hd]).reshape(n, H, hd)
     np.testing.assert_allclose(gq.get(), qr, rtol=tol, atol=tol)
+    np.testing.assert_array_equal(gqkv[:, H * hd :].get(), np.concatenate([k, v], axis=1).reshape(n, -1))
     np.testing.assert_allclose(gkc.get().astype(np.float32), kref.astype(np.float32), rtol=tol, atol=tol)
     np.testing.assert_array_equal(gvc.get(), vref)
     out = cp.empty((n, H, hd), cp.float32)
@@ -188,12 +214,13 @@ def test_glu_argmax_and_sampling(gpu):
     from engine.backends.cuda import ops
 
     rng = np.random.default_rng(7)
-    g, u = rng.standard_normal(1000).astype(np.float32), rng.standard_normal(1000).astype(np.float32)
+    g, u = rng.standard_normal((2, 3, 500)).astype(np.float32)  # 3 rows of [gate | up]
     for gelu, fn in ((False, cpu.silu_mul), (True, cpu.gelu_tanh_mul)):
         ref = np.empty_like(g)
-        fn(ref, g, u)
-        out = cp.empty(1000, cp.float32)
-        ops.glu(out, cp.asarray(g), cp.asarray(u), gelu)
+        for t in range(3):
+            fn(ref[t], g[t], u[t])
+        out = cp.empty((3, 500), cp.float32)
+        ops.glu(out, cp.asarray(np.concatenate([g, u], axis=1)), gelu)
         np.testing.assert_allclose(out.get(), ref, rtol=1e-5, atol=1e-6)
     logits = rng.standard_normal(50000).astype(np.float32)
     logits[[123, 40000]] = 9.0  # a tie: the first index wins, as np.argmax

@@ -23,24 +23,22 @@ extern "C" __global__ void rmsnorm(void* __restrict__ out, const float* __restri
     }
 }
 
-// One block per (token t = blockIdx.y, head h = blockIdx.x) of q (n, H, hd) then k (n, KV, hd):
-// optional per-head RMSNorm (qn / kn, may be null), RoPE on the first n_rot dims at position
-// pos_base[0] + t (neox: pairs (i, i + n_rot/2), else (2i, 2i+1)); q is rotated in place, k (rotated)
-// and v are written to this layer's cache (KV, n_ctx, hd), float32 or float16 (kv_half).
-// blockDim.x >= hd / 2, a multiple of 32.
-extern "C" __global__ void rope_store(float* __restrict__ q, const float* __restrict__ k,
-                                      const float* __restrict__ v, void* __restrict__ kc,
-                                      void* __restrict__ vc, const int* __restrict__ pos_base,
-                                      const float* __restrict__ inv_freq, const float* __restrict__ qn,
-                                      const float* __restrict__ kn, int H, int KV, int hd, int n_rot,
-                                      int neox, int n_ctx, float eps, int kv_half) {
+// One block per (token t = blockIdx.y, head h = blockIdx.x) of the rows qkv (n, (H + 2 KV) hd), each
+// [q (H, hd) | k (KV, hd) | v (KV, hd)]: optional per-head RMSNorm of q and k (qn / kn, may be null),
+// RoPE on the first n_rot dims at position pos_base[0] + t (neox: pairs (i, i + n_rot/2), else
+// (2i, 2i+1)); q is rotated in place, k (rotated) and v are written to this layer's cache
+// (KV, n_ctx, hd), float32 or float16 (kv_half). blockDim.x >= hd / 2, a multiple of 32.
+extern "C" __global__ void rope_store(float* __restrict__ qkv, void* __restrict__ kc, void* __restrict__ vc,
+                                      const int* __restrict__ pos_base, const float* __restrict__ inv_freq,
+                                      const float* __restrict__ qn, const float* __restrict__ kn, int H,
+                                      int KV, int hd, int n_rot, int neox, int n_ctx, float eps, int kv_half) {
     __shared__ float red[32];
     __shared__ float row[512];
     int t = blockIdx.y, h = blockIdx.x;
     int pos = pos_base[0] + t;
     bool is_q = h < H;
     int kh = h - H;
-    const float* src = is_q ? q + ((long long)t * H + h) * hd : k + ((long long)t * KV + kh) * hd;
+    float* src = qkv + (long long)t * (H + 2 * KV) * hd + (long long)h * hd;  // q head h, or k head h - H
     const float* nw = is_q ? qn : kn;
     for (int j = threadIdx.x; j < hd; j += blockDim.x) row[j] = src[j];
     if (nw) {
@@ -63,12 +61,11 @@ extern "C" __global__ void rope_store(float* __restrict__ q, const float* __rest
     }
     __syncthreads();
     if (is_q) {
-        float* dst = q + ((long long)t * H + h) * hd;
-        for (int j = threadIdx.x; j < hd; j += blockDim.x) dst[j] = row[j];
+        for (int j = threadIdx.x; j < hd; j += blockDim.x) src[j] = row[j];
         return;
     }
     long long o = ((long long)kh * n_ctx + pos) * hd;
-    const float* vs = v + ((long long)t * KV + kh) * hd;
+    const float* vs = src + (long long)KV * hd;
     for (int j = threadIdx.x; j < hd; j += blockDim.x) {
         if (kv_half) {
             ((ushort*)kc)[o + j] = f2h(row[j]);
@@ -163,14 +160,14 @@ extern "C" __global__ void attn_reduce(float* __restrict__ out, const float* __r
     }
 }
 
-// Prefill attention's softmax, in place over score rows s (rows, T) from a GEMM: row r is query
-// r % nq of the chunk, at position pos_first + r % nq; column j is the key at position key0 + j. Keys
-// [start, pos] count (start = pos - window + 1 with a sliding window, else 0), the rest become 0. One
-// block per row.
-extern "C" __global__ void softmax_causal(float* __restrict__ s, int T, int nq, int pos_first, int key0,
-                                          float scale, int window) {
+// Prefill attention's softmax, in place over score rows s (rows, T) from a GEMM: rows come in groups
+// of rep (the query heads of one KV head), group g is query g % nq of the chunk, at position
+// pos_first + g % nq; column j is the key at position key0 + j. Keys [start, pos] count
+// (start = pos - window + 1 with a sliding window, else 0), the rest become 0. One block per row.
+extern "C" __global__ void softmax_causal(float* __restrict__ s, int T, int nq, int rep, int pos_first,
+                                          int key0, float scale, int window) {
     __shared__ float red[32];
-    int pos = pos_first + (int)(blockIdx.x % nq) - key0;  // in columns
+    int pos = pos_first + (int)((blockIdx.x / rep) % nq) - key0;  // in columns
     int start = (window > 0 ? max(0, pos + key0 - window + 1) : 0) - key0;
     float* r = s + (long long)blockIdx.x * T;
     float m = -3.0e38f;
@@ -186,24 +183,17 @@ extern "C" __global__ void softmax_causal(float* __restrict__ s, int T, int nq, 
     for (int j = threadIdx.x; j < T; j += blockDim.x) r[j] *= inv;
 }
 
-// Gated activations: mode 0 SwiGLU out = silu(gate) * up, mode 1 GeGLU (tanh GELU); out float32, or
-// float16 when half_out (a prefill GEMM's input).
-extern "C" __global__ void glu(void* __restrict__ out, const float* __restrict__ gate,
-                               const float* __restrict__ up, long long n, int mode, int half_out) {
-    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= n) return;
-    float v = (mode ? gelu_tanh(gate[i]) : silu(gate[i])) * up[i];
-    if (half_out) ((ushort*)out)[i] = f2h(v);
-    else ((float*)out)[i] = v;
-}
-// Gated activation of rows stacked as (n, 2, ff) [gate | up] -> out (n, ff)
-extern "C" __global__ void glu_stacked(float* __restrict__ out, const float* __restrict__ gu, int ff,
-                                       long long n, int mode) {
+// Gated activation of rows stacked as gu (n, 2, ff) [gate | up] -> out (n, ff), float32 or float16:
+// silu(gate) * up (mode 0, SwiGLU) or gelu_tanh(gate) * up (mode 1, GeGLU).
+extern "C" __global__ void glu(void* __restrict__ out, const float* __restrict__ gu, int ff, long long n,
+                               int mode, int half_out) {
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= n * ff) return;
     long long t = i / ff, j = i % ff;
     float g = gu[t * 2 * ff + j], u = gu[t * 2 * ff + ff + j];
-    out[i] = (mode ? gelu_tanh(g) : silu(g)) * u;
+    float v = (mode ? gelu_tanh(g) : silu(g)) * u;
+    if (half_out) ((ushort*)out)[i] = f2h(v);
+    else ((float*)out)[i] = v;
 }
 extern "C" __global__ void add_inplace(float* __restrict__ x, const float* __restrict__ y, long long n) {
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
