@@ -12,7 +12,8 @@ For each file it measures, with engine.backends.cuda.bench.bench_decoder:
   step ("fused", engine.backends.cuda.fused), with the fused step's logits and greedy tokens checked
   against the graph path's on the same prompt;
   prefill tok/s at --prompt tokens, against cupy float16 GEMMs of the same shapes (the 7 layer
-  matrices x 16 layers at --prompt rows): prefill_vs_cublas = GEMM time / our prefill time.
+  matrices x 16 layers at --prompt rows): prefill_vs_cublas = GEMM time / our prefill time; where
+  prefill time goes (linears, attention) and prefill tok/s with 8, 16 and 32 MiB dequantization tiles.
 
 Usage: python3 scripts/cuda_bench_1b.py --out results.json [--types Q4_K,Q8_0] [--prompt 512] [--gen 128]
 """
@@ -158,6 +159,10 @@ def bench_file(path: Path, n_prompt: int, n_gen: int, repetitions: int) -> dict:
         breakdown = _prefill_breakdown(dec, n_prompt, n_ctx)
     except Exception as e:  # noqa: BLE001 - the figures above stand
         breakdown = {"prefill_breakdown_error": f"{type(e).__name__}: {e}"}
+    try:
+        breakdown.update(_prefill_by_tile(dec, prompt, n_ctx))
+    except Exception as e:  # noqa: BLE001 - the figures above stand
+        breakdown["prefill_by_tile_error"] = f"{type(e).__name__}: {e}"
     gemm_s = cublas_reference(n_prompt)
     # last: a fault in the fused kernel would leave this process's CUDA context unusable
     fused = _bench_fused(dec, prompt, n_gen, n_ctx, repetitions)
@@ -231,6 +236,31 @@ def _prefill_breakdown(dec, n_tokens: int, n_ctx: int) -> dict:
     res["prefill_gemm_ex"] = not ops._gemm_ex_failed
     if ops._gemm_ex_failed:
         res["prefill_gemm_ex_error"] = ops._gemm_ex_failed[0]
+    return res
+
+
+def _prefill_by_tile(dec, prompt: list[int], n_ctx: int) -> dict:
+    """Prefill tok/s (best of 3) with smaller dequantization tiles than the default: a tile that stays
+    in L2 between its dequantization and its GEMM saves the float16 round trip through DRAM, at the
+    cost of more, smaller launches. Which wins is what this measures."""
+    import cupy as cp
+
+    default = dec._tile
+    res = {}
+    try:
+        for mib in (8, 16, 32):
+            dec._tile = cp.empty((mib << 20) // default.itemsize, default.dtype)
+            best = float("inf")
+            for _ in range(4):  # the first warms up
+                cache = dec.new_cache(n_ctx)
+                cp.cuda.Device(dec.device).synchronize()
+                t0 = time.perf_counter()
+                dec.forward(prompt, cache)
+                best = min(best, time.perf_counter() - t0)
+            res[f"prefill_tps_tile_{mib}mib"] = round(len(prompt) / best, 1)
+    finally:
+        dec._tile = default
+    res["prefill_tile_default_mib"] = round(default.nbytes / 2**20, 1)
     return res
 
 
