@@ -53,9 +53,12 @@ PRELUDE = r"""
 #include <utility>
 #include <vector>
 struct dim3h { unsigned x = 0, y = 0, z = 0; };
+struct uint2 { unsigned x, y; };
 struct uint4 { unsigned x, y, z, w; };
 struct float4 { float x, y, z, w; };
 static inline float4 make_float4(float a, float b, float c, float d) { return {a, b, c, d}; }
+static inline uint2 make_uint2(unsigned a, unsigned b) { return {a, b}; }
+static inline uint4 make_uint4(unsigned a, unsigned b, unsigned c, unsigned d) { return {a, b, c, d}; }
 // per host thread: its CUDA thread and block, and the block's barriers, shuffle slots and dynamic
 // shared memory (in a cooperative launch every block has its own; sequentially the blocks share one)
 static thread_local dim3h threadIdx, blockIdx;
@@ -80,6 +83,7 @@ template <typename T> static T __shfl_xor_sync(unsigned, T v, int o) {
     return r;
 }
 static inline float __uint_as_float(unsigned u) { float f; std::memcpy(&f, &u, 4); return f; }
+static inline unsigned __float_as_uint(float f) { unsigned u; std::memcpy(&u, &f, 4); return u; }
 static inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
 using std::max; using std::min;
 // atomics on global memory: lock-free std::atomic_ref (sequentially consistent, as strong as CUDA's)

@@ -246,19 +246,40 @@ __device__ __forceinline__ const uchar* stacked_row(const uchar* w0, const uchar
     return w2 + (long long)(r - rows0 - rows1) * row_bytes;
 }
 
-// 32 values times scale to element o of out (float32, or float16 bits when half_out; 16-byte aligned)
-__device__ __forceinline__ void store32(void* __restrict__ out, long long o, const float* v, float scale,
-                                        int half_out) {
-    if (half_out) {
-        uint* oh = (uint*)((ushort*)out + o);
+// Every thread's 32 values (its unit: elements 32 idx.. of out), times scale, to out (float32, or
+// float16 bits when half_out). A block's units lie back to back in out, so they are staged in shared
+// memory and written by consecutive threads in 16-byte stores that fill whole 32-byte sectors (a
+// thread storing its own 32 values would touch a sector for every 4 or 16 bytes it writes).
+// Called by every thread of a block of 256 (no early return); ok: this thread has a unit (idx < units).
+__device__ __forceinline__ void store_staged(void* __restrict__ out, long long units, const float* v, float scale,
+                                             int half_out, bool ok) {
+    __shared__ uint4 stage[256 * 8];
+    int t = threadIdx.x, per = half_out ? 4 : 8;  // 16-byte words per unit
+    if (ok) {
+        uint4* st = stage + t * per;
+        if (half_out) {
 #pragma unroll
-        for (int j = 0; j < 16; j++) oh[j] = (uint)f2h(v[2 * j] * scale) | ((uint)f2h(v[2 * j + 1] * scale) << 16);
-    } else {
-        float4* of = (float4*)((float*)out + o);
+            for (int j = 0; j < 4; j++) {
+                const float* e = v + 8 * j;
+                uint w[4];
 #pragma unroll
-        for (int j = 0; j < 8; j++)
-            of[j] = make_float4(v[4 * j] * scale, v[4 * j + 1] * scale, v[4 * j + 2] * scale, v[4 * j + 3] * scale);
+                for (int k = 0; k < 4; k++) w[k] = (uint)f2h(e[2 * k] * scale) | ((uint)f2h(e[2 * k + 1] * scale) << 16);
+                st[j] = make_uint4(w[0], w[1], w[2], w[3]);
+            }
+        } else {
+#pragma unroll
+            for (int j = 0; j < 8; j++) {
+                const float* e = v + 4 * j;
+                st[j] = make_uint4(__float_as_uint(e[0] * scale), __float_as_uint(e[1] * scale),
+                                   __float_as_uint(e[2] * scale), __float_as_uint(e[3] * scale));
+            }
+        }
     }
+    __syncthreads();
+    long long first = (long long)blockIdx.x * 256;
+    int words = (int)min(256LL, units - first) * per;
+    uint4* o = (uint4*)out + first * per;
+    for (int k = t; k < words; k += 256) o[k] = stage[k];
 }
 
 // out (rows0+rows1+rows2,) (=, or += when accumulate) = [W0; W1; W2] (.., cols) @ act(x) (cols,).
@@ -293,13 +314,15 @@ __device__ __forceinline__ void store32(void* __restrict__ out, long long o, con
                                               int half_out, float scale) {                                 \
         int units = cols >> 5;                                                                             \
         long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;                                  \
-        if (idx >= (long long)n * units) return;                                                           \
-        int i = (int)(idx / units), u = (int)(idx % units);                                                \
-        long long row = ids ? ids[i] : (long long)(r0 + i);                                                \
-        long long row_bytes = (long long)(units / SUBS) * BYTES;                                           \
+        bool ok = idx < (long long)n * units;                                                              \
         float v[32];                                                                                       \
-        dec_##NAME(w + row * row_bytes + (long long)(u / SUBS) * BYTES, u % SUBS, v);                      \
-        store32(out, (long long)i * cols + (long long)u * 32, v, scale, half_out);                         \
+        if (ok) {                                                                                          \
+            int i = (int)(idx / units), u = (int)(idx % units);                                            \
+            long long row = ids ? ids[i] : (long long)(r0 + i);                                            \
+            long long row_bytes = (long long)(units / SUBS) * BYTES;                                       \
+            dec_##NAME(w + row * row_bytes + (long long)(u / SUBS) * BYTES, u % SUBS, v);                  \
+        }                                                                                                  \
+        store_staged(out, (long long)n * units, v, scale, half_out, ok);                                   \
     }
 
 QMATVEC(q8_0, 34, 1)
@@ -377,9 +400,17 @@ __device__ __forceinline__ void unpack4_f32(uint4 p, float* v) {
         float v[PER];                                                                                      \
         unpack##PER##_##NAME(((const uint4*)(w + row * (long long)cols * ESIZE))[u], v);                   \
         long long o = (long long)i * cols + (long long)u * PER;                                            \
-        _Pragma("unroll") for (int j = 0; j < PER; j++) {                                                  \
-            if (half_out) ((ushort*)out)[o + j] = f2h(v[j] * scale);                                       \
-            else ((float*)out)[o + j] = v[j] * scale;                                                      \
+        /* vector stores: consecutive threads fill consecutive 16-byte words */                            \
+        if (half_out) {                                                                                    \
+            uint h[4];                                                                                     \
+            for (int j = 0; j < PER / 2; j++)                                                              \
+                h[j] = (uint)f2h(v[2 * j] * scale) | ((uint)f2h(v[2 * j + 1] * scale) << 16);              \
+            if (PER == 8) ((uint4*)((ushort*)out + o))[0] = make_uint4(h[0], h[1], h[2], h[3]);           \
+            else ((uint2*)((ushort*)out + o))[0] = make_uint2(h[0], h[1]);                                 \
+        } else {                                                                                           \
+            for (int j = 0; j < PER; j += 4)                                                               \
+                ((float4*)((float*)out + o + j))[0] = make_float4(v[j] * scale, v[j + 1] * scale,          \
+                                                                  v[j + 2] * scale, v[j + 3] * scale);     \
         }                                                                                                  \
     }
 
@@ -459,12 +490,15 @@ extern "C" __global__ void dequant_fp8(void* __restrict__ out, const uchar* __re
                                        int n, int cols, int half_out, float scale) {
     int units = cols >> 5;
     long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (idx >= (long long)n * units) return;
-    int i = (int)(idx / units), u = (int)(idx % units);
-    long long row = ids ? ids[i] : (long long)(r0 + i);
-    float v[32];
-    dec_fp8(w + row * cols + 32 * u, v);
-    store32(out, (long long)i * cols + (long long)u * 32, v, ws[row] * E4M3_UNIT * scale, half_out);
+    bool ok = idx < (long long)n * units;
+    float v[32], row_scale = 0.f;
+    if (ok) {
+        int i = (int)(idx / units), u = (int)(idx % units);
+        long long row = ids ? ids[i] : (long long)(r0 + i);
+        dec_fp8(w + row * cols + 32 * u, v);
+        row_scale = ws[row];
+    }
+    store_staged(out, (long long)n * units, v, row_scale * E4M3_UNIT * scale, half_out, ok);
 }
 
 // the same for NVFP4 (ws: block scales); scale carries the global scale
@@ -473,10 +507,12 @@ extern "C" __global__ void dequant_nvfp4(void* __restrict__ out, const uchar* __
                                          int n, int cols, int half_out, float scale) {
     int units = cols >> 5;
     long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (idx >= (long long)n * units) return;
-    int i = (int)(idx / units), u = (int)(idx % units);
-    long long row = ids ? ids[i] : (long long)(r0 + i);
+    bool ok = idx < (long long)n * units;
     float v[32];
-    dec_nvfp4(w + row * (cols >> 1) + 16 * u, ws + row * (cols >> 4) + 2 * u, v);
-    store32(out, (long long)i * cols + (long long)u * 32, v, scale * (E2M1_UNIT * E4M3_UNIT), half_out);
+    if (ok) {
+        int i = (int)(idx / units), u = (int)(idx % units);
+        long long row = ids ? ids[i] : (long long)(r0 + i);
+        dec_nvfp4(w + row * (cols >> 1) + 16 * u, ws + row * (cols >> 4) + 2 * u, v);
+    }
+    store_staged(out, (long long)n * units, v, scale * (E2M1_UNIT * E4M3_UNIT), half_out, ok);
 }

@@ -46,11 +46,6 @@ __device__ __forceinline__ void prefetch_l2(const uchar* p, uint bytes) {
 }
 #else  // the host build of the tests (tests/engine/cuda/simt.py)
 static inline int __float2int_rn(float v) { return (int)std::nearbyint(v); }
-static inline uint __float_as_uint(float f) {
-    uint u;
-    std::memcpy(&u, &f, 4);
-    return u;
-}
 __device__ __forceinline__ int dp4a(uint a, uint b, int c) {
     for (int i = 0; i < 4; i++) c += (int)(signed char)(a >> (8 * i)) * (int)(signed char)(b >> (8 * i));
     return c;
