@@ -8,9 +8,10 @@ per shape and the embedding tiles one random 4096-row block.
 
 For each file it measures, with engine.backends.cuda.bench.bench_decoder:
   decode tok/s and the fraction of peak memory bandwidth (weights + KV bytes per token / time / peak),
-  for both decode paths: the captured CUDA graph of per-op kernels ("graphs") and the fused persistent
-  step ("fused", engine.backends.cuda.fused), with the fused step's logits and greedy tokens checked
-  against the graph path's on the same prompt;
+  for both decode paths: the captured CUDA graph of per-op kernels ("graphs"; its matvecs with integer
+  dot products, and again with float ones) and the fused persistent step ("fused",
+  engine.backends.cuda.fused), with the fused step's logits and greedy tokens checked against the
+  graph path's on the same prompt;
   prefill tok/s at --prompt tokens, against cupy float16 GEMMs of the same shapes (the 7 layer
   matrices x 16 layers at --prompt rows): prefill_vs_cublas = GEMM time / our prefill time; where
   prefill time goes (linears, attention) and prefill tok/s with 8, 16 and 32 MiB dequantization tiles.
@@ -155,6 +156,15 @@ def bench_file(path: Path, n_prompt: int, n_gen: int, repetitions: int) -> dict:
         tok = dec.greedy_step(tok, cache)
     plain["decode_tps_without_graph"] = 32 / (time.perf_counter() - t1)
     dec.use_graphs = True
+    # the graph path with float dot products in its matvecs (the default takes integer ones)
+    dec.int_dot = False
+    try:
+        f = bench_decoder(dec, prompt, n_gen, n_ctx, 1)
+        plain["float_matvec_decode_bandwidth_fraction"] = round(f["decode_bandwidth_fraction"], 3)
+    except Exception as e:  # noqa: BLE001 - the figures above stand
+        plain["float_matvec_error"] = f"{type(e).__name__}: {e}"
+    finally:
+        dec.int_dot = True
     try:
         breakdown = _prefill_breakdown(dec, n_prompt, n_ctx)
     except Exception as e:  # noqa: BLE001 - the figures above stand
@@ -178,7 +188,7 @@ def bench_file(path: Path, n_prompt: int, n_gen: int, repetitions: int) -> dict:
         "prefill_vs_cublas": round(gemm_s / prefill_s, 3),
         "decode_tokens": n_gen,
         "decode_tps": round(r["decode_tps"], 1),
-        "decode_tps_without_graph": round(plain["decode_tps_without_graph"], 1),
+        **{k: round(v, 1) if k == "decode_tps_without_graph" else v for k, v in plain.items()},
         "decode_gb_per_token": round(r["decode_bytes_per_token"] / 1e9, 4),
         "decode_bandwidth_gbs": round(r["decode_bandwidth_gbs"], 1),
         "peak_bandwidth_gbs": round(r["peak_bandwidth_gbs"], 1),

@@ -85,6 +85,7 @@ def cmd_bench_cuda(args, lm, load_s: float) -> dict:
         "file_mb": round(lm.file_size / 2**20, 1),
         "device": f"cuda:{dec.device} ({name})",
         "decode_path": dec.decode_path,
+        "matvec": "integer dot products (dp4a)" if dec.int_dot else "float dot products",
         "load_s": round(load_s, 3),
         "prefill_tokens": args.prompt_tokens,
         "prefill_tps": round(r["prefill_tps"], 2),

@@ -23,6 +23,7 @@ first n_layers layers only and hands the residual stream to the CPU model (engin
 
 from __future__ import annotations
 
+import os
 import weakref
 
 import cupy as cp
@@ -177,6 +178,9 @@ class CudaDecoder:
             decoder: `hidden` returns the residual stream after them instead of logits.
         decode_kernel: "graphs" (a captured CUDA graph of per-op kernels) or "fused" (one persistent
             kernel per step; FP8/NVFP4 models keep the graphs); None: $HEARTH_CUDA_DECODE, else "graphs".
+        int_dot: the graph path's matvecs over Q8_0/Q4_0/Q4_1/Q4_K/Q6_K weights take integer dot products
+            against the activation quantized per 32 (ops.matvec); False: float dot products; None:
+            False when $HEARTH_CUDA_MATVEC is "float", else True.
 
     Raises:
         UnsupportedCudaModelError: a weight type without CUDA kernel, or Gemma's attention soft-capping.
@@ -194,8 +198,12 @@ class CudaDecoder:
         use_graphs: bool = True,
         n_layers: int | None = None,
         decode_kernel: str | None = None,
+        int_dot: bool | None = None,
     ):
         kind = fused.decode_kind(decode_kernel)
+        if int_dot is None:
+            int_dot = os.environ.get("HEARTH_CUDA_MATVEC", "").strip().lower() != "float"
+        self.int_dot = bool(int_dot)
         if not isinstance(model, (LlamaModel, Gemma3Model)):
             raise UnsupportedCudaModelError(
                 f"the CUDA backend runs llama and gemma3 models, not {type(model).__name__}"
@@ -448,8 +456,9 @@ class CudaDecoder:
         H, hd = cfg.num_attention_heads, cfg.head_dim
         ops.dequant(s.x.reshape(1, -1), self.token_embd, ids=s.ids, scale=self.embed_scale)
         q = s.qkv[:q_dim]
+        dot = self.int_dot
         for i, L in enumerate(self.layers):
-            _stacked(s.qkv, [L["wq"], L["wk"], L["wv"]], s.x, norm=L["attn_norm"], eps=eps, prologue=1)
+            _stacked(s.qkv, [L["wq"], L["wk"], L["wv"]], s.x, dot, norm=L["attn_norm"], eps=eps, prologue=1)
             if L["bqkv"] is not None:
                 ops.add_inplace(s.qkv, L["bqkv"])
             ops.rope_store(
@@ -477,20 +486,21 @@ class CudaDecoder:
                 s.parts,
             )
             if self.gemma:
-                ops.matvec(s.o, [L["wo"]], s.attn)
+                ops.matvec(s.o, [L["wo"]], s.attn, int_dot=dot)
                 ops.rmsnorm(s.x.reshape(1, -1), s.o.reshape(1, -1), L["post_attn_norm"], eps, accumulate=True)
             else:
-                ops.matvec(s.x, [L["wo"]], s.attn, accumulate=True)
-            _stacked(s.gu, [L["w_gate"], L["w_up"]], s.x, norm=L["ffn_norm"], eps=eps, prologue=1)
+                ops.matvec(s.x, [L["wo"]], s.attn, accumulate=True, int_dot=dot)
+            _stacked(s.gu, [L["w_gate"], L["w_up"]], s.x, dot, norm=L["ffn_norm"], eps=eps, prologue=1)
             act = 3 if self.gemma else 2
             if self.gemma:
-                ops.matvec(s.o, [L["w_down"]], s.gu[:ff], x2=s.gu[ff:], prologue=act)
+                ops.matvec(s.o, [L["w_down"]], s.gu[:ff], x2=s.gu[ff:], prologue=act, int_dot=dot)
                 ops.rmsnorm(s.x.reshape(1, -1), s.o.reshape(1, -1), L["post_ffn_norm"], eps, accumulate=True)
             else:
-                ops.matvec(s.x, [L["w_down"]], s.gu[:ff], x2=s.gu[ff:], prologue=act, accumulate=True)
+                down = [L["w_down"]]
+                ops.matvec(s.x, down, s.gu[:ff], x2=s.gu[ff:], prologue=act, accumulate=True, int_dot=dot)
         if self.head_only:
             return
-        ops.matvec(s.logits, [self.output], s.x, norm=self.output_norm, eps=eps, prologue=1)
+        ops.matvec(s.logits, [self.output], s.x, norm=self.output_norm, eps=eps, prologue=1, int_dot=dot)
         cap = getattr(cfg, "final_logit_softcapping", None)
         if cap is not None:
             ops.softcap(s.logits, cap)
@@ -571,21 +581,27 @@ class CudaDecoder:
             self._linear(logits, [self.output], h_in)
         else:
             logits = cp.empty((1, cfg.vocab_size), f32)
-            ops.matvec(logits[0], [self.output], x[n - 1], norm=self.output_norm, eps=eps, prologue=1)
+            norm, dot = self.output_norm, self.int_dot
+            ops.matvec(logits[0], [self.output], x[n - 1], norm=norm, eps=eps, prologue=1, int_dot=dot)
         if cap is not None:
             ops.softcap(logits, cap)
         return logits
 
 
-def _stacked(out, ws: list, x, **kw) -> None:
-    """Matvecs of weights whose outputs lie back to back in out: one launch per run of one type."""
+def _stacked(out, ws: list, x, int_dot: bool, **kw) -> None:
+    """Matvecs of weights whose outputs lie back to back in out: one launch per run of weights one
+    kernel takes (one type, or any of ops.INT_DOT_TYPES with int_dot)."""
+
+    def kernel_of(w):
+        return "int" if int_dot and w.ggml_type in ops.INT_DOT_TYPES else w.ggml_type
+
     r = 0
     i = 0
     while i < len(ws):
         j = i + 1
-        while j < len(ws) and ws[j].ggml_type == ws[i].ggml_type and ws[j].cols == ws[i].cols:
+        while j < len(ws) and kernel_of(ws[j]) == kernel_of(ws[i]) and ws[j].cols == ws[i].cols:
             j += 1
         rows = sum(w.rows for w in ws[i:j])
-        ops.matvec(out[r : r + rows], ws[i:j], x, **kw)
+        ops.matvec(out[r : r + rows], ws[i:j], x, int_dot=int_dot, **kw)
         r += rows
         i = j

@@ -47,6 +47,7 @@ TYPES = {
     NVFP4: ("nvfp4", 16, 8),
 }
 SUPPORTED_TYPES = frozenset(TYPES)
+INT_DOT_TYPES = frozenset({Q8_0, Q4_0, Q4_1, Q4_K, Q6_K})  # matvec_q's integer dot products (step.cu)
 _FLOAT_TYPES = (F32, F16, BF16)
 _FP_TYPES = fpquant.FP_TYPES
 
@@ -154,46 +155,46 @@ def matvec(
     eps: float = 0.0,
     prologue: int = 0,
     accumulate: bool = False,
+    int_dot: bool = True,
 ) -> None:
     """out (sum of rows,) (= or +=) [W0; W1; W2] @ act(x), one launch for up to 3 stacked weights.
 
     Args:
-        ws: 1-3 weights of one type and one cols.
+        ws: 1-3 weights of one cols: of one type, or of any INT_DOT_TYPES when int_dot.
         x: float32 (cols,); x2: (cols,) the up half for prologue 2/3.
         norm: (cols,) RMSNorm weight for prologue 1.
         prologue: 0 x, 1 rmsnorm(x) * norm, 2 silu(x) * x2, 3 gelu_tanh(x) * x2.
+        int_dot: weights of INT_DOT_TYPES take integer dot products against the activation quantized
+            per 32 to two int8 levels (dp4a, as the fused step and like the CPU kernels' int16); False:
+            float dot products of the dequantized weights.
     """
     t, cols = ws[0].ggml_type, ws[0].cols
-    if not 1 <= len(ws) <= 3 or any(w.ggml_type != t or w.cols != cols for w in ws):
-        raise ValueError("matvec stacks 1-3 weights of one type and width")
+    if not 1 <= len(ws) <= 3 or any(w.cols != cols for w in ws):
+        raise ValueError("matvec stacks 1-3 weights of one width")
     pad = 3 - len(ws)
     rows = [w.rows for w in ws] + [0] * pad
     weights = [w.raw for w in ws] + [NULL] * pad
+    tail = (
+        _i32(cols),
+        x,
+        NULL if x2 is None else x2,
+        NULL if norm is None else norm,
+        _f32(eps),
+        _i32(prologue),
+        _i32(bool(accumulate)),
+    )
+    grid = max(1, min(-(-sum(rows) // 8), _sm_count() * MATVEC_BLOCKS_PER_SM))
+    if int_dot and all(w.ggml_type in INT_DOT_TYPES for w in ws):
+        kinds = [_i32(w.ggml_type) for w in ws] + [_i32(t)] * pad
+        _launch_matvec("matvec_q", grid, 80 * (cols // 32), (out, *weights, *kinds, *map(_i32, rows), *tail))
+        return
+    if any(w.ggml_type != t for w in ws):
+        raise ValueError("matvec stacks weights of one type (or of INT_DOT_TYPES with int_dot)")
     if t in _FP_TYPES:  # FP8: the row scales of each weight; NVFP4: block scales, then global scales
         weights += [w.scales for w in ws] + [NULL] * pad
         if t == NVFP4:
             weights += [_f32(w.global_scale) for w in ws] + [_f32(0.0)] * pad
-    total = sum(rows)
-    grid = max(1, min(-(-total // 8), _sm_count() * MATVEC_BLOCKS_PER_SM))
-    _launch_matvec(
-        "matvec_" + TYPES[t][0],
-        grid,
-        4 * cols,
-        (
-            out,
-            *weights,
-            _i32(rows[0]),
-            _i32(rows[1]),
-            _i32(rows[2]),
-            _i32(cols),
-            x,
-            NULL if x2 is None else x2,
-            NULL if norm is None else norm,
-            _f32(eps),
-            _i32(prologue),
-            _i32(bool(accumulate)),
-        ),
-    )
+    _launch_matvec("matvec_" + TYPES[t][0], grid, 4 * cols, (out, *weights, *map(_i32, rows), *tail))
 
 
 def dequant(

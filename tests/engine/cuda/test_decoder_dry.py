@@ -383,12 +383,25 @@ def test_matvec_and_dequant_kernels_on_host_threads(fake, simt, t):
     gpu_tests.test_matvec_and_dequant_match_cpu(0, t)
 
 
+@pytest.mark.parametrize("t", [12, 8, *_opt_in(14, 2, 3)])
+def test_int_dot_matvec_on_host_threads(fake, simt, t):
+    """The graph path's integer-dot matvec (matvec_q, step.cu's row_dot) on host threads: every prologue,
+    accumulate, and one launch over stacked weights of different types."""
+    from tests.engine.cuda import test_kernels_gpu as gpu_tests
+
+    STATE.simt = simt
+    gpu_tests.test_stacked_matvec_prologues_and_accumulate(0, t, True)
+    if t == 12:
+        gpu_tests.test_int_dot_matvec_stacks_mixed_types(0)
+    assert {n for n in fake.launches if n.startswith("matvec_")} == {"matvec_q"}
+
+
 @pytest.mark.skipif(not FULL_SIMT, reason="set HEARTH_CUDA_SIMT=1 (about 9 minutes on 2 cores)")
 def test_op_kernels_on_host_threads(fake, simt):
     from tests.engine.cuda import test_kernels_gpu as gpu_tests
 
     STATE.simt = simt
-    gpu_tests.test_stacked_matvec_prologues_and_accumulate(0, 12)
+    gpu_tests.test_stacked_matvec_prologues_and_accumulate(0, 12, False)
     gpu_tests.test_rmsnorm(0, True)
     gpu_tests.test_rope_store_and_attention_match_cpu(0, np.float16, True, 5, True)
     gpu_tests.test_glu_argmax_and_sampling(0)

@@ -50,10 +50,13 @@ def test_matvec_and_dequant_match_cpu(gpu, t):
     cpu.linear(ref, w, x)
     gw = ops.upload(w)
     assert gw.nbytes == w.nbytes  # codes and scales: what a decode step reads
-    out = cp.empty(rows, cp.float32)
-    ops.matvec(out, [gw], cp.asarray(x[0]))
-    assert _rel(out.get(), ref[0]) < 1e-4, t  # CPU kernels quantize x to int16 per 32 (~1e-5)
-    np.testing.assert_allclose(out.get(), dense @ x[0], rtol=0, atol=2e-5 * np.abs(dense).sum(1).max())
+    for int_dot in (False, True):  # float dot products, then integer ones where the type has them
+        out = cp.empty(rows, cp.float32)
+        ops.matvec(out, [gw], cp.asarray(x[0]), int_dot=int_dot)
+        assert _rel(out.get(), ref[0]) < 1e-4, t  # CPU kernels quantize x to int16 per 32 (~1e-5)
+        # x quantized per 32 to 15 bits: up to 1.5e-5 of its unit's max per element
+        tol = 1e-4 if int_dot and t in ops.INT_DOT_TYPES else 2e-5
+        np.testing.assert_allclose(out.get(), dense @ x[0], rtol=0, atol=tol * np.abs(dense).sum(1).max())
     # dequant of all rows (float32 and float16) and of picked rows (embedding lookup)
     full = cp.empty((rows, cols), cp.float32)
     ops.dequant(full, gw)
@@ -71,8 +74,9 @@ def test_matvec_and_dequant_match_cpu(gpu, t):
 
 
 # FP8 / NVFP4: each stacked weight brings its own row / block and global scales
+@pytest.mark.parametrize("int_dot", [True, False])
 @pytest.mark.parametrize("t", [12, 8, 1, FP8_E4M3, NVFP4])
-def test_stacked_matvec_prologues_and_accumulate(gpu, t):
+def test_stacked_matvec_prologues_and_accumulate(gpu, t, int_dot):
     import cupy as cp
 
     from engine.backends.cuda import ops
@@ -90,14 +94,37 @@ def test_stacked_matvec_prologues_and_accumulate(gpu, t):
     ws = [ops.upload(w) for w, _ in parts]
     gx, gx2, gnw = cp.asarray(x), cp.asarray(x2), cp.asarray(nw)
     scale = np.abs(dense).sum(1).max() * 4e-6
+    if int_dot and t in ops.INT_DOT_TYPES:
+        scale *= 10  # the activation quantized per 32 to 15 bits
     for prologue, act in ((0, x), (1, normed), (2, silu), (3, gelu)):
         out = cp.empty(96, cp.float32)
-        ops.matvec(out, ws, gx, x2=gx2, norm=gnw, eps=eps, prologue=prologue)
+        ops.matvec(out, ws, gx, x2=gx2, norm=gnw, eps=eps, prologue=prologue, int_dot=int_dot)
         np.testing.assert_allclose(out.get(), dense @ act, rtol=0, atol=scale * (1 + np.abs(act).max()))
     base = np.random.default_rng(4).standard_normal(96).astype(np.float32)
     out = cp.asarray(base)
-    ops.matvec(out, ws, gx, accumulate=True)
+    ops.matvec(out, ws, gx, accumulate=True, int_dot=int_dot)
     np.testing.assert_allclose(out.get(), base + dense @ x, rtol=0, atol=scale * (1 + np.abs(x).max()))
+
+
+def test_int_dot_matvec_stacks_mixed_types(gpu):
+    """One integer-dot launch over q|k|v of different types (Q4_K_M files mix Q4_K and Q6_K), against
+    the dense product; the float kernels refuse such a stack."""
+    import cupy as cp
+
+    from engine.backends.cuda import ops
+
+    parts = [_weight(t, rows, 512, seed) for t, rows, seed in ((12, 40, 1), (14, 9, 2), (8, 23, 3))]
+    dense = np.concatenate([d for _, d in parts])
+    ws = [ops.upload(w) for w, _ in parts]
+    x = np.random.default_rng(5).standard_normal(512).astype(np.float32)
+    nw = np.random.default_rng(6).uniform(0.5, 1.5, 512).astype(np.float32)
+    normed = x / np.sqrt(np.mean(x * x) + 1e-6) * nw
+    out = cp.empty(72, cp.float32)
+    ops.matvec(out, ws, cp.asarray(x), norm=cp.asarray(nw), eps=1e-6, prologue=1)
+    atol = 1e-4 * np.abs(dense).sum(1).max() * np.abs(normed).max()
+    np.testing.assert_allclose(out.get(), dense @ normed, rtol=0, atol=atol)
+    with pytest.raises(ValueError, match="one type"):
+        ops.matvec(out, ws, cp.asarray(x), int_dot=False)
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float16])

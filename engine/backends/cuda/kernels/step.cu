@@ -108,28 +108,34 @@ __device__ __forceinline__ int warp_sum_i(int v) {
     return v;
 }
 
+// Unit u's two int8 levels, scale and sums from its 32 values, one per lane (v: this lane's element).
+__device__ __forceinline__ void quantize_unit(XIn& xin, int u, int lane, float v) {
+    int units = xin.units;
+    uchar* wb = (uchar*)xin.w;
+    float amax = warp_max(fabsf(v));
+    float sum = warp_sum(v);
+    int q = amax > 0.f ? __float2int_rn(v * (XQ_SCALE / amax)) : 0;
+    int hi = (q + 128) >> 8, lo = q - 256 * hi;  // hi in [-127, 127], lo in [-128, 127]
+    int k = lane >> 2, byte = lane & 3;
+    wb[(k * units + u) * 4 + byte] = (uchar)(signed char)hi;
+    wb[((k + 8) * units + u) * 4 + byte] = (uchar)(signed char)lo;
+    int h0 = warp_sum_i(lane < 16 ? q : 0), h1 = warp_sum_i(lane < 16 ? 0 : q);
+    if (lane == 0) {
+        xin.d[u] = amax / XQ_SCALE;
+        xin.s[u] = sum;
+        xin.i[2 * u] = h0;
+        xin.i[2 * u + 1] = h1;
+    }
+}
+
 // After xin.f holds the activation: the transposed floats and the two int8 levels, one unit per warp
 // at a time (lane = element).
 __device__ void quantize_x(XIn& xin) {
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, units = xin.units;
-    uchar* wb = (uchar*)xin.w;
     for (int u = warp; u < units; u += blockDim.x >> 5) {
         float v = xin.f[u * 32 + lane];
         xin.t[lane * units + u] = v;
-        float amax = warp_max(fabsf(v));
-        float sum = warp_sum(v);
-        int q = amax > 0.f ? __float2int_rn(v * (XQ_SCALE / amax)) : 0;
-        int hi = (q + 128) >> 8, lo = q - 256 * hi;  // hi in [-127, 127], lo in [-128, 127]
-        int k = lane >> 2, byte = lane & 3;
-        wb[(k * units + u) * 4 + byte] = (uchar)(signed char)hi;
-        wb[((k + 8) * units + u) * 4 + byte] = (uchar)(signed char)lo;
-        int h0 = warp_sum_i(lane < 16 ? q : 0), h1 = warp_sum_i(lane < 16 ? 0 : q);
-        if (lane == 0) {
-            xin.d[u] = amax / XQ_SCALE;
-            xin.s[u] = sum;
-            xin.i[2 * u] = h0;
-            xin.i[2 * u + 1] = h1;
-        }
+        quantize_unit(xin, u, lane, v);
     }
     __syncthreads();
 }
@@ -262,6 +268,53 @@ __device__ float row_dot(int type, const uchar* __restrict__ row, const XIn& x, 
         default: break;
     }
     return acc;
+}
+
+// ---- the graph path's integer matvec -------------------------------------------------------------
+// out (rows0 + rows1 + rows2,) (=, or += when accumulate) = [W0; W1; W2] @ act(x) for the types row_dot
+// takes with integer dot products (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K), each matrix its own (t0..t2): x
+// through quant.cu's load_x prologue (0 x, 1 rmsnorm(x) * nw, 2 silu(x) * x2, 3 gelu_tanh(x) * x2),
+// quantized per 32 to two int8 levels in shared memory, as the fused step does. 256 threads, one row
+// per warp at a time, rows grid-strided. Dynamic shared memory: 80 * (cols / 32) bytes.
+extern "C" __global__ void __launch_bounds__(256) matvec_q(
+    float* __restrict__ out, const uchar* __restrict__ w0, const uchar* __restrict__ w1, const uchar* __restrict__ w2,
+    int t0, int t1, int t2, int rows0, int rows1, int rows2, int cols, const float* __restrict__ x,
+    const float* __restrict__ x2, const float* __restrict__ nw, float eps, int prologue, int accumulate) {
+    extern __shared__ float sq[];
+    __shared__ float red[32];
+    int units = cols >> 5, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    XIn xin;
+    xin.cols = cols;
+    xin.units = units;
+    xin.w = (uint*)sq;
+    xin.d = (float*)(xin.w + 16 * units);
+    xin.s = xin.d + units;
+    xin.i = (int*)(xin.s + units);
+    xin.f = xin.t = nullptr;  // the float views only the float and generic types read
+    float inv = 1.f;
+    if (prologue == 1) {
+        float ss = 0.f;
+        for (int e = threadIdx.x; e < cols; e += blockDim.x) ss += x[e] * x[e];
+        inv = rsqrtf(block_sum(ss, red) / (float)cols + eps);
+    }
+    for (int u = warp; u < units; u += blockDim.x >> 5) {
+        int e = u * 32 + lane;
+        float a = x[e];
+        if (prologue == 1) a = a * inv * nw[e];
+        else if (prologue == 2) a = silu(a) * x2[e];
+        else if (prologue == 3) a = gelu_tanh(a) * x2[e];
+        quantize_unit(xin, u, lane, a);
+    }
+    __syncthreads();
+    int rows = rows0 + rows1 + rows2;
+    for (int r = blockIdx.x * 8 + warp; r < rows; r += gridDim.x * 8) {
+        int k = r < rows0 ? 0 : r < rows0 + rows1 ? 1 : 2;
+        int lr = k == 0 ? r : k == 1 ? r - rows0 : r - rows0 - rows1;
+        int type = k == 0 ? t0 : k == 1 ? t1 : t2;
+        const uchar* w = k == 0 ? w0 : k == 1 ? w1 : w2;
+        float acc = warp_sum(row_dot(type, w + row_bytes_of(type, cols) * lr, xin, lane));
+        if (lane == 0) out[r] = accumulate ? out[r] + acc : acc;
+    }
 }
 
 // ---- the grid barrier ------------------------------------------------------------------------
