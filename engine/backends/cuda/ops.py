@@ -140,10 +140,10 @@ def allow_shared(k, nbytes: int) -> None:
         drv.funcSetAttribute(k.ptr, drv.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, int(nbytes))
 
 
-def _launch_matvec(name: str, grid: int, shared: int, args: tuple) -> None:
+def _launch_matvec(name: str, grid: int, shared: int, args: tuple, threads: int = MATVEC_THREADS) -> None:
     k = kernel(name, cp.cuda.Device().id)
     allow_shared(k, shared)
-    k((grid,), (MATVEC_THREADS,), args, shared_mem=shared)
+    k((grid,), (threads,), args, shared_mem=shared)
 
 
 def matvec(
@@ -186,7 +186,13 @@ def matvec(
     grid = max(1, min(-(-sum(rows) // 8), _sm_count() * MATVEC_BLOCKS_PER_SM))
     if int_dot and all(w.ggml_type in INT_DOT_TYPES for w in ws):
         kinds = [_i32(w.ggml_type) for w in ws] + [_i32(t)] * pad
-        _launch_matvec("matvec_q", grid, 80 * (cols // 32), (out, *weights, *kinds, *map(_i32, rows), *tail))
+        # every block quantizes the whole input: wide inputs (the down projection's) in fewer, bigger
+        # blocks, one per SM, so that quantizing does not cost more than reading the weights
+        threads = MATVEC_THREADS if cols < 4096 else 1024
+        if threads > MATVEC_THREADS:
+            grid = max(1, min(-(-sum(rows) // (threads // 32)), _sm_count()))
+        args = (out, *weights, *kinds, *map(_i32, rows), *tail)
+        _launch_matvec("matvec_q", grid, 80 * (cols // 32), args, threads)
         return
     if any(w.ggml_type != t for w in ws):
         raise ValueError("matvec stacks weights of one type (or of INT_DOT_TYPES with int_dot)")

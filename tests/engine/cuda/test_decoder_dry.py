@@ -74,7 +74,7 @@ class FakeKernel:
         assert all(int(g) >= 1 for g in grid) and len(grid) <= 3
         assert 1 <= int(np.prod(block)) <= 1024 and int(np.prod(block)) % 32 == 0, where
         if self.name.startswith("matvec_"):
-            assert tuple(block) == (256,), where
+            assert tuple(block) == (256,) or self.name == "matvec_q" and tuple(block) == (1024,), where
         assert shared_mem <= max(48 * 1024, SHARED_ALLOWED.get(self.ptr, 0)) <= 227 * 1024, where
         self.launches.append(self.name)
         if STATE.simt is not None:
@@ -392,7 +392,8 @@ def test_int_dot_matvec_on_host_threads(fake, simt, t):
     STATE.simt = simt
     gpu_tests.test_stacked_matvec_prologues_and_accumulate(0, t, True)
     if t == 12:
-        gpu_tests.test_int_dot_matvec_stacks_mixed_types(0)
+        gpu_tests.test_int_dot_matvec_stacks_mixed_types(0, 512)
+        gpu_tests.test_int_dot_matvec_stacks_mixed_types(0, 4096)  # blocks of 1024 threads
     assert {n for n in fake.launches if n.startswith("matvec_")} == {"matvec_q"}
 
 

@@ -106,18 +106,19 @@ def test_stacked_matvec_prologues_and_accumulate(gpu, t, int_dot):
     np.testing.assert_allclose(out.get(), base + dense @ x, rtol=0, atol=scale * (1 + np.abs(x).max()))
 
 
-def test_int_dot_matvec_stacks_mixed_types(gpu):
+@pytest.mark.parametrize("cols", [512, 4096])  # 4096: wide inputs take blocks of 1024 threads
+def test_int_dot_matvec_stacks_mixed_types(gpu, cols):
     """One integer-dot launch over q|k|v of different types (Q4_K_M files mix Q4_K and Q6_K), against
     the dense product; the float kernels refuse such a stack."""
     import cupy as cp
 
     from engine.backends.cuda import ops
 
-    parts = [_weight(t, rows, 512, seed) for t, rows, seed in ((12, 40, 1), (14, 9, 2), (8, 23, 3))]
+    parts = [_weight(t, rows, cols, seed) for t, rows, seed in ((12, 40, 1), (14, 9, 2), (8, 23, 3))]
     dense = np.concatenate([d for _, d in parts])
     ws = [ops.upload(w) for w, _ in parts]
-    x = np.random.default_rng(5).standard_normal(512).astype(np.float32)
-    nw = np.random.default_rng(6).uniform(0.5, 1.5, 512).astype(np.float32)
+    x = np.random.default_rng(5).standard_normal(cols).astype(np.float32)
+    nw = np.random.default_rng(6).uniform(0.5, 1.5, cols).astype(np.float32)
     normed = x / np.sqrt(np.mean(x * x) + 1e-6) * nw
     out = cp.empty(72, cp.float32)
     ops.matvec(out, ws, cp.asarray(x), norm=cp.asarray(nw), eps=1e-6, prologue=1)

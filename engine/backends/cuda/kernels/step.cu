@@ -97,7 +97,7 @@ struct XIn {
     float* t;   // (cols,) element e at (e % 32) * units + e / 32
     uint* w;    // (16 * units) int8 words: word k of unit u at w[k * units + u]; k < 8 hi, k >= 8 lo
     float* d;   // (units,) scale of unit u (x ~ d * (256 hi + lo))
-    float* s;   // (units,) float sum of unit u
+    float* s;   // (units,) sum of unit u's quantized values
     int* i;     // (2 * units,) integer sums (256 hi + lo) of the two halves of unit u
     int cols, units;
 };
@@ -109,20 +109,36 @@ __device__ __forceinline__ int warp_sum_i(int v) {
 }
 
 // Unit u's two int8 levels, scale and sums from its 32 values, one per lane (v: this lane's element).
+// The sums are of the quantized values (d * (256 hi + lo)), so a block's dot product is exactly that
+// of its weights with the quantized activation. Every block quantizes its input for itself, so this
+// runs once per block and unit: on sm_80+ the max and the integer sums are one redux.sync each (a
+// shuffle tree costs 5 shuffles, at one warp shuffle per clock per SM).
 __device__ __forceinline__ void quantize_unit(XIn& xin, int u, int lane, float v) {
     int units = xin.units;
     uchar* wb = (uchar*)xin.w;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    // non-negative floats order as their bit patterns
+    float amax = __uint_as_float(__reduce_max_sync(0xffffffffu, __float_as_uint(fabsf(v))));
+#else
     float amax = warp_max(fabsf(v));
-    float sum = warp_sum(v);
+#endif
     int q = amax > 0.f ? __float2int_rn(v * (XQ_SCALE / amax)) : 0;
     int hi = (q + 128) >> 8, lo = q - 256 * hi;  // hi in [-127, 127], lo in [-128, 127]
     int k = lane >> 2, byte = lane & 3;
     wb[(k * units + u) * 4 + byte] = (uchar)(signed char)hi;
     wb[((k + 8) * units + u) * 4 + byte] = (uchar)(signed char)lo;
-    int h0 = warp_sum_i(lane < 16 ? q : 0), h1 = warp_sum_i(lane < 16 ? 0 : q);
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    int h0 = __reduce_add_sync(0xffffffffu, lane < 16 ? q : 0), h1 = __reduce_add_sync(0xffffffffu, lane < 16 ? 0 : q);
+#else
+    int h = q;  // each half-warp's sum, then lane 0 fetches the upper half's
+#pragma unroll
+    for (int o = 8; o > 0; o >>= 1) h += __shfl_xor_sync(0xffffffffu, h, o);
+    int h0 = h, h1 = __shfl_xor_sync(0xffffffffu, h, 16);
+#endif
     if (lane == 0) {
-        xin.d[u] = amax / XQ_SCALE;
-        xin.s[u] = sum;
+        float d = amax / XQ_SCALE;
+        xin.d[u] = d;
+        xin.s[u] = d * (float)(h0 + h1);
         xin.i[2 * u] = h0;
         xin.i[2 * u + 1] = h1;
     }
@@ -274,9 +290,10 @@ __device__ float row_dot(int type, const uchar* __restrict__ row, const XIn& x, 
 // out (rows0 + rows1 + rows2,) (=, or += when accumulate) = [W0; W1; W2] @ act(x) for the types row_dot
 // takes with integer dot products (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K), each matrix its own (t0..t2): x
 // through quant.cu's load_x prologue (0 x, 1 rmsnorm(x) * nw, 2 silu(x) * x2, 3 gelu_tanh(x) * x2),
-// quantized per 32 to two int8 levels in shared memory, as the fused step does. 256 threads, one row
-// per warp at a time, rows grid-strided. Dynamic shared memory: 80 * (cols / 32) bytes.
-extern "C" __global__ void __launch_bounds__(256) matvec_q(
+// quantized per 32 to two int8 levels in shared memory, as the fused step does. Any multiple of 32
+// threads up to 1024, one row per warp at a time, rows grid-strided. Dynamic shared memory:
+// 80 * (cols / 32) bytes.
+extern "C" __global__ void __launch_bounds__(1024) matvec_q(
     float* __restrict__ out, const uchar* __restrict__ w0, const uchar* __restrict__ w1, const uchar* __restrict__ w2,
     int t0, int t1, int t2, int rows0, int rows1, int rows2, int cols, const float* __restrict__ x,
     const float* __restrict__ x2, const float* __restrict__ nw, float eps, int prologue, int accumulate) {
@@ -306,8 +323,8 @@ extern "C" __global__ void __launch_bounds__(256) matvec_q(
         quantize_unit(xin, u, lane, a);
     }
     __syncthreads();
-    int rows = rows0 + rows1 + rows2;
-    for (int r = blockIdx.x * 8 + warp; r < rows; r += gridDim.x * 8) {
+    int rows = rows0 + rows1 + rows2, warps = blockDim.x >> 5;
+    for (int r = blockIdx.x * warps + warp; r < rows; r += gridDim.x * warps) {
         int k = r < rows0 ? 0 : r < rows0 + rows1 ? 1 : 2;
         int lr = k == 0 ? r : k == 1 ? r - rows0 : r - rows0 - rows1;
         int type = k == 0 ? t0 : k == 1 ? t1 : t2;
