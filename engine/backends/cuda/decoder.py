@@ -526,18 +526,11 @@ class CudaDecoder:
         o = cp.empty((n, d), f32)
         qkv = cp.empty((n, cfg.q_dim + 2 * cfg.kv_dim), f32)  # one GEMM for q|k|v
         q3 = qkv[:, : cfg.q_dim].reshape(n, H, hd)
-        attn = cp.empty((n, cfg.q_dim), f32)
+        attn = cp.empty((n, cfg.q_dim), dt)  # the wo GEMM's input: attention writes it in the tiles' dtype
         gu = cp.empty((n, 2 * ff), f32)  # one GEMM for gate|up
         # the GEMM inputs in the tiles' dtype: the norms and the activation write them directly
         h_in = cp.empty((n, d), dt)
         act_in = cp.empty((n, ff), dt)
-
-        def half(a):
-            if dt != cp.float16:
-                return a
-            out = cp.empty(a.shape, cp.float16)
-            ops.to_half(out, a)
-            return out
 
         for i, L in enumerate(self.layers):
             ops.rmsnorm(h_in, x, L["attn_norm"], eps)
@@ -560,10 +553,10 @@ class CudaDecoder:
             attn3 = attn.reshape(n, H, hd)
             ops.attention_prefill(attn3, q3, cache.k[i], cache.v[i], pos0, self.scale, L["window"])
             if self.gemma:
-                self._linear(o, [L["wo"]], half(attn))
+                self._linear(o, [L["wo"]], attn)
                 ops.rmsnorm(x, o, L["post_attn_norm"], eps, accumulate=True)
             else:
-                self._linear(x, [L["wo"]], half(attn), accumulate=True)  # the residual add in the GEMM
+                self._linear(x, [L["wo"]], attn, accumulate=True)  # the residual add in the GEMM
             ops.rmsnorm(h_in, x, L["ffn_norm"], eps)
             self._linear(gu, [L["w_gate"], L["w_up"]], h_in)
             ops.glu(act_in, gu, self.gemma)

@@ -332,7 +332,8 @@ def attention(
 
 
 def attention_prefill(out, q, k_cache, v_cache, pos0: int, scale: float, window: int = 0) -> None:
-    """out (n, H, hd) = causal attention of q (n, H, hd), query t at position pos0 + t, over one layer's
+    """out (n, H, hd) float32 or float16 (the output projection's GEMM input, rounded in the same copy)
+    = causal attention of q (n, H, hd), query t at position pos0 + t, over one layer's
     caches (KV, n_ctx, hd) holding keys 0..pos0+n-1: the scores and the weighted sum as strided-batched
     float32 cuBLAS GEMMs over KV heads (each one's `rep` query heads side by side, token-major, so a
     chunk of queries is a block of rows), the masked softmax in between.
@@ -377,10 +378,6 @@ def glu(out, gu, gelu: bool) -> None:
 
 def add_inplace(x, y) -> None:
     kernel("add_inplace", cp.cuda.Device().id)(*_grid1(x.size), (x, y, np.int64(x.size)))
-
-
-def to_half(out, x) -> None:
-    kernel("to_half", cp.cuda.Device().id)(*_grid1(x.size), (out, x, np.int64(x.size)))
 
 
 def softcap(x, cap: float) -> None:

@@ -21,7 +21,6 @@ OPS = [
     "attn_reduce",
     "glu",
     "add_inplace",
-    "to_half",
     "softcap",
     "bump",
     "argmax",

@@ -277,7 +277,7 @@ def test_decoder_launches_match_the_kernels(fake, tmp_path, kind):
     assert logits.shape == (1, model.cfg.vocab_size) and cache.offset == 5
     prefill = set(fake.launches)
     # prefill: attention as GEMMs around the masked softmax (the split-K kernels are decode's)
-    assert {"rope_store", "softmax_causal", "rmsnorm", "to_half"} <= prefill and "attn_split" not in prefill
+    assert {"rope_store", "softmax_causal", "rmsnorm", "glu"} <= prefill and "attn_split" not in prefill
     fake.launches.clear()
     dec.forward([6], cache)  # decode: warm-up launches, then the captured graph
     assert fake.cp.cuda.Stream.captures[-2:] == ["begin", "end"] and cache.offset == 6

@@ -199,10 +199,6 @@ extern "C" __global__ void add_inplace(float* __restrict__ x, const float* __res
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) x[i] += y[i];
 }
-extern "C" __global__ void to_half(ushort* __restrict__ out, const float* __restrict__ x, long long n) {
-    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i < n) out[i] = f2h(x[i]);
-}
 // logits (n,) <- cap * tanh(logits / cap)
 extern "C" __global__ void softcap(float* __restrict__ x, float cap, long long n) {
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
