@@ -39,7 +39,7 @@ def test_matvec_and_dequant_kernels_on_host_threads(fake, simt, fmt):
 def test_stacked_matvec_on_host_threads(fake, simt, fmt):
     """Three stacked weights, each with its own scales (and NVFP4 global scale), every prologue."""
     dry.STATE.simt = simt
-    gpu_tests.test_stacked_matvec_prologues_and_accumulate(0, FORMATS[fmt])
+    gpu_tests.test_stacked_matvec_prologues_and_accumulate(0, FORMATS[fmt], False)
 
 
 def _fp(w: Weight, fmt: int) -> Weight:
