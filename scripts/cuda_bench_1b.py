@@ -14,7 +14,8 @@ For each file it measures, with engine.backends.cuda.bench.bench_decoder:
   graph path's on the same prompt;
   prefill tok/s at --prompt tokens, against cupy float16 GEMMs of the same shapes (the 7 layer
   matrices x 16 layers at --prompt rows): prefill_vs_cublas = GEMM time / our prefill time; where
-  prefill time goes (linears, attention) and prefill tok/s with 8, 16 and 32 MiB dequantization tiles.
+  prefill time goes (linears, attention) and prefill tok/s with 8, 16 and 32 MiB dequantization tiles;
+  batched decode (forward_batch, as `hearth serve` runs it) over 4 and 8 sequences, total tok/s.
 
 Usage: python3 scripts/cuda_bench_1b.py --out results.json [--types Q4_K,Q8_0] [--prompt 512] [--gen 128]
 """
@@ -173,6 +174,10 @@ def bench_file(path: Path, n_prompt: int, n_gen: int, repetitions: int) -> dict:
         breakdown.update(_prefill_by_tile(dec, prompt, n_ctx))
     except Exception as e:  # noqa: BLE001 - the figures above stand
         breakdown["prefill_by_tile_error"] = f"{type(e).__name__}: {e}"
+    try:
+        breakdown.update(_bench_batches(dec, prompt, n_ctx))
+    except Exception as e:  # noqa: BLE001 - the figures above stand
+        breakdown["batch_error"] = f"{type(e).__name__}: {e}"
     gemm_s = cublas_reference(n_prompt)
     # last: a fault in the fused kernel would leave this process's CUDA context unusable
     fused = _bench_fused(dec, prompt, n_gen, n_ctx, repetitions)
@@ -271,6 +276,26 @@ def _prefill_by_tile(dec, prompt: list[int], n_ctx: int) -> dict:
     finally:
         dec._tile = default
     res["prefill_tile_default_mib"] = round(default.nbytes / 2**20, 1)
+    return res
+
+
+def _bench_batches(dec, prompt: list[int], n_ctx: int, steps: int = 16) -> dict:
+    """Batched decode (forward_batch, what `hearth serve` runs): total tok/s over B sequences."""
+    import cupy as cp
+
+    res = {"batched_decode": dec.batchable}
+    for B in (4, 8):
+        caches = [dec.new_cache(n_ctx) for _ in range(B)]
+        for c in caches:
+            dec.forward(prompt[:32], c)
+        tokens = list(range(1, B + 1))
+        for _ in range(2):  # capture, then a replay
+            dec.forward_batch(tokens, caches)
+        cp.cuda.Device(dec.device).synchronize()
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            dec.forward_batch(tokens, caches)
+        res[f"batch{B}_decode_tps_total"] = round(B * steps / (time.perf_counter() - t0), 1)
     return res
 
 

@@ -23,6 +23,7 @@ first n_layers layers only and hands the residual stream to the CPU model (engin
 
 from __future__ import annotations
 
+import collections
 import os
 import weakref
 
@@ -164,6 +165,31 @@ class _Step:
         self.parts = (cp.empty(h * n_splits * cfg.head_dim, f32), cp.empty(h * n_splits * 2, f32))
 
 
+class _BatchStep:
+    """Batched decode: the buffers and captured graph of one batch of caches, B rows each."""
+
+    def __init__(self, cfg, caches: list, head_only: bool):
+        f32 = cp.float32
+        B = len(caches)
+        d, q, kv, ff = cfg.hidden_size, cfg.q_dim, cfg.kv_dim, cfg.intermediate_size
+        self.refs = [weakref.ref(c) for c in caches]
+        self.x = cp.empty((B, d), f32)
+        self.o = cp.empty((B, d), f32)
+        self.qkv = cp.empty((B, q + 2 * kv), f32)
+        self.attn = cp.empty((B, q), f32)
+        self.gu = cp.empty((B, 2 * ff), f32)
+        self.logits = None if head_only else cp.empty((B, cfg.vocab_size), f32)
+        self.ids = cp.zeros(B, cp.int32)
+        self.pos = cp.zeros(B, cp.int32)
+        self.graph = None
+
+    def holds(self, caches: list) -> bool:
+        return len(caches) == len(self.refs) and all(r() is c for r, c in zip(self.refs, caches))
+
+
+BATCH_GRAPHS = 4  # batches whose captured steps are kept (a server's batch changes as requests come and go)
+
+
 class CudaDecoder:
     """The GPU twin of a LlamaModel or Gemma3Model (same forward/new_cache interface, numpy logits).
 
@@ -255,6 +281,9 @@ class CudaDecoder:
         # per cache: its decode-step buffers and captured graphs (the graphs hold the cache's and the
         # buffers' pointers, so they live and die with the cache)
         self._steps: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        # batched decode: the latest batches' buffers and graphs, by their caches' ids (checked by
+        # weak references: an id can come back for a new cache)
+        self._batches: collections.OrderedDict = collections.OrderedDict()
         self.max_position_embeddings = cfg.max_position_embeddings
 
     # ---- loading -------------------------------------------------------------------------
@@ -366,8 +395,9 @@ class CudaDecoder:
     def forward_batch(self, tokens, caches: list[CudaKVCache]) -> np.ndarray:
         """As Decoder.forward_batch: one decode step for B sequences, float32 logits (B, vocab).
 
-        Each sequence replays its own cache's captured step, so every sequence reads the weights
-        (no batching gain yet: a kernel with B activation vectors would read them once).
+        With `batchable` weights the B sequences share one captured step whose matrix-vector
+        kernels read each weight once for up to ops.MAX_BATCH of them (attention stays per
+        sequence); otherwise each sequence replays its own cache's step.
         """
         self._need_output()
         return self._run_batch(tokens, caches)
@@ -381,8 +411,11 @@ class CudaDecoder:
     def _run_batch(self, tokens, caches) -> np.ndarray:
         tokens = check_batch(tokens, caches)
         with cp.cuda.Device(self.device), self.stream:
-            rows = [self._decode(int(t), c, greedy=False) for t, c in zip(tokens, caches)]
-            out = cp.asnumpy(cp.stack(rows), stream=self.stream)
+            if len(caches) > 1 and self.batchable:
+                out = cp.asnumpy(self._decode_batch(tokens, caches), stream=self.stream)
+            else:
+                rows = [self._decode(int(t), c, greedy=False) for t, c in zip(tokens, caches)]
+                out = cp.asnumpy(cp.stack(rows), stream=self.stream)
             self.stream.synchronize()
         for t, cache in zip(tokens, caches):
             cache.advance([int(t)])
@@ -506,6 +539,85 @@ class CudaDecoder:
             ops.softcap(s.logits, cap)
         if greedy:
             ops.argmax(s.ids, s.logits)
+
+    # ---- batched decode ---------------------------------------------------------------------
+    @property
+    def batchable(self) -> bool:
+        """Whether forward_batch shares weight reads: every matrix takes integer dot products."""
+        mats = [L[k] for L in self.layers for k in LAYER_WEIGHTS]
+        mats += [] if self.head_only else [self.output]
+        return self.int_dot and all(w.ggml_type in ops.INT_DOT_TYPES for w in mats)
+
+    def _batch_step(self, caches: list) -> _BatchStep:
+        key = tuple(map(id, caches))
+        bs = self._batches.get(key)
+        if bs is None or not bs.holds(caches):
+            bs = self._batches[key] = _BatchStep(self.cfg, caches, self.head_only)
+        self._batches.move_to_end(key)
+        while len(self._batches) > BATCH_GRAPHS:
+            self._batches.popitem(last=False)
+        return bs
+
+    def _decode_batch(self, tokens: list[int], caches: list) -> cp.ndarray:
+        """One decode step for the batch: logits (B, vocab), or the residual streams (B, hidden) of a
+        head decoder. Token ids and positions go to device memory; the step is captured once per
+        batch and replayed."""
+        for c in caches:  # each sequence's attention scratch
+            if c not in self._steps:
+                self._steps[c] = (_Step(self.cfg, -(-c.n_ctx // ops.ATTN_CHUNK)), {})
+        bs = self._batch_step(caches)
+        ids = np.asarray(tokens, np.int32)
+        pos = np.array([c.offset for c in caches], np.int32)
+        bs.ids.set(ids)
+        bs.pos.set(pos)
+        if bs.graph is None:
+            self._batch_kernels(bs, caches)  # warm-up: every kernel loaded before capture
+            bs.ids.set(ids)
+            bs.pos.set(pos)
+            self.stream.begin_capture()
+            try:
+                self._batch_kernels(bs, caches)
+            finally:
+                bs.graph = self.stream.end_capture()
+        bs.graph.launch(self.stream)
+        return bs.x if self.head_only else bs.logits
+
+    def _batch_kernels(self, bs: _BatchStep, caches: list) -> None:
+        cfg = self.cfg
+        eps = cfg.rms_norm_eps
+        q_dim, H, hd = cfg.q_dim, cfg.num_attention_heads, cfg.head_dim
+        ops.dequant(bs.x, self.token_embd, ids=bs.ids, scale=self.embed_scale)
+        for i, L in enumerate(self.layers):
+            qkv = [L["wq"], L["wk"], L["wv"]]
+            ops.matvec_batch(bs.qkv, qkv, bs.x, norm=L["attn_norm"], eps=eps, prologue=1)
+            if L["bqkv"] is not None:
+                ops.add_inplace(bs.qkv, L["bqkv"])  # one bias over the B rows
+            for b, c in enumerate(caches):  # attention: each sequence its own cache and position
+                parts = self._steps[c][0].parts
+                pos = bs.pos[b : b + 1]
+                rope = (L["inv_freq"], self.n_rot, self.neox, eps, L["q_norm"], L["k_norm"])
+                ops.rope_store(bs.qkv[b], H, c.k[i], c.v[i], pos, *rope)
+                q = bs.qkv[b, :q_dim].reshape(1, H, hd)
+                attn = bs.attn[b].reshape(1, H, hd)
+                ops.attention(attn, q, c.k[i], c.v[i], pos, self.scale, c.n_ctx, L["window"], parts)
+            act = 3 if self.gemma else 2
+            if self.gemma:
+                ops.matvec_batch(bs.o, [L["wo"]], bs.attn)
+                ops.rmsnorm(bs.x, bs.o, L["post_attn_norm"], eps, accumulate=True)
+            else:
+                ops.matvec_batch(bs.x, [L["wo"]], bs.attn, accumulate=True)
+            ops.matvec_batch(bs.gu, [L["w_gate"], L["w_up"]], bs.x, norm=L["ffn_norm"], eps=eps, prologue=1)
+            if self.gemma:
+                ops.matvec_batch(bs.o, [L["w_down"]], bs.gu, cols_x2=True, prologue=act)
+                ops.rmsnorm(bs.x, bs.o, L["post_ffn_norm"], eps, accumulate=True)
+            else:
+                ops.matvec_batch(bs.x, [L["w_down"]], bs.gu, cols_x2=True, prologue=act, accumulate=True)
+        if self.head_only:
+            return
+        ops.matvec_batch(bs.logits, [self.output], bs.x, norm=self.output_norm, eps=eps, prologue=1)
+        cap = getattr(cfg, "final_logit_softcapping", None)
+        if cap is not None:
+            ops.softcap(bs.logits, cap)
 
     # ---- prefill ----------------------------------------------------------------------------
     def _linear(self, out, ws: list[ops.GpuWeight], x16, accumulate: bool = False) -> None:

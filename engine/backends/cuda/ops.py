@@ -203,6 +203,60 @@ def matvec(
     _launch_matvec("matvec_" + TYPES[t][0], grid, 4 * cols, (out, *weights, *map(_i32, rows), *tail))
 
 
+MAX_BATCH = 8  # activation vectors per matvec_qb launch (step.cu's MAX_BATCH)
+
+
+def matvec_batch(
+    out: cp.ndarray,
+    ws: list[GpuWeight],
+    x: cp.ndarray,
+    cols_x2: bool = False,
+    norm: cp.ndarray | None = None,
+    eps: float = 0.0,
+    prologue: int = 0,
+    accumulate: bool = False,
+) -> None:
+    """matvec for B vectors, weights of INT_DOT_TYPES: out[:, :rows] (B, >= rows) (= or +=)
+    [W0; W1; W2] @ act(x[b]) for each row b of x (B, cols), or of x (B, 2 cols) = [x | x2] for
+    prologue 2/3 (cols_x2). Both row-major with unit column stride. Each weight row is read once
+    for up to MAX_BATCH vectors (matvec_qb).
+    """
+    B, cols = out.shape[0], ws[0].cols
+    if prologue in (2, 3) and not cols_x2:
+        raise ValueError("prologue 2/3 takes x as (B, 2 cols) rows [x | x2]")
+    if not all(w.ggml_type in INT_DOT_TYPES for w in ws):
+        raise ValueError("batched matvec takes the integer-dot types only")
+    if any(w.cols != cols for w in ws) or not 1 <= len(ws) <= 3:
+        raise ValueError("matvec stacks 1-3 weights of one width")
+    pad = 3 - len(ws)
+    rows = [w.rows for w in ws] + [0] * pad
+    weights = [w.raw for w in ws] + [NULL] * pad
+    kinds = [_i32(w.ggml_type) for w in ws] + [_i32(ws[0].ggml_type)] * pad
+    threads = MATVEC_THREADS if cols < 4096 else 1024
+    per_sm = MATVEC_BLOCKS_PER_SM if threads == MATVEC_THREADS else 1
+    grid = max(1, min(-(-sum(rows) // (threads // 32)), _sm_count() * per_sm))
+    ldo, ldx = out.strides[0] // 4, x.strides[0] // 4
+    for b0 in range(0, B, MAX_BATCH):
+        n = min(MAX_BATCH, B - b0)
+        args = (
+            out[b0:],
+            np.int64(ldo),
+            *weights,
+            *kinds,
+            *map(_i32, rows),
+            _i32(cols),
+            x[b0:],
+            np.int64(ldx),
+            np.int64(cols),
+            NULL if norm is None else norm,
+            _f32(eps),
+            _i32(prologue),
+            _i32(bool(accumulate)),
+            _i32(n),
+        )
+        _launch_matvec("matvec_qb", grid, n * 80 * (cols // 32), args, threads)
+
+
 def dequant(
     out: cp.ndarray,
     w: GpuWeight,
@@ -377,7 +431,8 @@ def glu(out, gu, gelu: bool) -> None:
 
 
 def add_inplace(x, y) -> None:
-    kernel("add_inplace", cp.cuda.Device().id)(*_grid1(x.size), (x, y, np.int64(x.size)))
+    """x += y, y (m,) repeated over x (.., m) (a bias added to every row)."""
+    kernel("add_inplace", cp.cuda.Device().id)(*_grid1(x.size), (x, y, np.int64(x.size), np.int64(y.size)))
 
 
 def softcap(x, cap: float) -> None:

@@ -38,7 +38,7 @@ def test_bench_script_runs_every_measurement(fake, tmp_path, monkeypatch):
         assert not [k for k in entry if k.endswith("error")], entry
         wanted = ("decode_bandwidth_fraction", "prefill_vs_cublas", "prefill_linears_s")
         wanted += ("prefill_attention_s", "prefill_tps_tile_8mib", "prefill_tps_tile_32mib")
-        wanted += ("float_matvec_decode_bandwidth_fraction",)
+        wanted += ("float_matvec_decode_bandwidth_fraction", "batch8_decode_tps_total")
         wanted += ("fused_decode_bandwidth_fraction", "fused_greedy_matches_graphs")
         wanted += ("fused_t256_decode_bandwidth_fraction", "fused_noprefetch_decode_bandwidth_fraction")
         for key in wanted:

@@ -74,7 +74,8 @@ class FakeKernel:
         assert all(int(g) >= 1 for g in grid) and len(grid) <= 3
         assert 1 <= int(np.prod(block)) <= 1024 and int(np.prod(block)) % 32 == 0, where
         if self.name.startswith("matvec_"):
-            assert tuple(block) == (256,) or self.name == "matvec_q" and tuple(block) == (1024,), where
+            wide = self.name in ("matvec_q", "matvec_qb") and tuple(block) == (1024,)
+            assert tuple(block) == (256,) or wide, where
         assert shared_mem <= max(48 * 1024, SHARED_ALLOWED.get(self.ptr, 0)) <= 227 * 1024, where
         self.launches.append(self.name)
         if STATE.simt is not None:

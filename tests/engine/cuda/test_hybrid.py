@@ -13,7 +13,7 @@ import pytest
 
 from engine.loader import load_model
 from engine.prefix_cache import PrefixCache
-from tests.engine.cuda.test_decoder_dry import STATE, _rel, fake, ptx_params, simt  # noqa: F401 - fixtures
+from tests.engine.cuda.test_decoder_dry import STATE, _opt_in, _rel, fake, ptx_params, simt  # noqa: F401 - fixtures
 from tests.engine.tiny_models import T, TinySpec, write_tiny_gguf
 
 
@@ -171,3 +171,65 @@ def test_hybrid_forward_batch_matches_the_cpu_on_host_threads(fake, simt, tmp_pa
         hyb.forward(p, c)
     ref = model.forward_batch([7, 8], cpu_caches).copy()
     assert _rel(hyb.forward_batch([7, 8], caches), ref) < 1e-3
+
+
+def test_batched_decode_shares_weight_reads_and_a_graph_per_batch(fake, tmp_path):
+    """forward_batch over integer-dot weights: one matvec_qb launch per matrix group for the whole
+    batch (no per-sequence matvecs), captured once per batch of caches and replayed; a new batch gets
+    its own capture, and only the latest BATCH_GRAPHS batches are kept."""
+    model = _lm(tmp_path, layers=2).model
+    dec = fake.decoder.CudaDecoder(model, n_ctx=32)
+    assert dec.batchable
+    caches = [dec.new_cache(32) for _ in range(6)]
+    for i, c in enumerate(caches):
+        dec.forward([1, 2, 3][: 1 + i % 3], c)
+    fake.launches.clear()
+    captures = fake.cp.cuda.Stream.captures
+    n0 = captures.count("begin")
+    out = dec.forward_batch([4, 5, 6], caches[:3])
+    assert out.shape == (3, model.cfg.vocab_size) and captures.count("begin") == n0 + 1
+    step = fake.launches[: len(fake.launches) // 2]  # the warm-up run, then the capture's replay
+    assert "matvec_q" not in step and step.count("matvec_qb") == 4 * 2 + 1  # qkv, wo, gate|up, down; logits
+    assert step.count("rope_store") == 3 * 2 and step.count("attn_split") == 3 * 2
+    dec.forward_batch([7, 8, 9], caches[:3])
+    assert captures.count("begin") == n0 + 1  # replayed
+    for k in range(3, 6):  # more batches than are kept
+        dec.forward_batch([1, 2], [caches[k - 3], caches[k]])
+    assert len(dec._batches) == fake.decoder.BATCH_GRAPHS and captures.count("begin") == n0 + 4
+    bs = next(iter(dec._batches.values()))
+    assert not bs.holds([dec.new_cache(32), dec.new_cache(32)])
+    dec.int_dot = False  # float dot products: each sequence replays its own step
+    fake.launches.clear()
+    dec.forward_batch([1, 2], caches[:2])
+    assert "matvec_qb" not in fake.launches
+
+
+@pytest.mark.parametrize("kind", ["llama", *_opt_in("qwen2", "gemma3")])  # gemma3: ~4 min here
+def test_batched_decode_matches_the_cpu_on_host_threads(fake, simt, tmp_path, kind):
+    """Three sequences at different positions, batched steps on host threads: the CPU model's
+    forward_batch logits (1e-3), and the GPU's own one-sequence steps (1e-5: the same arithmetic)."""
+    from tests.engine.tiny_gemma3 import TinyGemmaSpec, write_tiny_gemma3
+
+    STATE.simt = simt
+    path = tmp_path / f"{kind}.gguf"
+    if kind == "gemma3":
+        write_tiny_gemma3(path, TinyGemmaSpec(matrix_type=T.Q8_0, final_softcap=3.0))
+    else:
+        write_tiny_gguf(path, TinySpec(arch=kind, matrix_type=T.Q8_0, qkv_bias=kind == "qwen2"))
+    model = load_model(path).model
+    dec = fake.decoder.CudaDecoder(model, n_ctx=32, prefill_dtype="float32")
+    assert dec.batchable
+    prompts = [[1, 2, 3], [4, 5], [6, 7, 8, 9, 10]]
+    cpu = [model.new_cache(32) for _ in prompts]
+    gpu = [dec.new_cache(32, np.float32) for _ in prompts]
+    solo = [dec.new_cache(32, np.float32) for _ in prompts]
+    for p, a, b, c in zip(prompts, cpu, gpu, solo):
+        model.forward(p, a)
+        dec.forward(p, b)
+        dec.forward(p, c)
+    for tokens in ([11, 12, 13], [14, 15, 16]):  # the second step replays the captured graph
+        ref = model.forward_batch(tokens, cpu).copy()
+        got = dec.forward_batch(tokens, gpu)
+        assert _rel(got, ref) < 1e-3
+        one = np.concatenate([dec.forward([t], c) for t, c in zip(tokens, solo)])
+        assert _rel(got, one) < 1e-5

@@ -195,9 +195,10 @@ extern "C" __global__ void glu(void* __restrict__ out, const float* __restrict__
     if (half_out) ((ushort*)out)[i] = f2h(v);
     else ((float*)out)[i] = v;
 }
-extern "C" __global__ void add_inplace(float* __restrict__ x, const float* __restrict__ y, long long n) {
+// x (n,) += y repeated: x[i] += y[i % m] (a bias over the rows of a batch)
+extern "C" __global__ void add_inplace(float* __restrict__ x, const float* __restrict__ y, long long n, long long m) {
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i < n) x[i] += y[i];
+    if (i < n) x[i] += y[i % m];
 }
 // logits (n,) <- cap * tanh(logits / cap)
 extern "C" __global__ void softcap(float* __restrict__ x, float cap, long long n) {

@@ -30,6 +30,7 @@
 #define STEP_WARPS 16  // at most: the kernel runs with any blockDim.x = 32 * (1..16), 512 on GPUs
 #define LAYER_SLOTS 20  // u64 per layer in the descriptor table (see engine/backends/cuda/fused.py)
 #define MAX_HD 256
+#define MAX_BATCH 8  // matvec_qb's activation vectors per launch (engine/backends/cuda/ops.py)
 #define XQ_SCALE 32512.f  // 127 * 256: |x| max of a unit -> |256 hi + lo| <= 32512, hi and lo int8
 
 #ifdef __CUDA_ARCH__
@@ -331,6 +332,66 @@ extern "C" __global__ void __launch_bounds__(1024) matvec_q(
         const uchar* w = k == 0 ? w0 : k == 1 ? w1 : w2;
         float acc = warp_sum(row_dot(type, w + row_bytes_of(type, cols) * lr, xin, lane));
         if (lane == 0) out[r] = accumulate ? out[r] + acc : acc;
+    }
+}
+
+// Vector b's view of the batched kernel's shared memory: B blocks of 80 * units bytes.
+__device__ __forceinline__ XIn xin_of(float* sq, int b, int cols) {
+    int units = cols >> 5;
+    XIn xin;
+    xin.cols = cols;
+    xin.units = units;
+    xin.w = (uint*)((uchar*)sq + (long long)b * 80 * units);
+    xin.d = (float*)(xin.w + 16 * units);
+    xin.s = xin.d + units;
+    xin.i = (int*)(xin.s + units);
+    xin.f = xin.t = nullptr;
+    return xin;
+}
+
+// matvec_q for B activation vectors at once (batched decode): out[b * ldo + r] (=, or += when
+// accumulate) = ([W0; W1; W2] @ act(x_b))[r], x_b = x + b * ldx, and for prologue 2/3 the second
+// operand at x_b + x2_off. Each row of W comes from DRAM once for all B (the B - 1 further reads hit
+// L1). Any multiple of 32 threads up to 1024. Dynamic shared memory: B * 80 * (cols / 32) bytes.
+extern "C" __global__ void __launch_bounds__(1024) matvec_qb(
+    float* __restrict__ out, long long ldo, const uchar* __restrict__ w0, const uchar* __restrict__ w1,
+    const uchar* __restrict__ w2, int t0, int t1, int t2, int rows0, int rows1, int rows2, int cols,
+    const float* __restrict__ x, long long ldx, long long x2_off, const float* __restrict__ nw, float eps,
+    int prologue, int accumulate, int B) {
+    extern __shared__ float sq[];
+    __shared__ float red[32];
+    __shared__ float inv[MAX_BATCH];
+    int units = cols >> 5, warp = threadIdx.x >> 5, lane = threadIdx.x & 31, warps = blockDim.x >> 5;
+    if (prologue == 1) {  // each vector's RMS (the condition is the block's, so are the barriers)
+        for (int b = 0; b < B; b++) {
+            float ss = 0.f;
+            for (int e = threadIdx.x; e < cols; e += blockDim.x) ss += x[b * ldx + e] * x[b * ldx + e];
+            ss = block_sum(ss, red);
+            if (threadIdx.x == 0) inv[b] = rsqrtf(ss / (float)cols + eps);
+        }
+        __syncthreads();
+    }
+    for (int k = warp; k < B * units; k += warps) {
+        int b = k / units, u = k % units, e = u * 32 + lane;
+        const float* xb = x + b * ldx;
+        float a = xb[e];
+        if (prologue == 1) a = a * inv[b] * nw[e];
+        else if (prologue == 2) a = silu(a) * xb[x2_off + e];
+        else if (prologue == 3) a = gelu_tanh(a) * xb[x2_off + e];
+        XIn xin = xin_of(sq, b, cols);
+        quantize_unit(xin, u, lane, a);
+    }
+    __syncthreads();
+    int rows = rows0 + rows1 + rows2;
+    for (int r = blockIdx.x * warps + warp; r < rows; r += gridDim.x * warps) {
+        int k = r < rows0 ? 0 : r < rows0 + rows1 ? 1 : 2;
+        int lr = k == 0 ? r : k == 1 ? r - rows0 : r - rows0 - rows1;
+        int type = k == 0 ? t0 : k == 1 ? t1 : t2;
+        const uchar* w = (k == 0 ? w0 : k == 1 ? w1 : w2) + row_bytes_of(type, cols) * lr;
+        for (int b = 0; b < B; b++) {
+            float acc = warp_sum(row_dot(type, w, xin_of(sq, b, cols), lane));
+            if (lane == 0) out[b * ldo + r] = accumulate ? out[b * ldo + r] + acc : acc;
+        }
     }
 }
 
