@@ -398,6 +398,15 @@ def test_int_dot_matvec_on_host_threads(fake, simt, t):
     assert {n for n in fake.launches if n.startswith("matvec_")} == {"matvec_q"}
 
 
+def test_batched_matvec_on_host_threads(fake, simt):
+    """matvec_qb against matvec_q one vector at a time (test_kernels_gpu), on host threads."""
+    from tests.engine.cuda import test_kernels_gpu as gpu_tests
+
+    STATE.simt = simt
+    gpu_tests.test_matvec_batch_matches_one_vector_at_a_time(0)
+    assert fake.launches.count("matvec_qb") == 2 * 2  # 8 + 2 vectors, two prologues
+
+
 @pytest.mark.skipif(not FULL_SIMT, reason="set HEARTH_CUDA_SIMT=1 (about 9 minutes on 2 cores)")
 def test_op_kernels_on_host_threads(fake, simt):
     from tests.engine.cuda import test_kernels_gpu as gpu_tests

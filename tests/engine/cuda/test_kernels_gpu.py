@@ -128,6 +128,36 @@ def test_int_dot_matvec_stacks_mixed_types(gpu, cols):
         ops.matvec(out, ws, cp.asarray(x), int_dot=False)
 
 
+def test_matvec_batch_matches_one_vector_at_a_time(gpu):
+    """ops.matvec_batch (matvec_qb) over 10 vectors (launches of 8 and 2) gives each vector what
+    ops.matvec gives it alone: the same quantization and dot products. RMSNorm and SwiGLU prologues,
+    accumulate into rows of a wider output, mixed Q4_K/Q6_K/Q8_0 stacks."""
+    import cupy as cp
+
+    from engine.backends.cuda import ops
+
+    parts = [_weight(t, rows, 256, seed) for t, rows, seed in ((12, 24, 1), (14, 8, 2), (8, 8, 3))]
+    ws = [ops.upload(w) for w, _ in parts]
+    rng = np.random.default_rng(8)
+    B = 10
+    x = rng.standard_normal((B, 512)).astype(np.float32)  # [x | x2] rows for the SwiGLU prologue
+    nw = cp.asarray(rng.uniform(0.5, 1.5, 256).astype(np.float32))
+    base = rng.standard_normal((B, 48)).astype(np.float32)
+    for prologue, accumulate in ((1, False), (2, True)):
+        out = cp.asarray(base)
+        gx = cp.asarray(x if prologue == 2 else np.ascontiguousarray(x[:, :256]))
+        kw = dict(norm=nw, eps=1e-5, prologue=prologue, accumulate=accumulate)
+        ops.matvec_batch(out, ws, gx, cols_x2=prologue == 2, **kw)
+        for b in range(B):
+            one = cp.asarray(base[b, :40])
+            x2 = cp.asarray(x[b, 256:]) if prologue == 2 else None
+            ops.matvec(one, ws, cp.asarray(x[b, :256]), x2=x2, **kw)
+            np.testing.assert_allclose(out.get()[b, :40], one.get(), rtol=1e-6, atol=1e-6)
+        np.testing.assert_array_equal(out.get()[:, 40:], base[:, 40:])  # beyond the rows: untouched
+    with pytest.raises(ValueError, match="integer-dot"):
+        ops.matvec_batch(out, [ops.upload(_weight(1, 4, 256, 9)[0])], gx)
+
+
 @pytest.mark.parametrize("dtype", [np.float32, np.float16])
 def test_linear_prefill_stacks_weights_across_tiles(gpu, dtype):
     """linear_prefill over stacked weights of different types (q|k|v, gate|up) with a scratch so small
