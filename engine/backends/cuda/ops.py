@@ -47,7 +47,7 @@ TYPES = {
     NVFP4: ("nvfp4", 16, 8),
 }
 SUPPORTED_TYPES = frozenset(TYPES)
-INT_DOT_TYPES = frozenset({Q8_0, Q4_0, Q4_1, Q4_K, Q6_K})  # matvec_q's integer dot products (step.cu)
+INT_DOT_TYPES = frozenset({Q8_0, Q4_0, Q4_1, Q4_K, Q6_K})  # matvec_qb's integer dot products (step.cu)
 _FLOAT_TYPES = (F32, F16, BF16)
 _FP_TYPES = fpquant.FP_TYPES
 
@@ -171,6 +171,11 @@ def matvec(
     t, cols = ws[0].ggml_type, ws[0].cols
     if not 1 <= len(ws) <= 3 or any(w.cols != cols for w in ws):
         raise ValueError("matvec stacks 1-3 weights of one width")
+    if int_dot and all(w.ggml_type in INT_DOT_TYPES for w in ws):
+        _launch_matvec_qb(out, 0, ws, x, x2, 0, norm, eps, prologue, accumulate, 1)
+        return
+    if any(w.ggml_type != t for w in ws):
+        raise ValueError("matvec stacks weights of one type (or of INT_DOT_TYPES with int_dot)")
     pad = 3 - len(ws)
     rows = [w.rows for w in ws] + [0] * pad
     weights = [w.raw for w in ws] + [NULL] * pad
@@ -184,18 +189,6 @@ def matvec(
         _i32(bool(accumulate)),
     )
     grid = max(1, min(-(-sum(rows) // 8), _sm_count() * MATVEC_BLOCKS_PER_SM))
-    if int_dot and all(w.ggml_type in INT_DOT_TYPES for w in ws):
-        kinds = [_i32(w.ggml_type) for w in ws] + [_i32(t)] * pad
-        # every block quantizes the whole input: wide inputs (the down projection's) in fewer, bigger
-        # blocks, one per SM, so that quantizing does not cost more than reading the weights
-        threads = MATVEC_THREADS if cols < 4096 else 1024
-        if threads > MATVEC_THREADS:
-            grid = max(1, min(-(-sum(rows) // (threads // 32)), _sm_count()))
-        args = (out, *weights, *kinds, *map(_i32, rows), *tail)
-        _launch_matvec("matvec_q", grid, 80 * (cols // 32), args, threads)
-        return
-    if any(w.ggml_type != t for w in ws):
-        raise ValueError("matvec stacks weights of one type (or of INT_DOT_TYPES with int_dot)")
     if t in _FP_TYPES:  # FP8: the row scales of each weight; NVFP4: block scales, then global scales
         weights += [w.scales for w in ws] + [NULL] * pad
         if t == NVFP4:
@@ -228,33 +221,42 @@ def matvec_batch(
         raise ValueError("batched matvec takes the integer-dot types only")
     if any(w.cols != cols for w in ws) or not 1 <= len(ws) <= 3:
         raise ValueError("matvec stacks 1-3 weights of one width")
-    pad = 3 - len(ws)
+    ldo, ldx = out.strides[0] // 4, x.strides[0] // 4
+    for b0 in range(0, B, MAX_BATCH):
+        # x2: vector b0's up half; vector b's lies ldx further on per vector, as its x does
+        x2 = x[b0, cols:] if cols_x2 else None
+        n = min(MAX_BATCH, B - b0)
+        _launch_matvec_qb(out[b0:], ldo, ws, x[b0:], x2, ldx, norm, eps, prologue, accumulate, n)
+
+
+def _launch_matvec_qb(out, ldo: int, ws, x, x2, ldx: int, norm, eps, prologue, accumulate, n: int) -> None:
+    """matvec_qb over n vectors (rows ldo apart in out, ldx apart in x and x2)."""
+    cols, pad = ws[0].cols, 3 - len(ws)
     rows = [w.rows for w in ws] + [0] * pad
     weights = [w.raw for w in ws] + [NULL] * pad
     kinds = [_i32(w.ggml_type) for w in ws] + [_i32(ws[0].ggml_type)] * pad
+    # every block quantizes the whole input: wide inputs (the down projection's) in fewer, bigger
+    # blocks, one per SM, so that quantizing does not cost more than reading the weights
     threads = MATVEC_THREADS if cols < 4096 else 1024
     per_sm = MATVEC_BLOCKS_PER_SM if threads == MATVEC_THREADS else 1
     grid = max(1, min(-(-sum(rows) // (threads // 32)), _sm_count() * per_sm))
-    ldo, ldx = out.strides[0] // 4, x.strides[0] // 4
-    for b0 in range(0, B, MAX_BATCH):
-        n = min(MAX_BATCH, B - b0)
-        args = (
-            out[b0:],
-            np.int64(ldo),
-            *weights,
-            *kinds,
-            *map(_i32, rows),
-            _i32(cols),
-            x[b0:],
-            np.int64(ldx),
-            np.int64(cols),
-            NULL if norm is None else norm,
-            _f32(eps),
-            _i32(prologue),
-            _i32(bool(accumulate)),
-            _i32(n),
-        )
-        _launch_matvec("matvec_qb", grid, n * 80 * (cols // 32), args, threads)
+    args = (
+        out,
+        np.int64(ldo),
+        *weights,
+        *kinds,
+        *map(_i32, rows),
+        _i32(cols),
+        x,
+        NULL if x2 is None else x2,
+        np.int64(ldx),
+        NULL if norm is None else norm,
+        _f32(eps),
+        _i32(prologue),
+        _i32(bool(accumulate)),
+        _i32(n),
+    )
+    _launch_matvec("matvec_qb", grid, n * 80 * (cols // 32), args, threads)
 
 
 def dequant(

@@ -74,7 +74,7 @@ def test_each_source_compiles_on_its_own():
 def test_fused_step_assembles_for_sm_90_and_compiles_for_sm_80(ptx):
     # ptxas checks its inline PTX (dp4a, the sm_90 bulk L2 prefetch); older GPUs build it without
     # the prefetch
-    assert {"decode_step", "matvec_q"} <= _entries(ptx) and "cp.async.bulk.prefetch.L2" in ptx
+    assert {"decode_step", "matvec_qb"} <= _entries(ptx) and "cp.async.bulk.prefetch.L2" in ptx
     cubin = kernels.compile_cubin(kernels.full_source(), "hearth.cu", arch="sm_90")
     assert b"decode_step" in cubin
     older = kernels.compile_ptx(kernels.full_source(), "hearth.cu", arch="compute_80")

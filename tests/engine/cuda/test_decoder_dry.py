@@ -74,7 +74,7 @@ class FakeKernel:
         assert all(int(g) >= 1 for g in grid) and len(grid) <= 3
         assert 1 <= int(np.prod(block)) <= 1024 and int(np.prod(block)) % 32 == 0, where
         if self.name.startswith("matvec_"):
-            wide = self.name in ("matvec_q", "matvec_qb") and tuple(block) == (1024,)
+            wide = self.name == "matvec_qb" and tuple(block) == (1024,)
             assert tuple(block) == (256,) or wide, where
         assert shared_mem <= max(48 * 1024, SHARED_ALLOWED.get(self.ptr, 0)) <= 227 * 1024, where
         self.launches.append(self.name)
@@ -386,7 +386,7 @@ def test_matvec_and_dequant_kernels_on_host_threads(fake, simt, t):
 
 @pytest.mark.parametrize("t", [12, 8, *_opt_in(14, 2, 3)])
 def test_int_dot_matvec_on_host_threads(fake, simt, t):
-    """The graph path's integer-dot matvec (matvec_q, step.cu's row_dot) on host threads: every prologue,
+    """The graph path's integer-dot matvec (matvec_qb, step.cu's row_dot) on host threads: every prologue,
     accumulate, and one launch over stacked weights of different types."""
     from tests.engine.cuda import test_kernels_gpu as gpu_tests
 
@@ -395,16 +395,16 @@ def test_int_dot_matvec_on_host_threads(fake, simt, t):
     if t == 12:
         gpu_tests.test_int_dot_matvec_stacks_mixed_types(0, 512)
         gpu_tests.test_int_dot_matvec_stacks_mixed_types(0, 4096)  # blocks of 1024 threads
-    assert {n for n in fake.launches if n.startswith("matvec_")} == {"matvec_q"}
+    assert {n for n in fake.launches if n.startswith("matvec_")} == {"matvec_qb"}
 
 
 def test_batched_matvec_on_host_threads(fake, simt):
-    """matvec_qb against matvec_q one vector at a time (test_kernels_gpu), on host threads."""
+    """matvec_qb over 10 vectors against one vector at a time (test_kernels_gpu), on host threads."""
     from tests.engine.cuda import test_kernels_gpu as gpu_tests
 
     STATE.simt = simt
     gpu_tests.test_matvec_batch_matches_one_vector_at_a_time(0)
-    assert fake.launches.count("matvec_qb") == 2 * 2  # 8 + 2 vectors, two prologues
+    assert fake.launches.count("matvec_qb") == 2 * (2 + 10)  # two prologues: 8 + 2 vectors, then 10 alone
 
 
 @pytest.mark.skipif(not FULL_SIMT, reason="set HEARTH_CUDA_SIMT=1 (about 9 minutes on 2 cores)")

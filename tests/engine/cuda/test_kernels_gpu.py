@@ -129,8 +129,8 @@ def test_int_dot_matvec_stacks_mixed_types(gpu, cols):
 
 
 def test_matvec_batch_matches_one_vector_at_a_time(gpu):
-    """ops.matvec_batch (matvec_qb) over 10 vectors (launches of 8 and 2) gives each vector what
-    ops.matvec gives it alone: the same quantization and dot products. RMSNorm and SwiGLU prologues,
+    """ops.matvec_batch over 10 vectors (launches of 8 and 2) gives each vector what ops.matvec gives
+    it alone: the same quantization and dot products. RMSNorm and SwiGLU prologues,
     accumulate into rows of a wider output, mixed Q4_K/Q6_K/Q8_0 stacks."""
     import cupy as cp
 

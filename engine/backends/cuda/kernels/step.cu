@@ -288,53 +288,6 @@ __device__ float row_dot(int type, const uchar* __restrict__ row, const XIn& x, 
 }
 
 // ---- the graph path's integer matvec -------------------------------------------------------------
-// out (rows0 + rows1 + rows2,) (=, or += when accumulate) = [W0; W1; W2] @ act(x) for the types row_dot
-// takes with integer dot products (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K), each matrix its own (t0..t2): x
-// through quant.cu's load_x prologue (0 x, 1 rmsnorm(x) * nw, 2 silu(x) * x2, 3 gelu_tanh(x) * x2),
-// quantized per 32 to two int8 levels in shared memory, as the fused step does. Any multiple of 32
-// threads up to 1024, one row per warp at a time, rows grid-strided. Dynamic shared memory:
-// 80 * (cols / 32) bytes.
-extern "C" __global__ void __launch_bounds__(1024) matvec_q(
-    float* __restrict__ out, const uchar* __restrict__ w0, const uchar* __restrict__ w1, const uchar* __restrict__ w2,
-    int t0, int t1, int t2, int rows0, int rows1, int rows2, int cols, const float* __restrict__ x,
-    const float* __restrict__ x2, const float* __restrict__ nw, float eps, int prologue, int accumulate) {
-    extern __shared__ float sq[];
-    __shared__ float red[32];
-    int units = cols >> 5, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    XIn xin;
-    xin.cols = cols;
-    xin.units = units;
-    xin.w = (uint*)sq;
-    xin.d = (float*)(xin.w + 16 * units);
-    xin.s = xin.d + units;
-    xin.i = (int*)(xin.s + units);
-    xin.f = xin.t = nullptr;  // the float views only the float and generic types read
-    float inv = 1.f;
-    if (prologue == 1) {
-        float ss = 0.f;
-        for (int e = threadIdx.x; e < cols; e += blockDim.x) ss += x[e] * x[e];
-        inv = rsqrtf(block_sum(ss, red) / (float)cols + eps);
-    }
-    for (int u = warp; u < units; u += blockDim.x >> 5) {
-        int e = u * 32 + lane;
-        float a = x[e];
-        if (prologue == 1) a = a * inv * nw[e];
-        else if (prologue == 2) a = silu(a) * x2[e];
-        else if (prologue == 3) a = gelu_tanh(a) * x2[e];
-        quantize_unit(xin, u, lane, a);
-    }
-    __syncthreads();
-    int rows = rows0 + rows1 + rows2, warps = blockDim.x >> 5;
-    for (int r = blockIdx.x * warps + warp; r < rows; r += gridDim.x * warps) {
-        int k = r < rows0 ? 0 : r < rows0 + rows1 ? 1 : 2;
-        int lr = k == 0 ? r : k == 1 ? r - rows0 : r - rows0 - rows1;
-        int type = k == 0 ? t0 : k == 1 ? t1 : t2;
-        const uchar* w = k == 0 ? w0 : k == 1 ? w1 : w2;
-        float acc = warp_sum(row_dot(type, w + row_bytes_of(type, cols) * lr, xin, lane));
-        if (lane == 0) out[r] = accumulate ? out[r] + acc : acc;
-    }
-}
-
 // Vector b's view of the batched kernel's shared memory: B blocks of 80 * units bytes.
 __device__ __forceinline__ XIn xin_of(float* sq, int b, int cols) {
     int units = cols >> 5;
@@ -349,15 +302,19 @@ __device__ __forceinline__ XIn xin_of(float* sq, int b, int cols) {
     return xin;
 }
 
-// matvec_q for B activation vectors at once (batched decode): out[b * ldo + r] (=, or += when
-// accumulate) = ([W0; W1; W2] @ act(x_b))[r], x_b = x + b * ldx, and for prologue 2/3 the second
-// operand at x_b + x2_off. Each row of W comes from DRAM once for all B (the B - 1 further reads hit
-// L1). Any multiple of 32 threads up to 1024. Dynamic shared memory: B * 80 * (cols / 32) bytes.
+// out[b * ldo + r] (=, or += when accumulate) = ([W0; W1; W2] @ act(x_b))[r] for B activation vectors
+// x_b = x + b * ldx (B = 1: one vector; up to MAX_BATCH: batched decode), for the types row_dot takes
+// with integer dot products (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K), each matrix its own (t0..t2). act as
+// quant.cu's load_x prologue (0 x, 1 rmsnorm(x) * nw, 2 silu(x) * x2, 3 gelu_tanh(x) * x2, x2_b = x2 +
+// b * ldx), each vector quantized per 32 to two int8 levels in shared memory, as the fused step does.
+// Each row of W comes from DRAM once for all B (the B - 1 further reads hit L1). Any multiple of 32
+// threads up to 1024, one row per warp at a time, rows grid-strided. Dynamic shared memory:
+// B * 80 * (cols / 32) bytes.
 extern "C" __global__ void __launch_bounds__(1024) matvec_qb(
     float* __restrict__ out, long long ldo, const uchar* __restrict__ w0, const uchar* __restrict__ w1,
     const uchar* __restrict__ w2, int t0, int t1, int t2, int rows0, int rows1, int rows2, int cols,
-    const float* __restrict__ x, long long ldx, long long x2_off, const float* __restrict__ nw, float eps,
-    int prologue, int accumulate, int B) {
+    const float* __restrict__ x, const float* __restrict__ x2, long long ldx, const float* __restrict__ nw,
+    float eps, int prologue, int accumulate, int B) {
     extern __shared__ float sq[];
     __shared__ float red[32];
     __shared__ float inv[MAX_BATCH];
@@ -373,11 +330,10 @@ extern "C" __global__ void __launch_bounds__(1024) matvec_qb(
     }
     for (int k = warp; k < B * units; k += warps) {
         int b = k / units, u = k % units, e = u * 32 + lane;
-        const float* xb = x + b * ldx;
-        float a = xb[e];
+        float a = x[b * ldx + e];
         if (prologue == 1) a = a * inv[b] * nw[e];
-        else if (prologue == 2) a = silu(a) * xb[x2_off + e];
-        else if (prologue == 3) a = gelu_tanh(a) * xb[x2_off + e];
+        else if (prologue == 2) a = silu(a) * x2[b * ldx + e];
+        else if (prologue == 3) a = gelu_tanh(a) * x2[b * ldx + e];
         XIn xin = xin_of(sq, b, cols);
         quantize_unit(xin, u, lane, a);
     }
