@@ -14,7 +14,9 @@ For each file it measures, with engine.backends.cuda.bench.bench_decoder:
   graph path's on the same prompt;
   prefill tok/s at --prompt tokens, against cupy float16 GEMMs of the same shapes (the 7 layer
   matrices x 16 layers at --prompt rows): prefill_vs_cublas = GEMM time / our prefill time; where
-  prefill time goes (linears, attention) and prefill tok/s with 8, 16 and 32 MiB dequantization tiles;
+  prefill time goes (linears, attention), whether it is host-bound (prefill_issue_s: the host's time
+  to enqueue it; prefill_gpu_s: the GPU's time with every launch queued beforehand, and
+  prefill_gpu_vs_cublas from it) and prefill tok/s with 8, 16 and 32 MiB dequantization tiles;
   batched decode (forward_batch, as `hearth serve` runs it) over 4 and 8 sequences, total tok/s.
 
 Usage: python3 scripts/cuda_bench_1b.py --out results.json [--types Q4_K,Q8_0] [--prompt 512] [--gen 128]
@@ -171,6 +173,10 @@ def bench_file(path: Path, n_prompt: int, n_gen: int, repetitions: int) -> dict:
     except Exception as e:  # noqa: BLE001 - the figures above stand
         breakdown = {"prefill_breakdown_error": f"{type(e).__name__}: {e}"}
     try:
+        breakdown.update(_prefill_host_and_gpu(dec, prompt, n_ctx))
+    except Exception as e:  # noqa: BLE001 - the figures above stand
+        breakdown["prefill_host_and_gpu_error"] = f"{type(e).__name__}: {e}"
+    try:
         breakdown.update(_prefill_by_tile(dec, prompt, n_ctx))
     except Exception as e:  # noqa: BLE001 - the figures above stand
         breakdown["prefill_by_tile_error"] = f"{type(e).__name__}: {e}"
@@ -182,6 +188,8 @@ def bench_file(path: Path, n_prompt: int, n_gen: int, repetitions: int) -> dict:
     # last: a fault in the fused kernel would leave this process's CUDA context unusable
     fused = _bench_fused(dec, prompt, n_gen, n_ctx, repetitions)
     prefill_s = n_prompt / r["prefill_tps"]
+    if "prefill_gpu_s" in breakdown:  # what the prefill would reach without the host's launch overhead
+        breakdown["prefill_gpu_vs_cublas"] = round(gemm_s / breakdown["prefill_gpu_s"], 3)
     out = {
         "file_gb": round(path.stat().st_size / 1e9, 3),
         "weights_gb": round(dec.weight_bytes / 1e9, 3),
@@ -251,6 +259,48 @@ def _prefill_breakdown(dec, n_tokens: int, n_ctx: int) -> dict:
     res["prefill_gemm_ex"] = not ops._gemm_ex_failed
     if ops._gemm_ex_failed:
         res["prefill_gemm_ex_error"] = ops._gemm_ex_failed[0]
+    return res
+
+
+# a GPU kept busy for `ns` nanoseconds (its global timer), so that launches queue up behind it
+SPIN = r"""extern "C" __global__ void spin(long long ns) {
+    unsigned long long t0, t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+    do {
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    } while (t - t0 < (unsigned long long)ns);
+}
+"""
+
+
+def _prefill_host_and_gpu(dec, prompt: list[int], n_ctx: int, repeats: int = 3) -> dict:
+    """Is the prefill host-bound? prefill_issue_s: the host's time to enqueue one prefill's launches;
+    prefill_gpu_s: the GPU's time for them when all were queued before the first ran (behind a kernel
+    that spins for longer than issuing takes), i.e. the prefill without launch overhead. Best of
+    `repeats`, after a warm-up prefill (kernels loaded, memory pool filled)."""
+    import cupy as cp
+
+    spin = cp.RawKernel(SPIN, "spin")
+    cache = dec.new_cache(n_ctx)
+    issue, gpu = [], []
+    with cp.cuda.Device(dec.device), dec.stream:
+        ids = cp.asarray(np.asarray(prompt, np.int32))
+        pos = cp.asarray(np.zeros(1, np.int32))
+        dec._prefill_kernels(ids, pos, cache, False)  # the prefill writes the cache, never advances it
+        for _ in range(repeats):
+            dec.stream.synchronize()
+            start, end = cp.cuda.Event(), cp.cuda.Event()
+            spin((1,), (1,), (np.int64(300_000_000),))  # 0.3 s
+            start.record(dec.stream)
+            t0 = time.perf_counter()
+            dec._prefill_kernels(ids, pos, cache, False)
+            issue.append(time.perf_counter() - t0)
+            end.record(dec.stream)
+            end.synchronize()
+            gpu.append(cp.cuda.get_elapsed_time(start, end) / 1e3)
+    res = {"prefill_issue_s": round(min(issue), 5), "prefill_gpu_s": round(min(gpu), 5)}
+    if min(issue) > 0.25:  # the host waited for the GPU while issuing: the GPU figure includes host time
+        res["prefill_gpu_note"] = "issuing waited for the GPU: prefill_gpu_s includes launch overhead"
     return res
 
 

@@ -624,15 +624,20 @@ class CudaDecoder:
         ops.linear_prefill(out, ws, x16, self._tile, accumulate)
 
     def _prefill(self, tokens: np.ndarray, cache: CudaKVCache, all_logits: bool):
+        ids = cp.asarray(tokens.astype(np.int32))
+        pos = cp.asarray(np.array([cache.offset], np.int32))
+        return self._prefill_kernels(ids, pos, cache, all_logits)
+
+    def _prefill_kernels(self, ids, pos, cache: CudaKVCache, all_logits: bool):
+        """The prefill of the tokens ids (n,) int32 at positions cache.offset.. (pos (1,) int32 on the GPU
+        holds it too): launches only, no host-device copy or synchronisation."""
         cfg = self.cfg
         eps = cfg.rms_norm_eps
-        n = len(tokens)
+        n = int(ids.shape[0])
         f32, dt = cp.float32, self.prefill_dtype
         H, hd = cfg.num_attention_heads, cfg.head_dim
         d, ff = cfg.hidden_size, cfg.intermediate_size
         pos0 = cache.offset
-        ids = cp.asarray(tokens.astype(np.int32))
-        pos = cp.asarray(np.array([pos0], np.int32))
         x = cp.empty((n, d), f32)
         ops.dequant(x, self.token_embd, ids=ids, scale=self.embed_scale)
         o = cp.empty((n, d), f32)

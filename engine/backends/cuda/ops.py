@@ -48,6 +48,7 @@ TYPES = {
 }
 SUPPORTED_TYPES = frozenset(TYPES)
 INT_DOT_TYPES = frozenset({Q8_0, Q4_0, Q4_1, Q4_K, Q6_K})  # matvec_qb's integer dot products (step.cu)
+BLOCK_TYPES = frozenset({Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K})  # dequant_qb (step.cu)
 _FLOAT_TYPES = (F32, F16, BF16)
 _FP_TYPES = fpquant.FP_TYPES
 
@@ -269,7 +270,10 @@ def dequant(
 ) -> None:
     """out (n, cols) float32 or float16 = rows ids (int32 (n,)) or r0..r0+n of w, times scale."""
     n = int(ids.shape[0]) if ids is not None else (w.rows - r0 if n is None else n)
-    name, block, _ = TYPES[w.ggml_type]
+    if w.ggml_type in BLOCK_TYPES:
+        _launch_dequant_qb(out, [w], ids, r0, n, scale)
+        return
+    name, _, _ = TYPES[w.ggml_type]
     per = (4 if w.ggml_type == F32 else 8) if w.ggml_type in _FLOAT_TYPES else 32
     items = n * (w.cols // per)
     half = out.dtype == cp.float16
@@ -279,6 +283,18 @@ def dequant(
     kernel("dequant_" + name, cp.cuda.Device().id)(
         (-(-items // 256),), (256,), (out, *weight, *rows, _i32(w.cols), _i32(half), _f32(scale))
     )
+
+
+def _launch_dequant_qb(out, ws: list[GpuWeight], ids, r0: int, n: int, scale: float = 1.0) -> None:
+    """dequant_qb: out (n, cols) = rows (ids, or r0..r0+n) of 1-3 weights of BLOCK_TYPES stacked."""
+    pad = 3 - len(ws)
+    weights = [w.raw for w in ws] + [NULL] * pad
+    kinds = [_i32(w.ggml_type) for w in ws] + [_i32(ws[0].ggml_type)] * pad
+    rows = [_i32(w.rows) for w in ws[:2]] + [_i32(0)] * (2 - len(ws[:2]))
+    items = n * (ws[0].cols // 32)
+    half = _i32(out.dtype == cp.float16)
+    args = (out, *weights, *kinds, *rows, NULL if ids is None else ids, _i32(r0), _i32(n), _i32(ws[0].cols))
+    kernel("dequant_qb", cp.cuda.Device().id)((-(-items // 256),), (256,), (*args, half, _f32(scale)))
 
 
 def _grid1(n: int, threads: int = 256) -> tuple[tuple[int], tuple[int]]:
@@ -465,20 +481,25 @@ def linear_prefill(out, ws: list[GpuWeight], x16, scratch, accumulate: bool = Fa
     stacked, R rows in all: tiles of W dequantized into scratch (float16 or float32, >= cols elements)
     and multiplied by cuBLAS, one GEMM per tile; x16 has scratch's dtype.
 
-    A tile may span several weights (q|k|v, gate|up), so stacked projections cost one GEMM."""
+    A tile may span several weights (q|k|v, gate|up), so stacked projections cost one GEMM, and one
+    dequantization launch when they are 1-3 weights of BLOCK_TYPES (any mix of them)."""
     cols = ws[0].cols
     if any(w.cols != cols for w in ws):
         raise ValueError("stacked weights must have the same number of columns")
     total = sum(w.rows for w in ws)
     tile_rows = min(total, scratch.size // cols)
+    one_launch = len(ws) <= 3 and all(w.ggml_type in BLOCK_TYPES for w in ws)
     starts = np.cumsum([0] + [w.rows for w in ws])
     for r0 in range(0, total, tile_rows):
         r1 = min(r0 + tile_rows, total)
         tile = scratch[: (r1 - r0) * cols].reshape(r1 - r0, cols)
-        for w, s0 in zip(ws, starts[:-1]):
-            lo, hi = max(r0, s0), min(r1, s0 + w.rows)  # the part of w in this tile
-            if lo < hi:
-                dequant(tile[lo - r0 : hi - r0], w, r0=int(lo - s0), n=int(hi - lo))
+        if one_launch:  # the tile's rows of the stack, whichever weights they fall in
+            _launch_dequant_qb(tile, ws, None, r0, r1 - r0)
+        else:
+            for w, s0 in zip(ws, starts[:-1]):
+                lo, hi = max(r0, s0), min(r1, s0 + w.rows)  # the part of w in this tile
+                if lo < hi:
+                    dequant(tile[lo - r0 : hi - r0], w, r0=int(lo - s0), n=int(hi - lo))
         gemm_nt(out[:, r0:r1], x16, tile, accumulate)
 
 

@@ -231,9 +231,8 @@ def _host_source(extra_source: str = "") -> tuple[str, list[str]]:
     body = DYN_SMEM.sub(r"\1* \2 = (\1*)g_dyn_smem;", body)
     body = body.replace('_Pragma("unroll")', "")
     names = KERNEL.findall(body)
-    names += [
-        f"{p}_{t}" for p in ("matvec", "dequant") for t in re.findall(r"^[QF]MATVEC\((\w+),", body, re.M)
-    ]
+    names += [f"matvec_{t}" for t in re.findall(r"^[QF]MATVEC\((\w+),", body, re.M)]
+    names += [f"dequant_{t}" for t in re.findall(r"^FMATVEC\((\w+),", body, re.M)]
     names = [n for n in names if not n.startswith("__")]
     entry = '{{"{n}", [](const unsigned* g, unsigned t, size_t m, const uint64_t* s, int c) '
     entry += "{{ return run({n}, g, t, m, s, c); }}}}"

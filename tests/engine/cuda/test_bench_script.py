@@ -29,6 +29,12 @@ def test_bench_script_runs_every_measurement(fake, tmp_path, monkeypatch):
     monkeypatch.setattr(fake.cp, "random", types.SimpleNamespace(standard_normal=normal), raising=False)
     monkeypatch.setattr(fake.cp, "empty_like", lambda a: dry._wrap(np.zeros_like(a)), raising=False)
     monkeypatch.setattr(fake.ops, "_sm_count", lambda: 2)
+    # the bench's own spin kernel (compiled for real in the test below) and CUDA events
+    spin = lambda grid, block, args: None  # noqa: E731
+    monkeypatch.setattr(fake.cp, "RawKernel", lambda code, name: spin, raising=False)
+    event = types.SimpleNamespace(record=lambda stream=None: None, synchronize=lambda: None)
+    monkeypatch.setattr(fake.cp.cuda, "Event", lambda: event, raising=False)
+    monkeypatch.setattr(fake.cp.cuda, "get_elapsed_time", lambda a, b: 1.0, raising=False)
     out = tmp_path / "results.json"
     argv = ["cuda_bench_1b", "--out", str(out), "--types", "Q8_0,Q4_K", "--prompt", "64", "--gen", "8"]
     monkeypatch.setattr("sys.argv", [*argv, "--repetitions", "1", "--workdir", str(tmp_path)])
@@ -41,6 +47,19 @@ def test_bench_script_runs_every_measurement(fake, tmp_path, monkeypatch):
         wanted += ("float_matvec_decode_bandwidth_fraction", "batch8_decode_tps_total")
         wanted += ("fused_decode_bandwidth_fraction", "fused_greedy_matches_graphs")
         wanted += ("fused_t256_decode_bandwidth_fraction", "fused_noprefetch_decode_bandwidth_fraction")
+        wanted += ("prefill_issue_s", "prefill_gpu_s", "prefill_gpu_vs_cublas")
         for key in wanted:
             assert key in entry, key
     assert not list(tmp_path.glob("*.gguf"))  # the 1B files are deleted after their run
+
+
+def test_bench_spin_kernel_assembles():
+    """The bench's spin kernel (its own source, not the backend's module) through NVRTC and ptxas."""
+    from engine.backends.cuda import kernels
+    from tests.engine.cuda.conftest import nvrtc_or_skip
+
+    nvrtc_or_skip()
+    spec = importlib.util.spec_from_file_location("cuda_bench_1b", SCRIPT)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert b"spin" in kernels.compile_cubin(bench.SPIN, "spin.cu", arch="sm_90")

@@ -40,7 +40,10 @@ def _entries(text: str) -> set[str]:
 def test_quant_kernels_compile_for_every_type(ptx):
     entries = _entries(ptx)
     for t in TYPES:
-        assert f"matvec_{t}" in entries and f"dequant_{t}" in entries, t
+        assert f"matvec_{t}" in entries, t
+        # the GGUF block types share one dequantization kernel (stacked weights of mixed types)
+        assert (f"dequant_{t}" in entries) != (t[0] == "q"), t
+    assert {"dequant_qb", "matvec_qb"} <= entries
     assert ".target sm_90" in ptx
 
 

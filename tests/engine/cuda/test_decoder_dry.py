@@ -451,14 +451,21 @@ def test_prefill_attention_gemms_on_host_threads(fake, simt, monkeypatch, window
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float16])
-def test_stacked_prefill_linear_on_host_threads(fake, simt, dtype):
+@pytest.mark.parametrize("stack", ["q8_0|q4_0|q8_0", "q4_k|q4_k|q6_k", "q8_0|f16|q8_0"])
+def test_stacked_prefill_linear_on_host_threads(fake, simt, dtype, stack):
     """test_kernels_gpu's stacked-tile check: the dequant kernels on host threads, the GEMMs through the
-    host emulation of cublasGemmEx."""
+    host emulation of cublasGemmEx. Block types take one dequant_qb launch per tile whatever weights it
+    spans (3 tiles, twice); a float16 weight among them makes it a launch per weight part (4 a pass)."""
     from tests.engine.cuda import test_kernels_gpu as gpu_tests
 
     STATE.simt = simt
-    gpu_tests.test_linear_prefill_stacks_weights_across_tiles(0, dtype)
-    assert fake.launches.count("dequant_q8_0") == 6 and not fake.ops._gemm_ex_failed  # W1 in 2 tiles, W3
+    gpu_tests.test_linear_prefill_stacks_weights_across_tiles(0, dtype, stack)
+    dequants = [n for n in fake.launches if n.startswith("dequant_")]
+    if "f16" in stack:
+        assert dequants == 2 * ["dequant_qb", "dequant_f16", "dequant_qb", "dequant_qb"]
+    else:
+        assert dequants == ["dequant_qb"] * 6
+    assert not fake.ops._gemm_ex_failed
 
 
 @pytest.mark.parametrize("dtype", [np.float16, np.float32])

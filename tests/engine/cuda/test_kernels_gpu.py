@@ -158,18 +158,29 @@ def test_matvec_batch_matches_one_vector_at_a_time(gpu):
         ops.matvec_batch(out, [ops.upload(_weight(1, 4, 256, 9)[0])], gx)
 
 
+# (type, rows) stacks over `cols`: block types of one and of mixed kinds (one dequant_qb launch per
+# tile), and a float16 weight among them (a launch per weight in each tile)
+STACKS = {
+    "q8_0|q4_0|q8_0": (((8, 5), (2, 3), (8, 4)), 64),
+    "q4_k|q4_k|q6_k": (((12, 5), (12, 3), (14, 4)), 256),
+    "q8_0|f16|q8_0": (((8, 5), (1, 3), (8, 4)), 64),
+}
+
+
 @pytest.mark.parametrize("dtype", [np.float32, np.float16])
-def test_linear_prefill_stacks_weights_across_tiles(gpu, dtype):
+@pytest.mark.parametrize("stack", list(STACKS))
+def test_linear_prefill_stacks_weights_across_tiles(gpu, dtype, stack):
     """linear_prefill over stacked weights of different types (q|k|v, gate|up) with a scratch so small
     that tiles start and end inside weights and one tile spans two: out = x @ [W1; W2; W3].T, then +=."""
     import cupy as cp
 
     from engine.backends.cuda import ops
 
-    parts = [_weight(t, rows, 64, seed) for t, rows, seed in ((8, 5, 1), (2, 3, 2), (8, 4, 3))]
+    types, cols = STACKS[stack]
+    parts = [_weight(t, rows, cols, seed) for seed, (t, rows) in enumerate(types, 1)]
     dense = np.concatenate([d for _, d in parts])
-    x = np.random.default_rng(4).standard_normal((3, 64)).astype(np.float32)
-    scratch = cp.empty(64 * 5, dtype)  # tiles of 5 rows: [0, 5) [5, 10) [10, 12)
+    x = np.random.default_rng(4).standard_normal((3, cols)).astype(np.float32)
+    scratch = cp.empty(cols * 5, dtype)  # tiles of 5 rows: [0, 5) [5, 10) [10, 12)
     out = cp.zeros((3, 12), cp.float32)
     ws = [ops.upload(w) for w, _ in parts]
     ops.linear_prefill(out, ws, cp.asarray(x.astype(dtype)), scratch)
@@ -179,7 +190,7 @@ def test_linear_prefill_stacks_weights_across_tiles(gpu, dtype):
     ops.linear_prefill(out, ws, cp.asarray(x.astype(dtype)), scratch, accumulate=True)
     np.testing.assert_allclose(out.get(), 2 * want, rtol=tol, atol=2 * tol * np.abs(want).max())
     with pytest.raises(ValueError, match="same number of columns"):
-        ops.linear_prefill(out, [ws[0], ops.upload(_weight(8, 2, 96, 5)[0])], cp.asarray(x), scratch)
+        ops.linear_prefill(out, [ws[0], ops.upload(_weight(8, 2, cols + 32, 5)[0])], cp.asarray(x), scratch)
 
 
 @pytest.mark.parametrize("add_one", [False, True])

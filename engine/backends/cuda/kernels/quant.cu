@@ -307,22 +307,6 @@ __device__ __forceinline__ void store_staged(void* __restrict__ out, long long u
             acc = warp_sum(acc);                                                                           \
             if (lane == 0) out[r] = accumulate ? out[r] + acc : acc;                                       \
         }                                                                                                  \
-    }                                                                                                      \
-    /* out (n, cols) float32 or float16 bits = rows (ids[i] or r0 + i) of W, times scale */                \
-    extern "C" __global__ void dequant_##NAME(void* __restrict__ out, const uchar* __restrict__ w,          \
-                                              const int* __restrict__ ids, int r0, int n, int cols,   \
-                                              int half_out, float scale) {                                 \
-        int units = cols >> 5;                                                                             \
-        long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;                                  \
-        bool ok = idx < (long long)n * units;                                                              \
-        float v[32];                                                                                       \
-        if (ok) {                                                                                          \
-            int i = (int)(idx / units), u = (int)(idx % units);                                            \
-            long long row = ids ? ids[i] : (long long)(r0 + i);                                            \
-            long long row_bytes = (long long)(units / SUBS) * BYTES;                                       \
-            dec_##NAME(w + row * row_bytes + (long long)(u / SUBS) * BYTES, u % SUBS, v);                  \
-        }                                                                                                  \
-        store_staged(out, (long long)n * units, v, scale, half_out, ok);                                   \
     }
 
 QMATVEC(q8_0, 34, 1)

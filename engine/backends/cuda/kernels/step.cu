@@ -533,6 +533,22 @@ __device__ void load_normed(XIn& xin, const float* src, const float* w, float ep
     quantize_x(xin);
 }
 
+// v (32,) = unit u (elements 32 u ..) of a row of a GGUF block type
+__device__ __forceinline__ void dec_unit(int type, const uchar* row, int u, float* v) {
+    switch (type) {
+        case T_Q8_0: dec_q8_0(row + 34LL * u, 0, v); break;
+        case T_Q4_0: dec_q4_0(row + 18LL * u, 0, v); break;
+        case T_Q4_1: dec_q4_1(row + 20LL * u, 0, v); break;
+        case T_Q5_0: dec_q5_0(row + 22LL * u, 0, v); break;
+        case T_Q5_1: dec_q5_1(row + 24LL * u, 0, v); break;
+        case T_Q2_K: dec_q2_k(row + 84LL * (u / 8), u % 8, v); break;
+        case T_Q3_K: dec_q3_k(row + 110LL * (u / 8), u % 8, v); break;
+        case T_Q4_K: dec_q4_k(row + 144LL * (u / 8), u % 8, v); break;
+        case T_Q5_K: dec_q5_k(row + 176LL * (u / 8), u % 8, v); break;
+        default: dec_q6_k(row + 210LL * (u / 8), u % 8, v); break;
+    }
+}
+
 // dst (d,) natural order = row `token` of the embedding, times scale (block-wide)
 __device__ void embed_row(float* dst, const uchar* embd, int type, int token, int d, float scale) {
     const uchar* row = embd + row_bytes_of(type, d) * token;
@@ -545,20 +561,31 @@ __device__ void embed_row(float* dst, const uchar* embd, int type, int token, in
     }
     for (int u = threadIdx.x; u < d / 32; u += blockDim.x) {
         float v[32];
-        switch (type) {
-            case T_Q8_0: dec_q8_0(row + 34LL * u, 0, v); break;
-            case T_Q4_0: dec_q4_0(row + 18LL * u, 0, v); break;
-            case T_Q4_1: dec_q4_1(row + 20LL * u, 0, v); break;
-            case T_Q5_0: dec_q5_0(row + 22LL * u, 0, v); break;
-            case T_Q5_1: dec_q5_1(row + 24LL * u, 0, v); break;
-            case T_Q2_K: dec_q2_k(row + 84LL * (u / 8), u % 8, v); break;
-            case T_Q3_K: dec_q3_k(row + 110LL * (u / 8), u % 8, v); break;
-            case T_Q4_K: dec_q4_k(row + 144LL * (u / 8), u % 8, v); break;
-            case T_Q5_K: dec_q5_k(row + 176LL * (u / 8), u % 8, v); break;
-            default: dec_q6_k(row + 210LL * (u / 8), u % 8, v); break;
-        }
+        dec_unit(type, row, u, v);
         for (int i = 0; i < 32; i++) dst[u * 32 + i] = v[i] * scale;
     }
+}
+
+// out (n, cols) float32 or float16 bits = rows (ids[i], or r0 + i) of [W0; W1; W2], times scale: up to
+// three matrices of GGUF block types (each its own: a Q4_K_M file's Q6_K wv beside Q4_K wq and wk)
+// stacked, so that a prefill tile spanning q|k|v or gate|up is one launch. One thread per 32 values;
+// blocks of 256 threads (store_staged).
+extern "C" __global__ void __launch_bounds__(256) dequant_qb(void* __restrict__ out, const uchar* __restrict__ w0,
+        const uchar* __restrict__ w1, const uchar* __restrict__ w2, int t0, int t1, int t2, int rows0, int rows1,
+        const int* __restrict__ ids, int r0, int n, int cols, int half_out, float scale) {
+    int units = cols >> 5;
+    long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    bool ok = idx < (long long)n * units;
+    float v[32];
+    if (ok) {
+        int i = (int)(idx / units), u = (int)(idx % units);
+        int r = ids ? ids[i] : r0 + i;
+        int k = r < rows0 ? 0 : r < rows0 + rows1 ? 1 : 2;
+        int type = k == 0 ? t0 : k == 1 ? t1 : t2;
+        long long lr = r - (k > 0 ? rows0 : 0) - (k > 1 ? rows1 : 0);
+        dec_unit(type, (k == 0 ? w0 : k == 1 ? w1 : w2) + row_bytes_of(type, cols) * lr, u, v);
+    }
+    store_staged(out, (long long)n * units, v, scale, half_out, ok);
 }
 
 __device__ __forceinline__ float kv_at(const void* c, long long i, int half) {
