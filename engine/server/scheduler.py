@@ -4,7 +4,8 @@ Each iteration of the engine loop
   1. admits queued requests while fewer than `max_seqs` run: each gets its own KV cache (a free one
      that already holds the longest prefix of its prompt, else a fresh one), then the shared prefix
      store (engine.prefix_cache) fills in whatever longer prefix it holds -- a system prompt that
-     another request prefilled is copied, not computed again;
+     another request prefilled is copied, not computed again. When a fresh cache does not fit in
+     memory the request waits for a running one's cache (with none running it fails: 503);
   2. runs one prefill chunk of one admitted sequence (chunked, so running replies keep streaming
      while a long prompt is read); a sequence whose prompt is done samples its first token from the
      prefill logits and joins the batch, and its prompt state goes into the prefix store;
@@ -143,6 +144,7 @@ class Engine:
         self._prefilling: list[Job] = []
         self._decoding: list[Job] = []
         self._free: list[KVCache] = []
+        self._memory_full = False  # a fresh cache did not fit while others ran
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.steps = 0  # batched decode steps run (tests look at it)
@@ -220,12 +222,22 @@ class Engine:
 
     def _admit(self) -> None:
         while self._waiting and self.running < self.max_seqs:
+            if self._memory_full and not self._free:
+                return  # no room for a fresh cache: the next request waits for a running one's
             seq = self._waiting.pop(0)
             if seq.cancelled or time.monotonic() > seq.deadline:
                 self._finish(seq, "cancelled" if seq.cancelled else None, error=_timeout(seq))
                 continue
             ids = seq.params.prompt_ids
-            seq.cache = self._take_cache(ids)
+            try:
+                seq.cache = self._take_cache(ids)
+            except MemoryError as e:  # numpy's or CuPy's (a MemoryError): no room for another cache
+                if self.running:  # wait for a running request to give its cache back
+                    self._memory_full = True
+                    self._waiting.insert(0, seq)
+                else:
+                    self._finish(seq, error=_no_cache_memory(e, self.n_ctx))
+                return
             if self.store is not None:
                 live = seq.cache.common_prefix(ids)
                 self.store.restore(ids, seq.cache, start=live)
@@ -353,9 +365,20 @@ class Engine:
         if delta.decode_tps:
             self.metrics.decode_tps.observe(delta.decode_tps)
         if seq.cache is not None:
+            self._memory_full = False  # a cache comes back (or is dropped): admitting may go on
             if len(self._free) < self.max_seqs:
                 self._free.append(seq.cache)  # keeps its tokens: a follow-up turn reuses them
             seq.cache = None
+
+
+def _no_cache_memory(e: MemoryError, n_ctx: int) -> APIError:
+    return APIError(
+        503,
+        f"no memory left for this request's KV cache of {n_ctx} positions ({type(e).__name__}: {e}); "
+        "restart the server with a smaller --ctx or --max-seqs, or free memory on the device",
+        "server_error",
+        code="out_of_memory",
+    )
 
 
 def _timeout(seq: Job) -> APIError:

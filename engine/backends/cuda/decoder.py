@@ -15,7 +15,9 @@ class uploads those weights unchanged (GGUF blocks) and runs the same maths with
 The fused path (decode_kernel="fused" or HEARTH_CUDA_DECODE=fused; GGUF weights): the whole decode step
 is one persistent kernel instead (engine.backends.cuda.fused); `decode_path` says which path runs.
 
-Batched decode (the server): forward_batch replays each sequence's own captured step, one after another.
+Batched decode (the server): forward_batch runs the same step over B sequences at once, captured as a
+CUDA graph per batch of caches. Integer-dot weights are read once for up to ops.MAX_BATCH of them; RoPE,
+attention and float-kernel matvecs run per sequence inside the step.
 
 Partial offload: with n_layers below the model's layer count the decoder runs the embedding and the
 first n_layers layers only and hands the residual stream to the CPU model (engine.backends.cuda.hybrid).
@@ -24,6 +26,7 @@ first n_layers layers only and hands the residual stream to the CPU model (engin
 from __future__ import annotations
 
 import collections
+import functools
 import os
 import weakref
 
@@ -40,6 +43,8 @@ from models.errors import HearthError
 
 PREFILL_TILE_ELEMS = 32 << 20  # dequantized weight elements per prefill tile (64 MiB in float16)
 MARGIN_BYTES = 512 << 20  # CUDA context, cuBLAS workspace, allocator slack
+BATCH_GRAPHS = 4  # batches whose captured steps are kept (a server's batch changes as requests come and go)
+SERVE_ROWS = 16  # sequences per batched step the VRAM estimate plans for (hearth serve --max-seqs default)
 
 
 class UnsupportedCudaModelError(HearthError):
@@ -129,7 +134,13 @@ def estimate_vram(
     # prefill attention: scores and K/V copies, q and the output regrouped by KV head
     attn_parts = ops.ATTN_GEMM_BYTES + 8 * prefill_tokens * cfg.q_dim
     tile = 2 * PREFILL_TILE_ELEMS + (4 * cfg.vocab_size * 2 if n == cfg.num_hidden_layers else 0)
-    return int(weights + norms + kv + acts + attn_parts + tile + MARGIN_BYTES)
+    # decode steps: a sequence's rows (activations, logits) and attention partials, for one sequence
+    # and the kept batched steps of up to SERVE_ROWS sequences each
+    vocab = cfg.vocab_size if n == cfg.num_hidden_layers else 0
+    row = 4 * (2 * cfg.hidden_size + 2 * cfg.q_dim + 2 * cfg.kv_dim + 2 * cfg.intermediate_size + vocab)
+    row += 4 * cfg.num_attention_heads * -(-n_ctx // ops.ATTN_CHUNK) * (cfg.head_dim + 2)
+    steps = row * (1 + BATCH_GRAPHS * SERVE_ROWS)
+    return int(weights + norms + kv + acts + attn_parts + tile + steps + MARGIN_BYTES)
 
 
 def layers_that_fit(model, n_ctx: int, free: int, kv_dtype=np.float16) -> int:
@@ -148,25 +159,8 @@ def layers_that_fit(model, n_ctx: int, free: int, kv_dtype=np.float16) -> int:
 
 
 class _Step:
-    """Decode-step buffers, allocated once."""
-
-    def __init__(self, cfg, n_splits: int):
-        f32 = cp.float32
-        d, q, kv, ff = cfg.hidden_size, cfg.q_dim, cfg.kv_dim, cfg.intermediate_size
-        self.x = cp.empty(d, f32)
-        self.o = cp.empty(d, f32)
-        self.qkv = cp.empty(q + 2 * kv, f32)
-        self.attn = cp.empty(q, f32)
-        self.gu = cp.empty(2 * ff, f32)
-        self.logits = cp.empty(cfg.vocab_size, f32)
-        self.ids = cp.zeros(1, cp.int32)
-        self.pos = cp.zeros(1, cp.int32)
-        h = cfg.num_attention_heads
-        self.parts = (cp.empty(h * n_splits * cfg.head_dim, f32), cp.empty(h * n_splits * 2, f32))
-
-
-class _BatchStep:
-    """Batched decode: the buffers and captured graph of one batch of caches, B rows each."""
+    """The buffers of a decode step over B sequences (B rows each, allocated once) and its captured
+    graphs (by greedy flag), for one list of caches; held by weak references, checked by `holds`."""
 
     def __init__(self, cfg, caches: list, head_only: bool):
         f32 = cp.float32
@@ -181,13 +175,19 @@ class _BatchStep:
         self.logits = None if head_only else cp.empty((B, cfg.vocab_size), f32)
         self.ids = cp.zeros(B, cp.int32)
         self.pos = cp.zeros(B, cp.int32)
-        self.graph = None
+        h = cfg.num_attention_heads
+        # each sequence's split-K attention partials: output and (max, sum) per head and split
+        splits = [-(-c.n_ctx // ops.ATTN_CHUNK) for c in caches]
+        self.parts = [(cp.empty(h * n * cfg.head_dim, f32), cp.empty(h * n * 2, f32)) for n in splits]
+        self.graphs: dict[bool, object] = {}
 
     def holds(self, caches: list) -> bool:
         return len(caches) == len(self.refs) and all(r() is c for r, c in zip(self.refs, caches))
 
+    def alive(self) -> bool:
+        return all(r() is not None for r in self.refs)
 
-BATCH_GRAPHS = 4  # batches whose captured steps are kept (a server's batch changes as requests come and go)
+
 
 
 class CudaDecoder:
@@ -278,11 +278,11 @@ class CudaDecoder:
                         reason = str(e)
                 if reason is not None:
                     self.decode_path = f"graphs (fused step: {reason})"
-        # per cache: its decode-step buffers and captured graphs (the graphs hold the cache's and the
-        # buffers' pointers, so they live and die with the cache)
+        # per cache: its one-sequence step (the graphs hold the cache's and the buffers' pointers, so
+        # they live and die with the cache)
         self._steps: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-        # batched decode: the latest batches' buffers and graphs, by their caches' ids (checked by
-        # weak references: an id can come back for a new cache)
+        # batched decode: the latest batches' steps, by their caches' ids (checked by weak references:
+        # an id can come back for a new cache)
         self._batches: collections.OrderedDict = collections.OrderedDict()
         self.max_position_embeddings = cfg.max_position_embeddings
 
@@ -395,9 +395,9 @@ class CudaDecoder:
     def forward_batch(self, tokens, caches: list[CudaKVCache]) -> np.ndarray:
         """As Decoder.forward_batch: one decode step for B sequences, float32 logits (B, vocab).
 
-        With `batchable` weights the B sequences share one captured step whose matrix-vector
-        kernels read each weight once for up to ops.MAX_BATCH of them (attention stays per
-        sequence); otherwise each sequence replays its own cache's step.
+        The B sequences share one step, captured per batch of caches: with `batchable` weights its
+        matrix-vector kernels read each weight once for up to ops.MAX_BATCH of them (attention stays
+        per sequence); other weights get a matvec per sequence inside the step.
         """
         self._need_output()
         return self._run_batch(tokens, caches)
@@ -411,11 +411,10 @@ class CudaDecoder:
     def _run_batch(self, tokens, caches) -> np.ndarray:
         tokens = check_batch(tokens, caches)
         with cp.cuda.Device(self.device), self.stream:
-            if len(caches) > 1 and self.batchable:
+            if len(caches) > 1:
                 out = cp.asnumpy(self._decode_batch(tokens, caches), stream=self.stream)
             else:
-                rows = [self._decode(int(t), c, greedy=False) for t, c in zip(tokens, caches)]
-                out = cp.asnumpy(cp.stack(rows), stream=self.stream)
+                out = cp.asnumpy(self._decode(int(tokens[0]), caches[0], greedy=False), stream=self.stream)
             self.stream.synchronize()
         for t, cache in zip(tokens, caches):
             cache.advance([int(t)])
@@ -442,7 +441,7 @@ class CudaDecoder:
         cache.check_room(1)
         with cp.cuda.Device(self.device), self.stream:
             logits = self._decode(int(token), cache, greedy=False)
-            ids = self._steps[cache][0].ids
+            ids = self._steps[cache].ids
             ops.sample_topk(ids, logits, top_k, temp, top_p, u)
             nxt = int(cp.asnumpy(ids, stream=self.stream)[0])
         cache.advance([token])
@@ -454,170 +453,106 @@ class CudaDecoder:
 
     # ---- decode -----------------------------------------------------------------------------
     def _decode(self, token: int, cache: CudaKVCache, greedy: bool):
-        if cache not in self._steps:
-            self._steps[cache] = (_Step(self.cfg, -(-cache.n_ctx // ops.ATTN_CHUNK)), {})
-        step, graphs = self._steps[cache]
+        """One step of one sequence: its logits (1, vocab), the residual stream (1, hidden) of a head
+        decoder, or with greedy the step (its ids hold the argmax)."""
+        step = self._steps.get(cache)
+        if step is None:
+            step = self._steps[cache] = _Step(self.cfg, [cache], self.head_only)
         result = step if greedy else step.x if self.head_only else step.logits
         if self.fused is not None:  # token and position travel as launch arguments
             self.fused.launch(step, cache, token, greedy)
             if not greedy:
                 self.fused.check(step)
             return result
-        step.ids[0] = token
-        step.pos[0] = cache.offset
-        if not self.use_graphs:
-            self._decode_kernels(step, cache, greedy)
-            return result
-        graph = graphs.get(greedy)
-        if graph is None:
-            self._decode_kernels(step, cache, greedy)  # warm-up: every kernel loaded before capture
-            step.ids[0] = token
-            step.pos[0] = cache.offset
-            self.stream.begin_capture()
-            try:
-                self._decode_kernels(step, cache, greedy)
-            finally:
-                graph = self.stream.end_capture()
-            graphs[greedy] = graph
-        graph.launch(self.stream)
+        self._replay(step, [cache], [token], greedy)
         return result
 
-    def _decode_kernels(self, s: _Step, cache: CudaKVCache, greedy: bool) -> None:
+    def _decode_batch(self, tokens: list[int], caches: list) -> cp.ndarray:
+        """One step of B sequences: logits (B, vocab), or the residual streams (B, hidden) of a head
+        decoder."""
+        step = self._batch_step(caches)
+        self._replay(step, caches, tokens, greedy=False)
+        return step.x if self.head_only else step.logits
+
+    def _batch_step(self, caches: list) -> _Step:
+        for key in [k for k, st in self._batches.items() if not st.alive()]:  # their caches are gone
+            del self._batches[key]
+        key = tuple(map(id, caches))
+        step = self._batches.get(key)
+        if step is None or not step.holds(caches):
+            step = self._batches[key] = _Step(self.cfg, caches, self.head_only)
+        self._batches.move_to_end(key)
+        while len(self._batches) > BATCH_GRAPHS:
+            self._batches.popitem(last=False)
+        return step
+
+    def _replay(self, step: _Step, caches: list, tokens: list[int], greedy: bool) -> None:
+        """Token ids and positions to device memory, then the step: its graph (captured on first use,
+        after a warm-up run that loads every kernel), or kernel by kernel without graphs."""
+        ids = np.asarray(tokens, np.int32)
+        pos = np.array([c.offset for c in caches], np.int32)
+        step.ids.set(ids)
+        step.pos.set(pos)
+        if not self.use_graphs:
+            self._step_kernels(step, caches, greedy)
+            return
+        graph = step.graphs.get(greedy)
+        if graph is None:
+            self._step_kernels(step, caches, greedy)  # warm-up
+            step.ids.set(ids)
+            step.pos.set(pos)
+            self.stream.begin_capture()
+            try:
+                self._step_kernels(step, caches, greedy)
+            finally:
+                graph = step.graphs[greedy] = self.stream.end_capture()
+        graph.launch(self.stream)
+
+    def _step_kernels(self, s: _Step, caches: list, greedy: bool) -> None:
+        """The decode step's launches over the B = len(caches) rows of s."""
         cfg = self.cfg
         eps = cfg.rms_norm_eps
-        q_dim, ff = cfg.q_dim, cfg.intermediate_size
-        H, hd = cfg.num_attention_heads, cfg.head_dim
-        ops.dequant(s.x.reshape(1, -1), self.token_embd, ids=s.ids, scale=self.embed_scale)
-        q = s.qkv[:q_dim]
-        dot = self.int_dot
+        q_dim, H, hd = cfg.q_dim, cfg.num_attention_heads, cfg.head_dim
+        mv = functools.partial(_matvecs, int_dot=self.int_dot)
+        ops.dequant(s.x, self.token_embd, ids=s.ids, scale=self.embed_scale)
         for i, L in enumerate(self.layers):
-            _stacked(s.qkv, [L["wq"], L["wk"], L["wv"]], s.x, dot, norm=L["attn_norm"], eps=eps, prologue=1)
+            mv(s.qkv, [L["wq"], L["wk"], L["wv"]], s.x, norm=L["attn_norm"], eps=eps, prologue=1)
             if L["bqkv"] is not None:
-                ops.add_inplace(s.qkv, L["bqkv"])
-            ops.rope_store(
-                s.qkv,
-                H,
-                cache.k[i],
-                cache.v[i],
-                s.pos,
-                L["inv_freq"],
-                self.n_rot,
-                self.neox,
-                eps,
-                L["q_norm"],
-                L["k_norm"],
-            )
-            ops.attention(
-                s.attn.reshape(1, H, hd),
-                q.reshape(1, H, hd),
-                cache.k[i],
-                cache.v[i],
-                s.pos,
-                self.scale,
-                cache.n_ctx,
-                L["window"],
-                s.parts,
-            )
-            if self.gemma:
-                ops.matvec(s.o, [L["wo"]], s.attn, int_dot=dot)
-                ops.rmsnorm(s.x.reshape(1, -1), s.o.reshape(1, -1), L["post_attn_norm"], eps, accumulate=True)
-            else:
-                ops.matvec(s.x, [L["wo"]], s.attn, accumulate=True, int_dot=dot)
-            _stacked(s.gu, [L["w_gate"], L["w_up"]], s.x, dot, norm=L["ffn_norm"], eps=eps, prologue=1)
+                ops.add_inplace(s.qkv, L["bqkv"])  # one bias over the B rows
+            rope = (L["inv_freq"], self.n_rot, self.neox, eps, L["q_norm"], L["k_norm"])
+            for b, c in enumerate(caches):  # attention: each sequence its own cache and position
+                pos = s.pos[b : b + 1]
+                ops.rope_store(s.qkv[b], H, c.k[i], c.v[i], pos, *rope)
+                q = s.qkv[b, :q_dim].reshape(1, H, hd)
+                attn = s.attn[b].reshape(1, H, hd)
+                ops.attention(attn, q, c.k[i], c.v[i], pos, self.scale, c.n_ctx, L["window"], s.parts[b])
             act = 3 if self.gemma else 2
             if self.gemma:
-                ops.matvec(s.o, [L["w_down"]], s.gu[:ff], x2=s.gu[ff:], prologue=act, int_dot=dot)
-                ops.rmsnorm(s.x.reshape(1, -1), s.o.reshape(1, -1), L["post_ffn_norm"], eps, accumulate=True)
+                mv(s.o, [L["wo"]], s.attn)
+                ops.rmsnorm(s.x, s.o, L["post_attn_norm"], eps, accumulate=True)
             else:
-                down = [L["w_down"]]
-                ops.matvec(s.x, down, s.gu[:ff], x2=s.gu[ff:], prologue=act, accumulate=True, int_dot=dot)
+                mv(s.x, [L["wo"]], s.attn, accumulate=True)
+            mv(s.gu, [L["w_gate"], L["w_up"]], s.x, norm=L["ffn_norm"], eps=eps, prologue=1)
+            if self.gemma:
+                mv(s.o, [L["w_down"]], s.gu, cols_x2=True, prologue=act)
+                ops.rmsnorm(s.x, s.o, L["post_ffn_norm"], eps, accumulate=True)
+            else:
+                mv(s.x, [L["w_down"]], s.gu, cols_x2=True, prologue=act, accumulate=True)
         if self.head_only:
             return
-        ops.matvec(s.logits, [self.output], s.x, norm=self.output_norm, eps=eps, prologue=1, int_dot=dot)
+        mv(s.logits, [self.output], s.x, norm=self.output_norm, eps=eps, prologue=1)
         cap = getattr(cfg, "final_logit_softcapping", None)
         if cap is not None:
             ops.softcap(s.logits, cap)
         if greedy:
             ops.argmax(s.ids, s.logits)
 
-    # ---- batched decode ---------------------------------------------------------------------
     @property
     def batchable(self) -> bool:
         """Whether forward_batch shares weight reads: every matrix takes integer dot products."""
         mats = [L[k] for L in self.layers for k in LAYER_WEIGHTS]
         mats += [] if self.head_only else [self.output]
         return self.int_dot and all(w.ggml_type in ops.INT_DOT_TYPES for w in mats)
-
-    def _batch_step(self, caches: list) -> _BatchStep:
-        key = tuple(map(id, caches))
-        bs = self._batches.get(key)
-        if bs is None or not bs.holds(caches):
-            bs = self._batches[key] = _BatchStep(self.cfg, caches, self.head_only)
-        self._batches.move_to_end(key)
-        while len(self._batches) > BATCH_GRAPHS:
-            self._batches.popitem(last=False)
-        return bs
-
-    def _decode_batch(self, tokens: list[int], caches: list) -> cp.ndarray:
-        """One decode step for the batch: logits (B, vocab), or the residual streams (B, hidden) of a
-        head decoder. Token ids and positions go to device memory; the step is captured once per
-        batch and replayed."""
-        for c in caches:  # each sequence's attention scratch
-            if c not in self._steps:
-                self._steps[c] = (_Step(self.cfg, -(-c.n_ctx // ops.ATTN_CHUNK)), {})
-        bs = self._batch_step(caches)
-        ids = np.asarray(tokens, np.int32)
-        pos = np.array([c.offset for c in caches], np.int32)
-        bs.ids.set(ids)
-        bs.pos.set(pos)
-        if bs.graph is None:
-            self._batch_kernels(bs, caches)  # warm-up: every kernel loaded before capture
-            bs.ids.set(ids)
-            bs.pos.set(pos)
-            self.stream.begin_capture()
-            try:
-                self._batch_kernels(bs, caches)
-            finally:
-                bs.graph = self.stream.end_capture()
-        bs.graph.launch(self.stream)
-        return bs.x if self.head_only else bs.logits
-
-    def _batch_kernels(self, bs: _BatchStep, caches: list) -> None:
-        cfg = self.cfg
-        eps = cfg.rms_norm_eps
-        q_dim, H, hd = cfg.q_dim, cfg.num_attention_heads, cfg.head_dim
-        ops.dequant(bs.x, self.token_embd, ids=bs.ids, scale=self.embed_scale)
-        for i, L in enumerate(self.layers):
-            qkv = [L["wq"], L["wk"], L["wv"]]
-            ops.matvec_batch(bs.qkv, qkv, bs.x, norm=L["attn_norm"], eps=eps, prologue=1)
-            if L["bqkv"] is not None:
-                ops.add_inplace(bs.qkv, L["bqkv"])  # one bias over the B rows
-            for b, c in enumerate(caches):  # attention: each sequence its own cache and position
-                parts = self._steps[c][0].parts
-                pos = bs.pos[b : b + 1]
-                rope = (L["inv_freq"], self.n_rot, self.neox, eps, L["q_norm"], L["k_norm"])
-                ops.rope_store(bs.qkv[b], H, c.k[i], c.v[i], pos, *rope)
-                q = bs.qkv[b, :q_dim].reshape(1, H, hd)
-                attn = bs.attn[b].reshape(1, H, hd)
-                ops.attention(attn, q, c.k[i], c.v[i], pos, self.scale, c.n_ctx, L["window"], parts)
-            act = 3 if self.gemma else 2
-            if self.gemma:
-                ops.matvec_batch(bs.o, [L["wo"]], bs.attn)
-                ops.rmsnorm(bs.x, bs.o, L["post_attn_norm"], eps, accumulate=True)
-            else:
-                ops.matvec_batch(bs.x, [L["wo"]], bs.attn, accumulate=True)
-            ops.matvec_batch(bs.gu, [L["w_gate"], L["w_up"]], bs.x, norm=L["ffn_norm"], eps=eps, prologue=1)
-            if self.gemma:
-                ops.matvec_batch(bs.o, [L["w_down"]], bs.gu, cols_x2=True, prologue=act)
-                ops.rmsnorm(bs.x, bs.o, L["post_ffn_norm"], eps, accumulate=True)
-            else:
-                ops.matvec_batch(bs.x, [L["w_down"]], bs.gu, cols_x2=True, prologue=act, accumulate=True)
-        if self.head_only:
-            return
-        ops.matvec_batch(bs.logits, [self.output], bs.x, norm=self.output_norm, eps=eps, prologue=1)
-        cap = getattr(cfg, "final_logit_softcapping", None)
-        if cap is not None:
-            ops.softcap(bs.logits, cap)
 
     # ---- prefill ----------------------------------------------------------------------------
     def _linear(self, out, ws: list[ops.GpuWeight], x16, accumulate: bool = False) -> None:
@@ -698,20 +633,27 @@ class CudaDecoder:
         return logits
 
 
-def _stacked(out, ws: list, x, int_dot: bool, **kw) -> None:
-    """Matvecs of weights whose outputs lie back to back in out: one launch per run of weights one
-    kernel takes (one type, or any of ops.INT_DOT_TYPES with int_dot)."""
+def _matvecs(out, ws: list, x, int_dot: bool, cols_x2: bool = False, **kw) -> None:
+    """out (B, >= rows) (= or +=) [ws stacked] @ act(x[b]) for each row b of x (B, cols), or of
+    x (B, 2 cols) = [x | x2] with cols_x2 (prologues 2/3). One launch for each run of weights one
+    kernel takes (ops.matvec's rule): over all B rows (matvec_qb reads each weight row once for
+    them) for the integer-dot types at the start of a row, else a launch per row."""
 
     def kernel_of(w):
         return "int" if int_dot and w.ggml_type in ops.INT_DOT_TYPES else w.ggml_type
 
-    r = 0
-    i = 0
+    r = i = 0
     while i < len(ws):
         j = i + 1
-        while j < len(ws) and kernel_of(ws[j]) == kernel_of(ws[i]) and ws[j].cols == ws[i].cols:
+        while j < len(ws) and kernel_of(ws[j]) == kernel_of(ws[i]):
             j += 1
-        rows = sum(w.rows for w in ws[i:j])
-        ops.matvec(out[r : r + rows], ws[i:j], x, int_dot=int_dot, **kw)
+        run, rows = ws[i:j], sum(w.rows for w in ws[i:j])
+        if kernel_of(run[0]) == "int" and r == 0:
+            ops.matvec_batch(out, run, x, cols_x2=cols_x2, **kw)
+        else:
+            cols = run[0].cols
+            for b in range(out.shape[0]):
+                xb, x2 = (x[b, :cols], x[b, cols:]) if cols_x2 else (x[b], None)
+                ops.matvec(out[b, r : r + rows], run, xb, x2=x2, int_dot=int_dot, **kw)
         r += rows
         i = j

@@ -157,7 +157,7 @@ class FusedStep:
             step.qkv,
             step.gu,
             step.fparts,
-            step.logits,
+            ops.NULL if step.logits is None else step.logits,  # None: a head decoder's step
             step.sync,
             step.best,
             step.status,

@@ -407,6 +407,45 @@ def test_batched_matvec_on_host_threads(fake, simt):
     assert fake.launches.count("matvec_qb") == 2 * (2 + 10)  # two prologues: 8 + 2 vectors, then 10 alone
 
 
+# (ggml type, rows) stacks over 256 columns for the decode step's matvecs over B rows
+STEP_STACKS = {"q8_0|q4_k": ((8, 5), (12, 4)), "f16|q8_0": ((1, 3), (8, 5))}
+
+
+@pytest.mark.parametrize("int_dot", [True, False])
+def test_step_matvecs_over_a_batch_on_host_threads(fake, simt, int_dot):
+    """The decode step's matvecs over B = 3 rows (decoder._matvecs), SwiGLU prologue on [x | x2] rows,
+    added into wider rows: an integer-dot run at the start of the stack is one matvec_qb launch for the
+    batch; a run after a float-kernel weight, and float dot products, go a launch per row. All equal the
+    dense products."""
+    from tests.engine.cuda.test_kernels_gpu import _weight
+
+    STATE.simt = simt
+    B, cols = 3, 256
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal((B, 2 * cols)).astype(np.float32)
+    act = x[:, :cols] / (1 + np.exp(-x[:, :cols])) * x[:, cols:]
+    launches = {}
+    for name, stack in STEP_STACKS.items():
+        parts = [_weight(t, rows, cols, seed) for seed, (t, rows) in enumerate(stack, 1)]
+        ws = [fake.ops.upload(w) for w, _ in parts]
+        want = act.astype(np.float64) @ np.concatenate([d for _, d in parts]).astype(np.float64).T
+        base = rng.standard_normal((B, want.shape[1] + 2)).astype(np.float32)
+        out = fake.cp.asarray(base)
+        fake.launches.clear()
+        fake.decoder._matvecs(out, ws, fake.cp.asarray(x), int_dot, cols_x2=True, prologue=2, accumulate=True)
+        launches[name] = sorted(fake.launches)
+        got, n = np.asarray(out), want.shape[1]
+        np.testing.assert_allclose(got[:, :n], base[:, :n] + want, atol=2e-3 * np.abs(want).max())
+        np.testing.assert_array_equal(got[:, n:], base[:, n:])  # beyond the stack's rows: untouched
+    if int_dot:
+        assert launches == {"q8_0|q4_k": ["matvec_qb"], "f16|q8_0": ["matvec_f16"] * 3 + ["matvec_qb"] * 3}
+    else:
+        assert launches == {
+            "q8_0|q4_k": ["matvec_q4_k"] * 3 + ["matvec_q8_0"] * 3,
+            "f16|q8_0": ["matvec_f16"] * 3 + ["matvec_q8_0"] * 3,
+        }
+
+
 @pytest.mark.skipif(not FULL_SIMT, reason="set HEARTH_CUDA_SIMT=1 (about 9 minutes on 2 cores)")
 def test_op_kernels_on_host_threads(fake, simt):
     from tests.engine.cuda import test_kernels_gpu as gpu_tests

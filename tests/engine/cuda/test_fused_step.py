@@ -85,7 +85,7 @@ def test_a_barrier_timeout_is_a_typed_error(fake, tmp_path, monkeypatch):
     dec = _fused(fake, monkeypatch, _model(tmp_path, TinySpec(matrix_type=T.Q8_0, layers=1)))
     cache = dec.new_cache(32)
     dec.forward([1], cache)
-    step = dec._steps[cache][0]
+    step = dec._steps[cache]
     step.status[1] = 1  # what a barrier that waited too long leaves
     with pytest.raises(fake.fused.FusedStepError, match="HEARTH_CUDA_DECODE=graphs"):
         dec.greedy_step(2, cache)

@@ -130,24 +130,30 @@ def test_hybrid_decoder_computes_the_cpu_models_logits_on_host_threads(fake, sim
     assert _rel(hyb.forward([token], fresh), model.forward([token], cpu_cache)) < 1e-3
 
 
-def test_forward_batch_keeps_a_step_per_cache(fake, tmp_path):
-    """forward_batch on the GPU (full and hybrid): each cache gets its own buffers and graphs, which
-    go when the cache goes; bad batches are refused as on the CPU."""
+def test_forward_batch_keeps_a_step_per_batch(fake, tmp_path):
+    """forward_batch on the GPU (full and hybrid): a batch of caches gets its own step (buffers and
+    graph), dropped once one of its caches is gone; one-sequence steps stay per cache; bad batches are
+    refused as on the CPU."""
     import gc
 
     model = _lm(tmp_path, layers=2).model
     full = fake.decoder.CudaDecoder(model, n_ctx=32)
     caches = [full.new_cache(32) for _ in range(3)]
     for i, c in enumerate(caches):
-        full.forward([1, 2, 3][: i + 1], c)
+        full.forward([1, 2, 3, 4][: i + 2], c)
     out = full.forward_batch([4, 5, 6], caches)
-    assert out.shape == (3, model.cfg.vocab_size) and [c.offset for c in caches] == [2, 3, 4]
-    assert len(full._steps) == 3
+    assert out.shape == (3, model.cfg.vocab_size) and [c.offset for c in caches] == [3, 4, 5]
+    assert len(full._batches) == 1 and len(full._steps) == 0  # prefills take no step
+    full.forward([7], caches[0])
+    assert len(full._steps) == 1
     with pytest.raises(ValueError, match="its own KV cache"):
         full.forward_batch([1, 2], [caches[0], caches[0]])
     del caches, c
     gc.collect()
     assert len(full._steps) == 0
+    pair = [full.new_cache(32) for _ in range(2)]
+    full.forward_batch([1, 2], pair)
+    assert list(full._batches.values())[0].holds(pair) and len(full._batches) == 1  # the dead batch went
     hyb = fake.hybrid.HybridDecoder(model, 1, n_ctx=32)
     hc = [hyb.new_cache(32) for _ in range(2)]
     for c in hc:
@@ -199,16 +205,20 @@ def test_batched_decode_shares_weight_reads_and_a_graph_per_batch(fake, tmp_path
     assert len(dec._batches) == fake.decoder.BATCH_GRAPHS and captures.count("begin") == n0 + 4
     bs = next(iter(dec._batches.values()))
     assert not bs.holds([dec.new_cache(32), dec.new_cache(32)])
-    dec.int_dot = False  # float dot products: each sequence replays its own step
+    dec.int_dot = False  # float dot products: a matvec per sequence inside the batch's step
     fake.launches.clear()
     dec.forward_batch([1, 2], caches[:2])
-    assert "matvec_qb" not in fake.launches
+    step = fake.launches[: len(fake.launches) // 2]
+    assert "matvec_qb" not in step and step.count("matvec_q8_0") == 2 * (4 * 2 + 1)
+    assert captures.count("begin") == n0 + 5
 
 
+@pytest.mark.parametrize("int_dot", [True, False])
 @pytest.mark.parametrize("kind", ["llama", *_opt_in("qwen2", "gemma3")])  # gemma3: ~4 min here
-def test_batched_decode_matches_the_cpu_on_host_threads(fake, simt, tmp_path, kind):
+def test_batched_decode_matches_the_cpu_on_host_threads(fake, simt, tmp_path, kind, int_dot):
     """Three sequences at different positions, batched steps on host threads: the CPU model's
-    forward_batch logits (1e-3), and the GPU's own one-sequence steps (1e-5: the same arithmetic)."""
+    forward_batch logits (1e-3), and the GPU's own one-sequence steps (1e-5: the same arithmetic).
+    Integer dot products read each weight once for the batch; float ones run a matvec per sequence."""
     from tests.engine.tiny_gemma3 import TinyGemmaSpec, write_tiny_gemma3
 
     STATE.simt = simt
@@ -218,8 +228,8 @@ def test_batched_decode_matches_the_cpu_on_host_threads(fake, simt, tmp_path, ki
     else:
         write_tiny_gguf(path, TinySpec(arch=kind, matrix_type=T.Q8_0, qkv_bias=kind == "qwen2"))
     model = load_model(path).model
-    dec = fake.decoder.CudaDecoder(model, n_ctx=32, prefill_dtype="float32")
-    assert dec.batchable
+    dec = fake.decoder.CudaDecoder(model, n_ctx=32, prefill_dtype="float32", int_dot=int_dot)
+    assert dec.batchable == int_dot
     prompts = [[1, 2, 3], [4, 5], [6, 7, 8, 9, 10]]
     cpu = [model.new_cache(32) for _ in prompts]
     gpu = [dec.new_cache(32, np.float32) for _ in prompts]
