@@ -132,7 +132,9 @@ def cublas_reference(n_tokens: int, repeats: int = 5) -> float:
     return best
 
 
-def bench_file(path: Path, n_prompt: int, n_gen: int, repetitions: int) -> dict:
+def bench_file(path: Path, n_prompt: int, n_gen: int, repetitions: int, entry: dict, save) -> None:
+    """Every measurement on one file into `entry`, calling save() after each part: a run cut short (the
+    device budget's timeout) keeps the figures measured so far. The headline ones come first."""
     import cupy as cp
 
     from engine.backends.cuda.bench import bench_decoder
@@ -145,8 +147,28 @@ def bench_file(path: Path, n_prompt: int, n_gen: int, repetitions: int) -> dict:
     upload_s = time.perf_counter() - t0
     prompt = np.random.default_rng(1).integers(0, VOCAB, n_prompt).tolist()
     r = bench_decoder(dec, prompt, n_gen, n_ctx, repetitions)
+    gemm_s = cublas_reference(n_prompt)
+    prefill_s = n_prompt / r["prefill_tps"]
+    entry.update(
+        {
+            "file_gb": round(path.stat().st_size / 1e9, 3),
+            "weights_gb": round(dec.weight_bytes / 1e9, 3),
+            "upload_s": round(upload_s, 2),
+            "prefill_tokens": n_prompt,
+            "prefill_tps": round(r["prefill_tps"], 1),
+            "prefill_s": round(prefill_s, 5),
+            "cublas_f16_gemm_s": round(gemm_s, 5),
+            "prefill_vs_cublas": round(gemm_s / prefill_s, 3),
+            "decode_tokens": n_gen,
+            "decode_tps": round(r["decode_tps"], 1),
+            "decode_gb_per_token": round(r["decode_bytes_per_token"] / 1e9, 4),
+            "decode_bandwidth_gbs": round(r["decode_bandwidth_gbs"], 1),
+            "peak_bandwidth_gbs": round(r["peak_bandwidth_gbs"], 1),
+            "decode_bandwidth_fraction": round(r["decode_bandwidth_fraction"], 3),
+        }
+    )
+    save()
     # the same step launched kernel by kernel: what the CUDA graph saves
-    plain = {}
     dec.use_graphs = False
     cache = dec.new_cache(n_ctx)
     dec.forward(prompt[:8], cache)
@@ -157,61 +179,37 @@ def bench_file(path: Path, n_prompt: int, n_gen: int, repetitions: int) -> dict:
     t1 = time.perf_counter()
     for _ in range(32):
         tok = dec.greedy_step(tok, cache)
-    plain["decode_tps_without_graph"] = 32 / (time.perf_counter() - t1)
+    entry["decode_tps_without_graph"] = round(32 / (time.perf_counter() - t1), 1)
     dec.use_graphs = True
     # the graph path with float dot products in its matvecs (the default takes integer ones)
     dec.int_dot = False
     try:
         f = bench_decoder(dec, prompt, n_gen, n_ctx, 1)
-        plain["float_matvec_decode_bandwidth_fraction"] = round(f["decode_bandwidth_fraction"], 3)
+        entry["float_matvec_decode_bandwidth_fraction"] = round(f["decode_bandwidth_fraction"], 3)
     except Exception as e:  # noqa: BLE001 - the figures above stand
-        plain["float_matvec_error"] = f"{type(e).__name__}: {e}"
+        entry["float_matvec_error"] = f"{type(e).__name__}: {e}"
     finally:
         dec.int_dot = True
-    try:
-        breakdown = _prefill_breakdown(dec, n_prompt, n_ctx)
-    except Exception as e:  # noqa: BLE001 - the figures above stand
-        breakdown = {"prefill_breakdown_error": f"{type(e).__name__}: {e}"}
-    try:
-        breakdown.update(_prefill_host_and_gpu(dec, prompt, n_ctx))
-    except Exception as e:  # noqa: BLE001 - the figures above stand
-        breakdown["prefill_host_and_gpu_error"] = f"{type(e).__name__}: {e}"
-    try:
-        breakdown.update(_prefill_by_tile(dec, prompt, n_ctx))
-    except Exception as e:  # noqa: BLE001 - the figures above stand
-        breakdown["prefill_by_tile_error"] = f"{type(e).__name__}: {e}"
-    try:
-        breakdown.update(_bench_batches(dec, prompt, n_ctx))
-    except Exception as e:  # noqa: BLE001 - the figures above stand
-        breakdown["batch_error"] = f"{type(e).__name__}: {e}"
-    gemm_s = cublas_reference(n_prompt)
+    save()
+    parts = (
+        ("prefill_breakdown", _prefill_breakdown, n_prompt),
+        ("prefill_host_and_gpu", _prefill_host_and_gpu, prompt),
+        ("prefill_by_tile", _prefill_by_tile, prompt),
+        ("batch", _bench_batches, prompt),
+    )
+    for name, part, arg in parts:
+        try:
+            entry.update(part(dec, arg, n_ctx))
+        except Exception as e:  # noqa: BLE001 - the figures above stand
+            entry[f"{name}_error"] = f"{type(e).__name__}: {e}"
+        save()
+    if "prefill_gpu_s" in entry:  # what the prefill would reach without the host's launch overhead
+        entry["prefill_gpu_vs_cublas"] = round(gemm_s / entry["prefill_gpu_s"], 3)
     # last: a fault in the fused kernel would leave this process's CUDA context unusable
-    fused = _bench_fused(dec, prompt, n_gen, n_ctx, repetitions)
-    prefill_s = n_prompt / r["prefill_tps"]
-    if "prefill_gpu_s" in breakdown:  # what the prefill would reach without the host's launch overhead
-        breakdown["prefill_gpu_vs_cublas"] = round(gemm_s / breakdown["prefill_gpu_s"], 3)
-    out = {
-        "file_gb": round(path.stat().st_size / 1e9, 3),
-        "weights_gb": round(dec.weight_bytes / 1e9, 3),
-        "upload_s": round(upload_s, 2),
-        "prefill_tokens": n_prompt,
-        "prefill_tps": round(r["prefill_tps"], 1),
-        "prefill_s": round(prefill_s, 5),
-        "cublas_f16_gemm_s": round(gemm_s, 5),
-        "prefill_vs_cublas": round(gemm_s / prefill_s, 3),
-        "decode_tokens": n_gen,
-        "decode_tps": round(r["decode_tps"], 1),
-        **{k: round(v, 1) if k == "decode_tps_without_graph" else v for k, v in plain.items()},
-        "decode_gb_per_token": round(r["decode_bytes_per_token"] / 1e9, 4),
-        "decode_bandwidth_gbs": round(r["decode_bandwidth_gbs"], 1),
-        "peak_bandwidth_gbs": round(r["peak_bandwidth_gbs"], 1),
-        "decode_bandwidth_fraction": round(r["decode_bandwidth_fraction"], 3),
-        **breakdown,
-        **fused,
-    }
+    entry.update(_bench_fused(dec, prompt, n_gen, n_ctx, repetitions))
+    save()
     del dec
     cp.get_default_memory_pool().free_all_blocks()
-    return out
 
 
 def _prefill_breakdown(dec, n_tokens: int, n_ctx: int) -> dict:
@@ -413,13 +411,17 @@ def main() -> int:
     results: dict = {"device": name, "shape": "Llama-3.2-1B", "models": {}}
     work = Path(args.workdir or tempfile.mkdtemp(prefix="hearth-1b-"))
     work.mkdir(parents=True, exist_ok=True)
+
+    def save() -> None:
+        Path(args.out).write_text(json.dumps(results, indent=2))
+
     for qtype in args.types.split(","):
         path = work / f"llama-1b-random.{qtype}.gguf"
-        entry: dict = {}
+        entry: dict = results["models"].setdefault(qtype, {})
         try:
             entry["build_s"] = round(build_gguf(path, qtype), 1)
             print(f"{qtype}: wrote {path} in {entry['build_s']} s", flush=True)
-            entry.update(bench_file(path, args.prompt, args.gen, args.repetitions))
+            bench_file(path, args.prompt, args.gen, args.repetitions, entry, save)
         except Exception as e:  # noqa: BLE001 - record the failure, keep the other types' figures
             import traceback
 
@@ -427,9 +429,8 @@ def main() -> int:
             traceback.print_exc()
         finally:
             path.unlink(missing_ok=True)
-        results["models"][qtype] = entry
         print(json.dumps({qtype: entry}), flush=True)
-        Path(args.out).write_text(json.dumps(results, indent=2))
+        save()
     return 0 if all("error" not in e for e in results["models"].values()) else 1
 
 

@@ -491,16 +491,17 @@ class CudaDecoder:
         after a warm-up run that loads every kernel), or kernel by kernel without graphs."""
         ids = np.asarray(tokens, np.int32)
         pos = np.array([c.offset for c in caches], np.int32)
-        step.ids.set(ids)
-        step.pos.set(pos)
+        # on the decoder's stream, after the previous step (CuPy 13 copies on the legacy stream otherwise)
+        step.ids.set(ids, stream=self.stream)
+        step.pos.set(pos, stream=self.stream)
         if not self.use_graphs:
             self._step_kernels(step, caches, greedy)
             return
         graph = step.graphs.get(greedy)
         if graph is None:
             self._step_kernels(step, caches, greedy)  # warm-up
-            step.ids.set(ids)
-            step.pos.set(pos)
+            step.ids.set(ids, stream=self.stream)
+            step.pos.set(pos, stream=self.stream)
             self.stream.begin_capture()
             try:
                 self._step_kernels(step, caches, greedy)

@@ -18,7 +18,8 @@ fake, ptx_params = dry.fake, dry.ptx_params  # the stand-in CuPy's fixtures
 SCRIPT = Path(__file__).resolve().parents[3] / "scripts" / "cuda_bench_1b.py"
 
 
-def test_bench_script_runs_every_measurement(fake, tmp_path, monkeypatch):
+def _bench_over_the_stand_in(fake, tmp_path, monkeypatch, types_arg: str):
+    """The bench script at tiny shapes over the stand-in CuPy: (module, results path, argv set)."""
     spec = importlib.util.spec_from_file_location("cuda_bench_1b", SCRIPT)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
@@ -36,8 +37,13 @@ def test_bench_script_runs_every_measurement(fake, tmp_path, monkeypatch):
     monkeypatch.setattr(fake.cp.cuda, "Event", lambda: event, raising=False)
     monkeypatch.setattr(fake.cp.cuda, "get_elapsed_time", lambda a, b: 1.0, raising=False)
     out = tmp_path / "results.json"
-    argv = ["cuda_bench_1b", "--out", str(out), "--types", "Q8_0,Q4_K", "--prompt", "64", "--gen", "8"]
+    argv = ["cuda_bench_1b", "--out", str(out), "--types", types_arg, "--prompt", "64", "--gen", "8"]
     monkeypatch.setattr("sys.argv", [*argv, "--repetitions", "1", "--workdir", str(tmp_path)])
+    return bench, out
+
+
+def test_bench_script_runs_every_measurement(fake, tmp_path, monkeypatch):
+    bench, out = _bench_over_the_stand_in(fake, tmp_path, monkeypatch, "Q8_0,Q4_K")
     assert bench.main() == 0
     models = json.loads(out.read_text())["models"]
     for entry in models.values():
@@ -51,6 +57,27 @@ def test_bench_script_runs_every_measurement(fake, tmp_path, monkeypatch):
         for key in wanted:
             assert key in entry, key
     assert not list(tmp_path.glob("*.gguf"))  # the 1B files are deleted after their run
+
+
+def test_a_failing_part_keeps_the_figures_measured_before_it(fake, tmp_path, monkeypatch):
+    """The fused step's part fails (as a kernel fault would): the file's entry still holds the headline
+    figures and every other part, written to the results file as each part ended."""
+    bench, out = _bench_over_the_stand_in(fake, tmp_path, monkeypatch, "Q8_0")
+    saved = []
+    write = Path.write_text
+    monkeypatch.setattr(Path, "write_text", lambda self, text: (saved.append(text), write(self, text))[1])
+
+    def fault(*args):
+        raise RuntimeError("an illegal memory access was encountered")
+
+    monkeypatch.setattr(bench, "_bench_fused", fault)
+    assert bench.main() == 1
+    entry = json.loads(out.read_text())["models"]["Q8_0"]
+    assert entry["error"] == "RuntimeError: an illegal memory access was encountered"
+    for key in ("decode_bandwidth_fraction", "prefill_vs_cublas", "prefill_gpu_s", "batch8_decode_tps_total"):
+        assert key in entry, key
+    first = json.loads(saved[0])["models"]["Q8_0"]  # the headline figures, saved before any other part
+    assert "decode_bandwidth_fraction" in first and "prefill_linears_s" not in first
 
 
 def test_bench_spin_kernel_assembles():

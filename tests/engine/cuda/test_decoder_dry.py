@@ -32,7 +32,7 @@ class FakeArray(np.ndarray):
     def data(self):
         return types.SimpleNamespace(ptr=self.ctypes.data)
 
-    def set(self, a):
+    def set(self, a, stream=None):
         self[...] = a
 
     def get(self, stream=None):
