@@ -51,6 +51,12 @@ def add_serve_parser(sub) -> None:
         "--prefill-chunk", type=int, default=256, help="prompt tokens per prefill pass (default 256)"
     )
     p.add_argument(
+        "--kv-dtype",
+        choices=("f32", "f16"),
+        default="f32",
+        help="KV cache precision per request (f16: half the memory per token of context; default f32)",
+    )
+    p.add_argument(
         "--prefix-cache-mb", type=int, default=256, help="RAM for shared prompt prefixes (default 256)"
     )
     p.add_argument(
@@ -83,7 +89,7 @@ def _bind(host: str, port: int) -> socket.socket:
 def cmd_serve(args) -> int:
     import uvicorn
 
-    from engine.client import LoadOptions
+    from engine.client import KV_DTYPES, LoadOptions
     from engine.server.app import ServerConfig, create_app, ready_line
     from engine.server.constraints import ll_tokenizer
     from engine.server.errors import ServeError
@@ -121,6 +127,7 @@ def cmd_serve(args) -> int:
             batch_size=args.prefill_chunk,
             device=args.device,
             gpu_layers=args.gpu_layers,
+            kv_dtype=args.kv_dtype,
         ),
         progress=lambda p: print(f"warning: {p.message}", flush=True) if p.stage == "warning" else None,
     )
@@ -133,10 +140,11 @@ def cmd_serve(args) -> int:
         max_seqs=args.max_seqs,
         prefill_chunk=args.prefill_chunk,
         prefix_cache_bytes=runner.store.max_bytes if runner.store else 0,
+        kv_dtype=KV_DTYPES[args.kv_dtype],
     )
     del runner  # its live cache and prefix store are not used: the engine has its own
     # compile/warm the batched decode path and build the grammar vocabulary before the ready line
-    warm = [lm.model.new_cache(8) for _ in range(2)]
+    warm = [lm.model.new_cache(8, engine.kv_dtype) for _ in range(2)]
     for c in warm:
         lm.model.forward([0], c)
     lm.model.forward_batch([0, 0], warm)

@@ -1,12 +1,15 @@
-"""The serving engine when KV caches run out of memory: requests wait for a cache instead of being
-lost, and a request no cache can be made for fails with a clear error while the engine carries on."""
+"""Serving and KV-cache memory: requests wait for a cache instead of being lost when memory runs out, a
+request no cache can be made for fails with a clear error while the engine carries on, and
+`hearth serve --kv-dtype f16` halves each request's cache."""
 
 from __future__ import annotations
 
 import threading
 
+import numpy as np
 import pytest
 
+from engine.cli import main
 from engine.loader import load_model
 from engine.server.scheduler import Engine, SeqParams
 from tests.engine.tiny_models import TinySpec, write_tiny_gguf
@@ -84,3 +87,30 @@ def test_a_request_no_cache_fits_for_fails_clearly_and_the_engine_goes_on(lm):
         assert engine.alive
     finally:
         engine.stop()
+
+
+@pytest.mark.parametrize("kv_dtype", ["f16", "f32"])
+def test_serve_kv_dtype_reaches_the_engine_and_its_caches(lm, monkeypatch, capsys, kv_dtype):
+    """`hearth serve --kv-dtype`: the engine's caches (and the warm-up ones) take that precision. The
+    engine is stopped right after its warm-up, before the server would start."""
+    from engine.server import scheduler
+    from engine.server.errors import ServeError
+
+    made = []
+
+    class Recording(scheduler.Engine):
+        def __init__(self, model, *args, **kw):
+            super().__init__(model, *args, **kw)
+            made.append(self)
+
+    def stop_after_warm_up(*args):
+        raise ServeError("stopped by the test after the warm-up")
+
+    monkeypatch.setattr(scheduler, "Engine", Recording)
+    monkeypatch.setattr("engine.server.constraints.ll_tokenizer", stop_after_warm_up)
+    argv = ["serve", "-m", str(lm.path), "--port", "0", "--ctx", "64", "--kv-dtype", kv_dtype]
+    assert main(argv) == 1
+    assert "stopped by the test after the warm-up" in capsys.readouterr().err
+    (engine,) = made
+    want = np.float16 if kv_dtype == "f16" else np.float32
+    assert engine.kv_dtype == want and engine._take_cache([1, 2]).k.dtype == want
