@@ -175,10 +175,9 @@ class _Step:
         self.logits = None if head_only else cp.empty((B, cfg.vocab_size), f32)
         self.ids = cp.zeros(B, cp.int32)
         self.pos = cp.zeros(B, cp.int32)
-        h = cfg.num_attention_heads
-        # each sequence's split-K attention partials: output and (max, sum) per head and split
-        splits = [-(-c.n_ctx // ops.ATTN_CHUNK) for c in caches]
-        self.parts = [(cp.empty(h * n * cfg.head_dim, f32), cp.empty(h * n * 2, f32)) for n in splits]
+        # each sequence's split-K attention scratch (its cache's size sets the splits)
+        h, hd = cfg.num_attention_heads, cfg.head_dim
+        self.parts = [ops.attention_parts(h, hd, c.n_ctx) for c in caches]
         self.graphs: dict[bool, object] = {}
 
     def holds(self, caches: list) -> bool:
@@ -513,7 +512,7 @@ class CudaDecoder:
         """The decode step's launches over the B = len(caches) rows of s."""
         cfg = self.cfg
         eps = cfg.rms_norm_eps
-        q_dim, H, hd = cfg.q_dim, cfg.num_attention_heads, cfg.head_dim
+        H = cfg.num_attention_heads
         mv = functools.partial(_matvecs, int_dot=self.int_dot)
         ops.dequant(s.x, self.token_embd, ids=s.ids, scale=self.embed_scale)
         for i, L in enumerate(self.layers):
@@ -521,12 +520,9 @@ class CudaDecoder:
             if L["bqkv"] is not None:
                 ops.add_inplace(s.qkv, L["bqkv"])  # one bias over the B rows
             rope = (L["inv_freq"], self.n_rot, self.neox, eps, L["q_norm"], L["k_norm"])
-            for b, c in enumerate(caches):  # attention: each sequence its own cache and position
-                pos = s.pos[b : b + 1]
-                ops.rope_store(s.qkv[b], H, c.k[i], c.v[i], pos, *rope)
-                q = s.qkv[b, :q_dim].reshape(1, H, hd)
-                attn = s.attn[b].reshape(1, H, hd)
-                ops.attention(attn, q, c.k[i], c.v[i], pos, self.scale, c.n_ctx, L["window"], s.parts[b])
+            for b, c in enumerate(caches):  # RoPE, cache write, attention: each sequence its own
+                kv, pos, keys = (c.k[i], c.v[i]), s.pos[b : b + 1], (c.n_ctx, L["window"], s.parts[b])
+                ops.attention(s.attn[b], s.qkv[b], H, *kv, pos, rope, self.scale, *keys)
             act = 3 if self.gemma else 2
             if self.gemma:
                 mv(s.o, [L["wo"]], s.attn)

@@ -357,50 +357,66 @@ def rope_store(
 
 def attention(
     out,
-    q,
+    qkv,
+    H: int,
     k_cache,
     v_cache,
     pos,
+    rope: tuple,
     scale: float,
     n_keys_max: int,
     window: int = 0,
-    parts: tuple[cp.ndarray, cp.ndarray] | None = None,
+    parts: tuple | None = None,
 ) -> None:
-    """Split-K attention of q (n, H, hd), query t at position pos[0] + t, over one layer's caches.
+    """Decode attention of one token, one launch (attn_decode): out (H * hd,) float32 = attention of the
+    query in qkv ((H + 2 KV) hd,) rows [q | k | v] at position pos[0] (device int32) over one layer's
+    caches (KV, n_ctx, hd), whose position pos[0] gets the token's key and value: RoPE (and the
+    per-head q/k RMSNorm) as rope_store, split-K over the keys, the partials combined by the last
+    block of each head.
 
-    n_keys_max: an upper bound on positions seen (sets the number of splits; a captured decode step
-    passes the cache size). parts: optional preallocated (acc (n*H*S*hd,), ml (n*H*S*2,)) float32.
+    rope: (inv_freq, n_rot, neox, eps, q_norm, k_norm). n_keys_max: an upper bound on the positions
+    seen (sets the number of splits; a captured decode step passes the cache size). parts: optional
+    preallocated (acc (H*S*hd,) float32, ml (H*S*2,) float32, count (H,) uint32 zeros) from
+    attention_parts; the kernel leaves count zeroed for the next call.
     """
-    n, H, hd = q.shape
-    KV, n_ctx, _ = k_cache.shape
+    KV, n_ctx, hd = k_cache.shape
     S = max(1, -(-n_keys_max // ATTN_CHUNK))
-    if parts is None:
-        parts = (cp.empty(n * H * S * hd, cp.float32), cp.empty(n * H * S * 2, cp.float32))
-    acc, ml = parts
-    dev = cp.cuda.Device().id
-    kernel("attn_split", dev)(
-        (H, S, n),
+    acc, ml, count = parts if parts is not None else attention_parts(H, hd, n_keys_max)
+    inv_freq, n_rot, neox, eps, q_norm, k_norm = rope
+    kernel("attn_decode", cp.cuda.Device().id)(
+        (H, S),
         (128,),
         (
+            out,
             acc,
             ml,
-            q,
+            count,
+            qkv,
             k_cache,
             v_cache,
             pos,
+            inv_freq,
+            NULL if q_norm is None else q_norm,
+            NULL if k_norm is None else k_norm,
             _i32(H),
             _i32(KV),
             _i32(hd),
             _i32(n_ctx),
+            _i32(n_rot),
+            _i32(neox),
+            _f32(eps),
             _f32(scale),
             _i32(window),
             _i32(ATTN_CHUNK),
             _i32(k_cache.dtype == cp.float16),
         ),
     )
-    kernel("attn_reduce", dev)(
-        (H, n), (min(256, -(-hd // 32) * 32),), (out, acc, ml, _i32(H), _i32(S), _i32(hd))
-    )
+
+
+def attention_parts(H: int, hd: int, n_keys_max: int) -> tuple:
+    """attention's scratch for up to n_keys_max positions: split partials and per-head counters."""
+    S = max(1, -(-n_keys_max // ATTN_CHUNK))
+    return cp.empty(H * S * hd, cp.float32), cp.empty(H * S * 2, cp.float32), cp.zeros(H, cp.uint32)
 
 
 def attention_prefill(out, q, k_cache, v_cache, pos0: int, scale: float, window: int = 0) -> None:

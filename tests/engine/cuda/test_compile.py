@@ -17,8 +17,7 @@ HW_E4M3 = "cvt.rn.f16x2.e4m3x2"
 OPS = [
     "rmsnorm",
     "rope_store",
-    "attn_split",
-    "attn_reduce",
+    "attn_decode",
     "glu",
     "add_inplace",
     "softcap",

@@ -278,13 +278,16 @@ def test_decoder_launches_match_the_kernels(fake, tmp_path, kind):
     assert logits.shape == (1, model.cfg.vocab_size) and cache.offset == 5
     prefill = set(fake.launches)
     # prefill: attention as GEMMs around the masked softmax (the split-K kernels are decode's)
-    assert {"rope_store", "softmax_causal", "rmsnorm", "glu"} <= prefill and "attn_split" not in prefill
+    assert {"rope_store", "softmax_causal", "rmsnorm", "glu"} <= prefill and "attn_decode" not in prefill
     fake.launches.clear()
     dec.forward([6], cache)  # decode: warm-up launches, then the captured graph
     assert fake.cp.cuda.Stream.captures[-2:] == ["begin", "end"] and cache.offset == 6
     per_step = len(fake.launches) // 2
     n_layers = model.cfg.num_hidden_layers
-    assert per_step <= (9 + 3) * n_layers + 4  # the fused step: ~7-9 launches a layer
+    # a layer: q|k|v, attention (RoPE and cache write inside), wo, gate|up, down; Qwen2 adds its biases,
+    # Gemma 3 its two post-norms; then the embedding row, the logits (Gemma 3: and their soft-cap)
+    per_layer, head = {"llama": (5, 2), "qwen2": (6, 2), "gemma3": (7, 3)}[kind]
+    assert per_step == per_layer * n_layers + head, fake.launches[:per_step]
     token = dec.greedy_step(3, cache)
     assert 0 <= token < 2**31 and cache.offset == 7
     dec.sample_step(3, cache, temp=0.8, top_k=0, top_p=0.9, u=0.5)
@@ -446,6 +449,19 @@ def test_step_matvecs_over_a_batch_on_host_threads(fake, simt, int_dot):
         }
 
 
+@pytest.mark.parametrize("kv_dtype", [np.float32, np.float16])
+@pytest.mark.parametrize("neox,window,qk_norm", [(False, 0, False), (True, 0, True), (True, 5, True)])
+def test_rope_and_decode_attention_on_host_threads(fake, simt, kv_dtype, neox, window, qk_norm):
+    """test_kernels_gpu's RoPE + cache write (prefill's rope_store over 3 tokens) and one-launch decode
+    attention (the same 3 tokens one at a time, 3 splits, the last block of a head combining them)
+    against the CPU kernels, on host threads."""
+    from tests.engine.cuda import test_kernels_gpu as gpu_tests
+
+    STATE.simt = simt
+    gpu_tests.test_rope_store_and_attention_match_cpu(0, kv_dtype, neox, window, qk_norm)
+    assert fake.launches.count("attn_decode") == 3
+
+
 @pytest.mark.skipif(not FULL_SIMT, reason="set HEARTH_CUDA_SIMT=1 (about 9 minutes on 2 cores)")
 def test_op_kernels_on_host_threads(fake, simt):
     from tests.engine.cuda import test_kernels_gpu as gpu_tests
@@ -453,7 +469,6 @@ def test_op_kernels_on_host_threads(fake, simt):
     STATE.simt = simt
     gpu_tests.test_stacked_matvec_prologues_and_accumulate(0, 12, False)
     gpu_tests.test_rmsnorm(0, True)
-    gpu_tests.test_rope_store_and_attention_match_cpu(0, np.float16, True, 5, True)
     gpu_tests.test_glu_argmax_and_sampling(0)
 
 

@@ -272,9 +272,21 @@ def test_rope_store_and_attention_match_cpu(gpu, kv_dtype, neox, window, qk_norm
     np.testing.assert_array_equal(gqkv[:, H * hd :].get(), np.concatenate([k, v], axis=1).reshape(n, -1))
     np.testing.assert_allclose(gkc.get().astype(np.float32), kref.astype(np.float32), rtol=tol, atol=tol)
     np.testing.assert_array_equal(gvc.get(), vref)
-    out = cp.empty((n, H, hd), cp.float32)
-    ops.attention(out, gq, gkc, gvc, pos, scale, pos0 + n, window)
-    np.testing.assert_allclose(out.get(), ref, rtol=1e-4, atol=10 * tol)
+    # decode: the same tokens one at a time, RoPE + cache write + split-K attention in one launch each,
+    # over n_ctx / 256 = 3 splits (with the window only the last holds visible keys)
+    gkc, gvc = cp.asarray(kc), cp.asarray(vc)
+    rows = np.concatenate([q.reshape(n, -1), k.reshape(n, -1), v.reshape(n, -1)], axis=1)
+    norms = tuple(None if a is None else cp.asarray(a) for a in (qn, kn))
+    rope = (cp.asarray(inv), hd, neox, 1e-6, *norms)
+    parts = ops.attention_parts(H, hd, n_ctx)
+    for i in range(n):
+        out = cp.empty(H * hd, cp.float32)
+        at = cp.asarray(np.array([pos0 + i], np.int32))
+        ops.attention(out, cp.asarray(rows[i]), H, gkc, gvc, at, rope, scale, n_ctx, window, parts)
+        np.testing.assert_allclose(out.get().reshape(H, hd), ref[i], rtol=1e-4, atol=10 * tol)
+        assert not parts[2].get().any()  # the last block of each head reset its counter
+    np.testing.assert_allclose(gkc.get().astype(np.float32), kref.astype(np.float32), rtol=tol, atol=tol)
+    np.testing.assert_array_equal(gvc.get(), vref)
 
 
 def test_glu_argmax_and_sampling(gpu):

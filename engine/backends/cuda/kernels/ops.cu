@@ -1,4 +1,4 @@
-// Normalization, rotary embedding + KV-cache write, split-K attention, activations and sampling.
+// Normalization, rotary embedding + KV-cache write, split-K decode attention, activations and sampling.
 // Positions come from a device int (pos_base) so that one captured decode step (CUDA graph) replays
 // at every position.
 
@@ -23,23 +23,11 @@ extern "C" __global__ void rmsnorm(void* __restrict__ out, const float* __restri
     }
 }
 
-// One block per (token t = blockIdx.y, head h = blockIdx.x) of the rows qkv (n, (H + 2 KV) hd), each
-// [q (H, hd) | k (KV, hd) | v (KV, hd)]: optional per-head RMSNorm of q and k (qn / kn, may be null),
-// RoPE on the first n_rot dims at position pos_base[0] + t (neox: pairs (i, i + n_rot/2), else
-// (2i, 2i+1)); q is rotated in place, k (rotated) and v are written to this layer's cache
-// (KV, n_ctx, hd), float32 or float16 (kv_half). blockDim.x >= hd / 2, a multiple of 32.
-extern "C" __global__ void rope_store(float* __restrict__ qkv, void* __restrict__ kc, void* __restrict__ vc,
-                                      const int* __restrict__ pos_base, const float* __restrict__ inv_freq,
-                                      const float* __restrict__ qn, const float* __restrict__ kn, int H,
-                                      int KV, int hd, int n_rot, int neox, int n_ctx, float eps, int kv_half) {
-    __shared__ float red[32];
-    __shared__ float row[512];
-    int t = blockIdx.y, h = blockIdx.x;
-    int pos = pos_base[0] + t;
-    bool is_q = h < H;
-    int kh = h - H;
-    float* src = qkv + (long long)t * (H + 2 * KV) * hd + (long long)h * hd;  // q head h, or k head h - H
-    const float* nw = is_q ? qn : kn;
+// row (hd,) in shared memory = src (hd,), RMSNorm'd by nw (may be null), rotated by RoPE at pos on the
+// first n_rot dims (neox: pairs (i, i + n_rot/2), else (2i, 2i+1)). Block-wide, ends synchronised;
+// blockDim.x >= hd / 2.
+__device__ void norm_rope(float* row, const float* src, const float* nw, int pos, const float* inv_freq, int hd,
+                          int n_rot, int neox, float eps, float* red) {
     for (int j = threadIdx.x; j < hd; j += blockDim.x) row[j] = src[j];
     if (nw) {
         float ss = 0.f;
@@ -60,6 +48,24 @@ extern "C" __global__ void rope_store(float* __restrict__ qkv, void* __restrict_
         row[ib] = a * sn + b * cs;
     }
     __syncthreads();
+}
+
+// One block per (token t = blockIdx.y, head h = blockIdx.x) of the rows qkv (n, (H + 2 KV) hd), each
+// [q (H, hd) | k (KV, hd) | v (KV, hd)]: norm_rope of q (by qn) and k (by kn) at position
+// pos_base[0] + t; q is rotated in place, k (rotated) and v are written to this layer's cache
+// (KV, n_ctx, hd), float32 or float16 (kv_half). blockDim.x >= hd / 2, a multiple of 32.
+extern "C" __global__ void rope_store(float* __restrict__ qkv, void* __restrict__ kc, void* __restrict__ vc,
+                                      const int* __restrict__ pos_base, const float* __restrict__ inv_freq,
+                                      const float* __restrict__ qn, const float* __restrict__ kn, int H,
+                                      int KV, int hd, int n_rot, int neox, int n_ctx, float eps, int kv_half) {
+    __shared__ float red[32];
+    __shared__ float row[512];
+    int t = blockIdx.y, h = blockIdx.x;
+    int pos = pos_base[0] + t;
+    bool is_q = h < H;
+    int kh = h - H;
+    float* src = qkv + (long long)t * (H + 2 * KV) * hd + (long long)h * hd;  // q head h, or k head h - H
+    norm_rope(row, src, is_q ? qn : kn, pos, inv_freq, hd, n_rot, neox, eps, red);
     if (is_q) {
         for (int j = threadIdx.x; j < hd; j += blockDim.x) src[j] = row[j];
         return;
@@ -81,82 +87,116 @@ __device__ __forceinline__ float kv_load(const void* c, long long i, int kv_half
     return kv_half ? h2f(((const ushort*)c)[i]) : ((const float*)c)[i];
 }
 
-// Split-K ("flash decoding") attention, pass 1. Grid (H, S, n_tok); block (split s, head h, query t)
-// covers keys [s*chunk, (s+1)*chunk) clipped to the query's visible range [start, pos] (start > 0 with
-// a sliding window). It writes unnormalised partial sums acc (n_tok, H, S, hd) and (max, sum) pairs
-// ml (n_tok, H, S, 2); attn_reduce combines them. 128 threads; chunk <= 256; hd <= 512.
-extern "C" __global__ void __launch_bounds__(128) attn_split(
-    float* __restrict__ acc, float* __restrict__ ml, const float* __restrict__ q, const void* __restrict__ kc,
-    const void* __restrict__ vc, const int* __restrict__ pos_base, int H, int KV, int hd, int n_ctx,
-    float scale, int window, int chunk, int kv_half) {
+// Decode attention of one token, in one launch (split-K, "flash decoding"). Grid (H, S): block (head h,
+// split s) covers keys [s*chunk, (s+1)*chunk) clipped to the visible range [start, pos] (start > 0 with
+// a sliding window), pos = pos_p[0]. It forms its query from qkv ([q (H, hd) | k (KV, hd) | v (KV, hd)],
+// norm_rope by qn); the split that holds pos also forms the new key of its KV head (norm_rope by kn) and
+// takes it and the new value from qkv instead of the cache (rounded as the cache would store them), and
+// the block of the KV head's first query head writes both to the cache (no block reads position pos
+// there). Unnormalised partial sums go to acc (H, S, hd), (max, sum) pairs to ml (H, S, 2); the last
+// of a head's S blocks to finish (count[h], which it resets for the next step) combines them into
+// out (H, hd). 128 threads; chunk <= 256; hd <= 512.
+extern "C" __global__ void __launch_bounds__(128) attn_decode(
+    float* __restrict__ out, float* __restrict__ acc, float* __restrict__ ml, uint* __restrict__ count,
+    const float* __restrict__ qkv, void* __restrict__ kc, void* __restrict__ vc, const int* __restrict__ pos_p,
+    const float* __restrict__ inv_freq, const float* __restrict__ qn, const float* __restrict__ kn, int H, int KV,
+    int hd, int n_ctx, int n_rot, int neox, float eps, float scale, int window, int chunk, int kv_half) {
     __shared__ float red[32];
     __shared__ float sq[512];
+    __shared__ float sk[512];
     __shared__ float sc[256];
-    int h = blockIdx.x, s = blockIdx.y, t = blockIdx.z, S = gridDim.y;
-    int pos = pos_base[0] + t;
+    __shared__ int last;
+    int h = blockIdx.x, s = blockIdx.y, S = gridDim.y;
+    int pos = pos_p[0];
     int start = window > 0 ? max(0, pos - window + 1) : 0;
     int k0 = max(start, s * chunk), k1 = min(pos + 1, (s + 1) * chunk);
-    long long part = ((long long)t * H + h) * S + s;
-    if (k0 >= k1) {
-        if (threadIdx.x == 0) {
-            ml[2 * part] = -3.0e38f;
-            ml[2 * part + 1] = 0.f;
+    long long part = (long long)h * S + s;
+    if (k0 < k1) {  // the same for the whole block
+        int g = h / (H / KV);
+        const float* vnew = qkv + (long long)(H + KV + g) * hd;
+        norm_rope(sq, qkv + (long long)h * hd, qn, pos, inv_freq, hd, n_rot, neox, eps, red);
+        bool holds_pos = k1 == pos + 1;
+        if (holds_pos) {
+            norm_rope(sk, qkv + (long long)(H + g) * hd, kn, pos, inv_freq, hd, n_rot, neox, eps, red);
+            long long o = ((long long)g * n_ctx + pos) * hd;
+            bool writes = h % (H / KV) == 0;
+            for (int j = threadIdx.x; j < hd; j += blockDim.x) {
+                if (kv_half) {
+                    ushort kb = f2h(sk[j]);
+                    sk[j] = h2f(kb);
+                    if (writes) {
+                        ((ushort*)kc)[o + j] = kb;
+                        ((ushort*)vc)[o + j] = f2h(vnew[j]);
+                    }
+                } else if (writes) {
+                    ((float*)kc)[o + j] = sk[j];
+                    ((float*)vc)[o + j] = vnew[j];
+                }
+            }
+            __syncthreads();
         }
-        return;
+        int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nw = blockDim.x >> 5;
+        long long base = (long long)g * n_ctx * hd;
+        for (int key = k0 + warp; key < k1; key += nw) {
+            long long kr = base + (long long)key * hd;
+            float d = 0.f;
+            if (key == pos)
+                for (int j = lane; j < hd; j += 32) d += sq[j] * sk[j];
+            else
+                for (int j = lane; j < hd; j += 32) d += sq[j] * kv_load(kc, kr + j, kv_half);
+            d = warp_sum(d);
+            if (lane == 0) sc[key - k0] = d * scale;
+        }
+        __syncthreads();
+        float m = -3.0e38f;
+        for (int i = threadIdx.x; i < k1 - k0; i += blockDim.x) m = fmaxf(m, sc[i]);
+        m = block_max(m, red);
+        float l = 0.f;
+        for (int i = threadIdx.x; i < k1 - k0; i += blockDim.x) {
+            float e = expf(sc[i] - m);
+            sc[i] = e;
+            l += e;
+        }
+        l = block_sum(l, red);  // its leading __syncthreads also publishes sc
+        for (int j = threadIdx.x; j < hd; j += blockDim.x) {
+            float a = 0.f;
+            int last_key = holds_pos ? k1 - 1 : k1;  // the new key's value comes from qkv
+            for (int key = k0; key < last_key; key++) a += sc[key - k0] * kv_load(vc, base + (long long)key * hd + j, kv_half);
+            if (holds_pos) a += sc[pos - k0] * (kv_half ? h2f(f2h(vnew[j])) : vnew[j]);
+            acc[part * hd + j] = a;
+        }
+        if (threadIdx.x == 0) {
+            ml[2 * part] = m;
+            ml[2 * part + 1] = l;
+        }
+    } else if (threadIdx.x == 0) {
+        ml[2 * part] = -3.0e38f;
+        ml[2 * part + 1] = 0.f;
     }
-    int g = h / (H / KV);
-    const float* qr = q + ((long long)t * H + h) * hd;
-    for (int j = threadIdx.x; j < hd; j += blockDim.x) sq[j] = qr[j];
+    // the last of the head's blocks to get here combines the S partials
+    __threadfence();
     __syncthreads();
-    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nw = blockDim.x >> 5;
-    long long base = (long long)g * n_ctx * hd;
-    for (int key = k0 + warp; key < k1; key += nw) {
-        long long kr = base + (long long)key * hd;
-        float d = 0.f;
-        for (int j = lane; j < hd; j += 32) d += sq[j] * kv_load(kc, kr + j, kv_half);
-        d = warp_sum(d);
-        if (lane == 0) sc[key - k0] = d * scale;
-    }
-    __syncthreads();
-    float m = -3.0e38f;
-    for (int i = threadIdx.x; i < k1 - k0; i += blockDim.x) m = fmaxf(m, sc[i]);
-    m = block_max(m, red);
-    float l = 0.f;
-    for (int i = threadIdx.x; i < k1 - k0; i += blockDim.x) {
-        float e = expf(sc[i] - m);
-        sc[i] = e;
-        l += e;
-    }
-    l = block_sum(l, red);  // its leading __syncthreads also publishes sc
-    for (int j = threadIdx.x; j < hd; j += blockDim.x) {
-        float a = 0.f;
-        for (int key = k0; key < k1; key++) a += sc[key - k0] * kv_load(vc, base + (long long)key * hd + j, kv_half);
-        acc[part * hd + j] = a;
-    }
     if (threadIdx.x == 0) {
-        ml[2 * part] = m;
-        ml[2 * part + 1] = l;
+        last = atomicAdd(&count[h], 1u) == (uint)(S - 1);
+        if (last) count[h] = 0;
     }
-}
-
-// Pass 2: grid (H, n_tok); out (n_tok, H, hd) = sum_s acc_s e^(m_s - M) / sum_s l_s e^(m_s - M).
-extern "C" __global__ void attn_reduce(float* __restrict__ out, const float* __restrict__ acc,
-                                       const float* __restrict__ ml, int H, int S, int hd) {
-    int h = blockIdx.x, t = blockIdx.y;
-    long long p0 = ((long long)t * H + h) * S;
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    // the other blocks' partials, read past L1 (volatile)
+    const volatile float* vml = ml + 2LL * h * S;
+    const volatile float* vacc = acc + (long long)h * S * hd;
     float M = -3.0e38f;
-    for (int s = 0; s < S; s++) M = fmaxf(M, ml[2 * (p0 + s)]);
+    for (int i = 0; i < S; i++) M = fmaxf(M, vml[2 * i]);
     float L = 0.f;
-    for (int s = 0; s < S; s++) {
-        float l = ml[2 * (p0 + s) + 1];
-        if (l > 0.f) L += l * expf(ml[2 * (p0 + s)] - M);
-    }
+    for (int i = 0; i < S; i++)
+        if (vml[2 * i + 1] > 0.f) L += vml[2 * i + 1] * expf(vml[2 * i] - M);
     float inv = 1.f / L;
     for (int j = threadIdx.x; j < hd; j += blockDim.x) {
         float a = 0.f;
-        for (int s = 0; s < S; s++)
-            if (ml[2 * (p0 + s) + 1] > 0.f) a += acc[(p0 + s) * hd + j] * expf(ml[2 * (p0 + s)] - M);
-        out[((long long)t * H + h) * hd + j] = a * inv;
+        for (int i = 0; i < S; i++)
+            if (vml[2 * i + 1] > 0.f) a += vacc[(long long)i * hd + j] * expf(vml[2 * i] - M);
+        out[(long long)h * hd + j] = a * inv;
     }
 }
 
