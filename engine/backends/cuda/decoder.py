@@ -3,11 +3,11 @@
 The CPU model (engine.arch.llama / gemma3) has parsed the config and mapped every weight; this
 class uploads those weights unchanged (GGUF blocks) and runs the same maths with the CUDA kernels:
 
-- decode (one token): per layer a fused norm + q|k|v matvec, RoPE + KV write (with Gemma's q/k
-  norms), split-K attention + its reduction, the output matvec added into the residual, a fused
-  norm + gate|up matvec and the down matvec with the activation fused into its input. The whole step
-  is captured once per cache as a CUDA graph (position and token live in device memory), so a
-  step costs one graph launch from Python.
+- decode (one token): per layer a fused norm + q|k|v matvec, one attention kernel (RoPE with Gemma's
+  q/k norms, the KV-cache write, split-K attention and its reduction), the output matvec added into
+  the residual, a fused norm + gate|up matvec and the down matvec with the activation fused into its
+  input. The whole step is captured once per cache as a CUDA graph (position and token live in device
+  memory), so a step costs one graph launch from Python.
 - prefill (several tokens): weight tiles dequantized to float16 (or float32) and multiplied with
   cuBLAS; attention is two batched float32 cuBLAS GEMMs per batch of KV heads (scores, then the
   weighted sum of V) around a masked-softmax kernel.
