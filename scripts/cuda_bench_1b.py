@@ -229,8 +229,9 @@ def _prefill_breakdown(dec, n_tokens: int, n_ctx: int) -> dict:
     }
     width = max(cfg.q_dim + 2 * cfg.kv_dim, 2 * cfg.intermediate_size, cfg.hidden_size)
     out = cp.empty((n_tokens, width), cp.float32)
-    q = cp.random.standard_normal((n_tokens, cfg.num_attention_heads, cfg.head_dim), dtype=cp.float32)
-    attn = cp.empty_like(q)
+    H, KV = cfg.num_attention_heads, cfg.num_key_value_heads
+    q = cp.random.standard_normal((KV, n_tokens * (H // KV), cfg.head_dim), dtype=cp.float32)  # grouped
+    attn = cp.empty((n_tokens, H, cfg.head_dim), dec.prefill_dtype)
     cache = dec.new_cache(n_ctx)
 
     def linears():  # the stacked projections as the prefill runs them

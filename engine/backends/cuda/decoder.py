@@ -574,7 +574,8 @@ class CudaDecoder:
         ops.dequant(x, self.token_embd, ids=ids, scale=self.embed_scale)
         o = cp.empty((n, d), f32)
         qkv = cp.empty((n, cfg.q_dim + 2 * cfg.kv_dim), f32)  # one GEMM for q|k|v
-        q3 = qkv[:, : cfg.q_dim].reshape(n, H, hd)
+        KV = cfg.num_key_value_heads
+        qg = cp.empty((KV, n * (H // KV), hd), f32)  # rotated queries, grouped by KV head
         attn = cp.empty((n, cfg.q_dim), dt)  # the wo GEMM's input: attention writes it in the tiles' dtype
         gu = cp.empty((n, 2 * ff), f32)  # one GEMM for gate|up
         # the GEMM inputs in the tiles' dtype: the norms and the activation write them directly
@@ -585,22 +586,11 @@ class CudaDecoder:
             ops.rmsnorm(h_in, x, L["attn_norm"], eps)
             self._linear(qkv, [L["wq"], L["wk"], L["wv"]], h_in)
             if L["bqkv"] is not None:
-                qkv += L["bqkv"]
-            ops.rope_store(
-                qkv,
-                H,
-                cache.k[i],
-                cache.v[i],
-                pos,
-                L["inv_freq"],
-                self.n_rot,
-                self.neox,
-                eps,
-                L["q_norm"],
-                L["k_norm"],
-            )
+                ops.add_inplace(qkv, L["bqkv"])
+            rope = (L["inv_freq"], self.n_rot, self.neox, eps, L["q_norm"], L["k_norm"])
+            ops.rope_store(qg, qkv, H, cache.k[i], cache.v[i], pos, *rope)
             attn3 = attn.reshape(n, H, hd)
-            ops.attention_prefill(attn3, q3, cache.k[i], cache.v[i], pos0, self.scale, L["window"])
+            ops.attention_prefill(attn3, qg, cache.k[i], cache.v[i], pos0, self.scale, L["window"])
             if self.gemma:
                 self._linear(o, [L["wo"]], attn)
                 ops.rmsnorm(x, o, L["post_attn_norm"], eps, accumulate=True)

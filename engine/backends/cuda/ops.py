@@ -314,6 +314,7 @@ def rmsnorm(out, x, w, eps: float, add_one: bool = False, accumulate: bool = Fal
 
 
 def rope_store(
+    qg,
     qkv,
     H: int,
     k_cache,
@@ -326,7 +327,8 @@ def rope_store(
     q_norm=None,
     k_norm=None,
 ) -> None:
-    """RoPE the q part of qkv (n, (H + 2 KV) hd), rows [q (H, hd) | k (KV, hd) | v (KV, hd)], in place,
+    """Prefill: RoPE the q part of qkv (n, (H + 2 KV) hd), rows [q (H, hd) | k (KV, hd) | v (KV, hd)],
+    into qg (KV, n * rep, hd) float32, grouped by KV head and token-major (attention_prefill's input),
     and write rotated k and v into one layer's caches (KV, n_ctx, hd) at positions pos[0]..; per-head
     q/k RMSNorm first when q_norm/k_norm are given."""
     KV, n_ctx, hd = k_cache.shape
@@ -336,6 +338,7 @@ def rope_store(
         (H + KV, n),
         (threads,),
         (
+            qg,
             qkv,
             k_cache,
             v_cache,
@@ -419,28 +422,34 @@ def attention_parts(H: int, hd: int, n_keys_max: int) -> tuple:
     return cp.empty(H * S * hd, cp.float32), cp.empty(H * S * 2, cp.float32), cp.zeros(H, cp.uint32)
 
 
-def attention_prefill(out, q, k_cache, v_cache, pos0: int, scale: float, window: int = 0) -> None:
-    """out (n, H, hd) float32 or float16 (the output projection's GEMM input, rounded in the same copy)
-    = causal attention of q (n, H, hd), query t at position pos0 + t, over one layer's
-    caches (KV, n_ctx, hd) holding keys 0..pos0+n-1: the scores and the weighted sum as strided-batched
-    float32 cuBLAS GEMMs over KV heads (each one's `rep` query heads side by side, token-major, so a
-    chunk of queries is a block of rows), the masked softmax in between.
+def attention_prefill(out, qg, k_cache, v_cache, pos0: int, scale: float, window: int = 0) -> None:
+    """out (n, H, hd) float32 or float16 (the output projection's GEMM input) = causal attention of the
+    queries qg (KV, n * rep, hd) float32, grouped as rope_store writes them (query head g * rep + r of
+    token t in row t * rep + r of qg[g], so a chunk of queries is a block of rows), query t at
+    position pos0 + t, over one layer's caches (KV, n_ctx, hd) holding keys 0..pos0+n-1: the scores
+    and the weighted sum as strided-batched float32 cuBLAS GEMMs over KV heads, the masked softmax in
+    between. Float32 caches are read in place; float16 ones are widened a batch of KV heads at a time.
 
     KV heads go in batches and queries in chunks so that scores plus the float32 K/V copies stay
     under ATTN_GEMM_BYTES (beyond one query per batch, which always runs).
     """
-    n, H, hd = q.shape
-    KV = k_cache.shape[0]
+    n, H = out.shape[0], out.shape[1]
+    KV, n_ctx, hd = k_cache.shape
     rep, T = H // KV, pos0 + n
-    qg = cp.ascontiguousarray(q.reshape(n, KV, rep, hd).transpose(1, 0, 2, 3)).reshape(KV, n * rep, hd)
+    half = k_cache.dtype == cp.float16
     og = cp.empty((KV, n * rep, hd), cp.float32)
-    per_head = 8 * T * hd  # float32 K and V of one KV head
+    per_head = 8 * T * hd if half else 0  # float32 copies of one KV head's K and V
     gb = max(1, min(KV, ATTN_GEMM_BYTES // (per_head + 4 * rep * T)))
-    softmax = kernel("softmax_causal", cp.cuda.Device().id)
+    dev = cp.cuda.Device().id
+    softmax = kernel("softmax_causal", dev)
     for g0 in range(0, KV, gb):
         g1 = min(KV, g0 + gb)
-        k = k_cache[g0:g1, :T].astype(cp.float32)
-        v = v_cache[g0:g1, :T].astype(cp.float32)
+        if half:
+            k, v = cp.empty((g1 - g0, T, hd), cp.float32), cp.empty((g1 - g0, T, hd), cp.float32)
+            shape = (_i32(g0), np.int64(k.size), _i32(T), _i32(n_ctx), _i32(hd))
+            kernel("kv_to_f32", dev)(*_grid1(k.size), (k, v, k_cache, v_cache, *shape))
+        else:
+            k, v = k_cache[g0:g1, :T], v_cache[g0:g1, :T]
         nc = max(1, min(n, (ATTN_GEMM_BYTES - (g1 - g0) * per_head) // (4 * (g1 - g0) * rep * T)))
         for c0 in range(0, n, nc):
             c1 = min(n, c0 + nc)
@@ -452,7 +461,8 @@ def attention_prefill(out, q, k_cache, v_cache, pos0: int, scale: float, window:
             keys = (_i32(k1 - k0), _i32(c1 - c0), _i32(rep), _i32(pos0 + c0), _i32(k0))
             softmax((scores.size // (k1 - k0),), (256,), (scores, *keys, _f32(scale), _i32(window)))
             gemm_batched(og[g0:g1, rows], scores, v[:, k0:k1])
-    out[...] = og.reshape(KV, n, rep, hd).transpose(1, 0, 2, 3).reshape(n, H, hd)
+    heads = (_i32(n), _i32(H), _i32(KV), _i32(hd), _i32(out.dtype == cp.float16))
+    kernel("ungroup_heads", dev)(*_grid1(out.size), (out, og, *heads))
 
 
 def glu(out, gu, gelu: bool) -> None:

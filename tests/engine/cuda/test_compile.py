@@ -18,6 +18,8 @@ OPS = [
     "rmsnorm",
     "rope_store",
     "attn_decode",
+    "kv_to_f32",
+    "ungroup_heads",
     "glu",
     "add_inplace",
     "softcap",

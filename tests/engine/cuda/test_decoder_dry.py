@@ -452,9 +452,9 @@ def test_step_matvecs_over_a_batch_on_host_threads(fake, simt, int_dot):
 @pytest.mark.parametrize("kv_dtype", [np.float32, np.float16])
 @pytest.mark.parametrize("neox,window,qk_norm", [(False, 0, False), (True, 0, True), (True, 5, True)])
 def test_rope_and_decode_attention_on_host_threads(fake, simt, kv_dtype, neox, window, qk_norm):
-    """test_kernels_gpu's RoPE + cache write (prefill's rope_store over 3 tokens) and one-launch decode
-    attention (the same 3 tokens one at a time, 3 splits, the last block of a head combining them)
-    against the CPU kernels, on host threads."""
+    """test_kernels_gpu's RoPE + cache write (prefill's rope_store over 3 tokens, then attention_prefill
+    over its grouped queries) and one-launch decode attention (the same 3 tokens one at a time, 3 splits,
+    the last block of a head combining them) against the CPU kernels, on host threads."""
     from tests.engine.cuda import test_kernels_gpu as gpu_tests
 
     STATE.simt = simt
@@ -472,35 +472,43 @@ def test_op_kernels_on_host_threads(fake, simt):
     gpu_tests.test_glu_argmax_and_sampling(0)
 
 
+@pytest.mark.parametrize("kv_dtype", [np.float16, np.float32])
 @pytest.mark.parametrize("window", [0, 5])
-def test_prefill_attention_gemms_on_host_threads(fake, simt, monkeypatch, window):
+def test_prefill_attention_gemms_on_host_threads(fake, simt, monkeypatch, window, kv_dtype):
     """ops.attention_prefill (batched GEMMs around the masked-softmax kernel) against a numpy reference:
     GQA, queries after earlier cached tokens, a sliding window, and a GEMM budget so small that KV heads
-    go one batch at a time and queries in chunks."""
+    go one batch at a time and queries in chunks. Float16 caches are widened by kv_to_f32 and the output
+    is float16 (the output projection's input); float32 caches are read in place."""
     STATE.simt = simt
     rng = np.random.default_rng(7)
     n, H, KV, hd, n_ctx, pos0 = 6, 4, 2, 16, 32, 5
+    rep = H // KV
     q = rng.normal(size=(n, H, hd)).astype(np.float32)
-    k = rng.normal(size=(KV, n_ctx, hd)).astype(np.float16)
-    v = rng.normal(size=(KV, n_ctx, hd)).astype(np.float16)
+    k = rng.normal(size=(KV, n_ctx, hd)).astype(kv_dtype)
+    v = rng.normal(size=(KV, n_ctx, hd)).astype(kv_dtype)
     scale = hd**-0.5
     want = np.zeros((n, H, hd))
     for t in range(n):
         pos = pos0 + t
         lo = max(0, pos - window + 1) if window else 0
         for h in range(H):
-            g = h // (H // KV)
+            g = h // rep
             s = k[g, lo : pos + 1].astype(np.float64) @ q[t, h] * scale
             p = np.exp(s - s.max())
             want[t, h] = (p / p.sum()) @ v[g, lo : pos + 1]
-    for budget in (None, 8 * (pos0 + n) * hd + 4 * 2 * 2 * (pos0 + n)):  # whole, then one head x 2 queries
+    qg = np.ascontiguousarray(q.reshape(n, KV, rep, hd).transpose(1, 0, 2, 3)).reshape(KV, n * rep, hd)
+    tol = 1e-5 if kv_dtype == np.float32 else 2e-3  # float16 output
+    per_head = 8 * (pos0 + n) * hd if kv_dtype == np.float16 else 0
+    for budget in (None, per_head + 4 * 2 * 2 * (pos0 + n)):  # whole, then one head x 2 queries
         if budget:
             monkeypatch.setattr(fake.ops, "ATTN_GEMM_BYTES", budget)
-        out = fake.cp.zeros((n, H, hd), np.float32)
-        args = fake.cp.asarray(q), fake.cp.asarray(k), fake.cp.asarray(v), pos0, scale, window
+        out = fake.cp.zeros((n, H, hd), kv_dtype)
+        args = fake.cp.asarray(qg), fake.cp.asarray(k), fake.cp.asarray(v), pos0, scale, window
         fake.ops.attention_prefill(out, *args)
-        assert np.max(np.abs(out - want)) < 1e-5
+        assert np.max(np.abs(out.astype(np.float64) - want)) < tol
     assert fake.launches.count("softmax_causal") == 1 + 2 * 3  # then 2 KV heads x 3 chunks of 2 queries
+    assert fake.launches.count("kv_to_f32") == (1 + 2 if kv_dtype == np.float16 else 0)
+    assert fake.launches.count("ungroup_heads") == 2
     assert not fake.ops._gemm_ex_failed  # every product through cublasSgemmStridedBatched
 
 

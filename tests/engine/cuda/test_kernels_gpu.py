@@ -253,7 +253,10 @@ def test_rope_store_and_attention_match_cpu(gpu, kv_dtype, neox, window, qk_norm
     gqkv = cp.asarray(np.concatenate([q.reshape(n, -1), k.reshape(n, -1), v.reshape(n, -1)], axis=1))
     gkc, gvc = cp.asarray(kc), cp.asarray(vc)
     pos = cp.asarray(np.array([pos0], np.int32))
+    rep = H // KV
+    gq = cp.empty((KV, n * rep, hd), cp.float32)  # grouped by KV head, token-major
     ops.rope_store(
+        gq,
         gqkv,
         H,
         gkc,
@@ -267,15 +270,19 @@ def test_rope_store_and_attention_match_cpu(gpu, kv_dtype, neox, window, qk_norm
         None if kn is None else cp.asarray(kn),
     )
     tol = 1e-5 if kv_dtype == np.float32 else 1e-3
-    gq = cp.ascontiguousarray(gqkv[:, : H * hd]).reshape(n, H, hd)
-    np.testing.assert_allclose(gq.get(), qr, rtol=tol, atol=tol)
-    np.testing.assert_array_equal(gqkv[:, H * hd :].get(), np.concatenate([k, v], axis=1).reshape(n, -1))
+    q_tokens = gq.get().reshape(KV, n, rep, hd).transpose(1, 0, 2, 3).reshape(n, H, hd)
+    np.testing.assert_allclose(q_tokens, qr, rtol=tol, atol=tol)
+    rows = np.concatenate([q.reshape(n, -1), k.reshape(n, -1), v.reshape(n, -1)], axis=1)
+    np.testing.assert_array_equal(gqkv.get(), rows)  # qkv is left as it was
     np.testing.assert_allclose(gkc.get().astype(np.float32), kref.astype(np.float32), rtol=tol, atol=tol)
     np.testing.assert_array_equal(gvc.get(), vref)
+    # prefill attention over the grouped queries and the caches rope_store wrote
+    out = cp.empty((n, H, hd), cp.float32)
+    ops.attention_prefill(out, gq, gkc, gvc, pos0, scale, window)
+    np.testing.assert_allclose(out.get(), ref, rtol=1e-4, atol=10 * tol)
     # decode: the same tokens one at a time, RoPE + cache write + split-K attention in one launch each,
     # over n_ctx / 256 = 3 splits (with the window only the last holds visible keys)
     gkc, gvc = cp.asarray(kc), cp.asarray(vc)
-    rows = np.concatenate([q.reshape(n, -1), k.reshape(n, -1), v.reshape(n, -1)], axis=1)
     norms = tuple(None if a is None else cp.asarray(a) for a in (qn, kn))
     rope = (cp.asarray(inv), hd, neox, 1e-6, *norms)
     parts = ops.attention_parts(H, hd, n_ctx)

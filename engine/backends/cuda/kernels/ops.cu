@@ -50,24 +50,27 @@ __device__ void norm_rope(float* row, const float* src, const float* nw, int pos
     __syncthreads();
 }
 
-// One block per (token t = blockIdx.y, head h = blockIdx.x) of the rows qkv (n, (H + 2 KV) hd), each
-// [q (H, hd) | k (KV, hd) | v (KV, hd)]: norm_rope of q (by qn) and k (by kn) at position
-// pos_base[0] + t; q is rotated in place, k (rotated) and v are written to this layer's cache
-// (KV, n_ctx, hd), float32 or float16 (kv_half). blockDim.x >= hd / 2, a multiple of 32.
-extern "C" __global__ void rope_store(float* __restrict__ qkv, void* __restrict__ kc, void* __restrict__ vc,
-                                      const int* __restrict__ pos_base, const float* __restrict__ inv_freq,
-                                      const float* __restrict__ qn, const float* __restrict__ kn, int H,
-                                      int KV, int hd, int n_rot, int neox, int n_ctx, float eps, int kv_half) {
+// Prefill: one block per (token t = blockIdx.y of n = gridDim.y, head h = blockIdx.x) of the rows qkv
+// (n, (H + 2 KV) hd), each [q (H, hd) | k (KV, hd) | v (KV, hd)]: norm_rope of q (by qn) and k (by kn)
+// at position pos_base[0] + t. The rotated q goes to qg (KV, n * rep, hd) grouped by KV head, token-major
+// (query head g * rep + r of token t in row t * rep + r of qg[g]: attention's GEMM operand); k (rotated)
+// and v are written to this layer's cache (KV, n_ctx, hd), float32 or float16 (kv_half).
+extern "C" __global__ void rope_store(float* __restrict__ qg, const float* __restrict__ qkv, void* __restrict__ kc,
+                                      void* __restrict__ vc, const int* __restrict__ pos_base,
+                                      const float* __restrict__ inv_freq, const float* __restrict__ qn,
+                                      const float* __restrict__ kn, int H, int KV, int hd, int n_rot, int neox,
+                                      int n_ctx, float eps, int kv_half) {
     __shared__ float red[32];
     __shared__ float row[512];
-    int t = blockIdx.y, h = blockIdx.x;
+    int t = blockIdx.y, h = blockIdx.x, n = gridDim.y, rep = H / KV;
     int pos = pos_base[0] + t;
     bool is_q = h < H;
     int kh = h - H;
-    float* src = qkv + (long long)t * (H + 2 * KV) * hd + (long long)h * hd;  // q head h, or k head h - H
+    const float* src = qkv + (long long)t * (H + 2 * KV) * hd + (long long)h * hd;  // q head h, or k head h - H
     norm_rope(row, src, is_q ? qn : kn, pos, inv_freq, hd, n_rot, neox, eps, red);
     if (is_q) {
-        for (int j = threadIdx.x; j < hd; j += blockDim.x) src[j] = row[j];
+        float* dst = qg + (((long long)(h / rep) * n + t) * rep + h % rep) * hd;
+        for (int j = threadIdx.x; j < hd; j += blockDim.x) dst[j] = row[j];
         return;
     }
     long long o = ((long long)kh * n_ctx + pos) * hd;
@@ -198,6 +201,31 @@ extern "C" __global__ void __launch_bounds__(128) attn_decode(
             if (vml[2 * i + 1] > 0.f) a += vacc[(long long)i * hd + j] * expf(vml[2 * i] - M);
         out[(long long)h * hd + j] = a * inv;
     }
+}
+
+// Prefill attention's operands: KV heads g0 .. g0 + G, positions 0 .. T of both float16 caches
+// (KV, n_ctx, hd) -> kf, vf (G, T, hd) float32; items = G * T * hd, one thread each.
+extern "C" __global__ void kv_to_f32(float* __restrict__ kf, float* __restrict__ vf, const ushort* __restrict__ kc,
+                                     const ushort* __restrict__ vc, int g0, long long items, int T, int n_ctx,
+                                     int hd) {
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= items) return;
+    long long per = (long long)T * hd, g = i / per;
+    long long src = (g0 + g) * n_ctx * hd + i % per;
+    kf[i] = h2f(kc[src]);
+    vf[i] = h2f(vc[src]);
+}
+
+// Prefill attention's output in token order: out (n, H, hd) float32, or float16 (half_out: the output
+// projection's GEMM input) = og (KV, n * rep, hd), laid out as rope_store's qg.
+extern "C" __global__ void ungroup_heads(void* __restrict__ out, const float* __restrict__ og, int n, int H, int KV,
+                                         int hd, int half_out) {
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (long long)n * H * hd) return;
+    int j = (int)(i % hd), h = (int)(i / hd % H), t = (int)(i / ((long long)H * hd)), rep = H / KV;
+    float v = og[(((long long)(h / rep) * n + t) * rep + h % rep) * hd + j];
+    if (half_out) ((ushort*)out)[i] = f2h(v);
+    else ((float*)out)[i] = v;
 }
 
 // Prefill attention's softmax, in place over score rows s (rows, T) from a GEMM: rows come in groups
