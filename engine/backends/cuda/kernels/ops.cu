@@ -50,6 +50,20 @@ __device__ void norm_rope(float* row, const float* src, const float* nw, int pos
     __syncthreads();
 }
 
+// k, v (hd,) into both caches at element offset o, float32 or float16 (kv_half). Block-wide.
+__device__ __forceinline__ void store_kv(void* kc, void* vc, long long o, const float* k, const float* v, int hd,
+                                         int kv_half) {
+    for (int j = threadIdx.x; j < hd; j += blockDim.x) {
+        if (kv_half) {
+            ((ushort*)kc)[o + j] = f2h(k[j]);
+            ((ushort*)vc)[o + j] = f2h(v[j]);
+        } else {
+            ((float*)kc)[o + j] = k[j];
+            ((float*)vc)[o + j] = v[j];
+        }
+    }
+}
+
 // Prefill: one block per (token t = blockIdx.y of n = gridDim.y, head h = blockIdx.x) of the rows qkv
 // (n, (H + 2 KV) hd), each [q (H, hd) | k (KV, hd) | v (KV, hd)]: norm_rope of q (by qn) and k (by kn)
 // at position pos_base[0] + t. The rotated q goes to qg (KV, n * rep, hd) grouped by KV head, token-major
@@ -73,17 +87,7 @@ extern "C" __global__ void rope_store(float* __restrict__ qg, const float* __res
         for (int j = threadIdx.x; j < hd; j += blockDim.x) dst[j] = row[j];
         return;
     }
-    long long o = ((long long)kh * n_ctx + pos) * hd;
-    const float* vs = src + (long long)KV * hd;
-    for (int j = threadIdx.x; j < hd; j += blockDim.x) {
-        if (kv_half) {
-            ((ushort*)kc)[o + j] = f2h(row[j]);
-            ((ushort*)vc)[o + j] = f2h(vs[j]);
-        } else {
-            ((float*)kc)[o + j] = row[j];
-            ((float*)vc)[o + j] = vs[j];
-        }
-    }
+    store_kv(kc, vc, ((long long)kh * n_ctx + pos) * hd, row, src + (long long)KV * hd, hd, kv_half);
 }
 
 __device__ __forceinline__ float kv_load(const void* c, long long i, int kv_half) {
@@ -121,21 +125,9 @@ extern "C" __global__ void __launch_bounds__(128) attn_decode(
         bool holds_pos = k1 == pos + 1;
         if (holds_pos) {
             norm_rope(sk, qkv + (long long)(H + g) * hd, kn, pos, inv_freq, hd, n_rot, neox, eps, red);
-            long long o = ((long long)g * n_ctx + pos) * hd;
-            bool writes = h % (H / KV) == 0;
-            for (int j = threadIdx.x; j < hd; j += blockDim.x) {
-                if (kv_half) {
-                    ushort kb = f2h(sk[j]);
-                    sk[j] = h2f(kb);
-                    if (writes) {
-                        ((ushort*)kc)[o + j] = kb;
-                        ((ushort*)vc)[o + j] = f2h(vnew[j]);
-                    }
-                } else if (writes) {
-                    ((float*)kc)[o + j] = sk[j];
-                    ((float*)vc)[o + j] = vnew[j];
-                }
-            }
+            if (kv_half)  // as the cache holds it (each thread its own elements, as store_kv)
+                for (int j = threadIdx.x; j < hd; j += blockDim.x) sk[j] = h2f(f2h(sk[j]));
+            if (h % (H / KV) == 0) store_kv(kc, vc, ((long long)g * n_ctx + pos) * hd, sk, vnew, hd, kv_half);
             __syncthreads();
         }
         int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nw = blockDim.x >> 5;

@@ -246,6 +246,17 @@ __device__ __forceinline__ const uchar* stacked_row(const uchar* w0, const uchar
     return w2 + (long long)(r - rows0 - rows1) * row_bytes;
 }
 
+// A dequant launch's thread: unit *u of row *row (ids[i], or r0 + i) of the weight; false past the
+// n rows' units (such a thread still calls store_staged).
+__device__ __forceinline__ bool dequant_item(int n, int units, const int* ids, int r0, long long* row, int* u) {
+    long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (idx >= (long long)n * units) return false;
+    int i = (int)(idx / units);
+    *u = (int)(idx % units);
+    *row = ids ? ids[i] : (long long)(r0 + i);
+    return true;
+}
+
 // Every thread's 32 values (its unit: elements 32 idx.. of out), times scale, to out (float32, or
 // float16 bits when half_out). A block's units lie back to back in out, so they are staged in shared
 // memory and written by consecutive threads in 16-byte stores that fill whole 32-byte sectors (a
@@ -473,12 +484,11 @@ extern "C" __global__ void dequant_fp8(void* __restrict__ out, const uchar* __re
                                        const float* __restrict__ ws, const int* __restrict__ ids, int r0,
                                        int n, int cols, int half_out, float scale) {
     int units = cols >> 5;
-    long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    bool ok = idx < (long long)n * units;
+    long long row;
+    int u;
+    bool ok = dequant_item(n, units, ids, r0, &row, &u);
     float v[32], row_scale = 0.f;
     if (ok) {
-        int i = (int)(idx / units), u = (int)(idx % units);
-        long long row = ids ? ids[i] : (long long)(r0 + i);
         dec_fp8(w + row * cols + 32 * u, v);
         row_scale = ws[row];
     }
@@ -490,12 +500,11 @@ extern "C" __global__ void dequant_nvfp4(void* __restrict__ out, const uchar* __
                                          const uchar* __restrict__ ws, const int* __restrict__ ids, int r0,
                                          int n, int cols, int half_out, float scale) {
     int units = cols >> 5;
-    long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    bool ok = idx < (long long)n * units;
+    long long row;
+    int u;
+    bool ok = dequant_item(n, units, ids, r0, &row, &u);
     float v[32];
     if (ok) {
-        int i = (int)(idx / units), u = (int)(idx % units);
-        long long row = ids ? ids[i] : (long long)(r0 + i);
         dec_nvfp4(w + row * (cols >> 1) + 16 * u, ws + row * (cols >> 4) + 2 * u, v);
     }
     store_staged(out, (long long)n * units, v, scale * (E2M1_UNIT * E4M3_UNIT), half_out, ok);

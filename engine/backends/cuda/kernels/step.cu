@@ -86,6 +86,14 @@ __device__ __forceinline__ long long row_bytes_of(int t, int cols) {
     }
 }
 
+// Row r of [W0; W1; W2], each matrix its own GGUF type (t0..t2): its bytes, and its type in *type.
+__device__ __forceinline__ const uchar* mixed_row(const uchar* w0, const uchar* w1, const uchar* w2, int t0, int t1,
+                                                  int t2, int rows0, int rows1, int r, int cols, int* type) {
+    int k, lr = stacked_local(rows0, rows1, r, &k);
+    *type = k == 0 ? t0 : k == 1 ? t1 : t2;
+    return (k == 0 ? w0 : k == 1 ? w1 : w2) + row_bytes_of(*type, cols) * lr;
+}
+
 // One weight matrix of a phase (up to three stacked ones share the phase's input and output buffer).
 struct Mat {
     const uchar* w;
@@ -340,10 +348,8 @@ extern "C" __global__ void __launch_bounds__(1024) matvec_qb(
     __syncthreads();
     int rows = rows0 + rows1 + rows2;
     for (int r = blockIdx.x * warps + warp; r < rows; r += gridDim.x * warps) {
-        int k = r < rows0 ? 0 : r < rows0 + rows1 ? 1 : 2;
-        int lr = k == 0 ? r : k == 1 ? r - rows0 : r - rows0 - rows1;
-        int type = k == 0 ? t0 : k == 1 ? t1 : t2;
-        const uchar* w = (k == 0 ? w0 : k == 1 ? w1 : w2) + row_bytes_of(type, cols) * lr;
+        int type;
+        const uchar* w = mixed_row(w0, w1, w2, t0, t1, t2, rows0, rows1, r, cols, &type);
         for (int b = 0; b < B; b++) {
             float acc = warp_sum(row_dot(type, w, xin_of(sq, b, cols), lane));
             if (lane == 0) out[b * ldo + r] = accumulate ? out[b * ldo + r] + acc : acc;
@@ -573,18 +579,11 @@ __device__ void embed_row(float* dst, const uchar* embd, int type, int token, in
 extern "C" __global__ void __launch_bounds__(256) dequant_qb(void* __restrict__ out, const uchar* __restrict__ w0,
         const uchar* __restrict__ w1, const uchar* __restrict__ w2, int t0, int t1, int t2, int rows0, int rows1,
         const int* __restrict__ ids, int r0, int n, int cols, int half_out, float scale) {
-    int units = cols >> 5;
-    long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    bool ok = idx < (long long)n * units;
+    int units = cols >> 5, u, type;
+    long long row;
+    bool ok = dequant_item(n, units, ids, r0, &row, &u);
     float v[32];
-    if (ok) {
-        int i = (int)(idx / units), u = (int)(idx % units);
-        int r = ids ? ids[i] : r0 + i;
-        int k = r < rows0 ? 0 : r < rows0 + rows1 ? 1 : 2;
-        int type = k == 0 ? t0 : k == 1 ? t1 : t2;
-        long long lr = r - (k > 0 ? rows0 : 0) - (k > 1 ? rows1 : 0);
-        dec_unit(type, (k == 0 ? w0 : k == 1 ? w1 : w2) + row_bytes_of(type, cols) * lr, u, v);
-    }
+    if (ok) dec_unit(type, mixed_row(w0, w1, w2, t0, t1, t2, rows0, rows1, (int)row, cols, &type), u, v);
     store_staged(out, (long long)n * units, v, scale, half_out, ok);
 }
 
