@@ -11,8 +11,9 @@
 # Results: $OUT/cuda_results.json (bench figures + test summary), $OUT/cuda_check.log (everything
 # printed), $OUT/cuda_tests.xml, cuda_tests_fused.xml and cuda_tests_slow.xml (JUnit).
 #
-# The GPU machine's python3 has CuPy, numba, numpy, tokenizers, jinja2, pytest but not gguf or
-# platformdirs: run scripts/cuda_device_prepare.sh here first (wheels into .whl/), then e.g.
+# The GPU machine's python3 has CuPy, numba, numpy, tokenizers, jinja2, pytest but not gguf,
+# platformdirs, starlette or uvicorn: run scripts/cuda_device_prepare.sh here first (wheels into .whl/),
+# then e.g.
 #   run(command="bash scripts/cuda_device_check.sh", carry=[".whl"], timeout_s=420)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -46,7 +47,9 @@ for t in Q4_K Q8_0; do
 done
 
 echo "== CUDA tests (fast; the fused step's come next, in a process of their own)"
-timeout 180 "$PY" -m pytest -q -p no:cacheprovider -m "cuda and not slow" -k "not fused" tests/engine/cuda -rs \
+# four processes when pytest-xdist is there: most of this part's time is Numba compiling the CPU references
+XDIST=$("$PY" -c "import xdist" 2>/dev/null && echo "-n 4")
+timeout 180 "$PY" -m pytest -q -p no:cacheprovider $XDIST -m "cuda and not slow" -k "not fused" tests/engine/cuda -rs \
     --durations=10 --junitxml="$OUT/cuda_tests.xml"
 TEST_RC=$?
 echo "fast tests rc=$TEST_RC"

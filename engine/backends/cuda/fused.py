@@ -117,7 +117,8 @@ class FusedStep:
         self.prefetch_budget = max(1 << 20, _l2_bytes() // 3) if prefetch_budget is None else prefetch_budget
 
     def _resident_blocks(self) -> int:
-        per_sm = cp.cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(self.k.ptr, self.threads, self.smem)
+        occupancy = cp.cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor
+        per_sm = occupancy(self.k.kernel.ptr, self.threads, self.smem)
         if per_sm < 1:
             raise FusedStepError("its block does not fit on one SM")
         return ops._sm_count()

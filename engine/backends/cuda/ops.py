@@ -134,11 +134,11 @@ def _sm_count_of(device: int) -> int:
 
 
 def allow_shared(k, nbytes: int) -> None:
-    """Let kernel function k (from RawModule.get_function) take nbytes of dynamic shared memory
+    """Let kernel k (a RawKernel, from RawModule.get_function) take nbytes of dynamic shared memory
     (above 48 KiB a function must opt in)."""
     if nbytes > 48 * 1024:
         drv = cp.cuda.driver
-        drv.funcSetAttribute(k.ptr, drv.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, int(nbytes))
+        drv.funcSetAttribute(k.kernel.ptr, drv.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, int(nbytes))
 
 
 def _launch_matvec(name: str, grid: int, shared: int, args: tuple, threads: int = MATVEC_THREADS) -> None:

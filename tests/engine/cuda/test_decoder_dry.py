@@ -54,7 +54,8 @@ STATE = types.SimpleNamespace(capture=None, simt=None)
 class FakeKernel:
     def __init__(self, name: str, params: list[str], launches: list):
         self.name, self.params, self.launches = name, params, launches
-        self.ptr = id(self)  # the function handle funcSetAttribute takes
+        # CuPy's RawKernel: .kernel is the cuda.function.Function, whose ptr the driver calls take
+        self.kernel = types.SimpleNamespace(ptr=id(self))
 
     def __call__(self, grid, block, args, shared_mem=0):
         where = f"{self.name}{tuple(grid)}x{tuple(block)}"
@@ -76,7 +77,7 @@ class FakeKernel:
         if self.name.startswith("matvec_"):
             wide = self.name == "matvec_qb" and tuple(block) == (1024,)
             assert tuple(block) == (256,) or wide, where
-        assert shared_mem <= max(48 * 1024, SHARED_ALLOWED.get(self.ptr, 0)) <= 227 * 1024, where
+        assert shared_mem <= max(48 * 1024, SHARED_ALLOWED.get(self.kernel.ptr, 0)) <= 227 * 1024, where
         self.launches.append(self.name)
         if STATE.simt is not None:
             call = (self.name, tuple(grid), tuple(block), tuple(args), shared_mem)

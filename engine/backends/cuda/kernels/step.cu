@@ -583,7 +583,10 @@ extern "C" __global__ void __launch_bounds__(256) dequant_qb(void* __restrict__ 
     long long row;
     bool ok = dequant_item(n, units, ids, r0, &row, &u);
     float v[32];
-    if (ok) dec_unit(type, mixed_row(w0, w1, w2, t0, t1, t2, rows0, rows1, (int)row, cols, &type), u, v);
+    if (ok) {  // two statements: mixed_row sets type, and argument order is unspecified in C++
+        const uchar* w = mixed_row(w0, w1, w2, t0, t1, t2, rows0, rows1, (int)row, cols, &type);
+        dec_unit(type, w, u, v);
+    }
     store_staged(out, (long long)n * units, v, scale, half_out, ok);
 }
 
