@@ -1,0 +1,150 @@
+"""Where a CUDA decode step's time goes, op by op (GPU machine): the 1B-shaped model of
+scripts/cuda_bench_1b.py after a prompt, each launch of one layer's step (and the head's) captured
+`--reps` times in a CUDA graph of its own and replayed between CUDA events, so that the figure is GPU
+time per launch without Python's launch overhead; then the whole step's graph replayed back to back
+(no host round trip) against greedy_step (which waits for each token on the host).
+
+Usage: python3 scripts/cuda_profile_step.py --out profile.json [--type Q4_K] [--prompt 512]
+  --ncu-quick: build, prefill and run a few steps kernel by kernel only (for a profiler's command line)
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from cuda_bench_1b import VOCAB, build_gguf, open_model  # noqa: E402
+
+
+def time_graph(stream, fn, reps: int, iters: int = 5) -> float:
+    """Seconds per call of fn (launches only), from a graph of reps calls replayed iters times."""
+    import cupy as cp
+
+    with stream:
+        fn()  # loads the kernels outside the capture
+        stream.begin_capture()
+        try:
+            for _ in range(reps):
+                fn()
+        finally:
+            graph = stream.end_capture()
+        graph.launch(stream)
+        start, end = cp.cuda.Event(), cp.cuda.Event()
+        start.record(stream)
+        for _ in range(iters):
+            graph.launch(stream)
+        end.record(stream)
+        end.synchronize()
+    return cp.cuda.get_elapsed_time(start, end) / 1e3 / (iters * reps)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--type", default="Q4_K")
+    ap.add_argument("--prompt", type=int, default=512)
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--workdir", type=Path, default=Path("/tmp/hearth-1b"))
+    ap.add_argument("--ncu-quick", action="store_true")
+    args = ap.parse_args()
+
+    import cupy as cp
+
+    from engine.backends.cuda import ops
+    from engine.backends.cuda.decoder import CudaDecoder, _matvecs
+
+    args.workdir.mkdir(parents=True, exist_ok=True)
+    path = args.workdir / f"llama-1b-random.{args.type}.gguf"
+    if not path.exists():
+        build_gguf(path, args.type)
+    model = open_model(path)
+    n_ctx = args.prompt + 256
+    dec = CudaDecoder(model, n_ctx=n_ctx, decode_kernel="graphs")
+    prompt = np.random.default_rng(1).integers(0, VOCAB, args.prompt).tolist()
+    cache = dec.new_cache(n_ctx)
+    tok = int(np.argmax(dec.forward(prompt, cache)[-1]))
+    if args.ncu_quick:
+        dec.use_graphs = False
+        for _ in range(3):
+            tok = dec.greedy_step(tok, cache)
+        cp.cuda.Device().synchronize()
+        return 0
+    tok = dec.greedy_step(tok, cache)  # the step's buffers and graph
+    s = dec._steps[cache]
+    cfg, L, eps = dec.cfg, dec.layers[0], dec.cfg.rms_norm_eps
+    mv = functools.partial(_matvecs, int_dot=dec.int_dot)
+    rope = (L["inv_freq"], dec.n_rot, dec.neox, eps, L["q_norm"], L["k_norm"])
+    keys = (cache.n_ctx, L["window"], s.parts[0])
+    qkv, gu = [L["wq"], L["wk"], L["wv"]], [L["w_gate"], L["w_up"]]
+    n_heads, kv0 = cfg.num_attention_heads, (cache.k[0], cache.v[0])
+    ops_ = {
+        "embed_dequant": lambda: ops.dequant(s.x, dec.token_embd, ids=s.ids, scale=dec.embed_scale),
+        "qkv_matvec": lambda: mv(s.qkv, qkv, s.x, norm=L["attn_norm"], eps=eps, prologue=1),
+        "attention": lambda: ops.attention(
+            s.attn[0], s.qkv[0], n_heads, *kv0, s.pos[0:1], rope, dec.scale, *keys
+        ),
+        "wo_matvec": lambda: mv(s.o, [L["wo"]], s.attn),
+        "gate_up_matvec": lambda: mv(s.gu, gu, s.x, norm=L["ffn_norm"], eps=eps, prologue=1),
+        "down_matvec": lambda: mv(s.o, [L["w_down"]], s.gu, cols_x2=True, prologue=2),
+        "lm_head_matvec": lambda: mv(s.logits, [dec.output], s.x, norm=dec.output_norm, eps=eps, prologue=1),
+        "argmax": lambda: ops.argmax(s.ids[:1], s.logits[0]),
+    }
+    nbytes = {
+        "qkv_matvec": sum(L[k].nbytes for k in ("wq", "wk", "wv")),
+        "wo_matvec": L["wo"].nbytes,
+        "gate_up_matvec": L["w_gate"].nbytes + L["w_up"].nbytes,
+        "down_matvec": L["w_down"].nbytes,
+        "lm_head_matvec": dec.output.nbytes,
+    }
+    res: dict = {"type": args.type, "device": cp.cuda.runtime.getDeviceProperties(0)["name"].decode()}
+    layer_s = 0.0
+    for name, fn in ops_.items():
+        try:
+            t = time_graph(dec.stream, fn, args.reps)
+        except Exception as e:  # noqa: BLE001 - the other ops' figures stand
+            res[f"{name}_error"] = f"{type(e).__name__}: {e}"
+            print(name, res[f"{name}_error"], flush=True)
+            continue
+        res[f"{name}_us"] = round(t * 1e6, 2)
+        if name in nbytes:
+            res[f"{name}_gbs"] = round(nbytes[name] / t / 1e9, 1)
+        if name in ("qkv_matvec", "attention", "wo_matvec", "gate_up_matvec", "down_matvec"):
+            layer_s += t
+        print(name, res[f"{name}_us"], "us", res.get(f"{name}_gbs", ""), flush=True)
+    res["layer_sum_us"] = round(layer_s * 1e6, 1)
+    head_us = sum(res.get(f"{k}_us", 0.0) for k in ("lm_head_matvec", "argmax", "embed_dequant"))
+    res["step_sum_estimate_us"] = round(layer_s * 1e6 * len(dec.layers) + head_us, 1)
+    # a 32-element kernel's graph time: the floor of one launch inside a graph
+    tiny = s.o[0, :32]
+    res["tiny_launch_us"] = round(time_graph(dec.stream, lambda: ops.softcap(tiny, 30.0), 50) * 1e6, 2)
+    # the whole step: graph replays back to back, against greedy_step's host round trip per token
+    graph = s.graphs[True]
+    with dec.stream:
+        start, end = cp.cuda.Event(), cp.cuda.Event()
+        start.record(dec.stream)
+        for _ in range(20):
+            graph.launch(dec.stream)
+        end.record(dec.stream)
+        end.synchronize()
+    res["step_graph_us"] = round(cp.cuda.get_elapsed_time(start, end) * 1e3 / 20, 1)
+    cp.cuda.Device().synchronize()
+    t0 = time.perf_counter()
+    for _ in range(20):
+        tok = dec.greedy_step(tok, cache)
+    res["greedy_step_us"] = round((time.perf_counter() - t0) * 1e6 / 20, 1)
+    print(json.dumps(res, indent=1))
+    args.out.write_text(json.dumps(res, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
