@@ -60,3 +60,43 @@ def test_repetition_penalty():
 def test_invalid_options(kwargs):
     with pytest.raises(ValueError):
         make_sampler(**kwargs)
+
+
+def _top_k_reference(logits, k):
+    order = np.lexsort((np.arange(len(logits)), -logits.astype(np.float64)))  # value desc, then id
+    return order[:k] if 0 < k < len(logits) else order
+
+
+@pytest.mark.parametrize("n", [5, 300, 1000, 128256])
+@pytest.mark.parametrize("k", [0, 1, 3, 40, 256])
+def test_top_k_ids_match_a_full_sort(n, k):
+    """The block-maxima shortcut picks what a full sort picks: random logits, ties (quantized values, so
+    many logits share the k-th value), a masked vocabulary (-inf), peaked and flat distributions."""
+    from engine.sampling import top_k_ids
+
+    rng = np.random.default_rng(n + k)
+    cases = [
+        rng.standard_normal(n).astype(np.float32) * 3,
+        np.round(rng.standard_normal(n) * 2).astype(np.float32),  # heavy ties
+        np.zeros(n, np.float32),
+        np.where(rng.random(n) < 0.9, -np.inf, rng.standard_normal(n)).astype(np.float32),  # masked
+        np.concatenate([np.full(n - n // 3, -5.0), rng.standard_normal(n // 3) + 10]).astype(np.float32),
+    ]
+    for logits in cases:
+        np.testing.assert_array_equal(top_k_ids(logits, k), _top_k_reference(logits, k))
+
+
+def test_sampling_a_large_vocabulary_follows_its_top_k():
+    """With a 128k vocabulary (the shortcut's case) the draws stay within the k most likely tokens and
+    follow their probabilities."""
+    rng = np.random.default_rng(3)
+    logits = rng.standard_normal(128256).astype(np.float32)
+    best = np.argsort(-logits)[:4]
+    logits[best] = [12.0, 11.0, 10.5, 10.0]
+    sample = make_sampler(1.0, top_k=4, seed=2)
+    draws = np.array([sample(logits) for _ in range(4000)])
+    assert set(draws.tolist()) <= set(best.tolist())
+    p = np.exp([12.0, 11.0, 10.5, 10.0] - np.float64(12.0))
+    want = p / p.sum()
+    got = np.array([(draws == b).mean() for b in best])
+    np.testing.assert_allclose(got, want, atol=0.03)
