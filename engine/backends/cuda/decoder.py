@@ -138,7 +138,7 @@ def estimate_vram(
     # and the kept batched steps of up to SERVE_ROWS sequences each
     vocab = cfg.vocab_size if n == cfg.num_hidden_layers else 0
     row = 4 * (2 * cfg.hidden_size + 2 * cfg.q_dim + 2 * cfg.kv_dim + 2 * cfg.intermediate_size + vocab)
-    row += 4 * cfg.num_attention_heads * -(-n_ctx // ops.ATTN_CHUNK) * (cfg.head_dim + 2)
+    row += 4 * cfg.num_attention_heads * -(-n_ctx // ops.attention_chunk(n_ctx)) * (cfg.head_dim + 2)
     steps = row * (1 + BATCH_GRAPHS * SERVE_ROWS)
     return int(weights + norms + kv + acts + attn_parts + tile + steps + MARGIN_BYTES)
 
@@ -174,6 +174,7 @@ class _Step:
         self.gu = cp.empty((B, 2 * ff), f32)
         self.logits = None if head_only else cp.empty((B, cfg.vocab_size), f32)
         self.ids = cp.zeros(B, cp.int32)
+        self.argmax_parts = ops.argmax_parts()
         self.pos = cp.zeros(B, cp.int32)
         # each sequence's split-K attention scratch (its cache's size sets the splits)
         h, hd = cfg.num_attention_heads, cfg.head_dim
@@ -238,6 +239,11 @@ class CudaDecoder:
         if self.gemma and cfg.attn_logit_softcapping is not None:
             raise UnsupportedCudaModelError(
                 "attention logit soft-capping has no CUDA kernel; use --device cpu"
+            )
+        if cfg.head_dim % 8 or cfg.head_dim > 512:  # attn_decode reads cache rows in 16-byte pieces
+            raise UnsupportedCudaModelError(
+                f"the CUDA kernels take head sizes that are multiples of 8 up to 512, not {cfg.head_dim}; "
+                "use --device cpu"
             )
         n_all = len(model.layers)
         self.n_layers = n_all if n_layers is None else int(n_layers)
@@ -542,7 +548,7 @@ class CudaDecoder:
         if cap is not None:
             ops.softcap(s.logits, cap)
         if greedy:
-            ops.argmax(s.ids, s.logits)
+            ops.argmax(s.ids, s.logits, s.argmax_parts)
 
     @property
     def batchable(self) -> bool:

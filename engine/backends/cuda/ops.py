@@ -54,7 +54,8 @@ _FP_TYPES = fpquant.FP_TYPES
 
 MATVEC_THREADS = 256  # 8 warps, one row each at a time
 MATVEC_BLOCKS_PER_SM = 4
-ATTN_CHUNK = 256  # keys per split-K block
+ATTN_SPLITS = 128  # decode attention: the cache in up to this many splits (more for very long caches)
+ATTN_MIN_CHUNK, ATTN_MAX_CHUNK = 64, 4096  # keys per split-K block (ops.cu's ATTN_MAX_CHUNK)
 ATTN_GEMM_BYTES = 128 << 20  # prefill attention: scores + float32 K/V of one batch of KV heads, at most
 NULL = np.uint64(0)  # a null pointer argument
 
@@ -383,7 +384,8 @@ def attention(
     attention_parts; the kernel leaves count zeroed for the next call.
     """
     KV, n_ctx, hd = k_cache.shape
-    S = max(1, -(-n_keys_max // ATTN_CHUNK))
+    chunk = attention_chunk(n_keys_max)
+    S = max(1, -(-n_keys_max // chunk))
     acc, ml, count = parts if parts is not None else attention_parts(H, hd, n_keys_max)
     inv_freq, n_rot, neox, eps, q_norm, k_norm = rope
     kernel("attn_decode", cp.cuda.Device().id)(
@@ -410,15 +412,21 @@ def attention(
             _f32(eps),
             _f32(scale),
             _i32(window),
-            _i32(ATTN_CHUNK),
+            _i32(chunk),
             _i32(k_cache.dtype == cp.float16),
         ),
     )
 
 
+def attention_chunk(n_keys_max: int) -> int:
+    """Keys per split of decode attention over up to n_keys_max positions: small enough that a short
+    prompt still spreads over many blocks, large enough that a long cache needs at most ATTN_SPLITS."""
+    return min(ATTN_MAX_CHUNK, max(ATTN_MIN_CHUNK, -(-n_keys_max // ATTN_SPLITS)))
+
+
 def attention_parts(H: int, hd: int, n_keys_max: int) -> tuple:
     """attention's scratch for up to n_keys_max positions: split partials and per-head counters."""
-    S = max(1, -(-n_keys_max // ATTN_CHUNK))
+    S = max(1, -(-n_keys_max // attention_chunk(n_keys_max)))
     return cp.empty(H * S * hd, cp.float32), cp.empty(H * S * 2, cp.float32), cp.zeros(H, cp.uint32)
 
 
@@ -487,9 +495,21 @@ def bump(pos, by: int = 1) -> None:
     kernel("bump", cp.cuda.Device().id)((1,), (32,), (pos, _i32(by)))
 
 
-def argmax(token, x) -> None:
-    """token int32 (1,) = argmax of x float32 (n,) (first index on ties, as numpy)."""
-    kernel("argmax", cp.cuda.Device().id)((1,), (1024,), (token, x, _i32(x.size)))
+ARGMAX_BLOCKS = 64
+
+
+def argmax_parts() -> tuple:
+    """argmax's scratch: each block's best value and index, and the blocks' counter (zeros)."""
+    return cp.empty(ARGMAX_BLOCKS, cp.float32), cp.empty(ARGMAX_BLOCKS, cp.int32), cp.zeros(1, cp.uint32)
+
+
+def argmax(token, x, parts: tuple | None = None) -> None:
+    """token int32 (1,) = argmax of x float32 (n,) (first index on ties, as numpy), over ARGMAX_BLOCKS
+    blocks. parts: optional preallocated argmax_parts() (a captured step keeps its own); the kernel
+    leaves the counter zeroed for the next call."""
+    pv, pi, count = parts if parts is not None else argmax_parts()
+    blocks = max(1, min(ARGMAX_BLOCKS, -(-x.size // 256)))
+    kernel("argmax", cp.cuda.Device().id)((blocks,), (256,), (token, x, _i32(x.size), pv, pi, count))
 
 
 def sample_topk(token, x, k: int, temp: float, top_p: float, u: float) -> None:

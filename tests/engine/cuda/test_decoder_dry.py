@@ -454,7 +454,7 @@ def test_step_matvecs_over_a_batch_on_host_threads(fake, simt, int_dot):
 @pytest.mark.parametrize("neox,window,qk_norm", [(False, 0, False), (True, 0, True), (True, 5, True)])
 def test_rope_and_decode_attention_on_host_threads(fake, simt, kv_dtype, neox, window, qk_norm):
     """test_kernels_gpu's RoPE + cache write (prefill's rope_store over 3 tokens, then attention_prefill
-    over its grouped queries) and one-launch decode attention (the same 3 tokens one at a time, 3 splits,
+    over its grouped queries) and one-launch decode attention (the same 3 tokens one at a time, 10 splits,
     the last block of a head combining them) against the CPU kernels, on host threads."""
     from tests.engine.cuda import test_kernels_gpu as gpu_tests
 
@@ -471,6 +471,19 @@ def test_op_kernels_on_host_threads(fake, simt):
     gpu_tests.test_stacked_matvec_prologues_and_accumulate(0, 12, False)
     gpu_tests.test_rmsnorm(0, True)
     gpu_tests.test_glu_argmax_and_sampling(0)
+
+
+def test_argmax_over_blocks_on_host_threads(fake, simt):
+    """ops.argmax: blocks' bests, then the last block's pick (first index on ties), its counter reset."""
+    STATE.simt = simt
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal(5000).astype(np.float32)
+    tok, parts = fake.cp.zeros(1, np.int32), fake.ops.argmax_parts()
+    for best in ((17, 4000), (4999,), (0, 2500)):
+        x[list(best)] = x.max() + 1.0
+        fake.ops.argmax(tok, fake.cp.asarray(x), parts)
+        assert int(tok[0]) == best[0] == int(np.argmax(x)) and not parts[2].any()
+    assert fake.launches.count("argmax") == 3
 
 
 @pytest.mark.parametrize("kv_dtype", [np.float16, np.float32])

@@ -98,7 +98,8 @@ def lib(tmp_path_factory):
         pytest.skip("g++ not found: the host build of the CUDA decoders needs a C++ compiler")
     text = (kernels._DIR / "quant.cu").read_text()
     decoders = text[: text.index("// Activations for a matvec")]
-    unpack = text[text.index("__device__ __forceinline__ void unpack8_f16") : text.index("#define FMATVEC")]
+    common = (kernels._DIR / "common.cuh").read_text()
+    unpack = common[common.index("__device__ __forceinline__ void unpack8_f16") :]
     src = tmp_path_factory.mktemp("host-dec") / "dec.cpp"
     src.write_text(SHIM + decoders + unpack + _driver())
     so = src.with_suffix(".so")

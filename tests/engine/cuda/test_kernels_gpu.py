@@ -220,7 +220,7 @@ def test_rope_store_and_attention_match_cpu(gpu, kv_dtype, neox, window, qk_norm
     from engine.backends.cuda import ops
     from engine.rope import rope_inv_freq
 
-    H, KV, hd, n_ctx, pos0, n = 8, 2, 64, 600, 517, 3  # 517 + 3 keys: three splits of 256
+    H, KV, hd, n_ctx, pos0, n = 8, 2, 64, 600, 517, 3  # 517 + 3 keys: splits of 64 (ops.attention_chunk)
     rng = np.random.default_rng(6)
     q = rng.standard_normal((n, H, hd)).astype(np.float32)
     k = rng.standard_normal((n, KV, hd)).astype(np.float32)
@@ -281,7 +281,8 @@ def test_rope_store_and_attention_match_cpu(gpu, kv_dtype, neox, window, qk_norm
     ops.attention_prefill(out, gq, gkc, gvc, pos0, scale, window)
     np.testing.assert_allclose(out.get(), ref, rtol=1e-4, atol=10 * tol)
     # decode: the same tokens one at a time, RoPE + cache write + split-K attention in one launch each,
-    # over n_ctx / 256 = 3 splits (with the window only the last holds visible keys)
+    # over 10 splits of 64 keys (with the window only the last holds visible keys; the last block of a head
+    # combines the splits that hold visible keys)
     gkc, gvc = cp.asarray(kc), cp.asarray(vc)
     norms = tuple(None if a is None else cp.asarray(a) for a in (qn, kn))
     rope = (cp.asarray(inv), hd, neox, 1e-6, *norms)
@@ -315,6 +316,12 @@ def test_glu_argmax_and_sampling(gpu):
     tok = cp.zeros(1, cp.int32)
     ops.argmax(tok, cp.asarray(logits))
     assert int(tok.get()[0]) == int(np.argmax(logits)) == 123
+    parts = ops.argmax_parts()  # reused: the last block resets the counter
+    for i, best in enumerate((49999, 7, 40000)):  # the last, the second and a later block's
+        logits[best] = 100.0 * (i + 1)
+        ops.argmax(tok, cp.asarray(logits), parts)
+        assert int(tok.get()[0]) == best and not parts[2].get().any()
+    logits[[7, 40000, 49999]] = 0.0
     top5 = set(np.argsort(-logits, kind="stable")[:5].tolist())
     seen = set()
     for i in range(200):

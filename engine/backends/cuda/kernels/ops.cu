@@ -90,8 +90,94 @@ extern "C" __global__ void rope_store(float* __restrict__ qg, const float* __res
     store_kv(kc, vc, ((long long)kh * n_ctx + pos) * hd, row, src + (long long)KV * hd, hd, kv_half);
 }
 
-__device__ __forceinline__ float kv_load(const void* c, long long i, int kv_half) {
-    return kv_half ? h2f(((const ushort*)c)[i]) : ((const float*)c)[i];
+// Piece p (16 bytes: N = 8 halves or 4 floats) of cache row `row` as floats
+template <int N>
+__device__ __forceinline__ void kv_piece(const void* c, long long row, int p, float* v) {
+    const uint4 w = ((const uint4*)((const uchar*)c + row * (N == 8 ? 2 : 4)))[p];
+    if (N == 8) unpack8_f16(w, v);
+    else unpack4_f32(w, v);
+}
+// the cache's rounding of a float (N = 8: float16)
+template <int N>
+__device__ __forceinline__ float kv_round(float x) { return N == 8 ? h2f(f2h(x)) : x; }
+
+// One split of decode attention (attn_decode's block): keys k0..k1-1 of the KV head whose rows start at
+// row `base` of the caches, position pos's key and value taken from sk and vnew. The scores go to sc,
+// the block's (max, sum) to *m, *l and its unnormalised weighted sum of values to vsum[0] (hd,).
+// 16 key slots (4 warps x 4 groups of 8 lanes); lane gl of a group takes pieces gl, gl + 8, .. of a
+// row, so a warp's load covers 4 whole rows. N: cache elements per 16-byte piece (8 float16, 4 float32).
+template <int N>
+__device__ void attend_split(float* sc, float (*vsum)[512], const float* sq, const float* sk, const void* kc,
+                             const void* vc, const float* vnew, long long base, int hd, int k0, int k1, int pos,
+                             float scale, float* red, float* m_out, float* l_out) {
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, gl = lane & 7;
+    int slot = (warp << 2) | (lane >> 3), pieces = hd / N;
+#pragma unroll 2
+    for (int key0 = k0; key0 < k1; key0 += 16) {
+        int key = key0 + slot;
+        float d = 0.f;
+        if (key < k1) {
+            for (int p = gl; p < pieces; p += 8) {
+                float v[N];
+                if (key == pos) {
+#pragma unroll
+                    for (int e = 0; e < N; e++) v[e] = sk[p * N + e];
+                } else {
+                    kv_piece<N>(kc, (base + key) * hd, p, v);
+                }
+#pragma unroll
+                for (int e = 0; e < N; e++) d += sq[p * N + e] * v[e];
+            }
+        }
+        d += __shfl_xor_sync(0xffffffffu, d, 1);
+        d += __shfl_xor_sync(0xffffffffu, d, 2);
+        d += __shfl_xor_sync(0xffffffffu, d, 4);
+        if (gl == 0 && key < k1) sc[key - k0] = d * scale;
+    }
+    __syncthreads();
+    float m = -3.0e38f;
+    for (int i = threadIdx.x; i < k1 - k0; i += blockDim.x) m = fmaxf(m, sc[i]);
+    m = block_max(m, red);
+    float l = 0.f;
+    for (int i = threadIdx.x; i < k1 - k0; i += blockDim.x) {
+        float e = expf(sc[i] - m);
+        sc[i] = e;
+        l += e;
+    }
+    l = block_sum(l, red);  // its leading __syncthreads also publishes sc
+    for (int p0 = 0; p0 < pieces; p0 += 8) {
+        int p = p0 + gl;
+        float a[N];
+#pragma unroll
+        for (int e = 0; e < N; e++) a[e] = 0.f;
+        if (p < pieces) {
+#pragma unroll 4
+            for (int key = k0 + slot; key < k1; key += 16) {
+                float v[N], w = sc[key - k0];
+                if (key == pos) {  // the new value, from qkv, rounded as the cache stores it
+#pragma unroll
+                    for (int e = 0; e < N; e++) v[e] = kv_round<N>(vnew[p * N + e]);
+                } else {
+                    kv_piece<N>(vc, (base + key) * hd, p, v);
+                }
+#pragma unroll
+                for (int e = 0; e < N; e++) a[e] += w * v[e];
+            }
+        }
+#pragma unroll
+        for (int e = 0; e < N; e++) {  // over the warp's 4 groups
+            a[e] += __shfl_xor_sync(0xffffffffu, a[e], 8);
+            a[e] += __shfl_xor_sync(0xffffffffu, a[e], 16);
+        }
+        if (lane < 8 && p < pieces) {
+#pragma unroll
+            for (int e = 0; e < N; e++) vsum[warp][p * N + e] = a[e];
+        }
+    }
+    __syncthreads();
+    for (int j = threadIdx.x; j < hd; j += blockDim.x) vsum[0][j] += vsum[1][j] + vsum[2][j] + vsum[3][j];
+    *m_out = m;
+    *l_out = l;
 }
 
 // Decode attention of one token, in one launch (split-K, "flash decoding"). Grid (H, S): block (head h,
@@ -101,8 +187,11 @@ __device__ __forceinline__ float kv_load(const void* c, long long i, int kv_half
 // takes it and the new value from qkv instead of the cache (rounded as the cache would store them), and
 // the block of the KV head's first query head writes both to the cache (no block reads position pos
 // there). Unnormalised partial sums go to acc (H, S, hd), (max, sum) pairs to ml (H, S, 2); the last
-// of a head's S blocks to finish (count[h], which it resets for the next step) combines them into
-// out (H, hd). 128 threads; chunk <= 256; hd <= 512.
+// of a head's S blocks to finish (count[h], which it resets for the next step) combines the splits
+// that hold visible keys into out (H, hd).
+// The cache is read in 16-byte pieces (attend_split), so rows must be 16-byte aligned (hd a multiple
+// of 8). 128 threads; chunk <= ATTN_MAX_CHUNK; hd <= 512.
+#define ATTN_MAX_CHUNK 4096
 extern "C" __global__ void __launch_bounds__(128) attn_decode(
     float* __restrict__ out, float* __restrict__ acc, float* __restrict__ ml, uint* __restrict__ count,
     const float* __restrict__ qkv, void* __restrict__ kc, void* __restrict__ vc, const int* __restrict__ pos_p,
@@ -111,7 +200,8 @@ extern "C" __global__ void __launch_bounds__(128) attn_decode(
     __shared__ float red[32];
     __shared__ float sq[512];
     __shared__ float sk[512];
-    __shared__ float sc[256];
+    __shared__ float sc[ATTN_MAX_CHUNK];
+    __shared__ float vsum[4][512];  // each warp's part of the weighted sum of values
     __shared__ int last;
     int h = blockIdx.x, s = blockIdx.y, S = gridDim.y;
     int pos = pos_p[0];
@@ -130,36 +220,11 @@ extern "C" __global__ void __launch_bounds__(128) attn_decode(
             if (h % (H / KV) == 0) store_kv(kc, vc, ((long long)g * n_ctx + pos) * hd, sk, vnew, hd, kv_half);
             __syncthreads();
         }
-        int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nw = blockDim.x >> 5;
-        long long base = (long long)g * n_ctx * hd;
-        for (int key = k0 + warp; key < k1; key += nw) {
-            long long kr = base + (long long)key * hd;
-            float d = 0.f;
-            if (key == pos)
-                for (int j = lane; j < hd; j += 32) d += sq[j] * sk[j];
-            else
-                for (int j = lane; j < hd; j += 32) d += sq[j] * kv_load(kc, kr + j, kv_half);
-            d = warp_sum(d);
-            if (lane == 0) sc[key - k0] = d * scale;
-        }
-        __syncthreads();
-        float m = -3.0e38f;
-        for (int i = threadIdx.x; i < k1 - k0; i += blockDim.x) m = fmaxf(m, sc[i]);
-        m = block_max(m, red);
-        float l = 0.f;
-        for (int i = threadIdx.x; i < k1 - k0; i += blockDim.x) {
-            float e = expf(sc[i] - m);
-            sc[i] = e;
-            l += e;
-        }
-        l = block_sum(l, red);  // its leading __syncthreads also publishes sc
-        for (int j = threadIdx.x; j < hd; j += blockDim.x) {
-            float a = 0.f;
-            int last_key = holds_pos ? k1 - 1 : k1;  // the new key's value comes from qkv
-            for (int key = k0; key < last_key; key++) a += sc[key - k0] * kv_load(vc, base + (long long)key * hd + j, kv_half);
-            if (holds_pos) a += sc[pos - k0] * (kv_half ? h2f(f2h(vnew[j])) : vnew[j]);
-            acc[part * hd + j] = a;
-        }
+        long long base = (long long)g * n_ctx;  // the KV head's first row
+        float m, l;
+        if (kv_half) attend_split<8>(sc, vsum, sq, sk, kc, vc, vnew, base, hd, k0, k1, pos, scale, red, &m, &l);
+        else attend_split<4>(sc, vsum, sq, sk, kc, vc, vnew, base, hd, k0, k1, pos, scale, red, &m, &l);
+        for (int j = threadIdx.x; j < hd; j += blockDim.x) acc[part * hd + j] = vsum[0][j];
         if (threadIdx.x == 0) {
             ml[2 * part] = m;
             ml[2 * part + 1] = l;
@@ -168,7 +233,7 @@ extern "C" __global__ void __launch_bounds__(128) attn_decode(
         ml[2 * part] = -3.0e38f;
         ml[2 * part + 1] = 0.f;
     }
-    // the last of the head's blocks to get here combines the S partials
+    // the last of the head's blocks to get here combines the partials of the splits with visible keys
     __threadfence();
     __syncthreads();
     if (threadIdx.x == 0) {
@@ -181,15 +246,16 @@ extern "C" __global__ void __launch_bounds__(128) attn_decode(
     // the other blocks' partials, read past L1 (volatile)
     const volatile float* vml = ml + 2LL * h * S;
     const volatile float* vacc = acc + (long long)h * S * hd;
+    int s_lo = start / chunk, s_hi = min(S - 1, pos / chunk);
     float M = -3.0e38f;
-    for (int i = 0; i < S; i++) M = fmaxf(M, vml[2 * i]);
+    for (int i = s_lo; i <= s_hi; i++) M = fmaxf(M, vml[2 * i]);
     float L = 0.f;
-    for (int i = 0; i < S; i++)
+    for (int i = s_lo; i <= s_hi; i++)
         if (vml[2 * i + 1] > 0.f) L += vml[2 * i + 1] * expf(vml[2 * i] - M);
     float inv = 1.f / L;
     for (int j = threadIdx.x; j < hd; j += blockDim.x) {
         float a = 0.f;
-        for (int i = 0; i < S; i++)
+        for (int i = s_lo; i <= s_hi; i++)
             if (vml[2 * i + 1] > 0.f) a += vacc[(long long)i * hd + j] * expf(vml[2 * i] - M);
         out[(long long)h * hd + j] = a * inv;
     }
@@ -295,14 +361,36 @@ __device__ __forceinline__ void block_best(float* v, int* i, float* rv, int* ri)
     }
 }
 
-// Greedy: token[0] = argmax(logits (n,)); one block of 1024 threads.
-extern "C" __global__ void argmax(int* __restrict__ token, const float* __restrict__ x, int n) {
+// Greedy: token[0] = argmax(logits (n,)). Each block takes a grid-strided share and leaves its best in
+// pv/pi[blockIdx.x]; the last block to finish (count[0], which it resets for the next call) picks
+// the best of those.
+extern "C" __global__ void argmax(int* __restrict__ token, const float* __restrict__ x, int n,
+                                  float* __restrict__ pv, int* __restrict__ pi, uint* __restrict__ count) {
     __shared__ float rv[32];
     __shared__ int ri[32];
+    __shared__ int last;
     float bv = -3.4e38f;
     int bi = 0x7fffffff;
-    for (int j = threadIdx.x; j < n; j += blockDim.x)
+    for (int j = blockIdx.x * blockDim.x + threadIdx.x; j < n; j += gridDim.x * blockDim.x)
         if (better(x[j], j, bv, bi)) { bv = x[j]; bi = j; }
+    block_best(&bv, &bi, rv, ri);
+    if (threadIdx.x == 0) {
+        pv[blockIdx.x] = bv;
+        pi[blockIdx.x] = bi;
+        __threadfence();
+        last = atomicAdd(count, 1u) == gridDim.x - 1;
+        if (last) count[0] = 0;
+    }
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    bv = -3.4e38f;
+    bi = 0x7fffffff;
+    for (int b = threadIdx.x; b < gridDim.x; b += blockDim.x) {  // past L1: the other blocks wrote them
+        float v = ((const volatile float*)pv)[b];
+        int i = ((const volatile int*)pi)[b];
+        if (better(v, i, bv, bi)) { bv = v; bi = i; }
+    }
     block_best(&bv, &bi, rv, ri);
     if (threadIdx.x == 0) token[0] = bi;
 }

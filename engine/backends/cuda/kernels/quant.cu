@@ -333,30 +333,7 @@ QMATVEC(q6_k, 210, 8)
 
 // Float types: 8 elements (F16/BF16) or 4 (F32) per 128-bit load, lanes on consecutive loads.
 // Rows must be 16-byte aligned (cols a multiple of 8, weights in their own allocation: checked by
-// the caller). x in shared memory in natural order.
-__device__ __forceinline__ void unpack8_f16(uint4 p, float* v) {
-    uint w[4] = {p.x, p.y, p.z, p.w};
-#pragma unroll
-    for (int i = 0; i < 4; i++) {
-        v[2 * i] = h2f((ushort)(w[i] & 0xffff));
-        v[2 * i + 1] = h2f((ushort)(w[i] >> 16));
-    }
-}
-__device__ __forceinline__ void unpack8_bf16(uint4 p, float* v) {
-    uint w[4] = {p.x, p.y, p.z, p.w};
-#pragma unroll
-    for (int i = 0; i < 4; i++) {
-        v[2 * i] = __uint_as_float(w[i] << 16);
-        v[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
-    }
-}
-__device__ __forceinline__ void unpack4_f32(uint4 p, float* v) {
-    v[0] = __uint_as_float(p.x);
-    v[1] = __uint_as_float(p.y);
-    v[2] = __uint_as_float(p.z);
-    v[3] = __uint_as_float(p.w);
-}
-
+// the caller). x in shared memory in natural order. (unpack8_f16 and co.: common.cuh)
 #define FMATVEC(NAME, PER, ESIZE)                                                                         \
     extern "C" __global__ void __launch_bounds__(256) matvec_##NAME(                                      \
         float* __restrict__ out, const uchar* __restrict__ w0, const uchar* __restrict__ w1,               \

@@ -94,6 +94,17 @@ __device__ __forceinline__ const uchar* mixed_row(const uchar* w0, const uchar* 
     return (k == 0 ? w0 : k == 1 ? w1 : w2) + row_bytes_of(*type, cols) * lr;
 }
 
+// Row r (< rows, else nothing) of [W0; W1; W2] into L2 (the 16-byte-aligned part of it)
+__device__ __forceinline__ void prefetch_row(const uchar* w0, const uchar* w1, const uchar* w2, int t0, int t1,
+                                             int t2, int rows0, int rows1, int rows, int r, int cols) {
+    if (r >= rows) return;
+    int type;
+    const uchar* w = mixed_row(w0, w1, w2, t0, t1, t2, rows0, rows1, r, cols, &type);
+    unsigned long long lo = ((unsigned long long)w + 15) & ~15ULL;
+    unsigned long long hi = ((unsigned long long)w + row_bytes_of(type, cols)) & ~15ULL;
+    if (hi > lo) prefetch_l2((const uchar*)lo, (uint)(hi - lo));
+}
+
 // One weight matrix of a phase (up to three stacked ones share the phase's input and output buffer).
 struct Mat {
     const uchar* w;
@@ -327,6 +338,12 @@ extern "C" __global__ void __launch_bounds__(1024) matvec_qb(
     __shared__ float red[32];
     __shared__ float inv[MAX_BATCH];
     int units = cols >> 5, warp = threadIdx.x >> 5, lane = threadIdx.x & 31, warps = blockDim.x >> 5;
+    int rows = rows0 + rows1 + rows2, r0 = blockIdx.x * warps + warp, stride = gridDim.x * warps;
+    // this warp's first two rows start coming into L2 while the block prepares its input
+    if (lane == 0) {
+        prefetch_row(w0, w1, w2, t0, t1, t2, rows0, rows1, rows, r0, cols);
+        prefetch_row(w0, w1, w2, t0, t1, t2, rows0, rows1, rows, r0 + stride, cols);
+    }
     if (prologue == 1) {  // each vector's RMS (the condition is the block's, so are the barriers)
         for (int b = 0; b < B; b++) {
             float ss = 0.f;
@@ -336,7 +353,8 @@ extern "C" __global__ void __launch_bounds__(1024) matvec_qb(
         }
         __syncthreads();
     }
-    for (int k = warp; k < B * units; k += warps) {
+#pragma unroll 4
+    for (int k = warp; k < B * units; k += warps) {  // unrolled: a warp's loads of x go out together
         int b = k / units, u = k % units, e = u * 32 + lane;
         float a = x[b * ldx + e];
         if (prologue == 1) a = a * inv[b] * nw[e];
@@ -346,8 +364,8 @@ extern "C" __global__ void __launch_bounds__(1024) matvec_qb(
         quantize_unit(xin, u, lane, a);
     }
     __syncthreads();
-    int rows = rows0 + rows1 + rows2;
-    for (int r = blockIdx.x * warps + warp; r < rows; r += gridDim.x * warps) {
+    for (int r = r0; r < rows; r += stride) {
+        if (lane == 0) prefetch_row(w0, w1, w2, t0, t1, t2, rows0, rows1, rows, r + 2 * stride, cols);
         int type;
         const uchar* w = mixed_row(w0, w1, w2, t0, t1, t2, rows0, rows1, r, cols, &type);
         for (int b = 0; b < B; b++) {
