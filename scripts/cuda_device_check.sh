@@ -12,7 +12,7 @@
 # printed), $OUT/cuda_tests.xml, cuda_tests_fused.xml and cuda_tests_slow.xml (JUnit).
 #
 # The GPU machine's python3 has CuPy, numba, numpy, tokenizers, jinja2, pytest but not gguf,
-# platformdirs, starlette or uvicorn: run scripts/cuda_device_prepare.sh here first (wheels into .whl/),
+# platformdirs, starlette, uvicorn or llguidance: run scripts/cuda_device_prepare.sh here first (wheels into .whl/),
 # then e.g.
 #   run(command="bash scripts/cuda_device_check.sh", carry=[".whl"], timeout_s=420)
 set -uo pipefail

@@ -15,8 +15,12 @@ export PYTHONPATH="/tmp/hearth-site:$PWD" PYTHONUNBUFFERED=1 NUMBA_CACHE_DIR=/tm
 timeout 100 "$PY" scripts/cuda_profile_step.py --out "$OUT/profile_Q4_K.json" 2>&1 | tee "$OUT/profile.log"
 NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
 echo "ncu: $NCU"
+STALLS=$(for r in long_scoreboard short_scoreboard mio_throttle lg_throttle barrier wait math_pipe_throttle \
+    not_selected selected no_instruction membar drain dispatch_stall branch_resolving imc_miss tex_throttle; do
+    printf "smsp__average_warps_issue_stalled_%s_per_issue_active.ratio," "$r"; done)
 [ -n "$NCU" ] && timeout 90 "$NCU" --clock-control none -k regex:"matvec_qb|attn_decode|argmax" --launch-count 7 \
     --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section WarpStateStats \
-    --section LaunchStats "$PY" scripts/cuda_profile_step.py --ncu-quick --out /tmp/unused.json > "$OUT/ncu.txt" 2>&1
+    --section LaunchStats --metrics "${STALLS%,}" \
+    "$PY" scripts/cuda_profile_step.py --ncu-quick --out /tmp/unused.json > "$OUT/ncu.txt" 2>&1
 echo "ncu rc=$?"
 tail -5 "$OUT/clocks.log"

@@ -86,6 +86,8 @@ def main() -> int:
     keys = (cache.n_ctx, L["window"], s.parts[0])
     qkv, gu = [L["wq"], L["wk"], L["wv"]], [L["w_gate"], L["w_up"]]
     n_heads, kv0 = cfg.num_attention_heads, (cache.k[0], cache.v[0])
+    wq = L["wq"]
+    head256 = ops.GpuWeight(wq.ggml_type, wq.raw[:256], 256, wq.cols)
     ops_ = {
         "embed_dequant": lambda: ops.dequant(s.x, dec.token_embd, ids=s.ids, scale=dec.embed_scale),
         "qkv_matvec": lambda: mv(s.qkv, qkv, s.x, norm=L["attn_norm"], eps=eps, prologue=1),
@@ -96,10 +98,15 @@ def main() -> int:
         "gate_up_matvec": lambda: mv(s.gu, gu, s.x, norm=L["ffn_norm"], eps=eps, prologue=1),
         "down_matvec": lambda: mv(s.o, [L["w_down"]], s.gu, cols_x2=True, prologue=2),
         "lm_head_matvec": lambda: mv(s.logits, [dec.output], s.x, norm=dec.output_norm, eps=eps, prologue=1),
-        "argmax": lambda: ops.argmax(s.ids[:1], s.logits[0]),
+        "argmax": lambda: ops.argmax(s.ids[:1], s.logits[0], s.argmax_parts),
+        # what a matvec costs beyond reading its weights: the same q|k|v without the RMSNorm prologue,
+        # and 256 rows of wq alone (one row per warp: launch, input quantization and one row's latency)
+        "qkv_matvec_no_norm": lambda: mv(s.qkv, qkv, s.x),
+        "rows256_matvec": lambda: mv(s.qkv, [head256], s.x, norm=L["attn_norm"], eps=eps, prologue=1),
     }
     nbytes = {
         "qkv_matvec": sum(L[k].nbytes for k in ("wq", "wk", "wv")),
+        "qkv_matvec_no_norm": sum(L[k].nbytes for k in ("wq", "wk", "wv")),
         "wo_matvec": L["wo"].nbytes,
         "gate_up_matvec": L["w_gate"].nbytes + L["w_up"].nbytes,
         "down_matvec": L["w_down"].nbytes,
@@ -141,9 +148,43 @@ def main() -> int:
     for _ in range(20):
         tok = dec.greedy_step(tok, cache)
     res["greedy_step_us"] = round((time.perf_counter() - t0) * 1e6 / 20, 1)
+    res.update(_prefill_host_profile(dec, prompt, n_ctx, args.out.with_name("prefill_host_profile.txt")))
     print(json.dumps(res, indent=1))
     args.out.write_text(json.dumps(res, indent=1))
     return 0
+
+
+def _prefill_host_profile(dec, prompt: list[int], n_ctx: int, path: Path) -> dict:
+    """The host's side of a prefill: its wall time and the time to enqueue it (the second of five, no
+    profiler), and cProfile's top functions (by own time) over the last three, written to path."""
+    import cProfile
+    import io
+    import pstats
+
+    import cupy as cp
+
+    ids = cp.asarray(np.asarray(prompt, np.int32))
+    times = []
+    prof = cProfile.Profile()
+    for i in range(5):
+        cache = dec.new_cache(n_ctx)
+        pos = cp.asarray(np.array([cache.offset], np.int32))
+        cp.cuda.Device().synchronize()
+        t0 = time.perf_counter()
+        if i >= 2:
+            prof.enable()
+        with dec.stream:
+            dec._prefill_kernels(ids, pos, cache, False)
+        if i >= 2:
+            prof.disable()
+        t1 = time.perf_counter()
+        dec.stream.synchronize()
+        times.append((t1 - t0, time.perf_counter() - t0))
+    out = io.StringIO()
+    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(30)
+    path.write_text(out.getvalue())
+    issue, total = times[1]
+    return {"prefill_issue_ms": round(issue * 1e3, 2), "prefill_total_ms": round(total * 1e3, 2)}
 
 
 if __name__ == "__main__":
