@@ -16,7 +16,8 @@ For each file it measures, with engine.backends.cuda.bench.bench_decoder:
   matrices x 16 layers at --prompt rows): prefill_vs_cublas = GEMM time / our prefill time; where
   prefill time goes (linears, attention), whether it is host-bound (prefill_issue_s: the host's time
   to enqueue it; prefill_gpu_s: the GPU's time with every launch queued beforehand, and
-  prefill_gpu_vs_cublas from it) and prefill tok/s with 8, 16 and 32 MiB dequantization tiles;
+  prefill_gpu_vs_cublas from it), the opt-in captured prefill (prefill_graph_*, prefill_graph_vs_cublas)
+  and prefill tok/s with 8, 16 and 32 MiB dequantization tiles;
   batched decode (forward_batch, as `hearth serve` runs it) over 4 and 8 sequences, total tok/s.
 
 Usage: python3 scripts/cuda_bench_1b.py --out results.json [--types Q4_K,Q8_0] [--prompt 512] [--gen 128]
@@ -194,6 +195,7 @@ def bench_file(path: Path, n_prompt: int, n_gen: int, repetitions: int, entry: d
     parts = (
         ("prefill_breakdown", _prefill_breakdown, n_prompt),
         ("prefill_host_and_gpu", _prefill_host_and_gpu, prompt),
+        ("prefill_graph", _prefill_graph, prompt),
         ("prefill_by_tile", _prefill_by_tile, prompt),
         ("batch", _bench_batches, prompt),
     )
@@ -205,6 +207,8 @@ def bench_file(path: Path, n_prompt: int, n_gen: int, repetitions: int, entry: d
         save()
     if "prefill_gpu_s" in entry:  # what the prefill would reach without the host's launch overhead
         entry["prefill_gpu_vs_cublas"] = round(gemm_s / entry["prefill_gpu_s"], 3)
+    if "prefill_graph_s" in entry:
+        entry["prefill_graph_vs_cublas"] = round(gemm_s / entry["prefill_graph_s"], 3)
     # last: a fault in the fused kernel would leave this process's CUDA context unusable
     entry.update(_bench_fused(dec, prompt, n_gen, n_ctx, repetitions))
     save()
@@ -301,6 +305,37 @@ def _prefill_host_and_gpu(dec, prompt: list[int], n_ctx: int, repeats: int = 3) 
     if min(issue) > 0.25:  # the host waited for the GPU while issuing: the GPU figure includes host time
         res["prefill_gpu_note"] = "issuing waited for the GPU: prefill_gpu_s includes launch overhead"
     return res
+
+
+def _prefill_graph(dec, prompt: list[int], n_ctx: int, repeats: int = 3) -> dict:
+    """The opt-in captured prefill (HEARTH_CUDA_PREFILL_GRAPHS): new chats on one cache, the first
+    prompt launch by launch, the second captures the graph (prefill_graph_capture_s), then the best of
+    `repeats` replays (prefill_graph_s, logits back on the host as forward() returns them), and how far
+    their logits are from the launch-by-launch prefill's."""
+    import cupy as cp
+
+    dec.prefill_graphs = True
+    try:
+        cache = dec.new_cache(n_ctx)
+        times, logits = [], []
+        for _ in range(2 + repeats):
+            cache.trim(cache.offset)
+            cp.cuda.Device(dec.device).synchronize()
+            t0 = time.perf_counter()
+            logits.append(dec.forward(prompt, cache)[-1])
+            times.append(time.perf_counter() - t0)
+        if dec.prefill_graph_error is not None:
+            return {"prefill_graph_error": dec.prefill_graph_error}
+        ref = logits[0].astype(np.float64)
+        return {
+            "prefill_graph_s": round(min(times[2:]), 5),
+            "prefill_graph_capture_s": round(times[1], 5),
+            "prefill_graph_tps": round(len(prompt) / min(times[2:]), 1),
+            "prefill_graph_vs_eager_rel": round(float(np.abs(logits[-1] - ref).max() / np.abs(ref).max()), 6),
+        }
+    finally:
+        dec.prefill_graphs = False
+        dec._prefill_graphs.clear()
 
 
 def _prefill_by_tile(dec, prompt: list[int], n_ctx: int) -> dict:

@@ -190,6 +190,31 @@ class _Step:
 
 
 
+PREFILL_GRAPH_STEP = 64  # a captured prefill runs its prompt padded to a multiple of this many tokens
+PREFILL_GRAPH_MAX = 2048  # longer prompts (and prompts after cached tokens) go launch by launch
+PREFILL_GRAPHS = 2  # captured prefill lengths kept per cache
+
+
+def prefill_graphs_enabled() -> bool:
+    """HEARTH_CUDA_PREFILL_GRAPHS=1: captured prefills (opt-in until measured on a GPU: CuPy refuses
+    cuBLAS in a capture, so they call libcublas through capture_blas, which no GPU has run yet)."""
+    return os.environ.get("HEARTH_CUDA_PREFILL_GRAPHS", "").strip() == "1"
+
+
+class _PrefillGraph:
+    """A prefill of `size` tokens at position 0 of one cache, captured once and replayed for every
+    prompt of up to `size` tokens there: its inputs (the prompt padded with token 0, the index of its
+    last token), its logits, and every allocation the capture made (alive as long as the graph)."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self.ids = cp.zeros(size, cp.int32)
+        self.pos = cp.zeros(1, cp.int32)
+        self.last = cp.zeros(1, cp.int32)
+        self.keep: list = []
+        self.graph = self.logits = None
+
+
 class CudaDecoder:
     """The GPU twin of a LlamaModel or Gemma3Model (same forward/new_cache interface, numpy logits).
 
@@ -289,6 +314,11 @@ class CudaDecoder:
         # batched decode: the latest batches' steps, by their caches' ids (checked by weak references:
         # an id can come back for a new cache)
         self._batches: collections.OrderedDict = collections.OrderedDict()
+        # prefills at position 0, captured per cache and padded prompt length (_prefill_replay); a cache's
+        # first prefill runs launch by launch (and loads the kernels and sets cuBLAS up, outside a capture)
+        self.prefill_graphs = prefill_graphs_enabled()
+        self._prefill_graphs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self.prefill_graph_error: str | None = None  # why captured prefills were given up, if they were
         self.max_position_embeddings = cfg.max_position_embeddings
 
     # ---- loading -------------------------------------------------------------------------
@@ -562,13 +592,65 @@ class CudaDecoder:
         ops.linear_prefill(out, ws, x16, self._tile, accumulate)
 
     def _prefill(self, tokens: np.ndarray, cache: CudaKVCache, all_logits: bool):
+        size = -(-len(tokens) // PREFILL_GRAPH_STEP) * PREFILL_GRAPH_STEP
+        graphable = self.prefill_graphs and self.use_graphs and self.prefill_graph_error is None
+        if graphable and cache.offset == 0 and not (all_logits or self.head_only):
+            graphs = self._prefill_graphs.get(cache)
+            if graphs is None:  # the cache's first prompt goes launch by launch: one used once keeps none
+                self._prefill_graphs[cache] = collections.OrderedDict()
+            elif size <= min(PREFILL_GRAPH_MAX, cache.n_ctx):
+                try:
+                    return self._prefill_replay(tokens, cache, size, graphs)
+                except Exception as e:  # noqa: BLE001 - a capture the driver refuses: launch by launch
+                    self.prefill_graph_error = f"{type(e).__name__}: {e}"
+                    self._prefill_graphs = weakref.WeakKeyDictionary()
         ids = cp.asarray(tokens.astype(np.int32))
         pos = cp.asarray(np.array([cache.offset], np.int32))
         return self._prefill_kernels(ids, pos, cache, all_logits)
 
-    def _prefill_kernels(self, ids, pos, cache: CudaKVCache, all_logits: bool):
+    def _prefill_replay(self, tokens: np.ndarray, cache: CudaKVCache, size: int, graphs) -> cp.ndarray:
+        """The prefill of a prompt at position 0 as one CUDA graph launch: a prefill launches about 17
+        kernels and cuBLAS calls a layer, and on the H200 issuing them took the host longer than the GPU
+        took to run them. A cache that starts over (a new chat on the chat runner's cache) replays the
+        capture of its earlier prompt of the same padded size; graphs: the cache's captures by size (LRU).
+
+        The prompt is padded to `size` tokens (token 0): the padding's keys and values land past the
+        cache's offset, where decode overwrites them, and causal attention keeps them from the prompt's
+        tokens. Logits of the last real token."""
+        g = graphs.get(size)
+        if g is None:
+            g = graphs[size] = self._capture_prefill(cache, size)
+            while len(graphs) > PREFILL_GRAPHS:
+                graphs.popitem(last=False)
+        graphs.move_to_end(size)
+        ids = np.zeros(size, np.int32)
+        ids[: len(tokens)] = tokens
+        g.ids.set(ids, stream=self.stream)
+        g.last.set(np.array([len(tokens) - 1], np.int32), stream=self.stream)
+        g.graph.launch(self.stream)
+        return g.logits
+
+    def _capture_prefill(self, cache: CudaKVCache, size: int) -> _PrefillGraph:
+        g = _PrefillGraph(size)
+        pool = cp.get_default_memory_pool()
+
+        def alloc(nbytes):  # what the capture allocates stays with the graph
+            mem = pool.malloc(nbytes)
+            g.keep.append(mem)
+            return mem
+
+        self.stream.begin_capture()
+        try:
+            with cp.cuda.using_allocator(alloc):
+                g.logits = self._prefill_kernels(g.ids, g.pos, cache, False, last=g.last)
+        finally:
+            g.graph = self.stream.end_capture()
+        return g
+
+    def _prefill_kernels(self, ids, pos, cache: CudaKVCache, all_logits: bool, last=None):
         """The prefill of the tokens ids (n,) int32 at positions cache.offset.. (pos (1,) int32 on the GPU
-        holds it too): launches only, no host-device copy or synchronisation."""
+        holds it too): launches only, no host-device copy or synchronisation. Without all_logits the
+        logits are those of token n - 1, or of token last[0] (int32 (1,) on the GPU) when given."""
         cfg = self.cfg
         eps = cfg.rms_norm_eps
         n = int(ids.shape[0])
@@ -620,7 +702,12 @@ class CudaDecoder:
         else:
             logits = cp.empty((1, cfg.vocab_size), f32)
             norm, dot = self.output_norm, self.int_dot
-            ops.matvec(logits[0], [self.output], x[n - 1], norm=norm, eps=eps, prologue=1, int_dot=dot)
+            row = x[n - 1]
+            if last is not None:  # row last[0] of x, gathered as rows of a float32 weight are
+                row = cp.empty((1, d), f32)
+                ops.dequant(row, ops.GpuWeight(ops.F32, x.view(cp.uint8), n, d), ids=last)
+                row = row[0]
+            ops.matvec(logits[0], [self.output], row, norm=norm, eps=eps, prologue=1, int_dot=dot)
         if cap is not None:
             ops.softcap(logits, cap)
         return logits

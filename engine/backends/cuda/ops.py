@@ -21,6 +21,7 @@ import numpy as np
 
 from engine.backends.cpu import fpquant
 from engine.backends.cpu.fpquant import FP8_E4M3, NVFP4
+from engine.backends.cuda import capture_blas
 from engine.backends.cuda.kernels import kernel
 from engine.weights import Weight
 
@@ -561,6 +562,15 @@ _gemm_ex_failed: list[str] = []  # the first cublasGemmEx error: later calls use
 _ONE, _ZERO = np.ones(1, np.float32), np.zeros(1, np.float32)  # host alpha / beta
 
 
+def _blas() -> tuple:
+    """(cuBLAS calls, capturing): CuPy's wrappers, or while the current stream is being captured into a
+    graph (a captured prefill), capture_blas's, which CuPy's refuse to be."""
+    stream = cp.cuda.get_current_stream()
+    if stream.is_capturing():
+        return capture_blas.api(lambda: cp.cuda.get_current_stream().ptr), True
+    return cp.cuda.cublas, False
+
+
 def gemm_nt(c, a, b, accumulate: bool = False) -> None:
     """c (n, m) float32 (=, or += when accumulate) a (n, k) @ b (m, k).T, a and b float16 or float32 of
     one dtype, c a row-major view with unit column stride (a column slice of a wider array is fine).
@@ -571,7 +581,7 @@ def gemm_nt(c, a, b, accumulate: bool = False) -> None:
     n, k = a.shape
     m = b.shape[0]
     if not _gemm_ex_failed and a.flags.c_contiguous and b.flags.c_contiguous and c.strides[1] == 4:
-        cublas = cp.cuda.cublas
+        cublas, capturing = _blas()
         handle = cp.cuda.device.get_cublas_handle()
         dtype = _R_16F if a.dtype == cp.float16 else _R_32F
         beta = _ONE if accumulate else _ZERO
@@ -584,6 +594,8 @@ def gemm_nt(c, a, b, accumulate: bool = False) -> None:
             )
             return
         except Exception as e:  # noqa: BLE001 - a cuBLAS that refuses the call: the plain product works
+            if capturing:  # the capture fails, not cuBLAS: the eager path keeps gemmEx
+                raise
             _gemm_ex_failed.append(f"{type(e).__name__}: {e}")
     if accumulate:
         c += cp.matmul(a, b.T)
@@ -603,7 +615,7 @@ def gemm_batched(c, a, b, trans_b: bool = False) -> None:
     B, m, k = a.shape
     n = b.shape[1] if trans_b else b.shape[2]
     if not _gemm_ex_failed and all(_rows_unit(x) for x in (a, b, c)):
-        cublas = cp.cuda.cublas
+        cublas, capturing = _blas()
         handle = cp.cuda.device.get_cublas_handle()
         # column-major: c.T (n, m) = op(b.T) @ a.T, each row-major matrix read as its own transpose
         try:
@@ -616,5 +628,7 @@ def gemm_batched(c, a, b, trans_b: bool = False) -> None:
             )
             return
         except Exception as e:  # noqa: BLE001 - a cuBLAS that refuses the call: the plain product works
+            if capturing:
+                raise
             _gemm_ex_failed.append(f"{type(e).__name__}: {e}")
     c[...] = cp.matmul(a, b.transpose(0, 2, 1) if trans_b else b)

@@ -54,6 +54,7 @@ def test_bench_script_runs_every_measurement(fake, tmp_path, monkeypatch):
         wanted += ("fused_decode_bandwidth_fraction", "fused_greedy_matches_graphs")
         wanted += ("fused_t256_decode_bandwidth_fraction", "fused_noprefetch_decode_bandwidth_fraction")
         wanted += ("prefill_issue_s", "prefill_gpu_s", "prefill_gpu_vs_cublas")
+        wanted += ("prefill_graph_s", "prefill_graph_vs_cublas", "prefill_graph_vs_eager_rel")
         for key in wanted:
             assert key in entry, key
     assert not list(tmp_path.glob("*.gguf"))  # the 1B files are deleted after their run

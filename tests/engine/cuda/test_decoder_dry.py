@@ -79,15 +79,17 @@ class FakeKernel:
             assert tuple(block) == (256,) or wide, where
         assert shared_mem <= max(48 * 1024, SHARED_ALLOWED.get(self.kernel.ptr, 0)) <= 227 * 1024, where
         self.launches.append(self.name)
-        if STATE.simt is not None:
-            call = (self.name, tuple(grid), tuple(block), tuple(args), shared_mem)
-            if STATE.capture is not None:
-                STATE.capture.append(call)
-            else:
-                _execute(call)
+        call = (self.name, tuple(grid), tuple(block), tuple(args), shared_mem)
+        if STATE.capture is not None:  # the graph holds the arguments, as a real one holds their memory
+            STATE.capture.append(call)
+        elif STATE.simt is not None:
+            _execute(call)
 
 
 def _execute(call) -> None:
+    if callable(call[0]):  # a cuBLAS call recorded in a capture
+        call[0](*call[1])
+        return
     name, grid, block, args, shared_mem = call
     # the fused decode step's blocks meet at grid barriers: they must all run at once
     STATE.simt.launch(name, grid, block, args, shared_mem, cooperative=name == "decode_step")
@@ -158,7 +160,8 @@ def _fake_cupy():
 
         def launch(self, stream=None):
             for call in self.launches:
-                _execute(call)
+                if STATE.simt is not None or callable(call[0]):
+                    _execute(call)
 
     class Stream(contextlib.AbstractContextManager):
         captures = []
@@ -181,6 +184,11 @@ def _fake_cupy():
         def synchronize(self):
             pass
 
+        def is_capturing(self):
+            return STATE.capture is not None
+
+        ptr = 0
+
     runtime = types.SimpleNamespace(
         memGetInfo=lambda: (80 << 30, 80 << 30),
         getDeviceCount=lambda: 1,
@@ -201,6 +209,7 @@ def _fake_cupy():
     cp.cuda = types.SimpleNamespace(
         Device=Device, Stream=Stream, runtime=runtime, memory=memory, Graph=Graph, nvrtc=nvrtc, driver=driver,
         cublas=cublas, device=types.SimpleNamespace(get_cublas_handle=lambda: 0),
+        get_current_stream=Stream, using_allocator=lambda allocator=None: contextlib.nullcontext(),
     )
     return cp
 
@@ -239,6 +248,18 @@ def fake(monkeypatch, ptx_params):
         return made.setdefault(name, FakeKernel(name, ptx_params[name], launches))
 
     monkeypatch.setattr(ops, "kernel", kernel)
+
+    def capture_blas(stream_ptr):  # cuBLAS calls in a capture: recorded, run when the graph is
+        def recorded(fn):
+            return lambda *args: STATE.capture.append((fn, args))
+
+        return types.SimpleNamespace(
+            gemmEx=recorded(_gemm_ex),
+            sgemmStridedBatched=recorded(_sgemm_strided_batched),
+            setPointerMode=lambda handle, mode: None,
+        )
+
+    monkeypatch.setattr(ops.capture_blas, "api", capture_blas)
     # before the decoder: `from engine.backends.cuda import fused` would take the package attribute,
     # which still holds an earlier test's module
     fused = importlib.import_module("engine.backends.cuda.fused")
@@ -371,6 +392,39 @@ def test_decoder_computes_the_cpu_models_logits_on_host_threads(fake, simt, tmp_
     if full:  # float16 prefill tiles and KV cache: close
         fast = fake.decoder.CudaDecoder(model, n_ctx=32)
         assert _rel(fast.forward(prompt, fast.new_cache(32))[-1], ref[-1]) < 3e-2
+
+
+def test_prefill_graph_replays_prompts_at_position_zero_on_host_threads(fake, simt, tmp_path, monkeypatch):
+    """HEARTH_CUDA_PREFILL_GRAPHS=1: a prompt at position 0 of a cache that starts over is one captured
+    prefill padded to PREFILL_GRAPH_STEP tokens (its cuBLAS calls through capture_blas), replayed for
+    later prompts of up to that length there (new chats on the same cache): the logits of the last real
+    token as the CPU's, and decode after it as the CPU's (the padding's keys and values lie past the
+    cache's offset). A cache's first prefill, and prompts after cached tokens, go launch by launch."""
+    STATE.simt = simt
+    monkeypatch.setenv("HEARTH_CUDA_PREFILL_GRAPHS", "1")
+    model = _model(tmp_path, "llama-1layer")
+    dec = fake.decoder.CudaDecoder(model, n_ctx=160, prefill_dtype="float32")
+    cache = dec.new_cache(160, np.float32)
+    Stream = fake.cp.cuda.Stream
+    for i, prompt in enumerate(([1, 2, 3], [4, 5, 6, 7, 8], [9, 3], [5] * 70)):
+        cache.trim(cache.offset)  # a new chat
+        cpu_cache = model.new_cache(160)
+        ref = model.forward(prompt, cpu_cache)[-1]
+        before = len(Stream.captures)
+        got = dec.forward(prompt, cache)[-1]
+        assert _rel(got, ref) < 1e-3 and cache.offset == len(prompt)
+        # the first prefill (and the first decode step's capture after it); size 64 captured, replayed;
+        # 70 tokens: size 128 captured
+        assert len(Stream.captures) - before == (0, 2, 0, 2)[i], dec.prefill_graph_error
+        step = dec.forward([7], cache)[-1]
+        assert _rel(step, model.forward([7], cpu_cache)[-1]) < 1e-3
+    assert dec.prefill_graph_error is None
+    assert sorted(g.size for g in dec._prefill_graphs[cache].values()) == [64, 128]
+    before = len(Stream.captures)
+    dec.forward([1, 2], cache)  # after cached tokens: launch by launch
+    assert len(Stream.captures) == before
+    monkeypatch.delenv("HEARTH_CUDA_PREFILL_GRAPHS")  # off by default
+    assert not fake.decoder.CudaDecoder(model, n_ctx=160).prefill_graphs
 
 
 def _opt_in(*values):

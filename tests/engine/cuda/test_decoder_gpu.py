@@ -107,6 +107,27 @@ def _check_fused(model, prompt, n_tokens=16, logit_tol=1e-3):
     assert out == _cpu_greedy(model, prompt, n_tokens)
 
 
+def _check_prefill_graph(model, prompt):
+    """HEARTH_CUDA_PREFILL_GRAPHS (opt-in): prompts at position 0 of one cache (new chats on it); the
+    first prefill runs launch by launch, the later ones replay a captured prefill padded to 64 or 128
+    tokens, its cuBLAS calls through capture_blas. Logits of the last real token and the greedy step
+    after it as the CPU's, and no capture refused."""
+    from engine.backends.cuda.decoder import CudaDecoder
+
+    dec = CudaDecoder(model, n_ctx=256, prefill_dtype="float32")
+    dec.prefill_graphs = True
+    cache = dec.new_cache(256, np.float32)
+    for p in (prompt, prompt[::-1] + [5, 6], prompt[:3], (prompt * 20)[:100], prompt[:2] + [7]):
+        cache.trim(cache.offset)
+        cpu_cache = model.new_cache(256)
+        ref = model.forward(p, cpu_cache)[-1]
+        assert _rel(dec.forward(p, cache)[-1], ref) < 1e-3, dec.prefill_graph_error
+        token = int(np.argmax(ref))
+        assert dec.greedy_step(token, cache) == int(np.argmax(model.forward([token], cpu_cache)[-1]))
+    assert dec.prefill_graph_error is None
+    assert sorted(g.size for g in dec._prefill_graphs[cache].values()) == [64, 128]
+
+
 def _kquant_tiny(path, spec: TinySpec, monkeypatch) -> None:
     """A tiny file in a K-quant (the engine's encoder: gguf.quants has no K-quant encoder)."""
     import gguf
@@ -156,6 +177,20 @@ def test_tiny_llama(gpu, tmp_path, spec):
     write_tiny_gguf(path, spec)
     _check(load_model(path).model, PROMPT)
     _check_hybrid(load_model(path).model, PROMPT)
+
+
+@TINY_LLAMA
+def test_prefill_graph_tiny_llama(gpu, tmp_path, spec):
+    path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(path, spec)
+    _check_prefill_graph(load_model(path).model, PROMPT)
+
+
+@TINY_GEMMA3
+def test_prefill_graph_tiny_gemma3(gpu, tmp_path, spec):
+    path = tmp_path / "tiny-gemma3.gguf"
+    write_tiny_gemma3(path, spec)
+    _check_prefill_graph(load_model(path).model, [258] + PROMPT)
 
 
 @TINY_LLAMA
