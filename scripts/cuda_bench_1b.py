@@ -327,11 +327,12 @@ def _prefill_graph(dec, prompt: list[int], n_ctx: int, repeats: int = 3) -> dict
         if dec.prefill_graph_error is not None:
             return {"prefill_graph_error": dec.prefill_graph_error}
         ref = logits[0].astype(np.float64)
+        scale = float(np.abs(ref).max()) or 1.0
         return {
             "prefill_graph_s": round(min(times[2:]), 5),
             "prefill_graph_capture_s": round(times[1], 5),
             "prefill_graph_tps": round(len(prompt) / min(times[2:]), 1),
-            "prefill_graph_vs_eager_rel": round(float(np.abs(logits[-1] - ref).max() / np.abs(ref).max()), 6),
+            "prefill_graph_vs_eager_rel": round(float(np.abs(logits[-1] - ref).max()) / scale, 6),
         }
     finally:
         dec.prefill_graphs = False
