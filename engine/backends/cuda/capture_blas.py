@@ -34,9 +34,8 @@ def _loaded_libcublas() -> str:
     """Path of the libcublas this process mapped (CuPy's; its soname changes with the CUDA major)."""
     with open("/proc/self/maps", encoding="utf-8", errors="replace") as maps:
         for line in maps:
-            path = line.split()[-1] if line.split() else ""
-            name = path.rsplit("/", 1)[-1]
-            if name.startswith("libcublas.so"):
+            path = line.rstrip("\n").rsplit(" ", 1)[-1]  # the mapped file, when there is one
+            if path.rsplit("/", 1)[-1].startswith("libcublas.so"):
                 return path
     raise CaptureBlasError("no libcublas is loaded in this process (CuPy loads it on its first cuBLAS call)")
 

@@ -138,7 +138,7 @@ def estimate_vram(
     # and the kept batched steps of up to SERVE_ROWS sequences each
     vocab = cfg.vocab_size if n == cfg.num_hidden_layers else 0
     row = 4 * (2 * cfg.hidden_size + 2 * cfg.q_dim + 2 * cfg.kv_dim + 2 * cfg.intermediate_size + vocab)
-    row += 4 * cfg.num_attention_heads * -(-n_ctx // ops.attention_chunk(n_ctx)) * (cfg.head_dim + 2)
+    row += 4 * cfg.num_attention_heads * ops.attention_splits(n_ctx)[1] * (cfg.head_dim + 2)
     steps = row * (1 + BATCH_GRAPHS * SERVE_ROWS)
     return int(weights + norms + kv + acts + attn_parts + tile + steps + MARGIN_BYTES)
 

@@ -385,8 +385,7 @@ def attention(
     attention_parts; the kernel leaves count zeroed for the next call.
     """
     KV, n_ctx, hd = k_cache.shape
-    chunk = attention_chunk(n_keys_max)
-    S = max(1, -(-n_keys_max // chunk))
+    chunk, S = attention_splits(n_keys_max)
     acc, ml, count = parts if parts is not None else attention_parts(H, hd, n_keys_max)
     inv_freq, n_rot, neox, eps, q_norm, k_norm = rope
     kernel("attn_decode", cp.cuda.Device().id)(
@@ -419,15 +418,17 @@ def attention(
     )
 
 
-def attention_chunk(n_keys_max: int) -> int:
-    """Keys per split of decode attention over up to n_keys_max positions: small enough that a short
-    prompt still spreads over many blocks, large enough that a long cache needs at most ATTN_SPLITS."""
-    return min(ATTN_MAX_CHUNK, max(ATTN_MIN_CHUNK, -(-n_keys_max // ATTN_SPLITS)))
+def attention_splits(n_keys_max: int) -> tuple[int, int]:
+    """(keys per split, splits) of decode attention over up to n_keys_max positions: splits small enough
+    that a short prompt still spreads over many blocks, large enough that a long cache needs at most
+    ATTN_SPLITS of them."""
+    chunk = min(ATTN_MAX_CHUNK, max(ATTN_MIN_CHUNK, -(-n_keys_max // ATTN_SPLITS)))
+    return chunk, max(1, -(-n_keys_max // chunk))
 
 
 def attention_parts(H: int, hd: int, n_keys_max: int) -> tuple:
     """attention's scratch for up to n_keys_max positions: split partials and per-head counters."""
-    S = max(1, -(-n_keys_max // attention_chunk(n_keys_max)))
+    S = attention_splits(n_keys_max)[1]
     return cp.empty(H * S * hd, cp.float32), cp.empty(H * S * 2, cp.float32), cp.zeros(H, cp.uint32)
 
 

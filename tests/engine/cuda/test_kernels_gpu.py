@@ -220,7 +220,7 @@ def test_rope_store_and_attention_match_cpu(gpu, kv_dtype, neox, window, qk_norm
     from engine.backends.cuda import ops
     from engine.rope import rope_inv_freq
 
-    H, KV, hd, n_ctx, pos0, n = 8, 2, 64, 600, 517, 3  # 517 + 3 keys: splits of 64 (ops.attention_chunk)
+    H, KV, hd, n_ctx, pos0, n = 8, 2, 64, 600, 517, 3  # 517 + 3 keys: splits of 64 (ops.attention_splits)
     rng = np.random.default_rng(6)
     q = rng.standard_normal((n, H, hd)).astype(np.float32)
     k = rng.standard_normal((n, KV, hd)).astype(np.float32)
