@@ -13,11 +13,13 @@ For each file it measures, with engine.backends.cuda.bench.bench_decoder:
   engine.backends.cuda.fused), with the fused step's logits and greedy tokens checked against the
   graph path's on the same prompt;
   prefill tok/s at --prompt tokens, against cupy float16 GEMMs of the same shapes (the 7 layer
-  matrices x 16 layers at --prompt rows): prefill_vs_cublas = GEMM time / our prefill time; where
-  prefill time goes (linears, attention), whether it is host-bound (prefill_issue_s: the host's time
-  to enqueue it; prefill_gpu_s: the GPU's time with every launch queued beforehand, and
-  prefill_gpu_vs_cublas from it), the opt-in captured prefill (prefill_graph_*, prefill_graph_vs_cublas)
-  and prefill tok/s with 8, 16 and 32 MiB dequantization tiles;
+  matrices x 16 layers at --prompt rows): prefill_vs_cublas = GEMM time / our prefill time, for a new
+  chat on a used cache (the captured prefill's replay, the default) and prefill_first_vs_cublas for a
+  fresh cache's first prompt (launch by launch); where prefill time goes (linears, attention: wall
+  clock and, *_gpu_s, the GPU's time in a graph), whether launch by launch is host-bound
+  (prefill_issue_s: the host's time to enqueue it; prefill_gpu_s: the GPU's time with every launch
+  queued beforehand, and prefill_gpu_vs_cublas from it), the captured prefill alone (prefill_graph_*,
+  prefill_graph_vs_cublas) and with 8, 16 and 32 MiB dequantization tiles;
   batched decode (forward_batch, as `hearth serve` runs it) over 4 and 8 sequences, total tok/s.
 
 Usage: python3 scripts/cuda_bench_1b.py --out results.json [--types Q4_K,Q8_0] [--prompt 512] [--gen 128]
@@ -150,6 +152,7 @@ def bench_file(path: Path, n_prompt: int, n_gen: int, repetitions: int, entry: d
     r = bench_decoder(dec, prompt, n_gen, n_ctx, repetitions)
     gemm_s = cublas_reference(n_prompt)
     prefill_s = n_prompt / r["prefill_tps"]
+    first_s = n_prompt / r["prefill_first_tps"]
     entry.update(
         {
             "file_gb": round(path.stat().st_size / 1e9, 3),
@@ -160,6 +163,9 @@ def bench_file(path: Path, n_prompt: int, n_gen: int, repetitions: int, entry: d
             "prefill_s": round(prefill_s, 5),
             "cublas_f16_gemm_s": round(gemm_s, 5),
             "prefill_vs_cublas": round(gemm_s / prefill_s, 3),
+            "prefill_graphs": dec.prefill_graphs and dec.prefill_graph_error is None,
+            "prefill_first_tps": round(r["prefill_first_tps"], 1),
+            "prefill_first_vs_cublas": round(gemm_s / first_s, 3),
             "decode_tokens": n_gen,
             "decode_tps": round(r["decode_tps"], 1),
             "decode_gb_per_token": round(r["decode_bytes_per_token"] / 1e9, 4),
@@ -168,6 +174,8 @@ def bench_file(path: Path, n_prompt: int, n_gen: int, repetitions: int, entry: d
             "decode_bandwidth_fraction": round(r["decode_bandwidth_fraction"], 3),
         }
     )
+    if dec.prefill_graph_error is not None:  # why the headline prefill went launch by launch
+        entry["prefill_graph_error"] = dec.prefill_graph_error
     save()
     # the same step launched kernel by kernel: what the CUDA graph saves
     dec.use_graphs = False
@@ -234,9 +242,10 @@ def _prefill_breakdown(dec, n_tokens: int, n_ctx: int) -> dict:
     width = max(cfg.q_dim + 2 * cfg.kv_dim, 2 * cfg.intermediate_size, cfg.hidden_size)
     out = cp.empty((n_tokens, width), cp.float32)
     H, KV = cfg.num_attention_heads, cfg.num_key_value_heads
-    q = cp.random.standard_normal((KV, n_tokens * (H // KV), cfg.head_dim), dtype=cp.float32)  # grouped
-    attn = cp.empty((n_tokens, H, cfg.head_dim), dec.prefill_dtype)
     cache = dec.new_cache(n_ctx)
+    q = cp.random.standard_normal((KV, n_tokens * (H // KV), cfg.head_dim), dtype=cp.float32)  # grouped
+    q = q.astype(cache.k[0].dtype)
+    attn = cp.empty((n_tokens, H, cfg.head_dim), dec.prefill_dtype)
 
     def linears():  # the stacked projections as the prefill runs them
         for L in dec.layers:
@@ -259,10 +268,36 @@ def _prefill_breakdown(dec, n_tokens: int, n_ctx: int) -> dict:
                 dec.stream.synchronize()
                 best = min(best, time.perf_counter() - t0)
             res[f"prefill_{name}_s"] = round(best, 5)
+            try:  # the GPU's time alone: the same launches captured, the graph replayed
+                res[f"prefill_{name}_gpu_s"] = round(_graph_seconds(dec.stream, fn), 6)
+            except Exception as e:  # noqa: BLE001 - the wall-clock figure stands
+                res[f"prefill_{name}_gpu_error"] = f"{type(e).__name__}: {e}"
     res["prefill_gemm_ex"] = not ops._gemm_ex_failed
     if ops._gemm_ex_failed:
         res["prefill_gemm_ex_error"] = ops._gemm_ex_failed[0]
     return res
+
+
+def _graph_seconds(stream, fn, replays: int = 5) -> float:
+    """GPU seconds of fn's launches: captured once (allocations from a pool of the graph's own), the
+    graph replayed `replays` times between two events, their mean."""
+    import cupy as cp
+
+    pool = cp.cuda.MemoryPool()
+    stream.begin_capture()
+    try:
+        with cp.cuda.using_allocator(pool.malloc):
+            fn()
+    finally:
+        graph = stream.end_capture()
+    graph.launch(stream)
+    start, end = cp.cuda.Event(), cp.cuda.Event()
+    start.record(stream)
+    for _ in range(replays):
+        graph.launch(stream)
+    end.record(stream)
+    end.synchronize()
+    return cp.cuda.get_elapsed_time(start, end) / 1e3 / replays
 
 
 # a GPU kept busy for `ns` nanoseconds (its global timer), so that launches queue up behind it
@@ -314,7 +349,9 @@ def _prefill_graph(dec, prompt: list[int], n_ctx: int, repeats: int = 3) -> dict
     their logits are from the launch-by-launch prefill's."""
     import cupy as cp
 
+    was = dec.prefill_graphs
     dec.prefill_graphs = True
+    dec._prefill_graphs.clear()
     try:
         cache = dec.new_cache(n_ctx)
         times, logits = [], []
@@ -335,14 +372,15 @@ def _prefill_graph(dec, prompt: list[int], n_ctx: int, repeats: int = 3) -> dict
             "prefill_graph_vs_eager_rel": round(float(np.abs(logits[-1] - ref).max()) / scale, 6),
         }
     finally:
-        dec.prefill_graphs = False
+        dec.prefill_graphs = was
         dec._prefill_graphs.clear()
 
 
 def _prefill_by_tile(dec, prompt: list[int], n_ctx: int) -> dict:
-    """Prefill tok/s (best of 3) with smaller dequantization tiles than the default: a tile that stays
+    """The captured prefill's time with smaller dequantization tiles than the default: a tile that stays
     in L2 between its dequantization and its GEMM saves the float16 round trip through DRAM, at the
-    cost of more, smaller launches. Which wins is what this measures."""
+    cost of more, smaller launches (which a graph replays without the host). Which wins is what this
+    measures (prefill_graph_tps_tile_*)."""
     import cupy as cp
 
     default = dec._tile
@@ -350,16 +388,12 @@ def _prefill_by_tile(dec, prompt: list[int], n_ctx: int) -> dict:
     try:
         for mib in (8, 16, 32):
             dec._tile = cp.empty((mib << 20) // default.itemsize, default.dtype)
-            best = float("inf")
-            for _ in range(4):  # the first warms up
-                cache = dec.new_cache(n_ctx)
-                cp.cuda.Device(dec.device).synchronize()
-                t0 = time.perf_counter()
-                dec.forward(prompt, cache)
-                best = min(best, time.perf_counter() - t0)
-            res[f"prefill_tps_tile_{mib}mib"] = round(len(prompt) / best, 1)
+            got = _prefill_graph(dec, prompt, n_ctx)
+            tps = got.get("prefill_graph_tps", got.get("prefill_graph_error"))
+            res[f"prefill_graph_tps_tile_{mib}mib"] = tps
     finally:
         dec._tile = default
+        dec._prefill_graphs.clear()
     res["prefill_tile_default_mib"] = round(default.nbytes / 2**20, 1)
     return res
 

@@ -3,7 +3,7 @@
 CuPy's cuBLAS wrappers raise NotImplementedError ("calling cuBLAS API during stream capture is
 currently unsupported", CuPy 13 and 14, seen on the H200), although cuBLAS itself can be captured.
 A captured prefill (decoder._capture_prefill) therefore calls the libcublas that CuPy loaded through
-ctypes, on CuPy's handle, with the capturing stream set on it first. `api()` offers the three calls
+ctypes, on CuPy's handle, with the capturing stream set on it first. `api()` offers the four calls
 ops.gemm_nt and ops.gemm_batched make, under CuPy's names and argument order.
 """
 
@@ -23,6 +23,11 @@ _SIGNATURES = {
     "cublasGemmEx": (_P, _I, _I, _I, _I, _I, _P, _P, _I, _I, _P, _I, _I, _P, _P, _I, _I, _I, _I),
     # handle, transa, transb, m, n, k, alpha, A, lda, strideA, B, ldb, strideB, beta, C, ldc, strideC, batch
     "cublasSgemmStridedBatched": (_P, _I, _I, _I, _I, _I, _P, _P, _I, _L, _P, _I, _L, _P, _P, _I, _L, _I),
+    # handle, transa, transb, m, n, k, alpha, A, Atype, lda, strideA, B, Btype, ldb, strideB, beta,
+    # C, Ctype, ldc, strideC, batch, compute, algo
+    "cublasGemmStridedBatchedEx": (
+        _P, _I, _I, _I, _I, _I, _P, _P, _I, _I, _L, _P, _I, _I, _L, _P, _P, _I, _I, _L, _I, _I, _I
+    ),
 }
 
 
@@ -59,6 +64,10 @@ class _Api:
     def sgemmStridedBatched(self, handle, *args):  # noqa: N802
         self._call("cublasSetStream_v2", handle, self._stream_ptr())
         self._call("cublasSgemmStridedBatched", handle, *args)
+
+    def gemmStridedBatchedEx(self, handle, *args):  # noqa: N802
+        self._call("cublasSetStream_v2", handle, self._stream_ptr())
+        self._call("cublasGemmStridedBatchedEx", handle, *args)
 
 
 @functools.cache

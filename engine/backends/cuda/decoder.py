@@ -131,7 +131,7 @@ def estimate_vram(
         * prefill_tokens
         * (3 * cfg.hidden_size + 2 * cfg.q_dim + 2 * cfg.kv_dim + 3 * cfg.intermediate_size)
     )
-    # prefill attention: scores and K/V copies, q and the output regrouped by KV head
+    # prefill attention: scores (and probabilities), q and the output regrouped by KV head
     attn_parts = ops.ATTN_GEMM_BYTES + 8 * prefill_tokens * cfg.q_dim
     tile = 2 * PREFILL_TILE_ELEMS + (4 * cfg.vocab_size * 2 if n == cfg.num_hidden_layers else 0)
     # decode steps: a sequence's rows (activations, logits) and attention partials, for one sequence
@@ -140,7 +140,10 @@ def estimate_vram(
     row = 4 * (2 * cfg.hidden_size + 2 * cfg.q_dim + 2 * cfg.kv_dim + 2 * cfg.intermediate_size + vocab)
     row += 4 * cfg.num_attention_heads * ops.attention_splits(n_ctx)[1] * (cfg.head_dim + 2)
     steps = row * (1 + BATCH_GRAPHS * SERVE_ROWS)
-    return int(weights + norms + kv + acts + attn_parts + tile + steps + MARGIN_BYTES)
+    # captured prefills keep their buffers (one prefill's, up to PREFILL_GRAPH_MAX tokens) for each kept one
+    graphs = PREFILL_GRAPHS * (acts + attn_parts) * min(PREFILL_GRAPH_MAX, n_ctx) // max(1, prefill_tokens)
+    graphs = graphs if prefill_graphs_enabled() else 0
+    return int(weights + norms + kv + acts + attn_parts + tile + steps + graphs + MARGIN_BYTES)
 
 
 def layers_that_fit(model, n_ctx: int, free: int, kv_dtype=np.float16) -> int:
@@ -191,27 +194,33 @@ class _Step:
 
 
 PREFILL_GRAPH_STEP = 64  # a captured prefill runs its prompt padded to a multiple of this many tokens
-PREFILL_GRAPH_MAX = 2048  # longer prompts (and prompts after cached tokens) go launch by launch
+# longer prompts (and prompts after cached tokens) go launch by launch: past ~512 tokens the GPU's work
+# outlasts the host's issuing (H200, 1B shape), and each kept graph holds a prefill's buffers
+PREFILL_GRAPH_MAX = 512
 PREFILL_GRAPHS = 2  # captured prefill lengths kept per cache
 
 
 def prefill_graphs_enabled() -> bool:
-    """HEARTH_CUDA_PREFILL_GRAPHS=1: captured prefills (opt-in until measured on a GPU: CuPy refuses
-    cuBLAS in a capture, so they call libcublas through capture_blas, which no GPU has run yet)."""
-    return os.environ.get("HEARTH_CUDA_PREFILL_GRAPHS", "").strip() == "1"
+    """Captured prefills, unless HEARTH_CUDA_PREFILL_GRAPHS=0 (CuPy refuses cuBLAS in a capture, so
+    they call libcublas through capture_blas; on the H200 that captures and replays, and the replay
+    takes 5.4 ms where issuing the same 512-token prefill takes the host 6.8 ms)."""
+    return os.environ.get("HEARTH_CUDA_PREFILL_GRAPHS", "").strip() != "0"
 
 
 class _PrefillGraph:
     """A prefill of `size` tokens at position 0 of one cache, captured once and replayed for every
     prompt of up to `size` tokens there: its inputs (the prompt padded with token 0, the index of its
-    last token), its logits, and every allocation the capture made (alive as long as the graph)."""
+    last token), its logits, and the memory pool its capture allocated from. The capture's temporaries
+    go back to that pool and the capture's later allocations reuse them (the graph runs its nodes in the
+    stream's order, as the launches ran), so the graph holds one prefill's working set, and no other
+    work allocates from the pool while the graph lives."""
 
     def __init__(self, size: int):
         self.size = size
         self.ids = cp.zeros(size, cp.int32)
         self.pos = cp.zeros(1, cp.int32)
         self.last = cp.zeros(1, cp.int32)
-        self.keep: list = []
+        self.pool = cp.cuda.MemoryPool()
         self.graph = self.logits = None
 
 
@@ -632,16 +641,9 @@ class CudaDecoder:
 
     def _capture_prefill(self, cache: CudaKVCache, size: int) -> _PrefillGraph:
         g = _PrefillGraph(size)
-        pool = cp.get_default_memory_pool()
-
-        def alloc(nbytes):  # what the capture allocates stays with the graph
-            mem = pool.malloc(nbytes)
-            g.keep.append(mem)
-            return mem
-
         self.stream.begin_capture()
         try:
-            with cp.cuda.using_allocator(alloc):
+            with cp.cuda.using_allocator(g.pool.malloc):
                 g.logits = self._prefill_kernels(g.ids, g.pos, cache, False, last=g.last)
         finally:
             g.graph = self.stream.end_capture()
@@ -663,7 +665,8 @@ class CudaDecoder:
         o = cp.empty((n, d), f32)
         qkv = cp.empty((n, cfg.q_dim + 2 * cfg.kv_dim), f32)  # one GEMM for q|k|v
         KV = cfg.num_key_value_heads
-        qg = cp.empty((KV, n * (H // KV), hd), f32)  # rotated queries, grouped by KV head
+        # rotated queries grouped by KV head, in the cache's dtype (attention's GEMMs take both)
+        qg = cp.empty((KV, n * (H // KV), hd), cache.k[0].dtype)
         attn = cp.empty((n, cfg.q_dim), dt)  # the wo GEMM's input: attention writes it in the tiles' dtype
         gu = cp.empty((n, 2 * ff), f32)  # one GEMM for gate|up
         # the GEMM inputs in the tiles' dtype: the norms and the activation write them directly

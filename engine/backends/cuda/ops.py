@@ -238,11 +238,11 @@ def _launch_matvec_qb(out, ldo: int, ws, x, x2, ldx: int, norm, eps, prologue, a
     rows = [w.rows for w in ws] + [0] * pad
     weights = [w.raw for w in ws] + [NULL] * pad
     kinds = [_i32(w.ggml_type) for w in ws] + [_i32(ws[0].ggml_type)] * pad
-    # every block quantizes the whole input: wide inputs (the down projection's) in fewer, bigger
-    # blocks, one per SM, so that quantizing does not cost more than reading the weights
-    threads = MATVEC_THREADS if cols < 4096 else 1024
-    per_sm = MATVEC_BLOCKS_PER_SM if threads == MATVEC_THREADS else 1
-    grid = max(1, min(-(-sum(rows) // (threads // 32)), _sm_count() * per_sm))
+    # every block quantizes the whole input, 8 elements a thread at a time: even the down projection's
+    # 8192 take a block of 256 threads 4 rounds of independent loads, so its rows spread over as many
+    # blocks as the other matrices' (1024-thread blocks, one per SM, left half the H200's SMs idle)
+    threads = MATVEC_THREADS
+    grid = max(1, min(-(-sum(rows) // (threads // 32)), _sm_count() * MATVEC_BLOCKS_PER_SM))
     args = (
         out,
         np.int64(ldo),
@@ -356,6 +356,7 @@ def rope_store(
             _i32(n_ctx),
             _f32(eps),
             _i32(k_cache.dtype == cp.float16),
+            _i32(qg.dtype == cp.float16),
         ),
     )
 
@@ -434,33 +435,31 @@ def attention_parts(H: int, hd: int, n_keys_max: int) -> tuple:
 
 def attention_prefill(out, qg, k_cache, v_cache, pos0: int, scale: float, window: int = 0) -> None:
     """out (n, H, hd) float32 or float16 (the output projection's GEMM input) = causal attention of the
-    queries qg (KV, n * rep, hd) float32, grouped as rope_store writes them (query head g * rep + r of
-    token t in row t * rep + r of qg[g], so a chunk of queries is a block of rows), query t at
-    position pos0 + t, over one layer's caches (KV, n_ctx, hd) holding keys 0..pos0+n-1: the scores
-    and the weighted sum as strided-batched float32 cuBLAS GEMMs over KV heads, the masked softmax in
-    between. Float32 caches are read in place; float16 ones are widened a batch of KV heads at a time.
+    queries qg (KV, n * rep, hd), grouped as rope_store writes them (query head g * rep + r of token t
+    in row t * rep + r of qg[g], so a chunk of queries is a block of rows), query t at position pos0 + t,
+    over one layer's caches (KV, n_ctx, hd) holding keys 0..pos0+n-1: the scores and the weighted sum as
+    strided-batched cuBLAS GEMMs over KV heads, straight on the caches, the masked softmax in between.
+    Float16 caches take float16 queries and the softmax writes float16 probabilities (tensor-core GEMMs,
+    float32 scores and sums); float32 caches, float32 throughout (exact checks).
 
-    KV heads go in batches and queries in chunks so that scores plus the float32 K/V copies stay
-    under ATTN_GEMM_BYTES (beyond one query per batch, which always runs).
+    KV heads go in batches and queries in chunks so that the scores (and their float16 probabilities)
+    stay under ATTN_GEMM_BYTES (beyond one query per batch, which always runs).
     """
     n, H = out.shape[0], out.shape[1]
     KV, n_ctx, hd = k_cache.shape
     rep, T = H // KV, pos0 + n
     half = k_cache.dtype == cp.float16
+    if qg.dtype != k_cache.dtype:
+        raise ValueError(f"attention_prefill: queries {qg.dtype} against a {k_cache.dtype} cache")
     og = cp.empty((KV, n * rep, hd), cp.float32)
-    per_head = 8 * T * hd if half else 0  # float32 copies of one KV head's K and V
-    gb = max(1, min(KV, ATTN_GEMM_BYTES // (per_head + 4 * rep * T)))
+    per_score = 6 if half else 4  # float32 score (+ float16 probability)
+    gb = max(1, min(KV, ATTN_GEMM_BYTES // (per_score * rep * T)))
     dev = cp.cuda.Device().id
     softmax = kernel("softmax_causal", dev)
     for g0 in range(0, KV, gb):
         g1 = min(KV, g0 + gb)
-        if half:
-            k, v = cp.empty((g1 - g0, T, hd), cp.float32), cp.empty((g1 - g0, T, hd), cp.float32)
-            shape = (_i32(g0), np.int64(k.size), _i32(T), _i32(n_ctx), _i32(hd))
-            kernel("kv_to_f32", dev)(*_grid1(k.size), (k, v, k_cache, v_cache, *shape))
-        else:
-            k, v = k_cache[g0:g1, :T], v_cache[g0:g1, :T]
-        nc = max(1, min(n, (ATTN_GEMM_BYTES - (g1 - g0) * per_head) // (4 * (g1 - g0) * rep * T)))
+        k, v = k_cache[g0:g1, :T], v_cache[g0:g1, :T]
+        nc = max(1, min(n, ATTN_GEMM_BYTES // (per_score * (g1 - g0) * rep * T)))
         for c0 in range(0, n, nc):
             c1 = min(n, c0 + nc)
             # only the keys some query of the chunk sees: up to its last position, from its first's window
@@ -468,9 +467,11 @@ def attention_prefill(out, qg, k_cache, v_cache, pos0: int, scale: float, window
             rows = slice(c0 * rep, c1 * rep)
             scores = cp.empty((g1 - g0, (c1 - c0) * rep, k1 - k0), cp.float32)
             gemm_batched(scores, qg[g0:g1, rows], k[:, k0:k1], trans_b=True)
+            probs = cp.empty(scores.shape, cp.float16) if half else scores
             keys = (_i32(k1 - k0), _i32(c1 - c0), _i32(rep), _i32(pos0 + c0), _i32(k0))
-            softmax((scores.size // (k1 - k0),), (256,), (scores, *keys, _f32(scale), _i32(window)))
-            gemm_batched(og[g0:g1, rows], scores, v[:, k0:k1])
+            p16 = probs if half else NULL
+            softmax((scores.size // (k1 - k0),), (256,), (scores, p16, *keys, _f32(scale), _i32(window)))
+            gemm_batched(og[g0:g1, rows], probs, v[:, k0:k1])
     heads = (_i32(n), _i32(H), _i32(KV), _i32(hd), _i32(out.dtype == cp.float16))
     kernel("ungroup_heads", dev)(*_grid1(out.size), (out, og, *heads))
 
@@ -605,13 +606,16 @@ def gemm_nt(c, a, b, accumulate: bool = False) -> None:
 
 
 def _rows_unit(a) -> bool:
-    """A (B, rows, cols) float32 view cuBLAS can take as strided batches: unit column stride."""
-    return a.dtype == cp.float32 and a.strides[2] == 4 and a.strides[1] % 4 == 0 and a.strides[0] % 4 == 0
+    """A (B, rows, cols) float32 or float16 view cuBLAS can take as strided batches: unit column
+    stride, row and batch strides in elements."""
+    size = a.dtype.itemsize
+    return a.strides[2] == size and a.strides[1] % size == 0 and a.strides[0] % size == 0
 
 
 def gemm_batched(c, a, b, trans_b: bool = False) -> None:
-    """c (B, m, n) = a (B, m, k) @ (b (B, n, k).T if trans_b else b (B, k, n)), float32 views with unit
-    column strides and any row and batch strides: one cublasSgemmStridedBatched, cp.matmul should cuBLAS
+    """c (B, m, n) float32 = a (B, m, k) @ (b (B, n, k).T if trans_b else b (B, k, n)), a and b float32
+    (cublasSgemmStridedBatched) or float16 (cublasGemmStridedBatchedEx: tensor cores, float32
+    accumulation), views with unit column strides and any row and batch strides; cp.matmul should cuBLAS
     refuse."""
     B, m, k = a.shape
     n = b.shape[1] if trans_b else b.shape[2]
@@ -619,14 +623,21 @@ def gemm_batched(c, a, b, trans_b: bool = False) -> None:
         cublas, capturing = _blas()
         handle = cp.cuda.device.get_cublas_handle()
         # column-major: c.T (n, m) = op(b.T) @ a.T, each row-major matrix read as its own transpose
+        ld = [(x.strides[1] // x.dtype.itemsize, x.strides[0] // x.dtype.itemsize) for x in (b, a, c)]
+        op_b = _OP_T if trans_b else _OP_N
         try:
             cublas.setPointerMode(handle, _POINTER_MODE_HOST)
-            cublas.sgemmStridedBatched(
-                handle, _OP_T if trans_b else _OP_N, _OP_N, n, m, k, _ONE.ctypes.data,
-                b.data.ptr, b.strides[1] // 4, b.strides[0] // 4,
-                a.data.ptr, a.strides[1] // 4, a.strides[0] // 4, _ZERO.ctypes.data,
-                c.data.ptr, c.strides[1] // 4, c.strides[0] // 4, B,
-            )
+            if a.dtype == cp.float16:
+                cublas.gemmStridedBatchedEx(
+                    handle, op_b, _OP_N, n, m, k, _ONE.ctypes.data,
+                    b.data.ptr, _R_16F, *ld[0], a.data.ptr, _R_16F, *ld[1], _ZERO.ctypes.data,
+                    c.data.ptr, _R_32F, *ld[2], B, _COMPUTE_32F, _GEMM_DEFAULT,
+                )
+            else:
+                cublas.sgemmStridedBatched(
+                    handle, op_b, _OP_N, n, m, k, _ONE.ctypes.data,
+                    b.data.ptr, *ld[0], a.data.ptr, *ld[1], _ZERO.ctypes.data, c.data.ptr, *ld[2], B,
+                )
             return
         except Exception as e:  # noqa: BLE001 - a cuBLAS that refuses the call: the plain product works
             if capturing:

@@ -49,7 +49,8 @@ def test_bench_script_runs_every_measurement(fake, tmp_path, monkeypatch):
     for entry in models.values():
         assert not [k for k in entry if k.endswith("error")], entry
         wanted = ("decode_bandwidth_fraction", "prefill_vs_cublas", "prefill_linears_s")
-        wanted += ("prefill_attention_s", "prefill_tps_tile_8mib", "prefill_tps_tile_32mib")
+        wanted += ("prefill_attention_s", "prefill_graph_tps_tile_8mib", "prefill_graph_tps_tile_32mib")
+        wanted += ("prefill_first_vs_cublas", "prefill_linears_gpu_s", "prefill_attention_gpu_s")
         wanted += ("float_matvec_decode_bandwidth_fraction", "batch8_decode_tps_total")
         wanted += ("fused_decode_bandwidth_fraction", "fused_greedy_matches_graphs")
         wanted += ("fused_t256_decode_bandwidth_fraction", "fused_noprefetch_decode_bandwidth_fraction")

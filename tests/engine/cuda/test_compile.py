@@ -18,7 +18,6 @@ OPS = [
     "rmsnorm",
     "rope_store",
     "attn_decode",
-    "kv_to_f32",
     "ungroup_heads",
     "glu",
     "add_inplace",

@@ -125,6 +125,20 @@ def _sgemm_strided_batched(
         _gemm_ex(handle, transa, transb, m, n, k, alpha, a_i, 0, lda, b_i, 0, ldb, beta, c_i, 0, ldc, 68, -1)
 
 
+def _gemm_strided_batched_ex(
+    handle, transa, transb, m, n, k, alpha, a, atype, lda, stride_a, b, btype, ldb, stride_b, beta,
+    c, ctype, ldc, stride_c, batch, compute, algo,
+):
+    """cublasGemmStridedBatchedEx's contract on host memory: cublasGemmEx's per batch (strides in
+    elements of each operand's type)."""
+    size = {0: 4, 2: 2}
+    for i in range(batch):
+        a_i, b_i = a + size[atype] * i * stride_a, b + size[btype] * i * stride_b
+        c_i = c + size[ctype] * i * stride_c
+        operands = (a_i, atype, lda, b_i, btype, ldb, beta, c_i, ctype, ldc)
+        _gemm_ex(handle, transa, transb, m, n, k, alpha, *operands, compute, algo)
+
+
 def _fake_cupy():
     cp = types.ModuleType("cupy")
     for name in ("float16", "float32", "int32", "uint8", "uint32", "uint64"):
@@ -204,12 +218,16 @@ def _fake_cupy():
         funcSetAttribute=lambda func, attr, value: SHARED_ALLOWED.__setitem__(func, value),
     )
     cublas = types.SimpleNamespace(
-        gemmEx=_gemm_ex, sgemmStridedBatched=_sgemm_strided_batched, setPointerMode=lambda handle, mode: None
+        gemmEx=_gemm_ex,
+        sgemmStridedBatched=_sgemm_strided_batched,
+        gemmStridedBatchedEx=_gemm_strided_batched_ex,
+        setPointerMode=lambda handle, mode: None,
     )
     cp.cuda = types.SimpleNamespace(
         Device=Device, Stream=Stream, runtime=runtime, memory=memory, Graph=Graph, nvrtc=nvrtc, driver=driver,
         cublas=cublas, device=types.SimpleNamespace(get_cublas_handle=lambda: 0),
         get_current_stream=Stream, using_allocator=lambda allocator=None: contextlib.nullcontext(),
+        MemoryPool=lambda: types.SimpleNamespace(malloc=None),
     )
     return cp
 
@@ -256,6 +274,7 @@ def fake(monkeypatch, ptx_params):
         return types.SimpleNamespace(
             gemmEx=recorded(_gemm_ex),
             sgemmStridedBatched=recorded(_sgemm_strided_batched),
+            gemmStridedBatchedEx=recorded(_gemm_strided_batched_ex),
             setPointerMode=lambda handle, mode: None,
         )
 
@@ -395,13 +414,14 @@ def test_decoder_computes_the_cpu_models_logits_on_host_threads(fake, simt, tmp_
 
 
 def test_prefill_graph_replays_prompts_at_position_zero_on_host_threads(fake, simt, tmp_path, monkeypatch):
-    """HEARTH_CUDA_PREFILL_GRAPHS=1: a prompt at position 0 of a cache that starts over is one captured
+    """Captured prefills (the default; HEARTH_CUDA_PREFILL_GRAPHS=0 turns them off): a prompt at
+    position 0 of a cache that starts over is one captured
     prefill padded to PREFILL_GRAPH_STEP tokens (its cuBLAS calls through capture_blas), replayed for
     later prompts of up to that length there (new chats on the same cache): the logits of the last real
     token as the CPU's, and decode after it as the CPU's (the padding's keys and values lie past the
     cache's offset). A cache's first prefill, and prompts after cached tokens, go launch by launch."""
     STATE.simt = simt
-    monkeypatch.setenv("HEARTH_CUDA_PREFILL_GRAPHS", "1")
+    monkeypatch.delenv("HEARTH_CUDA_PREFILL_GRAPHS", raising=False)
     model = _model(tmp_path, "llama-1layer")
     dec = fake.decoder.CudaDecoder(model, n_ctx=160, prefill_dtype="float32")
     cache = dec.new_cache(160, np.float32)
@@ -423,7 +443,7 @@ def test_prefill_graph_replays_prompts_at_position_zero_on_host_threads(fake, si
     before = len(Stream.captures)
     dec.forward([1, 2], cache)  # after cached tokens: launch by launch
     assert len(Stream.captures) == before
-    monkeypatch.delenv("HEARTH_CUDA_PREFILL_GRAPHS")  # off by default
+    monkeypatch.setenv("HEARTH_CUDA_PREFILL_GRAPHS", "0")
     assert not fake.decoder.CudaDecoder(model, n_ctx=160).prefill_graphs
 
 
@@ -452,7 +472,7 @@ def test_int_dot_matvec_on_host_threads(fake, simt, t):
     gpu_tests.test_stacked_matvec_prologues_and_accumulate(0, t, True)
     if t == 12:
         gpu_tests.test_int_dot_matvec_stacks_mixed_types(0, 512)
-        gpu_tests.test_int_dot_matvec_stacks_mixed_types(0, 4096)  # blocks of 1024 threads
+        gpu_tests.test_int_dot_matvec_stacks_mixed_types(0, 4096)  # a thread quantizes several quarters
     assert {n for n in fake.launches if n.startswith("matvec_")} == {"matvec_qb"}
 
 
@@ -545,8 +565,10 @@ def test_argmax_over_blocks_on_host_threads(fake, simt):
 def test_prefill_attention_gemms_on_host_threads(fake, simt, monkeypatch, window, kv_dtype):
     """ops.attention_prefill (batched GEMMs around the masked-softmax kernel) against a numpy reference:
     GQA, queries after earlier cached tokens, a sliding window, and a GEMM budget so small that KV heads
-    go one batch at a time and queries in chunks. Float16 caches are widened by kv_to_f32 and the output
-    is float16 (the output projection's input); float32 caches are read in place."""
+    go one batch at a time and queries in chunks. Float16 caches take float16 queries, float16
+    probabilities and give a float16 output (the output projection's input), through
+    cublasGemmStridedBatchedEx; float32 ones are float32 throughout (cublasSgemmStridedBatched). Both
+    read the caches in place."""
     STATE.simt = simt
     rng = np.random.default_rng(7)
     n, H, KV, hd, n_ctx, pos0 = 6, 4, 2, 16, 32, 5
@@ -565,19 +587,28 @@ def test_prefill_attention_gemms_on_host_threads(fake, simt, monkeypatch, window
             p = np.exp(s - s.max())
             want[t, h] = (p / p.sum()) @ v[g, lo : pos + 1]
     qg = np.ascontiguousarray(q.reshape(n, KV, rep, hd).transpose(1, 0, 2, 3)).reshape(KV, n * rep, hd)
-    tol = 1e-5 if kv_dtype == np.float32 else 2e-3  # float16 output
-    per_head = 8 * (pos0 + n) * hd if kv_dtype == np.float16 else 0
-    for budget in (None, per_head + 4 * 2 * 2 * (pos0 + n)):  # whole, then one head x 2 queries
+    tol = 1e-5 if kv_dtype == np.float32 else 4e-3  # float16 queries, probabilities and output
+    per_score = 6 if kv_dtype == np.float16 else 4
+    calls = []
+    for name in ("sgemmStridedBatched", "gemmStridedBatchedEx"):
+        fn = getattr(fake.cp.cuda.cublas, name)
+        counted = lambda *a, fn=fn, name=name: calls.append(name) or fn(*a)  # noqa: E731
+        monkeypatch.setattr(fake.cp.cuda.cublas, name, counted)
+    for budget in (None, per_score * 2 * 2 * (pos0 + n)):  # whole, then one head x 2 queries
         if budget:
             monkeypatch.setattr(fake.ops, "ATTN_GEMM_BYTES", budget)
         out = fake.cp.zeros((n, H, hd), kv_dtype)
-        args = fake.cp.asarray(qg), fake.cp.asarray(k), fake.cp.asarray(v), pos0, scale, window
+        gq = fake.cp.asarray(qg.astype(kv_dtype))
+        args = gq, fake.cp.asarray(k), fake.cp.asarray(v), pos0, scale, window
         fake.ops.attention_prefill(out, *args)
         assert np.max(np.abs(out.astype(np.float64) - want)) < tol
     assert fake.launches.count("softmax_causal") == 1 + 2 * 3  # then 2 KV heads x 3 chunks of 2 queries
-    assert fake.launches.count("kv_to_f32") == (1 + 2 if kv_dtype == np.float16 else 0)
     assert fake.launches.count("ungroup_heads") == 2
-    assert not fake.ops._gemm_ex_failed  # every product through cublasSgemmStridedBatched
+    assert not fake.ops._gemm_ex_failed  # every product through cuBLAS
+    assert set(calls) == {"sgemmStridedBatched" if kv_dtype == np.float32 else "gemmStridedBatchedEx"}
+    assert len(calls) == 2 * (1 + 2 * 3)
+    with pytest.raises(ValueError, match="queries"):
+        fake.ops.attention_prefill(out, fake.cp.asarray(qg.astype(np.float64)), *args[1:])
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float16])

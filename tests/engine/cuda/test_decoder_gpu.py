@@ -108,7 +108,7 @@ def _check_fused(model, prompt, n_tokens=16, logit_tol=1e-3):
 
 
 def _check_prefill_graph(model, prompt):
-    """HEARTH_CUDA_PREFILL_GRAPHS (opt-in): prompts at position 0 of one cache (new chats on it); the
+    """Captured prefills (the default): prompts at position 0 of one cache (new chats on it); the
     first prefill runs launch by launch, the later ones replay a captured prefill padded to 64 or 128
     tokens, its cuBLAS calls through capture_blas. Logits of the last real token and the greedy step
     after it as the CPU's, and no capture refused."""

@@ -106,7 +106,7 @@ def test_stacked_matvec_prologues_and_accumulate(gpu, t, int_dot):
     np.testing.assert_allclose(out.get(), base + dense @ x, rtol=0, atol=scale * (1 + np.abs(x).max()))
 
 
-@pytest.mark.parametrize("cols", [512, 4096])  # 4096: wide inputs take blocks of 1024 threads
+@pytest.mark.parametrize("cols", [512, 4096])  # 4096: 16 rounds of quarters in a block of 256
 def test_int_dot_matvec_stacks_mixed_types(gpu, cols):
     """One integer-dot launch over q|k|v of different types (Q4_K_M files mix Q4_K and Q6_K), against
     the dense product; the float kernels refuse such a stack."""
@@ -254,7 +254,7 @@ def test_rope_store_and_attention_match_cpu(gpu, kv_dtype, neox, window, qk_norm
     gkc, gvc = cp.asarray(kc), cp.asarray(vc)
     pos = cp.asarray(np.array([pos0], np.int32))
     rep = H // KV
-    gq = cp.empty((KV, n * rep, hd), cp.float32)  # grouped by KV head, token-major
+    gq = cp.empty((KV, n * rep, hd), kv_dtype)  # grouped by KV head, token-major, in the cache's dtype
     ops.rope_store(
         gq,
         gqkv,
@@ -270,7 +270,7 @@ def test_rope_store_and_attention_match_cpu(gpu, kv_dtype, neox, window, qk_norm
         None if kn is None else cp.asarray(kn),
     )
     tol = 1e-5 if kv_dtype == np.float32 else 1e-3
-    q_tokens = gq.get().reshape(KV, n, rep, hd).transpose(1, 0, 2, 3).reshape(n, H, hd)
+    q_tokens = gq.get().astype(np.float32).reshape(KV, n, rep, hd).transpose(1, 0, 2, 3).reshape(n, H, hd)
     np.testing.assert_allclose(q_tokens, qr, rtol=tol, atol=tol)
     rows = np.concatenate([q.reshape(n, -1), k.reshape(n, -1), v.reshape(n, -1)], axis=1)
     np.testing.assert_array_equal(gqkv.get(), rows)  # qkv is left as it was

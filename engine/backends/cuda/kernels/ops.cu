@@ -67,13 +67,14 @@ __device__ __forceinline__ void store_kv(void* kc, void* vc, long long o, const 
 // Prefill: one block per (token t = blockIdx.y of n = gridDim.y, head h = blockIdx.x) of the rows qkv
 // (n, (H + 2 KV) hd), each [q (H, hd) | k (KV, hd) | v (KV, hd)]: norm_rope of q (by qn) and k (by kn)
 // at position pos_base[0] + t. The rotated q goes to qg (KV, n * rep, hd) grouped by KV head, token-major
-// (query head g * rep + r of token t in row t * rep + r of qg[g]: attention's GEMM operand); k (rotated)
-// and v are written to this layer's cache (KV, n_ctx, hd), float32 or float16 (kv_half).
-extern "C" __global__ void rope_store(float* __restrict__ qg, const float* __restrict__ qkv, void* __restrict__ kc,
+// (query head g * rep + r of token t in row t * rep + r of qg[g]: attention's GEMM operand), float32
+// or float16 (q_half: the GEMM against a float16 cache); k (rotated) and v are written to this layer's
+// cache (KV, n_ctx, hd), float32 or float16 (kv_half).
+extern "C" __global__ void rope_store(void* __restrict__ qg, const float* __restrict__ qkv, void* __restrict__ kc,
                                       void* __restrict__ vc, const int* __restrict__ pos_base,
                                       const float* __restrict__ inv_freq, const float* __restrict__ qn,
                                       const float* __restrict__ kn, int H, int KV, int hd, int n_rot, int neox,
-                                      int n_ctx, float eps, int kv_half) {
+                                      int n_ctx, float eps, int kv_half, int q_half) {
     __shared__ float red[32];
     __shared__ float row[512];
     int t = blockIdx.y, h = blockIdx.x, n = gridDim.y, rep = H / KV;
@@ -83,8 +84,11 @@ extern "C" __global__ void rope_store(float* __restrict__ qg, const float* __res
     const float* src = qkv + (long long)t * (H + 2 * KV) * hd + (long long)h * hd;  // q head h, or k head h - H
     norm_rope(row, src, is_q ? qn : kn, pos, inv_freq, hd, n_rot, neox, eps, red);
     if (is_q) {
-        float* dst = qg + (((long long)(h / rep) * n + t) * rep + h % rep) * hd;
-        for (int j = threadIdx.x; j < hd; j += blockDim.x) dst[j] = row[j];
+        long long dst = (((long long)(h / rep) * n + t) * rep + h % rep) * hd;
+        for (int j = threadIdx.x; j < hd; j += blockDim.x) {
+            if (q_half) ((ushort*)qg)[dst + j] = f2h(row[j]);
+            else ((float*)qg)[dst + j] = row[j];
+        }
         return;
     }
     store_kv(kc, vc, ((long long)kh * n_ctx + pos) * hd, row, src + (long long)KV * hd, hd, kv_half);
@@ -101,6 +105,15 @@ __device__ __forceinline__ void kv_piece(const void* c, long long row, int p, fl
 template <int N>
 __device__ __forceinline__ float kv_round(float x) { return N == 8 ? h2f(f2h(x)) : x; }
 
+// A float another block wrote in this launch, read from L2 (after its writer's __threadfence)
+__device__ __forceinline__ float ld_l2(const float* p) {
+#ifdef __CUDA_ARCH__
+    return __ldcg(p);
+#else
+    return *(const volatile float*)p;
+#endif
+}
+
 // One split of decode attention (attn_decode's block): keys k0..k1-1 of the KV head whose rows start at
 // row `base` of the caches, position pos's key and value taken from sk and vnew. The scores go to sc,
 // the block's (max, sum) to *m, *l and its unnormalised weighted sum of values to vsum[0] (hd,).
@@ -112,7 +125,7 @@ __device__ void attend_split(float* sc, float (*vsum)[512], const float* sq, con
                              float scale, float* red, float* m_out, float* l_out) {
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, gl = lane & 7;
     int slot = (warp << 2) | (lane >> 3), pieces = hd / N;
-#pragma unroll 2
+#pragma unroll 4
     for (int key0 = k0; key0 < k1; key0 += 16) {
         int key = key0 + slot;
         float d = 0.f;
@@ -190,7 +203,8 @@ __device__ void attend_split(float* sc, float (*vsum)[512], const float* sq, con
 // of a head's S blocks to finish (count[h], which it resets for the next step) combines the splits
 // that hold visible keys into out (H, hd).
 // The cache is read in 16-byte pieces (attend_split), so rows must be 16-byte aligned (hd a multiple
-// of 8). 128 threads; chunk <= ATTN_MAX_CHUNK; hd <= 512.
+// of 8). 128 threads; chunk <= ATTN_MAX_CHUNK; hd <= 512; S <= ATTN_MAX_CHUNK / 2 (the combine keeps
+// each split's pair in sc: caches up to 8M positions).
 #define ATTN_MAX_CHUNK 4096
 extern "C" __global__ void __launch_bounds__(128) attn_decode(
     float* __restrict__ out, float* __restrict__ acc, float* __restrict__ ml, uint* __restrict__ count,
@@ -243,35 +257,34 @@ extern "C" __global__ void __launch_bounds__(128) attn_decode(
     __syncthreads();
     if (!last) return;
     __threadfence();
-    // the other blocks' partials, read past L1 (volatile)
-    const volatile float* vml = ml + 2LL * h * S;
-    const volatile float* vacc = acc + (long long)h * S * hd;
-    int s_lo = start / chunk, s_hi = min(S - 1, pos / chunk);
+    // the other blocks' partials, read from L2 (ld_l2: past L1, which another SM's writes do not reach):
+    // each split's (max, sum) by a thread of its own, then each split's weight exp(m_i - M) / L, then
+    // every thread's elements over the splits, their loads independent of one another
+    int s_lo = start / chunk, s_hi = min(S - 1, pos / chunk), n_s = s_hi - s_lo + 1;
+    const float* hml = ml + 2LL * (h * S + s_lo);
     float M = -3.0e38f;
-    for (int i = s_lo; i <= s_hi; i++) M = fmaxf(M, vml[2 * i]);
+    for (int i = threadIdx.x; i < n_s; i += blockDim.x) {
+        float mi = ld_l2(hml + 2 * i), li = ld_l2(hml + 2 * i + 1);
+        sc[2 * i] = mi;
+        sc[2 * i + 1] = li;
+        if (li > 0.f) M = fmaxf(M, mi);
+    }
+    M = block_max(M, red);
     float L = 0.f;
-    for (int i = s_lo; i <= s_hi; i++)
-        if (vml[2 * i + 1] > 0.f) L += vml[2 * i + 1] * expf(vml[2 * i] - M);
+    for (int i = threadIdx.x; i < n_s; i += blockDim.x) {  // a thread rereads only its own splits' pairs
+        float li = sc[2 * i + 1], w = li > 0.f ? expf(sc[2 * i] - M) : 0.f;
+        sc[2 * i] = w;
+        L += li * w;
+    }
+    L = block_sum(L, red);  // its leading __syncthreads also publishes the weights
     float inv = 1.f / L;
+    const float* hacc = acc + ((long long)h * S + s_lo) * hd;
     for (int j = threadIdx.x; j < hd; j += blockDim.x) {
         float a = 0.f;
-        for (int i = s_lo; i <= s_hi; i++)
-            if (vml[2 * i + 1] > 0.f) a += vacc[(long long)i * hd + j] * expf(vml[2 * i] - M);
+#pragma unroll 8
+        for (int i = 0; i < n_s; i++) a += ld_l2(hacc + (long long)i * hd + j) * sc[2 * i];
         out[(long long)h * hd + j] = a * inv;
     }
-}
-
-// Prefill attention's operands: KV heads g0 .. g0 + G, positions 0 .. T of both float16 caches
-// (KV, n_ctx, hd) -> kf, vf (G, T, hd) float32; items = G * T * hd, one thread each.
-extern "C" __global__ void kv_to_f32(float* __restrict__ kf, float* __restrict__ vf, const ushort* __restrict__ kc,
-                                     const ushort* __restrict__ vc, int g0, long long items, int T, int n_ctx,
-                                     int hd) {
-    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= items) return;
-    long long per = (long long)T * hd, g = i / per;
-    long long src = (g0 + g) * n_ctx * hd + i % per;
-    kf[i] = h2f(kc[src]);
-    vf[i] = h2f(vc[src]);
 }
 
 // Prefill attention's output in token order: out (n, H, hd) float32, or float16 (half_out: the output
@@ -290,8 +303,9 @@ extern "C" __global__ void ungroup_heads(void* __restrict__ out, const float* __
 // of rep (the query heads of one KV head), group g is query g % nq of the chunk, at position
 // pos_first + g % nq; column j is the key at position key0 + j. Keys [start, pos] count
 // (start = pos - window + 1 with a sliding window, else 0), the rest become 0. One block per row.
-extern "C" __global__ void softmax_causal(float* __restrict__ s, int T, int nq, int rep, int pos_first,
-                                          int key0, float scale, int window) {
+// p16 (rows, T) float16, when not null, takes the probabilities instead (the float16 GEMM's operand).
+extern "C" __global__ void softmax_causal(float* __restrict__ s, ushort* __restrict__ p16, int T, int nq, int rep,
+                                          int pos_first, int key0, float scale, int window) {
     __shared__ float red[32];
     int pos = pos_first + (int)((blockIdx.x / rep) % nq) - key0;  // in columns
     int start = (window > 0 ? max(0, pos + key0 - window + 1) : 0) - key0;
@@ -306,7 +320,12 @@ extern "C" __global__ void softmax_causal(float* __restrict__ s, int T, int nq, 
         l += e;
     }
     float inv = 1.f / block_sum(l, red);
-    for (int j = threadIdx.x; j < T; j += blockDim.x) r[j] *= inv;
+    if (p16 != nullptr) {
+        ushort* p = p16 + (long long)blockIdx.x * T;
+        for (int j = threadIdx.x; j < T; j += blockDim.x) p[j] = f2h(r[j] * inv);
+    } else {
+        for (int j = threadIdx.x; j < T; j += blockDim.x) r[j] *= inv;
+    }
 }
 
 // Gated activation of rows stacked as gu (n, 2, ff) [gate | up] -> out (n, ff), float32 or float16:

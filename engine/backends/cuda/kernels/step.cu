@@ -321,15 +321,72 @@ __device__ __forceinline__ XIn xin_of(float* sq, int b, int cols) {
     return xin;
 }
 
+// matvec_qb's input: act(x_b) (the prologue, inv[b] the RMS of x_b for prologue 1) quantized per unit of
+// 32 as quantize_unit does, into B xin_of views of sq. A thread takes 8 consecutive elements (a quarter
+// of a unit) at a time: the unit's four quarters are four neighbouring lanes, which meet in two
+// shuffles for the unit's max and its sums; every load of the pass is independent of the others.
+__device__ void quantize_pieces(float* sq, const float* __restrict__ x, const float* __restrict__ x2, long long ldx,
+                                const float* __restrict__ nw, const float* inv, int prologue, int cols, int B) {
+    int units = cols >> 5, quarters = cols >> 3, n = B * quarters, lane = threadIdx.x & 31;
+    // the whole warp runs every round (its shuffles need all lanes); lanes past the end sit out the stores
+    for (int k0 = threadIdx.x - lane; k0 < n; k0 += blockDim.x) {
+        int k = k0 + lane;
+        bool live = k < n;
+        int b = live ? k / quarters : 0, c = live ? k % quarters : 0, e0 = 8 * c;
+        float a[8];
+#pragma unroll
+        for (int i = 0; i < 8; i++) {
+            float v = live ? x[b * ldx + e0 + i] : 0.f;
+            if (prologue == 1) v = v * inv[b] * nw[e0 + i];
+            else if (prologue == 2) v = live ? silu(v) * x2[b * ldx + e0 + i] : 0.f;
+            else if (prologue == 3) v = live ? gelu_tanh(v) * x2[b * ldx + e0 + i] : 0.f;
+            a[i] = v;
+        }
+        float amax = 0.f;
+#pragma unroll
+        for (int i = 0; i < 8; i++) amax = fmaxf(amax, fabsf(a[i]));
+        amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
+        amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
+        uint hi[2] = {0u, 0u}, lo[2] = {0u, 0u};
+        int sum = 0;
+#pragma unroll
+        for (int i = 0; i < 8; i++) {
+            int q = amax > 0.f ? __float2int_rn(a[i] * (XQ_SCALE / amax)) : 0;
+            int h = (q + 128) >> 8, l = q - 256 * h;
+            hi[i >> 2] |= (uint)(uchar)(signed char)h << (8 * (i & 3));
+            lo[i >> 2] |= (uint)(uchar)(signed char)l << (8 * (i & 3));
+            sum += q;
+        }
+        sum += __shfl_xor_sync(0xffffffffu, sum, 1);  // quarters 0+1 (elements 0..15), 2+3 (16..31)
+        int other = __shfl_xor_sync(0xffffffffu, sum, 2);
+        if (live) {
+            XIn xin = xin_of(sq, b, cols);
+            int u = c >> 2, part = c & 3;
+#pragma unroll
+            for (int j = 0; j < 2; j++) {
+                xin.w[(2 * part + j) * units + u] = hi[j];
+                xin.w[(2 * part + j + 8) * units + u] = lo[j];
+            }
+            if (part == 0) {
+                float d = amax / XQ_SCALE;
+                xin.d[u] = d;
+                xin.s[u] = d * (float)(sum + other);
+                xin.i[2 * u] = sum;
+                xin.i[2 * u + 1] = other;
+            }
+        }
+    }
+}
+
 // out[b * ldo + r] (=, or += when accumulate) = ([W0; W1; W2] @ act(x_b))[r] for B activation vectors
 // x_b = x + b * ldx (B = 1: one vector; up to MAX_BATCH: batched decode), for the types row_dot takes
 // with integer dot products (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K), each matrix its own (t0..t2). act as
 // quant.cu's load_x prologue (0 x, 1 rmsnorm(x) * nw, 2 silu(x) * x2, 3 gelu_tanh(x) * x2, x2_b = x2 +
 // b * ldx), each vector quantized per 32 to two int8 levels in shared memory, as the fused step does.
 // Each row of W comes from DRAM once for all B (the B - 1 further reads hit L1). Any multiple of 32
-// threads up to 1024, one row per warp at a time, rows grid-strided. Dynamic shared memory:
+// threads up to 256, one row per warp at a time, rows grid-strided. Dynamic shared memory:
 // B * 80 * (cols / 32) bytes.
-extern "C" __global__ void __launch_bounds__(1024) matvec_qb(
+extern "C" __global__ void __launch_bounds__(256) matvec_qb(
     float* __restrict__ out, long long ldo, const uchar* __restrict__ w0, const uchar* __restrict__ w1,
     const uchar* __restrict__ w2, int t0, int t1, int t2, int rows0, int rows1, int rows2, int cols,
     const float* __restrict__ x, const float* __restrict__ x2, long long ldx, const float* __restrict__ nw,
@@ -353,16 +410,7 @@ extern "C" __global__ void __launch_bounds__(1024) matvec_qb(
         }
         __syncthreads();
     }
-#pragma unroll 4
-    for (int k = warp; k < B * units; k += warps) {  // unrolled: a warp's loads of x go out together
-        int b = k / units, u = k % units, e = u * 32 + lane;
-        float a = x[b * ldx + e];
-        if (prologue == 1) a = a * inv[b] * nw[e];
-        else if (prologue == 2) a = silu(a) * x2[b * ldx + e];
-        else if (prologue == 3) a = gelu_tanh(a) * x2[b * ldx + e];
-        XIn xin = xin_of(sq, b, cols);
-        quantize_unit(xin, u, lane, a);
-    }
+    quantize_pieces(sq, x, x2, ldx, nw, inv, prologue, cols, B);
     __syncthreads();
     for (int r = r0; r < rows; r += stride) {
         if (lane == 0) prefetch_row(w0, w1, w2, t0, t1, t2, rows0, rows1, rows, r + 2 * stride, cols);
