@@ -20,6 +20,7 @@ For each file it measures, with engine.backends.cuda.bench.bench_decoder:
   (prefill_issue_s: the host's time to enqueue it; prefill_gpu_s: the GPU's time with every launch
   queued beforehand, and prefill_gpu_vs_cublas from it), the captured prefill alone (prefill_graph_*,
   prefill_graph_vs_cublas) and with 8, 16 and 32 MiB dequantization tiles;
+  decode with programmatic dependent launches (pdl_*: the same logits and greedy tokens, tok/s);
   batched decode (forward_batch, as `hearth serve` runs it) over 4 and 8 sequences, total tok/s.
 
 Usage: python3 scripts/cuda_bench_1b.py --out results.json [--types Q4_K,Q8_0] [--prompt 512] [--gen 128]
@@ -205,6 +206,7 @@ def bench_file(path: Path, n_prompt: int, n_gen: int, repetitions: int, entry: d
         ("prefill_host_and_gpu", _prefill_host_and_gpu, prompt),
         ("prefill_graph", _prefill_graph, prompt),
         ("prefill_by_tile", _prefill_by_tile, prompt),
+        ("pdl", _bench_pdl, prompt),
         ("batch", _bench_batches, prompt),
     )
     for name, part, arg in parts:
@@ -396,6 +398,46 @@ def _prefill_by_tile(dec, prompt: list[int], n_ctx: int) -> dict:
         dec._prefill_graphs.clear()
     res["prefill_tile_default_mib"] = round(default.nbytes / 2**20, 1)
     return res
+
+
+def _bench_pdl(dec, prompt: list[int], n_ctx: int) -> dict:
+    """The graph path with programmatic dependent launches (HEARTH_CUDA_PDL, engine/backends/cuda/pdl.py):
+    the step's logits and 16 greedy tokens against the plain graph's, then its decode figures (as many
+    tokens as the headline's: the context left after the prompt)."""
+    from engine.backends.cuda.bench import bench_decoder
+
+    n_gen = n_ctx - len(prompt) - 8  # bench_file's context: prompt + gen + 8
+
+    def run(pdl: bool):
+        dec.pdl = pdl
+        cache = dec.new_cache(n_ctx)
+        logits = dec.forward(prompt[: n_ctx // 2], cache)[-1]
+        tok = int(np.argmax(logits))
+        step = np.asarray(dec.forward([tok], cache)[-1], np.float64)
+        tokens = [tok]
+        for _ in range(16):
+            tokens.append(dec.greedy_step(tokens[-1], cache))
+        return step, tokens
+
+    was = dec.pdl
+    try:
+        plain, plain_tokens = run(False)
+        got, got_tokens = run(True)
+        if dec.pdl_error is not None:
+            return {"pdl_error": dec.pdl_error}
+        res = {
+            "pdl_vs_plain_rel": round(float(np.abs(got - plain).max() / (np.abs(plain).max() or 1.0)), 8),
+            "pdl_greedy_matches": got_tokens == plain_tokens,
+        }
+        dec.pdl = True
+        r = bench_decoder(dec, prompt, n_gen, n_ctx, 1)
+        res["pdl_decode_tps"] = round(r["decode_tps"], 1)
+        res["pdl_decode_bandwidth_fraction"] = round(r["decode_bandwidth_fraction"], 3)
+        if dec.pdl_error is not None:
+            res["pdl_error"] = dec.pdl_error
+        return res
+    finally:
+        dec.pdl = was
 
 
 def _bench_batches(dec, prompt: list[int], n_ctx: int, steps: int = 16) -> dict:

@@ -110,6 +110,7 @@ def cmd_bench_cuda(args, lm, load_s: float) -> dict:
         "decode_gb_per_token": round(r["decode_bytes_per_token"] / 1e9, 4),
         "decode_bandwidth_gbs": round(r["decode_bandwidth_gbs"], 1),
         "peak_bandwidth_gbs": round(r["peak_bandwidth_gbs"], 1),
-        "decode_bandwidth_fraction": round(r["decode_bandwidth_fraction"], 3),
+        # three significant figures: a tiny model's fraction is far below 0.001
+        "decode_bandwidth_fraction": float(f"{r['decode_bandwidth_fraction']:.3g}"),
         "vram_used_mb": round(cp.get_default_memory_pool().used_bytes() / 2**20, 1),
     }

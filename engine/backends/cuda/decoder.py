@@ -328,6 +328,9 @@ class CudaDecoder:
         self.prefill_graphs = prefill_graphs_enabled()
         self._prefill_graphs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self.prefill_graph_error: str | None = None  # why captured prefills were given up, if they were
+        # a decode step's matvecs and attention as programmatic dependent launches (ops.dependent_launches)
+        self.pdl = os.environ.get("HEARTH_CUDA_PDL", "").strip() == "1"
+        self.pdl_error: str | None = None  # why they were given up, if they were
         self.max_position_embeddings = cfg.max_position_embeddings
 
     # ---- loading -------------------------------------------------------------------------
@@ -542,19 +545,37 @@ class CudaDecoder:
             self._step_kernels(step, caches, greedy)
             return
         graph = step.graphs.get(greedy)
-        if graph is None:
-            self._step_kernels(step, caches, greedy)  # warm-up
-            step.ids.set(ids, stream=self.stream)
-            step.pos.set(pos, stream=self.stream)
-            self.stream.begin_capture()
+        if graph is None and self.pdl:
             try:
-                self._step_kernels(step, caches, greedy)
-            finally:
-                graph = step.graphs[greedy] = self.stream.end_capture()
+                graph = self._capture_step(step, caches, ids, pos, greedy)
+            except Exception as e:  # noqa: BLE001 - a driver without programmatic launches: plain ones
+                self.pdl, self.pdl_error = False, f"{type(e).__name__}: {e}"
+                step.ids.set(ids, stream=self.stream)
+                step.pos.set(pos, stream=self.stream)
+        if graph is None:
+            graph = self._capture_step(step, caches, ids, pos, greedy)
         graph.launch(self.stream)
 
+    def _capture_step(self, step: _Step, caches: list, ids, pos, greedy: bool):
+        """A warm-up run of the step (it loads every kernel), then its capture (kept in step.graphs)."""
+        self._step_kernels(step, caches, greedy)
+        step.ids.set(ids, stream=self.stream)
+        step.pos.set(pos, stream=self.stream)
+        self.stream.begin_capture()
+        try:
+            self._step_kernels(step, caches, greedy)
+        finally:
+            graph = self.stream.end_capture()
+        step.graphs[greedy] = graph
+        return graph
+
     def _step_kernels(self, s: _Step, caches: list, greedy: bool) -> None:
-        """The decode step's launches over the B = len(caches) rows of s."""
+        """The decode step's launches over the B = len(caches) rows of s (its matvecs and attention as
+        programmatic dependent launches with self.pdl)."""
+        with ops.dependent_launches(self.pdl):
+            self._step_launches(s, caches, greedy)
+
+    def _step_launches(self, s: _Step, caches: list, greedy: bool) -> None:
         cfg = self.cfg
         eps = cfg.rms_norm_eps
         H = cfg.num_attention_heads

@@ -13,6 +13,7 @@ conversion, elsewhere by bit moves.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from dataclasses import dataclass
 
@@ -21,7 +22,7 @@ import numpy as np
 
 from engine.backends.cpu import fpquant
 from engine.backends.cpu.fpquant import FP8_E4M3, NVFP4
-from engine.backends.cuda import capture_blas
+from engine.backends.cuda import capture_blas, pdl
 from engine.backends.cuda.kernels import kernel
 from engine.weights import Weight
 
@@ -143,10 +144,37 @@ def allow_shared(k, nbytes: int) -> None:
         drv.funcSetAttribute(k.kernel.ptr, drv.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, int(nbytes))
 
 
+_DEPENDENT = [False]  # dependent_launches(): matvec_qb and attn_decode launched programmatically
+
+
+@contextlib.contextmanager
+def dependent_launches(enabled: bool = True):
+    """Within: matvec_qb and attn_decode go out as programmatic dependent launches (pdl.launch), which
+    may start while the kernel before them finishes; both wait for it (griddepcontrol.wait) before
+    touching its data. A decode step's kernels only: every other launch stays fully serialised."""
+    was = _DEPENDENT[0]
+    _DEPENDENT[0] = enabled
+    try:
+        yield
+    finally:
+        _DEPENDENT[0] = was
+
+
+def _launch(k, grid: tuple, block: tuple, args: tuple, shared: int = 0) -> None:
+    """k over grid x block: programmatically dependent inside dependent_launches(), else as CuPy does."""
+    if _DEPENDENT[0]:
+        pdl.launch(k, grid, block, args, shared, cp.cuda.get_current_stream().ptr)
+    else:
+        k(grid, block, args, shared_mem=shared)
+
+
 def _launch_matvec(name: str, grid: int, shared: int, args: tuple, threads: int = MATVEC_THREADS) -> None:
     k = kernel(name, cp.cuda.Device().id)
     allow_shared(k, shared)
-    k((grid,), (threads,), args, shared_mem=shared)
+    if name == "matvec_qb":
+        _launch(k, (grid,), (threads,), args, shared)
+    else:
+        k((grid,), (threads,), args, shared_mem=shared)
 
 
 def matvec(
@@ -389,7 +417,8 @@ def attention(
     chunk, S = attention_splits(n_keys_max)
     acc, ml, count = parts if parts is not None else attention_parts(H, hd, n_keys_max)
     inv_freq, n_rot, neox, eps, q_norm, k_norm = rope
-    kernel("attn_decode", cp.cuda.Device().id)(
+    _launch(
+        kernel("attn_decode", cp.cuda.Device().id),
         (H, S),
         (128,),
         (

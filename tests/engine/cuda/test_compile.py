@@ -92,3 +92,21 @@ def test_a_syntax_error_is_reported():
     kernels.compile_ptx(bad_asm, "bad_asm.cu")  # PTX: the asm text is not looked at
     with pytest.raises(RuntimeError, match="e4m3x9"):
         kernels.compile_cubin(bad_asm, "bad_asm.cu")
+
+
+def _body(ptx: str, entry: str) -> str:
+    """The PTX of one kernel: from its .entry to the next one."""
+    start = ptx.index(f".entry {entry}(")
+    nxt = ptx.find(".entry ", start + 1)
+    return ptx[start : nxt if nxt > 0 else len(ptx)]
+
+
+def test_dependent_launch_kernels_wait_for_their_predecessor(ptx):
+    # the kernels pdl.launch sends (a decode step's matvecs and attention) wait in griddepcontrol.wait
+    # before they read what the kernel before them wrote; sm_80 builds have neither instruction
+    for entry in ("matvec_qb", "attn_decode"):
+        body = _body(ptx, entry)
+        assert "griddepcontrol.wait" in body and "griddepcontrol.launch_dependents" in body, entry
+    assert "griddepcontrol" not in _body(ptx, "rmsnorm")
+    older = kernels.compile_ptx(kernels.full_source(), "hearth.cu", arch="compute_80")
+    assert "griddepcontrol" not in older

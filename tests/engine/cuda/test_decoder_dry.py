@@ -279,6 +279,12 @@ def fake(monkeypatch, ptx_params):
         )
 
     monkeypatch.setattr(ops.capture_blas, "api", capture_blas)
+    # programmatic dependent launches (HEARTH_CUDA_PDL): the stand-in runs them as plain launches (the
+    # kernels' griddepcontrol instructions are sm_90 PTX; host threads run one launch at a time anyway)
+    def pdl_launch(k, grid, block, args, shared, stream):
+        k(grid, block, args, shared_mem=shared)
+
+    monkeypatch.setattr(ops.pdl, "launch", pdl_launch)
     # before the decoder: `from engine.backends.cuda import fused` would take the package attribute,
     # which still holds an earlier test's module
     fused = importlib.import_module("engine.backends.cuda.fused")
@@ -663,3 +669,67 @@ def test_norm_and_activation_write_float16_gemm_inputs_on_host_threads(fake, sim
     fake.ops.glu(act, fake.cp.asarray(np.concatenate([gate, up], axis=1)), gelu=False)
     want = gate / (1 + np.exp(-gate)) * up
     np.testing.assert_allclose(act.astype(np.float32), want, rtol=1e-3, atol=1e-4)
+
+
+def test_pdl_params_marshal_arrays_and_numpy_scalars(fake):
+    """pdl.params: device arrays as their pointers, numpy scalars as their own C types (the driver copies
+    each parameter by its size); anything else is refused before a launch could misread it."""
+    import ctypes
+
+    from engine.backends.cuda import pdl
+
+    arr = types.SimpleNamespace(data=types.SimpleNamespace(ptr=0x7F00_0000_1000))
+    got = pdl.params((arr, np.int32(-3), np.int64(1 << 40), np.float32(0.5), np.uint64(0), np.uint32(7)))
+    assert [type(v) for v in got] == [
+        ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64, ctypes.c_float, ctypes.c_uint64, ctypes.c_uint32
+    ]
+    assert [v.value for v in got] == [0x7F00_0000_1000, -3, 1 << 40, 0.5, 0, 7]
+    with pytest.raises(TypeError, match="numpy scalar"):
+        pdl.params((3,))
+    with pytest.raises(TypeError, match="numpy scalar"):
+        pdl.params((np.float64(1.0),))
+
+
+def test_decode_step_as_programmatic_dependent_launches_on_host_threads(fake, simt, tmp_path, monkeypatch):
+    """HEARTH_CUDA_PDL=1: the captured decode step sends its matvecs and attention through pdl.launch
+    (every other kernel as before) and gives the plain step's logits; a driver that refuses the launches
+    turns them off for the decoder (pdl_error) and the step runs plain."""
+    from engine.backends.cuda import pdl
+
+    STATE.simt = simt
+    model = _model(tmp_path, "llama-1layer")
+    sent = []
+
+    def launch(k, grid, block, args, shared, stream_ptr):
+        sent.append(k.name)
+        k(grid, block, args, shared_mem=shared)
+
+    monkeypatch.setattr(pdl, "launch", launch)
+    monkeypatch.setenv("HEARTH_CUDA_PDL", "1")
+    dec = fake.decoder.CudaDecoder(model, n_ctx=32, prefill_dtype="float32")
+    plain = fake.decoder.CudaDecoder(model, n_ctx=32, prefill_dtype="float32")
+    plain.pdl = False
+    assert dec.pdl
+    steps = []
+    for d in (dec, plain):
+        cache = d.new_cache(32, np.float32)
+        d.forward([1, 2, 3], cache)
+        steps.append([np.array(d.forward([t], cache)[-1]) for t in (4, 5)])
+    assert dec.pdl_error is None
+    for got, want in zip(*steps):
+        np.testing.assert_array_equal(got, want)
+    # per step (warm-up, capture): q|k|v, attention, wo, gate|up, down, the output projection
+    assert sent and set(sent) == {"matvec_qb", "attn_decode"}
+    assert sent.count("matvec_qb") == 5 * sent.count("attn_decode")
+
+    def refuse(*args):
+        raise pdl.PdlLaunchError("cuLaunchKernelEx returned CUresult 801")
+
+    monkeypatch.setattr(pdl, "launch", refuse)
+    refused = fake.decoder.CudaDecoder(model, n_ctx=32, prefill_dtype="float32")
+    cache = refused.new_cache(32, np.float32)
+    refused.forward([1, 2, 3], cache)
+    got = [np.array(refused.forward([t], cache)[-1]) for t in (4, 5)]
+    assert not refused.pdl and "801" in refused.pdl_error
+    for g, want in zip(got, steps[1]):
+        np.testing.assert_array_equal(g, want)

@@ -15,6 +15,20 @@ __device__ __forceinline__ ushort f2h(float f) {
     return h;
 }
 __device__ __forceinline__ float bf2f(ushort h) { return __uint_as_float(((uint)h) << 16); }
+
+// Programmatic dependent launch (engine/backends/cuda/pdl.py; sm_90+, no-ops elsewhere and for a kernel
+// launched the ordinary way). pdl_launch_dependents: the next kernel in the stream may start now;
+// pdl_wait: block until the kernels before this one have finished and their writes are visible.
+__device__ __forceinline__ void pdl_launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
 // little-endian f16 at a 2-byte-aligned address
 __device__ __forceinline__ float ldh(const uchar* p) { return h2f(*(const ushort*)p); }
 

@@ -94,10 +94,14 @@ extern "C" __global__ void rope_store(void* __restrict__ qg, const float* __rest
     store_kv(kc, vc, ((long long)kh * n_ctx + pos) * hd, row, src + (long long)KV * hd, hd, kv_half);
 }
 
-// Piece p (16 bytes: N = 8 halves or 4 floats) of cache row `row` as floats
+// Piece p (16 bytes: N = 8 halves or 4 floats) of the cache row starting at element `row`
 template <int N>
-__device__ __forceinline__ void kv_piece(const void* c, long long row, int p, float* v) {
-    const uint4 w = ((const uint4*)((const uchar*)c + row * (N == 8 ? 2 : 4)))[p];
+__device__ __forceinline__ uint4 kv_load(const void* c, long long row, int p) {
+    return ((const uint4*)((const uchar*)c + row * (N == 8 ? 2 : 4)))[p];
+}
+// ... as floats
+template <int N>
+__device__ __forceinline__ void kv_unpack(uint4 w, float* v) {
     if (N == 8) unpack8_f16(w, v);
     else unpack4_f32(w, v);
 }
@@ -118,34 +122,44 @@ __device__ __forceinline__ float ld_l2(const float* p) {
 // row `base` of the caches, position pos's key and value taken from sk and vnew. The scores go to sc,
 // the block's (max, sum) to *m, *l and its unnormalised weighted sum of values to vsum[0] (hd,).
 // 16 key slots (4 warps x 4 groups of 8 lanes); lane gl of a group takes pieces gl, gl + 8, .. of a
-// row, so a warp's load covers 4 whole rows. N: cache elements per 16-byte piece (8 float16, 4 float32).
+// row, so a warp's load covers 4 whole rows. Keys go 64 at a time (4 rounds of the 16 slots), each
+// lane's 4 pieces loaded before the first is used, so a split of 64 keys waits on memory once for its
+// scores and once for its values. Rows past k1 - 1 are read as row k1 - 1 (in the cache) and left out.
+// N: cache elements per 16-byte piece (8 float16, 4 float32).
 template <int N>
 __device__ void attend_split(float* sc, float (*vsum)[512], const float* sq, const float* sk, const void* kc,
                              const void* vc, const float* vnew, long long base, int hd, int k0, int k1, int pos,
                              float scale, float* red, float* m_out, float* l_out) {
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, gl = lane & 7;
     int slot = (warp << 2) | (lane >> 3), pieces = hd / N;
-#pragma unroll 4
-    for (int key0 = k0; key0 < k1; key0 += 16) {
-        int key = key0 + slot;
-        float d = 0.f;
-        if (key < k1) {
-            for (int p = gl; p < pieces; p += 8) {
+    for (int key0 = k0 + slot; key0 - slot < k1; key0 += 64) {
+        float d[4] = {0.f, 0.f, 0.f, 0.f};
+        for (int p = gl; p < pieces; p += 8) {
+            uint4 raw[4];
+#pragma unroll
+            for (int r = 0; r < 4; r++) raw[r] = kv_load<N>(kc, (base + min(key0 + 16 * r, k1 - 1)) * hd, p);
+#pragma unroll
+            for (int r = 0; r < 4; r++) {
                 float v[N];
-                if (key == pos) {
+                if (key0 + 16 * r == pos) {
 #pragma unroll
                     for (int e = 0; e < N; e++) v[e] = sk[p * N + e];
                 } else {
-                    kv_piece<N>(kc, (base + key) * hd, p, v);
+                    kv_unpack<N>(raw[r], v);
                 }
 #pragma unroll
-                for (int e = 0; e < N; e++) d += sq[p * N + e] * v[e];
+                for (int e = 0; e < N; e++) d[r] += sq[p * N + e] * v[e];
             }
         }
-        d += __shfl_xor_sync(0xffffffffu, d, 1);
-        d += __shfl_xor_sync(0xffffffffu, d, 2);
-        d += __shfl_xor_sync(0xffffffffu, d, 4);
-        if (gl == 0 && key < k1) sc[key - k0] = d * scale;
+#pragma unroll
+        for (int r = 0; r < 4; r++) {
+            float t = d[r];
+            t += __shfl_xor_sync(0xffffffffu, t, 1);
+            t += __shfl_xor_sync(0xffffffffu, t, 2);
+            t += __shfl_xor_sync(0xffffffffu, t, 4);
+            int key = key0 + 16 * r;
+            if (gl == 0 && key < k1) sc[key - k0] = t * scale;
+        }
     }
     __syncthreads();
     float m = -3.0e38f;
@@ -164,17 +178,24 @@ __device__ void attend_split(float* sc, float (*vsum)[512], const float* sq, con
 #pragma unroll
         for (int e = 0; e < N; e++) a[e] = 0.f;
         if (p < pieces) {
-#pragma unroll 4
-            for (int key = k0 + slot; key < k1; key += 16) {
-                float v[N], w = sc[key - k0];
-                if (key == pos) {  // the new value, from qkv, rounded as the cache stores it
+            for (int key0 = k0 + slot; key0 - slot < k1; key0 += 64) {
+                uint4 raw[4];
 #pragma unroll
-                    for (int e = 0; e < N; e++) v[e] = kv_round<N>(vnew[p * N + e]);
-                } else {
-                    kv_piece<N>(vc, (base + key) * hd, p, v);
+                for (int r = 0; r < 4; r++) raw[r] = kv_load<N>(vc, (base + min(key0 + 16 * r, k1 - 1)) * hd, p);
+#pragma unroll
+                for (int r = 0; r < 4; r++) {
+                    int key = key0 + 16 * r;
+                    if (key >= k1) break;  // the clamped rows count for nothing (not even a 0 * NaN)
+                    float v[N], w = sc[key - k0];
+                    if (key == pos) {  // the new value, from qkv, rounded as the cache stores it
+#pragma unroll
+                        for (int e = 0; e < N; e++) v[e] = kv_round<N>(vnew[p * N + e]);
+                    } else {
+                        kv_unpack<N>(raw[r], v);
+                    }
+#pragma unroll
+                    for (int e = 0; e < N; e++) a[e] += w * v[e];
                 }
-#pragma unroll
-                for (int e = 0; e < N; e++) a[e] += w * v[e];
             }
         }
 #pragma unroll
@@ -217,6 +238,8 @@ extern "C" __global__ void __launch_bounds__(128) attn_decode(
     __shared__ float sc[ATTN_MAX_CHUNK];
     __shared__ float vsum[4][512];  // each warp's part of the weighted sum of values
     __shared__ int last;
+    pdl_launch_dependents();
+    pdl_wait();  // qkv, the position and the caches come from the kernels before (pdl.py)
     int h = blockIdx.x, s = blockIdx.y, S = gridDim.y;
     int pos = pos_p[0];
     int start = window > 0 ? max(0, pos - window + 1) : 0;

@@ -45,6 +45,8 @@ __device__ __forceinline__ void prefetch_l2(const uchar* p, uint bytes) {
     if (bytes >= 16) asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
 #endif
 }
+// the 128-byte line holding p into this SM's L1 (no register waits for it)
+__device__ __forceinline__ void prefetch_l1(const uchar* p) { asm volatile("prefetch.global.L1 [%0];" ::"l"(p)); }
 #else  // the host build of the tests (tests/engine/cuda/simt.py)
 static inline int __float2int_rn(float v) { return (int)std::nearbyint(v); }
 __device__ __forceinline__ int dp4a(uint a, uint b, int c) {
@@ -52,6 +54,7 @@ __device__ __forceinline__ int dp4a(uint a, uint b, int c) {
     return c;
 }
 __device__ __forceinline__ void prefetch_l2(const uchar* p, uint bytes) {}
+__device__ __forceinline__ void prefetch_l1(const uchar* p) {}
 #endif
 
 // ggml type ids (as ops.py)
@@ -103,6 +106,17 @@ __device__ __forceinline__ void prefetch_row(const uchar* w0, const uchar* w1, c
     unsigned long long lo = ((unsigned long long)w + 15) & ~15ULL;
     unsigned long long hi = ((unsigned long long)w + row_bytes_of(type, cols)) & ~15ULL;
     if (hi > lo) prefetch_l2((const uchar*)lo, (uint)(hi - lo));
+}
+
+// Row r (< rows, else nothing) of [W0; W1; W2] into L1, the warp's lanes a 128-byte line each at a time:
+// the row a warp takes next is on its SM by the time the warp gets to it.
+__device__ __forceinline__ void prefetch_row_l1(const uchar* w0, const uchar* w1, const uchar* w2, int t0, int t1,
+                                                int t2, int rows0, int rows1, int rows, int r, int cols, int lane) {
+    if (r >= rows) return;
+    int type;
+    const uchar* w = mixed_row(w0, w1, w2, t0, t1, t2, rows0, rows1, r, cols, &type);
+    long long bytes = row_bytes_of(type, cols);
+    for (long long off = 128LL * lane; off < bytes; off += 128LL * 32) prefetch_l1(w + off);
 }
 
 // One weight matrix of a phase (up to three stacked ones share the phase's input and output buffer).
@@ -321,61 +335,111 @@ __device__ __forceinline__ XIn xin_of(float* sq, int b, int cols) {
     return xin;
 }
 
-// matvec_qb's input: act(x_b) (the prologue, inv[b] the RMS of x_b for prologue 1) quantized per unit of
-// 32 as quantize_unit does, into B xin_of views of sq. A thread takes 8 consecutive elements (a quarter
-// of a unit) at a time: the unit's four quarters are four neighbouring lanes, which meet in two
-// shuffles for the unit's max and its sums; every load of the pass is independent of the others.
+// Quarter k (8 elements: k % quarters of vector k / quarters) of matvec_qb's input before the prologue's
+// scale: prologue 1 gives x * nw (its RMS comes after), 2 and 3 the gated activations, 0 x. Lanes past
+// the end (k >= n) give zeros; *ss takes the sum of the quarter's x squared (prologue 1).
+__device__ __forceinline__ void load_quarter(float* a, float* ss, const float* __restrict__ x,
+                                             const float* __restrict__ x2, long long ldx,
+                                             const float* __restrict__ nw, int prologue, int k, int n,
+                                             int quarters) {
+    bool live = k < n;
+    int b = live ? k / quarters : 0, e0 = live ? 8 * (k % quarters) : 0;
+    const float* xe = x + b * ldx + e0;
+    float v[8], g[8];
+#pragma unroll
+    for (int i = 0; i < 8; i++) {  // every load first: they are all in flight together
+        v[i] = live ? xe[i] : 0.f;
+        g[i] = prologue == 1 ? nw[e0 + i] : prologue >= 2 && live ? x2[b * ldx + e0 + i] : 0.f;
+    }
+    float sum = 0.f;
+#pragma unroll
+    for (int i = 0; i < 8; i++) {
+        sum += v[i] * v[i];
+        if (prologue == 1) a[i] = v[i] * g[i];
+        else if (prologue == 2) a[i] = silu(v[i]) * g[i];
+        else if (prologue == 3) a[i] = gelu_tanh(v[i]) * g[i];
+        else a[i] = v[i];
+    }
+    *ss = sum;
+}
+
+// matvec_qb's input: act(x_b) quantized per unit of 32 as quantize_unit does, into B xin_of views of
+// sq. A thread takes 8 consecutive elements (a quarter of a unit) at a time: the unit's four quarters
+// are four neighbouring lanes, which meet in two shuffles for the unit's max and its sums. Two rounds'
+// loads are in flight at once. Prologue 1 (RMSNorm) quantizes x * nw and scales each unit's d and s by
+// the vector's 1 / RMS afterwards (the integer levels do not depend on a common factor): the sums of
+// squares come from the same loads, a unit's in its s slot until its vector's warp (warp b) adds them
+// up in a fixed order. Ends with the block synchronised.
 __device__ void quantize_pieces(float* sq, const float* __restrict__ x, const float* __restrict__ x2, long long ldx,
-                                const float* __restrict__ nw, const float* inv, int prologue, int cols, int B) {
+                                const float* __restrict__ nw, float eps, int prologue, int cols, int B) {
+    __shared__ float inv[MAX_BATCH];
     int units = cols >> 5, quarters = cols >> 3, n = B * quarters, lane = threadIdx.x & 31;
     // the whole warp runs every round (its shuffles need all lanes); lanes past the end sit out the stores
-    for (int k0 = threadIdx.x - lane; k0 < n; k0 += blockDim.x) {
-        int k = k0 + lane;
-        bool live = k < n;
-        int b = live ? k / quarters : 0, c = live ? k % quarters : 0, e0 = 8 * c;
-        float a[8];
+    for (int k0 = threadIdx.x - lane; k0 < n; k0 += 2 * blockDim.x) {
+        float a[2][8], ss[2];
 #pragma unroll
-        for (int i = 0; i < 8; i++) {
-            float v = live ? x[b * ldx + e0 + i] : 0.f;
-            if (prologue == 1) v = v * inv[b] * nw[e0 + i];
-            else if (prologue == 2) v = live ? silu(v) * x2[b * ldx + e0 + i] : 0.f;
-            else if (prologue == 3) v = live ? gelu_tanh(v) * x2[b * ldx + e0 + i] : 0.f;
-            a[i] = v;
-        }
-        float amax = 0.f;
+        for (int r = 0; r < 2; r++)
+            load_quarter(a[r], &ss[r], x, x2, ldx, nw, prologue, k0 + r * blockDim.x + lane, n, quarters);
 #pragma unroll
-        for (int i = 0; i < 8; i++) amax = fmaxf(amax, fabsf(a[i]));
-        amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
-        amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
-        uint hi[2] = {0u, 0u}, lo[2] = {0u, 0u};
-        int sum = 0;
+        for (int r = 0; r < 2; r++) {
+            if (k0 + r * (int)blockDim.x >= n) break;  // the warp's condition
+            int k = k0 + r * blockDim.x + lane;
+            float amax = 0.f;
 #pragma unroll
-        for (int i = 0; i < 8; i++) {
-            int q = amax > 0.f ? __float2int_rn(a[i] * (XQ_SCALE / amax)) : 0;
-            int h = (q + 128) >> 8, l = q - 256 * h;
-            hi[i >> 2] |= (uint)(uchar)(signed char)h << (8 * (i & 3));
-            lo[i >> 2] |= (uint)(uchar)(signed char)l << (8 * (i & 3));
-            sum += q;
-        }
-        sum += __shfl_xor_sync(0xffffffffu, sum, 1);  // quarters 0+1 (elements 0..15), 2+3 (16..31)
-        int other = __shfl_xor_sync(0xffffffffu, sum, 2);
-        if (live) {
-            XIn xin = xin_of(sq, b, cols);
-            int u = c >> 2, part = c & 3;
+            for (int i = 0; i < 8; i++) amax = fmaxf(amax, fabsf(a[r][i]));
+            amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
+            amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
+            uint hi[2] = {0u, 0u}, lo[2] = {0u, 0u};
+            int sum = 0;
 #pragma unroll
-            for (int j = 0; j < 2; j++) {
-                xin.w[(2 * part + j) * units + u] = hi[j];
-                xin.w[(2 * part + j + 8) * units + u] = lo[j];
+            for (int i = 0; i < 8; i++) {
+                int q = amax > 0.f ? __float2int_rn(a[r][i] * (XQ_SCALE / amax)) : 0;
+                int h = (q + 128) >> 8, l = q - 256 * h;
+                hi[i >> 2] |= (uint)(uchar)(signed char)h << (8 * (i & 3));
+                lo[i >> 2] |= (uint)(uchar)(signed char)l << (8 * (i & 3));
+                sum += q;
             }
-            if (part == 0) {
-                float d = amax / XQ_SCALE;
-                xin.d[u] = d;
-                xin.s[u] = d * (float)(sum + other);
-                xin.i[2 * u] = sum;
-                xin.i[2 * u + 1] = other;
+            sum += __shfl_xor_sync(0xffffffffu, sum, 1);  // quarters 0+1 (elements 0..15), 2+3 (16..31)
+            int other = __shfl_xor_sync(0xffffffffu, sum, 2);
+            float sq_unit = ss[r] + __shfl_xor_sync(0xffffffffu, ss[r], 1);
+            sq_unit += __shfl_xor_sync(0xffffffffu, sq_unit, 2);
+            if (k < n) {
+                int b = k / quarters, c = k % quarters, u = c >> 2, part = c & 3;
+                XIn xin = xin_of(sq, b, cols);
+#pragma unroll
+                for (int j = 0; j < 2; j++) {
+                    xin.w[(2 * part + j) * units + u] = hi[j];
+                    xin.w[(2 * part + j + 8) * units + u] = lo[j];
+                }
+                if (part == 0) {
+                    float d = amax / XQ_SCALE;
+                    xin.d[u] = d;
+                    xin.s[u] = prologue == 1 ? sq_unit : d * (float)(sum + other);
+                    xin.i[2 * u] = sum;
+                    xin.i[2 * u + 1] = other;
+                }
             }
         }
     }
+    __syncthreads();
+    if (prologue != 1) return;
+    int warp = threadIdx.x >> 5;
+    if (warp < B) {  // blockDim >= 32 * MAX_BATCH
+        XIn xin = xin_of(sq, warp, cols);
+        float t = 0.f;
+        for (int u = lane; u < units; u += 32) t += xin.s[u];
+        t = warp_sum(t);
+        if (lane == 0) inv[warp] = rsqrtf(t / (float)cols + eps);
+    }
+    __syncthreads();
+    for (int k = threadIdx.x; k < B * units; k += blockDim.x) {
+        int b = k / units, u = k % units;
+        XIn xin = xin_of(sq, b, cols);
+        float d = xin.d[u] * inv[b];
+        xin.d[u] = d;
+        xin.s[u] = d * (float)(xin.i[2 * u] + xin.i[2 * u + 1]);
+    }
+    __syncthreads();
 }
 
 // out[b * ldo + r] (=, or += when accumulate) = ([W0; W1; W2] @ act(x_b))[r] for B activation vectors
@@ -383,8 +447,8 @@ __device__ void quantize_pieces(float* sq, const float* __restrict__ x, const fl
 // with integer dot products (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K), each matrix its own (t0..t2). act as
 // quant.cu's load_x prologue (0 x, 1 rmsnorm(x) * nw, 2 silu(x) * x2, 3 gelu_tanh(x) * x2, x2_b = x2 +
 // b * ldx), each vector quantized per 32 to two int8 levels in shared memory, as the fused step does.
-// Each row of W comes from DRAM once for all B (the B - 1 further reads hit L1). Any multiple of 32
-// threads up to 256, one row per warp at a time, rows grid-strided. Dynamic shared memory:
+// Each row of W comes from DRAM once for all B (the B - 1 further reads hit L1). 256 threads (at least
+// one warp per vector: quantize_pieces), one row per warp at a time, rows grid-strided. Dynamic shared memory:
 // B * 80 * (cols / 32) bytes.
 extern "C" __global__ void __launch_bounds__(256) matvec_qb(
     float* __restrict__ out, long long ldo, const uchar* __restrict__ w0, const uchar* __restrict__ w1,
@@ -392,27 +456,22 @@ extern "C" __global__ void __launch_bounds__(256) matvec_qb(
     const float* __restrict__ x, const float* __restrict__ x2, long long ldx, const float* __restrict__ nw,
     float eps, int prologue, int accumulate, int B) {
     extern __shared__ float sq[];
-    __shared__ float red[32];
-    __shared__ float inv[MAX_BATCH];
-    int units = cols >> 5, warp = threadIdx.x >> 5, lane = threadIdx.x & 31, warps = blockDim.x >> 5;
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, warps = blockDim.x >> 5;
     int rows = rows0 + rows1 + rows2, r0 = blockIdx.x * warps + warp, stride = gridDim.x * warps;
-    // this warp's first two rows start coming into L2 while the block prepares its input
+    // the next kernel may launch now (a programmatic dependent launch: its blocks wait in pdl_wait)
+    pdl_launch_dependents();
+    // this warp's first two rows start coming into L2 while the block prepares its input (or, launched
+    // programmatically, while the kernel before it finishes)
     if (lane == 0) {
         prefetch_row(w0, w1, w2, t0, t1, t2, rows0, rows1, rows, r0, cols);
         prefetch_row(w0, w1, w2, t0, t1, t2, rows0, rows1, rows, r0 + stride, cols);
     }
-    if (prologue == 1) {  // each vector's RMS (the condition is the block's, so are the barriers)
-        for (int b = 0; b < B; b++) {
-            float ss = 0.f;
-            for (int e = threadIdx.x; e < cols; e += blockDim.x) ss += x[b * ldx + e] * x[b * ldx + e];
-            ss = block_sum(ss, red);
-            if (threadIdx.x == 0) inv[b] = rsqrtf(ss / (float)cols + eps);
-        }
-        __syncthreads();
-    }
-    quantize_pieces(sq, x, x2, ldx, nw, inv, prologue, cols, B);
-    __syncthreads();
+    prefetch_row_l1(w0, w1, w2, t0, t1, t2, rows0, rows1, rows, r0, cols, lane);
+    pdl_wait();  // x, x2 and out come from the kernels before
+    quantize_pieces(sq, x, x2, ldx, nw, eps, prologue, cols, B);
     for (int r = r0; r < rows; r += stride) {
+        // the row after this one: into L1 now (it is in L2 already), the one after that into L2
+        prefetch_row_l1(w0, w1, w2, t0, t1, t2, rows0, rows1, rows, r + stride, cols, lane);
         if (lane == 0) prefetch_row(w0, w1, w2, t0, t1, t2, rows0, rows1, rows, r + 2 * stride, cols);
         int type;
         const uchar* w = mixed_row(w0, w1, w2, t0, t1, t2, rows0, rows1, r, cols, &type);
