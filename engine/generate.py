@@ -116,6 +116,26 @@ def _mask_from(logits: np.ndarray, start: int) -> np.ndarray:
     return logits
 
 
+def device_steps(model, params: GenerationParams, rows: int, vocab: int):
+    """The model's own decode-and-pick step, when it has one (a CUDA decoder: greedy_step / sample_step)
+    and the sampling settings fit it: step(token, cache) -> next token, and only the token leaves the
+    device instead of the logits. None: decode with forward() and sample on the host (a repetition
+    penalty, top-k off or wider than the device sampler takes, a CPU model). rows: the logits' length;
+    vocab: the tokenizer's (fewer when the embedding is padded: those rows are never picked)."""
+    greedy, sample = getattr(model, "greedy_step", None), getattr(model, "sample_step", None)
+    if greedy is None or sample is None or params.repetition_penalty != 1.0:
+        return None
+    limit = vocab if vocab < rows else None
+    if params.temperature == 0:
+        return lambda token, cache: greedy(token, cache, vocab=limit)
+    if not 0 < params.top_k <= getattr(model, "sample_max_k", 0):
+        return None
+    # the device draws with uniforms from a stream of its own (the host's sampler took the first token)
+    rng = np.random.default_rng(None if params.seed is None else [params.seed, 1])
+    t, k, p, m = params.temperature, params.top_k, params.top_p, params.min_p
+    return lambda token, cache: sample(token, cache, t, k, p, float(rng.random()), min_p=m, vocab=limit)
+
+
 def generate(
     model, tokenizer: Tokenizer, prompt_ids: Sequence[int], cache: KVCache, params: GenerationParams
 ) -> Iterator[GenerationEvent]:
@@ -152,12 +172,17 @@ def generate(
         prompt_tps=(len(prompt_ids) - reused) / t_prefill if t_prefill > 0 else 0.0,
     )
     history = list(prompt_ids)
+    step = device_steps(model, params, len(logits), tokenizer.vocab_size)
     t_decode = time.perf_counter()
     finish = None
+    picked = None  # the device step's pick (the first token is sampled here, from the prefill's logits)
     while finish is None:
-        for process in processors:
-            logits = process(history, logits)
-        token = sample(logits)
+        if picked is None:
+            for process in processors:
+                logits = process(history, logits)
+            token = sample(logits)
+        else:
+            token = picked
         stats.generated_tokens += 1
         if token in stop_ids:
             finish = "stop"
@@ -172,7 +197,9 @@ def generate(
             finish = "length"
         elif finish is None and cache.offset >= cache.n_ctx:
             finish = "context"
-        if finish is None:
+        if finish is None and step is not None:
+            picked = step(token, cache)
+        elif finish is None:
             logits = model.forward([token], cache)[-1]
         elif not stopped:
             # the reply ends here: release what the decoder and the stop matcher held back

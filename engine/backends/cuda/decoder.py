@@ -225,7 +225,8 @@ class _PrefillGraph:
 
 
 class CudaDecoder:
-    """The GPU twin of a LlamaModel or Gemma3Model (same forward/new_cache interface, numpy logits).
+    """The GPU twin of a LlamaModel or Gemma3Model (same forward/new_cache interface, numpy logits;
+    greedy_step and sample_step decode a token and pick the next on the GPU).
 
     Args:
         model: the CPU model built from the file (weights still mapped, nothing dequantized).
@@ -247,6 +248,8 @@ class CudaDecoder:
         CudaOutOfMemoryError: the estimate exceeds the GPU's free memory.
         ValueError: an unknown decode_kernel.
     """
+
+    sample_max_k = ops.SAMPLE_MAX_K  # the widest top-k sample_step takes (engine.generate.device_steps)
 
     def __init__(
         self,
@@ -331,6 +334,7 @@ class CudaDecoder:
         # a decode step's matvecs and attention as programmatic dependent launches (ops.dependent_launches)
         self.pdl = os.environ.get("HEARTH_CUDA_PDL", "").strip() == "1"
         self.pdl_error: str | None = None  # why they were given up, if they were
+        self._sample_parts = None  # sample_step's scratch (ops.sample_parts), made on first use
         self.max_position_embeddings = cfg.max_position_embeddings
 
     # ---- loading -------------------------------------------------------------------------
@@ -467,13 +471,19 @@ class CudaDecoder:
             cache.advance([int(t)])
         return out
 
-    def greedy_step(self, token: int, cache: CudaKVCache) -> int:
-        """Decode one token and return the argmax of its logits; only the token crosses to the host."""
+    def greedy_step(self, token: int, cache: CudaKVCache, vocab: int | None = None) -> int:
+        """Decode one token and return the argmax of its logits; only the token crosses to the host.
+        vocab: only the first vocab logits count (a tokenizer with fewer tokens than embedding rows)."""
         self._need_output()
         cache.check_room(1)
+        whole = vocab is None or vocab >= self.cfg.vocab_size
         with cp.cuda.Device(self.device), self.stream:
-            step = self._decode(int(token), cache, greedy=True)
-            if self.fused is not None:
+            step = self._decode(int(token), cache, greedy=whole)
+            if not whole:
+                ids = self._steps[cache].ids
+                ops.argmax(ids, step[0, :vocab])
+                nxt = int(cp.asnumpy(ids, stream=self.stream)[0])
+            elif self.fused is not None:
                 nxt = int(self.fused.check(step)[0])
             else:
                 nxt = int(cp.asnumpy(step.ids, stream=self.stream)[0])
@@ -481,15 +491,27 @@ class CudaDecoder:
         return nxt
 
     def sample_step(
-        self, token: int, cache: CudaKVCache, temp: float, top_k: int, top_p: float, u: float
+        self,
+        token: int,
+        cache: CudaKVCache,
+        temp: float,
+        top_k: int,
+        top_p: float,
+        u: float,
+        min_p: float = 0.0,
+        vocab: int | None = None,
     ) -> int:
-        """Decode one token and draw the next on the GPU (top-k, then top-p, at temperature temp)."""
+        """Decode one token and draw the next on the GPU (ops.sample_topk: temperature, top-k, top-p,
+        min-p, the uniform u); only the token crosses to the host. vocab: as greedy_step's."""
         self._need_output()
         cache.check_room(1)
         with cp.cuda.Device(self.device), self.stream:
             logits = self._decode(int(token), cache, greedy=False)
             ids = self._steps[cache].ids
-            ops.sample_topk(ids, logits, top_k, temp, top_p, u)
+            if self._sample_parts is None:
+                self._sample_parts = ops.sample_parts()
+            row = logits[0] if vocab is None else logits[0, :vocab]
+            ops.sample_topk(ids, row, top_k, temp, top_p, u, min_p, self._sample_parts)
             nxt = int(cp.asnumpy(ids, stream=self.stream)[0])
         cache.advance([token])
         return nxt

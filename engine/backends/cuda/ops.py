@@ -544,14 +544,34 @@ def argmax(token, x, parts: tuple | None = None) -> None:
     kernel("argmax", cp.cuda.Device().id)((blocks,), (256,), (token, x, _i32(x.size), pv, pi, count))
 
 
-def sample_topk(token, x, k: int, temp: float, top_p: float, u: float) -> None:
-    """token int32 (1,) drawn from softmax(top-k of x / temp), cut to top_p, with uniform u in [0, 1).
+SAMPLE_MAX_K = 256  # ops.cu's SAMPLE_MAX_K
+SAMPLE_BLOCKS = 64
+SAMPLE_CANDIDATES = 4096  # blocks x k at most: the last block holds them in 32 KiB of shared memory
 
-    k is capped at 256 (the kernel's shared buffer); temp > 0 (temp 0 is argmax)."""
-    k = min(int(k) if k > 0 else 256, 256, x.size)  # top_k 0 (off) keeps the 256 most likely
-    kernel("sample_topk", cp.cuda.Device().id)(
-        (1,), (1024,), (token, x, _i32(x.size), _i32(k), _f32(temp), _f32(top_p), _f32(u))
-    )
+
+def sample_parts() -> tuple:
+    """sample_topk's scratch: each block's k best values and indices, and the blocks' counter (zeros)."""
+    m = SAMPLE_BLOCKS * SAMPLE_MAX_K
+    return cp.empty(m, cp.float32), cp.empty(m, cp.int32), cp.zeros(1, cp.uint32)
+
+
+def sample_topk(
+    token, x, k: int, temp: float, top_p: float, u: float, min_p: float = 0.0, parts: tuple | None = None
+) -> None:
+    """token int32 (1,) drawn from the k most likely of x float32 (n,) as engine.sampling's
+    filtered_distribution and a Generator.choice with the uniform u in [0, 1) draw it: softmax at temp
+    (> 0; temp 0 is argmax), top_p, min_p. One launch: blocks take chunks of x, the last one merges their
+    candidates and draws. 0 < k <= SAMPLE_MAX_K (top-k off, or wider, is the host's: engine.sampling).
+    parts: optional preallocated sample_parts(); the kernel leaves the counter zeroed."""
+    k = min(int(k), x.size)
+    if not 0 < k <= SAMPLE_MAX_K:
+        raise ValueError(f"GPU sampling takes 1..{SAMPLE_MAX_K} candidates (top_k), not {k}")
+    if temp <= 0:
+        raise ValueError("GPU sampling needs a temperature > 0 (0 is argmax)")
+    pv, pi, count = parts if parts is not None else sample_parts()
+    blocks = max(1, min(SAMPLE_BLOCKS, SAMPLE_CANDIDATES // k, -(-x.size // k)))
+    args = (token, x, _i32(x.size), _i32(k), _f32(temp), _f32(top_p), _f32(min_p), _f32(u), pv, pi, count)
+    kernel("sample_topk", cp.cuda.Device().id)((blocks,), (256,), args, shared_mem=8 * blocks * k)
 
 
 def linear_prefill(out, ws: list[GpuWeight], x16, scratch, accumulate: bool = False) -> None:

@@ -337,7 +337,7 @@ def test_decoder_launches_match_the_kernels(fake, tmp_path, kind):
     assert per_step == per_layer * n_layers + head, fake.launches[:per_step]
     token = dec.greedy_step(3, cache)
     assert 0 <= token < 2**31 and cache.offset == 7
-    dec.sample_step(3, cache, temp=0.8, top_k=0, top_p=0.9, u=0.5)
+    dec.sample_step(3, cache, temp=0.8, top_k=40, top_p=0.9, u=0.5, min_p=0.05)
     assert cache.offset == 8
     all_logits = dec.forward([1, 2, 3], cache, all_logits=True)
     assert all_logits.shape == (3, model.cfg.vocab_size)
@@ -733,3 +733,64 @@ def test_decode_step_as_programmatic_dependent_launches_on_host_threads(fake, si
     assert not refused.pdl and "801" in refused.pdl_error
     for g, want in zip(got, steps[1]):
         np.testing.assert_array_equal(g, want)
+
+
+def test_gpu_sampling_on_host_threads(fake, simt):
+    """ops.sample_topk (blocks' candidates, the last block's merge and draw) against the CPU's
+    distribution (test_kernels_gpu), on host threads: smaller vocabularies and fewer draws than on a
+    GPU (a block's k passes are 2k barriers of 256 host threads), the same kinds of cases."""
+    from tests.engine.cuda import test_kernels_gpu as gpu_tests
+
+    STATE.simt = simt
+    cases = (300, 20, 0.7, 0.95, 0.05), (300, 1, 1.0, 1.0, 0.0), (150, 100, 1.3, 0.9, 0.1)
+    cases += ((7, 40, 1.0, 1.0, 0.0),)
+    gpu_tests.test_sampling_draws_from_the_cpu_distribution(0, cases, draws=6)
+
+
+def test_generate_picks_tokens_on_the_gpu_on_host_threads(fake, simt, tmp_path, monkeypatch):
+    """engine.generate with a CUDA decoder: after the prefill's token, each step decodes and picks on
+    the GPU (greedy_step / sample_step: only the token comes back), greedy replies equal the CPU
+    model's, a seed repeats a sampled reply, and settings the device sampler lacks (a repetition
+    penalty, top-k off) decode with forward() and sample on the host."""
+    from engine.generate import GenerationParams, generate
+    from engine.loader import load_model
+    from engine.tokenizer import Tokenizer
+    from models.formats.gguf import open_gguf
+
+    STATE.simt = simt
+    path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(path, TinySpec(matrix_type=T.Q8_0, layers=1))
+    tokenizer = Tokenizer.from_gguf_metadata(open_gguf(path).metadata)
+    model = load_model(path).model
+    dec = fake.decoder.CudaDecoder(model, n_ctx=48, prefill_dtype="float32")
+    calls = []
+    for name in ("greedy_step", "sample_step", "forward"):
+        real = getattr(dec, name)
+        spy = lambda *a, real=real, name=name, **kw: calls.append(name) or real(*a, **kw)  # noqa: E731
+        monkeypatch.setattr(dec, name, spy)
+
+    def reply(m, params):
+        cache = m.new_cache(48) if m is model else m.new_cache(48, np.float32)
+        return [e.token for e in generate(m, tokenizer, [1, 2, 3], cache, params)]
+
+    greedy = GenerationParams(max_tokens=4, temperature=0.0)
+    want = reply(model, greedy)
+    calls.clear()
+    assert reply(dec, greedy) == want
+    assert calls == ["forward"] + ["greedy_step"] * (len(want) - 1)  # the prefill, then a step a token
+    sampled = GenerationParams(max_tokens=4, temperature=0.9, top_k=40, top_p=0.95, min_p=0.05, seed=3)
+    calls.clear()
+    first = reply(dec, sampled)
+    assert calls == ["forward"] + ["sample_step"] * (len(first) - 1)
+    assert reply(dec, sampled) == first and all(0 <= t < tokenizer.vocab_size for t in first)
+    for host_only in (dict(repetition_penalty=1.1), dict(top_k=0)):
+        calls.clear()
+        reply(dec, GenerationParams(max_tokens=3, temperature=0.9, seed=3, **host_only))
+        assert "sample_step" not in calls and calls.count("forward") >= 2
+    # a tokenizer with fewer tokens than embedding rows: the padding rows are never picked
+    cache = dec.new_cache(48, np.float32)
+    logits = model.forward([1, 2, 3], cpu := model.new_cache(48))[-1]
+    dec.forward([1, 2, 3], cache)
+    tok = int(np.argmax(logits))
+    step = model.forward([tok], cpu)[-1]
+    assert dec.greedy_step(tok, cache, vocab=50) == int(np.argmax(step[:50]))

@@ -297,6 +297,41 @@ def test_rope_store_and_attention_match_cpu(gpu, kv_dtype, neox, window, qk_norm
     np.testing.assert_array_equal(gvc.get(), vref)
 
 
+# (vocabulary, top_k, temperature, top_p, min_p): the app's defaults, a single candidate, a wide top-k
+# over few logits, a wide top-k with both cuts, and fewer logits than top_k
+SAMPLING_CASES = ((5000, 40, 0.7, 0.95, 0.05), (5000, 1, 1.0, 1.0, 0.0), (300, 256, 1.3, 1.0, 0.0),
+                  (5000, 256, 0.5, 0.9, 0.1), (7, 40, 1.0, 1.0, 0.0))
+
+
+def test_sampling_draws_from_the_cpu_distribution(gpu, cases=SAMPLING_CASES, draws: int = 12):
+    """ops.sample_topk picks, for a uniform u, the token the CPU's filtered_distribution gives that u
+    (inverse CDF, as Generator.choice): the same candidates in the same order (ties to the lower id),
+    the same temperature, top-p and min-p cuts. u's within 1e-4 of a CDF step are left out (float32
+    against float64 sums)."""
+    import cupy as cp
+
+    from engine.backends.cuda import ops
+    from engine.sampling import filtered_distribution
+
+    rng = np.random.default_rng(11)
+    parts, tok = ops.sample_parts(), cp.zeros(1, cp.int32)
+    for n, k, temp, top_p, min_p in cases:
+        logits = (3 * rng.standard_normal(n)).astype(np.float32)
+        logits[[5 % n, 6 % n]] = logits.max() + 0.5  # a tie at the top
+        ids, probs = filtered_distribution(logits, temp, k, top_p, min_p)
+        cdf = np.cumsum(probs)
+        x, drawn = cp.asarray(logits), 0
+        for u in rng.random(draws):
+            if np.min(np.abs(cdf - u)) < 1e-4:
+                continue
+            ops.sample_topk(tok, x, k, temp, top_p, float(u), min_p, parts)
+            assert int(tok.get()[0]) == int(ids[np.searchsorted(cdf, u, side="right")]), (n, k, u)
+            drawn += 1
+        assert drawn >= draws // 2 and not parts[2].get().any()  # the last block reset the counter
+    with pytest.raises(ValueError, match="top_k"):
+        ops.sample_topk(tok, x, 0, 1.0, 1.0, 0.5)
+
+
 def test_glu_argmax_and_sampling(gpu):
     import cupy as cp
 

@@ -109,12 +109,19 @@ __device__ __forceinline__ void kv_unpack(uint4 w, float* v) {
 template <int N>
 __device__ __forceinline__ float kv_round(float x) { return N == 8 ? h2f(f2h(x)) : x; }
 
-// A float another block wrote in this launch, read from L2 (after its writer's __threadfence)
+// A value another block wrote in this launch, read from L2 (after its writer's __threadfence)
 __device__ __forceinline__ float ld_l2(const float* p) {
 #ifdef __CUDA_ARCH__
     return __ldcg(p);
 #else
     return *(const volatile float*)p;
+#endif
+}
+__device__ __forceinline__ int ld_l2(const int* p) {
+#ifdef __CUDA_ARCH__
+    return __ldcg(p);
+#else
+    return *(const volatile int*)p;
 #endif
 }
 
@@ -437,51 +444,105 @@ extern "C" __global__ void argmax(int* __restrict__ token, const float* __restri
     if (threadIdx.x == 0) token[0] = bi;
 }
 
-// Top-k / top-p sampling on the GPU, one block of 1024 threads. The k best logits are found in k
-// passes (each takes the best below the previous one in (value, index) order), then softmax at
-// temperature temp over them, the smallest prefix whose probability reaches top_p is kept and
-// token[0] is drawn with the uniform u in [0, 1). k <= 256.
-extern "C" __global__ void sample_topk(int* __restrict__ token, const float* __restrict__ x, int n, int k,
-                                       float temp, float top_p, float u) {
+// Sampling on the GPU: token[0] drawn from the k most likely of logits x (n,) as engine/sampling.py's
+// filtered_distribution does it: softmax of the k best at temperature temp, then the smallest prefix
+// whose probability reaches top_p (top_p >= 1: off) and the tokens at least min_p times as likely as
+// the best (min_p 0: off), then the first candidate whose running mass exceeds u * the kept mass (u
+// uniform in [0, 1): numpy's Generator.choice with one draw). Candidates in (value, index) order, ties
+// to the lower index, as the CPU's stable sort.
+// Each block takes a contiguous chunk of x and writes its k best (k passes, each the best below the
+// previous) to pv/pi[block * k ..]; the last block to finish (count[0], which it resets for the next
+// call) copies the gridDim.x * k candidates into dynamic shared memory (8 bytes each), takes the k best
+// of them the same way and draws. 256 threads; k <= SAMPLE_MAX_K.
+#define SAMPLE_MAX_K 256
+extern "C" __global__ void __launch_bounds__(256) sample_topk(int* __restrict__ token, const float* __restrict__ x,
+                                                             int n, int k, float temp, float top_p, float min_p,
+                                                             float u, float* __restrict__ pv,
+                                                             int* __restrict__ pi, uint* __restrict__ count) {
+    extern __shared__ float cand[];  // gridDim.x * k values, then as many indices
     __shared__ float rv[32];
     __shared__ int ri[32];
-    __shared__ float tv[256];
-    __shared__ int ti[256];
-    float pv = 3.4e38f;
-    int pi = -1;
+    __shared__ float tv[SAMPLE_MAX_K];
+    __shared__ int ti[SAMPLE_MAX_K];
+    __shared__ int last;
+    int chunk = (n + gridDim.x - 1) / gridDim.x, lo = blockIdx.x * chunk, hi = min(n, lo + chunk);
+    float prev_v = 3.4e38f;
+    int prev_i = -1;
+    for (int r = 0; r < k; r++) {  // a chunk shorter than k leaves (-3.4e38, INT_MAX) entries
+        float bv = -3.4e38f;
+        int bi = 0x7fffffff;
+        for (int j = lo + threadIdx.x; j < hi; j += blockDim.x) {
+            float v = x[j];
+            if (better(prev_v, prev_i, v, j) && better(v, j, bv, bi)) { bv = v; bi = j; }
+        }
+        block_best(&bv, &bi, rv, ri);
+        if (threadIdx.x == 0) {
+            pv[blockIdx.x * k + r] = bv;
+            pi[blockIdx.x * k + r] = bi;
+        }
+        prev_v = bv;
+        prev_i = bi;
+    }
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        last = atomicAdd(count, 1u) == gridDim.x - 1;
+        if (last) count[0] = 0;
+    }
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    int m = gridDim.x * k;
+    int* cand_i = (int*)(cand + m);
+    for (int c = threadIdx.x; c < m; c += blockDim.x) {  // the other blocks' writes, from L2
+        cand[c] = ld_l2(pv + c);
+        cand_i[c] = ld_l2(pi + c);
+    }
+    __syncthreads();
+    prev_v = 3.4e38f;
+    prev_i = -1;
     for (int r = 0; r < k; r++) {
         float bv = -3.4e38f;
         int bi = 0x7fffffff;
-        for (int j = threadIdx.x; j < n; j += blockDim.x) {
-            float v = x[j];
-            if (better(pv, pi, v, j) && better(v, j, bv, bi)) { bv = v; bi = j; }
+        for (int c = threadIdx.x; c < m; c += blockDim.x) {
+            float v = cand[c];
+            int j = cand_i[c];
+            if (better(prev_v, prev_i, v, j) && better(v, j, bv, bi)) { bv = v; bi = j; }
         }
         block_best(&bv, &bi, rv, ri);
         if (threadIdx.x == 0) { tv[r] = bv; ti[r] = bi; }
-        pv = bv;
-        pi = bi;
+        prev_v = bv;
+        prev_i = bi;
     }
     __syncthreads();
-    if (threadIdx.x == 0) {
-        float total = 0.f;
-        for (int r = 0; r < k; r++) {
-            tv[r] = expf((tv[r] - tv[0]) / temp);
-            total += tv[r];
-        }
-        float keep = 0.f;
-        int m = k;
-        for (int r = 0; r < k; r++) {
-            keep += tv[r] / total;
-            if (keep >= top_p) { m = r + 1; break; }
-        }
-        float mass = 0.f;
-        for (int r = 0; r < m; r++) mass += tv[r];
-        float target = u * mass, c = 0.f;
-        int pick = ti[m - 1];
-        for (int r = 0; r < m; r++) {
-            c += tv[r];
-            if (c > target) { pick = ti[r]; break; }
-        }
-        token[0] = pick;
+    if (threadIdx.x != 0) return;
+    int kk = k;
+    while (kk > 1 && ti[kk - 1] == 0x7fffffff) kk--;  // fewer logits than k
+    float top = tv[0], total = 0.f;
+    for (int r = 0; r < kk; r++) {
+        tv[r] = expf((tv[r] - top) / temp);  // tv[0] becomes 1: min_p compares with it directly
+        total += tv[r];
     }
+    int keep = kk;
+    if (top_p < 1.f) {
+        float c = 0.f;
+        for (int r = 0; r < kk; r++) {
+            c += tv[r] / total;
+            if (c >= top_p) { keep = r + 1; break; }
+        }
+    }
+    if (min_p > 0.f) {
+        int above = 0;
+        while (above < kk && tv[above] >= min_p) above++;
+        keep = min(keep, max(1, above));
+    }
+    float mass = 0.f;
+    for (int r = 0; r < keep; r++) mass += tv[r];
+    float target = u * mass, c = 0.f;
+    int pick = ti[keep - 1];
+    for (int r = 0; r < keep; r++) {
+        c += tv[r];
+        if (c > target) { pick = ti[r]; break; }
+    }
+    token[0] = pick;
 }
