@@ -292,7 +292,7 @@ def _prefill_breakdown(dec, n_tokens: int, n_ctx: int) -> dict:
                 best = min(best, time.perf_counter() - t0)
             res[f"prefill_{name}_s"] = round(best, 5)
             try:  # the GPU's time alone: the same launches captured, the graph replayed
-                res[f"prefill_{name}_gpu_s"] = round(_graph_seconds(dec.stream, fn), 6)
+                res[f"prefill_{name}_gpu_s"] = round(graph_seconds(dec.stream, fn), 6)
             except Exception as e:  # noqa: BLE001 - the wall-clock figure stands
                 res[f"prefill_{name}_gpu_error"] = f"{type(e).__name__}: {e}"
     res["prefill_gemm_ex"] = not ops._gemm_ex_failed
@@ -301,26 +301,30 @@ def _prefill_breakdown(dec, n_tokens: int, n_ctx: int) -> dict:
     return res
 
 
-def _graph_seconds(stream, fn, replays: int = 5) -> float:
-    """GPU seconds of fn's launches: captured once (allocations from a pool of the graph's own), the
-    graph replayed `replays` times between two events, their mean."""
+def graph_seconds(stream, fn, replays: int = 5, reps: int = 1) -> float:
+    """GPU seconds of one call of fn's launches: fn run once (it loads the kernels), then `reps` calls
+    captured (allocations from a pool of the graph's own), the graph replayed `replays` times between
+    two events; their mean."""
     import cupy as cp
 
     pool = cp.cuda.MemoryPool()
-    stream.begin_capture()
-    try:
-        with cp.cuda.using_allocator(pool.malloc):
-            fn()
-    finally:
-        graph = stream.end_capture()
-    graph.launch(stream)
-    start, end = cp.cuda.Event(), cp.cuda.Event()
-    start.record(stream)
-    for _ in range(replays):
+    with stream:
+        fn()
+        stream.begin_capture()
+        try:
+            with cp.cuda.using_allocator(pool.malloc):
+                for _ in range(reps):
+                    fn()
+        finally:
+            graph = stream.end_capture()
         graph.launch(stream)
-    end.record(stream)
-    end.synchronize()
-    return cp.cuda.get_elapsed_time(start, end) / 1e3 / replays
+        start, end = cp.cuda.Event(), cp.cuda.Event()
+        start.record(stream)
+        for _ in range(replays):
+            graph.launch(stream)
+        end.record(stream)
+        end.synchronize()
+    return cp.cuda.get_elapsed_time(start, end) / 1e3 / (replays * reps)
 
 
 # a GPU kept busy for `ns` nanoseconds (its global timer), so that launches queue up behind it

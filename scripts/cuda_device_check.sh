@@ -20,16 +20,7 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/hearth-cuda-out}
 mkdir -p "$OUT"
 exec > >(tee -a "$OUT/cuda_check.log") 2>&1
-PY=${PYTHON:-python3}
-if ls .whl/*.whl >/dev/null 2>&1; then
-    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/hearth-site \
-        .whl/*.whl || echo "wheel install failed"
-    export PYTHONPATH=/tmp/hearth-site
-fi
-export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD"
-export PYTHONUNBUFFERED=1 HEARTH_CUDA_OFFLINE=1
-export HEARTH_TEST_MODELS=${HEARTH_TEST_MODELS:-/tmp/hearth-test-models}
-export NUMBA_CACHE_DIR=/tmp/hearth-numba
+source scripts/cuda_device_env.sh
 date
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv || true
 "$PY" -c "import cupy, numba, numpy; print('cupy', cupy.__version__, 'devices', cupy.cuda.runtime.getDeviceCount(), 'numba', numba.__version__, 'numpy', numpy.__version__)"

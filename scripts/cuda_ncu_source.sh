@@ -7,12 +7,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/hearth-cuda-out}
 mkdir -p "$OUT"
-PY=${PYTHON:-python3}
-if ls .whl/*.whl >/dev/null 2>&1; then
-    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/hearth-site \
-        .whl/*.whl || echo "wheel install failed"
-fi
-export PYTHONPATH="/tmp/hearth-site:$PWD" PYTHONUNBUFFERED=1 NUMBA_CACHE_DIR=/tmp/hearth-numba HEARTH_CUDA_OFFLINE=1
+source scripts/cuda_device_env.sh
 NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda*/bin/ncu 2>/dev/null | head -1)
 echo "ncu: $NCU"
 [ -n "$NCU" ] || exit 0

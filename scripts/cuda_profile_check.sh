@@ -7,9 +7,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/hearth-cuda-out}
 mkdir -p "$OUT"
-PY=${PYTHON:-python3}
-"$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/hearth-site .whl/*.whl
-export PYTHONPATH="/tmp/hearth-site:$PWD" PYTHONUNBUFFERED=1 NUMBA_CACHE_DIR=/tmp/hearth-numba HEARTH_CUDA_OFFLINE=1
+source scripts/cuda_device_env.sh
 (while sleep 1; do nvidia-smi --query-gpu=clocks.sm,clocks.mem,utilization.gpu,power.draw --format=csv,noheader; done \
     > "$OUT/clocks.log" 2>&1 &)
 timeout 100 "$PY" scripts/cuda_profile_step.py --out "$OUT/profile_Q4_K.json" 2>&1 | tee "$OUT/profile.log"

@@ -22,29 +22,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from cuda_bench_1b import VOCAB, build_gguf, open_model  # noqa: E402
-
-
-def time_graph(stream, fn, reps: int, iters: int = 5) -> float:
-    """Seconds per call of fn (launches only), from a graph of reps calls replayed iters times."""
-    import cupy as cp
-
-    with stream:
-        fn()  # loads the kernels outside the capture
-        stream.begin_capture()
-        try:
-            for _ in range(reps):
-                fn()
-        finally:
-            graph = stream.end_capture()
-        graph.launch(stream)
-        start, end = cp.cuda.Event(), cp.cuda.Event()
-        start.record(stream)
-        for _ in range(iters):
-            graph.launch(stream)
-        end.record(stream)
-        end.synchronize()
-    return cp.cuda.get_elapsed_time(start, end) / 1e3 / (iters * reps)
+from cuda_bench_1b import VOCAB, build_gguf, graph_seconds, open_model  # noqa: E402
 
 
 def main() -> int:
@@ -116,7 +94,7 @@ def main() -> int:
     layer_s = 0.0
     for name, fn in ops_.items():
         try:
-            t = time_graph(dec.stream, fn, args.reps)
+            t = graph_seconds(dec.stream, fn, replays=5, reps=args.reps)
         except Exception as e:  # noqa: BLE001 - the other ops' figures stand
             res[f"{name}_error"] = f"{type(e).__name__}: {e}"
             print(name, res[f"{name}_error"], flush=True)
@@ -132,7 +110,8 @@ def main() -> int:
     res["step_sum_estimate_us"] = round(layer_s * 1e6 * len(dec.layers) + head_us, 1)
     # a 32-element kernel's graph time: the floor of one launch inside a graph
     tiny = s.o[0, :32]
-    res["tiny_launch_us"] = round(time_graph(dec.stream, lambda: ops.softcap(tiny, 30.0), 50) * 1e6, 2)
+    tiny_s = graph_seconds(dec.stream, lambda: ops.softcap(tiny, 30.0), reps=50)
+    res["tiny_launch_us"] = round(tiny_s * 1e6, 2)
     # the whole step: graph replays back to back, against greedy_step's host round trip per token
     graph = s.graphs[True]
     with dec.stream:

@@ -109,19 +109,13 @@ __device__ __forceinline__ void kv_unpack(uint4 w, float* v) {
 template <int N>
 __device__ __forceinline__ float kv_round(float x) { return N == 8 ? h2f(f2h(x)) : x; }
 
-// A value another block wrote in this launch, read from L2 (after its writer's __threadfence)
-__device__ __forceinline__ float ld_l2(const float* p) {
+// A value (float or int) another block wrote in this launch, read from L2 (after its writer's __threadfence)
+template <class T>
+__device__ __forceinline__ T ld_l2(const T* p) {
 #ifdef __CUDA_ARCH__
     return __ldcg(p);
 #else
-    return *(const volatile float*)p;
-#endif
-}
-__device__ __forceinline__ int ld_l2(const int* p) {
-#ifdef __CUDA_ARCH__
-    return __ldcg(p);
-#else
-    return *(const volatile int*)p;
+    return *(const volatile T*)p;
 #endif
 }
 
