@@ -479,9 +479,10 @@ class CudaDecoder:
         whole = vocab is None or vocab >= self.cfg.vocab_size
         with cp.cuda.Device(self.device), self.stream:
             step = self._decode(int(token), cache, greedy=whole)
-            if not whole:
-                ids = self._steps[cache].ids
-                ops.argmax(ids, step[0, :vocab])
+            if not whole:  # the step's own argmax scratch (its counter is left zeroed for the graph)
+                st = self._steps[cache]
+                ids = st.ids
+                ops.argmax(ids, step[0, :vocab], st.argmax_parts)
                 nxt = int(cp.asnumpy(ids, stream=self.stream)[0])
             elif self.fused is not None:
                 nxt = int(self.fused.check(step)[0])
