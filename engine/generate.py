@@ -120,7 +120,7 @@ def device_steps(model, params: GenerationParams, rows: int, vocab: int):
     """The model's own decode-and-pick step, when it has one (a CUDA decoder: greedy_step / sample_step)
     and the sampling settings fit it: step(token, cache) -> next token, and only the token leaves the
     device instead of the logits. None: decode with forward() and sample on the host (a repetition
-    penalty, top-k off or wider than the device sampler takes, a CPU model). rows: the logits' length;
+    penalty, a top-k wider than the device sampler takes, a CPU model). rows: the logits' length;
     vocab: the tokenizer's (fewer when the embedding is padded: those rows are never picked)."""
     greedy, sample = getattr(model, "greedy_step", None), getattr(model, "sample_step", None)
     if greedy is None or sample is None or params.repetition_penalty != 1.0:
@@ -128,7 +128,7 @@ def device_steps(model, params: GenerationParams, rows: int, vocab: int):
     limit = vocab if vocab < rows else None
     if params.temperature == 0:
         return lambda token, cache: greedy(token, cache, vocab=limit)
-    if not 0 < params.top_k <= getattr(model, "sample_max_k", 0):
+    if not 0 <= params.top_k <= getattr(model, "sample_max_k", 0):  # 0: top-k off
         return None
     # the device draws with uniforms from a stream of its own (the host's sampler took the first token)
     rng = np.random.default_rng(None if params.seed is None else [params.seed, 1])

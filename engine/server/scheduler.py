@@ -11,7 +11,9 @@ Each iteration of the engine loop
      prefill logits and joins the batch, and its prompt state goes into the prefix store;
   3. runs one decode step for all decoding sequences at once (Decoder.forward_batch: every weight
      row is read once for the whole batch) and samples each row with that sequence's own sampler,
-     grammar mask (structured output), stop strings and limits.
+     grammar mask (structured output), stop strings and limits. A model that picks on its own device
+     (the CUDA decoder's pick_batch) picks the rows that need no grammar or logprobs there, so only
+     their tokens come back; it draws with the same uniforms as the host, so a seed gives one reply.
 A request that arrives mid-reply of others is therefore decoding by the next step after its prefill,
 without waiting for anything to finish. Cancellation (client gone) and deadlines are checked every
 iteration. Results go back through each sequence's `emit` callback (called on the engine thread).
@@ -31,7 +33,7 @@ import numpy as np
 from engine.generate import _StopMatcher
 from engine.kv_cache import KVCache
 from engine.prefix_cache import PrefixCache
-from engine.sampling import make_sampler
+from engine.sampling import check_sampling, draw
 from engine.server.constraints import Constraint
 from engine.server.errors import APIError
 from engine.server.metrics import ServerMetrics
@@ -96,7 +98,8 @@ class Job:
         self.generated = 0
         self.t_first = 0.0
         self.finished = False
-        self.sampler = make_sampler(params.temperature, 0, params.top_p, 0.0, params.seed)
+        check_sampling(params.temperature, 0, params.top_p, 0.0)
+        self.rng = np.random.default_rng(params.seed)  # one uniform a sampled token, host or device
         self.constraint: Constraint | None = None
         self.decoder: StreamDecoder | None = None  # set when the first token is sampled
         self.matcher: _StopMatcher | None = None
@@ -281,22 +284,36 @@ class Engine:
     def _decode_step(self) -> None:
         batch = list(self._decoding)
         tokens = [s.pending for s in batch]
-        logits = self.model.forward_batch(tokens, [s.cache for s in batch])
+        caches = [s.cache for s in batch]
+        pick = getattr(self.model, "pick_batch", None)
+        if pick is not None:
+            vocab = self.tokenizer.vocab_size
+            picked, rows = pick(tokens, caches, [self._device_pick(s) for s in batch], vocab=vocab)
+        else:
+            logits = self.model.forward_batch(tokens, caches)
+            picked, rows = [None] * len(batch), dict(enumerate(logits))
         self.steps += 1
         self.max_batch_seen = max(self.max_batch_seen, len(batch))
         self.metrics.batch_size.observe(len(batch))
         for b, seq in enumerate(batch):
-            self._sample(seq, logits[b].copy())
+            if picked[b] is None:
+                self._sample(seq, rows[b].copy())
+            else:
+                self._emit(seq, picked[b])
+
+    def _device_pick(self, seq: Job) -> tuple | None:
+        """What the model's device needs to pick seq's next token (pick_batch's row spec), or None when
+        the host must see the logits (a grammar, logprobs)."""
+        p = seq.params
+        if seq.constraint is not None or p.logprobs is not None:
+            return None
+        u = seq.rng.random() if p.temperature > 0 else 0.0
+        return p.temperature, 0, p.top_p, 0.0, u, tuple(self.tokenizer.eot_ids) if p.ignore_eos else ()
 
     def _sample(self, seq: Job, logits: np.ndarray) -> None:
-        """Pick seq's next token from its logits row and emit what it adds; finish it if it ends."""
+        """Pick seq's next token from its logits row (on the host) and emit it."""
         p = seq.params
         tok = self.tokenizer
-        if seq.generated == 0:
-            seq.t_first = time.monotonic()
-            seq.decoder = StreamDecoder(tok, skip_special=True, text_start=p.text_start)
-            seq.matcher = _StopMatcher(p.stop)
-            self.metrics.ttft.observe(seq.t_first - seq.arrived)
         raw = logits
         logits = logits.copy() if p.logprobs is not None else logits
         if len(logits) > tok.vocab_size:
@@ -305,7 +322,21 @@ class Engine:
             logits[list(tok.eot_ids)] = -np.inf
         if seq.constraint is not None:
             seq.constraint.apply(logits)
-        token = seq.sampler(logits)
+        if p.temperature == 0:
+            token = int(np.argmax(logits))
+        else:
+            token = draw(logits, p.temperature, 0, p.top_p, 0.0, seq.rng.random())
+        self._emit(seq, token, raw)
+
+    def _emit(self, seq: Job, token: int, raw: np.ndarray | None = None) -> None:
+        """Emit what seq's next token adds (raw: its logits row, for logprobs); finish seq if it ends."""
+        p = seq.params
+        tok = self.tokenizer
+        if seq.generated == 0:
+            seq.t_first = time.monotonic()
+            seq.decoder = StreamDecoder(tok, skip_special=True, text_start=p.text_start)
+            seq.matcher = _StopMatcher(p.stop)
+            self.metrics.ttft.observe(seq.t_first - seq.arrived)
         seq.generated += 1
         self.metrics.generated_tokens.inc()
         delta = Delta(token=token)

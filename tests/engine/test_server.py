@@ -180,18 +180,22 @@ def test_concurrent_clients_share_decode_steps(client, engine):
     assert alone[:20] == results[0][:20]
 
 
-def test_a_new_request_joins_without_waiting_for_a_running_one(client):
+def test_a_new_request_joins_without_waiting_for_a_running_one(client, engine):
     done: dict[str, float] = {}
 
     def long() -> None:
         client.completions.create(
-            model="smol", prompt="Count: 1, 2,", max_tokens=60, temperature=0, extra_body={"ignore_eos": True}
+            model="smol", prompt="Count: 1, 2,", max_tokens=200, temperature=0,
+            extra_body={"ignore_eos": True},
         )
         done["long"] = time.monotonic()
 
     t = threading.Thread(target=long)
     t.start()
-    time.sleep(0.5)
+    start = engine.steps
+    deadline = time.monotonic() + 30
+    while engine.steps < start + 3 and time.monotonic() < deadline:  # the long one is decoding
+        time.sleep(0.01)
     r = client.completions.create(model="smol", prompt="Hello", max_tokens=3, temperature=0)
     done["short"] = time.monotonic()
     t.join(120)

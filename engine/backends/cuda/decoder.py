@@ -39,6 +39,7 @@ from engine.arch.llama import LlamaModel
 from engine.backends.cuda import fused, ops
 from engine.backends.cuda.device import CudaOutOfMemoryError
 from engine.kv_cache import KVCache
+from engine.sampling import draw
 from models.errors import HearthError
 
 PREFILL_TILE_ELEMS = 32 << 20  # dequantized weight elements per prefill tile (64 MiB in float16)
@@ -334,7 +335,7 @@ class CudaDecoder:
         # a decode step's matvecs and attention as programmatic dependent launches (ops.dependent_launches)
         self.pdl = os.environ.get("HEARTH_CUDA_PDL", "").strip() == "1"
         self.pdl_error: str | None = None  # why they were given up, if they were
-        self._sample_parts = None  # sample_step's scratch (ops.sample_parts), made on first use
+        self._sample_parts = None  # _sample_rows' scratch (sample_topk's and argmax's), made on first use
         self.max_position_embeddings = cfg.max_position_embeddings
 
     # ---- loading -------------------------------------------------------------------------
@@ -462,14 +463,57 @@ class CudaDecoder:
     def _run_batch(self, tokens, caches) -> np.ndarray:
         tokens = check_batch(tokens, caches)
         with cp.cuda.Device(self.device), self.stream:
-            if len(caches) > 1:
-                out = cp.asnumpy(self._decode_batch(tokens, caches), stream=self.stream)
-            else:
-                out = cp.asnumpy(self._decode(int(tokens[0]), caches[0], greedy=False), stream=self.stream)
+            out = cp.asnumpy(self._decode_rows(tokens, caches), stream=self.stream)
             self.stream.synchronize()
         for t, cache in zip(tokens, caches):
             cache.advance([int(t)])
         return out
+
+    def _decode_rows(self, tokens, caches):
+        """One step of B >= 1 sequences: logits (B, vocab), or a head decoder's residual streams."""
+        if len(caches) > 1:
+            return self._decode_batch(tokens, caches)
+        return self._decode(int(tokens[0]), caches[0], greedy=False)
+
+    def pick_batch(
+        self, tokens, caches: list[CudaKVCache], picks: list, vocab: int | None = None
+    ) -> tuple[list[int | None], dict[int, np.ndarray]]:
+        """forward_batch's step with each row's next token picked on the GPU, so only the tokens come
+        back (the server's decode step).
+
+        Args:
+            picks: per row, (temp, top_k, top_p, min_p, u, banned) -- temp 0 is argmax; top_k 0 is off;
+                u the row's uniform draw; banned: token ids never picked (end-of-turn tokens when a
+                request ignores them) -- or None: that row's logits come back instead (a grammar or
+                logprobs needs them).
+            vocab: only the first vocab logits count (as greedy_step's).
+
+        Returns:
+            (tokens: the pick per row, None for the rows without one; {row: its float32 logits} for
+            those rows).
+        """
+        self._need_output()
+        tokens = check_batch(tokens, caches)
+        if len(picks) != len(caches):
+            raise ValueError(f"{len(picks)} picks for {len(caches)} sequences")
+        with cp.cuda.Device(self.device), self.stream:
+            logits = self._decode_rows(tokens, caches)
+            if vocab is not None and vocab < logits.shape[1]:
+                logits = logits[:, :vocab]
+            chosen = [b for b, p in enumerate(picks) if p is not None]
+            for b in chosen:
+                banned = [t for t in picks[b][5] if 0 <= t < logits.shape[1]]
+                if banned:
+                    logits[b, cp.asarray(np.asarray(banned, np.int64))] = -np.inf
+            got = self._sample_rows([logits[b] for b in chosen], [picks[b][:5] for b in chosen])
+            rest = [b for b, p in enumerate(picks) if p is None]
+            host = cp.asnumpy(logits[rest], stream=self.stream) if rest else None
+        for t, cache in zip(tokens, caches):
+            cache.advance([int(t)])
+        out: list[int | None] = [None] * len(picks)
+        for b, t in zip(chosen, got):
+            out[b] = t
+        return out, {b: host[i] for i, b in enumerate(rest)}
 
     def greedy_step(self, token: int, cache: CudaKVCache, vocab: int | None = None) -> int:
         """Decode one token and return the argmax of its logits; only the token crosses to the host.
@@ -502,20 +546,40 @@ class CudaDecoder:
         min_p: float = 0.0,
         vocab: int | None = None,
     ) -> int:
-        """Decode one token and draw the next on the GPU (ops.sample_topk: temperature, top-k, top-p,
-        min-p, the uniform u); only the token crosses to the host. vocab: as greedy_step's."""
+        """Decode one token and draw the next on the GPU (ops.sample_topk: temperature, top-k (0: off),
+        top-p, min-p, the uniform u); only the token crosses to the host, unless with top-k off the pick
+        needs more than the GPU's candidates: then the logits row does, and engine.sampling.draw picks
+        with the same u. vocab: as greedy_step's."""
         self._need_output()
         cache.check_room(1)
         with cp.cuda.Device(self.device), self.stream:
             logits = self._decode(int(token), cache, greedy=False)
-            ids = self._steps[cache].ids
-            if self._sample_parts is None:
-                self._sample_parts = ops.sample_parts()
             row = logits[0] if vocab is None else logits[0, :vocab]
-            ops.sample_topk(ids, row, top_k, temp, top_p, u, min_p, self._sample_parts)
-            nxt = int(cp.asnumpy(ids, stream=self.stream)[0])
+            nxt = self._sample_rows([row], [(temp, top_k, top_p, min_p, u)])[0]
         cache.advance([token])
         return nxt
+
+    def _sample_rows(self, rows: list, picks: list[tuple]) -> list[int]:
+        """A token from each logits row (device, float32) with its (temp, top_k, top_p, min_p, u): one
+        argmax (temp 0) or sample_topk launch a row, one copy of the picks to the host, and the rows the
+        GPU's candidates could not settle (top-k off) drawn on the host by engine.sampling.draw."""
+        if not rows:
+            return []
+        if self._sample_parts is None:
+            self._sample_parts = ops.sample_parts(), ops.argmax_parts()
+        sample_parts, argmax_parts = self._sample_parts
+        ids = cp.empty(len(rows), cp.int32)
+        for b, (row, (temp, top_k, top_p, min_p, u)) in enumerate(zip(rows, picks)):
+            if temp == 0:
+                ops.argmax(ids[b : b + 1], row, argmax_parts)
+            else:
+                ops.sample_topk(ids[b : b + 1], row, top_k, temp, top_p, u, min_p, sample_parts)
+        got = [int(t) for t in cp.asnumpy(ids, stream=self.stream)]
+        for b, t in enumerate(got):
+            if t < 0:
+                temp, top_k, top_p, min_p, u = picks[b]
+                got[b] = draw(cp.asnumpy(rows[b], stream=self.stream), temp, top_k, top_p, min_p, u)
+        return got
 
     def _need_output(self) -> None:
         if self.head_only:

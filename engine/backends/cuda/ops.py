@@ -544,34 +544,38 @@ def argmax(token, x, parts: tuple | None = None) -> None:
     kernel("argmax", cp.cuda.Device().id)((blocks,), (256,), (token, x, _i32(x.size), pv, pi, count))
 
 
-SAMPLE_MAX_K = 256  # ops.cu's SAMPLE_MAX_K
+SAMPLE_MAX_K = 256  # ops.cu's SAMPLE_MAX_K: the widest top-k, and the candidates with top-k off
 SAMPLE_BLOCKS = 64
 SAMPLE_CANDIDATES = 4096  # blocks x k at most: the last block holds them in 32 KiB of shared memory
 
 
 def sample_parts() -> tuple:
-    """sample_topk's scratch: each block's k best values and indices, and the blocks' counter (zeros)."""
+    """sample_topk's scratch: each block's candidates (values, indices), each block's softmax max and
+    sum (top-k off), and the blocks' counter (zeros)."""
     m = SAMPLE_BLOCKS * SAMPLE_MAX_K
-    return cp.empty(m, cp.float32), cp.empty(m, cp.int32), cp.zeros(1, cp.uint32)
+    pm = cp.empty(2 * SAMPLE_BLOCKS, cp.float32)
+    return cp.empty(m, cp.float32), cp.empty(m, cp.int32), pm, cp.zeros(1, cp.uint32)
 
 
 def sample_topk(
     token, x, k: int, temp: float, top_p: float, u: float, min_p: float = 0.0, parts: tuple | None = None
 ) -> None:
-    """token int32 (1,) drawn from the k most likely of x float32 (n,) as engine.sampling's
-    filtered_distribution and a Generator.choice with the uniform u in [0, 1) draw it: softmax at temp
-    (> 0; temp 0 is argmax), top_p, min_p. One launch: blocks take chunks of x, the last one merges their
-    candidates and draws. 0 < k <= SAMPLE_MAX_K (top-k off, or wider, is the host's: engine.sampling).
+    """token int32 (1,) = the token engine.sampling.draw picks from x float32 (n,) with the uniform u in
+    [0, 1): softmax at temp (> 0; temp 0 is argmax) of the k most likely (k = 0: top-k off), top_p,
+    min_p. One launch: blocks take chunks of x, the last one merges their candidates and draws.
+    0 <= k <= SAMPLE_MAX_K. With k = 0 the SAMPLE_MAX_K most likely are the candidates: token is -1
+    when the cuts, or with none the draw, reach past them (then draw on the host with the same u).
     parts: optional preallocated sample_parts(); the kernel leaves the counter zeroed."""
-    k = min(int(k), x.size)
-    if not 0 < k <= SAMPLE_MAX_K:
-        raise ValueError(f"GPU sampling takes 1..{SAMPLE_MAX_K} candidates (top_k), not {k}")
+    if not 0 <= k <= SAMPLE_MAX_K:
+        raise ValueError(f"GPU sampling takes top_k 0 (off) or 1..{SAMPLE_MAX_K}, not {k}")
     if temp <= 0:
         raise ValueError("GPU sampling needs a temperature > 0 (0 is argmax)")
-    pv, pi, count = parts if parts is not None else sample_parts()
-    blocks = max(1, min(SAMPLE_BLOCKS, SAMPLE_CANDIDATES // k, -(-x.size // k)))
-    args = (token, x, _i32(x.size), _i32(k), _f32(temp), _f32(top_p), _f32(min_p), _f32(u), pv, pi, count)
-    kernel("sample_topk", cp.cuda.Device().id)((blocks,), (256,), args, shared_mem=8 * blocks * k)
+    k = min(int(k), x.size)
+    pv, pi, pm, count = parts if parts is not None else sample_parts()
+    width = k or SAMPLE_MAX_K
+    blocks = max(1, min(SAMPLE_BLOCKS, SAMPLE_CANDIDATES // width, -(-x.size // width)))
+    args = (token, x, _i32(x.size), _i32(k), _f32(temp), _f32(top_p), _f32(min_p), _f32(u), pv, pi, pm, count)
+    kernel("sample_topk", cp.cuda.Device().id)((blocks,), (256,), args, shared_mem=8 * blocks * width)
 
 
 def linear_prefill(out, ws: list[GpuWeight], x16, scratch, accumulate: bool = False) -> None:

@@ -743,15 +743,16 @@ def test_gpu_sampling_on_host_threads(fake, simt):
 
     STATE.simt = simt
     cases = (300, 20, 0.7, 0.95, 0.05), (300, 1, 1.0, 1.0, 0.0), (150, 100, 1.3, 0.9, 0.1)
-    cases += ((7, 40, 1.0, 1.0, 0.0),)
+    cases += ((7, 40, 1.0, 1.0, 0.0), (600, 0, 0.3, 1.0, 0.0), (600, 0, 1.0, 0.9, 0.0))
+    cases += ((200, 0, 1.0, 0.9, 0.0), (600, 0, 8.0, 0.99, 0.0))
     gpu_tests.test_sampling_draws_from_the_cpu_distribution(0, cases, draws=6)
 
 
 def test_generate_picks_tokens_on_the_gpu_on_host_threads(fake, simt, tmp_path, monkeypatch):
     """engine.generate with a CUDA decoder: after the prefill's token, each step decodes and picks on
     the GPU (greedy_step / sample_step: only the token comes back), greedy replies equal the CPU
-    model's, a seed repeats a sampled reply, and settings the device sampler lacks (a repetition
-    penalty, top-k off) decode with forward() and sample on the host."""
+    model's, a seed repeats a sampled reply (top-k off too), and settings the device sampler lacks (a
+    repetition penalty, a top-k wider than its candidates) decode with forward() and sample on the host."""
     from engine.generate import GenerationParams, generate
     from engine.loader import load_model
     from engine.tokenizer import Tokenizer
@@ -783,7 +784,11 @@ def test_generate_picks_tokens_on_the_gpu_on_host_threads(fake, simt, tmp_path, 
     first = reply(dec, sampled)
     assert calls == ["forward"] + ["sample_step"] * (len(first) - 1)
     assert reply(dec, sampled) == first and all(0 <= t < tokenizer.vocab_size for t in first)
-    for host_only in (dict(repetition_penalty=1.1), dict(top_k=0)):
+    open_k = GenerationParams(max_tokens=4, temperature=0.9, top_k=0, top_p=0.9, seed=3)
+    calls.clear()
+    first = reply(dec, open_k)
+    assert calls == ["forward"] + ["sample_step"] * (len(first) - 1) and reply(dec, open_k) == first
+    for host_only in (dict(repetition_penalty=1.1), dict(top_k=300)):
         calls.clear()
         reply(dec, GenerationParams(max_tokens=3, temperature=0.9, seed=3, **host_only))
         assert "sample_step" not in calls and calls.count("forward") >= 2
@@ -794,3 +799,57 @@ def test_generate_picks_tokens_on_the_gpu_on_host_threads(fake, simt, tmp_path, 
     tok = int(np.argmax(logits))
     step = model.forward([tok], cpu)[-1]
     assert dec.greedy_step(tok, cache, vocab=50) == int(np.argmax(step[:50]))
+
+
+def test_server_engine_picks_on_the_gpu_on_host_threads(fake, simt, tmp_path, monkeypatch):
+    """The server's engine over a CUDA decoder picks its rows on the GPU (pick_batch: only the tokens
+    come back) and replies as it does over the CPU model: greedy, seeded sampling with top-k off (the
+    same uniforms, host or device), a request that ignores end-of-turn (banned on the device); a
+    logprobs request's row comes back as logits and is sampled on the host."""
+    import threading
+
+    from engine.loader import load_model
+    from engine.server.scheduler import Engine, SeqParams
+    from engine.tokenizer import Tokenizer
+    from models.formats.gguf import open_gguf
+
+    STATE.simt = simt
+    path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(path, TinySpec(matrix_type=T.Q8_0, layers=1))
+    tokenizer = Tokenizer.from_gguf_metadata(open_gguf(path).metadata)
+    model = load_model(path).model
+    dec = fake.decoder.CudaDecoder(model, n_ctx=48, prefill_dtype="float32")
+    specs = []
+    real = dec.pick_batch
+    monkeypatch.setattr(dec, "pick_batch", lambda *a, **kw: specs.append(a[2]) or real(*a, **kw))
+    requests = [
+        SeqParams([1, 2, 3], 5, temperature=0.0),
+        SeqParams([4, 5], 5, temperature=0.9, top_p=0.9, seed=5),
+        SeqParams([6], 5, temperature=1.2, seed=6, ignore_eos=True),
+        SeqParams([7, 8], 4, temperature=0.0, logprobs=2),
+    ]
+
+    def replies(m):
+        kw = dict(n_ctx=48, max_seqs=4, prefill_chunk=16, prefix_cache_bytes=0, kv_dtype=np.float32)
+        engine = Engine(m, tokenizer, **kw)
+        got = [[] for _ in requests]
+        done = [threading.Event() for _ in requests]
+        engine.start()
+        try:
+            for i, params in enumerate(requests):
+                emit = lambda d, i=i: got[i].append(d) or (d.finish_reason or d.error) and done[i].set()  # noqa: E731
+                engine.submit(params, emit)
+            assert all(ev.wait(120) for ev in done)
+        finally:
+            engine.stop()
+        assert all(d[-1].error is None for d in got)
+        return [[d.token for d in deltas if d.token is not None] for deltas in got]
+
+    want = replies(model)
+    assert replies(dec) == want and all(want)
+    assert specs and max(map(len, specs)) >= 2  # rows decoded together
+    for rows in specs:  # rows in the batch's order: the logprobs request's, when decoding, is None
+        assert sum(r is None for r in rows) <= 1
+        assert all(r is None or (r[0] == 0.0) == (r[4] == 0.0) for r in rows)  # greedy rows draw no u
+    assert any(r is None for rows in specs for r in rows)
+    assert any(r is not None and r[5] == tuple(tokenizer.eot_ids) for rows in specs for r in rows)

@@ -298,20 +298,24 @@ def test_rope_store_and_attention_match_cpu(gpu, kv_dtype, neox, window, qk_norm
 
 
 # (vocabulary, top_k, temperature, top_p, min_p): the app's defaults, a single candidate, a wide top-k
-# over few logits, a wide top-k with both cuts, and fewer logits than top_k
+# over few logits, a wide top-k with both cuts, fewer logits than top_k; top-k off (the server's) with
+# no cut, with top-p, with min-p, over a 128k vocabulary, and over fewer logits than its candidates
 SAMPLING_CASES = ((5000, 40, 0.7, 0.95, 0.05), (5000, 1, 1.0, 1.0, 0.0), (300, 256, 1.3, 1.0, 0.0),
-                  (5000, 256, 0.5, 0.9, 0.1), (7, 40, 1.0, 1.0, 0.0))
+                  (5000, 256, 0.5, 0.9, 0.1), (7, 40, 1.0, 1.0, 0.0), (5000, 0, 0.3, 1.0, 0.0),
+                  (5000, 0, 0.7, 0.9, 0.0), (5000, 0, 1.0, 1.0, 0.05), (128256, 0, 0.8, 0.95, 0.0),
+                  (200, 0, 1.0, 0.9, 0.0))
 
 
 def test_sampling_draws_from_the_cpu_distribution(gpu, cases=SAMPLING_CASES, draws: int = 12):
-    """ops.sample_topk picks, for a uniform u, the token the CPU's filtered_distribution gives that u
-    (inverse CDF, as Generator.choice): the same candidates in the same order (ties to the lower id),
-    the same temperature, top-p and min-p cuts. u's within 1e-4 of a CDF step are left out (float32
-    against float64 sums)."""
+    """ops.sample_topk picks, for a uniform u, the token engine.sampling.draw picks with that u (inverse
+    CDF of filtered_distribution, as Generator.choice): the same candidates in the same order (ties to
+    the lower id), the same temperature, top-p and min-p cuts. With top-k off it answers -1 exactly when
+    the pick needs more than its SAMPLE_MAX_K candidates (a cut past them, or with no cut a draw past
+    their mass). u's within 1e-4 of a CDF step are left out (float32 against float64 sums)."""
     import cupy as cp
 
     from engine.backends.cuda import ops
-    from engine.sampling import filtered_distribution
+    from engine.sampling import draw, filtered_distribution
 
     rng = np.random.default_rng(11)
     parts, tok = ops.sample_parts(), cp.zeros(1, cp.int32)
@@ -320,16 +324,24 @@ def test_sampling_draws_from_the_cpu_distribution(gpu, cases=SAMPLING_CASES, dra
         logits[[5 % n, 6 % n]] = logits.max() + 0.5  # a tie at the top
         ids, probs = filtered_distribution(logits, temp, k, top_p, min_p)
         cdf = np.cumsum(probs)
-        x, drawn = cp.asarray(logits), 0
+        x, drawn, passed = cp.asarray(logits), 0, 0
         for u in rng.random(draws):
             if np.min(np.abs(cdf - u)) < 1e-4:
                 continue
             ops.sample_topk(tok, x, k, temp, top_p, float(u), min_p, parts)
-            assert int(tok.get()[0]) == int(ids[np.searchsorted(cdf, u, side="right")]), (n, k, u)
+            got, want = int(tok.get()[0]), draw(logits, temp, k, top_p, min_p, float(u))
+            assert want == int(ids[np.searchsorted(cdf, u, side="right")])
+            cut = top_p < 1.0 or min_p > 0.0
+            rank = len(ids) if cut else list(ids).index(want) + 1  # candidates the pick needs
+            past = k == 0 and rank > ops.SAMPLE_MAX_K
+            assert got == (-1 if past else want), (n, k, u, got, want)
             drawn += 1
-        assert drawn >= draws // 2 and not parts[2].get().any()  # the last block reset the counter
+            passed += past
+        assert drawn >= draws // 2 and not parts[3].get().any()  # the last block reset the counter
+        if k == 0 and top_p < 1.0 and (n > 100000 or temp >= 5.0):
+            assert passed == drawn  # a flat distribution: the kept set is far past the candidates
     with pytest.raises(ValueError, match="top_k"):
-        ops.sample_topk(tok, x, 0, 1.0, 1.0, 0.5)
+        ops.sample_topk(tok, x, ops.SAMPLE_MAX_K + 1, 1.0, 1.0, 0.5)
 
 
 def test_glu_argmax_and_sampling(gpu):

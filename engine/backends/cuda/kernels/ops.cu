@@ -438,105 +438,229 @@ extern "C" __global__ void argmax(int* __restrict__ token, const float* __restri
     if (threadIdx.x == 0) token[0] = bi;
 }
 
-// Sampling on the GPU: token[0] drawn from the k most likely of logits x (n,) as engine/sampling.py's
-// filtered_distribution does it: softmax of the k best at temperature temp, then the smallest prefix
-// whose probability reaches top_p (top_p >= 1: off) and the tokens at least min_p times as likely as
-// the best (min_p 0: off), then the first candidate whose running mass exceeds u * the kept mass (u
-// uniform in [0, 1): numpy's Generator.choice with one draw). Candidates in (value, index) order, ties
-// to the lower index, as the CPU's stable sort.
-// Each block takes a contiguous chunk of x and writes its k best (k passes, each the best below the
-// previous) to pv/pi[block * k ..]; the last block to finish (count[0], which it resets for the next
-// call) copies the gridDim.x * k candidates into dynamic shared memory (8 bytes each), takes the k best
-// of them the same way and draws. 256 threads; k <= SAMPLE_MAX_K.
+// Sampling on the GPU: token[0] drawn from logits x (n,) as engine/sampling.py's `draw` does it with the
+// uniform u in [0, 1): softmax of the k best at temperature temp (k = 0: top-k off), then the smallest
+// prefix whose probability reaches top_p (top_p >= 1: off) and the tokens at least min_p times as likely
+// as the best (min_p 0: off), then the first candidate whose running mass exceeds u * the kept mass.
+// Candidates in (value, index) order, ties to the lower index, as the CPU's stable sort.
+// With top-k off the SAMPLE_MAX_K best are the candidates and the whole row's softmax mass normalises
+// them: when the cuts (or, with none, the draw) fall among them the pick is the CPU's; otherwise
+// token[0] = -1 and the caller draws on the host with the same u.
+// Each block takes a contiguous chunk of x, selects its kw best (kw = k, or SAMPLE_MAX_K with top-k
+// off) by a radix select on order-preserving integer keys (4 passes of 8 bits, counts in shared
+// memory) and writes them in index order to pv/pi[block * kw ..] (and, top-k off, its chunk's max and
+// softmax sum to pm); the last block to finish (count[0], which it resets for the next call) selects
+// the kw best of the gridDim.x * kw candidates the same way, sorts them (bitonic, in shared memory) and
+// draws. 256 threads; dynamic shared memory 8 bytes a candidate.
 #define SAMPLE_MAX_K 256
+#define SAMPLE_THREADS 256
+
+// float -> uint with the same order (larger float, larger key; NaNs aside)
+__device__ __forceinline__ uint fkey(float v) {
+    uint u = __float_as_uint(v);
+    return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+__device__ __forceinline__ float kfloat(uint k) { return __uint_as_float((k & 0x80000000u) ? (k & 0x7fffffffu) : ~k); }
+
+// exclusive prefix sum of v over the block's SAMPLE_THREADS threads; *total: the sum of all.
+// buf: 2 * SAMPLE_THREADS uints of shared memory
+__device__ uint block_excl_scan(uint v, uint* buf, uint* total) {
+    int t = threadIdx.x;
+    uint *a = buf, *b = buf + SAMPLE_THREADS;
+    a[t] = v;
+    __syncthreads();
+    for (int o = 1; o < SAMPLE_THREADS; o <<= 1) {
+        b[t] = a[t] + (t >= o ? a[t - o] : 0u);
+        __syncthreads();
+        uint* s = a;
+        a = b;
+        b = s;
+    }
+    uint incl = a[t];
+    *total = a[SAMPLE_THREADS - 1];
+    __syncthreads();
+    return incl - v;
+}
+
+// The kk best of c items (larger key first, then lower position), kk <= c, written in position order to
+// out_key/out_pos[0..kk). key_of(j): item j's key. hist: 256 uints, scan: 2 * SAMPLE_THREADS, sel: 2.
+template <typename KeyOf>
+__device__ void block_select(KeyOf key_of, int c, int kk, uint* hist, uint* scan, uint* sel, uint* out_key,
+                             int* out_pos) {
+    if (kk <= 0) return;  // an empty chunk (the whole block returns)
+    int t = threadIdx.x;
+    uint prefix = 0, mask = 0, remaining = (uint)kk;
+    for (int shift = 24; shift >= 0; shift -= 8) {  // the kk-th best key, 8 bits a pass from the top
+        hist[t] = 0;
+        __syncthreads();
+        for (int j = t; j < c; j += SAMPLE_THREADS) {
+            uint key = key_of(j);
+            if ((key & mask) == prefix) atomicAdd(&hist[(key >> shift) & 255u], 1u);
+        }
+        __syncthreads();
+        uint digit = 255u - (uint)t, cnt = hist[digit], total;
+        uint before = block_excl_scan(cnt, scan, &total);  // items with a larger digit
+        if (before < remaining && remaining <= before + cnt) {
+            sel[0] = digit;
+            sel[1] = remaining - before;
+        }
+        __syncthreads();
+        prefix |= sel[0] << shift;
+        mask |= 255u << shift;
+        remaining = sel[1];
+        __syncthreads();
+    }
+    // every key above the threshold, and the first `remaining` equal to it; each thread a contiguous run
+    int per = (c + SAMPLE_THREADS - 1) / SAMPLE_THREADS, j0 = min(c, t * per), j1 = min(c, j0 + per);
+    uint gt = 0, eq = 0, total;
+    for (int j = j0; j < j1; j++) {
+        uint key = key_of(j);
+        gt += key > prefix;
+        eq += key == prefix;
+    }
+    uint eq_before = block_excl_scan(eq, scan, &total);
+    uint take = eq_before < remaining ? min(eq, remaining - eq_before) : 0u;
+    uint o = block_excl_scan(gt + take, scan, &total);
+    for (int j = j0; j < j1; j++) {
+        uint key = key_of(j);
+        bool in = key > prefix;
+        if (key == prefix) in = eq_before++ < remaining;
+        if (in) {
+            out_key[o] = key;
+            out_pos[o] = j;
+            o++;
+        }
+    }
+    __syncthreads();
+}
+
 extern "C" __global__ void __launch_bounds__(256) sample_topk(int* __restrict__ token, const float* __restrict__ x,
                                                              int n, int k, float temp, float top_p, float min_p,
-                                                             float u, float* __restrict__ pv,
-                                                             int* __restrict__ pi, uint* __restrict__ count) {
-    extern __shared__ float cand[];  // gridDim.x * k values, then as many indices
-    __shared__ float rv[32];
-    __shared__ int ri[32];
-    __shared__ float tv[SAMPLE_MAX_K];
-    __shared__ int ti[SAMPLE_MAX_K];
+                                                             float u, float* __restrict__ pv, int* __restrict__ pi,
+                                                             float* __restrict__ pm, uint* __restrict__ count) {
+    extern __shared__ uint cand[];  // the last block: gridDim.x * kw keys, then as many indices
+    __shared__ uint hist[256], scan[2 * SAMPLE_THREADS], sel[2], sk[SAMPLE_MAX_K];
+    __shared__ int si[SAMPLE_MAX_K];
+    __shared__ float red[32], tv[SAMPLE_MAX_K];
     __shared__ int last;
-    int chunk = (n + gridDim.x - 1) / gridDim.x, lo = blockIdx.x * chunk, hi = min(n, lo + chunk);
-    float prev_v = 3.4e38f;
-    int prev_i = -1;
-    for (int r = 0; r < k; r++) {  // a chunk shorter than k leaves (-3.4e38, INT_MAX) entries
-        float bv = -3.4e38f;
-        int bi = 0x7fffffff;
-        for (int j = lo + threadIdx.x; j < hi; j += blockDim.x) {
-            float v = x[j];
-            if (better(prev_v, prev_i, v, j) && better(v, j, bv, bi)) { bv = v; bi = j; }
+    int t = threadIdx.x, open = k == 0, kw = open ? SAMPLE_MAX_K : k;
+    int chunk = (n + gridDim.x - 1) / gridDim.x, lo = min(n, (int)blockIdx.x * chunk), c = min(n, lo + chunk) - lo;
+    int kk = min(kw, c);
+    const float* xs = x + lo;
+    block_select([=](int j) { return fkey(xs[j]); }, c, kk, hist, scan, sel, sk, si);
+    for (int r = t; r < kw; r += SAMPLE_THREADS) {  // fewer items than kw: (key 0, INT_MAX) fill the rest
+        pv[blockIdx.x * kw + r] = r < kk ? kfloat(sk[r]) : kfloat(0u);
+        pi[blockIdx.x * kw + r] = r < kk ? lo + si[r] : 0x7fffffff;
+    }
+    if (open) {  // this chunk's max and softmax sum at temp, for the whole row's mass
+        float m = __uint_as_float(0xff800000u);  // -inf
+        for (int j = t; j < c; j += SAMPLE_THREADS) m = fmaxf(m, xs[j]);
+        m = block_max(m, red);
+        float s = 0.f;
+        if (m > -3.4e38f)
+            for (int j = t; j < c; j += SAMPLE_THREADS) s += expf((xs[j] - m) / temp);
+        s = block_sum(s, red);
+        if (t == 0) {
+            pm[2 * blockIdx.x] = m;
+            pm[2 * blockIdx.x + 1] = s;
         }
-        block_best(&bv, &bi, rv, ri);
-        if (threadIdx.x == 0) {
-            pv[blockIdx.x * k + r] = bv;
-            pi[blockIdx.x * k + r] = bi;
-        }
-        prev_v = bv;
-        prev_i = bi;
     }
     __threadfence();
     __syncthreads();
-    if (threadIdx.x == 0) {
+    if (t == 0) {
         last = atomicAdd(count, 1u) == gridDim.x - 1;
         if (last) count[0] = 0;
     }
     __syncthreads();
     if (!last) return;
     __threadfence();
-    int m = gridDim.x * k;
+    int m = gridDim.x * kw;
     int* cand_i = (int*)(cand + m);
-    for (int c = threadIdx.x; c < m; c += blockDim.x) {  // the other blocks' writes, from L2
-        cand[c] = ld_l2(pv + c);
-        cand_i[c] = ld_l2(pi + c);
+    for (int j = t; j < m; j += SAMPLE_THREADS) {  // the other blocks' writes, from L2; in index order
+        cand[j] = fkey(ld_l2(pv + j));
+        cand_i[j] = ld_l2(pi + j);
     }
     __syncthreads();
-    prev_v = 3.4e38f;
-    prev_i = -1;
-    for (int r = 0; r < k; r++) {
-        float bv = -3.4e38f;
-        int bi = 0x7fffffff;
-        for (int c = threadIdx.x; c < m; c += blockDim.x) {
-            float v = cand[c];
-            int j = cand_i[c];
-            if (better(prev_v, prev_i, v, j) && better(v, j, bv, bi)) { bv = v; bi = j; }
+    int real = min(kw, n);  // candidates that are logits (the fill comes after them all)
+    const uint* ck = cand;
+    block_select([=](int j) { return ck[j]; }, m, real, hist, scan, sel, sk, si);
+    for (int r = t; r < SAMPLE_MAX_K; r += SAMPLE_THREADS) {  // positions -> indices; pad with the fill
+        si[r] = r < real ? cand_i[si[r]] : 0x7fffffff;
+        if (r >= real) sk[r] = 0u;
+    }
+    __syncthreads();
+    // bitonic sort of SAMPLE_MAX_K (key, index): larger key first, then lower index
+    for (int size = 2; size <= SAMPLE_MAX_K; size <<= 1) {
+        for (int stride = size >> 1; stride > 0; stride >>= 1) {
+            int a = t, b = t ^ stride;
+            if (b > a) {
+                bool desc = (a & size) == 0;  // this run's direction
+                bool a_first = sk[a] > sk[b] || (sk[a] == sk[b] && si[a] < si[b]);
+                if (a_first != desc) {
+                    uint tk = sk[a];
+                    sk[a] = sk[b];
+                    sk[b] = tk;
+                    int ti = si[a];
+                    si[a] = si[b];
+                    si[b] = ti;
+                }
+            }
+            __syncthreads();
         }
-        block_best(&bv, &bi, rv, ri);
-        if (threadIdx.x == 0) { tv[r] = bv; ti[r] = bi; }
-        prev_v = bv;
-        prev_i = bi;
     }
+    float top = kfloat(sk[0]);
+    if (t < real) tv[t] = expf((kfloat(sk[t]) - top) / temp);  // tv[0] = 1: min_p compares with it
+    float whole = 0.f;                                          // the row's mass relative to the top's
+    if (open)
+        for (int b = t; b < gridDim.x; b += SAMPLE_THREADS) {
+            float mb = ld_l2(pm + 2 * b), sb = ld_l2(pm + 2 * b + 1);
+            if (sb > 0.f) whole += sb * expf((mb - top) / temp);
+        }
+    whole = block_sum(whole, red);
     __syncthreads();
-    if (threadIdx.x != 0) return;
-    int kk = k;
-    while (kk > 1 && ti[kk - 1] == 0x7fffffff) kk--;  // fewer logits than k
-    float top = tv[0], total = 0.f;
-    for (int r = 0; r < kk; r++) {
-        tv[r] = expf((tv[r] - top) / temp);  // tv[0] becomes 1: min_p compares with it directly
-        total += tv[r];
-    }
-    int keep = kk;
+    if (t != 0) return;
+    float total = 0.f;
+    for (int r = 0; r < real; r++) total += tv[r];
+    bool known = !open || real == n;  // the candidates are the whole distribution the cuts apply to
+    if (!known) total = whole;
+    int keep = known ? real : 0;
     if (top_p < 1.f) {
-        float c = 0.f;
-        for (int r = 0; r < kk; r++) {
-            c += tv[r] / total;
-            if (c >= top_p) { keep = r + 1; break; }
+        float cum = 0.f;
+        for (int r = 0; r < real; r++) {
+            cum += tv[r] / total;
+            if (cum >= top_p) {
+                keep = r + 1;
+                known = true;
+                break;
+            }
         }
     }
     if (min_p > 0.f) {
         int above = 0;
-        while (above < kk && tv[above] >= min_p) above++;
-        keep = min(keep, max(1, above));
+        while (above < real && tv[above] >= min_p) above++;
+        if (above < real || known) {
+            keep = keep ? min(keep, max(1, above)) : max(1, above);
+            known = true;
+        }
     }
-    float mass = 0.f;
-    for (int r = 0; r < keep; r++) mass += tv[r];
-    float target = u * mass, c = 0.f;
-    int pick = ti[keep - 1];
+    float mass = total;  // everything kept (no cut): the row's mass
+    if (known) {
+        mass = 0.f;
+        for (int r = 0; r < keep; r++) mass += tv[r];
+    } else if (top_p < 1.f || min_p > 0.f) {
+        token[0] = -1;  // a cut reaches past the candidates
+        return;
+    } else {
+        keep = real;
+    }
+    float target = u * mass, cum = 0.f;
+    int pick = known ? si[keep - 1] : -1;  // past the candidates' mass: the host's
     for (int r = 0; r < keep; r++) {
-        c += tv[r];
-        if (c > target) { pick = ti[r]; break; }
+        cum += tv[r];
+        if (cum > target) {
+            pick = si[r];
+            break;
+        }
     }
     token[0] = pick;
 }
