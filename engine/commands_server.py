@@ -149,6 +149,8 @@ def cmd_serve(args) -> int:
         lm.model.forward([0], c)
     lm.model.forward_batch([0, 0], warm)
     ll_tokenizer(lm.tokenizer, engine.n_vocab)
+    del warm
+    _check_gpu_room(lm.model, args, engine.kv_dtype)
     config = ServerConfig(
         model_name=name,
         host=args.host,
@@ -185,6 +187,29 @@ def cmd_serve(args) -> int:
         sock.close()
         print("stopped", flush=True)
     return 0 if server.started else 1
+
+
+def _check_gpu_room(model, args, kv_dtype) -> None:
+    """Say how many concurrent requests' KV caches the GPU holds (each request gets a cache of --ctx
+    positions); warn when that is fewer than --max-seqs (the others wait for a running one's cache),
+    and refuse to start when not even one fits. A CPU model: nothing to say."""
+    from engine.server.errors import ServeError
+
+    fit = getattr(model, "caches_that_fit", None)
+    if fit is None:
+        return
+    n = fit(args.ctx, kv_dtype)
+    what = f"{args.ctx}-token KV caches of {model.cache_bytes(args.ctx, kv_dtype) / 2**20:.0f} MiB"
+    advice = "a smaller --ctx, --kv-dtype f16, fewer --gpu-layers or a smaller quantization"
+    if n == 0:
+        raise ServeError(f"the GPU has no room left for one request's KV cache ({what}); use {advice}")
+    print(f"GPU memory: room for {n} concurrent requests' {what} (--max-seqs {args.max_seqs})", flush=True)
+    if n < args.max_seqs:
+        print(
+            f"warning: only {n} requests can run at once on the GPU (the others wait for a running one's "
+            f"cache); for {args.max_seqs} use {advice}",
+            flush=True,
+        )
 
 
 def main() -> int:  # pragma: no cover - `python -m engine.commands_server` for debugging

@@ -419,6 +419,23 @@ class CudaDecoder:
             kv_heads, hd = cfg.num_key_value_heads, cfg.head_dim
             return CudaKVCache(self.n_layers, kv_heads, hd, n_ctx, dtype, self.stream)
 
+    def cache_bytes(self, n_ctx: int, dtype=np.float16) -> int:
+        """GPU bytes one more sequence of n_ctx positions takes: its KV cache (this decoder's layers) and
+        its decode step's attention partials."""
+        cfg = self.cfg
+        kv = 2 * self.n_layers * cfg.num_key_value_heads * n_ctx * cfg.head_dim * np.dtype(dtype).itemsize
+        splits = ops.attention_splits(n_ctx)[1]
+        return int(kv + 4 * cfg.num_attention_heads * splits * (cfg.head_dim + 2))
+
+    def caches_that_fit(self, n_ctx: int, dtype=np.float16) -> int:
+        """How many more sequences of n_ctx positions (cache_bytes each) the GPU's memory holds now: its
+        free memory and the blocks CuPy's pool keeps for reuse, less MARGIN_BYTES (hearth serve's
+        concurrent requests each take one)."""
+        with cp.cuda.Device(self.device):
+            free, _ = cp.cuda.runtime.memGetInfo()
+            pooled = cp.get_default_memory_pool().free_bytes()
+        return max(0, int(free + pooled - MARGIN_BYTES) // self.cache_bytes(n_ctx, dtype))
+
     def forward(self, tokens, cache: CudaKVCache, all_logits: bool = False) -> np.ndarray:
         """As Decoder.forward: float32 numpy logits (n, vocab) when all_logits, else (1, vocab)."""
         if self.head_only:

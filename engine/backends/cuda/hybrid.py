@@ -99,6 +99,15 @@ class HybridDecoder:
         """Where the model runs, for status lines: "cuda:N (n/total layers)"."""
         return f"cuda:{self.device} ({self.n_gpu_layers}/{self.cfg.num_hidden_layers} layers)"
 
+    def cache_bytes(self, n_ctx: int, dtype=np.float16) -> int:
+        """GPU bytes of one more sequence (CudaDecoder.cache_bytes of the GPU's layers; the CPU layers'
+        caches are in RAM)."""
+        return self.gpu.cache_bytes(n_ctx, dtype)
+
+    def caches_that_fit(self, n_ctx: int, dtype=np.float16) -> int:
+        """As CudaDecoder.caches_that_fit, for the GPU's layers."""
+        return self.gpu.caches_that_fit(n_ctx, dtype)
+
     def new_cache(self, n_ctx: int, dtype=np.float32) -> HybridKVCache:
         cfg = self.cfg
         n_cpu = cfg.num_hidden_layers - self.n_gpu_layers

@@ -152,7 +152,7 @@ def _fake_cupy():
     cp.asnumpy = lambda a, stream=None: np.array(a)
     cp.matmul = lambda a, b: _wrap(np.matmul(a, b))
     cp.stack = lambda arrays: _wrap(np.stack(arrays))
-    pool = types.SimpleNamespace(free_all_blocks=lambda: None, used_bytes=lambda: 0)
+    pool = types.SimpleNamespace(free_all_blocks=lambda: None, used_bytes=lambda: 0, free_bytes=lambda: 0)
     cp.get_default_memory_pool = lambda: pool
 
     class Device(contextlib.AbstractContextManager):
@@ -356,6 +356,38 @@ def test_bench_and_vram_error(fake, tmp_path, monkeypatch):
     monkeypatch.setattr(fake.cp.cuda.runtime, "memGetInfo", lambda: (1 << 20, 1 << 30))
     with pytest.raises(CudaOutOfMemoryError):
         fake.decoder.CudaDecoder(model, n_ctx=64)
+
+
+def test_serve_counts_the_kv_caches_the_gpu_holds(fake, tmp_path, monkeypatch, capsys):
+    """hearth serve on CUDA: each concurrent request takes a KV cache of --ctx positions (and its decode
+    scratch) on the GPU, so the server says how many fit, warns below --max-seqs and refuses to start
+    when none does (the load's estimate counts a single cache)."""
+    import argparse
+
+    from engine.commands_server import _check_gpu_room
+    from engine.server.errors import ServeError
+
+    model = _model(tmp_path, "llama")
+    dec = fake.decoder.CudaDecoder(model, n_ctx=64)
+    cache = dec.new_cache(256, np.float16)
+    each = dec.cache_bytes(256, np.float16)
+    assert each >= cache.k.nbytes + cache.v.nbytes
+    assert dec.cache_bytes(256, np.float32) - each == cache.k.nbytes + cache.v.nbytes
+    free = fake.decoder.MARGIN_BYTES + 5 * each + each // 2
+    monkeypatch.setattr(fake.cp.cuda.runtime, "memGetInfo", lambda: (free, 1 << 40))
+    assert dec.caches_that_fit(256, np.float16) == 5
+    args = argparse.Namespace(ctx=256, max_seqs=4)
+    _check_gpu_room(dec, args, np.float16)
+    out = capsys.readouterr().out
+    assert "room for 5 concurrent" in out and "warning" not in out
+    args.max_seqs = 16
+    _check_gpu_room(dec, args, np.float16)
+    assert "warning: only 5 requests can run at once" in capsys.readouterr().out
+    monkeypatch.setattr(fake.cp.cuda.runtime, "memGetInfo", lambda: (fake.decoder.MARGIN_BYTES, 1 << 40))
+    with pytest.raises(ServeError, match="no room left for one request's KV cache.*--ctx"):
+        _check_gpu_room(dec, args, np.float16)
+    _check_gpu_room(model, args, np.float16)  # a CPU model: nothing to check or say
+    assert capsys.readouterr().out == ""
 
 
 def test_unsupported_weight_type_is_a_typed_error(fake, tmp_path):
