@@ -16,7 +16,8 @@ wall time), decode tokens/s (tokens after the first / time after the first token
 and median time to first token; then the ratio concurrent/single and the fuzz tally. ``--json`` prints
 one JSON object instead.
 
-  .venv/bin/python scripts/bench_serve.py [-m MODEL] [--clients 8] [--tokens 64] [--fuzz 1000] [--json]
+  .venv/bin/python scripts/bench_serve.py [-m MODEL] [--clients 8] [--tokens 64] [--temperature T]
+      [--fuzz 1000] [--json]
 """
 
 from __future__ import annotations
@@ -83,7 +84,7 @@ def start_server(model: str, threads: int | None, max_seqs: int) -> tuple[subpro
     raise SystemExit(f"bench_serve: the server exited with status {proc.returncode} before it was ready")
 
 
-def one_stream(url: str, model: str, question: str, tokens: int) -> dict:
+def one_stream(url: str, model: str, question: str, tokens: int, temperature: float = 0.0) -> dict:
     """One streaming chat request; times of its first and last content chunks.
 
     Plain http.client with a line-by-line SSE read, not the openai client: its per-chunk objects cost
@@ -94,7 +95,7 @@ def one_stream(url: str, model: str, question: str, tokens: int) -> dict:
         "model": model,
         "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}],
         "max_tokens": tokens,
-        "temperature": 0,
+        "temperature": temperature,
         "stream": True,
         "stream_options": {"include_usage": True},
         "ignore_eos": True,
@@ -123,11 +124,11 @@ def one_stream(url: str, model: str, question: str, tokens: int) -> dict:
     return {"start": t0, "first": first, "last": last, "tokens": usage["completion_tokens"]}
 
 
-def phase(url: str, model: str, questions: list[str], tokens: int) -> dict:
+def phase(url: str, model: str, questions: list[str], tokens: int, temperature: float = 0.0) -> dict:
     results: list[dict] = [{}] * len(questions)
 
     def run(i: int) -> None:
-        results[i] = one_stream(url, model, questions[i], tokens)
+        results[i] = one_stream(url, model, questions[i], tokens, temperature)
 
     threads = [threading.Thread(target=run, args=(i,)) for i in range(len(questions))]
     t0 = time.perf_counter()
@@ -184,8 +185,10 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3, help="single-client requests; the best counts")
     ap.add_argument("--fuzz", type=int, default=1000, help="malformed requests (default 1000; 0: none)")
     ap.add_argument("-t", "--threads", type=int, default=None, help="server CPU threads")
+    ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default); > 0 samples")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     args = ap.parse_args()
+    temp = args.temperature
 
     import openai
 
@@ -194,16 +197,17 @@ def main() -> int:
         port = urllib.parse.urlsplit(url).port
         client = openai.OpenAI(base_url=url, api_key="none", max_retries=0, timeout=600)
         model = client.models.list().data[0].id
-        phase(url, model, QUESTIONS[:2], 8)  # warm-up: prefix store, kernels, batch shapes
+        phase(url, model, QUESTIONS[:2], 8, temp)  # warm-up: prefix store, kernels, batch shapes
         singles = [
-            phase(url, model, [QUESTIONS[i % len(QUESTIONS)]], args.tokens) for i in range(args.rounds)
+            phase(url, model, [QUESTIONS[i % len(QUESTIONS)]], args.tokens, temp) for i in range(args.rounds)
         ]
         single = max(singles, key=lambda r: r["aggregate_tps"])
         questions = [QUESTIONS[i % len(QUESTIONS)] for i in range(args.clients)]
-        many = phase(url, model, questions, args.tokens)
+        many = phase(url, model, questions, args.tokens, temp)
         out = {
             "model": model,
             "tokens_per_reply": args.tokens,
+            "temperature": temp,
             "single": single,
             "concurrent": many,
             "aggregate_speedup": many["aggregate_tps"] / single["aggregate_tps"],
@@ -222,7 +226,8 @@ def main() -> int:
     if args.json:
         print(json.dumps(out, indent=2))
         return 0
-    print(f"model {model}, {args.tokens} tokens per reply (greedy, ignore_eos)")
+    how = "greedy" if temp == 0 else f"temperature {temp:g}, top-k off"
+    print(f"model {model}, {args.tokens} tokens per reply ({how}, ignore_eos)")
     for name in ("single", "concurrent"):
         r = out[name]
         print(

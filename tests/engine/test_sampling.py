@@ -100,3 +100,38 @@ def test_sampling_a_large_vocabulary_follows_its_top_k():
     want = p / p.sum()
     got = np.array([(draws == b).mean() for b in best])
     np.testing.assert_allclose(got, want, atol=0.03)
+
+
+@pytest.mark.parametrize("n", [7, 300, 5000, 128256])
+def test_draw_picks_what_the_full_distribution_picks(n):
+    """engine.sampling.draw (top-k off: the 256 most likely first, more only when a cut or the draw
+    reaches past them) picks, for each uniform u, the token the inverse CDF of filtered_distribution
+    (a full sort) gives u: peaked, flat and heavily tied logits, every cut alone and together, and
+    distributions whose kept set is far past the first candidates."""
+    from engine.sampling import draw
+
+    rng = np.random.default_rng(n)
+    for scale in (0.3, 3.0, 8.0):
+        logits = (rng.standard_normal(n) * scale).astype(np.float32)
+        logits[: n // 4] = np.round(logits[: n // 4])  # ties
+        for temp, k, top_p, min_p in [
+            (0.8, 0, 0.95, 0.0), (1.0, 0, 1.0, 0.0), (0.7, 0, 1.0, 0.05), (1.5, 0, 0.5, 0.0),
+            (0.8, 40, 0.9, 0.05), (1.0, 0, 0.999, 0.01), (3.0, 0, 1.0, 0.0),
+        ]:
+            ids, probs = filtered_distribution(logits, temp, k, top_p, min_p)
+            cdf = np.cumsum(probs)
+            for u in rng.random(12):
+                want = int(ids[np.searchsorted(cdf / cdf[-1], u, side="right")])
+                got = draw(logits, temp, k, top_p, min_p, float(u))
+                assert got == want, (scale, temp, k, top_p, min_p, u)
+
+
+def test_sampler_draws_with_one_uniform_a_token():
+    """make_sampler's picks are draw's with the seeded generator's uniforms, one a token (the server and
+    the GPU sampler draw with the same stream)."""
+    from engine.sampling import draw
+
+    logits = np.random.default_rng(5).standard_normal(1000).astype(np.float32) * 2
+    sample, rng = make_sampler(0.9, 0, 0.95, 0.0, seed=4), np.random.default_rng(4)
+    want = [draw(logits, 0.9, 0, 0.95, 0.0, rng.random()) for _ in range(20)]
+    assert [sample(logits) for _ in range(20)] == want
