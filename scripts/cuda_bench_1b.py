@@ -22,6 +22,8 @@ For each file it measures, with engine.backends.cuda.bench.bench_decoder:
   queued beforehand, and prefill_gpu_vs_cublas from it), the captured prefill alone (prefill_graph_*,
   prefill_graph_vs_cublas) and with 8, 16 and 32 MiB dequantization tiles;
   decode with programmatic dependent launches (pdl_*: the same logits and greedy tokens, tok/s);
+  prefill attention in one flash kernel (flash_*: its GPU time against the cuBLAS GEMMs', the captured
+  prefill with it and flash_prefill_vs_cublas, a follow-up turn, the logits against the default's);
   batched decode (forward_batch, as `hearth serve` runs it) over 4 and 8 sequences, total tok/s.
 
 Usage: python3 scripts/cuda_bench_1b.py --out results.json [--types Q4_K,Q8_0] [--prompt 512] [--gen 128]
@@ -228,6 +230,7 @@ def bench_file(path: Path, n_prompt: int, n_gen: int, repetitions: int, entry: d
         ("prefill_graph", _prefill_graph, prompt),
         ("prefill_by_tile", _prefill_by_tile, prompt),
         ("pdl", _bench_pdl, prompt),
+        ("flash", _bench_flash, prompt),
         ("batch", _bench_batches, prompt),
     )
     for name, part, arg in parts:
@@ -240,6 +243,9 @@ def bench_file(path: Path, n_prompt: int, n_gen: int, repetitions: int, entry: d
         entry["prefill_gpu_vs_cublas"] = round(gemm_s / entry["prefill_gpu_s"], 3)
     if "prefill_graph_s" in entry:
         entry["prefill_graph_vs_cublas"] = round(gemm_s / entry["prefill_graph_s"], 3)
+    if "flash_prefill_graph_s" in entry:  # the captured prefill with flash attention (HEARTH_CUDA_FLASH=1)
+        entry["flash_prefill_vs_cublas"] = round(gemm_s / entry["flash_prefill_graph_s"], 3)
+        entry["flash_prefill_vs_cublas_wall"] = round(gemm_wall_s / entry["flash_prefill_graph_s"], 3)
     # last: a fault in the fused kernel would leave this process's CUDA context unusable
     entry.update(_bench_fused(dec, prompt, n_gen, n_ctx, repetitions))
     save()
@@ -401,6 +407,82 @@ def _prefill_graph(dec, prompt: list[int], n_ctx: int, repeats: int = 3) -> dict
     finally:
         dec.prefill_graphs = was
         dec._prefill_graphs.clear()
+
+
+def _bench_flash(dec, prompt: list[int], n_ctx: int) -> dict:
+    """Prefill attention in one flash kernel (CudaDecoder.flash, HEARTH_CUDA_FLASH=1; opt-in until
+    these figures say so) against the default cuBLAS GEMMs around a masked softmax: the decoder's
+    self-check (flash_check_error when it fails), the GPU time of every layer's attention at the
+    prompt's length (flash_attention_gpu_s vs attention_gemm_gpu_s), how far flash's output is from the
+    GEMMs' (flash_vs_gemm_rel), then the whole captured prefill with flash (flash_prefill_graph_s, its
+    logits against the default prefill's: flash_prefill_logits_rel) and a follow-up turn's prompt after
+    the first (flash_followup_*: launch by launch, both ways)."""
+    import cupy as cp
+
+    from engine.backends.cuda import ops
+
+    cfg = dec.cfg
+    H, KV, hd, n = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, len(prompt)
+    cache = dec.new_cache(n_ctx)
+    if not ops.flash_applies(cache.k[0].dtype, hd):
+        return {"flash_error": "flash prefill does not apply (cache dtype, head size or GPU)"}
+    normal = cp.random.standard_normal
+    for i in range(len(dec.layers)):  # a filled cache: the keys and values of a prompt
+        cache.k[i][:, :n] = normal((KV, n, hd), dtype=cp.float32).astype(cp.float16)
+        cache.v[i][:, :n] = normal((KV, n, hd), dtype=cp.float32).astype(cp.float16)
+    q = normal((KV, n * (H // KV), hd), dtype=cp.float32).astype(cp.float16)
+    outs = {flag: cp.empty((n, H, hd), dec.prefill_dtype) for flag in (False, True)}
+    with cp.cuda.Device(dec.device), dec.stream:
+        check = ops.flash_check(H, KV, hd)
+    res = {} if check is None else {"flash_check_error": check}
+    was = dec.flash
+    try:
+        with cp.cuda.Device(dec.device), dec.stream:
+            for flag, name in ((False, "attention_gemm_gpu_s"), (True, "flash_attention_gpu_s")):
+
+                def attention(out=outs[flag], flag=flag):
+                    for i in range(len(dec.layers)):
+                        ops.attention_prefill(out, q, cache.k[i], cache.v[i], 0, dec.scale, flash=flag)
+
+                res[name] = round(graph_seconds(dec.stream, attention), 6)
+            dec.stream.synchronize()
+        a, b = (cp.asnumpy(outs[f]).astype(np.float64) for f in (False, True))
+        res["flash_vs_gemm_rel"] = round(float(np.abs(a - b).max() / (np.abs(a).max() or 1.0)), 6)
+        dec.flash = False
+        ref = _prefill_graph(dec, prompt, n_ctx)
+        first = prompt[: n // 2]
+        follow = {}
+        for flag in (False, True):  # a follow-up turn: prompt after cached tokens, launch by launch
+            dec.flash = flag
+            c = dec.new_cache(n_ctx)
+            dec.forward(first, c)
+            cp.cuda.Device(dec.device).synchronize()
+            t0 = time.perf_counter()
+            follow[flag] = dec.forward(prompt[n // 2 :], c)[-1]
+            res[f"flash_followup_s_{'flash' if flag else 'gemm'}"] = round(time.perf_counter() - t0, 5)
+        scale = float(np.abs(follow[False]).max()) or 1.0
+        res["flash_followup_logits_rel"] = round(float(np.abs(follow[True] - follow[False]).max()) / scale, 6)
+        dec.flash = True
+        got = _prefill_graph(dec, prompt, n_ctx)
+        res["flash_prefill_graph_s"] = got.get("prefill_graph_s")
+        res["flash_prefill_graph_tps"] = got.get("prefill_graph_tps")
+        if "prefill_graph_error" in got or "prefill_graph_error" in ref:
+            res["flash_prefill_graph_error"] = got.get("prefill_graph_error", ref.get("prefill_graph_error"))
+        res["flash_prefill_default_graph_s"] = ref.get("prefill_graph_s")
+    finally:
+        dec.flash = was
+    # the logits of a whole prefill with flash against the default's (a fresh cache each, launch by launch)
+    logits = {}
+    try:
+        for flag in (False, True):
+            dec.flash = flag
+            logits[flag] = dec.forward(prompt, dec.new_cache(n_ctx))[-1]
+    finally:
+        dec.flash = was
+    scale = float(np.abs(logits[False]).max()) or 1.0
+    res["flash_prefill_logits_rel"] = round(float(np.abs(logits[True] - logits[False]).max()) / scale, 6)
+    res["flash_greedy_matches"] = int(np.argmax(logits[True])) == int(np.argmax(logits[False]))
+    return res
 
 
 def _prefill_by_tile(dec, prompt: list[int], n_ctx: int) -> dict:

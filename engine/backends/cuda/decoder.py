@@ -335,6 +335,16 @@ class CudaDecoder:
         # a decode step's matvecs and attention as programmatic dependent launches (ops.dependent_launches)
         self.pdl = os.environ.get("HEARTH_CUDA_PDL", "").strip() == "1"
         self.pdl_error: str | None = None  # why they were given up, if they were
+        # prefill attention in one flash kernel (HEARTH_CUDA_FLASH=1), once it has matched the cuBLAS path
+        self.flash, self.flash_error = False, None
+        if ops.flash_enabled():
+            heads = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+            with cp.cuda.Device(self.device), self.stream:
+                if ops.flash_applies(np.float16, cfg.head_dim):
+                    self.flash_error = ops.flash_check(*heads)
+                else:
+                    self.flash_error = f"flash prefill takes head sizes {ops.FLASH_HEAD_DIMS} on sm_80+"
+            self.flash = self.flash_error is None
         self._sample_parts = None  # _sample_rows' scratch (sample_topk's and argmax's), made on first use
         self.max_position_embeddings = cfg.max_position_embeddings
 
@@ -806,7 +816,8 @@ class CudaDecoder:
             rope = (L["inv_freq"], self.n_rot, self.neox, eps, L["q_norm"], L["k_norm"])
             ops.rope_store(qg, qkv, H, cache.k[i], cache.v[i], pos, *rope)
             attn3 = attn.reshape(n, H, hd)
-            ops.attention_prefill(attn3, qg, cache.k[i], cache.v[i], pos0, self.scale, L["window"])
+            window = L["window"]
+            ops.attention_prefill(attn3, qg, cache.k[i], cache.v[i], pos0, self.scale, window, self.flash)
             if self.gemma:
                 self._linear(o, [L["wo"]], attn)
                 ops.rmsnorm(x, o, L["post_attn_norm"], eps, accumulate=True)

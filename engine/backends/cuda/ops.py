@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 from dataclasses import dataclass
 
 import cupy as cp
@@ -462,7 +463,62 @@ def attention_parts(H: int, hd: int, n_keys_max: int) -> tuple:
     return cp.empty(H * S * hd, cp.float32), cp.empty(H * S * 2, cp.float32), cp.zeros(H, cp.uint32)
 
 
-def attention_prefill(out, qg, k_cache, v_cache, pos0: int, scale: float, window: int = 0) -> None:
+FLASH_HEAD_DIMS = (64, 128)  # flash.cu's instantiations
+FLASH_ROWS = 64  # grouped query rows a block of flash_prefill takes
+
+
+def flash_enabled() -> bool:
+    """Prefill attention in one flash kernel (flash.cu) where it applies: HEARTH_CUDA_FLASH=1 (opt-in
+    until it has been timed on a GPU; `scripts/cuda_bench_1b.py` measures both)."""
+    return os.environ.get("HEARTH_CUDA_FLASH", "").strip() == "1"
+
+
+def flash_applies(kv_dtype, hd: int) -> bool:
+    """Whether flash_prefill can take a layer: a float16 cache, head size 64 or 128, sm_80+."""
+    if np.dtype(kv_dtype) != np.float16 or hd not in FLASH_HEAD_DIMS:
+        return False
+    return int(cp.cuda.Device().compute_capability) >= 80
+
+
+def flash_check(H: int, KV: int, hd: int) -> str | None:
+    """None when attention_prefill_flash gives the cuBLAS path's result for H query and KV key heads of
+    size hd on random float16 inputs (a prompt after cached tokens, rows past a block's end); else what
+    went wrong. A decoder runs it once before it takes the kernel (outside any capture)."""
+    rep, n, pos0 = H // KV, 70, 13
+    rng = np.random.default_rng(0)
+    k, v, q = (
+        cp.asarray(rng.standard_normal(shape).astype(np.float16))
+        for shape in ((KV, n + pos0, hd), (KV, n + pos0, hd), (KV, n * rep, hd))
+    )
+    want, got = cp.zeros((n, H, hd), cp.float32), cp.zeros((n, H, hd), cp.float32)
+    attention_prefill(want, q, k, v, pos0, hd**-0.5)
+    try:
+        attention_prefill_flash(got, q, k, v, pos0, hd**-0.5)
+        a, b = cp.asnumpy(want), cp.asnumpy(got)
+    except Exception as e:  # noqa: BLE001 - any failure keeps the cuBLAS path, with the reason
+        return f"{type(e).__name__}: {e}"
+    err = float(np.abs(a - b).max() / (np.abs(a).max() or 1.0))
+    return None if err < 2e-2 else f"flash prefill attention differs from the cuBLAS path's by {err:.3g}"
+
+
+def attention_prefill_flash(out, qg, k_cache, v_cache, pos0: int, scale: float, window: int = 0) -> None:
+    """attention_prefill's result in one launch (flash.cu: scores and probabilities stay in registers,
+    mma.sync on tensor cores): out (n, H, hd) float32 or float16, qg (KV, n * rep, hd) float16, caches
+    (KV, n_ctx, hd) float16, hd in FLASH_HEAD_DIMS."""
+    n, H, hd = out.shape
+    KV, n_ctx, _ = k_cache.shape
+    if hd not in FLASH_HEAD_DIMS or k_cache.dtype != cp.float16 or qg.dtype != cp.float16:
+        raise ValueError(f"flash prefill takes float16 queries and caches of head size 64 or 128, not {hd}")
+    rep = H // KV
+    grid = (-(-n * rep // FLASH_ROWS), KV)
+    args = (out, qg, k_cache, v_cache, _i32(n), _i32(rep), _i32(H), _i32(n_ctx), _i32(pos0), _f32(scale))
+    args += (_i32(window), _i32(out.dtype == cp.float16))
+    kernel(f"flash_prefill_{hd}", cp.cuda.Device().id)(grid, (128,), args)
+
+
+def attention_prefill(
+    out, qg, k_cache, v_cache, pos0: int, scale: float, window: int = 0, flash: bool = False
+) -> None:
     """out (n, H, hd) float32 or float16 (the output projection's GEMM input) = causal attention of the
     queries qg (KV, n * rep, hd), grouped as rope_store writes them (query head g * rep + r of token t
     in row t * rep + r of qg[g], so a chunk of queries is a block of rows), query t at position pos0 + t,
@@ -472,10 +528,14 @@ def attention_prefill(out, qg, k_cache, v_cache, pos0: int, scale: float, window
     float32 scores and sums); float32 caches, float32 throughout (exact checks).
 
     KV heads go in batches and queries in chunks so that the scores (and their float16 probabilities)
-    stay under ATTN_GEMM_BYTES (beyond one query per batch, which always runs).
+    stay under ATTN_GEMM_BYTES (beyond one query per batch, which always runs). flash: where
+    flash_applies, attention_prefill_flash instead (one launch, no scores in memory).
     """
     n, H = out.shape[0], out.shape[1]
     KV, n_ctx, hd = k_cache.shape
+    if flash and flash_applies(k_cache.dtype, hd):
+        attention_prefill_flash(out, qg, k_cache, v_cache, pos0, scale, window)
+        return
     rep, T = H // KV, pos0 + n
     half = k_cache.dtype == cp.float16
     if qg.dtype != k_cache.dtype:

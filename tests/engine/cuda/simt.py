@@ -2,14 +2,15 @@
 
 kernels/*.cu are compiled with g++ after a light rewrite: each block runs its threads as std::threads
 with a std::barrier for __syncthreads and a per-warp barrier for the shuffles; static `__shared__`
-arrays become function-static storage, `extern __shared__ T name[]` a per-block buffer of
-`shared_mem` bytes; halves convert in software; atomics (atomicAdd, atomicExch, atomicMax on 64 bits),
-__threadfence, clock64 and __nanosleep have host versions (std::atomic_ref, lock-free: a thread that
-spins on a volatile load never blocks another). __CUDA_ARCH__ is not defined: device-only code sits
+arrays become function-static storage, `extern __shared__ T name[]` a per-block buffer of `shared_mem`
+bytes; halves convert in software; a warp's mma.sync (m16n8k16, float16 in, float32 accumulators)
+gathers its lanes' fragments and multiplies on the host; atomics (atomicAdd, atomicExch, atomicMax on 64
+bits), __threadfence, clock64 and __nanosleep have host versions (std::atomic_ref, lock-free: a thread
+that spins on a volatile load never blocks another). __CUDA_ARCH__ is not defined: device-only code sits
 in `#ifdef __CUDA_ARCH__ ... #else <host C++> #endif`. `launch(name, grid, block, args, shared_mem)`
-takes the same arguments as a CuPy RawKernel call, with numpy arrays for device pointers. Slow (a
-thread per CUDA thread) but faithful enough to check indexing, synchronisation and numerics of small
-launches against the CPU kernels.
+takes the same arguments as a CuPy RawKernel call, with numpy arrays for device pointers. Slow (a thread
+per CUDA thread) but faithful enough to check indexing, synchronisation and numerics of small launches
+against the CPU kernels.
 
 Two modes. By default (sequential) the blocks of a launch run one after another on `blockDim` host
 threads. With `cooperative=True` every block runs at once, one host thread per CUDA thread of the
@@ -67,6 +68,7 @@ static thread_local float* g_dyn_smem = nullptr;
 static thread_local std::barrier<>* g_block_barrier = nullptr;
 static thread_local std::vector<std::unique_ptr<std::barrier<>>>* g_warp_barriers = nullptr;
 static thread_local uint64_t* g_shfl = nullptr;
+static thread_local uint32_t* g_mma = nullptr;  // the block's mma fragment slots: 10 words a thread
 static inline void __syncthreads() { g_block_barrier->arrive_and_wait(); }
 template <typename T> static T __shfl_xor_sync(unsigned, T v, int o) {
     unsigned t = threadIdx.x, w = t >> 5;
@@ -129,6 +131,41 @@ __device__ __forceinline__ ushort f2h(float f) {
     std::memcpy(&u, &h, 2);
     return u;
 }
+// mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 for the calling warp: every lane leaves its
+// fragments (the PTX ISA's layout, g = lane / 4, c = lane % 4: a[0] = A[g][2c, 2c+1], a[1] = A[g+8][..],
+// a[2] = A[g][2c+8, 2c+9], a[3] = A[g+8][2c+8, ..]; b0 = B[2c, 2c+1][g], b1 = B[2c+8, 2c+9][g];
+// d = D[g][2c, 2c+1], D[g+8][2c, 2c+1]), the warp meets, each lane rebuilds A and B and computes its
+// part of D = A B + D in float32, and the warp meets again before any lane reuses its slots.
+static void host_mma16816(float* d, const unsigned* a, unsigned b0, unsigned b1) {
+    unsigned t = threadIdx.x, w = t >> 5;
+    std::barrier<>& warp = *(*g_warp_barriers)[w];
+    uint32_t* mine = g_mma + 10 * t;
+    for (int i = 0; i < 4; i++) mine[i] = a[i];
+    mine[4] = b0;
+    mine[5] = b1;
+    warp.arrive_and_wait();
+    float A[16][16], B[16][8];
+    auto lo = [](uint32_t v) { return h2f((ushort)(v & 0xffffu)); };
+    auto hi = [](uint32_t v) { return h2f((ushort)(v >> 16)); };
+    for (int l = 0; l < 32; l++) {
+        const uint32_t* f = g_mma + 10 * (32 * w + l);
+        int g = l >> 2, c = l & 3;
+        A[g][2 * c] = lo(f[0]); A[g][2 * c + 1] = hi(f[0]);
+        A[g + 8][2 * c] = lo(f[1]); A[g + 8][2 * c + 1] = hi(f[1]);
+        A[g][2 * c + 8] = lo(f[2]); A[g][2 * c + 9] = hi(f[2]);
+        A[g + 8][2 * c + 8] = lo(f[3]); A[g + 8][2 * c + 9] = hi(f[3]);
+        B[2 * c][g] = lo(f[4]); B[2 * c + 1][g] = hi(f[4]);
+        B[2 * c + 8][g] = lo(f[5]); B[2 * c + 9][g] = hi(f[5]);
+    }
+    warp.arrive_and_wait();
+    int g = (t & 31) >> 2, c = t & 3;
+    int rows[4] = {g, g, g + 8, g + 8}, cols[4] = {2 * c, 2 * c + 1, 2 * c, 2 * c + 1};
+    for (int i = 0; i < 4; i++) {
+        float acc = d[i];
+        for (int k = 0; k < 16; k++) acc += A[rows[i]][k] * B[k][cols[i]];
+        d[i] = acc;
+    }
+}
 """
 
 LAUNCHER = r"""
@@ -151,8 +188,10 @@ struct BlockState {
     std::barrier<> block;
     std::vector<std::unique_ptr<std::barrier<>>> warps;
     std::vector<uint64_t> shfl;
+    std::vector<uint32_t> mma;
     std::vector<float> dyn;
-    BlockState(unsigned threads, size_t smem) : block(threads), shfl(threads, 0), dyn(smem / 4 + 1) {
+    BlockState(unsigned threads, size_t smem)
+        : block(threads), shfl(threads, 0), mma(10 * threads, 0), dyn(smem / 4 + 1) {
         for (unsigned w = 0; w < (threads + 31) / 32; w++)
             warps.emplace_back(new std::barrier<>(std::min(32u, threads - 32 * w)));
     }
@@ -161,6 +200,7 @@ struct BlockState {
         g_block_barrier = &block;
         g_warp_barriers = &warps;
         g_shfl = shfl.data();
+        g_mma = mma.data();
         g_dyn_smem = dyn.data();
     }
 };

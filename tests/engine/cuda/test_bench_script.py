@@ -56,6 +56,8 @@ def test_bench_script_runs_every_measurement(fake, tmp_path, monkeypatch):
         wanted += ("fused_t256_decode_bandwidth_fraction", "fused_noprefetch_decode_bandwidth_fraction")
         wanted += ("prefill_issue_s", "prefill_gpu_s", "prefill_gpu_vs_cublas")
         wanted += ("prefill_graph_s", "prefill_graph_vs_cublas", "prefill_graph_vs_eager_rel")
+        wanted += ("flash_attention_gpu_s", "flash_vs_gemm_rel", "flash_prefill_vs_cublas")
+        wanted += ("flash_prefill_logits_rel", "flash_followup_logits_rel", "flash_greedy_matches")
         for key in wanted:
             assert key in entry, key
     assert not list(tmp_path.glob("*.gguf"))  # the 1B files are deleted after their run

@@ -68,10 +68,19 @@ def test_op_kernels_compile(ptx):
 
 def test_each_source_compiles_on_its_own():
     nvrtc_or_skip()
-    assert kernels.SOURCES == ("quant.cu", "ops.cu", "step.cu")
+    assert kernels.SOURCES == ("quant.cu", "ops.cu", "flash.cu", "step.cu")
     # quant.cu is most of the full module (compiled by the fixture); ops.cu must stand alone too
     # (step.cu builds on quant.cu's decoders: it compiles in the module)
     assert set(OPS) <= _entries(kernels.compile_ptx(kernels.source("ops.cu"), "ops.cu"))
+
+
+def test_flash_prefill_assembles_for_sm_90_and_sm_80(ptx):
+    # ptxas checks the mma.sync operands; it stands alone; sm_80 (Ampere) has the same instruction
+    assert {"flash_prefill_64", "flash_prefill_128"} <= _entries(ptx)
+    assert "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32" in _body(ptx, "flash_prefill_64")
+    for arch in ("sm_90", "sm_80"):
+        cubin = kernels.compile_cubin(kernels.source("flash.cu"), "flash.cu", arch=arch)
+        assert b"flash_prefill_128" in cubin
 
 
 def test_fused_step_assembles_for_sm_90_and_compiles_for_sm_80(ptx):

@@ -158,6 +158,7 @@ def _fake_cupy():
     class Device(contextlib.AbstractContextManager):
         def __init__(self, index=0):
             self.id = index
+            self.compute_capability = "90"
             self.attributes = {
                 "MemoryClockRate": 3_200_000, "GlobalMemoryBusWidth": 6144, "L2CacheSize": 60 << 20
             }
@@ -765,6 +766,50 @@ def test_decode_step_as_programmatic_dependent_launches_on_host_threads(fake, si
     assert not refused.pdl and "801" in refused.pdl_error
     for g, want in zip(got, steps[1]):
         np.testing.assert_array_equal(g, want)
+
+
+def test_flash_prefill_on_host_threads(fake, simt):
+    """flash.cu's prefill attention against float64 attention (test_kernels_gpu) on host threads, the
+    warps' mma.sync multiplied on the host from the PTX ISA's fragment layout: smaller prompts than on
+    a GPU, the same kinds of cases."""
+    from tests.engine.cuda import test_kernels_gpu as gpu_tests
+
+    STATE.simt = simt
+    cases = (64, 4, 21, 0, 0), (64, 1, 70, 37, 0), (128, 2, 40, 30, 16), (64, 2, 33, 90, 0)
+    gpu_tests.test_flash_prefill_matches_attention(0, cases)
+
+
+def test_flash_prefill_in_the_decoder_on_host_threads(fake, simt, tmp_path, monkeypatch):
+    """HEARTH_CUDA_FLASH=1: the decoder checks the flash kernel against the cuBLAS path once at load,
+    then its prefills take it (a float16 cache's logits as without it, a follow-up after cached tokens
+    too); a kernel that disagrees (here: one that leaves its output at zero) is not used, and
+    flash_error says why. Off by default."""
+    from engine.loader import load_model
+
+    STATE.simt = simt
+    path = tmp_path / "hd64.gguf"
+    write_tiny_gguf(path, TinySpec(hidden=128, heads=2, kv_heads=1, layers=1, ffn=64))
+    model = load_model(path).model
+    assert not fake.decoder.CudaDecoder(model, n_ctx=48).flash
+
+    def logits(dec):
+        cache = dec.new_cache(48, np.float16)
+        first = dec.forward([1, 2, 3, 4, 5], cache)[-1]
+        return first, dec.forward([6, 7, 8], cache)[-1]
+
+    want = logits(fake.decoder.CudaDecoder(model, n_ctx=48))
+    monkeypatch.setenv("HEARTH_CUDA_FLASH", "1")
+    calls = []
+    real = fake.ops.attention_prefill_flash
+    monkeypatch.setattr(fake.ops, "attention_prefill_flash", lambda *a, **k: calls.append(1) or real(*a, **k))
+    dec = fake.decoder.CudaDecoder(model, n_ctx=48)
+    assert dec.flash and dec.flash_error is None and calls == [1]  # the self-check
+    for a, b in zip(logits(dec), want):
+        np.testing.assert_allclose(a, b, rtol=2e-2, atol=2e-2 * np.abs(b).max())
+    assert len(calls) == 3  # then each prefill's one layer
+    monkeypatch.setattr(fake.ops, "attention_prefill_flash", lambda *a, **k: None)
+    broken = fake.decoder.CudaDecoder(model, n_ctx=48)
+    assert not broken.flash and "differs from the cuBLAS path" in broken.flash_error
 
 
 def test_gpu_sampling_on_host_threads(fake, simt):

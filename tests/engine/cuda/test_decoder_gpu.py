@@ -234,6 +234,30 @@ def test_fused_smollm2_starter(gpu, smollm2_gpu_path):
 
 
 @pytest.mark.slow
+def test_flash_prefill_smollm2_starter(gpu, smollm2_gpu_path, monkeypatch):
+    """HEARTH_CUDA_FLASH's prefill attention (head size 64, 3 query heads a KV head) on the starter, in
+    float16 as chats run it: a first prompt and a follow-up after cached tokens give the logits of the
+    cuBLAS path within float16 rounding, and the same next token."""
+    from engine.backends.cuda.decoder import CudaDecoder
+
+    lm, prompt = _starter_prompt(smollm2_gpu_path)
+    monkeypatch.setenv("HEARTH_CUDA_FLASH", "1")
+    dec = CudaDecoder(lm.model, n_ctx=128)
+    assert dec.flash and dec.flash_error is None  # its self-check passed
+    follow = lm.tokenizer.encode(" Paris. And the capital of Italy is", add_special=False)
+    got = {}
+    for flag in (False, True):
+        dec.flash = flag
+        cache = dec.new_cache(128)
+        first = dec.forward(prompt, cache, all_logits=True)
+        got[flag] = first, dec.forward(follow, cache)[-1]
+    for a, b in zip(got[True], got[False]):
+        assert _rel(a, b) < 2e-2 and int(np.argmax(a[-1] if a.ndim > 1 else a)) == int(
+            np.argmax(b[-1] if b.ndim > 1 else b)
+        )
+
+
+@pytest.mark.slow
 def test_gemma3_starter(gpu, gemma3_gpu_path):
     lm, prompt = _starter_prompt(gemma3_gpu_path)
     _check(lm.model, prompt, 24, 2e-3)

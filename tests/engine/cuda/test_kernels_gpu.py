@@ -297,6 +297,54 @@ def test_rope_store_and_attention_match_cpu(gpu, kv_dtype, neox, window, qk_norm
     np.testing.assert_array_equal(gvc.get(), vref)
 
 
+def _attention_reference(qg, k, v, n, rep, pos0, scale, window):
+    """Causal attention (float64) of grouped queries qg (KV, n * rep, hd) over caches (KV, n_ctx, hd):
+    (n, H, hd), query row t * rep + r of group g being head g * rep + r of token t at pos0 + t."""
+    KV, _, hd = k.shape
+    out = np.zeros((n, KV * rep, hd))
+    for g in range(KV):
+        for t in range(n):
+            p = pos0 + t
+            lo = max(0, p - window + 1) if window > 0 else 0
+            s = qg[g, t * rep : (t + 1) * rep].astype(np.float64) @ k[g, lo : p + 1].astype(np.float64).T
+            w = np.exp(scale * s - (scale * s).max(axis=1, keepdims=True))
+            o = w @ v[g, lo : p + 1].astype(np.float64) / w.sum(axis=1, keepdims=True)
+            out[t, g * rep : (g + 1) * rep] = o
+    return out
+
+
+# (head size, query heads per KV head, prompt tokens, cached tokens before them, sliding window): the
+# 1B bench's shape, follow-up turns (rows past a block's end, tiles past its last position), a window,
+# head size 128
+FLASH_CASES = ((64, 4, 512, 0, 0), (64, 4, 100, 300, 0), (128, 2, 130, 70, 64), (64, 1, 70, 37, 0))
+
+
+def test_flash_prefill_matches_attention(gpu, cases=FLASH_CASES):
+    """ops.attention_prefill_flash (flash.cu: mma.sync tiles of 64 keys, the online softmax in
+    registers) against float64 attention of the same float16 inputs, float32 and float16 output; a head
+    size it has no kernel for is a ValueError."""
+    import cupy as cp
+
+    from engine.backends.cuda import ops
+
+    for hd, rep, n, pos0, window in cases:
+        rng = np.random.default_rng(hd + n + pos0)
+        KV, n_ctx = 2, pos0 + n + 3
+        k = rng.standard_normal((KV, n_ctx, hd)).astype(np.float16)
+        v = rng.standard_normal((KV, n_ctx, hd)).astype(np.float16)
+        qg = rng.standard_normal((KV, n * rep, hd)).astype(np.float16)
+        scale = 1.0 / np.sqrt(hd)
+        want = _attention_reference(qg, k, v, n, rep, pos0, scale, window)
+        gq, gk, gv = cp.asarray(qg), cp.asarray(k), cp.asarray(v)
+        for dtype, tol in ((np.float32, 4e-3), (np.float16, 6e-3)):
+            out = cp.zeros((n, KV * rep, hd), dtype)
+            ops.attention_prefill_flash(out, gq, gk, gv, pos0, scale, window)
+            err = np.abs(cp.asnumpy(out).astype(np.float64) - want).max()
+            assert err < tol * np.abs(want).max(), (hd, rep, n, pos0, window, dtype, err)
+    with pytest.raises(ValueError, match="head size"):
+        ops.attention_prefill_flash(cp.zeros((2, 2, 96), cp.float32), gq, gk, gv, 0, 1.0)
+
+
 # (vocabulary, top_k, temperature, top_p, min_p): the app's defaults, a single candidate, a wide top-k
 # over few logits, a wide top-k with both cuts, fewer logits than top_k; top-k off (the server's) with
 # no cut, with top-p, with min-p, over a 128k vocabulary, and over fewer logits than its candidates
