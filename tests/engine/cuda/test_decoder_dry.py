@@ -825,22 +825,28 @@ def test_gpu_sampling_on_host_threads(fake, simt):
     gpu_tests.test_sampling_draws_from_the_cpu_distribution(0, cases, draws=6)
 
 
+def _tiny_chat(fake, tmp_path):
+    """A one-layer Q8_0 tiny model, its tokenizer, and a CUDA decoder of it (float32 prefill)."""
+    from engine.loader import load_model
+    from engine.tokenizer import Tokenizer
+    from models.formats.gguf import open_gguf
+
+    path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(path, TinySpec(matrix_type=T.Q8_0, layers=1))
+    tokenizer = Tokenizer.from_gguf_metadata(open_gguf(path).metadata)
+    model = load_model(path).model
+    return model, tokenizer, fake.decoder.CudaDecoder(model, n_ctx=48, prefill_dtype="float32")
+
+
 def test_generate_picks_tokens_on_the_gpu_on_host_threads(fake, simt, tmp_path, monkeypatch):
     """engine.generate with a CUDA decoder: after the prefill's token, each step decodes and picks on
     the GPU (greedy_step / sample_step: only the token comes back), greedy replies equal the CPU
     model's, a seed repeats a sampled reply (top-k off too), and settings the device sampler lacks (a
     repetition penalty, a top-k wider than its candidates) decode with forward() and sample on the host."""
     from engine.generate import GenerationParams, generate
-    from engine.loader import load_model
-    from engine.tokenizer import Tokenizer
-    from models.formats.gguf import open_gguf
 
     STATE.simt = simt
-    path = tmp_path / "tiny.gguf"
-    write_tiny_gguf(path, TinySpec(matrix_type=T.Q8_0, layers=1))
-    tokenizer = Tokenizer.from_gguf_metadata(open_gguf(path).metadata)
-    model = load_model(path).model
-    dec = fake.decoder.CudaDecoder(model, n_ctx=48, prefill_dtype="float32")
+    model, tokenizer, dec = _tiny_chat(fake, tmp_path)
     calls = []
     for name in ("greedy_step", "sample_step", "forward"):
         real = getattr(dec, name)
@@ -885,17 +891,10 @@ def test_server_engine_picks_on_the_gpu_on_host_threads(fake, simt, tmp_path, mo
     logprobs request's row comes back as logits and is sampled on the host."""
     import threading
 
-    from engine.loader import load_model
     from engine.server.scheduler import Engine, SeqParams
-    from engine.tokenizer import Tokenizer
-    from models.formats.gguf import open_gguf
 
     STATE.simt = simt
-    path = tmp_path / "tiny.gguf"
-    write_tiny_gguf(path, TinySpec(matrix_type=T.Q8_0, layers=1))
-    tokenizer = Tokenizer.from_gguf_metadata(open_gguf(path).metadata)
-    model = load_model(path).model
-    dec = fake.decoder.CudaDecoder(model, n_ctx=48, prefill_dtype="float32")
+    model, tokenizer, dec = _tiny_chat(fake, tmp_path)
     specs = []
     real = dec.pick_batch
     monkeypatch.setattr(dec, "pick_batch", lambda *a, **kw: specs.append(a[2]) or real(*a, **kw))
