@@ -24,6 +24,7 @@ For each file it measures, with engine.backends.cuda.bench.bench_decoder:
   decode with programmatic dependent launches (pdl_*: the same logits and greedy tokens, tok/s);
   prefill attention in one flash kernel (flash_*: its GPU time against the cuBLAS GEMMs', the captured
   prefill with it and flash_prefill_vs_cublas, a follow-up turn, the logits against the default's);
+  the GPU sampler (sample_topk_*_gpu_us: one draw's GPU time with top-k 40 and off; sampled decode tok/s);
   batched decode (forward_batch, as `hearth serve` runs it) over 4 and 8 sequences, total tok/s.
 
 Usage: python3 scripts/cuda_bench_1b.py --out results.json [--types Q4_K,Q8_0] [--prompt 512] [--gen 128]
@@ -231,6 +232,7 @@ def bench_file(path: Path, n_prompt: int, n_gen: int, repetitions: int, entry: d
         ("prefill_by_tile", _prefill_by_tile, prompt),
         ("pdl", _bench_pdl, prompt),
         ("flash", _bench_flash, prompt),
+        ("sampling", _bench_sampling, prompt),
         ("batch", _bench_batches, prompt),
     )
     for name, part, arg in parts:
@@ -545,6 +547,41 @@ def _bench_pdl(dec, prompt: list[int], n_ctx: int) -> dict:
         return res
     finally:
         dec.pdl = was
+
+
+def _bench_sampling(dec, prompt: list[int], n_ctx: int, steps: int = 64) -> dict:
+    """The GPU sampler: sample_topk's GPU time on a step's logits row (top-k 40 and top-k off, both
+    with temperature 0.8, top-p 0.95, min-p 0.05; sample_topk_*_gpu_us), then sampled decode through
+    sample_step (sampled_decode_tps_*; the random model's flat rows push top-k off to the host's draw
+    more often than a trained model's would: host_draws_* counts those)."""
+    import cupy as cp
+
+    from engine.backends.cuda import ops
+
+    cache = dec.new_cache(n_ctx)
+    logits = dec.forward(prompt[: len(prompt) // 2], cache)[-1]
+    row = cp.asarray(np.ascontiguousarray(logits, np.float32))
+    token, parts = cp.zeros(1, cp.int32), ops.sample_parts()
+    res = {}
+    with cp.cuda.Device(dec.device), dec.stream:
+        for k, name in ((40, "k40"), (0, "open")):
+            fn = lambda k=k: ops.sample_topk(token, row, k, 0.8, 0.95, 0.5, 0.05, parts)  # noqa: E731
+            res[f"sample_topk_{name}_gpu_us"] = round(graph_seconds(dec.stream, fn) * 1e6, 2)
+    tok = int(np.argmax(logits))
+    rng = np.random.default_rng(0)
+    steps = min(steps, n_ctx - len(prompt) // 2 - 2)  # what the context holds after the half prompt
+    for k, name in ((40, "k40"), (0, "open")):
+        dec.host_draws = 0
+        c = dec.new_cache(n_ctx)
+        dec.forward(prompt[: len(prompt) // 2], c)
+        t = dec.sample_step(tok, c, 0.8, k, 0.95, float(rng.random()), 0.05)  # the step's graph captured
+        cp.cuda.Device(dec.device).synchronize()
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            t = dec.sample_step(t, c, 0.8, k, 0.95, float(rng.random()), 0.05)
+        res[f"sampled_decode_tps_{name}"] = round(steps / (time.perf_counter() - t0), 1)
+        res[f"host_draws_{name}"] = dec.host_draws
+    return res
 
 
 def _bench_batches(dec, prompt: list[int], n_ctx: int, steps: int = 16) -> dict:

@@ -346,6 +346,7 @@ class CudaDecoder:
                     self.flash_error = f"flash prefill takes head sizes {ops.FLASH_HEAD_DIMS} on sm_80+"
             self.flash = self.flash_error is None
         self._sample_parts = None  # _sample_rows' scratch (sample_topk's and argmax's), made on first use
+        self.host_draws = 0  # rows the GPU sampler left to the host (top-k off, a cut past its candidates)
         self.max_position_embeddings = cfg.max_position_embeddings
 
     # ---- loading -------------------------------------------------------------------------
@@ -604,6 +605,7 @@ class CudaDecoder:
         got = [int(t) for t in cp.asnumpy(ids, stream=self.stream)]
         for b, t in enumerate(got):
             if t < 0:
+                self.host_draws += 1
                 temp, top_k, top_p, min_p, u = picks[b]
                 got[b] = draw(cp.asnumpy(rows[b], stream=self.stream), temp, top_k, top_p, min_p, u)
         return got

@@ -58,6 +58,7 @@ def test_bench_script_runs_every_measurement(fake, tmp_path, monkeypatch):
         wanted += ("prefill_graph_s", "prefill_graph_vs_cublas", "prefill_graph_vs_eager_rel")
         wanted += ("flash_attention_gpu_s", "flash_vs_gemm_rel", "flash_prefill_vs_cublas")
         wanted += ("flash_prefill_logits_rel", "flash_followup_logits_rel", "flash_greedy_matches")
+        wanted += ("sample_topk_k40_gpu_us", "sample_topk_open_gpu_us", "sampled_decode_tps_open")
         for key in wanted:
             assert key in entry, key
     assert not list(tmp_path.glob("*.gguf"))  # the 1B files are deleted after their run
