@@ -116,24 +116,31 @@ def _mask_from(logits: np.ndarray, start: int) -> np.ndarray:
     return logits
 
 
-def device_steps(model, params: GenerationParams, rows: int, vocab: int):
+def device_steps(model, params: GenerationParams, rows: int, vocab: int, history: list[int] | None = None):
     """The model's own decode-and-pick step, when it has one (a CUDA decoder: greedy_step / sample_step)
     and the sampling settings fit it: step(token, cache) -> next token, and only the token leaves the
-    device instead of the logits. None: decode with forward() and sample on the host (a repetition
-    penalty, a top-k wider than the device sampler takes, a CPU model). rows: the logits' length;
-    vocab: the tokenizer's (fewer when the embedding is padded: those rows are never picked)."""
+    device instead of the logits. None: decode with forward() and sample on the host (a top-k wider
+    than the device sampler takes, a CPU model). rows: the logits' length; vocab: the tokenizer's
+    (fewer when the embedding is padded: those rows are never picked); history: the tokens so far (the
+    caller appends each one before its step), whose last repeat_last_n the repetition penalty takes."""
     greedy, sample = getattr(model, "greedy_step", None), getattr(model, "sample_step", None)
-    if greedy is None or sample is None or params.repetition_penalty != 1.0:
+    if greedy is None or sample is None:
         return None
     limit = vocab if vocab < rows else None
+    pen = None  # the repetition penalty's (factor, recent tokens) at each step
+    if params.repetition_penalty != 1.0:
+        last, seen = params.repeat_last_n, history if history is not None else []
+        pen = lambda: (params.repetition_penalty, seen[-last:] if last else [])  # noqa: E731
     if params.temperature == 0:
-        return lambda token, cache: greedy(token, cache, vocab=limit)
+        return lambda token, cache: greedy(token, cache, vocab=limit, penalty=pen and pen())
     if not 0 <= params.top_k <= getattr(model, "sample_max_k", 0):  # 0: top-k off
         return None
     # the device draws with uniforms from a stream of its own (the host's sampler took the first token)
     rng = np.random.default_rng(None if params.seed is None else [params.seed, 1])
     t, k, p, m = params.temperature, params.top_k, params.top_p, params.min_p
-    return lambda token, cache: sample(token, cache, t, k, p, float(rng.random()), min_p=m, vocab=limit)
+    return lambda token, cache: sample(
+        token, cache, t, k, p, float(rng.random()), min_p=m, vocab=limit, penalty=pen and pen()
+    )
 
 
 def generate(
@@ -172,7 +179,7 @@ def generate(
         prompt_tps=(len(prompt_ids) - reused) / t_prefill if t_prefill > 0 else 0.0,
     )
     history = list(prompt_ids)
-    step = device_steps(model, params, len(logits), tokenizer.vocab_size)
+    step = device_steps(model, params, len(logits), tokenizer.vocab_size, history)
     t_decode = time.perf_counter()
     finish = None
     picked = None  # the device step's pick (the first token is sampled here, from the prefill's logits)

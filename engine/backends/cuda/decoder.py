@@ -543,18 +543,22 @@ class CudaDecoder:
             out[b] = t
         return out, {b: host[i] for i, b in enumerate(rest)}
 
-    def greedy_step(self, token: int, cache: CudaKVCache, vocab: int | None = None) -> int:
+    def greedy_step(
+        self, token: int, cache: CudaKVCache, vocab: int | None = None, penalty: tuple | None = None
+    ) -> int:
         """Decode one token and return the argmax of its logits; only the token crosses to the host.
-        vocab: only the first vocab logits count (a tokenizer with fewer tokens than embedding rows)."""
+        vocab: only the first vocab logits count (a tokenizer with fewer tokens than embedding rows).
+        penalty: (repetition penalty, the recent token ids it applies to) -- ops.penalize first."""
         self._need_output()
         cache.check_room(1)
-        whole = vocab is None or vocab >= self.cfg.vocab_size
+        whole = (vocab is None or vocab >= self.cfg.vocab_size) and penalty is None
         with cp.cuda.Device(self.device), self.stream:
             step = self._decode(int(token), cache, greedy=whole)
             if not whole:  # the step's own argmax scratch (its counter is left zeroed for the graph)
                 st = self._steps[cache]
                 ids = st.ids
-                ops.argmax(ids, step[0, :vocab], st.argmax_parts)
+                self._penalize(step[0], penalty)
+                ops.argmax(ids, step[0] if vocab is None else step[0, :vocab], st.argmax_parts)
                 nxt = int(cp.asnumpy(ids, stream=self.stream)[0])
             elif self.fused is not None:
                 nxt = int(self.fused.check(step)[0])
@@ -573,19 +577,28 @@ class CudaDecoder:
         u: float,
         min_p: float = 0.0,
         vocab: int | None = None,
+        penalty: tuple | None = None,
     ) -> int:
         """Decode one token and draw the next on the GPU (ops.sample_topk: temperature, top-k (0: off),
         top-p, min-p, the uniform u); only the token crosses to the host, unless with top-k off the pick
         needs more than the GPU's candidates: then the logits row does, and engine.sampling.draw picks
-        with the same u. vocab: as greedy_step's."""
+        with the same u. vocab, penalty: as greedy_step's."""
         self._need_output()
         cache.check_room(1)
         with cp.cuda.Device(self.device), self.stream:
             logits = self._decode(int(token), cache, greedy=False)
+            self._penalize(logits[0], penalty)
             row = logits[0] if vocab is None else logits[0, :vocab]
             nxt = self._sample_rows([row], [(temp, top_k, top_p, min_p, u)])[0]
         cache.advance([token])
         return nxt
+
+    def _penalize(self, row, penalty: tuple | None) -> None:
+        """The repetition penalty (factor, token ids) on a logits row on the GPU, in place."""
+        if penalty is not None and penalty[0] != 1.0:
+            ids = np.unique(np.asarray(penalty[1], np.int64))
+            ids = ids[(ids >= 0) & (ids < row.size)].astype(np.int32)
+            ops.penalize(row, cp.asarray(ids), float(penalty[0]))
 
     def _sample_rows(self, rows: list, picks: list[tuple]) -> list[int]:
         """A token from each logits row (device, float32) with its (temp, top_k, top_p, min_p, u): one

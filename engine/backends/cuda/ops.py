@@ -583,6 +583,13 @@ def softcap(x, cap: float) -> None:
     kernel("softcap", cp.cuda.Device().id)(*_grid1(x.size), (x, _f32(cap), np.int64(x.size)))
 
 
+def penalize(x, ids, penalty: float) -> None:
+    """The repetition penalty on logits x float32 (vocab,) in place: x[i] / penalty where positive,
+    x[i] * penalty where not, for the distinct token ids (int32 on the GPU)."""
+    if ids.size:
+        kernel("penalize", cp.cuda.Device().id)(*_grid1(ids.size), (x, ids, _i32(ids.size), _f32(penalty)))
+
+
 def bump(pos, by: int = 1) -> None:
     kernel("bump", cp.cuda.Device().id)((1,), (32,), (pos, _i32(by)))
 

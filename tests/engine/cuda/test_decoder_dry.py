@@ -841,8 +841,9 @@ def _tiny_chat(fake, tmp_path):
 def test_generate_picks_tokens_on_the_gpu_on_host_threads(fake, simt, tmp_path, monkeypatch):
     """engine.generate with a CUDA decoder: after the prefill's token, each step decodes and picks on
     the GPU (greedy_step / sample_step: only the token comes back), greedy replies equal the CPU
-    model's, a seed repeats a sampled reply (top-k off too), and settings the device sampler lacks (a
-    repetition penalty, a top-k wider than its candidates) decode with forward() and sample on the host."""
+    model's (with a repetition penalty too, applied on the GPU), a seed repeats a sampled reply (top-k
+    off too), and a top-k wider than the device sampler's candidates decodes with forward() and samples
+    on the host."""
     from engine.generate import GenerationParams, generate
 
     STATE.simt = simt
@@ -871,10 +872,19 @@ def test_generate_picks_tokens_on_the_gpu_on_host_threads(fake, simt, tmp_path, 
     calls.clear()
     first = reply(dec, open_k)
     assert calls == ["forward"] + ["sample_step"] * (len(first) - 1) and reply(dec, open_k) == first
-    for host_only in (dict(repetition_penalty=1.1), dict(top_k=300)):
-        calls.clear()
-        reply(dec, GenerationParams(max_tokens=3, temperature=0.9, seed=3, **host_only))
-        assert "sample_step" not in calls and calls.count("forward") >= 2
+    # the repetition penalty on the GPU: the CPU model's greedy reply, a seeded sampled one repeats
+    penalized = GenerationParams(max_tokens=8, temperature=0.0, repetition_penalty=3.0, repeat_last_n=4)
+    want = reply(model, penalized)
+    calls.clear()
+    assert reply(dec, penalized) == want != reply(model, GenerationParams(max_tokens=8, temperature=0.0))
+    assert calls == ["forward"] + ["greedy_step"] * (len(want) - 1)
+    penalized = GenerationParams(max_tokens=4, temperature=0.9, top_k=40, repetition_penalty=1.3, seed=3)
+    calls.clear()
+    first = reply(dec, penalized)
+    assert calls == ["forward"] + ["sample_step"] * (len(first) - 1) and reply(dec, penalized) == first
+    calls.clear()
+    reply(dec, GenerationParams(max_tokens=3, temperature=0.9, seed=3, top_k=300))
+    assert "sample_step" not in calls and calls.count("forward") >= 2
     # a tokenizer with fewer tokens than embedding rows: the padding rows are never picked
     cache = dec.new_cache(48, np.float32)
     logits = model.forward([1, 2, 3], cpu := model.new_cache(48))[-1]

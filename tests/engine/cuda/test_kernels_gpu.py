@@ -392,6 +392,21 @@ def test_sampling_draws_from_the_cpu_distribution(gpu, cases=SAMPLING_CASES, dra
         ops.sample_topk(tok, x, ops.SAMPLE_MAX_K + 1, 1.0, 1.0, 0.5)
 
 
+def test_repetition_penalty_matches_the_cpu(gpu):
+    """ops.penalize: engine.sampling.repetition_penalty's CTRL rule on the GPU, for distinct ids."""
+    import cupy as cp
+
+    from engine.backends.cuda import ops
+    from engine.sampling import repetition_penalty
+
+    logits = np.random.default_rng(2).standard_normal(5000).astype(np.float32)
+    recent = [3, 17, 17, 4999, 0, 250]
+    want = repetition_penalty(1.7, 64)(recent, logits.copy())
+    x = cp.asarray(logits)
+    ops.penalize(x, cp.asarray(np.unique(recent).astype(np.int32)), 1.7)
+    np.testing.assert_array_equal(x.get(), want)
+
+
 def test_glu_argmax_and_sampling(gpu):
     import cupy as cp
 

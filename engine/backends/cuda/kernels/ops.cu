@@ -375,6 +375,14 @@ extern "C" __global__ void softcap(float* __restrict__ x, float cap, long long n
     if (i < n) x[i] = cap * tanhf(x[i] / cap);
 }
 // Increment the device position (after a captured decode step).
+// The repetition penalty (CTRL, as engine/sampling.py's): x[ids[i]] divided by penalty where positive,
+// multiplied where not, for n distinct ids.
+extern "C" __global__ void penalize(float* __restrict__ x, const int* __restrict__ ids, int n, float penalty) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    float v = x[ids[i]];
+    x[ids[i]] = v > 0.f ? v / penalty : v * penalty;
+}
 extern "C" __global__ void bump(int* __restrict__ pos, int by) {
     if (threadIdx.x == 0) pos[0] += by;
 }
