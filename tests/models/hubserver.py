@@ -337,9 +337,11 @@ class HubServer:
                 try:
                     while sent < limit:
                         piece = body[sent : min(limit, sent + 4096)]
+                        # counted before the write: the client may have read it all (and the test
+                        # looked at the log) before this thread runs again
+                        entry["sent"] = sent + len(piece)
                         self.wfile.write(piece)
                         sent += len(piece)
-                        entry["sent"] = sent
                         if hub.throttle:
                             self.wfile.flush()
                             time.sleep(len(piece) / hub.throttle)
@@ -347,7 +349,7 @@ class HubServer:
                     if fault == "stall":
                         hub._stop.wait(hub.stall_seconds)
                 except OSError:
-                    pass  # the client went away (it was killed, or gave up on a stall)
+                    entry["sent"] = sent  # the client went away (it was killed, or gave up on a stall)
                 self.close_connection = True
 
         return Handler

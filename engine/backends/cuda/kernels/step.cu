@@ -129,12 +129,25 @@ struct Mat {
 struct XIn {
     float* f;   // (cols,) natural order
     float* t;   // (cols,) element e at (e % 32) * units + e / 32
-    uint* w;    // (16 * units) int8 words: word k of unit u at w[k * units + u]; k < 8 hi, k >= 8 lo
-    float* d;   // (units,) scale of unit u (x ~ d * (256 hi + lo))
-    float* s;   // (units,) sum of unit u's quantized values
-    int* i;     // (2 * units,) integer sums (256 hi + lo) of the two halves of unit u
+    uint* q;    // (XREC * units) unit u's record at q + XREC * u (16-byte aligned): see below
     int cols, units;
 };
+// A unit's record of the two int8 levels (x ~ d * (256 hi + lo)): words 0-7 hi (4 elements each, in
+// order), 8-15 lo, 16 d (float), 17 the sum of its quantized values (float, d * Σ(256 hi + lo)), 18 and
+// 19 the integer sums Σ(256 hi + lo) of its two halves. Five 16-byte loads read one; 20 words apart,
+// consecutive units' loads by 8 lanes fall in distinct banks.
+#define XREC 20
+__device__ __forceinline__ float xd(const XIn& x, int u) { return __uint_as_float(x.q[XREC * u + 16]); }
+__device__ __forceinline__ float xs(const XIn& x, int u) { return __uint_as_float(x.q[XREC * u + 17]); }
+__device__ __forceinline__ int xi(const XIn& x, int u, int half) { return (int)x.q[XREC * u + 18 + half]; }
+// unit u's scale, value sum and half sums into its record
+__device__ __forceinline__ void set_unit(const XIn& x, int u, float d, float s, int i0, int i1) {
+    uint* r = x.q + XREC * u;
+    r[16] = __float_as_uint(d);
+    r[17] = __float_as_uint(s);
+    r[18] = (uint)i0;
+    r[19] = (uint)i1;
+}
 
 __device__ __forceinline__ int warp_sum_i(int v) {
 #pragma unroll
@@ -149,7 +162,7 @@ __device__ __forceinline__ int warp_sum_i(int v) {
 // shuffle tree costs 5 shuffles, at one warp shuffle per clock per SM).
 __device__ __forceinline__ void quantize_unit(XIn& xin, int u, int lane, float v) {
     int units = xin.units;
-    uchar* wb = (uchar*)xin.w;
+    uchar* wb = (uchar*)(xin.q + XREC * u);
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
     // non-negative floats order as their bit patterns
     float amax = __uint_as_float(__reduce_max_sync(0xffffffffu, __float_as_uint(fabsf(v))));
@@ -159,8 +172,8 @@ __device__ __forceinline__ void quantize_unit(XIn& xin, int u, int lane, float v
     int q = amax > 0.f ? __float2int_rn(v * (XQ_SCALE / amax)) : 0;
     int hi = (q + 128) >> 8, lo = q - 256 * hi;  // hi in [-127, 127], lo in [-128, 127]
     int k = lane >> 2, byte = lane & 3;
-    wb[(k * units + u) * 4 + byte] = (uchar)(signed char)hi;
-    wb[((k + 8) * units + u) * 4 + byte] = (uchar)(signed char)lo;
+    wb[k * 4 + byte] = (uchar)(signed char)hi;
+    wb[(k + 8) * 4 + byte] = (uchar)(signed char)lo;
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
     int h0 = __reduce_add_sync(0xffffffffu, lane < 16 ? q : 0), h1 = __reduce_add_sync(0xffffffffu, lane < 16 ? 0 : q);
 #else
@@ -171,10 +184,7 @@ __device__ __forceinline__ void quantize_unit(XIn& xin, int u, int lane, float v
 #endif
     if (lane == 0) {
         float d = amax / XQ_SCALE;
-        xin.d[u] = d;
-        xin.s[u] = d * (float)(h0 + h1);
-        xin.i[2 * u] = h0;
-        xin.i[2 * u + 1] = h1;
+        set_unit(xin, u, d, d * (float)(h0 + h1), h0, h1);
     }
 }
 
@@ -190,25 +200,22 @@ __device__ void quantize_x(XIn& xin) {
     __syncthreads();
 }
 
-// Σ over 8 words of q . x for unit u (both int8 levels): 256 Σ q hi + Σ q lo
-__device__ __forceinline__ int dot8(const uint* q, const XIn& x, int u) {
-    int hi = 0, lo = 0;
-#pragma unroll
-    for (int k = 0; k < 8; k++) {
-        hi = dp4a(q[k], x.w[k * x.units + u], hi);
-        lo = dp4a(q[k], x.w[(k + 8) * x.units + u], lo);
-    }
+// Σ over 4 words of q . the 4 words h (hi) and l (lo): 256 Σ q hi + Σ q lo
+__device__ __forceinline__ int dot4(const uint* q, uint4 h, uint4 l) {
+    int hi = dp4a(q[0], h.x, dp4a(q[1], h.y, dp4a(q[2], h.z, dp4a(q[3], h.w, 0))));
+    int lo = dp4a(q[0], l.x, dp4a(q[1], l.y, dp4a(q[2], l.z, dp4a(q[3], l.w, 0))));
     return 256 * hi + lo;
 }
-// the same over words k0..k0+3 (a 16-element half)
+// Σ over 8 words of q . x for unit u (both int8 levels): 256 Σ q hi + Σ q lo
+__device__ __forceinline__ int dot8(const uint* q, const XIn& x, int u) {
+    const uint4* r = (const uint4*)(x.q + XREC * u);
+    uint4 h0 = r[0], h1 = r[1], l0 = r[2], l1 = r[3];
+    return dot4(q, h0, l0) + dot4(q + 4, h1, l1);
+}
+// the same over words k0..k0+3 (a 16-element half; k0 0 or 4)
 __device__ __forceinline__ int dot4h(const uint* q, const XIn& x, int u, int k0) {
-    int hi = 0, lo = 0;
-#pragma unroll
-    for (int k = 0; k < 4; k++) {
-        hi = dp4a(q[k], x.w[(k0 + k) * x.units + u], hi);
-        lo = dp4a(q[k], x.w[(k0 + k + 8) * x.units + u], lo);
-    }
-    return 256 * hi + lo;
+    const uint4* r = (const uint4*)(x.q + XREC * u);
+    return dot4(q, r[k0 >> 2], r[2 + (k0 >> 2)]);
 }
 
 #define GENERIC_CASE(T, NAME, BYTES, SUBS)                                                       \
@@ -231,7 +238,7 @@ __device__ float row_dot(int type, const uchar* __restrict__ row, const XIn& x, 
                 uint q[8];
 #pragma unroll
                 for (int k = 0; k < 8; k++) q[k] = ld32_2(b + 2 + 4 * k);
-                acc = fmaf(ldh(b) * x.d[u], (float)dot8(q, x, u), acc);
+                acc = fmaf(ldh(b) * xd(x, u), (float)dot8(q, x, u), acc);
             }
             break;
         case T_Q4_0:
@@ -248,9 +255,9 @@ __device__ float row_dot(int type, const uchar* __restrict__ row, const XIn& x, 
                 }
                 int dot = dot8(q, x, u);
                 if (type == T_Q4_0) {
-                    acc = fmaf(ldh(b) * x.d[u], (float)(dot - 8 * (x.i[2 * u] + x.i[2 * u + 1])), acc);
+                    acc = fmaf(ldh(b) * xd(x, u), (float)(dot - 8 * (xi(x, u, 0) + xi(x, u, 1))), acc);
                 } else {
-                    acc = fmaf(ldh(b) * x.d[u], (float)dot, fmaf(ldh(b + 2), x.s[u], acc));
+                    acc = fmaf(ldh(b) * xd(x, u), (float)dot, fmaf(ldh(b + 2), xs(x, u), acc));
                 }
             }
             break;
@@ -272,8 +279,8 @@ __device__ float row_dot(int type, const uchar* __restrict__ row, const XIn& x, 
                     qa[k] = w[k] & 0x0F0F0F0Fu;
                     qb[k] = (w[k] >> 4) & 0x0F0F0F0Fu;
                 }
-                acc += d * (sa * x.d[ua] * (float)dot8(qa, x, ua) + sb * x.d[ub] * (float)dot8(qb, x, ub));
-                acc -= dmin * (ma * x.s[ua] + mb * x.s[ub]);
+                acc += d * (sa * xd(x, ua) * (float)dot8(qa, x, ua) + sb * xd(x, ub) * (float)dot8(qb, x, ub));
+                acc -= dmin * (ma * xs(x, ua) + mb * xs(x, ub));
             }
             break;
         case T_Q6_K:
@@ -289,8 +296,8 @@ __device__ float row_dot(int type, const uchar* __restrict__ row, const XIn& x, 
 #pragma unroll
                 for (int k = 0; k < 8; k++)
                     q[k] = ((ld32_2(ql + 4 * k) >> sl) & 0x0F0F0F0Fu) | (((ld32_2(qh + 4 * k) >> sh) & 0x03030303u) << 4);
-                int i0 = dot4h(q, x, u, 0) - 32 * x.i[2 * u], i1 = dot4h(q + 4, x, u, 4) - 32 * x.i[2 * u + 1];
-                acc = fmaf(ldh(b + 208) * x.d[u], (float)sc[0] * (float)i0 + (float)sc[1] * (float)i1, acc);
+                int i0 = dot4h(q, x, u, 0) - 32 * xi(x, u, 0), i1 = dot4h(q + 4, x, u, 4) - 32 * xi(x, u, 1);
+                acc = fmaf(ldh(b + 208) * xd(x, u), (float)sc[0] * (float)i0 + (float)sc[1] * (float)i1, acc);
             }
             break;
         case T_F32:
@@ -327,10 +334,7 @@ __device__ __forceinline__ XIn xin_of(float* sq, int b, int cols) {
     XIn xin;
     xin.cols = cols;
     xin.units = units;
-    xin.w = (uint*)((uchar*)sq + (long long)b * 80 * units);
-    xin.d = (float*)(xin.w + 16 * units);
-    xin.s = xin.d + units;
-    xin.i = (int*)(xin.s + units);
+    xin.q = (uint*)((uchar*)sq + (long long)b * 4 * XREC * units);
     xin.f = xin.t = nullptr;
     return xin;
 }
@@ -408,15 +412,12 @@ __device__ void quantize_pieces(float* sq, const float* __restrict__ x, const fl
                 XIn xin = xin_of(sq, b, cols);
 #pragma unroll
                 for (int j = 0; j < 2; j++) {
-                    xin.w[(2 * part + j) * units + u] = hi[j];
-                    xin.w[(2 * part + j + 8) * units + u] = lo[j];
+                    xin.q[XREC * u + 2 * part + j] = hi[j];
+                    xin.q[XREC * u + 2 * part + j + 8] = lo[j];
                 }
                 if (part == 0) {
                     float d = amax / XQ_SCALE;
-                    xin.d[u] = d;
-                    xin.s[u] = prologue == 1 ? sq_unit : d * (float)(sum + other);
-                    xin.i[2 * u] = sum;
-                    xin.i[2 * u + 1] = other;
+                    set_unit(xin, u, d, prologue == 1 ? sq_unit : d * (float)(sum + other), sum, other);
                 }
             }
         }
@@ -427,7 +428,7 @@ __device__ void quantize_pieces(float* sq, const float* __restrict__ x, const fl
     if (warp < B) {  // blockDim >= 32 * MAX_BATCH
         XIn xin = xin_of(sq, warp, cols);
         float t = 0.f;
-        for (int u = lane; u < units; u += 32) t += xin.s[u];
+        for (int u = lane; u < units; u += 32) t += xs(xin, u);
         t = warp_sum(t);
         if (lane == 0) inv[warp] = rsqrtf(t / (float)cols + eps);
     }
@@ -435,9 +436,8 @@ __device__ void quantize_pieces(float* sq, const float* __restrict__ x, const fl
     for (int k = threadIdx.x; k < B * units; k += blockDim.x) {
         int b = k / units, u = k % units;
         XIn xin = xin_of(sq, b, cols);
-        float d = xin.d[u] * inv[b];
-        xin.d[u] = d;
-        xin.s[u] = d * (float)(xin.i[2 * u] + xin.i[2 * u + 1]);
+        float d = xd(xin, u) * inv[b];
+        set_unit(xin, u, d, d * (float)(xi(xin, u, 0) + xi(xin, u, 1)), xi(xin, u, 0), xi(xin, u, 1));
     }
     __syncthreads();
 }
@@ -909,11 +909,8 @@ extern "C" __global__ void __launch_bounds__(512, 1) decode_step(
     XIn xin;
     xin.f = sx + 64;
     xin.t = xin.f + maxc;
-    xin.w = (uint*)(xin.t + maxc);
-    xin.d = (float*)(xin.w + 16 * mu);
-    xin.s = xin.d + mu;
-    xin.i = (int*)(xin.s + mu);
-    float* att = (float*)(xin.i + 2 * mu);  // attention scratch (phase B only)
+    xin.q = (uint*)(xin.t + maxc);
+    float* att = (float*)(xin.q + XREC * mu);  // attention scratch (phase B only)
     if (threadIdx.x == 0) *gen = *(volatile uint*)&sync[1];
     __syncthreads();
 
