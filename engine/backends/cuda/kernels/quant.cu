@@ -86,21 +86,26 @@ __device__ __forceinline__ void dec_q3_k(const uchar* b, int s, float* v) {
     }
 }
 // 6-bit scale and min j of a Q4_K/Q5_K block (12 bytes at q)
-__device__ __forceinline__ void scale_min_k4(int j, const uchar* q, float* sc, float* mn) {
-    if (j < 4) {
-        *sc = (float)(q[j] & 63);
-        *mn = (float)(q[j + 4] & 63);
-    } else {
-        *sc = (float)((q[j + 4] & 15) | ((q[j - 4] >> 6) << 4));
-        *mn = (float)((q[j + 4] >> 4) | ((q[j] >> 6) << 4));
-    }
+// Q4_K / Q5_K block header h (the block's first 16 bytes, one 128-bit load: f16 d | f16 dmin | 12
+// scale bytes q[0..11] in h.y, h.z, h.w): sub-block j's 6-bit scale and min. j < 4: q[j] & 63,
+// q[j + 4] & 63; else the low nibbles of q[j + 4] and the top bits of q[j - 4] (scale), the high
+// nibbles of q[j + 4] and the top bits of q[j] (min).
+__device__ __forceinline__ void scale_min_k4(int j, uint4 h, float* sc, float* mn) {
+    int sh = 8 * (j & 3);
+    uint a = (h.y >> sh) & 255u, b = (h.z >> sh) & 255u, c = (h.w >> sh) & 255u;
+    bool low = j < 4;
+    *sc = (float)(low ? a & 63u : (c & 15u) | ((a >> 6) << 4));
+    *mn = (float)(low ? b & 63u : (c >> 4) | ((b >> 6) << 4));
 }
+__device__ __forceinline__ float k4_d(uint4 h) { return h2f((ushort)(h.x & 0xffffu)); }
+__device__ __forceinline__ float k4_dmin(uint4 h) { return h2f((ushort)(h.x >> 16)); }
 // Q4_K: f16 d | f16 dmin | 12 scales | 128 qs; qs of sub-block s: bytes [32(s/2), +32) >> 4(s%2).
 // The block is 144 bytes (a multiple of 16), so the qs come in as two 128-bit loads.
 __device__ __forceinline__ void dec_q4_k(const uchar* b, int s, float* v) {
-    float d = ldh(b), dmin = ldh(b + 2), sc, mn;
-    scale_min_k4(s, b + 4, &sc, &mn);
-    float ds = d * sc, dm = dmin * mn;
+    uint4 h = *(const uint4*)b;
+    float sc, mn;
+    scale_min_k4(s, h, &sc, &mn);
+    float ds = k4_d(h) * sc, dm = k4_dmin(h) * mn;
     const uint4* q4 = (const uint4*)(b + 16 + 32 * (s >> 1));
     uint4 a = q4[0], c = q4[1];
     uint w[8] = {a.x, a.y, a.z, a.w, c.x, c.y, c.z, c.w};
@@ -110,9 +115,10 @@ __device__ __forceinline__ void dec_q4_k(const uchar* b, int s, float* v) {
 }
 // Q5_K: as Q4_K with 32 qh bytes before the qs (bit s of qh[l] is the 5th bit of element l)
 __device__ __forceinline__ void dec_q5_k(const uchar* b, int s, float* v) {
-    float d = ldh(b), dmin = ldh(b + 2), sc, mn;
-    scale_min_k4(s, b + 4, &sc, &mn);
-    float ds = d * sc, dm = dmin * mn;
+    uint4 hd = *(const uint4*)b;  // a 176-byte block: 16-byte aligned
+    float sc, mn;
+    scale_min_k4(s, hd, &sc, &mn);
+    float ds = k4_d(hd) * sc, dm = k4_dmin(hd) * mn;
     const uint4* h4 = (const uint4*)(b + 16);
     const uint4* q4 = (const uint4*)(b + 48 + 32 * (s >> 1));
     uint4 a = q4[0], c = q4[1], ha = h4[0], hc = h4[1];

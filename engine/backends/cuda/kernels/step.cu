@@ -161,7 +161,6 @@ __device__ __forceinline__ int warp_sum_i(int v) {
 // runs once per block and unit: on sm_80+ the max and the integer sums are one redux.sync each (a
 // shuffle tree costs 5 shuffles, at one warp shuffle per clock per SM).
 __device__ __forceinline__ void quantize_unit(XIn& xin, int u, int lane, float v) {
-    int units = xin.units;
     uchar* wb = (uchar*)(xin.q + XREC * u);
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
     // non-negative floats order as their bit patterns
@@ -267,9 +266,10 @@ __device__ float row_dot(int type, const uchar* __restrict__ row, const XIn& x, 
             for (int p = lane; p < units / 2; p += 32) {
                 const uchar* b = row + 144LL * (p >> 2);
                 int j = p & 3, ua = 2 * p, ub = 2 * p + 1;
-                float d = ldh(b), dmin = ldh(b + 2), sa, ma, sb, mb;
-                scale_min_k4(2 * j, b + 4, &sa, &ma);
-                scale_min_k4(2 * j + 1, b + 4, &sb, &mb);
+                uint4 h = *(const uint4*)b;  // d, dmin and the scales in one load
+                float d = k4_d(h), dmin = k4_dmin(h), sa, ma, sb, mb;
+                scale_min_k4(2 * j, h, &sa, &ma);
+                scale_min_k4(2 * j + 1, h, &sb, &mb);
                 const uint4* q4 = (const uint4*)(b + 16 + 32 * j);
                 uint4 c0 = q4[0], c1 = q4[1];
                 uint w[8] = {c0.x, c0.y, c0.z, c0.w, c1.x, c1.y, c1.z, c1.w};
