@@ -97,26 +97,34 @@ __device__ __forceinline__ const uchar* mixed_row(const uchar* w0, const uchar* 
     return (k == 0 ? w0 : k == 1 ? w1 : w2) + row_bytes_of(*type, cols) * lr;
 }
 
-// Row r (< rows, else nothing) of [W0; W1; W2] into L2 (the 16-byte-aligned part of it)
-__device__ __forceinline__ void prefetch_row(const uchar* w0, const uchar* w1, const uchar* w2, int t0, int t1,
-                                             int t2, int rows0, int rows1, int rows, int r, int cols) {
-    if (r >= rows) return;
-    int type;
-    const uchar* w = mixed_row(w0, w1, w2, t0, t1, t2, rows0, rows1, r, cols, &type);
-    unsigned long long lo = ((unsigned long long)w + 15) & ~15ULL;
-    unsigned long long hi = ((unsigned long long)w + row_bytes_of(type, cols)) & ~15ULL;
+// A row of [W0; W1; W2] resolved once: its bytes (null past the last row), its type and length.
+struct RowRef {
+    const uchar* w;
+    int type, bytes;
+};
+__device__ __forceinline__ RowRef row_ref(const uchar* w0, const uchar* w1, const uchar* w2, int t0, int t1,
+                                          int t2, int rows0, int rows1, int rows, int r, int cols) {
+    RowRef ref = {nullptr, t0, 0};
+    if (r < rows) {
+        ref.w = mixed_row(w0, w1, w2, t0, t1, t2, rows0, rows1, r, cols, &ref.type);
+        ref.bytes = (int)row_bytes_of(ref.type, cols);
+    }
+    return ref;
+}
+
+// A row (none when ref.w is null) into L2 (the 16-byte-aligned part of it)
+__device__ __forceinline__ void prefetch_row(RowRef ref) {
+    if (ref.w == nullptr) return;
+    unsigned long long lo = ((unsigned long long)ref.w + 15) & ~15ULL;
+    unsigned long long hi = ((unsigned long long)ref.w + ref.bytes) & ~15ULL;
     if (hi > lo) prefetch_l2((const uchar*)lo, (uint)(hi - lo));
 }
 
-// Row r (< rows, else nothing) of [W0; W1; W2] into L1, the warp's lanes a 128-byte line each at a time:
-// the row a warp takes next is on its SM by the time the warp gets to it.
-__device__ __forceinline__ void prefetch_row_l1(const uchar* w0, const uchar* w1, const uchar* w2, int t0, int t1,
-                                                int t2, int rows0, int rows1, int rows, int r, int cols, int lane) {
-    if (r >= rows) return;
-    int type;
-    const uchar* w = mixed_row(w0, w1, w2, t0, t1, t2, rows0, rows1, r, cols, &type);
-    long long bytes = row_bytes_of(type, cols);
-    for (long long off = 128LL * lane; off < bytes; off += 128LL * 32) prefetch_l1(w + off);
+// A row (none when ref.w is null) into L1, the warp's lanes a 128-byte line each at a time: the row a
+// warp takes next is on its SM by the time the warp gets to it.
+__device__ __forceinline__ void prefetch_row_l1(RowRef ref, int lane) {
+    if (ref.w == nullptr) return;
+    for (int off = 128 * lane; off < ref.bytes; off += 128 * 32) prefetch_l1(ref.w + off);
 }
 
 // One weight matrix of a phase (up to three stacked ones share the phase's input and output buffer).
@@ -461,24 +469,28 @@ extern "C" __global__ void __launch_bounds__(256) matvec_qb(
     // the next kernel may launch now (a programmatic dependent launch: its blocks wait in pdl_wait)
     pdl_launch_dependents();
     // this warp's first two rows start coming into L2 while the block prepares its input (or, launched
-    // programmatically, while the kernel before it finishes)
+    // programmatically, while the kernel before it finishes); each row is resolved once (RowRef) and
+    // carried from prefetch to use
+    RowRef cur = row_ref(w0, w1, w2, t0, t1, t2, rows0, rows1, rows, r0, cols);
+    RowRef nxt = row_ref(w0, w1, w2, t0, t1, t2, rows0, rows1, rows, r0 + stride, cols);
     if (lane == 0) {
-        prefetch_row(w0, w1, w2, t0, t1, t2, rows0, rows1, rows, r0, cols);
-        prefetch_row(w0, w1, w2, t0, t1, t2, rows0, rows1, rows, r0 + stride, cols);
+        prefetch_row(cur);
+        prefetch_row(nxt);
     }
-    prefetch_row_l1(w0, w1, w2, t0, t1, t2, rows0, rows1, rows, r0, cols, lane);
+    prefetch_row_l1(cur, lane);
     pdl_wait();  // x, x2 and out come from the kernels before
     quantize_pieces(sq, x, x2, ldx, nw, eps, prologue, cols, B);
     for (int r = r0; r < rows; r += stride) {
         // the row after this one: into L1 now (it is in L2 already), the one after that into L2
-        prefetch_row_l1(w0, w1, w2, t0, t1, t2, rows0, rows1, rows, r + stride, cols, lane);
-        if (lane == 0) prefetch_row(w0, w1, w2, t0, t1, t2, rows0, rows1, rows, r + 2 * stride, cols);
-        int type;
-        const uchar* w = mixed_row(w0, w1, w2, t0, t1, t2, rows0, rows1, r, cols, &type);
+        RowRef later = row_ref(w0, w1, w2, t0, t1, t2, rows0, rows1, rows, r + 2 * stride, cols);
+        prefetch_row_l1(nxt, lane);
+        if (lane == 0) prefetch_row(later);
         for (int b = 0; b < B; b++) {
-            float acc = warp_sum(row_dot(type, w, xin_of(sq, b, cols), lane));
+            float acc = warp_sum(row_dot(cur.type, cur.w, xin_of(sq, b, cols), lane));
             if (lane == 0) out[b * ldo + r] = accumulate ? out[b * ldo + r] + acc : acc;
         }
+        cur = nxt;
+        nxt = later;
     }
 }
 
