@@ -32,6 +32,31 @@ __device__ __forceinline__ uint ld32_2(const uchar* p) {  // u32 at a 2-byte-ali
     const ushort* h = (const ushort*)p;
     return (uint)h[0] | ((uint)h[1] << 16);
 }
+// (hi:lo) >> s, low 32 bits, s in 0..31 (one funnel shift)
+__device__ __forceinline__ uint funnel_r(uint lo, uint hi, int s) {
+#ifdef __CUDA_ARCH__
+    uint d;
+    asm("shf.r.clamp.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(lo), "r"(hi), "r"(s));
+    return d;
+#else
+    return s ? (lo >> s) | (hi << (32 - s)) : lo;
+#endif
+}
+// N consecutive u32 at a 2-byte-aligned address p: the N aligned words from p rounded down and a 16-bit
+// load of the last two bytes, funnel-shifted (N + 1 loads, branch-free, instead of 2N 16-bit ones).
+// Reads nothing outside [p - 2, p + 4N) (and p - 2 only when p is not 4-byte aligned).
+template <int N>
+__device__ __forceinline__ void ld32n_2(const uchar* p, uint* out) {
+    int s = (int)((unsigned long long)p & 2ULL) * 8;
+    const uint* w = (const uint*)((unsigned long long)p & ~3ULL);
+    uint cur = w[0];
+#pragma unroll
+    for (int i = 0; i < N; i++) {
+        uint next = i + 1 < N ? w[i + 1] : (uint)*(const ushort*)(p + 4 * N - 2);
+        out[i] = funnel_r(cur, next, s);
+        cur = next;
+    }
+}
 __device__ __forceinline__ void dec_q5_0(const uchar* b, int s, float* v) {
     float d = ldh(b);
     uint qh = ld32_2(b + 2);

@@ -243,8 +243,7 @@ __device__ float row_dot(int type, const uchar* __restrict__ row, const XIn& x, 
             for (int u = lane; u < units; u += 32) {
                 const uchar* b = row + 34LL * u;
                 uint q[8];
-#pragma unroll
-                for (int k = 0; k < 8; k++) q[k] = ld32_2(b + 2 + 4 * k);
+                ld32n_2<8>(b + 2, q);
                 acc = fmaf(ldh(b) * xd(x, u), (float)dot8(q, x, u), acc);
             }
             break;
@@ -253,12 +252,12 @@ __device__ float row_dot(int type, const uchar* __restrict__ row, const XIn& x, 
             int bytes = type == T_Q4_0 ? 18 : 20, off = type == T_Q4_0 ? 2 : 4;
             for (int u = lane; u < units; u += 32) {
                 const uchar* b = row + (long long)bytes * u;
-                uint q[8];
+                uint q[8], w[4];
+                ld32n_2<4>(b + off, w);  // byte j: element j low, j + 16 high
 #pragma unroll
                 for (int k = 0; k < 4; k++) {
-                    uint w = ld32_2(b + off + 4 * k);  // byte j: element j low, j + 16 high
-                    q[k] = w & 0x0F0F0F0Fu;
-                    q[k + 4] = (w >> 4) & 0x0F0F0F0Fu;
+                    q[k] = w[k] & 0x0F0F0F0Fu;
+                    q[k + 4] = (w[k] >> 4) & 0x0F0F0F0Fu;
                 }
                 int dot = dot8(q, x, u);
                 if (type == T_Q4_0) {
@@ -300,10 +299,12 @@ __device__ float row_dot(int type, const uchar* __restrict__ row, const XIn& x, 
                 const uchar* qh = b + 128 + 32 * n;
                 const signed char* sc = (const signed char*)(b + 192 + 8 * n + 2 * t);
                 int sl = 4 * (t >> 1), sh = 2 * t;
-                uint q[8];
+                uint q[8], lw[8], hw[8];
+                ld32n_2<8>(ql, lw);
+                ld32n_2<8>(qh, hw);
 #pragma unroll
                 for (int k = 0; k < 8; k++)
-                    q[k] = ((ld32_2(ql + 4 * k) >> sl) & 0x0F0F0F0Fu) | (((ld32_2(qh + 4 * k) >> sh) & 0x03030303u) << 4);
+                    q[k] = ((lw[k] >> sl) & 0x0F0F0F0Fu) | (((hw[k] >> sh) & 0x03030303u) << 4);
                 int i0 = dot4h(q, x, u, 0) - 32 * xi(x, u, 0), i1 = dot4h(q + 4, x, u, 4) - 32 * xi(x, u, 1);
                 acc = fmaf(ldh(b + 208) * xd(x, u), (float)sc[0] * (float)i0 + (float)sc[1] * (float)i1, acc);
             }
