@@ -116,6 +116,7 @@ static inline void __nanosleep(unsigned) { std::this_thread::yield(); }
 #define __forceinline__ inline
 #define __launch_bounds__(...)
 #define __shared__ static
+#define __align__(n) __attribute__((aligned(n)))
 """
 
 SOFT_HALF = r"""

@@ -42,8 +42,8 @@ __device__ void flash_prefill(void* __restrict__ out, const ushort* __restrict__
     constexpr int ND = HD / 8;   // 8-wide column groups of O
     constexpr int KP = HD + 8;   // padded row of the key tile (halves)
     constexpr int VP = FLASH_KEYS + 8;
-    __shared__ ushort ks[FLASH_KEYS * KP];
-    __shared__ ushort vt[HD * VP];  // the value tile transposed: vt[dim][key]
+    __shared__ __align__(16) ushort ks[FLASH_KEYS * KP];  // written in 16-byte pieces
+    __shared__ __align__(16) ushort vt[HD * VP];  // the value tile transposed: vt[dim][key]
     int t = threadIdx.x, warp = t >> 5, lane = t & 31, g = lane >> 2, c = lane & 3;
     int head = blockIdx.y, rows = n * rep;
     int row0 = blockIdx.x * FLASH_ROWS;

@@ -464,7 +464,7 @@ extern "C" __global__ void __launch_bounds__(256) matvec_qb(
     const uchar* __restrict__ w2, int t0, int t1, int t2, int rows0, int rows1, int rows2, int cols,
     const float* __restrict__ x, const float* __restrict__ x2, long long ldx, const float* __restrict__ nw,
     float eps, int prologue, int accumulate, int B) {
-    extern __shared__ float sq[];
+    extern __shared__ __align__(16) float sq[];  // 16-byte loads of the activation records
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, warps = blockDim.x >> 5;
     int rows = rows0 + rows1 + rows2, r0 = blockIdx.x * warps + warp, stride = gridDim.x * warps;
     // the next kernel may launch now (a programmatic dependent launch: its blocks wait in pdl_wait)
@@ -907,7 +907,7 @@ extern "C" __global__ void __launch_bounds__(512, 1) decode_step(
     int vocab, int n_rot, int neox, float eps, float scale, int max_splits, int split_keys, int token, int pos,
     int greedy,
     int gemma, float softcap, long long prefetch_budget) {
-    extern __shared__ float sx[];
+    extern __shared__ __align__(16) float sx[];
     Step s;
     s.layers = layers;
     s.n_layers = n_layers;
