@@ -76,6 +76,41 @@ def draw(logits: np.ndarray, temp: float, top_k: int, top_p: float, min_p: float
         ids = top_k_ids(logits, top_k)
         probs = _softmax_head(logits, ids, temp, None)
         return _pick(ids, probs, _kept(probs, top_p, min_p, complete=True), u)
+    for ids, probs, complete in _heads(logits, temp):
+        keep = _kept(probs, top_p, min_p, complete)
+        if keep is not None:
+            return _pick(ids, probs, keep, u)
+        if top_p >= 1.0 and min_p == 0.0:  # everything is kept: the draw settles once the CDF passes u
+            cdf = np.cumsum(probs)
+            if u < cdf[-1]:
+                return int(ids[np.searchsorted(cdf, u, side="right")])
+    raise AssertionError("the whole vocabulary settles every draw")
+
+
+def dense_distribution(
+    logits: np.ndarray, temp: float, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0
+) -> np.ndarray:
+    """filtered_distribution as a dense (vocab,) float64 array (speculative decoding's p and q),
+    without sorting the vocabulary when top-k is off: no cut keeps the plain softmax, and the cuts are
+    settled on the most likely tokens first, as draw does."""
+    n = len(logits)
+    if top_k <= 0 or top_k >= n:
+        if top_p >= 1.0 and min_p == 0.0:
+            p = np.exp((logits.astype(np.float64) - logits.max()) / temp)
+            return p / p.sum()
+        ids, probs = next((i[:k], p[:k] / p[:k].sum()) for i, p, c in _heads(logits, temp)
+                          if (k := _kept(p, top_p, min_p, c)) is not None)
+    else:
+        ids, probs = filtered_distribution(logits, temp, top_k, top_p, min_p)
+    dense = np.zeros(n, np.float64)
+    dense[ids] = probs
+    return dense
+
+
+def _heads(logits: np.ndarray, temp: float):
+    """Top-k off: (ids, probs, complete) for the DRAW_FIRST most likely tokens, then 16 times as many,
+    then all (complete): ids most likely first, probs normalised over the whole vocabulary."""
+    n = len(logits)
     total = None  # the whole vocabulary's mass relative to the top token's
     m = min(n, DRAW_FIRST)
     while True:
@@ -84,14 +119,9 @@ def draw(logits: np.ndarray, temp: float, top_k: int, top_p: float, min_p: float
             # float32 exponentials (a float64 pass costs ~2 ms on 262k logits), summed in float64
             scaled = (logits - logits[ids[0]]) * np.float32(1.0 / temp)
             total = float(np.exp(scaled, dtype=np.float32).sum(dtype=np.float64))
-        probs = _softmax_head(logits, ids, temp, total if m < n else None)
-        keep = _kept(probs, top_p, min_p, complete=m == n)
-        if keep is not None:
-            return _pick(ids, probs, keep, u)
-        if top_p >= 1.0 and min_p == 0.0:  # everything is kept: the draw settles once the CDF passes u
-            cdf = np.cumsum(probs)
-            if u < cdf[-1]:
-                return int(ids[np.searchsorted(cdf, u, side="right")])
+        yield ids, _softmax_head(logits, ids, temp, total if m < n else None), m == n
+        if m == n:
+            return
         m = n if m * 16 >= n else m * 16
 
 

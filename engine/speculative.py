@@ -27,7 +27,7 @@ from engine.errors import ContextOverflowError, HearthError
 from engine.generate import GenerationEvent, GenerationParams, _StopMatcher, prefill
 from engine.kv_cache import KVCache
 from engine.memory import peak_rss_mb
-from engine.sampling import filtered_distribution, repetition_penalty
+from engine.sampling import dense_distribution, repetition_penalty
 from engine.tokenizer import StreamDecoder, Tokenizer
 
 
@@ -72,10 +72,7 @@ class SpeculativeEvent(GenerationEvent):
 
 def _probs(logits: np.ndarray, params: GenerationParams) -> np.ndarray:
     """Dense (vocab,) float64 distribution the sampler would draw from after temperature/top-k/top-p/min-p."""
-    ids, p = filtered_distribution(logits, params.temperature, params.top_k, params.top_p, params.min_p)
-    dense = np.zeros(len(logits), np.float64)
-    dense[ids] = p
-    return dense
+    return dense_distribution(logits, params.temperature, params.top_k, params.top_p, params.min_p)
 
 
 def accept_or_resample(

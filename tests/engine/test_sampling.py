@@ -135,3 +135,22 @@ def test_sampler_draws_with_one_uniform_a_token():
     sample, rng = make_sampler(0.9, 0, 0.95, 0.0, seed=4), np.random.default_rng(4)
     want = [draw(logits, 0.9, 0, 0.95, 0.0, rng.random()) for _ in range(20)]
     assert [sample(logits) for _ in range(20)] == want
+
+
+@pytest.mark.parametrize("n", [7, 5000, 128256])
+def test_dense_distribution_is_the_filtered_one_scattered(n):
+    """dense_distribution (speculative decoding's p and q; no vocabulary sort with top-k off) holds
+    filtered_distribution's probabilities at its ids and zeros elsewhere."""
+    from engine.sampling import dense_distribution
+
+    rng = np.random.default_rng(n)
+    for scale in (0.3, 3.0, 8.0):
+        logits = (rng.standard_normal(n) * scale).astype(np.float32)
+        logits[: n // 4] = np.round(logits[: n // 4])  # ties
+        for args in [(0.8, 0, 0.95, 0.0), (1.0, 0, 1.0, 0.0), (0.7, 0, 1.0, 0.05), (0.8, 40, 0.9, 0.05)]:
+            ids, probs = filtered_distribution(logits, *args)
+            want = np.zeros(n)
+            want[ids] = probs
+            got = dense_distribution(logits, *args)
+            assert np.array_equal(np.flatnonzero(got), np.flatnonzero(want)), (scale, args)
+            np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-15)
