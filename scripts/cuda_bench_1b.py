@@ -22,6 +22,7 @@ For each file it measures, with engine.backends.cuda.bench.bench_decoder:
   queued beforehand, and prefill_gpu_vs_cublas from it), the captured prefill alone (prefill_graph_*,
   prefill_graph_vs_cublas) and with 8, 16 and 32 MiB dequantization tiles;
   decode with programmatic dependent launches (pdl_*: the same logits and greedy tokens, tok/s);
+  decode with and without the matvecs' hand-off of quantized records (handoff_*; the default has it);
   prefill attention in one flash kernel (flash_*: its GPU time against the cuBLAS GEMMs', the captured
   prefill with it and flash_prefill_vs_cublas, a follow-up turn, the logits against the default's);
   the GPU sampler (sample_topk_*_gpu_us: one draw's GPU time with top-k 40 and off; sampled decode tok/s);
@@ -231,6 +232,7 @@ def bench_file(path: Path, n_prompt: int, n_gen: int, repetitions: int, entry: d
         ("prefill_graph", _prefill_graph, prompt),
         ("prefill_by_tile", _prefill_by_tile, prompt),
         ("pdl", _bench_pdl, prompt),
+        ("handoff", _bench_handoff, prompt),
         ("flash", _bench_flash, prompt),
         ("sampling", _bench_sampling, prompt),
         ("batch", _bench_batches, prompt),
@@ -510,15 +512,30 @@ def _prefill_by_tile(dec, prompt: list[int], n_ctx: int) -> dict:
 
 
 def _bench_pdl(dec, prompt: list[int], n_ctx: int) -> dict:
-    """The graph path with programmatic dependent launches (HEARTH_CUDA_PDL, engine/backends/cuda/pdl.py):
-    the step's logits and 16 greedy tokens against the plain graph's, then its decode figures (as many
-    tokens as the headline's: the context left after the prompt)."""
+    """The graph path with programmatic dependent launches (HEARTH_CUDA_PDL, engine/backends/cuda/pdl.py)
+    against the plain graph: pdl_* (_bench_switch)."""
+    return _bench_switch(dec, prompt, n_ctx, "pdl")
+
+
+def _bench_handoff(dec, prompt: list[int], n_ctx: int) -> dict:
+    """The step's matvecs handing their outputs on as the next one's quantized records (the default,
+    decoder.handoff; HEARTH_CUDA_HANDOFF=0 turns it off) against every matvec quantizing its float
+    input in every block: handoff_* (_bench_switch; the headline decode figures have it on)."""
+    return _bench_switch(dec, prompt, n_ctx, "handoff")
+
+
+def _bench_switch(dec, prompt: list[int], n_ctx: int, flag: str) -> dict:
+    """The decoder's boolean `flag` off and on: the step's logits and 16 greedy tokens one way against
+    the other ({flag}_vs_plain_rel, {flag}_greedy_matches), then decode figures each way ({flag}_decode_tps
+    and _bandwidth_fraction on, {flag}_off_decode_tps off; as many tokens as the headline's: the context
+    left after the prompt). The flag is restored after."""
     from engine.backends.cuda.bench import bench_decoder
 
     n_gen = n_ctx - len(prompt) - 8  # bench_file's context: prompt + gen + 8
+    error = f"{flag}_error"
 
-    def run(pdl: bool):
-        dec.pdl = pdl
+    def run(on: bool):
+        setattr(dec, flag, on)
         cache = dec.new_cache(n_ctx)
         logits = dec.forward(prompt[: n_ctx // 2], cache)[-1]
         tok = int(np.argmax(logits))
@@ -528,25 +545,27 @@ def _bench_pdl(dec, prompt: list[int], n_ctx: int) -> dict:
             tokens.append(dec.greedy_step(tokens[-1], cache))
         return step, tokens
 
-    was = dec.pdl
+    was = getattr(dec, flag)
     try:
         plain, plain_tokens = run(False)
         got, got_tokens = run(True)
-        if dec.pdl_error is not None:
-            return {"pdl_error": dec.pdl_error}
+        if getattr(dec, error, None) is not None:
+            return {error: getattr(dec, error)}
         res = {
-            "pdl_vs_plain_rel": round(float(np.abs(got - plain).max() / (np.abs(plain).max() or 1.0)), 8),
-            "pdl_greedy_matches": got_tokens == plain_tokens,
+            f"{flag}_vs_plain_rel": round(float(np.abs(got - plain).max() / (np.abs(plain).max() or 1.0)), 8),
+            f"{flag}_greedy_matches": got_tokens == plain_tokens,
         }
-        dec.pdl = True
-        r = bench_decoder(dec, prompt, n_gen, n_ctx, 1)
-        res["pdl_decode_tps"] = round(r["decode_tps"], 1)
-        res["pdl_decode_bandwidth_fraction"] = round(r["decode_bandwidth_fraction"], 3)
-        if dec.pdl_error is not None:
-            res["pdl_error"] = dec.pdl_error
+        for on in (True, False):
+            setattr(dec, flag, on)
+            r = bench_decoder(dec, prompt, n_gen, n_ctx, 1)
+            res[f"{flag}_decode_tps" if on else f"{flag}_off_decode_tps"] = round(r["decode_tps"], 1)
+            if on:
+                res[f"{flag}_decode_bandwidth_fraction"] = round(r["decode_bandwidth_fraction"], 3)
+        if getattr(dec, error, None) is not None:
+            res[error] = getattr(dec, error)
         return res
     finally:
-        dec.pdl = was
+        setattr(dec, flag, was)
 
 
 def _bench_sampling(dec, prompt: list[int], n_ctx: int, steps: int = 64) -> dict:

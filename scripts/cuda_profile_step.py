@@ -66,6 +66,10 @@ def main() -> int:
     n_heads, kv0 = cfg.num_attention_heads, (cache.k[0], cache.v[0])
     wq = L["wq"]
     head256 = ops.GpuWeight(wq.ggml_type, wq.raw[:256], 256, wq.cols)
+
+    def to_norm(norm):  # records of the residual stream for the next RMSNorm's matvec
+        return ops.Emit(ops.EMIT_NORM, norm, s.x_rec, s.counts)
+
     ops_ = {
         "embed_dequant": lambda: ops.dequant(s.x, dec.token_embd, ids=s.ids, scale=dec.embed_scale),
         "qkv_matvec": lambda: mv(s.qkv, qkv, s.x, norm=L["attn_norm"], eps=eps, prologue=1),
@@ -81,6 +85,17 @@ def main() -> int:
         # and 256 rows of wq alone (one row per warp: launch, input quantization and one row's latency)
         "qkv_matvec_no_norm": lambda: mv(s.qkv, qkv, s.x),
         "rows256_matvec": lambda: mv(s.qkv, [head256], s.x, norm=L["attn_norm"], eps=eps, prologue=1),
+        # the hand-off (decoder.handoff, ops.Emit): each matvec reads the records the one before emitted
+        # instead of quantizing its float input in every block, and emits its own for the next
+        "qkv_matvec_handoff": lambda: mv(s.qkv, qkv, s.x_rec, eps=eps, prologue=5),
+        "wo_matvec_handoff": lambda: mv(s.o, [L["wo"]], s.attn, emit=to_norm(L["ffn_norm"])),
+        "gate_up_matvec_handoff": lambda: mv(
+            s.gu, gu, s.x_rec, eps=eps, prologue=5, emit=ops.Emit(ops.EMIT_SILU, None, s.act_rec, s.counts)
+        ),
+        "down_matvec_handoff": lambda: mv(
+            s.o, [L["w_down"]], s.act_rec, prologue=4, emit=to_norm(L["attn_norm"])
+        ),
+        "lm_head_matvec_handoff": lambda: mv(s.logits, [dec.output], s.x_rec, eps=eps, prologue=5),
     }
     nbytes = {
         "qkv_matvec": sum(L[k].nbytes for k in ("wq", "wk", "wv")),
@@ -90,6 +105,9 @@ def main() -> int:
         "down_matvec": L["w_down"].nbytes,
         "lm_head_matvec": dec.output.nbytes,
     }
+    nbytes.update({f"{k}_handoff": v for k, v in list(nbytes.items()) if k != "qkv_matvec_no_norm"})
+    layer_ops = ("qkv_matvec", "attention", "wo_matvec", "gate_up_matvec", "down_matvec")
+    handoff_s = 0.0
     res: dict = {"type": args.type, "device": cp.cuda.runtime.getDeviceProperties(0)["name"].decode()}
     layer_s = 0.0
     for name, fn in ops_.items():
@@ -102,10 +120,13 @@ def main() -> int:
         res[f"{name}_us"] = round(t * 1e6, 2)
         if name in nbytes:
             res[f"{name}_gbs"] = round(nbytes[name] / t / 1e9, 1)
-        if name in ("qkv_matvec", "attention", "wo_matvec", "gate_up_matvec", "down_matvec"):
+        if name in layer_ops:
             layer_s += t
+        if name.removesuffix("_handoff") in layer_ops and (name.endswith("_handoff") or name == "attention"):
+            handoff_s += t
         print(name, res[f"{name}_us"], "us", res.get(f"{name}_gbs", ""), flush=True)
     res["layer_sum_us"] = round(layer_s * 1e6, 1)
+    res["handoff_layer_sum_us"] = round(handoff_s * 1e6, 1)  # the default step's layer (decoder.handoff)
     head_us = sum(res.get(f"{k}_us", 0.0) for k in ("lm_head_matvec", "argmax", "embed_dequant"))
     res["step_sum_estimate_us"] = round(layer_s * 1e6 * len(dec.layers) + head_us, 1)
     # a 32-element kernel's graph time: the floor of one launch inside a graph

@@ -178,6 +178,10 @@ class _Step:
         self.gu = cp.empty((B, 2 * ff), f32)
         self.logits = None if head_only else cp.empty((B, cfg.vocab_size), f32)
         self.ids = cp.zeros(B, cp.int32)
+        # the hand-off's activation records (ops.Emit): of the residual stream (normed) and of the GLU
+        self.x_rec = cp.empty((B, ops.records_width(d)), cp.uint32)
+        self.act_rec = cp.empty((B, ops.records_width(ff)), cp.uint32)
+        self.counts = cp.zeros(max(d, ff) // 32, cp.int32)
         self.argmax_parts = ops.argmax_parts()
         self.pos = cp.zeros(B, cp.int32)
         # each sequence's split-K attention scratch (its cache's size sets the splits)
@@ -199,6 +203,13 @@ PREFILL_GRAPH_STEP = 64  # a captured prefill runs its prompt padded to a multip
 # outlasts the host's issuing (H200, 1B shape), and each kept graph holds a prefill's buffers
 PREFILL_GRAPH_MAX = 512
 PREFILL_GRAPHS = 2  # captured prefill lengths kept per cache
+
+
+def handoff_enabled() -> bool:
+    """The decode step's matvecs hand their outputs on as the next one's quantized records (ops.Emit),
+    unless HEARTH_CUDA_HANDOFF=0 (every matvec then quantizes its float input in every block, the H200's
+    per-op profile's largest slice)."""
+    return os.environ.get("HEARTH_CUDA_HANDOFF", "").strip() != "0"
 
 
 def prefill_graphs_enabled() -> bool:
@@ -335,6 +346,9 @@ class CudaDecoder:
         # a decode step's matvecs and attention as programmatic dependent launches (ops.dependent_launches)
         self.pdl = os.environ.get("HEARTH_CUDA_PDL", "").strip() == "1"
         self.pdl_error: str | None = None  # why they were given up, if they were
+        # each matvec's outputs quantized once for the next one (ops.Emit) where every matrix takes integer
+        # dot products (batchable), unless HEARTH_CUDA_HANDOFF=0
+        self.handoff = handoff_enabled()
         # prefill attention in one flash kernel (HEARTH_CUDA_FLASH=1), once it has matched the cuBLAS path
         self.flash, self.flash_error = False, None
         if ops.flash_enabled():
@@ -710,8 +724,22 @@ class CudaDecoder:
         H = cfg.num_attention_heads
         mv = functools.partial(_matvecs, int_dot=self.int_dot)
         ops.dequant(s.x, self.token_embd, ids=s.ids, scale=self.embed_scale)
+        # with the hand-off, a matvec whose input another matvec wrote reads that one's records (ops.Emit):
+        # gate|up's GLU for the down projection; with llama's pre-norms only, the residual stream after
+        # wo and after down for the next norm's matvec (Gemma's post-norms add into it outside a matvec)
+        handoff = self.handoff and self.batchable
+        glu = (ops.EMIT_GELU if self.gemma else ops.EMIT_SILU) if handoff else 0
+        normed = handoff and not self.gemma
+
+        def x_emit(norm):
+            return ops.Emit(ops.EMIT_NORM, norm, s.x_rec, s.counts) if normed and norm is not None else None
+
+        norms = [L["attn_norm"] for L in self.layers[1:]] + [self.output_norm]
         for i, L in enumerate(self.layers):
-            mv(s.qkv, [L["wq"], L["wk"], L["wv"]], s.x, norm=L["attn_norm"], eps=eps, prologue=1)
+            if normed and i > 0:  # the records the previous layer's down projection emitted
+                mv(s.qkv, [L["wq"], L["wk"], L["wv"]], s.x_rec, eps=eps, prologue=5)
+            else:
+                mv(s.qkv, [L["wq"], L["wk"], L["wv"]], s.x, norm=L["attn_norm"], eps=eps, prologue=1)
             if L["bqkv"] is not None:
                 ops.add_inplace(s.qkv, L["bqkv"])  # one bias over the B rows
             rope = (L["inv_freq"], self.n_rot, self.neox, eps, L["q_norm"], L["k_norm"])
@@ -723,16 +751,24 @@ class CudaDecoder:
                 mv(s.o, [L["wo"]], s.attn)
                 ops.rmsnorm(s.x, s.o, L["post_attn_norm"], eps, accumulate=True)
             else:
-                mv(s.x, [L["wo"]], s.attn, accumulate=True)
-            mv(s.gu, [L["w_gate"], L["w_up"]], s.x, norm=L["ffn_norm"], eps=eps, prologue=1)
+                mv(s.x, [L["wo"]], s.attn, accumulate=True, emit=x_emit(L["ffn_norm"]))
+            gu_emit = ops.Emit(glu, None, s.act_rec, s.counts) if glu else None
+            if normed:
+                mv(s.gu, [L["w_gate"], L["w_up"]], s.x_rec, eps=eps, prologue=5, emit=gu_emit)
+            else:
+                mv(s.gu, [L["w_gate"], L["w_up"]], s.x, norm=L["ffn_norm"], eps=eps, prologue=1, emit=gu_emit)
+            down_in = dict(x=s.act_rec, prologue=4) if glu else dict(x=s.gu, cols_x2=True, prologue=act)
             if self.gemma:
-                mv(s.o, [L["w_down"]], s.gu, cols_x2=True, prologue=act)
+                mv(s.o, [L["w_down"]], **down_in)
                 ops.rmsnorm(s.x, s.o, L["post_ffn_norm"], eps, accumulate=True)
             else:
-                mv(s.x, [L["w_down"]], s.gu, cols_x2=True, prologue=act, accumulate=True)
+                mv(s.x, [L["w_down"]], **down_in, accumulate=True, emit=x_emit(norms[i]))
         if self.head_only:
             return
-        mv(s.logits, [self.output], s.x, norm=self.output_norm, eps=eps, prologue=1)
+        if normed:
+            mv(s.logits, [self.output], s.x_rec, eps=eps, prologue=5)
+        else:
+            mv(s.logits, [self.output], s.x, norm=self.output_norm, eps=eps, prologue=1)
         cap = getattr(cfg, "final_logit_softcapping", None)
         if cap is not None:
             ops.softcap(s.logits, cap)

@@ -17,6 +17,7 @@ import contextlib
 import functools
 import os
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import cupy as cp
 import numpy as np
@@ -188,24 +189,30 @@ def matvec(
     prologue: int = 0,
     accumulate: bool = False,
     int_dot: bool = True,
+    emit: Emit | None = None,
 ) -> None:
     """out (sum of rows,) (= or +=) [W0; W1; W2] @ act(x), one launch for up to 3 stacked weights.
 
     Args:
         ws: 1-3 weights of one cols: of one type, or of any INT_DOT_TYPES when int_dot.
-        x: float32 (cols,); x2: (cols,) the up half for prologue 2/3.
+        x: float32 (cols,); x2: (cols,) the up half for prologue 2/3; for prologue 4/5 the records
+            (uint32, records_width(cols)) an earlier matvec's `emit` wrote.
         norm: (cols,) RMSNorm weight for prologue 1.
-        prologue: 0 x, 1 rmsnorm(x) * norm, 2 silu(x) * x2, 3 gelu_tanh(x) * x2.
+        prologue: 0 x, 1 rmsnorm(x) * norm, 2 silu(x) * x2, 3 gelu_tanh(x) * x2, 4 records, 5 records
+            of x * (the norm weight) still to take RMSNorm's 1 / RMS (integer-dot weights only).
         int_dot: weights of INT_DOT_TYPES take integer dot products against the activation quantized
             per 32 to two int8 levels (dp4a, as the fused step and like the CPU kernels' int16); False:
             float dot products of the dequantized weights.
+        emit: the outputs also leave as the next matvec's records (Emit; integer-dot weights only).
     """
     t, cols = ws[0].ggml_type, ws[0].cols
     if not 1 <= len(ws) <= 3 or any(w.cols != cols for w in ws):
         raise ValueError("matvec stacks 1-3 weights of one width")
     if int_dot and all(w.ggml_type in INT_DOT_TYPES for w in ws):
-        _launch_matvec_qb(out, 0, ws, x, x2, 0, norm, eps, prologue, accumulate, 1)
+        _launch_matvec_qb(out, 0, ws, x, x2, 0, norm, eps, prologue, accumulate, 1, emit)
         return
+    if prologue >= 4 or emit is not None:
+        raise ValueError("activation records (prologue 4/5, emit) need integer-dot weights")
     if any(w.ggml_type != t for w in ws):
         raise ValueError("matvec stacks weights of one type (or of INT_DOT_TYPES with int_dot)")
     pad = 3 - len(ws)
@@ -240,11 +247,13 @@ def matvec_batch(
     eps: float = 0.0,
     prologue: int = 0,
     accumulate: bool = False,
+    emit: Emit | None = None,
 ) -> None:
     """matvec for B vectors, weights of INT_DOT_TYPES: out[:, :rows] (B, >= rows) (= or +=)
     [W0; W1; W2] @ act(x[b]) for each row b of x (B, cols), or of x (B, 2 cols) = [x | x2] for
-    prologue 2/3 (cols_x2). Both row-major with unit column stride. Each weight row is read once
-    for up to MAX_BATCH vectors (matvec_qb).
+    prologue 2/3 (cols_x2), or of the records x (B, records_width(cols)) for prologue 4/5. Both
+    row-major with unit column stride. Each weight row is read once for up to MAX_BATCH vectors
+    (matvec_qb). emit: as matvec's, its records (B, ...) row b for vector b.
     """
     B, cols = out.shape[0], ws[0].cols
     if prologue in (2, 3) and not cols_x2:
@@ -258,12 +267,64 @@ def matvec_batch(
         # x2: vector b0's up half; vector b's lies ldx further on per vector, as its x does
         x2 = x[b0, cols:] if cols_x2 else None
         n = min(MAX_BATCH, B - b0)
-        _launch_matvec_qb(out[b0:], ldo, ws, x[b0:], x2, ldx, norm, eps, prologue, accumulate, n)
+        part = None if emit is None else emit._replace(records=emit.records[b0:])
+        _launch_matvec_qb(out[b0:], ldo, ws, x[b0:], x2, ldx, norm, eps, prologue, accumulate, n, part)
 
 
-def _launch_matvec_qb(out, ldo: int, ws, x, x2, ldx: int, norm, eps, prologue, accumulate, n: int) -> None:
+XREC = 20  # 32-bit words of a unit's activation record (step.cu)
+EMIT_NORM, EMIT_SILU, EMIT_GELU = 1, 2, 3
+
+
+class Emit(NamedTuple):
+    """A matvec's outputs handed to the next matvec as its activation records (step.cu's emit_records):
+    each unit of 32 outputs quantized once, by the block that completes it, instead of in every block
+    of the next matvec.
+
+    mode: EMIT_NORM (a residual stream the next matvec RMS-normalises: records of out * norm, read with
+    prologue 5), EMIT_SILU / EMIT_GELU (gate|up: the GLU activation, read with prologue 4).
+    norm: the next RMSNorm's weight (EMIT_NORM). records: uint32 (B, records_width(units' elements)),
+    16-byte aligned rows. counts: int32 zeros, one per output unit (left zeroed)."""
+
+    mode: int
+    norm: cp.ndarray | None
+    records: cp.ndarray
+    counts: cp.ndarray
+
+
+def records_width(n: int) -> int:
+    """uint32 words of the records of an activation of n elements (n a multiple of 32)."""
+    return n // 32 * XREC
+
+
+def _check_emit(emit: Emit, ws, n: int) -> int:
+    """The emitted activation's width (the outputs' units), after checking emit against the weights."""
+    if emit.mode == EMIT_NORM:
+        if len(ws) != 1 or emit.norm is None:
+            raise ValueError("EMIT_NORM takes one weight and the next norm's weight")
+        width = ws[0].rows
+    elif emit.mode in (EMIT_SILU, EMIT_GELU):
+        if len(ws) != 2 or ws[0].rows != ws[1].rows:
+            raise ValueError("a GLU emit takes [gate; up] of equal rows")
+        width = ws[0].rows
+    else:
+        raise ValueError(f"unknown emit mode {emit.mode}")
+    r = emit.records
+    fits = r.ndim == 2 and r.dtype == cp.uint32 and r.shape[0] >= n and r.shape[1] >= records_width(width)
+    if width % 32 or not fits:
+        raise ValueError("emit's records hold B rows of records_width(outputs) words")
+    if emit.counts.size < width // 32:
+        raise ValueError("emit's counts hold one int32 per output unit")
+    return width
+
+
+def _launch_matvec_qb(
+    out, ldo: int, ws, x, x2, ldx: int, norm, eps, prologue, accumulate, n: int, emit: Emit | None = None
+) -> None:
     """matvec_qb over n vectors (rows ldo apart in out, ldx apart in x and x2)."""
     cols, pad = ws[0].cols, 3 - len(ws)
+    if prologue >= 4 and (x.dtype != cp.uint32 or x.shape[-1] < records_width(cols)):
+        raise ValueError("prologue 4/5 reads uint32 activation records (records_width(cols) a vector)")
+    width = 0 if emit is None else _check_emit(emit, ws, n)
     rows = [w.rows for w in ws] + [0] * pad
     weights = [w.raw for w in ws] + [NULL] * pad
     kinds = [_i32(w.ggml_type) for w in ws] + [_i32(ws[0].ggml_type)] * pad
@@ -287,8 +348,14 @@ def _launch_matvec_qb(out, ldo: int, ws, x, x2, ldx: int, norm, eps, prologue, a
         _i32(prologue),
         _i32(bool(accumulate)),
         _i32(n),
+        _i32(0 if emit is None else emit.mode),
+        NULL if emit is None or emit.norm is None else emit.norm,
+        NULL if emit is None else emit.records,
+        NULL if emit is None else emit.counts,
     )
-    _launch_matvec("matvec_qb", grid, n * 80 * (cols // 32), args, threads)
+    # the records of the input; with emit the same memory then lists the units the block completes
+    shared = max(n * 4 * XREC * (cols // 32), 4 * (width // 32))
+    _launch_matvec("matvec_qb", grid, shared, args, threads)
 
 
 def dequant(

@@ -436,6 +436,8 @@ def test_decoder_computes_the_cpu_models_logits_on_host_threads(fake, simt, tmp_
     full = kind != "llama-1layer"
     prompt = [1, 2, 3, 4, 5, 6, 7] if full else [1, 2, 3]
     dec = fake.decoder.CudaDecoder(model, n_ctx=32, prefill_dtype="float32")
+    # integer-dot weights: the step's matvecs hand their outputs on as records (ops.Emit)
+    assert dec.handoff and dec.batchable == (kind != "qwen2")
     cpu_cache, gpu_cache = model.new_cache(32), dec.new_cache(32, np.float32)
     ref = model.forward(prompt, cpu_cache, all_logits=True)
     got = dec.forward(prompt, gpu_cache, all_logits=True)
@@ -522,6 +524,14 @@ def test_batched_matvec_on_host_threads(fake, simt):
     STATE.simt = simt
     gpu_tests.test_matvec_batch_matches_one_vector_at_a_time(0)
     assert fake.launches.count("matvec_qb") == 2 * (2 + 10)  # two prologues: 8 + 2 vectors, then 10 alone
+
+
+def test_matvec_hand_off_on_host_threads(fake, simt):
+    """matvec_qb's activation records (ops.Emit, prologues 4/5; test_kernels_gpu), on host threads."""
+    from tests.engine.cuda import test_kernels_gpu as gpu_tests
+
+    STATE.simt = simt
+    gpu_tests.test_matvec_hand_off_records_match_the_float_input(0)
 
 
 # (ggml type, rows) stacks over 256 columns for the decode step's matvecs over B rows

@@ -158,6 +158,53 @@ def test_matvec_batch_matches_one_vector_at_a_time(gpu):
         ops.matvec_batch(out, [ops.upload(_weight(1, 4, 256, 9)[0])], gx)
 
 
+def test_matvec_hand_off_records_match_the_float_input(gpu):
+    """ops.Emit: a matvec's outputs handed on as the next matvec's activation records give the next
+    matvec what its own prologue over the float outputs gives. EMIT_NORM (wo-like: added into the
+    residual; the next matvec takes RMSNorm's scale, prologue 5) and EMIT_SILU/EMIT_GELU (gate|up; the
+    down projection reads the GLU, prologue 4); 10 vectors (launches of 8 and 2), output units that
+    several blocks complete; emitting changes no output, and the counters are left zeroed."""
+    import cupy as cp
+
+    from engine.backends.cuda import ops
+
+    rng = np.random.default_rng(11)
+    B, d, ff, eps = 10, 256, 512, 1e-5
+    wo = ops.upload(_weight(12, d, 256, 1)[0])
+    gate, up = (ops.upload(_weight(t, ff, d, s)[0]) for t, s in ((12, 2), (14, 3)))
+    down = ops.upload(_weight(8, d, ff, 4)[0])
+    a = cp.asarray(rng.standard_normal((B, 256)).astype(np.float32))
+    x0 = rng.standard_normal((B, d)).astype(np.float32)
+    nw = cp.asarray(rng.uniform(0.5, 1.5, d).astype(np.float32))
+    x_rec = cp.zeros((B, ops.records_width(d)), cp.uint32)
+    act_rec = cp.zeros((B, ops.records_width(ff)), cp.uint32)
+    counts = cp.zeros(ff // 32, cp.int32)
+    x, x_plain = cp.asarray(x0), cp.asarray(x0)
+    ops.matvec_batch(x, [wo], a, accumulate=True, emit=ops.Emit(ops.EMIT_NORM, nw, x_rec, counts))
+    ops.matvec_batch(x_plain, [wo], a, accumulate=True)
+    np.testing.assert_array_equal(x.get(), x_plain.get())
+    assert not counts.get().any()
+    for mode, prologue in ((ops.EMIT_SILU, 2), (ops.EMIT_GELU, 3)):
+        gu, gu_plain = cp.zeros((B, 2 * ff), cp.float32), cp.zeros((B, 2 * ff), cp.float32)
+        emit = ops.Emit(mode, None, act_rec, counts)
+        ops.matvec_batch(gu, [gate, up], x_rec, eps=eps, prologue=5, emit=emit)
+        ops.matvec_batch(gu_plain, [gate, up], x, norm=nw, eps=eps, prologue=1)
+        # the same integer levels; only the RMS's sum of squares adds up in another order
+        np.testing.assert_allclose(gu.get(), gu_plain.get(), rtol=0, atol=1e-5 * np.abs(gu_plain.get()).max())
+        assert not counts.get().any()
+        y, y_plain = cp.zeros((B, d), cp.float32), cp.zeros((B, d), cp.float32)
+        ops.matvec_batch(y, [down], act_rec, prologue=4)
+        ops.matvec_batch(y_plain, [down], gu, cols_x2=True, prologue=prologue)
+        np.testing.assert_array_equal(y.get(), y_plain.get())  # the same activation, quantized alike
+    with pytest.raises(ValueError, match="uint32 activation records"):
+        ops.matvec_batch(y, [down], gu, prologue=4)
+    with pytest.raises(ValueError, match="gate; up"):
+        ops.matvec_batch(y, [down], act_rec, prologue=4, emit=ops.Emit(ops.EMIT_SILU, None, x_rec, counts))
+    f16 = ops.upload(_weight(1, d, 256, 5)[0])
+    with pytest.raises(ValueError, match="integer-dot"):
+        ops.matvec(y[0], [f16], a[0], emit=ops.Emit(ops.EMIT_NORM, nw, x_rec, counts))
+
+
 # (type, rows) stacks over `cols`: block types of one and of mixed kinds (one dequant_qb launch per
 # tile), and a float16 weight among them (a launch per weight in each tile)
 STACKS = {

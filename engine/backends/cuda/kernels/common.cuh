@@ -29,6 +29,16 @@ __device__ __forceinline__ void pdl_wait() {
     asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
 }
+// A value (float or int) another block wrote in this launch, read from L2 (after its writer's __threadfence)
+template <class T>
+__device__ __forceinline__ T ld_l2(const T* p) {
+#ifdef __CUDA_ARCH__
+    return __ldcg(p);
+#else
+    return *(const volatile T*)p;
+#endif
+}
+
 // little-endian f16 at a 2-byte-aligned address
 __device__ __forceinline__ float ldh(const uchar* p) { return h2f(*(const ushort*)p); }
 

@@ -109,16 +109,6 @@ __device__ __forceinline__ void kv_unpack(uint4 w, float* v) {
 template <int N>
 __device__ __forceinline__ float kv_round(float x) { return N == 8 ? h2f(f2h(x)) : x; }
 
-// A value (float or int) another block wrote in this launch, read from L2 (after its writer's __threadfence)
-template <class T>
-__device__ __forceinline__ T ld_l2(const T* p) {
-#ifdef __CUDA_ARCH__
-    return __ldcg(p);
-#else
-    return *(const volatile T*)p;
-#endif
-}
-
 // One split of decode attention (attn_decode's block): keys k0..k1-1 of the KV head whose rows start at
 // row `base` of the caches, position pos's key and value taken from sk and vnew. The scores go to sc,
 // the block's (max, sum) to *m, *l and its unnormalised weighted sum of values to vsum[0] (hd,).

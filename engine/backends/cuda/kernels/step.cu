@@ -376,6 +376,30 @@ __device__ __forceinline__ void load_quarter(float* a, float* ss, const float* _
     *ss = sum;
 }
 
+// RMSNorm's scale on B quantized vectors in sq whose units' s slots hold their sums of x squared (the
+// integer levels are those of x * nw: they do not depend on the common factor 1 / RMS): each unit's d
+// and s times its vector's 1 / RMS, the sums added up in a fixed order by the vector's warp (warp b).
+// Starts and ends with the block synchronised.
+__device__ void rms_scale(float* sq, float eps, int cols, int B) {
+    __shared__ float inv[MAX_BATCH];
+    int units = cols >> 5, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    if (warp < B) {  // blockDim >= 32 * MAX_BATCH
+        XIn xin = xin_of(sq, warp, cols);
+        float t = 0.f;
+        for (int u = lane; u < units; u += 32) t += xs(xin, u);
+        t = warp_sum(t);
+        if (lane == 0) inv[warp] = rsqrtf(t / (float)cols + eps);
+    }
+    __syncthreads();
+    for (int k = threadIdx.x; k < B * units; k += blockDim.x) {
+        int b = k / units, u = k % units;
+        XIn xin = xin_of(sq, b, cols);
+        float d = xd(xin, u) * inv[b];
+        set_unit(xin, u, d, d * (float)(xi(xin, u, 0) + xi(xin, u, 1)), xi(xin, u, 0), xi(xin, u, 1));
+    }
+    __syncthreads();
+}
+
 // matvec_qb's input: act(x_b) quantized per unit of 32 as quantize_unit does, into B xin_of views of
 // sq. A thread takes 8 consecutive elements (a quarter of a unit) at a time: the unit's four quarters
 // are four neighbouring lanes, which meet in two shuffles for the unit's max and its sums. Two rounds'
@@ -385,8 +409,7 @@ __device__ __forceinline__ void load_quarter(float* a, float* ss, const float* _
 // up in a fixed order. Ends with the block synchronised.
 __device__ void quantize_pieces(float* sq, const float* __restrict__ x, const float* __restrict__ x2, long long ldx,
                                 const float* __restrict__ nw, float eps, int prologue, int cols, int B) {
-    __shared__ float inv[MAX_BATCH];
-    int units = cols >> 5, quarters = cols >> 3, n = B * quarters, lane = threadIdx.x & 31;
+    int quarters = cols >> 3, n = B * quarters, lane = threadIdx.x & 31;
     // the whole warp runs every round (its shuffles need all lanes); lanes past the end sit out the stores
     for (int k0 = threadIdx.x - lane; k0 < n; k0 += 2 * blockDim.x) {
         float a[2][8], ss[2];
@@ -432,38 +455,99 @@ __device__ void quantize_pieces(float* sq, const float* __restrict__ x, const fl
         }
     }
     __syncthreads();
-    if (prologue != 1) return;
-    int warp = threadIdx.x >> 5;
-    if (warp < B) {  // blockDim >= 32 * MAX_BATCH
-        XIn xin = xin_of(sq, warp, cols);
-        float t = 0.f;
-        for (int u = lane; u < units; u += 32) t += xs(xin, u);
-        t = warp_sum(t);
-        if (lane == 0) inv[warp] = rsqrtf(t / (float)cols + eps);
+    if (prologue == 1) rms_scale(sq, eps, cols, B);
+}
+
+// The activation records another matvec_qb's epilogue wrote (emit_records): B vectors of cols / 32 records,
+// ldx floats apart, copied into sq in 16-byte pieces; prologue 5 (records of x * nw whose s slots hold
+// the units' sums of x squared) then takes the RMS (rms_scale). Ends with the block synchronised.
+__device__ void load_records(float* sq, const float* __restrict__ x, long long ldx, float eps, int prologue, int cols,
+                             int B) {
+    int per = (cols >> 5) * XREC / 4;  // 16-byte pieces a vector
+    for (int k = threadIdx.x; k < B * per; k += blockDim.x) {
+        int b = k / per, i = k % per;
+        ((uint4*)xin_of(sq, b, cols).q)[i] = ((const uint4*)(x + b * ldx))[i];
     }
     __syncthreads();
-    for (int k = threadIdx.x; k < B * units; k += blockDim.x) {
-        int b = k / units, u = k % units;
-        XIn xin = xin_of(sq, b, cols);
-        float d = xd(xin, u) * inv[b];
-        set_unit(xin, u, d, d * (float)(xi(xin, u, 0) + xi(xin, u, 1)), xi(xin, u, 0), xi(xin, u, 1));
+    if (prologue == 5) rms_scale(sq, eps, cols, B);
+}
+
+// ---- the hand-off: a matvec's outputs quantized once for the next matvec ------------------------------
+// Without it every block of the next matvec_qb reads and quantizes the whole input for itself (the
+// prologue was 51-77% of the per-op matvecs' warp time in the H200 profile). With emit, matvec_qb's
+// outputs leave as the next matvec's activation records too, each unit written once, by the block that
+// completes it: emit 1 (a residual stream, before an RMSNorm): unit u of out * enw (enw: the next norm's
+// weight), its s slot the unit's sum of out squared (the consumer's prologue 5 takes the RMS); emit 2/3
+// (gate|up, rows0 = ff gate rows then ff up rows): silu or gelu_tanh(gate) * up, complete (prologue 4).
+// Vector b's records at xr + b * XREC * units. cnt: one counter per output unit, zero between launches
+// (the completing block resets its units').
+__device__ __forceinline__ int emit_unit_of(int emit, int rows0, int r) { return (emit == 1 || r < rows0 ? r : r - rows0) >> 5; }
+
+// The records of unit u for the B vectors (one warp; lane = element), from outputs other blocks wrote
+__device__ __forceinline__ void emit_unit(const float* out, long long ldo, int rows0, int emit, const float* __restrict__ enw, uint* xr,
+                          int units, int u, int B) {
+    int lane = threadIdx.x & 31, e = 32 * u + lane;
+    for (int b = 0; b < B; b++) {
+        const float* ob = out + b * ldo;
+        float v = ld_l2(ob + e), a;
+        if (emit == 1) a = v * enw[e];
+        else {
+            float up = ld_l2(ob + rows0 + e);
+            a = (emit == 2 ? silu(v) : gelu_tanh(v)) * up;
+        }
+        XIn rec;
+        rec.q = xr + (long long)b * XREC * units;
+        quantize_unit(rec, u, lane, a);
+        if (emit == 1) {
+            float ss = warp_sum(v * v);
+            if (lane == 0) rec.q[XREC * u + 17] = __float_as_uint(ss);  // after quantize_unit's s (same thread)
+        }
+    }
+}
+
+// matvec_qb's epilogue: this block's rows (blockIdx.x * warps + w + k * stride) counted into their units;
+// the units they complete get their records. done: shared scratch of one int per output unit.
+__device__ __forceinline__ void emit_records(const float* out, long long ldo, int rows0, int rows, int stride, int emit,
+                             const float* __restrict__ enw, uint* xr, int* cnt, int B, int* done) {
+    __shared__ int n_done;
+    int warps = blockDim.x >> 5, warp = threadIdx.x >> 5, base = blockIdx.x * warps;
+    int units = (emit == 1 ? rows : rows0) >> 5, need = emit == 1 ? 32 : 64;
+    if (threadIdx.x == 0) n_done = 0;
+    __threadfence();  // this block's outputs are visible before its counts are
+    __syncthreads();
+    for (int k = threadIdx.x; base + (long long)k * stride < rows; k += blockDim.x) {  // round k of the block
+        int r = base + k * stride, end = min(rows, r + warps);
+        while (r < end) {  // the round's rows, a run of them per unit
+            int u = emit_unit_of(emit, rows0, r), n = 0;
+            for (; r < end && emit_unit_of(emit, rows0, r) == u; r++) n++;
+            if (atomicAdd(&cnt[u], n) + n == need) {
+                cnt[u] = 0;  // no other block counts into u in this launch
+                done[atomicAdd(&n_done, 1)] = u;
+            }
+        }
     }
     __syncthreads();
+    __threadfence();  // the other blocks' outputs, after their counts
+    for (int i = warp; i < n_done; i += warps) emit_unit(out, ldo, rows0, emit, enw, xr, units, done[i], B);
 }
 
 // out[b * ldo + r] (=, or += when accumulate) = ([W0; W1; W2] @ act(x_b))[r] for B activation vectors
 // x_b = x + b * ldx (B = 1: one vector; up to MAX_BATCH: batched decode), for the types row_dot takes
 // with integer dot products (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K), each matrix its own (t0..t2). act as
 // quant.cu's load_x prologue (0 x, 1 rmsnorm(x) * nw, 2 silu(x) * x2, 3 gelu_tanh(x) * x2, x2_b = x2 +
-// b * ldx), each vector quantized per 32 to two int8 levels in shared memory, as the fused step does.
-// Each row of W comes from DRAM once for all B (the B - 1 further reads hit L1). 256 threads (at least
-// one warp per vector: quantize_pieces), one row per warp at a time, rows grid-strided. Dynamic shared memory:
-// B * 80 * (cols / 32) bytes.
-extern "C" __global__ void __launch_bounds__(256) matvec_qb(
+// b * ldx), each vector quantized per 32 to two int8 levels in shared memory, as the fused step does;
+// or prologue 4/5: x holds the records an earlier matvec_qb emitted (ldx floats a vector; 5: RMSNorm's
+// scale still to take, nw already applied). emit (0: none) makes the outputs the next matvec's records
+// too (emit_records). Each row of W comes from DRAM once for all B (the B - 1 further reads hit L1). 256
+// threads (at least one warp per vector: quantize_pieces), one row per warp at a time, rows
+// grid-strided. Dynamic shared memory: B * 80 * (cols / 32) bytes, and at least 4 bytes an output unit
+// with emit.
+extern "C" __global__ void __launch_bounds__(256, 4) matvec_qb(
     float* __restrict__ out, long long ldo, const uchar* __restrict__ w0, const uchar* __restrict__ w1,
     const uchar* __restrict__ w2, int t0, int t1, int t2, int rows0, int rows1, int rows2, int cols,
     const float* __restrict__ x, const float* __restrict__ x2, long long ldx, const float* __restrict__ nw,
-    float eps, int prologue, int accumulate, int B) {
+    float eps, int prologue, int accumulate, int B, int emit, const float* __restrict__ enw, uint* __restrict__ xr,
+    int* __restrict__ cnt) {
     extern __shared__ __align__(16) float sq[];  // 16-byte loads of the activation records
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, warps = blockDim.x >> 5;
     int rows = rows0 + rows1 + rows2, r0 = blockIdx.x * warps + warp, stride = gridDim.x * warps;
@@ -480,7 +564,8 @@ extern "C" __global__ void __launch_bounds__(256) matvec_qb(
     }
     prefetch_row_l1(cur, lane);
     pdl_wait();  // x, x2 and out come from the kernels before
-    quantize_pieces(sq, x, x2, ldx, nw, eps, prologue, cols, B);
+    if (prologue >= 4) load_records(sq, x, ldx, eps, prologue, cols, B);
+    else quantize_pieces(sq, x, x2, ldx, nw, eps, prologue, cols, B);
     for (int r = r0; r < rows; r += stride) {
         // the row after this one: into L1 now (it is in L2 already), the one after that into L2
         RowRef later = row_ref(w0, w1, w2, t0, t1, t2, rows0, rows1, rows, r + 2 * stride, cols);
@@ -492,6 +577,10 @@ extern "C" __global__ void __launch_bounds__(256) matvec_qb(
         }
         cur = nxt;
         nxt = later;
+    }
+    if (emit) {
+        __syncthreads();  // sq is free: the completed units' list
+        emit_records(out, ldo, rows0, rows, stride, emit, enw, xr, cnt, B, (int*)sq);
     }
 }
 
