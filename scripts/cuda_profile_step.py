@@ -88,7 +88,10 @@ def main() -> int:
         # the hand-off (decoder.handoff, ops.Emit): each matvec reads the records the one before emitted
         # instead of quantizing its float input in every block, and emits its own for the next
         "qkv_matvec_handoff": lambda: mv(s.qkv, qkv, s.x_rec, eps=eps, prologue=5),
-        "wo_matvec_handoff": lambda: mv(s.o, [L["wo"]], s.attn, emit=to_norm(L["ffn_norm"])),
+        "attention_handoff": lambda: ops.attention(
+            s.attn[0], s.qkv[0], n_heads, *kv0, s.pos[0:1], rope, dec.scale, *keys, records=s.attn_rec[0]
+        ),
+        "wo_matvec_handoff": lambda: mv(s.o, [L["wo"]], s.attn_rec, prologue=4, emit=to_norm(L["ffn_norm"])),
         "gate_up_matvec_handoff": lambda: mv(
             s.gu, gu, s.x_rec, eps=eps, prologue=5, emit=ops.Emit(ops.EMIT_SILU, None, s.act_rec, s.counts)
         ),
@@ -122,7 +125,7 @@ def main() -> int:
             res[f"{name}_gbs"] = round(nbytes[name] / t / 1e9, 1)
         if name in layer_ops:
             layer_s += t
-        if name.removesuffix("_handoff") in layer_ops and (name.endswith("_handoff") or name == "attention"):
+        if name.endswith("_handoff") and name.removesuffix("_handoff") in layer_ops:
             handoff_s += t
         print(name, res[f"{name}_us"], "us", res.get(f"{name}_gbs", ""), flush=True)
     res["layer_sum_us"] = round(layer_s * 1e6, 1)

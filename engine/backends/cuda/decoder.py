@@ -181,6 +181,7 @@ class _Step:
         # the hand-off's activation records (ops.Emit): of the residual stream (normed) and of the GLU
         self.x_rec = cp.empty((B, ops.records_width(d)), cp.uint32)
         self.act_rec = cp.empty((B, ops.records_width(ff)), cp.uint32)
+        self.attn_rec = cp.empty((B, ops.records_width(q)), cp.uint32) if cfg.head_dim % 32 == 0 else None
         self.counts = cp.zeros(max(d, ff) // 32, cp.int32)
         self.argmax_parts = ops.argmax_parts()
         self.pos = cp.zeros(B, cp.int32)
@@ -724,12 +725,14 @@ class CudaDecoder:
         H = cfg.num_attention_heads
         mv = functools.partial(_matvecs, int_dot=self.int_dot)
         ops.dequant(s.x, self.token_embd, ids=s.ids, scale=self.embed_scale)
-        # with the hand-off, a matvec whose input another matvec wrote reads that one's records (ops.Emit):
-        # gate|up's GLU for the down projection; with llama's pre-norms only, the residual stream after
-        # wo and after down for the next norm's matvec (Gemma's post-norms add into it outside a matvec)
+        # with the hand-off, a matvec whose input another kernel wrote reads that one's records (ops.Emit):
+        # attention's output for wo, gate|up's GLU for the down projection; with llama's pre-norms only,
+        # the residual stream after wo and after down for the next norm's matvec (Gemma's post-norms add
+        # into it outside a matvec)
         handoff = self.handoff and self.batchable
         glu = (ops.EMIT_GELU if self.gemma else ops.EMIT_SILU) if handoff else 0
         normed = handoff and not self.gemma
+        attn_rec = s.attn_rec if handoff else None  # attention's output as records for wo (head size 32k)
 
         def x_emit(norm):
             return ops.Emit(ops.EMIT_NORM, norm, s.x_rec, s.counts) if normed and norm is not None else None
@@ -745,13 +748,15 @@ class CudaDecoder:
             rope = (L["inv_freq"], self.n_rot, self.neox, eps, L["q_norm"], L["k_norm"])
             for b, c in enumerate(caches):  # RoPE, cache write, attention: each sequence its own
                 kv, pos, keys = (c.k[i], c.v[i]), s.pos[b : b + 1], (c.n_ctx, L["window"], s.parts[b])
-                ops.attention(s.attn[b], s.qkv[b], H, *kv, pos, rope, self.scale, *keys)
+                rec = None if attn_rec is None else attn_rec[b]
+                ops.attention(s.attn[b], s.qkv[b], H, *kv, pos, rope, self.scale, *keys, records=rec)
             act = 3 if self.gemma else 2
+            wo_in = dict(x=s.attn) if attn_rec is None else dict(x=attn_rec, prologue=4)
             if self.gemma:
-                mv(s.o, [L["wo"]], s.attn)
+                mv(s.o, [L["wo"]], **wo_in)
                 ops.rmsnorm(s.x, s.o, L["post_attn_norm"], eps, accumulate=True)
             else:
-                mv(s.x, [L["wo"]], s.attn, accumulate=True, emit=x_emit(L["ffn_norm"]))
+                mv(s.x, [L["wo"]], **wo_in, accumulate=True, emit=x_emit(L["ffn_norm"]))
             gu_emit = ops.Emit(glu, None, s.act_rec, s.counts) if glu else None
             if normed:
                 mv(s.gu, [L["w_gate"], L["w_up"]], s.x_rec, eps=eps, prologue=5, emit=gu_emit)

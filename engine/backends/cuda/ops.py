@@ -469,6 +469,7 @@ def attention(
     n_keys_max: int,
     window: int = 0,
     parts: tuple | None = None,
+    records: cp.ndarray | None = None,
 ) -> None:
     """Decode attention of one token, one launch (attn_decode): out (H * hd,) float32 = attention of the
     query in qkv ((H + 2 KV) hd,) rows [q | k | v] at position pos[0] (device int32) over one layer's
@@ -479,9 +480,14 @@ def attention(
     rope: (inv_freq, n_rot, neox, eps, q_norm, k_norm). n_keys_max: an upper bound on the positions
     seen (sets the number of splits; a captured decode step passes the cache size). parts: optional
     preallocated (acc (H*S*hd,) float32, ml (H*S*2,) float32, count (H,) uint32 zeros) from
-    attention_parts; the kernel leaves count zeroed for the next call.
+    attention_parts; the kernel leaves count zeroed for the next call. records: uint32
+    (records_width(H * hd),): out's activation records too, for the output projection's matvec
+    (prologue 4; hd a multiple of 32).
     """
     KV, n_ctx, hd = k_cache.shape
+    bad = records is not None and (records.dtype != cp.uint32 or records.size < records_width(H * hd))
+    if bad or (records is not None and hd % 32):
+        raise ValueError("attention's records: uint32 records_width(H * hd) words, hd a multiple of 32")
     chunk, S = attention_splits(n_keys_max)
     acc, ml, count = parts if parts is not None else attention_parts(H, hd, n_keys_max)
     inv_freq, n_rot, neox, eps, q_norm, k_norm = rope
@@ -512,6 +518,7 @@ def attention(
             _i32(window),
             _i32(chunk),
             _i32(k_cache.dtype == cp.float16),
+            NULL if records is None else records,
         ),
     )
 

@@ -307,7 +307,8 @@ def _model(tmp_path, kind: str):
     if kind == "gemma3":
         write_tiny_gemma3(path, TinyGemmaSpec(matrix_type=T.Q8_0, final_softcap=3.0))
     elif kind == "llama-1layer":
-        write_tiny_gguf(path, TinySpec(matrix_type=T.Q8_0, layers=1))
+        # head size 32: attention hands its output to wo as records (ops.attention's records)
+        write_tiny_gguf(path, TinySpec(matrix_type=T.Q8_0, layers=1, heads=2, kv_heads=1))
     elif kind == "qwen2":
         write_tiny_gguf(path, TinySpec(arch="qwen2", qkv_bias=True))
     else:
@@ -449,6 +450,8 @@ def test_decoder_computes_the_cpu_models_logits_on_host_threads(fake, simt, tmp_
         assert _rel(got_step, ref_step) < 1e-3
         token = int(np.argmax(ref_step[-1]))
     assert dec.greedy_step(token, gpu_cache) == int(np.argmax(model.forward([token], cpu_cache)[-1]))
+    # head size 32 (llama-1layer): wo read attention's records
+    assert (dec._steps[gpu_cache].attn_rec is not None) == (dec.cfg.head_dim % 32 == 0)
     if full:  # float16 prefill tiles and KV cache: close
         fast = fake.decoder.CudaDecoder(model, n_ctx=32)
         assert _rel(fast.forward(prompt, fast.new_cache(32))[-1], ref[-1]) < 3e-2

@@ -334,12 +334,20 @@ def test_rope_store_and_attention_match_cpu(gpu, kv_dtype, neox, window, qk_norm
     norms = tuple(None if a is None else cp.asarray(a) for a in (qn, kn))
     rope = (cp.asarray(inv), hd, neox, 1e-6, *norms)
     parts = ops.attention_parts(H, hd, n_ctx)
+    records = cp.zeros((1, ops.records_width(H * hd)), cp.uint32)
     for i in range(n):
         out = cp.empty(H * hd, cp.float32)
         at = cp.asarray(np.array([pos0 + i], np.int32))
-        ops.attention(out, cp.asarray(rows[i]), H, gkc, gvc, at, rope, scale, n_ctx, window, parts)
+        rec = records[0] if i == n - 1 else None  # the last token's output as records too
+        ops.attention(out, cp.asarray(rows[i]), H, gkc, gvc, at, rope, scale, n_ctx, window, parts, rec)
         np.testing.assert_allclose(out.get().reshape(H, hd), ref[i], rtol=1e-4, atol=10 * tol)
         assert not parts[2].get().any()  # the last block of each head reset its counter
+    # the output projection over the records (prologue 4) is its product with out quantized in its blocks
+    wo = ops.upload(_weight(8, 16, H * hd, 9)[0])
+    got, want = cp.zeros((1, 16), cp.float32), cp.zeros((1, 16), cp.float32)
+    ops.matvec_batch(got, [wo], records, prologue=4)
+    ops.matvec_batch(want, [wo], out.reshape(1, -1))
+    np.testing.assert_array_equal(got.get(), want.get())
     np.testing.assert_allclose(gkc.get().astype(np.float32), kref.astype(np.float32), rtol=tol, atol=tol)
     np.testing.assert_array_equal(gvc.get(), vref)
 

@@ -99,3 +99,71 @@ __device__ __forceinline__ void unpack4_f32(uint4 p, float* v) {
     v[2] = __uint_as_float(p.z);
     v[3] = __uint_as_float(p.w);
 }
+
+// ---- activations quantized per unit of 32 for integer dot products (step.cu's matvecs) -------------
+#define XQ_SCALE 32512.f  // 127 * 256: |x| max of a unit -> |256 hi + lo| <= 32512, hi and lo int8
+#ifndef __CUDA_ARCH__  // the host build of the tests (tests/engine/cuda/simt.py)
+static inline int __float2int_rn(float v) { return (int)std::nearbyint(v); }
+#endif
+
+// Views of one matvec's input activation (cols elements, units = cols / 32): in shared memory, or
+// q alone in global memory (records handed from one kernel to the next).
+struct XIn {
+    float* f;   // (cols,) natural order
+    float* t;   // (cols,) element e at (e % 32) * units + e / 32
+    uint* q;    // (XREC * units) unit u's record at q + XREC * u (16-byte aligned): see below
+    int cols, units;
+};
+// A unit's record of the two int8 levels (x ~ d * (256 hi + lo)): words 0-7 hi (4 elements each, in
+// order), 8-15 lo, 16 d (float), 17 the sum of its quantized values (float, d * Σ(256 hi + lo)), 18 and
+// 19 the integer sums Σ(256 hi + lo) of its two halves. Five 16-byte loads read one; 20 words apart,
+// consecutive units' loads by 8 lanes fall in distinct banks.
+#define XREC 20
+__device__ __forceinline__ float xd(const XIn& x, int u) { return __uint_as_float(x.q[XREC * u + 16]); }
+__device__ __forceinline__ float xs(const XIn& x, int u) { return __uint_as_float(x.q[XREC * u + 17]); }
+__device__ __forceinline__ int xi(const XIn& x, int u, int half) { return (int)x.q[XREC * u + 18 + half]; }
+// unit u's scale, value sum and half sums into its record
+__device__ __forceinline__ void set_unit(const XIn& x, int u, float d, float s, int i0, int i1) {
+    uint* r = x.q + XREC * u;
+    r[16] = __float_as_uint(d);
+    r[17] = __float_as_uint(s);
+    r[18] = (uint)i0;
+    r[19] = (uint)i1;
+}
+
+__device__ __forceinline__ int warp_sum_i(int v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+// Unit u's two int8 levels, scale and sums from its 32 values, one per lane (v: this lane's element).
+// The sums are of the quantized values (d * (256 hi + lo)), so a block's dot product is exactly that
+// of its weights with the quantized activation. On sm_80+ the max and the integer sums are one
+// redux.sync each (a shuffle tree costs 5 shuffles, at one warp shuffle per clock per SM).
+__device__ __forceinline__ void quantize_unit(XIn& xin, int u, int lane, float v) {
+    uchar* wb = (uchar*)(xin.q + XREC * u);
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    // non-negative floats order as their bit patterns
+    float amax = __uint_as_float(__reduce_max_sync(0xffffffffu, __float_as_uint(fabsf(v))));
+#else
+    float amax = warp_max(fabsf(v));
+#endif
+    int q = amax > 0.f ? __float2int_rn(v * (XQ_SCALE / amax)) : 0;
+    int hi = (q + 128) >> 8, lo = q - 256 * hi;  // hi in [-127, 127], lo in [-128, 127]
+    int k = lane >> 2, byte = lane & 3;
+    wb[k * 4 + byte] = (uchar)(signed char)hi;
+    wb[(k + 8) * 4 + byte] = (uchar)(signed char)lo;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    int h0 = __reduce_add_sync(0xffffffffu, lane < 16 ? q : 0), h1 = __reduce_add_sync(0xffffffffu, lane < 16 ? 0 : q);
+#else
+    int h = q;  // each half-warp's sum, then lane 0 fetches the upper half's
+#pragma unroll
+    for (int o = 8; o > 0; o >>= 1) h += __shfl_xor_sync(0xffffffffu, h, o);
+    int h0 = h, h1 = __shfl_xor_sync(0xffffffffu, h, 16);
+#endif
+    if (lane == 0) {
+        float d = amax / XQ_SCALE;
+        set_unit(xin, u, d, d * (float)(h0 + h1), h0, h1);
+    }
+}

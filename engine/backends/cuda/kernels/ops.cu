@@ -213,7 +213,8 @@ __device__ void attend_split(float* sc, float (*vsum)[512], const float* sq, con
 // the block of the KV head's first query head writes both to the cache (no block reads position pos
 // there). Unnormalised partial sums go to acc (H, S, hd), (max, sum) pairs to ml (H, S, 2); the last
 // of a head's S blocks to finish (count[h], which it resets for the next step) combines the splits
-// that hold visible keys into out (H, hd).
+// that hold visible keys into out (H, hd), and with xr (not null; hd a multiple of 32) into the
+// activation records of out for the output projection's matvec too (common.cuh's quantize_unit).
 // The cache is read in 16-byte pieces (attend_split), so rows must be 16-byte aligned (hd a multiple
 // of 8). 128 threads; chunk <= ATTN_MAX_CHUNK; hd <= 512; S <= ATTN_MAX_CHUNK / 2 (the combine keeps
 // each split's pair in sc: caches up to 8M positions).
@@ -222,7 +223,8 @@ extern "C" __global__ void __launch_bounds__(128) attn_decode(
     float* __restrict__ out, float* __restrict__ acc, float* __restrict__ ml, uint* __restrict__ count,
     const float* __restrict__ qkv, void* __restrict__ kc, void* __restrict__ vc, const int* __restrict__ pos_p,
     const float* __restrict__ inv_freq, const float* __restrict__ qn, const float* __restrict__ kn, int H, int KV,
-    int hd, int n_ctx, int n_rot, int neox, float eps, float scale, int window, int chunk, int kv_half) {
+    int hd, int n_ctx, int n_rot, int neox, float eps, float scale, int window, int chunk, int kv_half,
+    uint* __restrict__ xr) {
     __shared__ float red[32];
     __shared__ float sq[512];
     __shared__ float sk[512];
@@ -293,11 +295,20 @@ extern "C" __global__ void __launch_bounds__(128) attn_decode(
     L = block_sum(L, red);  // its leading __syncthreads also publishes the weights
     float inv = 1.f / L;
     const float* hacc = acc + ((long long)h * S + s_lo) * hd;
-    for (int j = threadIdx.x; j < hd; j += blockDim.x) {
+    for (int j0 = 0; j0 < hd; j0 += blockDim.x) {
+        int j = j0 + threadIdx.x;
         float a = 0.f;
+        if (j < hd) {
 #pragma unroll 8
-        for (int i = 0; i < n_s; i++) a += ld_l2(hacc + (long long)i * hd + j) * sc[2 * i];
-        out[(long long)h * hd + j] = a * inv;
+            for (int i = 0; i < n_s; i++) a += ld_l2(hacc + (long long)i * hd + j) * sc[2 * i];
+            a *= inv;
+            out[(long long)h * hd + j] = a;
+        }
+        if (xr != nullptr && j0 + (threadIdx.x & ~31) < hd) {  // the warp's 32 elements are a unit (hd % 32 == 0)
+            XIn rec;
+            rec.q = xr;
+            quantize_unit(rec, (h * hd + j) >> 5, threadIdx.x & 31, a);
+        }
     }
 }
 
