@@ -26,7 +26,8 @@ For each file it measures, with engine.backends.cuda.bench.bench_decoder:
   prefill attention in one flash kernel (flash_*: its GPU time against the cuBLAS GEMMs', the captured
   prefill with it and flash_prefill_vs_cublas, a follow-up turn, the logits against the default's);
   the GPU sampler (sample_topk_*_gpu_us: one draw's GPU time with top-k 40 and off; sampled decode tok/s);
-  batched decode (forward_batch, as `hearth serve` runs it) over 4 and 8 sequences, total tok/s.
+  batched decode (forward_batch, as `hearth serve` runs it) over 4 and 8 sequences, total tok/s, with the
+  logits to the host and with the tokens picked on the GPU (pick_batch).
 
 Usage: python3 scripts/cuda_bench_1b.py --out results.json [--types Q4_K,Q8_0] [--prompt 512] [--gen 128]
 """
@@ -34,6 +35,7 @@ Usage: python3 scripts/cuda_bench_1b.py --out results.json [--types Q4_K,Q8_0] [
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 import tempfile
@@ -604,7 +606,10 @@ def _bench_sampling(dec, prompt: list[int], n_ctx: int, steps: int = 64) -> dict
 
 
 def _bench_batches(dec, prompt: list[int], n_ctx: int, steps: int = 16) -> dict:
-    """Batched decode (forward_batch, what `hearth serve` runs): total tok/s over B sequences."""
+    """Batched decode (forward_batch, what `hearth serve` runs): total tok/s over B sequences with the
+    logits back on the host (batch{B}_decode_tps_total), and with each row's token picked on the GPU
+    (pick_batch, the server's step: half greedy, half sampled at temperature 0.8, top-p 0.95;
+    batch{B}_pick_tps_total)."""
     import cupy as cp
 
     res = {"batched_decode": dec.batchable}
@@ -613,13 +618,19 @@ def _bench_batches(dec, prompt: list[int], n_ctx: int, steps: int = 16) -> dict:
         for c in caches:
             dec.forward(prompt[:32], c)
         tokens = list(range(1, B + 1))
-        for _ in range(2):  # capture, then a replay
-            dec.forward_batch(tokens, caches)
-        cp.cuda.Device(dec.device).synchronize()
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            dec.forward_batch(tokens, caches)
-        res[f"batch{B}_decode_tps_total"] = round(B * steps / (time.perf_counter() - t0), 1)
+        picks = [(0.0 if b % 2 else 0.8, 0, 0.95, 0.0, 0.5, ()) for b in range(B)]
+        runs = (
+            ("decode", functools.partial(dec.forward_batch, tokens, caches)),
+            ("pick", functools.partial(dec.pick_batch, tokens, caches, picks)),
+        )
+        for name, step in runs:
+            for _ in range(2):  # capture, then a replay
+                step()
+            cp.cuda.Device(dec.device).synchronize()
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                step()
+            res[f"batch{B}_{name}_tps_total"] = round(B * steps / (time.perf_counter() - t0), 1)
     return res
 
 

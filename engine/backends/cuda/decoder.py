@@ -360,7 +360,7 @@ class CudaDecoder:
                 else:
                     self.flash_error = f"flash prefill takes head sizes {ops.FLASH_HEAD_DIMS} on sm_80+"
             self.flash = self.flash_error is None
-        self._sample_parts = None  # _sample_rows' scratch (sample_topk's and argmax's), made on first use
+        self._sample_parts = None  # _sample_rows' scratch (ops.sample_parts), made on first use
         self.host_draws = 0  # rows the GPU sampler left to the host (top-k off, a cut past its candidates)
         self.max_position_embeddings = cfg.max_position_embeddings
 
@@ -540,15 +540,14 @@ class CudaDecoder:
         if len(picks) != len(caches):
             raise ValueError(f"{len(picks)} picks for {len(caches)} sequences")
         with cp.cuda.Device(self.device), self.stream:
-            logits = self._decode_rows(tokens, caches)
-            if vocab is not None and vocab < logits.shape[1]:
-                logits = logits[:, :vocab]
+            full = self._decode_rows(tokens, caches)  # (B, embedding rows) contiguous
+            n = full.shape[1] if vocab is None else min(vocab, full.shape[1])
+            logits = full[:, :n]
             chosen = [b for b, p in enumerate(picks) if p is not None]
-            for b in chosen:
-                banned = [t for t in picks[b][5] if 0 <= t < logits.shape[1]]
-                if banned:
-                    logits[b, cp.asarray(np.asarray(banned, np.int64))] = -np.inf
-            got = self._sample_rows([logits[b] for b in chosen], [picks[b][:5] for b in chosen])
+            banned = [b * full.shape[1] + t for b in chosen for t in picks[b][5] if 0 <= t < n]
+            if banned:  # every row's at once, through the flat view
+                full.ravel()[cp.asarray(np.asarray(banned, np.int64))] = -np.inf
+            got = self._sample_rows(full, chosen, [picks[b][:5] for b in chosen], n)
             rest = [b for b, p in enumerate(picks) if p is None]
             host = cp.asnumpy(logits[rest], stream=self.stream) if rest else None
         for t, cache in zip(tokens, caches):
@@ -603,8 +602,8 @@ class CudaDecoder:
         with cp.cuda.Device(self.device), self.stream:
             logits = self._decode(int(token), cache, greedy=False)
             self._penalize(logits[0], penalty)
-            row = logits[0] if vocab is None else logits[0, :vocab]
-            nxt = self._sample_rows([row], [(temp, top_k, top_p, min_p, u)])[0]
+            n = logits.shape[1] if vocab is None else min(vocab, logits.shape[1])
+            nxt = self._sample_rows(logits, [0], [(temp, top_k, top_p, min_p, u)], n)[0]
         cache.advance([token])
         return nxt
 
@@ -615,27 +614,24 @@ class CudaDecoder:
             ids = ids[(ids >= 0) & (ids < row.size)].astype(np.int32)
             ops.penalize(row, cp.asarray(ids), float(penalty[0]))
 
-    def _sample_rows(self, rows: list, picks: list[tuple]) -> list[int]:
-        """A token from each logits row (device, float32) with its (temp, top_k, top_p, min_p, u): one
-        argmax (temp 0) or sample_topk launch a row, one copy of the picks to the host, and the rows the
-        GPU's candidates could not settle (top-k off) drawn on the host by engine.sampling.draw."""
+    def _sample_rows(self, logits, rows: list[int], picks: list[tuple], n: int) -> list[int]:
+        """A token from the first n logits of each of the rows of logits (device, float32, C-contiguous)
+        with its (temp, top_k, top_p, min_p, u): one launch for them all (ops.sample_rows; temp 0 is
+        argmax), one copy of the picks to the host, and the rows the GPU's candidates could not settle
+        (top-k off) drawn on the host by engine.sampling.draw."""
         if not rows:
             return []
-        if self._sample_parts is None:
-            self._sample_parts = ops.sample_parts(), ops.argmax_parts()
-        sample_parts, argmax_parts = self._sample_parts
+        if self._sample_parts is None or self._sample_parts[3].size < len(rows):
+            self._sample_parts = ops.sample_parts(max(len(rows), ops.MAX_BATCH))
         ids = cp.empty(len(rows), cp.int32)
-        for b, (row, (temp, top_k, top_p, min_p, u)) in enumerate(zip(rows, picks)):
-            if temp == 0:
-                ops.argmax(ids[b : b + 1], row, argmax_parts)
-            else:
-                ops.sample_topk(ids[b : b + 1], row, top_k, temp, top_p, u, min_p, sample_parts)
+        ops.sample_rows(ids, logits, rows, picks, self._sample_parts, n)
         got = [int(t) for t in cp.asnumpy(ids, stream=self.stream)]
-        for b, t in enumerate(got):
+        for i, t in enumerate(got):
             if t < 0:
                 self.host_draws += 1
-                temp, top_k, top_p, min_p, u = picks[b]
-                got[b] = draw(cp.asnumpy(rows[b], stream=self.stream), temp, top_k, top_p, min_p, u)
+                temp, top_k, top_p, min_p, u = picks[i]
+                row = cp.asnumpy(logits[rows[i], :n], stream=self.stream)
+                got[i] = draw(row, temp, top_k, top_p, min_p, u)
         return got
 
     def _need_output(self) -> None:

@@ -690,12 +690,16 @@ SAMPLE_BLOCKS = 64
 SAMPLE_CANDIDATES = 4096  # blocks x k at most: the last block holds them in 32 KiB of shared memory
 
 
-def sample_parts() -> tuple:
-    """sample_topk's scratch: each block's candidates (values, indices), each block's softmax max and
-    sum (top-k off), and the blocks' counter (zeros)."""
-    m = SAMPLE_BLOCKS * SAMPLE_MAX_K
-    pm = cp.empty(2 * SAMPLE_BLOCKS, cp.float32)
-    return cp.empty(m, cp.float32), cp.empty(m, cp.int32), pm, cp.zeros(1, cp.uint32)
+def sample_parts(draws: int = 1) -> tuple:
+    """sample_topk's scratch (sample_rows': for up to `draws` draws at once): each block's candidates
+    (values, indices), each block's softmax max and sum (top-k off), and the blocks' counter (zeros)."""
+    m = draws * SAMPLE_BLOCKS * SAMPLE_MAX_K
+    pm = cp.empty(2 * draws * SAMPLE_BLOCKS, cp.float32)
+    return cp.empty(m, cp.float32), cp.empty(m, cp.int32), pm, cp.zeros(draws, cp.uint32)
+
+
+def _sample_blocks(n: int, width: int) -> int:
+    return max(1, min(SAMPLE_BLOCKS, SAMPLE_CANDIDATES // width, -(-n // width)))
 
 
 def sample_topk(
@@ -714,9 +718,39 @@ def sample_topk(
     k = min(int(k), x.size)
     pv, pi, pm, count = parts if parts is not None else sample_parts()
     width = k or SAMPLE_MAX_K
-    blocks = max(1, min(SAMPLE_BLOCKS, SAMPLE_CANDIDATES // width, -(-x.size // width)))
+    blocks = _sample_blocks(x.size, width)
     args = (token, x, _i32(x.size), _i32(k), _f32(temp), _f32(top_p), _f32(min_p), _f32(u), pv, pi, pm, count)
+    args += (NULL, np.int64(0))
     kernel("sample_topk", cp.cuda.Device().id)((blocks,), (256,), args, shared_mem=8 * blocks * width)
+
+
+def sample_rows(
+    tokens, x, rows: list[int], picks: list[tuple], parts: tuple | None = None, n: int | None = None
+) -> None:
+    """tokens int32 (len(rows),): draw i from the first n (None: all) logits of row rows[i] of x float32
+    (B, width), C-contiguous, with picks[i] = (temp, top_k, top_p, min_p, u), as sample_topk draws, all in
+    one launch (and one small upload of the draws' parameters). temp 0 is argmax (top-1: the first index
+    on ties). parts: optional sample_parts(d) with d >= len(rows)."""
+    if not rows:
+        return
+    n = x.shape[1] if n is None else int(n)
+    if not x.flags.c_contiguous or not 0 < n <= x.shape[1]:
+        raise ValueError("sample_rows draws from the first n logits of the rows of a C-contiguous matrix")
+    prm = np.empty((len(rows), 6), np.float32)
+    for i, (row, (temp, k, top_p, min_p, u)) in enumerate(zip(rows, picks)):
+        if not 0 <= k <= SAMPLE_MAX_K:
+            raise ValueError(f"GPU sampling takes top_k 0 (off) or 1..{SAMPLE_MAX_K}, not {k}")
+        k = 1 if temp <= 0 else min(int(k), n)  # argmax: the single best, drawn at temperature 1
+        prm[i] = (temp if temp > 0 else 1.0, top_p, min_p, u, k, row)
+    pv, pi, pm, count = parts if parts is not None else sample_parts(len(rows))
+    if count.size < len(rows):
+        raise ValueError(f"sample_parts for {count.size} draws, not {len(rows)}")
+    width = int(max(k or SAMPLE_MAX_K for k in prm[:, 4]))
+    blocks = _sample_blocks(n, width)
+    unused = (_i32(0), _f32(1.0), _f32(1.0), _f32(0.0), _f32(0.0))  # each draw's own come from prm
+    args = (tokens, x, _i32(n), *unused, pv, pi, pm, count, cp.asarray(prm), np.int64(x.shape[1]))
+    launch = kernel("sample_topk", cp.cuda.Device().id)
+    launch((blocks, len(rows)), (256,), args, shared_mem=8 * blocks * width)
 
 
 def linear_prefill(out, ws: list[GpuWeight], x16, scratch, accumulate: bool = False) -> None:

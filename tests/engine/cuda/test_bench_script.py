@@ -60,7 +60,7 @@ def test_bench_script_runs_every_measurement(fake, tmp_path, monkeypatch):
         wanted += ("flash_prefill_logits_rel", "flash_followup_logits_rel", "flash_greedy_matches")
         wanted += ("sample_topk_k40_gpu_us", "sample_topk_open_gpu_us", "sampled_decode_tps_open")
         wanted += ("pdl_vs_plain_rel", "pdl_off_decode_tps", "handoff_vs_plain_rel", "handoff_greedy_matches")
-        wanted += ("handoff_decode_tps", "handoff_off_decode_tps")
+        wanted += ("handoff_decode_tps", "handoff_off_decode_tps", "batch8_pick_tps_total")
         for key in wanted:
             assert key in entry, key
     assert not list(tmp_path.glob("*.gguf"))  # the 1B files are deleted after their run

@@ -836,6 +836,7 @@ def test_gpu_sampling_on_host_threads(fake, simt):
     cases += ((7, 40, 1.0, 1.0, 0.0), (600, 0, 0.3, 1.0, 0.0), (600, 0, 1.0, 0.9, 0.0))
     cases += ((200, 0, 1.0, 0.9, 0.0), (600, 0, 8.0, 0.99, 0.0))
     gpu_tests.test_sampling_draws_from_the_cpu_distribution(0, cases, draws=6)
+    gpu_tests.test_sample_rows_draws_each_row_as_sample_topk(0, n=400)
 
 
 def _tiny_chat(fake, tmp_path):

@@ -447,6 +447,40 @@ def test_sampling_draws_from_the_cpu_distribution(gpu, cases=SAMPLING_CASES, dra
         ops.sample_topk(tok, x, ops.SAMPLE_MAX_K + 1, 1.0, 1.0, 0.5)
 
 
+def test_sample_rows_draws_each_row_as_sample_topk(gpu, n: int = 3000):
+    """ops.sample_rows: several draws in one launch (rows of one logits matrix, in any order and
+    repeated, each with its own temperature, top-k (0: off), top-p, min-p and u; temp 0 the argmax,
+    ties to the lower id) pick what ops.sample_topk picks for each alone; scratch counters left zeroed."""
+    import cupy as cp
+
+    from engine.backends.cuda import ops
+
+    rng = np.random.default_rng(12)
+    logits = (3 * rng.standard_normal((4, n + 5))).astype(np.float32)
+    logits[2, [7, 9]] = logits[2].max() + 1.0  # a tie at the top
+    x = cp.asarray(logits)  # draws from the first n of each row
+    rows = [2, 0, 3, 2, 1, 2]
+    picks = [(0.0, 40, 1.0, 0.0, 0.3), (0.7, 40, 0.95, 0.05, 0.6), (1.0, 0, 1.0, 0.0, 0.2)]
+    picks += [(0.8, 1, 1.0, 0.0, 0.9), (1.3, 256, 0.9, 0.0, 0.45), (0.5, 0, 0.9, 0.1, 0.7)]
+    parts = ops.sample_parts(len(rows))
+    tokens = cp.asarray(np.full(len(rows), -7, np.int32))
+    ops.sample_rows(tokens, x, rows, picks, parts, n)
+    got = tokens.get().tolist()
+    one, alone = cp.zeros(1, cp.int32), []
+    for row, (temp, k, top_p, min_p, u) in zip(rows, picks):
+        if temp == 0:
+            ops.argmax(one, x[row, :n])
+        else:
+            ops.sample_topk(one, x[row, :n], k, temp, top_p, u, min_p)
+        alone.append(int(one.get()[0]))
+    assert got == alone and got[0] == 7
+    assert not parts[3].get().any()
+    with pytest.raises(ValueError, match="draws"):
+        ops.sample_rows(tokens, x, rows, picks, ops.sample_parts(2), n)
+    with pytest.raises(ValueError, match="C-contiguous"):
+        ops.sample_rows(tokens, x[:, :n], rows, picks, parts)
+
+
 def test_repetition_penalty_matches_the_cpu(gpu):
     """ops.penalize: engine.sampling.repetition_penalty's CTRL rule on the GPU, for distinct ids."""
     import cupy as cp

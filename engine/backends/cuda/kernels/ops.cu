@@ -461,6 +461,10 @@ extern "C" __global__ void argmax(int* __restrict__ token, const float* __restri
 // softmax sum to pm); the last block to finish (count[0], which it resets for the next call) selects
 // the kw best of the gridDim.x * kw candidates the same way, sorts them (bitonic, in shared memory) and
 // draws. 256 threads; dynamic shared memory 8 bytes a candidate.
+// Several draws in one launch (rows not null): draw y = blockIdx.y takes its parameters from rows[6 y ..]
+// (temp, top_p, min_p, u, k, and the row of x it draws from, ldx floats apart; integers as floats),
+// writes token[y], and has scratch of its own: pv/pi + y * gridDim.x * SAMPLE_MAX_K, pm + 2 y gridDim.x,
+// count + y.
 #define SAMPLE_MAX_K 256
 #define SAMPLE_THREADS 256
 
@@ -546,12 +550,23 @@ __device__ void block_select(KeyOf key_of, int c, int kk, uint* hist, uint* scan
 extern "C" __global__ void __launch_bounds__(256) sample_topk(int* __restrict__ token, const float* __restrict__ x,
                                                              int n, int k, float temp, float top_p, float min_p,
                                                              float u, float* __restrict__ pv, int* __restrict__ pi,
-                                                             float* __restrict__ pm, uint* __restrict__ count) {
+                                                             float* __restrict__ pm, uint* __restrict__ count,
+                                                             const float* __restrict__ rows, long long ldx) {
     extern __shared__ uint cand[];  // the last block: gridDim.x * kw keys, then as many indices
     __shared__ uint hist[256], scan[2 * SAMPLE_THREADS], sel[2], sk[SAMPLE_MAX_K];
     __shared__ int si[SAMPLE_MAX_K];
     __shared__ float red[32], tv[SAMPLE_MAX_K];
     __shared__ int last;
+    if (rows != nullptr) {  // one draw per blockIdx.y: its (temp, top_p, min_p, u, k, row of x), its scratch
+        const float* r = rows + 6 * blockIdx.y;
+        temp = r[0], top_p = r[1], min_p = r[2], u = r[3], k = (int)r[4];
+        x += (long long)r[5] * ldx;
+        token += blockIdx.y;
+        pv += (long long)blockIdx.y * gridDim.x * SAMPLE_MAX_K;
+        pi += (long long)blockIdx.y * gridDim.x * SAMPLE_MAX_K;
+        pm += 2LL * blockIdx.y * gridDim.x;
+        count += blockIdx.y;
+    }
     int t = threadIdx.x, open = k == 0, kw = open ? SAMPLE_MAX_K : k;
     int chunk = (n + gridDim.x - 1) / gridDim.x, lo = min(n, (int)blockIdx.x * chunk), c = min(n, lo + chunk) - lo;
     int kk = min(kw, c);
