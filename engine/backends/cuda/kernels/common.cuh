@@ -76,30 +76,6 @@ __device__ __forceinline__ float gelu_tanh(float g) {
     const float c = 0.7978845608028654f;  // sqrt(2/pi)
     return 0.5f * g * (1.f + tanhf(c * (g + 0.044715f * g * g * g)));
 }
-// 16 bytes as 8 halves, 8 bfloat16s or 4 floats
-__device__ __forceinline__ void unpack8_f16(uint4 p, float* v) {
-    uint w[4] = {p.x, p.y, p.z, p.w};
-#pragma unroll
-    for (int i = 0; i < 4; i++) {
-        v[2 * i] = h2f((ushort)(w[i] & 0xffff));
-        v[2 * i + 1] = h2f((ushort)(w[i] >> 16));
-    }
-}
-__device__ __forceinline__ void unpack8_bf16(uint4 p, float* v) {
-    uint w[4] = {p.x, p.y, p.z, p.w};
-#pragma unroll
-    for (int i = 0; i < 4; i++) {
-        v[2 * i] = __uint_as_float(w[i] << 16);
-        v[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
-    }
-}
-__device__ __forceinline__ void unpack4_f32(uint4 p, float* v) {
-    v[0] = __uint_as_float(p.x);
-    v[1] = __uint_as_float(p.y);
-    v[2] = __uint_as_float(p.z);
-    v[3] = __uint_as_float(p.w);
-}
-
 // ---- activations quantized per unit of 32 for integer dot products (step.cu's matvecs) -------------
 #define XQ_SCALE 32512.f  // 127 * 256: |x| max of a unit -> |256 hi + lo| <= 32512, hi and lo int8
 #ifndef __CUDA_ARCH__  // the host build of the tests (tests/engine/cuda/simt.py)
@@ -166,4 +142,28 @@ __device__ __forceinline__ void quantize_unit(XIn& xin, int u, int lane, float v
         float d = amax / XQ_SCALE;
         set_unit(xin, u, d, d * (float)(h0 + h1), h0, h1);
     }
+}
+
+// 16 bytes as 8 halves, 8 bfloat16s or 4 floats
+__device__ __forceinline__ void unpack8_f16(uint4 p, float* v) {
+    uint w[4] = {p.x, p.y, p.z, p.w};
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        v[2 * i] = h2f((ushort)(w[i] & 0xffff));
+        v[2 * i + 1] = h2f((ushort)(w[i] >> 16));
+    }
+}
+__device__ __forceinline__ void unpack8_bf16(uint4 p, float* v) {
+    uint w[4] = {p.x, p.y, p.z, p.w};
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        v[2 * i] = __uint_as_float(w[i] << 16);
+        v[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+    }
+}
+__device__ __forceinline__ void unpack4_f32(uint4 p, float* v) {
+    v[0] = __uint_as_float(p.x);
+    v[1] = __uint_as_float(p.y);
+    v[2] = __uint_as_float(p.z);
+    v[3] = __uint_as_float(p.w);
 }
