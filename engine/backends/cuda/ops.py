@@ -636,7 +636,8 @@ def attention_prefill(
             softmax((scores.size // (k1 - k0),), (256,), (scores, p16, *keys, _f32(scale), _i32(window)))
             gemm_batched(og[g0:g1, rows], probs, v[:, k0:k1])
     heads = (_i32(n), _i32(H), _i32(KV), _i32(hd), _i32(out.dtype == cp.float16))
-    kernel("ungroup_heads", dev)(*_grid1(out.size), (out, og, *heads))
+    grid = (-(-(H * hd) // 256), max(1, min(n, 65535)))  # a token's elements, tokens grid-strided
+    kernel("ungroup_heads", dev)(grid, (256,), (out, og, *heads))
 
 
 def glu(out, gu, gelu: bool) -> None:
@@ -645,7 +646,8 @@ def glu(out, gu, gelu: bool) -> None:
     ff = out.shape[-1]
     n = out.size // ff
     half = _i32(out.dtype == cp.float16)
-    kernel("glu", cp.cuda.Device().id)(*_grid1(n * ff), (out, gu, _i32(ff), np.int64(n), _i32(gelu), half))
+    grid = (-(-ff // (4 * 256)), max(1, min(n, 65535)))  # 4 elements a thread; tokens grid-strided
+    kernel("glu", cp.cuda.Device().id)(grid, (256,), (out, gu, _i32(ff), np.int64(n), _i32(gelu), half))
 
 
 def add_inplace(x, y) -> None:

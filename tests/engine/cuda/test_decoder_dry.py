@@ -710,11 +710,14 @@ def test_norm_and_activation_write_float16_gemm_inputs_on_host_threads(fake, sim
     np.testing.assert_allclose(out.astype(np.float32), want, rtol=1e-3, atol=1e-4)  # float16 rounding
     with pytest.raises(ValueError, match="float32 only"):
         fake.ops.rmsnorm(out, fake.cp.asarray(x), fake.cp.asarray(w), 1e-5, accumulate=True)
-    gate, up = rng.normal(size=(2, 2, 50)).astype(np.float32)
-    act = fake.cp.zeros((2, 50), np.float16)
-    fake.ops.glu(act, fake.cp.asarray(np.concatenate([gate, up], axis=1)), gelu=False)
-    want = gate / (1 + np.exp(-gate)) * up
-    np.testing.assert_allclose(act.astype(np.float32), want, rtol=1e-3, atol=1e-4)
+    # glu: 16-byte pieces (ff % 4 == 0) and element by element, into float16 and float32
+    for ff, dtype in ((50, np.float16), (64, np.float16), (50, np.float32), (1100, np.float32)):
+        gate, up = rng.normal(size=(2, 2, ff)).astype(np.float32)
+        act = fake.cp.zeros((2, ff), dtype)
+        fake.ops.glu(act, fake.cp.asarray(np.concatenate([gate, up], axis=1)), gelu=False)
+        want = gate / (1 + np.exp(-gate)) * up
+        tol = 1e-3 if dtype == np.float16 else 1e-5
+        np.testing.assert_allclose(act.astype(np.float32), want, rtol=tol, atol=tol / 10)
 
 
 def test_pdl_params_marshal_arrays_and_numpy_scalars(fake):
