@@ -722,12 +722,11 @@ class CudaDecoder:
         mv = functools.partial(_matvecs, int_dot=self.int_dot)
         ops.dequant(s.x, self.token_embd, ids=s.ids, scale=self.embed_scale)
         # with the hand-off, a matvec whose input another kernel wrote reads that one's records (ops.Emit):
-        # attention's output for wo, gate|up's GLU for the down projection; with llama's pre-norms only,
-        # the residual stream after wo and after down for the next norm's matvec (Gemma's post-norms add
-        # into it outside a matvec)
+        # attention's output for wo, gate|up's GLU for the down projection, and the residual stream for
+        # the next norm's matvec from whatever adds into it last (llama: wo and down; Gemma: its post-norms)
         handoff = self.handoff and self.batchable
         glu = (ops.EMIT_GELU if self.gemma else ops.EMIT_SILU) if handoff else 0
-        normed = handoff and not self.gemma
+        normed = handoff
         attn_rec = s.attn_rec if handoff else None  # attention's output as records for wo (head size 32k)
 
         def x_emit(norm):
@@ -750,7 +749,7 @@ class CudaDecoder:
             wo_in = dict(x=s.attn) if attn_rec is None else dict(x=attn_rec, prologue=4)
             if self.gemma:
                 mv(s.o, [L["wo"]], **wo_in)
-                ops.rmsnorm(s.x, s.o, L["post_attn_norm"], eps, accumulate=True)
+                ops.rmsnorm(s.x, s.o, L["post_attn_norm"], eps, accumulate=True, emit=x_emit(L["ffn_norm"]))
             else:
                 mv(s.x, [L["wo"]], **wo_in, accumulate=True, emit=x_emit(L["ffn_norm"]))
             gu_emit = ops.Emit(glu, None, s.act_rec, s.counts) if glu else None
@@ -761,7 +760,7 @@ class CudaDecoder:
             down_in = dict(x=s.act_rec, prologue=4) if glu else dict(x=s.gu, cols_x2=True, prologue=act)
             if self.gemma:
                 mv(s.o, [L["w_down"]], **down_in)
-                ops.rmsnorm(s.x, s.o, L["post_ffn_norm"], eps, accumulate=True)
+                ops.rmsnorm(s.x, s.o, L["post_ffn_norm"], eps, accumulate=True, emit=x_emit(norms[i]))
             else:
                 mv(s.x, [L["w_down"]], **down_in, accumulate=True, emit=x_emit(norms[i]))
         if self.head_only:

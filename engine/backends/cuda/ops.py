@@ -399,15 +399,27 @@ def _grid1(n: int, threads: int = 256) -> tuple[tuple[int], tuple[int]]:
     return (max(1, -(-n // threads)),), (threads,)
 
 
-def rmsnorm(out, x, w, eps: float, add_one: bool = False, accumulate: bool = False) -> None:
+def rmsnorm(
+    out, x, w, eps: float, add_one: bool = False, accumulate: bool = False, emit: Emit | None = None
+) -> None:
     """out (n, dim) (= or +=) rmsnorm(x (n, dim)) * (w or 1 + w); a float16 out gets the values rounded
-    (no accumulate then)."""
+    (no accumulate then). emit: an EMIT_NORM Emit (float32 out, dim a multiple of 32): out's rows also
+    leave as the records of out * emit.norm for the next matvec (prologue 5), emit.records row i for
+    row i (emit.counts unused)."""
     n, dim = x.shape
     half = out.dtype == cp.float16
     if half and accumulate:
         raise ValueError("rmsnorm accumulates into float32 only")
+    if emit is not None:
+        r = emit.records
+        fits = r.ndim == 2 and r.dtype == cp.uint32 and r.shape[0] >= n and r.shape[1] >= records_width(dim)
+        if emit.mode != EMIT_NORM or emit.norm is None or half or dim % 32 or not fits:
+            raise ValueError("rmsnorm emits EMIT_NORM records of a float32 out, dim a multiple of 32")
+        if r.shape[1] != records_width(dim):
+            raise ValueError("rmsnorm's records are rows of exactly records_width(dim) words")
+    tail = (NULL, NULL) if emit is None else (emit.norm, emit.records)
     kernel("rmsnorm", cp.cuda.Device().id)(
-        (n,), (256,), (out, x, w, _i32(dim), _f32(eps), _i32(add_one), _i32(accumulate), _i32(half))
+        (n,), (256,), (out, x, w, _i32(dim), _f32(eps), _i32(add_one), _i32(accumulate), _i32(half), *tail)
     )
 
 

@@ -306,6 +306,8 @@ def _model(tmp_path, kind: str):
     path = tmp_path / f"{kind}.gguf"
     if kind == "gemma3":
         write_tiny_gemma3(path, TinyGemmaSpec(matrix_type=T.Q8_0, final_softcap=3.0))
+    elif kind == "gemma3-2layer":  # Gemma's hand-off: the post-norms emit the next norm's records
+        write_tiny_gemma3(path, TinyGemmaSpec(matrix_type=T.Q8_0, final_softcap=3.0, layers=2))
     elif kind == "llama-1layer":
         # head size 32: attention hands its output to wo as records (ops.attention's records)
         write_tiny_gguf(path, TinySpec(matrix_type=T.Q8_0, layers=1, heads=2, kv_heads=1))
@@ -416,14 +418,14 @@ def _rel(a, b) -> float:
     return float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
 
 
-# One host thread per CUDA thread is slow on a 2-core CI machine: CI runs the one-layer llama case;
-# HEARTH_CUDA_SIMT=1 runs every family with a longer prompt (about 4 minutes there).
+# One host thread per CUDA thread is slow on a 2-core CI machine: CI runs a one-layer llama and a two-layer
+# Gemma 3 case; HEARTH_CUDA_SIMT=1 runs every family with a longer prompt (about 4 minutes there).
 FULL_SIMT = bool(os.environ.get("HEARTH_CUDA_SIMT"))
 
 
 @pytest.mark.parametrize(
     "kind",
-    ["llama-1layer"]
+    ["llama-1layer", "gemma3-2layer"]
     + [
         pytest.param(k, marks=pytest.mark.skipif(not FULL_SIMT, reason="set HEARTH_CUDA_SIMT=1 (minutes)"))
         for k in ("llama", "qwen2", "gemma3")
@@ -434,7 +436,7 @@ def test_decoder_computes_the_cpu_models_logits_on_host_threads(fake, simt, tmp_
     captured-graph decode steps and the GPU argmax give the CPU model's logits and greedy tokens."""
     STATE.simt = simt
     model = _model(tmp_path, kind)
-    full = kind != "llama-1layer"
+    full = kind not in ("llama-1layer", "gemma3-2layer")
     prompt = [1, 2, 3, 4, 5, 6, 7] if full else [1, 2, 3]
     dec = fake.decoder.CudaDecoder(model, n_ctx=32, prefill_dtype="float32")
     # integer-dot weights: the step's matvecs hand their outputs on as records (ops.Emit)

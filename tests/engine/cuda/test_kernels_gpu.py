@@ -163,7 +163,8 @@ def test_matvec_hand_off_records_match_the_float_input(gpu):
     matvec what its own prologue over the float outputs gives. EMIT_NORM (wo-like: added into the
     residual; the next matvec takes RMSNorm's scale, prologue 5) and EMIT_SILU/EMIT_GELU (gate|up; the
     down projection reads the GLU, prologue 4); 10 vectors (launches of 8 and 2), output units that
-    several blocks complete; emitting changes no output, and the counters are left zeroed."""
+    several blocks complete; emitting changes no output, and the counters are left zeroed. And the
+    records rmsnorm emits as it adds Gemma's post-norms into the residual stream."""
     import cupy as cp
 
     from engine.backends.cuda import ops
@@ -196,6 +197,18 @@ def test_matvec_hand_off_records_match_the_float_input(gpu):
         ops.matvec_batch(y, [down], act_rec, prologue=4)
         ops.matvec_batch(y_plain, [down], gu, cols_x2=True, prologue=prologue)
         np.testing.assert_array_equal(y.get(), y_plain.get())  # the same activation, quantized alike
+    # Gemma's post-norms: x += rmsnorm(o) * w (one block a row) emits x's records for the next norm
+    o = cp.asarray(rng.standard_normal((B, d)).astype(np.float32))
+    pw = cp.asarray(rng.uniform(0.5, 1.5, d).astype(np.float32))
+    xg, xg_plain = cp.asarray(x0), cp.asarray(x0)
+    ops.rmsnorm(xg, o, pw, eps, accumulate=True, emit=ops.Emit(ops.EMIT_NORM, nw, x_rec, counts))
+    ops.rmsnorm(xg_plain, o, pw, eps, accumulate=True)
+    np.testing.assert_array_equal(xg.get(), xg_plain.get())
+    ops.matvec_batch(gu, [gate, up], x_rec, eps=eps, prologue=5)
+    ops.matvec_batch(gu_plain, [gate, up], xg, norm=nw, eps=eps, prologue=1)
+    np.testing.assert_allclose(gu.get(), gu_plain.get(), rtol=0, atol=1e-5 * np.abs(gu_plain.get()).max())
+    with pytest.raises(ValueError, match="float32 out"):
+        ops.rmsnorm(xg, o, pw, eps, emit=ops.Emit(ops.EMIT_SILU, None, x_rec, counts))
     with pytest.raises(ValueError, match="uint32 activation records"):
         ops.matvec_batch(y, [down], gu, prologue=4)
     with pytest.raises(ValueError, match="gate; up"):

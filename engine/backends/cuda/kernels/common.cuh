@@ -144,6 +144,14 @@ __device__ __forceinline__ void quantize_unit(XIn& xin, int u, int lane, float v
     }
 }
 
+// Unit u's record of v * w for a matvec that RMS-normalises v (its prologue 5): quantize_unit of v * w,
+// with the unit's sum of v squared in its s slot instead (the consumer takes 1 / RMS from those sums)
+__device__ __forceinline__ void quantize_unit_normed(XIn& rec, int u, int lane, float v, float w) {
+    quantize_unit(rec, u, lane, v * w);
+    float ss = warp_sum(v * v);
+    if (lane == 0) rec.q[XREC * u + 17] = __float_as_uint(ss);  // after quantize_unit's s (same thread)
+}
+
 // 16 bytes as 8 halves, 8 bfloat16s or 4 floats
 __device__ __forceinline__ void unpack8_f16(uint4 p, float* v) {
     uint w[4] = {p.x, p.y, p.z, p.w};

@@ -4,10 +4,13 @@
 
 // out (n, dim) = x / sqrt(mean(x^2) + eps) * (w (+1 when add_one: HF-style Gemma weights));
 // accumulate: out += that (Gemma's post-attention / post-MLP norms on the residual stream);
-// half_out: out is float16 (a prefill GEMM's input), written directly.
+// half_out: out is float16 (a prefill GEMM's input), written directly. recs (not null; float32 out,
+// dim a multiple of 32): row i of out also leaves as the activation records of out * enw at
+// recs + i * XREC * dim / 32 (quantize_unit_normed), for the next matvec's RMSNorm (its prologue 5).
 extern "C" __global__ void rmsnorm(void* __restrict__ out, const float* __restrict__ x,
                                    const float* __restrict__ w, int dim, float eps, int add_one,
-                                   int accumulate, int half_out) {
+                                   int accumulate, int half_out, const float* __restrict__ enw,
+                                   uint* __restrict__ recs) {
     __shared__ float red[32];
     const float* xr = x + (long long)blockIdx.x * dim;
     long long o = (long long)blockIdx.x * dim;
@@ -15,11 +18,18 @@ extern "C" __global__ void rmsnorm(void* __restrict__ out, const float* __restri
     for (int j = threadIdx.x; j < dim; j += blockDim.x) ss += xr[j] * xr[j];
     ss = block_sum(ss, red);
     float inv = rsqrtf(ss / (float)dim + eps);
-    for (int j = threadIdx.x; j < dim; j += blockDim.x) {
+    XIn rec;
+    rec.q = recs + (long long)blockIdx.x * XREC * (dim >> 5);
+    for (int j = threadIdx.x; j < dim; j += blockDim.x) {  // warp-uniform trips when dim % 32 == 0
         float g = add_one ? 1.f + w[j] : w[j];
         float v = xr[j] * inv * g;
-        if (half_out) ((ushort*)out)[o + j] = f2h(v);
-        else ((float*)out)[o + j] = accumulate ? ((float*)out)[o + j] + v : v;
+        if (half_out) {
+            ((ushort*)out)[o + j] = f2h(v);
+            continue;
+        }
+        float r = accumulate ? ((float*)out)[o + j] + v : v;
+        ((float*)out)[o + j] = r;
+        if (recs != nullptr) quantize_unit_normed(rec, j >> 5, threadIdx.x & 31, r, enw[j]);
     }
 }
 

@@ -425,19 +425,11 @@ __device__ __forceinline__ void emit_unit(const float* out, long long ldo, int r
     int lane = threadIdx.x & 31, e = 32 * u + lane;
     for (int b = 0; b < B; b++) {
         const float* ob = out + b * ldo;
-        float v = ld_l2(ob + e), a;
-        if (emit == 1) a = v * enw[e];
-        else {
-            float up = ld_l2(ob + rows0 + e);
-            a = (emit == 2 ? silu(v) : gelu_tanh(v)) * up;
-        }
+        float v = ld_l2(ob + e);
         XIn rec;
         rec.q = xr + (long long)b * XREC * units;
-        quantize_unit(rec, u, lane, a);
-        if (emit == 1) {
-            float ss = warp_sum(v * v);
-            if (lane == 0) rec.q[XREC * u + 17] = __float_as_uint(ss);  // after quantize_unit's s (same thread)
-        }
+        if (emit == 1) quantize_unit_normed(rec, u, lane, v, enw[e]);
+        else quantize_unit(rec, u, lane, (emit == 2 ? silu(v) : gelu_tanh(v)) * ld_l2(ob + rows0 + e));
     }
 }
 
