@@ -188,6 +188,16 @@ class _Step:
         # each sequence's split-K attention scratch (its cache's size sets the splits)
         h, hd = cfg.num_attention_heads, cfg.head_dim
         self.parts = [ops.attention_parts(h, hd, c.n_ctx) for c in caches]
+        # B > 1 with caches of one dtype: each layer's attention in one launch (ops.attention_batch), over
+        # a table per layer of the caches' (k, v, n_ctx) and scratch for the batch
+        self.kv_tables = self.batch_parts = None
+        if B > 1 and len({c.k.dtype for c in caches}) == 1:
+            self.n_keys = max(c.n_ctx for c in caches)
+            self.batch_parts = ops.attention_parts(h, hd, self.n_keys, B)
+            self.kv_tables = [
+                cp.asarray(np.array([[c.k[i].data.ptr, c.v[i].data.ptr, c.n_ctx] for c in caches], np.uint64))
+                for i in range(caches[0].k.shape[0])
+            ]
         self.graphs: dict[bool, object] = {}
 
     def holds(self, caches: list) -> bool:
@@ -741,7 +751,11 @@ class CudaDecoder:
             if L["bqkv"] is not None:
                 ops.add_inplace(s.qkv, L["bqkv"])  # one bias over the B rows
             rope = (L["inv_freq"], self.n_rot, self.neox, eps, L["q_norm"], L["k_norm"])
-            for b, c in enumerate(caches):  # RoPE, cache write, attention: each sequence its own
+            if s.kv_tables is not None:  # RoPE, cache writes, attention: the batch's in one launch
+                kv, keys = [(c.k[i], c.v[i]) for c in caches], (s.n_keys, L["window"], s.batch_parts)
+                where = (s.kv_tables[i], s.pos, rope, self.scale)
+                ops.attention_batch(s.attn, s.qkv, H, kv, *where, *keys, attn_rec)
+            for b, c in enumerate(caches if s.kv_tables is None else []):  # each sequence its own
                 kv, pos, keys = (c.k[i], c.v[i]), s.pos[b : b + 1], (c.n_ctx, L["window"], s.parts[b])
                 rec = None if attn_rec is None else attn_rec[b]
                 ops.attention(s.attn[b], s.qkv[b], H, *kv, pos, rope, self.scale, *keys, records=rec)

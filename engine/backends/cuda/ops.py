@@ -496,16 +496,55 @@ def attention(
     (records_width(H * hd),): out's activation records too, for the output projection's matvec
     (prologue 4; hd a multiple of 32).
     """
+    if records is not None:
+        records = records.reshape(1, -1)
+    _attn_decode(out, qkv, H, k_cache, v_cache, pos, rope, scale, n_keys_max, window, parts, records)
+
+
+def attention_batch(
+    out, qkv, H: int, caches: list[tuple], table, pos, rope: tuple, scale: float, n_keys_max: int,
+    window: int = 0, parts: tuple | None = None, records: cp.ndarray | None = None,
+) -> None:
+    """attention for B sequences in one launch: out (B, H * hd) row b = attention of qkv's row b at
+    position pos[b] over caches[b] = (k_cache, v_cache) of one layer (one dtype and head layout, any
+    n_ctx), whose device table (B, 3) uint64 holds (k pointer, v pointer, n_ctx) per sequence (kept by
+    the caller: a captured step's launch holds its address). n_keys_max: at least every cache's size.
+    parts: attention_parts(H, hd, n_keys_max, B). records: (B, records_width(H * hd)) or None."""
+    k0 = caches[0][0]
+    B = len(caches)
+    for k, v in caches:
+        same = k.dtype == v.dtype == k0.dtype and (k.shape[0], k.shape[2]) == (k0.shape[0], k0.shape[2])
+        if not same:
+            raise ValueError("attention_batch takes caches of one dtype and head layout")
+        if k.shape[1] > n_keys_max:
+            raise ValueError(f"attention_batch: a cache of {k.shape[1]} positions, n_keys_max {n_keys_max}")
+    if table.dtype != cp.uint64 or table.shape != (B, 3) or out.shape[0] != B or qkv.shape[0] != B:
+        raise ValueError("attention_batch: table (B, 3) uint64 and B rows of out and qkv")
+    batch = (table, np.int64(out.strides[0] // 4), np.int64(qkv.strides[0] // 4))
+    _attn_decode(out, qkv, H, k0, caches[0][1], pos, rope, scale, n_keys_max, window, parts, records, batch)
+
+
+def _attn_decode(
+    out, qkv, H, k_cache, v_cache, pos, rope, scale, n_keys_max, window, parts, records, batch=None
+) -> None:
+    """attn_decode over one sequence (batch None) or batch = (table, ldo, ldq) (grid z: the sequences)."""
     KV, n_ctx, hd = k_cache.shape
-    bad = records is not None and (records.dtype != cp.uint32 or records.size < records_width(H * hd))
-    if bad or (records is not None and hd % 32):
-        raise ValueError("attention's records: uint32 records_width(H * hd) words, hd a multiple of 32")
+    B = 1 if batch is None else batch[0].shape[0]
+    if records is not None:
+        wide = records.shape[1] >= records_width(H * hd) and records.flags.c_contiguous
+        if records.dtype != cp.uint32 or records.shape[0] < B or not wide or hd % 32:
+            raise ValueError("attention's records: uint32 records_width(H * hd) words, hd a multiple of 32")
+        if B > 1 and records.shape[1] != records_width(H * hd):
+            raise ValueError("attention_batch's records: rows of exactly records_width(H * hd) words")
     chunk, S = attention_splits(n_keys_max)
-    acc, ml, count = parts if parts is not None else attention_parts(H, hd, n_keys_max)
+    acc, ml, count = parts if parts is not None else attention_parts(H, hd, n_keys_max, B)
+    if count.size < B * H:
+        raise ValueError(f"attention's parts hold {count.size // H} sequences, not {B}")
     inv_freq, n_rot, neox, eps, q_norm, k_norm = rope
+    tail = (NULL, np.int64(0), np.int64(0)) if batch is None else batch
     _launch(
         kernel("attn_decode", cp.cuda.Device().id),
-        (H, S),
+        (H, S, B),
         (128,),
         (
             out,
@@ -531,6 +570,7 @@ def attention(
             _i32(chunk),
             _i32(k_cache.dtype == cp.float16),
             NULL if records is None else records,
+            *tail,
         ),
     )
 
@@ -543,10 +583,12 @@ def attention_splits(n_keys_max: int) -> tuple[int, int]:
     return chunk, max(1, -(-n_keys_max // chunk))
 
 
-def attention_parts(H: int, hd: int, n_keys_max: int) -> tuple:
-    """attention's scratch for up to n_keys_max positions: split partials and per-head counters."""
+def attention_parts(H: int, hd: int, n_keys_max: int, batch: int = 1) -> tuple:
+    """attention's scratch for up to n_keys_max positions (attention_batch's: for `batch` sequences): split
+    partials and per-head counters."""
     S = attention_splits(n_keys_max)[1]
-    return cp.empty(H * S * hd, cp.float32), cp.empty(H * S * 2, cp.float32), cp.zeros(H, cp.uint32)
+    n = batch * H * S
+    return cp.empty(n * hd, cp.float32), cp.empty(n * 2, cp.float32), cp.zeros(batch * H, cp.uint32)
 
 
 FLASH_HEAD_DIMS = (64, 128)  # flash.cu's instantiations

@@ -531,6 +531,14 @@ def test_batched_matvec_on_host_threads(fake, simt):
     assert fake.launches.count("matvec_qb") == 2 * (2 + 10)  # two prologues: 8 + 2 vectors, then 10 alone
 
 
+def test_attention_batch_on_host_threads(fake, simt):
+    """ops.attention_batch (test_kernels_gpu), on host threads."""
+    from tests.engine.cuda import test_kernels_gpu as gpu_tests
+
+    STATE.simt = simt
+    gpu_tests.test_attention_batch_matches_one_sequence_at_a_time(0, 40)
+
+
 def test_matvec_hand_off_on_host_threads(fake, simt):
     """matvec_qb's activation records (ops.Emit, prologues 4/5; test_kernels_gpu), on host threads."""
     from tests.engine.cuda import test_kernels_gpu as gpu_tests

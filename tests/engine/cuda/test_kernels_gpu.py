@@ -365,6 +365,49 @@ def test_rope_store_and_attention_match_cpu(gpu, kv_dtype, neox, window, qk_norm
     np.testing.assert_array_equal(gvc.get(), vref)
 
 
+@pytest.mark.parametrize("window", [0, 40])
+def test_attention_batch_matches_one_sequence_at_a_time(gpu, window):
+    """ops.attention_batch: three sequences (caches of different sizes, positions far apart) in one launch
+    give what ops.attention gives each alone with the same splits (n_keys_max): the outputs, the records
+    for wo, and the key and value each writes to its own cache."""
+    import cupy as cp
+
+    from engine.backends.cuda import ops
+    from engine.rope import rope_inv_freq
+
+    H, KV, hd = 4, 2, 64
+    sizes, positions = (200, 130, 200), (150, 100, 5)
+    rng = np.random.default_rng(9)
+    rope = (cp.asarray(rope_inv_freq(hd, 10000.0)), hd, True, 1e-6, None, None)
+    qkv = cp.asarray(rng.standard_normal((3, (H + 2 * KV) * hd)).astype(np.float32))
+    pos = cp.asarray(np.array(positions, np.int32))
+    host = [rng.standard_normal((2, KV, n, hd)).astype(np.float16) for n in sizes]
+    width, n_keys = ops.records_width(H * hd), max(sizes)
+    outs, caches = {}, {}
+    for batched in (True, False):
+        kv = [(cp.asarray(c[0]), cp.asarray(c[1])) for c in host]
+        out, rec = cp.zeros((3, H * hd), cp.float32), cp.zeros((3, width), cp.uint32)
+        if batched:
+            table = np.array([[k.data.ptr, v.data.ptr, k.shape[1]] for k, v in kv], np.uint64)
+            parts = ops.attention_parts(H, hd, n_keys, 3)
+            args = (kv, cp.asarray(table), pos, rope, hd**-0.5, n_keys, window, parts, rec)
+            ops.attention_batch(out, qkv, H, *args)
+            assert not parts[2].get().any()
+        else:
+            for b, (k, v) in enumerate(kv):
+                keys = (n_keys, window)
+                ops.attention(out[b], qkv[b], H, k, v, pos[b : b + 1], rope, hd**-0.5, *keys, records=rec[b])
+        outs[batched], caches[batched] = (out.get(), rec.get()), [(k.get(), v.get()) for k, v in kv]
+    for got, want in zip(outs[True], outs[False]):
+        np.testing.assert_array_equal(got, want)
+    for (k, v), (k1, v1), h, p in zip(caches[True], caches[False], host, positions):
+        np.testing.assert_array_equal(k, k1)
+        np.testing.assert_array_equal(v, v1)
+        assert not np.array_equal(k[:, p], h[0][:, p])  # the new key went into this sequence's cache
+    with pytest.raises(ValueError, match="n_keys_max"):
+        ops.attention_batch(out, qkv, H, kv, cp.asarray(table), pos, rope, 1.0, 100)
+
+
 def _attention_reference(qg, k, v, n, rep, pos0, scale, window):
     """Causal attention (float64) of grouped queries qg (KV, n * rep, hd) over caches (KV, n_ctx, hd):
     (n, H, hd), query row t * rep + r of group g being head g * rep + r of token t at pos0 + t."""

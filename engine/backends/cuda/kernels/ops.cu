@@ -225,6 +225,10 @@ __device__ void attend_split(float* sc, float (*vsum)[512], const float* sq, con
 // of a head's S blocks to finish (count[h], which it resets for the next step) combines the splits
 // that hold visible keys into out (H, hd), and with xr (not null; hd a multiple of 32) into the
 // activation records of out for the output projection's matvec too (common.cuh's quantize_unit).
+// A batch of sequences in one launch (table not null; grid (H, S, B)): sequence z = blockIdx.z takes its
+// caches and their n_ctx from table[3 z ..] (k, v, n_ctx), its rows out + z ldo and qkv + z ldq, its
+// position pos_p[z], its scratch acc + z H S hd, ml + 2 z H S, count + z H, and its records (xr) the
+// (H hd / 32) z-th; the caches share one dtype.
 // The cache is read in 16-byte pieces (attend_split), so rows must be 16-byte aligned (hd a multiple
 // of 8). 128 threads; chunk <= ATTN_MAX_CHUNK; hd <= 512; S <= ATTN_MAX_CHUNK / 2 (the combine keeps
 // each split's pair in sc: caches up to 8M positions).
@@ -234,7 +238,7 @@ extern "C" __global__ void __launch_bounds__(128) attn_decode(
     const float* __restrict__ qkv, void* __restrict__ kc, void* __restrict__ vc, const int* __restrict__ pos_p,
     const float* __restrict__ inv_freq, const float* __restrict__ qn, const float* __restrict__ kn, int H, int KV,
     int hd, int n_ctx, int n_rot, int neox, float eps, float scale, int window, int chunk, int kv_half,
-    uint* __restrict__ xr) {
+    uint* __restrict__ xr, const unsigned long long* __restrict__ table, long long ldo, long long ldq) {
     __shared__ float red[32];
     __shared__ float sq[512];
     __shared__ float sk[512];
@@ -244,6 +248,19 @@ extern "C" __global__ void __launch_bounds__(128) attn_decode(
     pdl_launch_dependents();
     pdl_wait();  // qkv, the position and the caches come from the kernels before (pdl.py)
     int h = blockIdx.x, s = blockIdx.y, S = gridDim.y;
+    if (table != nullptr) {  // sequence blockIdx.z of a batch: its caches, its rows, its position, its scratch
+        int b = blockIdx.z;
+        kc = (void*)table[3 * b];
+        vc = (void*)table[3 * b + 1];
+        n_ctx = (int)table[3 * b + 2];
+        out += b * ldo;
+        qkv += b * ldq;
+        pos_p += b;
+        acc += (long long)b * H * S * hd;
+        ml += 2LL * b * H * S;
+        count += (long long)b * H;
+        if (xr != nullptr) xr += (long long)b * XREC * (H * hd >> 5);
+    }
     int pos = pos_p[0];
     int start = window > 0 ? max(0, pos - window + 1) : 0;
     int k0 = max(start, s * chunk), k1 = min(pos + 1, (s + 1) * chunk);
