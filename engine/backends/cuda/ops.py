@@ -51,7 +51,7 @@ TYPES = {
     NVFP4: ("nvfp4", 16, 8),
 }
 SUPPORTED_TYPES = frozenset(TYPES)
-INT_DOT_TYPES = frozenset({Q8_0, Q4_0, Q4_1, Q4_K, Q6_K})  # matvec_qb's integer dot products (step.cu)
+INT_DOT_TYPES = frozenset({Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q6_K})  # matvec_qb's integer dot products
 BLOCK_TYPES = frozenset({Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K})  # dequant_qb (step.cu)
 _FLOAT_TYPES = (F32, F16, BF16)
 _FP_TYPES = fpquant.FP_TYPES

@@ -508,7 +508,7 @@ def test_matvec_and_dequant_kernels_on_host_threads(fake, simt, t):
     gpu_tests.test_matvec_and_dequant_match_cpu(0, t)
 
 
-@pytest.mark.parametrize("t", [12, 8, *_opt_in(14, 2, 3)])
+@pytest.mark.parametrize("t", [12, 8, 6, *_opt_in(14, 2, 3, 7)])
 def test_int_dot_matvec_on_host_threads(fake, simt, t):
     """The graph path's integer-dot matvec (matvec_qb, step.cu's row_dot) on host threads: every prologue,
     accumulate, and one launch over stacked weights of different types."""

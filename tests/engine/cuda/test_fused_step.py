@@ -97,6 +97,8 @@ SPECS = {
     "q4_0-qwen2-bias": dict(arch="qwen2", qkv_bias=True, matrix_type=T.Q4_0),
     "q4_1-untied": dict(matrix_type=T.Q4_1, tied=False),
     "f32": dict(matrix_type=T.F32, layers=1),
+    "q5_0": dict(matrix_type=T.Q5_0, layers=1),  # the fifth bits spread into dp4a's bytes
+    "q5_1": dict(matrix_type=T.Q5_1, layers=1),
     # 256-wide rows for the K-quants; head_dim 64
     "q4_k": dict(matrix_type=T.Q4_K, hidden=256, ffn=512, heads=4, kv_heads=2, layers=1),
     "q6_k": dict(matrix_type=T.Q6_K, hidden=256, ffn=256, heads=4, kv_heads=1, layers=1),

@@ -16,9 +16,9 @@
 //
 // Activations reach the matvecs in shared memory in three forms: float32 in natural order (float
 // weights), float32 transposed by 32-element unit (every other quantized type, through its dec_*),
-// and two int8 levels per unit (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K: dp4a dot products; x ~ d (256 hi + lo), a
-// 15-bit grade like the CPU kernels' int16 activations, ~4 integer ops per 4 weights instead of ~5 float
-// ops per weight, which keeps the step memory-bound).
+// and two int8 levels per unit (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q6_K: dp4a dot products; x ~ d (256
+// hi + lo), a 15-bit grade like the CPU kernels' int16 activations, ~4 integer ops per 4 weights instead
+// of ~5 float ops per weight, which keeps the step memory-bound).
 //
 // Weights of the next phases are prefetched into L2 (sm_90 bulk prefetch) while the current phase
 // runs, up to a byte budget, so the DRAM stream does not stop at the barriers.
@@ -170,6 +170,11 @@ __device__ __forceinline__ int dot4h(const uint* q, const XIn& x, int u, int k0)
         }                                                                                        \
         break;
 
+// bits 0-3 of v at bits 4, 12, 20, 28: a Q5 block's fifth bits over four elements' bytes
+__device__ __forceinline__ uint spread4(uint v) {
+    return ((v & 1u) << 4) | ((v & 2u) << 11) | ((v & 4u) << 18) | ((v & 8u) << 25);
+}
+
 // This lane's part of row . x (the caller sums the warp).
 __device__ float row_dot(int type, const uchar* __restrict__ row, const XIn& x, int lane) {
     float acc = 0.f;
@@ -198,6 +203,27 @@ __device__ float row_dot(int type, const uchar* __restrict__ row, const XIn& x, 
                 int dot = dot8(q, x, u);
                 if (type == T_Q4_0) {
                     acc = fmaf(ldh(b) * xd(x, u), (float)(dot - 8 * (xi(x, u, 0) + xi(x, u, 1))), acc);
+                } else {
+                    acc = fmaf(ldh(b) * xd(x, u), (float)dot, fmaf(ldh(b + 2), xs(x, u), acc));
+                }
+            }
+            break;
+        }
+        case T_Q5_0:
+        case T_Q5_1: {  // d (, m), qh (bit j: element j's fifth bit), qs as Q4_0's
+            int off = type == T_Q5_0 ? 2 : 4, bytes = off + 20;
+            for (int u = lane; u < units; u += 32) {
+                const uchar* b = row + (long long)bytes * u;
+                uint h = ld32_2(b + off), q[8], w[4];
+                ld32n_2<4>(b + off + 4, w);
+#pragma unroll
+                for (int k = 0; k < 4; k++) {
+                    q[k] = (w[k] & 0x0F0F0F0Fu) | spread4(h >> (4 * k));
+                    q[k + 4] = ((w[k] >> 4) & 0x0F0F0F0Fu) | spread4(h >> (16 + 4 * k));
+                }
+                int dot = dot8(q, x, u);
+                if (type == T_Q5_0) {
+                    acc = fmaf(ldh(b) * xd(x, u), (float)(dot - 16 * (xi(x, u, 0) + xi(x, u, 1))), acc);
                 } else {
                     acc = fmaf(ldh(b) * xd(x, u), (float)dot, fmaf(ldh(b + 2), xs(x, u), acc));
                 }
@@ -262,8 +288,6 @@ __device__ float row_dot(int type, const uchar* __restrict__ row, const XIn& x, 
                 for (int i = 0; i < 8; i++) acc = fmaf(v[i], x.f[8 * u + i], acc);
             }
             break;
-        GENERIC_CASE(T_Q5_0, q5_0, 22, 1)
-        GENERIC_CASE(T_Q5_1, q5_1, 24, 1)
         GENERIC_CASE(T_Q2_K, q2_k, 84, 8)
         GENERIC_CASE(T_Q3_K, q3_k, 110, 8)
         GENERIC_CASE(T_Q5_K, q5_k, 176, 8)
@@ -461,8 +485,8 @@ __device__ __forceinline__ void emit_records(const float* out, long long ldo, in
 
 // out[b * ldo + r] (=, or += when accumulate) = ([W0; W1; W2] @ act(x_b))[r] for B activation vectors
 // x_b = x + b * ldx (B = 1: one vector; up to MAX_BATCH: batched decode), for the types row_dot takes
-// with integer dot products (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K), each matrix its own (t0..t2). act as
-// quant.cu's load_x prologue (0 x, 1 rmsnorm(x) * nw, 2 silu(x) * x2, 3 gelu_tanh(x) * x2, x2_b = x2 +
+// with integer dot products (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q6_K), each matrix its own (t0..t2). act
+// as quant.cu's load_x prologue (0 x, 1 rmsnorm(x) * nw, 2 silu(x) * x2, 3 gelu_tanh(x) * x2, x2_b = x2 +
 // b * ldx), each vector quantized per 32 to two int8 levels in shared memory, as the fused step does;
 // or prologue 4/5: x holds the records an earlier matvec_qb emitted (ldx floats a vector; 5: RMSNorm's
 // scale still to take, nw already applied). emit (0: none) makes the outputs the next matvec's records
