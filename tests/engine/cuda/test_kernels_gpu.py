@@ -75,7 +75,7 @@ def test_matvec_and_dequant_match_cpu(gpu, t):
 
 # FP8 / NVFP4: each stacked weight brings its own row / block and global scales
 @pytest.mark.parametrize("int_dot", [True, False])
-@pytest.mark.parametrize("t", [12, 8, 1, FP8_E4M3, NVFP4])
+@pytest.mark.parametrize("t", [12, 8, 6, 7, 1, FP8_E4M3, NVFP4])
 def test_stacked_matvec_prologues_and_accumulate(gpu, t, int_dot):
     import cupy as cp
 
