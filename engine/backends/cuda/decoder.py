@@ -736,18 +736,19 @@ class CudaDecoder:
         # the next norm's matvec from whatever adds into it last (llama: wo and down; Gemma: its post-norms)
         handoff = self.handoff and self.batchable
         glu = (ops.EMIT_GELU if self.gemma else ops.EMIT_SILU) if handoff else 0
-        normed = handoff
         attn_rec = s.attn_rec if handoff else None  # attention's output as records for wo (head size 32k)
 
-        def x_emit(norm):
-            return ops.Emit(ops.EMIT_NORM, norm, s.x_rec, s.counts) if normed and norm is not None else None
+        def x_emit(norm):  # the residual stream's records for the matvec of the next norm
+            return ops.Emit(ops.EMIT_NORM, norm, s.x_rec, s.counts) if handoff and norm is not None else None
+
+        def normed(norm, handed: bool = True):  # a matvec's RMSNorm'd input: records handed to it, or x
+            if handoff and handed:
+                return dict(x=s.x_rec, eps=eps, prologue=5)
+            return dict(x=s.x, norm=norm, eps=eps, prologue=1)
 
         norms = [L["attn_norm"] for L in self.layers[1:]] + [self.output_norm]
         for i, L in enumerate(self.layers):
-            if normed and i > 0:  # the records the previous layer's down projection emitted
-                mv(s.qkv, [L["wq"], L["wk"], L["wv"]], s.x_rec, eps=eps, prologue=5)
-            else:
-                mv(s.qkv, [L["wq"], L["wk"], L["wv"]], s.x, norm=L["attn_norm"], eps=eps, prologue=1)
+            mv(s.qkv, [L["wq"], L["wk"], L["wv"]], **normed(L["attn_norm"], i > 0))  # layer 0: the embedding
             if L["bqkv"] is not None:
                 ops.add_inplace(s.qkv, L["bqkv"])  # one bias over the B rows
             rope = (L["inv_freq"], self.n_rot, self.neox, eps, L["q_norm"], L["k_norm"])
@@ -767,10 +768,7 @@ class CudaDecoder:
             else:
                 mv(s.x, [L["wo"]], **wo_in, accumulate=True, emit=x_emit(L["ffn_norm"]))
             gu_emit = ops.Emit(glu, None, s.act_rec, s.counts) if glu else None
-            if normed:
-                mv(s.gu, [L["w_gate"], L["w_up"]], s.x_rec, eps=eps, prologue=5, emit=gu_emit)
-            else:
-                mv(s.gu, [L["w_gate"], L["w_up"]], s.x, norm=L["ffn_norm"], eps=eps, prologue=1, emit=gu_emit)
+            mv(s.gu, [L["w_gate"], L["w_up"]], **normed(L["ffn_norm"]), emit=gu_emit)
             down_in = dict(x=s.act_rec, prologue=4) if glu else dict(x=s.gu, cols_x2=True, prologue=act)
             if self.gemma:
                 mv(s.o, [L["w_down"]], **down_in)
@@ -779,10 +777,7 @@ class CudaDecoder:
                 mv(s.x, [L["w_down"]], **down_in, accumulate=True, emit=x_emit(norms[i]))
         if self.head_only:
             return
-        if normed:
-            mv(s.logits, [self.output], s.x_rec, eps=eps, prologue=5)
-        else:
-            mv(s.logits, [self.output], s.x, norm=self.output_norm, eps=eps, prologue=1)
+        mv(s.logits, [self.output], **normed(self.output_norm))
         cap = getattr(cfg, "final_logit_softcapping", None)
         if cap is not None:
             ops.softcap(s.logits, cap)

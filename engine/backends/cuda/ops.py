@@ -296,6 +296,14 @@ def records_width(n: int) -> int:
     return n // 32 * XREC
 
 
+def _check_records(r, rows: int, n: int, what: str) -> None:
+    """r: `rows` C-contiguous rows of exactly records_width(n) uint32 words (the kernels that write
+    records step records_width(n) from one vector's to the next's)."""
+    fits = r.ndim == 2 and r.dtype == cp.uint32 and r.shape[0] >= rows and r.flags.c_contiguous
+    if n % 32 or not fits or r.shape[1] != records_width(n):
+        raise ValueError(f"{what}: {rows} rows of records_width({n}) uint32 words ({n} a multiple of 32)")
+
+
 def _check_emit(emit: Emit, ws, n: int) -> int:
     """The emitted activation's width (the outputs' units), after checking emit against the weights."""
     if emit.mode == EMIT_NORM:
@@ -308,10 +316,7 @@ def _check_emit(emit: Emit, ws, n: int) -> int:
         width = ws[0].rows
     else:
         raise ValueError(f"unknown emit mode {emit.mode}")
-    r = emit.records
-    fits = r.ndim == 2 and r.dtype == cp.uint32 and r.shape[0] >= n and r.shape[1] >= records_width(width)
-    if width % 32 or not fits:
-        raise ValueError("emit's records hold B rows of records_width(outputs) words")
+    _check_records(emit.records, n, width, "emit's records")
     if emit.counts.size < width // 32:
         raise ValueError("emit's counts hold one int32 per output unit")
     return width
@@ -411,12 +416,9 @@ def rmsnorm(
     if half and accumulate:
         raise ValueError("rmsnorm accumulates into float32 only")
     if emit is not None:
-        r = emit.records
-        fits = r.ndim == 2 and r.dtype == cp.uint32 and r.shape[0] >= n and r.shape[1] >= records_width(dim)
-        if emit.mode != EMIT_NORM or emit.norm is None or half or dim % 32 or not fits:
-            raise ValueError("rmsnorm emits EMIT_NORM records of a float32 out, dim a multiple of 32")
-        if r.shape[1] != records_width(dim):
-            raise ValueError("rmsnorm's records are rows of exactly records_width(dim) words")
+        if emit.mode != EMIT_NORM or emit.norm is None or half:
+            raise ValueError("rmsnorm emits EMIT_NORM records of a float32 out")
+        _check_records(emit.records, n, dim, "rmsnorm's records")
     tail = (NULL, NULL) if emit is None else (emit.norm, emit.records)
     kernel("rmsnorm", cp.cuda.Device().id)(
         (n,), (256,), (out, x, w, _i32(dim), _f32(eps), _i32(add_one), _i32(accumulate), _i32(half), *tail)
@@ -531,11 +533,9 @@ def _attn_decode(
     KV, n_ctx, hd = k_cache.shape
     B = 1 if batch is None else batch[0].shape[0]
     if records is not None:
-        wide = records.shape[1] >= records_width(H * hd) and records.flags.c_contiguous
-        if records.dtype != cp.uint32 or records.shape[0] < B or not wide or hd % 32:
-            raise ValueError("attention's records: uint32 records_width(H * hd) words, hd a multiple of 32")
-        if B > 1 and records.shape[1] != records_width(H * hd):
-            raise ValueError("attention_batch's records: rows of exactly records_width(H * hd) words")
+        if hd % 32:  # each unit of 32 must lie in one head (its block writes it)
+            raise ValueError(f"attention's records need a head size that is a multiple of 32, not {hd}")
+        _check_records(records, B, H * hd, "attention's records")
     chunk, S = attention_splits(n_keys_max)
     acc, ml, count = parts if parts is not None else attention_parts(H, hd, n_keys_max, B)
     if count.size < B * H:
