@@ -107,12 +107,6 @@ __device__ __forceinline__ void set_unit(const XIn& x, int u, float d, float s, 
     r[19] = (uint)i1;
 }
 
-__device__ __forceinline__ int warp_sum_i(int v) {
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    return v;
-}
-
 // Unit u's two int8 levels, scale and sums from its 32 values, one per lane (v: this lane's element).
 // The sums are of the quantized values (d * (256 hi + lo)), so a block's dot product is exactly that
 // of its weights with the quantized activation. On sm_80+ the max and the integer sums are one

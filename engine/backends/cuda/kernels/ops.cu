@@ -19,7 +19,7 @@ extern "C" __global__ void rmsnorm(void* __restrict__ out, const float* __restri
     ss = block_sum(ss, red);
     float inv = rsqrtf(ss / (float)dim + eps);
     XIn rec;
-    rec.q = recs + (long long)blockIdx.x * XREC * (dim >> 5);
+    rec.q = recs == nullptr ? nullptr : recs + (long long)blockIdx.x * XREC * (dim >> 5);
     for (int j = threadIdx.x; j < dim; j += blockDim.x) {  // warp-uniform trips when dim % 32 == 0
         float g = add_one ? 1.f + w[j] : w[j];
         float v = xr[j] * inv * g;

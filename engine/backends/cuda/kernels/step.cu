@@ -441,11 +441,13 @@ __device__ void load_records(float* sq, const float* __restrict__ x, long long l
 // (gate|up, rows0 = ff gate rows then ff up rows): silu or gelu_tanh(gate) * up, complete (prologue 4).
 // Vector b's records at xr + b * XREC * units. cnt: one counter per output unit, zero between launches
 // (the completing block resets its units').
-__device__ __forceinline__ int emit_unit_of(int emit, int rows0, int r) { return (emit == 1 || r < rows0 ? r : r - rows0) >> 5; }
+__device__ __forceinline__ int emit_unit_of(int emit, int rows0, int r) {
+    return (emit == 1 || r < rows0 ? r : r - rows0) >> 5;
+}
 
 // The records of unit u for the B vectors (one warp; lane = element), from outputs other blocks wrote
-__device__ __forceinline__ void emit_unit(const float* out, long long ldo, int rows0, int emit, const float* __restrict__ enw, uint* xr,
-                          int units, int u, int B) {
+__device__ __forceinline__ void emit_unit(const float* out, long long ldo, int rows0, int emit,
+                                          const float* __restrict__ enw, uint* xr, int units, int u, int B) {
     int lane = threadIdx.x & 31, e = 32 * u + lane;
     for (int b = 0; b < B; b++) {
         const float* ob = out + b * ldo;
@@ -459,8 +461,9 @@ __device__ __forceinline__ void emit_unit(const float* out, long long ldo, int r
 
 // matvec_qb's epilogue: this block's rows (blockIdx.x * warps + w + k * stride) counted into their units;
 // the units they complete get their records. done: shared scratch of one int per output unit.
-__device__ __forceinline__ void emit_records(const float* out, long long ldo, int rows0, int rows, int stride, int emit,
-                             const float* __restrict__ enw, uint* xr, int* cnt, int B, int* done) {
+__device__ __forceinline__ void emit_records(const float* out, long long ldo, int rows0, int rows, int stride,
+                                             int emit, const float* __restrict__ enw, uint* xr, int* cnt, int B,
+                                             int* done) {
     __shared__ int n_done;
     int warps = blockDim.x >> 5, warp = threadIdx.x >> 5, base = blockIdx.x * warps;
     int units = (emit == 1 ? rows : rows0) >> 5, need = emit == 1 ? 32 : 64;
