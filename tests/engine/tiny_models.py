@@ -40,6 +40,7 @@ class TinySpec:
     ctx: int = 128
     seed: int = 0
     omit: tuple[str, ...] = ()  # tensor names to leave out (bad-input tests)
+    types: tuple[tuple[str, int], ...] = ()  # (tensor name, GGML type) pairs overriding matrix_type
 
 
 def make_weights(spec: TinySpec) -> dict[str, np.ndarray]:
@@ -94,7 +95,7 @@ def write_tiny_gguf(path: Path, spec: TinySpec) -> dict[str, np.ndarray]:
     for name, value in weights.items():
         if name in spec.omit:
             continue
-        qtype = spec.matrix_type if value.ndim == 2 else T.F32
+        qtype = dict(spec.types).get(name, spec.matrix_type) if value.ndim == 2 else T.F32
         if qtype == T.F32:
             data, stored[name] = value, value
         else:

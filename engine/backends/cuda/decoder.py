@@ -200,6 +200,14 @@ class _Step:
             ]
         self.graphs: dict[bool, object] = {}
 
+    @staticmethod
+    def row_bytes(cfg, head_only: bool) -> int:
+        """Bytes of one sequence's rows of the buffers above (the attention partials aside)."""
+        d, q, kv, ff = cfg.hidden_size, cfg.q_dim, cfg.kv_dim, cfg.intermediate_size
+        floats = 2 * d + 2 * q + 2 * kv + 2 * ff + (0 if head_only else cfg.vocab_size)
+        words = ops.records_width(d) + ops.records_width(ff) + ops.records_width(q) + 2  # + ids, pos
+        return 4 * (floats + words)
+
     def holds(self, caches: list) -> bool:
         return len(caches) == len(self.refs) and all(r() is c for r, c in zip(self.refs, caches))
 
@@ -262,9 +270,9 @@ class CudaDecoder:
             decoder: `hidden` returns the residual stream after them instead of logits.
         decode_kernel: "graphs" (a captured CUDA graph of per-op kernels) or "fused" (one persistent
             kernel per step; FP8/NVFP4 models keep the graphs); None: $HEARTH_CUDA_DECODE, else "graphs".
-        int_dot: the graph path's matvecs over Q8_0/Q4_0/Q4_1/Q4_K/Q6_K weights take integer dot products
-            against the activation quantized per 32 (ops.matvec); False: float dot products; None:
-            False when $HEARTH_CUDA_MATVEC is "float", else True.
+        int_dot: the graph path's matvecs over weights of ops.INT_DOT_TYPES (every GGUF block type) take
+            integer dot products against the activation quantized per 32 (ops.matvec); False: float dot
+            products; None: False when $HEARTH_CUDA_MATVEC is "float", else True.
 
     Raises:
         UnsupportedCudaModelError: a weight type without CUDA kernel, or Gemma's attention soft-capping.
@@ -357,8 +365,8 @@ class CudaDecoder:
         # a decode step's matvecs and attention as programmatic dependent launches (ops.dependent_launches)
         self.pdl = os.environ.get("HEARTH_CUDA_PDL", "").strip() == "1"
         self.pdl_error: str | None = None  # why they were given up, if they were
-        # each matvec's outputs quantized once for the next one (ops.Emit) where every matrix takes integer
-        # dot products (batchable), unless HEARTH_CUDA_HANDOFF=0
+        # each matvec's outputs quantized once for the next one (ops.Emit) where both run matvec_qb
+        # (_handoff_plan), unless HEARTH_CUDA_HANDOFF=0
         self.handoff = handoff_enabled()
         # prefill attention in one flash kernel (HEARTH_CUDA_FLASH=1), once it has matched the cuBLAS path
         self.flash, self.flash_error = False, None
@@ -456,12 +464,14 @@ class CudaDecoder:
             return CudaKVCache(self.n_layers, kv_heads, hd, n_ctx, dtype, self.stream)
 
     def cache_bytes(self, n_ctx: int, dtype=np.float16) -> int:
-        """GPU bytes one more sequence of n_ctx positions takes: its KV cache (this decoder's layers) and
-        its decode step's attention partials."""
+        """GPU bytes one more sequence of n_ctx positions takes: its KV cache (this decoder's layers), and
+        its rows of a decode step of its own and of a batch's (_Step: activations, logits, the hand-off's
+        records, attention partials, its entry in the batch's tables)."""
         cfg = self.cfg
         kv = 2 * self.n_layers * cfg.num_key_value_heads * n_ctx * cfg.head_dim * np.dtype(dtype).itemsize
         splits = ops.attention_splits(n_ctx)[1]
-        return int(kv + 4 * cfg.num_attention_heads * splits * (cfg.head_dim + 2))
+        partials = 4 * cfg.num_attention_heads * splits * (cfg.head_dim + 2)
+        return int(kv + 2 * (partials + _Step.row_bytes(cfg, self.head_only)) + 24 * self.n_layers)
 
     def caches_that_fit(self, n_ctx: int, dtype=np.float16) -> int:
         """How many more sequences of n_ctx positions (cache_bytes each) the GPU's memory holds now: its
@@ -729,29 +739,32 @@ class CudaDecoder:
         cfg = self.cfg
         eps = cfg.rms_norm_eps
         H = cfg.num_attention_heads
-        mv = functools.partial(_matvecs, int_dot=self.int_dot)
+        mv = functools.partial(_matvecs, int_dot=self.int_dot, eps=eps)  # eps: the RMSNorm prologues
         ops.dequant(s.x, self.token_embd, ids=s.ids, scale=self.embed_scale)
         # with the hand-off, a matvec whose input another kernel wrote reads that one's records (ops.Emit):
         # attention's output for wo, gate|up's GLU for the down projection, and the residual stream for
-        # the next norm's matvec from whatever adds into it last (llama: wo and down; Gemma: its post-norms)
-        handoff = self.handoff and self.batchable
-        glu = (ops.EMIT_GELU if self.gemma else ops.EMIT_SILU) if handoff else 0
-        attn_rec = s.attn_rec if handoff else None  # attention's output as records for wo (head size 32k)
+        # the next norm's matvec from whatever adds into it last (llama: wo and down; Gemma: its post-norms).
+        # Each pair decides for itself (_handoff_plan): where both ends run matvec_qb
+        plan, head_handed = self._handoff_plan()
+        glu = ops.EMIT_GELU if self.gemma else ops.EMIT_SILU
 
-        def x_emit(norm):  # the residual stream's records for the matvec of the next norm
-            return ops.Emit(ops.EMIT_NORM, norm, s.x_rec, s.counts) if handoff and norm is not None else None
+        def x_emit(norm, handed: bool):  # the residual stream's records for the matvec of the next norm
+            return ops.Emit(ops.EMIT_NORM, norm, s.x_rec, s.counts) if handed else None
 
-        def normed(norm, handed: bool = True):  # a matvec's RMSNorm'd input: records handed to it, or x
-            if handoff and handed:
-                return dict(x=s.x_rec, eps=eps, prologue=5)
-            return dict(x=s.x, norm=norm, eps=eps, prologue=1)
+        def normed(norm, handed: bool):  # a matvec's RMSNorm'd input: records handed to it, or x
+            return dict(x=s.x_rec, prologue=5) if handed else dict(x=s.x, norm=norm, prologue=1)
+
+        def post_norm(w, norm, handed: bool):  # Gemma: x += rmsnorm(o) * w, and x's records for `norm`
+            ops.rmsnorm(s.x, s.o, w, eps, accumulate=True, emit=x_emit(norm, handed))
 
         norms = [L["attn_norm"] for L in self.layers[1:]] + [self.output_norm]
         for i, L in enumerate(self.layers):
-            mv(s.qkv, [L["wq"], L["wk"], L["wv"]], **normed(L["attn_norm"], i > 0))  # layer 0: the embedding
+            p = plan[i]
+            mv(s.qkv, [L["wq"], L["wk"], L["wv"]], **normed(L["attn_norm"], p["qkv"]))
             if L["bqkv"] is not None:
                 ops.add_inplace(s.qkv, L["bqkv"])  # one bias over the B rows
             rope = (L["inv_freq"], self.n_rot, self.neox, eps, L["q_norm"], L["k_norm"])
+            attn_rec = s.attn_rec if p["wo"] else None  # attention's output as records for wo
             if s.kv_tables is not None:  # RoPE, cache writes, attention: the batch's in one launch
                 kv, keys = [(c.k[i], c.v[i]) for c in caches], (s.n_keys, L["window"], s.batch_parts)
                 where = (s.kv_tables[i], s.pos, rope, self.scale)
@@ -764,20 +777,21 @@ class CudaDecoder:
             wo_in = dict(x=s.attn) if attn_rec is None else dict(x=attn_rec, prologue=4)
             if self.gemma:
                 mv(s.o, [L["wo"]], **wo_in)
-                ops.rmsnorm(s.x, s.o, L["post_attn_norm"], eps, accumulate=True, emit=x_emit(L["ffn_norm"]))
+                post_norm(L["post_attn_norm"], L["ffn_norm"], p["gu"])
             else:
-                mv(s.x, [L["wo"]], **wo_in, accumulate=True, emit=x_emit(L["ffn_norm"]))
-            gu_emit = ops.Emit(glu, None, s.act_rec, s.counts) if glu else None
-            mv(s.gu, [L["w_gate"], L["w_up"]], **normed(L["ffn_norm"]), emit=gu_emit)
-            down_in = dict(x=s.act_rec, prologue=4) if glu else dict(x=s.gu, cols_x2=True, prologue=act)
+                mv(s.x, [L["wo"]], **wo_in, accumulate=True, emit=x_emit(L["ffn_norm"], p["gu"]))
+            gu_emit = ops.Emit(glu, None, s.act_rec, s.counts) if p["down"] else None
+            mv(s.gu, [L["w_gate"], L["w_up"]], **normed(L["ffn_norm"], p["gu"]), emit=gu_emit)
+            down_in = dict(x=s.act_rec, prologue=4) if p["down"] else dict(x=s.gu, cols_x2=True, prologue=act)
+            to_next = plan[i + 1]["qkv"] if i + 1 < len(self.layers) else head_handed
             if self.gemma:
                 mv(s.o, [L["w_down"]], **down_in)
-                ops.rmsnorm(s.x, s.o, L["post_ffn_norm"], eps, accumulate=True, emit=x_emit(norms[i]))
+                post_norm(L["post_ffn_norm"], norms[i], to_next)
             else:
-                mv(s.x, [L["w_down"]], **down_in, accumulate=True, emit=x_emit(norms[i]))
+                mv(s.x, [L["w_down"]], **down_in, accumulate=True, emit=x_emit(norms[i], to_next))
         if self.head_only:
             return
-        mv(s.logits, [self.output], **normed(self.output_norm))
+        mv(s.logits, [self.output], **normed(self.output_norm, head_handed))
         cap = getattr(cfg, "final_logit_softcapping", None)
         if cap is not None:
             ops.softcap(s.logits, cap)
@@ -790,6 +804,29 @@ class CudaDecoder:
         mats = [L[k] for L in self.layers for k in LAYER_WEIGHTS]
         mats += [] if self.head_only else [self.output]
         return self.int_dot and all(w.ggml_type in ops.INT_DOT_TYPES for w in mats)
+
+    def _handoff_plan(self) -> tuple[list[dict], bool]:
+        """Which of the decode step's matvecs read records another kernel handed them (ops.Emit): a dict a
+        layer, matvec (qkv, wo, gu, down) -> bool, and whether the LM head does. A matvec reads records
+        where it runs matvec_qb (every matrix of its stack takes integer dot products) and its producer
+        can write them: attention (head sizes that are multiples of 32) and Gemma's post-norms always
+        can; llama's wo and down, and gate|up for the down projection, where they run matvec_qb
+        themselves. Layer 0's q|k|v reads the embedding. Nothing with HEARTH_CUDA_HANDOFF=0."""
+
+        def qb(*ws) -> bool:
+            return self.handoff and self.int_dot and all(w.ggml_type in ops.INT_DOT_TYPES for w in ws)
+
+        plan, writer = [], False  # writer: the kernel adding into x last can write its records
+        for L in self.layers:
+            wo, gu = qb(L["wo"]), qb(L["w_gate"], L["w_up"])
+            plan.append({
+                "qkv": writer and qb(L["wq"], L["wk"], L["wv"]),
+                "wo": wo and self.cfg.head_dim % 32 == 0,
+                "gu": gu and (self.gemma or wo),
+                "down": gu and qb(L["w_down"]),
+            })
+            writer = self.gemma or qb(L["w_down"])
+        return plan, not self.head_only and writer and qb(self.output)
 
     # ---- prefill ----------------------------------------------------------------------------
     def _linear(self, out, ws: list[ops.GpuWeight], x16, accumulate: bool = False) -> None:

@@ -3,7 +3,8 @@
 Conventions as the CPU backend's: output first, float32 activations, weights kept in their file's
 encoding on the GPU (`GpuWeight`). Shapes are given on every array argument.
 
-Weight formats: the GGUF types of `TYPES` (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K..Q6_K)
+Weight formats: the GGUF types of `TYPES` (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K..Q6_K,
+IQ4_NL, IQ4_XS)
 and the safetensors formats of `hearth convert --to fp8 / --to nvfp4` (layouts in
 engine/backends/cpu/fpquant.py): FP8_E4M3 (E4M3 codes, float32 scale per row) and NVFP4 (E2M1 codes,
 E4M3 scale per 16 elements, float32 global scale). Their scales travel beside the codes
@@ -29,7 +30,7 @@ from engine.backends.cuda.kernels import kernel
 from engine.weights import Weight
 
 F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 = 0, 1, 2, 3, 6, 7, 8
-Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, BF16 = 10, 11, 12, 13, 14, 30
+Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS, BF16 = 10, 11, 12, 13, 14, 20, 23, 30
 
 # ggml type -> (kernel suffix, elements per block, bytes per block)
 TYPES = {
@@ -46,17 +47,21 @@ TYPES = {
     Q4_K: ("q4_k", 256, 144),
     Q5_K: ("q5_k", 256, 176),
     Q6_K: ("q6_k", 256, 210),
+    IQ4_NL: ("iq4_nl", 32, 18),
+    IQ4_XS: ("iq4_xs", 256, 136),
     # codes only: the scales are arrays of their own (GpuWeight.scales)
     FP8_E4M3: ("fp8", 1, 1),
     NVFP4: ("nvfp4", 16, 8),
 }
 SUPPORTED_TYPES = frozenset(TYPES)
-INT_DOT_TYPES = frozenset({Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q6_K})  # matvec_qb's integer dot products
-BLOCK_TYPES = frozenset({Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K})  # dequant_qb (step.cu)
+# dequant_qb (step.cu) and matvec_qb's dp4a dot products (row_dot): every GGUF block type
+BLOCK_TYPES = frozenset({Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS})
+INT_DOT_TYPES = BLOCK_TYPES
 _FLOAT_TYPES = (F32, F16, BF16)
 _FP_TYPES = fpquant.FP_TYPES
 
-MATVEC_THREADS = 256  # 8 warps, one row each at a time
+GRID_Y_MAX = 65535  # CUDA's limit on gridDim.y: kernels with tokens on y stride past it
+MATVEC_THREADS = 256  # 8 warps, one row each at a time (matvec_qb is built for it: step.cu MV_WARPS)
 MATVEC_BLOCKS_PER_SM = 4
 ATTN_SPLITS = 128  # decode attention: the cache in up to this many splits (more for very long caches)
 ATTN_MIN_CHUNK, ATTN_MAX_CHUNK = 64, 4096  # keys per split-K block (ops.cu's ATTN_MAX_CHUNK)
@@ -690,7 +695,7 @@ def attention_prefill(
             softmax((scores.size // (k1 - k0),), (256,), (scores, p16, *keys, _f32(scale), _i32(window)))
             gemm_batched(og[g0:g1, rows], probs, v[:, k0:k1])
     heads = (_i32(n), _i32(H), _i32(KV), _i32(hd), _i32(out.dtype == cp.float16))
-    grid = (-(-(H * hd) // 256), max(1, min(n, 65535)))  # a token's elements, tokens grid-strided
+    grid = (-(-(H * hd) // 256), max(1, min(n, GRID_Y_MAX)))  # a token's elements, tokens grid-strided
     kernel("ungroup_heads", dev)(grid, (256,), (out, og, *heads))
 
 
@@ -700,7 +705,7 @@ def glu(out, gu, gelu: bool) -> None:
     ff = out.shape[-1]
     n = out.size // ff
     half = _i32(out.dtype == cp.float16)
-    grid = (-(-ff // (4 * 256)), max(1, min(n, 65535)))  # 4 elements a thread; tokens grid-strided
+    grid = (-(-ff // (4 * 256)), max(1, min(n, GRID_Y_MAX)))  # 4 elements a thread; tokens grid-strided
     kernel("glu", cp.cuda.Device().id)(grid, (256,), (out, gu, _i32(ff), np.int64(n), _i32(gelu), half))
 
 

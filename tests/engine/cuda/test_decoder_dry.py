@@ -74,9 +74,8 @@ class FakeKernel:
                 pytest.fail(f"{where}: arg {i} is {type(a).__name__} (needs a numpy scalar or an array)")
         assert all(int(g) >= 1 for g in grid) and len(grid) <= 3
         assert 1 <= int(np.prod(block)) <= 1024 and int(np.prod(block)) % 32 == 0, where
-        if self.name.startswith("matvec_"):
-            wide = self.name == "matvec_qb" and tuple(block) == (1024,)
-            assert tuple(block) == (256,) or wide, where
+        if self.name.startswith("matvec_"):  # matvec_qb counts on it (step.cu's MV_WARPS)
+            assert tuple(block) == (256,), where
         assert shared_mem <= max(48 * 1024, SHARED_ALLOWED.get(self.kernel.ptr, 0)) <= 227 * 1024, where
         self.launches.append(self.name)
         call = (self.name, tuple(grid), tuple(block), tuple(args), shared_mem)
@@ -311,6 +310,9 @@ def _model(tmp_path, kind: str):
     elif kind == "llama-1layer":
         # head size 32: attention hands its output to wo as records (ops.attention's records)
         write_tiny_gguf(path, TinySpec(matrix_type=T.Q8_0, layers=1, heads=2, kv_heads=1))
+    elif kind == "llama-mixed":  # float16 matrices among Q8_0 ones: the hand-off where both ends allow it
+        f16 = (("blk.0.ffn_down.weight", T.F16), ("blk.1.attn_output.weight", T.F16))
+        write_tiny_gguf(path, TinySpec(matrix_type=T.Q8_0, heads=2, kv_heads=1, types=f16))
     elif kind == "qwen2":
         write_tiny_gguf(path, TinySpec(arch="qwen2", qkv_bias=True))
     else:
@@ -377,6 +379,11 @@ def test_serve_counts_the_kv_caches_the_gpu_holds(fake, tmp_path, monkeypatch, c
     each = dec.cache_bytes(256, np.float16)
     assert each >= cache.k.nbytes + cache.v.nbytes
     assert dec.cache_bytes(256, np.float32) - each == cache.k.nbytes + cache.v.nbytes
+    dec.forward([1, 2], cache)
+    dec.forward([3], cache)  # its decode step's buffers count too: activations, logits, records
+    step = vars(dec._steps[cache])
+    arrays = [a for v in step.values() for a in (v if isinstance(v, list) else [v]) if hasattr(a, "nbytes")]
+    assert each - cache.k.nbytes - cache.v.nbytes >= sum(a.nbytes for a in arrays) > 4 * model.cfg.vocab_size
     free = fake.decoder.MARGIN_BYTES + 5 * each + each // 2
     monkeypatch.setattr(fake.cp.cuda.runtime, "memGetInfo", lambda: (free, 1 << 40))
     assert dec.caches_that_fit(256, np.float16) == 5
@@ -399,7 +406,7 @@ def test_unsupported_weight_type_is_a_typed_error(fake, tmp_path):
 
     model = _model(tmp_path, "llama")
     w = model.layers[0].wq
-    model.layers[0].wq = Weight(20, w.raw[:, :18], w.rows, w.cols)  # IQ4_NL: no CUDA kernel
+    model.layers[0].wq = Weight(16, w.raw[:, :66], w.rows, w.cols)  # IQ2_XXS: no CUDA kernel
     with pytest.raises(fake.decoder.UnsupportedCudaModelError, match="--device cpu"):
         fake.decoder.CudaDecoder(model, n_ctx=64)
 
@@ -425,7 +432,7 @@ FULL_SIMT = bool(os.environ.get("HEARTH_CUDA_SIMT"))
 
 @pytest.mark.parametrize(
     "kind",
-    ["llama-1layer", "gemma3-2layer"]
+    ["llama-1layer", "gemma3-2layer", "llama-mixed"]
     + [
         pytest.param(k, marks=pytest.mark.skipif(not FULL_SIMT, reason="set HEARTH_CUDA_SIMT=1 (minutes)"))
         for k in ("llama", "qwen2", "gemma3")
@@ -436,11 +443,19 @@ def test_decoder_computes_the_cpu_models_logits_on_host_threads(fake, simt, tmp_
     captured-graph decode steps and the GPU argmax give the CPU model's logits and greedy tokens."""
     STATE.simt = simt
     model = _model(tmp_path, kind)
-    full = kind not in ("llama-1layer", "gemma3-2layer")
+    full = kind not in ("llama-1layer", "gemma3-2layer", "llama-mixed")
     prompt = [1, 2, 3, 4, 5, 6, 7] if full else [1, 2, 3]
     dec = fake.decoder.CudaDecoder(model, n_ctx=32, prefill_dtype="float32")
-    # integer-dot weights: the step's matvecs hand their outputs on as records (ops.Emit)
-    assert dec.handoff and dec.batchable == (kind != "qwen2")
+    # integer-dot weights: the step's matvecs hand their outputs on as records (ops.Emit) where both ends
+    # run matvec_qb
+    assert dec.handoff and dec.batchable == (kind not in ("qwen2", "llama-mixed"))
+    plan, head = dec._handoff_plan()
+    if kind == "llama-mixed":  # layer 0's down and layer 1's wo are float16: no records into or out of them
+        assert [tuple(k for k, v in p.items() if v) for p in plan] == [("wo", "gu"), ("down",)] and head
+    elif kind == "qwen2":
+        assert not any(any(p.values()) for p in plan) and not head
+    else:
+        assert not plan[0]["qkv"] and all(plan[0][k] for k in ("gu", "down")) and head
     cpu_cache, gpu_cache = model.new_cache(32), dec.new_cache(32, np.float32)
     ref = model.forward(prompt, cpu_cache, all_logits=True)
     got = dec.forward(prompt, gpu_cache, all_logits=True)
@@ -499,7 +514,7 @@ def _opt_in(*values):
 
 
 # CI: one type per kernel macro shape (32-element blocks, 256-element K-quant blocks, float loads)
-@pytest.mark.parametrize("t", [2, 12, 1, *_opt_in(0, 30, 8, 3, 6, 7, 10, 11, 13, 14)])
+@pytest.mark.parametrize("t", [2, 12, 1, 23, *_opt_in(0, 30, 8, 3, 6, 7, 10, 11, 13, 14, 20)])
 def test_matvec_and_dequant_kernels_on_host_threads(fake, simt, t):
     """tests/engine/cuda/test_kernels_gpu.py's per-type parity check, its kernels run on host threads."""
     from tests.engine.cuda import test_kernels_gpu as gpu_tests
@@ -508,7 +523,7 @@ def test_matvec_and_dequant_kernels_on_host_threads(fake, simt, t):
     gpu_tests.test_matvec_and_dequant_match_cpu(0, t)
 
 
-@pytest.mark.parametrize("t", [12, 8, 6, *_opt_in(14, 2, 3, 7)])
+@pytest.mark.parametrize("t", [12, 13, 11, 8, 6, 20, *_opt_in(14, 10, 2, 3, 7, 23)])
 def test_int_dot_matvec_on_host_threads(fake, simt, t):
     """The graph path's integer-dot matvec (matvec_qb, step.cu's row_dot) on host threads: every prologue,
     accumulate, and one launch over stacked weights of different types."""
@@ -627,10 +642,10 @@ def test_argmax_over_blocks_on_host_threads(fake, simt):
 def test_prefill_attention_gemms_on_host_threads(fake, simt, monkeypatch, window, kv_dtype):
     """ops.attention_prefill (batched GEMMs around the masked-softmax kernel) against a numpy reference:
     GQA, queries after earlier cached tokens, a sliding window, and a GEMM budget so small that KV heads
-    go one batch at a time and queries in chunks. Float16 caches take float16 queries, float16
-    probabilities and give a float16 output (the output projection's input), through
-    cublasGemmStridedBatchedEx; float32 ones are float32 throughout (cublasSgemmStridedBatched). Both
-    read the caches in place."""
+    go one batch at a time and queries in chunks (and ungroup_heads' grid strides over the tokens).
+    Float16 caches take float16 queries, float16 probabilities and give a float16 output (the output
+    projection's input), through cublasGemmStridedBatchedEx; float32 ones are float32 throughout
+    (cublasSgemmStridedBatched). Both read the caches in place."""
     STATE.simt = simt
     rng = np.random.default_rng(7)
     n, H, KV, hd, n_ctx, pos0 = 6, 4, 2, 16, 32, 5
@@ -659,6 +674,7 @@ def test_prefill_attention_gemms_on_host_threads(fake, simt, monkeypatch, window
     for budget in (None, per_score * 2 * 2 * (pos0 + n)):  # whole, then one head x 2 queries
         if budget:
             monkeypatch.setattr(fake.ops, "ATTN_GEMM_BYTES", budget)
+            monkeypatch.setattr(fake.ops, "GRID_Y_MAX", 4)  # ungroup_heads strides over the 6 tokens
         out = fake.cp.zeros((n, H, hd), kv_dtype)
         gq = fake.cp.asarray(qg.astype(kv_dtype))
         args = gq, fake.cp.asarray(k), fake.cp.asarray(v), pos0, scale, window
@@ -708,9 +724,11 @@ def test_gemm_nt_through_gemm_ex(fake, dtype):
     assert not fake.ops._gemm_ex_failed
 
 
-def test_norm_and_activation_write_float16_gemm_inputs_on_host_threads(fake, simt):
+@pytest.mark.parametrize("grid_y", [65535, 2])  # 2: the tokens grid-strided, as past 65535 of them
+def test_norm_and_activation_write_float16_gemm_inputs_on_host_threads(fake, simt, monkeypatch, grid_y):
     """rmsnorm and glu write the float16 inputs of the prefill GEMMs directly (no float32 copy)."""
     STATE.simt = simt
+    monkeypatch.setattr(fake.ops, "GRID_Y_MAX", grid_y)
     rng = np.random.default_rng(5)
     x = rng.normal(size=(3, 64)).astype(np.float32)
     w = rng.normal(1, 0.1, 64).astype(np.float32)
@@ -722,8 +740,8 @@ def test_norm_and_activation_write_float16_gemm_inputs_on_host_threads(fake, sim
         fake.ops.rmsnorm(out, fake.cp.asarray(x), fake.cp.asarray(w), 1e-5, accumulate=True)
     # glu: 16-byte pieces (ff % 4 == 0) and element by element, into float16 and float32
     for ff, dtype in ((50, np.float16), (64, np.float16), (50, np.float32), (1100, np.float32)):
-        gate, up = rng.normal(size=(2, 2, ff)).astype(np.float32)
-        act = fake.cp.zeros((2, ff), dtype)
+        gate, up = rng.normal(size=(2, 5, ff)).astype(np.float32)
+        act = fake.cp.zeros((5, ff), dtype)
         fake.ops.glu(act, fake.cp.asarray(np.concatenate([gate, up], axis=1)), gelu=False)
         want = gate / (1 + np.exp(-gate)) * up
         tol = 1e-3 if dtype == np.float16 else 1e-5

@@ -2,7 +2,7 @@
 
 Its launch is checked against the compiled PTX by the stand-in CuPy of test_decoder_dry, and the kernel
 itself runs on host threads with every block at once (tests/engine/cuda/simt.py, cooperative mode), so
-its grid barriers, its int8 (dp4a) dot products for Q8_0/Q4_0/Q4_1/Q4_K/Q6_K, the float paths, the
+its grid barriers, its int8 (dp4a) dot products for every GGUF block type, the float paths, the
 online-softmax attention with the KV write, Gemma 3's post-norms / windows / soft-capping, the argmax and
 the partial-offload (head) variant are compared with the CPU model. Small blocks (2 warps) and grids
 (2-3 blocks) keep the thread count sane.
@@ -29,7 +29,7 @@ def _kquant(monkeypatch):
     plain = gguf.quants.quantize
 
     def encode(value, qtype):
-        if qtype in (T.Q4_K, T.Q6_K, T.Q5_K):
+        if qtype in (T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K):
             return quantize(int(qtype), np.asarray(value, np.float32))
         return plain(value, qtype)
 
@@ -101,6 +101,9 @@ SPECS = {
     "q5_1": dict(matrix_type=T.Q5_1, layers=1),
     # 256-wide rows for the K-quants; head_dim 64
     "q4_k": dict(matrix_type=T.Q4_K, hidden=256, ffn=512, heads=4, kv_heads=2, layers=1),
+    "q5_k": dict(matrix_type=T.Q5_K, hidden=256, ffn=512, heads=4, kv_heads=2, layers=1),
+    "q2_k": dict(matrix_type=T.Q2_K, hidden=256, ffn=256, heads=4, kv_heads=2, layers=1),
+    "q3_k": dict(matrix_type=T.Q3_K, hidden=256, ffn=256, heads=4, kv_heads=2, layers=1),
     "q6_k": dict(matrix_type=T.Q6_K, hidden=256, ffn=256, heads=4, kv_heads=1, layers=1),
 }
 

@@ -3,6 +3,7 @@ matvec / dequant cases also run on host threads in test_decoder_dry.py and test_
 
 from __future__ import annotations
 
+import gguf
 import numpy as np
 import pytest
 
@@ -17,6 +18,7 @@ pytestmark = pytest.mark.cuda
 
 # ggml id (or safetensors format id: FP8_E4M3, NVFP4) -> elements per block
 TYPES = {0: 1, 1: 1, 30: 1, 8: 32, 2: 32, 3: 32, 6: 32, 7: 32, 10: 256, 11: 256, 12: 256, 13: 256, 14: 256}
+TYPES |= {20: 32, 23: 256}  # IQ4_NL, IQ4_XS
 TYPES |= {FP8_E4M3: 1, NVFP4: 16}
 
 
@@ -29,6 +31,10 @@ def _weight(t: int, rows: int, cols: int, seed: int) -> tuple[Weight, np.ndarray
     if t == NVFP4:
         packed, scales, g = quantize_nvfp4(m)
         return Weight(t, packed, rows, cols, scales, float(g)), dequantize_nvfp4(packed, scales, g)
+    if t in (20, 23):  # IQ4_NL / IQ4_XS: no encoder; random blocks (test_cpu_kernels), gguf's decoding
+        from tests.engine.test_cpu_kernels import make_weight
+
+        return make_weight(gguf.GGMLQuantizationType(t), rows, cols, rng)
     raw = quantize(t, m)
     return Weight(t, raw, rows, cols), dequantize(t, raw, cols)
 
@@ -75,7 +81,7 @@ def test_matvec_and_dequant_match_cpu(gpu, t):
 
 # FP8 / NVFP4: each stacked weight brings its own row / block and global scales
 @pytest.mark.parametrize("int_dot", [True, False])
-@pytest.mark.parametrize("t", [12, 8, 6, 7, 1, FP8_E4M3, NVFP4])
+@pytest.mark.parametrize("t", [10, 11, 12, 13, 14, 20, 23, 8, 6, 7, 1, FP8_E4M3, NVFP4])
 def test_stacked_matvec_prologues_and_accumulate(gpu, t, int_dot):
     import cupy as cp
 

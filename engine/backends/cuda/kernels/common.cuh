@@ -86,7 +86,7 @@ static inline int __float2int_rn(float v) { return (int)std::nearbyint(v); }
 // q alone in global memory (records handed from one kernel to the next).
 struct XIn {
     float* f;   // (cols,) natural order
-    float* t;   // (cols,) element e at (e % 32) * units + e / 32
+    float* t;   // (cols,) the fused step's scratch (embedding row, folded residual)
     uint* q;    // (XREC * units) unit u's record at q + XREC * u (16-byte aligned): see below
     int cols, units;
 };

@@ -44,16 +44,18 @@ __device__ __forceinline__ uint funnel_r(uint lo, uint hi, int s) {
 }
 // N consecutive u32 at a 2-byte-aligned address p: the N aligned words from p rounded down and a 16-bit
 // load of the last two bytes, funnel-shifted (N + 1 loads, branch-free, instead of 2N 16-bit ones).
-// Reads nothing outside [p - 2, p + 4N) (and p - 2 only when p is not 4-byte aligned).
+// Reads nothing outside [p - 2, p + 4N) (and p - 2 only when p is not 4-byte aligned). extra (0..15)
+// shifts each word right by that many bits more in the same funnel shift: its top extra bits are then
+// the next byte's low bits (unspecified for the last word).
 template <int N>
-__device__ __forceinline__ void ld32n_2(const uchar* p, uint* out) {
+__device__ __forceinline__ void ld32n_2(const uchar* p, uint* out, int extra = 0) {
     int s = (int)((unsigned long long)p & 2ULL) * 8;
-    const uint* w = (const uint*)((unsigned long long)p & ~3ULL);
+    const uint* w = (const uint*)(p - (s >> 3));  // pointer arithmetic: the loads stay global ones
     uint cur = w[0];
 #pragma unroll
     for (int i = 0; i < N; i++) {
         uint next = i + 1 < N ? w[i + 1] : (uint)*(const ushort*)(p + 4 * N - 2);
-        out[i] = funnel_r(cur, next, s);
+        out[i] = funnel_r(cur, next, s + extra);
         cur = next;
     }
 }
@@ -110,17 +112,22 @@ __device__ __forceinline__ void dec_q3_k(const uchar* b, int s, float* v) {
         v[l + 16] = d1 * (float)((int)((q[l + 16] >> (2 * t)) & 3) - ((hm[l + 16] & m) ? 0 : 4));
     }
 }
-// 6-bit scale and min j of a Q4_K/Q5_K block (12 bytes at q)
 // Q4_K / Q5_K block header h (the block's first 16 bytes, one 128-bit load: f16 d | f16 dmin | 12
-// scale bytes q[0..11] in h.y, h.z, h.w): sub-block j's 6-bit scale and min. j < 4: q[j] & 63,
-// q[j + 4] & 63; else the low nibbles of q[j + 4] and the top bits of q[j - 4] (scale), the high
-// nibbles of q[j + 4] and the top bits of q[j] (min).
+// scale bytes q[0..11] in h.y, h.z, h.w): the 6-bit scales and mins of sub-blocks 4 half .. 4 half + 3,
+// one a byte (byte i: sub-block 4 half + i) of *sc and *mn. Sub-block j < 4: q[j] & 63, q[j + 4] & 63;
+// else the low nibbles of q[j + 4] and the top bits of q[j - 4] (scale), the high nibbles of q[j + 4]
+// and the top bits of q[j] (min): a few word operations for four of them.
+__device__ __forceinline__ void scales_k4(uint4 h, int half, uint* sc, uint* mn) {
+    *sc = half ? (h.w & 0x0F0F0F0Fu) | ((h.y >> 2) & 0x30303030u) : h.y & 0x3F3F3F3Fu;
+    *mn = half ? ((h.w >> 4) & 0x0F0F0F0Fu) | ((h.z >> 2) & 0x30303030u) : h.z & 0x3F3F3F3Fu;
+}
+// sub-block j's scale and min as floats
 __device__ __forceinline__ void scale_min_k4(int j, uint4 h, float* sc, float* mn) {
+    uint s, m;
+    scales_k4(h, j >> 2, &s, &m);
     int sh = 8 * (j & 3);
-    uint a = (h.y >> sh) & 255u, b = (h.z >> sh) & 255u, c = (h.w >> sh) & 255u;
-    bool low = j < 4;
-    *sc = (float)(low ? a & 63u : (c & 15u) | ((a >> 6) << 4));
-    *mn = (float)(low ? b & 63u : (c >> 4) | ((b >> 6) << 4));
+    *sc = (float)((s >> sh) & 255u);
+    *mn = (float)((m >> sh) & 255u);
 }
 __device__ __forceinline__ float k4_d(uint4 h) { return h2f((ushort)(h.x & 0xffffu)); }
 __device__ __forceinline__ float k4_dmin(uint4 h) { return h2f((ushort)(h.x >> 16)); }
@@ -172,6 +179,36 @@ __device__ __forceinline__ void dec_q6_k(const uchar* b, int s, float* v) {
         int q = (int)(((ql[l] >> sl) & 15) | (((qh[l] >> shh) & 3) << 4)) - 32;
         v[l] = (l < 16 ? d0 : d1) * (float)q;
     }
+}
+
+// IQ4_NL / IQ4_XS: 4-bit indices into a non-linear codebook of 16 int8 values (gguf's
+// IQ4_NL.kvalues), here as four words, byte i of the four the value of index i
+#define IQ4_T0 0xBFAD9881u  // -127 -104 -83 -65
+#define IQ4_T1 0xF6EADDCFu  //  -49  -35 -22 -10
+#define IQ4_T2 0x26190D01u  //    1   13  25  38
+#define IQ4_T3 0x71594535u  //   53   69  89 113
+__device__ __forceinline__ float iq4_value(int i) {
+    uint w = i < 8 ? (i < 4 ? IQ4_T0 : IQ4_T1) : (i < 12 ? IQ4_T2 : IQ4_T3);
+    return (float)(signed char)(w >> (8 * (i & 3)));
+}
+// sixteen indices (bytes j: element j low, element j + 16 high) -> 32 values d * kvalue
+__device__ __forceinline__ void dec_iq4(const uchar* q, float d, float* v) {
+#pragma unroll
+    for (int j = 0; j < 16; j++) {
+        v[j] = d * iq4_value(q[j] & 15);
+        v[j + 16] = d * iq4_value(q[j] >> 4);
+    }
+}
+// IQ4_NL: f16 d | 16 qs
+__device__ __forceinline__ void dec_iq4_nl(const uchar* b, int s, float* v) { dec_iq4(b + 2, ldh(b), v); }
+// IQ4_XS: f16 d | u16 scales_h | 4 scales_l | 128 qs; sub-block s: the 6-bit scale (nibble s % 2 of
+// scales_l[s / 2], bits 2s and 2s + 1 of scales_h above it) less 32, its 16 qs bytes at 8 + 16 s
+__device__ __forceinline__ int iq4xs_scale(uint head_hi, uint scales_l, int s) {
+    return (int)(((scales_l >> (4 * s)) & 15u) | (((head_hi >> (2 * s)) & 3u) << 4)) - 32;
+}
+__device__ __forceinline__ void dec_iq4_xs(const uchar* b, int s, float* v) {
+    uint h = (uint)b[2] | ((uint)b[3] << 8), l = (uint)b[4] | ((uint)b[5] << 8) | ((uint)b[6] << 16) | ((uint)b[7] << 24);
+    dec_iq4(b + 8 + 16 * s, ldh(b) * (float)iq4xs_scale(h, l, s), v);
 }
 
 // FP8 E4M3 and NVFP4, the safetensors formats (layouts as engine/backends/cpu/fpquant.py gives them):
@@ -361,6 +398,8 @@ QMATVEC(q3_k, 110, 8)
 QMATVEC(q4_k, 144, 8)
 QMATVEC(q5_k, 176, 8)
 QMATVEC(q6_k, 210, 8)
+QMATVEC(iq4_nl, 18, 1)
+QMATVEC(iq4_xs, 136, 8)
 
 // Float types: 8 elements (F16/BF16) or 4 (F32) per 128-bit load, lanes on consecutive loads.
 // Rows must be 16-byte aligned (cols a multiple of 8, weights in their own allocation: checked by

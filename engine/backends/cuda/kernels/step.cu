@@ -14,11 +14,10 @@
 // then logits = Wout (rmsnorm(x) * out_norm) and, for greedy steps, their argmax (a 64-bit atomicMax
 // of (ordered value, inverted index): larger value first, then smaller index, as np.argmax).
 //
-// Activations reach the matvecs in shared memory in three forms: float32 in natural order (float
-// weights), float32 transposed by 32-element unit (every other quantized type, through its dec_*),
-// and two int8 levels per unit (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q6_K: dp4a dot products; x ~ d (256
-// hi + lo), a 15-bit grade like the CPU kernels' int16 activations, ~4 integer ops per 4 weights instead
-// of ~5 float ops per weight, which keeps the step memory-bound).
+// Activations reach the matvecs in shared memory in two forms: float32 (float weights) and two int8
+// levels per unit of 32 (every GGUF block type: dp4a dot products; x ~ d (256 hi + lo), a 15-bit grade
+// like the CPU kernels' int16 activations, ~4 integer ops per 4 weights instead of ~5 float ops per
+// weight, which keeps the step memory-bound).
 //
 // Weights of the next phases are prefetched into L2 (sm_90 bulk prefetch) while the current phase
 // runs, up to a byte budget, so the DRAM stream does not stop at the barriers.
@@ -31,6 +30,7 @@
 #define LAYER_SLOTS 20  // u64 per layer in the descriptor table (see engine/backends/cuda/fused.py)
 #define MAX_HD 256
 #define MAX_BATCH 8  // matvec_qb's activation vectors per launch (engine/backends/cuda/ops.py)
+#define MV_WARPS 8  // matvec_qb's block: 256 threads (ops.MATVEC_THREADS)
 
 #ifdef __CUDA_ARCH__
 __device__ __forceinline__ int dp4a(uint a, uint b, int c) {
@@ -46,10 +46,18 @@ __device__ __forceinline__ void prefetch_l2(const uchar* p, uint bytes) {
 }
 // the 128-byte line holding p into this SM's L1 (no register waits for it)
 __device__ __forceinline__ void prefetch_l1(const uchar* p) { asm volatile("prefetch.global.L1 [%0];" ::"l"(p)); }
+// byte n of the result: byte (s >> 4n) & 7 of (b:a) (one prmt)
+__device__ __forceinline__ uint byte_perm(uint a, uint b, uint s) { return __byte_perm(a, b, s); }
 #else  // the host build of the tests (tests/engine/cuda/simt.py)
 __device__ __forceinline__ int dp4a(uint a, uint b, int c) {
     for (int i = 0; i < 4; i++) c += (int)(signed char)(a >> (8 * i)) * (int)(signed char)(b >> (8 * i));
     return c;
+}
+__device__ __forceinline__ uint byte_perm(uint a, uint b, uint s) {
+    unsigned long long v = ((unsigned long long)b << 32) | a;
+    uint r = 0;
+    for (int n = 0; n < 4; n++) r |= (uint)((v >> (8 * ((s >> (4 * n)) & 7))) & 255u) << (8 * n);
+    return r;
 }
 __device__ __forceinline__ void prefetch_l2(const uchar* p, uint bytes) {}
 __device__ __forceinline__ void prefetch_l1(const uchar* p) {}
@@ -68,6 +76,8 @@ __device__ __forceinline__ void prefetch_l1(const uchar* p) {}
 #define T_Q4_K 12
 #define T_Q5_K 13
 #define T_Q6_K 14
+#define T_IQ4_NL 20
+#define T_IQ4_XS 23
 #define T_BF16 30
 
 __device__ __forceinline__ long long row_bytes_of(int t, int cols) {
@@ -83,6 +93,8 @@ __device__ __forceinline__ long long row_bytes_of(int t, int cols) {
         case T_Q3_K: return (cols / 256) * 110LL;
         case T_Q4_K: return (cols / 256) * 144LL;
         case T_Q5_K: return (cols / 256) * 176LL;
+        case T_IQ4_NL: return (cols / 32) * 18LL;
+        case T_IQ4_XS: return (cols / 256) * 136LL;
         default: return (cols / 256) * 210LL;  // Q6_K
     }
 }
@@ -100,12 +112,16 @@ struct RowRef {
     const uchar* w;
     int type, bytes;
 };
+// Row r of [W0; W1; W2], each matrix its own GGUF type (t0..t2) and bytes a row (b0..b2, computed once
+// per kernel: the divisions of row_bytes_of for every type would otherwise stay in registers)
 __device__ __forceinline__ RowRef row_ref(const uchar* w0, const uchar* w1, const uchar* w2, int t0, int t1,
-                                          int t2, int rows0, int rows1, int rows, int r, int cols) {
+                                          int t2, int b0, int b1, int b2, int rows0, int rows1, int rows, int r) {
     RowRef ref = {nullptr, t0, 0};
     if (r < rows) {
-        ref.w = mixed_row(w0, w1, w2, t0, t1, t2, rows0, rows1, r, cols, &ref.type);
-        ref.bytes = (int)row_bytes_of(ref.type, cols);
+        int k, lr = stacked_local(rows0, rows1, r, &k);
+        ref.type = k == 0 ? t0 : k == 1 ? t1 : t2;
+        ref.bytes = k == 0 ? b0 : k == 1 ? b1 : b2;
+        ref.w = (k == 0 ? w0 : k == 1 ? w1 : w2) + (long long)ref.bytes * lr;
     }
     return ref;
 }
@@ -131,15 +147,10 @@ struct Mat {
     int type, rows;
 };
 
-// After xin.f holds the activation: the transposed floats and the two int8 levels, one unit per warp
-// at a time (lane = element).
+// After xin.f holds the activation: its two int8 levels, one unit per warp at a time (lane = element).
 __device__ void quantize_x(XIn& xin) {
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, units = xin.units;
-    for (int u = warp; u < units; u += blockDim.x >> 5) {
-        float v = xin.f[u * 32 + lane];
-        xin.t[lane * units + u] = v;
-        quantize_unit(xin, u, lane, v);
-    }
+    for (int u = warp; u < units; u += blockDim.x >> 5) quantize_unit(xin, u, lane, xin.f[u * 32 + lane]);
     __syncthreads();
 }
 
@@ -161,18 +172,44 @@ __device__ __forceinline__ int dot4h(const uint* q, const XIn& x, int u, int k0)
     return dot4(q, r[k0 >> 2], r[2 + (k0 >> 2)]);
 }
 
-#define GENERIC_CASE(T, NAME, BYTES, SUBS)                                                       \
-    case T:                                                                                      \
-        for (int u = lane; u < units; u += 32) {                                                 \
-            float v[32];                                                                         \
-            dec_##NAME(row + (long long)(u / SUBS) * BYTES, u % SUBS, v);                        \
-            _Pragma("unroll") for (int i = 0; i < 32; i++) acc = fmaf(v[i], x.t[i * units + u], acc); \
-        }                                                                                        \
-        break;
-
 // bits 0-3 of v at bits 4, 12, 20, 28: a Q5 block's fifth bits over four elements' bytes
 __device__ __forceinline__ uint spread4(uint v) {
     return ((v & 1u) << 4) | ((v & 2u) << 11) | ((v & 4u) << 18) | ((v & 8u) << 25);
+}
+
+// A Q4_K/Q5_K sub-block pair's 32 qs bytes (16-byte aligned at q4): the low nibbles (sub-block 2j) into
+// qa, the high ones (2j + 1) into qb, four elements a word
+__device__ __forceinline__ void nibbles_k4(const uint4* q4, uint* qa, uint* qb) {
+    uint4 c0 = q4[0], c1 = q4[1];
+    uint w[8] = {c0.x, c0.y, c0.z, c0.w, c1.x, c1.y, c1.z, c1.w};
+#pragma unroll
+    for (int k = 0; k < 8; k++) {
+        qa[k] = w[k] & 0x0F0F0F0Fu;
+        qb[k] = (w[k] >> 4) & 0x0F0F0F0Fu;
+    }
+}
+// This lane's part of a Q4_K/Q5_K block (header h) . x over its sub-blocks 2j and 2j + 1 (units ua and
+// ua + 1 of x), from their integer dot products da = Σ qa (256 hi + lo)_a, db likewise:
+// d (sa xd_a da + sb xd_b db) - dmin (ma s_a + mb s_b)
+__device__ __forceinline__ float k4_pair_sums(uint4 h, int j, int da, int db, const XIn& x, int ua) {
+    uint sc, mn;
+    scales_k4(h, j >> 1, &sc, &mn);
+    int sh = 16 * (j & 1);
+    float sa = (float)((sc >> sh) & 255u), sb = (float)((sc >> (sh + 8)) & 255u);
+    float ma = (float)((mn >> sh) & 255u), mb = (float)((mn >> (sh + 8)) & 255u);
+    float dots = sa * xd(x, ua) * (float)da + sb * xd(x, ua + 1) * (float)db;
+    return k4_d(h) * dots - k4_dmin(h) * (ma * xs(x, ua) + mb * xs(x, ua + 1));
+}
+// The codebook values (int8) of the eight IQ4 indices in w (byte j: element j low, j + 16 high): *lo
+// those of the low nibbles (elements j .. j + 3 of the word's four bytes), *hi those of the high ones.
+// byte_perm picks by the low 3 bits of each selector nibble, from (IQ4_T0, IQ4_T1) and (IQ4_T2,
+// IQ4_T3); bit 3 of the index then picks one of the two (+4 in the selector of a third byte_perm).
+__device__ __forceinline__ void iq4_lookup(uint w, uint* lo, uint* hi) {
+    uint sel = 0x32103210u | ((w & 0x88888888u) >> 1);
+    uint a = byte_perm(byte_perm(IQ4_T0, IQ4_T1, w), byte_perm(IQ4_T2, IQ4_T3, w), sel);  // j, j+16, j+1, j+17
+    uint c = byte_perm(byte_perm(IQ4_T0, IQ4_T1, w >> 16), byte_perm(IQ4_T2, IQ4_T3, w >> 16), sel >> 16);
+    *lo = byte_perm(a, c, 0x6420u);
+    *hi = byte_perm(a, c, 0x7531u);
 }
 
 // This lane's part of row . x (the caller sums the warp).
@@ -230,45 +267,163 @@ __device__ float row_dot(int type, const uchar* __restrict__ row, const XIn& x, 
             }
             break;
         }
+        case T_Q2_K:
+            // lane p takes units u and u + 1 (t and t + 1, t = 2 (p % 2)) of half n = p / 2 % 2 of block
+            // p / 4 (84 bytes: 16 scale|min nibble pairs, one per 16 elements, 64 qs, f16 d, f16 dmin):
+            // their elements are bits 2t and 2t + 2 of the half's 32 qs bytes; value d sc q - dmin m
+            for (int p = lane; p < units / 2; p += 32) {
+                const uchar* b = row + 84LL * (p >> 2);
+                int n = (p >> 1) & 1, t2 = 4 * (p & 1), u = 8 * (p >> 2) + 4 * n + (t2 >> 1);
+                const uint* qs = (const uint*)(b + 16 + 32 * n);  // 84-byte blocks: 4-byte aligned
+                uint sm = *(const uint*)(b + 8 * n + t2);  // bytes: unit u's halves 0, 1, then u + 1's
+                int da = 0, db = 0, ma = 0, mb = 0;
+#pragma unroll
+                for (int g = 0; g < 2; g++) {  // elements 16g .. 16g + 15 of both units
+                    uint qa[4], qb[4];
+#pragma unroll
+                    for (int k = 0; k < 4; k++) {
+                        uint w = qs[4 * g + k] >> t2;
+                        qa[k] = w & 0x03030303u;
+                        qb[k] = (w >> 2) & 0x03030303u;
+                    }
+                    int sa = (sm >> (8 * g)) & 255, sb = (sm >> (16 + 8 * g)) & 255;
+                    da += (sa & 15) * dot4h(qa, x, u, 4 * g);
+                    db += (sb & 15) * dot4h(qb, x, u + 1, 4 * g);
+                    ma += (sa >> 4) * xi(x, u, g);
+                    mb += (sb >> 4) * xi(x, u + 1, g);
+                }
+                float d = ldh(b + 80), dmin = ldh(b + 82);
+                acc += xd(x, u) * (d * (float)da - dmin * (float)ma) + xd(x, u + 1) * (d * (float)db - dmin * (float)mb);
+            }
+            break;
+        case T_Q3_K:
+            // lane p takes units u and u + 1 (t and t + 1, t = 2 (p % 2)) of half n = p / 2 % 2 of block
+            // p / 4 (110 bytes: 32 hmask, 64 qs, 12 bytes of 6-bit scales, f16 d): low bits 2t and 2t + 2
+            // of the half's 32 qs bytes, high bits 4n + t and 4n + t + 1 of the 32 hmask bytes; value
+            // d (sc - 32) (low + 4 high - 4)
+            for (int p = lane; p < units / 2; p += 32) {
+                const uchar* b = row + 110LL * (p >> 2);
+                int n = (p >> 1) & 1, tp = p & 1, m = 2 * n + tp, u = 8 * (p >> 2) + 2 * m;
+                uint lw[8], hw[8], sw[3];
+                ld32n_2<8>(b + 32 + 32 * n, lw, 4 * tp);
+                ld32n_2<8>(b, hw, 4 * n + 2 * tp);
+                ld32n_2<3>(b + 96, sw);
+                // the four 6-bit scales of units u, u + 1 (halves 0, 1 each): scales 4m .. 4m + 3
+                uint lo = m & 1 ? sw[1] : sw[0];
+                lo = m < 2 ? lo & 0x0F0F0F0Fu : (lo >> 4) & 0x0F0F0F0Fu;
+                uint sc = lo | (((sw[2] >> (2 * m)) & 0x03030303u) << 4);
+                int ia[2], ib[2];
+#pragma unroll
+                for (int g = 0; g < 2; g++) {
+                    uint qa[4], qb[4];
+#pragma unroll
+                    for (int k = 0; k < 4; k++) {
+                        uint l = lw[4 * g + k], h = hw[4 * g + k];
+                        qa[k] = (l & 0x03030303u) | ((h & 0x01010101u) << 2);
+                        qb[k] = ((l >> 2) & 0x03030303u) | ((h & 0x02020202u) << 1);
+                    }
+                    ia[g] = dot4h(qa, x, u, 4 * g) - 4 * xi(x, u, g);
+                    ib[g] = dot4h(qb, x, u + 1, 4 * g) - 4 * xi(x, u + 1, g);
+                }
+                int s0 = (int)(sc & 255u) - 32, s1 = (int)((sc >> 8) & 255u) - 32;
+                int s2 = (int)((sc >> 16) & 255u) - 32, s3 = (int)(sc >> 24) - 32;
+                float fa = (float)(s0 * ia[0] + s1 * ia[1]), fb = (float)(s2 * ib[0] + s3 * ib[1]);
+                acc = fmaf(ldh(b + 108), xd(x, u) * fa + xd(x, u + 1) * fb, acc);
+            }
+            break;
         case T_Q4_K:
-            // lane p takes the sub-block pair (2p, 2p + 1): 32 qs bytes, low nibbles then high
+            // lane p takes the sub-block pair (2j, 2j + 1) of block p / 4 (j = p % 4): 32 qs bytes, low
+            // nibbles then high
             for (int p = lane; p < units / 2; p += 32) {
                 const uchar* b = row + 144LL * (p >> 2);
-                int j = p & 3, ua = 2 * p, ub = 2 * p + 1;
-                uint4 h = *(const uint4*)b;  // d, dmin and the scales in one load
-                float d = k4_d(h), dmin = k4_dmin(h), sa, ma, sb, mb;
-                scale_min_k4(2 * j, h, &sa, &ma);
-                scale_min_k4(2 * j + 1, h, &sb, &mb);
+                int j = p & 3, ua = 2 * p, da = 0, db = 0;
                 const uint4* q4 = (const uint4*)(b + 16 + 32 * j);
-                uint4 c0 = q4[0], c1 = q4[1];
-                uint w[8] = {c0.x, c0.y, c0.z, c0.w, c1.x, c1.y, c1.z, c1.w};
-                uint qa[8], qb[8];
 #pragma unroll
-                for (int k = 0; k < 8; k++) {
-                    qa[k] = w[k] & 0x0F0F0F0Fu;
-                    qb[k] = (w[k] >> 4) & 0x0F0F0F0Fu;
+                for (int g = 0; g < 2; g++) {
+                    uint4 c = q4[g];
+                    uint w[4] = {c.x, c.y, c.z, c.w}, qa[4], qb[4];
+#pragma unroll
+                    for (int k = 0; k < 4; k++) {
+                        qa[k] = w[k] & 0x0F0F0F0Fu;
+                        qb[k] = (w[k] >> 4) & 0x0F0F0F0Fu;
+                    }
+                    da += dot4h(qa, x, ua, 4 * g);
+                    db += dot4h(qb, x, ua + 1, 4 * g);
                 }
-                acc += d * (sa * xd(x, ua) * (float)dot8(qa, x, ua) + sb * xd(x, ub) * (float)dot8(qb, x, ub));
-                acc -= dmin * (ma * xs(x, ua) + mb * xs(x, ub));
+                acc += k4_pair_sums(*(const uint4*)b, j, da, db, x, ua);
+            }
+            break;
+        case T_Q5_K:
+            // as Q4_K, with bits 2j and 2j + 1 of the block's 32 qh bytes as the pair's fifth bits
+            for (int p = lane; p < units / 2; p += 32) {
+                const uchar* b = row + 176LL * (p >> 2);
+                int j = p & 3, ua = 2 * p, da = 0, db = 0;
+                const uint4* q4 = (const uint4*)(b + 48 + 32 * j);
+                const uint4* h4 = (const uint4*)(b + 16);
+#pragma unroll
+                for (int g = 0; g < 2; g++) {
+                    uint4 c = q4[g], e = h4[g];
+                    uint w[4] = {c.x, c.y, c.z, c.w}, qa[4], qb[4];
+                    uint f[4] = {e.x >> 2 * j, e.y >> 2 * j, e.z >> 2 * j, e.w >> 2 * j};  // bits 0, 1 ours
+#pragma unroll
+                    for (int k = 0; k < 4; k++) {
+                        qa[k] = (w[k] & 0x0F0F0F0Fu) | ((f[k] & 0x01010101u) << 4);
+                        qb[k] = ((w[k] >> 4) & 0x0F0F0F0Fu) | ((f[k] & 0x02020202u) << 3);
+                    }
+                    da += dot4h(qa, x, ua, 4 * g);
+                    db += dot4h(qb, x, ua + 1, 4 * g);
+                }
+                acc += k4_pair_sums(*(const uint4*)b, j, da, db, x, ua);
             }
             break;
         case T_Q6_K:
-            // unit u = sub-block s = 4n + t of block u / 8: ql >> 4(t >> 1), qh >> 2t, a scale per 16
-            for (int u = lane; u < units; u += 32) {
-                const uchar* b = row + 210LL * (u >> 3);
-                int s = u & 7, n = s >> 2, t = s & 3;
-                const uchar* ql = b + 64 * n + 32 * (t & 1);
-                const uchar* qh = b + 128 + 32 * n;
+            // lane p takes sub-blocks t and t + 2 (t = p % 2) of half n = p / 2 % 2 of block p / 4, which
+            // share their 32 ql bytes (low nibbles, high nibbles) and 32 qh bytes (bits 2t, 2t + 4):
+            // units u and u + 2, a scale per 16 elements
+            for (int p = lane; p < units / 2; p += 32) {
+                const uchar* b = row + 210LL * (p >> 2);
+                int n = (p >> 1) & 1, t = p & 1, u = 8 * (p >> 2) + 4 * n + t;
                 const signed char* sc = (const signed char*)(b + 192 + 8 * n + 2 * t);
-                int sl = 4 * (t >> 1), sh = 2 * t;
-                uint q[8], lw[8], hw[8];
-                ld32n_2<8>(ql, lw);
-                ld32n_2<8>(qh, hw);
+                uint lw[8], hw[8];  // hw: the qh words >> 2t, bits 0-1 and 4-5 of each byte ours
+                ld32n_2<8>(b + 64 * n + 32 * t, lw);
+                ld32n_2<8>(b + 128 + 32 * n, hw, 2 * t);
+                float ds = 0.f;
 #pragma unroll
-                for (int k = 0; k < 8; k++)
-                    q[k] = ((lw[k] >> sl) & 0x0F0F0F0Fu) | (((hw[k] >> sh) & 0x03030303u) << 4);
-                int i0 = dot4h(q, x, u, 0) - 32 * xi(x, u, 0), i1 = dot4h(q + 4, x, u, 4) - 32 * xi(x, u, 1);
-                acc = fmaf(ldh(b + 208) * xd(x, u), (float)sc[0] * (float)i0 + (float)sc[1] * (float)i1, acc);
+                for (int g = 0; g < 2; g++) {  // elements 16g .. 16g + 15 of both units
+                    uint qa[4], qb[4];
+#pragma unroll
+                    for (int k = 0; k < 4; k++) {
+                        uint l = lw[4 * g + k], h = hw[4 * g + k];
+                        qa[k] = (l & 0x0F0F0F0Fu) | ((h & 0x03030303u) << 4);
+                        qb[k] = ((l >> 4) & 0x0F0F0F0Fu) | (h & 0x30303030u);
+                    }
+                    int ia = dot4h(qa, x, u, 4 * g) - 32 * xi(x, u, g);
+                    int ib = dot4h(qb, x, u + 2, 4 * g) - 32 * xi(x, u + 2, g);
+                    ds += (float)sc[g] * xd(x, u) * (float)ia + (float)sc[4 + g] * xd(x, u + 2) * (float)ib;
+                }
+                acc = fmaf(ldh(b + 208), ds, acc);
+            }
+            break;
+        case T_IQ4_NL:
+            for (int u = lane; u < units; u += 32) {  // f16 d | 16 qs (Q4_0's nibbles, codebook values)
+                const uchar* b = row + 18LL * u;
+                uint w[4], q[8];
+                ld32n_2<4>(b + 2, w);
+#pragma unroll
+                for (int k = 0; k < 4; k++) iq4_lookup(w[k], &q[k], &q[k + 4]);
+                acc = fmaf(ldh(b) * xd(x, u), (float)dot8(q, x, u), acc);
+            }
+            break;
+        case T_IQ4_XS:
+            for (int u = lane; u < units; u += 32) {  // unit u = sub-block u % 8 of block u / 8
+                const uchar* b = row + 136LL * (u >> 3);
+                int s = u & 7;
+                uint2 h = *(const uint2*)b, c0 = *(const uint2*)(b + 8 + 16 * s), c1 = *(const uint2*)(b + 16 + 16 * s);
+                uint w[4] = {c0.x, c0.y, c1.x, c1.y}, q[8];  // 136-byte blocks: 8-byte aligned
+#pragma unroll
+                for (int k = 0; k < 4; k++) iq4_lookup(w[k], &q[k], &q[k + 4]);
+                float d = h2f((ushort)(h.x & 0xffffu)) * (float)iq4xs_scale(h.x >> 16, h.y, s);
+                acc = fmaf(d * xd(x, u), (float)dot8(q, x, u), acc);
             }
             break;
         case T_F32:
@@ -288,9 +443,6 @@ __device__ float row_dot(int type, const uchar* __restrict__ row, const XIn& x, 
                 for (int i = 0; i < 8; i++) acc = fmaf(v[i], x.f[8 * u + i], acc);
             }
             break;
-        GENERIC_CASE(T_Q2_K, q2_k, 84, 8)
-        GENERIC_CASE(T_Q3_K, q3_k, 110, 8)
-        GENERIC_CASE(T_Q5_K, q5_k, 176, 8)
         default: break;
     }
     return acc;
@@ -465,7 +617,7 @@ __device__ __forceinline__ void emit_records(const float* out, long long ldo, in
                                              int emit, const float* __restrict__ enw, uint* xr, int* cnt, int B,
                                              int* done) {
     __shared__ int n_done;
-    int warps = blockDim.x >> 5, warp = threadIdx.x >> 5, base = blockIdx.x * warps;
+    int warps = MV_WARPS, warp = threadIdx.x >> 5, base = blockIdx.x * warps;
     int units = (emit == 1 ? rows : rows0) >> 5, need = emit == 1 ? 32 : 64;
     if (threadIdx.x == 0) n_done = 0;
     __threadfence();  // this block's outputs are visible before its counts are
@@ -488,9 +640,9 @@ __device__ __forceinline__ void emit_records(const float* out, long long ldo, in
 
 // out[b * ldo + r] (=, or += when accumulate) = ([W0; W1; W2] @ act(x_b))[r] for B activation vectors
 // x_b = x + b * ldx (B = 1: one vector; up to MAX_BATCH: batched decode), for the types row_dot takes
-// with integer dot products (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q6_K), each matrix its own (t0..t2). act
-// as quant.cu's load_x prologue (0 x, 1 rmsnorm(x) * nw, 2 silu(x) * x2, 3 gelu_tanh(x) * x2, x2_b = x2 +
-// b * ldx), each vector quantized per 32 to two int8 levels in shared memory, as the fused step does;
+// with integer dot products (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K), each matrix its own
+// (t0..t2). act as quant.cu's load_x prologue (0 x, 1 rmsnorm(x) * nw, 2 silu(x) * x2, 3 gelu_tanh(x) *
+// x2, x2_b = x2 + b * ldx), each vector quantized per 32 to two int8 levels in shared memory, as the fused step does;
 // or prologue 4/5: x holds the records an earlier matvec_qb emitted (ldx floats a vector; 5: RMSNorm's
 // scale still to take, nw already applied). emit (0: none) makes the outputs the next matvec's records
 // too (emit_records). Each row of W comes from DRAM once for all B (the B - 1 further reads hit L1). 256
@@ -504,15 +656,16 @@ extern "C" __global__ void __launch_bounds__(256, 4) matvec_qb(
     float eps, int prologue, int accumulate, int B, int emit, const float* __restrict__ enw, uint* __restrict__ xr,
     int* __restrict__ cnt) {
     extern __shared__ __align__(16) float sq[];  // 16-byte loads of the activation records
-    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, warps = blockDim.x >> 5;
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, warps = MV_WARPS;
     int rows = rows0 + rows1 + rows2, r0 = blockIdx.x * warps + warp, stride = gridDim.x * warps;
     // the next kernel may launch now (a programmatic dependent launch: its blocks wait in pdl_wait)
     pdl_launch_dependents();
     // this warp's first two rows start coming into L2 while the block prepares its input (or, launched
     // programmatically, while the kernel before it finishes); each row is resolved once (RowRef) and
     // carried from prefetch to use
-    RowRef cur = row_ref(w0, w1, w2, t0, t1, t2, rows0, rows1, rows, r0, cols);
-    RowRef nxt = row_ref(w0, w1, w2, t0, t1, t2, rows0, rows1, rows, r0 + stride, cols);
+    int b0 = (int)row_bytes_of(t0, cols), b1 = (int)row_bytes_of(t1, cols), b2 = (int)row_bytes_of(t2, cols);
+    RowRef cur = row_ref(w0, w1, w2, t0, t1, t2, b0, b1, b2, rows0, rows1, rows, r0);
+    RowRef nxt = row_ref(w0, w1, w2, t0, t1, t2, b0, b1, b2, rows0, rows1, rows, r0 + stride);
     if (lane == 0) {
         prefetch_row(cur);
         prefetch_row(nxt);
@@ -523,7 +676,7 @@ extern "C" __global__ void __launch_bounds__(256, 4) matvec_qb(
     else quantize_pieces(sq, x, x2, ldx, nw, eps, prologue, cols, B);
     for (int r = r0; r < rows; r += stride) {
         // the row after this one: into L1 now (it is in L2 already), the one after that into L2
-        RowRef later = row_ref(w0, w1, w2, t0, t1, t2, rows0, rows1, rows, r + 2 * stride, cols);
+        RowRef later = row_ref(w0, w1, w2, t0, t1, t2, b0, b1, b2, rows0, rows1, rows, r + 2 * stride);
         prefetch_row_l1(nxt, lane);
         if (lane == 0) prefetch_row(later);
         for (int b = 0; b < B; b++) {
@@ -733,6 +886,8 @@ __device__ __forceinline__ void dec_unit(int type, const uchar* row, int u, floa
         case T_Q3_K: dec_q3_k(row + 110LL * (u / 8), u % 8, v); break;
         case T_Q4_K: dec_q4_k(row + 144LL * (u / 8), u % 8, v); break;
         case T_Q5_K: dec_q5_k(row + 176LL * (u / 8), u % 8, v); break;
+        case T_IQ4_NL: dec_iq4_nl(row + 18LL * u, 0, v); break;
+        case T_IQ4_XS: dec_iq4_xs(row + 136LL * (u / 8), u % 8, v); break;
         default: dec_q6_k(row + 210LL * (u / 8), u % 8, v); break;
     }
 }
