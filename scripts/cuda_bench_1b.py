@@ -27,7 +27,10 @@ For each file it measures, with engine.backends.cuda.bench.bench_decoder:
   prefill with it and flash_prefill_vs_cublas, a follow-up turn, the logits against the default's);
   the GPU sampler (sample_topk_*_gpu_us: one draw's GPU time with top-k 40 and off; sampled decode tok/s);
   batched decode (forward_batch, as `hearth serve` runs it) over 4 and 8 sequences, total tok/s, with the
-  logits to the host and with the tokens picked on the GPU (pick_batch).
+  logits to the host and with the tokens picked on the GPU (pick_batch);
+  decode in a chat-sized cache (LONG_CTX positions) near its start and near its end, with the default
+  number of attention splits and with 16 (long_ctx_*: a short position leaves most of the default's
+  heads x splits blocks without keys).
 
 Usage: python3 scripts/cuda_bench_1b.py --out results.json [--types Q4_K,Q8_0] [--prompt 512] [--gen 128]
 """
@@ -47,6 +50,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 HIDDEN, FFN, LAYERS, HEADS, KV_HEADS, HEAD_DIM, VOCAB = 2048, 8192, 16, 32, 8, 64, 128256
+LONG_CTX = 8192  # a chat's context for long_ctx_* (the headline decode runs in a cache just big enough)
 
 
 def _metadata() -> dict:
@@ -238,6 +242,7 @@ def bench_file(path: Path, n_prompt: int, n_gen: int, repetitions: int, entry: d
         ("flash", _bench_flash, prompt),
         ("sampling", _bench_sampling, prompt),
         ("batch", _bench_batches, prompt),
+        ("long_ctx", _bench_long_context, prompt),
     )
     for name, part, arg in parts:
         try:
@@ -602,6 +607,38 @@ def _bench_sampling(dec, prompt: list[int], n_ctx: int, steps: int = 64) -> dict
             t = dec.sample_step(t, c, 0.8, k, 0.95, float(rng.random()), 0.05)
         res[f"sampled_decode_tps_{name}"] = round(steps / (time.perf_counter() - t0), 1)
         res[f"host_draws_{name}"] = dec.host_draws
+    return res
+
+
+def _bench_long_context(dec, prompt: list[int], n_ctx: int, steps: int = 64) -> dict:
+    """Greedy decode tok/s in a cache of LONG_CTX positions, after the prompt (start) and after all but
+    the last ~300 positions of it (end), with ops.ATTN_SPLITS as it is and at 16
+    (long_ctx_{start,end}_splits{S}_decode_tps). The split count is fixed by the cache's size (the
+    captured step's grid), so near the start most blocks of the default's grid find no keys."""
+    import cupy as cp
+
+    from engine.backends.cuda import ops
+
+    long_prompt = np.random.default_rng(2).integers(0, VOCAB, LONG_CTX - 300).tolist()
+    default, res = ops.ATTN_SPLITS, {}
+    try:
+        for splits in (default, 16):
+            ops.ATTN_SPLITS = splits  # read when a cache's step is built and captured
+            for where, p in (("start", prompt), ("end", long_prompt)):
+                cache = dec.new_cache(LONG_CTX)
+                tok = int(np.argmax(dec.forward(p, cache)[-1]))
+                for _ in range(4):  # the step's capture and warm-up
+                    tok = dec.greedy_step(tok, cache)
+                cp.cuda.Device().synchronize()
+                t0 = time.perf_counter()
+                for _ in range(steps):
+                    tok = dec.greedy_step(tok, cache)
+                cp.cuda.Device().synchronize()
+                tps = steps / (time.perf_counter() - t0)
+                res[f"long_ctx_{where}_splits{splits}_decode_tps"] = round(tps, 1)
+                del cache
+    finally:
+        ops.ATTN_SPLITS = default
     return res
 
 

@@ -23,7 +23,7 @@ def _bench_over_the_stand_in(fake, tmp_path, monkeypatch, types_arg: str):
     spec = importlib.util.spec_from_file_location("cuda_bench_1b", SCRIPT)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
-    tiny = dict(HIDDEN=256, FFN=512, LAYERS=2, HEADS=4, KV_HEADS=2, HEAD_DIM=64, VOCAB=4096)
+    tiny = dict(HIDDEN=256, FFN=512, LAYERS=2, HEADS=4, KV_HEADS=2, HEAD_DIM=64, VOCAB=4096, LONG_CTX=512)
     for name, value in tiny.items():
         monkeypatch.setattr(bench, name, value)
     normal = lambda shape, dtype: dry._wrap(np.random.default_rng(0).standard_normal(shape).astype(dtype))  # noqa: E731
@@ -61,6 +61,7 @@ def test_bench_script_runs_every_measurement(fake, tmp_path, monkeypatch):
         wanted += ("sample_topk_k40_gpu_us", "sample_topk_open_gpu_us", "sampled_decode_tps_open")
         wanted += ("pdl_vs_plain_rel", "pdl_off_decode_tps", "handoff_vs_plain_rel", "handoff_greedy_matches")
         wanted += ("handoff_decode_tps", "handoff_off_decode_tps", "batch8_pick_tps_total")
+        wanted += ("long_ctx_start_splits128_decode_tps", "long_ctx_end_splits16_decode_tps")
         for key in wanted:
             assert key in entry, key
     assert not list(tmp_path.glob("*.gguf"))  # the 1B files are deleted after their run
