@@ -221,9 +221,10 @@ __device__ void attend_split(float* sc, float (*vsum)[512], const float* sq, con
 // norm_rope by qn); the split that holds pos also forms the new key of its KV head (norm_rope by kn) and
 // takes it and the new value from qkv instead of the cache (rounded as the cache would store them), and
 // the block of the KV head's first query head writes both to the cache (no block reads position pos
-// there). Unnormalised partial sums go to acc (H, S, hd), (max, sum) pairs to ml (H, S, 2); the last
-// of a head's S blocks to finish (count[h], which it resets for the next step) combines the splits
-// that hold visible keys into out (H, hd), and with xr (not null; hd a multiple of 32) into the
+// there). A split without visible keys does nothing (the grid is sized by the cache: captured once, it
+// runs at every position). Unnormalised partial sums go to acc (H, S, hd), (max, sum) pairs to ml
+// (H, S, 2); the last of a head's splits with keys to finish (count[h], which it resets for the next
+// step) combines them into out (H, hd), and with xr (not null; hd a multiple of 32) into the
 // activation records of out for the output projection's matvec too (common.cuh's quantize_unit).
 // A batch of sequences in one launch (table not null; grid (H, S, B)): sequence z = blockIdx.z takes its
 // caches and their n_ctx from table[3 z ..] (k, v, n_ctx), its rows out + z ldo and qkv + z ldq, its
@@ -265,7 +266,10 @@ extern "C" __global__ void __launch_bounds__(128) attn_decode(
     int start = window > 0 ? max(0, pos - window + 1) : 0;
     int k0 = max(start, s * chunk), k1 = min(pos + 1, (s + 1) * chunk);
     long long part = (long long)h * S + s;
-    if (k0 < k1) {  // the same for the whole block
+    // splits s_lo..s_hi hold visible keys; the others (most of a long cache's near its start) leave at once
+    int s_lo = start / chunk, s_hi = min(S - 1, pos / chunk), n_s = s_hi - s_lo + 1;
+    if (k0 >= k1) return;  // the same for the whole block
+    {
         int g = h / (H / KV);
         const float* vnew = qkv + (long long)(H + KV + g) * hd;
         norm_rope(sq, qkv + (long long)h * hd, qn, pos, inv_freq, hd, n_rot, neox, eps, red);
@@ -286,15 +290,12 @@ extern "C" __global__ void __launch_bounds__(128) attn_decode(
             ml[2 * part] = m;
             ml[2 * part + 1] = l;
         }
-    } else if (threadIdx.x == 0) {
-        ml[2 * part] = -3.0e38f;
-        ml[2 * part + 1] = 0.f;
     }
-    // the last of the head's blocks to get here combines the partials of the splits with visible keys
+    // the last of the head's n_s blocks with keys to get here combines their partials
     __threadfence();
     __syncthreads();
     if (threadIdx.x == 0) {
-        last = atomicAdd(&count[h], 1u) == (uint)(S - 1);
+        last = atomicAdd(&count[h], 1u) == (uint)(n_s - 1);
         if (last) count[h] = 0;
     }
     __syncthreads();
@@ -303,7 +304,6 @@ extern "C" __global__ void __launch_bounds__(128) attn_decode(
     // the other blocks' partials, read from L2 (ld_l2: past L1, which another SM's writes do not reach):
     // each split's (max, sum) by a thread of its own, then each split's weight exp(m_i - M) / L, then
     // every thread's elements over the splits, their loads independent of one another
-    int s_lo = start / chunk, s_hi = min(S - 1, pos / chunk), n_s = s_hi - s_lo + 1;
     const float* hml = ml + 2LL * (h * S + s_lo);
     float M = -3.0e38f;
     for (int i = threadIdx.x; i < n_s; i += blockDim.x) {
