@@ -71,8 +71,7 @@ def unsupported_reason(dec) -> str | None:
 def smem_bytes(cfg) -> int:
     """Dynamic shared memory of one block (the layout at the top of decode_step)."""
     maxc = max(cfg.hidden_size, cfg.q_dim, cfg.intermediate_size)
-    mu = maxc // 32
-    floats = 64 + 2 * maxc + 16 * mu + 4 * mu + 3 * MAX_HD + STEP_WARPS * (MAX_HD + 2)
+    floats = 64 + 2 * maxc + ops.records_width(maxc) + 3 * MAX_HD + STEP_WARPS * (MAX_HD + 2)
     return 4 * floats
 
 

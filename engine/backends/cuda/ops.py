@@ -297,8 +297,9 @@ class Emit(NamedTuple):
 
 
 def records_width(n: int) -> int:
-    """uint32 words of the records of an activation of n elements (n a multiple of 32)."""
-    return n // 32 * XREC
+    """uint32 words of the records of an activation of n elements (n a multiple of 32): its units' in
+    whole groups of 8 slots (common.cuh's rec_slot permutes the units of a group)."""
+    return -(-(n // 32) // 8) * 8 * XREC
 
 
 def _check_records(r, rows: int, n: int, what: str) -> None:
@@ -364,7 +365,7 @@ def _launch_matvec_qb(
         NULL if emit is None else emit.counts,
     )
     # the records of the input; with emit the same memory then lists the units the block completes
-    shared = max(n * 4 * XREC * (cols // 32), 4 * (width // 32))
+    shared = max(n * 4 * records_width(cols), 4 * (width // 32))
     _launch_matvec("matvec_qb", grid, shared, args, threads)
 
 

@@ -95,12 +95,31 @@ struct XIn {
 // 19 the integer sums Σ(256 hi + lo) of its two halves. Five 16-byte loads read one; 20 words apart,
 // consecutive units' loads by 8 lanes fall in distinct banks.
 #define XREC 20
-__device__ __forceinline__ float xd(const XIn& x, int u) { return __uint_as_float(x.q[XREC * u + 16]); }
-__device__ __forceinline__ float xs(const XIn& x, int u) { return __uint_as_float(x.q[XREC * u + 17]); }
-__device__ __forceinline__ int xi(const XIn& x, int u, int half) { return (int)x.q[XREC * u + 18 + half]; }
+// Where unit u's record sits: slot rec_slot(u) of its aligned group of 8 (a vector's records take
+// rec_units(units) slots: whole groups). Records 20 words apart put 8 consecutive units' 16-byte loads
+// in distinct banks, but the K-quant dot products read every other unit (Q4_K/Q5_K/Q2_K/Q3_K: units
+// 2p; Q6_K: 8b + {0, 1, 4, 5}) and those met two to a bank; swapping the low two bits of the units of
+// every odd group spreads each of these patterns over the 32 banks (checked for all of them).
+__device__ __forceinline__ int rec_slot(int u) { return u ^ (((u >> 3) & 1) * 3); }
+__device__ __forceinline__ int rec_units(int units) { return (units + 7) & ~7; }
+__device__ __forceinline__ uint* rec_of(const XIn& x, int u) { return x.q + XREC * rec_slot(u); }
+// One lane's view of the records of units u0 + 16 i (i >= 0): the permutation leaves bits 0-3 of a unit
+// alone, so it is one shift for all of them, and a loop over them steps through memory evenly
+struct XView {
+    const uint* q;  // unit u's record at q + XREC * u
+};
+__device__ __forceinline__ XView xview(const XIn& x, int u0) { return XView{x.q + XREC * (rec_slot(u0) - u0)}; }
+__device__ __forceinline__ const uint* rec_of(XView v, int u) { return v.q + XREC * u; }
+// unit u's scale d, value sum s and half sums i (the record's words 16-19)
+template <class X>
+__device__ __forceinline__ float xd(const X& x, int u) { return __uint_as_float(rec_of(x, u)[16]); }
+template <class X>
+__device__ __forceinline__ float xs(const X& x, int u) { return __uint_as_float(rec_of(x, u)[17]); }
+template <class X>
+__device__ __forceinline__ int xi(const X& x, int u, int half) { return (int)rec_of(x, u)[18 + half]; }
 // unit u's scale, value sum and half sums into its record
 __device__ __forceinline__ void set_unit(const XIn& x, int u, float d, float s, int i0, int i1) {
-    uint* r = x.q + XREC * u;
+    uint* r = rec_of(x, u);
     r[16] = __float_as_uint(d);
     r[17] = __float_as_uint(s);
     r[18] = (uint)i0;
@@ -112,7 +131,7 @@ __device__ __forceinline__ void set_unit(const XIn& x, int u, float d, float s, 
 // of its weights with the quantized activation. On sm_80+ the max and the integer sums are one
 // redux.sync each (a shuffle tree costs 5 shuffles, at one warp shuffle per clock per SM).
 __device__ __forceinline__ void quantize_unit(XIn& xin, int u, int lane, float v) {
-    uchar* wb = (uchar*)(xin.q + XREC * u);
+    uchar* wb = (uchar*)rec_of(xin, u);
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
     // non-negative floats order as their bit patterns
     float amax = __uint_as_float(__reduce_max_sync(0xffffffffu, __float_as_uint(fabsf(v))));
@@ -143,7 +162,7 @@ __device__ __forceinline__ void quantize_unit(XIn& xin, int u, int lane, float v
 __device__ __forceinline__ void quantize_unit_normed(XIn& rec, int u, int lane, float v, float w) {
     quantize_unit(rec, u, lane, v * w);
     float ss = warp_sum(v * v);
-    if (lane == 0) rec.q[XREC * u + 17] = __float_as_uint(ss);  // after quantize_unit's s (same thread)
+    if (lane == 0) rec_of(rec, u)[17] = __float_as_uint(ss);  // after quantize_unit's s (same thread)
 }
 
 // 16 bytes as 8 halves, 8 bfloat16s or 4 floats

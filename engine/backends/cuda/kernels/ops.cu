@@ -19,7 +19,7 @@ extern "C" __global__ void rmsnorm(void* __restrict__ out, const float* __restri
     ss = block_sum(ss, red);
     float inv = rsqrtf(ss / (float)dim + eps);
     XIn rec;
-    rec.q = recs == nullptr ? nullptr : recs + (long long)blockIdx.x * XREC * (dim >> 5);
+    rec.q = recs == nullptr ? nullptr : recs + (long long)blockIdx.x * XREC * rec_units(dim >> 5);
     for (int j = threadIdx.x; j < dim; j += blockDim.x) {  // warp-uniform trips when dim % 32 == 0
         float g = add_one ? 1.f + w[j] : w[j];
         float v = xr[j] * inv * g;
@@ -260,7 +260,7 @@ extern "C" __global__ void __launch_bounds__(128) attn_decode(
         acc += (long long)b * H * S * hd;
         ml += 2LL * b * H * S;
         count += (long long)b * H;
-        if (xr != nullptr) xr += (long long)b * XREC * (H * hd >> 5);
+        if (xr != nullptr) xr += (long long)b * XREC * rec_units(H * hd >> 5);
     }
     int pos = pos_p[0];
     int start = window > 0 ? max(0, pos - window + 1) : 0;

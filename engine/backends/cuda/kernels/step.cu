@@ -160,15 +160,17 @@ __device__ __forceinline__ int dot4(const uint* q, uint4 h, uint4 l) {
     int lo = dp4a(q[0], l.x, dp4a(q[1], l.y, dp4a(q[2], l.z, dp4a(q[3], l.w, 0))));
     return 256 * hi + lo;
 }
-// Σ over 8 words of q . x for unit u (both int8 levels): 256 Σ q hi + Σ q lo
-__device__ __forceinline__ int dot8(const uint* q, const XIn& x, int u) {
-    const uint4* r = (const uint4*)(x.q + XREC * u);
+// Σ over 8 words of q . x for unit u (both int8 levels): 256 Σ q hi + Σ q lo (x: an XIn or an XView)
+template <class X>
+__device__ __forceinline__ int dot8(const uint* q, const X& x, int u) {
+    const uint4* r = (const uint4*)rec_of(x, u);
     uint4 h0 = r[0], h1 = r[1], l0 = r[2], l1 = r[3];
     return dot4(q, h0, l0) + dot4(q + 4, h1, l1);
 }
 // the same over words k0..k0+3 (a 16-element half; k0 0 or 4)
-__device__ __forceinline__ int dot4h(const uint* q, const XIn& x, int u, int k0) {
-    const uint4* r = (const uint4*)(x.q + XREC * u);
+template <class X>
+__device__ __forceinline__ int dot4h(const uint* q, const X& x, int u, int k0) {
+    const uint4* r = (const uint4*)rec_of(x, u);
     return dot4(q, r[k0 >> 2], r[2 + (k0 >> 2)]);
 }
 
@@ -189,16 +191,16 @@ __device__ __forceinline__ void nibbles_k4(const uint4* q4, uint* qa, uint* qb) 
     }
 }
 // This lane's part of a Q4_K/Q5_K block (header h) . x over its sub-blocks 2j and 2j + 1 (units ua and
-// ua + 1 of x), from their integer dot products da = Σ qa (256 hi + lo)_a, db likewise:
+// ua + 1, in views xa and xb), from their integer dot products da = Σ qa (256 hi + lo)_a, db likewise:
 // d (sa xd_a da + sb xd_b db) - dmin (ma s_a + mb s_b)
-__device__ __forceinline__ float k4_pair_sums(uint4 h, int j, int da, int db, const XIn& x, int ua) {
+__device__ __forceinline__ float k4_pair_sums(uint4 h, int j, int da, int db, XView xa, XView xb, int ua) {
     uint sc, mn;
     scales_k4(h, j >> 1, &sc, &mn);
     int sh = 16 * (j & 1);
     float sa = (float)((sc >> sh) & 255u), sb = (float)((sc >> (sh + 8)) & 255u);
     float ma = (float)((mn >> sh) & 255u), mb = (float)((mn >> (sh + 8)) & 255u);
-    float dots = sa * xd(x, ua) * (float)da + sb * xd(x, ua + 1) * (float)db;
-    return k4_d(h) * dots - k4_dmin(h) * (ma * xs(x, ua) + mb * xs(x, ua + 1));
+    float dots = sa * xd(xa, ua) * (float)da + sb * xd(xb, ua + 1) * (float)db;
+    return k4_d(h) * dots - k4_dmin(h) * (ma * xs(xa, ua) + mb * xs(xb, ua + 1));
 }
 // The codebook values (int8) of the eight IQ4 indices in w (byte j: element j low, j + 16 high): *lo
 // those of the low nibbles (elements j .. j + 3 of the word's four bytes), *hi those of the high ones.
@@ -213,9 +215,11 @@ __device__ __forceinline__ void iq4_lookup(uint w, uint* lo, uint* hi) {
 }
 
 // This lane's part of row . x (the caller sums the warp).
-__device__ float row_dot(int type, const uchar* __restrict__ row, const XIn& x, int lane) {
+// Each case reads the records through views (xview) made for the units its lane starts from.
+__device__ float row_dot(int type, const uchar* __restrict__ row, const XIn& xin, int lane) {
     float acc = 0.f;
-    int units = x.units;
+    int units = xin.units;
+    XView x = xview(xin, lane);  // the types that take one unit a lane: units lane + 32 i
     switch (type) {
         case T_Q8_0:
             for (int u = lane; u < units; u += 32) {
@@ -271,7 +275,8 @@ __device__ float row_dot(int type, const uchar* __restrict__ row, const XIn& x, 
             // lane p takes units u and u + 1 (t and t + 1, t = 2 (p % 2)) of half n = p / 2 % 2 of block
             // p / 4 (84 bytes: 16 scale|min nibble pairs, one per 16 elements, 64 qs, f16 d, f16 dmin):
             // their elements are bits 2t and 2t + 2 of the half's 32 qs bytes; value d sc q - dmin m
-            for (int p = lane; p < units / 2; p += 32) {
+            for (int p = lane, u0 = 8 * (lane >> 2) + 4 * ((lane >> 1) & 1) + 2 * (lane & 1); p < units / 2; p += 32) {
+                XView xa = xview(xin, u0), xb = xview(xin, u0 + 1);
                 const uchar* b = row + 84LL * (p >> 2);
                 int n = (p >> 1) & 1, t2 = 4 * (p & 1), u = 8 * (p >> 2) + 4 * n + (t2 >> 1);
                 const uint* qs = (const uint*)(b + 16 + 32 * n);  // 84-byte blocks: 4-byte aligned
@@ -287,13 +292,13 @@ __device__ float row_dot(int type, const uchar* __restrict__ row, const XIn& x, 
                         qb[k] = (w >> 2) & 0x03030303u;
                     }
                     int sa = (sm >> (8 * g)) & 255, sb = (sm >> (16 + 8 * g)) & 255;
-                    da += (sa & 15) * dot4h(qa, x, u, 4 * g);
-                    db += (sb & 15) * dot4h(qb, x, u + 1, 4 * g);
-                    ma += (sa >> 4) * xi(x, u, g);
-                    mb += (sb >> 4) * xi(x, u + 1, g);
+                    da += (sa & 15) * dot4h(qa, xa, u, 4 * g);
+                    db += (sb & 15) * dot4h(qb, xb, u + 1, 4 * g);
+                    ma += (sa >> 4) * xi(xa, u, g);
+                    mb += (sb >> 4) * xi(xb, u + 1, g);
                 }
                 float d = ldh(b + 80), dmin = ldh(b + 82);
-                acc += xd(x, u) * (d * (float)da - dmin * (float)ma) + xd(x, u + 1) * (d * (float)db - dmin * (float)mb);
+                acc += xd(xa, u) * (d * (float)da - dmin * (float)ma) + xd(xb, u + 1) * (d * (float)db - dmin * (float)mb);
             }
             break;
         case T_Q3_K:
@@ -301,7 +306,8 @@ __device__ float row_dot(int type, const uchar* __restrict__ row, const XIn& x, 
             // p / 4 (110 bytes: 32 hmask, 64 qs, 12 bytes of 6-bit scales, f16 d): low bits 2t and 2t + 2
             // of the half's 32 qs bytes, high bits 4n + t and 4n + t + 1 of the 32 hmask bytes; value
             // d (sc - 32) (low + 4 high - 4)
-            for (int p = lane; p < units / 2; p += 32) {
+            for (int p = lane, u0 = 8 * (lane >> 2) + 4 * ((lane >> 1) & 1) + 2 * (lane & 1); p < units / 2; p += 32) {
+                XView xa = xview(xin, u0), xb = xview(xin, u0 + 1);
                 const uchar* b = row + 110LL * (p >> 2);
                 int n = (p >> 1) & 1, tp = p & 1, m = 2 * n + tp, u = 8 * (p >> 2) + 2 * m;
                 uint lw[8], hw[8], sw[3];
@@ -322,19 +328,20 @@ __device__ float row_dot(int type, const uchar* __restrict__ row, const XIn& x, 
                         qa[k] = (l & 0x03030303u) | ((h & 0x01010101u) << 2);
                         qb[k] = ((l >> 2) & 0x03030303u) | ((h & 0x02020202u) << 1);
                     }
-                    ia[g] = dot4h(qa, x, u, 4 * g) - 4 * xi(x, u, g);
-                    ib[g] = dot4h(qb, x, u + 1, 4 * g) - 4 * xi(x, u + 1, g);
+                    ia[g] = dot4h(qa, xa, u, 4 * g) - 4 * xi(xa, u, g);
+                    ib[g] = dot4h(qb, xb, u + 1, 4 * g) - 4 * xi(xb, u + 1, g);
                 }
                 int s0 = (int)(sc & 255u) - 32, s1 = (int)((sc >> 8) & 255u) - 32;
                 int s2 = (int)((sc >> 16) & 255u) - 32, s3 = (int)(sc >> 24) - 32;
                 float fa = (float)(s0 * ia[0] + s1 * ia[1]), fb = (float)(s2 * ib[0] + s3 * ib[1]);
-                acc = fmaf(ldh(b + 108), xd(x, u) * fa + xd(x, u + 1) * fb, acc);
+                acc = fmaf(ldh(b + 108), xd(xa, u) * fa + xd(xb, u + 1) * fb, acc);
             }
             break;
         case T_Q4_K:
             // lane p takes the sub-block pair (2j, 2j + 1) of block p / 4 (j = p % 4): 32 qs bytes, low
             // nibbles then high
             for (int p = lane; p < units / 2; p += 32) {
+                XView xa = xview(xin, 2 * lane), xb = xview(xin, 2 * lane + 1);
                 const uchar* b = row + 144LL * (p >> 2);
                 int j = p & 3, ua = 2 * p, da = 0, db = 0;
                 const uint4* q4 = (const uint4*)(b + 16 + 32 * j);
@@ -347,15 +354,16 @@ __device__ float row_dot(int type, const uchar* __restrict__ row, const XIn& x, 
                         qa[k] = w[k] & 0x0F0F0F0Fu;
                         qb[k] = (w[k] >> 4) & 0x0F0F0F0Fu;
                     }
-                    da += dot4h(qa, x, ua, 4 * g);
-                    db += dot4h(qb, x, ua + 1, 4 * g);
+                    da += dot4h(qa, xa, ua, 4 * g);
+                    db += dot4h(qb, xb, ua + 1, 4 * g);
                 }
-                acc += k4_pair_sums(*(const uint4*)b, j, da, db, x, ua);
+                acc += k4_pair_sums(*(const uint4*)b, j, da, db, xa, xb, ua);
             }
             break;
         case T_Q5_K:
             // as Q4_K, with bits 2j and 2j + 1 of the block's 32 qh bytes as the pair's fifth bits
             for (int p = lane; p < units / 2; p += 32) {
+                XView xa = xview(xin, 2 * lane), xb = xview(xin, 2 * lane + 1);
                 const uchar* b = row + 176LL * (p >> 2);
                 int j = p & 3, ua = 2 * p, da = 0, db = 0;
                 const uint4* q4 = (const uint4*)(b + 48 + 32 * j);
@@ -370,17 +378,18 @@ __device__ float row_dot(int type, const uchar* __restrict__ row, const XIn& x, 
                         qa[k] = (w[k] & 0x0F0F0F0Fu) | ((f[k] & 0x01010101u) << 4);
                         qb[k] = ((w[k] >> 4) & 0x0F0F0F0Fu) | ((f[k] & 0x02020202u) << 3);
                     }
-                    da += dot4h(qa, x, ua, 4 * g);
-                    db += dot4h(qb, x, ua + 1, 4 * g);
+                    da += dot4h(qa, xa, ua, 4 * g);
+                    db += dot4h(qb, xb, ua + 1, 4 * g);
                 }
-                acc += k4_pair_sums(*(const uint4*)b, j, da, db, x, ua);
+                acc += k4_pair_sums(*(const uint4*)b, j, da, db, xa, xb, ua);
             }
             break;
         case T_Q6_K:
             // lane p takes sub-blocks t and t + 2 (t = p % 2) of half n = p / 2 % 2 of block p / 4, which
             // share their 32 ql bytes (low nibbles, high nibbles) and 32 qh bytes (bits 2t, 2t + 4):
             // units u and u + 2, a scale per 16 elements
-            for (int p = lane; p < units / 2; p += 32) {
+            for (int p = lane, u0 = 8 * (lane >> 2) + 4 * ((lane >> 1) & 1) + (lane & 1); p < units / 2; p += 32) {
+                XView xa = xview(xin, u0), xb = xview(xin, u0 + 2);
                 const uchar* b = row + 210LL * (p >> 2);
                 int n = (p >> 1) & 1, t = p & 1, u = 8 * (p >> 2) + 4 * n + t;
                 const signed char* sc = (const signed char*)(b + 192 + 8 * n + 2 * t);
@@ -397,9 +406,9 @@ __device__ float row_dot(int type, const uchar* __restrict__ row, const XIn& x, 
                         qa[k] = (l & 0x0F0F0F0Fu) | ((h & 0x03030303u) << 4);
                         qb[k] = ((l >> 4) & 0x0F0F0F0Fu) | (h & 0x30303030u);
                     }
-                    int ia = dot4h(qa, x, u, 4 * g) - 32 * xi(x, u, g);
-                    int ib = dot4h(qb, x, u + 2, 4 * g) - 32 * xi(x, u + 2, g);
-                    ds += (float)sc[g] * xd(x, u) * (float)ia + (float)sc[4 + g] * xd(x, u + 2) * (float)ib;
+                    int ia = dot4h(qa, xa, u, 4 * g) - 32 * xi(xa, u, g);
+                    int ib = dot4h(qb, xb, u + 2, 4 * g) - 32 * xi(xb, u + 2, g);
+                    ds += (float)sc[g] * xd(xa, u) * (float)ia + (float)sc[4 + g] * xd(xb, u + 2) * (float)ib;
                 }
                 acc = fmaf(ldh(b + 208), ds, acc);
             }
@@ -427,20 +436,20 @@ __device__ float row_dot(int type, const uchar* __restrict__ row, const XIn& x, 
             }
             break;
         case T_F32:
-            for (int u = lane; u < x.cols / 4; u += 32) {
+            for (int u = lane; u < xin.cols / 4; u += 32) {
                 float v[4];
                 unpack4_f32(((const uint4*)row)[u], v);
-                for (int i = 0; i < 4; i++) acc = fmaf(v[i], x.f[4 * u + i], acc);
+                for (int i = 0; i < 4; i++) acc = fmaf(v[i], xin.f[4 * u + i], acc);
             }
             break;
         case T_F16:
         case T_BF16:
-            for (int u = lane; u < x.cols / 8; u += 32) {
+            for (int u = lane; u < xin.cols / 8; u += 32) {
                 float v[8];
                 if (type == T_F16) unpack8_f16(((const uint4*)row)[u], v);
                 else unpack8_bf16(((const uint4*)row)[u], v);
 #pragma unroll
-                for (int i = 0; i < 8; i++) acc = fmaf(v[i], x.f[8 * u + i], acc);
+                for (int i = 0; i < 8; i++) acc = fmaf(v[i], xin.f[8 * u + i], acc);
             }
             break;
         default: break;
@@ -455,7 +464,7 @@ __device__ __forceinline__ XIn xin_of(float* sq, int b, int cols) {
     XIn xin;
     xin.cols = cols;
     xin.units = units;
-    xin.q = (uint*)((uchar*)sq + (long long)b * 4 * XREC * units);
+    xin.q = (uint*)((uchar*)sq + (long long)b * 4 * XREC * rec_units(units));
     xin.f = xin.t = nullptr;
     return xin;
 }
@@ -556,8 +565,8 @@ __device__ void quantize_pieces(float* sq, const float* __restrict__ x, const fl
                 XIn xin = xin_of(sq, b, cols);
 #pragma unroll
                 for (int j = 0; j < 2; j++) {
-                    xin.q[XREC * u + 2 * part + j] = hi[j];
-                    xin.q[XREC * u + 2 * part + j + 8] = lo[j];
+                    rec_of(xin, u)[2 * part + j] = hi[j];
+                    rec_of(xin, u)[2 * part + j + 8] = lo[j];
                 }
                 if (part == 0) {
                     float d = amax / XQ_SCALE;
@@ -575,7 +584,7 @@ __device__ void quantize_pieces(float* sq, const float* __restrict__ x, const fl
 // the units' sums of x squared) then takes the RMS (rms_scale). Ends with the block synchronised.
 __device__ void load_records(float* sq, const float* __restrict__ x, long long ldx, float eps, int prologue, int cols,
                              int B) {
-    int per = (cols >> 5) * XREC / 4;  // 16-byte pieces a vector
+    int per = rec_units(cols >> 5) * XREC / 4;  // 16-byte pieces a vector (its whole groups of 8 slots)
     for (int k = threadIdx.x; k < B * per; k += blockDim.x) {
         int b = k / per, i = k % per;
         ((uint4*)xin_of(sq, b, cols).q)[i] = ((const uint4*)(x + b * ldx))[i];
@@ -605,7 +614,7 @@ __device__ __forceinline__ void emit_unit(const float* out, long long ldo, int r
         const float* ob = out + b * ldo;
         float v = ld_l2(ob + e);
         XIn rec;
-        rec.q = xr + (long long)b * XREC * units;
+        rec.q = xr + (long long)b * XREC * rec_units(units);
         if (emit == 1) quantize_unit_normed(rec, u, lane, v, enw[e]);
         else quantize_unit(rec, u, lane, (emit == 2 ? silu(v) : gelu_tanh(v)) * ld_l2(ob + rows0 + e));
     }
@@ -1122,7 +1131,7 @@ extern "C" __global__ void __launch_bounds__(512, 1) decode_step(
     xin.f = sx + 64;
     xin.t = xin.f + maxc;
     xin.q = (uint*)(xin.t + maxc);
-    float* att = (float*)(xin.q + XREC * mu);  // attention scratch (phase B only)
+    float* att = (float*)(xin.q + XREC * rec_units(mu));  // attention scratch (phase B only)
     if (threadIdx.x == 0) *gen = *(volatile uint*)&sync[1];
     __syncthreads();
 
