@@ -339,6 +339,7 @@ def _launch_matvec_qb(
     rows = [w.rows for w in ws] + [0] * pad
     weights = [w.raw for w in ws] + [NULL] * pad
     kinds = [_i32(w.ggml_type) for w in ws] + [_i32(ws[0].ggml_type)] * pad
+    row_bytes = [cols // TYPES[w.ggml_type][1] * TYPES[w.ggml_type][2] for w in ws] + [0] * pad
     # every block quantizes the whole input, 8 elements a thread at a time: even the down projection's
     # 8192 take a block of 256 threads 4 rounds of independent loads, so its rows spread over as many
     # blocks as the other matrices' (1024-thread blocks, one per SM, left half the H200's SMs idle)
@@ -350,6 +351,7 @@ def _launch_matvec_qb(
         *weights,
         *kinds,
         *map(_i32, rows),
+        *map(_i32, row_bytes),
         _i32(cols),
         x,
         NULL if x2 is None else x2,

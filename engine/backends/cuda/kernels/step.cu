@@ -112,8 +112,8 @@ struct RowRef {
     const uchar* w;
     int type, bytes;
 };
-// Row r of [W0; W1; W2], each matrix its own GGUF type (t0..t2) and bytes a row (b0..b2, computed once
-// per kernel: the divisions of row_bytes_of for every type would otherwise stay in registers)
+// Row r of [W0; W1; W2], each matrix its own GGUF type (t0..t2) and bytes a row (b0..b2: launch
+// arguments, so they take no registers; row_bytes_of's switch made ptxas keep them in local memory)
 __device__ __forceinline__ RowRef row_ref(const uchar* w0, const uchar* w1, const uchar* w2, int t0, int t1,
                                           int t2, int b0, int b1, int b2, int rows0, int rows1, int rows, int r) {
     RowRef ref = {nullptr, t0, 0};
@@ -649,19 +649,19 @@ __device__ __forceinline__ void emit_records(const float* out, long long ldo, in
 
 // out[b * ldo + r] (=, or += when accumulate) = ([W0; W1; W2] @ act(x_b))[r] for B activation vectors
 // x_b = x + b * ldx (B = 1: one vector; up to MAX_BATCH: batched decode), for the types row_dot takes
-// with integer dot products (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K), each matrix its own
-// (t0..t2). act as quant.cu's load_x prologue (0 x, 1 rmsnorm(x) * nw, 2 silu(x) * x2, 3 gelu_tanh(x) *
+// with integer dot products (every GGUF block type), each matrix its own (t0..t2) and its bytes a row
+// (b0..b2). act as quant.cu's load_x prologue (0 x, 1 rmsnorm(x) * nw, 2 silu(x) * x2, 3 gelu_tanh(x) *
 // x2, x2_b = x2 + b * ldx), each vector quantized per 32 to two int8 levels in shared memory, as the fused step does;
 // or prologue 4/5: x holds the records an earlier matvec_qb emitted (ldx floats a vector; 5: RMSNorm's
 // scale still to take, nw already applied). emit (0: none) makes the outputs the next matvec's records
 // too (emit_records). Each row of W comes from DRAM once for all B (the B - 1 further reads hit L1). 256
 // threads (at least one warp per vector: quantize_pieces), one row per warp at a time, rows
-// grid-strided. Dynamic shared memory: B * 80 * (cols / 32) bytes, and at least 4 bytes an output unit
-// with emit.
+// grid-strided. Dynamic shared memory: B * 4 * ops.records_width(cols) bytes, and at least 4 bytes an
+// output unit with emit.
 extern "C" __global__ void __launch_bounds__(256, 4) matvec_qb(
     float* __restrict__ out, long long ldo, const uchar* __restrict__ w0, const uchar* __restrict__ w1,
-    const uchar* __restrict__ w2, int t0, int t1, int t2, int rows0, int rows1, int rows2, int cols,
-    const float* __restrict__ x, const float* __restrict__ x2, long long ldx, const float* __restrict__ nw,
+    const uchar* __restrict__ w2, int t0, int t1, int t2, int rows0, int rows1, int rows2, int b0, int b1,
+    int b2, int cols, const float* __restrict__ x, const float* __restrict__ x2, long long ldx, const float* __restrict__ nw,
     float eps, int prologue, int accumulate, int B, int emit, const float* __restrict__ enw, uint* __restrict__ xr,
     int* __restrict__ cnt) {
     extern __shared__ __align__(16) float sq[];  // 16-byte loads of the activation records
@@ -672,7 +672,6 @@ extern "C" __global__ void __launch_bounds__(256, 4) matvec_qb(
     // this warp's first two rows start coming into L2 while the block prepares its input (or, launched
     // programmatically, while the kernel before it finishes); each row is resolved once (RowRef) and
     // carried from prefetch to use
-    int b0 = (int)row_bytes_of(t0, cols), b1 = (int)row_bytes_of(t1, cols), b2 = (int)row_bytes_of(t2, cols);
     RowRef cur = row_ref(w0, w1, w2, t0, t1, t2, b0, b1, b2, rows0, rows1, rows, r0);
     RowRef nxt = row_ref(w0, w1, w2, t0, t1, t2, b0, b1, b2, rows0, rows1, rows, r0 + stride);
     if (lane == 0) {
