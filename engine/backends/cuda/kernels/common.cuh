@@ -87,7 +87,7 @@ static inline int __float2int_rn(float v) { return (int)std::nearbyint(v); }
 struct XIn {
     float* f;   // (cols,) natural order
     float* t;   // (cols,) the fused step's scratch (embedding row, folded residual)
-    uint* q;    // (XREC * units) unit u's record at q + XREC * u (16-byte aligned): see below
+    uint* q;    // (XREC * rec_units(units)) unit u's record at rec_of(x, u) (16-byte aligned): see below
     int cols, units;
 };
 // A unit's record of the two int8 levels (x ~ d * (256 hi + lo)): words 0-7 hi (4 elements each, in

@@ -207,7 +207,8 @@ __device__ __forceinline__ int iq4xs_scale(uint head_hi, uint scales_l, int s) {
     return (int)(((scales_l >> (4 * s)) & 15u) | (((head_hi >> (2 * s)) & 3u) << 4)) - 32;
 }
 __device__ __forceinline__ void dec_iq4_xs(const uchar* b, int s, float* v) {
-    uint h = (uint)b[2] | ((uint)b[3] << 8), l = (uint)b[4] | ((uint)b[5] << 8) | ((uint)b[6] << 16) | ((uint)b[7] << 24);
+    uint h = (uint)b[2] | ((uint)b[3] << 8);
+    uint l = (uint)b[4] | ((uint)b[5] << 8) | ((uint)b[6] << 16) | ((uint)b[7] << 24);
     dec_iq4(b + 8 + 16 * s, ldh(b) * (float)iq4xs_scale(h, l, s), v);
 }
 

@@ -179,17 +179,6 @@ __device__ __forceinline__ uint spread4(uint v) {
     return ((v & 1u) << 4) | ((v & 2u) << 11) | ((v & 4u) << 18) | ((v & 8u) << 25);
 }
 
-// A Q4_K/Q5_K sub-block pair's 32 qs bytes (16-byte aligned at q4): the low nibbles (sub-block 2j) into
-// qa, the high ones (2j + 1) into qb, four elements a word
-__device__ __forceinline__ void nibbles_k4(const uint4* q4, uint* qa, uint* qb) {
-    uint4 c0 = q4[0], c1 = q4[1];
-    uint w[8] = {c0.x, c0.y, c0.z, c0.w, c1.x, c1.y, c1.z, c1.w};
-#pragma unroll
-    for (int k = 0; k < 8; k++) {
-        qa[k] = w[k] & 0x0F0F0F0Fu;
-        qb[k] = (w[k] >> 4) & 0x0F0F0F0Fu;
-    }
-}
 // This lane's part of a Q4_K/Q5_K block (header h) . x over its sub-blocks 2j and 2j + 1 (units ua and
 // ua + 1, in views xa and xb), from their integer dot products da = Σ qa (256 hi + lo)_a, db likewise:
 // d (sa xd_a da + sb xd_b db) - dmin (ma s_a + mb s_b)
@@ -271,12 +260,13 @@ __device__ float row_dot(int type, const uchar* __restrict__ row, const XIn& xin
             }
             break;
         }
-        case T_Q2_K:
+        case T_Q2_K: {
             // lane p takes units u and u + 1 (t and t + 1, t = 2 (p % 2)) of half n = p / 2 % 2 of block
             // p / 4 (84 bytes: 16 scale|min nibble pairs, one per 16 elements, 64 qs, f16 d, f16 dmin):
             // their elements are bits 2t and 2t + 2 of the half's 32 qs bytes; value d sc q - dmin m
-            for (int p = lane, u0 = 8 * (lane >> 2) + 4 * ((lane >> 1) & 1) + 2 * (lane & 1); p < units / 2; p += 32) {
-                XView xa = xview(xin, u0), xb = xview(xin, u0 + 1);
+            int u0 = 8 * (lane >> 2) + 4 * ((lane >> 1) & 1) + 2 * (lane & 1);  // this lane's first unit
+            XView xa = xview(xin, u0), xb = xview(xin, u0 + 1);
+            for (int p = lane; p < units / 2; p += 32) {
                 const uchar* b = row + 84LL * (p >> 2);
                 int n = (p >> 1) & 1, t2 = 4 * (p & 1), u = 8 * (p >> 2) + 4 * n + (t2 >> 1);
                 const uint* qs = (const uint*)(b + 16 + 32 * n);  // 84-byte blocks: 4-byte aligned
@@ -298,16 +288,19 @@ __device__ float row_dot(int type, const uchar* __restrict__ row, const XIn& xin
                     mb += (sb >> 4) * xi(xb, u + 1, g);
                 }
                 float d = ldh(b + 80), dmin = ldh(b + 82);
-                acc += xd(xa, u) * (d * (float)da - dmin * (float)ma) + xd(xb, u + 1) * (d * (float)db - dmin * (float)mb);
+                float fa = d * (float)da - dmin * (float)ma, fb = d * (float)db - dmin * (float)mb;
+                acc += xd(xa, u) * fa + xd(xb, u + 1) * fb;
             }
             break;
-        case T_Q3_K:
+        }
+        case T_Q3_K: {
             // lane p takes units u and u + 1 (t and t + 1, t = 2 (p % 2)) of half n = p / 2 % 2 of block
             // p / 4 (110 bytes: 32 hmask, 64 qs, 12 bytes of 6-bit scales, f16 d): low bits 2t and 2t + 2
             // of the half's 32 qs bytes, high bits 4n + t and 4n + t + 1 of the 32 hmask bytes; value
             // d (sc - 32) (low + 4 high - 4)
-            for (int p = lane, u0 = 8 * (lane >> 2) + 4 * ((lane >> 1) & 1) + 2 * (lane & 1); p < units / 2; p += 32) {
-                XView xa = xview(xin, u0), xb = xview(xin, u0 + 1);
+            int u0 = 8 * (lane >> 2) + 4 * ((lane >> 1) & 1) + 2 * (lane & 1);  // this lane's first unit
+            XView xa = xview(xin, u0), xb = xview(xin, u0 + 1);
+            for (int p = lane; p < units / 2; p += 32) {
                 const uchar* b = row + 110LL * (p >> 2);
                 int n = (p >> 1) & 1, tp = p & 1, m = 2 * n + tp, u = 8 * (p >> 2) + 2 * m;
                 uint lw[8], hw[8], sw[3];
@@ -337,11 +330,12 @@ __device__ float row_dot(int type, const uchar* __restrict__ row, const XIn& xin
                 acc = fmaf(ldh(b + 108), xd(xa, u) * fa + xd(xb, u + 1) * fb, acc);
             }
             break;
-        case T_Q4_K:
+        }
+        case T_Q4_K: {
             // lane p takes the sub-block pair (2j, 2j + 1) of block p / 4 (j = p % 4): 32 qs bytes, low
             // nibbles then high
+            XView xa = xview(xin, 2 * lane), xb = xview(xin, 2 * lane + 1);
             for (int p = lane; p < units / 2; p += 32) {
-                XView xa = xview(xin, 2 * lane), xb = xview(xin, 2 * lane + 1);
                 const uchar* b = row + 144LL * (p >> 2);
                 int j = p & 3, ua = 2 * p, da = 0, db = 0;
                 const uint4* q4 = (const uint4*)(b + 16 + 32 * j);
@@ -360,10 +354,11 @@ __device__ float row_dot(int type, const uchar* __restrict__ row, const XIn& xin
                 acc += k4_pair_sums(*(const uint4*)b, j, da, db, xa, xb, ua);
             }
             break;
-        case T_Q5_K:
+        }
+        case T_Q5_K: {
             // as Q4_K, with bits 2j and 2j + 1 of the block's 32 qh bytes as the pair's fifth bits
+            XView xa = xview(xin, 2 * lane), xb = xview(xin, 2 * lane + 1);
             for (int p = lane; p < units / 2; p += 32) {
-                XView xa = xview(xin, 2 * lane), xb = xview(xin, 2 * lane + 1);
                 const uchar* b = row + 176LL * (p >> 2);
                 int j = p & 3, ua = 2 * p, da = 0, db = 0;
                 const uint4* q4 = (const uint4*)(b + 48 + 32 * j);
@@ -384,12 +379,14 @@ __device__ float row_dot(int type, const uchar* __restrict__ row, const XIn& xin
                 acc += k4_pair_sums(*(const uint4*)b, j, da, db, xa, xb, ua);
             }
             break;
-        case T_Q6_K:
+        }
+        case T_Q6_K: {
             // lane p takes sub-blocks t and t + 2 (t = p % 2) of half n = p / 2 % 2 of block p / 4, which
             // share their 32 ql bytes (low nibbles, high nibbles) and 32 qh bytes (bits 2t, 2t + 4):
             // units u and u + 2, a scale per 16 elements
-            for (int p = lane, u0 = 8 * (lane >> 2) + 4 * ((lane >> 1) & 1) + (lane & 1); p < units / 2; p += 32) {
-                XView xa = xview(xin, u0), xb = xview(xin, u0 + 2);
+            int u0 = 8 * (lane >> 2) + 4 * ((lane >> 1) & 1) + (lane & 1);  // this lane's first unit
+            XView xa = xview(xin, u0), xb = xview(xin, u0 + 2);
+            for (int p = lane; p < units / 2; p += 32) {
                 const uchar* b = row + 210LL * (p >> 2);
                 int n = (p >> 1) & 1, t = p & 1, u = 8 * (p >> 2) + 4 * n + t;
                 const signed char* sc = (const signed char*)(b + 192 + 8 * n + 2 * t);
@@ -413,6 +410,7 @@ __device__ float row_dot(int type, const uchar* __restrict__ row, const XIn& xin
                 acc = fmaf(ldh(b + 208), ds, acc);
             }
             break;
+        }
         case T_IQ4_NL:
             for (int u = lane; u < units; u += 32) {  // f16 d | 16 qs (Q4_0's nibbles, codebook values)
                 const uchar* b = row + 18LL * u;
@@ -427,7 +425,8 @@ __device__ float row_dot(int type, const uchar* __restrict__ row, const XIn& xin
             for (int u = lane; u < units; u += 32) {  // unit u = sub-block u % 8 of block u / 8
                 const uchar* b = row + 136LL * (u >> 3);
                 int s = u & 7;
-                uint2 h = *(const uint2*)b, c0 = *(const uint2*)(b + 8 + 16 * s), c1 = *(const uint2*)(b + 16 + 16 * s);
+                const uint2* q2 = (const uint2*)(b + 8 + 16 * s);
+                uint2 h = *(const uint2*)b, c0 = q2[0], c1 = q2[1];
                 uint w[4] = {c0.x, c0.y, c1.x, c1.y}, q[8];  // 136-byte blocks: 8-byte aligned
 #pragma unroll
                 for (int k = 0; k < 4; k++) iq4_lookup(w[k], &q[k], &q[k + 4]);
