@@ -50,7 +50,7 @@ __device__ __forceinline__ uint funnel_r(uint lo, uint hi, int s) {
 template <int N>
 __device__ __forceinline__ void ld32n_2(const uchar* p, uint* out, int extra = 0) {
     int s = (int)((unsigned long long)p & 2ULL) * 8;
-    const uint* w = (const uint*)(p - (s >> 3));  // pointer arithmetic: the loads stay global ones
+    const uint* w = (const uint*)((unsigned long long)p & ~3ULL);
     uint cur = w[0];
 #pragma unroll
     for (int i = 0; i < N; i++) {
