@@ -803,7 +803,11 @@ class CudaDecoder:
         """Whether forward_batch shares weight reads: every matrix takes integer dot products."""
         mats = [L[k] for L in self.layers for k in LAYER_WEIGHTS]
         mats += [] if self.head_only else [self.output]
-        return self.int_dot and all(w.ggml_type in ops.INT_DOT_TYPES for w in mats)
+        return self._int_dot_all(mats)
+
+    def _int_dot_all(self, ws) -> bool:
+        """Whether every weight of ws takes integer dot products here (matvec_qb)."""
+        return self.int_dot and all(w.ggml_type in ops.INT_DOT_TYPES for w in ws)
 
     def _handoff_plan(self) -> tuple[list[dict], bool]:
         """Which of the decode step's matvecs read records another kernel handed them (ops.Emit): a dict a
@@ -814,7 +818,7 @@ class CudaDecoder:
         themselves. Layer 0's q|k|v reads the embedding. Nothing with HEARTH_CUDA_HANDOFF=0."""
 
         def qb(*ws) -> bool:
-            return self.handoff and self.int_dot and all(w.ggml_type in ops.INT_DOT_TYPES for w in ws)
+            return self.handoff and self._int_dot_all(ws)
 
         plan, writer = [], False  # writer: the kernel adding into x last can write its records
         for L in self.layers:

@@ -6,7 +6,8 @@
 // accumulate: out += that (Gemma's post-attention / post-MLP norms on the residual stream);
 // half_out: out is float16 (a prefill GEMM's input), written directly. recs (not null; float32 out,
 // dim a multiple of 32): row i of out also leaves as the activation records of out * enw at
-// recs + i * XREC * dim / 32 (quantize_unit_normed), for the next matvec's RMSNorm (its prologue 5).
+// recs + i * XREC * rec_units(dim / 32) (ops.records_width; quantize_unit_normed), for the next
+// matvec's RMSNorm (its prologue 5).
 extern "C" __global__ void rmsnorm(void* __restrict__ out, const float* __restrict__ x,
                                    const float* __restrict__ w, int dim, float eps, int add_one,
                                    int accumulate, int half_out, const float* __restrict__ enw,
@@ -269,27 +270,25 @@ extern "C" __global__ void __launch_bounds__(128) attn_decode(
     // splits s_lo..s_hi hold visible keys; the others (most of a long cache's near its start) leave at once
     int s_lo = start / chunk, s_hi = min(S - 1, pos / chunk), n_s = s_hi - s_lo + 1;
     if (k0 >= k1) return;  // the same for the whole block
-    {
-        int g = h / (H / KV);
-        const float* vnew = qkv + (long long)(H + KV + g) * hd;
-        norm_rope(sq, qkv + (long long)h * hd, qn, pos, inv_freq, hd, n_rot, neox, eps, red);
-        bool holds_pos = k1 == pos + 1;
-        if (holds_pos) {
-            norm_rope(sk, qkv + (long long)(H + g) * hd, kn, pos, inv_freq, hd, n_rot, neox, eps, red);
-            if (kv_half)  // as the cache holds it (each thread its own elements, as store_kv)
-                for (int j = threadIdx.x; j < hd; j += blockDim.x) sk[j] = h2f(f2h(sk[j]));
-            if (h % (H / KV) == 0) store_kv(kc, vc, ((long long)g * n_ctx + pos) * hd, sk, vnew, hd, kv_half);
-            __syncthreads();
-        }
-        long long base = (long long)g * n_ctx;  // the KV head's first row
-        float m, l;
-        if (kv_half) attend_split<8>(sc, vsum, sq, sk, kc, vc, vnew, base, hd, k0, k1, pos, scale, red, &m, &l);
-        else attend_split<4>(sc, vsum, sq, sk, kc, vc, vnew, base, hd, k0, k1, pos, scale, red, &m, &l);
-        for (int j = threadIdx.x; j < hd; j += blockDim.x) acc[part * hd + j] = vsum[0][j];
-        if (threadIdx.x == 0) {
-            ml[2 * part] = m;
-            ml[2 * part + 1] = l;
-        }
+    int g = h / (H / KV);
+    const float* vnew = qkv + (long long)(H + KV + g) * hd;
+    norm_rope(sq, qkv + (long long)h * hd, qn, pos, inv_freq, hd, n_rot, neox, eps, red);
+    bool holds_pos = k1 == pos + 1;
+    if (holds_pos) {
+        norm_rope(sk, qkv + (long long)(H + g) * hd, kn, pos, inv_freq, hd, n_rot, neox, eps, red);
+        if (kv_half)  // as the cache holds it (each thread its own elements, as store_kv)
+            for (int j = threadIdx.x; j < hd; j += blockDim.x) sk[j] = h2f(f2h(sk[j]));
+        if (h % (H / KV) == 0) store_kv(kc, vc, ((long long)g * n_ctx + pos) * hd, sk, vnew, hd, kv_half);
+        __syncthreads();
+    }
+    long long base = (long long)g * n_ctx;  // the KV head's first row
+    float m, l;
+    if (kv_half) attend_split<8>(sc, vsum, sq, sk, kc, vc, vnew, base, hd, k0, k1, pos, scale, red, &m, &l);
+    else attend_split<4>(sc, vsum, sq, sk, kc, vc, vnew, base, hd, k0, k1, pos, scale, red, &m, &l);
+    for (int j = threadIdx.x; j < hd; j += blockDim.x) acc[part * hd + j] = vsum[0][j];
+    if (threadIdx.x == 0) {
+        ml[2 * part] = m;
+        ml[2 * part + 1] = l;
     }
     // the last of the head's n_s blocks with keys to get here combines their partials
     __threadfence();
