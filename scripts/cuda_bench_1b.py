@@ -20,7 +20,9 @@ For each file it measures, with engine.backends.cuda.bench.bench_decoder:
   clock and, *_gpu_s, the GPU's time in a graph), whether launch by launch is host-bound
   (prefill_issue_s: the host's time to enqueue it; prefill_gpu_s: the GPU's time with every launch
   queued beforehand, and prefill_gpu_vs_cublas from it), the captured prefill alone (prefill_graph_*,
-  prefill_graph_vs_cublas) and with 8, 16 and 32 MiB dequantization tiles;
+  prefill_graph_vs_cublas; it reads the decoder's resident float16 copies of the matrices, see
+  prefill_weights) and without them, dequantizing tiles of 64, 8, 16 and 32 MiB at each prefill
+  (prefill_graph_tps_tile_*, prefill_tiles_vs_cublas for the default tile);
   decode with programmatic dependent launches (pdl_*: the same logits and greedy tokens, tok/s);
   decode with and without the matvecs' hand-off of quantized records (handoff_*; the default has it);
   prefill attention in one flash kernel (flash_*: its GPU time against the cuBLAS GEMMs', the captured
@@ -196,6 +198,7 @@ def bench_file(path: Path, n_prompt: int, n_gen: int, repetitions: int, entry: d
             "prefill_vs_cublas_wall": round(gemm_wall_s / prefill_s, 3),
             "prefill_vs_cublas": round(gemm_s / prefill_s, 3),
             "prefill_graphs": dec.prefill_graphs and dec.prefill_graph_error is None,
+            "prefill_weights": dec.prefill_weights,
             "prefill_first_tps": round(r["prefill_first_tps"], 1),
             "prefill_first_vs_cublas": round(gemm_s / first_s, 3),
             "decode_tokens": n_gen,
@@ -254,6 +257,9 @@ def bench_file(path: Path, n_prompt: int, n_gen: int, repetitions: int, entry: d
         entry["prefill_gpu_vs_cublas"] = round(gemm_s / entry["prefill_gpu_s"], 3)
     if "prefill_graph_s" in entry:
         entry["prefill_graph_vs_cublas"] = round(gemm_s / entry["prefill_graph_s"], 3)
+    tiles = entry.get(f"prefill_graph_tps_tile_{dec._tile.nbytes >> 20}mib")
+    if isinstance(tiles, float):  # the captured prefill dequantizing tiles (no resident copies)
+        entry["prefill_tiles_vs_cublas"] = round(gemm_s / (n_prompt / tiles), 3)
     if "flash_prefill_graph_s" in entry:  # the captured prefill with flash attention (HEARTH_CUDA_FLASH=1)
         entry["flash_prefill_vs_cublas"] = round(gemm_s / entry["flash_prefill_graph_s"], 3)
         entry["flash_prefill_vs_cublas_wall"] = round(gemm_wall_s / entry["flash_prefill_graph_s"], 3)
@@ -265,12 +271,14 @@ def bench_file(path: Path, n_prompt: int, n_gen: int, repetitions: int, entry: d
 
 
 def _prefill_breakdown(dec, n_tokens: int, n_ctx: int) -> dict:
-    """Where a prefill's time goes: every layer's linears (tile dequantization + GEMM) and attention
-    (the GEMMs around the masked softmax) timed alone, each over all layers, best of 3 (wall clock,
-    synchronised: it includes the host's launch overhead, which is what a host-bound prefill shows)."""
+    """Where a prefill's time goes: every layer's linears (GEMMs, and tile dequantization for matrices
+    without a resident copy) and attention (the GEMMs around the masked softmax) timed alone, each over
+    all layers, best of 3 (wall clock, synchronised: it includes the host's launch overhead, which is
+    what a host-bound prefill shows)."""
     import cupy as cp
 
     from engine.backends.cuda import ops
+    from engine.backends.cuda.decoder import PREFILL_STACKS
 
     cfg = dec.cfg
     # the prefill's GEMM inputs, one contiguous array per width (a column slice would not be contiguous
@@ -289,7 +297,7 @@ def _prefill_breakdown(dec, n_tokens: int, n_ctx: int) -> dict:
 
     def linears():  # the stacked projections as the prefill runs them
         for L in dec.layers:
-            for names in (("wq", "wk", "wv"), ("wo",), ("w_gate", "w_up"), ("w_down",)):
+            for names in PREFILL_STACKS:
                 ws = [L[name] for name in names]
                 dec._linear(out[:, : sum(w.rows for w in ws)], ws, x16[ws[0].cols])
 
@@ -497,22 +505,24 @@ def _bench_flash(dec, prompt: list[int], n_ctx: int) -> dict:
 
 
 def _prefill_by_tile(dec, prompt: list[int], n_ctx: int) -> dict:
-    """The captured prefill's time with smaller dequantization tiles than the default: a tile that stays
-    in L2 between its dequantization and its GEMM saves the float16 round trip through DRAM, at the
-    cost of more, smaller launches (which a graph replays without the host). Which wins is what this
-    measures (prefill_graph_tps_tile_*)."""
+    """The captured prefill without the decoder's resident prefill weights (prefill_weights "tiles":
+    every prefill dequantizes tiles of each matrix before its GEMM), with the default tile and smaller
+    ones: a tile that stays in L2 between its dequantization and its GEMM saves the float16 round trip
+    through DRAM, at the cost of more, smaller launches (which a graph replays without the host).
+    prefill_graph_tps_tile_* (the headline's prefill_weights says what it read instead)."""
     import cupy as cp
 
-    default = dec._tile
+    default, resident = dec._tile, dec._resident
     res = {}
     try:
-        for mib in (8, 16, 32):
+        dec._resident = {}
+        for mib in (default.nbytes >> 20, 8, 16, 32):
             dec._tile = cp.empty((mib << 20) // default.itemsize, default.dtype)
             got = _prefill_graph(dec, prompt, n_ctx)
             tps = got.get("prefill_graph_tps", got.get("prefill_graph_error"))
             res[f"prefill_graph_tps_tile_{mib}mib"] = tps
     finally:
-        dec._tile = default
+        dec._tile, dec._resident = default, resident
         dec._prefill_graphs.clear()
     res["prefill_tile_default_mib"] = round(default.nbytes / 2**20, 1)
     return res

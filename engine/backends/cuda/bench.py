@@ -104,6 +104,7 @@ def cmd_bench_cuda(args, lm, load_s: float) -> dict:
         "prefill_tps": round(r["prefill_tps"], 2),
         "prefill_first_tps": round(r["prefill_first_tps"], 2),
         "prefill_graphs": dec.prefill_graphs and dec.prefill_graph_error is None,
+        "prefill_weights": dec.prefill_weights,
         "decode_tokens": args.gen_tokens,
         "decode_tps": round(r["decode_tps"], 2),
         "ttft_s": round(r["ttft_s"], 4),

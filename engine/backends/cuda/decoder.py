@@ -8,9 +8,11 @@ class uploads those weights unchanged (GGUF blocks) and runs the same maths with
   the residual, a fused norm + gate|up matvec and the down matvec with the activation fused into its
   input. The whole step is captured once per cache as a CUDA graph (position and token live in device
   memory), so a step costs one graph launch from Python.
-- prefill (several tokens): weight tiles dequantized to float16 (or float32) and multiplied with
-  cuBLAS; attention is two batched float32 cuBLAS GEMMs per batch of KV heads (scores, then the
-  weighted sum of V) around a masked-softmax kernel.
+- prefill (several tokens): each layer matrix multiplied with cuBLAS, as a float16 (or float32) copy
+  dequantized at load where the GPU's memory allows (prefill_weights), else as tiles dequantized into
+  a scratch buffer at each prefill (float16 weights are read in place); attention is two strided-batched
+  cuBLAS GEMMs per batch of KV heads straight on the cache (scores, then the weighted sum of V) around
+  a masked-softmax kernel, or one flash kernel (HEARTH_CUDA_FLASH=1).
 
 The fused path (decode_kernel="fused" or HEARTH_CUDA_DECODE=fused; GGUF weights): the whole decode step
 is one persistent kernel instead (engine.backends.cuda.fused); `decode_path` says which path runs.
@@ -46,6 +48,9 @@ PREFILL_TILE_ELEMS = 32 << 20  # dequantized weight elements per prefill tile (6
 MARGIN_BYTES = 512 << 20  # CUDA context, cuBLAS workspace, allocator slack
 BATCH_GRAPHS = 4  # batches whose captured steps are kept (a server's batch changes as requests come and go)
 SERVE_ROWS = 16  # sequences per batched step the VRAM estimate plans for (hearth serve --max-seqs default)
+PREFILL_WEIGHT_MODES = ("auto", "resident", "tiles")
+# prefill_weights "auto": the copies take at most this share of the memory left after the estimate
+RESIDENT_SHARE = 0.25
 
 
 class UnsupportedCudaModelError(HearthError):
@@ -93,6 +98,7 @@ class CudaKVCache(KVCache):
 
 
 LAYER_WEIGHTS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
+PREFILL_STACKS = (("wq", "wk", "wv"), ("wo",), ("w_gate", "w_up"), ("w_down",))  # a GEMM each in prefill
 
 
 def _weights_of(model, n_layers: int | None = None) -> list:
@@ -224,6 +230,22 @@ PREFILL_GRAPH_MAX = 512
 PREFILL_GRAPHS = 2  # captured prefill lengths kept per cache
 
 
+def prefill_weights_mode(mode: str | None = None) -> str:
+    """A CudaDecoder's prefill_weights: mode, else $HEARTH_CUDA_PREFILL_WEIGHTS, else "auto".
+
+    Raises:
+        ValueError: not one of PREFILL_WEIGHT_MODES.
+    """
+    if mode is None:
+        mode = os.environ.get("HEARTH_CUDA_PREFILL_WEIGHTS", "").strip().lower() or "auto"
+    if mode not in PREFILL_WEIGHT_MODES:
+        raise ValueError(
+            f"prefill weights must be one of {', '.join(PREFILL_WEIGHT_MODES)}, not {mode!r} "
+            "(HEARTH_CUDA_PREFILL_WEIGHTS)"
+        )
+    return mode
+
+
 def handoff_enabled() -> bool:
     """The decode step's matvecs hand their outputs on as the next one's quantized records (ops.Emit),
     unless HEARTH_CUDA_HANDOFF=0 (every matvec then quantizes its float input in every block, the H200's
@@ -264,6 +286,10 @@ class CudaDecoder:
         device: CUDA device ordinal.
         n_ctx: the context the VRAM estimate plans for.
         prefill_dtype: "float16" (cuBLAS on half tiles, the fast path) or "float32" (exact checks).
+        prefill_weights: how prefill's GEMMs get the layer matrices (prefill_weights_mode): "resident"
+            copies in prefill_dtype, dequantized once at load, for as many matrices as the memory left
+            after the estimate holds; "auto" (the default) the same within RESIDENT_SHARE of it; "tiles"
+            none: every prefill dequantizes tiles. None: $HEARTH_CUDA_PREFILL_WEIGHTS, else "auto".
         progress: progress(done_bytes, total_bytes) while weights upload.
         use_graphs: capture the decode step as a CUDA graph (False: launch kernel by kernel).
         n_layers: layers on the GPU (None: all, with the output projection). Fewer make a head
@@ -277,7 +303,7 @@ class CudaDecoder:
     Raises:
         UnsupportedCudaModelError: a weight type without CUDA kernel, or Gemma's attention soft-capping.
         CudaOutOfMemoryError: the estimate exceeds the GPU's free memory.
-        ValueError: an unknown decode_kernel.
+        ValueError: an unknown decode_kernel or prefill_weights.
     """
 
     sample_max_k = ops.SAMPLE_MAX_K  # the widest top-k sample_step takes (engine.generate.device_steps)
@@ -293,8 +319,10 @@ class CudaDecoder:
         n_layers: int | None = None,
         decode_kernel: str | None = None,
         int_dot: bool | None = None,
+        prefill_weights: str | None = None,
     ):
         kind = fused.decode_kind(decode_kernel)
+        weights_mode = prefill_weights_mode(prefill_weights)
         if int_dot is None:
             int_dot = os.environ.get("HEARTH_CUDA_MATVEC", "").strip().lower() != "float"
         self.int_dot = bool(int_dot)
@@ -338,6 +366,7 @@ class CudaDecoder:
                 cp.get_default_memory_pool().free_all_blocks()
                 raise CudaOutOfMemoryError(needed, free, self.device) from None
             self.stream = cp.cuda.Stream(non_blocking=True)
+            self._keep_prefill_weights(weights_mode, reserve=needed - self.weight_bytes)
             self.fused = None
             # decode_path: what runs ("fused", or "graphs" with the reason the fused step was not used)
             self.decode_path = "graphs"
@@ -833,8 +862,52 @@ class CudaDecoder:
         return plan, not self.head_only and writer and qb(self.output)
 
     # ---- prefill ----------------------------------------------------------------------------
+    def _keep_prefill_weights(self, mode: str, reserve: int) -> None:
+        """The matrices prefill's GEMMs read in place (self._resident, by their weights' ids: each stack's
+        parts as (first row, matrix)): float16 weights as they are (float32 ones for float32 prefill),
+        and, unless mode is "tiles", copies of the others dequantized now in prefill_dtype, layer by
+        layer while they fit in the memory left after `reserve` bytes (the estimate's KV cache,
+        buffers and margin), or in RESIDENT_SHARE of it for "auto". What a prefill finds here it does
+        not dequantize: on the 1B shape the tiles write and read back 1.9 GB a prompt.
+        prefill_weights says what was kept (bench and status lines)."""
+        self._resident: dict[tuple, list] = {}
+        dt, size = self.prefill_dtype, np.dtype(self.prefill_dtype).itemsize
+        free, _ = cp.cuda.runtime.memGetInfo()
+        room = max(0, free + cp.get_default_memory_pool().free_bytes() - reserve)
+        budget = 0 if mode == "tiles" else int(room * (RESIDENT_SHARE if mode == "auto" else 1.0))
+        stacks = [[L[k] for k in names] for L in self.layers for names in PREFILL_STACKS]
+        in_place = copied = copied_bytes = 0
+        with self.stream:
+            for ws in stacks + ([] if self.output is None else [[self.output]]):
+                direct = [ops.direct_matrix(w, dt) for w in ws]
+                if all(m is not None for m in direct):
+                    starts = np.cumsum([0] + [w.rows for w in ws])
+                    self._resident[tuple(map(id, ws))] = list(zip(starts.tolist(), direct))
+                    in_place += ws[0] is not self.output
+                    continue
+                nbytes = sum(w.rows for w in ws) * ws[0].cols * size
+                if ws[0] is self.output or nbytes > budget - copied_bytes:
+                    continue  # the output matrix multiplies every prompt row only for all_logits
+                try:
+                    m = cp.empty((sum(w.rows for w in ws), ws[0].cols), dt)
+                except cp.cuda.memory.OutOfMemoryError:  # less usable than memGetInfo said: tiles
+                    budget = copied_bytes  # for the rest
+                    continue
+                ops.dequant_stack(m, ws)
+                self._resident[tuple(map(id, ws))] = [(0, m)]
+                copied, copied_bytes = copied + 1, copied_bytes + nbytes
+        self.stream.synchronize()
+        self.prefill_resident_bytes = copied_bytes
+        kept = f"{copied} of {len(stacks) - in_place} dequantized ({copied_bytes / 2**30:.2f} GiB)"
+        self.prefill_weights = f"{mode}: {kept}, {in_place} read in place"
+
     def _linear(self, out, ws: list[ops.GpuWeight], x16, accumulate: bool = False) -> None:
-        ops.linear_prefill(out, ws, x16, self._tile, accumulate)
+        parts = self._resident.get(tuple(map(id, ws)))
+        if parts is None:  # tiles dequantized now
+            ops.linear_prefill(out, ws, x16, self._tile, accumulate)
+            return
+        for r0, m in parts:
+            ops.gemm_nt(out[:, r0 : r0 + m.shape[0]], x16, m, accumulate)
 
     def _prefill(self, tokens: np.ndarray, cache: CudaKVCache, all_logits: bool):
         size = -(-len(tokens) // PREFILL_GRAPH_STEP) * PREFILL_GRAPH_STEP

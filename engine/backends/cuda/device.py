@@ -35,6 +35,18 @@ class CudaOutOfMemoryError(HearthError):
         )
 
 
+class CudaMemoryExhaustedError(HearthError):
+    """The GPU ran out of memory while a loaded model ran (a long prompt's buffers, a new KV cache, a
+    decode step's buffers): nothing was written to the cache, and the request can be retried smaller."""
+
+    def __init__(self, what: str, device: int):
+        self.what, self.device = what, int(device)
+        super().__init__(
+            f"GPU {device} ran out of memory {what}; shorten the prompt or the context (--ctx), offload "
+            "fewer layers (--gpu-layers), use a smaller quantization, or run on the CPU (--device cpu)"
+        )
+
+
 @dataclass(frozen=True)
 class Device:
     """kind "cpu" or "cuda"; index: the CUDA device ordinal (0 for cpu)."""

@@ -824,24 +824,46 @@ def linear_prefill(out, ws: list[GpuWeight], x16, scratch, accumulate: bool = Fa
 
     A tile may span several weights (q|k|v, gate|up), so stacked projections cost one GEMM, and one
     dequantization launch when they are 1-3 weights of BLOCK_TYPES (any mix of them)."""
-    cols = ws[0].cols
-    if any(w.cols != cols for w in ws):
-        raise ValueError("stacked weights must have the same number of columns")
+    cols = _stack_cols(ws)
     total = sum(w.rows for w in ws)
     tile_rows = min(total, scratch.size // cols)
-    one_launch = len(ws) <= 3 and all(w.ggml_type in BLOCK_TYPES for w in ws)
-    starts = np.cumsum([0] + [w.rows for w in ws])
     for r0 in range(0, total, tile_rows):
         r1 = min(r0 + tile_rows, total)
         tile = scratch[: (r1 - r0) * cols].reshape(r1 - r0, cols)
-        if one_launch:  # the tile's rows of the stack, whichever weights they fall in
-            _launch_dequant_qb(tile, ws, None, r0, r1 - r0)
-        else:
-            for w, s0 in zip(ws, starts[:-1]):
-                lo, hi = max(r0, s0), min(r1, s0 + w.rows)  # the part of w in this tile
-                if lo < hi:
-                    dequant(tile[lo - r0 : hi - r0], w, r0=int(lo - s0), n=int(hi - lo))
+        dequant_stack(tile, ws, r0)
         gemm_nt(out[:, r0:r1], x16, tile, accumulate)
+
+
+def _stack_cols(ws: list[GpuWeight]) -> int:
+    cols = ws[0].cols
+    if any(w.cols != cols for w in ws):
+        raise ValueError("stacked weights must have the same number of columns")
+    return cols
+
+
+def dequant_stack(out, ws: list[GpuWeight], r0: int = 0) -> None:
+    """out (n, cols) float16 or float32 = rows r0..r0+n of the weights ws stacked (one cols): one launch
+    when they are 1-3 weights of BLOCK_TYPES (any mix of them), else a launch for each weight's part."""
+    n, cols = out.shape
+    if cols != _stack_cols(ws):
+        raise ValueError(f"out has {cols} columns for weights of {ws[0].cols}")
+    if len(ws) <= 3 and all(w.ggml_type in BLOCK_TYPES for w in ws):  # whichever weights the rows fall in
+        _launch_dequant_qb(out, ws, None, r0, n)
+        return
+    s0 = 0
+    for w in ws:
+        lo, hi = max(r0, s0), min(r0 + n, s0 + w.rows)  # the part of w in out
+        if lo < hi:
+            dequant(out[lo - r0 : hi - r0], w, r0=int(lo - s0), n=int(hi - lo))
+        s0 += w.rows
+
+
+def direct_matrix(w: GpuWeight, dtype):
+    """w's rows as a (rows, cols) matrix of dtype that GEMMs can read in place (a float16 weight for
+    float16 GEMMs, a float32 one for float32), or None when w has to be dequantized first."""
+    if (w.ggml_type, np.dtype(dtype)) in ((F16, np.dtype(np.float16)), (F32, np.dtype(np.float32))):
+        return w.raw.view(dtype).reshape(w.rows, w.cols)
+    return None
 
 
 # cuBLAS enums (cublas_api.h, library_types.h)

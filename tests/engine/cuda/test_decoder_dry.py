@@ -508,6 +508,66 @@ def test_prefill_graph_replays_prompts_at_position_zero_on_host_threads(fake, si
     assert not fake.decoder.CudaDecoder(model, n_ctx=160).prefill_graphs
 
 
+def test_prefill_weights_resident_in_place_or_tiles_on_host_threads(fake, simt, tmp_path, monkeypatch):
+    """Prefill's GEMMs read float16 copies of the quantized layer matrices made at load ("resident"; "auto"
+    within RESIDENT_SHARE of the memory left), float16 matrices in place, and dequantize tiles of the
+    rest at each prefill ("tiles"): the same logits every way, the CPU model's within float16's
+    rounding, and no dequantization launch in a prefill for a matrix that has a copy."""
+    STATE.simt = simt
+    monkeypatch.delenv("HEARTH_CUDA_PREFILL_WEIGHTS", raising=False)
+    model = _model(tmp_path, "llama-mixed")  # Q8_0, with float16 blk.0.ffn_down and blk.1.attn_output
+    prompt = [1, 2, 3, 4]
+    ref = model.forward(prompt, model.new_cache(32), all_logits=True)
+    stacks = ("qkv", "wo", "gu", "down")
+
+    def kept(dec):  # per layer, the stacks read in place ("=") or from a copy ("c"); tiles: absent
+        marks = []
+        for L in dec.layers:
+            row = ""
+            for name, keys in zip(stacks, fake.decoder.PREFILL_STACKS):
+                ws = [L[k] for k in keys]
+                parts = dec._resident.get(tuple(map(id, ws)))
+                if parts is not None:
+                    same = np.shares_memory(parts[0][1], ws[0].raw)
+                    row += ("=" if same else "c") + name + " "
+            marks.append(row.strip())
+        return marks
+
+    def prefill(dec):
+        fake.launches.clear()
+        got = dec.forward(prompt, dec.new_cache(32), all_logits=True)
+        return got, [n for n in fake.launches if n.startswith("dequant_")]
+
+    resident = fake.decoder.CudaDecoder(model, n_ctx=32, prefill_weights="resident")
+    assert kept(resident) == ["cqkv cwo cgu =down", "cqkv =wo cgu cdown"]
+    assert resident.prefill_weights.startswith("resident: 6 of 6 dequantized")
+    assert resident.prefill_weights.endswith("2 read in place")
+    got, dequants = prefill(resident)
+    # the embedding's rows, and tiles of the tied output matrix (all_logits: logits of every row)
+    assert dequants == ["dequant_qb"] * 2
+    assert _rel(got, ref) < 3e-2  # float16 GEMM inputs
+    tiles = fake.decoder.CudaDecoder(model, n_ctx=32, prefill_weights="tiles")
+    assert kept(tiles) == ["=down", "=wo"] and tiles.prefill_resident_bytes == 0
+    got_tiles, dequants = prefill(tiles)
+    assert dequants == ["dequant_qb"] * 8  # and one a quantized stack
+    assert _rel(got_tiles, got) < 1e-6  # the same float16 values multiplied
+    # "auto" within a share of what is left: here room for layer 0's q|k|v and wo copies, in layer order
+    L0 = resident.layers[0]
+    qkv_wo = sum(L0[k].rows for k in ("wq", "wk", "wv", "wo")) * L0["wq"].cols * 2
+    free = fake.cp.cuda.runtime.memGetInfo()[0]
+    reserve = fake.decoder.estimate_vram(model, 32) - resident.weight_bytes
+    monkeypatch.setattr(fake.decoder, "RESIDENT_SHARE", (qkv_wo + 0.5) / (free - reserve))
+    auto = fake.decoder.CudaDecoder(model, n_ctx=32)
+    assert kept(auto) == ["cqkv cwo =down", "=wo"] and auto.prefill_resident_bytes == qkv_wo
+    got_auto, dequants = prefill(auto)
+    assert dequants == ["dequant_qb"] * 6 and _rel(got_auto, got) < 1e-6
+    monkeypatch.setenv("HEARTH_CUDA_PREFILL_WEIGHTS", "tiles")
+    assert kept(fake.decoder.CudaDecoder(model, n_ctx=32)) == ["=down", "=wo"]
+    monkeypatch.setenv("HEARTH_CUDA_PREFILL_WEIGHTS", "all")
+    with pytest.raises(ValueError, match="auto, resident, tiles.*HEARTH_CUDA_PREFILL_WEIGHTS"):
+        fake.decoder.CudaDecoder(model, n_ctx=32)
+
+
 def _opt_in(*values):
     mark = pytest.mark.skipif(not FULL_SIMT, reason="set HEARTH_CUDA_SIMT=1 (minutes)")
     return [pytest.param(v, marks=mark) for v in values]

@@ -63,6 +63,10 @@ def _check(model, prompt, n_tokens=16, logit_tol=1e-3):
     logits16 = fast.forward(prompt, fast.new_cache(128))
     assert _rel(logits16[-1], ref[-1]) < 5e-2
     assert int(np.argmax(logits16[-1])) == nxt
+    # prefill dequantizing tiles at each prompt instead of reading copies made at load: the same halves
+    tiles = CudaDecoder(model, n_ctx=128, prefill_weights="tiles")
+    assert fast.prefill_resident_bytes > 0 and tiles.prefill_resident_bytes == 0
+    assert _rel(tiles.forward(prompt, tiles.new_cache(128))[-1], logits16[-1]) < 1e-3
     return dec
 
 
