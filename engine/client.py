@@ -252,6 +252,7 @@ _ERROR_MODULES = (
     "engine.chat_template",
     "engine.client",
     "engine.speculative",
+    "engine.backends.cuda.device",
 )
 
 
@@ -263,7 +264,7 @@ def _rebuild_error(payload: dict) -> Exception:
 
         cls = getattr(importlib.import_module(module), kind, None)
         if isinstance(cls, type) and issubclass(cls, HearthError):
-            exc = cls.__new__(cls)
+            exc = BaseException.__new__(cls)  # cls.__new__ would be MemoryError's for one that is one too
             Exception.__init__(exc, message)
             exc.__dict__.update(payload.get("attrs") or {})
             return exc

@@ -6,6 +6,7 @@ Importing this package does not import CuPy: `device` (selection) and `kernels.c
 """
 
 from engine.backends.cuda.device import (
+    CudaMemoryExhaustedError,
     CudaOutOfMemoryError,
     Device,
     DeviceChoice,
@@ -16,6 +17,7 @@ from engine.backends.cuda.device import (
 )
 
 __all__ = [
+    "CudaMemoryExhaustedError",
     "CudaOutOfMemoryError",
     "Device",
     "DeviceChoice",

@@ -28,6 +28,7 @@ first n_layers layers only and hands the residual stream to the CPU model (engin
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 import os
 import weakref
@@ -39,7 +40,7 @@ from engine.arch.base import check_batch
 from engine.arch.gemma3 import Gemma3Model
 from engine.arch.llama import LlamaModel
 from engine.backends.cuda import fused, ops
-from engine.backends.cuda.device import CudaOutOfMemoryError
+from engine.backends.cuda.device import CudaMemoryExhaustedError, CudaOutOfMemoryError
 from engine.kv_cache import KVCache
 from engine.sampling import draw
 from models.errors import HearthError
@@ -488,7 +489,7 @@ class CudaDecoder:
     def new_cache(self, n_ctx: int, dtype=np.float16) -> CudaKVCache:
         cfg = self.cfg
         # zeroed on the decoder's stream (a non-blocking stream does not wait for the default one)
-        with cp.cuda.Device(self.device), self.stream:
+        with self._on_gpu(f"allocating a KV cache of {n_ctx} positions"):
             kv_heads, hd = cfg.num_key_value_heads, cfg.head_dim
             return CudaKVCache(self.n_layers, kv_heads, hd, n_ctx, dtype, self.stream)
 
@@ -526,7 +527,8 @@ class CudaDecoder:
     def _run(self, tokens, cache: CudaKVCache, all_logits: bool) -> np.ndarray:
         tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
         cache.check_room(len(tokens))
-        with cp.cuda.Device(self.device), self.stream:
+        what = "decoding" if len(tokens) == 1 else f"prefilling {len(tokens)} tokens"
+        with self._on_gpu(what):
             if len(tokens) == 1 and (self.head_only or not all_logits):
                 out = self._decode(int(tokens[0]), cache, greedy=False)
                 out = cp.asnumpy(out, stream=self.stream).reshape(1, -1)
@@ -554,7 +556,7 @@ class CudaDecoder:
 
     def _run_batch(self, tokens, caches) -> np.ndarray:
         tokens = check_batch(tokens, caches)
-        with cp.cuda.Device(self.device), self.stream:
+        with self._on_gpu(f"decoding a batch of {len(caches)}"):
             out = cp.asnumpy(self._decode_rows(tokens, caches), stream=self.stream)
             self.stream.synchronize()
         for t, cache in zip(tokens, caches):
@@ -588,7 +590,7 @@ class CudaDecoder:
         tokens = check_batch(tokens, caches)
         if len(picks) != len(caches):
             raise ValueError(f"{len(picks)} picks for {len(caches)} sequences")
-        with cp.cuda.Device(self.device), self.stream:
+        with self._on_gpu(f"decoding a batch of {len(caches)}"):
             full = self._decode_rows(tokens, caches)  # (B, embedding rows) contiguous
             n = full.shape[1] if vocab is None else min(vocab, full.shape[1])
             logits = full[:, :n]
@@ -615,7 +617,7 @@ class CudaDecoder:
         self._need_output()
         cache.check_room(1)
         whole = (vocab is None or vocab >= self.cfg.vocab_size) and penalty is None
-        with cp.cuda.Device(self.device), self.stream:
+        with self._on_gpu("decoding"):
             step = self._decode(int(token), cache, greedy=whole)
             if not whole:  # the step's own argmax scratch (its counter is left zeroed for the graph)
                 st = self._steps[cache]
@@ -648,7 +650,7 @@ class CudaDecoder:
         with the same u. vocab, penalty: as greedy_step's."""
         self._need_output()
         cache.check_room(1)
-        with cp.cuda.Device(self.device), self.stream:
+        with self._on_gpu("decoding"):
             logits = self._decode(int(token), cache, greedy=False)
             self._penalize(logits[0], penalty)
             n = logits.shape[1] if vocab is None else min(vocab, logits.shape[1])
@@ -682,6 +684,22 @@ class CudaDecoder:
                 row = cp.asnumpy(logits[rows[i], :n], stream=self.stream)
                 got[i] = draw(row, temp, top_k, top_p, min_p, u)
         return got
+
+    @contextlib.contextmanager
+    def _on_gpu(self, what: str):
+        """The decoder's device and stream; CuPy's out-of-memory error (CuPy has already given its pool's
+        cached blocks back and retried) as a CudaMemoryExhaustedError saying what ran out. The kept
+        captures (prefill graphs, batched steps) are dropped, so that their memory is there for a
+        retry; the caches were not advanced."""
+        try:
+            with cp.cuda.Device(self.device), self.stream:
+                yield
+        except cp.cuda.memory.OutOfMemoryError:
+            self._prefill_graphs = weakref.WeakKeyDictionary()
+            self._batches.clear()
+            with cp.cuda.Device(self.device):
+                cp.get_default_memory_pool().free_all_blocks()
+            raise CudaMemoryExhaustedError(what, self.device) from None
 
     def _need_output(self) -> None:
         if self.head_only:
@@ -919,6 +937,8 @@ class CudaDecoder:
             elif size <= min(PREFILL_GRAPH_MAX, cache.n_ctx):
                 try:
                     return self._prefill_replay(tokens, cache, size, graphs)
+                except cp.cuda.memory.OutOfMemoryError:  # no room for the capture's buffers: not a refusal
+                    raise
                 except Exception as e:  # noqa: BLE001 - a capture the driver refuses: launch by launch
                     self.prefill_graph_error = f"{type(e).__name__}: {e}"
                     self._prefill_graphs = weakref.WeakKeyDictionary()

@@ -35,9 +35,10 @@ class CudaOutOfMemoryError(HearthError):
         )
 
 
-class CudaMemoryExhaustedError(HearthError):
+class CudaMemoryExhaustedError(HearthError, MemoryError):
     """The GPU ran out of memory while a loaded model ran (a long prompt's buffers, a new KV cache, a
-    decode step's buffers): nothing was written to the cache, and the request can be retried smaller."""
+    decode step's buffers): nothing was written to the cache, and the request can be retried smaller.
+    A MemoryError too, as CuPy's own error is: the server waits for a running request's cache on one."""
 
     def __init__(self, what: str, device: int):
         self.what, self.device = what, int(device)

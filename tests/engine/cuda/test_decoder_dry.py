@@ -401,6 +401,47 @@ def test_serve_counts_the_kv_caches_the_gpu_holds(fake, tmp_path, monkeypatch, c
     assert capsys.readouterr().out == ""
 
 
+def test_gpu_memory_running_out_is_a_typed_error_and_loses_nothing(fake, tmp_path, monkeypatch):
+    """CuPy's out-of-memory error in a prefill, a decode step or a new KV cache comes out as
+    CudaMemoryExhaustedError saying what ran out and what to do (it reaches the app typed, through the
+    worker's error payload, and is a MemoryError as CuPy's is); the cache is not advanced, the kept
+    captures are dropped for the retry, and the same decoder works once memory is there again."""
+    from engine.backends.cuda.device import CudaMemoryExhaustedError
+    from engine.client import _rebuild_error, error_payload
+
+    model = _model(tmp_path, "llama")
+    dec = fake.decoder.CudaDecoder(model, n_ctx=64)
+    cache = dec.new_cache(64)
+    dec.forward([1, 2, 3], cache)
+    cache.trim(cache.offset)
+    dec.forward([1, 2, 3], cache)  # a new chat on the cache: its prefill captured and kept
+    assert dec._prefill_graphs[cache]
+    empty = fake.cp.empty
+
+    def short_of_memory(shape, dtype=np.float32):  # the 20-token prompt's buffers do not fit
+        if isinstance(shape, tuple) and shape and shape[0] == 20:
+            raise MemoryError("out of memory allocating 1,234 bytes")
+        return empty(shape, dtype)
+
+    monkeypatch.setattr(fake.cp, "empty", short_of_memory)
+    with pytest.raises(CudaMemoryExhaustedError, match="GPU 0 ran out of memory prefilling 20 tokens") as e:
+        dec.forward(list(range(1, 21)), cache)
+    assert "--gpu-layers" in str(e.value) and "--device cpu" in str(e.value)
+    assert cache.offset == 3 and not dec._prefill_graphs.get(cache) and dec.prefill_graph_error is None
+    back = _rebuild_error(error_payload(e.value))
+    assert type(back) is CudaMemoryExhaustedError and str(back) == str(e.value)
+    assert isinstance(back, MemoryError)  # hearth serve waits for a running request's cache on one
+    monkeypatch.setattr(fake.cp, "empty", empty)
+    dec.forward(list(range(1, 21)), cache)
+    assert cache.offset == 23
+    def no_memory(shape, dtype=np.float32):
+        raise MemoryError("out of memory")
+
+    monkeypatch.setattr(fake.cp, "zeros", no_memory)
+    with pytest.raises(CudaMemoryExhaustedError, match="allocating a KV cache of 4096 positions"):
+        dec.new_cache(4096)
+
+
 def test_unsupported_weight_type_is_a_typed_error(fake, tmp_path):
     from engine.weights import Weight
 
