@@ -239,13 +239,13 @@ def bench_file(path: Path, n_prompt: int, n_gen: int, repetitions: int, entry: d
         ("prefill_breakdown", _prefill_breakdown, n_prompt),
         ("prefill_host_and_gpu", _prefill_host_and_gpu, prompt),
         ("prefill_graph", _prefill_graph, prompt),
-        ("prefill_by_tile", _prefill_by_tile, prompt),
         ("pdl", _bench_pdl, prompt),
         ("handoff", _bench_handoff, prompt),
         ("flash", _bench_flash, prompt),
         ("sampling", _bench_sampling, prompt),
         ("batch", _bench_batches, prompt),
         ("long_ctx", _bench_long_context, prompt),
+        ("prefill_by_tile", _prefill_by_tile, prompt),  # the prefill without the resident copies
     )
     for name, part, arg in parts:
         try:

@@ -62,6 +62,7 @@ def test_bench_script_runs_every_measurement(fake, tmp_path, monkeypatch):
         wanted += ("pdl_vs_plain_rel", "pdl_off_decode_tps", "handoff_vs_plain_rel", "handoff_greedy_matches")
         wanted += ("handoff_decode_tps", "handoff_off_decode_tps", "batch8_pick_tps_total")
         wanted += ("long_ctx_start_splits128_decode_tps", "long_ctx_end_splits16_decode_tps")
+        wanted += ("prefill_weights", "prefill_graph_tps_tile_64mib", "prefill_tiles_vs_cublas")
         for key in wanted:
             assert key in entry, key
     assert not list(tmp_path.glob("*.gguf"))  # the 1B files are deleted after their run
