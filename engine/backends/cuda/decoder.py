@@ -154,6 +154,19 @@ def estimate_vram(
     return int(weights + norms + kv + acts + attn_parts + tile + steps + graphs + MARGIN_BYTES)
 
 
+def _check_shared(model, n_layers: int, int_dot: bool) -> None:
+    """UnsupportedCudaModelError unless one vector's matvec over each weight on the GPU fits a block's
+    shared memory on the current device (ops.matvec_shared: the widest matrices on GPUs with less of it)."""
+    cap = ops.max_shared()
+    for w in _weights_of(model, n_layers):
+        need = ops.matvec_shared(w, int_dot)
+        if need > cap:
+            raise UnsupportedCudaModelError(
+                f"a matrix of {w.cols} columns needs {need / 1024:.1f} KiB of shared memory a block for its "
+                f"matrix-vector kernel and this GPU allows {cap / 1024:.1f} KiB; use --device cpu"
+            )
+
+
 def layers_that_fit(model, n_ctx: int, free: int, kv_dtype=np.float16) -> int:
     """The most layers whose estimate fits in `free` bytes (the whole model counts as all layers)."""
     n_all = model.cfg.num_hidden_layers
@@ -356,6 +369,7 @@ class CudaDecoder:
         self.prefill_dtype = cp.float16 if prefill_dtype == "float16" else cp.float32
         self.use_graphs = use_graphs
         with cp.cuda.Device(self.device):
+            _check_shared(model, self.n_layers, self.int_dot)
             free, _ = cp.cuda.runtime.memGetInfo()
             needed = estimate_vram(model, n_ctx, n_layers=self.n_layers)
             if needed > free:

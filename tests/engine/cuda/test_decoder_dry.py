@@ -43,6 +43,9 @@ def _wrap(a):
     return np.asarray(a).view(FakeArray)
 
 
+# the stand-in device's attributes, by cudaDeviceAttr: an H200's SM count and opt-in shared memory a block
+DEVICE_ATTRIBUTES = {16: 132, 97: 227 * 1024}
+
 # kernel handle -> dynamic shared memory it was allowed through cuda.driver.funcSetAttribute
 SHARED_ALLOWED: dict[int, int] = {}
 
@@ -76,7 +79,8 @@ class FakeKernel:
         assert 1 <= int(np.prod(block)) <= 1024 and int(np.prod(block)) % 32 == 0, where
         if self.name.startswith("matvec_"):  # matvec_qb counts on it (step.cu's MV_WARPS)
             assert tuple(block) == (256,), where
-        assert shared_mem <= max(48 * 1024, SHARED_ALLOWED.get(self.kernel.ptr, 0)) <= 227 * 1024, where
+        assert shared_mem <= max(48 * 1024, SHARED_ALLOWED.get(self.kernel.ptr, 0)), where
+        assert shared_mem <= DEVICE_ATTRIBUTES[97], where  # the device's limit
         self.launches.append(self.name)
         call = (self.name, tuple(grid), tuple(block), tuple(args), shared_mem)
         if STATE.capture is not None:  # the graph holds the arguments, as a real one holds their memory
@@ -207,7 +211,8 @@ def _fake_cupy():
         memGetInfo=lambda: (80 << 30, 80 << 30),
         getDeviceCount=lambda: 1,
         cudaDevAttrMultiProcessorCount=16,
-        deviceGetAttribute=lambda attr, dev: 132,
+        cudaDevAttrMaxSharedMemoryPerBlockOptin=97,
+        deviceGetAttribute=lambda attr, dev: DEVICE_ATTRIBUTES[attr],
         getDeviceProperties=lambda dev: {"name": b"Fake GPU"},
     )
     memory = types.SimpleNamespace(OutOfMemoryError=MemoryError)
@@ -645,6 +650,24 @@ def test_batched_matvec_on_host_threads(fake, simt):
     STATE.simt = simt
     gpu_tests.test_matvec_batch_matches_one_vector_at_a_time(0)
     assert fake.launches.count("matvec_qb") == 2 * (2 + 10)  # two prologues: 8 + 2 vectors, then 10 alone
+
+
+def test_batched_matvec_within_the_devices_shared_memory_on_host_threads(fake, simt, monkeypatch, tmp_path):
+    """On a device whose blocks hold the records of only 3 vectors, matvec_qb takes 3 a launch (4
+    launches for 10) with the same results; a model whose widest matrix needs more shared memory for one
+    vector than the device has is a typed error at load, not a failed launch."""
+    from tests.engine.cuda import test_kernels_gpu as gpu_tests
+
+    STATE.simt = simt
+    monkeypatch.setitem(DEVICE_ATTRIBUTES, 97, 3 * 4 * fake.ops.records_width(256) + 64)
+    gpu_tests.test_matvec_batch_matches_one_vector_at_a_time(0)
+    assert fake.launches.count("matvec_qb") == 2 * (4 + 10)
+    model = _model(tmp_path, "llama")  # Q8_0, 64 and 96 columns: 640 bytes of records a vector (8 units)
+    monkeypatch.setitem(DEVICE_ATTRIBUTES, 97, 600)
+    fake.ops._max_shared_of.cache_clear()
+    unsupported = fake.decoder.UnsupportedCudaModelError
+    with pytest.raises(unsupported, match=r"64 columns needs 0.6 KiB.*allows 0.6 KiB"):
+        fake.decoder.CudaDecoder(model, n_ctx=32)
 
 
 def test_attention_batch_on_host_threads(fake, simt):

@@ -164,6 +164,15 @@ def test_matvec_batch_matches_one_vector_at_a_time(gpu):
         ops.matvec_batch(out, [ops.upload(_weight(1, 4, 256, 9)[0])], gx)
 
 
+def test_matvec_batch_within_a_smaller_shared_memory(gpu, monkeypatch):
+    """The same on a device whose blocks hold only 3 vectors' records (an RTX 4090's 99 KiB hold 2 of
+    Llama-3-8B's down projection): 3 vectors a launch."""
+    from engine.backends.cuda import ops
+
+    monkeypatch.setattr(ops, "max_shared", lambda: 3 * 4 * ops.records_width(256) + 64)
+    test_matvec_batch_matches_one_vector_at_a_time(gpu)
+
+
 def test_matvec_hand_off_records_match_the_float_input(gpu):
     """ops.Emit: a matvec's outputs handed on as the next matvec's activation records give the next
     matvec what its own prologue over the float outputs gives. EMIT_NORM (wo-like: added into the
