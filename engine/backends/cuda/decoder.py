@@ -861,10 +861,15 @@ class CudaDecoder:
 
     @property
     def batchable(self) -> bool:
-        """Whether forward_batch shares weight reads: every matrix takes integer dot products."""
-        mats = [L[k] for L in self.layers for k in LAYER_WEIGHTS]
-        mats += [] if self.head_only else [self.output]
-        return self._int_dot_all(mats)
+        """Whether forward_batch reads every weight row once for the batch (ops.matvec_batch, as often
+        as shared memory needs): each stacked projection's matrices take one kernel (_matvecs)."""
+
+        def kind(w):
+            return "int" if self._int_dot_all([w]) else w.ggml_type
+
+        stacks = [[L[k] for k in names] for L in self.layers for names in PREFILL_STACKS]
+        stacks += [] if self.head_only else [[self.output]]
+        return all(len({kind(w) for w in ws}) == 1 for ws in stacks)
 
     def _int_dot_all(self, ws) -> bool:
         """Whether every weight of ws takes integer dot products here (matvec_qb)."""
@@ -1063,8 +1068,9 @@ class CudaDecoder:
 def _matvecs(out, ws: list, x, int_dot: bool, cols_x2: bool = False, **kw) -> None:
     """out (B, >= rows) (= or +=) [ws stacked] @ act(x[b]) for each row b of x (B, cols), or of
     x (B, 2 cols) = [x | x2] with cols_x2 (prologues 2/3). One launch for each run of weights one
-    kernel takes (ops.matvec's rule): over all B rows (matvec_qb reads each weight row once for
-    them) for the integer-dot types at the start of a row, else a launch per row."""
+    kernel takes (ops.matvec's rule): over all B rows (ops.matvec_batch: each weight row read once
+    for as many of them as shared memory holds) for the run at the start of a row, else a launch
+    per row (a stack whose weights take different kernels, integer and float)."""
 
     def kernel_of(w):
         return "int" if int_dot and w.ggml_type in ops.INT_DOT_TYPES else w.ggml_type
@@ -1075,8 +1081,8 @@ def _matvecs(out, ws: list, x, int_dot: bool, cols_x2: bool = False, **kw) -> No
         while j < len(ws) and kernel_of(ws[j]) == kernel_of(ws[i]):
             j += 1
         run, rows = ws[i:j], sum(w.rows for w in ws[i:j])
-        if kernel_of(run[0]) == "int" and r == 0:
-            ops.matvec_batch(out, run, x, cols_x2=cols_x2, **kw)
+        if r == 0:
+            ops.matvec_batch(out, run, x, cols_x2=cols_x2, int_dot=int_dot, **kw)
         else:
             cols = run[0].cols
             for b in range(out.shape[0]):

@@ -230,17 +230,27 @@ def matvec(
             float dot products of the dequantized weights.
         emit: the outputs also leave as the next matvec's records (Emit; integer-dot weights only).
     """
-    t, cols = ws[0].ggml_type, ws[0].cols
+    cols = ws[0].cols
     if not 1 <= len(ws) <= 3 or any(w.cols != cols for w in ws):
         raise ValueError("matvec stacks 1-3 weights of one width")
     if int_dot and all(w.ggml_type in INT_DOT_TYPES for w in ws):
         _launch_matvec_qb(out, 0, ws, x, x2, 0, norm, eps, prologue, accumulate, 1, emit)
         return
+    _check_float_kernel(ws, prologue, emit)
+    _launch_float_matvec(out, 0, ws, x, x2, 0, norm, eps, prologue, accumulate, 1)
+
+
+def _check_float_kernel(ws: list[GpuWeight], prologue: int, emit) -> None:
     if prologue >= 4 or emit is not None:
         raise ValueError("activation records (prologue 4/5, emit) need integer-dot weights")
-    if any(w.ggml_type != t for w in ws):
+    if any(w.ggml_type != ws[0].ggml_type for w in ws):
         raise ValueError("matvec stacks weights of one type (or of INT_DOT_TYPES with int_dot)")
-    pad = 3 - len(ws)
+
+
+def _launch_float_matvec(out, ldo: int, ws, x, x2, ldx: int, norm, eps, prologue, accumulate, n: int) -> None:
+    """matvec_<type> (float dot products: the float, FP8 and NVFP4 kernels, and the block types' without
+    int_dot) over n vectors (rows ldo apart in out, ldx apart in x and x2): each row read once for them."""
+    t, cols, pad = ws[0].ggml_type, ws[0].cols, 3 - len(ws)
     rows = [w.rows for w in ws] + [0] * pad
     weights = [w.raw for w in ws] + [NULL] * pad
     tail = (
@@ -251,16 +261,20 @@ def matvec(
         _f32(eps),
         _i32(prologue),
         _i32(bool(accumulate)),
+        _i32(n),
+        np.int64(ldx),
+        np.int64(ldo),
     )
     grid = max(1, min(-(-sum(rows) // 8), _sm_count() * MATVEC_BLOCKS_PER_SM))
     if t in _FP_TYPES:  # FP8: the row scales of each weight; NVFP4: block scales, then global scales
         weights += [w.scales for w in ws] + [NULL] * pad
         if t == NVFP4:
             weights += [_f32(w.global_scale) for w in ws] + [_f32(0.0)] * pad
-    _launch_matvec("matvec_" + TYPES[t][0], grid, 4 * cols, (out, *weights, *map(_i32, rows), *tail))
+    shared = n * matvec_shared(ws[0], int_dot=False)
+    _launch_matvec("matvec_" + TYPES[t][0], grid, shared, (out, *weights, *map(_i32, rows), *tail))
 
 
-MAX_BATCH = 8  # activation vectors per matvec_qb launch (step.cu's MAX_BATCH)
+MAX_BATCH = 8  # activation vectors per matvec launch (step.cu's MAX_BATCH, quant.cu's FMV_MAX_BATCH)
 
 
 def matvec_batch(
@@ -273,28 +287,35 @@ def matvec_batch(
     prologue: int = 0,
     accumulate: bool = False,
     emit: Emit | None = None,
+    int_dot: bool = True,
 ) -> None:
-    """matvec for B vectors, weights of INT_DOT_TYPES: out[:, :rows] (B, >= rows) (= or +=)
+    """matvec for B vectors: out[:, :rows] (B, >= rows) (= or +=)
     [W0; W1; W2] @ act(x[b]) for each row b of x (B, cols), or of x (B, 2 cols) = [x | x2] for
     prologue 2/3 (cols_x2), or of the records x (B, records_width(cols)) for prologue 4/5. Both
     row-major with unit column stride. Each weight row is read once for up to MAX_BATCH vectors
-    (matvec_qb) as often as the vectors' records fit one block's shared memory (max_shared): 8 a
-    launch on the H200 up to 11k columns, 6 for Llama-3-8B's 14336 (its down projection). emit: as
-    matvec's, its records (B, ...) row b for vector b.
+    as often as the vectors' inputs fit one block's shared memory (max_shared): matvec_qb's records, 8
+    vectors a launch on the H200 up to 11k columns, 6 for Llama-3-8B's 14336 (its down projection); the
+    float kernels' float32 inputs (ws of one type that is not of INT_DOT_TYPES, or any without int_dot),
+    8 up to 7k columns. emit (integer-dot weights only): as matvec's, its records (B, ...) row b for
+    vector b.
     """
     B, cols = out.shape[0], ws[0].cols
     if prologue in (2, 3) and not cols_x2:
         raise ValueError("prologue 2/3 takes x as (B, 2 cols) rows [x | x2]")
-    if not all(w.ggml_type in INT_DOT_TYPES for w in ws):
-        raise ValueError("batched matvec takes the integer-dot types only")
     if any(w.cols != cols for w in ws) or not 1 <= len(ws) <= 3:
         raise ValueError("matvec stacks 1-3 weights of one width")
+    qb = int_dot and all(w.ggml_type in INT_DOT_TYPES for w in ws)
+    if not qb:
+        _check_float_kernel(ws, prologue, emit)
     ldo, ldx = out.strides[0] // 4, x.strides[0] // 4
-    per = max(1, min(MAX_BATCH, max_shared() // (4 * records_width(cols))))
+    per = max(1, min(MAX_BATCH, max_shared() // matvec_shared(ws[0], qb)))
     for b0 in range(0, B, per):
         # x2: vector b0's up half; vector b's lies ldx further on per vector, as its x does
         x2 = x[b0, cols:] if cols_x2 else None
         n = min(per, B - b0)
+        if not qb:
+            _launch_float_matvec(out[b0:], ldo, ws, x[b0:], x2, ldx, norm, eps, prologue, accumulate, n)
+            continue
         part = None if emit is None else emit._replace(records=emit.records[b0:])
         _launch_matvec_qb(out[b0:], ldo, ws, x[b0:], x2, ldx, norm, eps, prologue, accumulate, n, part)
 

@@ -492,9 +492,9 @@ def test_decoder_computes_the_cpu_models_logits_on_host_threads(fake, simt, tmp_
     full = kind not in ("llama-1layer", "gemma3-2layer", "llama-mixed")
     prompt = [1, 2, 3, 4, 5, 6, 7] if full else [1, 2, 3]
     dec = fake.decoder.CudaDecoder(model, n_ctx=32, prefill_dtype="float32")
-    # integer-dot weights: the step's matvecs hand their outputs on as records (ops.Emit) where both ends
-    # run matvec_qb
-    assert dec.handoff and dec.batchable == (kind not in ("qwen2", "llama-mixed"))
+    # the step's matvecs hand their outputs on as records (ops.Emit) where both ends run matvec_qb; each
+    # stack's weights take one kernel, so a batch reads every weight once
+    assert dec.handoff and dec.batchable
     plan, head = dec._handoff_plan()
     if kind == "llama-mixed":  # layer 0's down and layer 1's wo are float16: no records into or out of them
         assert [tuple(k for k, v in p.items() if v) for p in plan] == [("wo", "gu"), ("down",)] and head
@@ -650,6 +650,18 @@ def test_batched_matvec_on_host_threads(fake, simt):
     STATE.simt = simt
     gpu_tests.test_matvec_batch_matches_one_vector_at_a_time(0)
     assert fake.launches.count("matvec_qb") == 2 * (2 + 10)  # two prologues: 8 + 2 vectors, then 10 alone
+
+
+@pytest.mark.parametrize("t", [1, 30, 8, *_opt_in(0, 12)])  # FP8 and NVFP4: test_fp_formats.py
+def test_float_batched_matvec_on_host_threads(fake, simt, monkeypatch, t):
+    """The float kernels over a batch (test_kernels_gpu), on host threads: 2 launches of 2 vectors and
+    one of 1, each prologue, against 5 single-vector launches."""
+    from tests.engine.cuda import test_kernels_gpu as gpu_tests
+
+    STATE.simt = simt
+    gpu_tests.test_float_matvec_batch_matches_one_vector_at_a_time(0, t, monkeypatch)
+    name = "matvec_" + fake.ops.TYPES[t][0]
+    assert fake.launches.count(name) == 2 * (3 + 5)
 
 
 def test_batched_matvec_within_the_devices_shared_memory_on_host_threads(fake, simt, monkeypatch, tmp_path):

@@ -42,6 +42,15 @@ def test_stacked_matvec_on_host_threads(fake, simt, fmt):
     gpu_tests.test_stacked_matvec_prologues_and_accumulate(0, FORMATS[fmt], False)
 
 
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+def test_batched_matvec_on_host_threads(fake, simt, monkeypatch, fmt):
+    """A batch of 5 vectors in launches of 2, 2 and 1, each weight row read once a launch: what each
+    vector gets alone."""
+    dry.STATE.simt = simt
+    gpu_tests.test_float_matvec_batch_matches_one_vector_at_a_time(0, FORMATS[fmt], monkeypatch)
+    assert fake.launches.count(f"matvec_{fmt}") == 2 * (3 + 5)
+
+
 def _fp(w: Weight, fmt: int) -> Weight:
     dense = dequantize(w.ggml_type, w.raw, w.cols).reshape(w.rows, w.cols)
     if fmt == FP8_E4M3:

@@ -180,7 +180,7 @@ def test_hybrid_forward_batch_matches_the_cpu_on_host_threads(fake, simt, tmp_pa
 
 
 def test_batched_decode_shares_weight_reads_and_a_graph_per_batch(fake, tmp_path):
-    """forward_batch over integer-dot weights: one matvec_qb launch per matrix group and one attention
+    """forward_batch: one matvec launch per matrix group (matvec_qb, or a float kernel) and one attention
     launch per layer for the whole batch (no per-sequence launches), captured once per batch of caches
     and replayed; a new batch gets its own capture, and only the latest BATCH_GRAPHS batches are kept."""
     model = _lm(tmp_path, layers=2).model
@@ -205,12 +205,28 @@ def test_batched_decode_shares_weight_reads_and_a_graph_per_batch(fake, tmp_path
     assert len(dec._batches) == fake.decoder.BATCH_GRAPHS and captures.count("begin") == n0 + 4
     bs = next(iter(dec._batches.values()))
     assert not bs.holds([dec.new_cache(32), dec.new_cache(32)])
-    dec.int_dot = False  # float dot products: a matvec per sequence inside the batch's step
+    dec.int_dot = False  # float dot products: the float kernels read each row once for the batch too
     fake.launches.clear()
     dec.forward_batch([1, 2], caches[:2])
     step = fake.launches[: len(fake.launches) // 2]
-    assert "matvec_qb" not in step and step.count("matvec_q8_0") == 2 * (4 * 2 + 1)
+    assert "matvec_qb" not in step and step.count("matvec_q8_0") == 4 * 2 + 1
     assert captures.count("begin") == n0 + 5
+
+
+def test_a_stack_mixing_kernels_runs_its_later_part_per_sequence(fake, tmp_path):
+    """q|k|v as Q8_0, Q8_0 and float16: the batch's q|k launch reads them once for all 3 sequences and v
+    takes a float16 launch per sequence (it starts inside the stack's rows); batchable says so."""
+    path = tmp_path / "mixed.gguf"
+    write_tiny_gguf(path, TinySpec(matrix_type=T.Q8_0, types=(("blk.0.attn_v.weight", T.F16),)))
+    dec = fake.decoder.CudaDecoder(load_model(path).model, n_ctx=32)
+    assert not dec.batchable
+    caches = [dec.new_cache(32) for _ in range(3)]
+    for c in caches:
+        dec.forward([1, 2], c)
+    fake.launches.clear()
+    dec.forward_batch([3, 4, 5], caches)
+    step = fake.launches[: len(fake.launches) // 2]  # the warm-up run, then the capture
+    assert step.count("matvec_f16") == 3 and step.count("matvec_qb") == 4 * 2 + 1
 
 
 @pytest.mark.parametrize("int_dot", [True, False])
@@ -218,7 +234,8 @@ def test_batched_decode_shares_weight_reads_and_a_graph_per_batch(fake, tmp_path
 def test_batched_decode_matches_the_cpu_on_host_threads(fake, simt, tmp_path, kind, int_dot):
     """Three sequences at different positions, batched steps on host threads: the CPU model's
     forward_batch logits (1e-3), and the GPU's own one-sequence steps (1e-5: the same arithmetic).
-    Integer dot products read each weight once for the batch; float ones run a matvec per sequence."""
+    Integer and float dot products alike read each weight once for the batch: a matvec launch a
+    stacked projection."""
     from tests.engine.tiny_gemma3 import TinyGemmaSpec, write_tiny_gemma3
 
     STATE.simt = simt
@@ -229,7 +246,7 @@ def test_batched_decode_matches_the_cpu_on_host_threads(fake, simt, tmp_path, ki
         write_tiny_gguf(path, TinySpec(arch=kind, matrix_type=T.Q8_0, qkv_bias=kind == "qwen2"))
     model = load_model(path).model
     dec = fake.decoder.CudaDecoder(model, n_ctx=32, prefill_dtype="float32", int_dot=int_dot)
-    assert dec.batchable == int_dot
+    assert dec.batchable
     prompts = [[1, 2, 3], [4, 5], [6, 7, 8, 9, 10]]
     cpu = [model.new_cache(32) for _ in prompts]
     gpu = [dec.new_cache(32, np.float32) for _ in prompts]
@@ -240,7 +257,11 @@ def test_batched_decode_matches_the_cpu_on_host_threads(fake, simt, tmp_path, ki
         dec.forward(p, c)
     for tokens in ([11, 12, 13], [14, 15, 16]):  # the second step replays the captured graph
         ref = model.forward_batch(tokens, cpu).copy()
+        fake.launches.clear()
         got = dec.forward_batch(tokens, gpu)
+        matvec = "matvec_qb" if int_dot else "matvec_q8_0"
+        # a launch a stacked projection for the batch: run and captured at the first step, then replayed
+        assert fake.launches.count(matvec) == 2 * (4 * dec.n_layers + 1) * (tokens[0] == 11)
         assert _rel(got, ref) < 1e-3
         one = np.concatenate([dec.forward([t], c) for t, c in zip(tokens, solo)])
         assert _rel(got, one) < 1e-5

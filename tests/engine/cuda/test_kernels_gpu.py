@@ -160,8 +160,45 @@ def test_matvec_batch_matches_one_vector_at_a_time(gpu):
             ops.matvec(one, ws, cp.asarray(x[b, :256]), x2=x2, **kw)
             np.testing.assert_allclose(out.get()[b, :40], one.get(), rtol=1e-6, atol=1e-6)
         np.testing.assert_array_equal(out.get()[:, 40:], base[:, 40:])  # beyond the rows: untouched
-    with pytest.raises(ValueError, match="integer-dot"):
-        ops.matvec_batch(out, [ops.upload(_weight(1, 4, 256, 9)[0])], gx)
+    with pytest.raises(ValueError, match="integer-dot weights"):  # records: matvec_qb's alone
+        ops.matvec_batch(out, [ops.upload(_weight(1, 4, 256, 9)[0])], gx, prologue=4)
+
+
+# float kernels: F16, BF16, F32, FP8, NVFP4, and block types' float dot products (int_dot=False)
+FLOAT_BATCH_TYPES = (1, 30, 0, FP8_E4M3, NVFP4, 8, 12)
+
+
+@pytest.mark.parametrize("t", FLOAT_BATCH_TYPES)
+def test_float_matvec_batch_matches_one_vector_at_a_time(gpu, t, monkeypatch):
+    """ops.matvec_batch through the float kernels: 5 vectors in launches of 2 (shared memory for 2
+    float inputs made the limit), each weight row read once a launch, give each vector what ops.matvec
+    gives it alone: a stack of two weights of the type, RMSNorm and SwiGLU prologues, accumulate into
+    rows of a wider output."""
+    import cupy as cp
+
+    from engine.backends.cuda import ops
+
+    cols = 256
+    ws = [ops.upload(_weight(t, rows, cols, seed)[0]) for rows, seed in ((24, 1), (8, 2))]
+    monkeypatch.setattr(ops, "max_shared", lambda: 2 * 4 * cols + 64)
+    rng = np.random.default_rng(9)
+    B = 5
+    x = rng.standard_normal((B, 2 * cols)).astype(np.float32)  # [x | x2] rows for the SwiGLU prologue
+    nw = cp.asarray(rng.uniform(0.5, 1.5, cols).astype(np.float32))
+    base = rng.standard_normal((B, 40)).astype(np.float32)
+    for prologue, accumulate in ((1, False), (2, True)):
+        out = cp.asarray(base)
+        gx = cp.asarray(x if prologue == 2 else np.ascontiguousarray(x[:, :cols]))
+        kw = dict(norm=nw, eps=1e-5, prologue=prologue, accumulate=accumulate, int_dot=False)
+        ops.matvec_batch(out, ws, gx, cols_x2=prologue == 2, **kw)
+        for b in range(B):
+            one = cp.asarray(base[b, :32])
+            x2 = cp.asarray(x[b, cols:]) if prologue == 2 else None
+            ops.matvec(one, ws, cp.asarray(x[b, :cols]), x2=x2, **kw)
+            np.testing.assert_allclose(out.get()[b, :32], one.get(), rtol=1e-6, atol=1e-6)
+        np.testing.assert_array_equal(out.get()[:, 32:], base[:, 32:])  # beyond the rows: untouched
+    with pytest.raises(ValueError, match="integer-dot weights"):
+        ops.matvec_batch(out, ws, gx, prologue=4, int_dot=False)
 
 
 def test_matvec_batch_within_a_smaller_shared_memory(gpu, monkeypatch):

@@ -315,6 +315,30 @@ __device__ __forceinline__ const uchar* stacked_row(const uchar* w0, const uchar
     return w2 + (long long)(r - rows0 - rows1) * row_bytes;
 }
 
+// The float kernels' batch: B <= FMV_MAX_BATCH activation vectors x_b = x + b * ldx (x2 likewise), each
+// built by load_x in shared memory at sx + b * cols; outputs out[b * ldo + r]. Each weight row is read
+// once for the B of them (ops.matvec_batch; one vector: B = 1).
+#define FMV_MAX_BATCH 8
+__device__ __forceinline__ void load_batch(float* sx, const float* __restrict__ x, const float* __restrict__ x2,
+                                           long long ldx, const float* __restrict__ nw, float eps, int cols,
+                                           int prologue, int transposed, int B) {
+    for (int b = 0; b < B; b++)
+        load_x(sx + (long long)b * cols, x + b * ldx, x2 ? x2 + b * ldx : x2, nw, eps, cols, prologue, transposed);
+}
+
+// acc[b] summed over the warp, times scale, to out[b * ldo + r] (= or +=), for b < B
+__device__ __forceinline__ void store_batch(float* __restrict__ out, long long ldo, int r, const float* acc,
+                                            float scale, int B, int lane, int accumulate) {
+#pragma unroll
+    for (int b = 0; b < FMV_MAX_BATCH; b++) {
+        if (b < B) {
+            float a = warp_sum(acc[b]) * scale;
+            float* o = out + b * ldo + r;
+            if (lane == 0) *o = accumulate ? *o + a : a;
+        }
+    }
+}
+
 // A dequant launch's thread: unit *u of row *row (ids[i], or r0 + i) of the weight; false past the
 // n rows' units (such a thread still calls store_staged).
 __device__ __forceinline__ bool dequant_item(int n, int units, const int* ids, int r0, long long* row, int* u) {
@@ -362,30 +386,35 @@ __device__ __forceinline__ void store_staged(void* __restrict__ out, long long u
     for (int k = t; k < words; k += 256) o[k] = stage[k];
 }
 
-// out (rows0+rows1+rows2,) (=, or += when accumulate) = [W0; W1; W2] (.., cols) @ act(x) (cols,).
-// 256 threads = 8 warps, one row per warp at a time, rows grid-strided; lane l takes 32-element units
-// l, l+32, ... of the row (consecutive lanes read consecutive blocks). Dynamic shared memory: cols floats.
+// out[b * ldo + r] (=, or += when accumulate) = ([W0; W1; W2] (.., cols) @ act(x_b))[r] for the B
+// vectors (load_batch). 256 threads = 8 warps, one row per warp at a time, rows grid-strided; lane l
+// takes 32-element units l, l+32, ... of the row (consecutive lanes read consecutive blocks). Dynamic
+// shared memory: B * cols floats.
 #define QMATVEC(NAME, BYTES, SUBS)                                                                        \
     extern "C" __global__ void __launch_bounds__(256) matvec_##NAME(                                      \
         float* __restrict__ out, const uchar* __restrict__ w0, const uchar* __restrict__ w1,               \
         const uchar* __restrict__ w2, int rows0, int rows1, int rows2, int cols,                           \
         const float* __restrict__ x, const float* __restrict__ x2, const float* __restrict__ nw, float eps, \
-        int prologue, int accumulate) {                                                                    \
+        int prologue, int accumulate, int B, long long ldx, long long ldo) {                               \
         extern __shared__ float sx[];                                                                      \
-        load_x(sx, x, x2, nw, eps, cols, prologue, 1);                                                     \
+        load_batch(sx, x, x2, ldx, nw, eps, cols, prologue, 1, B);                                         \
         int units = cols >> 5, rows = rows0 + rows1 + rows2;                                               \
         long long row_bytes = (long long)(units / SUBS) * BYTES;                                           \
         int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;                                              \
         for (int r = blockIdx.x * 8 + warp; r < rows; r += gridDim.x * 8) {                                \
             const uchar* w = stacked_row(w0, w1, w2, rows0, rows1, r, row_bytes);                          \
-            float acc = 0.f;                                                                               \
+            float acc[FMV_MAX_BATCH] = {};                                                                 \
             for (int u = lane; u < units; u += 32) {                                                       \
                 float v[32];                                                                               \
                 dec_##NAME(w + (long long)(u / SUBS) * BYTES, u % SUBS, v);                                \
-                _Pragma("unroll") for (int i = 0; i < 32; i++) acc = fmaf(v[i], sx[i * units + u], acc);   \
+                _Pragma("unroll") for (int b = 0; b < FMV_MAX_BATCH; b++) {                                \
+                    if (b < B) {                                                                           \
+                        const float* xb = sx + (long long)b * cols + u;                                    \
+                        _Pragma("unroll") for (int i = 0; i < 32; i++) acc[b] = fmaf(v[i], xb[i * units], acc[b]); \
+                    }                                                                                      \
+                }                                                                                          \
             }                                                                                              \
-            acc = warp_sum(acc);                                                                           \
-            if (lane == 0) out[r] = accumulate ? out[r] + acc : acc;                                       \
+            store_batch(out, ldo, r, acc, 1.f, B, lane, accumulate);                                       \
         }                                                                                                  \
     }
 
@@ -402,34 +431,37 @@ QMATVEC(q6_k, 210, 8)
 QMATVEC(iq4_nl, 18, 1)
 QMATVEC(iq4_xs, 136, 8)
 
-// Float types: 8 elements (F16/BF16) or 4 (F32) per 128-bit load, lanes on consecutive loads.
-// Rows must be 16-byte aligned (cols a multiple of 8, weights in their own allocation: checked by
-// the caller). x in shared memory in natural order. (unpack8_f16 and co.: common.cuh)
+// Float types: 8 elements (F16/BF16) or 4 (F32) per 128-bit load, lanes on consecutive loads; B vectors
+// as QMATVEC's. Rows must be 16-byte aligned (cols a multiple of 8, weights in their own allocation:
+// checked by the caller). x in shared memory in natural order. (unpack8_f16 and co.: common.cuh)
 #define FMATVEC(NAME, PER, ESIZE)                                                                         \
     extern "C" __global__ void __launch_bounds__(256) matvec_##NAME(                                      \
         float* __restrict__ out, const uchar* __restrict__ w0, const uchar* __restrict__ w1,               \
         const uchar* __restrict__ w2, int rows0, int rows1, int rows2, int cols,                           \
         const float* __restrict__ x, const float* __restrict__ x2, const float* __restrict__ nw, float eps, \
-        int prologue, int accumulate) {                                                                    \
+        int prologue, int accumulate, int B, long long ldx, long long ldo) {                               \
         extern __shared__ float sx[];                                                                      \
-        load_x(sx, x, x2, nw, eps, cols, prologue, 0);                                                     \
+        load_batch(sx, x, x2, ldx, nw, eps, cols, prologue, 0, B);                                         \
         int loads = cols / PER, rows = rows0 + rows1 + rows2;                                              \
         long long row_bytes = (long long)cols * ESIZE;                                                     \
         int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;                                              \
         for (int r = blockIdx.x * 8 + warp; r < rows; r += gridDim.x * 8) {                                \
             const uint4* w = (const uint4*)stacked_row(w0, w1, w2, rows0, rows1, r, row_bytes);            \
-            float acc = 0.f;                                                                               \
+            float acc[FMV_MAX_BATCH] = {};                                                                 \
             for (int u = lane; u < loads; u += 32) {                                                       \
                 float v[PER];                                                                              \
                 unpack##PER##_##NAME(w[u], v);                                                             \
-                const float4* s4 = (const float4*)(sx + u * PER);                                          \
-                _Pragma("unroll") for (int i = 0; i < PER / 4; i++) {                                      \
-                    float4 a = s4[i];                                                                      \
-                    acc = fmaf(v[4 * i], a.x, fmaf(v[4 * i + 1], a.y, fmaf(v[4 * i + 2], a.z, fmaf(v[4 * i + 3], a.w, acc)))); \
+                _Pragma("unroll") for (int b = 0; b < FMV_MAX_BATCH; b++) {                                \
+                    if (b < B) {                                                                           \
+                        const float4* s4 = (const float4*)(sx + (long long)b * cols + u * PER);            \
+                        _Pragma("unroll") for (int i = 0; i < PER / 4; i++) {                              \
+                            float4 a = s4[i];                                                              \
+                            acc[b] = fmaf(v[4 * i], a.x, fmaf(v[4 * i + 1], a.y, fmaf(v[4 * i + 2], a.z, fmaf(v[4 * i + 3], a.w, acc[b])))); \
+                        }                                                                                  \
+                    }                                                                                      \
                 }                                                                                          \
             }                                                                                              \
-            acc = warp_sum(acc);                                                                           \
-            if (lane == 0) out[r] = accumulate ? out[r] + acc : acc;                                       \
+            store_batch(out, ldo, r, acc, 1.f, B, lane, accumulate);                                       \
         }                                                                                                  \
     }                                                                                                      \
     extern "C" __global__ void dequant_##NAME(void* __restrict__ out, const uchar* __restrict__ w,          \
@@ -475,23 +507,29 @@ extern "C" __global__ void __launch_bounds__(256) matvec_fp8(
     float* __restrict__ out, const uchar* __restrict__ w0, const uchar* __restrict__ w1,
     const uchar* __restrict__ w2, const float* __restrict__ s0, const float* __restrict__ s1,
     const float* __restrict__ s2, int rows0, int rows1, int rows2, int cols, const float* __restrict__ x,
-    const float* __restrict__ x2, const float* __restrict__ nw, float eps, int prologue, int accumulate) {
+    const float* __restrict__ x2, const float* __restrict__ nw, float eps, int prologue, int accumulate, int B,
+    long long ldx, long long ldo) {
     extern __shared__ float sx[];
-    load_x(sx, x, x2, nw, eps, cols, prologue, 1);
+    load_batch(sx, x, x2, ldx, nw, eps, cols, prologue, 1, B);
     int units = cols >> 5, rows = rows0 + rows1 + rows2;
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     for (int r = blockIdx.x * 8 + warp; r < rows; r += gridDim.x * 8) {
         int k, lr = stacked_local(rows0, rows1, r, &k);
         const uchar* w = (k == 0 ? w0 : k == 1 ? w1 : w2) + (long long)lr * cols;
-        float acc = 0.f;
+        float acc[FMV_MAX_BATCH] = {};
         for (int u = lane; u < units; u += 32) {
             float v[32];
             dec_fp8(w + 32 * u, v);
 #pragma unroll
-            for (int i = 0; i < 32; i++) acc = fmaf(v[i], sx[i * units + u], acc);
+            for (int b = 0; b < FMV_MAX_BATCH; b++) {
+                if (b < B) {
+                    const float* xb = sx + (long long)b * cols + u;
+#pragma unroll
+                    for (int i = 0; i < 32; i++) acc[b] = fmaf(v[i], xb[i * units], acc[b]);
+                }
+            }
         }
-        acc = warp_sum(acc) * ((k == 0 ? s0 : k == 1 ? s1 : s2)[lr] * E4M3_UNIT);
-        if (lane == 0) out[r] = accumulate ? out[r] + acc : acc;
+        store_batch(out, ldo, r, acc, (k == 0 ? s0 : k == 1 ? s1 : s2)[lr] * E4M3_UNIT, B, lane, accumulate);
     }
 }
 
@@ -502,28 +540,34 @@ extern "C" __global__ void __launch_bounds__(256) matvec_nvfp4(
     const uchar* __restrict__ w2, const uchar* __restrict__ s0, const uchar* __restrict__ s1,
     const uchar* __restrict__ s2, float g0, float g1, float g2, int rows0, int rows1, int rows2, int cols,
     const float* __restrict__ x, const float* __restrict__ x2, const float* __restrict__ nw, float eps,
-    int prologue, int accumulate) {
+    int prologue, int accumulate, int B, long long ldx, long long ldo) {
     extern __shared__ float sx[];
-    load_x(sx, x, x2, nw, eps, cols, prologue, 1);
+    load_batch(sx, x, x2, ldx, nw, eps, cols, prologue, 1, B);
     int units = cols >> 5, rows = rows0 + rows1 + rows2;
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     for (int r = blockIdx.x * 8 + warp; r < rows; r += gridDim.x * 8) {
         int k, lr = stacked_local(rows0, rows1, r, &k);
         const uchar* w = (k == 0 ? w0 : k == 1 ? w1 : w2) + (long long)lr * (cols >> 1);
         const uchar* sc = (k == 0 ? s0 : k == 1 ? s1 : s2) + (long long)lr * (cols >> 4);
-        float acc = 0.f;
+        float acc[FMV_MAX_BATCH] = {};
         for (int u = lane; u < units; u += 32) {
-            float v[32], s[2], a0 = 0.f, a1 = 0.f;
+            float v[32], s[2];
             dec_nvfp4_codes(w + 16 * u, sc + 2 * u, v, s);
 #pragma unroll
-            for (int i = 0; i < 16; i++) {
-                a0 = fmaf(v[i], sx[i * units + u], a0);
-                a1 = fmaf(v[i + 16], sx[(i + 16) * units + u], a1);
+            for (int b = 0; b < FMV_MAX_BATCH; b++) {
+                if (b < B) {
+                    const float* xb = sx + (long long)b * cols + u;
+                    float a0 = 0.f, a1 = 0.f;
+#pragma unroll
+                    for (int i = 0; i < 16; i++) {
+                        a0 = fmaf(v[i], xb[i * units], a0);
+                        a1 = fmaf(v[i + 16], xb[(i + 16) * units], a1);
+                    }
+                    acc[b] = fmaf(a0, s[0], fmaf(a1, s[1], acc[b]));
+                }
             }
-            acc = fmaf(a0, s[0], fmaf(a1, s[1], acc));
         }
-        acc = warp_sum(acc) * ((k == 0 ? g0 : k == 1 ? g1 : g2) * (E2M1_UNIT * E4M3_UNIT));
-        if (lane == 0) out[r] = accumulate ? out[r] + acc : acc;
+        store_batch(out, ldo, r, acc, (k == 0 ? g0 : k == 1 ? g1 : g2) * (E2M1_UNIT * E4M3_UNIT), B, lane, accumulate);
     }
 }
 
