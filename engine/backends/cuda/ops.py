@@ -271,7 +271,9 @@ def _launch_float_matvec(out, ldo: int, ws, x, x2, ldx: int, norm, eps, prologue
         if t == NVFP4:
             weights += [_f32(w.global_scale) for w in ws] + [_f32(0.0)] * pad
     shared = n * matvec_shared(ws[0], int_dot=False)
-    _launch_matvec("matvec_" + TYPES[t][0], grid, shared, (out, *weights, *map(_i32, rows), *tail))
+    # the float/FP8/NVFP4 kernels come in pairs: one vector's (one accumulator a row) and a batch's
+    name = "matvec_" + TYPES[t][0] + ("_batch" if n > 1 and t not in BLOCK_TYPES else "")
+    _launch_matvec(name, grid, shared, (out, *weights, *map(_i32, rows), *tail))
 
 
 MAX_BATCH = 8  # activation vectors per matvec launch (step.cu's MAX_BATCH, quant.cu's FMV_MAX_BATCH)

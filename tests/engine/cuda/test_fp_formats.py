@@ -44,11 +44,12 @@ def test_stacked_matvec_on_host_threads(fake, simt, fmt):
 
 @pytest.mark.parametrize("fmt", sorted(FORMATS))
 def test_batched_matvec_on_host_threads(fake, simt, monkeypatch, fmt):
-    """A batch of 5 vectors in launches of 2, 2 and 1, each weight row read once a launch: what each
-    vector gets alone."""
+    """A batch of 5 vectors in launches of 2, 2 (matvec_<fmt>_batch) and 1 (matvec_<fmt>), each weight row
+    read once a launch: what each vector gets alone."""
     dry.STATE.simt = simt
     gpu_tests.test_float_matvec_batch_matches_one_vector_at_a_time(0, FORMATS[fmt], monkeypatch)
-    assert fake.launches.count(f"matvec_{fmt}") == 2 * (3 + 5)
+    assert fake.launches.count(f"matvec_{fmt}") == 2 * (1 + 5)  # a vector alone: the one-vector kernel
+    assert fake.launches.count(f"matvec_{fmt}_batch") == 2 * 2
 
 
 def _fp(w: Weight, fmt: int) -> Weight:

@@ -317,8 +317,15 @@ __device__ __forceinline__ const uchar* stacked_row(const uchar* w0, const uchar
 
 // The float kernels' batch: B <= FMV_MAX_BATCH activation vectors x_b = x + b * ldx (x2 likewise), each
 // built by load_x in shared memory at sx + b * cols; outputs out[b * ldo + r]. Each weight row is read
-// once for the B of them (ops.matvec_batch; one vector: B = 1).
+// once for the B of them (ops.matvec_batch). A body templated on MAXB (its accumulators a row) makes two
+// kernels (FMV_KERNELS): matvec_NAME for one vector (B = 1: one accumulator, the registers it always
+// had) and matvec_NAME_batch for up to FMV_MAX_BATCH.
 #define FMV_MAX_BATCH 8
+#define FMV_KERNELS(NAME, PARAMS, ARGS)                                                                   \
+    extern "C" __global__ void __launch_bounds__(256) matvec_##NAME PARAMS { NAME##_rows<1> ARGS; }      \
+    extern "C" __global__ void __launch_bounds__(256) matvec_##NAME##_batch PARAMS {                     \
+        NAME##_rows<FMV_MAX_BATCH> ARGS;                                                                 \
+    }
 __device__ __forceinline__ void load_batch(float* sx, const float* __restrict__ x, const float* __restrict__ x2,
                                            long long ldx, const float* __restrict__ nw, float eps, int cols,
                                            int prologue, int transposed, int B) {
@@ -326,11 +333,12 @@ __device__ __forceinline__ void load_batch(float* sx, const float* __restrict__ 
         load_x(sx + (long long)b * cols, x + b * ldx, x2 ? x2 + b * ldx : x2, nw, eps, cols, prologue, transposed);
 }
 
-// acc[b] summed over the warp, times scale, to out[b * ldo + r] (= or +=), for b < B
+// acc[b] summed over the warp, times scale, to out[b * ldo + r] (= or +=), for b < B <= MAXB
+template <int MAXB>
 __device__ __forceinline__ void store_batch(float* __restrict__ out, long long ldo, int r, const float* acc,
                                             float scale, int B, int lane, int accumulate) {
 #pragma unroll
-    for (int b = 0; b < FMV_MAX_BATCH; b++) {
+    for (int b = 0; b < MAXB; b++) {
         if (b < B) {
             float a = warp_sum(acc[b]) * scale;
             float* o = out + b * ldo + r;
@@ -414,7 +422,7 @@ __device__ __forceinline__ void store_staged(void* __restrict__ out, long long u
                     }                                                                                      \
                 }                                                                                          \
             }                                                                                              \
-            store_batch(out, ldo, r, acc, 1.f, B, lane, accumulate);                                       \
+            store_batch<FMV_MAX_BATCH>(out, ldo, r, acc, 1.f, B, lane, accumulate);                        \
         }                                                                                                  \
     }
 
@@ -435,7 +443,8 @@ QMATVEC(iq4_xs, 136, 8)
 // as QMATVEC's. Rows must be 16-byte aligned (cols a multiple of 8, weights in their own allocation:
 // checked by the caller). x in shared memory in natural order. (unpack8_f16 and co.: common.cuh)
 #define FMATVEC(NAME, PER, ESIZE)                                                                         \
-    extern "C" __global__ void __launch_bounds__(256) matvec_##NAME(                                      \
+    template <int MAXB>                                                                                    \
+    __device__ __forceinline__ void NAME##_rows(                                                           \
         float* __restrict__ out, const uchar* __restrict__ w0, const uchar* __restrict__ w1,               \
         const uchar* __restrict__ w2, int rows0, int rows1, int rows2, int cols,                           \
         const float* __restrict__ x, const float* __restrict__ x2, const float* __restrict__ nw, float eps, \
@@ -447,11 +456,11 @@ QMATVEC(iq4_xs, 136, 8)
         int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;                                              \
         for (int r = blockIdx.x * 8 + warp; r < rows; r += gridDim.x * 8) {                                \
             const uint4* w = (const uint4*)stacked_row(w0, w1, w2, rows0, rows1, r, row_bytes);            \
-            float acc[FMV_MAX_BATCH] = {};                                                                 \
+            float acc[MAXB] = {};                                                                          \
             for (int u = lane; u < loads; u += 32) {                                                       \
                 float v[PER];                                                                              \
                 unpack##PER##_##NAME(w[u], v);                                                             \
-                _Pragma("unroll") for (int b = 0; b < FMV_MAX_BATCH; b++) {                                \
+                _Pragma("unroll") for (int b = 0; b < MAXB; b++) {                                         \
                     if (b < B) {                                                                           \
                         const float4* s4 = (const float4*)(sx + (long long)b * cols + u * PER);            \
                         _Pragma("unroll") for (int i = 0; i < PER / 4; i++) {                              \
@@ -461,9 +470,15 @@ QMATVEC(iq4_xs, 136, 8)
                     }                                                                                      \
                 }                                                                                          \
             }                                                                                              \
-            store_batch(out, ldo, r, acc, 1.f, B, lane, accumulate);                                       \
+            store_batch<MAXB>(out, ldo, r, acc, 1.f, B, lane, accumulate);                                 \
         }                                                                                                  \
     }                                                                                                      \
+    FMV_KERNELS(NAME,                                                                                      \
+                (float* __restrict__ out, const uchar* __restrict__ w0, const uchar* __restrict__ w1,      \
+                 const uchar* __restrict__ w2, int rows0, int rows1, int rows2, int cols,                  \
+                 const float* __restrict__ x, const float* __restrict__ x2, const float* __restrict__ nw,   \
+                 float eps, int prologue, int accumulate, int B, long long ldx, long long ldo),            \
+                (out, w0, w1, w2, rows0, rows1, rows2, cols, x, x2, nw, eps, prologue, accumulate, B, ldx, ldo)) \
     extern "C" __global__ void dequant_##NAME(void* __restrict__ out, const uchar* __restrict__ w,          \
                                               const int* __restrict__ ids, int r0, int n, int cols,   \
                                               int half_out, float scale) {                                 \
@@ -503,12 +518,14 @@ __device__ __forceinline__ int stacked_local(int rows0, int rows1, int r, int* k
 }
 
 // out (rows,) (= or +=) [W0; W1; W2] @ act(x): codes (rows_k, cols) uint8 E4M3, s_k (rows_k,) float32
-extern "C" __global__ void __launch_bounds__(256) matvec_fp8(
-    float* __restrict__ out, const uchar* __restrict__ w0, const uchar* __restrict__ w1,
-    const uchar* __restrict__ w2, const float* __restrict__ s0, const float* __restrict__ s1,
-    const float* __restrict__ s2, int rows0, int rows1, int rows2, int cols, const float* __restrict__ x,
-    const float* __restrict__ x2, const float* __restrict__ nw, float eps, int prologue, int accumulate, int B,
-    long long ldx, long long ldo) {
+#define FP8_PARAMS                                                                                        \
+    (float* __restrict__ out, const uchar* __restrict__ w0, const uchar* __restrict__ w1,                 \
+     const uchar* __restrict__ w2, const float* __restrict__ s0, const float* __restrict__ s1,             \
+     const float* __restrict__ s2, int rows0, int rows1, int rows2, int cols, const float* __restrict__ x, \
+     const float* __restrict__ x2, const float* __restrict__ nw, float eps, int prologue, int accumulate,  \
+     int B, long long ldx, long long ldo)
+template <int MAXB>
+__device__ __forceinline__ void fp8_rows FP8_PARAMS {
     extern __shared__ float sx[];
     load_batch(sx, x, x2, ldx, nw, eps, cols, prologue, 1, B);
     int units = cols >> 5, rows = rows0 + rows1 + rows2;
@@ -516,12 +533,12 @@ extern "C" __global__ void __launch_bounds__(256) matvec_fp8(
     for (int r = blockIdx.x * 8 + warp; r < rows; r += gridDim.x * 8) {
         int k, lr = stacked_local(rows0, rows1, r, &k);
         const uchar* w = (k == 0 ? w0 : k == 1 ? w1 : w2) + (long long)lr * cols;
-        float acc[FMV_MAX_BATCH] = {};
+        float acc[MAXB] = {};
         for (int u = lane; u < units; u += 32) {
             float v[32];
             dec_fp8(w + 32 * u, v);
 #pragma unroll
-            for (int b = 0; b < FMV_MAX_BATCH; b++) {
+            for (int b = 0; b < MAXB; b++) {
                 if (b < B) {
                     const float* xb = sx + (long long)b * cols + u;
 #pragma unroll
@@ -529,18 +546,22 @@ extern "C" __global__ void __launch_bounds__(256) matvec_fp8(
                 }
             }
         }
-        store_batch(out, ldo, r, acc, (k == 0 ? s0 : k == 1 ? s1 : s2)[lr] * E4M3_UNIT, B, lane, accumulate);
+        store_batch<MAXB>(out, ldo, r, acc, (k == 0 ? s0 : k == 1 ? s1 : s2)[lr] * E4M3_UNIT, B, lane, accumulate);
     }
 }
+FMV_KERNELS(fp8, FP8_PARAMS,
+            (out, w0, w1, w2, s0, s1, s2, rows0, rows1, rows2, cols, x, x2, nw, eps, prologue, accumulate, B, ldx, ldo))
 
 // out (rows,) (= or +=) [W0; W1; W2] @ act(x): codes (rows_k, cols/2) uint8, s_k (rows_k, cols/16) uint8
 // E4M3 block scales, g_k the global scales. Per 32 elements: two block sums, each times its scale.
-extern "C" __global__ void __launch_bounds__(256) matvec_nvfp4(
-    float* __restrict__ out, const uchar* __restrict__ w0, const uchar* __restrict__ w1,
-    const uchar* __restrict__ w2, const uchar* __restrict__ s0, const uchar* __restrict__ s1,
-    const uchar* __restrict__ s2, float g0, float g1, float g2, int rows0, int rows1, int rows2, int cols,
-    const float* __restrict__ x, const float* __restrict__ x2, const float* __restrict__ nw, float eps,
-    int prologue, int accumulate, int B, long long ldx, long long ldo) {
+#define NVFP4_PARAMS                                                                                      \
+    (float* __restrict__ out, const uchar* __restrict__ w0, const uchar* __restrict__ w1,                 \
+     const uchar* __restrict__ w2, const uchar* __restrict__ s0, const uchar* __restrict__ s1,             \
+     const uchar* __restrict__ s2, float g0, float g1, float g2, int rows0, int rows1, int rows2, int cols, \
+     const float* __restrict__ x, const float* __restrict__ x2, const float* __restrict__ nw, float eps,   \
+     int prologue, int accumulate, int B, long long ldx, long long ldo)
+template <int MAXB>
+__device__ __forceinline__ void nvfp4_rows NVFP4_PARAMS {
     extern __shared__ float sx[];
     load_batch(sx, x, x2, ldx, nw, eps, cols, prologue, 1, B);
     int units = cols >> 5, rows = rows0 + rows1 + rows2;
@@ -549,12 +570,12 @@ extern "C" __global__ void __launch_bounds__(256) matvec_nvfp4(
         int k, lr = stacked_local(rows0, rows1, r, &k);
         const uchar* w = (k == 0 ? w0 : k == 1 ? w1 : w2) + (long long)lr * (cols >> 1);
         const uchar* sc = (k == 0 ? s0 : k == 1 ? s1 : s2) + (long long)lr * (cols >> 4);
-        float acc[FMV_MAX_BATCH] = {};
+        float acc[MAXB] = {};
         for (int u = lane; u < units; u += 32) {
             float v[32], s[2];
             dec_nvfp4_codes(w + 16 * u, sc + 2 * u, v, s);
 #pragma unroll
-            for (int b = 0; b < FMV_MAX_BATCH; b++) {
+            for (int b = 0; b < MAXB; b++) {
                 if (b < B) {
                     const float* xb = sx + (long long)b * cols + u;
                     float a0 = 0.f, a1 = 0.f;
@@ -567,9 +588,13 @@ extern "C" __global__ void __launch_bounds__(256) matvec_nvfp4(
                 }
             }
         }
-        store_batch(out, ldo, r, acc, (k == 0 ? g0 : k == 1 ? g1 : g2) * (E2M1_UNIT * E4M3_UNIT), B, lane, accumulate);
+        store_batch<MAXB>(out, ldo, r, acc, (k == 0 ? g0 : k == 1 ? g1 : g2) * (E2M1_UNIT * E4M3_UNIT), B, lane,
+                          accumulate);
     }
 }
+FMV_KERNELS(nvfp4, NVFP4_PARAMS,
+            (out, w0, w1, w2, s0, s1, s2, g0, g1, g2, rows0, rows1, rows2, cols, x, x2, nw, eps, prologue,
+             accumulate, B, ldx, ldo))
 
 // out (n, cols) float32 or float16 bits = rows (ids[i] or r0 + i) of an FP8 weight, times scale
 extern "C" __global__ void dequant_fp8(void* __restrict__ out, const uchar* __restrict__ w,
