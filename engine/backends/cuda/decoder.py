@@ -864,12 +864,12 @@ class CudaDecoder:
         """Whether forward_batch reads every weight row once for the batch (ops.matvec_batch, as often
         as shared memory needs): each stacked projection's matrices take one kernel (_matvecs)."""
 
-        def kind(w):
-            return "int" if self._int_dot_all([w]) else w.ggml_type
+        stacks = self._stacks() + ([] if self.head_only else [[self.output]])
+        return all(len({_kernel_of(w, self.int_dot) for w in ws}) == 1 for ws in stacks)
 
-        stacks = [[L[k] for k in names] for L in self.layers for names in PREFILL_STACKS]
-        stacks += [] if self.head_only else [[self.output]]
-        return all(len({kind(w) for w in ws}) == 1 for ws in stacks)
+    def _stacks(self) -> list[list[ops.GpuWeight]]:
+        """The layers' stacked projections (PREFILL_STACKS: q|k|v, wo, gate|up, down), layer by layer."""
+        return [[L[k] for k in names] for L in self.layers for names in PREFILL_STACKS]
 
     def _int_dot_all(self, ws) -> bool:
         """Whether every weight of ws takes integer dot products here (matvec_qb)."""
@@ -912,7 +912,7 @@ class CudaDecoder:
         free, _ = cp.cuda.runtime.memGetInfo()
         room = max(0, free + cp.get_default_memory_pool().free_bytes() - reserve)
         budget = 0 if mode == "tiles" else int(room * (RESIDENT_SHARE if mode == "auto" else 1.0))
-        stacks = [[L[k] for k in names] for L in self.layers for names in PREFILL_STACKS]
+        stacks = self._stacks()
         in_place = copied = copied_bytes = 0
         with self.stream:
             for ws in stacks + ([] if self.output is None else [[self.output]]):
@@ -922,11 +922,12 @@ class CudaDecoder:
                     self._resident[tuple(map(id, ws))] = list(zip(starts.tolist(), direct))
                     in_place += ws[0] is not self.output
                     continue
-                nbytes = sum(w.rows for w in ws) * ws[0].cols * size
+                rows = sum(w.rows for w in ws)
+                nbytes = rows * ws[0].cols * size
                 if ws[0] is self.output or nbytes > budget - copied_bytes:
                     continue  # the output matrix multiplies every prompt row only for all_logits
                 try:
-                    m = cp.empty((sum(w.rows for w in ws), ws[0].cols), dt)
+                    m = cp.empty((rows, ws[0].cols), dt)
                 except cp.cuda.memory.OutOfMemoryError:  # less usable than memGetInfo said: tiles
                     budget = copied_bytes  # for the rest
                     continue
@@ -1065,20 +1066,22 @@ class CudaDecoder:
         return logits
 
 
+def _kernel_of(w, int_dot: bool):
+    """Which matvec kernel takes weight w (ops.matvec's rule): "int" (matvec_qb), or its float kernel's
+    type."""
+    return "int" if int_dot and w.ggml_type in ops.INT_DOT_TYPES else w.ggml_type
+
+
 def _matvecs(out, ws: list, x, int_dot: bool, cols_x2: bool = False, **kw) -> None:
     """out (B, >= rows) (= or +=) [ws stacked] @ act(x[b]) for each row b of x (B, cols), or of
     x (B, 2 cols) = [x | x2] with cols_x2 (prologues 2/3). One launch for each run of weights one
     kernel takes (ops.matvec's rule): over all B rows (ops.matvec_batch: each weight row read once
     for as many of them as shared memory holds) for the run at the start of a row, else a launch
     per row (a stack whose weights take different kernels, integer and float)."""
-
-    def kernel_of(w):
-        return "int" if int_dot and w.ggml_type in ops.INT_DOT_TYPES else w.ggml_type
-
     r = i = 0
     while i < len(ws):
         j = i + 1
-        while j < len(ws) and kernel_of(ws[j]) == kernel_of(ws[i]):
+        while j < len(ws) and _kernel_of(ws[j], int_dot) == _kernel_of(ws[i], int_dot):
             j += 1
         run, rows = ws[i:j], sum(w.rows for w in ws[i:j])
         if r == 0:
