@@ -913,19 +913,23 @@ class CudaDecoder:
         room = max(0, free + cp.get_default_memory_pool().free_bytes() - reserve)
         budget = 0 if mode == "tiles" else int(room * (RESIDENT_SHARE if mode == "auto" else 1.0))
         stacks = self._stacks()
+        # the output matrix multiplies every prompt row only for all_logits: read in place, never copied
+        direct_output = None if self.output is None else ops.direct_matrix(self.output, dt)
+        if direct_output is not None:
+            self._resident[(id(self.output),)] = [(0, direct_output)]
         in_place = copied = copied_bytes = 0
         with self.stream:
-            for ws in stacks + ([] if self.output is None else [[self.output]]):
+            for ws in stacks:
                 direct = [ops.direct_matrix(w, dt) for w in ws]
                 if all(m is not None for m in direct):
                     starts = np.cumsum([0] + [w.rows for w in ws])
                     self._resident[tuple(map(id, ws))] = list(zip(starts.tolist(), direct))
-                    in_place += ws[0] is not self.output
+                    in_place += 1
                     continue
                 rows = sum(w.rows for w in ws)
                 nbytes = rows * ws[0].cols * size
-                if ws[0] is self.output or nbytes > budget - copied_bytes:
-                    continue  # the output matrix multiplies every prompt row only for all_logits
+                if nbytes > budget - copied_bytes:
+                    continue
                 try:
                     m = cp.empty((rows, ws[0].cols), dt)
                 except cp.cuda.memory.OutOfMemoryError:  # less usable than memGetInfo said: tiles
