@@ -223,22 +223,13 @@ class Gemma3Model(Decoder):
         """Causal attention of q3 (n, heads, hd) at positions pos0.. over one layer's cache.
 
         With a window, the query at position p sees keys [p - window + 1, p] (HF's sliding mask:
-        kv > q - window). ops.attention always starts at key 0, so queries past the window's
-        reach attend one at a time over a view of the cache that starts at their first key.
+        kv > q - window).
         """
         cap = self.cfg.attn_logit_softcapping
         if cap is not None:
             _softcapped_attention(out3, q3, k_cache, v_cache, pos0, self.scale, cap, window)
             return
-        n = q3.shape[0]
-        head = n if window is None else min(n, max(0, window - pos0))  # queries whose window starts at 0
-        if head:
-            ops.attention(out3[:head], q3[:head], k_cache, v_cache, pos0, self.scale)
-        for i in range(head, n):
-            start = pos0 + i - window + 1
-            ops.attention(
-                out3[i : i + 1], q3[i : i + 1], k_cache[:, start:], v_cache[:, start:], window - 1, self.scale
-            )
+        ops.attention(out3, q3, k_cache, v_cache, pos0, self.scale, window)
 
     def _forward(self, tokens: np.ndarray, cache: KVCache, all_logits: bool, first: int = 0, hidden=None):
         cfg = self.cfg

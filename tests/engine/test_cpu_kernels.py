@@ -214,7 +214,7 @@ def attention_reference(q, k_cache, v_cache, pos0, scale):
     return out
 
 
-# 12 and 16 queries take the BLAS prefill path
+# 12 and 16 queries take the kernels (_BLAS_ATTENTION_MIN_TOKENS is 17)
 @pytest.mark.parametrize("n_tok,pos0", [(1, 0), (1, 9), (5, 0), (6, 4), (12, 0), (16, 5)])
 def test_attention_gqa_causal(n_tok, pos0):
     rng = np.random.default_rng(3)
@@ -228,6 +228,72 @@ def test_attention_gqa_causal(n_tok, pos0):
     cpu.attention(out, q, k_cache, v_cache, pos0, 1 / math.sqrt(hd))
     np.testing.assert_allclose(out, attention_reference(q, k_cache, v_cache, pos0, 1 / math.sqrt(hd)),
                                rtol=1e-4, atol=1e-5)
+
+
+def windowed_attention_reference(q, k_cache, v_cache, pos0, scale, window):
+    """attention_reference where the query at position p sees only keys [p - window + 1, p]."""
+    n_tok, n_heads, hd = q.shape
+    group = n_heads // k_cache.shape[0]
+    out = np.zeros(q.shape)
+    for t in range(n_tok):
+        p = pos0 + t
+        lo = max(0, p - window + 1)
+        for h in range(n_heads):
+            k = k_cache[h // group, lo : p + 1].astype(np.float64)
+            v = v_cache[h // group, lo : p + 1].astype(np.float64)
+            s = k @ q[t, h] * scale
+            e = np.exp(s - s.max())
+            out[t, h] = (e / e.sum()) @ v
+    return out
+
+
+# 150 queries take the BLAS path in three blocks of queries (the last one short); 5 the kernels, whose
+# queries past the window attend over views of the cache
+@pytest.mark.parametrize("n_tok,pos0,window,dtype", [
+    (150, 0, None, np.float32), (150, 37, None, np.float16), (150, 20, 48, np.float32),
+    (150, 0, 48, np.float16), (40, 3, 500, np.float32), (5, 60, 16, np.float32), (5, 60, 16, np.float16),
+])
+def test_attention_in_blocks_of_queries_with_a_sliding_window(n_tok, pos0, window, dtype):
+    rng = np.random.default_rng(6)
+    n_heads, n_kv, hd, max_ctx = 8, 2, 32, 256
+    q = rng.standard_normal((n_tok, n_heads, hd)).astype(np.float32)
+    k_cache = rng.standard_normal((n_kv, max_ctx, hd)).astype(dtype)
+    v_cache = rng.standard_normal((n_kv, max_ctx, hd)).astype(dtype)
+    k_cache[:, pos0 + n_tok :] = 1e4  # past the queries: a non-causal kernel would read these
+    if window is not None:  # before every query's window: a kernel ignoring the window would read these
+        k_cache[:, : max(0, pos0 - window + 1)] = 1e4
+    out = np.full_like(q, np.nan)
+    scale = 1 / math.sqrt(hd)
+    cpu.attention(out, q, k_cache, v_cache, pos0, scale, window)
+    ref = windowed_attention_reference(q, k_cache, v_cache, pos0, scale, window or max_ctx)
+    np.testing.assert_allclose(out, ref, rtol=1e-4, atol=2e-5)
+
+
+def test_attention_rejects_a_window_below_one():
+    q = np.zeros((1, 2, 8), np.float32)
+    cache = np.zeros((1, 4, 8), np.float32)
+    with pytest.raises(ValueError, match="window must be positive"):
+        cpu.attention(np.empty_like(q), q, cache, cache, 0, 1.0, 0)
+
+
+def test_fast_exp_within_float32_grade_over_its_range():
+    from numba import njit
+
+    from engine.backends.cpu.ops import fast_exp
+
+    @njit(fastmath=True, error_model="numpy")
+    def exps(out, x):
+        for i in range(x.shape[0]):
+            out[i] = fast_exp(x[i])
+
+    x = np.linspace(-87, 88, 1_000_001, dtype=np.float32)
+    out = np.empty_like(x)
+    exps(out, x)
+    exact = np.exp(x.astype(np.float64))
+    assert np.max(np.abs(out - exact) / exact) < 5e-7
+    far = np.array([-1e4, -100, 100, 1e4], np.float32)  # clamped: finite, no denormals, no infinities
+    exps(out[:4], far)
+    assert np.all(np.isfinite(out[:4])) and out[0] == out[1] > 0 and out[2] == out[3] > 1e38
 
 
 def test_silu_mul_and_gelu_tanh_mul():

@@ -5,7 +5,7 @@ kernels' small activation scratch):
   linear(out, w, x)            out (n_tok, rows) = x (n_tok, cols) @ W.T for a quantized/float Weight
   get_rows(out, w, ids)        embedding lookup: out (len(ids), cols) = W[ids]
   rmsnorm(out, x, weight, eps) rope(x, positions, inv_freq, n_rot, neox)
-  attention(out, q, k_cache, v_cache, pos0, scale)   (k/v caches float32 or float16)
+  attention(out, q, k_cache, v_cache, pos0, scale, window=None)   (k/v caches float32 or float16)
   silu_mul(out, gate, up)      gelu_tanh_mul(out, gate, up)
   softmax(x)                   argmax(x)                  set_threads(n)
 
@@ -221,7 +221,13 @@ def rope(x: np.ndarray, positions: np.ndarray, inv_freq: np.ndarray, n_rot: int,
 
 
 def attention(
-    out: np.ndarray, q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, pos0: int, scale: float
+    out: np.ndarray,
+    q: np.ndarray,
+    k_cache: np.ndarray,
+    v_cache: np.ndarray,
+    pos0: int,
+    scale: float,
+    window: int | None = None,
 ) -> None:
     """Causal multi-head attention over one layer's KV cache (GQA aware).
 
@@ -231,7 +237,8 @@ def attention(
         k_cache, v_cache: float32 or float16 (n_kv_heads, max_ctx, head_dim) holding positions
             [0, pos0 + n_tok); both of one dtype. Scores and sums are float32 either way.
         pos0: position of the first query.
-        scale: multiplies q.k (usually head_dim ** -0.5).
+        scale: multiplies q.k (usually head_dim ** -0.5); positive.
+        window: None, or a sliding window: the query at position p sees only keys [p - window + 1, p].
     """
     n_tok, n_heads, _ = q.shape
     if n_heads % k_cache.shape[0] or pos0 + n_tok > k_cache.shape[1]:
@@ -239,24 +246,31 @@ def attention(
             f"attention: {n_heads} heads over {k_cache.shape[0]} kv heads, positions up to {pos0 + n_tok} "
             f"in a cache of {k_cache.shape[1]}"
         )
-    if k_cache.dtype == np.float16:
-        if v_cache.dtype != np.float16 or v_cache.shape != k_cache.shape:
-            raise ValueError(
-                f"attention: v_cache {v_cache.dtype} {v_cache.shape} does not match the float16 k_cache"
-            )
-        if n_tok >= _BLAS_ATTENTION_MIN_TOKENS:
-            # prefill: widen only the positions in use, then the float32 path
-            ctx = pos0 + n_tok
-            k32 = k_cache[:, :ctx].astype(np.float32)
-            v32 = v_cache[:, :ctx].astype(np.float32)
-            _attention_blas(out, q, k32, v32, int(pos0), np.float32(scale))
-        else:
-            # Numba has no float16: the kernel reads the halves' bits and widens them itself
-            k_bits, v_bits = k_cache.view(np.uint16), v_cache.view(np.uint16)
-            ops.attention_f16(out, q, k_bits, v_bits, int(pos0), np.float32(scale))
-        return
+    if k_cache.dtype == np.float16 and (v_cache.dtype != np.float16 or v_cache.shape != k_cache.shape):
+        raise ValueError(
+            f"attention: v_cache {v_cache.dtype} {v_cache.shape} does not match the float16 k_cache"
+        )
+    if window is not None and window < 1:
+        raise ValueError(f"attention: window must be positive, got {window}")
     if n_tok >= _BLAS_ATTENTION_MIN_TOKENS:
-        _attention_blas(out, q, k_cache, v_cache, int(pos0), np.float32(scale))
+        _attention_blas(out, q, k_cache, v_cache, int(pos0), np.float32(scale), window or 0)
+        return
+    # the kernels start every query at key 0: queries whose window reaches past position 0 attend one
+    # at a time over a view of the cache that starts at their first key
+    head = n_tok if window is None else min(n_tok, max(0, window - pos0))
+    if head:
+        _attention_kernel(out[:head], q[:head], k_cache, v_cache, pos0, scale)
+    for i in range(head, n_tok):
+        start = pos0 + i - window + 1
+        k, v = k_cache[:, start:], v_cache[:, start:]
+        _attention_kernel(out[i : i + 1], q[i : i + 1], k, v, window - 1, scale)
+
+
+def _attention_kernel(out, q, k_cache, v_cache, pos0: int, scale: float) -> None:
+    """The Numba attention kernels (few queries: decode, verify passes, batched decode steps)."""
+    if k_cache.dtype == np.float16:  # Numba has no float16: the kernel reads the halves' bits itself
+        k_bits, v_bits = k_cache.view(np.uint16), v_cache.view(np.uint16)
+        ops.attention_f16(out, q, k_bits, v_bits, int(pos0), np.float32(scale))
     else:
         ops.attention(out, q, k_cache, v_cache, int(pos0), np.float32(scale))
 
@@ -268,26 +282,37 @@ def attention(
 # each query the bits a one-token decode step would).
 _BLAS_ATTENTION_MIN_TOKENS = SMALL_BATCH_MAX + 1
 
+# _attention_blas's queries per block: a block multiplies only the keys its queries see (the causal
+# triangle's blocks, and the window's band), so at 512 tokens it computes about 56% of the full square.
+# Small enough for the softmax's scores to stay in L2 (64 x 4 heads x 2048 keys: 2 MiB).
+_ATTENTION_QUERY_BLOCK = 64
 
-def _attention_blas(out, q, k_cache, v_cache, pos0: int, scale: np.float32) -> None:
-    """attention() for many queries: scores = Q K^T per kv head (all its query heads at once), causal
-    mask, softmax in float32, then P V; the same maths as ops.attention."""
+
+def _attention_blas(out, q, k_cache, v_cache, pos0: int, scale: np.float32, window: int) -> None:
+    """attention() for many queries, window 0 for none: per kv head and block of queries, scores =
+    Q K^T over the keys the block sees (all the kv head's query heads at once, one row each), the
+    masked softmax in place (ops.causal_softmax), then P V. Float16 caches are widened to float32 over
+    the keys in use."""
     n_tok, n_heads, head_dim = q.shape
     n_kv = k_cache.shape[0]
     rep = n_heads // n_kv
+    base = 0 if window == 0 else max(0, pos0 - window + 1)  # the first key any query sees
     ctx = pos0 + n_tok
-    # query i (position pos0 + i) sees keys [0, pos0 + i]
-    masked = np.arange(ctx)[None, :] > (pos0 + np.arange(n_tok))[:, None]  # (n_tok, ctx)
-    for g in range(n_kv):
-        qg = q[:, g * rep : (g + 1) * rep, :].transpose(1, 0, 2).reshape(rep * n_tok, head_dim)
-        scores = (qg @ k_cache[g, :ctx].T).reshape(rep, n_tok, ctx)
-        scores *= scale
-        scores[:, masked] = -np.inf
-        scores -= scores.max(axis=-1, keepdims=True)
-        np.exp(scores, out=scores)
-        scores /= scores.sum(axis=-1, keepdims=True)
-        og = scores.reshape(rep * n_tok, ctx) @ v_cache[g, :ctx]  # (rep * n_tok, head_dim)
-        out[:, g * rep : (g + 1) * rep, :] = og.reshape(rep, n_tok, head_dim).transpose(1, 0, 2)
+    if k_cache.dtype == np.float16:
+        k_cache = k_cache[:, base:ctx].astype(np.float32)
+        v_cache = v_cache[:, base:ctx].astype(np.float32)
+    else:
+        k_cache, v_cache = k_cache[:, base:ctx], v_cache[:, base:ctx]
+    for i0 in range(0, n_tok, _ATTENTION_QUERY_BLOCK):
+        i1 = min(i0 + _ATTENTION_QUERY_BLOCK, n_tok)
+        key0 = base if window == 0 else max(base, pos0 + i0 - window + 1)  # the block's first key
+        keys = slice(key0 - base, pos0 + i1 - base)
+        for g in range(n_kv):
+            heads = slice(g * rep, (g + 1) * rep)
+            qb = q[i0:i1, heads].reshape((i1 - i0) * rep, head_dim)  # row (query, head)
+            scores = qb @ k_cache[g, keys].T
+            ops.causal_softmax(scores, rep, pos0 + i0, key0, window, scale)
+            out[i0:i1, heads] = (scores @ v_cache[g, keys]).reshape(i1 - i0, rep, head_dim)
 
 
 def _flat(a: np.ndarray, name: str) -> np.ndarray:

@@ -81,6 +81,21 @@ def half_to_f32(typingctx, bits):
 
 
 @intrinsic
+def pow2_f32(typingctx, k):
+    """2.0 ** k as float32 for an integral float32 k in [-126, 127], built from its exponent bits (plain
+    integer and bitcast IR, so that loops calling it vectorize)."""
+    if k != types.float32:
+        raise TypingError(f"pow2_f32 takes a float32, got {k}")
+    sig = types.float32(k)
+
+    def codegen(context, builder, signature, args):
+        biased = builder.add(builder.fptosi(args[0], _I32), ir.Constant(_I32, 127))
+        return builder.bitcast(builder.shl(biased, ir.Constant(_I32, 23)), _F32)
+
+    return sig, codegen
+
+
+@intrinsic
 def ld_bf16(typingctx, arr, off):
     """float32 of the bfloat16 stored little-endian at byte `off` of a uint8 array."""
     _check_c_array(arr, types.uint8, "ld_bf16 array")
