@@ -269,6 +269,25 @@ def test_attention_in_blocks_of_queries_with_a_sliding_window(n_tok, pos0, windo
     np.testing.assert_allclose(out, ref, rtol=1e-4, atol=2e-5)
 
 
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_attention_gives_a_query_the_same_bits_alone_or_among_others(dtype):
+    # queries at 510..518 straddle a chunk boundary (511 keys: 2 chunks of 256-ish, 519: 3): each must
+    # still get what a one-token decode step at its position gets (speculative verify relies on it)
+    rng = np.random.default_rng(7)
+    n_heads, n_kv, hd, pos0, n_tok = 6, 2, 32, 510, 9
+    q = rng.standard_normal((n_tok, n_heads, hd)).astype(np.float32)
+    k_cache = rng.standard_normal((n_kv, 600, hd)).astype(dtype)
+    v_cache = rng.standard_normal((n_kv, 600, hd)).astype(dtype)
+    together = np.empty_like(q)
+    cpu.attention(together, q, k_cache, v_cache, pos0, 0.2)
+    for t in range(n_tok):
+        alone = np.empty_like(q[t : t + 1])
+        cpu.attention(alone, q[t : t + 1], k_cache, v_cache, pos0 + t, 0.2)
+        np.testing.assert_array_equal(alone, together[t : t + 1])
+    ref = windowed_attention_reference(q, k_cache, v_cache, pos0, 0.2, 600)
+    np.testing.assert_allclose(together, ref, rtol=1e-4, atol=2e-5)
+
 def test_attention_rejects_a_window_below_one():
     q = np.zeros((1, 2, 8), np.float32)
     cache = np.zeros((1, 4, 8), np.float32)

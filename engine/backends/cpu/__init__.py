@@ -269,10 +269,8 @@ def attention(
 def _attention_kernel(out, q, k_cache, v_cache, pos0: int, scale: float) -> None:
     """The Numba attention kernels (few queries: decode, verify passes, batched decode steps)."""
     if k_cache.dtype == np.float16:  # Numba has no float16: the kernel reads the halves' bits itself
-        k_bits, v_bits = k_cache.view(np.uint16), v_cache.view(np.uint16)
-        ops.attention_f16(out, q, k_bits, v_bits, int(pos0), np.float32(scale))
-    else:
-        ops.attention(out, q, k_cache, v_cache, int(pos0), np.float32(scale))
+        k_cache, v_cache = k_cache.view(np.uint16), v_cache.view(np.uint16)
+    ops.attention(out, q, k_cache, v_cache, int(pos0), np.float32(scale))
 
 
 # From this many queries on, attention runs as BLAS matmuls per kv head (prefill): the Numba loop
