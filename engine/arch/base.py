@@ -6,6 +6,7 @@ import numpy as np
 
 from engine.backends import cpu as ops
 from engine.kv_cache import KVCache
+from engine.weights import Weight
 
 
 class Scratch:
@@ -52,6 +53,16 @@ class Decoder:
 
     capture = None
 
+    @property
+    def small_batch_max(self) -> int:
+        """The most tokens a forward pass runs through the small-batch kernels rather than dequantize +
+        BLAS (ops.small_batch_limit of the layers' matrices; worked out once)."""
+        limit = self.__dict__.get("_small_batch_max")
+        if limit is None:
+            ws = [w for layer in self.layers for w in vars(layer).values() if isinstance(w, Weight)]
+            limit = self.__dict__["_small_batch_max"] = ops.small_batch_limit(ws)
+        return limit
+
     def new_cache(self, n_ctx: int, dtype=np.float32) -> KVCache:
         """An empty KV cache for n_ctx positions holding keys and values as dtype (float32 or float16)."""
         cfg = self.cfg
@@ -66,7 +77,7 @@ class Decoder:
         """
         tokens = np.asarray(tokens, dtype=np.int64)
         cache.check_room(len(tokens))
-        with ops.batch_phase(len(tokens)):
+        with ops.batch_phase(len(tokens), self.small_batch_max):
             return self._forward(tokens, cache, all_logits)
 
     def forward_from(
@@ -84,7 +95,7 @@ class Decoder:
         """
         tokens = np.asarray(tokens, dtype=np.int64)
         cache.check_room(len(tokens))
-        with ops.batch_phase(len(tokens)):
+        with ops.batch_phase(len(tokens), self.small_batch_max):
             return self._forward(tokens, cache, all_logits, first=first_layer, hidden=hidden)
 
     def forward_batch(self, tokens, caches: list[KVCache]) -> np.ndarray:
@@ -103,14 +114,14 @@ class Decoder:
             to keep them).
         """
         tokens = check_batch(tokens, caches)
-        with ops.batch_phase(len(tokens)):
+        with ops.batch_phase(len(tokens), self.small_batch_max):
             return self._forward_batch(tokens, list(caches))
 
     def forward_batch_from(self, first_layer: int, hidden: np.ndarray, tokens, caches: list) -> np.ndarray:
         """forward_batch for the layers from `first_layer` on, from their input hidden (B, hidden_size);
         each cache holds those layers only (see forward_from)."""
         tokens = check_batch(tokens, caches)
-        with ops.batch_phase(len(tokens)):
+        with ops.batch_phase(len(tokens), self.small_batch_max):
             return self._forward_batch(tokens, list(caches), first=first_layer, hidden=hidden)
 
     def _batch_buffers(self, n: int) -> tuple[Scratch, np.ndarray]:

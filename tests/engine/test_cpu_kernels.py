@@ -214,7 +214,7 @@ def attention_reference(q, k_cache, v_cache, pos0, scale):
     return out
 
 
-# 12 and 16 queries take the kernels (_BLAS_ATTENTION_MIN_TOKENS is 17)
+# 12 and 16 queries take the kernels (outside a model's batch_phase the BLAS path starts at 17)
 @pytest.mark.parametrize("n_tok,pos0", [(1, 0), (1, 9), (5, 0), (6, 4), (12, 0), (16, 5)])
 def test_attention_gqa_causal(n_tok, pos0):
     rng = np.random.default_rng(3)

@@ -64,3 +64,46 @@ def test_small_batch_keeps_every_thread():
     with cpu.batch_phase(cpu.SMALL_BATCH_MAX + 1):
         assert cpu.get_threads() == 1
     assert cpu.get_threads() == n
+
+
+def test_a_pass_keeps_the_small_kernels_up_to_its_limit(monkeypatch):
+    # batch_phase(n, limit): up to limit tokens the linears read the quantized rows (no dequantization),
+    # every thread stays, and attention runs its kernels (whose bits match one-token steps); past it,
+    # dequantize + BLAS on one Numba thread. The limit never drops below SMALL_BATCH_MAX.
+    import gguf
+
+    rng = np.random.default_rng(8)
+    w, _ = make_weight(gguf.GGMLQuantizationType.Q4_1, 8, 64, rng)
+    calls = []
+    matvec, dequant, view = cpu._KERNELS[w.ggml_type]
+    monkeypatch.setitem(cpu._KERNELS, w.ggml_type, (matvec, lambda *a: calls.append(1) or dequant(*a), view))
+    threads = cpu.get_threads()
+    for n, limit, small in ((30, 40, True), (40, 40, True), (41, 40, False), (16, 4, True), (17, 4, False)):
+        calls.clear()
+        x = rng.standard_normal((n, 64)).astype(np.float32)
+        out = np.empty((n, 8), np.float32)
+        with cpu.batch_phase(n, limit):
+            cpu.linear(out, w, x)
+            assert cpu.get_threads() == (threads if small else 1)
+        assert (not calls) == small, (n, limit)
+        if small:
+            for t in range(n):
+                one = np.empty((1, 8), np.float32)
+                cpu.linear(one, w, x[t : t + 1])
+                assert np.array_equal(one[0], out[t])
+    assert cpu.get_threads() == threads
+    cpu.linear(np.empty((30, 8), np.float32), w, rng.standard_normal((30, 64)).astype(np.float32))
+    assert calls, "outside a pass the limit is SMALL_BATCH_MAX again"
+
+
+def test_small_batch_limit_averages_the_types_crossovers_by_size():
+    import gguf
+
+    T = gguf.GGMLQuantizationType
+    rng = np.random.default_rng(9)
+    q41, _ = make_weight(T.Q4_1, 64, 64, rng)  # crossover 40
+    q6k, _ = make_weight(T.Q6_K, 64, 256, rng)  # none listed: SMALL_BATCH_MAX; 4x q41's size
+    assert cpu.small_batch_limit([q41]) == cpu.SMALL_BATCH_CROSSOVER[T.Q4_1]
+    assert cpu.small_batch_limit([q6k]) == cpu.SMALL_BATCH_MAX
+    assert cpu.small_batch_limit([q41, q6k]) == int((40 + 4 * cpu.SMALL_BATCH_MAX) / 5)
+    assert cpu.small_batch_limit([]) == cpu.SMALL_BATCH_MAX

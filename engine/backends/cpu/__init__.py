@@ -101,11 +101,46 @@ _SMALL: dict[int, Callable] = {
 }
 
 # Up to this many tokens, linear runs the small-batch kernels (each weight row read once for all tokens,
-# on every Numba thread) instead of dequantize + BLAS. Measured on SmolLM2/Gemma-3 layer matrices (2
-# shared cores): at 16 tokens the small kernels still take ~0.5-0.7x the BLAS path's time (Q4_1 1536x576
-# 0.67 vs 1.30 ms, Q6_K 640x2048 1.28 vs 1.81 ms, F16 far less); by 32 quantized types lose.
-# Speculative verify passes (k+1 tokens) and batched decode steps (a few sequences) live below it.
+# on every Numba thread) instead of dequantize + BLAS, whatever the weights: speculative verify passes
+# (k+1 tokens) and batched decode steps (a few sequences) live below it, and get each token the bits a
+# one-token step would.
 SMALL_BATCH_MAX = 16
+
+# For more tokens, a forward pass keeps the small-batch kernels while they still beat dequantize + BLAS
+# for its weights (small_batch_limit): the most tokens at which they did, per type, on a 1536 x 768 matrix
+# (2 shared cores; small / BLAS ms at that count). Dequantizing the whole matrix costs BLAS about
+# 0.9 ms whatever the count, while the small kernels cost per token, so the 4-bit and 8-bit legacy types
+# and the float types keep them longest; the K-quants' kernels do more per weight (Q2_K and Q3_K lose
+# even at 16, which SMALL_BATCH_MAX keeps for verify passes anyway). A chat turn of 20-40 tokens on
+# SmolLM2 Q4_1 prefills in about half the time (62 vs 119 ms at 17 tokens, 112 vs 144 at 32).
+SMALL_BATCH_CROSSOVER = {
+    Q4_0: 40,  # 40: 0.82 / 1.13, 48: 1.00 / 1.13
+    Q4_1: 40,  # 40: 0.96 / 1.18, 48: 1.14 / 1.19
+    Q8_0: 48,  # 48: 0.92 / 1.18, 64: 1.23 / 1.26
+    Q5_0: 24,  # 24: 1.06 / 1.22, 32: 1.41 / 1.25
+    Q4_K: 20,  # 24: 1.06 / 1.03
+    F16: 64,  # 64: 1.19 / 1.46
+    BF16: 64,  # 64: 0.95 / 1.30
+    F32: 64,  # 64: 1.06 / 1.37
+}
+
+
+def small_batch_limit(weights) -> int:
+    """The most tokens for which a forward pass over `weights` runs the small-batch kernels: the per-type
+    crossovers (SMALL_BATCH_CROSSOVER, SMALL_BATCH_MAX for the others) averaged by the weights' sizes,
+    and at least SMALL_BATCH_MAX."""
+    total = limit = 0.0
+    for w in weights:
+        size = w.rows * w.cols
+        total += size
+        limit += size * SMALL_BATCH_CROSSOVER.get(w.ggml_type, SMALL_BATCH_MAX)
+    return max(SMALL_BATCH_MAX, int(limit / total) if total else SMALL_BATCH_MAX)
+
+
+def _small_batch_max() -> int:
+    """The small-batch limit of the forward pass running on this thread (batch_phase)."""
+    return getattr(_scratch, "small_max", SMALL_BATCH_MAX)
+
 
 _scratch = threading.local()
 
@@ -151,18 +186,19 @@ def linear(out: np.ndarray, w: Weight, x: np.ndarray) -> None:
 
     n_tok == 1 (decode) runs a matrix-vector kernel on the quantized blocks, with x quantized to
     int16 per block of 32 for the quantized types (error ~1e-5 of |w_row| |x|, float32-grade).
-    2 <= n_tok <= SMALL_BATCH_MAX (speculative verify, batched decode) runs the small-batch kernels:
-    each weight row is read once for all tokens, and every token's result equals the matvec's on it
-    bit for bit (float types included).
-    n_tok > SMALL_BATCH_MAX (prefill) dequantizes tiles of rows to float32 and multiplies them with
-    BLAS, exact to float32 rounding.
+    2 <= n_tok <= the pass's small-batch limit (SMALL_BATCH_MAX, or more in a pass batch_phase gave a
+    larger one: speculative verify, batched decode, short prompts) runs the small-batch kernels: each
+    weight row is read once for all tokens, and every token's result equals the matvec's on it bit for
+    bit (float types included).
+    More tokens (prefill) dequantize tiles of rows to float32 and multiply them with BLAS, exact to
+    float32 rounding.
 
     Raises:
         UnsupportedWeightType: no kernel for w.ggml_type.
         ValueError: shapes or dtypes do not match.
     """
     if w.ggml_type in fpquant.FP_TYPES:  # FP8 / NVFP4 from safetensors: per-row scales beside the codes
-        fpquant.linear(out, w, x, SMALL_BATCH_MAX)
+        fpquant.linear(out, w, x, _small_batch_max())
         return
     matvec, dequant, raw = _kernels_for(w)
     n_tok = x.shape[0]
@@ -171,7 +207,7 @@ def linear(out: np.ndarray, w: Weight, x: np.ndarray) -> None:
     if n_tok == 1:
         matvec(out[0], raw, x[0], w.rows, w.cols)
         return
-    if n_tok <= SMALL_BATCH_MAX and x.flags.c_contiguous and out.flags.c_contiguous:
+    if n_tok <= _small_batch_max() and x.flags.c_contiguous and out.flags.c_contiguous:
         _SMALL[w.ggml_type](out, raw, x, w.rows, w.cols)
         return
     tile = max(4, min(w.rows, PREFILL_TILE_BYTES // (4 * w.cols)))
@@ -252,7 +288,7 @@ def attention(
         )
     if window is not None and window < 1:
         raise ValueError(f"attention: window must be positive, got {window}")
-    if n_tok >= _BLAS_ATTENTION_MIN_TOKENS:
+    if n_tok > _small_batch_max():
         _attention_blas(out, q, k_cache, v_cache, int(pos0), np.float32(scale), window or 0)
         return
     # the kernels start every query at key 0: queries whose window reaches past position 0 attend one
@@ -273,12 +309,11 @@ def _attention_kernel(out, q, k_cache, v_cache, pos0: int, scale: float) -> None
     ops.attention(out, q, k_cache, v_cache, int(pos0), np.float32(scale))
 
 
-# From this many queries on, attention runs as BLAS matmuls per kv head (prefill): the Numba loop
-# runs on one thread there (batch_phase) and is scalar over keys. Small batches (speculative verify
-# passes, batched decode) keep every thread and the decode kernel: a 9-token verify pass on SmolLM2
-# spent 10.6 ms in the BLAS path's per-head numpy calls, 3.5 ms in the kernel (which also gives
-# each query the bits a one-token decode step would).
-_BLAS_ATTENTION_MIN_TOKENS = SMALL_BATCH_MAX + 1
+# Past the pass's small-batch limit, attention runs as BLAS matmuls per kv head and block of queries
+# (prefill): the Numba kernels run on one thread there (batch_phase). Up to it (speculative verify passes,
+# batched decode, short prompts) the kernels keep every thread: a 9-token verify pass on SmolLM2 spent
+# 10.6 ms in the BLAS path's per-head numpy calls, 3.5 ms in the kernel (which also gives each query the
+# bits a one-token decode step would).
 
 # _attention_blas's queries per block: a block multiplies only the keys its queries see (the causal
 # triangle's blocks, and the window's band), so at 512 tokens it computes about 56% of the full square.
@@ -353,23 +388,26 @@ def set_threads(n: int) -> int:
 
 
 @contextmanager
-def batch_phase(n_tok: int):
-    """Scope of one forward pass over n_tok tokens.
+def batch_phase(n_tok: int, small_max: int = SMALL_BATCH_MAX):
+    """Scope of one forward pass over n_tok tokens, whose linears run the small-batch kernels up to
+    small_max tokens (small_batch_limit of the model's weights; never below SMALL_BATCH_MAX).
 
-    For n_tok > 1 the heavy work is OpenBLAS's (multi-threaded) matmul; Numba's OpenMP workers,
-    which spin between parallel regions, would fight its threads for the cores (measured on 2
-    cores: prefill 2.3x slower). So Numba kernels run on the calling thread for the pass, and the
-    decode path (n_tok == 1) and small batches (n_tok <= SMALL_BATCH_MAX, small-batch kernels), which
-    are all Numba, keep every thread.
+    Past it the heavy work is OpenBLAS's (multi-threaded) matmul; Numba's OpenMP workers, which spin
+    between parallel regions, would fight its threads for the cores (measured on 2 cores: prefill
+    2.3x slower). So Numba kernels run on the calling thread for such a pass, while the decode path
+    (n_tok == 1) and passes up to small_max (small-batch kernels), which are all Numba, keep every
+    thread.
     """
-    if n_tok <= SMALL_BATCH_MAX:
-        yield
-        return
+    small_max = max(SMALL_BATCH_MAX, small_max)
+    saved = _small_batch_max()
+    _scratch.small_max = small_max
     n = numba.get_num_threads()
-    numba.set_num_threads(1)
+    if n_tok > small_max:
+        numba.set_num_threads(1)
     try:
         yield
     finally:
+        _scratch.small_max = saved
         numba.set_num_threads(n)
 
 
@@ -381,5 +419,5 @@ def get_threads() -> int:
 __all__ = [
     "UnsupportedWeightType", "linear", "get_rows", "rmsnorm", "rope", "attention", "silu_mul",
     "gelu_tanh_mul", "softmax", "argmax", "set_threads", "get_threads", "batch_phase", "PREFILL_TILE_BYTES",
-    "SUPPORTED_TYPES", "SMALL_BATCH_MAX",
+    "SUPPORTED_TYPES", "SMALL_BATCH_MAX", "SMALL_BATCH_CROSSOVER", "small_batch_limit",
 ]
