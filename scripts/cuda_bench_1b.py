@@ -24,6 +24,7 @@ For each file it measures, with engine.backends.cuda.bench.bench_decoder:
   prefill_weights) and without them, dequantizing tiles of 64, 8, 16 and 32 MiB at each prefill
   (prefill_graph_tps_tile_*, prefill_tiles_vs_cublas for the default tile);
   decode with programmatic dependent launches (pdl_*: the same logits and greedy tokens, tok/s);
+  decode with several warps a row in the matvecs of few rows (split_*: HEARTH_CUDA_SPLIT=auto against 1);
   decode with and without the matvecs' hand-off of quantized records (handoff_*; the default has it);
   prefill attention in one flash kernel (flash_*: its GPU time against the cuBLAS GEMMs', the captured
   prefill with it and flash_prefill_vs_cublas, a follow-up turn, the logits against the default's);
@@ -42,6 +43,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import os
 import sys
 import tempfile
 import time
@@ -240,6 +242,7 @@ def bench_file(path: Path, n_prompt: int, n_gen: int, repetitions: int, entry: d
         ("prefill_host_and_gpu", _prefill_host_and_gpu, prompt),
         ("prefill_graph", _prefill_graph, prompt),
         ("pdl", _bench_pdl, prompt),
+        ("split", _bench_split, prompt),
         ("handoff", _bench_handoff, prompt),
         ("flash", _bench_flash, prompt),
         ("sampling", _bench_sampling, prompt),
@@ -541,18 +544,42 @@ def _bench_handoff(dec, prompt: list[int], n_ctx: int) -> dict:
     return _bench_switch(dec, prompt, n_ctx, "handoff")
 
 
-def _bench_switch(dec, prompt: list[int], n_ctx: int, flag: str) -> dict:
-    """The decoder's boolean `flag` off and on: the step's logits and 16 greedy tokens one way against
-    the other ({flag}_vs_plain_rel, {flag}_greedy_matches), then decode figures each way ({flag}_decode_tps
-    and _bandwidth_fraction on, {flag}_off_decode_tps off; as many tokens as the headline's: the context
-    left after the prompt). The flag is restored after."""
+def _bench_split(dec, prompt: list[int], n_ctx: int) -> dict:
+    """matvec_qb with several warps a row for the stacks of few rows (HEARTH_CUDA_SPLIT=auto: the 1B
+    shape's wo and down projections take 2 a row on an H200) against one warp a row: split_*
+    (_bench_switch's figures). The variable is restored after."""
+    from engine.backends.cuda import ops
+
+    was = os.environ.get(ops.ROW_SPLIT_ENV)
+
+    def toggle(on):
+        value = was if on is None else "auto" if on else "1"
+        if value is None:
+            os.environ.pop(ops.ROW_SPLIT_ENV, None)
+        else:
+            os.environ[ops.ROW_SPLIT_ENV] = value
+
+    return _bench_switch(dec, prompt, n_ctx, "split", toggle)
+
+
+def _bench_switch(dec, prompt: list[int], n_ctx: int, flag: str, toggle=None) -> dict:
+    """The decoder's boolean `flag` off and on (or toggle(on), toggle(None) restoring it, for a switch
+    that is not a decoder attribute): the step's logits and 16 greedy tokens one way against the other
+    ({flag}_vs_plain_rel, {flag}_greedy_matches), then decode figures each way ({flag}_decode_tps and
+    _bandwidth_fraction on, {flag}_off_decode_tps off; as many tokens as the headline's: the context left
+    after the prompt). The flag is restored after."""
     from engine.backends.cuda.bench import bench_decoder
 
     n_gen = n_ctx - len(prompt) - 8  # bench_file's context: prompt + gen + 8
     error = f"{flag}_error"
+    if toggle is None:
+        was = getattr(dec, flag)
+
+        def toggle(on):
+            setattr(dec, flag, was if on is None else on)
 
     def run(on: bool):
-        setattr(dec, flag, on)
+        toggle(on)
         cache = dec.new_cache(n_ctx)
         logits = dec.forward(prompt[: n_ctx // 2], cache)[-1]
         tok = int(np.argmax(logits))
@@ -562,7 +589,6 @@ def _bench_switch(dec, prompt: list[int], n_ctx: int, flag: str) -> dict:
             tokens.append(dec.greedy_step(tokens[-1], cache))
         return step, tokens
 
-    was = getattr(dec, flag)
     try:
         plain, plain_tokens = run(False)
         got, got_tokens = run(True)
@@ -573,7 +599,7 @@ def _bench_switch(dec, prompt: list[int], n_ctx: int, flag: str) -> dict:
             f"{flag}_greedy_matches": got_tokens == plain_tokens,
         }
         for on in (True, False):
-            setattr(dec, flag, on)
+            toggle(on)
             r = bench_decoder(dec, prompt, n_gen, n_ctx, 1)
             res[f"{flag}_decode_tps" if on else f"{flag}_off_decode_tps"] = round(r["decode_tps"], 1)
             if on:
@@ -582,7 +608,7 @@ def _bench_switch(dec, prompt: list[int], n_ctx: int, flag: str) -> dict:
             res[error] = getattr(dec, error)
         return res
     finally:
-        setattr(dec, flag, was)
+        toggle(None)
 
 
 def _bench_sampling(dec, prompt: list[int], n_ctx: int, steps: int = 64) -> dict:

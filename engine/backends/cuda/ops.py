@@ -143,6 +143,33 @@ def _sm_count_of(device: int) -> int:
     return int(cp.cuda.runtime.deviceGetAttribute(cp.cuda.runtime.cudaDevAttrMultiProcessorCount, device))
 
 
+ROW_SPLIT_ENV = "HEARTH_CUDA_SPLIT"
+
+
+def row_split(rows: int, mode: str | None = None) -> int:
+    """Warps matvec_qb gives each row of a `rows`-row stack (1, 2, 4 or 8).
+
+    mode (default: HEARTH_CUDA_SPLIT, else "1"): "1" one warp a row; "2", "4" or "8" that many; "auto"
+    doubles the warps a row while the rows times them twice over still fit the warps the GPU holds at
+    once (MATVEC_BLOCKS_PER_SM blocks of 8 warps an SM). A 1B-class down or output projection (2048
+    rows) then has 2 warps a row on an H200 instead of filling 16 of each SM's 32 warp slots; the
+    8192-row gate|up stays at one. Opt-in until timed on a GPU (scripts/cuda_device_check.sh).
+
+    Raises:
+        ValueError: an unknown mode (naming the variable).
+    """
+    mode = (mode if mode is not None else os.environ.get(ROW_SPLIT_ENV, "")).strip().lower() or "1"
+    if mode in ("1", "2", "4", "8"):
+        return int(mode)
+    if mode != "auto":
+        raise ValueError(f"{ROW_SPLIT_ENV}={mode!r}: use 1, 2, 4, 8 or auto")
+    slots = _sm_count() * MATVEC_BLOCKS_PER_SM * (MATVEC_THREADS // 32)
+    split = 1
+    while split < 8 and 2 * split * rows <= slots:
+        split *= 2
+    return split
+
+
 def max_shared() -> int:
     """The most dynamic shared memory a block may take on the current device, opted in (227 KiB on
     sm_90, 163 KiB on sm_80, 99 KiB on sm_86/sm_89, 64 KiB on sm_75)."""
@@ -198,7 +225,7 @@ def _launch(k, grid: tuple, block: tuple, args: tuple, shared: int = 0) -> None:
 def _launch_matvec(name: str, grid: int, shared: int, args: tuple, threads: int = MATVEC_THREADS) -> None:
     k = kernel(name, cp.cuda.Device().id)
     allow_shared(k, shared)
-    if name == "matvec_qb":
+    if name in ("matvec_qb", "matvec_qb_split"):
         _launch(k, (grid,), (threads,), args, shared)
     else:
         k((grid,), (threads,), args, shared_mem=shared)
@@ -390,7 +417,8 @@ def _launch_matvec_qb(
     # 8192 take a block of 256 threads 4 rounds of independent loads, so its rows spread over as many
     # blocks as the other matrices' (1024-thread blocks, one per SM, left half the H200's SMs idle)
     threads = MATVEC_THREADS
-    grid = max(1, min(-(-sum(rows) // (threads // 32)), _sm_count() * MATVEC_BLOCKS_PER_SM))
+    split = row_split(sum(rows))
+    grid = max(1, min(-(-sum(rows) * split // (threads // 32)), _sm_count() * MATVEC_BLOCKS_PER_SM))
     args = (
         out,
         np.int64(ldo),
@@ -411,10 +439,11 @@ def _launch_matvec_qb(
         NULL if emit is None or emit.norm is None else emit.norm,
         NULL if emit is None else emit.records,
         NULL if emit is None else emit.counts,
+        _i32(split),
     )
     # the records of the input; with emit the same memory then lists the units the block completes
     shared = max(n * 4 * records_width(cols), 4 * (width // 32))
-    _launch_matvec("matvec_qb", grid, shared, args, threads)
+    _launch_matvec("matvec_qb" if split == 1 else "matvec_qb_split", grid, shared, args, threads)
 
 
 def dequant(

@@ -255,8 +255,12 @@ static int run(void (*k)(A...), const unsigned* grid, unsigned threads, size_t s
 """
 
 
-# `extern "C" __global__ void [__launch_bounds__(N[, M])] name(`: the launchable kernels
-KERNEL = re.compile(r'extern "C" __global__ void (?:__launch_bounds__\(\s*\d+\s*(?:,\s*\d+\s*)?\) )?(\w+)\(')
+# `extern "C" __global__ void [__launch_bounds__(N[, M])] name(` or `... name SOME_PARAMS` (a macro holding
+# the parameter list, as matvec_qb's and matvec_qb_split's): the launchable kernels
+KERNEL = re.compile(
+    r'extern "C" __global__ void (?:__launch_bounds__\(\s*\d+\s*(?:,\s*\d+\s*)?\) )?'
+    r"(\w+)(?:\(| [A-Z_]+_PARAMS\b)"
+)
 # `extern __shared__ T name[];` -> this block's dynamic shared memory
 DYN_SMEM = re.compile(r"extern __shared__ (?:__align__\(\d+\) )?(\w+) (\w+)\[\];")
 

@@ -668,6 +668,34 @@ def test_float_batched_matvec_on_host_threads(fake, simt, monkeypatch, t):
     assert launched.count(name + "_batch") == (0 if t in fake.ops.BLOCK_TYPES else 2 * 2)
 
 
+@pytest.mark.parametrize("split", [2, *_opt_in(4, 8)])
+def test_split_rows_on_host_threads(fake, simt, monkeypatch, split):
+    """matvec_qb_split (HEARTH_CUDA_SPLIT: several warps a row) against one warp a row
+    (test_kernels_gpu), on host threads. CI: one stack of each shape of row_dot's loops at split 2."""
+    from tests.engine.cuda import test_kernels_gpu as gpu_tests
+
+    STATE.simt = simt
+    stacks = gpu_tests.SPLIT_STACKS if FULL_SIMT else ((gpu_tests.SPLIT_STACKS[0][0], (6, 8), (10, 16)),)
+    gpu_tests.test_matvec_split_rows_match_one_warp_a_row(0, monkeypatch, split, stacks)
+    assert "matvec_qb_split" in fake.launches and "matvec_qb" in fake.launches
+
+
+def test_row_split_fills_the_gpus_warps_for_few_rows(fake, monkeypatch):
+    """ops.row_split: "auto" doubles the warps a row while twice the rows' warps fit the 132 SMs' 4224
+    warp slots (4 blocks of 8 warps each); numbers as given; one warp a row by default; a bad value names
+    the variable."""
+    ops = fake.ops
+    monkeypatch.delenv(ops.ROW_SPLIT_ENV, raising=False)
+    assert ops.row_split(2048) == 1
+    assert [ops.row_split(n, "auto") for n in (256, 1024, 2048, 3072, 8192, 128256)] == [8, 4, 2, 1, 1, 1]
+    assert ops.row_split(2048, "4") == 4
+    monkeypatch.setenv(ops.ROW_SPLIT_ENV, "auto")
+    assert ops.row_split(2048) == 2
+    monkeypatch.setenv(ops.ROW_SPLIT_ENV, "3")
+    with pytest.raises(ValueError, match="HEARTH_CUDA_SPLIT='3'"):
+        ops.row_split(2048)
+
+
 def test_batched_matvec_within_the_devices_shared_memory_on_host_threads(fake, simt, monkeypatch, tmp_path):
     """On a device whose blocks hold the records of only 3 vectors, matvec_qb takes 3 a launch (4
     launches for 10) with the same results; a model whose widest matrix needs more shared memory for one

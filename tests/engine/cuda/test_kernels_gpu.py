@@ -270,6 +270,55 @@ def test_matvec_hand_off_records_match_the_float_input(gpu):
         ops.matvec(y[0], [f16], a[0], emit=ops.Emit(ops.EMIT_NORM, nw, x_rec, counts))
 
 
+# every case of row_dot: the 32-element types, the K-quants' pair loops, IQ4_XS's sub-blocks
+SPLIT_STACKS = (((12, 24), (14, 8), (8, 8)), ((2, 8), (6, 8), (23, 8)), ((10, 16), (11, 8), (13, 16)))
+
+
+@pytest.mark.parametrize("split", [2, 4, 8])
+def test_matvec_split_rows_match_one_warp_a_row(gpu, monkeypatch, split, stacks=SPLIT_STACKS):
+    """HEARTH_CUDA_SPLIT: `split` warps a row (matvec_qb_split, each warp its share of the row's pieces,
+    the shares added in shared memory) give what one warp a row gives, up to the order of the sums: three
+    stacked types over 4096 columns (128 units: every warp of a row has pieces at split 2 and 4), 3
+    vectors, RMSNorm prologue and accumulate; and the hand-off's records (EMIT_NORM) read back alike."""
+    import cupy as cp
+
+    from engine.backends.cuda import ops
+
+    rng = np.random.default_rng(12)
+    B, cols = 3, 4096
+    x = cp.asarray(rng.standard_normal((B, cols)).astype(np.float32))
+    nw = cp.asarray(rng.uniform(0.5, 1.5, cols).astype(np.float32))
+
+    def run(mode, ws, out, **kw):
+        monkeypatch.setenv(ops.ROW_SPLIT_ENV, mode)
+        ops.matvec_batch(out, ws, x, **kw)
+        return out.get()
+
+    for i, stack in enumerate(stacks):
+        ws = [ops.upload(_weight(t, rows, cols, 20 + 3 * i + k)[0]) for k, (t, rows) in enumerate(stack)]
+        n = sum(rows for _, rows in stack)
+        base = rng.standard_normal((B, n)).astype(np.float32)
+        kw = dict(norm=nw, eps=1e-5, prologue=1, accumulate=True)
+        one = run("1", ws, cp.asarray(base), **kw)
+        got = run(str(split), ws, cp.asarray(base), **kw)
+        np.testing.assert_allclose(got, one, rtol=1e-5, atol=1e-5 * np.abs(one).max())
+    # the records a split matvec hands on: a 64-row wo-like matrix added into a residual stream
+    wo = ops.upload(_weight(12, 64, cols, 40)[0])
+    nxt = ops.upload(_weight(8, 16, 64, 41)[0])
+    x0 = rng.standard_normal((B, 64)).astype(np.float32)
+    nw64 = cp.asarray(rng.uniform(0.5, 1.5, 64).astype(np.float32))
+    ys = []
+    for mode in ("1", str(split)):
+        res, rec = cp.asarray(x0), cp.zeros((B, ops.records_width(64)), cp.uint32)
+        counts = cp.zeros(2, cp.int32)
+        run(mode, [wo], res, accumulate=True, emit=ops.Emit(ops.EMIT_NORM, nw64, rec, counts))
+        assert not counts.get().any()
+        y = cp.zeros((B, 16), cp.float32)
+        ops.matvec_batch(y, [nxt], rec, eps=1e-5, prologue=5)
+        ys.append(y.get())
+    np.testing.assert_allclose(ys[1], ys[0], rtol=0, atol=1e-4 * np.abs(ys[0]).max())
+
+
 # (type, rows) stacks over `cols`: block types of one and of mixed kinds (one dequant_qb launch per
 # tile), and a float16 weight among them (a launch per weight in each tile)
 STACKS = {

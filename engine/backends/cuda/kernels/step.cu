@@ -134,11 +134,12 @@ __device__ __forceinline__ void prefetch_row(RowRef ref) {
     if (hi > lo) prefetch_l2((const uchar*)lo, (uint)(hi - lo));
 }
 
-// A row (none when ref.w is null) into L1, the warp's lanes a 128-byte line each at a time: the row a
-// warp takes next is on its SM by the time the warp gets to it.
-__device__ __forceinline__ void prefetch_row_l1(RowRef ref, int lane) {
+// A row (none when ref.w is null) into L1, `lanes` lanes (the warps sharing the row, lane counted across
+// them) a 128-byte line each at a time: the row a warp takes next is on its SM by the time the warp gets
+// to it.
+__device__ __forceinline__ void prefetch_row_l1(RowRef ref, int lane, int lanes = 32) {
     if (ref.w == nullptr) return;
-    for (int off = 128 * lane; off < ref.bytes; off += 128 * 32) prefetch_l1(ref.w + off);
+    for (int off = 128 * lane; off < ref.bytes; off += 128 * lanes) prefetch_l1(ref.w + off);
 }
 
 // One weight matrix of a phase (up to three stacked ones share the phase's input and output buffer).
@@ -203,15 +204,18 @@ __device__ __forceinline__ void iq4_lookup(uint w, uint* lo, uint* hi) {
     *hi = byte_perm(a, c, 0x7531u);
 }
 
-// This lane's part of row . x (the caller sums the warp).
-// Each case reads the records through views (xview) made for the units its lane starts from.
-__device__ float row_dot(int type, const uchar* __restrict__ row, const XIn& xin, int lane) {
+// This lane's part of row . x (the caller sums the warp). Each case's loop takes its pieces (units, or
+// pairs of them) lane + first, lane + first + step, ...: one warp a row (first 0, step 32), or `split`
+// warps a row (first 32 part, step 32 split; matvec_qb). first and step are multiples of 32, so the units
+// a lane meets stay 16 apart and the views (xview) made for the ones it starts from hold for them all.
+__device__ float row_dot(int type, const uchar* __restrict__ row, const XIn& xin, int lane, int first = 0,
+                         int step = 32) {
     float acc = 0.f;
     int units = xin.units;
     XView x = xview(xin, lane);  // the types that take one unit a lane: units lane + 32 i
     switch (type) {
         case T_Q8_0:
-            for (int u = lane; u < units; u += 32) {
+            for (int u = lane + first; u < units; u += step) {
                 const uchar* b = row + 34LL * u;
                 uint q[8];
                 ld32n_2<8>(b + 2, q);
@@ -221,7 +225,7 @@ __device__ float row_dot(int type, const uchar* __restrict__ row, const XIn& xin
         case T_Q4_0:
         case T_Q4_1: {
             int bytes = type == T_Q4_0 ? 18 : 20, off = type == T_Q4_0 ? 2 : 4;
-            for (int u = lane; u < units; u += 32) {
+            for (int u = lane + first; u < units; u += step) {
                 const uchar* b = row + (long long)bytes * u;
                 uint q[8], w[4];
                 ld32n_2<4>(b + off, w);  // byte j: element j low, j + 16 high
@@ -242,7 +246,7 @@ __device__ float row_dot(int type, const uchar* __restrict__ row, const XIn& xin
         case T_Q5_0:
         case T_Q5_1: {  // d (, m), qh (bit j: element j's fifth bit), qs as Q4_0's
             int off = type == T_Q5_0 ? 2 : 4, bytes = off + 20;
-            for (int u = lane; u < units; u += 32) {
+            for (int u = lane + first; u < units; u += step) {
                 const uchar* b = row + (long long)bytes * u;
                 uint h = ld32_2(b + off), q[8], w[4];
                 ld32n_2<4>(b + off + 4, w);
@@ -266,7 +270,7 @@ __device__ float row_dot(int type, const uchar* __restrict__ row, const XIn& xin
             // their elements are bits 2t and 2t + 2 of the half's 32 qs bytes; value d sc q - dmin m
             int u0 = 8 * (lane >> 2) + 4 * ((lane >> 1) & 1) + 2 * (lane & 1);  // this lane's first unit
             XView xa = xview(xin, u0), xb = xview(xin, u0 + 1);
-            for (int p = lane; p < units / 2; p += 32) {
+            for (int p = lane + first; p < units / 2; p += step) {
                 const uchar* b = row + 84LL * (p >> 2);
                 int n = (p >> 1) & 1, t2 = 4 * (p & 1), u = 8 * (p >> 2) + 4 * n + (t2 >> 1);
                 const uint* qs = (const uint*)(b + 16 + 32 * n);  // 84-byte blocks: 4-byte aligned
@@ -300,7 +304,7 @@ __device__ float row_dot(int type, const uchar* __restrict__ row, const XIn& xin
             // d (sc - 32) (low + 4 high - 4)
             int u0 = 8 * (lane >> 2) + 4 * ((lane >> 1) & 1) + 2 * (lane & 1);  // this lane's first unit
             XView xa = xview(xin, u0), xb = xview(xin, u0 + 1);
-            for (int p = lane; p < units / 2; p += 32) {
+            for (int p = lane + first; p < units / 2; p += step) {
                 const uchar* b = row + 110LL * (p >> 2);
                 int n = (p >> 1) & 1, tp = p & 1, m = 2 * n + tp, u = 8 * (p >> 2) + 2 * m;
                 uint lw[8], hw[8], sw[3];
@@ -335,7 +339,7 @@ __device__ float row_dot(int type, const uchar* __restrict__ row, const XIn& xin
             // lane p takes the sub-block pair (2j, 2j + 1) of block p / 4 (j = p % 4): 32 qs bytes, low
             // nibbles then high
             XView xa = xview(xin, 2 * lane), xb = xview(xin, 2 * lane + 1);
-            for (int p = lane; p < units / 2; p += 32) {
+            for (int p = lane + first; p < units / 2; p += step) {
                 const uchar* b = row + 144LL * (p >> 2);
                 int j = p & 3, ua = 2 * p, da = 0, db = 0;
                 const uint4* q4 = (const uint4*)(b + 16 + 32 * j);
@@ -358,7 +362,7 @@ __device__ float row_dot(int type, const uchar* __restrict__ row, const XIn& xin
         case T_Q5_K: {
             // as Q4_K, with bits 2j and 2j + 1 of the block's 32 qh bytes as the pair's fifth bits
             XView xa = xview(xin, 2 * lane), xb = xview(xin, 2 * lane + 1);
-            for (int p = lane; p < units / 2; p += 32) {
+            for (int p = lane + first; p < units / 2; p += step) {
                 const uchar* b = row + 176LL * (p >> 2);
                 int j = p & 3, ua = 2 * p, da = 0, db = 0;
                 const uint4* q4 = (const uint4*)(b + 48 + 32 * j);
@@ -386,7 +390,7 @@ __device__ float row_dot(int type, const uchar* __restrict__ row, const XIn& xin
             // units u and u + 2, a scale per 16 elements
             int u0 = 8 * (lane >> 2) + 4 * ((lane >> 1) & 1) + (lane & 1);  // this lane's first unit
             XView xa = xview(xin, u0), xb = xview(xin, u0 + 2);
-            for (int p = lane; p < units / 2; p += 32) {
+            for (int p = lane + first; p < units / 2; p += step) {
                 const uchar* b = row + 210LL * (p >> 2);
                 int n = (p >> 1) & 1, t = p & 1, u = 8 * (p >> 2) + 4 * n + t;
                 const signed char* sc = (const signed char*)(b + 192 + 8 * n + 2 * t);
@@ -412,7 +416,7 @@ __device__ float row_dot(int type, const uchar* __restrict__ row, const XIn& xin
             break;
         }
         case T_IQ4_NL:
-            for (int u = lane; u < units; u += 32) {  // f16 d | 16 qs (Q4_0's nibbles, codebook values)
+            for (int u = lane + first; u < units; u += step) {  // f16 d | 16 qs (Q4_0's nibbles, codebook values)
                 const uchar* b = row + 18LL * u;
                 uint w[4], q[8];
                 ld32n_2<4>(b + 2, w);
@@ -422,7 +426,7 @@ __device__ float row_dot(int type, const uchar* __restrict__ row, const XIn& xin
             }
             break;
         case T_IQ4_XS:
-            for (int u = lane; u < units; u += 32) {  // unit u = sub-block u % 8 of block u / 8
+            for (int u = lane + first; u < units; u += step) {  // unit u = sub-block u % 8 of block u / 8
                 const uchar* b = row + 136LL * (u >> 3);
                 int s = u & 7;
                 const uint2* q2 = (const uint2*)(b + 8 + 16 * s);
@@ -435,7 +439,7 @@ __device__ float row_dot(int type, const uchar* __restrict__ row, const XIn& xin
             }
             break;
         case T_F32:
-            for (int u = lane; u < xin.cols / 4; u += 32) {
+            for (int u = lane + first; u < xin.cols / 4; u += step) {
                 float v[4];
                 unpack4_f32(((const uint4*)row)[u], v);
                 for (int i = 0; i < 4; i++) acc = fmaf(v[i], xin.f[4 * u + i], acc);
@@ -443,7 +447,7 @@ __device__ float row_dot(int type, const uchar* __restrict__ row, const XIn& xin
             break;
         case T_F16:
         case T_BF16:
-            for (int u = lane; u < xin.cols / 8; u += 32) {
+            for (int u = lane + first; u < xin.cols / 8; u += step) {
                 float v[8];
                 if (type == T_F16) unpack8_f16(((const uint4*)row)[u], v);
                 else unpack8_bf16(((const uint4*)row)[u], v);
@@ -619,19 +623,20 @@ __device__ __forceinline__ void emit_unit(const float* out, long long ldo, int r
     }
 }
 
-// matvec_qb's epilogue: this block's rows (blockIdx.x * warps + w + k * stride) counted into their units;
-// the units they complete get their records. done: shared scratch of one int per output unit.
+// matvec_qb's epilogue: this block's rows (blockIdx.x * per + w + k * stride, w < per: per rows a round)
+// counted into their units; the units they complete get their records. done: shared scratch of one int
+// per output unit.
 __device__ __forceinline__ void emit_records(const float* out, long long ldo, int rows0, int rows, int stride,
                                              int emit, const float* __restrict__ enw, uint* xr, int* cnt, int B,
-                                             int* done) {
+                                             int* done, int per) {
     __shared__ int n_done;
-    int warps = MV_WARPS, warp = threadIdx.x >> 5, base = blockIdx.x * warps;
+    int warps = MV_WARPS, warp = threadIdx.x >> 5, base = blockIdx.x * per;
     int units = (emit == 1 ? rows : rows0) >> 5, need = emit == 1 ? 32 : 64;
     if (threadIdx.x == 0) n_done = 0;
     __threadfence();  // this block's outputs are visible before its counts are
     __syncthreads();
     for (int k = threadIdx.x; base + (long long)k * stride < rows; k += blockDim.x) {  // round k of the block
-        int r = base + k * stride, end = min(rows, r + warps);
+        int r = base + k * stride, end = min(rows, r + per);
         while (r < end) {  // the round's rows, a run of them per unit
             int u = emit_unit_of(emit, rows0, r), n = 0;
             for (; r < end && emit_unit_of(emit, rows0, r) == u; r++) n++;
@@ -654,18 +659,30 @@ __device__ __forceinline__ void emit_records(const float* out, long long ldo, in
 // or prologue 4/5: x holds the records an earlier matvec_qb emitted (ldx floats a vector; 5: RMSNorm's
 // scale still to take, nw already applied). emit (0: none) makes the outputs the next matvec's records
 // too (emit_records). Each row of W comes from DRAM once for all B (the B - 1 further reads hit L1). 256
-// threads (at least one warp per vector: quantize_pieces), one row per warp at a time, rows
-// grid-strided. Dynamic shared memory: B * 4 * ops.records_width(cols) bytes, and at least 4 bytes an
+// threads (at least one warp per vector: quantize_pieces), one row per `split` warps at a time (1, 2, 4
+// or 8: ops.row_split; more warps a row for stacks of few rows), rows grid-strided. Dynamic shared memory: B * 4 * ops.records_width(cols) bytes, and at least 4 bytes an
 // output unit with emit.
-extern "C" __global__ void __launch_bounds__(256, 4) matvec_qb(
-    float* __restrict__ out, long long ldo, const uchar* __restrict__ w0, const uchar* __restrict__ w1,
-    const uchar* __restrict__ w2, int t0, int t1, int t2, int rows0, int rows1, int rows2, int b0, int b1,
-    int b2, int cols, const float* __restrict__ x, const float* __restrict__ x2, long long ldx, const float* __restrict__ nw,
-    float eps, int prologue, int accumulate, int B, int emit, const float* __restrict__ enw, uint* __restrict__ xr,
-    int* __restrict__ cnt) {
+// matvec_qb (one warp a row: split is 1, and the body compiles as it did without the split, 64 registers)
+// and matvec_qb_split (split warps a row) are this body.
+#define MATVEC_QB_PARAMS                                                                                      \
+    (float* __restrict__ out, long long ldo, const uchar* __restrict__ w0, const uchar* __restrict__ w1,     \
+     const uchar* __restrict__ w2, int t0, int t1, int t2, int rows0, int rows1, int rows2, int b0, int b1,  \
+     int b2, int cols, const float* __restrict__ x, const float* __restrict__ x2, long long ldx,            \
+     const float* __restrict__ nw, float eps, int prologue, int accumulate, int B, int emit,                \
+     const float* __restrict__ enw, uint* __restrict__ xr, int* __restrict__ cnt, int split)
+#define MATVEC_QB_ARGS                                                                                        \
+    (out, ldo, w0, w1, w2, t0, t1, t2, rows0, rows1, rows2, b0, b1, b2, cols, x, x2, ldx, nw, eps, prologue, \
+     accumulate, B, emit, enw, xr, cnt, split)
+template <bool SPLIT>
+__device__ __forceinline__ void matvec_qb_body MATVEC_QB_PARAMS {
     extern __shared__ __align__(16) float sq[];  // 16-byte loads of the activation records
+    if (!SPLIT) split = 1;  // a constant: the one-warp kernel's first and step fold away
+    __shared__ float part_sum[2][MAX_BATCH][MV_WARPS];  // split > 1: the warps' shares of their rows
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, warps = MV_WARPS;
-    int rows = rows0 + rows1 + rows2, r0 = blockIdx.x * warps + warp, stride = gridDim.x * warps;
+    // split warps (1, 2, 4 or 8) take a row together, warp w its part w % split of the row's pieces
+    int per = warps / split, part = warp % split, rows = rows0 + rows1 + rows2;
+    int base = blockIdx.x * per, r0 = base + warp / split, stride = gridDim.x * per;
+    int first = 32 * part, step = 32 * split, plane = lane + first;  // plane: the lane across the row's warps
     // the next kernel may launch now (a programmatic dependent launch: its blocks wait in pdl_wait)
     pdl_launch_dependents();
     // this warp's first two rows start coming into L2 while the block prepares its input (or, launched
@@ -673,30 +690,54 @@ extern "C" __global__ void __launch_bounds__(256, 4) matvec_qb(
     // carried from prefetch to use
     RowRef cur = row_ref(w0, w1, w2, t0, t1, t2, b0, b1, b2, rows0, rows1, rows, r0);
     RowRef nxt = row_ref(w0, w1, w2, t0, t1, t2, b0, b1, b2, rows0, rows1, rows, r0 + stride);
-    if (lane == 0) {
+    if (plane == 0) {
         prefetch_row(cur);
         prefetch_row(nxt);
     }
-    prefetch_row_l1(cur, lane);
+    prefetch_row_l1(cur, plane, step);
     pdl_wait();  // x, x2 and out come from the kernels before
     if (prologue >= 4) load_records(sq, x, ldx, eps, prologue, cols, B);
     else quantize_pieces(sq, x, x2, ldx, nw, eps, prologue, cols, B);
-    for (int r = r0; r < rows; r += stride) {
+    // with split, every warp of the block goes round the same number of times (the block's rows are
+    // base + k stride + w / split), so that a row's warps can meet at __syncthreads
+    for (int k = 0, r = r0; split == 1 ? r < rows : base + k * stride < rows; k++, r += stride) {
         // the row after this one: into L1 now (it is in L2 already), the one after that into L2
         RowRef later = row_ref(w0, w1, w2, t0, t1, t2, b0, b1, b2, rows0, rows1, rows, r + 2 * stride);
-        prefetch_row_l1(nxt, lane);
-        if (lane == 0) prefetch_row(later);
+        prefetch_row_l1(nxt, plane, step);
+        if (plane == 0) prefetch_row(later);
         for (int b = 0; b < B; b++) {
-            float acc = warp_sum(row_dot(cur.type, cur.w, xin_of(sq, b, cols), lane));
-            if (lane == 0) out[b * ldo + r] = accumulate ? out[b * ldo + r] + acc : acc;
+            XIn xb = xin_of(sq, b, cols);
+            float acc = r < rows ? warp_sum(row_dot(cur.type, cur.w, xb, lane, first, step)) : 0.f;
+            if (split > 1) {
+                if (lane == 0) part_sum[k & 1][b][warp] = acc;
+            } else if (lane == 0) {
+                out[b * ldo + r] = accumulate ? out[b * ldo + r] + acc : acc;
+            }
+        }
+        if (split > 1) {
+            // the row's first warp adds its parts in order; the slots alternate between rounds, so one
+            // barrier a round keeps a round's writes from overtaking the previous round's reads
+            __syncthreads();
+            if (part == 0 && lane < B && r < rows) {
+                float acc = 0.f;
+                for (int q = 0; q < split; q++) acc += part_sum[k & 1][lane][warp + q];
+                out[lane * ldo + r] = accumulate ? out[lane * ldo + r] + acc : acc;
+            }
         }
         cur = nxt;
         nxt = later;
     }
     if (emit) {
         __syncthreads();  // sq is free: the completed units' list
-        emit_records(out, ldo, rows0, rows, stride, emit, enw, xr, cnt, B, (int*)sq);
+        emit_records(out, ldo, rows0, rows, stride, emit, enw, xr, cnt, B, (int*)sq, per);
     }
+}
+
+extern "C" __global__ void __launch_bounds__(256, 4) matvec_qb MATVEC_QB_PARAMS {
+    matvec_qb_body<false> MATVEC_QB_ARGS;
+}
+extern "C" __global__ void __launch_bounds__(256, 4) matvec_qb_split MATVEC_QB_PARAMS {
+    matvec_qb_body<true> MATVEC_QB_ARGS;
 }
 
 // ---- the grid barrier ------------------------------------------------------------------------
