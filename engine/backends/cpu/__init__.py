@@ -306,7 +306,7 @@ def _attention_kernel(out, q, k_cache, v_cache, pos0: int, scale: float) -> None
     """The Numba attention kernels (few queries: decode, verify passes, batched decode steps)."""
     if k_cache.dtype == np.float16:  # Numba has no float16: the kernel reads the halves' bits itself
         k_cache, v_cache = k_cache.view(np.uint16), v_cache.view(np.uint16)
-    ops.attention(out, q, k_cache, v_cache, int(pos0), np.float32(scale))
+    ops.attention(out, q, k_cache, v_cache, int(pos0), np.float32(scale), numba.get_num_threads())
 
 
 # Past the pass's small-batch limit, attention runs as BLAS matmuls per kv head and block of queries

@@ -118,39 +118,48 @@ def _n_chunks(n_keys):
 
 
 @njit(parallel=True, **_KW)
-def attention(out, q, k_cache, v_cache, pos0, scale):
+def attention(out, q, k_cache, v_cache, pos0, scale, threads):
     # q (n_tok, n_heads, hd) f32; k_cache, v_cache (n_kv, max_ctx, hd) f32, or float16 as uint16 bits,
     # holding [0, pos0+n_tok); out (n_tok, n_heads, hd) f32. Query t is at position pos0+t and sees keys
     # [0, pos0+t]. Its keys are split into _n_chunks(pos0+t+1) chunks (by its own key count only, so a
-    # query's result is the same bits in a decode step and in a verify pass of several tokens); one
+    # query's result is the same bits in a decode step and in a verify pass of several tokens). A
     # parallel item per (query, kv head, chunk) scores, exponentiates and sums its chunk for the kv
-    # head's rep query heads, reading each key and value row once; then each query's chunks merge.
+    # head's query heads, reading each key and value row once for them all; while there are fewer such
+    # items than twice the threads (short contexts, a single kv head), the heads split over items too
+    # (which item computes a head changes none of its sums; threads: the caller's Numba threads). A query
+    # of one chunk is finished in its item; the others' chunks merge after.
     n_tok, n_heads, hd = q.shape
     n_kv = k_cache.shape[0]
     rep = n_heads // n_kv
     chunks = _n_chunks(pos0 + n_tok)
-    part_m = np.empty((n_tok, n_heads, chunks), np.float32)  # a chunk's max score
-    part_l = np.zeros((n_tok, n_heads, chunks), np.float32)  # its sum of exp(score - max)
-    part_o = np.zeros((n_tok, n_heads, chunks, hd), np.float32)  # its sum of exp(score - max) v
-    for item in prange(n_tok * n_kv * chunks):
-        t = item // (n_kv * chunks)
-        g = (item // chunks) % n_kv
-        c = item % chunks
+    parts = rep if n_tok * n_kv * chunks < 2 * threads else 1
+    per = rep // parts
+    kept = chunks if chunks > 1 else 0  # a call whose every query has one chunk keeps no parts
+    part_m = np.empty((n_tok, n_heads, kept), np.float32)  # a chunk's max score
+    part_l = np.empty((n_tok, n_heads, kept), np.float32)  # its sum of exp(score - max)
+    part_o = np.empty((n_tok, n_heads, kept, hd), np.float32)  # its sum of exp(score - max) v
+    for item in prange(n_tok * n_kv * chunks * parts):
+        hp = item % parts
+        rest = item // parts
+        t = rest // (n_kv * chunks)
+        g = (rest // chunks) % n_kv
+        c = rest % chunks
         n_keys = pos0 + t + 1
         own = _n_chunks(n_keys)
         if c >= own:
             continue
         lo = n_keys * c // own
         hi = n_keys * (c + 1) // own
-        h0 = g * rep
-        scores = np.empty((rep, hi - lo), np.float32)
+        h0 = g * rep + hp * per
+        scores = np.empty((per, hi - lo), np.float32)
         for s in range(lo, hi):
-            for j in range(rep):
+            for j in range(per):
                 acc = np.float32(0.0)
                 for d in range(hd):
                     acc += q[t, h0 + j, d] * _widen(k_cache[g, s, d])
                 scores[j, s - lo] = acc * scale
-        for j in range(rep):
+        totals = np.empty(per, np.float32)
+        for j in range(per):
             row = scores[j]
             m = np.float32(-3.0e38)  # not -inf: fastmath lets LLVM assume no infinities
             for s in range(row.shape[0]):
@@ -160,16 +169,29 @@ def attention(out, q, k_cache, v_cache, pos0, scale):
                 e = fast_exp(row[s] - m)
                 row[s] = e
                 total += e
-            part_m[t, h0 + j, c] = m
-            part_l[t, h0 + j, c] = total
+            totals[j] = total
+            if own > 1:
+                part_m[t, h0 + j, c] = m
+                part_l[t, h0 + j, c] = total
+        for j in range(per):
+            o = out[t, h0 + j] if own == 1 else part_o[t, h0 + j, c]
+            o[:] = 0.0
         for s in range(lo, hi):
-            for j in range(rep):
+            for j in range(per):
                 p = scores[j, s - lo]
-                o = part_o[t, h0 + j, c]
+                o = out[t, h0 + j] if own == 1 else part_o[t, h0 + j, c]
                 for d in range(hd):
                     o[d] += p * _widen(v_cache[g, s, d])
+        if own == 1:
+            for j in range(per):
+                inv = np.float32(1.0) / totals[j]
+                o = out[t, h0 + j]
+                for d in range(hd):
+                    o[d] *= inv
     for t in range(n_tok):
         own = _n_chunks(pos0 + t + 1)
+        if own == 1:
+            continue
         for h in range(n_heads):
             m = part_m[t, h, 0]
             for c in range(1, own):
