@@ -272,8 +272,8 @@ def test_attention_in_blocks_of_queries_with_a_sliding_window(n_tok, pos0, windo
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float16])
 def test_attention_gives_a_query_the_same_bits_alone_or_among_others(dtype):
-    # queries at 510..518 straddle a chunk boundary (511 keys: 2 chunks of 256-ish, 519: 3): each must
-    # still get what a one-token decode step at its position gets (speculative verify relies on it)
+    # 9 queries in one call (a verify pass) each get what a one-token decode step at its position gets
+    # (speculative verify relies on it), float32 and float16 caches alike
     rng = np.random.default_rng(7)
     n_heads, n_kv, hd, pos0, n_tok = 6, 2, 32, 510, 9
     q = rng.standard_normal((n_tok, n_heads, hd)).astype(np.float32)

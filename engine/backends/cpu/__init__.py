@@ -305,8 +305,10 @@ def attention(
 def _attention_kernel(out, q, k_cache, v_cache, pos0: int, scale: float) -> None:
     """The Numba attention kernels (few queries: decode, verify passes, batched decode steps)."""
     if k_cache.dtype == np.float16:  # Numba has no float16: the kernel reads the halves' bits itself
-        k_cache, v_cache = k_cache.view(np.uint16), v_cache.view(np.uint16)
-    ops.attention(out, q, k_cache, v_cache, int(pos0), np.float32(scale), numba.get_num_threads())
+        k_bits, v_bits = k_cache.view(np.uint16), v_cache.view(np.uint16)
+        ops.attention_f16(out, q, k_bits, v_bits, int(pos0), np.float32(scale))
+    else:
+        ops.attention(out, q, k_cache, v_cache, int(pos0), np.float32(scale))
 
 
 # Past the pass's small-batch limit, attention runs as BLAS matmuls per kv head and block of queries
@@ -401,14 +403,15 @@ def batch_phase(n_tok: int, small_max: int = SMALL_BATCH_MAX):
     small_max = max(SMALL_BATCH_MAX, small_max)
     saved = _small_batch_max()
     _scratch.small_max = small_max
-    n = numba.get_num_threads()
-    if n_tok > small_max:
+    n = numba.get_num_threads() if n_tok > small_max else 0  # the decode path leaves threads alone
+    if n:
         numba.set_num_threads(1)
     try:
         yield
     finally:
         _scratch.small_max = saved
-        numba.set_num_threads(n)
+        if n:
+            numba.set_num_threads(n)
 
 
 def get_threads() -> int:

@@ -9,8 +9,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from numba import njit, prange, types
-from numba.extending import overload
+from numba import njit, prange
 
 from engine.backends.cpu._llvm import half_to_f32, pow2_f32
 
@@ -90,123 +89,72 @@ def rope(x, positions, inv_freq, n_rot, neox):
                     x[t, h, 2 * i + 1] = a * sn[i] + b * cs[i]
 
 
-def _widen(x):
-    """float32 of a cache element: float32 as it is, a float16's uint16 bits widened (Numba has no
-    float16 on the CPU, so float16 caches reach the kernels as uint16 views)."""
-    raise NotImplementedError  # only its Numba overload runs
-
-
-@overload(_widen, inline="always")
-def _widen_overload(x):
-    if x == types.float32:
-        return lambda x: x
-    if x == types.uint16:
-        return lambda x: half_to_f32(x)
-    return None
-
-
-# attention() splits a query's keys into chunks of about this many (each a parallel item, merged after):
-# a decode step then has n_kv * chunks items however few kv heads the model has, and each item reads
-# its kv head's keys and values once for all the query heads that share them.
-ATTENTION_CHUNK_KEYS = 256
-ATTENTION_MAX_CHUNKS = 16
-
-
-@njit(inline="always", **_KW)
-def _n_chunks(n_keys):
-    return min(ATTENTION_MAX_CHUNKS, (n_keys + ATTENTION_CHUNK_KEYS - 1) // ATTENTION_CHUNK_KEYS)
+@njit(parallel=True, **_KW)
+def attention(out, q, k_cache, v_cache, pos0, scale):
+    # q (n_tok, n_heads, hd) f32; k_cache, v_cache (n_kv, max_ctx, hd) f32 holding [0, pos0+n_tok);
+    # out (n_tok, n_heads, hd) f32. Query t is at position pos0+t and sees keys [0, pos0+t].
+    n_tok, n_heads, hd = q.shape
+    group = n_heads // k_cache.shape[0]
+    for item in prange(n_tok * n_heads):
+        t = item // n_heads
+        h = item - t * n_heads
+        kv = h // group
+        n_keys = pos0 + t + 1
+        scores = np.empty(n_keys, np.float32)
+        m = np.float32(-3.0e38)  # not -inf: fastmath lets LLVM assume no infinities
+        for s in range(n_keys):
+            acc = np.float32(0.0)
+            for d in range(hd):
+                acc += q[t, h, d] * k_cache[kv, s, d]
+            acc *= scale
+            scores[s] = acc
+            m = max(m, acc)
+        total = np.float32(0.0)
+        for s in range(n_keys):
+            e = fast_exp(scores[s] - m)
+            scores[s] = e
+            total += e
+        inv = np.float32(1.0) / total
+        for d in range(hd):
+            out[t, h, d] = 0.0
+        for s in range(n_keys):
+            p = scores[s] * inv
+            for d in range(hd):
+                out[t, h, d] += p * v_cache[kv, s, d]
 
 
 @njit(parallel=True, **_KW)
-def attention(out, q, k_cache, v_cache, pos0, scale, threads):
-    # q (n_tok, n_heads, hd) f32; k_cache, v_cache (n_kv, max_ctx, hd) f32, or float16 as uint16 bits,
-    # holding [0, pos0+n_tok); out (n_tok, n_heads, hd) f32. Query t is at position pos0+t and sees keys
-    # [0, pos0+t]. Its keys are split into _n_chunks(pos0+t+1) chunks (by its own key count only, so a
-    # query's result is the same bits in a decode step and in a verify pass of several tokens). A
-    # parallel item per (query, kv head, chunk) scores, exponentiates and sums its chunk for the kv
-    # head's query heads, reading each key and value row once for them all; while there are fewer such
-    # items than twice the threads (short contexts, a single kv head), the heads split over items too
-    # (which item computes a head changes none of its sums; threads: the caller's Numba threads). A query
-    # of one chunk is finished in its item; the others' chunks merge after.
+def attention_f16(out, q, k_bits, v_bits, pos0, scale):
+    # attention() over a float16 cache. k_bits, v_bits: the (n_kv, ctx, hd) half caches viewed as
+    # uint16 (Numba has no float16 on the CPU); each half is widened in registers (vcvtph2ps).
     n_tok, n_heads, hd = q.shape
-    n_kv = k_cache.shape[0]
-    rep = n_heads // n_kv
-    chunks = _n_chunks(pos0 + n_tok)
-    parts = rep if n_tok * n_kv * chunks < 2 * threads else 1
-    per = rep // parts
-    kept = chunks if chunks > 1 else 0  # a call whose every query has one chunk keeps no parts
-    part_m = np.empty((n_tok, n_heads, kept), np.float32)  # a chunk's max score
-    part_l = np.empty((n_tok, n_heads, kept), np.float32)  # its sum of exp(score - max)
-    part_o = np.empty((n_tok, n_heads, kept, hd), np.float32)  # its sum of exp(score - max) v
-    for item in prange(n_tok * n_kv * chunks * parts):
-        hp = item % parts
-        rest = item // parts
-        t = rest // (n_kv * chunks)
-        g = (rest // chunks) % n_kv
-        c = rest % chunks
+    group = n_heads // k_bits.shape[0]
+    for item in prange(n_tok * n_heads):
+        t = item // n_heads
+        h = item - t * n_heads
+        kv = h // group
         n_keys = pos0 + t + 1
-        own = _n_chunks(n_keys)
-        if c >= own:
-            continue
-        lo = n_keys * c // own
-        hi = n_keys * (c + 1) // own
-        h0 = g * rep + hp * per
-        scores = np.empty((per, hi - lo), np.float32)
-        for s in range(lo, hi):
-            for j in range(per):
-                acc = np.float32(0.0)
-                for d in range(hd):
-                    acc += q[t, h0 + j, d] * _widen(k_cache[g, s, d])
-                scores[j, s - lo] = acc * scale
-        totals = np.empty(per, np.float32)
-        for j in range(per):
-            row = scores[j]
-            m = np.float32(-3.0e38)  # not -inf: fastmath lets LLVM assume no infinities
-            for s in range(row.shape[0]):
-                m = max(m, row[s])
-            total = np.float32(0.0)
-            for s in range(row.shape[0]):
-                e = fast_exp(row[s] - m)
-                row[s] = e
-                total += e
-            totals[j] = total
-            if own > 1:
-                part_m[t, h0 + j, c] = m
-                part_l[t, h0 + j, c] = total
-        for j in range(per):
-            o = out[t, h0 + j] if own == 1 else part_o[t, h0 + j, c]
-            o[:] = 0.0
-        for s in range(lo, hi):
-            for j in range(per):
-                p = scores[j, s - lo]
-                o = out[t, h0 + j] if own == 1 else part_o[t, h0 + j, c]
-                for d in range(hd):
-                    o[d] += p * _widen(v_cache[g, s, d])
-        if own == 1:
-            for j in range(per):
-                inv = np.float32(1.0) / totals[j]
-                o = out[t, h0 + j]
-                for d in range(hd):
-                    o[d] *= inv
-    for t in range(n_tok):
-        own = _n_chunks(pos0 + t + 1)
-        if own == 1:
-            continue
-        for h in range(n_heads):
-            m = part_m[t, h, 0]
-            for c in range(1, own):
-                m = max(m, part_m[t, h, c])
-            total = np.float32(0.0)
+        scores = np.empty(n_keys, np.float32)
+        m = np.float32(-3.0e38)
+        for s in range(n_keys):
+            acc = np.float32(0.0)
             for d in range(hd):
-                out[t, h, d] = 0.0
-            for c in range(own):
-                w = fast_exp(part_m[t, h, c] - m)
-                total += w * part_l[t, h, c]
-                for d in range(hd):
-                    out[t, h, d] += w * part_o[t, h, c, d]
-            inv = np.float32(1.0) / total
+                acc += q[t, h, d] * half_to_f32(k_bits[kv, s, d])
+            acc *= scale
+            scores[s] = acc
+            m = max(m, acc)
+        total = np.float32(0.0)
+        for s in range(n_keys):
+            e = fast_exp(scores[s] - m)
+            scores[s] = e
+            total += e
+        inv = np.float32(1.0) / total
+        for d in range(hd):
+            out[t, h, d] = 0.0
+        for s in range(n_keys):
+            p = scores[s] * inv
             for d in range(hd):
-                out[t, h, d] *= inv
+                out[t, h, d] += p * half_to_f32(v_bits[kv, s, d])
 
 
 @njit(**_KW)
