@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from engine.backends import cpu as ops
@@ -53,15 +55,13 @@ class Decoder:
 
     capture = None
 
-    @property
+    @functools.cached_property
     def small_batch_max(self) -> int:
         """The most tokens a forward pass runs through the small-batch kernels rather than dequantize +
-        BLAS (ops.small_batch_limit of the layers' matrices; worked out once)."""
-        limit = self.__dict__.get("_small_batch_max")
-        if limit is None:
-            ws = [w for layer in self.layers for w in vars(layer).values() if isinstance(w, Weight)]
-            limit = self.__dict__["_small_batch_max"] = ops.small_batch_limit(ws)
-        return limit
+        BLAS (ops.small_batch_limit of the layers' matrices)."""
+        return ops.small_batch_limit(
+            [w for layer in self.layers for w in vars(layer).values() if isinstance(w, Weight)]
+        )
 
     def new_cache(self, n_ctx: int, dtype=np.float32) -> KVCache:
         """An empty KV cache for n_ctx positions holding keys and values as dtype (float32 or float16)."""

@@ -288,6 +288,11 @@ def attention(
         )
     if window is not None and window < 1:
         raise ValueError(f"attention: window must be positive, got {window}")
+    # Past the pass's small-batch limit (prefill), BLAS matmuls per kv head and block of queries: the Numba
+    # kernels run on one thread there (batch_phase). Up to it (speculative verify passes, batched decode,
+    # short prompts) the kernels keep every thread: a 9-token verify pass on SmolLM2 spent 10.6 ms in the
+    # BLAS path's per-head numpy calls, 3.5 ms in the kernel (which also gives each query the bits a
+    # one-token decode step would).
     if n_tok > _small_batch_max():
         _attention_blas(out, q, k_cache, v_cache, int(pos0), np.float32(scale), window or 0)
         return
@@ -310,12 +315,6 @@ def _attention_kernel(out, q, k_cache, v_cache, pos0: int, scale: float) -> None
     else:
         ops.attention(out, q, k_cache, v_cache, int(pos0), np.float32(scale))
 
-
-# Past the pass's small-batch limit, attention runs as BLAS matmuls per kv head and block of queries
-# (prefill): the Numba kernels run on one thread there (batch_phase). Up to it (speculative verify passes,
-# batched decode, short prompts) the kernels keep every thread: a 9-token verify pass on SmolLM2 spent
-# 10.6 ms in the BLAS path's per-head numpy calls, 3.5 ms in the kernel (which also gives each query the
-# bits a one-token decode step would).
 
 # _attention_blas's queries per block: a block multiplies only the keys its queries see (the causal
 # triangle's blocks, and the window's band), so at 512 tokens it computes about 56% of the full square.
