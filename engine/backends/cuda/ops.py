@@ -144,6 +144,9 @@ def _sm_count_of(device: int) -> int:
 
 
 ROW_SPLIT_ENV = "HEARTH_CUDA_SPLIT"
+# matvec_qb_split's static shared memory (its warps' shares: 2 x MAX_BATCH x 8 floats) and emit's count,
+# beside the dynamic records: a launch whose records leave less than this takes one warp a row
+SPLIT_STATIC_SHARED = 1024
 
 
 def row_split(rows: int, mode: str | None = None) -> int:
@@ -417,7 +420,11 @@ def _launch_matvec_qb(
     # 8192 take a block of 256 threads 4 rounds of independent loads, so its rows spread over as many
     # blocks as the other matrices' (1024-thread blocks, one per SM, left half the H200's SMs idle)
     threads = MATVEC_THREADS
+    # the records of the input; with emit the same memory then lists the units the block completes
+    shared = max(n * 4 * records_width(cols), 4 * (width // 32))
     split = row_split(sum(rows))
+    if shared + SPLIT_STATIC_SHARED > max_shared():  # no room beside the records for the shares
+        split = 1
     grid = max(1, min(-(-sum(rows) * split // (threads // 32)), _sm_count() * MATVEC_BLOCKS_PER_SM))
     args = (
         out,
@@ -441,8 +448,6 @@ def _launch_matvec_qb(
         NULL if emit is None else emit.counts,
         _i32(split),
     )
-    # the records of the input; with emit the same memory then lists the units the block completes
-    shared = max(n * 4 * records_width(cols), 4 * (width // 32))
     _launch_matvec("matvec_qb" if split == 1 else "matvec_qb_split", grid, shared, args, threads)
 
 

@@ -678,6 +678,14 @@ def test_split_rows_on_host_threads(fake, simt, monkeypatch, split):
     stacks = gpu_tests.SPLIT_STACKS if FULL_SIMT else ((gpu_tests.SPLIT_STACKS[0][0], (6, 8), (10, 16)),)
     gpu_tests.test_matvec_split_rows_match_one_warp_a_row(0, monkeypatch, split, stacks)
     assert "matvec_qb_split" in fake.launches and "matvec_qb" in fake.launches
+    # records that leave no room for the shares' static shared memory: one warp a row after all
+    ops, cp = fake.ops, fake.cp
+    w = ops.upload(gpu_tests._weight(12, 64, 4096, 1)[0])
+    records = 3 * 4 * ops.records_width(4096)
+    monkeypatch.setattr(ops, "max_shared", lambda: records + ops.SPLIT_STATIC_SHARED - 1)
+    fake.launches.clear()
+    ops.matvec_batch(cp.zeros((3, 64), cp.float32), [w], cp.ones((3, 4096), cp.float32))
+    assert fake.launches == ["matvec_qb"]
 
 
 def test_row_split_fills_the_gpus_warps_for_few_rows(fake, monkeypatch):
