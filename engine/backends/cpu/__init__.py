@@ -137,12 +137,12 @@ def small_batch_limit(weights) -> int:
     return max(SMALL_BATCH_MAX, int(limit / total) if total else SMALL_BATCH_MAX)
 
 
+_scratch = threading.local()
+
+
 def _small_batch_max() -> int:
     """The small-batch limit of the forward pass running on this thread (batch_phase)."""
     return getattr(_scratch, "small_max", SMALL_BATCH_MAX)
-
-
-_scratch = threading.local()
 
 
 def _kernels_for(w: Weight) -> tuple[Callable, Callable, np.ndarray]:

@@ -154,8 +154,8 @@ def row_split(rows: int, mode: str | None = None) -> int:
 
     mode (default: HEARTH_CUDA_SPLIT, else "1"): "1" one warp a row; "2", "4" or "8" that many; "auto"
     doubles the warps a row while the rows times them twice over still fit the warps the GPU holds at
-    once (MATVEC_BLOCKS_PER_SM blocks of 8 warps an SM). A 1B-class down or output projection (2048
-    rows) then has 2 warps a row on an H200 instead of filling 16 of each SM's 32 warp slots; the
+    once (MATVEC_BLOCKS_PER_SM blocks of 8 warps an SM). A 1B-class down or attention-output projection
+    (2048 rows) then has 2 warps a row on an H200 instead of filling 16 of each SM's 32 warp slots; the
     8192-row gate|up stays at one. Opt-in until timed on a GPU (scripts/cuda_device_check.sh).
 
     Raises:

@@ -660,7 +660,8 @@ __device__ __forceinline__ void emit_records(const float* out, long long ldo, in
 // scale still to take, nw already applied). emit (0: none) makes the outputs the next matvec's records
 // too (emit_records). Each row of W comes from DRAM once for all B (the B - 1 further reads hit L1). 256
 // threads (at least one warp per vector: quantize_pieces), one row per `split` warps at a time (1, 2, 4
-// or 8: ops.row_split; more warps a row for stacks of few rows), rows grid-strided. Dynamic shared memory: B * 4 * ops.records_width(cols) bytes, and at least 4 bytes an
+// or 8: ops.row_split; more warps a row for stacks of few rows), rows grid-strided. Dynamic shared
+// memory: B * 4 * ops.records_width(cols) bytes, and at least 4 bytes an
 // output unit with emit.
 // matvec_qb (one warp a row: split is 1, and the body compiles as it did without the split, 64 registers)
 // and matvec_qb_split (split warps a row) are this body.
