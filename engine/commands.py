@@ -12,6 +12,7 @@ from engine.generate import GenerationParams, generate
 from engine.loader import LoadedModel, load_model
 from engine.memory import peak_rss_mb
 from engine.templates import ensure_chat_template
+from engine.token_reuse import reuse_held_tokens
 from models.resolve import resolve_model
 
 _shown: dict[str, int] = {}
@@ -154,6 +155,8 @@ def cmd_chat(args) -> int:
         messages.append({"role": "user", "content": line})
         try:
             ids = _chat_prompt(lm, messages)
+            respelled = reuse_held_tokens(lm.tokenizer, ids, cache.tokens)  # the cache's own tokens
+            ids = respelled if len(respelled) < n_ctx else ids
             reply, last = [], None
             for event in generate(lm.model, lm.tokenizer, ids, cache, params):
                 reply.append(event.text)

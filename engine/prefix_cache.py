@@ -101,6 +101,22 @@ class PrefixCache:
         """Length of the longest prefix of `tokens` whose KV state is stored."""
         return self._walk(np.asarray(tokens, dtype=np.int64))[1]
 
+    def stored_sequence(self, tokens: Sequence[int]) -> list[int]:
+        """The stored sequence that shares the longest prefix with `tokens` ([] if none shares any).
+
+        Past the point where `tokens` parts from the store, it follows the rest of that edge and
+        then, at each fork, the most recently used branch: the conversation last run there.
+        """
+        path, _ = self._walk(np.asarray(tokens, dtype=np.int64))
+        if not path:
+            return []
+        out = [node.tokens for node, _ in path]
+        node = path[-1][0]
+        while node.children:
+            node = max(node.children.values(), key=lambda child: child.last_used)
+            out.append(node.tokens)
+        return np.concatenate(out).tolist()
+
     def restore(self, tokens: Sequence[int], cache: KVCache, start: int | None = None) -> int:
         """Make `cache` hold the longest stored prefix of `tokens`, copying only what it lacks.
 
@@ -143,11 +159,12 @@ class PrefixCache:
             return 0
         ids = ids[: self.max_bytes // cache.bytes_per_token]
         path, matched = self._walk(ids)
-        self._touch(path)
         parent = self._root
         if path:
             node, m = path[-1]
             parent = self._split(node, m) if m < len(node.tokens) else node
+            path[-1] = (parent, m)  # the lower part of a split edge is not on this path: not touched
+        self._touch(path)
         added = 0
         if matched < len(ids):
             leaf = _Node(ids[matched:].copy(), *cache.read(matched, len(ids)), parent)

@@ -625,6 +625,10 @@ class Tokenizer:
             )
         return token_id
 
+    def is_special(self, token_id: int) -> bool:
+        """True for tokens encode cuts out of the text verbatim (control and user-defined tokens)."""
+        return self._types[self._check_id(token_id)] in self._split_types
+
     def is_control(self, token_id: int) -> bool:
         """True for control tokens (`<|im_end|>`, BOS, EOS, ...), which a chat view hides."""
         return self._types[self._check_id(token_id)] == TOKEN_CONTROL

@@ -5,8 +5,8 @@ Generation runs in the worker's main thread; a listener thread reads the pipe so
 is being computed. See engine.client for the message protocol.
 
 ChatRunner is the per-model chat engine (also used in process by `hearth bench --chat`): it fits
-the conversation to the context (engine.context_policy), reuses the longest prefix the live KV
-cache holds, restores a longer one from the prefix store (engine.prefix_cache) when the user
+the conversation to the context (engine.context_policy), spells a re-tokenized earlier reply as the
+cache holds it (engine.token_reuse), reuses the longest prefix the live KV cache holds, restores a longer one from the prefix store (engine.prefix_cache) when the user
 switched chats, prefills the rest in batches, and streams the reply.
 """
 
@@ -42,6 +42,7 @@ from engine.prefix_cache import PrefixCache
 from engine.spec_chat import DraftSlot, prime, proposer_for, spec_fields
 from engine.speculative import speculative_generate
 from engine.templates import ensure_chat_template
+from engine.token_reuse import best_reuse
 from models.formats.gguf import open_gguf
 from models.resolve import resolve_model
 
@@ -183,6 +184,15 @@ class ChatRunner:
             self.contexts.popitem(last=False)
         return state
 
+    def _respell(self, ids: list[int], limit: int) -> list[int]:
+        """ids with a re-tokenized earlier reply spelled as the live cache or the prefix store holds
+        it (engine.token_reuse), unless that would no longer fit the `limit` the prompt was fitted to."""
+        held = [self.cache.tokens]
+        if self.store is not None:
+            held.append(self.store.stored_sequence(ids))
+        respelled = best_reuse(self.lm.tokenizer, ids, held)
+        return respelled if len(respelled) <= max(len(ids), limit) else ids
+
     def chat(
         self,
         messages: Sequence[dict],
@@ -214,7 +224,9 @@ class ChatRunner:
         restored = 0
         if not reuse:
             cache.trim(cache.offset)
-        elif self.store is not None:
+        else:
+            ids = self._respell(ids, n_ctx - reserve)
+        if reuse and self.store is not None:
             live = cache.common_prefix(ids)
             restored = max(0, self.store.restore(ids, cache, start=live) - live)
         cached = min(cache.common_prefix(ids), len(ids) - 1)

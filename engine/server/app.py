@@ -343,6 +343,7 @@ class _Api:
         except (TemplateError, TokenizerError) as e:
             raise invalid(str(e), "messages") from e
         params = self._seq_params(req, ids, req.max_tokens, text_start=True, grammar=grammar)
+        params.respell = True
         meta = {"id": protocol.new_id("chatcmpl"), "created": protocol.now(), "model": req.model}
         return await self._answer(request, req, params, meta, self._chat_stream, self._chat_reply)
 

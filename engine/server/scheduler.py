@@ -37,6 +37,7 @@ from engine.sampling import check_sampling, draw
 from engine.server.constraints import Constraint
 from engine.server.errors import APIError
 from engine.server.metrics import ServerMetrics
+from engine.token_reuse import best_reuse
 from engine.tokenizer import StreamDecoder, Tokenizer
 
 
@@ -55,6 +56,8 @@ class SeqParams:
     text_start: bool = True  # the reply starts a new text (chat), not the prompt's continuation
     timeout_s: float = 600.0
     ignore_eos: bool = False  # end-of-turn tokens are never sampled (benchmarks: fixed reply lengths)
+    # a chat prompt: a re-tokenized earlier reply may take the spelling a held cache has (engine.token_reuse)
+    respell: bool = False
 
 
 @dataclass
@@ -241,6 +244,8 @@ class Engine:
                 else:
                     self._finish(seq, error=_no_cache_memory(e, self.n_ctx))
                 return
+            if seq.params.respell:
+                ids = self._respell(seq)
             if self.store is not None:
                 live = seq.cache.common_prefix(ids)
                 self.store.restore(ids, seq.cache, start=live)
@@ -251,6 +256,17 @@ class Engine:
             self.metrics.prompt_tokens.inc(len(ids))
             self.metrics.cached_tokens.inc(reused)
             self._prefilling.append(seq)
+
+    def _respell(self, seq: Job) -> list[int]:
+        """Spell seq's prompt as its cache or the prefix store holds an earlier reply, if it still fits."""
+        p = seq.params
+        held = [seq.cache.tokens]
+        if self.store is not None:
+            held.append(self.store.stored_sequence(p.prompt_ids))
+        ids = best_reuse(self.tokenizer, p.prompt_ids, held)
+        if len(ids) <= len(p.prompt_ids) or len(ids) + p.max_tokens <= self.n_ctx:
+            p.prompt_ids = ids
+        return p.prompt_ids
 
     def _take_cache(self, ids: Sequence[int]) -> KVCache:
         if self._free:

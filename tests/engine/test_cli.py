@@ -125,3 +125,19 @@ def test_console_entry_point_runs(smollm2_path):
     )
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout)["ids"]
+
+
+def test_chat_reuses_a_reply_that_re_tokenizes_differently(monkeypatch, capsys, smollm2_path):
+    from engine.bench_chat import SCRIPT, SYSTEM
+
+    # greedy, SmolLM2's third reply here holds " compost" "er", which its text encodes as " comp" "oster"
+    lines = iter([*SCRIPT[:4], "/exit"])
+    monkeypatch.setattr("builtins.input", lambda prompt="": next(lines))
+    argv = ["chat", "-m", str(smollm2_path), "--temperature", "0", "-n", "128", "--system", SYSTEM]
+    assert main(argv) == 0
+    turns = [line for line in capsys.readouterr().err.splitlines() if "prompt reused" in line]
+    assert len(turns) == 4
+    for before, turn in zip(turns, turns[1:]):
+        # every turn reuses all the previous one left in the cache: prompt and reply
+        left = int(before.split("context ")[1].split("/")[0])
+        assert int(turn.split("tokens; ")[1].split("/")[0]) == left

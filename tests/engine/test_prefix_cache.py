@@ -54,6 +54,21 @@ def test_shared_prefix_is_stored_once_and_split_correctly():
     assert np.all(live.k[:, :, 4, :] == 9 * 1000 + 4)
 
 
+def test_stored_sequence_follows_the_match_then_the_latest_branch():
+    store = PrefixCache(1 << 20)
+    store.insert(_filled([1, 2, 3, 4]))
+    store.insert(_filled([1, 2, 3, 4, 5, 6]))
+    store.insert(_filled([1, 2, 7, 8, 9]))
+    assert store.stored_sequence([5, 1]) == []
+    # parts inside the edge [3, 4, 5, 6]: the rest of that edge
+    assert store.stored_sequence([1, 2, 3, 0]) == [1, 2, 3, 4, 5, 6]
+    # parts at the fork after [1, 2]: the branch used last
+    assert store.stored_sequence([1, 2, 0]) == [1, 2, 7, 8, 9]
+    store.restore([1, 2, 3, 4], KVCache(L, H, D, 64))  # touches the [3, 4] branch
+    assert store.stored_sequence([1, 2, 0]) == [1, 2, 3, 4, 5, 6]
+    assert store.stored_sequence([1, 2, 7, 8, 9, 10]) == [1, 2, 7, 8, 9]
+
+
 def test_lru_eviction_respects_the_byte_budget():
     store = PrefixCache(10 * PER_TOKEN)
     store.insert(_filled([1, 1, 1, 1]))

@@ -100,6 +100,22 @@ def test_chat_streamed_equals_non_streamed(client):
     assert chunks[-1].usage.prompt_tokens_details.cached_tokens >= full.usage.prompt_tokens - 1
 
 
+def test_a_reply_that_re_tokenizes_differently_keeps_its_cached_tokens(client, engine, lm):
+    from engine.generate import prefill
+    from tests.engine.test_token_reuse import REPLY, odd_spelling
+
+    question = [{"role": "user", "content": "How do I keep compost from smelling?"}]
+    held = lm.tokenizer.encode(lm.template.render(question, add_generation_prompt=True))
+    held += odd_spelling(lm.tokenizer, REPLY)
+    cache = lm.model.new_cache(512)
+    prefill(lm.model, cache, held)
+    engine.store.insert(cache)  # as the request that generated those tokens left them
+    follow_up = question + [{"role": "assistant", "content": REPLY}, {"role": "user", "content": "Why?"}]
+    reply = client.chat.completions.create(model="smol", messages=follow_up, max_tokens=2, temperature=0)
+    # the canonical encoding parts from `held` inside the reply; the server kept the held spelling
+    assert reply.usage.prompt_tokens_details.cached_tokens == len(held)
+
+
 def test_completion_streamed_equals_non_streamed(client):
     kw = dict(model="smol", prompt="1, 2, 3, 4,", max_tokens=6, temperature=0)
     full = client.completions.create(**kw)
