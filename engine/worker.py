@@ -6,8 +6,9 @@ is being computed. See engine.client for the message protocol.
 
 ChatRunner is the per-model chat engine (also used in process by `hearth bench --chat`): it fits
 the conversation to the context (engine.context_policy), spells a re-tokenized earlier reply as the
-cache holds it (engine.token_reuse), reuses the longest prefix the live KV cache holds, restores a longer one from the prefix store (engine.prefix_cache) when the user
-switched chats, prefills the rest in batches, and streams the reply.
+cache holds it (engine.token_reuse), reuses the longest prefix the live KV cache holds, restores a
+longer one from the prefix store (engine.prefix_cache) when the user switched chats, prefills the
+rest in batches, and streams the reply.
 """
 
 from __future__ import annotations
