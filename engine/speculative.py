@@ -221,21 +221,32 @@ class _Adaptive:
     k * t_draft + t_verify(k + 1); plain decoding costs t_plain per token. t_verify(n) is modelled as
     t_plain + (n - 1) * t_extra, t_extra fitted to the verify passes seen. The k maximising
     E(k) / cost is used while it beats plain decoding; otherwise speculation stays off and is probed
-    again every `probe_every` plain tokens (the rate or the timings may have changed).
+    again every `probe_every` plain tokens: a probe is a real round at the last good k, so it measures
+    the rate and timings as they are now (the context, and with it every pass, grows).
+
+    The timings must hold up for that to work:
+    - a draft's first round is slow (its weights are repacked and its kernels loaded on first use), and a
+      shared machine has slow moments: a time under half the running estimate replaces it outright;
+    - t_plain is measured by plain passes, never taken from a verify pass: while speculation runs, one
+      round in `plain_every` is a plain pass (about 1/30 of the rounds at plain speed).
     """
 
-    def __init__(self, k_max: int, k_start: int, adaptive: bool, probe_every: int = 24):
-        self.k_max, self.k, self.adaptive, self.probe_every = k_max, k_start, adaptive, probe_every
+    def __init__(self, k_max: int, k_start: int, adaptive: bool, probe_every: int = 24,
+                 plain_every: int = 32):
+        self.k_max, self.k, self.adaptive = k_max, k_start, adaptive
+        self.probe_every, self.plain_every = probe_every, plain_every
+        self.probe_k = k_start  # the k a probe runs
         self.accepted = 0.0  # decayed counts: the rate follows the reply's recent rounds
         self.drafted = 0.0
         self.t_draft = None  # seconds per drafted token
         self.t_plain = None  # seconds per plain (1-token) target pass
         self.t_extra = None  # extra seconds per additional token in a verify pass
         self.off_for = 0
+        self.since_plain = 0  # speculative rounds since the last plain pass
 
     @staticmethod
     def _ema(old, new, w=0.3):
-        return new if old is None else (1 - w) * old + w * new
+        return new if old is None or new < 0.5 * old else (1 - w) * old + w * new
 
     @property
     def alpha(self) -> float:
@@ -244,14 +255,14 @@ class _Adaptive:
     def note_round(self, k: int, accepted: int, t_draft: float, t_verify: float) -> None:
         if k == 0:
             self.t_plain = self._ema(self.t_plain, t_verify)
+            self.since_plain = 0
             return
+        self.since_plain += 1
         self.accepted = 0.9 * self.accepted + accepted
         self.drafted = 0.9 * self.drafted + k
         self.t_draft = self._ema(self.t_draft, t_draft / k)
         if self.t_plain is not None:
             self.t_extra = self._ema(self.t_extra, max(0.0, t_verify - self.t_plain) / k)
-        else:
-            self.t_plain, self.t_extra = t_verify, 0.0  # until a plain pass is timed
 
     def expected_tokens(self, k: int) -> float:
         a = min(self.alpha, 0.999)
@@ -259,9 +270,9 @@ class _Adaptive:
 
     def speedup(self, k: int) -> float:
         """Modelled speed with k drafts over plain decoding (1.0 while the timings are unknown)."""
-        if not k or self.t_draft is None or self.t_plain is None:
+        if not k or self.t_draft is None or self.t_plain is None or self.t_extra is None:
             return 1.0
-        cost = k * self.t_draft + self.t_plain + k * (self.t_extra or 0.0)
+        cost = k * self.t_draft + self.t_plain + k * self.t_extra
         return self.expected_tokens(k) * self.t_plain / cost
 
     def next_k(self, limit: int) -> int:
@@ -269,14 +280,19 @@ class _Adaptive:
             return min(self.k, limit)
         if self.off_for > 0:
             self.off_for -= 1
+            if self.off_for == 0:  # probe: one real round, whatever the stale figures say
+                self.k = self.probe_k
+                return min(self.k, limit)
             return 0
-        if self.t_draft is not None:
+        if self.t_draft is not None and (self.t_plain is None or self.since_plain >= self.plain_every):
+            return 0  # a plain pass to time
+        if self.t_extra is not None:
             best = max(range(1, self.k_max + 1), key=self.speedup)
             if self.speedup(best) < 1.0:
                 self.off_for = self.probe_every
                 self.k = 0
                 return 0
-            self.k = best
+            self.k = self.probe_k = best
         return min(max(self.k, 1), limit)
 
 

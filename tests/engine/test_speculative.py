@@ -142,3 +142,52 @@ def test_rejects_bad_k(tiny_pair):
     with pytest.raises(ValueError):
         next(speculative_generate(target.model, target.tokenizer, [1, 2], target.model.new_cache(16),
                                   GenerationParams(temperature=0), PromptLookup(), k=0))
+
+
+def _rounds(policy, n: int, t_draft: float, t_plain: float, t_extra: float, accept: float = 1.0) -> list[int]:
+    """Run n rounds of the adaptive policy against a machine with these per-token timings; the ks chosen."""
+    ks = []
+    for _ in range(n):
+        k = policy.next_k(8)
+        ks.append(k)
+        if k:
+            policy.note_round(k, round(accept * k), k * t_draft, t_plain + k * t_extra)
+        else:
+            policy.note_round(0, 0, 0.0, t_plain)
+    return ks
+
+
+def test_adaptive_k_recovers_from_a_cold_first_round():
+    from engine.speculative import _Adaptive
+
+    policy = _Adaptive(k_max=8, k_start=4, adaptive=True)
+    # the first round pays the draft's warm-up: 30 ms a drafted token against a 12 ms plain pass
+    policy.note_round(policy.next_k(8), 4, 4 * 0.030, 0.019)
+    assert policy.t_plain is None  # a verify pass is no plain pass
+    ks = _rounds(policy, 12, t_draft=0.0045, t_plain=0.012, t_extra=0.0013)
+    assert ks[0] == 0  # the plain pass that times t_plain
+    assert ks[-4:] == [8, 8, 8, 8]
+    assert policy.speedup(8) > 1.5
+    assert policy.t_draft < 0.005  # the warm-up time is gone, not averaged in
+
+
+def test_adaptive_k_times_a_plain_pass_now_and_then():
+    from engine.speculative import _Adaptive
+
+    policy = _Adaptive(k_max=8, k_start=4, adaptive=True, plain_every=10)
+    ks = _rounds(policy, 60, t_draft=0.0045, t_plain=0.012, t_extra=0.0013)
+    plain = [i for i, k in enumerate(ks) if k == 0]
+    assert plain[0] == 1 and 4 <= len(plain) <= 6
+    assert all(b - a == 11 for a, b in zip(plain, plain[1:]))
+
+
+def test_adaptive_k_probes_with_real_rounds_while_off():
+    from engine.speculative import _Adaptive
+
+    policy = _Adaptive(k_max=8, k_start=4, adaptive=True, probe_every=5)
+    ks = _rounds(policy, 10, t_draft=0.050, t_plain=0.012, t_extra=0.0013)  # a draft slower than the target
+    assert ks[-1] == 0 and policy.k == 0
+    # the machine changes (the draft got its cores back): the next probe measures it and speculation resumes
+    ks = _rounds(policy, 14, t_draft=0.0045, t_plain=0.012, t_extra=0.0013)
+    assert 0 < ks.index(next(k for k in ks if k)) <= 5
+    assert ks[-3:] == [8, 8, 8]
