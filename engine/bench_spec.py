@@ -44,6 +44,19 @@ LOOKUP_PROMPTS = tuple(
 )
 
 
+def with_notes(prompts: tuple[str, ...], tokenizer, n_tokens: int) -> tuple[str, ...]:
+    """The prompts, each after about n_tokens of notes (the passages repeated); unchanged for 0."""
+    if n_tokens <= 0:
+        return prompts
+    pieces, count = [], 0
+    while count < n_tokens:
+        passage = _PASSAGES[len(pieces) % len(_PASSAGES)]
+        pieces.append(passage)
+        count += len(tokenizer.encode(passage + "\n\n"))
+    notes = "\n\n".join(pieces)
+    return tuple(f"Here are some notes:\n\n{notes}\n\nWith those in mind: {p}" for p in prompts)
+
+
 def _prompt_ids(lm, text: str) -> list[int]:
     from engine.templates import ensure_chat_template
 
@@ -101,6 +114,7 @@ def run_spec_bench(target, proposer_factory, prompts, n_gen: int, n_ctx: int, re
     runs.sort(key=lambda r: r["speedup"])
     out = dict(runs[len(runs) // 2])
     out["identical_greedy"] = bool(identical)
+    out["prompt_tokens"] = [len(i) for i in ids]
     out["speedups"] = [round(r["speedup"], 3) for r in runs]
     return out
 
@@ -132,6 +146,7 @@ def cmd_bench_spec(args) -> int:
             return PromptLookup()
 
         prompts, mode = LOOKUP_PROMPTS, "lookup"
+    prompts = with_notes(prompts, target.tokenizer, args.notes)
     # warm both models' kernels (the first call of a Numba kernel loads it from the cache)
     for lm in (target, draft):
         if lm is not None:
@@ -150,7 +165,7 @@ def cmd_bench_spec(args) -> int:
         "model": target.name, "file": str(target.path), "mode": mode,
         "draft": str(draft.path) if draft is not None else None, "threads": cpu.get_threads(),
         "prompts": len(prompts), "gen_tokens": args.gen_tokens, "repetitions": max(1, args.repetitions),
-        "k_start": args.spec_k, "adaptive": not args.fixed_k,
+        "k_start": args.spec_k, "adaptive": not args.fixed_k, "notes_tokens": args.notes,
     }
     out.update({key: round(v, 3) if isinstance(v, float) else v for key, v in result.items()})
     if args.json:

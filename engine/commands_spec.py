@@ -10,7 +10,7 @@ import argparse
 
 
 def add_spec_bench_args(bench: argparse.ArgumentParser) -> None:
-    """Add --draft, --lookup, -k/--spec-k and --fixed-k to the bench subparser."""
+    """Add --draft, --lookup, -k/--spec-k, --fixed-k and --notes to the bench subparser."""
     bench.add_argument(
         "--draft",
         metavar="DRAFT",
@@ -26,6 +26,14 @@ def add_spec_bench_args(bench: argparse.ArgumentParser) -> None:
     bench.add_argument("-k", "--spec-k", type=int, default=4, help="draft length to start from (default 4)")
     bench.add_argument(
         "--fixed-k", action="store_true", help="keep the draft length fixed (no adaptation, never off)"
+    )
+    bench.add_argument(
+        "--notes",
+        type=int,
+        default=0,
+        metavar="N",
+        help="with --draft / --lookup: start every prompt with about N tokens of notes, to measure at a "
+        "longer context (attention's share of each pass grows with it)",
     )
 
 

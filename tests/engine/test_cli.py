@@ -141,3 +141,15 @@ def test_chat_reuses_a_reply_that_re_tokenizes_differently(monkeypatch, capsys, 
         # every turn reuses all the previous one left in the cache: prompt and reply
         left = int(before.split("context ")[1].split("/")[0])
         assert int(turn.split("tokens; ")[1].split("/")[0]) == left
+
+
+def test_bench_lookup_with_notes(capsys, smollm2_path):
+    argv = ["bench", "-m", str(smollm2_path), "--lookup", "-g", "8", "--json"]
+    base = _json_out(capsys, argv)
+    longer = _json_out(capsys, [*argv, "--notes", "300"])
+    assert base["mode"] == "lookup" and base["identical_greedy"] and longer["identical_greedy"]
+    assert longer["notes_tokens"] == 300
+    for short, long in zip(base["prompt_tokens"], longer["prompt_tokens"]):
+        assert 300 <= long - short <= 450
+    for key in ("baseline_decode_tps", "decode_tps", "speedup", "acceptance_rate", "tokens_per_pass"):
+        assert longer[key] > 0, key

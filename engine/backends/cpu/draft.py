@@ -441,7 +441,7 @@ class DraftForward:
         forward_llama(self.logits, self.x, n, cache.offset, self.wbuf, self.sbuf, self.mats, self.out_w,
                       self.attn_norms, self.ffn_norms, self.out_norm, cache.k, cache.v,
                       self.inv_freq, cfg.rotary_dim, cfg.rope_neox, cfg.num_attention_heads,
-                      cfg.num_key_value_heads, cfg.head_dim, np.float32(cfg.rms_norm_eps), np.float32(model.scale),
+                      cfg.num_key_value_heads, cfg.head_dim, np.float32(cfg.rms_norm_eps), model.scale,
                       self.h, self.qkv, self.att, self.act, self.o, self.xq, self.xd, self.xs, self.xz)
         cache.advance(tokens)
         if not self.out_w[2]:
