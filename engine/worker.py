@@ -129,9 +129,16 @@ class ChatRunner:
         if options.device != "cpu":
             _place(lm, options, progress)
         progress(LoadProgress("warmup", 0.8, "loading compiled kernels"))
-        warm = lm.model.new_cache(8, options.kv_numpy_dtype)  # compiles the kernels this dtype uses
-        lm.model.forward([lm.tokenizer.bos_id or 0] * 2, warm)  # batch path
+        compiled = cpu.kernels_compiled()
+        warm = lm.model.new_cache(8, options.kv_numpy_dtype)  # loads the kernels this dtype uses
+        lm.model.forward([lm.tokenizer.bos_id or 0] * 2, warm)  # small-batch path
         lm.model.forward([0], warm)  # decode path
+        if cpu.kernels_compiled() > compiled:
+            # a cold Numba cache: compile the prefill path (past the small-batch limit) now too, not at
+            # the first message (Gemma's first 44-token prompt waited 1.0 s instead of 0.12)
+            long = getattr(lm.model, "small_batch_max", cpu.SMALL_BATCH_MAX) + 1
+            warm = lm.model.new_cache(long, options.kv_numpy_dtype)
+            lm.model.forward([lm.tokenizer.bos_id or 0] * long, warm)
         runner = cls(lm, options.name or path.stem, options, store_bytes, estimate)
         runner.load_s = time.perf_counter() - t0
         return runner

@@ -78,3 +78,30 @@ def test_bench_chat_json(capsys, smollm2_path):
     # the target is 5x (measured with the CLI on a quiet machine: see the report); timings on a
     # machine shared by several jobs are noisy, so the test asks for a margin that noise cannot erase
     assert out["ttft_speedup_last_turn"] >= 2.0
+
+
+@pytest.mark.parametrize("cold", [True, False], ids=["cold-cache", "warm-cache"])
+def test_load_compiles_the_prefill_path_only_for_a_cold_kernel_cache(smollm2_path, monkeypatch, cold):
+    from engine import worker
+
+    passes = []
+    load_model = worker.load_model
+
+    def counting_load(path):
+        lm = load_model(path)
+        forward = lm.model.forward
+
+        def counted(tokens, cache, **kw):
+            passes.append(len(tokens))
+            return forward(tokens, cache, **kw)
+
+        monkeypatch.setattr(lm.model, "forward", counted)
+        return lm
+
+    monkeypatch.setattr(worker, "load_model", counting_load)
+    # kernels_compiled is read before and after the short warm-up passes
+    counts = iter([4, 9] if cold else [4, 4])
+    monkeypatch.setattr(worker.cpu, "kernels_compiled", lambda: next(counts))
+    runner = worker.ChatRunner.load(smollm2_path, LoadOptions(n_ctx=256, prefix_cache_mb=0))
+    # a warm cache keeps the load short; a cold one compiles what a long first prompt needs, at load
+    assert passes == ([2, 1, runner.lm.model.small_batch_max + 1] if cold else [2, 1])

@@ -418,8 +418,19 @@ def get_threads() -> int:
     return numba.get_num_threads()
 
 
+def kernels_compiled() -> int:
+    """Kernel signatures this process compiled rather than loaded from Numba's on-disk cache (a cold
+    cache: a fresh install, or kernel sources changed)."""
+    total = 0
+    for module in (batchq, fpquant, kquant, ops, quant, smalln):
+        for value in vars(module).values():
+            if isinstance(value, numba.core.registry.CPUDispatcher):
+                total += sum(value.stats.cache_misses.values())
+    return total
+
+
 __all__ = [
     "UnsupportedWeightType", "linear", "get_rows", "rmsnorm", "rope", "attention", "silu_mul",
     "gelu_tanh_mul", "softmax", "argmax", "set_threads", "get_threads", "batch_phase", "PREFILL_TILE_BYTES",
-    "SUPPORTED_TYPES", "SMALL_BATCH_MAX", "SMALL_BATCH_CROSSOVER", "small_batch_limit",
+    "SUPPORTED_TYPES", "SMALL_BATCH_MAX", "SMALL_BATCH_CROSSOVER", "small_batch_limit", "kernels_compiled",
 ]
