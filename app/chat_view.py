@@ -1,8 +1,9 @@
 """The conversation column: one MessageWidget per message, in a scroll area that follows the stream.
 
 Each message shows its role, its Markdown (app.markdown_view) and buttons: Copy for every message,
-Edit for the user's, Regenerate and Continue for the last reply. The view never talks to the store or
-the engine: it emits signals the window forwards to the controller.
+Edit for the user's, Regenerate and Continue for the last reply. A reply that starts with a reasoning
+block (engine.reasoning) shows its thinking in a collapsed section above the answer. The view never
+talks to the store or the engine: it emits signals the window forwards to the controller.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from app.qt import (
     QGuiApplication,
     QHBoxLayout,
     QLabel,
+    QPalette,
     QPlainTextEdit,
     QPushButton,
     QScrollArea,
@@ -25,6 +27,7 @@ from app.qt import (
     Signal,
     Slot,
 )
+from engine.reasoning import Reasoning, split_reasoning
 
 ROLE_NAMES = {"user": "You", "assistant": "Assistant", "system": "System"}
 STATE_NOTES = {"stopped": "stopped", "error": "interrupted", "streaming": "writing…"}
@@ -65,6 +68,11 @@ class MessageWidget(QFrame):
         for b in (self.copy_button, self.edit_button, self.regenerate_button, self.continue_button):
             head.addWidget(b)
         layout.addLayout(head)
+        self.thinking_section: QWidget | None = None
+        if message.role == "assistant":
+            self._build_thinking(layout)
+        self._thinking_text: str | None = None
+        self._answer: str | None = None  # the reply without its thinking block; None: it has none
         self.body = MarkdownView(self, dark)
         self.body.setAccessibleName(f"{ROLE_NAMES.get(message.role, message.role)} message")
         layout.addWidget(self.body)
@@ -80,9 +88,62 @@ class MessageWidget(QFrame):
         b.setAutoRaise(True)
         return b
 
+    def _build_thinking(self, layout: QVBoxLayout) -> None:
+        """The collapsible thinking section: an arrow button over a muted, selectable label."""
+        self.thinking_section = QWidget(self)
+        box = QVBoxLayout(self.thinking_section)
+        box.setContentsMargins(0, 0, 0, 0)
+        self.thinking_button = QToolButton(self.thinking_section)
+        self.thinking_button.setCheckable(True)
+        self.thinking_button.setArrowType(Qt.ArrowType.RightArrow)
+        self.thinking_button.setToolButtonStyle(Qt.ToolButtonStyle.ToolButtonTextBesideIcon)
+        self.thinking_button.setAutoRaise(True)
+        self.thinking_button.setAccessibleName("Show thinking")
+        self.thinking_button.setToolTip("Show the model's thinking")
+        self.thinking_button.toggled.connect(self._on_thinking_toggled)
+        self.thinking_label = QLabel(self.thinking_section)
+        self.thinking_label.setAccessibleName("Thinking")
+        self.thinking_label.setTextFormat(Qt.TextFormat.PlainText)
+        self.thinking_label.setWordWrap(True)
+        self.thinking_label.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+        self.thinking_label.setForegroundRole(QPalette.ColorRole.PlaceholderText)  # muted, follows the theme
+        font = self.thinking_label.font()
+        font.setItalic(True)
+        self.thinking_label.setFont(font)
+        self.thinking_label.hide()
+        box.addWidget(self.thinking_button, 0, Qt.AlignmentFlag.AlignLeft)
+        box.addWidget(self.thinking_label)
+        self.thinking_section.hide()
+        layout.addWidget(self.thinking_section)
+
     def set_text(self, text: str, immediate: bool = False) -> None:
+        """Show `text` (raw, streaming or whole); a reply's thinking goes above, its answer in the body."""
         self.message.content = text
+        if self.thinking_section is not None:
+            split = split_reasoning(text)
+            self._show_thinking(split)
+            self._answer = None if split.thinking is None else split.answer
+            text = split.answer
         self.body.set_markdown_text(text, immediate=immediate)
+
+    def _show_thinking(self, split: Reasoning) -> None:
+        # called on every streamed piece: a widget is touched only when what it shows changes
+        has = split.thinking is not None
+        if self.thinking_section.isHidden() == has:
+            self.thinking_section.setVisible(has)
+        if not has:
+            return
+        title = "Thoughts" if split.thinking_done else "Thinking…"
+        if self.thinking_button.text() != title:
+            self.thinking_button.setText(title)
+        if split.thinking != self._thinking_text:
+            self._thinking_text = split.thinking
+            self.thinking_label.setText(split.thinking)
+
+    @Slot(bool)
+    def _on_thinking_toggled(self, shown: bool) -> None:
+        self.thinking_button.setArrowType(Qt.ArrowType.DownArrow if shown else Qt.ArrowType.RightArrow)
+        self.thinking_label.setVisible(shown)
 
     def set_state(self, state: str) -> None:
         self.message.state = state
@@ -90,7 +151,8 @@ class MessageWidget(QFrame):
 
     @Slot()
     def copy(self) -> None:
-        QGuiApplication.clipboard().setText(self.message.content)
+        """Copy the message; of a reply with a thinking block, just its answer."""
+        QGuiApplication.clipboard().setText(self.message.content if self._answer is None else self._answer)
 
     @Slot()
     def start_edit(self) -> None:

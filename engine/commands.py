@@ -11,6 +11,7 @@ from engine.errors import HearthError
 from engine.generate import GenerationParams, generate
 from engine.loader import LoadedModel, load_model
 from engine.memory import peak_rss_mb
+from engine.reasoning import OPEN, opens_reasoning, strip_reasoning
 from engine.templates import ensure_chat_template
 from engine.token_reuse import reuse_held_tokens
 from models.resolve import resolve_model
@@ -75,7 +76,8 @@ def _chat_prompt(lm: LoadedModel, messages: list[dict]) -> list[int]:
     notice = ensure_chat_template(lm)
     if notice:
         print(f"hearth: {notice}", file=sys.stderr)
-    text = lm.template.render(messages, add_generation_prompt=True)
+    # earlier replies' thinking blocks stay out of the context (engine.reasoning)
+    text = lm.template.render(strip_reasoning(messages), add_generation_prompt=True)
     # the template writes BOS itself when the model wants it; encode its special tokens as such
     return lm.tokenizer.encode(text, add_special=False)
 
@@ -157,7 +159,10 @@ def cmd_chat(args) -> int:
             ids = _chat_prompt(lm, messages)
             respelled = reuse_held_tokens(lm.tokenizer, ids, cache.tokens)  # the cache's own tokens
             ids = respelled if len(respelled) < n_ctx else ids
-            reply, last = [], None
+            # a reply inside a thinking block the template opened shows (and keeps) its opening tag
+            reply = [OPEN + "\n"] if opens_reasoning(lm.tokenizer.decode(ids[-8:])) else []
+            print("".join(reply), end="", flush=True)
+            last = None
             for event in generate(lm.model, lm.tokenizer, ids, cache, params):
                 reply.append(event.text)
                 print(event.text, end="", flush=True)

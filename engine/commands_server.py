@@ -63,6 +63,13 @@ def add_serve_parser(sub) -> None:
         "--request-timeout", type=float, default=600.0, help="seconds a request may run (default 600)"
     )
     p.add_argument("--name", default=None, help="model id clients use (default: the file name without .gguf)")
+    p.add_argument(
+        "--reasoning-format",
+        choices=("deepseek", "none"),
+        default="deepseek",
+        help="deepseek (default): a reply's <think> block goes to the message's reasoning_content; "
+        "none: it stays in content",
+    )
     from engine.cli import add_device_args
 
     add_device_args(p)
@@ -159,6 +166,7 @@ def cmd_serve(args) -> int:
         allowed_hosts=list(args.allow_host),
         aliases=[lm.name, lm.path.name],
         request_timeout_s=args.request_timeout,
+        reasoning_format=args.reasoning_format,
     )
     app = create_app(config, engine, lm)
     engine.start()

@@ -40,6 +40,7 @@ from engine.generate import GenerationParams, generate, prefill
 from engine.loader import LoadedModel, load_model
 from engine.memory import peak_rss_mb, rss_mb
 from engine.prefix_cache import PrefixCache
+from engine.reasoning import OPEN, opens_reasoning, strip_reasoning
 from engine.spec_chat import DraftSlot, prime, proposer_for, spec_fields
 from engine.speculative import speculative_generate
 from engine.templates import ensure_chat_template
@@ -174,14 +175,21 @@ class ChatRunner:
     def encode(self, messages: Sequence[dict]) -> list[int]:
         """Render a conversation with the model's template (generation prompt added) into token ids."""
         ensure_chat_template(self.lm)  # normally done at load, where its notice is reported
-        messages = list(messages)
+        messages = strip_reasoning(messages, keep_last=_continues(messages))  # earlier replies' thinking
         partial = ""
-        if messages and messages[-1].get("role") == "assistant" and messages[-1].get("continue"):
+        if _continues(messages):
             # "continue": the reply goes on from the last assistant message's text, rendered unclosed
             partial = messages.pop()["content"]
-        text = self.lm.template.render(messages, add_generation_prompt=True) + partial
+        text = self.lm.template.render(messages, add_generation_prompt=True)
+        if opens_reasoning(text) and partial.lstrip().startswith(OPEN):
+            partial = partial.lstrip()[len(OPEN) :]  # the template opened the block the reply spells out
+        text += partial
         # the template writes BOS itself when the model wants it
         return self.lm.tokenizer.encode(text, add_special=False)
+
+    def _opens_reasoning(self, messages: Sequence[dict], ids: Sequence[int]) -> bool:
+        """The prompt `ids` leaves a thinking block open: the reply's text starts inside it."""
+        return not _continues(messages) and opens_reasoning(self.lm.tokenizer.decode(ids[-8:]))
 
     def _context_state(self, chat_id: str | None) -> ChatContext | None:
         if chat_id is None:
@@ -269,6 +277,8 @@ class ChatRunner:
                 yield cancelled(prefilled=done - cached)
                 return
             ttft = 0.0
+            # a reply inside a block the template opened is stored with the opening tag (engine.reasoning)
+            opening = OPEN + "\n" if self._opens_reasoning(messages, ids) else ""
             gen_params = replace(params, prefill_chunk=chunk)
             if proposer is None:
                 stream = generate(model, self.lm.tokenizer, ids, cache, gen_params)
@@ -281,7 +291,7 @@ class ChatRunner:
                     ttft = time.perf_counter() - t0
                 out = replace(
                     base,
-                    text=event.text,
+                    text=opening + event.text,
                     token=event.token,
                     finish_reason=event.finish_reason,
                     prefilled=base.to_prefill,
@@ -293,6 +303,7 @@ class ChatRunner:
                     peak_memory_mb=event.peak_memory_mb,
                     **spec_fields(speculation.mode if speculation else "", event),
                 )
+                opening = ""
                 yield out
                 if event.finish_reason:
                     return
@@ -305,6 +316,11 @@ class ChatRunner:
         finally:
             if reuse and self.store is not None and cache.offset:
                 self.store.insert(cache)
+
+
+def _continues(messages: Sequence[dict]) -> bool:
+    """The request continues the last assistant message (its "continue" flag) instead of replying."""
+    return bool(messages) and messages[-1].get("role") == "assistant" and bool(messages[-1].get("continue"))
 
 
 def gpu_layers_planned(options: LoadOptions, n_layers: int) -> int:

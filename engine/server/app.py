@@ -11,6 +11,7 @@ back through an asyncio queue. A client that goes away cancels its generation at
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 import ipaddress
 import json
@@ -25,6 +26,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from engine.chat_template import TemplateError
+from engine.reasoning import ReasoningStream, opens_reasoning, split_reasoning, strip_reasoning
 from engine.server import protocol
 from engine.server.constraints import grammar_for
 from engine.server.errors import APIError, ServeError, invalid
@@ -33,6 +35,9 @@ from engine.server.scheduler import Delta, Engine, SeqParams
 from engine.tokenizer import TokenizerError
 
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
+
+
+REASONING_FORMATS = ("deepseek", "none")
 
 
 @dataclass
@@ -48,6 +53,9 @@ class ServerConfig:
         aliases: further model ids accepted (the file name, the model's own name).
         request_timeout_s: a generation still running after this is stopped (504).
         max_body_bytes: larger request bodies get 413.
+        reasoning_format: "deepseek" returns a reply's thinking block (engine.reasoning) as the
+            message's `reasoning_content` (DeepSeek's API, as llama.cpp and vLLM do); "none" leaves it
+            in `content`.
     """
 
     model_name: str
@@ -58,8 +66,11 @@ class ServerConfig:
     aliases: list[str] = field(default_factory=list)
     request_timeout_s: float = 600.0
     max_body_bytes: int = 4 << 20
+    reasoning_format: str = "deepseek"
 
     def __post_init__(self):
+        if self.reasoning_format not in REASONING_FORMATS:
+            raise ServeError(f"reasoning format must be one of {', '.join(REASONING_FORMATS)}")
         if not is_loopback(self.host) and not self.api_key:
             raise ServeError(
                 f"binding to {self.host} exposes the server to the network: pass --api-key KEY "
@@ -254,7 +265,8 @@ class _Api:
             if not self.template_has_tools:
                 raise invalid(f"{self.config.model_name}'s chat template does not support tools", "tools")
             extra["tools"] = req.tools
-        text = self.lm.template.render(req.messages, add_generation_prompt=True, **extra)
+        messages = strip_reasoning(req.messages)  # earlier replies' thinking stays out of the context
+        text = self.lm.template.render(messages, add_generation_prompt=True, **extra)
         return self.tok.encode(text, add_special=False)
 
     def _encode_completion(self, req: protocol.CompletionRequest) -> list[int]:
@@ -345,17 +357,31 @@ class _Api:
         params = self._seq_params(req, ids, req.max_tokens, text_start=True, grammar=grammar)
         params.respell = True
         meta = {"id": protocol.new_id("chatcmpl"), "created": protocol.now(), "model": req.model}
-        return await self._answer(request, req, params, meta, self._chat_stream, self._chat_reply)
+        # with grammar-constrained output there is no thinking block to split off
+        split = self.config.reasoning_format == "deepseek" and grammar is None
+        opened = split and opens_reasoning(self.tok.decode(ids[-8:]))
+        return await self._answer(
+            request, req, params, meta,
+            functools.partial(self._chat_stream, split=split, opened=opened),
+            functools.partial(self._chat_reply, split=split, opened=opened),
+        )
 
-    def _chat_reply(self, req, meta: dict, deltas: list[Delta]) -> dict:
+    def _chat_reply(self, req, meta: dict, deltas: list[Delta], split: bool, opened: bool) -> dict:
         last = deltas[-1]
         text = "".join(d.text for d in deltas)
         message: dict = {"role": "assistant", "content": text}
+        if split:  # split as the stream is, so both give the same texts
+            stream = ReasoningStream(opened)
+            pieces = [stream.feed(text), stream.flush()]
+            thinking = "".join(t for t, _ in pieces)
+            if opened or split_reasoning(text).thinking is not None:
+                text = "".join(a for _, a in pieces)
+                message = {"role": "assistant", "content": text, "reasoning_content": thinking}
         reason = protocol.finish(last.finish_reason)
         if req.tools:
             rest, calls = protocol.parse_tool_calls(text)
             if calls:
-                message = {"role": "assistant", "content": rest or None, "tool_calls": calls}
+                message = {**message, "content": rest or None, "tool_calls": calls}
                 reason = "tool_calls"
         logprobs = None
         if req.logprobs is not None:
@@ -397,8 +423,11 @@ class _Api:
             watcher.cancel()
             job.cancel()
 
-    async def _chat_stream(self, req, job, q: asyncio.Queue, meta: dict) -> AsyncIterator[str]:
+    async def _chat_stream(
+        self, req, job, q: asyncio.Queue, meta: dict, split: bool, opened: bool
+    ) -> AsyncIterator[str]:
         chunk = {**meta, "object": "chat.completion.chunk"}
+        thinking = ReasoningStream(opened) if split else None
 
         def choice(delta: dict, reason=None, logprobs=None) -> str:
             return _sse(
@@ -417,13 +446,21 @@ class _Api:
                 if d.error is not None:
                     yield _sse(d.error.body())
                     break
+                text = d.text
+                if thinking is not None:
+                    reasoning, text = thinking.feed(text)
+                    if d.finish_reason is not None:
+                        rest = thinking.flush()
+                        reasoning, text = reasoning + rest[0], text + rest[1]
+                    if reasoning:
+                        yield choice({"reasoning_content": reasoning})
                 if buffer_tools:
-                    held.append(d.text)
-                elif d.text or (
+                    held.append(text)
+                elif text or (
                     req.logprobs is not None and d.token is not None and d.token not in self.tok.eot_ids
                 ):
                     lp = {"content": [self._token_logprobs(d)]} if req.logprobs is not None else None
-                    yield choice({"content": d.text}, logprobs=lp)
+                    yield choice({"content": text}, logprobs=lp)
                 if d.finish_reason is not None:
                     reason = protocol.finish(d.finish_reason)
                     if buffer_tools:

@@ -116,6 +116,41 @@ def test_a_reply_that_re_tokenizes_differently_keeps_its_cached_tokens(client, e
     assert reply.usage.prompt_tokens_details.cached_tokens == len(held)
 
 
+def test_thinking_goes_to_reasoning_content(client, server, engine, lm, monkeypatch):
+    from engine.chat_template import ChatTemplate
+    from tests.engine.test_reasoning import OPENING_TEMPLATE
+
+    # the template opens a thinking block (as DeepSeek-R1's does): SmolLM2's short reply is all thinking
+    monkeypatch.setattr(lm, "template", ChatTemplate(OPENING_TEMPLATE))
+    kw = dict(model="smol", messages=HI, max_tokens=8, temperature=0)
+    full = client.chat.completions.create(**kw)
+    message = full.choices[0].message
+    thinking = message.model_extra["reasoning_content"]
+    assert thinking.strip() and message.content == ""
+    chunks = list(client.chat.completions.create(**kw, stream=True))
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    assert "".join((d.model_extra or {}).get("reasoning_content") or "" for d in deltas) == thinking
+    assert "".join(d.content or "" for d in deltas) == ""
+    # --reasoning-format none: the reply's text, as the model wrote it, in content
+    raw = LiveServer(engine, lm, reasoning_format="none")
+    try:
+        plain = openai.OpenAI(base_url=raw.url, api_key="unused", max_retries=0, timeout=120)
+        message = plain.chat.completions.create(**kw).choices[0].message
+        assert message.content == thinking and "reasoning_content" not in (message.model_extra or {})
+    finally:
+        raw.close()
+
+
+def test_earlier_thinking_is_left_out_of_the_prompt(client):
+    answer = "Red, green and blue."
+    turns = [*HI, {"role": "assistant", "content": answer}, {"role": "user", "content": "More?"}]
+    thought = [*HI, {"role": "assistant", "content": f"<think>\nThey want colours.\n</think>\n\n{answer}"},
+               turns[-1]]
+    ask = client.chat.completions.create
+    usage = [ask(model="smol", messages=m, max_tokens=1).usage for m in (turns, thought)]
+    assert usage[0].prompt_tokens == usage[1].prompt_tokens
+
+
 def test_completion_streamed_equals_non_streamed(client):
     kw = dict(model="smol", prompt="1, 2, 3, 4,", max_tokens=6, temperature=0)
     full = client.completions.create(**kw)

@@ -1,0 +1,134 @@
+"""Reasoning ("thinking") blocks: a reply that starts with <think>...</think> before its answer.
+
+Reasoning models (Qwen3, QwQ, DeepSeek-R1 and its distills, ...) write their chain of thought first,
+between <think> and </think>, then the answer. Some chat templates open the block themselves (the
+generation prompt ends with "<think>"), so the model's text starts inside it; the worker then puts
+the opening tag in front of the reply, so a stored reply always spells its block out
+(`opens_reasoning`).
+
+- `split_reasoning` parses a whole reply (the app's display, the API's non-streamed answer);
+- `ReasoningStream` splits a reply as it streams (the API's `reasoning_content` deltas);
+- `strip_reasoning` drops earlier replies' thinking from a conversation before it is rendered again:
+  the thinking is for the turn it was written in (Qwen3's and DeepSeek-R1's templates drop it too),
+  and it would fill the context.
+
+Only a block at the very start of a reply counts (after whitespace): a "<think>" later in an answer
+is text the model wrote about tags.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+OPEN, CLOSE = "<think>", "</think>"
+
+
+@dataclass(frozen=True)
+class Reasoning:
+    """A reply split into its thinking and its answer."""
+
+    thinking: str | None  # None: the reply has no thinking block
+    answer: str
+    thinking_done: bool = True  # False: the block is still open (streaming, or cut off while thinking)
+
+
+def split_reasoning(text: str) -> Reasoning:
+    """Split a reply (as stored: a prompt-opened block has its opening tag) into thinking and answer."""
+    body = text.lstrip()
+    if not body.startswith(OPEN):
+        return Reasoning(None, text)
+    body = body[len(OPEN) :]
+    end = body.find(CLOSE)
+    if end < 0:
+        return Reasoning(body.strip(), "", thinking_done=False)
+    return Reasoning(body[:end].strip(), body[end + len(CLOSE) :].lstrip())
+
+
+def opens_reasoning(prompt_tail: str) -> bool:
+    """True when a rendered prompt (its end is enough) leaves a thinking block open for the reply."""
+    return prompt_tail.rstrip().endswith(OPEN)
+
+
+def strip_reasoning(messages: Sequence[dict], keep_last: bool = False) -> list[dict]:
+    """The conversation with each assistant message's thinking block removed (its answer kept).
+
+    Args:
+        keep_last: leave the last message as it is (a reply being continued goes on from its raw text).
+    """
+    out = []
+    for i, message in enumerate(messages):
+        content = message.get("content")
+        last = i == len(messages) - 1
+        if message.get("role") == "assistant" and isinstance(content, str) and not (keep_last and last):
+            split = split_reasoning(content)
+            if split.thinking is not None:
+                message = {**message, "content": split.answer}
+        out.append(message)
+    return out
+
+
+def _partial_suffix(text: str, tag: str) -> int:
+    """Length of the longest end of `text` that is a proper beginning of `tag` (held back: the tag may
+    be completing in the next piece)."""
+    for n in range(min(len(tag) - 1, len(text)), 0, -1):
+        if tag.startswith(text[-n:]):
+            return n
+    return 0
+
+
+class ReasoningStream:
+    """Splits streamed reply text into thinking and answer pieces.
+
+    `feed(text)` returns (thinking, answer) text that is now certain; a tag arriving in pieces is held
+    back until it is complete or ruled out. `flush()` returns the rest when the reply ends.
+
+    Args:
+        opened: the prompt opened the block (`opens_reasoning`): the text starts inside it.
+    """
+
+    def __init__(self, opened: bool = False):
+        self._state = "thinking" if opened else "start"
+        self._held = ""
+
+    def feed(self, text: str) -> tuple[str, str]:
+        self._held += text
+        thinking = answer = ""
+        while True:
+            held = self._held
+            if self._state == "start":  # before the reply's first text: is it a thinking block?
+                body = held.lstrip()
+                if body.startswith(OPEN):
+                    self._held, self._state = body[len(OPEN) :], "thinking"
+                    continue
+                if not body or OPEN.startswith(body):
+                    return thinking, answer  # undecided yet
+                self._state = "answer"
+                continue
+            if self._state == "thinking":
+                end = held.find(CLOSE)
+                if end >= 0:
+                    thinking += held[:end]
+                    self._held, self._state = held[end + len(CLOSE) :], "after"
+                    continue
+                keep = _partial_suffix(held, CLOSE)
+                thinking += held[: len(held) - keep]
+                self._held = held[len(held) - keep :]
+                return thinking, answer
+            if self._state == "after":  # the whitespace between </think> and the answer is dropped
+                body = held.lstrip()
+                if not body:
+                    self._held = ""
+                    return thinking, answer
+                self._held, self._state = body, "answer"
+                continue
+            answer += held
+            self._held = ""
+            return thinking, answer
+
+    def flush(self) -> tuple[str, str]:
+        """The text still held back, as (thinking, answer); the stream is over."""
+        held, self._held = self._held, ""
+        if self._state == "thinking":
+            return held, ""
+        return "", held if self._state != "after" else held.lstrip()
