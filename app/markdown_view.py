@@ -100,6 +100,12 @@ def _close_open_fence(tail: str) -> str:
     return tail
 
 
+# GitHub's dialect with raw HTML shown as text: a reply that writes "<think>" or "<div>" outside a code
+# span would otherwise lose the tag and the rest of its paragraph (Qt takes it for markup)
+_FEATURE = QTextDocument.MarkdownFeature
+MARKDOWN_FEATURES = _FEATURE(_FEATURE.MarkdownDialectGitHub.value | _FEATURE.MarkdownNoHTML.value)
+
+
 class MarkdownView(QTextBrowser):
     """A read-only Markdown view that grows with its content (no scroll bar of its own).
 
@@ -188,7 +194,7 @@ class MarkdownView(QTextBrowser):
     def _append(self, cursor: QTextCursor, markdown: str) -> None:
         """Append a Markdown fragment as its own block(s), keeping its first block's format."""
         tmp = QTextDocument()
-        tmp.setMarkdown(markdown)
+        tmp.setMarkdown(markdown, MARKDOWN_FEATURES)
         if tmp.isEmpty():
             return
         doc = self.document()

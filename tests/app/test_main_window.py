@@ -65,6 +65,15 @@ def test_incremental_render_matches_and_is_throttled(qtbot):
     assert QApplication.clipboard().text() == "def f():\n    return 1"
 
 
+def test_tags_in_a_reply_show_as_text(qtbot):
+    view = MarkdownView()
+    qtbot.addWidget(view)
+    text = "Models write <think> first, then <div>x</div>.\n\n**bold** and `<b>`"
+    view.set_markdown_text(text, immediate=True)
+    plain = view.plain_text()
+    assert "Models write <think> first, then <div>x</div>." in plain and "bold and <b>" in plain
+
+
 def test_send_stream_regenerate_edit_continue_and_restart(qtbot, engine):
     w, store = _window(qtbot, engine)
     chunks = []
