@@ -124,6 +124,8 @@ class MessageWidget(QFrame):
             self._show_thinking(split)
             self._answer = None if split.thinking is None else split.answer
             text = split.answer
+            if self.body.isHidden() == bool(text or split.thinking is None):
+                self.body.setVisible(bool(text or split.thinking is None))  # no empty box while thinking
         self.body.set_markdown_text(text, immediate=immediate)
 
     def _show_thinking(self, split: Reasoning) -> None:

@@ -46,12 +46,12 @@ def test_streaming_reply_inside_its_block_then_closing_it(qtbot):
     assert w.thinking_section.isVisible()
     assert w.thinking_button.text() == "Thinking…"
     assert w.thinking_label.text() == "The us"
-    assert w.body.plain_text() == ""
+    assert w.body.plain_text() == "" and not w.body.isVisible(), "no empty answer box while thinking"
     w.set_text("<think>\nThe user asks.", immediate=True)
     assert w.thinking_label.text() == "The user asks."
     w.set_text("<think>\nThe user asks.\n</think>\n\nPar", immediate=True)
     assert w.thinking_button.text() == "Thoughts"
-    assert w.body.plain_text() == "Par"
+    assert w.body.plain_text() == "Par" and w.body.isVisible()
     w.set_text(FINISHED)  # throttled, like the stream's own updates
     qtbot.waitUntil(lambda: w.body.plain_text() == "Paris is the capital.", timeout=2000)
     assert w.thinking_label.text() == "The user asks for the capital of France."
