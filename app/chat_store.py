@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from engine.reasoning import split_reasoning
 from models.errors import HearthError
 from models.paths import data_dir
 
@@ -373,7 +374,14 @@ class ChatStore:
         if chat.system_prompt:
             out += ["## System", "", chat.system_prompt, ""]
         for m in self.messages(chat_id):
-            out += [f"## {m.role.capitalize()}", "", m.content, ""]
+            out += [f"## {m.role.capitalize()}", ""]
+            split = split_reasoning(m.content) if m.role == "assistant" else None
+            if split is not None and split.thinking is not None:
+                # a reasoning model's thinking folds away, as in the app (GitHub and most viewers)
+                out += ["<details><summary>Thoughts</summary>", "", split.thinking, "", "</details>", ""]
+                out += [split.answer, ""]
+            else:
+                out += [m.content, ""]
         return "\n".join(out).rstrip() + "\n"
 
     def import_json(self, data: Any) -> Chat:

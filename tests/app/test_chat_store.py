@@ -95,6 +95,10 @@ def test_export_markdown_json_and_import(store):
         ("user", "2+2?"),
         ("assistant", "```\n4\n```"),
     ]
+    thought = store.add_message(chat.id, "assistant", "<think>\nAdd them.\n</think>\n\n4")
+    md = store.export_markdown(chat.id)
+    assert "## Assistant\n\n<details><summary>Thoughts</summary>\n\nAdd them.\n\n</details>\n\n4\n" in md
+    assert store.export_json(chat.id)["messages"][-1]["content"] == thought.content  # raw, for import
     bare = store.import_json(
         {"messages": [{"role": "system", "content": "S"}, {"role": "user", "content": "hi"}]}
     )
