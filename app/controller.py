@@ -74,6 +74,12 @@ def speculation_options(settings: Settings):
     return SpeculationOptions(mode=mode, draft_model=draft if mode == "draft" else None)
 
 
+def template_vars(settings: Settings) -> dict:
+    """Chat template variables the settings ask for: thinking off sets enable_thinking (Qwen3's switch;
+    templates without it ignore the variable)."""
+    return {} if settings.get("thinking") else {"enable_thinking": False}
+
+
 def event_stats(event: ChatEvent | None) -> dict:
     """The figures of a reply kept with its message (and speculative counters when the engine sends them)."""
     if event is None:
@@ -277,7 +283,8 @@ class ChatController(QObject):
             self.notice.emit(str(e))
             speculation = None
         self.bridge.generate(
-            self._turn, conversation, params, self.chat.id, self.settings.get("context_policy"), speculation
+            self._turn, conversation, params, self.chat.id, self.settings.get("context_policy"), speculation,
+            template_vars=template_vars(self.settings),
         )
 
     def _set_busy(self, busy: bool) -> None:

@@ -118,8 +118,10 @@ class EngineBridge(QObject):
         chat_id: str | None,
         context_policy: str = "truncate-middle",
         speculation=None,
+        template_vars: dict | None = None,
     ) -> None:
-        """Stream a reply; `turn` tags every signal of it. `speculation`: engine SpeculationOptions."""
+        """Stream a reply; `turn` tags every signal of it. `speculation`: engine SpeculationOptions;
+        `template_vars`: further chat template variables (enable_thinking)."""
         self.generating = True
         self._spawn(
             self._generate,
@@ -129,14 +131,19 @@ class EngineBridge(QObject):
             chat_id,
             context_policy,
             speculation,
+            template_vars,
         )
 
-    def _generate(self, turn, conversation, params, chat_id, policy, speculation=None) -> None:
+    def _generate(
+        self, turn, conversation, params, chat_id, policy, speculation=None, template_vars=None
+    ) -> None:
         pending: list[str] = []
         last_emit = 0.0
         last: ChatEvent | None = None
         try:
             extra = {"speculation": speculation} if speculation is not None else {}
+            if template_vars:
+                extra["template_vars"] = template_vars
             stream = self.client.generate(
                 conversation, params, chat_id=chat_id, context_policy=policy, **extra
             )

@@ -111,6 +111,13 @@ class Schema:
     max_tokens: int = _opt(
         1024, "Reply length limit", "Most tokens in one reply.", "Sampling", min=1, max=32768
     )
+    thinking: bool = _opt(
+        True,
+        "Let reasoning models think",
+        "Off asks templates that support it (Qwen3's enable_thinking) to skip the thinking block: "
+        "faster replies, less careful ones.",
+        "Sampling",
+    )
     # -- appearance and folders
     theme: str = _opt(
         "system",

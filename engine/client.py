@@ -497,13 +497,15 @@ class EngineClient:
         context_policy: str = "truncate-middle",
         reuse: bool = True,
         speculation: SpeculationOptions | None = None,
+        template_vars: dict | None = None,
     ) -> Iterator[ChatEvent]:
         """Stream the reply to a conversation (list of {"role", "content"}; the last one is answered).
 
         The request is sent now. Args: model (key; default the last loaded), chat_id (the chat's
         identity for its context policy state), context_policy ("stop", "truncate-middle",
         "rolling-window"), reuse (False: prefill from scratch, for benchmarks), speculation
-        (draft model or prompt lookup for this reply; its stats arrive in the ChatEvents).
+        (draft model or prompt lookup for this reply; its stats arrive in the ChatEvents),
+        template_vars (further chat template variables, e.g. {"enable_thinking": False}).
 
         Yields:
             ChatEvent; the last has finish_reason set. After cancel() the stream ends within
@@ -522,6 +524,7 @@ class EngineClient:
             "chat_id": chat_id,
             "policy": context_policy,
             "reuse": reuse,
+            "template_vars": dict(template_vars or {}),
             "speculation": speculation,
         }
         req_id, q = self._request("generate", payload)

@@ -172,15 +172,20 @@ class ChatRunner:
             "prefix_cache_budget": self.store.max_bytes if self.store else 0,
         }
 
-    def encode(self, messages: Sequence[dict]) -> list[int]:
-        """Render a conversation with the model's template (generation prompt added) into token ids."""
+    def encode(self, messages: Sequence[dict], template_vars: dict | None = None) -> list[int]:
+        """Render a conversation with the model's template (generation prompt added) into token ids.
+
+        Args:
+            template_vars: further template variables (enable_thinking: False asks Qwen3-style
+                templates for a reply without a thinking block; other templates ignore it).
+        """
         ensure_chat_template(self.lm)  # normally done at load, where its notice is reported
         messages = strip_reasoning(messages, keep_last=_continues(messages))  # earlier replies' thinking
         partial = ""
         if _continues(messages):
             # "continue": the reply goes on from the last assistant message's text, rendered unclosed
             partial = messages.pop()["content"]
-        text = self.lm.template.render(messages, add_generation_prompt=True)
+        text = self.lm.template.render(messages, add_generation_prompt=True, **(template_vars or {}))
         if opens_reasoning(text) and partial.lstrip().startswith(OPEN):
             partial = partial.lstrip()[len(OPEN) :]  # the template opened the block the reply spells out
         text += partial
@@ -219,6 +224,7 @@ class ChatRunner:
         reuse: bool = True,
         should_stop: Callable[[], bool] = lambda: False,
         speculation: SpeculationOptions | None = None,
+        template_vars: dict | None = None,
     ) -> Iterator[ChatEvent]:
         """Stream the reply to `messages` (see ChatEvent).
 
@@ -228,6 +234,7 @@ class ChatRunner:
                 draft is loaded (and checked) before anything is prefilled.
             should_stop: polled between prefill batches and between tokens; True ends the reply
                 with finish_reason "cancelled".
+            template_vars: further chat template variables (see encode).
         """
         t0 = time.perf_counter()
         model, cache, n_ctx = self.lm.model, self.cache, self.cache.n_ctx
@@ -235,7 +242,10 @@ class ChatRunner:
             cpu.set_threads(self.options.threads)
         proposer = proposer_for(speculation, self.drafts)
         reserve = min(params.max_tokens, n_ctx // 4)
-        fitted = fit_conversation(messages, self.encode, n_ctx, reserve, policy, self._context_state(chat_id))
+        def encode(conversation: Sequence[dict]) -> list[int]:
+            return self.encode(conversation, template_vars)
+
+        fitted = fit_conversation(messages, encode, n_ctx, reserve, policy, self._context_state(chat_id))
         ids = fitted.ids
         restored = 0
         if not reuse:
@@ -427,6 +437,7 @@ def serve(conn) -> None:
                     reuse=payload["reuse"],
                     should_stop=lambda r=req_id: r in cancelled or stopping.is_set(),
                     speculation=payload.get("speculation"),
+                    template_vars=payload.get("template_vars"),
                 )
                 for event in stream:
                     send("event", req_id, event)

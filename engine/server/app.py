@@ -266,7 +266,7 @@ class _Api:
                 raise invalid(f"{self.config.model_name}'s chat template does not support tools", "tools")
             extra["tools"] = req.tools
         messages = strip_reasoning(req.messages)  # earlier replies' thinking stays out of the context
-        text = self.lm.template.render(messages, add_generation_prompt=True, **extra)
+        text = self.lm.template.render(messages, add_generation_prompt=True, **req.template_vars, **extra)
         return self.tok.encode(text, add_special=False)
 
     def _encode_completion(self, req: protocol.CompletionRequest) -> list[int]:

@@ -45,6 +45,7 @@ class ChatRequest(Common):
     response_format: dict = field(default_factory=dict)
     tools: list[dict] | None = None
     tool_choice: Any = None
+    template_vars: dict = field(default_factory=dict)  # chat_template_kwargs (e.g. enable_thinking)
 
 
 @dataclass
@@ -158,6 +159,10 @@ def _content_text(content: Any, n: int) -> str | None:
     raise invalid(f"messages[{n}].content must be a string or a list of text parts", "messages")
 
 
+# template variables the server sets itself
+RESERVED_TEMPLATE_VARS = ("messages", "add_generation_prompt", "tools", "bos_token", "eos_token")
+
+
 def parse_chat(body: Any, n_ctx: int) -> ChatRequest:
     """Validate a /v1/chat/completions body.
 
@@ -226,8 +231,20 @@ def parse_chat(body: Any, n_ctx: int) -> ChatRequest:
         raise invalid(
             "'tool_choice' must be 'none', 'auto', 'required' or {'type': 'function', ...}", "tool_choice"
         )
+    template_vars = body.get("chat_template_kwargs")
+    if template_vars is None:
+        template_vars = {}
+    if not isinstance(template_vars, dict) or not all(
+        isinstance(k, str) and k.isidentifier() and k not in RESERVED_TEMPLATE_VARS for k in template_vars
+    ):
+        raise invalid(
+            "'chat_template_kwargs' must be an object of template variables such as "
+            f"{{'enable_thinking': false}} (not {', '.join(RESERVED_TEMPLATE_VARS)})",
+            "chat_template_kwargs",
+        )
     return ChatRequest(
-        **fields, messages=clean, response_format=response_format, tools=tools, tool_choice=tool_choice
+        **fields, messages=clean, response_format=response_format, tools=tools, tool_choice=tool_choice,
+        template_vars=template_vars,
     )
 
 

@@ -239,3 +239,20 @@ def test_kill_9_mid_reply_loses_at_most_a_second(smollm2_path, tmp_path):
     assert reply.content.startswith(on_screen_a_second_before[: len(reply.content)])
     assert len(reply.content) >= len(on_screen_a_second_before), "at most the last second is lost"
     store.close()
+
+
+@pytest.mark.parametrize("thinking", [True, False])
+def test_the_thinking_setting_reaches_the_template(qtbot, engine, monkeypatch, thinking):
+    calls = []
+    generate = engine.client.generate
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs)
+        return generate(*args, **kwargs)
+
+    monkeypatch.setattr(engine.client, "generate", spy)
+    w, _ = _window(qtbot, engine, thinking=thinking)
+    reply = _send(qtbot, w, "Hi")
+    assert reply.state == "done"
+    # off: Qwen3-style templates get enable_thinking false (others ignore the variable)
+    assert calls[-1].get("template_vars") == (None if thinking else {"enable_thinking": False})

@@ -138,3 +138,29 @@ def test_a_reply_inside_a_template_opened_block_is_stored_with_its_tag(runner, m
 def test_without_an_opened_block_replies_are_left_as_written(runner):
     text, _ = _reply(runner, [{"role": "user", "content": "Capital of France?"}])
     assert not text.startswith("<think>")
+
+
+# Qwen3's switch: with enable_thinking false the generation prompt holds an empty, closed block
+QWEN_STYLE_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}"
+    "{% endif %}"
+)
+
+
+def test_template_variables_reach_the_template(runner, monkeypatch):
+    from engine.chat_template import ChatTemplate
+
+    monkeypatch.setattr(runner.lm, "template", ChatTemplate(QWEN_STYLE_TEMPLATE))
+    messages = [{"role": "user", "content": "Capital of France?"}]
+    decode = runner.lm.tokenizer.decode
+    assert decode(runner.encode(messages)).endswith("<|im_start|>assistant\n")
+    off = {"enable_thinking": False}
+    assert decode(runner.encode(messages, off)).endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    from engine.generate import GenerationParams
+
+    params = GenerationParams(max_tokens=2, temperature=0.0)
+    events = list(runner.chat(messages, params, template_vars=off))
+    assert events[-1].prompt_tokens == len(runner.encode(messages, off)) > len(runner.encode(messages))
+    assert not "".join(e.text for e in events).startswith("<think>")  # the block is closed: no tag added

@@ -141,6 +141,20 @@ def test_thinking_goes_to_reasoning_content(client, server, engine, lm, monkeypa
         raw.close()
 
 
+def test_chat_template_kwargs_reach_the_template(client, lm, monkeypatch):
+    from engine.chat_template import ChatTemplate
+    from tests.engine.test_reasoning import QWEN_STYLE_TEMPLATE
+
+    monkeypatch.setattr(lm, "template", ChatTemplate(QWEN_STYLE_TEMPLATE))
+    ask = client.chat.completions.create
+    plain = ask(model="smol", messages=HI, max_tokens=1).usage.prompt_tokens
+    off = {"chat_template_kwargs": {"enable_thinking": False}}
+    closed = ask(model="smol", messages=HI, max_tokens=1, extra_body=off).usage.prompt_tokens
+    assert closed == plain + len(lm.tokenizer.encode("<think>\n\n</think>\n\n"))
+    with pytest.raises(openai.BadRequestError, match="chat_template_kwargs"):
+        ask(model="smol", messages=HI, max_tokens=1, extra_body={"chat_template_kwargs": {"messages": []}})
+
+
 def test_earlier_thinking_is_left_out_of_the_prompt(client):
     answer = "Red, green and blue."
     turns = [*HI, {"role": "assistant", "content": answer}, {"role": "user", "content": "More?"}]
