@@ -27,10 +27,16 @@ from app.qt import (
     Signal,
     Slot,
 )
-from engine.reasoning import Reasoning, split_reasoning
+from engine.reasoning import OPEN, Reasoning, split_reasoning
 
 ROLE_NAMES = {"user": "You", "assistant": "Assistant", "system": "System"}
 STATE_NOTES = {"stopped": "stopped", "error": "interrupted", "streaming": "writing…"}
+
+
+def _opening(text: str) -> bool:
+    """`text` is the first part of a thinking block's opening tag (which may arrive over tokens)."""
+    start = text.lstrip()
+    return 0 < len(start) < len(OPEN) and OPEN.startswith(start)
 
 
 class MessageWidget(QFrame):
@@ -124,6 +130,8 @@ class MessageWidget(QFrame):
             self._show_thinking(split)
             self._answer = None if split.thinking is None else split.answer
             text = split.answer
+            if self.message.state == "streaming" and split.thinking is None and _opening(text):
+                text = ""  # "<thi" may be a thinking block arriving in pieces: show it once it is one
             if self.body.isHidden() == bool(text or split.thinking is None):
                 self.body.setVisible(bool(text or split.thinking is None))  # no empty box while thinking
         self.body.set_markdown_text(text, immediate=immediate)
@@ -264,8 +272,8 @@ class ChatView(QScrollArea):
     def finish(self, message: Message) -> None:
         w = self.widgets.get(message.id)
         if w is not None:
+            w.set_state(message.state)  # first: a finished reply shows all its text
             w.set_text(message.content, immediate=True)
-            w.set_state(message.state)
         self._update_actions()
 
     def set_busy(self, busy: bool) -> None:

@@ -98,3 +98,13 @@ def test_streaming_the_answer_leaves_the_thinking_label_alone(qtbot):
     assert texts == [], "the thinking did not change"
     w.set_text("<think>\nLonger.\n</think>")
     assert texts == ["Longer."]
+
+
+def test_a_tag_arriving_in_pieces_is_not_shown_as_text(qtbot):
+    w = _widget(qtbot, "", state="streaming")
+    w.set_text("<thi", immediate=True)
+    assert w.body.plain_text() == "" and not w.thinking_section.isVisible()
+    w.set_text("<think>\nHm", immediate=True)
+    assert w.thinking_label.text() == "Hm"
+    # a finished reply that really is "<thi" shows as written
+    assert _widget(qtbot, "<thi").body.plain_text() == "<thi"
