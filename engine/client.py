@@ -71,8 +71,10 @@ class LoadOptions:
         prefix_cache_mb: RAM for KV states of other conversations (0 disables it); lowered
             automatically when memory is short.
         name: key to address the model by (default: the file name without extension).
-        kv_dtype: KV cache precision, "f32" or "f16" (half the memory per token of context;
-            attention still sums in float32).
+        kv_dtype: KV cache precision, "f16" (the default, as llama.cpp's and Ollama's: half the
+            memory per token of context, and faster decoding at long contexts, where attention reads
+            the cache: SmolLM2 at 4000 keys 25.7 -> 20.0 ms a token) or "f32"; attention sums in
+            float32 either way.
         device: "cpu", "cuda" or "cuda:N". Without CuPy or a usable GPU the model runs on the CPU
             and the load reports why (a "warning" progress step).
         gpu_layers: with a CUDA device, how many layers go to the GPU (None: all; 0: none); the
@@ -84,7 +86,7 @@ class LoadOptions:
     threads: int | None = None
     prefix_cache_mb: int = 512
     name: str | None = None
-    kv_dtype: str = "f32"
+    kv_dtype: str = "f16"
     device: str = "cpu"
     gpu_layers: int | None = None
 

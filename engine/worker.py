@@ -77,7 +77,9 @@ class ChatRunner:
         self.cache = lm.model.new_cache(options.n_ctx, options.kv_numpy_dtype)
         self.store = PrefixCache(prefix_cache_bytes) if prefix_cache_bytes > 0 else None
         self.contexts: OrderedDict[str, ChatContext] = OrderedDict()
-        self.drafts = DraftSlot(lm, options.n_ctx, options.kv_numpy_dtype)  # speculation's draft model
+        # speculation's draft model; its cache stays float32, which its fused step needs (a draft's cache
+        # is small next to its target's)
+        self.drafts = DraftSlot(lm, options.n_ctx)
         self.load_s = 0.0
 
     @classmethod

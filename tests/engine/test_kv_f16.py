@@ -100,7 +100,8 @@ def test_smollm2_f16_cache_matches_f32(smollm2):
 
 
 def test_load_options_kv_dtype():
-    assert LoadOptions().kv_dtype == "f32" and LoadOptions().kv_numpy_dtype == np.float32
+    assert LoadOptions().kv_dtype == "f16" and LoadOptions().kv_numpy_dtype == np.float16
+    assert LoadOptions(kv_dtype="f32").kv_numpy_dtype == np.float32
     assert LoadOptions(kv_dtype="f16").kv_numpy_dtype == np.float16
     with pytest.raises(ValueError, match="kv_dtype must be one of f32, f16"):
         LoadOptions(kv_dtype="f8")

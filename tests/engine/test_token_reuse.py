@@ -152,7 +152,7 @@ def test_a_chat_turn_reuses_a_reply_that_re_tokenizes_differently(runner):
     # the reply is the one the respelled prompt gives from an empty cache
     respelled = reuse_held_tokens(tok, canonical, held)
     assert last.prompt_tokens == len(respelled)
-    cold = model.new_cache(512)
+    cold = model.new_cache(512, runner.cache.dtype)
     greedy = GenerationParams(max_tokens=8, temperature=0.0)
     expected = [e.token for e in generate(model, tok, respelled, cold, greedy)]
     assert tokens == expected

@@ -76,6 +76,6 @@ def test_chat_on_the_gpu_replies_as_the_cpu(fake, simt, tmp_path, layers, gpu_la
     assert runner.info.device == placement
     uploads = [s.fraction for s in steps if s.stage == "upload"]
     assert uploads and uploads == sorted(uploads) and uploads[-1] == pytest.approx(0.8)
-    assert runner.cache.dtype == np.float32  # the KV precision setting holds on the GPU too
+    assert runner.cache.dtype == np.float16  # the KV precision setting (default f16) holds on the GPU too
     assert _reply(runner) == want
     assert _reply(runner) == want  # the next turn reuses the live cache
