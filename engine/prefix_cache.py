@@ -46,7 +46,8 @@ class PrefixCache:
     """LRU store of KV states for token sequences, bounded by `max_bytes`.
 
     Args:
-        max_bytes: memory budget for stored keys and values (float32 copies of the used positions).
+        max_bytes: memory budget for stored keys and values (copies of the used positions, in the
+            cache's precision).
     """
 
     def __init__(self, max_bytes: int):
