@@ -244,6 +244,7 @@ class ChatRunner:
             cpu.set_threads(self.options.threads)
         proposer = proposer_for(speculation, self.drafts)
         reserve = min(params.max_tokens, n_ctx // 4)
+
         def encode(conversation: Sequence[dict]) -> list[int]:
             return self.encode(conversation, template_vars)
 
