@@ -16,6 +16,7 @@ import pytest
 
 import engine  # noqa: F401  (points the Numba cache at the user cache dir before kernels compile)
 from engine.backends import cpu
+from engine.backends.cpu import ops
 from engine.weights import Weight
 from models.formats.gguf import open_gguf
 
@@ -270,23 +271,43 @@ def test_attention_in_blocks_of_queries_with_a_sliding_window(n_tok, pos0, windo
 
 
 
+# pos0 LONG_KEYS - 5: the pass straddles the switch to ops.attention_long (chunks of keys, merged after)
 @pytest.mark.parametrize("dtype", [np.float32, np.float16])
-def test_attention_gives_a_query_the_same_bits_alone_or_among_others(dtype):
+@pytest.mark.parametrize("pos0", [510, ops.LONG_KEYS - 5])
+def test_attention_gives_a_query_the_same_bits_alone_or_among_others(dtype, pos0):
     # 9 queries in one call (a verify pass) each get what a one-token decode step at its position gets
     # (speculative verify relies on it), float32 and float16 caches alike
     rng = np.random.default_rng(7)
-    n_heads, n_kv, hd, pos0, n_tok = 6, 2, 32, 510, 9
+    n_heads, n_kv, hd, n_tok = 6, 2, 32, 9
     q = rng.standard_normal((n_tok, n_heads, hd)).astype(np.float32)
-    k_cache = rng.standard_normal((n_kv, 600, hd)).astype(dtype)
-    v_cache = rng.standard_normal((n_kv, 600, hd)).astype(dtype)
+    k_cache = rng.standard_normal((n_kv, pos0 + 20, hd)).astype(dtype)
+    v_cache = rng.standard_normal((n_kv, pos0 + 20, hd)).astype(dtype)
+    k_cache[:, pos0 + n_tok :] = 1e4  # past the queries: a non-causal kernel would read these
     together = np.empty_like(q)
     cpu.attention(together, q, k_cache, v_cache, pos0, 0.2)
     for t in range(n_tok):
         alone = np.empty_like(q[t : t + 1])
         cpu.attention(alone, q[t : t + 1], k_cache, v_cache, pos0 + t, 0.2)
         np.testing.assert_array_equal(alone, together[t : t + 1])
-    ref = windowed_attention_reference(q, k_cache, v_cache, pos0, 0.2, 600)
+    ref = windowed_attention_reference(q, k_cache, v_cache, pos0, 0.2, pos0 + 20)
     np.testing.assert_allclose(together, ref, rtol=1e-4, atol=2e-5)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+@pytest.mark.parametrize("n_heads,n_kv,n_keys", [(9, 3, ops.LONG_KEYS), (4, 1, 3 * ops.LONG_KEYS + 77)])
+def test_long_attention_in_chunks_matches_the_reference(dtype, n_heads, n_kv, n_keys):
+    # one decode query past LONG_KEYS keys: its keys in chunks (up to LONG_MAX_CHUNKS, the last count
+    # uneven), each read once for the kv head's query heads (GQA 3:1 as SmolLM2's, 4:1 as Gemma's)
+    rng = np.random.default_rng(8)
+    hd = 64
+    q = rng.standard_normal((1, n_heads, hd)).astype(np.float32)
+    k_cache = rng.standard_normal((n_kv, n_keys + 8, hd)).astype(dtype)
+    v_cache = rng.standard_normal((n_kv, n_keys + 8, hd)).astype(dtype)
+    k_cache[:, n_keys:] = 1e4
+    out = np.full_like(q, np.nan)
+    cpu.attention(out, q, k_cache, v_cache, n_keys - 1, 0.125)
+    ref = attention_reference(q, k_cache, v_cache, n_keys - 1, 0.125)
+    np.testing.assert_allclose(out, ref, rtol=1e-4, atol=2e-5)
 
 def test_attention_rejects_a_window_below_one():
     q = np.zeros((1, 2, 8), np.float32)

@@ -308,12 +308,22 @@ def attention(
 
 
 def _attention_kernel(out, q, k_cache, v_cache, pos0: int, scale: float) -> None:
-    """The Numba attention kernels (few queries: decode, verify passes, batched decode steps)."""
-    if k_cache.dtype == np.float16:  # Numba has no float16: the kernel reads the halves' bits itself
-        k_bits, v_bits = k_cache.view(np.uint16), v_cache.view(np.uint16)
-        ops.attention_f16(out, q, k_bits, v_bits, int(pos0), np.float32(scale))
-    else:
-        ops.attention(out, q, k_cache, v_cache, int(pos0), np.float32(scale))
+    """The Numba attention kernels (few queries: decode, verify passes, batched decode steps).
+
+    Queries with at least ops.LONG_KEYS keys go to ops.attention_long, the others to the per-head
+    kernels: which one a query takes depends on its own key count only, so it gets the same bits in a
+    decode step and in a verify pass.
+    """
+    pos0, scale = int(pos0), np.float32(scale)
+    if k_cache.dtype == np.float16:  # Numba has no float16: the kernels read the halves' bits themselves
+        k_cache, v_cache = k_cache.view(np.uint16), v_cache.view(np.uint16)
+    short = min(len(q), max(0, ops.LONG_KEYS - 1 - pos0))  # queries before the one with LONG_KEYS keys
+    if short and k_cache.dtype == np.uint16:
+        ops.attention_f16(out[:short], q[:short], k_cache, v_cache, pos0, scale)
+    elif short:
+        ops.attention(out[:short], q[:short], k_cache, v_cache, pos0, scale)
+    if short < len(q):
+        ops.attention_long(out[short:], q[short:], k_cache, v_cache, pos0 + short, scale)
 
 
 # _attention_blas's queries per block: a block multiplies only the keys its queries see (the causal
