@@ -26,7 +26,7 @@ import numpy as np
 from numba import njit, prange
 
 from engine.backends.cpu._llvm import dot16_q4, dot16_q8
-from engine.backends.cpu.ops import fast_exp
+from engine.backends.cpu.ops import attend, fast_exp
 
 QK = 32
 Q4_0, Q4_1, Q8_0 = 2, 3, 8  # ggml type ids the fast path computes with
@@ -276,33 +276,10 @@ def forward_llama(logits, x, n, pos0, wbuf, sbuf, mats, out_w, attn_norms, ffn_n
             kv = hh // rep
             n_keys = pos0 + t + 1
             qo = hh * head_dim
-            scores = np.empty(n_keys, np.float32)
-            # views first: an index like qo + j that Numba cannot prove non-negative gets a wraparound
-            # check per element, which kept these loops scalar (3x slower at 600 keys)
-            qv = qkv[t, qo : qo + head_dim]
-            kc = k_cache[layer, kv]
-            vc = v_cache[layer, kv]
-            out = att[t, qo : qo + head_dim]
-            m = np.float32(-3.0e38)
-            for s in range(n_keys):
-                acc = np.float32(0.0)
-                for j in range(head_dim):
-                    acc += qv[j] * kc[s, j]
-                acc *= scale
-                scores[s] = acc
-                m = max(m, acc)
-            total = np.float32(0.0)
-            for s in range(n_keys):
-                e = fast_exp(scores[s] - m)
-                scores[s] = e
-                total += e
-            inv = np.float32(1.0) / total
-            for j in range(head_dim):
-                out[j] = 0.0
-            for s in range(n_keys):
-                p = scores[s] * inv
-                for j in range(head_dim):
-                    out[j] += p * vc[s, j]
+            # views: an index like qo + j that Numba cannot prove non-negative gets a wraparound check
+            # per element, which kept this loop scalar (3x slower at 600 keys)
+            attend(att[t, qo : qo + head_dim], qkv[t, qo : qo + head_dim], k_cache[layer, kv],
+                   v_cache[layer, kv], n_keys, scale)
         for t in range(n):
             quantize_act8(att[t], xq[t], xd[t], xs[t], xz[t])
         for g in prange(gd):

@@ -91,38 +91,46 @@ def rope(x, positions, inv_freq, n_rot, neox):
                     x[t, h, 2 * i + 1] = a * sn[i] + b * cs[i]
 
 
+@njit(inline="always", **_KW)
+def attend(out, q, keys, values, n_keys, scale):
+    # One query head over the first n_keys rows of its kv head: out (hd,) = softmax(scale q . k) @ v.
+    # q (hd,), keys, values (>= n_keys, hd) f32. attention() and the draft's fused step
+    # (engine.backends.cpu.draft) both attend with it.
+    hd = q.shape[0]
+    scores = np.empty(n_keys, np.float32)
+    m = np.float32(-3.0e38)  # not -inf: fastmath lets LLVM assume no infinities
+    for s in range(n_keys):
+        acc = np.float32(0.0)
+        for d in range(hd):
+            acc += q[d] * keys[s, d]
+        acc *= scale
+        scores[s] = acc
+        m = max(m, acc)
+    total = np.float32(0.0)
+    for s in range(n_keys):
+        e = fast_exp(scores[s] - m)
+        scores[s] = e
+        total += e
+    inv = np.float32(1.0) / total
+    for d in range(hd):
+        out[d] = 0.0
+    for s in range(n_keys):
+        p = scores[s] * inv
+        for d in range(hd):
+            out[d] += p * values[s, d]
+
+
 @njit(parallel=True, **_KW)
 def attention(out, q, k_cache, v_cache, pos0, scale):
     # q (n_tok, n_heads, hd) f32; k_cache, v_cache (n_kv, max_ctx, hd) f32 holding [0, pos0+n_tok);
     # out (n_tok, n_heads, hd) f32. Query t is at position pos0+t and sees keys [0, pos0+t].
-    n_tok, n_heads, hd = q.shape
+    n_tok, n_heads, _ = q.shape
     group = n_heads // k_cache.shape[0]
     for item in prange(n_tok * n_heads):
         t = item // n_heads
         h = item - t * n_heads
         kv = h // group
-        n_keys = pos0 + t + 1
-        scores = np.empty(n_keys, np.float32)
-        m = np.float32(-3.0e38)  # not -inf: fastmath lets LLVM assume no infinities
-        for s in range(n_keys):
-            acc = np.float32(0.0)
-            for d in range(hd):
-                acc += q[t, h, d] * k_cache[kv, s, d]
-            acc *= scale
-            scores[s] = acc
-            m = max(m, acc)
-        total = np.float32(0.0)
-        for s in range(n_keys):
-            e = fast_exp(scores[s] - m)
-            scores[s] = e
-            total += e
-        inv = np.float32(1.0) / total
-        for d in range(hd):
-            out[t, h, d] = 0.0
-        for s in range(n_keys):
-            p = scores[s] * inv
-            for d in range(hd):
-                out[t, h, d] += p * v_cache[kv, s, d]
+        attend(out[t, h], q[t, h], k_cache[kv], v_cache[kv], pos0 + t + 1, scale)
 
 
 @njit(parallel=True, **_KW)
