@@ -186,6 +186,19 @@ def test_linear_matches_oracle(make, n_tok):
         np.testing.assert_array_equal(two, out[n_tok - 2 :])  # a token's bits do not depend on the batch
 
 
+@pytest.mark.parametrize("n_tok", [1, 6])
+def test_fp8_rows_off_the_vector_width(n_tok):
+    # 77 columns: four 16-lane vectors and a 13-column tail; 5 rows: a group of four and a clamped one
+    rng = np.random.default_rng(77 + n_tok)
+    w, oracle = _random_fp8(5, 77, rng)
+    x = rng.standard_normal((n_tok, 77)).astype(np.float32)
+    out = np.empty((n_tok, 5), np.float32)
+    cpu.linear(out, w, x)
+    ref = x.astype(np.float64) @ oracle.T
+    bound = np.abs(x).astype(np.float64) @ np.abs(oracle).T
+    assert (np.abs(out - ref) <= 2e-6 * bound + 1e-30).all()
+
+
 @pytest.mark.parametrize("make", [_random_fp8, _random_nvfp4], ids=["fp8", "nvfp4"])
 def test_get_rows_and_row_block_exact(make):
     rng = np.random.default_rng(7)

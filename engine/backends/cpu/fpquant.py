@@ -27,6 +27,7 @@ from numba.core.errors import TypingError
 from numba.extending import intrinsic
 
 from engine.backends.cpu.quant import _store4
+from engine.backends.cpu.smalln import _matmul_float
 from engine.weights import Weight
 
 # Weight.ggml_type ids of the formats that only live in safetensors (above every ggml type id)
@@ -148,42 +149,19 @@ def _tile_tokens(out, tile, x, r0, rows, s0, s1, s2, s3):
         _store4(out[t], r0, rows, a0 * s0, a1 * s1, a2 * s2, a3 * s3)
 
 
-@njit(parallel=True, **_KW)
-def matvec_fp8(out, raw, scale, x, rows, cols):
-    # raw (rows, cols) uint8 E4M3, scale (rows,) f32, x (cols,) f32 -> out (rows,) f32
-    # The codes are widened in registers: no tile (a tile per row group costs its allocation and a pass).
-    k = E4M3_HALF_FACTOR
-    for g in prange((rows + 3) // 4):
-        r0, r1, r2, r3 = _rows4(g, rows)
-        p0, p1, p2, p3 = r0 * cols, r1 * cols, r2 * cols, r3 * cols
-        a0 = np.float32(0.0)
-        a1 = np.float32(0.0)
-        a2 = np.float32(0.0)
-        a3 = np.float32(0.0)
-        for j in range(cols):
-            xj = x[j]
-            a0 += ld_e4m3(raw, p0 + j) * xj
-            a1 += ld_e4m3(raw, p1 + j) * xj
-            a2 += ld_e4m3(raw, p2 + j) * xj
-            a3 += ld_e4m3(raw, p3 + j) * xj
-        _store4(out, r0, rows, a0 * (scale[r0] * k), a1 * (scale[r1] * k), a2 * (scale[r2] * k),
-                a3 * (scale[r3] * k))
-
-
-@njit(parallel=True, **_KW)
+@njit(**_KW)
 def matmul_fp8(out, raw, scale, x, rows, cols):
     # raw (rows, cols) uint8 E4M3, scale (rows,) f32, x (n, cols) f32 -> out (n, rows) f32
-    # Four rows are widened once into a float tile and reused for every token; the sums are the
-    # matvec's, term for term, so each token gets the bits a one-token step gives it.
-    k = E4M3_HALF_FACTOR
-    for g in prange((rows + 3) // 4):
-        r0, r1, r2, r3 = _rows4(g, rows)
-        tile = np.empty((4, cols), np.float32)
-        for i in range(4):
-            p = min(r0 + i, rows - 1) * cols
-            for j in range(cols):
-                tile[i, j] = ld_e4m3(raw, p + j)
-        _tile_tokens(out, tile, x, r0, rows, scale[r0] * k, scale[r1] * k, scale[r2] * k, scale[r3] * k)
+    # The float kernels' loop (smalln._matmul_float: 16-lane FMAs over four rows x four tokens, the codes
+    # widened in registers, the row scale applied to each sum), so every token gets the bits its matvec
+    # gives whatever the batch.
+    _matmul_float(out, raw.view(np.int8), x, rows, cols, cols, scale * E4M3_HALF_FACTOR)
+
+
+@njit(**_KW)
+def matvec_fp8(out, raw, scale, x, rows, cols):
+    # raw (rows, cols) uint8 E4M3, scale (rows,) f32, x (cols,) f32 -> out (rows,) f32: matmul_fp8, one token
+    matmul_fp8(out.reshape((1, rows)), raw, scale, x.reshape((1, cols)), rows, cols)
 
 
 @njit(parallel=True, **_KW)

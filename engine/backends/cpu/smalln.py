@@ -204,14 +204,24 @@ _I32 = ir.IntType(32)
 _F32 = ir.FloatType()
 _LANES = 16  # float32 lanes per vector: one zmm register
 # weight array dtype -> (element kind, bytes per weight): F16 weights arrive as their uint8 bytes, BF16
-# as a uint16 view of them, F32 as float32
-_FLOAT_KINDS = {types.uint8: ("f16", 2), types.uint16: ("bf16", 2), types.float32: ("f32", 4)}
+# as a uint16 view of them, F32 as float32, FP8 E4M3 codes as an int8 view of them (fpquant: the sums
+# are value / 256 before the row scale)
+_FLOAT_KINDS = {types.uint8: ("f16", 2), types.uint16: ("bf16", 2), types.float32: ("f32", 4),
+                types.int8: ("e4m3", 1)}
 
 
 def _widen(builder, kind: str, ptr, n: int):
     """<n x float> of n consecutive weights of `kind` at byte pointer ptr."""
     if kind == "f32":
         return builder.load(builder.bitcast(ptr, ir.VectorType(_F32, n).as_pointer()), align=4)
+    if kind == "e4m3":
+        # s eeee mmm -> half s 0eeee mmm0000000 (value / fpquant.E4M3_HALF_FACTOR): the code sign-extended
+        # to 16 bits and shifted left 7 has s at bits 15 and 14 and eeee mmm at 13..7; bit 14 is cleared
+        vec16 = ir.VectorType(_I16, n)
+        codes = builder.load(builder.bitcast(ptr, ir.VectorType(ir.IntType(8), n).as_pointer()), align=1)
+        u = builder.sext(codes, vec16)
+        bits = builder.and_(builder.shl(u, ir.Constant(vec16, [7] * n)), ir.Constant(vec16, [0xBF80] * n))
+        return builder.fpext(builder.bitcast(bits, ir.VectorType(ir.HalfType(), n)), ir.VectorType(_F32, n))
     h = builder.load(builder.bitcast(ptr, ir.VectorType(_I16, n).as_pointer()), align=2)
     if kind == "f16":
         return builder.fpext(builder.bitcast(h, ir.VectorType(ir.HalfType(), n)), ir.VectorType(_F32, n))
@@ -295,69 +305,85 @@ _rows4x2 = _make_rows4(2)
 _rows4x1 = _make_rows4(1)
 
 
+@njit(inline="always", **_KW)
+def _scales4(scale, r0, rows):
+    # the row scales of rows r0 .. r0+3 (clamped to rows-1); 1 for every row when scale is empty
+    if scale.shape[0] == 0:
+        one = np.float32(1.0)
+        return one, one, one, one
+    return (scale[r0], scale[min(r0 + 1, rows - 1)], scale[min(r0 + 2, rows - 1)],
+            scale[min(r0 + 3, rows - 1)])
+
+
 @njit(parallel=True, **_KW)
-def _matmul_float(out, w, x, rows, cols, rb):
-    # w (rows, ...) uint8 (F16 bytes) / uint16 (BF16) / float32 (F32), row stride rb bytes;
-    # x (n, cols) f32 -> out (n, rows) f32. Four rows x four tokens per pass; a 1-3 token tail at the end.
+def _matmul_float(out, w, x, rows, cols, rb, scale):
+    # w (rows, ...) uint8 (F16 bytes) / uint16 (BF16) / float32 (F32) / int8 (E4M3 codes), row stride rb
+    # bytes; x (n, cols) f32 -> out (n, rows) f32, each row's sums times scale[row] (scale (rows,) f32, or
+    # empty: none). Four rows x four tokens per pass; a 1-3 token tail at the end.
     n = x.shape[0]
     for g in prange((rows + 3) // 4):
         r0 = g * 4
         p0, p1 = r0 * rb, min(r0 + 1, rows - 1) * rb
         p2, p3 = min(r0 + 2, rows - 1) * rb, min(r0 + 3, rows - 1) * rb
+        s0, s1, s2, s3 = _scales4(scale, r0, rows)
         t0 = 0
         while n - t0 >= 4:
             a = _rows4x4(w, p0, p1, p2, p3, x, t0 * cols, cols)
-            _store4(out[t0], r0, rows, a[0], a[1], a[2], a[3])
-            _store4(out[t0 + 1], r0, rows, a[4], a[5], a[6], a[7])
-            _store4(out[t0 + 2], r0, rows, a[8], a[9], a[10], a[11])
-            _store4(out[t0 + 3], r0, rows, a[12], a[13], a[14], a[15])
+            _store4(out[t0], r0, rows, a[0] * s0, a[1] * s1, a[2] * s2, a[3] * s3)
+            _store4(out[t0 + 1], r0, rows, a[4] * s0, a[5] * s1, a[6] * s2, a[7] * s3)
+            _store4(out[t0 + 2], r0, rows, a[8] * s0, a[9] * s1, a[10] * s2, a[11] * s3)
+            _store4(out[t0 + 3], r0, rows, a[12] * s0, a[13] * s1, a[14] * s2, a[15] * s3)
             t0 += 4
         left = n - t0
         if left == 3:
             a = _rows4x3(w, p0, p1, p2, p3, x, t0 * cols, cols)
-            _store4(out[t0], r0, rows, a[0], a[1], a[2], a[3])
-            _store4(out[t0 + 1], r0, rows, a[4], a[5], a[6], a[7])
-            _store4(out[t0 + 2], r0, rows, a[8], a[9], a[10], a[11])
+            _store4(out[t0], r0, rows, a[0] * s0, a[1] * s1, a[2] * s2, a[3] * s3)
+            _store4(out[t0 + 1], r0, rows, a[4] * s0, a[5] * s1, a[6] * s2, a[7] * s3)
+            _store4(out[t0 + 2], r0, rows, a[8] * s0, a[9] * s1, a[10] * s2, a[11] * s3)
         elif left == 2:
             a = _rows4x2(w, p0, p1, p2, p3, x, t0 * cols, cols)
-            _store4(out[t0], r0, rows, a[0], a[1], a[2], a[3])
-            _store4(out[t0 + 1], r0, rows, a[4], a[5], a[6], a[7])
+            _store4(out[t0], r0, rows, a[0] * s0, a[1] * s1, a[2] * s2, a[3] * s3)
+            _store4(out[t0 + 1], r0, rows, a[4] * s0, a[5] * s1, a[6] * s2, a[7] * s3)
         elif left == 1:
             a = _rows4x1(w, p0, p1, p2, p3, x, t0 * cols, cols)
-            _store4(out[t0], r0, rows, a[0], a[1], a[2], a[3])
+            _store4(out[t0], r0, rows, a[0] * s0, a[1] * s1, a[2] * s2, a[3] * s3)
+
+
+_NO_SCALE = np.empty(0, np.float32)
 
 
 @njit(**_KW)
 def matmul_f32(out, w, x, rows, cols):
     # w (rows, cols) float32, x (n, cols) f32 -> out (n, rows) f32
-    _matmul_float(out, w, x, rows, cols, cols * 4)
+    _matmul_float(out, w, x, rows, cols, cols * 4, _NO_SCALE)
 
 
 @njit(**_KW)
 def matmul_f16(out, raw, x, rows, cols):
     # raw (rows, cols*2) uint8 IEEE halves, x (n, cols) f32 -> out (n, rows) f32
-    _matmul_float(out, raw, x, rows, cols, raw.shape[1])
+    _matmul_float(out, raw, x, rows, cols, raw.shape[1], _NO_SCALE)
 
 
 @njit(**_KW)
 def matmul_bf16(out, raw, x, rows, cols):
     # raw (rows, cols*2) uint8 bfloat16s, x (n, cols) f32 -> out (n, rows) f32
-    _matmul_float(out, raw.view(np.uint16), x, rows, cols, raw.shape[1])
+    _matmul_float(out, raw.view(np.uint16), x, rows, cols, raw.shape[1], _NO_SCALE)
 
 
 @njit(**_KW)
 def matvec_f32(out, w, x, rows, cols):
     # w (rows, cols) float32, x (cols,) f32 -> out (rows,) f32: matmul_f32 on one token
-    _matmul_float(out.reshape((1, rows)), w, x.reshape((1, cols)), rows, cols, cols * 4)
+    _matmul_float(out.reshape((1, rows)), w, x.reshape((1, cols)), rows, cols, cols * 4, _NO_SCALE)
 
 
 @njit(**_KW)
 def matvec_f16(out, raw, x, rows, cols):
     # raw (rows, cols*2) uint8, x (cols,) f32 -> out (rows,) f32: matmul_f16 on one token
-    _matmul_float(out.reshape((1, rows)), raw, x.reshape((1, cols)), rows, cols, raw.shape[1])
+    _matmul_float(out.reshape((1, rows)), raw, x.reshape((1, cols)), rows, cols, raw.shape[1], _NO_SCALE)
 
 
 @njit(**_KW)
 def matvec_bf16(out, raw, x, rows, cols):
     # raw (rows, cols*2) uint8, x (cols,) f32 -> out (rows,) f32: matmul_bf16 on one token
-    _matmul_float(out.reshape((1, rows)), raw.view(np.uint16), x.reshape((1, cols)), rows, cols, raw.shape[1])
+    _matmul_float(out.reshape((1, rows)), raw.view(np.uint16), x.reshape((1, cols)), rows, cols, raw.shape[1],
+                  _NO_SCALE)
