@@ -1,4 +1,4 @@
-"""FP8 (E4M3, per-output-channel scale): codec and `hearth convert --to fp8`.
+"""FP8 (E4M3, per-output-channel or per-block scale): codec and `hearth convert --to fp8` / `fp8:block`.
 
 E4M3 ("float8_e4m3fn", OCP FP8): 1 sign, 4 exponent (bias 7), 3 mantissa bits; no infinities, one NaN
 code per sign (0x7F/0xFF), largest finite 448, subnormals m * 2**-9. Encoding rounds to nearest, ties
@@ -10,6 +10,12 @@ A weight (rows, cols) is stored as compressed-tensors' "float-quantized" format 
 and decodes as w = e4m3_value(q) * scale[r]. The output folder's config.json carries the
 compressed-tensors `quantization_config` (weights fp8, strategy "channel"; activations left in
 float: Hearth's CPU kernels never quantize them), so vLLM / transformers load it too.
+
+`--to fp8:block` writes the block-wise layout of DeepSeek-V3's and Qwen3's FP8 checkpoints instead:
+  `weight`            F8_E4M3 (rows, cols), q = e4m3(w / scale_inv[r // 128, c // 128])
+  `weight_scale_inv`  F32 (ceil(rows/128), ceil(cols/128)) = max|w| over the 128 x 128 block / 448
+(despite its name the scale multiplies: w = e4m3_value(q) * scale_inv), with config.json's
+`quantization_config` {"quant_method": "fp8", "weight_block_size": [128, 128], ...}.
 
 Which tensors: every per-layer linear weight. Embeddings and the output head stay F16, as the Hub's
 FP8 recipes leave them (`ignore: ["lm_head"]`; embeddings are no Linear).
@@ -30,6 +36,7 @@ from engine.quant.source import SourceModel
 
 E4M3_MAX = 448.0
 FP8_BYTES_PER_ROW_SCALE = 4
+BLOCK = 128  # block-wise FP8: rows and columns of a block (DeepSeek / Qwen `weight_block_size`)
 
 
 def _e4m3_table() -> np.ndarray:
@@ -88,6 +95,38 @@ def quantize_fp8(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 def dequantize_fp8(codes: np.ndarray, scale: np.ndarray) -> np.ndarray:
     """Reference decoder (the kernels' oracle): float32 (rows, cols) = value(codes) * scale per row."""
     return e4m3_decode(codes) * np.asarray(scale, dtype=np.float32).reshape(-1, 1)
+
+
+def quantize_fp8_blocks(w: np.ndarray, block: int = BLOCK) -> tuple[np.ndarray, np.ndarray]:
+    """Block-wise FP8 of a float (rows, cols) matrix, as DeepSeek-V3 and Qwen3's FP8 checkpoints store it.
+
+    Returns:
+        (codes uint8 (rows, cols), scale_inv float32 (ceil(rows/block), ceil(cols/block))) with
+        w ~= e4m3_decode(codes) * scale_inv of the element's block; scale_inv = max|w| of the block / 448
+        (1.0 for an all-zero block).
+    """
+    w = np.ascontiguousarray(w, dtype=np.float32)
+    if w.ndim != 2:
+        raise ValueError(f"quantize_fp8_blocks takes a 2-D matrix, got shape {w.shape}")
+    if not np.isfinite(w).all():
+        raise ValueError("matrix holds NaN or infinite values; FP8 cannot encode it")
+    rows, cols = w.shape
+    br, bc = -(-rows // block), -(-cols // block)
+    padded = np.zeros((br * block, bc * block), np.float32)
+    padded[:rows, :cols] = np.abs(w)
+    amax = padded.reshape(br, block, bc, block).max(axis=(1, 3))
+    scale = np.where(amax > 0, amax / np.float32(E4M3_MAX), np.float32(1.0)).astype(np.float32)
+    return e4m3_encode(w / _expand_blocks(scale, rows, cols, block)), scale
+
+
+def dequantize_fp8_blocks(codes: np.ndarray, scale_inv: np.ndarray, block: int = BLOCK) -> np.ndarray:
+    """Reference decoder of block-wise FP8: float32 (rows, cols) = value(codes) * its block's scale_inv."""
+    rows, cols = codes.shape
+    return e4m3_decode(codes) * _expand_blocks(np.asarray(scale_inv, np.float32), rows, cols, block)
+
+
+def _expand_blocks(scale: np.ndarray, rows: int, cols: int, block: int) -> np.ndarray:
+    return np.repeat(np.repeat(scale, block, axis=0)[:rows], block, axis=1)[:, :cols]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -218,25 +257,54 @@ def compressed_tensors_fp8_config() -> dict:
     }
 
 
-def _write_fp8(source: SourceModel, out_path: Path, options: dict, progress: ProgressFn) -> ConvertResult:
-    if source.architecture not in ("llama", "qwen2", "qwen3", "gemma3"):
-        raise ModelFormatError(out_path, f"FP8 export has no Hugging Face layout for {source.architecture}")
-    return write_quantized_repo(
-        source,
-        out_path,
-        progress,
-        quantize=_fp8_parts,
-        cols_multiple=1,
-        type_label="FP8_E4M3",
-        quantization_config=compressed_tensors_fp8_config(),
-    )
+def _fp8_block_parts(base: str, w: np.ndarray) -> list[Part]:
+    codes, scale = quantize_fp8_blocks(w)
+    return [
+        (f"{base}.weight", "F8_E4M3", codes.shape, codes.tobytes()),
+        (f"{base}.weight_scale_inv", "F32", scale.shape, scale.tobytes()),
+    ]
+
+
+def block_fp8_config() -> dict:
+    """config.json `quantization_config` of a block-wise FP8 checkpoint (the DeepSeek-V3 / Qwen3-FP8 one,
+    which transformers' FineGrainedFP8 and vLLM read)."""
+    return {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+            "weight_block_size": [BLOCK, BLOCK], "modules_to_not_convert": ["lm_head"]}
+
+
+def _fp8_writer(quantize: Quantizer, type_label: str, quantization_config: Callable[[], dict]):
+    def write(source: SourceModel, out_path: Path, options: dict, progress: ProgressFn) -> ConvertResult:
+        if source.architecture not in ("llama", "qwen2", "qwen3", "gemma3"):
+            raise ModelFormatError(
+                out_path, f"FP8 export has no Hugging Face layout for {source.architecture}"
+            )
+        return write_quantized_repo(
+            source,
+            out_path,
+            progress,
+            quantize=quantize,
+            cols_multiple=1,
+            type_label=type_label,
+            quantization_config=quantization_config(),
+        )
+
+    return write
 
 
 register(
     TargetFormat(
         "fp8",
         "safetensors",
-        _write_fp8,
+        _fp8_writer(_fp8_parts, "FP8_E4M3", compressed_tensors_fp8_config),
         "FP8 E4M3 linear weights, per-channel scale (compressed-tensors safetensors folder)",
+    )
+)
+
+register(
+    TargetFormat(
+        "fp8:block",
+        "safetensors",
+        _fp8_writer(_fp8_block_parts, "FP8_E4M3_BLOCK", block_fp8_config),
+        "FP8 E4M3 linear weights, a scale per 128x128 block (DeepSeek / Qwen3-FP8 safetensors folder)",
     )
 )

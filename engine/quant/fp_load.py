@@ -9,7 +9,10 @@ Hub conventions read (the tensors describe themselves; config.json's quantizatio
   NVFP4, compressed-tensors "nvfp4-pack-quantized": the same with the codes in `weight_packed` and a
   `weight_global_scale` that divides (w = e2m1 * e4m3(scale) / global_scale).
 `input_scale` / `input_global_scale` (activation quantization on GPUs) are not used on CPU.
-Block-wise FP8 (`weight_scale_inv` per 128 x 128, DeepSeek/Qwen style) is refused with a clear error.
+  Block-wise FP8, DeepSeek-V3 / Qwen3 "fp8": `weight` F8_E4M3 (rows, cols) and `weight_scale_inv`
+  (ceil(rows/128), ceil(cols/128)) in F32, F16 or BF16, one scale per 128 x 128 block that (despite its
+  name) multiplies: w = e4m3(weight) * scale_inv[r // 128, c // 128]. Loaded as FP8_E4M3_BLOCK with the
+  scales repeated for each row of their block (rows x ceil(cols/128) float32: 1/32 byte a weight).
 """
 
 from __future__ import annotations
@@ -18,7 +21,14 @@ from pathlib import Path
 
 import numpy as np
 
-from engine.backends.cpu.fpquant import FP8_E4M3, NVFP4, NVFP4_BLOCK
+from engine.backends.cpu.fpquant import (
+    FP8_COL_BLOCK,
+    FP8_E4M3,
+    FP8_E4M3_BLOCK,
+    NVFP4,
+    NVFP4_BLOCK,
+    block_scales_per_row,
+)
 from engine.errors import MissingTensorError, ModelFormatError
 from engine.weights import Weight
 from models.formats.safetensors import SafetensorsModel
@@ -47,16 +57,13 @@ def fp_matrix(st: SafetensorsModel, folder: Path, hf_name: str, rows: int, cols:
     t = st.tensors[hf_name]
     base = hf_name.rsplit(".", 1)[0]
     scale_name = base + ".weight_scale"
+    if t.dtype == "F8_E4M3" and base + ".weight_scale_inv" in st.tensors:
+        return _block_fp8(st, folder, hf_name, base + ".weight_scale_inv", rows, cols)
     if scale_name not in st.tensors:
-        hint = (
-            " (block-wise FP8 with weight_scale_inv is not supported yet)"
-            if base + ".weight_scale_inv" in st.tensors
-            else ""
-        )
         raise ModelFormatError(
             folder,
-            f"tensor {hf_name!r} is {t.dtype} but {scale_name!r} is missing{hint}; Hearth reads FP8 "
-            "(per-tensor or per-channel scale) and NVFP4 checkpoints",
+            f"tensor {hf_name!r} is {t.dtype} but {scale_name!r} is missing; Hearth reads FP8 "
+            "(per-tensor, per-channel or 128 x 128 block scales) and NVFP4 checkpoints",
         )
     if t.dtype == "F8_E4M3":
         if t.shape != (rows, cols):
@@ -70,7 +77,7 @@ def fp_matrix(st: SafetensorsModel, folder: Path, hf_name: str, rows: int, cols:
             raise ModelFormatError(
                 folder,
                 f"{scale_name!r} has shape {st.tensors[scale_name].shape}; Hearth computes with per-tensor "
-                "and per-channel FP8 scales (block-wise FP8 is not supported yet)",
+                "and per-channel FP8 `weight_scale`s (block scales come as `weight_scale_inv`)",
             )
         codes = np.ascontiguousarray(st.array(hf_name))
         return Weight(FP8_E4M3, codes, rows, cols, np.ascontiguousarray(scale, dtype=np.float32))
@@ -108,3 +115,27 @@ def fp_matrix(st: SafetensorsModel, folder: Path, hf_name: str, rows: int, cols:
         raise ModelFormatError(folder, f"{base}: NVFP4 global scale {global_scale} is not a positive number")
     codes = np.ascontiguousarray(st.array(hf_name))
     return Weight(NVFP4, codes, rows, cols, np.ascontiguousarray(st.array(scale_name)), global_scale)
+
+
+def _block_fp8(
+    st: SafetensorsModel, folder: Path, hf_name: str, scale_name: str, rows: int, cols: int
+) -> Weight:
+    t = st.tensors[hf_name]
+    if t.shape != (rows, cols):
+        raise MissingTensorError(folder, f"tensor {hf_name!r} has shape {t.shape}, expected {(rows, cols)}")
+    b = FP8_COL_BLOCK
+    blocks = (-(-rows // b), -(-cols // b))
+    shape = st.tensors[scale_name].shape
+    if shape != blocks:
+        raise ModelFormatError(
+            folder,
+            f"{scale_name!r} has shape {shape}; Hearth computes with block-wise FP8 in blocks of {b} x {b} "
+            f"({blocks} scales for a {rows} x {cols} weight)",
+        )
+    scale = _scale_vector(st, folder, scale_name).reshape(blocks)
+    if not np.isfinite(scale).all():
+        raise ModelFormatError(
+            folder, f"{scale_name!r} holds NaN or infinite scales; the checkpoint is damaged"
+        )
+    codes = np.ascontiguousarray(st.array(hf_name))
+    return Weight(FP8_E4M3_BLOCK, codes, rows, cols, block_scales_per_row(scale, rows))

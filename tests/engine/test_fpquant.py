@@ -1,4 +1,5 @@
-"""FP8 (E4M3, per-channel scale) and NVFP4 (E2M1 + E4M3 per 16 + FP32 global): codecs, kernels, files.
+"""FP8 (E4M3, per-channel or 128 x 128 block scales) and NVFP4 (E2M1 + E4M3 per 16 + FP32 global): codecs,
+kernels, files.
 
 References: hand-computed E4M3/E2M1 values, ml_dtypes' float8_e4m3fn / float4_e2m1fn casts (an
 independent implementation of the OCP formats), ModelOpt's NVFP4 recipe written out here with
@@ -19,7 +20,15 @@ import engine  # noqa: F401  (Numba cache location before kernels compile)
 from engine.backends import cpu
 from engine.backends.cpu import fpquant
 from engine.errors import ModelFormatError
-from engine.quant.fp8 import E4M3_VALUES, dequantize_fp8, e4m3_decode, e4m3_encode, quantize_fp8
+from engine.quant.fp8 import (
+    E4M3_VALUES,
+    dequantize_fp8,
+    dequantize_fp8_blocks,
+    e4m3_decode,
+    e4m3_encode,
+    quantize_fp8,
+    quantize_fp8_blocks,
+)
 from engine.quant.nvfp4 import (
     E2M1_VALUES,
     dequantize_nvfp4,
@@ -155,6 +164,15 @@ def _random_fp8(rows, cols, rng):
     return Weight(fpquant.FP8_E4M3, codes, rows, cols, scale), dequantize_fp8(codes, scale).astype(np.float64)
 
 
+def _random_fp8_blocks(rows, cols, rng):
+    # a scale per 128 x 128 block, repeated per row as the loader keeps it
+    codes = rng.integers(0, 256, (rows, cols), dtype=np.uint8)
+    codes[np.isin(codes, NAN_CODES)] = 0x38
+    blocks = rng.uniform(1e-3, 1e-1, (-(-rows // 128), -(-cols // 128))).astype(np.float32)
+    w = Weight(fpquant.FP8_E4M3_BLOCK, codes, rows, cols, fpquant.block_scales_per_row(blocks, rows))
+    return w, dequantize_fp8_blocks(codes, blocks).astype(np.float64)
+
+
 def _random_nvfp4(rows, cols, rng):
     packed = rng.integers(0, 256, (rows, cols // 2), dtype=np.uint8)
     scales = rng.integers(0, 0x7F, (rows, cols // 16), dtype=np.uint8)  # all positive non-NaN codes
@@ -163,11 +181,15 @@ def _random_nvfp4(rows, cols, rng):
     return w, dequantize_nvfp4(packed, scales, g).astype(np.float64)
 
 
-@pytest.mark.parametrize("make", [_random_fp8, _random_nvfp4], ids=["fp8", "nvfp4"])
+MAKERS, MAKER_IDS = [_random_fp8, _random_nvfp4, _random_fp8_blocks], ["fp8", "nvfp4", "fp8b"]
+
+
+@pytest.mark.parametrize("make", MAKERS, ids=MAKER_IDS)
 @pytest.mark.parametrize("n_tok", [1, 3, 16, 40])
 def test_linear_matches_oracle(make, n_tok):
     rng = np.random.default_rng(n_tok)
-    rows, cols = 67, 320  # a 3-row tail after the four-row groups
+    # a 3-row tail after the four-row groups; block FP8: 2 x 3 blocks, the last one 64 columns
+    rows, cols = (67, 320) if make is not _random_fp8_blocks else (131, 320)
     w, oracle = make(rows, cols, rng)
     x = rng.standard_normal((n_tok, cols)).astype(np.float32)
     out = np.empty((n_tok, rows), np.float32)
@@ -175,7 +197,7 @@ def test_linear_matches_oracle(make, n_tok):
     ref = x.astype(np.float64) @ oracle.T
     bound = np.abs(x).astype(np.float64) @ np.abs(oracle).T
     assert (np.abs(out - ref) <= 2e-6 * bound + 1e-30).all()
-    if 1 < n_tok <= cpu.SMALL_BATCH_MAX and w.ggml_type == fpquant.FP8_E4M3:
+    if 1 < n_tok <= cpu.SMALL_BATCH_MAX and w.ggml_type != fpquant.NVFP4:
         one = np.empty((1, rows), np.float32)
         for t in (0, n_tok - 1):
             cpu.linear(one, w, x[t : t + 1])
@@ -186,12 +208,15 @@ def test_linear_matches_oracle(make, n_tok):
         np.testing.assert_array_equal(two, out[n_tok - 2 :])  # a token's bits do not depend on the batch
 
 
+@pytest.mark.parametrize("make", [_random_fp8, _random_fp8_blocks], ids=["fp8", "fp8b"])
 @pytest.mark.parametrize("n_tok", [1, 6])
-def test_fp8_rows_off_the_vector_width(n_tok):
-    # 77 columns: four 16-lane vectors and a 13-column tail; 5 rows: a group of four and a clamped one
-    rng = np.random.default_rng(77 + n_tok)
-    w, oracle = _random_fp8(5, 77, rng)
-    x = rng.standard_normal((n_tok, 77)).astype(np.float32)
+@pytest.mark.parametrize("cols", [77, 269])
+def test_fp8_rows_off_the_vector_width(make, n_tok, cols):
+    # 77 columns: four 16-lane vectors and a 13-column tail; 269: 2 full blocks of 128, 13 more columns
+    # (the tail alone in the third block); 5 rows: a group of four and a clamped one
+    rng = np.random.default_rng(cols + n_tok)
+    w, oracle = make(5, cols, rng)
+    x = rng.standard_normal((n_tok, cols)).astype(np.float32)
     out = np.empty((n_tok, 5), np.float32)
     cpu.linear(out, w, x)
     ref = x.astype(np.float64) @ oracle.T
@@ -199,7 +224,25 @@ def test_fp8_rows_off_the_vector_width(n_tok):
     assert (np.abs(out - ref) <= 2e-6 * bound + 1e-30).all()
 
 
-@pytest.mark.parametrize("make", [_random_fp8, _random_nvfp4], ids=["fp8", "nvfp4"])
+def test_fp8_blocks_codec():
+    rng = np.random.default_rng(5)
+    w = rng.standard_normal((200, 300)).astype(np.float32)
+    w[:, 256:] *= 1e-3  # the third column block: small values, a scale of their own
+    w[128:, :128] = 0.0  # an all-zero block: scale 1, codes 0
+    codes, scale = quantize_fp8_blocks(w)
+    assert codes.shape == (200, 300) and scale.shape == (2, 3) and scale.dtype == np.float32
+    assert scale[1, 0] == 1.0 and not codes[128:, :128].any()
+    np.testing.assert_allclose(scale[0, 2], np.abs(w[:128, 256:]).max() / 448, rtol=1e-6)
+    back = dequantize_fp8_blocks(codes, scale)
+    # E4M3 keeps 3 mantissa bits: every normal value within 1/16 of itself, relative to its block
+    err = np.abs(back - w)
+    amax = np.repeat(np.repeat(scale * 448, 128, 0)[:200], 128, 1)[:, :300]
+    assert (err <= np.maximum(np.abs(w) / 16, amax * 2.0**-9 / 448 * 2)).all()
+    assert np.abs(back[:, 256:]).max() < 1e-2  # small block not flushed by the big ones
+    assert np.count_nonzero(back[:, 256:]) > 0.9 * back[:, 256:].size
+
+
+@pytest.mark.parametrize("make", MAKERS, ids=MAKER_IDS)
 def test_get_rows_and_row_block_exact(make):
     rng = np.random.default_rng(7)
     w, oracle = make(29, 64, rng)
@@ -275,9 +318,15 @@ def test_hub_layouts_load_as_weights(tmp_path):
         "d.weight_packed": ("U8", (rows, cols // 2), fp4.tobytes()),
         "d.weight_scale": ("F8_E4M3", (rows, cols // 16), bscale.tobytes()),
         "d.weight_global_scale": ("F32", (1,), np.float32(4.0).tobytes()),
-        # block-wise FP8 (not supported) and a U8 tensor without scales
+        # block-wise FP8 (DeepSeek / Qwen3): weight_scale_inv per 128 x 128 (one block here), BF16
         "e.weight": ("F8_E4M3", (rows, cols), e4m3.tobytes()),
-        "e.weight_scale_inv": ("F32", (1, 1), np.float32(1).tobytes()),
+        "e.weight_scale_inv": ("BF16", (1, 1), _bf16([0.5])),
+        # ... with scales for blocks of 64 (refused: the kernels take 128) and with a NaN scale
+        "g.weight": ("F8_E4M3", (rows, cols), e4m3.tobytes()),
+        "g.weight_scale_inv": ("F32", (1, 2), np.ones(2, np.float32).tobytes()),
+        "h.weight": ("F8_E4M3", (rows, cols), e4m3.tobytes()),
+        "h.weight_scale_inv": ("F32", (1, 1), np.float32(np.nan).tobytes()),
+        # per-channel scale of the wrong shape
         "f.weight": ("F8_E4M3", (rows, cols), e4m3.tobytes()),
         "f.weight_scale": ("F32", (2, 2), np.ones(4, np.float32).tobytes()),
     })
@@ -287,14 +336,18 @@ def test_hub_layouts_load_as_weights(tmp_path):
         "b.weight": vals8 * np.arange(1, rows + 1, dtype=np.float32)[:, None],
         "c.weight": vals4 * bs * 0.25,
         "d.weight_packed": vals4 * bs / 4.0,
+        "e.weight": vals8 * 0.5,
     }
     for name, ref in expect.items():
         w = fp_matrix(st, tmp_path, name, rows, cols)
         out = np.empty((rows, cols), np.float32)
         cpu.get_rows(out, w, np.arange(rows))
         np.testing.assert_allclose(out, ref, rtol=1e-6, err_msg=name)
-    with pytest.raises(ModelFormatError, match="block-wise FP8"):
-        fp_matrix(st, tmp_path, "e.weight", rows, cols)
+    assert fp_matrix(st, tmp_path, "e.weight", rows, cols).ggml_type == fpquant.FP8_E4M3_BLOCK
+    with pytest.raises(ModelFormatError, match="blocks of 128 x 128"):
+        fp_matrix(st, tmp_path, "g.weight", rows, cols)
+    with pytest.raises(ModelFormatError, match="NaN or infinite"):
+        fp_matrix(st, tmp_path, "h.weight", rows, cols)
     with pytest.raises(ModelFormatError, match="per-channel"):
         fp_matrix(st, tmp_path, "f.weight", rows, cols)
     with pytest.raises(ModelFormatError, match="NVFP4 needs"):
@@ -316,7 +369,7 @@ def _converted(src: Path, fmt: str) -> Path:
     h = hashlib.sha256(str(src).encode())
     for p in _CODE:
         h.update(p.read_bytes())
-    out = TEST_MODELS / "converted" / f"fp-{h.hexdigest()[:12]}" / f"{src.name}-{fmt}"
+    out = TEST_MODELS / "converted" / f"fp-{h.hexdigest()[:12]}" / f"{src.name}-{fmt.replace(':', '-')}"
     if not out.exists():
         out.parent.mkdir(parents=True, exist_ok=True)
         convert(src, fmt, out)
@@ -353,7 +406,8 @@ def test_smollm2_fp8_and_nvfp4_folders_load_and_run(smollm2_hf):
     ppl = {"f16": perplexity(base.model, tokens, 160, 80)}
     prompt = "The three primary colors are"
     greedy = {"f16": _greedy(base, prompt, 8)}
-    for fmt, ggml_type in (("fp8", fpquant.FP8_E4M3), ("nvfp4", fpquant.NVFP4)):
+    formats = (("fp8", fpquant.FP8_E4M3), ("fp8:block", fpquant.FP8_E4M3_BLOCK), ("nvfp4", fpquant.NVFP4))
+    for fmt, ggml_type in formats:
         folder = _converted(smollm2_hf, fmt)
         cfg = json.loads((folder / "config.json").read_text())["quantization_config"]
         header_dtypes = _header_dtypes(folder / "model.safetensors")
@@ -363,6 +417,12 @@ def test_smollm2_fp8_and_nvfp4_folders_load_and_run(smollm2_hf):
             assert cfg["config_groups"]["group_0"]["weights"]["strategy"] == "channel"
             assert header_dtypes[q + ".weight"] == ("F8_E4M3", [576, 576])
             assert header_dtypes[q + ".weight_scale"] == ("F32", [576, 1])
+        elif fmt == "fp8:block":  # DeepSeek-V3 / Qwen3-FP8's layout
+            assert (cfg["quant_method"], cfg["weight_block_size"]) == ("fp8", [128, 128])
+            assert header_dtypes[q + ".weight"] == ("F8_E4M3", [576, 576])
+            assert header_dtypes[q + ".weight_scale_inv"] == ("F32", [5, 5])
+            down = "model.layers.0.mlp.down_proj"
+            assert header_dtypes[down + ".weight_scale_inv"] == ("F32", [5, 12])
         else:
             assert (cfg["quant_method"], cfg["quant_algo"], cfg["group_size"]) == ("modelopt", "NVFP4", 16)
             hq = json.loads((folder / "hf_quant_config.json").read_text())["quantization"]
@@ -374,14 +434,26 @@ def test_smollm2_fp8_and_nvfp4_folders_load_and_run(smollm2_hf):
         m = load_model(folder)
         layer = m.model.layers[0]
         assert {w.ggml_type for w in (layer.wq, layer.wk, layer.wv, layer.wo, layer.w_down)} == {ggml_type}
+        if fmt == "fp8:block":  # the loaded rows are the reference decoder's (tensors read by `safetensors`)
+            safetensors = pytest.importorskip("safetensors")
+            with safetensors.safe_open(str(folder / "model.safetensors"), framework="numpy") as f:
+                scale = f.get_tensor(down + ".weight_scale_inv")
+            codes = open_safetensors(folder / "model.safetensors")
+            ref = dequantize_fp8_blocks(np.array(codes.array(down + ".weight")), scale)
+            codes.close()
+            rows = np.empty(ref.shape, np.float32)
+            cpu.get_rows(rows, layer.w_down, np.arange(ref.shape[0]))
+            np.testing.assert_array_equal(rows, ref)
         ppl[fmt] = perplexity(m.model, tokens, 160, 80)
-        greedy[fmt] = _greedy(m, prompt, 8, forced=greedy["f16"] if fmt == "fp8" else None)
-        assert m.file_size < base.file_size * (0.65 if fmt == "fp8" else 0.48)
+        greedy[fmt] = _greedy(m, prompt, 8, forced=greedy["f16"] if fmt != "nvfp4" else None)
+        assert m.file_size < base.file_size * (0.65 if fmt != "nvfp4" else 0.48)
     # FP8 loses ~1% on this text, NVFP4 more; both far from a broken model (ppl in the hundreds)
     assert ppl["f16"] < ppl["fp8"] < ppl["f16"] * 1.05, ppl
+    assert ppl["f16"] < ppl["fp8:block"] < ppl["f16"] * 1.05, ppl
     assert ppl["fp8"] < ppl["nvfp4"] < ppl["f16"] * 1.4, ppl
     # teacher-forced on F16's greedy reply, FP8 picks the same next token almost everywhere
-    assert sum(a == b for a, b in zip(greedy["fp8"], greedy["f16"], strict=True)) >= 6, greedy
+    for fmt in ("fp8", "fp8:block"):
+        assert sum(a == b for a, b in zip(greedy[fmt], greedy["f16"], strict=True)) >= 6, greedy
     assert len(set(greedy["nvfp4"])) > 2 and base.tokenizer.decode(greedy["nvfp4"]).strip(), greedy
 
 

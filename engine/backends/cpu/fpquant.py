@@ -3,6 +3,9 @@
 Both are computed directly on the stored codes; nothing is dequantized at load.
   FP8_E4M3: raw (rows, cols) uint8 E4M3 codes, Weight.scales float32 (rows,);
             w[r, c] = E4M3[raw[r, c]] * scales[r]
+  FP8_E4M3_BLOCK (block-wise FP8, DeepSeek / Qwen "fp8" checkpoints): raw as FP8_E4M3, Weight.scales
+            float32 (rows, ceil(cols/128)): a scale per row and 128 columns (the checkpoint's scale per
+            128 x 128 block, repeated for its rows at load); w[r, c] = E4M3[raw[r, c]] * scales[r, c // 128]
   NVFP4:    raw (rows, cols/2) uint8, element 2i in the low nibble of byte i, 2i+1 in the high one;
             Weight.scales (rows, cols/16) uint8 E4M3 codes, Weight.global_scale float;
             w[r, c] = E2M1[nibble(r, c)] * E4M3[scales[r, c // 16]] * global_scale
@@ -27,15 +30,17 @@ from numba.core.errors import TypingError
 from numba.extending import intrinsic
 
 from engine.backends.cpu.quant import _store4
-from engine.backends.cpu.smalln import _matmul_float
+from engine.backends.cpu.smalln import COL_BLOCK, _matmul_float
 from engine.weights import Weight
 
 # Weight.ggml_type ids of the formats that only live in safetensors (above every ggml type id)
 FP8_E4M3 = 1001
 NVFP4 = 1002
-FP_TYPES = frozenset({FP8_E4M3, NVFP4})
-TYPE_NAMES = {FP8_E4M3: "FP8_E4M3", NVFP4: "NVFP4"}
+FP8_E4M3_BLOCK = 1003
+FP_TYPES = frozenset({FP8_E4M3, NVFP4, FP8_E4M3_BLOCK})
+TYPE_NAMES = {FP8_E4M3: "FP8_E4M3", NVFP4: "NVFP4", FP8_E4M3_BLOCK: "FP8_E4M3_BLOCK"}
 NVFP4_BLOCK = 16
+FP8_COL_BLOCK = COL_BLOCK  # FP8_E4M3_BLOCK: columns a scale covers
 
 # prefill: rows are dequantized to float32 in tiles of at most this many bytes, then BLAS
 _TILE_BYTES = 16 << 20
@@ -116,6 +121,12 @@ def ld_e2m1(typingctx, arr, off, high):
 _KW = dict(nogil=True, cache=True, fastmath=True)
 
 
+def block_scales_per_row(blocks: np.ndarray, rows: int) -> np.ndarray:
+    """FP8_E4M3_BLOCK's Weight.scales: a checkpoint's float32 scales per 128 x 128 block (ceil(rows/128),
+    ceil(cols/128)) repeated for each row of their block, (rows, ceil(cols/128)) C-contiguous."""
+    return np.ascontiguousarray(np.repeat(np.asarray(blocks, np.float32), FP8_COL_BLOCK, axis=0)[:rows])
+
+
 # ---------------------------------------------------------------------------------------------
 # Row groups: four rows per pass share every activation load; the last group clamps its rows to
 # rows-1 (quant._store4 skips the repeats).
@@ -151,16 +162,17 @@ def _tile_tokens(out, tile, x, r0, rows, s0, s1, s2, s3):
 
 @njit(**_KW)
 def matmul_fp8(out, raw, scale, x, rows, cols):
-    # raw (rows, cols) uint8 E4M3, scale (rows,) f32, x (n, cols) f32 -> out (n, rows) f32
+    # raw (rows, cols) uint8 E4M3, scale (rows,) f32 (FP8_E4M3) or (rows, ceil(cols/128)) f32
+    # (FP8_E4M3_BLOCK), x (n, cols) f32 -> out (n, rows) f32
     # The float kernels' loop (smalln._matmul_float: 16-lane FMAs over four rows x four tokens, the codes
-    # widened in registers, the row scale applied to each sum), so every token gets the bits its matvec
-    # gives whatever the batch.
-    _matmul_float(out, raw.view(np.int8), x, rows, cols, cols, scale * E4M3_HALF_FACTOR)
+    # widened in registers, the row scale applied to each sum or each block's sums scaled into the row's
+    # lanes), so every token gets the bits its matvec gives whatever the batch.
+    _matmul_float(out, raw.view(np.int8), x, rows, cols, cols, scale, E4M3_HALF_FACTOR)
 
 
 @njit(**_KW)
 def matvec_fp8(out, raw, scale, x, rows, cols):
-    # raw (rows, cols) uint8 E4M3, scale (rows,) f32, x (cols,) f32 -> out (rows,) f32: matmul_fp8, one token
+    # raw (rows, cols) uint8 E4M3, scale as matmul_fp8's, x (cols,) f32 -> out (rows,) f32: one token's matmul
     matmul_fp8(out.reshape((1, rows)), raw, scale, x.reshape((1, cols)), rows, cols)
 
 
@@ -172,6 +184,18 @@ def dequant_fp8(out, raw, scale, ids, cols):
         s = scale[ids[i]] * E4M3_HALF_FACTOR
         for j in range(cols):
             out[i, j] = ld_e4m3(raw, p + j) * s
+
+
+@njit(parallel=True, **_KW)
+def dequant_fp8_blocks(out, raw, scale, ids, cols):
+    # out (n, cols) f32; raw (rows, cols) uint8 E4M3; scale (rows, ceil(cols/128)) f32; ids (n,) int64
+    for i in prange(ids.shape[0]):
+        r = ids[i]
+        p = r * cols
+        for b in range(scale.shape[1]):
+            s = scale[r, b] * E4M3_HALF_FACTOR
+            for j in range(b * COL_BLOCK, min(cols, (b + 1) * COL_BLOCK)):
+                out[i, j] = ld_e4m3(raw, p + j) * s
 
 
 @njit(parallel=True, **_KW)
@@ -260,8 +284,9 @@ def dequant_nvfp4(out, raw, bscale, gscale, ids, cols):
 def check(w: Weight) -> None:
     """Validate an FP8/NVFP4 weight's arrays against its shape. Raises ValueError."""
     ok = w.raw.dtype == np.uint8 and w.raw.flags.c_contiguous and w.scales is not None
-    if ok and w.ggml_type == FP8_E4M3:
-        ok = w.raw.shape == (w.rows, w.cols) and w.scales.dtype == np.float32 and w.scales.shape == (w.rows,)
+    if ok and w.ggml_type in (FP8_E4M3, FP8_E4M3_BLOCK):
+        shape = (w.rows,) if w.ggml_type == FP8_E4M3 else (w.rows, -(-w.cols // FP8_COL_BLOCK))
+        ok = w.raw.shape == (w.rows, w.cols) and w.scales.dtype == np.float32 and w.scales.shape == shape
     elif ok and w.ggml_type == NVFP4:
         ok = (
             w.cols % NVFP4_BLOCK == 0
@@ -280,7 +305,7 @@ def check(w: Weight) -> None:
 
 
 def _matmul(out: np.ndarray, w: Weight, x: np.ndarray) -> None:
-    fp8 = w.ggml_type == FP8_E4M3
+    fp8 = w.ggml_type != NVFP4
     if x.shape[0] == 1:
         if fp8:
             matvec_fp8(out[0], w.raw, w.scales, x[0], w.rows, w.cols)
@@ -295,6 +320,8 @@ def _matmul(out: np.ndarray, w: Weight, x: np.ndarray) -> None:
 def _dequant(out: np.ndarray, w: Weight, ids: np.ndarray) -> None:
     if w.ggml_type == FP8_E4M3:
         dequant_fp8(out, w.raw, w.scales, ids, w.cols)
+    elif w.ggml_type == FP8_E4M3_BLOCK:
+        dequant_fp8_blocks(out, w.raw, w.scales, ids, w.cols)
     else:
         dequant_nvfp4(out, w.raw, w.scales, np.float32(w.global_scale), ids, w.cols)
 

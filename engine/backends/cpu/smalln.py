@@ -26,11 +26,12 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.core import cgutils
 from numba.core.errors import TypingError
-from numba.extending import intrinsic
+from numba.extending import intrinsic, overload
 
 from engine.backends.cpu import _llvm_kquant as K
 from engine.backends.cpu._llvm import (
     PREFETCH_ROWS,
+    _broadcast_f32,
     _fmuladd16,
     _prefetch,
     _reduce_add_f32x16,
@@ -234,27 +235,37 @@ def _fmuladd1(builder, a, b, c):
     return builder.call(cgutils.get_or_insert_function(builder.module, fnty, "llvm.fmuladd.f32"), [a, b, c])
 
 
+COL_BLOCK = 128  # block-wise FP8 (fpquant.FP8_E4M3_BLOCK): columns one scale covers, 8 vectors
+
+
 def _make_rows4(n_tok: int):
     """Intrinsic: dot products of 4 float weight rows with n_tok activation rows (4 * n_tok float32s).
 
+    rows4(raw, p0, p1, p2, p3, x, xo, cols, sc, o0, o1, o2, o3): rows at byte offsets p0..p3 of raw, the
+    tokens' activations x[xo + t cols : ...]. sc is a float32 array: 1-D, it is not read here (row scales
+    are the caller's); 2-D (rows, ceil(cols / COL_BLOCK)), each COL_BLOCK columns' sums are multiplied
+    by their scale, sc's flat elements o_r + block for row r.
+
     Each (row, token) sum is built the same way whatever n_tok is: 16 float32 lanes accumulated with
-    fused multiply-adds over the columns in order, a fixed halving tree over the lanes, then the
-    cols % 16 tail in order. So a token's result is bit-identical across batch sizes.
+    fused multiply-adds over the columns in order (2-D sc: each block's lanes from zero, then multiplied
+    by the block's scale into the row's lanes), a fixed halving tree over the lanes, then the cols % 16
+    tail in order. So a token's result is bit-identical across batch sizes.
     """
 
     @intrinsic
-    def rows4(typingctx, raw, p0, p1, p2, p3, x, xo, cols):
+    def rows4(typingctx, raw, p0, p1, p2, p3, x, xo, cols, sc, o0, o1, o2, o3):
         if not (isinstance(raw, types.Array) and raw.layout == "C" and raw.dtype in _FLOAT_KINDS):
             raise TypingError(f"float weights must be a C-contiguous uint8/uint16/float32 array, got {raw}")
-        if not (isinstance(x, types.Array) and x.layout == "C" and x.dtype == types.float32):
-            raise TypingError(f"activations must be a C-contiguous float32 array, got {x}")
+        for a, what in ((x, "activations"), (sc, "scales")):
+            if not (isinstance(a, types.Array) and a.layout == "C" and a.dtype == types.float32):
+                raise TypingError(f"{what} must be a C-contiguous float32 array, got {a}")
         kind, elem_bytes = _FLOAT_KINDS[raw.dtype]
-        sig = types.UniTuple(types.float32, 4 * n_tok)(
-            raw, types.intp, types.intp, types.intp, types.intp, x, types.intp, types.intp
-        )
+        blocked = sc.ndim == 2
+        ip = types.intp
+        sig = types.UniTuple(types.float32, 4 * n_tok)(raw, ip, ip, ip, ip, x, ip, ip, sc, ip, ip, ip, ip)
 
         def codegen(context, builder, signature, args):
-            raw_v, q0, q1, q2, q3, x_v, xo_v, cols_v = args
+            raw_v, q0, q1, q2, q3, x_v, xo_v, cols_v, sc_v = args[:9]
             base = builder.bitcast(context.make_array(signature.args[0])(context, builder, raw_v).data,
                                    ir.IntType(8).as_pointer())
             xp = context.make_array(signature.args[5])(context, builder, x_v).data
@@ -268,8 +279,9 @@ def _make_rows4(n_tok: int):
             # row stride; 0 in a clamped tail group, a harmless re-read)
             ahead = builder.mul(builder.sub(q1, q0), intp(PREFETCH_ROWS))
             n_vec = builder.udiv(cols_v, intp(_LANES))
-            with cgutils.for_range(builder, n_vec) as loop:
-                j = builder.mul(loop.index, intp(_LANES))
+
+            def step(v):  # vector v (columns 16 v .. 16 v + 15) of every row into accs
+                j = builder.mul(v, intp(_LANES))
                 byte = builder.mul(j, intp(elem_bytes))
                 ws = []
                 for r in rows:
@@ -280,9 +292,40 @@ def _make_rows4(n_tok: int):
                     xv = builder.load(builder.bitcast(builder.gep(xrows[t], [j]), vec.as_pointer()), align=4)
                     for r in range(4):
                         builder.store(_fmuladd16(builder, ws[r], xv, builder.load(accs[t][r])), accs[t][r])
+
+            if blocked:
+                scp = context.make_array(signature.args[8])(context, builder, sc_v).data
+                srows = [builder.gep(scp, [o]) for o in args[9:13]]
+                totals = [[cgutils.alloca_once_value(builder, ir.Constant(vec, None)) for _ in range(4)]
+                          for _ in range(n_tok)]
+                per = intp(COL_BLOCK // _LANES)
+                n_blk = builder.udiv(builder.add(n_vec, intp(COL_BLOCK // _LANES - 1)), per)
+                with cgutils.for_range(builder, n_blk) as blk:
+                    for acc_t in accs:
+                        for a in acc_t:
+                            builder.store(ir.Constant(vec, None), a)
+                    v0 = builder.mul(blk.index, per)
+                    v1 = builder.add(v0, per)
+                    v1 = builder.select(builder.icmp_unsigned("<", v1, n_vec), v1, n_vec)
+                    with cgutils.for_range_slice(builder, v0, v1, intp(1)) as (v, _):
+                        step(v)
+                    scales = [_broadcast_f32(builder, builder.load(builder.gep(sr, [blk.index])), _LANES)
+                              for sr in srows]
+                    for t in range(n_tok):
+                        for r in range(4):
+                            total = builder.load(totals[t][r])
+                            builder.store(_fmuladd16(builder, builder.load(accs[t][r]), scales[r], total),
+                                          totals[t][r])
+                accs = totals
+            else:
+                with cgutils.for_range(builder, n_vec) as loop:
+                    step(loop.index)
             sums = [[cgutils.alloca_once_value(builder, _reduce_add_f32x16(builder, builder.load(a)))
                      for a in acc_t] for acc_t in accs]
             tail0 = builder.mul(n_vec, intp(_LANES))
+            # blocked: the tail (inside the last block) sums from zero, then times that block's scale
+            tails = [[cgutils.alloca_once_value(builder, ir.Constant(_F32, 0.0)) for _ in range(4)]
+                     for _ in range(n_tok)] if blocked else sums
             with cgutils.for_range_slice(builder, tail0, cols_v, intp(1)) as (j, _):
                 byte = builder.mul(j, intp(elem_bytes))
                 ws = [builder.extract_element(_widen(builder, kind, builder.gep(r, [byte]), 1), _I32(0))
@@ -290,7 +333,14 @@ def _make_rows4(n_tok: int):
                 for t in range(n_tok):
                     xs = builder.load(builder.gep(xrows[t], [j]))
                     for r in range(4):
-                        builder.store(_fmuladd1(builder, ws[r], xs, builder.load(sums[t][r])), sums[t][r])
+                        builder.store(_fmuladd1(builder, ws[r], xs, builder.load(tails[t][r])), tails[t][r])
+            if blocked:
+                last = builder.udiv(tail0, intp(COL_BLOCK))
+                scales = [builder.load(builder.gep(sr, [last])) for sr in srows]
+                for t in range(n_tok):
+                    for r in range(4):
+                        tail, total = builder.load(tails[t][r]), builder.load(sums[t][r])
+                        builder.store(_fmuladd1(builder, tail, scales[r], total), sums[t][r])
             vals = [builder.load(s) for sums_t in sums for s in sums_t]
             return context.make_tuple(builder, signature.return_type, vals)
 
@@ -305,30 +355,44 @@ _rows4x2 = _make_rows4(2)
 _rows4x1 = _make_rows4(1)
 
 
-@njit(inline="always", **_KW)
-def _scales4(scale, r0, rows):
-    # the row scales of rows r0 .. r0+3 (clamped to rows-1); 1 for every row when scale is empty
-    if scale.shape[0] == 0:
-        one = np.float32(1.0)
-        return one, one, one, one
-    return (scale[r0], scale[min(r0 + 1, rows - 1)], scale[min(r0 + 2, rows - 1)],
-            scale[min(r0 + 3, rows - 1)])
+def _row_scales(scale, r0, rows, factor):
+    """(s0, s1, s2, s3, o0, o1, o2, o3) of row group r0 (rows r0..r0+3, clamped to rows-1): the factors
+    its sums are multiplied by (scale 1-D: scale[r] * factor, empty: factor; 2-D: factor) and the flat
+    offsets of its rows in a 2-D scale (rows, blocks) for rows4 (0 for 1-D)."""
+
+
+@overload(_row_scales, inline="always", jit_options={"fastmath": True})
+def _row_scales_impl(scale, r0, rows, factor):
+    if scale.ndim == 2:
+        def blocks(scale, r0, rows, factor):
+            nb = scale.shape[1]
+            r1, r2, r3 = min(r0 + 1, rows - 1), min(r0 + 2, rows - 1), min(r0 + 3, rows - 1)
+            return factor, factor, factor, factor, r0 * nb, r1 * nb, r2 * nb, r3 * nb
+        return blocks
+
+    def per_row(scale, r0, rows, factor):
+        if scale.shape[0] == 0:
+            return factor, factor, factor, factor, 0, 0, 0, 0
+        r1, r2, r3 = min(r0 + 1, rows - 1), min(r0 + 2, rows - 1), min(r0 + 3, rows - 1)
+        return (scale[r0] * factor, scale[r1] * factor, scale[r2] * factor, scale[r3] * factor, 0, 0, 0, 0)
+    return per_row
 
 
 @njit(parallel=True, **_KW)
-def _matmul_float(out, w, x, rows, cols, rb, scale):
+def _matmul_float(out, w, x, rows, cols, rb, scale, factor):
     # w (rows, ...) uint8 (F16 bytes) / uint16 (BF16) / float32 (F32) / int8 (E4M3 codes), row stride rb
-    # bytes; x (n, cols) f32 -> out (n, rows) f32, each row's sums times scale[row] (scale (rows,) f32, or
-    # empty: none). Four rows x four tokens per pass; a 1-3 token tail at the end.
+    # bytes; x (n, cols) f32 -> out (n, rows) f32, each sum times factor and the row's scale: scale (rows,)
+    # f32, empty (none) or (rows, ceil(cols / COL_BLOCK)) (a scale per row and block of columns, see
+    # rows4). Four rows x four tokens per pass; a 1-3 token tail at the end.
     n = x.shape[0]
     for g in prange((rows + 3) // 4):
         r0 = g * 4
         p0, p1 = r0 * rb, min(r0 + 1, rows - 1) * rb
         p2, p3 = min(r0 + 2, rows - 1) * rb, min(r0 + 3, rows - 1) * rb
-        s0, s1, s2, s3 = _scales4(scale, r0, rows)
+        s0, s1, s2, s3, o0, o1, o2, o3 = _row_scales(scale, r0, rows, factor)
         t0 = 0
         while n - t0 >= 4:
-            a = _rows4x4(w, p0, p1, p2, p3, x, t0 * cols, cols)
+            a = _rows4x4(w, p0, p1, p2, p3, x, t0 * cols, cols, scale, o0, o1, o2, o3)
             _store4(out[t0], r0, rows, a[0] * s0, a[1] * s1, a[2] * s2, a[3] * s3)
             _store4(out[t0 + 1], r0, rows, a[4] * s0, a[5] * s1, a[6] * s2, a[7] * s3)
             _store4(out[t0 + 2], r0, rows, a[8] * s0, a[9] * s1, a[10] * s2, a[11] * s3)
@@ -336,54 +400,56 @@ def _matmul_float(out, w, x, rows, cols, rb, scale):
             t0 += 4
         left = n - t0
         if left == 3:
-            a = _rows4x3(w, p0, p1, p2, p3, x, t0 * cols, cols)
+            a = _rows4x3(w, p0, p1, p2, p3, x, t0 * cols, cols, scale, o0, o1, o2, o3)
             _store4(out[t0], r0, rows, a[0] * s0, a[1] * s1, a[2] * s2, a[3] * s3)
             _store4(out[t0 + 1], r0, rows, a[4] * s0, a[5] * s1, a[6] * s2, a[7] * s3)
             _store4(out[t0 + 2], r0, rows, a[8] * s0, a[9] * s1, a[10] * s2, a[11] * s3)
         elif left == 2:
-            a = _rows4x2(w, p0, p1, p2, p3, x, t0 * cols, cols)
+            a = _rows4x2(w, p0, p1, p2, p3, x, t0 * cols, cols, scale, o0, o1, o2, o3)
             _store4(out[t0], r0, rows, a[0] * s0, a[1] * s1, a[2] * s2, a[3] * s3)
             _store4(out[t0 + 1], r0, rows, a[4] * s0, a[5] * s1, a[6] * s2, a[7] * s3)
         elif left == 1:
-            a = _rows4x1(w, p0, p1, p2, p3, x, t0 * cols, cols)
+            a = _rows4x1(w, p0, p1, p2, p3, x, t0 * cols, cols, scale, o0, o1, o2, o3)
             _store4(out[t0], r0, rows, a[0] * s0, a[1] * s1, a[2] * s2, a[3] * s3)
 
 
 _NO_SCALE = np.empty(0, np.float32)
+_ONE = np.float32(1.0)
 
 
 @njit(**_KW)
 def matmul_f32(out, w, x, rows, cols):
     # w (rows, cols) float32, x (n, cols) f32 -> out (n, rows) f32
-    _matmul_float(out, w, x, rows, cols, cols * 4, _NO_SCALE)
+    _matmul_float(out, w, x, rows, cols, cols * 4, _NO_SCALE, _ONE)
 
 
 @njit(**_KW)
 def matmul_f16(out, raw, x, rows, cols):
     # raw (rows, cols*2) uint8 IEEE halves, x (n, cols) f32 -> out (n, rows) f32
-    _matmul_float(out, raw, x, rows, cols, raw.shape[1], _NO_SCALE)
+    _matmul_float(out, raw, x, rows, cols, raw.shape[1], _NO_SCALE, _ONE)
 
 
 @njit(**_KW)
 def matmul_bf16(out, raw, x, rows, cols):
     # raw (rows, cols*2) uint8 bfloat16s, x (n, cols) f32 -> out (n, rows) f32
-    _matmul_float(out, raw.view(np.uint16), x, rows, cols, raw.shape[1], _NO_SCALE)
+    _matmul_float(out, raw.view(np.uint16), x, rows, cols, raw.shape[1], _NO_SCALE, _ONE)
 
 
 @njit(**_KW)
 def matvec_f32(out, w, x, rows, cols):
     # w (rows, cols) float32, x (cols,) f32 -> out (rows,) f32: matmul_f32 on one token
-    _matmul_float(out.reshape((1, rows)), w, x.reshape((1, cols)), rows, cols, cols * 4, _NO_SCALE)
+    _matmul_float(out.reshape((1, rows)), w, x.reshape((1, cols)), rows, cols, cols * 4, _NO_SCALE, _ONE)
 
 
 @njit(**_KW)
 def matvec_f16(out, raw, x, rows, cols):
     # raw (rows, cols*2) uint8, x (cols,) f32 -> out (rows,) f32: matmul_f16 on one token
-    _matmul_float(out.reshape((1, rows)), raw, x.reshape((1, cols)), rows, cols, raw.shape[1], _NO_SCALE)
+    _matmul_float(out.reshape((1, rows)), raw, x.reshape((1, cols)), rows, cols, raw.shape[1], _NO_SCALE,
+                  _ONE)
 
 
 @njit(**_KW)
 def matvec_bf16(out, raw, x, rows, cols):
     # raw (rows, cols*2) uint8, x (cols,) f32 -> out (rows,) f32: matmul_bf16 on one token
     _matmul_float(out.reshape((1, rows)), raw.view(np.uint16), x.reshape((1, cols)), rows, cols, raw.shape[1],
-                  _NO_SCALE)
+                  _NO_SCALE, _ONE)

@@ -5,9 +5,10 @@ encoding on the GPU (`GpuWeight`). Shapes are given on every array argument.
 
 Weight formats: the GGUF types of `TYPES` (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K..Q6_K,
 IQ4_NL, IQ4_XS)
-and the safetensors formats of `hearth convert --to fp8 / --to nvfp4` (layouts in
-engine/backends/cpu/fpquant.py): FP8_E4M3 (E4M3 codes, float32 scale per row) and NVFP4 (E2M1 codes,
-E4M3 scale per 16 elements, float32 global scale). Their scales travel beside the codes
+and the safetensors formats of `hearth convert --to fp8 / fp8:block / nvfp4` (layouts in
+engine/backends/cpu/fpquant.py): FP8_E4M3 (E4M3 codes, float32 scale per row), FP8_E4M3_BLOCK (E4M3
+codes, float32 scale per row and 128 columns) and NVFP4 (E2M1 codes, E4M3 scale per 16 elements,
+float32 global scale). Their scales travel beside the codes
 (GpuWeight.scales, .global_scale); on sm_89+ (Ada, Hopper) the kernels widen E4M3 with the hardware
 conversion, elsewhere by bit moves.
 """
@@ -24,7 +25,7 @@ import cupy as cp
 import numpy as np
 
 from engine.backends.cpu import fpquant
-from engine.backends.cpu.fpquant import FP8_E4M3, NVFP4
+from engine.backends.cpu.fpquant import FP8_E4M3, FP8_E4M3_BLOCK, NVFP4
 from engine.backends.cuda import capture_blas, pdl
 from engine.backends.cuda.kernels import kernel
 from engine.weights import Weight
@@ -51,6 +52,7 @@ TYPES = {
     IQ4_XS: ("iq4_xs", 256, 136),
     # codes only: the scales are arrays of their own (GpuWeight.scales)
     FP8_E4M3: ("fp8", 1, 1),
+    FP8_E4M3_BLOCK: ("fp8b", 1, 1),
     NVFP4: ("nvfp4", 16, 8),
 }
 SUPPORTED_TYPES = frozenset(TYPES)
@@ -75,8 +77,9 @@ _i32, _f32 = np.int32, np.float32
 class GpuWeight:
     """A weight's rows on the GPU: raw uint8 (rows, row_nbytes), in its own allocation.
 
-    scales: FP8_E4M3 float32 (rows,), NVFP4 uint8 E4M3 codes (rows, cols/16), as Weight.scales; None
-    for GGUF types. global_scale: NVFP4's per-tensor scale (1.0 otherwise).
+    scales: FP8_E4M3 float32 (rows,), FP8_E4M3_BLOCK float32 (rows, ceil(cols/128)), NVFP4 uint8 E4M3
+    codes (rows, cols/16), as Weight.scales; None for GGUF types. global_scale: NVFP4's per-tensor scale
+    (1.0 otherwise).
     """
 
     ggml_type: int
@@ -98,7 +101,8 @@ class UnsupportedCudaWeightType(ValueError):
 def check_type(ggml_type: int, cols: int) -> None:
     """Raise UnsupportedCudaWeightType unless the kernels handle this type at this width."""
     if ggml_type not in TYPES:
-        raise UnsupportedCudaWeightType(f"ggml type {ggml_type} has no CUDA kernel")
+        name = fpquant.TYPE_NAMES.get(ggml_type, f"ggml type {ggml_type}")
+        raise UnsupportedCudaWeightType(f"{name} has no CUDA kernel")
     block = TYPES[ggml_type][1]
     if ggml_type in _FLOAT_TYPES and cols % 8:
         raise UnsupportedCudaWeightType(f"float weights need cols % 8 == 0 on CUDA, got {cols}")

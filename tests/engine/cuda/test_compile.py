@@ -13,7 +13,7 @@ from tests.engine.cuda.conftest import nvrtc_or_skip
 
 TYPES = ["f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k"]
 TYPES += ["iq4_nl", "iq4_xs"]
-TYPES += ["fp8", "nvfp4"]
+TYPES += ["fp8", "fp8b", "nvfp4"]
 HW_E4M3 = "cvt.rn.f16x2.e4m3x2"
 OPS = [
     "rmsnorm",

@@ -1,6 +1,7 @@
-"""FP8 (E4M3, per-row scale) and NVFP4 (E2M1 + E4M3 per 16 + global scale) on the CUDA backend, without
-a GPU: the kernels on host threads (tests/engine/cuda/simt.py) against the CPU fpquant kernels, and the
-decoder over a tiny model whose matrices are FP8 / NVFP4, on the stand-in CuPy of test_decoder_dry.py.
+"""FP8 (E4M3, per-row or per-128 x 128 block scale) and NVFP4 (E2M1 + E4M3 per 16 + global scale) on the CUDA
+backend, without a GPU: the kernels on host threads (tests/engine/cuda/simt.py) against the CPU fpquant
+kernels, and the decoder over a tiny model whose matrices are FP8 / NVFP4, on the stand-in CuPy of
+test_decoder_dry.py.
 """
 
 from __future__ import annotations
@@ -8,9 +9,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from engine.backends.cpu.fpquant import FP8_E4M3, NVFP4
+from engine.backends.cpu.fpquant import FP8_E4M3, FP8_E4M3_BLOCK, NVFP4, block_scales_per_row
 from engine.quant.encode import dequantize
-from engine.quant.fp8 import quantize_fp8
+from engine.quant.fp8 import quantize_fp8, quantize_fp8_blocks
 from engine.quant.nvfp4 import quantize_nvfp4
 from engine.weights import Weight
 from tests.engine.cuda import test_decoder_dry as dry
@@ -23,7 +24,7 @@ fake = dry.fake
 ptx_params = dry.ptx_params
 simt = dry.simt
 
-FORMATS = {"fp8": FP8_E4M3, "nvfp4": NVFP4}
+FORMATS = {"fp8": FP8_E4M3, "nvfp4": NVFP4, "fp8b": FP8_E4M3_BLOCK}
 MATRICES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
 
 
@@ -57,6 +58,9 @@ def _fp(w: Weight, fmt: int) -> Weight:
     if fmt == FP8_E4M3:
         codes, scale = quantize_fp8(dense)
         return Weight(fmt, codes, w.rows, w.cols, scale)
+    if fmt == FP8_E4M3_BLOCK:
+        codes, blocks = quantize_fp8_blocks(dense)
+        return Weight(fmt, codes, w.rows, w.cols, block_scales_per_row(blocks, w.rows))
     packed, scales, g = quantize_nvfp4(dense)
     return Weight(fmt, packed, w.rows, w.cols, scales, float(g))
 
@@ -107,8 +111,8 @@ def test_decoder_runs_fp_models(fake, tmp_path, kind, fmt):
 
 
 # a whole decoder on host threads takes ~10-30 s on 2 cores: CI runs NVFP4 (the longer argument lists);
-# HEARTH_CUDA_SIMT=1 adds FP8 (whose kernels CI checks one by one above)
-@pytest.mark.parametrize("fmt", ["nvfp4", *dry._opt_in("fp8")])
+# HEARTH_CUDA_SIMT=1 adds both FP8s (whose kernels CI checks one by one above)
+@pytest.mark.parametrize("fmt", ["nvfp4", *dry._opt_in("fp8", "fp8b")])
 def test_decoder_computes_the_cpu_models_logits_on_host_threads(fake, simt, tmp_path, fmt):
     """One FP8 / NVFP4 layer run by the kernels on host threads gives the CPU model's logits: prefill
     (dequantized tiles), a captured decode step (stacked q|k|v and gate|up matvecs with their own

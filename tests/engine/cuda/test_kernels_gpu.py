@@ -8,18 +8,19 @@ import numpy as np
 import pytest
 
 from engine.backends import cpu
-from engine.backends.cpu.fpquant import FP8_E4M3, NVFP4
+from engine.backends.cpu import fpquant
+from engine.backends.cpu.fpquant import FP8_E4M3, FP8_E4M3_BLOCK, NVFP4
 from engine.quant.encode import dequantize, quantize
-from engine.quant.fp8 import dequantize_fp8, quantize_fp8
+from engine.quant.fp8 import dequantize_fp8, dequantize_fp8_blocks, quantize_fp8, quantize_fp8_blocks
 from engine.quant.nvfp4 import dequantize_nvfp4, quantize_nvfp4
 from engine.weights import Weight
 
 pytestmark = pytest.mark.cuda
 
-# ggml id (or safetensors format id: FP8_E4M3, NVFP4) -> elements per block
+# ggml id (or safetensors format id: FP8_E4M3, NVFP4, FP8_E4M3_BLOCK) -> elements per block
 TYPES = {0: 1, 1: 1, 30: 1, 8: 32, 2: 32, 3: 32, 6: 32, 7: 32, 10: 256, 11: 256, 12: 256, 13: 256, 14: 256}
 TYPES |= {20: 32, 23: 256}  # IQ4_NL, IQ4_XS
-TYPES |= {FP8_E4M3: 1, NVFP4: 16}
+TYPES |= {FP8_E4M3: 1, NVFP4: 16, FP8_E4M3_BLOCK: 1}
 
 
 def _weight(t: int, rows: int, cols: int, seed: int) -> tuple[Weight, np.ndarray]:
@@ -28,6 +29,10 @@ def _weight(t: int, rows: int, cols: int, seed: int) -> tuple[Weight, np.ndarray
     if t == FP8_E4M3:
         codes, scale = quantize_fp8(m)
         return Weight(t, codes, rows, cols, scale), dequantize_fp8(codes, scale)
+    if t == FP8_E4M3_BLOCK:  # a scale per 128 x 128 block, repeated per row as the loader keeps it
+        codes, blocks = quantize_fp8_blocks(m)
+        scales = fpquant.block_scales_per_row(blocks, rows)
+        return Weight(t, codes, rows, cols, scales), dequantize_fp8_blocks(codes, blocks)
     if t == NVFP4:
         packed, scales, g = quantize_nvfp4(m)
         return Weight(t, packed, rows, cols, scales, float(g)), dequantize_nvfp4(packed, scales, g)
@@ -81,7 +86,7 @@ def test_matvec_and_dequant_match_cpu(gpu, t):
 
 # FP8 / NVFP4: each stacked weight brings its own row / block and global scales
 @pytest.mark.parametrize("int_dot", [True, False])
-@pytest.mark.parametrize("t", [10, 11, 12, 13, 14, 20, 23, 8, 6, 7, 1, FP8_E4M3, NVFP4])
+@pytest.mark.parametrize("t", [10, 11, 12, 13, 14, 20, 23, 8, 6, 7, 1, FP8_E4M3, NVFP4, FP8_E4M3_BLOCK])
 def test_stacked_matvec_prologues_and_accumulate(gpu, t, int_dot):
     import cupy as cp
 
@@ -164,8 +169,8 @@ def test_matvec_batch_matches_one_vector_at_a_time(gpu):
         ops.matvec_batch(out, [ops.upload(_weight(1, 4, 256, 9)[0])], gx, prologue=4)
 
 
-# float kernels: F16, BF16, F32, FP8, NVFP4, and block types' float dot products (int_dot=False)
-FLOAT_BATCH_TYPES = (1, 30, 0, FP8_E4M3, NVFP4, 8, 12)
+# float kernels: F16, BF16, F32, FP8 (both), NVFP4, and block types' float dot products (int_dot=False)
+FLOAT_BATCH_TYPES = (1, 30, 0, FP8_E4M3, NVFP4, FP8_E4M3_BLOCK, 8, 12)
 
 
 @pytest.mark.parametrize("t", FLOAT_BATCH_TYPES)

@@ -524,15 +524,21 @@ __device__ __forceinline__ int stacked_local(int rows0, int rows1, int r, int* k
      const float* __restrict__ s2, int rows0, int rows1, int rows2, int cols, const float* __restrict__ x, \
      const float* __restrict__ x2, const float* __restrict__ nw, float eps, int prologue, int accumulate,  \
      int B, long long ldx, long long ldo)
-template <int MAXB>
-__device__ __forceinline__ void fp8_rows FP8_PARAMS {
+#define FP8_ARGS (out, w0, w1, w2, s0, s1, s2, rows0, rows1, rows2, cols, x, x2, nw, eps, prologue, accumulate, B, ldx, ldo)
+// BLOCKS (block-wise FP8, FP8_E4M3_BLOCK): s_k (rows_k, ceil(cols/128)) float32, a scale per row and 128
+// columns (FP8_COL_BLOCK: 4 units); each unit's sum is scaled into the row's accumulator
+#define FP8_COL_UNITS 4
+template <int MAXB, bool BLOCKS>
+__device__ __forceinline__ void fp8_scaled_rows FP8_PARAMS {
     extern __shared__ float sx[];
     load_batch(sx, x, x2, ldx, nw, eps, cols, prologue, 1, B);
     int units = cols >> 5, rows = rows0 + rows1 + rows2;
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    int scales_a_row = BLOCKS ? (units + FP8_COL_UNITS - 1) / FP8_COL_UNITS : 1;
     for (int r = blockIdx.x * 8 + warp; r < rows; r += gridDim.x * 8) {
         int k, lr = stacked_local(rows0, rows1, r, &k);
         const uchar* w = (k == 0 ? w0 : k == 1 ? w1 : w2) + (long long)lr * cols;
+        const float* sc = (k == 0 ? s0 : k == 1 ? s1 : s2) + (long long)lr * scales_a_row;
         float acc[MAXB] = {};
         for (int u = lane; u < units; u += 32) {
             float v[32];
@@ -541,16 +547,22 @@ __device__ __forceinline__ void fp8_rows FP8_PARAMS {
             for (int b = 0; b < MAXB; b++) {
                 if (b < B) {
                     const float* xb = sx + (long long)b * cols + u;
+                    float a = BLOCKS ? 0.f : acc[b];
 #pragma unroll
-                    for (int i = 0; i < 32; i++) acc[b] = fmaf(v[i], xb[i * units], acc[b]);
+                    for (int i = 0; i < 32; i++) a = fmaf(v[i], xb[i * units], a);
+                    acc[b] = BLOCKS ? fmaf(a, sc[u / FP8_COL_UNITS], acc[b]) : a;
                 }
             }
         }
-        store_batch<MAXB>(out, ldo, r, acc, (k == 0 ? s0 : k == 1 ? s1 : s2)[lr] * E4M3_UNIT, B, lane, accumulate);
+        store_batch<MAXB>(out, ldo, r, acc, (BLOCKS ? 1.f : sc[0]) * E4M3_UNIT, B, lane, accumulate);
     }
 }
-FMV_KERNELS(fp8, FP8_PARAMS,
-            (out, w0, w1, w2, s0, s1, s2, rows0, rows1, rows2, cols, x, x2, nw, eps, prologue, accumulate, B, ldx, ldo))
+template <int MAXB>
+__device__ __forceinline__ void fp8_rows FP8_PARAMS { fp8_scaled_rows<MAXB, false> FP8_ARGS; }
+template <int MAXB>
+__device__ __forceinline__ void fp8b_rows FP8_PARAMS { fp8_scaled_rows<MAXB, true> FP8_ARGS; }
+FMV_KERNELS(fp8, FP8_PARAMS, FP8_ARGS)
+FMV_KERNELS(fp8b, FP8_PARAMS, FP8_ARGS)
 
 // out (rows,) (= or +=) [W0; W1; W2] @ act(x): codes (rows_k, cols/2) uint8, s_k (rows_k, cols/16) uint8
 // E4M3 block scales, g_k the global scales. Per 32 elements: two block sums, each times its scale.
@@ -610,6 +622,22 @@ extern "C" __global__ void dequant_fp8(void* __restrict__ out, const uchar* __re
         row_scale = ws[row];
     }
     store_staged(out, (long long)n * units, v, row_scale * E4M3_UNIT * scale, half_out, ok);
+}
+
+// the same for block-wise FP8 (ws: (rows, ceil(cols/128)) float32, a scale per row and 128 columns)
+extern "C" __global__ void dequant_fp8b(void* __restrict__ out, const uchar* __restrict__ w,
+                                        const float* __restrict__ ws, const int* __restrict__ ids, int r0,
+                                        int n, int cols, int half_out, float scale) {
+    int units = cols >> 5;
+    long long row;
+    int u;
+    bool ok = dequant_item(n, units, ids, r0, &row, &u);
+    float v[32], block_scale = 0.f;
+    if (ok) {
+        dec_fp8(w + row * cols + 32 * u, v);
+        block_scale = ws[row * ((units + FP8_COL_UNITS - 1) / FP8_COL_UNITS) + u / FP8_COL_UNITS];
+    }
+    store_staged(out, (long long)n * units, v, block_scale * E4M3_UNIT * scale, half_out, ok);
 }
 
 // the same for NVFP4 (ws: block scales); scale carries the global scale
