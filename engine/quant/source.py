@@ -28,7 +28,7 @@ from models.formats.gguf import GGUFFile, open_gguf
 PERMUTED_QK = frozenset({"llama"})
 GEMMA_NORM_OFFSET = frozenset({"gemma3"})
 SUPPORTED_ARCHS = frozenset({"llama", "qwen2", "qwen3", "gemma3"})
-_F32, _F16, _BF16 = 0, 1, 30
+_F32, _F16, _BF16, _Q4_1 = 0, 1, 30, 3
 
 
 @dataclass
@@ -147,28 +147,37 @@ def _hf_source(folder: Path) -> SourceModel:
             f"(supported: {', '.join(sorted(SUPPORTED_ARCHS))})"
         )
     st = open_safetensors_repo(folder)
-    names_map = HFWeights(st, folder, arch).names  # gguf name -> hf name
+    weights = HFWeights(st, folder, arch)
+    names_map = weights.names  # gguf name -> hf name
     metadata = metadata_from_hf(folder, config, cfg)
     n_head = cfg.num_attention_heads
     n_kv = cfg.num_key_value_heads
     dtype_types = {"F32": _F32, "F16": _F16, "BF16": _BF16}
-    for _g_name, hf_name in names_map.items():
+    try:
+        quantized = _quantized_linears(st, folder, weights)
+    except ModelFormatError:
+        st.close()
+        raise
+    for g_name, hf_name in names_map.items():
         dtype = st.tensors[hf_name].dtype
-        if dtype not in dtype_types:
+        if dtype not in dtype_types and g_name not in quantized:
             st.close()
             raise ModelFormatError(
                 folder,
-                f"tensor {hf_name!r} is {dtype}; conversion reads F32, F16 and BF16 safetensors "
-                "weights (an already-quantized repo cannot be re-quantized from here)",
+                f"tensor {hf_name!r} is {dtype}; conversion reads F32, F16 and BF16 safetensors weights "
+                "and FP8 / NVFP4 / AWQ linear layers",
             )
 
     def load(name: str) -> np.ndarray:
-        hf_name = names_map[name]
-        a = st.array(hf_name)
-        if st.tensors[hf_name].dtype == "BF16":
-            x = (a.astype(np.uint32) << 16).view(np.float32)
+        if name in quantized:
+            x = _dequantized(weights, name, *quantized[name][1])
         else:
-            x = np.array(a, dtype=np.float32)
+            hf_name = names_map[name]
+            a = st.array(hf_name)
+            if st.tensors[hf_name].dtype == "BF16":
+                x = (a.astype(np.uint32) << 16).view(np.float32)
+            else:
+                x = np.array(a, dtype=np.float32)
         if arch in PERMUTED_QK and name.endswith("attn_q.weight"):
             x = permute_qk(x, n_head)
         elif arch in PERMUTED_QK and name.endswith("attn_k.weight"):
@@ -177,18 +186,51 @@ def _hf_source(folder: Path) -> SourceModel:
             x = x + np.float32(1.0)
         return np.ascontiguousarray(x)
 
-    order = sorted(names_map, key=_tensor_order)
+    order = sorted(set(names_map) | set(quantized), key=_tensor_order)
     return SourceModel(
         path=folder,
         kind="safetensors",
         architecture=arch,
         metadata=metadata,
         names=order,
-        shapes={n: tuple(st.tensors[names_map[n]].shape) for n in order},
-        source_types={n: dtype_types[st.tensors[names_map[n]].dtype] for n in order},
+        shapes={n: quantized[n][1] if n in quantized else st.tensors[names_map[n]].shape for n in order},
+        source_types={n: quantized[n][0] if n in quantized else dtype_types[st.tensors[hf].dtype]
+                      for n in order for hf in [names_map.get(n)]},
         _loader=load,
         _closer=st.close,
     )
+
+
+def _quantized_linears(st, folder: Path, weights) -> dict[str, tuple[int, tuple[int, int]]]:
+    """gguf name -> (type id, (rows, cols)) of the linear layers a Hub checkpoint stores quantized and the
+    engine computes with: FP8 (per-channel or block-wise), NVFP4 (codes (rows, cols/2)) and AutoAWQ
+    (qweight (cols, rows/8)). The shape of the matrix comes from the codes; the loader checks the scales."""
+    from engine.backends.cpu.fpquant import FP8_E4M3, FP8_E4M3_BLOCK, NVFP4
+
+    out = {}
+    for g_name, hf_name in weights.names.items():
+        t = st.tensors[hf_name]
+        if t.dtype == "F8_E4M3" and len(t.shape) == 2:
+            block = hf_name.rsplit(".", 1)[0] + ".weight_scale_inv" in st.tensors
+            out[g_name] = (FP8_E4M3_BLOCK if block else FP8_E4M3, tuple(t.shape))
+        elif t.dtype == "U8" and len(t.shape) == 2:
+            out[g_name] = (NVFP4, (t.shape[0], 2 * t.shape[1]))
+    for g_name, prefix in weights.awq.items():
+        shape = st.tensors[prefix + "qweight"].shape
+        if len(shape) != 2:
+            raise ModelFormatError(folder, f"AWQ tensor {prefix}qweight has shape {shape}; expected 2-D")
+        out[g_name] = (_Q4_1, (shape[1] * 8, shape[0]))  # AWQ groups run as Q4_1 blocks
+    return out
+
+
+def _dequantized(weights, name: str, rows: int, cols: int) -> np.ndarray:
+    # the engine's Weight for the layer (validated as a model load validates it), decoded to float32
+    from engine.backends import cpu
+
+    w = weights.matrix(name, rows, cols)
+    out = np.empty((rows, cols), np.float32)
+    cpu.get_rows(out, w, np.arange(rows))
+    return out
 
 
 def _tensor_order(name: str) -> tuple:
@@ -204,7 +246,7 @@ def open_source(path: str | Path) -> SourceModel:
 
     Raises:
         ModelNotFoundError: nothing at the path.
-        ModelFormatError: malformed input, or weights in a dtype that cannot be read (e.g. int8, fp8).
+        ModelFormatError: malformed input, or weights in a dtype that cannot be read (e.g. int8).
         UnsupportedArchitectureError: a family conversion does not know.
     """
     path = Path(path)
@@ -226,4 +268,6 @@ def open_source(path: str | Path) -> SourceModel:
 
 
 def describe_type(t: int) -> str:
-    return type_name(t)
+    from engine.backends.cpu.fpquant import TYPE_NAMES
+
+    return TYPE_NAMES.get(t) or type_name(t)

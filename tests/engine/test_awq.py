@@ -205,6 +205,12 @@ def test_awq_folder_loads_through_the_autoawq_loader(tmp_path, fmt):
     # Q4_1's m = -s * z is rounded to float16 and the small-batch kernels round activations
     scale = np.abs(want).max()
     assert np.abs(got - want).max() < 1e-2 * scale and np.abs(got - want).mean() < 1e-3 * scale
+    # the folder converts back to a GGUF: every group decoded to float (through its Q4_1 blocks), q/k rows
+    # permuted for GGUF's RoPE as for a float folder
+    back = convert(folder, "F16", tmp_path / "back.gguf").output
+    again = load_model(back).model
+    got = again.forward(tokens, again.new_cache(64), all_logits=True)
+    assert np.abs(got - want).max() < 1e-2 * scale and np.abs(got - want).mean() < 1e-3 * scale
 
 
 def test_awq_gguf_targets_and_names(tmp_path):

@@ -457,6 +457,43 @@ def test_smollm2_fp8_and_nvfp4_folders_load_and_run(smollm2_hf):
     assert len(set(greedy["nvfp4"])) > 2 and base.tokenizer.decode(greedy["nvfp4"]).strip(), greedy
 
 
+def test_fp_folders_convert_back_to_gguf(smollm2_hf, tmp_path):
+    """`hearth convert` reads FP8 (both layouts) and NVFP4 folders: each linear decoded to float32 as the
+    reference decoders decode its tensors, and a GGUF written from them gives the folder's logits."""
+    from engine.convert import convert
+    from engine.loader import load_model
+    from engine.quant.nvfp4 import dequantize_nvfp4
+    from engine.quant.source import open_source
+
+    down = "model.layers.1.mlp.down_proj"
+    tokens = [1, 504, 2512, 6093, 314, 30, 28, 17, 4512]
+    formats = (("fp8", fpquant.FP8_E4M3), ("fp8:block", fpquant.FP8_E4M3_BLOCK), ("nvfp4", fpquant.NVFP4))
+    for fmt, t in formats:
+        folder = _converted(smollm2_hf, fmt)
+        st = open_safetensors(folder / "model.safetensors")
+        codes = np.array(st.array(down + ".weight"))
+        scales = {n: np.array(st.array(n)) for n in st.tensors if n.startswith(down + ".weight_scale")}
+        st.close()
+        if fmt == "fp8":
+            ref = dequantize_fp8(codes, scales[down + ".weight_scale"])
+        elif fmt == "fp8:block":
+            ref = dequantize_fp8_blocks(codes, scales[down + ".weight_scale_inv"])
+        else:
+            g = float(scales[down + ".weight_scale_2"])
+            ref = dequantize_nvfp4(codes, scales[down + ".weight_scale"], g)
+        with open_source(folder) as src:
+            assert src.source_types["blk.1.ffn_down.weight"] == t
+            assert src.shapes["blk.1.ffn_down.weight"] == (576, 1536) == ref.shape
+            np.testing.assert_array_equal(src.tensor("blk.1.ffn_down.weight"), ref)
+        back = load_model(convert(folder, "F16", tmp_path / f"{t}.gguf").output).model
+        model = load_model(folder).model
+        want = model.forward(tokens, model.new_cache(16), all_logits=True)
+        got = back.forward(tokens, back.new_cache(16), all_logits=True)
+        # F16 rounding of the decoded weights (FP8 x a float32 scale needs more than 11 bits)
+        assert np.abs(got - want).max() < 2e-2 * np.abs(want).max(), fmt
+        assert (got.argmax(-1) == want.argmax(-1)).mean() >= 0.8, fmt
+
+
 def _header_dtypes(path: Path) -> dict[str, tuple[str, list]]:
     # read with the `safetensors` package where it can (it has no numpy float8) and by hand otherwise
     safetensors = pytest.importorskip("safetensors")
