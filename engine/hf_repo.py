@@ -40,6 +40,8 @@ _FAMILIES = {
     "qwen3": "qwen3",
     "phi3": "phi3",
     "gemma3_text": "gemma3",
+    "mixtral": "llama",  # llama.cpp's name for Mixtral too: a llama with experts
+    "qwen3_moe": "qwen3moe",
 }
 
 # HF per-layer name -> GGUF per-layer name
@@ -60,7 +62,14 @@ _LAYER_NAMES = {
     "mlp.up_proj.weight": "ffn_up.weight",
     "mlp.down_proj.weight": "ffn_down.weight",
     "mlp.gate_up_proj.weight": "ffn_up.weight",  # gate rows then up rows, as GGUF's phi3 stores it
+    "mlp.gate.weight": "ffn_gate_inp.weight",  # mixture-of-experts routers: Qwen3-MoE, Mixtral
+    "block_sparse_moe.gate.weight": "ffn_gate_inp.weight",
 }
+# experts: HF keeps one tensor per expert, GGUF one (experts, rows, cols) tensor; expert e of GGUF tensor T
+# is named T.e here (HFWeights.experts)
+_EXPERT_RE = re.compile(r"(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight")
+_EXPERT_KIND = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
+_EXPERT_KIND |= {"w1": "gate", "w3": "up", "w2": "down"}  # Mixtral's names
 # Gemma 3 has four norms per layer; HF's post_attention_layernorm is the llama family's ffn_norm
 _GEMMA3_LAYER_NAMES = {
     **_LAYER_NAMES,
@@ -153,6 +162,10 @@ class HFWeights:
         raw = np.ascontiguousarray(array).view(np.uint8)
         return Weight(_DTYPE_TO_GGML[dtype], raw, rows, cols)
 
+    def experts(self, name: str, n: int, rows: int, cols: int) -> list[Weight]:
+        """The n (rows, cols) matrices of GGUF expert tensor `name`, one HF tensor each."""
+        return [self.matrix(f"{name}.{e}", rows, cols) for e in range(n)]
+
     def vector(self, name: str, n: int) -> np.ndarray:
         array, dtype = self._tensor(name)
         if array.shape != (n,):
@@ -174,6 +187,9 @@ def _gguf_name(hf_name: str, layer_names: dict[str, str]) -> str | None:
     m = _LAYER_RE.fullmatch(hf_name)
     if m and m.group(2) in layer_names:
         return f"blk.{m.group(1)}.{layer_names[m.group(2)]}"
+    e = _EXPERT_RE.fullmatch(m.group(2)) if m else None
+    if e and e.group(2) in _EXPERT_KIND:
+        return f"blk.{m.group(1)}.ffn_{_EXPERT_KIND[e.group(2)]}_exps.weight.{e.group(1)}"
     return None
 
 
@@ -252,13 +268,20 @@ def config_from_hf(folder: Path, config: dict) -> LlamaConfig | Gemma3Config:
     ):
         raise UnsupportedArchitectureError(f"{folder}: partial rotary embeddings are not supported yet")
     theta, scaling = _rope_scaling(config)
+    experts = int(config.get("num_experts") or config.get("num_local_experts") or 0)
+    if experts and (config.get("mlp_only_layers") or int(config.get("decoder_sparse_step") or 1) != 1):
+        raise UnsupportedArchitectureError(
+            f"{folder}: mixture-of-experts models with dense layers between the sparse ones "
+            "(mlp_only_layers / decoder_sparse_step) are not supported yet"
+        )
     try:
         heads = int(config["num_attention_heads"])
         hidden = int(config["hidden_size"])
         head_dim = int(config.get("head_dim") or hidden // heads)
+        ff = int(config["moe_intermediate_size" if model_type == "qwen3_moe" else "intermediate_size"])
         return LlamaConfig(
             hidden_size=hidden,
-            intermediate_size=int(config["intermediate_size"]),
+            intermediate_size=ff,
             num_hidden_layers=int(config["num_hidden_layers"]),
             num_attention_heads=heads,
             num_key_value_heads=int(config.get("num_key_value_heads") or heads),
@@ -272,6 +295,10 @@ def config_from_hf(folder: Path, config: dict) -> LlamaConfig | Gemma3Config:
             rope_neox=True,
             rope_scaling=scaling,
             architecture=arch,
+            num_experts=experts,
+            num_experts_per_tok=int(config["num_experts_per_tok"]) if experts else 0,
+            # Mixtral always renormalizes the chosen experts' weights; Qwen3-MoE says so in its config
+            norm_topk_prob=bool(config.get("norm_topk_prob", False)) if model_type == "qwen3_moe" else True,
         )
     except (KeyError, TypeError, ValueError) as e:
         raise ModelFormatError(folder / "config.json", f"missing or invalid hyper-parameter ({e})") from e

@@ -42,15 +42,23 @@ class GGUFWeights:
             )
         return info
 
-    def matrix(self, name: str, rows: int, cols: int) -> Weight:
-        info = self._info(name, (rows, cols))
+    def _weight(self, name: str, shape: tuple[int, ...]) -> Weight:
+        info = self._info(name, shape)
         if info.ggml_type not in cpu.SUPPORTED_TYPES:
             raise ModelFormatError(
                 self.gguf.path,
                 f"tensor {name!r} uses weight type {type_name(info.ggml_type)}, which this version of "
                 f"Hearth cannot compute with yet; pick another quantization (e.g. Q4_0, Q8_0, F16)",
             )
-        return Weight(info.ggml_type, info.raw(), rows, cols)
+        return Weight(info.ggml_type, info.raw(), int(np.prod(shape[:-1])), shape[-1])
+
+    def matrix(self, name: str, rows: int, cols: int) -> Weight:
+        return self._weight(name, (rows, cols))
+
+    def experts(self, name: str, n: int, rows: int, cols: int) -> list[Weight]:
+        """The n (rows, cols) matrices of a (n, rows, cols) expert tensor (row blocks: no copy)."""
+        stacked = self._weight(name, (n, rows, cols))
+        return [stacked.row_block(e * rows, (e + 1) * rows) for e in range(n)]
 
     def vector(self, name: str, n: int) -> np.ndarray:
         info = self._info(name, (n,))

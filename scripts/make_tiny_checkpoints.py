@@ -70,6 +70,20 @@ FAMILIES = {
     "qwen2": (transformers.Qwen2Config, dict(tie_word_embeddings=True), torch.float32, False),
     "qwen3": (transformers.Qwen3Config, dict(tie_word_embeddings=True, head_dim=32), torch.bfloat16, False),
     "phi3": (transformers.Phi3Config, dict(tie_word_embeddings=False, pad_token_id=0), torch.float32, True),
+    # mixture of experts: 4 experts, 2 a token (Qwen3-MoE renormalizes the two's weights, as its releases do)
+    "qwen3moe": (
+        transformers.Qwen3MoeConfig,
+        dict(tie_word_embeddings=False, head_dim=32, num_experts=4, num_experts_per_tok=2,
+             moe_intermediate_size=48, norm_topk_prob=True),
+        torch.bfloat16,
+        False,
+    ),
+    "mixtral": (
+        transformers.MixtralConfig,
+        dict(tie_word_embeddings=False, num_local_experts=4, num_experts_per_tok=2, sliding_window=None),
+        torch.float16,
+        True,
+    ),
     "gemma3": (
         transformers.Gemma3TextConfig,
         dict(

@@ -59,9 +59,11 @@ class Decoder:
     def small_batch_max(self) -> int:
         """The most tokens a forward pass runs through the small-batch kernels rather than dequantize +
         BLAS (ops.small_batch_limit of the layers' matrices)."""
-        return ops.small_batch_limit(
-            [w for layer in self.layers for w in vars(layer).values() if isinstance(w, Weight)]
-        )
+        weights = [w for layer in self.layers for w in vars(layer).values() if isinstance(w, Weight)]
+        for layer in self.layers:  # a mixture-of-experts layer's matrices
+            moe = getattr(layer, "moe", None)
+            weights += moe.weights() if moe is not None else []
+        return ops.small_batch_limit(weights)
 
     def new_cache(self, n_ctx: int, dtype=np.float32) -> KVCache:
         """An empty KV cache for n_ctx positions holding keys and values as dtype (float32 or float16)."""

@@ -1,4 +1,5 @@
-"""Llama family: Llama 2/3, Mistral, SmolLM, Qwen2/3, Phi-3 (GQA, RoPE, RMSNorm, SwiGLU)."""
+"""Llama family: Llama 2/3, Mistral, SmolLM, Qwen2/3, Phi-3 (GQA, RoPE, RMSNorm, SwiGLU), and its
+mixture-of-experts members Mixtral and Qwen3-MoE (engine/arch/moe.py in place of the dense FFN)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import numpy as np
 
 from engine.arch import register
 from engine.arch.base import Decoder, Scratch
+from engine.arch.moe import MoE, load_moe, moe_forward
 from engine.backends import cpu as ops
 from engine.kv_cache import KVCache
 from engine.rope import RopeScaling, rope_inv_freq
@@ -15,7 +17,7 @@ from engine.weights import Weight
 
 # llama.cpp's converter permutes Llama's q/k weights so GGML's "normal" RoPE (adjacent pairs) applies;
 # these families keep HF's half-split ("NeoX") layout instead.
-_NEOX_ROPE = frozenset({"qwen2", "qwen3", "phi3"})
+_NEOX_ROPE = frozenset({"qwen2", "qwen3", "qwen3moe", "phi3"})
 
 
 @dataclass
@@ -36,6 +38,11 @@ class LlamaConfig:
     rope_neox: bool = False
     rope_scaling: RopeScaling = field(default_factory=RopeScaling)
     architecture: str = "llama"
+    # mixture of experts (Mixtral, Qwen3-MoE): experts per layer (0: a dense FFN), experts per token,
+    # whether the chosen experts' weights are renormalized; intermediate_size is then an expert's
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    norm_topk_prob: bool = True
     # derived in __post_init__
     n_rep: int = field(init=False)
     q_dim: int = field(init=False)
@@ -73,9 +80,13 @@ class LlamaConfig:
         )
         if scaling.kind == "linear" and scaling.factor == 1.0:
             scaling = RopeScaling()
+        experts = int(metadata.get(f"{arch}.expert_count", 0))
+        ff = int(key("feed_forward_length", 0)) if arch == "qwen3moe" else int(key("feed_forward_length"))
+        if experts:
+            ff = int(metadata.get(f"{arch}.expert_feed_forward_length", ff))
         return cls(
             hidden_size=hidden,
-            intermediate_size=int(key("feed_forward_length")),
+            intermediate_size=ff,
             num_hidden_layers=int(key("block_count")),
             num_attention_heads=n_heads,
             num_key_value_heads=int(key("attention.head_count_kv", n_heads)),
@@ -88,6 +99,10 @@ class LlamaConfig:
             rope_neox=arch in _NEOX_ROPE,
             rope_scaling=scaling,
             architecture=arch,
+            num_experts=experts,
+            num_experts_per_tok=int(key("expert_used_count")) if experts else 0,
+            # llama.cpp's Mixtral and Qwen3-MoE graphs renormalize; Hearth's converter writes the key
+            norm_topk_prob=bool(metadata.get(f"{arch}.expert_weights_norm", True)),
         )
 
 
@@ -99,14 +114,15 @@ class LlamaLayer:
     wv: Weight  # (kv_dim, hidden)
     wo: Weight  # (hidden, q_dim)
     ffn_norm: np.ndarray  # (hidden,)
-    w_gate: Weight  # (ffn, hidden)
-    w_up: Weight  # (ffn, hidden)
-    w_down: Weight  # (hidden, ffn)
+    w_gate: Weight | None  # (ffn, hidden); None in a mixture-of-experts layer
+    w_up: Weight | None  # (ffn, hidden)
+    w_down: Weight | None  # (hidden, ffn)
     bq: np.ndarray | None = None  # optional QKV biases (Qwen2)
     bk: np.ndarray | None = None
     bv: np.ndarray | None = None
     q_norm: np.ndarray | None = None  # optional per-head RMSNorm of q and k before RoPE (Qwen3), (head_dim,)
     k_norm: np.ndarray | None = None
+    moe: MoE | None = None  # the experts that replace gate/up/down (Mixtral, Qwen3-MoE)
 
 
 def _attention_weights(weights, p: str, q: int, kv: int, d: int) -> tuple[Weight, Weight, Weight]:
@@ -129,7 +145,7 @@ def _ffn_weights(weights, p: str, ff: int, d: int) -> tuple[Weight, Weight]:
     return weights.matrix(p + "ffn_gate.weight", ff, d), weights.matrix(p + "ffn_up.weight", ff, d)
 
 
-@register("llama", "mistral", "qwen2", "qwen3", "phi3")
+@register("llama", "mistral", "qwen2", "qwen3", "qwen3moe", "phi3")
 class LlamaModel(Decoder):
     """A Llama-family decoder over weights that stay in their file format."""
 
@@ -155,7 +171,8 @@ class LlamaModel(Decoder):
                 return weights.vector(p + name, n) if weights.has(p + name) else None
 
             wq, wk, wv = _attention_weights(weights, p, q, kv, d)
-            w_gate, w_up = _ffn_weights(weights, p, ff, d)
+            moe = load_moe(weights, p, cfg.num_experts, ff, d) if cfg.num_experts else None
+            w_gate, w_up = _ffn_weights(weights, p, ff, d) if moe is None else (None, None)
             self.layers.append(
                 LlamaLayer(
                     attn_norm=weights.vector(p + "attn_norm.weight", d),
@@ -166,12 +183,13 @@ class LlamaModel(Decoder):
                     ffn_norm=weights.vector(p + "ffn_norm.weight", d),
                     w_gate=w_gate,
                     w_up=w_up,
-                    w_down=weights.matrix(p + "ffn_down.weight", d, ff),
+                    w_down=weights.matrix(p + "ffn_down.weight", d, ff) if moe is None else None,
                     bq=optional("attn_q.bias", q),
                     bk=optional("attn_k.bias", kv),
                     bv=optional("attn_v.bias", kv),
                     q_norm=optional("attn_q_norm.weight", cfg.head_dim),
                     k_norm=optional("attn_k_norm.weight", cfg.head_dim),
+                    moe=moe,
                 )
             )
         freq_factors = (
@@ -272,6 +290,10 @@ class LlamaModel(Decoder):
             ops.linear(s.o, layer.wo, s.attn)
             s.x += s.o
             ops.rmsnorm(s.h, s.x, layer.ffn_norm, cfg.rms_norm_eps)
+            if layer.moe is not None:
+                moe_forward(s.o, s.h, layer.moe, cfg.num_experts_per_tok, cfg.norm_topk_prob)
+                s.x += s.o
+                continue
             if capture is not None:
                 capture(i, "ffn_up", s.h)
             ops.linear(s.gate, layer.w_gate, s.h)

@@ -65,6 +65,13 @@ def _hparams(arch: str, config: dict, cfg) -> dict[str, Any]:
         if cfg.head_dim != cfg.hidden_size // cfg.num_attention_heads:
             md[f"{a}.attention.key_length"] = cfg.head_dim
             md[f"{a}.attention.value_length"] = cfg.head_dim
+    if getattr(cfg, "num_experts", 0):  # the keys llama.cpp writes for Mixtral ("llama") and Qwen3-MoE
+        md[f"{a}.expert_count"] = cfg.num_experts
+        md[f"{a}.expert_used_count"] = cfg.num_experts_per_tok
+        md[f"{a}.expert_weights_norm"] = bool(cfg.norm_topk_prob)
+        if arch == "qwen3moe":
+            md[f"{a}.expert_feed_forward_length"] = cfg.intermediate_size
+            md[f"{a}.feed_forward_length"] = int(config.get("intermediate_size") or cfg.intermediate_size)
     scaling = cfg.rope_scaling
     if scaling.kind not in ("none", "default", ""):
         md[f"{a}.rope.scaling.type"] = scaling.kind
@@ -195,6 +202,10 @@ def config_json(metadata: dict[str, Any], vocab_size: int, tied: bool) -> dict[s
     if arch not in _HF_MODEL:
         raise ModelFormatError("config.json", f"no Hugging Face layout is known for {arch} models")
     cfg = model_class(arch).config_class.from_gguf(metadata, vocab_size=vocab_size)
+    if getattr(cfg, "num_experts", 0):
+        raise ModelFormatError(
+            "config.json", "exporting mixture-of-experts models to safetensors is not supported yet"
+        )
     cls, model_type = _HF_MODEL[arch]
     out: dict[str, Any] = {
         "architectures": [cls],

@@ -59,8 +59,15 @@ def use_more_bits(i_layer: int, n_layers: int) -> bool:
 
 
 def is_quantizable(name: str, shape: tuple[int, ...]) -> bool:
-    """Matrices ending in "weight" except norms; everything else is stored as F32."""
-    return len(shape) >= 2 and name.endswith("weight") and "_norm.weight" not in name
+    """Matrices ending in "weight" except norms and mixture-of-experts routers (ffn_gate_inp, kept F32
+    as llama.cpp keeps them: small, and a rounded router logit can change which experts run); everything
+    else is stored as F32."""
+    return (
+        len(shape) >= 2
+        and name.endswith("weight")
+        and "_norm.weight" not in name
+        and not name.endswith("ffn_gate_inp.weight")
+    )
 
 
 def fits(ggml_type: int, cols: int) -> bool:

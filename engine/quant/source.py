@@ -13,6 +13,7 @@ llama-family q/k rows are permuted for GGUF's interleaved RoPE, Gemma norms are 
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,7 +28,7 @@ from models.formats.gguf import GGUFFile, open_gguf
 # architectures whose GGUF stores q/k for interleaved (non-NeoX) RoPE: HF rows are permuted on the way in
 PERMUTED_QK = frozenset({"llama"})
 GEMMA_NORM_OFFSET = frozenset({"gemma3"})
-SUPPORTED_ARCHS = frozenset({"llama", "qwen2", "qwen3", "gemma3"})
+SUPPORTED_ARCHS = frozenset({"llama", "qwen2", "qwen3", "qwen3moe", "gemma3"})
 _F32, _F16, _BF16, _Q4_1 = 0, 1, 30, 3
 
 
@@ -168,16 +169,31 @@ def _hf_source(folder: Path) -> SourceModel:
                 "and FP8 / NVFP4 / AWQ linear layers",
             )
 
-    def load(name: str) -> np.ndarray:
+    # mixture of experts: HF's per-expert matrices (HFWeights names T.0, T.1, ...) become GGUF's one
+    # (experts, rows, cols) tensor T
+    stacks: dict[str, list[str]] = {}
+    for g_name in set(names_map) | set(quantized):
+        if _EXPERT_NAME.fullmatch(g_name):
+            stacks.setdefault(g_name.rsplit(".", 1)[0], []).append(g_name)
+    for experts in stacks.values():
+        experts.sort(key=lambda n: int(n.rsplit(".", 1)[1]))
+
+    def load_one(name: str) -> np.ndarray:
         if name in quantized:
-            x = _dequantized(weights, name, *quantized[name][1])
-        else:
-            hf_name = names_map[name]
-            a = st.array(hf_name)
-            if st.tensors[hf_name].dtype == "BF16":
-                x = (a.astype(np.uint32) << 16).view(np.float32)
-            else:
-                x = np.array(a, dtype=np.float32)
+            return _dequantized(weights, name, *quantized[name][1])
+        hf_name = names_map[name]
+        a = st.array(hf_name)
+        if st.tensors[hf_name].dtype == "BF16":
+            return (a.astype(np.uint32) << 16).view(np.float32)
+        return np.array(a, dtype=np.float32)
+
+    def shape_of(name: str) -> tuple[int, ...]:
+        if name in stacks:
+            return (len(stacks[name]), *shape_of(stacks[name][0]))
+        return quantized[name][1] if name in quantized else st.tensors[names_map[name]].shape
+
+    def load(name: str) -> np.ndarray:
+        x = np.stack([load_one(e) for e in stacks[name]]) if name in stacks else load_one(name)
         if arch in PERMUTED_QK and name.endswith("attn_q.weight"):
             x = permute_qk(x, n_head)
         elif arch in PERMUTED_QK and name.endswith("attn_k.weight"):
@@ -186,19 +202,26 @@ def _hf_source(folder: Path) -> SourceModel:
             x = x + np.float32(1.0)
         return np.ascontiguousarray(x)
 
-    order = sorted(set(names_map) | set(quantized), key=_tensor_order)
+    def type_of(name: str) -> int:
+        name = stacks[name][0] if name in stacks else name
+        return quantized[name][0] if name in quantized else dtype_types[st.tensors[names_map[name]].dtype]
+
+    singles = {n for n in set(names_map) | set(quantized) if not _EXPERT_NAME.fullmatch(n)}
+    order = sorted(singles | set(stacks), key=_tensor_order)
     return SourceModel(
         path=folder,
         kind="safetensors",
         architecture=arch,
         metadata=metadata,
         names=order,
-        shapes={n: quantized[n][1] if n in quantized else st.tensors[names_map[n]].shape for n in order},
-        source_types={n: quantized[n][0] if n in quantized else dtype_types[st.tensors[hf].dtype]
-                      for n in order for hf in [names_map.get(n)]},
+        shapes={n: tuple(shape_of(n)) for n in order},
+        source_types={n: type_of(n) for n in order},
         _loader=load,
         _closer=st.close,
     )
+
+
+_EXPERT_NAME = re.compile(r"blk\.\d+\.ffn_\w+_exps\.weight\.\d+")  # HFWeights' name of one expert
 
 
 def _quantized_linears(st, folder: Path, weights) -> dict[str, tuple[int, tuple[int, int]]]:

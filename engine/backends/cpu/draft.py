@@ -369,7 +369,7 @@ class DraftForward:
             return None
         mats = []
         for lay in model.layers:
-            if any(v is not None for v in (lay.bq, lay.bk, lay.bv, lay.q_norm, lay.k_norm)):
+            if any(v is not None for v in (lay.bq, lay.bk, lay.bv, lay.q_norm, lay.k_norm, lay.moe)):
                 return None
             mats.extend(getattr(lay, name) for name in cls._NAMES)
         out = model.output

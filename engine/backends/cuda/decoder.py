@@ -346,6 +346,10 @@ class CudaDecoder:
             )
         self.gemma = isinstance(model, Gemma3Model)
         cfg = self.cfg = model.cfg
+        if getattr(cfg, "num_experts", 0):
+            raise UnsupportedCudaModelError(
+                "mixture-of-experts models (Mixtral, Qwen3-MoE) have no CUDA kernels yet; use --device cpu"
+            )
         if self.gemma and cfg.attn_logit_softcapping is not None:
             raise UnsupportedCudaModelError(
                 "attention logit soft-capping has no CUDA kernel; use --device cpu"

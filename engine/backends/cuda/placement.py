@@ -24,29 +24,38 @@ def place_model(
     Returns:
         the DeviceChoice made (its notice set when CUDA was asked for and is not usable).
 
+    A model the CUDA kernels do not cover (UnsupportedCudaModelError: a weight type without kernels, a
+    mixture-of-experts model, Gemma's soft-capped attention) stays on the CPU, with a notice.
+
     Raises:
-        DeviceSpecError, CudaOutOfMemoryError, UnsupportedCudaModelError, ValueError (gpu_layers < 0).
+        DeviceSpecError, CudaOutOfMemoryError, ValueError (gpu_layers < 0).
     """
     if gpu_layers is not None and gpu_layers < 0:
         raise ValueError(f"gpu_layers must be >= 0, got {gpu_layers}")
+    notify = notify or (lambda text: print(f"hearth: {text}", file=sys.stderr))
     choice = choose_device(spec)
     if choice.notice:
-        (notify or (lambda text: print(f"hearth: {text}", file=sys.stderr)))(choice.notice)
+        notify(choice.notice)
     if choice.device.kind != "cuda":
         return choice
     if gpu_layers == 0:  # CUDA works, but no layer is asked to go there
         return DeviceChoice(Device("cpu"))
+    from engine.backends.cuda.decoder import CudaDecoder, UnsupportedCudaModelError
+
     n_all = lm.model.cfg.num_hidden_layers
-    if gpu_layers is None or gpu_layers >= n_all:
-        from engine.backends.cuda.decoder import CudaDecoder
+    try:
+        if gpu_layers is None or gpu_layers >= n_all:
+            lm.model = CudaDecoder(lm.model, device=choice.device.index, n_ctx=n_ctx, progress=progress)
+        else:
+            from engine.backends.cuda.hybrid import HybridDecoder
 
-        lm.model = CudaDecoder(lm.model, device=choice.device.index, n_ctx=n_ctx, progress=progress)
-    else:
-        from engine.backends.cuda.hybrid import HybridDecoder
-
-        lm.model = HybridDecoder(
-            lm.model, gpu_layers, device=choice.device.index, n_ctx=n_ctx, progress=progress
-        )
+            lm.model = HybridDecoder(
+                lm.model, gpu_layers, device=choice.device.index, n_ctx=n_ctx, progress=progress
+            )
+    except UnsupportedCudaModelError as e:  # a model the kernels do not cover runs where it can
+        notice = str(e).removesuffix("; use --device cpu") + "; running on the CPU instead"
+        notify(notice)
+        return DeviceChoice(Device("cpu"), notice)
     return choice
 
 

@@ -1,0 +1,75 @@
+"""Mixture-of-experts feed-forward blocks (Mixtral, Qwen3-MoE): a router picks k experts per token.
+
+out[t] = sum over the k experts e with the largest router logits of w[t, e] * down_e(silu(gate_e h) * up_e h)
+with w = softmax over all experts' logits, taken at the chosen ones and (norm_topk_prob) renormalized to
+sum 1, as transformers computes it (Mixtral's "softmax over the top k" is the same numbers).
+
+Each expert is an ordinary weight matrix (a row block of the file's (experts, rows, cols) tensor, still
+in its quantized format), so every weight type the engine computes with works here. Tokens are grouped by
+expert: an expert's three matrices run once on all the tokens routed to it (decode: k experts of one
+token; prefill: each expert on its share of the prompt), and only chosen experts' pages are read.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from engine.backends import cpu as ops
+from engine.weights import Weight
+
+
+@dataclass
+class MoE:
+    """A layer's experts: router (experts, hidden); per expert gate, up (ff, hidden) and down (hidden, ff)."""
+
+    router: Weight
+    gate: list[Weight]
+    up: list[Weight]
+    down: list[Weight]
+
+    def weights(self) -> list[Weight]:
+        return [self.router, *self.gate, *self.up, *self.down]
+
+
+def load_moe(weights, p: str, n_experts: int, ff: int, d: int) -> MoE:
+    """The experts of layer prefix p ("blk.N.") from a weight source with matrix() and experts()."""
+    return MoE(
+        router=weights.matrix(p + "ffn_gate_inp.weight", n_experts, d),
+        gate=weights.experts(p + "ffn_gate_exps.weight", n_experts, ff, d),
+        up=weights.experts(p + "ffn_up_exps.weight", n_experts, ff, d),
+        down=weights.experts(p + "ffn_down_exps.weight", n_experts, d, ff),
+    )
+
+
+def route(logits: np.ndarray, k: int, normalize: bool) -> tuple[np.ndarray, np.ndarray]:
+    """(experts (n, k) int64, weights (n, k) float32) from router logits (n, experts): the k largest
+    logits of each token (ties: the lower index first) and their softmax probabilities."""
+    top = np.argsort(-logits, axis=1, kind="stable")[:, :k]
+    z = logits - logits.max(axis=1, keepdims=True)
+    p = np.exp(z, dtype=np.float32)
+    chosen = np.take_along_axis(p, top, axis=1)
+    total = chosen.sum(axis=1, keepdims=True) if normalize else p.sum(axis=1, keepdims=True)
+    return top, (chosen / total).astype(np.float32)
+
+
+def moe_forward(out: np.ndarray, h: np.ndarray, moe: MoE, k: int, normalize: bool) -> None:
+    """out (n, hidden) = the MoE block applied to the normed hidden states h (n, hidden)."""
+    n = h.shape[0]
+    logits = np.empty((n, len(moe.gate)), np.float32)
+    ops.linear(logits, moe.router, h)
+    experts, w = route(logits, k, normalize)
+    out[:] = 0.0
+    ff = moe.gate[0].rows
+    for e in np.unique(experts):
+        rows, slot = np.nonzero(experts == e)
+        x = h if n == 1 else np.ascontiguousarray(h[rows])
+        gate = np.empty((len(rows), ff), np.float32)
+        up = np.empty((len(rows), ff), np.float32)
+        ops.linear(gate, moe.gate[e], x)
+        ops.linear(up, moe.up[e], x)
+        ops.silu_mul(gate, gate, up)
+        y = np.empty((len(rows), out.shape[1]), np.float32)
+        ops.linear(y, moe.down[e], gate)
+        out[rows] += w[rows, slot][:, None] * y
