@@ -56,7 +56,13 @@ class GGUFWeights:
         return self._weight(name, (rows, cols))
 
     def experts(self, name: str, n: int, rows: int, cols: int) -> list[Weight]:
-        """The n (rows, cols) matrices of a (n, rows, cols) expert tensor (row blocks: no copy)."""
+        """The n (rows, cols) matrices of a (n, rows, cols) expert tensor (row blocks: no copy), or of
+        the one tensor per expert that GGUF files from before llama.cpp merged them hold (Mixtral GGUFs of
+        early 2024: blk.N.ffn_gate.E.weight for blk.N.ffn_gate_exps.weight)."""
+        if name not in self.gguf.tensors:
+            old = name.replace("_exps.weight", ".{}.weight")
+            if old.format(0) in self.gguf.tensors:
+                return [self._weight(old.format(e), (rows, cols)) for e in range(n)]
         stacked = self._weight(name, (n, rows, cols))
         return [stacked.row_block(e * rows, (e + 1) * rows) for e in range(n)]
 

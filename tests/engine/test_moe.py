@@ -179,3 +179,35 @@ def test_moe_with_dense_layers_between_is_refused(tmp_path):
     (tmp_path / "m" / "config.json").write_text(json.dumps(config))
     with pytest.raises(UnsupportedArchitectureError, match="mlp_only_layers"):
         load_model(tmp_path / "m")
+
+
+def test_mixtral_gguf_with_one_tensor_per_expert(ggufs, tmp_path):
+    """GGUF files from before llama.cpp merged the experts (early Mixtral uploads) hold one tensor per
+    expert, blk.N.ffn_gate.E.weight: the same model."""
+    from engine.quant.gguf_writer import GGUFWriter
+
+    src = open_gguf(ggufs["mixtral", "Q8_0"])
+    specs, data = [], {}
+    for name, t in src.tensors.items():
+        if "_exps." in name:
+            rows = t.raw().reshape(t.shape[0], -1, t.raw().shape[1])
+            for e in range(t.shape[0]):
+                split = name.replace("_exps.weight", f".{e}.weight")
+                specs.append((split, t.ggml_type, tuple(t.shape[1:])))
+                data[split] = rows[e]
+        else:
+            specs.append((name, t.ggml_type, tuple(t.shape)))
+            data[name] = t.raw()
+    path = tmp_path / "split.gguf"
+    with open(path, "wb") as fh:
+        w = GGUFWriter(fh, dict(src.metadata), specs)
+        w.write_header()
+        for name, _, _ in specs:
+            w.write_tensor(name, np.ascontiguousarray(data[name]).reshape(-1))
+        w.finish()
+    src.close()
+    assert "blk.0.ffn_down.3.weight" in open_gguf(path).tensors
+    tokens = _golden("mixtral")["tokens"]
+    a, b = load_model(path).model, load_model(ggufs["mixtral", "Q8_0"]).model
+    got = a.forward(tokens, a.new_cache(32), all_logits=True)
+    np.testing.assert_array_equal(got, b.forward(tokens, b.new_cache(32), all_logits=True))
