@@ -608,36 +608,30 @@ FMV_KERNELS(nvfp4, NVFP4_PARAMS,
             (out, w0, w1, w2, s0, s1, s2, g0, g1, g2, rows0, rows1, rows2, cols, x, x2, nw, eps, prologue,
              accumulate, B, ldx, ldo))
 
-// out (n, cols) float32 or float16 bits = rows (ids[i] or r0 + i) of an FP8 weight, times scale
-extern "C" __global__ void dequant_fp8(void* __restrict__ out, const uchar* __restrict__ w,
-                                       const float* __restrict__ ws, const int* __restrict__ ids, int r0,
-                                       int n, int cols, int half_out, float scale) {
+// out (n, cols) float32 or float16 bits = rows (ids[i] or r0 + i) of an FP8 weight, times scale; ws: the row
+// scales (rows,), or BLOCKS (block-wise FP8) (rows, ceil(cols/128)), a scale per row and 128 columns
+#define DEQUANT_FP_PARAMS                                                                              \
+    (void* __restrict__ out, const uchar* __restrict__ w, const float* __restrict__ ws,                 \
+     const int* __restrict__ ids, int r0, int n, int cols, int half_out, float scale)
+template <bool BLOCKS>
+__device__ __forceinline__ void dequant_fp8_rows DEQUANT_FP_PARAMS {
     int units = cols >> 5;
     long long row;
     int u;
     bool ok = dequant_item(n, units, ids, r0, &row, &u);
-    float v[32], row_scale = 0.f;
+    float v[32], s = 0.f;
     if (ok) {
         dec_fp8(w + row * cols + 32 * u, v);
-        row_scale = ws[row];
+        int per_row = (units + FP8_COL_UNITS - 1) / FP8_COL_UNITS;
+        s = BLOCKS ? ws[row * per_row + u / FP8_COL_UNITS] : ws[row];
     }
-    store_staged(out, (long long)n * units, v, row_scale * E4M3_UNIT * scale, half_out, ok);
+    store_staged(out, (long long)n * units, v, s * E4M3_UNIT * scale, half_out, ok);
 }
-
-// the same for block-wise FP8 (ws: (rows, ceil(cols/128)) float32, a scale per row and 128 columns)
-extern "C" __global__ void dequant_fp8b(void* __restrict__ out, const uchar* __restrict__ w,
-                                        const float* __restrict__ ws, const int* __restrict__ ids, int r0,
-                                        int n, int cols, int half_out, float scale) {
-    int units = cols >> 5;
-    long long row;
-    int u;
-    bool ok = dequant_item(n, units, ids, r0, &row, &u);
-    float v[32], block_scale = 0.f;
-    if (ok) {
-        dec_fp8(w + row * cols + 32 * u, v);
-        block_scale = ws[row * ((units + FP8_COL_UNITS - 1) / FP8_COL_UNITS) + u / FP8_COL_UNITS];
-    }
-    store_staged(out, (long long)n * units, v, block_scale * E4M3_UNIT * scale, half_out, ok);
+extern "C" __global__ void dequant_fp8 DEQUANT_FP_PARAMS {
+    dequant_fp8_rows<false>(out, w, ws, ids, r0, n, cols, half_out, scale);
+}
+extern "C" __global__ void dequant_fp8b DEQUANT_FP_PARAMS {
+    dequant_fp8_rows<true>(out, w, ws, ids, r0, n, cols, half_out, scale);
 }
 
 // the same for NVFP4 (ws: block scales); scale carries the global scale
