@@ -40,19 +40,19 @@ class _Relay(QObject):
     formats = Signal(object, object)  # list[QuantChoice], quant report | None
 
 
-def output_path(source: Path, name: str, param: str | None, folder: Path) -> Path:
-    """Where the converted model goes: the library folder, named after the source and the format."""
+def output_path(source: Path, name: str, param: str | None, folder: Path, container: str = "gguf") -> Path:
+    """Where the converted model goes: the library folder, named after the source and the format (a
+    .gguf file, or a folder for the formats whose container is safetensors)."""
     stem = source.name[: -len(".gguf")] if source.name.endswith(".gguf") else source.name
     for old in ("Q4_1", "Q4_K_M", "Q8_0", "F16", "BF16", "F32", "Q4_0", "Q5_K_M", "Q6_K"):
         for sep in (".", "-"):
             if stem.upper().endswith(sep + old):
                 stem = stem[: -len(old) - 1]
                 break
-    tag = name + (f"-{param}" if param else "")
+    tag = name.replace(":", "-") + (f"-{param}" if param else "")
     if name.lower() == "safetensors":
         return folder / f"{stem}-hf"
-    suffix = ".gguf" if name.lower() not in ("awq", "fp8", "nvfp4") else ""
-    return folder / f"{stem}.{tag}{suffix}"
+    return folder / f"{stem}.{tag}{'.gguf' if container == 'gguf' else ''}"
 
 
 def unique(path: Path) -> Path:
@@ -226,7 +226,7 @@ class ConvertDialog(QDialog):
         c, spec = self.selected(), self.format_spec()
         if c is None or spec is None:
             return None
-        return unique(output_path(self.source, c.name, spec[1], self.folder))
+        return unique(output_path(self.source, c.name, spec[1], self.folder, c.container))
 
     @Slot(int, int, int, int)
     def _on_selected(self, *_args) -> None:

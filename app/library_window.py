@@ -273,6 +273,7 @@ class LibraryWindow(QWidget):
             ("Chat with it", self.use_selected),
             ("Convert…", self.convert_selected),
             ("Import…", self.import_file),
+            ("Import folder…", self.import_folder),
             ("Show in folder", self.show_selected),
             ("Delete…", self.delete_selected),
         ):
@@ -328,10 +329,22 @@ class LibraryWindow(QWidget):
             QDesktopServices.openUrl(QUrl.fromLocalFile(str(Path(sel[1]).parent)))
 
     def import_file(self, path: str | None = None) -> None:
+        """Index a .gguf file in place (a file dialog when path is None)."""
         if path is None:
             path, _ = QFileDialog.getOpenFileName(self, "Import a model", str(Path.home()), "GGUF (*.gguf)")
             if not path:
                 return
+        self._import(path)
+
+    def import_folder(self, path: str | None = None) -> None:
+        """Index a Hugging Face model folder (config.json, safetensors, tokenizer.json) in place."""
+        if path is None:
+            path = QFileDialog.getExistingDirectory(self, "Import a model folder", str(Path.home()))
+            if not path:
+                return
+        self._import(path)
+
+    def _import(self, path: str) -> None:
         from models.library import Library
 
         try:

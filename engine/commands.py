@@ -185,12 +185,16 @@ def cmd_chat(args) -> int:
 
 
 def cmd_tokenize(args) -> int:
+    from engine.hf_repo import folder_tokenizer, is_hf_repo
     from engine.tokenizer import Tokenizer
     from models.formats.gguf import open_gguf
 
     path = resolve_model(args.model, progress=_download_progress)
-    with open_gguf(path) as gguf:
-        tokenizer = Tokenizer.from_gguf_metadata(gguf.metadata)
+    if is_hf_repo(path):  # the folder's own tokenizer files, no weights mapped
+        tokenizer, _ = folder_tokenizer(path)
+    else:
+        with open_gguf(path) as gguf:
+            tokenizer = Tokenizer.from_gguf_metadata(gguf.metadata)
     ids = tokenizer.encode(args.text, add_special=args.special)
     if args.json:
         print(json.dumps({"ids": ids}))

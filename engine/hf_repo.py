@@ -390,17 +390,20 @@ def chat_template_source(tok_config: dict) -> str | None:
     return template if isinstance(template, str) else None
 
 
+def folder_tokenizer(folder: Path) -> tuple[Tokenizer, dict]:
+    """(the folder's tokenizer, its tokenizer_config.json or {}), from its own files."""
+    tok_path, gen_path = folder / "tokenizer_config.json", folder / "generation_config.json"
+    tok_config = read_json(tok_path) if tok_path.exists() else {}
+    gen_config = read_json(gen_path) if gen_path.exists() else {}
+    return tokenizer_from_hf(folder, tok_config, gen_config), tok_config
+
+
 def open_hf_repo(folder: Path):
     """Map a Hugging Face folder. Returns (config, weights, tokenizer, template source, metadata, nbytes)."""
     config = read_json(folder / "config.json")
     cfg = config_from_hf(folder, config)
     st = open_safetensors_repo(folder)
-    tok_config = (
-        read_json(folder / "tokenizer_config.json") if (folder / "tokenizer_config.json").exists() else {}
-    )
-    gen_path = folder / "generation_config.json"
-    gen_config = read_json(gen_path) if gen_path.exists() else {}
-    tokenizer = tokenizer_from_hf(folder, tok_config, gen_config)
+    tokenizer, tok_config = folder_tokenizer(folder)
     metadata = {
         "general.architecture": cfg.architecture,
         "general.name": folder.name,

@@ -101,6 +101,12 @@ def kv_shape_from_gguf(metadata: dict[str, Any], path: str = "model") -> KVShape
     return KVShape(layers, kv_heads, head_dim, hidden, trained)
 
 
+def kv_shape_from_config(cfg) -> KVShape:
+    """The same from an architecture config (engine.arch: a Hugging Face folder's config.json, read)."""
+    layers, kv_heads, trained = cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.max_position_embeddings
+    return KVShape(layers, kv_heads, cfg.head_dim, cfg.hidden_size, trained)
+
+
 def available_bytes() -> int:
     """Memory the OS can give us now without swapping (psutil's `available`)."""
     import psutil

@@ -110,11 +110,10 @@ class ChatRunner:
 
         path = resolve_model(str(spec), progress=download)
         progress(LoadProgress("check", 0.5, "estimating memory"))
-        with open_gguf(path) as gguf:
-            shape = memory_guard.kv_shape_from_gguf(gguf.metadata, str(path))
+        weights_bytes, shape = _model_shape(path)
         available = memory_guard.available_bytes() if available is None else available
         estimate = memory_guard.check(
-            path.stat().st_size, shape, options.n_ctx, options.batch_size, available,
+            weights_bytes, shape, options.n_ctx, options.batch_size, available,
             options.kv_numpy_dtype.itemsize, gpu_layers_planned(options, shape.n_layers),
         )
         for warning in estimate.warnings:
@@ -329,6 +328,18 @@ class ChatRunner:
         finally:
             if reuse and self.store is not None and cache.offset:
                 self.store.insert(cache)
+
+
+def _model_shape(path: Path) -> tuple[int, memory_guard.KVShape]:
+    """(bytes of weights, KV shape) of a GGUF file or a Hugging Face folder, for the memory check."""
+    from engine.hf_repo import config_from_hf, is_hf_repo, read_json
+
+    if is_hf_repo(path):
+        cfg = config_from_hf(path, read_json(path / "config.json"))
+        weights = sum(f.stat().st_size for f in path.glob("*.safetensors"))
+        return weights, memory_guard.kv_shape_from_config(cfg)
+    with open_gguf(path) as gguf:
+        return path.stat().st_size, memory_guard.kv_shape_from_gguf(gguf.metadata, str(path))
 
 
 def _continues(messages: Sequence[dict]) -> bool:

@@ -142,3 +142,7 @@ def test_output_names():
     )
     assert output_path(Path("/x/m-F16.gguf"), "mixed", "4.5", folder) == Path("/lib/m.mixed-4.5.gguf")
     assert output_path(Path("/x/m.gguf"), "safetensors", None, folder) == Path("/lib/m-hf")
+    # safetensors-container formats are folders; a colon in the format's name does not reach the file name
+    assert output_path(Path("/x/m"), "fp8:block", None, folder, "safetensors") == Path("/lib/m.fp8-block")
+    assert output_path(Path("/x/m.gguf"), "int4:g64", None, folder, "safetensors") == Path("/lib/m.int4-g64")
+    assert output_path(Path("/x/m.gguf"), "awq:q4_0", None, folder, "gguf") == Path("/lib/m.awq-q4_0.gguf")

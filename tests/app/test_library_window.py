@@ -54,3 +54,34 @@ def test_search_download_use_and_delete(qtbot, server):
     assert win.local.count() == 0
     win.shutdown()
     downloads.close()
+
+
+def test_import_a_hugging_face_folder_and_chat_with_it(qtbot, tmp_path, monkeypatch):
+    """Import folder… indexes a safetensors folder in place; "Chat with it" hands its path to the app (the
+    engine loads folders as it loads GGUF files); a folder that is no model is refused with a message."""
+    import shutil
+    from pathlib import Path
+
+    from app import library_window
+
+    folder = tmp_path / "Tiny-Qwen3-MoE"
+    shutil.copytree(Path(__file__).resolve().parents[1] / "fixtures" / "tiny" / "qwen3moe", folder)
+    win = LibraryWindow(Settings())
+    qtbot.addWidget(win)
+    with qtbot.waitSignal(win.localChanged, timeout=10000):
+        win.import_folder(str(folder))
+    def rows():
+        return [i for i in range(win.local.count()) if "Tiny-Qwen3-MoE" in win.local.item(i).text()]
+
+    qtbot.waitUntil(lambda: bool(rows()))
+    row = rows()[0]
+    win.local.setCurrentRow(row)
+    with qtbot.waitSignal(win.useModel) as used:
+        win.use_selected()
+    assert Path(used.args[0]) == folder, used.args
+    warnings = []
+    monkeypatch.setattr(library_window.QMessageBox, "warning", lambda *a: warnings.append(a[2]))
+    (tmp_path / "empty").mkdir()
+    win.import_folder(str(tmp_path / "empty"))
+    assert warnings and "empty" in warnings[0]
+    win.shutdown()

@@ -68,6 +68,15 @@ def test_seeded_sampling_is_reproducible(capsys, smollm2_path):
     assert first["ids"] == second["ids"] and len(first["ids"]) == 12
 
 
+def test_tokenize_a_hugging_face_folder(capsys):
+    from engine.loader import load_model
+
+    folder = Path(__file__).resolve().parents[1] / "fixtures" / "tiny" / "qwen3"
+    text = "the cat <|im_start|>"
+    want = load_model(folder).tokenizer.encode(text, add_special=False)
+    assert _json_out(capsys, ["tokenize", "-m", str(folder), "--json", text]) == {"ids": want}
+
+
 def test_tokenize_json(capsys, smollm2_path):
     golden = json.loads((GOLDENS / "smollm2_tokens.json").read_text())
     text, ids = golden["texts"][0], golden["ids"][0]

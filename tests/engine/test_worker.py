@@ -105,3 +105,28 @@ def test_load_compiles_the_prefill_path_only_for_a_cold_kernel_cache(smollm2_pat
     runner = worker.ChatRunner.load(smollm2_path, LoadOptions(n_ctx=256, prefix_cache_mb=0))
     # a warm cache keeps the load short; a cold one compiles what a long first prompt needs, at load
     assert passes == ([2, 1, runner.lm.model.small_batch_max + 1] if cold else [2, 1])
+
+
+def test_a_hugging_face_folder_loads_and_chats_like_a_gguf(tmp_path):
+    """The app and `hearth serve` load through ChatRunner.load: a safetensors folder (here the tiny
+    Qwen3-MoE checkpoint) gets its memory check from config.json and the safetensors sizes, then chats
+    with KV reuse; too little memory is refused before anything is mapped."""
+    from pathlib import Path
+
+    from engine.memory_guard import InsufficientMemoryError
+    from engine.worker import ChatRunner
+
+    folder = Path(__file__).resolve().parents[1] / "fixtures" / "tiny" / "qwen3moe"
+    options = LoadOptions(n_ctx=128, batch_size=32, prefix_cache_mb=0)
+    with pytest.raises(InsufficientMemoryError):
+        ChatRunner.load(folder, options, available=1 << 20)
+    runner = ChatRunner.load(folder, options)
+    assert runner.lm.model.layers[0].moe is not None
+    params = GenerationParams(max_tokens=5, temperature=0.0)
+    messages = [{"role": "user", "content": "the"}]
+    first = list(runner.chat(messages, params))[-1]
+    assert first.generated_tokens == 5 and first.cached_tokens == 0
+    reply = "".join(e.text for e in runner.chat(messages, params))
+    turn2 = [*messages, {"role": "assistant", "content": reply}, *messages]
+    again = list(runner.chat(turn2, params))[-1]
+    assert again.cached_tokens > 0 and again.generated_tokens == 5
