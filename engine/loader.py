@@ -55,6 +55,10 @@ class GGUFWeights:
     def matrix(self, name: str, rows: int, cols: int) -> Weight:
         return self._weight(name, (rows, cols))
 
+    def expert_stack(self, name: str, n: int, rows: int, cols: int) -> Weight | None:
+        """The (n * rows, cols) weight of a merged expert tensor; None for one tensor per expert."""
+        return self._weight(name, (n, rows, cols)) if name in self.gguf.tensors else None
+
     def experts(self, name: str, n: int, rows: int, cols: int) -> list[Weight]:
         """The n (rows, cols) matrices of a (n, rows, cols) expert tensor (row blocks: no copy), or of
         the one tensor per expert that GGUF files from before llama.cpp merged them hold (Mixtral GGUFs of

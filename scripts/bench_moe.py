@@ -5,9 +5,11 @@
 Writes two GGUF files with random Q4_0 weights in Qwen3-30B-A3B's layer shape (hidden 2048, 32 query
 and 4 kv heads of 128, 128 experts of 768, 8 a token) and a dense twin whose FFN has 8 x 768 = 6144 rows
 (the same weights a token reads), both `--layers` deep with the tokenizer of the tiny Qwen3-MoE test
-checkpoint, then prints one JSON line each: decode ms a token, ms a layer, file size. The ratio of the two
-is what routing and running experts one by one cost over one dense FFN of the same active size; the MoE
-file holds 16x the FFN weights, so it also shows that untouched experts cost nothing but disk.
+checkpoint, then prints one JSON line each: decode ms a token, ms a layer, file size; the MoE model twice,
+with its merged expert tensors (cpu.linear_experts: each of gate, up, down one pass for the k experts)
+and expert by expert. The ratio to the dense twin is what routing and small expert matrices cost over one
+dense FFN of the same active size; the MoE file holds 16x the FFN weights, so it also shows that
+untouched experts cost nothing but disk.
 """
 
 from __future__ import annotations
@@ -91,8 +93,11 @@ def write_model(path: Path, base_md: dict, layers: int, moe: bool, seed: int = 0
         w.finish()
 
 
-def decode_ms(path: Path, tokens: int) -> float:
+def decode_ms(path: Path, tokens: int, merged: bool = True) -> float:
     m = load_model(path).model
+    if not merged:  # the expert-by-expert path (what Hugging Face folders and float experts run)
+        for layer in m.layers:
+            layer.moe.stacks = None
     cache = m.new_cache(tokens + 16)
     m.forward(list(range(3, 11)), cache)
     for t in range(3):  # warm up: compile and page in
@@ -117,11 +122,13 @@ def main() -> int:
         g = open_gguf(tiny)
         base = dict(g.metadata)
         g.close()
-        for moe in (True, False):
+        for moe, merged in ((True, True), (True, False), (False, True)):
             path = tmp / ("moe.gguf" if moe else "dense.gguf")
-            write_model(path, base, args.layers, moe)
-            ms = decode_ms(path, args.tokens)
+            if not path.exists():
+                write_model(path, base, args.layers, moe)
+            ms = decode_ms(path, args.tokens, merged)
             name = "moe 128x768, 8 a token" if moe else "dense ff 6144"
+            name += "" if merged else ", expert by expert"
             print(json.dumps({"model": name, "layers": args.layers, "decode_ms_per_token": round(ms, 2),
                               "ms_per_layer": round(ms / args.layers, 3),
                               "file_mb": round(path.stat().st_size / 1e6, 1)}))

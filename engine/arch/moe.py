@@ -6,8 +6,10 @@ sum 1, as transformers computes it (Mixtral's "softmax over the top k" is the sa
 
 Each expert is an ordinary weight matrix (a row block of the file's (experts, rows, cols) tensor, still
 in its quantized format), so every weight type the engine computes with works here. Tokens are grouped by
-expert: an expert's three matrices run once on all the tokens routed to it (decode: k experts of one
-token; prefill: each expert on its share of the prompt), and only chosen experts' pages are read.
+expert: an expert's three matrices run once on all the tokens routed to it (prefill: each expert on its
+share of the prompt), and only chosen experts' pages are read. A one-token step over a GGUF's merged
+expert tensors runs the k experts' gate, up and down matrices as one pass each (cpu.linear_experts),
+with the bits the expert-by-expert path gives.
 """
 
 from __future__ import annotations
@@ -28,19 +30,28 @@ class MoE:
     gate: list[Weight]
     up: list[Weight]
     down: list[Weight]
+    # the merged (experts * rows, cols) tensors the experts are row blocks of, when the file has them and
+    # cpu.linear_experts takes their types (GGUF); None: expert by expert
+    stacks: tuple[Weight, Weight, Weight] | None = None
 
     def weights(self) -> list[Weight]:
         return [self.router, *self.gate, *self.up, *self.down]
 
 
 def load_moe(weights, p: str, n_experts: int, ff: int, d: int) -> MoE:
-    """The experts of layer prefix p ("blk.N.") from a weight source with matrix() and experts()."""
-    return MoE(
+    """The experts of layer prefix p ("blk.N.") from a weight source with matrix() and experts() (and
+    expert_stack(), where the source keeps merged expert tensors)."""
+    shapes = {"gate": (ff, d), "up": (ff, d), "down": (d, ff)}
+    moe = MoE(
         router=weights.matrix(p + "ffn_gate_inp.weight", n_experts, d),
-        gate=weights.experts(p + "ffn_gate_exps.weight", n_experts, ff, d),
-        up=weights.experts(p + "ffn_up_exps.weight", n_experts, ff, d),
-        down=weights.experts(p + "ffn_down_exps.weight", n_experts, d, ff),
+        **{k: weights.experts(f"{p}ffn_{k}_exps.weight", n_experts, *s) for k, s in shapes.items()},
     )
+    stacker = getattr(weights, "expert_stack", None)
+    if stacker is not None:
+        stacks = tuple(stacker(f"{p}ffn_{k}_exps.weight", n_experts, *s) for k, s in shapes.items())
+        if all(w is not None and ops.gathers_experts(w) for w in stacks):
+            moe.stacks = stacks
+    return moe
 
 
 def route(logits: np.ndarray, k: int, normalize: bool) -> tuple[np.ndarray, np.ndarray]:
@@ -60,6 +71,9 @@ def moe_forward(out: np.ndarray, h: np.ndarray, moe: MoE, k: int, normalize: boo
     logits = np.empty((n, len(moe.gate)), np.float32)
     ops.linear(logits, moe.router, h)
     experts, w = route(logits, k, normalize)
+    if n == 1 and moe.stacks is not None:
+        _one_token(out, h, moe, experts[0], w[0])
+        return
     out[:] = 0.0
     ff = moe.gate[0].rows
     for e in np.unique(experts):
@@ -73,3 +87,20 @@ def moe_forward(out: np.ndarray, h: np.ndarray, moe: MoE, k: int, normalize: boo
         y = np.empty((len(rows), out.shape[1]), np.float32)
         ops.linear(y, moe.down[e], gate)
         out[rows] += w[rows, slot][:, None] * y
+
+
+def _one_token(out: np.ndarray, h: np.ndarray, moe: MoE, experts: np.ndarray, w: np.ndarray) -> None:
+    # one token's k experts over the merged tensors: gate, up and down each one pass (cpu.linear_experts)
+    gate_all, up_all, down_all = moe.stacks
+    ff, d = moe.gate[0].rows, out.shape[1]
+    k = len(experts)
+    gate = np.empty((k, ff), np.float32)
+    up = np.empty((k, ff), np.float32)
+    ops.linear_experts(gate, gate_all, h, experts * ff, ff)
+    ops.linear_experts(up, up_all, h, experts * ff, ff)
+    ops.silu_mul(gate, gate, up)
+    y = np.empty((k, d), np.float32)
+    ops.linear_experts(y, down_all, gate, experts * d, d)
+    out[:] = 0.0
+    for j in np.argsort(experts):  # the grouped path's sum, in its order (experts by id): the same bits
+        out[0] += w[j] * y[j]

@@ -211,3 +211,49 @@ def test_mixtral_gguf_with_one_tensor_per_expert(ggufs, tmp_path):
     a, b = load_model(path).model, load_model(ggufs["mixtral", "Q8_0"]).model
     got = a.forward(tokens, a.new_cache(32), all_logits=True)
     np.testing.assert_array_equal(got, b.forward(tokens, b.new_cache(32), all_logits=True))
+
+
+@pytest.mark.parametrize("t", sorted(cpu.experts.GATHER_TYPES))
+def test_linear_experts_gives_each_expert_its_own_matvec_bits(t):
+    """k experts of a stacked tensor in one pass, with one shared input and with one input each: the
+    bits cpu.linear gives on each expert alone (the same dot kernel on the same int16 activations)."""
+    import gguf
+
+    from tests.engine.test_cpu_kernels import make_weight
+
+    rng = np.random.default_rng(t)
+    n_experts, rows, cols = 6, 10, 256  # 10 rows: two groups of four and a clamped tail
+    stack, _ = make_weight(gguf.GGMLQuantizationType(t), n_experts * rows, cols, rng)
+    chosen = np.array([4, 1, 5])
+    for n_x in (1, 3):
+        x = rng.standard_normal((n_x, cols)).astype(np.float32)
+        out = np.full((3, rows), np.nan, np.float32)
+        cpu.linear_experts(out, stack, x, chosen * rows, rows)
+        for j, e in enumerate(chosen):
+            one = np.empty((1, rows), np.float32)
+            cpu.linear(one, stack.row_block(e * rows, (e + 1) * rows), x[j % n_x : j % n_x + 1])
+            np.testing.assert_array_equal(out[j], one[0])
+    with pytest.raises(ValueError, match="outside"):
+        cpu.linear_experts(out, stack, x, np.array([0, 1, 6]) * rows, rows)
+
+
+def test_one_token_over_merged_experts_keeps_the_expert_by_expert_bits(ggufs):
+    """Mixtral's Q8_0 experts go through cpu.linear_experts a step at a time: the logits of the expert-by-
+    expert path bit for bit, and a 3-token pass (a speculative verify) gives each token what decode gives."""
+    fast, slow = (load_model(ggufs["mixtral", "Q8_0"]).model for _ in range(2))
+    assert all(layer.moe.stacks is not None for layer in fast.layers)
+    for layer in slow.layers:
+        layer.moe.stacks = None
+    prompt, steps = [5, 17, 42, 99, 3], [250, 77, 1]
+    caches = [m.new_cache(16) for m in (fast, slow, fast)]
+    for m, cache in zip((fast, slow), caches, strict=False):
+        m.forward(prompt, cache)
+    decoded = []
+    for tok in steps:
+        a = fast.forward([tok], caches[0]).copy()
+        np.testing.assert_array_equal(a, slow.forward([tok], caches[1]))
+        decoded.append(a[0])
+    fast.forward(prompt, caches[2])
+    np.testing.assert_array_equal(fast.forward(steps, caches[2], all_logits=True), np.array(decoded))
+    # Qwen's 48-column down rows are F16 in its Q8_0 file: no merged path, expert by expert
+    assert load_model(ggufs["qwen3moe", "Q8_0"]).model.layers[0].moe.stacks is None

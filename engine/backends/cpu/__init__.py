@@ -21,7 +21,7 @@ from contextlib import contextmanager
 import numba
 import numpy as np
 
-from engine.backends.cpu import batchq, fpquant, kquant, ops, quant, smalln
+from engine.backends.cpu import batchq, experts, fpquant, kquant, ops, quant, smalln
 from engine.weights import Weight
 from models.errors import HearthError
 from models.formats.ggml_types import type_name
@@ -365,6 +365,35 @@ def _flat(a: np.ndarray, name: str) -> np.ndarray:
     return a.reshape(-1)
 
 
+def gathers_experts(w: Weight) -> bool:
+    """Whether linear_experts computes on w's type (the GGUF block types with a matvec dot kernel)."""
+    return w.ggml_type in experts.GATHER_TYPES
+
+
+def linear_experts(out: np.ndarray, stack: Weight, x: np.ndarray, starts: np.ndarray, rows: int) -> None:
+    """One token through k experts of a stacked expert tensor in one pass: out[j] = rows starts[j] ..
+    starts[j] + rows of `stack` @ x[j] (or x[0] for all), each bit-identical to linear on that expert.
+
+    Args:
+        out: float32 (k, rows), C-contiguous.
+        stack: the experts' matrices as one weight of (experts * rows) rows, a type gathers_experts takes.
+        x: float32 (1 or k, stack.cols), C-contiguous.
+        starts: (k,) first row of each expert in stack (expert e: e * rows).
+
+    Raises:
+        UnsupportedWeightType: a type gathers_experts refuses. ValueError: shapes do not fit.
+    """
+    if not gathers_experts(stack):
+        raise UnsupportedWeightType(stack.ggml_type)
+    starts = np.ascontiguousarray(starts, dtype=np.int64)
+    k = starts.shape[0]
+    if out.shape != (k, rows) or x.shape[0] not in (1, k) or x.shape[1] != stack.cols or x.ndim != 2:
+        raise ValueError(f"linear_experts: out {out.shape}, x {x.shape} for {k} experts of {rows} rows")
+    if k and (starts.min() < 0 or starts.max() + rows > stack.rows):
+        raise ValueError(f"linear_experts: experts' rows outside the stack's {stack.rows}")
+    experts.matvec_experts(out, stack.raw, x, starts, rows, stack.cols, stack.ggml_type)
+
+
 def silu_mul(out: np.ndarray, gate: np.ndarray, up: np.ndarray) -> None:
     """out = silu(gate) * up (SwiGLU), float32 arrays of one shape."""
     ops.silu_mul(_flat(out, "out"), _flat(gate, "gate"), _flat(up, "up"))
@@ -440,7 +469,8 @@ def kernels_compiled() -> int:
 
 
 __all__ = [
-    "UnsupportedWeightType", "linear", "get_rows", "rmsnorm", "rope", "attention", "silu_mul",
+    "UnsupportedWeightType", "linear", "linear_experts", "gathers_experts", "get_rows", "rmsnorm", "rope",
+    "attention", "silu_mul",
     "gelu_tanh_mul", "softmax", "argmax", "set_threads", "get_threads", "batch_phase", "PREFILL_TILE_BYTES",
     "SUPPORTED_TYPES", "SMALL_BATCH_MAX", "SMALL_BATCH_CROSSOVER", "small_batch_limit", "kernels_compiled",
 ]
