@@ -202,6 +202,21 @@ def _rope_scaling(config: dict) -> tuple[float, RopeScaling]:
         return theta, RopeScaling()
     if kind == "linear":
         return theta, RopeScaling("linear", float(params["factor"]))
+    if kind == "yarn":  # transformers' _compute_yarn_parameters
+        original = int(params.get("original_max_position_embeddings") or config["max_position_embeddings"])
+        factor = params.get("factor") or int(config["max_position_embeddings"]) / original
+        attention = params.get("attention_factor")
+        return theta, RopeScaling(
+            "yarn",
+            float(factor),
+            original_max_position=original,
+            beta_fast=float(params.get("beta_fast") or 32.0),
+            beta_slow=float(params.get("beta_slow") or 1.0),
+            attention_factor=None if attention is None else float(attention),
+            mscale=float(params.get("mscale") or 0.0),
+            mscale_all_dim=float(params.get("mscale_all_dim") or 0.0),
+            truncate=bool(params.get("truncate", True)),
+        )
     if kind == "llama3":
         return theta, RopeScaling(
             "llama3",
@@ -211,7 +226,7 @@ def _rope_scaling(config: dict) -> tuple[float, RopeScaling]:
             int(params.get("original_max_position_embeddings", 8192)),
         )
     raise UnsupportedArchitectureError(
-        f"RoPE scaling {kind!r} is not supported yet (supported: linear, llama3)"
+        f"RoPE scaling {kind!r} is not supported yet (supported: linear, llama3, yarn)"
     )
 
 

@@ -12,8 +12,12 @@ import numpy as np
 class RopeScaling:
     """How a model stretches RoPE beyond its training context.
 
-    kind: "none", "linear" (positions divided by factor) or "llama3" (long wavelengths divided by
-    factor, short ones kept, a smooth ramp in between, as Llama 3.1 does).
+    kind: "none", "linear" (positions divided by factor), "llama3" (long wavelengths divided by
+    factor, short ones kept, a smooth ramp in between, as Llama 3.1 does) or "yarn" (YaRN, as Qwen's
+    long-context configs and DeepSeek use it: frequencies that turn fewer than beta_slow times over the
+    original context are interpolated (divided by factor), those turning more than beta_fast times kept,
+    a linear ramp in between over the frequency index; and the attention logits multiplied by
+    rope_attention_factor(...) ** 2, since cos and sin carry that factor each).
     """
 
     kind: str = "none"
@@ -21,6 +25,28 @@ class RopeScaling:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position: int = 8192
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    attention_factor: float | None = None  # YaRN: None = 0.1 ln(factor) + 1 (or the mscale ratio below)
+    mscale: float = 0.0  # YaRN, DeepSeek style: both set -> attention factor mscale(m) / mscale(m_all)
+    mscale_all_dim: float = 0.0
+    truncate: bool = True  # YaRN: round the ramp's ends to whole dimensions
+
+
+def _yarn_mscale(factor: float, m: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
+
+
+def rope_attention_factor(scaling: RopeScaling) -> float:
+    """What a scaling scheme multiplies cos and sin by (so q.k by its square): YaRN's; 1 otherwise."""
+    if scaling.kind != "yarn":
+        return 1.0
+    if scaling.attention_factor is not None:
+        return float(scaling.attention_factor)
+    if scaling.mscale and scaling.mscale_all_dim:
+        f = scaling.factor
+        return _yarn_mscale(f, scaling.mscale) / _yarn_mscale(f, scaling.mscale_all_dim)
+    return _yarn_mscale(scaling.factor)
 
 
 def rope_inv_freq(
@@ -49,8 +75,45 @@ def rope_inv_freq(
         inv = np.where(
             wavelen > low_wavelen, inv / scaling.factor, np.where(wavelen < high_wavelen, inv, mid)
         )
+    elif scaling.kind == "yarn":
+        inv = _yarn_inv_freq(inv, n_rot, base, scaling)
     elif scaling.kind not in ("none", ""):
         raise ValueError(f"unsupported RoPE scaling {scaling.kind!r}")
     if freq_factors is not None:
         inv = inv / np.asarray(freq_factors, dtype=np.float64)
     return inv.astype(np.float32)
+
+
+def _yarn_inv_freq(inv: np.ndarray, n_rot: int, base: float, scaling: RopeScaling) -> np.ndarray:
+    # the frequency index where a frequency turns `rotations` times over the original context
+    def index(rotations: float) -> float:
+        turns = scaling.original_max_position / (rotations * 2 * math.pi)
+        return n_rot * math.log(turns) / (2 * math.log(base))
+
+    low, high = index(scaling.beta_fast), index(scaling.beta_slow)
+    if scaling.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, n_rot - 1)
+    if low == high:
+        high += 0.001
+    ramp = np.clip((np.arange(n_rot // 2, dtype=np.float64) - low) / (high - low), 0.0, 1.0)
+    keep = 1.0 - ramp  # 1: extrapolate (the frequency as trained), 0: interpolate (divided by factor)
+    return inv / scaling.factor * (1.0 - keep) + inv * keep
+
+
+def rope_scaling_from_gguf(metadata: dict, arch: str) -> RopeScaling:
+    """The scaling a GGUF's `{arch}.rope.scaling.*` keys describe (llama.cpp's names; YaRN's attention
+    factor as llama.cpp computes it when the file gives none)."""
+
+    def key(name, default):
+        return metadata.get(f"{arch}.rope.scaling.{name}", default)
+
+    attn = key("attn_factor", None)
+    return RopeScaling(
+        kind=str(key("type", "none")),
+        factor=float(key("factor", 1.0)),
+        original_max_position=int(key("original_context_length", 8192)),
+        beta_fast=float(key("yarn_beta_fast", 32.0)),
+        beta_slow=float(key("yarn_beta_slow", 1.0)),
+        attention_factor=None if attn is None else float(attn),
+    )

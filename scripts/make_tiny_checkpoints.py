@@ -69,6 +69,20 @@ FAMILIES = {
     ),
     "qwen2": (transformers.Qwen2Config, dict(tie_word_embeddings=True), torch.float32, False),
     "qwen3": (transformers.Qwen3Config, dict(tie_word_embeddings=True, head_dim=32), torch.bfloat16, False),
+    # YaRN (Qwen's long-context setting): trained on 64 positions, stretched 4x; the golden's 16 tokens
+    # sit inside, so the interpolated frequencies and the attention factor both show
+    "qwen3-yarn": (
+        transformers.Qwen3Config,
+        dict(
+            tie_word_embeddings=True,
+            head_dim=32,
+            max_position_embeddings=256,
+            rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0,
+                                 original_max_position_embeddings=64),
+        ),
+        torch.float32,
+        False,
+    ),
     "phi3": (transformers.Phi3Config, dict(tie_word_embeddings=False, pad_token_id=0), torch.float32, True),
     # mixture of experts: 4 experts, 2 a token (Qwen3-MoE renormalizes the two's weights, as its releases do)
     "qwen3moe": (

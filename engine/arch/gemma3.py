@@ -26,7 +26,7 @@ from engine.arch import register
 from engine.arch.base import Decoder, Scratch
 from engine.backends import cpu as ops
 from engine.kv_cache import KVCache
-from engine.rope import RopeScaling, rope_inv_freq
+from engine.rope import RopeScaling, rope_attention_factor, rope_inv_freq, rope_scaling_from_gguf
 from engine.weights import Weight
 
 SLIDING = "sliding_attention"
@@ -106,12 +106,7 @@ class Gemma3Config:
         value_dim = int(key("attention.value_length", head_dim))
         if value_dim != head_dim:
             raise ValueError(f"attention.value_length {value_dim} differs from key_length {head_dim}")
-        kind = str(metadata.get(f"{arch}.rope.scaling.type", "none"))
-        scaling = RopeScaling(
-            kind=kind,
-            factor=float(metadata.get(f"{arch}.rope.scaling.factor", 1.0)),
-            original_max_position=int(metadata.get(f"{arch}.rope.scaling.original_context_length", 8192)),
-        )
+        scaling = rope_scaling_from_gguf(metadata, arch)
         if scaling.kind == "linear" and scaling.factor == 1.0:
             scaling = RopeScaling()
         # llama.cpp writes the local/global layout only for some models: an int period or one bool
@@ -215,6 +210,10 @@ class Gemma3Model(Decoder):
             )
         # HF multiplies by torch.tensor(hidden ** 0.5) cast to the weights' dtype: float32 here.
         self.embed_scale = np.float32(cfg.hidden_size**0.5)
+        # (a YaRN scaling of the global layers' RoPE would scale their logits by its factor squared;
+        # Gemma 3 ships linear scaling, and its local layers none)
+        if rope_attention_factor(cfg.rope_scaling) != 1.0:
+            raise ValueError("YaRN RoPE scaling is not supported for Gemma 3 models")
         self.scale = np.float32(cfg.query_pre_attn_scalar**-0.5)
         self._decode = Scratch(cfg, 1)
         self._logits = np.empty((1, cfg.vocab_size), np.float32)

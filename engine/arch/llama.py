@@ -12,7 +12,7 @@ from engine.arch.base import Decoder, Scratch
 from engine.arch.moe import MoE, load_moe, moe_forward
 from engine.backends import cpu as ops
 from engine.kv_cache import KVCache
-from engine.rope import RopeScaling, rope_inv_freq
+from engine.rope import RopeScaling, rope_attention_factor, rope_inv_freq, rope_scaling_from_gguf
 from engine.weights import Weight
 
 # llama.cpp's converter permutes Llama's q/k weights so GGML's "normal" RoPE (adjacent pairs) applies;
@@ -72,12 +72,7 @@ class LlamaConfig:
         n_heads = int(key("attention.head_count"))
         hidden = int(key("embedding_length"))
         head_dim = int(key("attention.key_length", hidden // n_heads))
-        kind = str(metadata.get(f"{arch}.rope.scaling.type", "none"))
-        scaling = RopeScaling(
-            kind=kind,
-            factor=float(metadata.get(f"{arch}.rope.scaling.factor", 1.0)),
-            original_max_position=int(metadata.get(f"{arch}.rope.scaling.original_context_length", 8192)),
-        )
+        scaling = rope_scaling_from_gguf(metadata, arch)
         if scaling.kind == "linear" and scaling.factor == 1.0:
             scaling = RopeScaling()
         experts = int(metadata.get(f"{arch}.expert_count", 0))
@@ -198,7 +193,8 @@ class LlamaModel(Decoder):
             else None
         )
         self.inv_freq = rope_inv_freq(cfg.rotary_dim, cfg.rope_theta, cfg.rope_scaling, freq_factors)
-        self.scale = np.float32(1.0 / np.sqrt(cfg.head_dim))
+        # YaRN scales cos and sin by its attention factor: the logits by its square
+        self.scale = np.float32(rope_attention_factor(cfg.rope_scaling) ** 2 / np.sqrt(cfg.head_dim))
         self._decode = Scratch(cfg, 1)
         self._logits = np.empty((1, cfg.vocab_size), np.float32)
 

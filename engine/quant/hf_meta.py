@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from engine.errors import ModelFormatError
+from engine.rope import rope_attention_factor
 from engine.tokenizer import (
     _PRE_REGEXES,
     TOKEN_BYTE,
@@ -76,6 +77,11 @@ def _hparams(arch: str, config: dict, cfg) -> dict[str, Any]:
     if scaling.kind not in ("none", "default", ""):
         md[f"{a}.rope.scaling.type"] = scaling.kind
         md[f"{a}.rope.scaling.factor"] = float(scaling.factor)
+    if scaling.kind == "yarn":  # llama.cpp's keys (engine.rope.rope_scaling_from_gguf reads them back)
+        md[f"{a}.rope.scaling.original_context_length"] = int(scaling.original_max_position)
+        md[f"{a}.rope.scaling.yarn_beta_fast"] = float(scaling.beta_fast)
+        md[f"{a}.rope.scaling.yarn_beta_slow"] = float(scaling.beta_slow)
+        md[f"{a}.rope.scaling.attn_factor"] = float(rope_attention_factor(scaling))
     return md
 
 
@@ -223,8 +229,14 @@ def config_json(metadata: dict[str, Any], vocab_size: int, tied: bool) -> dict[s
         "tie_word_embeddings": tied,
         "torch_dtype": "float16",
     }
-    if cfg.rope_scaling.kind not in ("none", "default", ""):
-        out["rope_scaling"] = {"rope_type": cfg.rope_scaling.kind, "factor": cfg.rope_scaling.factor}
+    scaling = cfg.rope_scaling
+    if scaling.kind not in ("none", "default", ""):
+        out["rope_scaling"] = {"rope_type": scaling.kind, "factor": scaling.factor}
+    if scaling.kind == "yarn":
+        out["rope_scaling"].update(
+            original_max_position_embeddings=scaling.original_max_position, beta_fast=scaling.beta_fast,
+            beta_slow=scaling.beta_slow, attention_factor=rope_attention_factor(scaling),
+        )
     if arch == "gemma3":
         out.update(
             {

@@ -239,3 +239,22 @@ def test_completion_keeps_the_space_a_chat_reply_drops(tmp_path):
     prompt = [*tok.encode("Hello"), tok.bos_id]  # ends on a control token: a new turn
     text = "".join(e.text for e in generate(OneWord(), tok, prompt, KVCache(1, 1, 2, 16), params))
     assert text == "world"
+
+
+def test_yarn_scaling_survives_conversion_to_gguf(tmp_path):
+    """A YaRN folder (qwen3-yarn: 4x over 64 trained positions) converts to a GGUF that carries llama.cpp's
+    rope.scaling keys and gives transformers' logits again."""
+    from engine.convert import convert
+    from models.formats.gguf import open_gguf
+
+    golden = _golden("qwen3-yarn")
+    out = convert(TINY / "qwen3-yarn", "F32", tmp_path / "yarn.gguf").output
+    with open_gguf(out) as g:
+        md = g.metadata
+        assert md["qwen3.rope.scaling.type"] == "yarn" and md["qwen3.rope.scaling.factor"] == 4.0
+        assert md["qwen3.rope.scaling.original_context_length"] == 64
+        assert abs(md["qwen3.rope.scaling.attn_factor"] - (0.1 * np.log(4.0) + 1)) < 1e-6
+    lm = load_model(out)
+    ref = np.array(golden["logits"])
+    logits = lm.model.forward(golden["tokens"], lm.model.new_cache(64), all_logits=True)
+    assert np.abs(logits - ref).max() < 1e-4 * max(1.0, np.abs(ref).max())

@@ -26,4 +26,24 @@ def test_llama3_scaling_matches_reference_formula():
 
 def test_unknown_scaling():
     with pytest.raises(ValueError, match="unsupported RoPE scaling"):
-        rope_inv_freq(8, 1e4, RopeScaling("yarn", 2.0))
+        rope_inv_freq(8, 1e4, RopeScaling("longrope", 2.0))
+
+
+def test_yarn_attention_factor_and_ramp():
+    from engine.rope import RopeScaling, rope_attention_factor, rope_inv_freq
+
+    plain = rope_inv_freq(64, 10000.0)
+    yarn = RopeScaling("yarn", 8.0, original_max_position=4096)
+    inv = rope_inv_freq(64, 10000.0, yarn)
+    # fast-turning dims (beta_fast = 32 turns over 4096 positions) keep their frequency, slow ones are
+    # divided by the factor, the ramp between is monotone
+    np.testing.assert_allclose(inv[:4], plain[:4], rtol=1e-6)
+    np.testing.assert_allclose(inv[-4:], plain[-4:] / 8.0, rtol=1e-6)
+    ratio = inv / plain
+    assert np.all(np.diff(ratio) <= 1e-7)
+    assert abs(rope_attention_factor(yarn) - (0.1 * np.log(8.0) + 1)) < 1e-12
+    # DeepSeek's form: mscale / mscale_all_dim (equal: 1); an explicit factor wins
+    deepseek = RopeScaling("yarn", 40.0, original_max_position=4096, mscale=1.0, mscale_all_dim=1.0)
+    assert rope_attention_factor(deepseek) == 1.0
+    assert rope_attention_factor(RopeScaling("yarn", 4.0, attention_factor=1.5)) == 1.5
+    assert rope_attention_factor(RopeScaling("linear", 4.0)) == 1.0
