@@ -335,8 +335,11 @@ def _model_shape(path: Path) -> tuple[int, memory_guard.KVShape]:
     from engine.hf_repo import config_from_hf, is_hf_repo, read_json
 
     if is_hf_repo(path):
-        cfg = config_from_hf(path, read_json(path / "config.json"))
+        config = read_json(path / "config.json")
+        cfg = config_from_hf(path, config)
         weights = sum(f.stat().st_size for f in path.glob("*.safetensors"))
+        if (config.get("quantization_config") or {}).get("weight_block_size"):
+            weights += weights // 32  # block-wise FP8 keeps a float32 scale per row and 128 columns
         return weights, memory_guard.kv_shape_from_config(cfg)
     with open_gguf(path) as gguf:
         return path.stat().st_size, memory_guard.kv_shape_from_gguf(gguf.metadata, str(path))
