@@ -40,6 +40,7 @@ _FAMILIES = {
     "qwen3": "qwen3",
     "phi3": "phi3",
     "gemma3_text": "gemma3",
+    "gemma2": "gemma2",
     "mixtral": "llama",  # llama.cpp's name for Mixtral too: a llama with experts
     "qwen3_moe": "qwen3moe",
 }
@@ -111,7 +112,7 @@ class HFWeights:
     def __init__(self, st: SafetensorsModel, folder: Path, arch: str):
         self.st = st
         self.folder = folder
-        layer_names = _GEMMA3_LAYER_NAMES if arch == "gemma3" else _LAYER_NAMES
+        layer_names = _GEMMA3_LAYER_NAMES if arch in ("gemma3", "gemma2") else _LAYER_NAMES
         self.names = {g: hf for hf in st.tensors if (g := _gguf_name(hf, layer_names))}
         # AutoAWQ linears (prefix + qweight/qzeros/scales) run as Q4_1: engine/quant/awq_pack.py
         self.awq = {
@@ -120,7 +121,7 @@ class HFWeights:
             if hf.endswith(".qweight") and (g := _gguf_name(hf[: -len("qweight")] + "weight", layer_names))
         }
         # Gemma's RMSNorm multiplies by (1 + w); GGUF files (and so our architecture) store 1 + w
-        self.norm_offset = 1.0 if arch == "gemma3" else 0.0
+        self.norm_offset = 1.0 if arch in ("gemma3", "gemma2") else 0.0
         # FP8 / NVFP4 linears: engine/quant/fp_load.py (compressed-tensors NVFP4 codes are weight_packed)
         for hf in st.tensors:
             if hf.endswith(".weight_packed") and (g := _gguf_name(hf[: -len("_packed")], layer_names)):
@@ -230,12 +231,13 @@ def _rope_scaling(config: dict) -> tuple[float, RopeScaling]:
     )
 
 
-def _gemma3_config(config: dict) -> Gemma3Config:
+def _gemma3_config(config: dict, arch: str = "gemma3") -> Gemma3Config:
     params = config.get("rope_parameters") or {}
     full = params.get("full_attention", params)
     local = params.get("sliding_attention", {})
     _, scaling = _rope_scaling({"rope_parameters": full})
     heads = int(config["num_attention_heads"])
+    gemma2 = arch == "gemma2"  # one RoPE base for all layers, the window on every other layer
     return Gemma3Config(
         hidden_size=int(config["hidden_size"]),
         intermediate_size=int(config["intermediate_size"]),
@@ -246,18 +248,22 @@ def _gemma3_config(config: dict) -> Gemma3Config:
         head_dim=int(config.get("head_dim", 256)),
         rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
         rope_theta=float(full.get("rope_theta", config.get("rope_theta", 1_000_000.0))),
-        rope_local_base_freq=float(local.get("rope_theta", config.get("rope_local_base_freq", 10_000.0))),
+        rope_local_base_freq=float(
+            full.get("rope_theta", config.get("rope_theta", 10_000.0)) if gemma2
+            else local.get("rope_theta", config.get("rope_local_base_freq", 10_000.0))
+        ),
         rope_scaling=scaling,
         sliding_window=int(config.get("sliding_window") or 4096),
         sliding_window_pattern=int(
-            config.get("sliding_window_pattern") or config.get("_sliding_window_pattern") or 6
+            config.get("sliding_window_pattern") or config.get("_sliding_window_pattern")
+            or (2 if gemma2 else 6)
         ),
         layer_types=config.get("layer_types"),
         max_position_embeddings=int(config.get("max_position_embeddings", 32768)),
         query_pre_attn_scalar=float(config.get("query_pre_attn_scalar") or 0),
         final_logit_softcapping=config.get("final_logit_softcapping"),
         attn_logit_softcapping=config.get("attn_logit_softcapping"),
-        architecture="gemma3",
+        architecture=arch,
     )
 
 
@@ -270,9 +276,9 @@ def config_from_hf(folder: Path, config: dict) -> LlamaConfig | Gemma3Config:
             f"{folder}: model_type {model_type!r} is not supported from safetensors yet "
             f"(supported: {', '.join(sorted(_FAMILIES))})"
         )
-    if arch == "gemma3":
+    if arch in ("gemma3", "gemma2"):
         try:
-            return _gemma3_config(config)
+            return _gemma3_config(config, arch)
         except (KeyError, TypeError, ValueError) as e:
             raise ModelFormatError(folder / "config.json", f"missing or invalid hyper-parameter ({e})") from e
     if (

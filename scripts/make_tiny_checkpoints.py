@@ -98,6 +98,14 @@ FAMILIES = {
         torch.float16,
         True,
     ),
+    # Gemma 2: soft-capped attention (every layer) and logits, a window of 4 on every other layer
+    "gemma2": (
+        transformers.Gemma2Config,
+        dict(head_dim=32, sliding_window=4, pad_token_id=0, attn_logit_softcapping=50.0,
+             final_logit_softcapping=30.0, query_pre_attn_scalar=32),
+        torch.bfloat16,
+        False,
+    ),
     "gemma3": (
         transformers.Gemma3TextConfig,
         dict(

@@ -123,9 +123,11 @@ class Gemma3Config:
                     f"attention.sliding_window_pattern has {len(flags)} entries for {n_layers} layers"
                 )
             layer_types = [SLIDING if f else FULL for f in flags]
-        # GGUF does not store query_pre_attn_scalar. HF's configs use head_dim except on 27B
-        # (62 layers), which uses hidden_size / num_heads; llama.cpp makes the same choice.
-        scalar = hidden / n_heads if n_layers == 62 else float(head_dim)
+        # GGUF does not store query_pre_attn_scalar. HF's configs use head_dim except on the 27B models
+        # (Gemma 3: 62 layers, Gemma 2: 46), which use hidden_size / num_heads; llama.cpp does the same.
+        scalar = hidden / n_heads if n_layers == (46 if arch == "gemma2" else 62) else float(head_dim)
+        if arch == "gemma2":  # one RoPE base for every layer, and a sliding window on every other layer
+            period = 2 if pattern is None else period
         return cls(
             hidden_size=hidden,
             intermediate_size=int(key("feed_forward_length")),
@@ -136,7 +138,9 @@ class Gemma3Config:
             head_dim=head_dim,
             rms_norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-6)),
             rope_theta=float(key("rope.freq_base", 1_000_000.0)),
-            rope_local_base_freq=float(key("rope.freq_base_swa", 10_000.0)),
+            rope_local_base_freq=float(
+                key("rope.freq_base", 10_000.0) if arch == "gemma2" else key("rope.freq_base_swa", 10_000.0)
+            ),
             rope_scaling=scaling,
             sliding_window=int(key("attention.sliding_window", 4096)),
             sliding_window_pattern=period,
@@ -155,8 +159,8 @@ class Gemma3Layer:
     wq: Weight  # (q_dim, hidden)
     wk: Weight  # (kv_dim, hidden)
     wv: Weight  # (kv_dim, hidden)
-    q_norm: np.ndarray  # (head_dim,)
-    k_norm: np.ndarray  # (head_dim,)
+    q_norm: np.ndarray | None  # (head_dim,); None in Gemma 2, which has no q/k norms
+    k_norm: np.ndarray | None
     wo: Weight  # (hidden, q_dim)
     post_attn_norm: np.ndarray  # (hidden,)
     ffn_norm: np.ndarray  # (hidden,)
@@ -168,9 +172,11 @@ class Gemma3Layer:
     inv_freq: np.ndarray  # (head_dim // 2,) this layer's RoPE frequencies
 
 
-@register("gemma3")
+@register("gemma3", "gemma2")
 class Gemma3Model(Decoder):
-    """A Gemma 3 decoder over weights that stay in their file format."""
+    """A Gemma 3 decoder over weights that stay in their file format; Gemma 2 is the same network without
+    the q/k norms, with attention logits soft-capped (attn_logit_softcapping), one RoPE base and a
+    sliding window on every other layer (all from its config)."""
 
     config_class = Gemma3Config
 
@@ -187,6 +193,10 @@ class Gemma3Model(Decoder):
         local_freq = rope_inv_freq(hd, cfg.rope_local_base_freq)
         global_freq = rope_inv_freq(hd, cfg.rope_theta, cfg.rope_scaling)
         self.layers = []
+
+        def head_norm(name):  # Gemma 3's per-head q/k norms (Gemma 2 has none)
+            return None if cfg.architecture == "gemma2" else weights.vector(name, hd)
+
         for i, kind in enumerate(cfg.layer_types):
             p = f"blk.{i}."
             self.layers.append(
@@ -195,8 +205,8 @@ class Gemma3Model(Decoder):
                     wq=weights.matrix(p + "attn_q.weight", q, d),
                     wk=weights.matrix(p + "attn_k.weight", kv, d),
                     wv=weights.matrix(p + "attn_v.weight", kv, d),
-                    q_norm=weights.vector(p + "attn_q_norm.weight", hd),
-                    k_norm=weights.vector(p + "attn_k_norm.weight", hd),
+                    q_norm=head_norm(p + "attn_q_norm.weight"),
+                    k_norm=head_norm(p + "attn_k_norm.weight"),
                     wo=weights.matrix(p + "attn_output.weight", d, q),
                     post_attn_norm=weights.vector(p + "post_attention_norm.weight", d),
                     ffn_norm=weights.vector(p + "ffn_norm.weight", d),
@@ -312,8 +322,9 @@ class Gemma3Model(Decoder):
             ops.linear(s.q, layer.wq, s.h)
             ops.linear(s.k, layer.wk, s.h)
             ops.linear(s.v, layer.wv, s.h)
-            ops.rmsnorm(q_rows, q_rows, layer.q_norm, eps)
-            ops.rmsnorm(k_rows, k_rows, layer.k_norm, eps)
+            if layer.q_norm is not None:
+                ops.rmsnorm(q_rows, q_rows, layer.q_norm, eps)
+                ops.rmsnorm(k_rows, k_rows, layer.k_norm, eps)
             ops.rope(q3, s.positions, layer.inv_freq, hd, True)
             ops.rope(k3, s.positions, layer.inv_freq, hd, True)
             attend(i, attn3, q3, k3, v3, cfg.sliding_window if layer.sliding else None)
@@ -338,8 +349,8 @@ class Gemma3Model(Decoder):
 def _softcapped_attention(out3, q3, k_cache, v_cache, pos0, scale, cap, window) -> None:
     """Attention with scores soft-capped (cap * tanh(score / cap)) before the softmax.
 
-    No released Gemma 3 checkpoint sets attn_logit_softcapping and the backend's attention kernel
-    has no cap, so this rarely used path is plain numpy, one query at a time.
+    Gemma 2 caps every layer's scores (50); no released Gemma 3 checkpoint does. The backend's attention
+    kernels have no cap, so this path is numpy, one query at a time (all heads of a kv head together).
     out3, q3 (n, heads, hd); k_cache, v_cache (n_kv, n_ctx, hd).
     """
     n, heads, hd = q3.shape

@@ -56,10 +56,13 @@ def _hparams(arch: str, config: dict, cfg) -> dict[str, Any]:
         f"{a}.rope.freq_base": float(cfg.rope_theta),
         f"{a}.attention.layer_norm_rms_epsilon": float(cfg.rms_norm_eps),
     }
-    if arch == "gemma3":
+    if arch in ("gemma3", "gemma2"):
         md[f"{a}.attention.key_length"] = cfg.head_dim
         md[f"{a}.attention.value_length"] = cfg.head_dim
         md[f"{a}.attention.sliding_window"] = cfg.sliding_window
+        for cap in ("attn_logit_softcapping", "final_logit_softcapping"):  # Gemma 2's (llama.cpp's keys)
+            if getattr(cfg, cap):
+                md[f"{a}.{cap}"] = float(getattr(cfg, cap))
     else:
         md[f"{a}.vocab_size"] = cfg.vocab_size
         md[f"{a}.rope.dimension_count"] = cfg.head_dim

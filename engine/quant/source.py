@@ -27,8 +27,8 @@ from models.formats.gguf import GGUFFile, open_gguf
 
 # architectures whose GGUF stores q/k for interleaved (non-NeoX) RoPE: HF rows are permuted on the way in
 PERMUTED_QK = frozenset({"llama"})
-GEMMA_NORM_OFFSET = frozenset({"gemma3"})
-SUPPORTED_ARCHS = frozenset({"llama", "qwen2", "qwen3", "qwen3moe", "gemma3"})
+GEMMA_NORM_OFFSET = frozenset({"gemma3", "gemma2"})
+SUPPORTED_ARCHS = frozenset({"llama", "qwen2", "qwen3", "qwen3moe", "gemma3", "gemma2"})
 _F32, _F16, _BF16, _Q4_1 = 0, 1, 30, 3
 
 

@@ -105,7 +105,7 @@ def test_unsupported_family(tmp_path):
     config = json.loads((folder / "config.json").read_text())
     config["model_type"] = "mamba"
     (folder / "config.json").write_text(json.dumps(config))
-    with pytest.raises(UnsupportedArchitectureError, match="mamba.*supported: gemma3_text, llama"):
+    with pytest.raises(UnsupportedArchitectureError, match="mamba.*supported: gemma2, gemma3_text, llama"):
         load_model(folder)
 
 
@@ -258,3 +258,29 @@ def test_yarn_scaling_survives_conversion_to_gguf(tmp_path):
     ref = np.array(golden["logits"])
     logits = lm.model.forward(golden["tokens"], lm.model.new_cache(64), all_logits=True)
     assert np.abs(logits - ref).max() < 1e-4 * max(1.0, np.abs(ref).max())
+
+
+def test_gemma2_converts_to_a_llama_cpp_style_gguf(tmp_path):
+    """Gemma 2 (soft-capped attention and logits, every other layer windowed, no q/k norms) converts to a
+    GGUF with llama.cpp's gemma2 keys that gives transformers' logits and greedy tokens again."""
+    from engine.convert import convert
+    from models.formats.gguf import open_gguf
+
+    golden = _golden("gemma2")
+    out = convert(TINY / "gemma2", "F32", tmp_path / "g2.gguf").output
+    with open_gguf(out) as g:
+        md = g.metadata
+        assert g.architecture == "gemma2" and md["gemma2.attn_logit_softcapping"] == 50.0
+        assert md["gemma2.final_logit_softcapping"] == 30.0 and md["gemma2.attention.sliding_window"] == 4
+        assert "blk.0.attn_q_norm.weight" not in g.tensors
+    m = load_model(out).model
+    assert [layer.sliding for layer in m.layers] == [True, False] and m.layers[0].q_norm is None
+    ref = np.array(golden["logits"])
+    logits = m.forward(golden["tokens"], m.new_cache(64), all_logits=True)
+    assert np.abs(logits - ref).max() < 1e-4 * max(1.0, np.abs(ref).max())
+    cache = m.new_cache(64)
+    step, tokens = m.forward(golden["tokens"], cache), []
+    for _ in golden["greedy"]:
+        tokens.append(int(np.argmax(step[-1])))
+        step = m.forward([tokens[-1]], cache)
+    assert tokens == golden["greedy"]
