@@ -234,11 +234,7 @@ class Gemma3Model(Decoder):
         With a window, the query at position p sees keys [p - window + 1, p] (HF's sliding mask:
         kv > q - window).
         """
-        cap = self.cfg.attn_logit_softcapping
-        if cap is not None:
-            _softcapped_attention(out3, q3, k_cache, v_cache, pos0, self.scale, cap, window)
-            return
-        ops.attention(out3, q3, k_cache, v_cache, pos0, self.scale, window)
+        ops.attention(out3, q3, k_cache, v_cache, pos0, self.scale, window, self.cfg.attn_logit_softcapping)
 
     def _forward(self, tokens: np.ndarray, cache: KVCache, all_logits: bool, first: int = 0, hidden=None):
         cfg = self.cfg
@@ -345,24 +341,3 @@ class Gemma3Model(Decoder):
             ops.rmsnorm(s.h, s.o, layer.post_ffn_norm, eps)
             s.x += s.h
 
-
-def _softcapped_attention(out3, q3, k_cache, v_cache, pos0, scale, cap, window) -> None:
-    """Attention with scores soft-capped (cap * tanh(score / cap)) before the softmax.
-
-    Gemma 2 caps every layer's scores (50); no released Gemma 3 checkpoint does. The backend's attention
-    kernels have no cap, so this path is numpy, one query at a time (all heads of a kv head together).
-    out3, q3 (n, heads, hd); k_cache, v_cache (n_kv, n_ctx, hd).
-    """
-    n, heads, hd = q3.shape
-    n_kv = k_cache.shape[0]
-    for i in range(n):
-        p = pos0 + i
-        start = 0 if window is None else max(0, p - window + 1)
-        k = k_cache[:, start : p + 1]  # (n_kv, L, hd)
-        v = v_cache[:, start : p + 1]
-        q = q3[i].reshape(n_kv, heads // n_kv, hd)  # heads grouped by their kv head
-        scores = np.einsum("grd,gld->grl", q, k) * scale
-        scores = np.tanh(scores / np.float32(cap)) * np.float32(cap)
-        scores = np.exp(scores - scores.max(-1, keepdims=True))
-        scores /= scores.sum(-1, keepdims=True)
-        out3[i] = np.einsum("grl,gld->grd", scores, v).reshape(heads, hd)

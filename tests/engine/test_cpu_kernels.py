@@ -231,8 +231,9 @@ def test_attention_gqa_causal(n_tok, pos0):
                                rtol=1e-4, atol=1e-5)
 
 
-def windowed_attention_reference(q, k_cache, v_cache, pos0, scale, window):
-    """attention_reference where the query at position p sees only keys [p - window + 1, p]."""
+def windowed_attention_reference(q, k_cache, v_cache, pos0, scale, window, softcap=None):
+    """attention_reference where the query at position p sees only keys [p - window + 1, p] (and its
+    scores are soft-capped, softcap * tanh(s / softcap), when softcap is given)."""
     n_tok, n_heads, hd = q.shape
     group = n_heads // k_cache.shape[0]
     out = np.zeros(q.shape)
@@ -243,6 +244,8 @@ def windowed_attention_reference(q, k_cache, v_cache, pos0, scale, window):
             k = k_cache[h // group, lo : p + 1].astype(np.float64)
             v = v_cache[h // group, lo : p + 1].astype(np.float64)
             s = k @ q[t, h] * scale
+            if softcap is not None:
+                s = softcap * np.tanh(s / softcap)
             e = np.exp(s - s.max())
             out[t, h] = (e / e.sum()) @ v
     return out
@@ -269,6 +272,29 @@ def test_attention_in_blocks_of_queries_with_a_sliding_window(n_tok, pos0, windo
     ref = windowed_attention_reference(q, k_cache, v_cache, pos0, scale, window or max_ctx)
     np.testing.assert_allclose(out, ref, rtol=1e-4, atol=2e-5)
 
+
+
+# Gemma 2's soft-capped scores (a cap small enough to bend them): decode, a verify-sized pass and a prefill
+# of two query blocks, with and without a window, float32 and float16 caches
+@pytest.mark.parametrize("n_tok,pos0,window,dtype", [
+    (1, 70, None, np.float32), (1, 70, 16, np.float16), (5, 60, 16, np.float32), (90, 10, None, np.float16),
+])
+def test_attention_with_soft_capped_scores(n_tok, pos0, window, dtype):
+    rng = np.random.default_rng(9)
+    n_heads, n_kv, hd, max_ctx = 8, 2, 32, 128
+    q = (3 * rng.standard_normal((n_tok, n_heads, hd))).astype(np.float32)
+    k_cache = rng.standard_normal((n_kv, max_ctx, hd)).astype(dtype)
+    v_cache = rng.standard_normal((n_kv, max_ctx, hd)).astype(dtype)
+    k_cache[:, pos0 + n_tok :] = 1e4
+    out = np.full_like(q, np.nan)
+    scale = 1 / math.sqrt(hd)
+    cpu.attention(out, q, k_cache, v_cache, pos0, scale, window, softcap=2.0)
+    ref = windowed_attention_reference(q, k_cache, v_cache, pos0, scale, window or max_ctx, softcap=2.0)
+    np.testing.assert_allclose(out, ref, rtol=1e-4, atol=2e-5)
+    plain = windowed_attention_reference(q, k_cache, v_cache, pos0, scale, window or max_ctx)
+    assert np.abs(plain - ref).max() > 1e-2  # the cap matters at these scores
+    with pytest.raises(ValueError, match="softcap must be positive"):
+        cpu.attention(out, q, k_cache, v_cache, pos0, scale, window, softcap=0.0)
 
 
 # pos0 LONG_KEYS - 5: the pass straddles the switch to ops.attention_long (chunks of keys, merged after)

@@ -264,6 +264,7 @@ def attention(
     pos0: int,
     scale: float,
     window: int | None = None,
+    softcap: float | None = None,
 ) -> None:
     """Causal multi-head attention over one layer's KV cache (GQA aware).
 
@@ -275,6 +276,8 @@ def attention(
         pos0: position of the first query.
         scale: multiplies q.k (usually head_dim ** -0.5); positive.
         window: None, or a sliding window: the query at position p sees only keys [p - window + 1, p].
+        softcap: None, or soft-capped scores (Gemma 2): softcap * tanh(scale q.k / softcap) before the
+            softmax; such attention always runs the BLAS path below (numpy's vectorized tanh).
     """
     n_tok, n_heads, _ = q.shape
     if n_heads % k_cache.shape[0] or pos0 + n_tok > k_cache.shape[1]:
@@ -293,8 +296,10 @@ def attention(
     # short prompts) the kernels keep every thread: a 9-token verify pass on SmolLM2 spent 10.6 ms in the
     # BLAS path's per-head numpy calls, 3.5 ms in the kernel (which also gives each query the bits a
     # one-token decode step would).
-    if n_tok > _small_batch_max():
-        _attention_blas(out, q, k_cache, v_cache, int(pos0), np.float32(scale), window or 0)
+    if softcap is not None and softcap <= 0:
+        raise ValueError(f"attention: softcap must be positive, got {softcap}")
+    if n_tok > _small_batch_max() or softcap is not None:
+        _attention_blas(out, q, k_cache, v_cache, int(pos0), np.float32(scale), window or 0, softcap)
         return
     # the kernels start every query at key 0: queries whose window reaches past position 0 attend one
     # at a time over a view of the cache that starts at their first key
@@ -332,11 +337,13 @@ def _attention_kernel(out, q, k_cache, v_cache, pos0: int, scale: float) -> None
 _ATTENTION_QUERY_BLOCK = 64
 
 
-def _attention_blas(out, q, k_cache, v_cache, pos0: int, scale: np.float32, window: int) -> None:
+def _attention_blas(
+    out, q, k_cache, v_cache, pos0: int, scale: np.float32, window: int, softcap: float | None = None
+) -> None:
     """attention() for many queries, window 0 for none: per kv head and block of queries, scores =
-    Q K^T over the keys the block sees (all the kv head's query heads at once, one row each), the
-    masked softmax in place (ops.causal_softmax), then P V. Float16 caches are widened to float32 over
-    the keys in use."""
+    Q K^T over the keys the block sees (all the kv head's query heads at once, one row each), soft-capped
+    when asked, the masked softmax in place (ops.causal_softmax), then P V. Float16 caches are widened to
+    float32 over the keys in use."""
     n_tok, n_heads, head_dim = q.shape
     n_kv = k_cache.shape[0]
     rep = n_heads // n_kv
@@ -355,7 +362,12 @@ def _attention_blas(out, q, k_cache, v_cache, pos0: int, scale: np.float32, wind
             heads = slice(g * rep, (g + 1) * rep)
             qb = q[i0:i1, heads].reshape((i1 - i0) * rep, head_dim)  # row (query, head)
             scores = qb @ k_cache[g, keys].T
-            ops.causal_softmax(scores, rep, pos0 + i0, key0, window, scale)
+            if softcap is None:
+                ops.causal_softmax(scores, rep, pos0 + i0, key0, window, scale)
+            else:
+                np.tanh(scores * np.float32(scale / softcap), out=scores)
+                scores *= np.float32(softcap)
+                ops.causal_softmax(scores, rep, pos0 + i0, key0, window, np.float32(1.0))
             out[i0:i1, heads] = (scores @ v_cache[g, keys]).reshape(i1 - i0, rep, head_dim)
 
 
