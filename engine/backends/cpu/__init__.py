@@ -277,7 +277,7 @@ def attention(
         scale: multiplies q.k (usually head_dim ** -0.5); positive.
         window: None, or a sliding window: the query at position p sees only keys [p - window + 1, p].
         softcap: None, or soft-capped scores (Gemma 2): softcap * tanh(scale q.k / softcap) before the
-            softmax; such attention always runs the BLAS path below (numpy's vectorized tanh).
+            softmax.
     """
     n_tok, n_heads, _ = q.shape
     if n_heads % k_cache.shape[0] or pos0 + n_tok > k_cache.shape[1]:
@@ -298,37 +298,38 @@ def attention(
     # one-token decode step would).
     if softcap is not None and softcap <= 0:
         raise ValueError(f"attention: softcap must be positive, got {softcap}")
-    if n_tok > _small_batch_max() or softcap is not None:
+    if n_tok > _small_batch_max():
         _attention_blas(out, q, k_cache, v_cache, int(pos0), np.float32(scale), window or 0, softcap)
         return
     # the kernels start every query at key 0: queries whose window reaches past position 0 attend one
     # at a time over a view of the cache that starts at their first key
     head = n_tok if window is None else min(n_tok, max(0, window - pos0))
+    cap = softcap or 0.0
     if head:
-        _attention_kernel(out[:head], q[:head], k_cache, v_cache, pos0, scale)
+        _attention_kernel(out[:head], q[:head], k_cache, v_cache, pos0, scale, cap)
     for i in range(head, n_tok):
         start = pos0 + i - window + 1
         k, v = k_cache[:, start:], v_cache[:, start:]
-        _attention_kernel(out[i : i + 1], q[i : i + 1], k, v, window - 1, scale)
+        _attention_kernel(out[i : i + 1], q[i : i + 1], k, v, window - 1, scale, cap)
 
 
-def _attention_kernel(out, q, k_cache, v_cache, pos0: int, scale: float) -> None:
+def _attention_kernel(out, q, k_cache, v_cache, pos0: int, scale: float, cap: float = 0.0) -> None:
     """The Numba attention kernels (few queries: decode, verify passes, batched decode steps).
 
     Queries with at least ops.LONG_KEYS keys go to ops.attention_long, the others to the per-head
     kernels: which one a query takes depends on its own key count only, so it gets the same bits in a
     decode step and in a verify pass.
     """
-    pos0, scale = int(pos0), np.float32(scale)
+    pos0, scale, cap = int(pos0), np.float32(scale), np.float32(cap)
     if k_cache.dtype == np.float16:  # Numba has no float16: the kernels read the halves' bits themselves
         k_cache, v_cache = k_cache.view(np.uint16), v_cache.view(np.uint16)
     short = min(len(q), max(0, ops.LONG_KEYS - 1 - pos0))  # queries before the one with LONG_KEYS keys
     if short and k_cache.dtype == np.uint16:
-        ops.attention_f16(out[:short], q[:short], k_cache, v_cache, pos0, scale)
+        ops.attention_f16(out[:short], q[:short], k_cache, v_cache, pos0, scale, cap)
     elif short:
-        ops.attention(out[:short], q[:short], k_cache, v_cache, pos0, scale)
+        ops.attention(out[:short], q[:short], k_cache, v_cache, pos0, scale, cap)
     if short < len(q):
-        ops.attention_long(out[short:], q[short:], k_cache, v_cache, pos0 + short, scale)
+        ops.attention_long(out[short:], q[short:], k_cache, v_cache, pos0 + short, scale, cap)
 
 
 # _attention_blas's queries per block: a block multiplies only the keys its queries see (the causal

@@ -279,7 +279,7 @@ def forward_llama(logits, x, n, pos0, wbuf, sbuf, mats, out_w, attn_norms, ffn_n
             # views: an index like qo + j that Numba cannot prove non-negative gets a wraparound check
             # per element, which kept this loop scalar (3x slower at 600 keys)
             attend(att[t, qo : qo + head_dim], qkv[t, qo : qo + head_dim], k_cache[layer, kv],
-                   v_cache[layer, kv], n_keys, scale)
+                   v_cache[layer, kv], n_keys, scale, np.float32(0.0))
         for t in range(n):
             quantize_act8(att[t], xq[t], xd[t], xs[t], xz[t])
         for g in prange(gd):

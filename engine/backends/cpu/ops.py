@@ -92,10 +92,16 @@ def rope(x, positions, inv_freq, n_rot, neox):
 
 
 @njit(inline="always", **_KW)
-def attend(out, q, keys, values, n_keys, scale):
-    # One query head over the first n_keys rows of its kv head: out (hd,) = softmax(scale q . k) @ v.
-    # q (hd,), keys, values (>= n_keys, hd) f32. attention() and the draft's fused step
-    # (engine.backends.cpu.draft) both attend with it.
+def capped(score, cap):
+    # a score soft-capped as Gemma 2 does (cap * tanh(score / cap)); cap 0: as it is
+    return cap * np.tanh(score / cap) if cap > 0 else score
+
+
+@njit(inline="always", **_KW)
+def attend(out, q, keys, values, n_keys, scale, cap):
+    # One query head over the first n_keys rows of its kv head: out (hd,) = softmax(scale q . k) @ v
+    # (the scores soft-capped when cap > 0). q (hd,), keys, values (>= n_keys, hd) f32. attention() and
+    # the draft's fused step (engine.backends.cpu.draft) both attend with it.
     hd = q.shape[0]
     scores = np.empty(n_keys, np.float32)
     m = np.float32(-3.0e38)  # not -inf: fastmath lets LLVM assume no infinities
@@ -103,7 +109,7 @@ def attend(out, q, keys, values, n_keys, scale):
         acc = np.float32(0.0)
         for d in range(hd):
             acc += q[d] * keys[s, d]
-        acc *= scale
+        acc = capped(acc * scale, cap)
         scores[s] = acc
         m = max(m, acc)
     total = np.float32(0.0)
@@ -121,20 +127,21 @@ def attend(out, q, keys, values, n_keys, scale):
 
 
 @njit(parallel=True, **_KW)
-def attention(out, q, k_cache, v_cache, pos0, scale):
+def attention(out, q, k_cache, v_cache, pos0, scale, cap):
     # q (n_tok, n_heads, hd) f32; k_cache, v_cache (n_kv, max_ctx, hd) f32 holding [0, pos0+n_tok);
-    # out (n_tok, n_heads, hd) f32. Query t is at position pos0+t and sees keys [0, pos0+t].
+    # out (n_tok, n_heads, hd) f32. Query t is at position pos0+t and sees keys [0, pos0+t]. cap > 0:
+    # soft-capped scores (Gemma 2), 0: none.
     n_tok, n_heads, _ = q.shape
     group = n_heads // k_cache.shape[0]
     for item in prange(n_tok * n_heads):
         t = item // n_heads
         h = item - t * n_heads
         kv = h // group
-        attend(out[t, h], q[t, h], k_cache[kv], v_cache[kv], pos0 + t + 1, scale)
+        attend(out[t, h], q[t, h], k_cache[kv], v_cache[kv], pos0 + t + 1, scale, cap)
 
 
 @njit(parallel=True, **_KW)
-def attention_f16(out, q, k_bits, v_bits, pos0, scale):
+def attention_f16(out, q, k_bits, v_bits, pos0, scale, cap):
     # attention() over a float16 cache. k_bits, v_bits: the (n_kv, ctx, hd) half caches viewed as
     # uint16 (Numba has no float16 on the CPU); each half is widened in registers (vcvtph2ps).
     n_tok, n_heads, hd = q.shape
@@ -150,7 +157,7 @@ def attention_f16(out, q, k_bits, v_bits, pos0, scale):
             acc = np.float32(0.0)
             for d in range(hd):
                 acc += q[t, h, d] * half_to_f32(k_bits[kv, s, d])
-            acc *= scale
+            acc = capped(acc * scale, cap)
             scores[s] = acc
             m = max(m, acc)
         total = np.float32(0.0)
@@ -201,7 +208,7 @@ def _long_chunks(n_keys):
 
 
 @njit(parallel=True, **_KW)
-def attention_long(out, q, k_cache, v_cache, pos0, scale):
+def attention_long(out, q, k_cache, v_cache, pos0, scale, cap):
     # attention() for queries that each see at least LONG_KEYS keys. k_cache, v_cache: float32, or float16
     # caches as uint16 bits. A query's keys split into _long_chunks(its key count) chunks, so its result
     # is the same bits alone (decode) or among others (a verify pass).
@@ -231,7 +238,7 @@ def attention_long(out, q, k_cache, v_cache, pos0, scale):
                 acc = np.float32(0.0)
                 for d in range(hd):
                     acc += qh[d] * _widen(key[d])
-                scores[j, s - lo] = acc * scale
+                scores[j, s - lo] = capped(acc * scale, cap)
         for j in range(rep):
             row = scores[j]
             m = np.float32(-3.0e38)  # not -inf: fastmath lets LLVM assume no infinities
