@@ -85,6 +85,10 @@ def _from_registry() -> list[QuantChoice] | None:
 
 # formats whose names models.fit does not know (safetensors-side formats, parameterised mixes)
 _EXTRA_BITS = {"safetensors": 16.0, "awq": 4.25, "awq-int4": 4.25, "nvfp4": 4.5, "fp8": 8.0, "mixed": 4.5}
+# int4:gN: 4-bit codes plus a float16 scale and a 4-bit zero per group of N; awq:<gguf type>: that type's
+# bits; fp8:block: a float32 scale per 128 x 128 block
+_EXTRA_BITS |= {f"int4:g{g}": 4.0 + 20.0 / g for g in (32, 64, 128)}
+_EXTRA_BITS |= {"awq:q4_0": 4.5, "awq:q4_k": 4.5, "fp8:block": 8.0 + 32.0 / (128 * 128)}
 
 
 def _bits(name: str, takes_param: bool = False) -> float:

@@ -146,3 +146,17 @@ def test_output_names():
     assert output_path(Path("/x/m"), "fp8:block", None, folder, "safetensors") == Path("/lib/m.fp8-block")
     assert output_path(Path("/x/m.gguf"), "int4:g64", None, folder, "safetensors") == Path("/lib/m.int4-g64")
     assert output_path(Path("/x/m.gguf"), "awq:q4_0", None, folder, "gguf") == Path("/lib/m.awq-q4_0.gguf")
+
+
+def test_every_registered_format_has_its_own_bits_per_weight():
+    """The picker's size estimate: every quantized format the converter registers has a figure below
+    16 bits (a name the table lacked fell back to 16, so int4:g64 or fp8:block showed an F16 size)."""
+    from app import quant_info
+    from engine.quant.registry import formats
+
+    for f in formats():
+        bits = quant_info._bits(f.name, f.takes_param)
+        if f.name.upper() in ("F32", "F16", "BF16", "SAFETENSORS"):
+            assert bits >= 16, f.name
+        else:
+            assert 2 < bits < 16, f.name
