@@ -218,6 +218,19 @@ def _rope_scaling(config: dict) -> tuple[float, RopeScaling]:
             mscale_all_dim=float(params.get("mscale_all_dim") or 0.0),
             truncate=bool(params.get("truncate", True)),
         )
+    if kind in ("longrope", "su"):  # Phi-3.5 / Phi-4-mini: transformers' _compute_longrope_parameters
+        max_pos = int(config["max_position_embeddings"])
+        key = "original_max_position_embeddings"
+        original = int(params.get(key) or config.get(key) or max_pos)
+        attention = params.get("attention_factor")
+        return theta, RopeScaling(
+            "longrope",
+            float(params.get("factor") or max_pos / original),
+            original_max_position=original,
+            attention_factor=None if attention is None else float(attention),
+            short_factor=tuple(float(f) for f in params["short_factor"]),
+            long_factor=tuple(float(f) for f in params["long_factor"]),
+        )
     if kind == "llama3":
         return theta, RopeScaling(
             "llama3",
@@ -227,7 +240,7 @@ def _rope_scaling(config: dict) -> tuple[float, RopeScaling]:
             int(params.get("original_max_position_embeddings", 8192)),
         )
     raise UnsupportedArchitectureError(
-        f"RoPE scaling {kind!r} is not supported yet (supported: linear, llama3, yarn)"
+        f"RoPE scaling {kind!r} is not supported yet (supported: linear, llama3, yarn, longrope)"
     )
 
 
@@ -281,13 +294,12 @@ def config_from_hf(folder: Path, config: dict) -> LlamaConfig | Gemma3Config:
             return _gemma3_config(config, arch)
         except (KeyError, TypeError, ValueError) as e:
             raise ModelFormatError(folder / "config.json", f"missing or invalid hyper-parameter ({e})") from e
-    if (
-        config.get(
-            "partial_rotary_factor", (config.get("rope_parameters") or {}).get("partial_rotary_factor", 1.0)
-        )
-        != 1.0
-    ):
-        raise UnsupportedArchitectureError(f"{folder}: partial rotary embeddings are not supported yet")
+    # partial rotary embeddings (Phi-4-mini: 0.75): the first part of each head turns, the rest does not
+    rotary = float(
+        config.get("partial_rotary_factor")
+        or (config.get("rope_parameters") or {}).get("partial_rotary_factor")
+        or 1.0
+    )
     theta, scaling = _rope_scaling(config)
     experts = int(config.get("num_experts") or config.get("num_local_experts") or 0)
     if experts and (config.get("mlp_only_layers") or int(config.get("decoder_sparse_step") or 1) != 1):
@@ -311,6 +323,7 @@ def config_from_hf(folder: Path, config: dict) -> LlamaConfig | Gemma3Config:
             rope_theta=theta,
             max_position_embeddings=int(config.get("max_position_embeddings", 4096)),
             head_dim=head_dim,
+            rotary_dim=int(head_dim * rotary),
             # HF checkpoints keep q/k in the half-split layout (rotate_half); only llama.cpp's
             # converter permutes them for adjacent-pair RoPE.
             rope_neox=True,

@@ -31,6 +31,10 @@ class RopeScaling:
     mscale: float = 0.0  # YaRN, DeepSeek style: both set -> attention factor mscale(m) / mscale(m_all)
     mscale_all_dim: float = 0.0
     truncate: bool = True  # YaRN: round the ramp's ends to whole dimensions
+    # LongRoPE (Phi-3.5, Phi-4-mini): per-frequency divisors for contexts up to original_max_position
+    # (short) and beyond (long); cos and sin scaled by attention_factor (None: sqrt(1 + ln f / ln orig))
+    short_factor: tuple[float, ...] = ()
+    long_factor: tuple[float, ...] = ()
 
 
 def _yarn_mscale(factor: float, m: float = 1.0) -> float:
@@ -38,11 +42,15 @@ def _yarn_mscale(factor: float, m: float = 1.0) -> float:
 
 
 def rope_attention_factor(scaling: RopeScaling) -> float:
-    """What a scaling scheme multiplies cos and sin by (so q.k by its square): YaRN's; 1 otherwise."""
-    if scaling.kind != "yarn":
+    """What a scaling scheme multiplies cos and sin by (so q.k by its square): YaRN's and LongRoPE's;
+    1 otherwise."""
+    if scaling.kind not in ("yarn", "longrope"):
         return 1.0
     if scaling.attention_factor is not None:
         return float(scaling.attention_factor)
+    if scaling.kind == "longrope":
+        f = scaling.factor
+        return 1.0 if f <= 1 else math.sqrt(1 + math.log(f) / math.log(scaling.original_max_position))
     if scaling.mscale and scaling.mscale_all_dim:
         f = scaling.factor
         return _yarn_mscale(f, scaling.mscale) / _yarn_mscale(f, scaling.mscale_all_dim)
@@ -50,7 +58,11 @@ def rope_attention_factor(scaling: RopeScaling) -> float:
 
 
 def rope_inv_freq(
-    n_rot: int, base: float, scaling: RopeScaling = RopeScaling(), freq_factors: np.ndarray | None = None
+    n_rot: int,
+    base: float,
+    scaling: RopeScaling = RopeScaling(),
+    freq_factors: np.ndarray | None = None,
+    n_ctx: int = 0,
 ) -> np.ndarray:
     """Inverse frequencies (n_rot//2,) float32 for positions * inv_freq angles.
 
@@ -60,6 +72,8 @@ def rope_inv_freq(
         scaling: the model's scaling scheme.
         freq_factors: per-frequency divisors stored in the file (GGUF `rope_freqs.weight`, how
             llama.cpp bakes Llama 3 scaling into a model); applied after `scaling`.
+        n_ctx: the context the frequencies serve (LongRoPE: its long factors past the original context,
+            as llama.cpp chooses them, for the whole cache).
     """
     inv = base ** (-np.arange(0, n_rot, 2, dtype=np.float64) / n_rot)
     if scaling.kind == "linear":
@@ -77,6 +91,11 @@ def rope_inv_freq(
         )
     elif scaling.kind == "yarn":
         inv = _yarn_inv_freq(inv, n_rot, base, scaling)
+    elif scaling.kind == "longrope":
+        factors = scaling.long_factor if n_ctx > scaling.original_max_position else scaling.short_factor
+        if len(factors) != n_rot // 2:
+            raise ValueError(f"LongRoPE needs {n_rot // 2} factors, got {len(factors)}")
+        inv = inv / np.asarray(factors, dtype=np.float64)
     elif scaling.kind not in ("none", ""):
         raise ValueError(f"unsupported RoPE scaling {scaling.kind!r}")
     if freq_factors is not None:

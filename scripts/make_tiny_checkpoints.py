@@ -23,6 +23,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKENS = [5, 17, 42, 99, 3, 250, 77, 1, 300, 8, 120, 64, 33, 2, 181, 9]
+LONG_TOKENS = [(7 * i + 3) % 300 + 3 for i in range(80)]
 VOCAB = 320
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -84,6 +85,27 @@ FAMILIES = {
         False,
     ),
     "phi3": (transformers.Phi3Config, dict(tie_word_embeddings=False, pad_token_id=0), torch.float32, True),
+    # Phi-4-mini's RoPE: LongRoPE factors (trained on 64 positions, 256 declared: the long factors and an
+    # attention factor) on 3/4 of each head; the golden's second sequence (LONG_TOKENS) passes 64 positions
+    "phi3-longrope": (
+        transformers.Phi3Config,
+        dict(
+            tie_word_embeddings=False,
+            pad_token_id=0,
+            max_position_embeddings=256,
+            original_max_position_embeddings=64,
+            partial_rotary_factor=0.75,
+            rope_parameters=dict(
+                rope_type="longrope",
+                rope_theta=10000.0,
+                short_factor=[1.0 + 0.05 * i for i in range(6)],
+                long_factor=[1.0 + 0.9 * i for i in range(6)],
+                original_max_position_embeddings=64,
+            ),
+        ),
+        torch.float32,
+        False,
+    ),
     # mixture of experts: 4 experts, 2 a token (Qwen3-MoE renormalizes the two's weights, as its releases do)
     "qwen3moe": (
         transformers.Qwen3MoeConfig,
@@ -174,7 +196,15 @@ def write_family(name: str, out: Path) -> None:
         greedy = ref.generate(ids, max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0)[
             0, len(TOKENS) :
         ]
+    if name == "phi3-longrope":  # past the original context: transformers switches to the long factors
+        with torch.no_grad():
+            rows = ref(torch.tensor([LONG_TOKENS])).logits[0]
+            extra = {"long_tokens": LONG_TOKENS}
+            extra["long_logits"] = [[round(float(v), 5) for v in r] for r in rows]
+    else:
+        extra = {}
     golden = {
+        **extra,
         "family": name,
         "generator": f"transformers {transformers.__version__}, torch {torch.__version__}",
         "dtype": str(dtype).removeprefix("torch."),

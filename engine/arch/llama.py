@@ -3,6 +3,7 @@ mixture-of-experts members Mixtral and Qwen3-MoE (engine/arch/moe.py in place of
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -187,16 +188,38 @@ class LlamaModel(Decoder):
                     moe=moe,
                 )
             )
-        freq_factors = (
-            weights.vector("rope_freqs.weight", cfg.rotary_dim // 2)
-            if weights.has("rope_freqs.weight")
-            else None
-        )
+        half = cfg.rotary_dim // 2
+        freq_factors = weights.vector("rope_freqs.weight", half) if weights.has("rope_freqs.weight") else None
+        if weights.has("rope_factors_short.weight") and not cfg.rope_scaling.short_factor:
+            # llama.cpp's Phi-3 LongRoPE: the factors as tensors, the rest in rope.scaling keys
+            cfg.rope_scaling = dataclasses.replace(
+                cfg.rope_scaling,
+                kind="longrope",
+                short_factor=tuple(weights.vector("rope_factors_short.weight", half).tolist()),
+                long_factor=tuple(weights.vector("rope_factors_long.weight", half).tolist()),
+            )
         self.inv_freq = rope_inv_freq(cfg.rotary_dim, cfg.rope_theta, cfg.rope_scaling, freq_factors)
-        # YaRN scales cos and sin by its attention factor: the logits by its square
-        self.scale = np.float32(rope_attention_factor(cfg.rope_scaling) ** 2 / np.sqrt(cfg.head_dim))
+        # LongRoPE's long factors, for caches past the original context (rope_freqs)
+        self._long_freq = None
+        if cfg.rope_scaling.kind == "longrope":
+            n_long = cfg.rope_scaling.original_max_position + 1
+            self._long_freq = rope_inv_freq(cfg.rotary_dim, cfg.rope_theta, cfg.rope_scaling, n_ctx=n_long)
+        # YaRN and LongRoPE scale cos and sin by an attention factor: a fully rotated head's logits by its
+        # square (folded into the scale: every backend gets it); a partly rotated one (Phi-4-mini) only in
+        # its rotated dims, scaled after RoPE (rope_mscale)
+        factor = rope_attention_factor(cfg.rope_scaling)
+        full = cfg.rotary_dim == cfg.head_dim
+        self.rope_mscale = np.float32(1.0 if full else factor)
+        self.scale = np.float32((factor**2 if full else 1.0) / np.sqrt(cfg.head_dim))
         self._decode = Scratch(cfg, 1)
         self._logits = np.empty((1, cfg.vocab_size), np.float32)
+
+    def rope_freqs(self, n_ctx: int) -> np.ndarray:
+        """The RoPE frequencies for a cache of n_ctx positions: LongRoPE models take their long factors
+        for a context past the original one (llama.cpp's choice, fixed for the cache), the others one set."""
+        if self._long_freq is not None and n_ctx > self.cfg.rope_scaling.original_max_position:
+            return self._long_freq
+        return self.inv_freq
 
     def _forward(self, tokens: np.ndarray, cache: KVCache, all_logits: bool, first: int = 0, hidden=None):
         cfg = self.cfg
@@ -209,7 +232,7 @@ class LlamaModel(Decoder):
             k_cache, v_cache = cache.update_and_fetch(i - first, k3, v3)
             ops.attention(attn3, q3, k_cache, v_cache, pos0, self.scale)
 
-        self._layers(s, tokens, attend, first, hidden)
+        self._layers(s, tokens, attend, first, hidden, self.rope_freqs(cache.n_ctx))
         cache.advance(tokens)
         if all_logits:
             ops.rmsnorm(s.h, s.x, self.output_norm, cfg.rms_norm_eps)
@@ -234,21 +257,26 @@ class LlamaModel(Decoder):
                 pos = int(s.positions[b])
                 ops.attention(attn3[b : b + 1], q3[b : b + 1], k_cache, v_cache, pos, self.scale)
 
-        self._layers(s, tokens, attend, first, hidden)
+        # one set of frequencies for the batch: the server's caches share a context length
+        self._layers(s, tokens, attend, first, hidden, self.rope_freqs(max(c.n_ctx for c in caches)))
         for b, cache in enumerate(caches):
             cache.advance(tokens[b : b + 1])
         ops.rmsnorm(s.h, s.x, self.output_norm, self.cfg.rms_norm_eps)
         ops.linear(logits, self.output, s.h)
         return logits
 
-    def _layers(self, s: Scratch, tokens: np.ndarray, attend, first: int = 0, hidden=None) -> None:
+    def _layers(
+        self, s: Scratch, tokens: np.ndarray, attend, first: int = 0, hidden=None, inv_freq=None
+    ) -> None:
         """Embed tokens (n,) into s.x (or start from `hidden`, the residual stream entering layer
-        `first`) and run the layers from `first` on; s.positions holds each row's position.
+        `first`) and run the layers from `first` on; s.positions holds each row's position; inv_freq: the
+        RoPE frequencies (rope_freqs of the cache; default self.inv_freq).
 
         attend(layer index, attn3 out, q3, k3, v3) stores k, v in the cache(s) and writes attn3.
         """
         cfg = self.cfg
         n = len(tokens)
+        inv_freq = self.inv_freq if inv_freq is None else inv_freq
         if hidden is None:
             ops.get_rows(s.x, self.token_embd, tokens)
         else:
@@ -278,8 +306,11 @@ class LlamaModel(Decoder):
             if layer.k_norm is not None:
                 heads_k = s.k.reshape(n * kv_heads, hd)
                 ops.rmsnorm(heads_k, heads_k, layer.k_norm, cfg.rms_norm_eps)
-            ops.rope(q3, s.positions, self.inv_freq, cfg.rotary_dim, cfg.rope_neox)
-            ops.rope(k3, s.positions, self.inv_freq, cfg.rotary_dim, cfg.rope_neox)
+            ops.rope(q3, s.positions, inv_freq, cfg.rotary_dim, cfg.rope_neox)
+            ops.rope(k3, s.positions, inv_freq, cfg.rotary_dim, cfg.rope_neox)
+            if self.rope_mscale != 1:
+                q3[..., : cfg.rotary_dim] *= self.rope_mscale
+                k3[..., : cfg.rotary_dim] *= self.rope_mscale
             attend(i, attn3, q3, k3, v3)
             if capture is not None:
                 capture(i, "attn_output", s.attn)

@@ -65,7 +65,7 @@ def _hparams(arch: str, config: dict, cfg) -> dict[str, Any]:
                 md[f"{a}.{cap}"] = float(getattr(cfg, cap))
     else:
         md[f"{a}.vocab_size"] = cfg.vocab_size
-        md[f"{a}.rope.dimension_count"] = cfg.head_dim
+        md[f"{a}.rope.dimension_count"] = cfg.rotary_dim
         if cfg.head_dim != cfg.hidden_size // cfg.num_attention_heads:
             md[f"{a}.attention.key_length"] = cfg.head_dim
             md[f"{a}.attention.value_length"] = cfg.head_dim
@@ -80,6 +80,9 @@ def _hparams(arch: str, config: dict, cfg) -> dict[str, Any]:
     if scaling.kind not in ("none", "default", ""):
         md[f"{a}.rope.scaling.type"] = scaling.kind
         md[f"{a}.rope.scaling.factor"] = float(scaling.factor)
+    if scaling.kind == "longrope":  # llama.cpp's Phi-3 keys; the factors go in rope_factors_* tensors
+        md[f"{a}.rope.scaling.original_context_length"] = int(scaling.original_max_position)
+        md[f"{a}.rope.scaling.attn_factor"] = float(rope_attention_factor(scaling))
     if scaling.kind == "yarn":  # llama.cpp's keys (engine.rope.rope_scaling_from_gguf reads them back)
         md[f"{a}.rope.scaling.original_context_length"] = int(scaling.original_max_position)
         md[f"{a}.rope.scaling.yarn_beta_fast"] = float(scaling.beta_fast)

@@ -284,3 +284,47 @@ def test_gemma2_converts_to_a_llama_cpp_style_gguf(tmp_path):
         tokens.append(int(np.argmax(step[-1])))
         step = m.forward([tokens[-1]], cache)
     assert tokens == golden["greedy"]
+
+
+def test_longrope_past_the_original_context_and_from_gguf(tmp_path):
+    """LongRoPE with partial rotary (the phi3-longrope fixture, Phi-4-mini's scheme): a cache past the 64
+    trained positions takes the long factors, as transformers does for a sequence that long; a GGUF laid
+    out as llama.cpp writes Phi-3 (fused qkv and gate|up, rope_factors_long/short tensors, the attention
+    factor in rope.scaling.attn_factor) gives the same logits."""
+    from engine.hf_repo import HFWeights, config_from_hf, read_json
+    from engine.quant.gguf_writer import GGUFWriter
+    from engine.quant.hf_meta import metadata_from_hf
+    from models.formats.safetensors import open_safetensors_repo
+
+    golden = _golden("phi3-longrope")
+    folder = TINY / "phi3-longrope"
+    m = load_model(folder).model
+    assert m.cfg.rotary_dim == 12 and m.rope_mscale != 1
+    long = m.forward(golden["long_tokens"], m.new_cache(96), all_logits=True)
+    ref = np.array(golden["long_logits"])
+    assert np.abs(long - ref).max() < 1e-4 * max(1.0, np.abs(ref).max())
+    # the same model as a GGUF
+    config = read_json(folder / "config.json")
+    cfg = config_from_hf(folder, config)
+    st = open_safetensors_repo(folder)
+    names = HFWeights(st, folder, "phi3").names
+    md = metadata_from_hf(folder, config, cfg)
+    s = cfg.rope_scaling
+    tensors = {g: np.ascontiguousarray(st.array(hf), np.float32) for g, hf in names.items()}
+    tensors["rope_factors_short.weight"] = np.array(s.short_factor, np.float32)
+    tensors["rope_factors_long.weight"] = np.array(s.long_factor, np.float32)
+    md.pop("phi3.rope.scaling.type", None)  # llama.cpp's Phi-3 files say LongRoPE with the tensors only
+    path = tmp_path / "phi3.gguf"
+    with open(path, "wb") as fh:
+        w = GGUFWriter(fh, md, [(n, 0, t.shape) for n, t in tensors.items()])
+        w.write_header()
+        for n, t in tensors.items():
+            w.write_tensor(n, t.view(np.uint8).reshape(-1))
+        w.finish()
+    st.close()
+    g = load_model(path).model
+    assert g.cfg.rope_scaling.kind == "longrope" and g.cfg.rotary_dim == 12
+    short = g.forward(golden["tokens"], g.new_cache(64), all_logits=True)
+    np.testing.assert_allclose(short, np.array(golden["logits"]), atol=1e-4 * max(1.0, np.abs(ref).max()))
+    np.testing.assert_allclose(g.forward(golden["long_tokens"], g.new_cache(96), all_logits=True), long,
+                               rtol=1e-5, atol=1e-5)

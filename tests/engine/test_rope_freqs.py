@@ -26,7 +26,7 @@ def test_llama3_scaling_matches_reference_formula():
 
 def test_unknown_scaling():
     with pytest.raises(ValueError, match="unsupported RoPE scaling"):
-        rope_inv_freq(8, 1e4, RopeScaling("longrope", 2.0))
+        rope_inv_freq(8, 1e4, RopeScaling("dynamic", 2.0))
 
 
 def test_yarn_attention_factor_and_ramp():
@@ -47,3 +47,15 @@ def test_yarn_attention_factor_and_ramp():
     assert rope_attention_factor(deepseek) == 1.0
     assert rope_attention_factor(RopeScaling("yarn", 4.0, attention_factor=1.5)) == 1.5
     assert rope_attention_factor(RopeScaling("linear", 4.0)) == 1.0
+
+
+def test_longrope_picks_its_factors_by_context():
+    from engine.rope import rope_attention_factor
+
+    s = RopeScaling("longrope", 4.0, original_max_position=64, short_factor=(1, 2), long_factor=(4, 8))
+    base = rope_inv_freq(4, 1e4)
+    np.testing.assert_allclose(rope_inv_freq(4, 1e4, s, n_ctx=64), base / [1.0, 2.0], rtol=1e-6)
+    np.testing.assert_allclose(rope_inv_freq(4, 1e4, s, n_ctx=65), base / [4.0, 8.0], rtol=1e-6)
+    assert rope_attention_factor(s) == pytest.approx(np.sqrt(1 + np.log(4.0) / np.log(64)))
+    with pytest.raises(ValueError, match="LongRoPE needs 4 factors"):
+        rope_inv_freq(8, 1e4, s)

@@ -346,6 +346,13 @@ class CudaDecoder:
             )
         self.gemma = isinstance(model, Gemma3Model)
         cfg = self.cfg = model.cfg
+        if getattr(model, "rope_mscale", 1.0) != 1.0:
+            raise UnsupportedCudaModelError(
+                "partial rotary embeddings with a LongRoPE/YaRN attention factor (Phi-4-mini) have no CUDA "
+                "kernel yet; use --device cpu"
+            )
+        # LongRoPE's factors are chosen for the context planned here (llama.cpp's choice)
+        self.rope_n_ctx = int(n_ctx)
         if getattr(cfg, "num_experts", 0):
             raise UnsupportedCudaModelError(
                 "mixture-of-experts models (Mixtral, Qwen3-MoE) have no CUDA kernels yet; use --device cpu"
@@ -472,7 +479,7 @@ class CudaDecoder:
                 "bv": vec(getattr(layer, "bv", None)),
                 "post_attn_norm": vec(getattr(layer, "post_attn_norm", None)),
                 "post_ffn_norm": vec(getattr(layer, "post_ffn_norm", None)),
-                "inv_freq": vec(layer.inv_freq if self.gemma else model.inv_freq),
+                "inv_freq": vec(layer.inv_freq if self.gemma else model.rope_freqs(self.rope_n_ctx)),
                 "window": model.cfg.sliding_window if self.gemma and layer.sliding else 0,
             }
             # the q|k|v biases as one vector over the stacked projection (zeros where one is missing)
