@@ -112,9 +112,10 @@ class ChatRunner:
         progress(LoadProgress("check", 0.5, "estimating memory"))
         weights_bytes, shape = _model_shape(path)
         available = memory_guard.available_bytes() if available is None else available
+        planned = gpu_layers_planned(options, shape.n_layers)
         estimate = memory_guard.check(
             weights_bytes, shape, options.n_ctx, options.batch_size, available,
-            options.kv_numpy_dtype.itemsize, gpu_layers_planned(options, shape.n_layers),
+            options.kv_numpy_dtype.itemsize, planned,
         )
         for warning in estimate.warnings:
             progress(LoadProgress("warning", 0.5, warning))
@@ -129,7 +130,16 @@ class ChatRunner:
         if options.threads:
             cpu.set_threads(options.threads)
         if options.device != "cpu":
-            _place(lm, options, progress)
+            choice = _place(lm, options, progress)
+            if choice.device.kind == "cpu" and planned:
+                # planned with layers on the GPU, but the model stays on the CPU (no kernels for it):
+                # it must fit in RAM after all
+                estimate = memory_guard.check(
+                    weights_bytes, shape, options.n_ctx, options.batch_size, available,
+                    options.kv_numpy_dtype.itemsize, 0,
+                )
+                spare = int(available * memory_guard.HEADROOM) - estimate.total_bytes
+                store_bytes = max(0, min(options.prefix_cache_mb << 20, spare // 2))
         progress(LoadProgress("warmup", 0.8, "loading compiled kernels"))
         compiled = cpu.kernels_compiled()
         warm = lm.model.new_cache(8, options.kv_numpy_dtype)  # loads the kernels this dtype uses
@@ -362,14 +372,15 @@ def gpu_layers_planned(options: LoadOptions, n_layers: int) -> int:
     return n_layers if options.gpu_layers is None else min(options.gpu_layers, n_layers)
 
 
-def _place(lm: LoadedModel, options: LoadOptions, progress: Callable[[LoadProgress], None]) -> None:
-    """Move the model to the GPU the options ask for; a CUDA fallback is reported as a warning."""
+def _place(lm: LoadedModel, options: LoadOptions, progress: Callable[[LoadProgress], None]):
+    """Move the model to the GPU the options ask for; a CUDA fallback is reported as a warning. Returns
+    the DeviceChoice made."""
     from engine.backends.cuda.placement import place_model
 
     def uploaded(done: int, total: int) -> None:
         progress(LoadProgress("upload", 0.6 + 0.2 * done / max(total, 1), "uploading weights to the GPU"))
 
-    place_model(
+    return place_model(
         lm,
         options.device,
         n_ctx=options.n_ctx,

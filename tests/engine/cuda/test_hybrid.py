@@ -281,3 +281,29 @@ def test_batched_decode_matches_the_cpu_on_host_threads(fake, simt, tmp_path, ki
         assert _rel(got, ref) < 1e-3
         one = np.concatenate([dec.forward([t], c) for t, c in zip(tokens, solo)])
         assert _rel(got, one) < 1e-5
+
+
+def test_a_load_planned_for_the_gpu_that_stays_on_the_cpu_must_fit_in_ram(fake, monkeypatch):
+    """ChatRunner.load plans RAM with the layers on the GPU; when the model then stays on the CPU (no CUDA
+    kernels for it), the check runs again without them: too little RAM is a typed refusal, not a load that
+    swaps."""
+    from pathlib import Path
+
+    from engine import memory_guard, worker
+    from engine.client import LoadOptions
+    from engine.memory_guard import InsufficientMemoryError
+
+    folder = Path(__file__).resolve().parents[2] / "fixtures" / "tiny" / "qwen3moe"
+    options = LoadOptions(device="cuda", n_ctx=128, batch_size=16, prefix_cache_mb=0)
+    monkeypatch.setattr(worker, "gpu_layers_planned", lambda opts, n: n)  # the fake GPU takes every layer
+    weights, shape = worker._model_shape(folder)
+    on_gpu = memory_guard.estimate(weights, shape, 128, 16, 1 << 40, 2, shape.n_layers).total_bytes
+    on_cpu = memory_guard.estimate(weights, shape, 128, 16, 1 << 40, 2, 0).total_bytes
+    assert on_cpu > on_gpu
+    between = int((on_gpu + on_cpu) / 2 / memory_guard.HEADROOM)
+    warnings = []
+    with pytest.raises(InsufficientMemoryError):
+        worker.ChatRunner.load(folder, options, lambda p: warnings.append(p.message), available=between)
+    assert any("mixture-of-experts" in w for w in warnings)
+    runner = worker.ChatRunner.load(folder, options, available=int(on_cpu / memory_guard.HEADROOM) + 1)
+    assert runner.estimate.weights_bytes == weights  # planned for the CPU after the fallback
