@@ -71,6 +71,7 @@ _LAYER_NAMES = {
 _EXPERT_RE = re.compile(r"(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight")
 _EXPERT_KIND = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
 _EXPERT_KIND |= {"w1": "gate", "w3": "up", "w2": "down"}  # Mixtral's names
+_GEMMA = ("gemma3", "gemma2")  # the architectures of engine/arch/gemma3.py
 # Gemma 3 has four norms per layer; HF's post_attention_layernorm is the llama family's ffn_norm
 _GEMMA3_LAYER_NAMES = {
     **_LAYER_NAMES,
@@ -112,7 +113,7 @@ class HFWeights:
     def __init__(self, st: SafetensorsModel, folder: Path, arch: str):
         self.st = st
         self.folder = folder
-        layer_names = _GEMMA3_LAYER_NAMES if arch in ("gemma3", "gemma2") else _LAYER_NAMES
+        layer_names = _GEMMA3_LAYER_NAMES if arch in _GEMMA else _LAYER_NAMES
         self.names = {g: hf for hf in st.tensors if (g := _gguf_name(hf, layer_names))}
         # AutoAWQ linears (prefix + qweight/qzeros/scales) run as Q4_1: engine/quant/awq_pack.py
         self.awq = {
@@ -121,7 +122,7 @@ class HFWeights:
             if hf.endswith(".qweight") and (g := _gguf_name(hf[: -len("qweight")] + "weight", layer_names))
         }
         # Gemma's RMSNorm multiplies by (1 + w); GGUF files (and so our architecture) store 1 + w
-        self.norm_offset = 1.0 if arch in ("gemma3", "gemma2") else 0.0
+        self.norm_offset = 1.0 if arch in _GEMMA else 0.0
         # FP8 / NVFP4 linears: engine/quant/fp_load.py (compressed-tensors NVFP4 codes are weight_packed)
         for hf in st.tensors:
             if hf.endswith(".weight_packed") and (g := _gguf_name(hf[: -len("_packed")], layer_names)):
@@ -289,7 +290,7 @@ def config_from_hf(folder: Path, config: dict) -> LlamaConfig | Gemma3Config:
             f"{folder}: model_type {model_type!r} is not supported from safetensors yet "
             f"(supported: {', '.join(sorted(_FAMILIES))})"
         )
-    if arch in ("gemma3", "gemma2"):
+    if arch in _GEMMA:
         try:
             return _gemma3_config(config, arch)
         except (KeyError, TypeError, ValueError) as e:

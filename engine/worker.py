@@ -112,16 +112,21 @@ class ChatRunner:
         progress(LoadProgress("check", 0.5, "estimating memory"))
         weights_bytes, shape = _model_shape(path)
         available = memory_guard.available_bytes() if available is None else available
+
+        def plan(gpu_layers: int) -> tuple[memory_guard.MemoryEstimate, int]:
+            """The memory check with gpu_layers on a GPU, and the prefix store's budget: it is a cache,
+            so it gets at most half of what the load leaves free."""
+            est = memory_guard.check(
+                weights_bytes, shape, options.n_ctx, options.batch_size, available,
+                options.kv_numpy_dtype.itemsize, gpu_layers,
+            )
+            spare = int(available * memory_guard.HEADROOM) - est.total_bytes
+            return est, max(0, min(options.prefix_cache_mb << 20, spare // 2))
+
         planned = gpu_layers_planned(options, shape.n_layers)
-        estimate = memory_guard.check(
-            weights_bytes, shape, options.n_ctx, options.batch_size, available,
-            options.kv_numpy_dtype.itemsize, planned,
-        )
+        estimate, store_bytes = plan(planned)
         for warning in estimate.warnings:
             progress(LoadProgress("warning", 0.5, warning))
-        # the prefix store is a cache: give it at most half of what the load leaves free
-        spare = int(available * memory_guard.HEADROOM) - estimate.total_bytes
-        store_bytes = max(0, min(options.prefix_cache_mb << 20, spare // 2))
         progress(LoadProgress("map", 0.6, "mapping weights"))
         lm = load_model(path)
         notice = ensure_chat_template(lm)
@@ -134,12 +139,7 @@ class ChatRunner:
             if choice.device.kind == "cpu" and planned:
                 # planned with layers on the GPU, but the model stays on the CPU (no kernels for it):
                 # it must fit in RAM after all
-                estimate = memory_guard.check(
-                    weights_bytes, shape, options.n_ctx, options.batch_size, available,
-                    options.kv_numpy_dtype.itemsize, 0,
-                )
-                spare = int(available * memory_guard.HEADROOM) - estimate.total_bytes
-                store_bytes = max(0, min(options.prefix_cache_mb << 20, spare // 2))
+                estimate, store_bytes = plan(0)
         progress(LoadProgress("warmup", 0.8, "loading compiled kernels"))
         compiled = cpu.kernels_compiled()
         warm = lm.model.new_cache(8, options.kv_numpy_dtype)  # loads the kernels this dtype uses

@@ -270,7 +270,7 @@ class LlamaModel(Decoder):
     ) -> None:
         """Embed tokens (n,) into s.x (or start from `hidden`, the residual stream entering layer
         `first`) and run the layers from `first` on; s.positions holds each row's position; inv_freq: the
-        RoPE frequencies (rope_freqs of the cache; default self.inv_freq).
+        RoPE frequencies (rope_freqs of the cache; default self.inv_freq, as Gemma's _layers takes none).
 
         attend(layer index, attn3 out, q3, k3, v3) stores k, v in the cache(s) and writes attn3.
         """

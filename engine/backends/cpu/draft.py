@@ -365,7 +365,7 @@ class DraftForward:
         cfg = model.cfg
         if cfg.rotary_dim % 2 or cfg.rotary_dim > cfg.head_dim or model.rope_mscale != 1:
             return None
-        if model.rope_freqs(1 << 30) is not model.inv_freq:  # LongRoPE: the step keeps one set of frequencies
+        if cfg.rope_scaling.kind == "longrope":  # two sets of frequencies; the step keeps one
             return None
         if cfg.hidden_size % QK or cfg.q_dim % QK or cfg.intermediate_size % QK or cfg.kv_dim % 16:
             return None

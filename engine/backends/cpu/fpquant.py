@@ -14,9 +14,10 @@ nvfp4.py (value tables) are the oracle these kernels are tested against.
 
 Three kernels per format, float32 accumulation, four rows per pass sharing every activation load:
 `matvec_*` (decode: out (rows,) = W @ x, codes widened in registers), `matmul_*` (2..SMALL_BATCH_MAX
-tokens: four rows widened once into a float tile, reused for every token; FP8 gives each token the bits
-its matvec gives, NVFP4 agrees with its matvec to float32 rounding) and `dequant_*` (rows to float32,
-for prefill tiles and embeddings).
+tokens) and `dequant_*` (rows to float32, for prefill tiles and embeddings). FP8 (both layouts) runs the
+float types' loop (smalln._matmul_float) for one token and for a few, so each token gets its matvec's
+bits; NVFP4's matmul widens four rows once into a float tile reused for every token, which agrees with
+its matvec to float32 rounding.
 """
 
 from __future__ import annotations
@@ -141,10 +142,10 @@ def _rows4(g, rows):
 
 
 @njit(inline="always", **_KW)
-def _tile_tokens(out, tile, x, r0, rows, s0, s1, s2, s3):
-    # x (n, cols), tile (4, cols) f32: out[t, r0..r0+3] = (tile rows . x[t]) * s0..s3 for every token t
-    # The sums are a one-row-group matvec's, term for term. Kept as one loop nest: a per-token dot helper
-    # (even inlined) measured ~10% slower at 4-8 tokens, its per-token setup weighing on short rows.
+def _tile_tokens(out, tile, x, r0, rows):
+    # x (n, cols), tile (4, cols) f32: out[t, r0..r0+3] = tile rows . x[t] for every token t
+    # Kept as one loop nest: a per-token dot helper (even inlined) measured ~10% slower at 4-8 tokens,
+    # its per-token setup weighing on short rows.
     cols = x.shape[1]
     for t in range(x.shape[0]):
         a0 = np.float32(0.0)
@@ -157,7 +158,7 @@ def _tile_tokens(out, tile, x, r0, rows, s0, s1, s2, s3):
             a1 += tile[1, j] * xj
             a2 += tile[2, j] * xj
             a3 += tile[3, j] * xj
-        _store4(out[t], r0, rows, a0 * s0, a1 * s1, a2 * s2, a3 * s3)
+        _store4(out[t], r0, rows, a0, a1, a2, a3)
 
 
 @njit(**_KW)
@@ -251,7 +252,6 @@ def matmul_nvfp4(out, raw, bscale, gscale, x, rows, cols):
     half = cols // 2
     nb = cols // 16
     k = gscale * E4M3_HALF_FACTOR * E2M1_HALF_FACTOR
-    one = np.float32(1.0)
     for g in prange((rows + 3) // 4):
         r0 = g * 4
         tile = np.empty((4, cols), np.float32)
@@ -263,7 +263,7 @@ def matmul_nvfp4(out, raw, bscale, gscale, x, rows, cols):
                     p = r * half + b * 8 + j
                     tile[i, 16 * b + 2 * j] = ld_e2m1(raw, p, 0) * s
                     tile[i, 16 * b + 2 * j + 1] = ld_e2m1(raw, p, 4) * s
-        _tile_tokens(out, tile, x, r0, rows, one, one, one, one)
+        _tile_tokens(out, tile, x, r0, rows)
 
 
 @njit(parallel=True, **_KW)
