@@ -75,9 +75,10 @@ def speculation_options(settings: Settings):
 
 
 def template_vars(settings: Settings) -> dict:
-    """Chat template variables the settings ask for: thinking off sets enable_thinking (Qwen3's switch;
-    templates without it ignore the variable)."""
-    return {} if settings.get("thinking") else {"enable_thinking": False}
+    """Chat template variables the settings ask for: thinking off sets enable_thinking (Qwen3's switch)
+    and a low reasoning_effort (gpt-oss, which always thinks: as briefly as it can); templates without
+    them ignore the variables."""
+    return {} if settings.get("thinking") else {"enable_thinking": False, "reasoning_effort": "low"}
 
 
 def event_stats(event: ChatEvent | None) -> dict:

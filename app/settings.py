@@ -114,7 +114,8 @@ class Schema:
     thinking: bool = _opt(
         True,
         "Let reasoning models think",
-        "Off asks templates that support it (Qwen3's enable_thinking) to skip the thinking block: "
+        "Off asks templates that support it (Qwen3's enable_thinking) to skip the thinking block, and "
+        "gpt-oss to think briefly (reasoning effort low): "
         "faster replies, less careful ones.",
         "Sampling",
     )

@@ -9,10 +9,11 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from engine.errors import ContextOverflowError
+from engine.harmony import reply_decoder
 from engine.kv_cache import KVCache
 from engine.memory import peak_rss_mb
 from engine.sampling import check_sampling, make_sampler, repetition_penalty
-from engine.tokenizer import StreamDecoder, Tokenizer
+from engine.tokenizer import Tokenizer
 
 
 @dataclass
@@ -161,7 +162,7 @@ def generate(
     stop_ids = tokenizer.eot_ids
     # After a turn marker the reply starts a new text (a SentencePiece prefix space is dropped); a
     # completion continues the prompt's text, so its first word keeps its space.
-    decoder = StreamDecoder(tokenizer, skip_special=True, text_start=tokenizer.is_control(prompt_ids[-1]))
+    decoder = reply_decoder(tokenizer, text_start=tokenizer.is_control(prompt_ids[-1]))
     matcher = _StopMatcher(params.stop)
 
     t0 = time.perf_counter()

@@ -15,8 +15,9 @@ import numpy as np
 from tokenizers import Tokenizer as HFTokenizer
 
 from engine.arch.gemma3 import Gemma3Config
-from engine.arch.llama import LlamaConfig
+from engine.arch.llama import LlamaConfig, gpt_oss_layer_types
 from engine.errors import MissingTensorError, ModelFormatError, UnsupportedArchitectureError
+from engine.hf_experts import FusedExperts
 from engine.rope import RopeScaling
 from engine.tokenizer import (
     TOKEN_BYTE,
@@ -43,6 +44,7 @@ _FAMILIES = {
     "gemma2": "gemma2",
     "mixtral": "llama",  # llama.cpp's name for Mixtral too: a llama with experts
     "qwen3_moe": "qwen3moe",
+    "gpt_oss": "gpt-oss",
 }
 
 # HF per-layer name -> GGUF per-layer name
@@ -56,6 +58,8 @@ _LAYER_NAMES = {
     "self_attn.k_proj.bias": "attn_k.bias",
     "self_attn.v_proj.bias": "attn_v.bias",
     "self_attn.o_proj.weight": "attn_output.weight",
+    "self_attn.o_proj.bias": "attn_output.bias",
+    "self_attn.sinks": "attn_sinks.weight",  # gpt-oss
     "self_attn.q_norm.weight": "attn_q_norm.weight",
     "self_attn.k_norm.weight": "attn_k_norm.weight",
     "self_attn.qkv_proj.weight": "attn_qkv.weight",
@@ -65,6 +69,8 @@ _LAYER_NAMES = {
     "mlp.gate_up_proj.weight": "ffn_up.weight",  # gate rows then up rows, as GGUF's phi3 stores it
     "mlp.gate.weight": "ffn_gate_inp.weight",  # mixture-of-experts routers: Qwen3-MoE, Mixtral
     "block_sparse_moe.gate.weight": "ffn_gate_inp.weight",
+    "mlp.router.weight": "ffn_gate_inp.weight",  # gpt-oss
+    "mlp.router.bias": "ffn_gate_inp.bias",
 }
 # experts: HF keeps one tensor per expert, GGUF one (experts, rows, cols) tensor; expert e of GGUF tensor T
 # is named T.e here (HFWeights.experts)
@@ -85,6 +91,9 @@ _GLOBAL_NAMES = {
     "lm_head.weight": "output.weight",
 }
 _LAYER_RE = re.compile(r"model\.layers\.(\d+)\.(.+)")
+# gpt-oss's fused expert tensors (engine/hf_experts.py), by the GGUF names they stand for
+_FUSED_EXPERTS_RE = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(?:gate_up|down)_proj(?:_blocks)?")
+_GGUF_EXPERTS_RE = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)_exps\.(weight|bias)")
 
 
 def is_hf_repo(path: Path) -> bool:
@@ -127,9 +136,23 @@ class HFWeights:
         for hf in st.tensors:
             if hf.endswith(".weight_packed") and (g := _gguf_name(hf[: -len("_packed")], layer_names)):
                 self.names.setdefault(g, hf)
+        # gpt-oss: per layer, the fused experts the GGUF-named expert tensors are cut from
+        self.fused = {
+            int(m.group(1)): FusedExperts(st, folder, f"model.layers.{m.group(1)}.mlp.experts.")
+            for hf in st.tensors
+            if (m := _FUSED_EXPERTS_RE.fullmatch(hf))
+        }
+
+    def _fused(self, name: str) -> tuple[FusedExperts, str, str] | None:
+        """(the layer's fused experts, kind, "weight"/"bias") for a GGUF expert tensor name they hold."""
+        m = _GGUF_EXPERTS_RE.fullmatch(name)
+        fused = self.fused.get(int(m.group(1))) if m else None
+        if fused is None or not fused.has(m.group(2), m.group(3)):
+            return None
+        return fused, m.group(2), m.group(3)
 
     def has(self, name: str) -> bool:
-        return name in self.names or name in self.awq
+        return name in self.names or name in self.awq or self._fused(name) is not None
 
     def _tensor(self, name: str):
         hf_name = self.names.get(name)
@@ -165,14 +188,31 @@ class HFWeights:
         return Weight(_DTYPE_TO_GGML[dtype], raw, rows, cols)
 
     def experts(self, name: str, n: int, rows: int, cols: int) -> list[Weight]:
-        """The n (rows, cols) matrices of GGUF expert tensor `name`, one HF tensor each."""
+        """The n (rows, cols) matrices of GGUF expert tensor `name`: one HF tensor each, or row blocks of
+        gpt-oss's fused tensors."""
+        stack = self.expert_stack(name, n, rows, cols)
+        if stack is not None:
+            return [stack.row_block(e * rows, (e + 1) * rows) for e in range(n)]
         return [self.matrix(f"{name}.{e}", rows, cols) for e in range(n)]
 
+    def expert_stack(self, name: str, n: int, rows: int, cols: int) -> Weight | None:
+        """The (n * rows, cols) merged weight of GGUF expert tensor `name` (gpt-oss), None for experts kept
+        one tensor each."""
+        fused = self._fused(name)
+        return None if fused is None else fused[0].stack(fused[1], n, rows, cols)
+
     def vector(self, name: str, n: int) -> np.ndarray:
+        return self.floats(name, (n,))
+
+    def floats(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
+        """A small tensor (norms, biases, sinks) of `shape` as float32."""
+        fused = self._fused(name)
+        if fused is not None:
+            return fused[0].bias(fused[1], *shape)
         array, dtype = self._tensor(name)
-        if array.shape != (n,):
+        if array.shape != shape:
             raise MissingTensorError(
-                self.folder, f"tensor for {name!r} has shape {array.shape}, expected {(n,)}"
+                self.folder, f"tensor for {name!r} has shape {array.shape}, expected {shape}"
             )
         if dtype == "BF16":
             vector = (array.astype(np.uint32) << 16).view(np.float32)
@@ -332,11 +372,38 @@ def config_from_hf(folder: Path, config: dict) -> LlamaConfig | Gemma3Config:
             architecture=arch,
             num_experts=experts,
             num_experts_per_tok=int(config["num_experts_per_tok"]) if experts else 0,
-            # Mixtral always renormalizes the chosen experts' weights; Qwen3-MoE says so in its config
+            # Mixtral always renormalizes the chosen experts' weights (gpt-oss's softmax over the chosen
+            # logits is the same numbers); Qwen3-MoE says so in its config
             norm_topk_prob=bool(config.get("norm_topk_prob", False)) if model_type == "qwen3_moe" else True,
+            expert_act="swiglu_oai" if model_type == "gpt_oss" else "silu",
+            swiglu_alpha=float(config.get("swiglu_alpha", 1.702)),
+            swiglu_limit=float(config.get("swiglu_limit", 7.0)),
+            **_sliding_window(config),
         )
     except (KeyError, TypeError, ValueError) as e:
         raise ModelFormatError(folder / "config.json", f"missing or invalid hyper-parameter ({e})") from e
+
+
+def _sliding_window(config: dict) -> dict:
+    """LlamaConfig's sliding_window and layer_types from a config.json (transformers' rules: Mistral,
+    Mixtral and gpt-oss use `sliding_window` when set; Qwen2/3 only with use_sliding_window, from layer
+    max_window_layers on)."""
+    model_type = config.get("model_type")
+    window = int(config.get("sliding_window") or 0)
+    if config.get("use_sliding_window") is False or (
+        model_type not in ("mistral", "mixtral", "gpt_oss") and not config.get("use_sliding_window")
+    ):
+        window = 0
+    if not window:
+        return {}
+    types = config.get("layer_types")
+    if types is None and config.get("use_sliding_window"):
+        first = int(config.get("max_window_layers") or 0)
+        n = int(config["num_hidden_layers"])
+        types = ["sliding_attention" if i >= first else "full_attention" for i in range(n)]
+    if types is None and model_type == "gpt_oss":  # transformers' default
+        types = gpt_oss_layer_types(int(config["num_hidden_layers"]))
+    return {"sliding_window": window, "layer_types": None if types is None else tuple(types)}
 
 
 def _token_id(value, vocab: dict[str, int]) -> int | None:

@@ -19,6 +19,8 @@ from models.errors import ModelNotFoundError
 from models.formats.ggml_types import type_name
 from models.formats.gguf import GGUFFile, open_gguf
 
+BF16 = 30  # ggml type id
+
 
 class GGUFWeights:
     """Weights of an open GGUF file, handed to an architecture by canonical name and checked shape."""
@@ -71,9 +73,16 @@ class GGUFWeights:
         return [stacked.row_block(e * rows, (e + 1) * rows) for e in range(n)]
 
     def vector(self, name: str, n: int) -> np.ndarray:
-        info = self._info(name, (n,))
+        return self.floats(name, (n,))
+
+    def floats(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
+        """A small tensor (norms, biases) of `shape` as a float32 copy."""
+        info = self._info(name, shape)
         try:
-            return np.array(info.array(), dtype=np.float32)  # small: a copy in float32 is fine
+            values = info.array()
+            if info.ggml_type == BF16:  # the view holds the bits
+                return (values.astype(np.uint32) << 16).view(np.float32).reshape(shape)
+            return np.array(values, dtype=np.float32).reshape(shape)  # small: a copy is fine
         except ModelFormatError as e:
             raise ModelFormatError(self.gguf.path, f"tensor {name!r}: {e.problem}") from e
 

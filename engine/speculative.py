@@ -25,10 +25,11 @@ from engine.backends.cpu.draft import MAX_TOKENS as MAX_FAST_TOKENS
 from engine.backends.cpu.draft import DraftForward
 from engine.errors import ContextOverflowError, HearthError
 from engine.generate import GenerationEvent, GenerationParams, _StopMatcher, prefill
+from engine.harmony import reply_decoder
 from engine.kv_cache import KVCache
 from engine.memory import peak_rss_mb
 from engine.sampling import dense_distribution, repetition_penalty
-from engine.tokenizer import StreamDecoder, Tokenizer
+from engine.tokenizer import Tokenizer
 
 
 class IncompatibleDraftError(HearthError):
@@ -335,7 +336,7 @@ def speculative_generate(
     if params.repetition_penalty != 1.0:
         processors.append(repetition_penalty(params.repetition_penalty, params.repeat_last_n))
     vocab = tokenizer.vocab_size
-    decoder = StreamDecoder(tokenizer, skip_special=True, text_start=tokenizer.is_control(prompt_ids[-1]))
+    decoder = reply_decoder(tokenizer, text_start=tokenizer.is_control(prompt_ids[-1]))
     matcher = _StopMatcher(params.stop)
     policy = _Adaptive(k_max, k, adaptive)
 

@@ -22,6 +22,7 @@ import numpy as np
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
+from engine.harmony import harmony_ids, harmony_stop_ids
 from models.errors import HearthError
 
 # GGUF token types (llama.cpp `llama_token_type`).
@@ -62,12 +63,21 @@ _QWEN2 = (
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 
+# OpenAI's o200k (GPT-4o, gpt-oss, Llama 4): case-aware letter runs with a contraction suffix, digits in
+# threes, punctuation runs that take trailing newlines and slashes.
+_GPT4O = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
 _PRE_REGEXES: dict[str, tuple[str, ...]] = {
     # llama.cpp's fallback for pre == "default" (and for a missing pre key).
     "default": (r"[\p{P}\$\+<=>\^~\|]+", _GPT2, r"\p{N}+", r"[0-9][0-9][0-9]"),
     "gpt2": (_GPT2,),
     "llama3": (_LLAMA3,),
     "qwen2": (_QWEN2,),
+    "gpt4o": (_GPT4O,),
     # StarCoder family (SmolLM included): every digit isolated first, then GPT-2 splitting.
     "starcoder": (r"\p{N}", _GPT2),
     "falcon": (r"[\p{P}\$\+<=>\^~\|`]+", _GPT2, r"[0-9][0-9][0-9]"),
@@ -98,6 +108,8 @@ _PRE_ALIASES: dict[str, tuple[str, bool]] = {
     "command-r": ("starcoder", False),
     "codeshell": ("starcoder", False),
     "falcon": ("falcon", False),
+    "gpt-4o": ("gpt4o", False),
+    "llama4": ("gpt4o", False),
 }
 
 SUPPORTED_PRE_TOKENIZERS = tuple(sorted(_PRE_ALIASES))
@@ -515,6 +527,12 @@ class Tokenizer:
         self.unk_id = unk_id
         self.pad_id = pad_id
         self.eot_ids: frozenset[int] = frozenset(eot_ids)
+        # gpt-oss's harmony format: its special tokens' ids (None for other vocabularies); its turns end
+        # at <|return|> / <|call|>, not at <|end|> (engine.harmony)
+        controls = [t if ty == TOKEN_CONTROL else "" for t, ty in zip(tokens, token_types)]
+        self.harmony = harmony_ids(controls) if "<|channel|>" in controls else None
+        if self.harmony is not None:
+            self.eot_ids = harmony_stop_ids(self.eot_ids, self.harmony)
         self.add_bos = add_bos
         self.add_eos = add_eos
         self.pre = pre

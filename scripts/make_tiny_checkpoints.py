@@ -68,6 +68,13 @@ FAMILIES = {
         torch.float16,
         False,
     ),
+    # Mistral v0.1's sliding window (4 here, on every layer): the golden's 16 tokens and 8 greedy ones pass it
+    "mistral-swa": (
+        transformers.MistralConfig,
+        dict(tie_word_embeddings=False, sliding_window=4),
+        torch.float32,
+        False,
+    ),
     "qwen2": (transformers.Qwen2Config, dict(tie_word_embeddings=True), torch.float32, False),
     "qwen3": (transformers.Qwen3Config, dict(tie_word_embeddings=True, head_dim=32), torch.bfloat16, False),
     # YaRN (Qwen's long-context setting): trained on 64 positions, stretched 4x; the golden's 16 tokens
@@ -128,6 +135,18 @@ FAMILIES = {
         torch.bfloat16,
         False,
     ),
+    # gpt-oss: attention sinks, biases, a window of 4 on the even layers, YaRN unrounded (trained on 64),
+    # 4 experts (2 a token, clamped SwiGLU); expert weights on the MXFP4 grid, so that "gpt-oss" (experts
+    # as MXFP4 blocks, OpenAI's layout) and "gpt-oss-bf16" (the same numbers, dequantized) share a golden
+    "gpt-oss-bf16": (
+        transformers.GptOssConfig,
+        dict(tie_word_embeddings=False, head_dim=16, num_local_experts=4, num_experts_per_tok=2,
+             sliding_window=4, swiglu_limit=1.5,
+             rope_parameters=dict(rope_type="yarn", rope_theta=150000.0, factor=4.0, beta_fast=32.0,
+                                  beta_slow=1.0, truncate=False, original_max_position_embeddings=64)),
+        torch.bfloat16,
+        False,
+    ),
     "gemma3": (
         transformers.Gemma3TextConfig,
         dict(
@@ -156,6 +175,69 @@ def tiny_tokenizer() -> Tokenizer:
     return tok
 
 
+# OpenAI's harmony format, as gpt-oss's template writes it (a system message, the conversation, and the
+# assistant's reply opened: the model picks its channel)
+HARMONY_SPECIALS = ["<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|return|>", "<|call|>"]
+HARMONY_TEMPLATE = (
+    "<|start|>system<|message|>You are ChatGPT, a large language model trained by OpenAI.\n"
+    "Reasoning: {{ reasoning_effort | default('medium') }}\n\n"
+    "# Valid channels: analysis, commentary, final. Channel must be included for every message.<|end|>"
+    "{% for m in messages %}{% if m['role'] == 'assistant' %}"
+    "<|start|>assistant<|channel|>final<|message|>{{ m['content'] }}<|end|>"
+    "{% else %}<|start|>{{ m['role'] }}<|message|>{{ m['content'] }}<|end|>{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|start|>assistant{% endif %}"
+)
+
+
+def mxfp4_round(w: torch.Tensor) -> torch.Tensor:
+    """w (..., cols) rounded to MXFP4 along its last axis (blocks of 32: a power-of-two scale, E2M1 codes),
+    as gguf.quants.MXFP4 picks them."""
+    grid = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+    blocks = w.reshape(*w.shape[:-1], -1, 32)
+    amax = blocks.abs().amax(-1, keepdim=True).clamp_min(1e-30)
+    scale = torch.exp2(torch.floor(torch.log2(amax)) - 2)
+    mag = (blocks.abs() / scale).unsqueeze(-1)
+    nearest = grid[(mag - grid).abs().argmin(-1)]
+    return (torch.sign(blocks) * nearest * scale).reshape(w.shape)
+
+
+def mxfp4_encode(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(blocks (..., cols/32, 16) uint8, scales (..., cols/32) uint8) of w already on the MXFP4 grid, in
+    OpenAI's layout: element 2j the low nibble of byte j; scale byte = exponent + 127."""
+    grid = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
+    blocks = w.reshape(*w.shape[:-1], -1, 32)
+    amax = blocks.abs().amax(-1, keepdim=True).clamp_min(1e-30)
+    exp = torch.floor(torch.log2(amax)) - 2
+    mag = blocks.abs() / torch.exp2(exp)
+    codes = torch.zeros(blocks.shape, dtype=torch.uint8)
+    for i, g in enumerate(grid):
+        codes[mag == g] = i
+    codes |= ((blocks < 0) & (mag > 0)).to(torch.uint8) << 3
+    assert torch.equal(torch.exp2(exp) * torch.tensor(grid + [-g for g in grid])[codes.long()], blocks)
+    packed = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    return packed, (exp[..., 0] + 127).to(torch.uint8)
+
+
+def write_gpt_oss_mxfp4(src: Path, dst: Path) -> None:
+    """The gpt-oss-bf16 folder with its experts as MXFP4 blocks and scales (config quant_method mxfp4)."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.rmtree(dst, ignore_errors=True)
+    shutil.copytree(src, dst)
+    tensors = load_file(dst / "model.safetensors")
+    for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        w = tensors.pop(name).float().transpose(1, 2).contiguous()  # (experts, rows, cols)
+        tensors[name + "_blocks"], tensors[name + "_scales"] = mxfp4_encode(w)
+    save_file(tensors, dst / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((dst / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    (dst / "config.json").write_text(json.dumps(config, indent=2))
+    golden = json.loads((dst / "golden.json").read_text())
+    (dst / "golden.json").write_text(json.dumps({**golden, "family": "gpt-oss"}))
+    print(f"wrote {dst}")
+
+
 def write_family(name: str, out: Path) -> None:
     cls, extra, dtype, shard = FAMILIES[name]
     torch.manual_seed(sum(map(ord, name)))
@@ -169,19 +251,26 @@ def write_family(name: str, out: Path) -> None:
                 p.copy_(1.0 + 0.1 * torch.randn_like(p))
             else:  # biases
                 p.normal_(0.0, 0.1)
+            if "experts" in pname and p.dim() == 3:  # gpt-oss: (experts, cols, rows), rounded per row
+                p.copy_(mxfp4_round(p.transpose(1, 2)).transpose(1, 2))
+            if pname.endswith("sinks"):
+                p.copy_(torch.linspace(-1.0, 2.0, p.numel()))
     model = model.to(dtype)
     folder = out / name
     shutil.rmtree(folder, ignore_errors=True)
     model.save_pretrained(folder, safe_serialization=True, max_shard_size="60KB" if shard else "1GB")
     tok = tiny_tokenizer()
+    harmony = name.startswith("gpt-oss")
+    if harmony:
+        tok.add_special_tokens(HARMONY_SPECIALS)
     tok.save(str(folder / "tokenizer.json"))
     (folder / "tokenizer_config.json").write_text(
         json.dumps(
             {
                 "bos_token": "<s>",
-                "eos_token": "<|im_end|>",
+                "eos_token": "<|return|>" if harmony else "<|im_end|>",
                 "unk_token": "<unk>",
-                "chat_template": CHAT_TEMPLATE,
+                "chat_template": HARMONY_TEMPLATE if harmony else CHAT_TEMPLATE,
                 "add_bos_token": False,
             },
             indent=1,
@@ -215,6 +304,8 @@ def write_family(name: str, out: Path) -> None:
     (folder / "golden.json").write_text(json.dumps(golden))
     size = sum(f.stat().st_size for f in folder.iterdir())
     print(f"wrote {folder} ({size:,} bytes)")
+    if name == "gpt-oss-bf16":
+        write_gpt_oss_mxfp4(folder, out / "gpt-oss")
 
 
 def main() -> int:

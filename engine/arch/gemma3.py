@@ -79,6 +79,10 @@ class Gemma3Config:
         self.q_dim = self.num_attention_heads * self.head_dim
         self.kv_dim = self.num_key_value_heads * self.head_dim
 
+    def window(self, layer: int) -> int | None:
+        """Layer's attention window (ops.attention's `window`), None for full attention."""
+        return self.sliding_window if self.layer_types[layer] == SLIDING else None
+
     @classmethod
     def from_gguf(cls, metadata: dict, vocab_size: int) -> Gemma3Config:
         """Config from GGUF metadata (`gemma3.*` keys as llama.cpp's converter writes them).

@@ -1,5 +1,7 @@
 """Llama family: Llama 2/3, Mistral, SmolLM, Qwen2/3, Phi-3 (GQA, RoPE, RMSNorm, SwiGLU), and its
-mixture-of-experts members Mixtral and Qwen3-MoE (engine/arch/moe.py in place of the dense FFN)."""
+mixture-of-experts members Mixtral, Qwen3-MoE and gpt-oss (engine/arch/moe.py in place of the dense FFN;
+gpt-oss adds attention sinks, biases on every linear, a sliding window on every other layer and a clamped
+SwiGLU in its experts)."""
 
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ from engine.weights import Weight
 
 # llama.cpp's converter permutes Llama's q/k weights so GGML's "normal" RoPE (adjacent pairs) applies;
 # these families keep HF's half-split ("NeoX") layout instead.
-_NEOX_ROPE = frozenset({"qwen2", "qwen3", "qwen3moe", "phi3"})
+_NEOX_ROPE = frozenset({"qwen2", "qwen3", "qwen3moe", "phi3", "gpt-oss"})
 
 
 @dataclass
@@ -44,6 +46,15 @@ class LlamaConfig:
     num_experts: int = 0
     num_experts_per_tok: int = 0
     norm_topk_prob: bool = True
+    # the experts' activation: "silu" (silu(gate) * up) or "swiglu_oai" (gpt-oss: gate clamped above and up
+    # both ways at swiglu_limit, then gate * sigmoid(swiglu_alpha gate) * (up + 1))
+    expert_act: str = "silu"
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
+    # sliding-window attention: keys [p - sliding_window + 1, p] for a query at p (0: none), on the layers
+    # layer_types names "sliding_attention" (None: every layer; Mistral v0.1)
+    sliding_window: int = 0
+    layer_types: tuple[str, ...] | None = None
     # derived in __post_init__
     n_rep: int = field(init=False)
     q_dim: int = field(init=False)
@@ -59,6 +70,18 @@ class LlamaConfig:
         self.n_rep = self.num_attention_heads // self.num_key_value_heads
         self.q_dim = self.num_attention_heads * self.head_dim
         self.kv_dim = self.num_key_value_heads * self.head_dim
+        if self.expert_act not in ("silu", "swiglu_oai"):
+            raise ValueError(f"unknown expert activation {self.expert_act!r}")
+        if self.layer_types is not None and len(self.layer_types) != self.num_hidden_layers:
+            raise ValueError(f"{len(self.layer_types)} layer types for {self.num_hidden_layers} layers")
+
+    def window(self, layer: int) -> int | None:
+        """Layer's attention window (ops.attention's `window`), None for full attention."""
+        if not self.sliding_window:
+            return None
+        if self.layer_types is not None and self.layer_types[layer] != "sliding_attention":
+            return None
+        return self.sliding_window
 
     @classmethod
     def from_gguf(cls, metadata: dict, vocab_size: int) -> LlamaConfig:
@@ -76,6 +99,11 @@ class LlamaConfig:
         scaling = rope_scaling_from_gguf(metadata, arch)
         if scaling.kind == "linear" and scaling.factor == 1.0:
             scaling = RopeScaling()
+        gpt_oss = arch == "gpt-oss"
+        if gpt_oss and scaling.kind == "yarn":
+            # gpt-oss was trained with YaRN's ramp ends unrounded (its config's "truncate": false)
+            scaling = dataclasses.replace(scaling, truncate=False)
+        n_layers = int(key("block_count"))
         experts = int(metadata.get(f"{arch}.expert_count", 0))
         ff = int(key("feed_forward_length", 0)) if arch == "qwen3moe" else int(key("feed_forward_length"))
         if experts:
@@ -83,7 +111,7 @@ class LlamaConfig:
         return cls(
             hidden_size=hidden,
             intermediate_size=ff,
-            num_hidden_layers=int(key("block_count")),
+            num_hidden_layers=n_layers,
             num_attention_heads=n_heads,
             num_key_value_heads=int(key("attention.head_count_kv", n_heads)),
             vocab_size=vocab_size,
@@ -97,9 +125,23 @@ class LlamaConfig:
             architecture=arch,
             num_experts=experts,
             num_experts_per_tok=int(key("expert_used_count")) if experts else 0,
-            # llama.cpp's Mixtral and Qwen3-MoE graphs renormalize; Hearth's converter writes the key
+            # llama.cpp's Mixtral and Qwen3-MoE graphs renormalize (gpt-oss's softmax over the chosen
+            # experts' logits is the same numbers); Hearth's converter writes the key
             norm_topk_prob=bool(metadata.get(f"{arch}.expert_weights_norm", True)),
+            expert_act="swiglu_oai" if gpt_oss else "silu",
+            # llama.cpp fixes gpt-oss's 1.702 and 7.0; Hearth's converter writes other values under these keys
+            swiglu_alpha=float(key("expert_swiglu_alpha", 1.702)),
+            swiglu_limit=float(key("expert_swiglu_limit", 7.0)),
+            # a window on gpt-oss's even layers (llama.cpp's swa pattern 2, transformers' layer_types), on
+            # every layer of a "llama" that has one (Mistral v0.1, as Hearth's converter writes it)
+            sliding_window=int(key("attention.sliding_window", 0)) if arch in ("gpt-oss", "llama") else 0,
+            layer_types=gpt_oss_layer_types(n_layers) if gpt_oss else None,
         )
+
+
+def gpt_oss_layer_types(n_layers: int) -> tuple[str, ...]:
+    """gpt-oss's layers: sliding-window attention on the even ones, full on the odd ones."""
+    return tuple("sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n_layers))
 
 
 @dataclass
@@ -118,7 +160,9 @@ class LlamaLayer:
     bv: np.ndarray | None = None
     q_norm: np.ndarray | None = None  # optional per-head RMSNorm of q and k before RoPE (Qwen3), (head_dim,)
     k_norm: np.ndarray | None = None
-    moe: MoE | None = None  # the experts that replace gate/up/down (Mixtral, Qwen3-MoE)
+    moe: MoE | None = None  # the experts that replace gate/up/down (Mixtral, Qwen3-MoE, gpt-oss)
+    bo: np.ndarray | None = None  # attention output bias (gpt-oss), (hidden,)
+    sinks: np.ndarray | None = None  # attention-sink logits per query head (gpt-oss), (n_heads,)
 
 
 def _attention_weights(weights, p: str, q: int, kv: int, d: int) -> tuple[Weight, Weight, Weight]:
@@ -141,7 +185,7 @@ def _ffn_weights(weights, p: str, ff: int, d: int) -> tuple[Weight, Weight]:
     return weights.matrix(p + "ffn_gate.weight", ff, d), weights.matrix(p + "ffn_up.weight", ff, d)
 
 
-@register("llama", "mistral", "qwen2", "qwen3", "qwen3moe", "phi3")
+@register("llama", "mistral", "qwen2", "qwen3", "qwen3moe", "phi3", "gpt-oss")
 class LlamaModel(Decoder):
     """A Llama-family decoder over weights that stay in their file format."""
 
@@ -168,6 +212,11 @@ class LlamaModel(Decoder):
 
             wq, wk, wv = _attention_weights(weights, p, q, kv, d)
             moe = load_moe(weights, p, cfg.num_experts, ff, d) if cfg.num_experts else None
+            # llama.cpp's gpt-oss names the pre-FFN norm post_attention_norm; its sinks may lack ".weight"
+            ffn_norm = "ffn_norm.weight"
+            if not weights.has(p + ffn_norm):
+                ffn_norm = "post_attention_norm.weight"
+            sinks = next((s for s in ("attn_sinks.weight", "attn_sinks") if weights.has(p + s)), None)
             w_gate, w_up = _ffn_weights(weights, p, ff, d) if moe is None else (None, None)
             self.layers.append(
                 LlamaLayer(
@@ -176,7 +225,7 @@ class LlamaModel(Decoder):
                     wk=wk,
                     wv=wv,
                     wo=weights.matrix(p + "attn_output.weight", d, q),
-                    ffn_norm=weights.vector(p + "ffn_norm.weight", d),
+                    ffn_norm=weights.vector(p + ffn_norm, d),
                     w_gate=w_gate,
                     w_up=w_up,
                     w_down=weights.matrix(p + "ffn_down.weight", d, ff) if moe is None else None,
@@ -186,6 +235,8 @@ class LlamaModel(Decoder):
                     q_norm=optional("attn_q_norm.weight", cfg.head_dim),
                     k_norm=optional("attn_k_norm.weight", cfg.head_dim),
                     moe=moe,
+                    bo=optional("attn_output.bias", d),
+                    sinks=None if sinks is None else weights.vector(p + sinks, cfg.num_attention_heads),
                 )
             )
         half = cfg.rotary_dim // 2
@@ -230,7 +281,8 @@ class LlamaModel(Decoder):
 
         def attend(i, attn3, q3, k3, v3):
             k_cache, v_cache = cache.update_and_fetch(i - first, k3, v3)
-            ops.attention(attn3, q3, k_cache, v_cache, pos0, self.scale)
+            sinks = self.layers[i].sinks
+            ops.attention(attn3, q3, k_cache, v_cache, pos0, self.scale, cfg.window(i), sinks=sinks)
 
         self._layers(s, tokens, attend, first, hidden, self.rope_freqs(cache.n_ctx))
         cache.advance(tokens)
@@ -255,7 +307,8 @@ class LlamaModel(Decoder):
             for b, cache in enumerate(caches):
                 k_cache, v_cache = cache.update_and_fetch(i - first, k3[b : b + 1], v3[b : b + 1])
                 pos = int(s.positions[b])
-                ops.attention(attn3[b : b + 1], q3[b : b + 1], k_cache, v_cache, pos, self.scale)
+                ops.attention(attn3[b : b + 1], q3[b : b + 1], k_cache, v_cache, pos, self.scale,
+                              self.cfg.window(i), sinks=self.layers[i].sinks)
 
         # one set of frequencies for the batch: the server's caches share a context length
         self._layers(s, tokens, attend, first, hidden, self.rope_freqs(max(c.n_ctx for c in caches)))
@@ -315,10 +368,12 @@ class LlamaModel(Decoder):
             if capture is not None:
                 capture(i, "attn_output", s.attn)
             ops.linear(s.o, layer.wo, s.attn)
+            if layer.bo is not None:
+                s.o += layer.bo
             s.x += s.o
             ops.rmsnorm(s.h, s.x, layer.ffn_norm, cfg.rms_norm_eps)
             if layer.moe is not None:
-                moe_forward(s.o, s.h, layer.moe, cfg.num_experts_per_tok, cfg.norm_topk_prob)
+                moe_forward(s.o, s.h, layer.moe, cfg)
                 s.x += s.o
                 continue
             if capture is not None:

@@ -1,8 +1,10 @@
-"""Mixture-of-experts feed-forward blocks (Mixtral, Qwen3-MoE): a router picks k experts per token.
+"""Mixture-of-experts feed-forward blocks (Mixtral, Qwen3-MoE, gpt-oss): a router picks k experts per token.
 
 out[t] = sum over the k experts e with the largest router logits of w[t, e] * down_e(silu(gate_e h) * up_e h)
 with w = softmax over all experts' logits, taken at the chosen ones and (norm_topk_prob) renormalized to
-sum 1, as transformers computes it (Mixtral's "softmax over the top k" is the same numbers).
+sum 1, as transformers computes it (Mixtral's and gpt-oss's "softmax over the top k" is the same numbers).
+gpt-oss adds a bias to the router and to each expert's three matrices, and its own activation
+(LlamaConfig.expert_act).
 
 Each expert is an ordinary weight matrix (a row block of the file's (experts, rows, cols) tensor, still
 in its quantized format), so every weight type the engine computes with works here. Tokens are grouped by
@@ -33,6 +35,11 @@ class MoE:
     # the merged (experts * rows, cols) tensors the experts are row blocks of, when the file has them and
     # cpu.linear_experts takes their types (GGUF); None: expert by expert
     stacks: tuple[Weight, Weight, Weight] | None = None
+    # biases (gpt-oss): router (experts,), gate and up (experts, ff), down (experts, hidden); None: none
+    router_bias: np.ndarray | None = None
+    gate_bias: np.ndarray | None = None
+    up_bias: np.ndarray | None = None
+    down_bias: np.ndarray | None = None
 
     def weights(self) -> list[Weight]:
         return [self.router, *self.gate, *self.up, *self.down]
@@ -42,9 +49,15 @@ def load_moe(weights, p: str, n_experts: int, ff: int, d: int) -> MoE:
     """The experts of layer prefix p ("blk.N.") from a weight source with matrix() and experts() (and
     expert_stack(), where the source keeps merged expert tensors)."""
     shapes = {"gate": (ff, d), "up": (ff, d), "down": (d, ff)}
+
+    def bias(name: str, shape: tuple[int, ...]) -> np.ndarray | None:
+        return weights.floats(p + name, shape) if weights.has(p + name) else None
+
     moe = MoE(
         router=weights.matrix(p + "ffn_gate_inp.weight", n_experts, d),
         **{k: weights.experts(f"{p}ffn_{k}_exps.weight", n_experts, *s) for k, s in shapes.items()},
+        router_bias=bias("ffn_gate_inp.bias", (n_experts,)),
+        **{f"{k}_bias": bias(f"ffn_{k}_exps.bias", (n_experts, s[0])) for k, s in shapes.items()},
     )
     stacker = getattr(weights, "expert_stack", None)
     if stacker is not None:
@@ -65,14 +78,17 @@ def route(logits: np.ndarray, k: int, normalize: bool) -> tuple[np.ndarray, np.n
     return top, (chosen / total).astype(np.float32)
 
 
-def moe_forward(out: np.ndarray, h: np.ndarray, moe: MoE, k: int, normalize: bool) -> None:
-    """out (n, hidden) = the MoE block applied to the normed hidden states h (n, hidden)."""
+def moe_forward(out: np.ndarray, h: np.ndarray, moe: MoE, cfg) -> None:
+    """out (n, hidden) = the MoE block applied to the normed hidden states h (n, hidden); cfg: a
+    LlamaConfig (num_experts_per_tok, norm_topk_prob, the experts' activation)."""
     n = h.shape[0]
     logits = np.empty((n, len(moe.gate)), np.float32)
     ops.linear(logits, moe.router, h)
-    experts, w = route(logits, k, normalize)
+    if moe.router_bias is not None:
+        logits += moe.router_bias
+    experts, w = route(logits, cfg.num_experts_per_tok, cfg.norm_topk_prob)
     if n == 1 and moe.stacks is not None:
-        _one_token(out, h, moe, experts[0], w[0])
+        _one_token(out, h, moe, experts[0], w[0], cfg)
         return
     out[:] = 0.0
     ff = moe.gate[0].rows
@@ -83,13 +99,27 @@ def moe_forward(out: np.ndarray, h: np.ndarray, moe: MoE, k: int, normalize: boo
         up = np.empty((len(rows), ff), np.float32)
         ops.linear(gate, moe.gate[e], x)
         ops.linear(up, moe.up[e], x)
-        ops.silu_mul(gate, gate, up)
+        _activate(gate, up, moe, np.array([e]), cfg)
         y = np.empty((len(rows), out.shape[1]), np.float32)
         ops.linear(y, moe.down[e], gate)
+        if moe.down_bias is not None:
+            y += moe.down_bias[e]
         out[rows] += w[rows, slot][:, None] * y
 
 
-def _one_token(out: np.ndarray, h: np.ndarray, moe: MoE, experts: np.ndarray, w: np.ndarray) -> None:
+def _activate(gate: np.ndarray, up: np.ndarray, moe: MoE, experts: np.ndarray, cfg) -> None:
+    """gate (m, ff) = the activation of gate and up (m, ff), rows of experts `experts` (one for all rows,
+    or one a row), their biases added first."""
+    if moe.gate_bias is not None:
+        gate += moe.gate_bias[experts]
+        up += moe.up_bias[experts]
+    if cfg.expert_act == "swiglu_oai":
+        ops.swiglu_oai_mul(gate, gate, up, cfg.swiglu_alpha, cfg.swiglu_limit)
+    else:
+        ops.silu_mul(gate, gate, up)
+
+
+def _one_token(out: np.ndarray, h: np.ndarray, moe: MoE, experts: np.ndarray, w: np.ndarray, cfg) -> None:
     # one token's k experts over the merged tensors: gate, up and down each one pass (cpu.linear_experts)
     gate_all, up_all, down_all = moe.stacks
     ff, d = moe.gate[0].rows, out.shape[1]
@@ -98,9 +128,11 @@ def _one_token(out: np.ndarray, h: np.ndarray, moe: MoE, experts: np.ndarray, w:
     up = np.empty((k, ff), np.float32)
     ops.linear_experts(gate, gate_all, h, experts * ff, ff)
     ops.linear_experts(up, up_all, h, experts * ff, ff)
-    ops.silu_mul(gate, gate, up)
+    _activate(gate, up, moe, experts, cfg)
     y = np.empty((k, d), np.float32)
     ops.linear_experts(y, down_all, gate, experts * d, d)
+    if moe.down_bias is not None:
+        y += moe.down_bias[experts]
     out[:] = 0.0
     for j in np.argsort(experts):  # the grouped path's sum, in its order (experts by id): the same bits
         out[0] += w[j] * y[j]

@@ -4,9 +4,9 @@
     dequantize(ggml_type, raw, cols) -> float32 (rows, cols)
 
 `ggml_type` is a type id or a name ("Q4_K"). Quantizers are the Numba kernels of kernels_legacy /
-kernels_k (ggml's reference search); F32/F16/BF16 are plain conversions (BF16 rounds to nearest even
-and keeps NaNs quiet, as ggml does). Dequantizing reuses the CPU backend's decode kernels, which are
-tested against gguf.quants.
+kernels_k (ggml's reference search) and kernels_mxfp4's numpy encoder; F32/F16/BF16 are plain
+conversions (BF16 rounds to nearest even and keeps NaNs quiet, as ggml does). Dequantizing reuses the
+CPU backend's decode kernels, which are tested against gguf.quants.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 from gguf import GGMLQuantizationType as T
 
-from engine.quant import kernels_k, kernels_legacy
+from engine.quant import kernels_k, kernels_legacy, kernels_mxfp4
 from models.errors import HearthError
 from models.formats.ggml_types import BLOCK_SIZES, type_name
 
@@ -29,6 +29,7 @@ _QUANTIZERS = {
     int(T.Q4_K): kernels_k.quantize_q4_k,
     int(T.Q5_K): kernels_k.quantize_q5_k,
     int(T.Q6_K): kernels_k.quantize_q6_k,
+    int(T.MXFP4): kernels_mxfp4.quantize_mxfp4,
 }
 F32, F16, BF16 = int(T.F32), int(T.F16), int(T.BF16)
 
@@ -62,7 +63,8 @@ def quantize(ggml_type: int | str, matrix: np.ndarray) -> np.ndarray:
     """Encode a 2-D float32 matrix as rows of `ggml_type` blocks.
 
     Args:
-        ggml_type: target type id or name (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K..Q6_K).
+        ggml_type: target type id or name (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K..Q6_K,
+            MXFP4).
         matrix: (rows, cols) float; cols must be a multiple of the type's block size (32 or 256).
 
     Returns:

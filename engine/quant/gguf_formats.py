@@ -73,9 +73,17 @@ def write_gguf(
         return fh.tell()
 
 
+# MXFP4 tensors of the source (gpt-oss's experts) stay MXFP4 in a quantized output, as llama.cpp keeps
+# them: re-encoding the 4-bit codes to another 4-bit type could only lose. Float outputs decode them.
+MXFP4 = 39
+_FLOAT_OUTPUTS = ("F32", "F16", "BF16")
+
+
 def _preset_writer(fmt: str):
     def write(source: SourceModel, out_path: Path, options: dict, progress: ProgressFn) -> ConvertResult:
         types = plan(fmt, source.shapes, source.n_layers, gqa(source))
+        if fmt not in _FLOAT_OUTPUTS:
+            types.update({n: MXFP4 for n, t in source.source_types.items() if t == MXFP4})
         write_gguf(source, out_path, types, progress, output_metadata(source, PRESETS[fmt][1]))
         return ConvertResult(tensor_types={n: type_name(t) for n, t in types.items()})
 

@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from engine.arch.llama import gpt_oss_layer_types
 from engine.errors import ModelFormatError
 from engine.rope import rope_attention_factor
 from engine.tokenizer import (
@@ -38,6 +39,7 @@ _FAMILY_PRE = {
     "gpt2": "gpt2",
     "llama3": "llama-bpe",
     "qwen2": "qwen2",
+    "gpt4o": "gpt-4o",
     "starcoder": "smollm",
     "falcon": "falcon",
 }
@@ -73,9 +75,23 @@ def _hparams(arch: str, config: dict, cfg) -> dict[str, Any]:
         md[f"{a}.expert_count"] = cfg.num_experts
         md[f"{a}.expert_used_count"] = cfg.num_experts_per_tok
         md[f"{a}.expert_weights_norm"] = bool(cfg.norm_topk_prob)
-        if arch == "qwen3moe":
+        if arch in ("qwen3moe", "gpt-oss"):
             md[f"{a}.expert_feed_forward_length"] = cfg.intermediate_size
             md[f"{a}.feed_forward_length"] = int(config.get("intermediate_size") or cfg.intermediate_size)
+        if arch == "gpt-oss":  # Hearth's keys (llama.cpp fixes 1.702 and 7.0)
+            md[f"{a}.expert_swiglu_alpha"] = float(cfg.swiglu_alpha)
+            md[f"{a}.expert_swiglu_limit"] = float(cfg.swiglu_limit)
+    window = getattr(cfg, "sliding_window", 0)
+    if window and arch not in ("gemma3", "gemma2"):
+        # the layers are implied by the architecture, as LlamaConfig.from_gguf reads them back: every layer
+        # for a "llama" (Mistral v0.1), the even ones for gpt-oss (llama.cpp's pattern)
+        implied = {"llama": None, "gpt-oss": gpt_oss_layer_types(cfg.num_hidden_layers)}
+        if arch not in implied or cfg.layer_types != implied[arch]:
+            raise ModelFormatError(
+                "config.json",
+                f"a sliding window on layers {cfg.layer_types} cannot be written to a {arch} GGUF",
+            )
+        md[f"{a}.attention.sliding_window"] = int(window)
     scaling = cfg.rope_scaling
     if scaling.kind not in ("none", "default", ""):
         md[f"{a}.rope.scaling.type"] = scaling.kind

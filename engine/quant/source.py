@@ -28,7 +28,7 @@ from models.formats.gguf import GGUFFile, open_gguf
 # architectures whose GGUF stores q/k for interleaved (non-NeoX) RoPE: HF rows are permuted on the way in
 PERMUTED_QK = frozenset({"llama"})
 GEMMA_NORM_OFFSET = frozenset({"gemma3", "gemma2"})
-SUPPORTED_ARCHS = frozenset({"llama", "qwen2", "qwen3", "qwen3moe", "gemma3", "gemma2"})
+SUPPORTED_ARCHS = frozenset({"llama", "qwen2", "qwen3", "qwen3moe", "gemma3", "gemma2", "gpt-oss"})
 _F32, _F16, _BF16, _Q4_1 = 0, 1, 30, 3
 
 
@@ -177,6 +177,7 @@ def _hf_source(folder: Path) -> SourceModel:
             stacks.setdefault(g_name.rsplit(".", 1)[0], []).append(g_name)
     for experts in stacks.values():
         experts.sort(key=lambda n: int(n.rsplit(".", 1)[1]))
+    fused = _fused_experts(weights, cfg)  # gpt-oss: name -> (shape, type, loader)
 
     def load_one(name: str) -> np.ndarray:
         if name in quantized:
@@ -188,11 +189,15 @@ def _hf_source(folder: Path) -> SourceModel:
         return np.array(a, dtype=np.float32)
 
     def shape_of(name: str) -> tuple[int, ...]:
+        if name in fused:
+            return fused[name][0]
         if name in stacks:
             return (len(stacks[name]), *shape_of(stacks[name][0]))
         return quantized[name][1] if name in quantized else st.tensors[names_map[name]].shape
 
     def load(name: str) -> np.ndarray:
+        if name in fused:
+            return fused[name][2]()
         x = np.stack([load_one(e) for e in stacks[name]]) if name in stacks else load_one(name)
         if arch in PERMUTED_QK and name.endswith("attn_q.weight"):
             x = permute_qk(x, n_head)
@@ -203,11 +208,13 @@ def _hf_source(folder: Path) -> SourceModel:
         return np.ascontiguousarray(x)
 
     def type_of(name: str) -> int:
+        if name in fused:
+            return fused[name][1]
         name = stacks[name][0] if name in stacks else name
         return quantized[name][0] if name in quantized else dtype_types[st.tensors[names_map[name]].dtype]
 
     singles = {n for n in set(names_map) | set(quantized) if not _EXPERT_NAME.fullmatch(n)}
-    order = sorted(singles | set(stacks), key=_tensor_order)
+    order = sorted(singles | set(stacks) | set(fused), key=_tensor_order)
     return SourceModel(
         path=folder,
         kind="safetensors",
@@ -222,6 +229,32 @@ def _hf_source(folder: Path) -> SourceModel:
 
 
 _EXPERT_NAME = re.compile(r"blk\.\d+\.ffn_\w+_exps\.weight\.\d+")  # HFWeights' name of one expert
+
+
+def _fused_experts(weights, cfg) -> dict[str, tuple[tuple[int, ...], int, Any]]:
+    """gpt-oss's fused expert tensors as GGUF's: name -> (shape, source type, float32 loader) for each
+    layer's ffn_{gate,up,down}_exps weights (experts, rows, cols) and biases (experts, rows)."""
+    from engine.backends import cpu
+
+    out = {}
+    if not weights.fused:
+        return out
+    n, ff, d = cfg.num_experts, cfg.intermediate_size, cfg.hidden_size
+    for layer, fused in sorted(weights.fused.items()):
+        for kind, (rows, cols) in {"gate": (ff, d), "up": (ff, d), "down": (d, ff)}.items():
+            name = f"blk.{layer}.ffn_{kind}_exps."
+
+            def matrix(fused=fused, kind=kind, rows=rows, cols=cols):
+                stack = fused.build(kind, n, rows, cols)  # not kept: one tensor's memory at a time
+                x = np.empty((n * rows, cols), np.float32)
+                cpu.get_rows(x, stack, np.arange(n * rows))
+                return x.reshape(n, rows, cols)
+
+            out[name + "weight"] = ((n, rows, cols), fused.source_type(), matrix)
+            if fused.has(kind, "bias"):
+                bias = name + "bias"
+                out[bias] = ((n, rows), _F32, lambda b=bias, r=rows: weights.floats(b, (n, r)))
+    return out
 
 
 def _quantized_linears(st, folder: Path, weights) -> dict[str, tuple[int, tuple[int, int]]]:

@@ -242,6 +242,11 @@ def parse_chat(body: Any, n_ctx: int) -> ChatRequest:
             f"{{'enable_thinking': false}} (not {', '.join(RESERVED_TEMPLATE_VARS)})",
             "chat_template_kwargs",
         )
+    effort = body.get("reasoning_effort")  # OpenAI's parameter; gpt-oss's template reads it
+    if effort is not None:
+        if effort not in ("low", "medium", "high"):
+            raise invalid("'reasoning_effort' must be 'low', 'medium' or 'high'", "reasoning_effort")
+        template_vars = {"reasoning_effort": effort, **template_vars}
     return ChatRequest(
         **fields, messages=clean, response_format=response_format, tools=tools, tool_choice=tool_choice,
         template_vars=template_vars,

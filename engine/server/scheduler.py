@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from engine.generate import _StopMatcher
+from engine.harmony import HarmonyDecoder, reply_decoder
 from engine.kv_cache import KVCache
 from engine.prefix_cache import PrefixCache
 from engine.sampling import check_sampling, draw
@@ -104,7 +105,7 @@ class Job:
         check_sampling(params.temperature, 0, params.top_p, 0.0)
         self.rng = np.random.default_rng(params.seed)  # one uniform a sampled token, host or device
         self.constraint: Constraint | None = None
-        self.decoder: StreamDecoder | None = None  # set when the first token is sampled
+        self.decoder: StreamDecoder | HarmonyDecoder | None = None  # set when the first token is sampled
         self.matcher: _StopMatcher | None = None
 
     def cancel(self) -> None:
@@ -350,7 +351,7 @@ class Engine:
         tok = self.tokenizer
         if seq.generated == 0:
             seq.t_first = time.monotonic()
-            seq.decoder = StreamDecoder(tok, skip_special=True, text_start=p.text_start)
+            seq.decoder = reply_decoder(tok, text_start=p.text_start)
             seq.matcher = _StopMatcher(p.stop)
             self.metrics.ttft.observe(seq.t_first - seq.arrived)
         seq.generated += 1

@@ -254,5 +254,6 @@ def test_the_thinking_setting_reaches_the_template(qtbot, engine, monkeypatch, t
     w, _ = _window(qtbot, engine, thinking=thinking)
     reply = _send(qtbot, w, "Hi")
     assert reply.state == "done"
-    # off: Qwen3-style templates get enable_thinking false (others ignore the variable)
-    assert calls[-1].get("template_vars") == (None if thinking else {"enable_thinking": False})
+    # off: Qwen3-style templates get enable_thinking false, gpt-oss a low effort (others ignore them)
+    off = {"enable_thinking": False, "reasoning_effort": "low"}
+    assert calls[-1].get("template_vars") == (None if thinking else off)

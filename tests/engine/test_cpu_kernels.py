@@ -22,21 +22,30 @@ from models.formats.gguf import open_gguf
 
 T = gguf.GGMLQuantizationType
 ALL_TYPES = [T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K,
-             T.Q6_K, T.IQ4_NL, T.IQ4_XS]
+             T.Q6_K, T.IQ4_NL, T.IQ4_XS, T.MXFP4]
 QUANTIZED = set(ALL_TYPES) - {T.F32, T.F16, T.BF16}
-# Types gguf.quants cannot quantize to: their test weights are random bytes with sane f16 scales.
-HAND_BUILT = {T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_NL, T.IQ4_XS}
+# Types whose test weights are random bytes with sane scales: gguf.quants cannot quantize to them, or (MXFP4)
+# random bytes reach every nibble and a range of exponents a quantized Gaussian would not.
+HAND_BUILT = {T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_NL, T.IQ4_XS, T.MXFP4}
 # Byte offsets of the f16 fields (d, and dmin/m where present) in one block of a hand-built type.
 F16_FIELDS = {T.Q2_K: (80, 82), T.Q3_K: (108,), T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,),
-              T.IQ4_NL: (0,), T.IQ4_XS: (0,)}
+              T.IQ4_NL: (0,), T.IQ4_XS: (0,), T.MXFP4: ()}
+# Byte offset of the E8M0 exponent e (scale 2^(e-128)) in one block of a hand-built type.
+E8M0_FIELDS = {T.MXFP4: 0}
 
 
 def random_blocks(ggml_type: T, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
-    """uint8 (rows, row_nbytes): every quant, scale and mask byte random, f16 scales in [1e-3, 5e-2)."""
+    """uint8 (rows, row_nbytes): every quant, scale and mask byte random, f16 scales in [1e-3, 5e-2),
+    E8M0 exponents in [100, 132] (scales 2^-28 .. 2^4) but one block in eight's in [0, 3] (2^-128 .. 2^-125:
+    denormal and tiny scales, whose values vanish next to the others')."""
     block, nbytes = gguf.GGML_QUANT_SIZES[ggml_type]
     raw = rng.integers(0, 256, (rows * cols // block, nbytes), dtype=np.uint8)
     for off in F16_FIELDS[ggml_type]:
         raw[:, off : off + 2] = rng.uniform(1e-3, 5e-2, (raw.shape[0], 1)).astype(np.float16).view(np.uint8)
+    if ggml_type in E8M0_FIELDS:
+        tiny = rng.random(raw.shape[0]) < 0.125
+        e = np.where(tiny, rng.integers(0, 4, raw.shape[0]), rng.integers(100, 133, raw.shape[0]))
+        raw[:, E8M0_FIELDS[ggml_type]] = e
     return raw.reshape(rows, -1)
 
 
@@ -136,6 +145,23 @@ def test_get_rows_matches_dequantize(ggml_type):
     np.testing.assert_allclose(out, oracle[ids], rtol=1e-6, atol=1e-6)
 
 
+def test_mxfp4_dequantizes_bit_for_bit_at_every_exponent():
+    # Row r's blocks have exponent r, every one whose values are finite (12 * 2^(e-128) overflows from 253),
+    # e = 0, 1 the denormal scales; all 16 nibbles in every row. get_rows (deq_mxfp4, also the prefill
+    # path's) gives gguf's float32 bits, so a wrong scale, denormal branch or table entry shows here.
+    rng = np.random.default_rng(39)
+    raw = rng.integers(0, 256, (253, 8, 17), dtype=np.uint8)
+    raw[:, 0, 1:] = np.arange(16) | (np.arange(16)[::-1] << 4)  # each block 0: every nibble, low and high
+    raw[:, :, 0] = np.arange(253)[:, None]
+    raw = raw.reshape(253, 8 * 17)
+    ref = gguf.quants.dequantize(raw, T.MXFP4).reshape(253, 256)
+    out = np.empty((253, 256), np.float32)
+    cpu.get_rows(out, Weight(int(T.MXFP4), raw, 253, 256), np.arange(253))
+    np.testing.assert_array_equal(out.view(np.uint32), ref.view(np.uint32))
+    tiny = np.abs(ref[:2])
+    assert np.count_nonzero((tiny > 0) & (tiny < 2.0**-126)) > 50  # the bits compared include denormals
+
+
 def test_get_rows_rejects_out_of_range_ids():
     w, _ = make_weight(T.Q8_0, 8, 32, np.random.default_rng(0))
     with pytest.raises(ValueError, match="ids"):
@@ -231,9 +257,10 @@ def test_attention_gqa_causal(n_tok, pos0):
                                rtol=1e-4, atol=1e-5)
 
 
-def windowed_attention_reference(q, k_cache, v_cache, pos0, scale, window, softcap=None):
-    """attention_reference where the query at position p sees only keys [p - window + 1, p] (and its
-    scores are soft-capped, softcap * tanh(s / softcap), when softcap is given)."""
+def windowed_attention_reference(q, k_cache, v_cache, pos0, scale, window, softcap=None, sinks=None):
+    """attention_reference where the query at position p sees only keys [p - window + 1, p] (its
+    scores soft-capped, softcap * tanh(s / softcap), when softcap is given; with sinks, head h's
+    softmax has the extra logit sinks[h], whose value is zero)."""
     n_tok, n_heads, hd = q.shape
     group = n_heads // k_cache.shape[0]
     out = np.zeros(q.shape)
@@ -246,6 +273,9 @@ def windowed_attention_reference(q, k_cache, v_cache, pos0, scale, window, softc
             s = k @ q[t, h] * scale
             if softcap is not None:
                 s = softcap * np.tanh(s / softcap)
+            if sinks is not None:
+                s = np.append(s, sinks[h])
+                v = np.vstack([v, np.zeros(hd)])
             e = np.exp(s - s.max())
             out[t, h] = (e / e.sum()) @ v
     return out
@@ -334,6 +364,47 @@ def test_long_attention_in_chunks_matches_the_reference(dtype, n_heads, n_kv, n_
     cpu.attention(out, q, k_cache, v_cache, n_keys - 1, 0.125)
     ref = attention_reference(q, k_cache, v_cache, n_keys - 1, 0.125)
     np.testing.assert_allclose(out, ref, rtol=1e-4, atol=2e-5)
+
+# gpt-oss's attention sinks: decode (short and past LONG_KEYS, whose chunks merge with the sink), a
+# verify-sized pass, a prefill (BLAS blocks), windows, float32 and float16 caches, with a soft cap too
+@pytest.mark.parametrize("n_tok,pos0,window,dtype,softcap", [
+    (1, 70, None, np.float32, None), (1, 70, 16, np.float16, None), (5, 60, 16, np.float32, None),
+    (6, 3, None, np.float16, 2.0), (90, 10, None, np.float16, None), (90, 10, 32, np.float32, 2.0),
+    (1, ops.LONG_KEYS + 40, None, np.float16, None), (3, ops.LONG_KEYS - 2, None, np.float32, None),
+])
+def test_attention_with_sinks(n_tok, pos0, window, dtype, softcap):
+    rng = np.random.default_rng(10)
+    n_heads, n_kv, hd = 8, 2, 32
+    max_ctx = pos0 + n_tok + 8
+    q = rng.standard_normal((n_tok, n_heads, hd)).astype(np.float32)
+    k_cache = rng.standard_normal((n_kv, max_ctx, hd)).astype(dtype)
+    v_cache = rng.standard_normal((n_kv, max_ctx, hd)).astype(dtype)
+    k_cache[:, pos0 + n_tok :] = 1e4
+    # sinks from well below to well above the scores (a sink that wins the max, one that hardly counts)
+    sinks = np.array([-20, -2, -0.5, 0, 0.7, 1.5, 3, 8], np.float32)
+    scale = 1 / math.sqrt(hd)
+    out = np.full_like(q, np.nan)
+    cpu.attention(out, q, k_cache, v_cache, pos0, scale, window, softcap=softcap, sinks=sinks)
+    ref = windowed_attention_reference(q, k_cache, v_cache, pos0, scale, window or max_ctx, softcap, sinks)
+    np.testing.assert_allclose(out, ref, rtol=1e-4, atol=2e-5)
+    plain = windowed_attention_reference(q, k_cache, v_cache, pos0, scale, window or max_ctx, softcap)
+    assert np.abs(plain - ref).max() > 1e-2  # the sinks matter
+    if n_tok > 1:  # each query gets the bits a one-token step at its position gets
+        for t in (0, n_tok - 1):
+            alone = np.empty_like(q[t : t + 1])
+            cpu.attention(alone, q[t : t + 1], k_cache, v_cache, pos0 + t, scale, window, softcap, sinks)
+            if n_tok <= 16:
+                np.testing.assert_array_equal(alone, out[t : t + 1])
+            else:
+                np.testing.assert_allclose(alone, out[t : t + 1], rtol=1e-4, atol=2e-5)
+
+
+def test_attention_rejects_sinks_of_another_shape():
+    q = np.zeros((1, 2, 8), np.float32)
+    cache = np.zeros((1, 4, 8), np.float32)
+    with pytest.raises(ValueError, match="sinks must be float32"):
+        cpu.attention(np.empty_like(q), q, cache, cache, 0, 1.0, sinks=np.zeros(3, np.float32))
+
 
 def test_attention_rejects_a_window_below_one():
     q = np.zeros((1, 2, 8), np.float32)

@@ -29,7 +29,7 @@ def _golden(family: str) -> dict:
 
 def test_every_family_has_a_fixture():
     dense = {"llama", "llama3-scaled", "mistral", "qwen2", "qwen3", "phi3", "gemma3"}
-    assert dense | {"qwen3moe", "mixtral"} <= set(FAMILIES)
+    assert dense | {"qwen3moe", "mixtral", "gpt-oss", "gpt-oss-bf16"} <= set(FAMILIES)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -105,7 +105,8 @@ def test_unsupported_family(tmp_path):
     config = json.loads((folder / "config.json").read_text())
     config["model_type"] = "mamba"
     (folder / "config.json").write_text(json.dumps(config))
-    with pytest.raises(UnsupportedArchitectureError, match="mamba.*supported: gemma2, gemma3_text, llama"):
+    match = "mamba.*supported: gemma2, gemma3_text, gpt_oss, llama"
+    with pytest.raises(UnsupportedArchitectureError, match=match):
         load_model(folder)
 
 
@@ -328,3 +329,38 @@ def test_longrope_past_the_original_context_and_from_gguf(tmp_path):
     np.testing.assert_allclose(short, np.array(golden["logits"]), atol=1e-4 * max(1.0, np.abs(ref).max()))
     np.testing.assert_allclose(g.forward(golden["long_tokens"], g.new_cache(96), all_logits=True), long,
                                rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("config,windows", [
+    ({"model_type": "mistral", "sliding_window": 4096}, [4096, 4096, 4096]),  # Mistral v0.1: every layer
+    ({"model_type": "mistral", "sliding_window": None}, [None, None, None]),  # v0.2 and later
+    ({"model_type": "qwen2", "sliding_window": 32768, "use_sliding_window": False}, [None, None, None]),
+    ({"model_type": "qwen2", "sliding_window": 64, "use_sliding_window": True, "max_window_layers": 1},
+     [None, 64, 64]),
+    ({"model_type": "gpt_oss", "sliding_window": 128}, [128, None, 128]),
+    ({"model_type": "gpt_oss", "sliding_window": 128,
+      "layer_types": ["full_attention", "sliding_attention", "full_attention"]}, [None, 128, None]),
+])
+def test_sliding_windows_from_config_json(config, windows):
+    from engine.hf_repo import config_from_hf
+
+    base = {"hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 3, "num_attention_heads": 4,
+            "vocab_size": 320}
+    if config["model_type"] == "gpt_oss":
+        base |= {"num_local_experts": 4, "num_experts_per_tok": 2}
+    cfg = config_from_hf(Path("x"), base | config)
+    assert [cfg.window(i) for i in range(3)] == windows
+
+
+def test_a_sliding_window_survives_conversion_to_gguf(tmp_path):
+    """Mistral v0.1's window (the mistral-swa fixture, 4 on every layer) in llama.attention.sliding_window."""
+    from engine.convert import convert
+    from models.formats.gguf import open_gguf
+
+    golden = _golden("mistral-swa")
+    out = convert(TINY / "mistral-swa", "F32", tmp_path / "swa.gguf")
+    assert open_gguf(out.output).metadata["llama.attention.sliding_window"] == 4
+    m = load_model(out.output).model
+    assert [m.cfg.window(i) for i in range(2)] == [4, 4]
+    logits = m.forward(golden["tokens"], m.new_cache(64), all_logits=True)
+    np.testing.assert_allclose(logits, np.array(golden["logits"]), atol=1e-4 * np.abs(golden["logits"]).max())

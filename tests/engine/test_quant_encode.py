@@ -11,7 +11,7 @@ import engine  # noqa: F401  (Numba cache location)
 from engine.quant import dequantize, quantize
 from engine.quant.encode import QuantizeError
 
-BYTE_EXACT = ["F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"]
+BYTE_EXACT = ["F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "MXFP4"]
 K_QUANTS = ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]
 
 
@@ -54,13 +54,51 @@ def test_k_quant_errors_ordered_and_at_ggml_levels():
     assert errs["Q5_K"] < _rel_rmse("Q5_0", x)
 
 
-@pytest.mark.parametrize("name", K_QUANTS + ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"])
+@pytest.mark.parametrize("name", K_QUANTS + ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "MXFP4"])
 def test_our_decoder_matches_spec_decoder(name):
     x = _matrix(cols=256 * 3)
     raw = quantize(name, x)
     ours = dequantize(name, raw, x.shape[1])
     ref = quants.dequantize(raw, T[name]).reshape(x.shape)
     np.testing.assert_allclose(ours, ref, rtol=1e-6, atol=1e-7)
+
+
+def test_mxfp4_bytes_equal_gguf_at_ties_and_every_scale():
+    # Weights on the values' midpoints (ties: the smaller magnitude, zero as nibble 0), past the largest
+    # value, -0.0 and zero blocks, block maxima from 2^-125 (exponent byte 0) to 2^121: gguf's bytes, and
+    # decoding them back (the CPU kernel) within a quarter of each block's maximum of the weights.
+    rng = np.random.default_rng(3)
+    steps = np.array([0, 0.5, 1, 1.5, 2, 2.5, 3, 3.5, 4, 5, 6, 7, 8, 10, 12, 14, 15.5])
+    x = rng.choice(steps, (64, 8, 32)) * rng.choice([-1.0, 1.0], (64, 8, 32))
+    x[:, :, 0] = 15.5  # every block's maximum: exponent floor(log2(15.5)) + 125 at scale 1
+    x *= 2.0 ** (np.arange(512) % 245 - 128).reshape(64, 8, 1)  # exponent bytes 0 .. 244, each
+    x[0, :2] = 0.0
+    x[1, 0] = -0.0
+    x = x.reshape(64, 256).astype(np.float32)
+    ours = quantize("MXFP4", x)
+    assert np.array_equal(ours, quants.quantize(x, T.MXFP4))
+    assert set(ours[:, ::17].ravel()) == set(range(245))
+    back = dequantize("MXFP4", ours, 256)
+    err = np.abs(back - x).reshape(64, 8, 32).max(axis=2)
+    assert np.all(err <= np.abs(x).reshape(64, 8, 32).max(axis=2) / 4)
+
+
+def test_mxfp4_round_trips():
+    # Our blocks re-encode to the same bytes (a block's largest code is always +-8 or +-12). Any file's
+    # blocks (random bytes, every finite exponent, the denormal ones too) re-encode to the same values
+    # (a block whose codes stay below 8 gets a smaller exponent and codes 2, 4 or 8 times larger): a convert
+    # that decodes gpt-oss's MXFP4 experts and writes MXFP4 again loses nothing.
+    x = _matrix(cols=320)
+    raw = quantize("MXFP4", x)
+    assert np.array_equal(quantize("MXFP4", dequantize("MXFP4", raw, 320)), raw)
+    rng = np.random.default_rng(4)
+    blocks = rng.integers(0, 256, (253 * 4, 17), dtype=np.uint8)
+    blocks[:, 0] = np.arange(253 * 4) % 253
+    blocks[1::3, 1:] &= 0xDD  # nibbles of 0, +-1, +-4, +-6 only
+    blocks[2::3, 1:] &= 0xBB  # 0 .. +-3 only
+    values = quants.dequantize(blocks.reshape(253, 4 * 17), T.MXFP4)
+    again = quants.dequantize(quantize("MXFP4", values), T.MXFP4)
+    np.testing.assert_array_equal(again.view(np.uint32), values.view(np.uint32))
 
 
 def test_zero_and_constant_blocks():

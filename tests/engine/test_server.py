@@ -155,6 +155,24 @@ def test_chat_template_kwargs_reach_the_template(client, lm, monkeypatch):
         ask(model="smol", messages=HI, max_tokens=1, extra_body={"chat_template_kwargs": {"messages": []}})
 
 
+def test_reasoning_effort_reaches_the_template(client, lm, monkeypatch):
+    # OpenAI's reasoning_effort parameter, as gpt-oss's template reads it
+    from engine.chat_template import ChatTemplate
+
+    template = (
+        "{{ 'Reasoning: ' + reasoning_effort | default('medium') }}"
+        "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    )
+    monkeypatch.setattr(lm, "template", ChatTemplate(template))
+    ask = client.chat.completions.create
+    medium = ask(model="smol", messages=HI, max_tokens=1).usage.prompt_tokens
+    low = ask(model="smol", messages=HI, max_tokens=1, reasoning_effort="low").usage.prompt_tokens
+    encode = lm.tokenizer.encode
+    assert low == medium + len(encode("Reasoning: low")) - len(encode("Reasoning: medium"))
+    with pytest.raises(openai.BadRequestError, match="reasoning_effort"):
+        ask(model="smol", messages=HI, max_tokens=1, extra_body={"reasoning_effort": "extreme"})
+
+
 def test_earlier_thinking_is_left_out_of_the_prompt(client):
     answer = "Red, green and blue."
     turns = [*HI, {"role": "assistant", "content": answer}, {"role": "user", "content": "More?"}]

@@ -5,8 +5,9 @@ kernels' small activation scratch):
   linear(out, w, x)            out (n_tok, rows) = x (n_tok, cols) @ W.T for a quantized/float Weight
   get_rows(out, w, ids)        embedding lookup: out (len(ids), cols) = W[ids]
   rmsnorm(out, x, weight, eps) rope(x, positions, inv_freq, n_rot, neox)
-  attention(out, q, k_cache, v_cache, pos0, scale, window=None)   (k/v caches float32 or float16)
-  silu_mul(out, gate, up)      gelu_tanh_mul(out, gate, up)
+  attention(out, q, k_cache, v_cache, pos0, scale, window=None, softcap=None, sinks=None)
+                               (k/v caches float32 or float16)
+  silu_mul(out, gate, up)      gelu_tanh_mul(out, gate, up)     swiglu_oai_mul(out, gate, up, alpha, limit)
   softmax(x)                   argmax(x)                  set_threads(n)
 
 Import through the `engine` package (it points Numba's JIT cache at the user cache dir first).
@@ -28,12 +29,13 @@ from models.formats.ggml_types import type_name
 
 F32, F16, Q4_0, Q4_1, Q8_0, BF16 = 0, 1, 2, 3, 8, 30
 Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS = 6, 7, 10, 11, 12, 13, 14, 20, 23
+MXFP4 = 39
 
 # ggml type -> (elements per block, bytes per block)
 _BLOCK = {
     F32: (1, 4), F16: (1, 2), BF16: (1, 2), Q8_0: (32, 34), Q4_0: (32, 18), Q4_1: (32, 20),
     Q5_0: (32, 22), Q5_1: (32, 24), Q2_K: (256, 84), Q3_K: (256, 110), Q4_K: (256, 144), Q5_K: (256, 176),
-    Q6_K: (256, 210), IQ4_NL: (32, 18), IQ4_XS: (256, 136),
+    Q6_K: (256, 210), IQ4_NL: (32, 18), IQ4_XS: (256, 136), MXFP4: (32, 17),
 }
 
 # The ggml types this backend computes with; loaders check weights against it before any kernel runs.
@@ -89,6 +91,7 @@ _KERNELS: dict[int, tuple[Callable, Callable, Callable]] = {
     Q6_K: (kquant.matvec_q6_k, kquant.dequant_q6_k, _identity),
     IQ4_NL: (kquant.matvec_iq4_nl, kquant.dequant_iq4_nl, _identity),
     IQ4_XS: (kquant.matvec_iq4_xs, kquant.dequant_iq4_xs, _identity),
+    MXFP4: (kquant.matvec_mxfp4, kquant.dequant_mxfp4, _identity),
 }
 
 # ggml type -> small-batch kernel (smalln): out (n, rows) = x (n, cols) @ W.T, weights read once for all n
@@ -98,6 +101,7 @@ _SMALL: dict[int, Callable] = {
     Q4_0: batchq.matmul_q4_0, Q4_1: batchq.matmul_q4_1, Q5_0: smalln.matmul_q5_0, Q5_1: smalln.matmul_q5_1,
     Q2_K: smalln.matmul_q2_k, Q3_K: smalln.matmul_q3_k, Q4_K: smalln.matmul_q4_k, Q5_K: smalln.matmul_q5_k,
     Q6_K: smalln.matmul_q6_k, IQ4_NL: smalln.matmul_iq4_nl, IQ4_XS: smalln.matmul_iq4_xs,
+    MXFP4: smalln.matmul_mxfp4,
 }
 
 # Up to this many tokens, linear runs the small-batch kernels (each weight row read once for all tokens,
@@ -181,7 +185,7 @@ def linear(out: np.ndarray, w: Weight, x: np.ndarray) -> None:
     Args:
         out: float32 (n_tok, w.rows), written.
         w: the weight, in one of SUPPORTED_TYPES (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1,
-            Q2_K..Q6_K, IQ4_NL, IQ4_XS).
+            Q2_K..Q6_K, IQ4_NL, IQ4_XS, MXFP4).
         x: float32 (n_tok, w.cols), C-contiguous.
 
     n_tok == 1 (decode) runs a matrix-vector kernel on the quantized blocks, with x quantized to
@@ -265,6 +269,7 @@ def attention(
     scale: float,
     window: int | None = None,
     softcap: float | None = None,
+    sinks: np.ndarray | None = None,
 ) -> None:
     """Causal multi-head attention over one layer's KV cache (GQA aware).
 
@@ -278,6 +283,8 @@ def attention(
         window: None, or a sliding window: the query at position p sees only keys [p - window + 1, p].
         softcap: None, or soft-capped scores (Gemma 2): softcap * tanh(scale q.k / softcap) before the
             softmax.
+        sinks: None, or float32 (n_heads,) attention-sink logits (gpt-oss): each joins its head's softmax
+            denominator as a score with no value.
     """
     n_tok, n_heads, _ = q.shape
     if n_heads % k_cache.shape[0] or pos0 + n_tok > k_cache.shape[1]:
@@ -298,22 +305,29 @@ def attention(
     # one-token decode step would).
     if softcap is not None and softcap <= 0:
         raise ValueError(f"attention: softcap must be positive, got {softcap}")
+    if sinks is None:
+        sinks = _NO_SINKS
+    elif sinks.shape != (n_heads,) or sinks.dtype != np.float32:
+        raise ValueError(f"attention: sinks must be float32 ({n_heads},), got {sinks.dtype} {sinks.shape}")
     if n_tok > _small_batch_max():
-        _attention_blas(out, q, k_cache, v_cache, int(pos0), np.float32(scale), window or 0, softcap)
+        _attention_blas(out, q, k_cache, v_cache, int(pos0), np.float32(scale), window or 0, softcap, sinks)
         return
     # the kernels start every query at key 0: queries whose window reaches past position 0 attend one
     # at a time over a view of the cache that starts at their first key
     head = n_tok if window is None else min(n_tok, max(0, window - pos0))
     cap = softcap or 0.0
     if head:
-        _attention_kernel(out[:head], q[:head], k_cache, v_cache, pos0, scale, cap)
+        _attention_kernel(out[:head], q[:head], k_cache, v_cache, pos0, scale, cap, sinks)
     for i in range(head, n_tok):
         start = pos0 + i - window + 1
         k, v = k_cache[:, start:], v_cache[:, start:]
-        _attention_kernel(out[i : i + 1], q[i : i + 1], k, v, window - 1, scale, cap)
+        _attention_kernel(out[i : i + 1], q[i : i + 1], k, v, window - 1, scale, cap, sinks)
 
 
-def _attention_kernel(out, q, k_cache, v_cache, pos0: int, scale: float, cap: float = 0.0) -> None:
+_NO_SINKS = np.empty(0, np.float32)
+
+
+def _attention_kernel(out, q, k_cache, v_cache, pos0: int, scale: float, cap: float, sinks) -> None:
     """The Numba attention kernels (few queries: decode, verify passes, batched decode steps).
 
     Queries with at least ops.LONG_KEYS keys go to ops.attention_long, the others to the per-head
@@ -325,11 +339,11 @@ def _attention_kernel(out, q, k_cache, v_cache, pos0: int, scale: float, cap: fl
         k_cache, v_cache = k_cache.view(np.uint16), v_cache.view(np.uint16)
     short = min(len(q), max(0, ops.LONG_KEYS - 1 - pos0))  # queries before the one with LONG_KEYS keys
     if short and k_cache.dtype == np.uint16:
-        ops.attention_f16(out[:short], q[:short], k_cache, v_cache, pos0, scale, cap)
+        ops.attention_f16(out[:short], q[:short], k_cache, v_cache, pos0, scale, cap, sinks)
     elif short:
-        ops.attention(out[:short], q[:short], k_cache, v_cache, pos0, scale, cap)
+        ops.attention(out[:short], q[:short], k_cache, v_cache, pos0, scale, cap, sinks)
     if short < len(q):
-        ops.attention_long(out[short:], q[short:], k_cache, v_cache, pos0 + short, scale, cap)
+        ops.attention_long(out[short:], q[short:], k_cache, v_cache, pos0 + short, scale, cap, sinks)
 
 
 # _attention_blas's queries per block: a block multiplies only the keys its queries see (the causal
@@ -339,7 +353,7 @@ _ATTENTION_QUERY_BLOCK = 64
 
 
 def _attention_blas(
-    out, q, k_cache, v_cache, pos0: int, scale: np.float32, window: int, softcap: float | None = None
+    out, q, k_cache, v_cache, pos0: int, scale: np.float32, window: int, softcap: float | None, sinks
 ) -> None:
     """attention() for many queries, window 0 for none: per kv head and block of queries, scores =
     Q K^T over the keys the block sees (all the kv head's query heads at once, one row each), soft-capped
@@ -363,12 +377,13 @@ def _attention_blas(
             heads = slice(g * rep, (g + 1) * rep)
             qb = q[i0:i1, heads].reshape((i1 - i0) * rep, head_dim)  # row (query, head)
             scores = qb @ k_cache[g, keys].T
+            group_sinks = sinks[heads] if len(sinks) else sinks
             if softcap is None:
-                ops.causal_softmax(scores, rep, pos0 + i0, key0, window, scale)
+                ops.causal_softmax(scores, rep, pos0 + i0, key0, window, scale, group_sinks)
             else:
                 np.tanh(scores * np.float32(scale / softcap), out=scores)
                 scores *= np.float32(softcap)
-                ops.causal_softmax(scores, rep, pos0 + i0, key0, window, np.float32(1.0))
+                ops.causal_softmax(scores, rep, pos0 + i0, key0, window, np.float32(1.0), group_sinks)
             out[i0:i1, heads] = (scores @ v_cache[g, keys]).reshape(i1 - i0, rep, head_dim)
 
 
@@ -410,6 +425,13 @@ def linear_experts(out: np.ndarray, stack: Weight, x: np.ndarray, starts: np.nda
 def silu_mul(out: np.ndarray, gate: np.ndarray, up: np.ndarray) -> None:
     """out = silu(gate) * up (SwiGLU), float32 arrays of one shape."""
     ops.silu_mul(_flat(out, "out"), _flat(gate, "gate"), _flat(up, "up"))
+
+
+def swiglu_oai_mul(out: np.ndarray, gate: np.ndarray, up: np.ndarray, alpha: float, limit: float) -> None:
+    """gpt-oss's clamped SwiGLU: g = min(gate, limit), u = clamp(up, -limit, limit),
+    out = g * sigmoid(alpha g) * (u + 1); float32 arrays of one shape."""
+    ops.swiglu_oai_mul(_flat(out, "out"), _flat(gate, "gate"), _flat(up, "up"), np.float32(alpha),
+                       np.float32(limit))
 
 
 def gelu_tanh_mul(out: np.ndarray, gate: np.ndarray, up: np.ndarray) -> None:

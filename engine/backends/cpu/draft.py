@@ -14,8 +14,8 @@ Q4_0, Q4_1 or Q8_0 with:
 
 It reads the weights where they lie (flat byte offsets into the model file's one mapping) and keeps
 keys and values in the draft's ordinary KVCache, so `trim` rolls it back as before. Drafts it cannot
-run (other architectures, biases, q/k norms, other weight types, float16 caches) return None from
-`DraftForward.build`, and the caller keeps the model's exact forward.
+run (other architectures, biases, q/k norms, sinks, sliding windows, other weight types, float16 caches)
+return None from `DraftForward.build`, and the caller keeps the model's exact forward.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import numpy as np
 from numba import njit, prange
 
 from engine.backends.cpu._llvm import dot16_q4, dot16_q8
-from engine.backends.cpu.ops import attend, fast_exp
+from engine.backends.cpu.ops import NO_SINK, attend, fast_exp
 
 QK = 32
 Q4_0, Q4_1, Q8_0 = 2, 3, 8  # ggml type ids the fast path computes with
@@ -279,7 +279,7 @@ def forward_llama(logits, x, n, pos0, wbuf, sbuf, mats, out_w, attn_norms, ffn_n
             # views: an index like qo + j that Numba cannot prove non-negative gets a wraparound check
             # per element, which kept this loop scalar (3x slower at 600 keys)
             attend(att[t, qo : qo + head_dim], qkv[t, qo : qo + head_dim], k_cache[layer, kv],
-                   v_cache[layer, kv], n_keys, scale, np.float32(0.0))
+                   v_cache[layer, kv], n_keys, scale, np.float32(0.0), NO_SINK)
         for t in range(n):
             quantize_act8(att[t], xq[t], xd[t], xs[t], xz[t])
         for g in prange(gd):
@@ -367,11 +367,14 @@ class DraftForward:
             return None
         if cfg.rope_scaling.kind == "longrope":  # two sets of frequencies; the step keeps one
             return None
+        if cfg.sliding_window:  # the step attends over every key
+            return None
         if cfg.hidden_size % QK or cfg.q_dim % QK or cfg.intermediate_size % QK or cfg.kv_dim % 16:
             return None
         mats = []
         for lay in model.layers:
-            if any(v is not None for v in (lay.bq, lay.bk, lay.bv, lay.q_norm, lay.k_norm, lay.moe)):
+            if any(v is not None for v in (lay.bq, lay.bk, lay.bv, lay.bo, lay.sinks, lay.q_norm, lay.k_norm,
+                                           lay.moe)):
                 return None
             mats.extend(getattr(lay, name) for name in cls._NAMES)
         out = model.output

@@ -24,6 +24,7 @@ _KW = dict(nogil=True, cache=True, fastmath=True)
 
 # ggml type -> elements per block, for the types matvec_experts computes
 GATHER_TYPES = {8: 32, 2: 32, 3: 32, 6: 32, 7: 32, 20: 32}  # Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL
+GATHER_TYPES |= {39: 32}  # MXFP4 (gpt-oss's experts)
 GATHER_TYPES |= {10: 256, 11: 256, 12: 256, 13: 256, 14: 256, 23: 256}  # Q2_K .. Q6_K, IQ4_XS
 
 
@@ -52,6 +53,8 @@ def _dot4(t, raw, p0, p1, p2, p3, cols, xq, xd, xs):
         return K.dot4_q5_0(raw, p0, p1, p2, p3, cols // QK, xq, xd, xs)
     if t == 7:
         return K.dot4_q5_1(raw, p0, p1, p2, p3, cols // QK, xq, xd, xs)
+    if t == 39:
+        return K.dot4_mxfp4(raw, p0, p1, p2, p3, cols // QK, xq, xd, xs)
     return K.dot4_iq4_nl(raw, p0, p1, p2, p3, cols // QK, xq, xd, xs)
 
 

@@ -1,4 +1,4 @@
-"""Decode (matvec) and row-dequantization kernels for Q5_0, Q5_1, Q2_K..Q6_K, IQ4_NL and IQ4_XS.
+"""Decode (matvec) and row-dequantization kernels for Q5_0, Q5_1, Q2_K..Q6_K, IQ4_NL, IQ4_XS and MXFP4.
 
 Same scheme as quant.py: decode quantizes the activation vector once per call to int16 per 32
 elements (scale and float sum per 32) and runs `_llvm_kquant.dot4_<type>` on four rows at a time;
@@ -227,3 +227,25 @@ def dequant_iq4_xs(out, raw, ids, cols):
         p = ids[i] * rb
         for b in range(cols // 256):
             K.deq_iq4_xs(out, i * cols + b * 256, raw, p + b * 136)
+
+
+@njit(parallel=True, **_KW)
+def matvec_mxfp4(out, raw, x, rows, cols):
+    # raw (rows, cols/32*17) uint8, x (cols,) f32 -> out (rows,) f32
+    xq, xd, xs = _act16(x)
+    rb = raw.shape[1]
+    for g in prange((rows + 3) // 4):
+        r0 = g * 4
+        a0, a1, a2, a3 = K.dot4_mxfp4(raw, r0 * rb, min(r0 + 1, rows - 1) * rb, min(r0 + 2, rows - 1) * rb,
+                                   min(r0 + 3, rows - 1) * rb, cols // 32, xq, xd, xs)
+        _store4(out, r0, rows, a0, a1, a2, a3)
+
+
+@njit(parallel=True, **_KW)
+def dequant_mxfp4(out, raw, ids, cols):
+    # out (n, cols) f32 C-contiguous; raw (rows, cols/32*17) uint8; ids (n,) int64
+    rb = raw.shape[1]
+    for i in prange(ids.shape[0]):
+        p = ids[i] * rb
+        for b in range(cols // 32):
+            K.deq_mxfp4(out, i * cols + b * 32, raw, p + b * 17)

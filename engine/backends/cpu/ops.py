@@ -97,10 +97,29 @@ def capped(score, cap):
     return cap * np.tanh(score / cap) if cap > 0 else score
 
 
+# An attention sink (gpt-oss) is a learned logit per head that joins the softmax's denominator and has
+# no value: out = sum_s exp(score_s - m) v_s / (exp(sink - m) + sum_s exp(score_s - m)). NO_SINK stands
+# for none (max(m, NO_SINK) = m: every score is above it, and no weight is added: the bits are unchanged).
+NO_SINK = np.float32(-3.0e38)
+
+
 @njit(inline="always", **_KW)
-def attend(out, q, keys, values, n_keys, scale, cap):
+def head_sink(sinks, h):
+    # head h's sink logit from sinks (n_heads,), NO_SINK for an empty array (a model without sinks)
+    return sinks[h] if sinks.shape[0] else NO_SINK
+
+
+@njit(inline="always", **_KW)
+def _sink_weight(sink, m):
+    # the sink's term of the softmax denominator, with m the row's max (sink included)
+    return fast_exp(sink - m) if sink > NO_SINK else np.float32(0.0)
+
+
+@njit(inline="always", **_KW)
+def attend(out, q, keys, values, n_keys, scale, cap, sink):
     # One query head over the first n_keys rows of its kv head: out (hd,) = softmax(scale q . k) @ v
-    # (the scores soft-capped when cap > 0). q (hd,), keys, values (>= n_keys, hd) f32. attention() and
+    # (the scores soft-capped when cap > 0; sink > NO_SINK: an attention sink, a logit in the softmax's
+    # denominator with no value, gpt-oss). q (hd,), keys, values (>= n_keys, hd) f32. attention() and
     # the draft's fused step (engine.backends.cpu.draft) both attend with it.
     hd = q.shape[0]
     scores = np.empty(n_keys, np.float32)
@@ -112,7 +131,8 @@ def attend(out, q, keys, values, n_keys, scale, cap):
         acc = capped(acc * scale, cap)
         scores[s] = acc
         m = max(m, acc)
-    total = np.float32(0.0)
+    m = max(m, sink)
+    total = _sink_weight(sink, m)
     for s in range(n_keys):
         e = fast_exp(scores[s] - m)
         scores[s] = e
@@ -127,21 +147,22 @@ def attend(out, q, keys, values, n_keys, scale, cap):
 
 
 @njit(parallel=True, **_KW)
-def attention(out, q, k_cache, v_cache, pos0, scale, cap):
+def attention(out, q, k_cache, v_cache, pos0, scale, cap, sinks):
     # q (n_tok, n_heads, hd) f32; k_cache, v_cache (n_kv, max_ctx, hd) f32 holding [0, pos0+n_tok);
     # out (n_tok, n_heads, hd) f32. Query t is at position pos0+t and sees keys [0, pos0+t]. cap > 0:
-    # soft-capped scores (Gemma 2), 0: none.
+    # soft-capped scores (Gemma 2), 0: none. sinks: (n_heads,) attention-sink logits, or empty for none.
     n_tok, n_heads, _ = q.shape
     group = n_heads // k_cache.shape[0]
     for item in prange(n_tok * n_heads):
         t = item // n_heads
         h = item - t * n_heads
         kv = h // group
-        attend(out[t, h], q[t, h], k_cache[kv], v_cache[kv], pos0 + t + 1, scale, cap)
+        sink = head_sink(sinks, h)
+        attend(out[t, h], q[t, h], k_cache[kv], v_cache[kv], pos0 + t + 1, scale, cap, sink)
 
 
 @njit(parallel=True, **_KW)
-def attention_f16(out, q, k_bits, v_bits, pos0, scale, cap):
+def attention_f16(out, q, k_bits, v_bits, pos0, scale, cap, sinks):
     # attention() over a float16 cache. k_bits, v_bits: the (n_kv, ctx, hd) half caches viewed as
     # uint16 (Numba has no float16 on the CPU); each half is widened in registers (vcvtph2ps).
     n_tok, n_heads, hd = q.shape
@@ -160,7 +181,9 @@ def attention_f16(out, q, k_bits, v_bits, pos0, scale, cap):
             acc = capped(acc * scale, cap)
             scores[s] = acc
             m = max(m, acc)
-        total = np.float32(0.0)
+        sink = head_sink(sinks, h)
+        m = max(m, sink)
+        total = _sink_weight(sink, m)
         for s in range(n_keys):
             e = fast_exp(scores[s] - m)
             scores[s] = e
@@ -208,7 +231,7 @@ def _long_chunks(n_keys):
 
 
 @njit(parallel=True, **_KW)
-def attention_long(out, q, k_cache, v_cache, pos0, scale, cap):
+def attention_long(out, q, k_cache, v_cache, pos0, scale, cap, sinks):
     # attention() for queries that each see at least LONG_KEYS keys. k_cache, v_cache: float32, or float16
     # caches as uint16 bits. A query's keys split into _long_chunks(its key count) chunks, so its result
     # is the same bits alone (decode) or among others (a verify pass).
@@ -265,7 +288,9 @@ def attention_long(out, q, k_cache, v_cache, pos0, scale, cap):
             m = part_m[t, h, 0]
             for c in range(1, own):
                 m = max(m, part_m[t, h, c])
-            total = np.float32(0.0)
+            sink = head_sink(sinks, h)
+            m = max(m, sink)
+            total = _sink_weight(sink, m)
             o = out[t, h]
             o[:] = 0.0
             for c in range(own):
@@ -288,6 +313,17 @@ def silu_mul(out, gate, up):
 
 
 @njit(**_KW)
+def swiglu_oai_mul(out, gate, up, alpha, limit):
+    # out, gate, up (n,) f32: gpt-oss's clamped SwiGLU, g = min(gate, limit), u = clamp(up, -limit, limit),
+    # out = g * sigmoid(alpha g) * (u + 1)
+    one = np.float32(1.0)
+    for i in range(out.shape[0]):
+        g = min(gate[i], limit)
+        u = min(max(up[i], -limit), limit)
+        out[i] = g / (one + fast_exp(-alpha * g)) * (u + one)
+
+
+@njit(**_KW)
 def gelu_tanh_mul(out, gate, up):
     # out, gate, up (n,) f32: out = gelu_tanh(gate) * up, gelu_tanh(g) = g/2 (1 + tanh(c (g + 0.044715 g^3)))
     # computed as g * sigmoid(2 c (g + 0.044715 g^3)) (1 + tanh(u) = 2 sigmoid(2u)) with fast_exp, which
@@ -300,11 +336,12 @@ def gelu_tanh_mul(out, gate, up):
 
 
 @njit(**_KW)
-def causal_softmax(scores, rep, p0, key0, window, scale):
+def causal_softmax(scores, rep, p0, key0, window, scale, sinks):
     # scores (n * rep, m) f32: row r holds query (r // rep)'s raw q.k over the keys at positions
     # key0 .. key0 + m - 1; that query sits at position p0 + r // rep and sees positions
     # [max(0, p - window + 1) if window else 0, p]. In place: the softmax of scale * scores over the
-    # keys it sees, 0 for the others (so that scores @ V is the attention's output).
+    # keys it sees, 0 for the others (so that scores @ V is the attention's output). sinks: the rep
+    # heads' sink logits (row r: head r % rep), or empty.
     rows = scores.shape[0]
     for r in range(rows):
         p = p0 + r // rep
@@ -315,7 +352,10 @@ def causal_softmax(scores, rep, p0, key0, window, scale):
         mx = np.float32(-3.0e38)
         for j in range(seen.shape[0]):
             mx = max(mx, seen[j])
-        total = np.float32(0.0)
+        sink = head_sink(sinks, r % rep)
+        if sink > NO_SINK:  # a sink is a logit, the scores are not scaled yet (scale > 0)
+            mx = max(mx, sink / scale)
+        total = _sink_weight(sink, mx * scale)
         for j in range(seen.shape[0]):
             e = fast_exp((seen[j] - mx) * scale)  # scale > 0: max(scale * s) = scale * max(s)
             seen[j] = e

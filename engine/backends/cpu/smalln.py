@@ -200,6 +200,18 @@ def matmul_iq4_xs(out, raw, x, rows, cols):
             a0, a1, a2, a3 = K.dot4_iq4_xs(raw, r0 * rb, p1, p2, p3, cols // 256, xq[t], xd[t], xs[t])
             _store4(out[t], r0, rows, a0, a1, a2, a3)
 
+@njit(parallel=True, **_KW)
+def matmul_mxfp4(out, raw, x, rows, cols):
+    # raw (rows, cols/32*17) uint8, x (n, cols) f32 -> out (n, rows) f32
+    xq, xd, xs = _act16_rows(x)
+    rb = raw.shape[1]
+    for g in prange((rows + 3) // 4):
+        r0 = g * 4
+        p1, p2, p3 = min(r0 + 1, rows - 1) * rb, min(r0 + 2, rows - 1) * rb, min(r0 + 3, rows - 1) * rb
+        for t in range(x.shape[0]):
+            a0, a1, a2, a3 = K.dot4_mxfp4(raw, r0 * rb, p1, p2, p3, cols // 32, xq[t], xd[t], xs[t])
+            _store4(out[t], r0, rows, a0, a1, a2, a3)
+
 _I16 = ir.IntType(16)
 _I32 = ir.IntType(32)
 _F32 = ir.FloatType()

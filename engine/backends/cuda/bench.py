@@ -25,9 +25,7 @@ def kv_bytes_read(cfg, positions: float, itemsize: int) -> float:
     per_pos = 2 * cfg.num_key_value_heads * cfg.head_dim * itemsize
     total = 0.0
     for i in range(cfg.num_hidden_layers):
-        window = None
-        if hasattr(cfg, "layer_types") and cfg.layer_types[i] == "sliding_attention":
-            window = cfg.sliding_window
+        window = cfg.window(i)
         total += per_pos * (min(positions, window) if window else positions)
     return total
 

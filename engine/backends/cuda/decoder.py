@@ -357,6 +357,14 @@ class CudaDecoder:
             raise UnsupportedCudaModelError(
                 "mixture-of-experts models (Mixtral, Qwen3-MoE) have no CUDA kernels yet; use --device cpu"
             )
+        layers = [] if self.gemma else model.layers
+        if any(layer.sinks is not None or layer.bo is not None for layer in layers) or (
+            layers and cfg.sliding_window
+        ):
+            raise UnsupportedCudaModelError(
+                "sliding-window attention, attention sinks and attention output biases in llama-family "
+                "models have no CUDA kernels yet; use --device cpu"
+            )
         if self.gemma and cfg.attn_logit_softcapping is not None:
             raise UnsupportedCudaModelError(
                 "attention logit soft-capping has no CUDA kernel; use --device cpu"

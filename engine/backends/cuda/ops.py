@@ -29,6 +29,7 @@ from engine.backends.cpu.fpquant import FP8_E4M3, FP8_E4M3_BLOCK, NVFP4
 from engine.backends.cuda import capture_blas, pdl
 from engine.backends.cuda.kernels import kernel
 from engine.weights import Weight
+from models.formats.ggml_types import type_name
 
 F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 = 0, 1, 2, 3, 6, 7, 8
 Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS, BF16 = 10, 11, 12, 13, 14, 20, 23, 30
@@ -101,7 +102,7 @@ class UnsupportedCudaWeightType(ValueError):
 def check_type(ggml_type: int, cols: int) -> None:
     """Raise UnsupportedCudaWeightType unless the kernels handle this type at this width."""
     if ggml_type not in TYPES:
-        name = fpquant.TYPE_NAMES.get(ggml_type, f"ggml type {ggml_type}")
+        name = fpquant.TYPE_NAMES.get(ggml_type) or type_name(ggml_type)  # "MXFP4", "FP8_E4M3", "type 99"
         raise UnsupportedCudaWeightType(f"{name} has no CUDA kernel")
     block = TYPES[ggml_type][1]
     if ggml_type in _FLOAT_TYPES and cols % 8:

@@ -108,6 +108,19 @@ def test_a_model_without_cuda_kernels_stays_on_the_cpu_with_a_notice(fake, gpu_l
     assert choice.notice.endswith("running on the CPU instead") and "--device cpu" not in choice.notice
 
 
+def test_a_weight_type_without_cuda_kernels_stays_on_the_cpu_with_its_name(fake, tmp_path):
+    """MXFP4 matrices (gpt-oss's type; CPU kernels only) in a model the CUDA backend otherwise runs."""
+    from engine.backends.cuda.placement import place_model
+
+    path = tmp_path / "mxfp4.gguf"
+    write_tiny_gguf(path, TinySpec(matrix_type=T.MXFP4))
+    lm = load_model(path)
+    cpu_model, notices = lm.model, []
+    choice = place_model(lm, "cuda", n_ctx=32, notify=notices.append)
+    assert choice.device.kind == "cpu" and lm.model is cpu_model
+    assert notices == ["MXFP4 has no CUDA kernel; running on the CPU instead"]
+
+
 def test_hybrid_cache_read_write_round_trip(fake, tmp_path):
     model = _lm(tmp_path, layers=3).model
     hyb = fake.hybrid.HybridDecoder(model, 1, n_ctx=16)

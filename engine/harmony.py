@@ -1,0 +1,138 @@
+"""OpenAI's harmony reply format (gpt-oss), streamed as Hearth's reasoning convention.
+
+A gpt-oss reply is a run of messages, each with a header and a channel:
+
+    <|channel|>analysis<|message|>...chain of thought...<|end|>
+    <|start|>assistant<|channel|>final<|message|>...the answer...<|return|>
+
+(the prompt ends with "<|start|>assistant", so the reply starts at its first header). The special tokens
+are control tokens, which a plain decode drops, leaving "analysis...assistantfinal..." run together.
+`HarmonyDecoder` reads the structure instead and writes what the rest of Hearth reads everywhere
+(engine.reasoning): the analysis channel as a <think>...</think> block, the final (and commentary)
+channels as the answer. A stored reply is then rendered back by the model's template as its final
+message, the thinking dropped, as gpt-oss's own template does with earlier turns.
+
+<|end|> closes one message and the reply goes on, so for a harmony vocabulary it does not end a turn;
+<|return|> (the answer is done) and <|call|> (a tool call, which Hearth does not run) do
+(`harmony_stop_ids`).
+"""
+
+from __future__ import annotations
+
+from engine.reasoning import CLOSE, OPEN
+
+# the harmony special tokens the decoder acts on
+START, END, MESSAGE, CHANNEL = "<|start|>", "<|end|>", "<|message|>", "<|channel|>"
+RETURN, CALL = "<|return|>", "<|call|>"
+THINKING_CHANNELS = ("analysis",)
+
+
+def harmony_ids(tokens) -> dict[str, int] | None:
+    """{special text: id} when a vocabulary (token texts by id) speaks harmony, else None."""
+    wanted = (START, END, MESSAGE, CHANNEL, RETURN)
+    found = {}
+    for i, text in enumerate(tokens):
+        if text in wanted or text == CALL:
+            found.setdefault(text, i)
+    return found if all(t in found for t in wanted) else None
+
+
+def harmony_stop_ids(eot_ids, ids: dict[str, int]) -> frozenset[int]:
+    """A harmony vocabulary's end-of-turn ids: <|end|> out (a message ends, the reply goes on),
+    <|return|> and <|call|> in."""
+    stops = set(eot_ids) - {ids[END]}
+    stops.update(ids[t] for t in (RETURN, CALL) if t in ids)
+    return frozenset(stops)
+
+
+def reply_decoder(tokenizer, text_start: bool):
+    """The decoder for a generated reply's tokens: a HarmonyDecoder for a harmony model (gpt-oss),
+    otherwise a StreamDecoder that drops control tokens."""
+    from engine.tokenizer import StreamDecoder
+
+    plain = StreamDecoder(tokenizer, skip_special=True, text_start=text_start)
+    return plain if tokenizer.harmony is None else HarmonyDecoder(plain, tokenizer.harmony)
+
+
+class HarmonyDecoder:
+    """StreamDecoder's interface (push, flush, reset) over a harmony reply: text in Hearth's reasoning
+    convention (analysis as a <think> block, other channels as the answer).
+
+    Args:
+        decoder: a StreamDecoder (skip_special) for the messages' text.
+        ids: harmony_ids of the tokenizer.
+
+    Text before a reply's first <|message|> is header (role, channel, recipient) and is not shown; a
+    reply that never opens a message shows it all at the end (flush).
+    """
+
+    def __init__(self, decoder, ids: dict[str, int]):
+        self._text = decoder
+        self._ids = {i: t for t, i in ids.items()}
+        self.reset()
+
+    def reset(self) -> None:
+        self._text.reset()
+        self._state = "header"  # header (role, channel name...) | message (content)
+        self._channel = ""
+        self._header = []  # the header's text so far
+        self._thinking = False  # inside the <think> block written for an analysis message
+        self._answered = False  # an answer message has begun
+        self._dropping = False  # an analysis message after the answer: not shown
+
+    def push(self, token_id: int) -> str:
+        special = self._ids.get(int(token_id))
+        if special is None:
+            piece = self._text.push(token_id)
+            if self._state == "header":
+                self._header.append(piece)
+                return ""
+            return "" if self._dropping else piece
+        out = self._text.flush()  # a special token ends the text before it
+        if self._state == "header":
+            self._header.append(out)
+            out = ""
+        elif self._dropping:
+            out = ""
+        if special == CHANNEL:
+            self._header = []  # the channel name follows
+        elif special == MESSAGE:
+            self._channel = "".join(self._header).strip().split(" ")[0] if self._header else self._channel
+            self._header = []
+            self._state = "message"
+            out += self._open()
+        elif special in (END, RETURN, CALL, START):
+            self._state = "header"
+            self._header = []
+        return out
+
+    def _open(self) -> str:
+        """Text that starts a message of the current channel."""
+        self._dropping = False
+        if self._channel in THINKING_CHANNELS:
+            if self._answered:  # thinking after the answer began: the block is closed, not shown
+                self._dropping = True
+                return ""
+            if self._thinking:  # a further analysis message: the same block
+                return "\n"
+            self._thinking = True
+            return OPEN + "\n"
+        out = ""
+        if self._thinking:
+            self._thinking = False
+            out = "\n" + CLOSE + "\n\n"
+        elif self._answered:
+            out = "\n\n"
+        self._answered = True
+        return out
+
+    def flush(self) -> str:
+        out = self._text.flush()
+        if self._state == "header":
+            # a reply that never opened a message (not harmony after all): its text is the answer
+            header = "".join(self._header) + out
+            out = header if not (self._thinking or self._answered) else ""
+        elif self._dropping:
+            out = ""
+        self.reset()
+        return out

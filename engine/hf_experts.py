@@ -1,0 +1,160 @@
+"""gpt-oss's expert tensors in Hugging Face folders, as the GGUF layout the architecture reads.
+
+A gpt-oss folder keeps each layer's experts in two fused tensors, `mlp.experts.gate_up_proj` (gate and
+up rows interleaved: gate_e row i is row 2i, up row i is row 2i + 1) and `mlp.experts.down_proj`, with
+biases `*_bias` (experts, rows). OpenAI's own checkpoints store them MXFP4 (`*_blocks` (experts, rows,
+cols/32, 16) uint8: element 2j of a block is the low nibble of byte j, 2j + 1 the high one; `*_scales`
+(experts, rows, cols/32) uint8 E8M0 exponents, value 2^(scale - 127) * E2M1(nibble)). Dequantized
+checkpoints store them as float (experts, cols, rows): transposed, x @ W.
+
+GGUF (llama.cpp's gpt-oss) has separate ffn_gate_exps / ffn_up_exps / ffn_down_exps (experts, rows,
+cols) tensors, MXFP4 blocks as `1 byte exponent | 16 bytes` with element j in the low nibble of byte j
+and j + 16 in its high nibble (gguf.quants.MXFP4; the same E2M1 codes, read as doubled values with a
+half scale: the same numbers). Here the HF tensors are repacked into that layout once, at load: every
+backend then runs one MXFP4 type, and `hearth convert` writes the GGUF as llama.cpp does, losslessly.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit, prange
+
+from engine.errors import MissingTensorError, ModelFormatError
+from engine.weights import Weight
+
+MXFP4 = 39  # ggml type id
+BF16, F16, F32 = 30, 1, 0
+_FLOAT_TYPES = {"BF16": BF16, "F16": F16, "F32": F32}
+_KINDS = ("gate", "up", "down")
+
+
+def mxfp4_blocks_from_hf(blocks: np.ndarray, scales: np.ndarray, first: int = 0, step: int = 1) -> np.ndarray:
+    """GGML MXFP4 rows (experts, rows, groups * 17) uint8 from HF blocks (experts, all rows, groups, 16) and
+    scales (experts, all rows, groups), taking rows first, first + step, ... (gate_up's gate or up rows)."""
+    if blocks.ndim != 4 or blocks.shape[:-1] != scales.shape or blocks.shape[-1] != 16:
+        raise ValueError(f"MXFP4 blocks {blocks.shape} do not match scales {scales.shape}")
+    n, all_rows, groups, _ = blocks.shape
+    out = np.empty((n, len(range(first, all_rows, step)), groups * 17), np.uint8)
+    _repack(blocks, scales, first, step, out)
+    return out
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def _repack(blocks, scales, first, step, out):
+    # element i of a block: HF keeps it in byte i // 2 (nibble i % 2), GGML element j (< 16) in the low
+    # nibble of byte j and j + 16 in its high nibble. A numpy version took 2.4 s for one gpt-oss-20b
+    # layer's gate and up (32 experts of 2880 x 2880), this one a few percent of that.
+    n, rows, size = out.shape
+    groups = size // 17
+    for item in prange(n * rows):
+        e = item // rows
+        r = item - e * rows
+        src = first + r * step
+        for g in range(groups):
+            o = g * 17
+            out[e, r, o] = scales[e, src, g]
+            b = blocks[e, src, g]
+            for j in range(16):
+                shift = 4 * (j & 1)
+                lo = (b[j >> 1] >> shift) & 15
+                hi = (b[8 + (j >> 1)] >> shift) & 15
+                out[e, r, o + 1 + j] = lo | (hi << 4)
+
+
+class FusedExperts:
+    """One layer's gpt-oss experts from a safetensors repo: merged (experts * rows, cols) Weights per kind
+    (GGUF's gate, up and down) and their biases, built on first use and kept."""
+
+    def __init__(self, st, folder, prefix: str):
+        self.st, self.folder, self.prefix = st, folder, prefix  # prefix: "model.layers.N.mlp.experts."
+        self._weights: dict[str, Weight] = {}
+        self._biases: dict[str, np.ndarray] = {}
+
+    def _tensor(self, name: str) -> np.ndarray:
+        full = self.prefix + name
+        if full not in self.st.tensors:
+            raise MissingTensorError(self.folder, f"tensor {full!r} is missing from the safetensors files")
+        return self.st.array(full)
+
+    def _mxfp4(self) -> bool:
+        return self.prefix + "gate_up_proj_blocks" in self.st.tensors
+
+    def stack(self, kind: str, n: int, rows: int, cols: int) -> Weight:
+        """Kind's experts as one (n * rows, cols) Weight, expert e rows [e * rows, (e + 1) * rows); built
+        once and kept (the model's weights)."""
+        if kind not in self._weights:
+            self._weights[kind] = self.build(kind, n, rows, cols)
+        return self._weights[kind]
+
+    def build(self, kind: str, n: int, rows: int, cols: int) -> Weight:
+        """stack(), built anew and not kept (conversion reads one tensor at a time)."""
+        fused = "down_proj" if kind == "down" else "gate_up_proj"
+        if self._mxfp4():
+            raw, ggml_type = self._mxfp4_rows(fused, kind, n, rows, cols), MXFP4
+        else:
+            raw, ggml_type = self._float_rows(fused, kind, n, rows, cols)
+        return Weight(ggml_type, raw.reshape(n * rows, -1), n * rows, cols)
+
+    def source_type(self) -> int:
+        """The ggml type the experts come in (MXFP4, or the float dtype of a dequantized checkpoint)."""
+        if self._mxfp4():
+            return MXFP4
+        dtype = self.st.tensors[self.prefix + "gate_up_proj"].dtype if self.has("gate", "weight") else None
+        if dtype not in _FLOAT_TYPES:
+            raise ModelFormatError(
+                self.folder, f"{self.prefix}gate_up_proj is {dtype}; expected MXFP4 or BF16/F16/F32"
+            )
+        return _FLOAT_TYPES[dtype]
+
+    def _pick(self, array: np.ndarray, kind: str) -> np.ndarray:
+        # gate_up's rows alternate gate, up (axis 1 of (experts, rows, ...)); down is as it is
+        return array if kind == "down" else array[:, 0 if kind == "gate" else 1 :: 2]
+
+    def _mxfp4_rows(self, fused: str, kind: str, n: int, rows: int, cols: int) -> np.ndarray:
+        blocks, scales = self._tensor(fused + "_blocks"), self._tensor(fused + "_scales")
+        want = (n, rows * (1 if kind == "down" else 2), cols // 32)
+        if cols % 32 or blocks.shape != (*want, 16) or scales.shape != want:
+            raise ModelFormatError(
+                self.folder,
+                f"{self.prefix}{fused}_blocks/_scales have shapes {blocks.shape} / {scales.shape}, expected "
+                f"{(*want, 16)} / {want}",
+            )
+        first, step = (0, 1) if kind == "down" else (0 if kind == "gate" else 1, 2)
+        return mxfp4_blocks_from_hf(blocks, scales, first, step)
+
+    def _float_rows(self, fused: str, kind: str, n: int, rows: int, cols: int) -> tuple[np.ndarray, int]:
+        dtype = self.st.tensors[self.prefix + fused].dtype if self.prefix + fused in self.st.tensors else None
+        array = self._tensor(fused)
+        if dtype not in _FLOAT_TYPES:
+            raise ModelFormatError(
+                self.folder, f"{self.prefix}{fused} is {dtype}; expected MXFP4 or BF16/F16/F32"
+            )
+        want = (n, cols, rows * (1 if kind == "down" else 2))
+        if array.shape != want:
+            raise ModelFormatError(
+                self.folder, f"{self.prefix}{fused} has shape {array.shape}, expected {want}"
+            )
+        # stored transposed (x @ W): the rows are its last axis
+        rows_first = np.swapaxes(array, 1, 2)
+        return np.ascontiguousarray(self._pick(rows_first, kind)).view(np.uint8), _FLOAT_TYPES[dtype]
+
+    def bias(self, kind: str, n: int, rows: int) -> np.ndarray:
+        """Kind's biases, float32 (n, rows)."""
+        if kind not in self._biases:
+            fused = "down_proj" if kind == "down" else "gate_up_proj"
+            array = self._tensor(fused + "_bias")
+            dtype = self.st.tensors[self.prefix + fused + "_bias"].dtype
+            want = (n, rows * (1 if kind == "down" else 2))
+            if array.shape != want:
+                raise ModelFormatError(
+                    self.folder, f"{self.prefix}{fused}_bias has shape {array.shape}, expected {want}"
+                )
+            values = (array.astype(np.uint32) << 16).view(np.float32) if dtype == "BF16" else array
+            self._biases[kind] = np.ascontiguousarray(self._pick(values, kind), dtype=np.float32)
+        return self._biases[kind]
+
+    def has(self, kind: str, part: str) -> bool:
+        fused = "down_proj" if kind == "down" else "gate_up_proj"
+        if part == "bias":
+            return self.prefix + fused + "_bias" in self.st.tensors
+        return self._mxfp4() or self.prefix + fused in self.st.tensors
