@@ -14,10 +14,13 @@ message, the thinking dropped, as gpt-oss's own template does with earlier turns
 
 <|end|> closes one message and the reply goes on, so for a harmony vocabulary it does not end a turn;
 <|return|> (the answer is done) and <|call|> (a tool call, which Hearth does not run) do
-(`harmony_stop_ids`).
+(`harmony_stop_ids`). A message to a function (`to=functions.NAME`, gpt-oss's tool calls) becomes a
+`<tool_call>` block, which the API server turns into OpenAI tool_calls as it does for Qwen's and Hermes'.
 """
 
 from __future__ import annotations
+
+import json
 
 from engine.reasoning import CLOSE, OPEN
 
@@ -56,14 +59,15 @@ def reply_decoder(tokenizer, text_start: bool):
 
 class HarmonyDecoder:
     """StreamDecoder's interface (push, flush, reset) over a harmony reply: text in Hearth's reasoning
-    convention (analysis as a <think> block, other channels as the answer).
+    convention (analysis as a <think> block, other channels as the answer) and tool calls as the
+    `<tool_call>{"name": ..., "arguments": ...}</tool_call>` blocks the server parses for every model.
 
     Args:
         decoder: a StreamDecoder (skip_special) for the messages' text.
         ids: harmony_ids of the tokenizer.
 
-    Text before a reply's first <|message|> is header (role, channel, recipient) and is not shown; a
-    reply that never opens a message shows it all at the end (flush).
+    A message's header (role, `<|channel|>` name, a recipient such as `to=functions.get_weather`) is read,
+    not shown; a reply that never opens a message shows its text at the end (flush).
     """
 
     def __init__(self, decoder, ids: dict[str, int]):
@@ -73,43 +77,45 @@ class HarmonyDecoder:
 
     def reset(self) -> None:
         self._text.reset()
-        self._state = "header"  # header (role, channel name...) | message (content)
+        self._in_message = False
+        self._header = ""  # the current header's text; the channel name after a \0
         self._channel = ""
-        self._header = []  # the header's text so far
         self._thinking = False  # inside the <think> block written for an analysis message
-        self._answered = False  # an answer message has begun
+        self._answered = False  # an answer message (or tool call) has begun
         self._dropping = False  # an analysis message after the answer: not shown
+        self._tool = False  # inside a tool call's arguments
 
     def push(self, token_id: int) -> str:
         special = self._ids.get(int(token_id))
-        if special is None:
-            piece = self._text.push(token_id)
-            if self._state == "header":
-                self._header.append(piece)
-                return ""
-            return "" if self._dropping else piece
-        out = self._text.flush()  # a special token ends the text before it
-        if self._state == "header":
-            self._header.append(out)
-            out = ""
+        text = self._text.push(token_id) if special is None else self._text.flush()
+        if not self._in_message:
+            self._header += text
+            text = ""
         elif self._dropping:
-            out = ""
-        if special == CHANNEL:
-            self._header = []  # the channel name follows
-        elif special == MESSAGE:
-            self._channel = "".join(self._header).strip().split(" ")[0] if self._header else self._channel
-            self._header = []
-            self._state = "message"
-            out += self._open()
+            text = ""
+        if special == CHANNEL and not self._in_message:
+            self._header += "\0"
+        elif special == MESSAGE and not self._in_message:
+            self._in_message = True
+            text += self._open()
         elif special in (END, RETURN, CALL, START):
-            self._state = "header"
-            self._header = []
-        return out
+            if self._tool:
+                text += "}</tool_call>"
+                self._tool = False
+            self._in_message = False
+            self._header = ""
+        return text
 
     def _open(self) -> str:
-        """Text that starts a message of the current channel."""
+        """Text that starts a message, from its header."""
+        before, _, channel = self._header.partition("\0")
+        words = channel.split()
+        if words:
+            self._channel = words[0]
+        recipient = next((w[3:] for w in (before + " " + channel).split() if w.startswith("to=")), "")
+        self._header = ""
         self._dropping = False
-        if self._channel in THINKING_CHANNELS:
+        if self._channel in THINKING_CHANNELS and not recipient:
             if self._answered:  # thinking after the answer began: the block is closed, not shown
                 self._dropping = True
                 return ""
@@ -124,15 +130,21 @@ class HarmonyDecoder:
         elif self._answered:
             out = "\n\n"
         self._answered = True
+        if recipient.startswith("functions."):
+            self._tool = True
+            name = json.dumps(recipient[len("functions.") :])
+            out += f'<tool_call>{{"name": {name}, "arguments": '
         return out
 
     def flush(self) -> str:
         out = self._text.flush()
-        if self._state == "header":
+        if not self._in_message:
             # a reply that never opened a message (not harmony after all): its text is the answer
-            header = "".join(self._header) + out
+            header = (self._header + out).replace("\0", "")
             out = header if not (self._thinking or self._answered) else ""
         elif self._dropping:
             out = ""
+        elif self._tool:  # the reply stopped at <|call|>, which ends a turn and so never reaches push
+            out += "}</tool_call>"
         self.reset()
         return out

@@ -165,6 +165,25 @@ def test_harmony_reply_reads_as_thinking_and_answer():
     assert _decode(tok, "plain text") == "plain text"
 
 
+def test_harmony_tool_calls_become_the_servers_tool_calls():
+    from engine.server.protocol import parse_tool_calls
+
+    tok = load_model(TINY / "gpt-oss").tokenizer
+    reply = (
+        "<|channel|>analysis<|message|>Need the weather.<|end|>"
+        "<|start|>assistant<|channel|>commentary to=functions.get_weather json"
+        '<|message|>{"city": "Paris"}<|call|>'
+    )
+    text = _decode(tok, reply)
+    assert split_reasoning(text).thinking == "Need the weather."
+    rest, calls = parse_tool_calls(split_reasoning(text).answer)
+    assert rest == ""
+    assert [c["function"] for c in calls] == [{"name": "get_weather", "arguments": '{"city": "Paris"}'}]
+    # the recipient may also stand before the channel
+    text = _decode(tok, "<|start|>assistant to=functions.now<|channel|>commentary json<|message|>{}<|call|>")
+    assert parse_tool_calls(text)[1][0]["function"] == {"name": "now", "arguments": "{}"}
+
+
 def test_generate_streams_a_harmony_reply_as_thinking_and_answer(monkeypatch):
     """generate() on the tiny model made to pick a scripted harmony reply (its forward runs, its logits
     are replaced by the script's next token): the streamed text is the reasoning convention's, the
@@ -192,3 +211,23 @@ def test_generate_streams_a_harmony_reply_as_thinking_and_answer(monkeypatch):
     assert [e.token for e in events] == script and events[-1].finish_reason == "stop"
     text = "".join(e.text for e in events)
     assert text == "<think>\nthe user greets\n</think>\n\nhello"
+
+
+def test_the_worker_chats_with_the_folder_and_reuses_the_cache():
+    """ChatRunner (the app, `hearth serve`) on OpenAI's layout: a second turn, whose history holds the
+    first reply with a thinking block, renders that reply as its final message and reuses the prompt."""
+    from engine.client import LoadOptions
+    from engine.worker import ChatRunner
+
+    runner = ChatRunner.load(TINY / "gpt-oss", LoadOptions(n_ctx=512, batch_size=64, prefix_cache_mb=0))
+    params = GenerationParams(max_tokens=4, temperature=0.0)
+    first = list(runner.chat([{"role": "user", "content": "hi"}], params))
+    assert first[-1].generated_tokens == 4 and first[-1].cached_tokens == 0
+    turn2 = [{"role": "user", "content": "hi"},
+             {"role": "assistant", "content": "<think>\ngreeting\n</think>\n\nHello"},
+             {"role": "user", "content": "more"}]
+    ids = runner.encode(turn2)
+    text = runner.lm.tokenizer.decode(ids)
+    assert "<|channel|>final<|message|>Hello<|end|>" in text and "greeting" not in text
+    again = list(runner.chat(turn2, params))[-1]
+    assert again.cached_tokens > 100 and again.generated_tokens == 4
