@@ -30,6 +30,7 @@ from engine.loader import load_model  # noqa: E402
 from engine.quant.gguf_writer import GGUFWriter  # noqa: E402
 from models.formats.ggml_types import row_nbytes  # noqa: E402
 from models.formats.gguf import open_gguf  # noqa: E402
+from scripts.bench_moe import shaped_metadata  # noqa: E402
 
 F32, Q8_0, MXFP4 = 0, 8, 39
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, EXPERTS, USED, EXPERT_FF, WINDOW = 2880, 64, 8, 64, 32, 4, 2880, 128
@@ -49,13 +50,8 @@ def _random_blocks(rng: np.random.Generator, ggml_type: int, shape: tuple[int, .
 def write_model(path: Path, base_md: dict, layers: int, seed: int = 0) -> None:
     rng = np.random.default_rng(seed)
     arch = "gpt-oss"
-    md = {k: v for k, v in base_md.items() if not k.startswith(arch + ".")}
-    vocab = len(base_md["tokenizer.ggml.tokens"])
+    md, vocab = shaped_metadata(base_md, arch, layers, HIDDEN, HEADS, KV_HEADS, HEAD_DIM, 150000.0, 1e-5)
     md.update({
-        f"{arch}.block_count": layers, f"{arch}.context_length": 4096, f"{arch}.embedding_length": HIDDEN,
-        f"{arch}.attention.head_count": HEADS, f"{arch}.attention.head_count_kv": KV_HEADS,
-        f"{arch}.attention.key_length": HEAD_DIM, f"{arch}.attention.value_length": HEAD_DIM,
-        f"{arch}.rope.freq_base": 150000.0, f"{arch}.attention.layer_norm_rms_epsilon": 1e-5,
         f"{arch}.feed_forward_length": EXPERT_FF, f"{arch}.expert_feed_forward_length": EXPERT_FF,
         f"{arch}.expert_count": EXPERTS, f"{arch}.expert_used_count": USED,
         f"{arch}.attention.sliding_window": WINDOW,

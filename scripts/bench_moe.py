@@ -46,18 +46,24 @@ def _q4_0(rng: np.random.Generator, shape: tuple[int, ...]) -> np.ndarray:
     return raw
 
 
+def shaped_metadata(base_md: dict, arch: str, layers: int, hidden: int, heads: int, kv_heads: int,
+                    head_dim: int, theta: float, eps: float) -> tuple[dict, int]:
+    """(GGUF metadata of `arch` with these hyper-parameters and base_md's tokenizer, its vocabulary size)."""
+    md = {k: v for k, v in base_md.items() if not k.startswith(arch + ".")}
+    md.update({
+        f"{arch}.block_count": layers, f"{arch}.context_length": 4096, f"{arch}.embedding_length": hidden,
+        f"{arch}.attention.head_count": heads, f"{arch}.attention.head_count_kv": kv_heads,
+        f"{arch}.attention.key_length": head_dim, f"{arch}.attention.value_length": head_dim,
+        f"{arch}.rope.freq_base": theta, f"{arch}.attention.layer_norm_rms_epsilon": eps,
+    })
+    return md, len(base_md["tokenizer.ggml.tokens"])
+
+
 def write_model(path: Path, base_md: dict, layers: int, moe: bool, seed: int = 0) -> None:
     rng = np.random.default_rng(seed)
     arch = "qwen3moe"
-    md = {k: v for k, v in base_md.items() if not k.startswith(arch + ".")}
-    vocab = len(base_md["tokenizer.ggml.tokens"])
-    md.update({
-        f"{arch}.block_count": layers, f"{arch}.context_length": 4096, f"{arch}.embedding_length": HIDDEN,
-        f"{arch}.attention.head_count": HEADS, f"{arch}.attention.head_count_kv": KV_HEADS,
-        f"{arch}.attention.key_length": HEAD_DIM, f"{arch}.attention.value_length": HEAD_DIM,
-        f"{arch}.rope.freq_base": 1e6, f"{arch}.attention.layer_norm_rms_epsilon": 1e-6,
-        f"{arch}.feed_forward_length": USED * EXPERT_FF,
-    })
+    md, vocab = shaped_metadata(base_md, arch, layers, HIDDEN, HEADS, KV_HEADS, HEAD_DIM, 1e6, 1e-6)
+    md[f"{arch}.feed_forward_length"] = USED * EXPERT_FF
     if moe:
         md.update({f"{arch}.expert_count": EXPERTS, f"{arch}.expert_used_count": USED,
                    f"{arch}.expert_feed_forward_length": EXPERT_FF})
