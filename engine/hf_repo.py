@@ -483,9 +483,17 @@ def _tokenizer_kind(path: Path, spec: dict) -> tuple[str, bool]:
     )
 
 
-def chat_template_source(tok_config: dict) -> str | None:
-    """tokenizer_config.json's chat template: a string, or the "default" of a named list."""
-    template = tok_config.get("chat_template")
+def chat_template_source(folder: Path, tok_config: dict) -> str | None:
+    """The folder's chat template: chat_template.jinja, or chat_template.json's, or tokenizer_config.json's
+    (transformers saves it in a file of its own since 2025 and prefers that file, as here); a string, or the
+    "default" of a named list."""
+    jinja, json_file = folder / "chat_template.jinja", folder / "chat_template.json"
+    if jinja.is_file():
+        try:
+            return jinja.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise ModelFormatError(jinja, f"cannot be read ({e})") from e
+    template = (read_json(json_file) if json_file.is_file() else tok_config).get("chat_template")
     if isinstance(template, list):
         named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
         template = named.get("default") or next(iter(named.values()), None)
@@ -517,7 +525,7 @@ def open_hf_repo(folder: Path):
         cfg,
         HFWeights(st, folder, cfg.architecture),
         tokenizer,
-        chat_template_source(tok_config),
+        chat_template_source(folder, tok_config),
         metadata,
         nbytes,
     )

@@ -206,7 +206,7 @@ def metadata_from_hf(folder: Path, config: dict, cfg) -> dict[str, Any]:
     tok_config = read_json(tok_path) if tok_path.exists() else {}
     md = {"general.type": "model", "general.name": folder.name, **_hparams(cfg.architecture, config, cfg)}
     md.update(_tokenizer_metadata(folder, tok_config))
-    template = chat_template_source(tok_config)
+    template = chat_template_source(folder, tok_config)
     if template:
         md["tokenizer.chat_template"] = template
     return md

@@ -75,6 +75,29 @@ def _copy(family: str, tmp_path: Path) -> Path:
     return dest
 
 
+@pytest.mark.parametrize("kind", ["jinja", "json"])
+def test_a_chat_template_in_its_own_file_is_used(tmp_path, kind):
+    """Folders saved by recent transformers (gpt-oss, Qwen3, Gemma 3 releases) keep the template in
+    chat_template.jinja (or .json) and not in tokenizer_config.json; the file wins, as in transformers,
+    for the model and for a GGUF conversion."""
+    from engine.convert import convert
+    from models.formats.gguf import open_gguf
+
+    folder = _copy("qwen2", tmp_path)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config["chat_template"] = "stale {{ messages[0]['content'] }}"
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    template = "[{{ messages[0]['role'] }}] {{ messages[0]['content'] }}"
+    if kind == "jinja":
+        (folder / "chat_template.jinja").write_text(template)
+    else:
+        (folder / "chat_template.json").write_text(json.dumps({"chat_template": template}))
+    lm = load_model(folder)
+    assert lm.template.render([{"role": "user", "content": "hi"}]) == "[user] hi"
+    out = convert(folder, "F16", tmp_path / "q.gguf")
+    assert open_gguf(out.output).metadata["tokenizer.chat_template"] == template
+
+
 def test_missing_shard(tmp_path):
     folder = _copy("phi3", tmp_path)
     (folder / "model-00003-of-00008.safetensors").unlink()
