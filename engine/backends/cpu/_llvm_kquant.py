@@ -304,50 +304,52 @@ def _vec(builder, value, n: int):
     return builder.shuffle_vector(pair, pair, ir.Constant(ir.VectorType(_I32, n), mask))
 
 
-def _make_dot4(kind: str):
+def _make_dot4(kind: str, tokens: int = 1):
+    """dot4_<kind> (tokens 1) or dot4x4_<kind> (tokens 4: each sub-block of the four rows decoded once for
+    four tokens, as batchq does for Q8_0/Q4_0/Q4_1). Every (row, token) sum sees the same operations in
+    the same order either way, so a token gets the same bits alone or in a group."""
     block_bytes, subs, sub = LAYOUTS[kind]
     n_lines = (block_bytes + 63) // 64
+    name = f"dot4_{kind}" if tokens == 1 else f"dot4x{tokens}_{kind}"
 
-    @intrinsic
-    def dot4(typingctx, raw, p0, p1, p2, p3, nb, xq, xd, xs):
-        _check_c_array(raw, types.uint8, f"dot4_{kind} weights")
-        _check_c_array(xq, types.int16, f"dot4_{kind} activations")
-        _check_c_array(xd, types.float32, f"dot4_{kind} activation scales")
-        _check_c_array(xs, types.float32, f"dot4_{kind} activation sums")
-        sig = types.UniTuple(types.float32, 4)(
-            raw, types.intp, types.intp, types.intp, types.intp, types.intp, xq, xd, xs
-        )
-
-        def codegen(context, builder, signature, args):
-            raw_v, *row_offs, nb_v, xq_v, xd_v, xs_v = args
-            arrtys = signature.args
-            base = context.make_array(arrtys[0])(context, builder, raw_v).data
-            xq_p = context.make_array(arrtys[6])(context, builder, xq_v).data
-            xd_p = context.make_array(arrtys[7])(context, builder, xd_v).data
-            xs_p = context.make_array(arrtys[8])(context, builder, xs_v).data
-            v16f = ir.VectorType(_F32, 16)
-            intp = nb_v.type
-            accs = [cgutils.alloca_once_value(builder, ir.Constant(v16f, None)) for _ in range(4)]
-            mins = [cgutils.alloca_once_value(builder, ir.Constant(_F32, 0.0)) for _ in range(4)]
-            rows = [builder.gep(base, [off]) for off in row_offs]
-            # p1 - p0 is the row stride (0 in a clamped tail group: a harmless re-read of this row)
-            pf_dist = builder.mul(builder.sub(row_offs[1], row_offs[0]), intp(PREFETCH_ROWS))
-            with cgutils.for_range(builder, nb_v) as loop:
-                b = loop.index
-                boff = builder.mul(b, intp(block_bytes))
-                for row in rows:
-                    for line in range(n_lines):
-                        ahead = builder.add(builder.add(boff, pf_dist), intp(64 * line))
-                        _prefetch(builder, builder.gep(row, [ahead]))
-                for s in range(subs):
-                    k = builder.add(builder.mul(b, intp(subs)), intp(s))
-                    xp = builder.bitcast(builder.gep(xq_p, [builder.mul(k, intp(32))]), _V32I16.as_pointer())
-                    xv = builder.load(xp, align=2)
-                    dx = builder.load(builder.gep(xd_p, [k]))
-                    sx = builder.load(builder.gep(xs_p, [k]))
-                    xsum = None  # per-pair sums of the int16 activations, for mins per 16 elements
-                    for row, acc, mn in zip(rows, accs, mins):
-                        q, scale, minc = sub(builder, builder.gep(row, [boff]), s)
+    def codegen(context, builder, signature, args):
+        raw_v, *row_offs, nb_v, xq_v, xd_v, xs_v = args[:9]
+        arrtys = signature.args
+        base = context.make_array(arrtys[0])(context, builder, raw_v).data
+        xq_p = context.make_array(arrtys[6])(context, builder, xq_v).data
+        xd_p = context.make_array(arrtys[7])(context, builder, xd_v).data
+        xs_p = context.make_array(arrtys[8])(context, builder, xs_v).data
+        v16f = ir.VectorType(_F32, 16)
+        intp = nb_v.type
+        per_row = builder.mul(nb_v, intp(subs))  # 32-element sub-blocks a row
+        # token t's activations: row t0 + t of the (n, cols) / (n, cols / 32) arrays (one token: row 0)
+        first = args[9] if tokens > 1 else intp(0)
+        tok = [builder.mul(builder.add(first, intp(t)), per_row) for t in range(tokens)]
+        accs = [[cgutils.alloca_once_value(builder, ir.Constant(v16f, None)) for _ in range(4)]
+                for _ in range(tokens)]
+        mins = [[cgutils.alloca_once_value(builder, ir.Constant(_F32, 0.0)) for _ in range(4)]
+                for _ in range(tokens)]
+        rows = [builder.gep(base, [off]) for off in row_offs]
+        # p1 - p0 is the row stride (0 in a clamped tail group: a harmless re-read of this row)
+        pf_dist = builder.mul(builder.sub(row_offs[1], row_offs[0]), intp(PREFETCH_ROWS))
+        with cgutils.for_range(builder, nb_v) as loop:
+            b = loop.index
+            boff = builder.mul(b, intp(block_bytes))
+            for row in rows:
+                for line in range(n_lines):
+                    ahead = builder.add(builder.add(boff, pf_dist), intp(64 * line))
+                    _prefetch(builder, builder.gep(row, [ahead]))
+            for s in range(subs):
+                ks = [builder.add(t0, builder.add(builder.mul(b, intp(subs)), intp(s))) for t0 in tok]
+                xvs = [builder.load(builder.bitcast(builder.gep(xq_p, [builder.mul(k, intp(32))]),
+                                                    _V32I16.as_pointer()), align=2) for k in ks]
+                dxs = [builder.load(builder.gep(xd_p, [k])) for k in ks]
+                sxs = [builder.load(builder.gep(xs_p, [k])) for k in ks]
+                xsums = [None] * tokens  # per-pair sums of the int16 activations, for mins per 16 elements
+                for r, row in enumerate(rows):
+                    q, scale, minc = sub(builder, builder.gep(row, [boff]), s)
+                    for t in range(tokens):
+                        xv, dx, acc, mn = xvs[t], dxs[t], accs[t][r], mins[t][r]
                         dots = builder.sitofp(_pmaddwd(builder, q, xv), v16f)
                         if _is_exponent(scale):
                             scl = _broadcast_f32(builder, _exp2_times(builder, scale, dx), 16)
@@ -355,25 +357,49 @@ def _make_dot4(kind: str):
                             scl = builder.fmul(_vec(builder, scale, 16), _broadcast_f32(builder, dx, 16))
                         a = _fmuladd16(builder, dots, scl, builder.load(acc))
                         if isinstance(minc, tuple):
-                            if xsum is None:
-                                xsum = builder.sitofp(_pmaddwd(builder, xv, _splat(_I16, 32, 1)), v16f)
+                            if xsums[t] is None:
+                                xsums[t] = builder.sitofp(_pmaddwd(builder, xv, _splat(_I16, 32, 1)), v16f)
                             mv = builder.fmul(_vec(builder, minc, 16), _broadcast_f32(builder, dx, 16))
-                            a = _fmuladd16(builder, xsum, mv, a)
+                            a = _fmuladd16(builder, xsums[t], mv, a)
                         elif minc is not None:
-                            builder.store(builder.fadd(builder.load(mn), builder.fmul(minc, sx)), mn)
+                            builder.store(builder.fadd(builder.load(mn), builder.fmul(minc, sxs[t])), mn)
                         builder.store(a, acc)
-            sums = [builder.fadd(_reduce_add_f32x16(builder, builder.load(acc)), builder.load(mn))
-                    for acc, mn in zip(accs, mins)]
-            return context.make_tuple(builder, signature.return_type, sums)
+        sums = [builder.fadd(_reduce_add_f32x16(builder, builder.load(accs[t][r])), builder.load(mins[t][r]))
+                for t in range(tokens) for r in range(4)]
+        return context.make_tuple(builder, signature.return_type, sums)
 
-        return sig, codegen
+    def check(raw, xq, xd, xs):
+        _check_c_array(raw, types.uint8, f"{name} weights")
+        _check_c_array(xq, types.int16, f"{name} activations")
+        _check_c_array(xd, types.float32, f"{name} activation scales")
+        _check_c_array(xs, types.float32, f"{name} activation sums")
 
-    dot4.__doc__ = (
-        f"(float32 x4) dot products of four {kind.upper()} rows with int16-quantized activations.\n\n"
-        "raw: uint8 weight bytes; p0..p3: byte offsets of the rows; nb: blocks per row;\n"
-        "xq: int16 (nb*block elements,) activations; xd, xs: float32 scale and float sum of x per 32."
-    )
-    return dot4
+    if tokens == 1:
+
+        @intrinsic
+        def dot(typingctx, raw, p0, p1, p2, p3, nb, xq, xd, xs):
+            check(raw, xq, xd, xs)
+            ip = types.intp
+            return types.UniTuple(types.float32, 4)(raw, ip, ip, ip, ip, ip, xq, xd, xs), codegen
+
+        dot.__doc__ = (
+            f"(float32 x4) dot products of four {kind.upper()} rows with int16-quantized activations.\n\n"
+            "raw: uint8 weight bytes; p0..p3: byte offsets of the rows; nb: blocks per row;\n"
+            "xq: int16 (nb*block elements,) activations; xd, xs: float32 scale and float sum of x per 32."
+        )
+    else:
+
+        @intrinsic
+        def dot(typingctx, raw, p0, p1, p2, p3, nb, xq, xd, xs, t0):
+            check(raw, xq, xd, xs)
+            ip = types.intp
+            return types.UniTuple(types.float32, 4 * tokens)(raw, ip, ip, ip, ip, ip, xq, xd, xs, ip), codegen
+
+        dot.__doc__ = (
+            f"(float32 x{4 * tokens}) dot products of four {kind.upper()} rows with tokens t0..t0+"
+            f"{tokens - 1}, [token][row] order; xq (n, cols), xd, xs (n, cols/32) hold all the tokens."
+        )
+    return dot
 
 
 def _make_deq(kind: str):
@@ -415,3 +441,10 @@ dot4_q6_k, deq_q6_k = _make_dot4("q6_k"), _make_deq("q6_k")
 dot4_iq4_nl, deq_iq4_nl = _make_dot4("iq4_nl"), _make_deq("iq4_nl")
 dot4_iq4_xs, deq_iq4_xs = _make_dot4("iq4_xs"), _make_deq("iq4_xs")
 dot4_mxfp4, deq_mxfp4 = _make_dot4("mxfp4"), _make_deq("mxfp4")
+
+# four tokens a pass, for smalln's small batches. Q4_K, Q5_K and IQ4_XS are left out: their four-token
+# sums differed from dot4's in the last bits (fast-math regrouping a scalar sub-block scale; fencing the
+# operands did not change it), and a token must get the same bits alone or in a batch
+dot4x4_q5_0, dot4x4_q5_1 = _make_dot4("q5_0", 4), _make_dot4("q5_1", 4)
+dot4x4_iq4_nl, dot4x4_mxfp4 = _make_dot4("iq4_nl", 4), _make_dot4("mxfp4", 4)
+dot4x4_q2_k, dot4x4_q3_k, dot4x4_q6_k = _make_dot4("q2_k", 4), _make_dot4("q3_k", 4), _make_dot4("q6_k", 4)
