@@ -25,7 +25,6 @@ from engine.weights import Weight
 MXFP4 = 39  # ggml type id
 BF16, F16, F32 = 30, 1, 0
 _FLOAT_TYPES = {"BF16": BF16, "F16": F16, "F32": F32}
-_KINDS = ("gate", "up", "down")
 
 
 def mxfp4_blocks_from_hf(blocks: np.ndarray, scales: np.ndarray, first: int = 0, step: int = 1) -> np.ndarray:
