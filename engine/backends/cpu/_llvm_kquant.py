@@ -294,6 +294,16 @@ LAYOUTS = {
 # ---------------------------------------------------------------------------------------------
 
 
+def _fence(builder, value):
+    """value behind llvm.arithmetic.fence: fast-math may not regroup arithmetic across it. A scalar
+    sub-block scale (Q4_K's d * sc) times the activation scale dx was otherwise regrouped (as d * (sc *
+    dx), or sharing d * dx between sub-blocks) one way in dot4 and another in dot4x4: Q4_K, Q5_K and
+    IQ4_XS sums differed in the last bits between a token alone and the same token in a batch."""
+    fnty = ir.FunctionType(_F32, [_F32])
+    fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.arithmetic.fence.f32")
+    return builder.call(fn, [value])
+
+
 def _vec(builder, value, n: int):
     """<n x float> of a scalar (all lanes) or a (first half, second half) pair."""
     if not isinstance(value, tuple):
@@ -348,6 +358,10 @@ def _make_dot4(kind: str, tokens: int = 1):
                 xsums = [None] * tokens  # per-pair sums of the int16 activations, for mins per 16 elements
                 for r, row in enumerate(rows):
                     q, scale, minc = sub(builder, builder.gep(row, [boff]), s)
+                    if not isinstance(scale, tuple) and not _is_exponent(scale):
+                        scale = _fence(builder, scale)
+                    if minc is not None and not isinstance(minc, tuple):
+                        minc = _fence(builder, minc)
                     for t in range(tokens):
                         xv, dx, acc, mn = xvs[t], dxs[t], accs[t][r], mins[t][r]
                         dots = builder.sitofp(_pmaddwd(builder, q, xv), v16f)
@@ -442,9 +456,9 @@ dot4_iq4_nl, deq_iq4_nl = _make_dot4("iq4_nl"), _make_deq("iq4_nl")
 dot4_iq4_xs, deq_iq4_xs = _make_dot4("iq4_xs"), _make_deq("iq4_xs")
 dot4_mxfp4, deq_mxfp4 = _make_dot4("mxfp4"), _make_deq("mxfp4")
 
-# four tokens a pass, for smalln's small batches. Q4_K, Q5_K and IQ4_XS are left out: their four-token
-# sums differed from dot4's in the last bits (fast-math regrouping a scalar sub-block scale; fencing the
-# operands did not change it), and a token must get the same bits alone or in a batch
+# four tokens a pass, for smalln's small batches
 dot4x4_q5_0, dot4x4_q5_1 = _make_dot4("q5_0", 4), _make_dot4("q5_1", 4)
 dot4x4_iq4_nl, dot4x4_mxfp4 = _make_dot4("iq4_nl", 4), _make_dot4("mxfp4", 4)
 dot4x4_q2_k, dot4x4_q3_k, dot4x4_q6_k = _make_dot4("q2_k", 4), _make_dot4("q3_k", 4), _make_dot4("q6_k", 4)
+dot4x4_q4_k, dot4x4_q5_k = _make_dot4("q4_k", 4), _make_dot4("q5_k", 4)
+dot4x4_iq4_xs = _make_dot4("iq4_xs", 4)

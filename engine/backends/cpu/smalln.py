@@ -7,11 +7,12 @@ float32 for BLAS (the prefill path, ~10x slower than a matvec at these n).
 
 Quantized types: the activations of every token are quantized to int16 per 32 exactly as the matvec
 kernels do (quant.quantize_act16), then each group of four weight rows runs the type's `dot4`
-intrinsic once per token while those rows sit in L1. Q5_0, Q5_1, Q2_K, Q3_K, Q6_K, IQ4_NL and MXFP4
-take tokens four at a time (`dot4x4_*`: each block of the four rows unpacked once for four tokens,
-the rest one by one): on 2880-3072-column matrices, 16 tokens, 2 threads, 1.3x (MXFP4) to 2.2x (Q2_K,
-Q3_K, Q6_K) faster. Each token's result is bit-identical to the matvec kernel's on that token alone
-either way, so a batched verify pass reproduces sequential decode.
+intrinsic once per token while those rows sit in L1. The types of _llvm_kquant (Q5_0, Q5_1, the
+K-quants, IQ4_NL, IQ4_XS, MXFP4) take tokens four at a time (`dot4x4_*`: each block of the four rows
+unpacked once for four tokens, the rest one by one): on 2880-3072-column matrices, 16 tokens, 2
+threads, 1.3x (MXFP4) to 2.2x (Q2_K, Q3_K, Q6_K) faster, Q4_K 1.6x. Each token's result is
+bit-identical to the matvec kernel's on that token alone either way, so a batched verify pass
+reproduces sequential decode.
 Float types (F32/F16/BF16): four rows x four tokens per pass over the row group, spelled as LLVM vector
 IR (16-lane float32 FMAs, weights widened in registers, prefetched PREFETCH_ROWS rows ahead), so each
 weight is loaded once for four tokens; a 1-3 token tail runs the same loop with fewer tokens. Every
@@ -162,11 +163,13 @@ def matmul_q3_k(out, raw, x, rows, cols):
 def matmul_q4_k(out, raw, x, rows, cols):
     # raw (rows, cols/256*144) uint8, x (n, cols) f32 -> out (n, rows) f32
     xq, xd, xs = _act16_rows(x)
-    rb = raw.shape[1]
+    rb, full = raw.shape[1], x.shape[0] - x.shape[0] % 4
     for g in prange((rows + 3) // 4):
         r0 = g * 4
         p1, p2, p3 = min(r0 + 1, rows - 1) * rb, min(r0 + 2, rows - 1) * rb, min(r0 + 3, rows - 1) * rb
-        for t in range(x.shape[0]):
+        for t in range(0, full, 4):  # four tokens a pass over the rows' blocks
+            _store16(out, t, r0, rows, K.dot4x4_q4_k(raw, r0 * rb, p1, p2, p3, cols // 256, xq, xd, xs, t))
+        for t in range(full, x.shape[0]):
             a0, a1, a2, a3 = K.dot4_q4_k(raw, r0 * rb, p1, p2, p3, cols // 256, xq[t], xd[t], xs[t])
             _store4(out[t], r0, rows, a0, a1, a2, a3)
 
@@ -174,11 +177,13 @@ def matmul_q4_k(out, raw, x, rows, cols):
 def matmul_q5_k(out, raw, x, rows, cols):
     # raw (rows, cols/256*176) uint8, x (n, cols) f32 -> out (n, rows) f32
     xq, xd, xs = _act16_rows(x)
-    rb = raw.shape[1]
+    rb, full = raw.shape[1], x.shape[0] - x.shape[0] % 4
     for g in prange((rows + 3) // 4):
         r0 = g * 4
         p1, p2, p3 = min(r0 + 1, rows - 1) * rb, min(r0 + 2, rows - 1) * rb, min(r0 + 3, rows - 1) * rb
-        for t in range(x.shape[0]):
+        for t in range(0, full, 4):  # four tokens a pass over the rows' blocks
+            _store16(out, t, r0, rows, K.dot4x4_q5_k(raw, r0 * rb, p1, p2, p3, cols // 256, xq, xd, xs, t))
+        for t in range(full, x.shape[0]):
             a0, a1, a2, a3 = K.dot4_q5_k(raw, r0 * rb, p1, p2, p3, cols // 256, xq[t], xd[t], xs[t])
             _store4(out[t], r0, rows, a0, a1, a2, a3)
 
@@ -214,11 +219,13 @@ def matmul_iq4_nl(out, raw, x, rows, cols):
 def matmul_iq4_xs(out, raw, x, rows, cols):
     # raw (rows, cols/256*136) uint8, x (n, cols) f32 -> out (n, rows) f32
     xq, xd, xs = _act16_rows(x)
-    rb = raw.shape[1]
+    rb, full = raw.shape[1], x.shape[0] - x.shape[0] % 4
     for g in prange((rows + 3) // 4):
         r0 = g * 4
         p1, p2, p3 = min(r0 + 1, rows - 1) * rb, min(r0 + 2, rows - 1) * rb, min(r0 + 3, rows - 1) * rb
-        for t in range(x.shape[0]):
+        for t in range(0, full, 4):  # four tokens a pass over the rows' blocks
+            _store16(out, t, r0, rows, K.dot4x4_iq4_xs(raw, r0 * rb, p1, p2, p3, cols // 256, xq, xd, xs, t))
+        for t in range(full, x.shape[0]):
             a0, a1, a2, a3 = K.dot4_iq4_xs(raw, r0 * rb, p1, p2, p3, cols // 256, xq[t], xd[t], xs[t])
             _store4(out[t], r0, rows, a0, a1, a2, a3)
 
