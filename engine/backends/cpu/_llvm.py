@@ -207,6 +207,22 @@ def _fmuladd16(builder, a, b, c):
     return builder.call(fn, [a, b, c])
 
 
+def _accumulators(builder, tokens: int):
+    """(accs, mins): per token, four rows' <16 x float> sums and scalar min terms, zeroed allocas."""
+    v16f = ir.VectorType(_F32, 16)
+
+    def zeroed(value):
+        return [[cgutils.alloca_once_value(builder, value) for _ in range(4)] for _ in range(tokens)]
+
+    return zeroed(ir.Constant(v16f, None)), zeroed(ir.Constant(_F32, 0.0))
+
+
+def _dot_pointers(context, builder, signature, args):
+    """Data pointers of a dot intrinsic's weight bytes (argument 0) and activation quants, scales and
+    sums (arguments 6, 7, 8)."""
+    return tuple(context.make_array(signature.args[i])(context, builder, args[i]).data for i in (0, 6, 7, 8))
+
+
 def _reduce_add_f32x16(builder, vec):
     """Tree sum of a <16 x float> (halving shuffles: the order LLVM would pick with reassoc)."""
     n = 16
@@ -248,12 +264,8 @@ def _make_dot4(kind: str):
         )
 
         def codegen(context, builder, signature, args):
-            raw_v, *row_offs, nb_v, xq_v, xd_v, xs_v = args
-            arrtys = signature.args
-            base = context.make_array(arrtys[0])(context, builder, raw_v).data
-            xq_p = context.make_array(arrtys[6])(context, builder, xq_v).data
-            xd_p = context.make_array(arrtys[7])(context, builder, xd_v).data
-            xs_p = context.make_array(arrtys[8])(context, builder, xs_v).data
+            _, *row_offs, nb_v = args[:6]
+            base, xq_p, xd_p, xs_p = _dot_pointers(context, builder, signature, args)
             v16f = ir.VectorType(_F32, 16)
             intp = nb_v.type
             accs = [cgutils.alloca_once_value(builder, ir.Constant(v16f, None)) for _ in range(4)]

@@ -48,8 +48,10 @@ from engine.backends.cpu._llvm import (
     _I16,
     _I32,
     PREFETCH_ROWS,
+    _accumulators,
     _broadcast_f32,
     _check_c_array,
+    _dot_pointers,
     _fmuladd16,
     _load_f16,
     _pmaddwd,
@@ -323,22 +325,15 @@ def _make_dot4(kind: str, tokens: int = 1):
     name = f"dot4_{kind}" if tokens == 1 else f"dot4x{tokens}_{kind}"
 
     def codegen(context, builder, signature, args):
-        raw_v, *row_offs, nb_v, xq_v, xd_v, xs_v = args[:9]
-        arrtys = signature.args
-        base = context.make_array(arrtys[0])(context, builder, raw_v).data
-        xq_p = context.make_array(arrtys[6])(context, builder, xq_v).data
-        xd_p = context.make_array(arrtys[7])(context, builder, xd_v).data
-        xs_p = context.make_array(arrtys[8])(context, builder, xs_v).data
+        _, *row_offs, nb_v = args[:6]
+        base, xq_p, xd_p, xs_p = _dot_pointers(context, builder, signature, args)
         v16f = ir.VectorType(_F32, 16)
         intp = nb_v.type
         per_row = builder.mul(nb_v, intp(subs))  # 32-element sub-blocks a row
         # token t's activations: row t0 + t of the (n, cols) / (n, cols / 32) arrays (one token: row 0)
         first = args[9] if tokens > 1 else intp(0)
         tok = [builder.mul(builder.add(first, intp(t)), per_row) for t in range(tokens)]
-        accs = [[cgutils.alloca_once_value(builder, ir.Constant(v16f, None)) for _ in range(4)]
-                for _ in range(tokens)]
-        mins = [[cgutils.alloca_once_value(builder, ir.Constant(_F32, 0.0)) for _ in range(4)]
-                for _ in range(tokens)]
+        accs, mins = _accumulators(builder, tokens)
         rows = [builder.gep(base, [off]) for off in row_offs]
         # p1 - p0 is the row stride (0 in a clamped tail group: a harmless re-read of this row)
         pf_dist = builder.mul(builder.sub(row_offs[1], row_offs[0]), intp(PREFETCH_ROWS))

@@ -27,9 +27,11 @@ from engine.backends.cpu._llvm import (
     _I16,
     _I32,
     PREFETCH_ROWS,
+    _accumulators,
     _block_quants_i16,
     _broadcast_f32,
     _check_c_array,
+    _dot_pointers,
     _fmuladd16,
     _load_f16,
     _pmaddwd,
@@ -64,12 +66,9 @@ def _make_dot4x4(kind: str):
         )
 
         def codegen(context, builder, signature, args):
-            raw_v, *row_offs, nb_v, xq_v, xd_v, xs_v, t0_v = args
-            arrtys = signature.args
-            base = context.make_array(arrtys[0])(context, builder, raw_v).data
-            xq_p = context.make_array(arrtys[6])(context, builder, xq_v).data
-            xd_p = context.make_array(arrtys[7])(context, builder, xd_v).data
-            xs_p = context.make_array(arrtys[8])(context, builder, xs_v).data
+            _, *row_offs, nb_v = args[:6]
+            t0_v = args[9]
+            base, xq_p, xd_p, xs_p = _dot_pointers(context, builder, signature, args)
             v16f = ir.VectorType(_F32, 16)
             intp = nb_v.type
             cols = builder.mul(nb_v, intp(32))
@@ -78,14 +77,7 @@ def _make_dot4x4(kind: str):
                 builder.gep(xq_p, [builder.mul(builder.add(t0_v, intp(t)), cols)]) for t in range(TOKENS)
             ]
             s_rows = [builder.mul(builder.add(t0_v, intp(t)), nb_v) for t in range(TOKENS)]
-            accs = [
-                [cgutils.alloca_once_value(builder, ir.Constant(v16f, None)) for _ in range(4)]
-                for _ in range(TOKENS)
-            ]
-            mins = [
-                [cgutils.alloca_once_value(builder, ir.Constant(_F32, 0.0)) for _ in range(4)]
-                for _ in range(TOKENS)
-            ]
+            accs, mins = _accumulators(builder, TOKENS)
             rows = [builder.gep(base, [off]) for off in row_offs]
             pf_dist = builder.mul(builder.sub(row_offs[1], row_offs[0]), intp(PREFETCH_ROWS))
             with cgutils.for_range(builder, nb_v) as loop:
