@@ -105,7 +105,8 @@ class LlamaConfig:
             scaling = dataclasses.replace(scaling, truncate=False)
         n_layers = int(key("block_count"))
         experts = int(metadata.get(f"{arch}.expert_count", 0))
-        ff = int(key("feed_forward_length", 0)) if arch == "qwen3moe" else int(key("feed_forward_length"))
+        moe_only = arch in ("qwen3moe", "gpt-oss")  # all FFNs are experts: no dense length needed
+        ff = int(key("feed_forward_length", 0)) if moe_only else int(key("feed_forward_length"))
         if experts:
             ff = int(metadata.get(f"{arch}.expert_feed_forward_length", ff))
         return cls(
