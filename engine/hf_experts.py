@@ -20,11 +20,9 @@ import numpy as np
 from numba import njit, prange
 
 from engine.errors import MissingTensorError, ModelFormatError
-from engine.weights import Weight
+from engine.weights import FLOAT_DTYPES, Weight, float32_of
 
 MXFP4 = 39  # ggml type id
-BF16, F16, F32 = 30, 1, 0
-_FLOAT_TYPES = {"BF16": BF16, "F16": F16, "F32": F32}
 
 
 def mxfp4_blocks_from_hf(blocks: np.ndarray, scales: np.ndarray, first: int = 0, step: int = 1) -> np.ndarray:
@@ -60,6 +58,12 @@ def _repack(blocks, scales, first, step, out):
                 out[e, r, o + 1 + j] = lo | (hi << 4)
 
 
+def _fused(kind: str) -> tuple[str, int, int]:
+    """(HF tensor, first row, row step) holding kind's rows: gate_up's even rows are gate's, its odd rows
+    up's; down_proj is as it is."""
+    return ("down_proj", 0, 1) if kind == "down" else ("gate_up_proj", 0 if kind == "gate" else 1, 2)
+
+
 class FusedExperts:
     """One layer's gpt-oss experts from a safetensors repo: merged (experts * rows, cols) Weights per kind
     (GGUF's gate, up and down) and their biases, built on first use and kept."""
@@ -75,6 +79,14 @@ class FusedExperts:
             raise MissingTensorError(self.folder, f"tensor {full!r} is missing from the safetensors files")
         return self.st.array(full)
 
+    def _checked(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
+        array = self._tensor(name)
+        if array.shape != shape:
+            raise ModelFormatError(
+                self.folder, f"{self.prefix}{name} has shape {array.shape}, expected {shape}"
+            )
+        return array
+
     def _mxfp4(self) -> bool:
         return self.prefix + "gate_up_proj_blocks" in self.st.tensors
 
@@ -87,73 +99,43 @@ class FusedExperts:
 
     def build(self, kind: str, n: int, rows: int, cols: int) -> Weight:
         """stack(), built anew and not kept (conversion reads one tensor at a time)."""
-        fused = "down_proj" if kind == "down" else "gate_up_proj"
-        if self._mxfp4():
-            raw, ggml_type = self._mxfp4_rows(fused, kind, n, rows, cols), MXFP4
-        else:
-            raw, ggml_type = self._float_rows(fused, kind, n, rows, cols)
+        name, first, step = _fused(kind)
+        all_rows = rows * step
+        ggml_type = self.source_type()
+        if ggml_type == MXFP4:
+            groups = (n, all_rows, cols // 32)
+            if cols % 32:
+                raise ModelFormatError(self.folder, f"{self.prefix}{name}: {cols} columns, not blocks of 32")
+            blocks = self._checked(name + "_blocks", (*groups, 16))
+            raw = mxfp4_blocks_from_hf(blocks, self._checked(name + "_scales", groups), first, step)
+        else:  # stored transposed (x @ W): the rows are the last axis
+            rows_first = np.swapaxes(self._checked(name, (n, cols, all_rows)), 1, 2)
+            raw = np.ascontiguousarray(rows_first[:, first::step]).view(np.uint8)
         return Weight(ggml_type, raw.reshape(n * rows, -1), n * rows, cols)
 
     def source_type(self) -> int:
         """The ggml type the experts come in (MXFP4, or the float dtype of a dequantized checkpoint)."""
         if self._mxfp4():
             return MXFP4
-        dtype = self.st.tensors[self.prefix + "gate_up_proj"].dtype if self.has("gate", "weight") else None
-        if dtype not in _FLOAT_TYPES:
+        tensor = self.st.tensors.get(self.prefix + "gate_up_proj")
+        dtype = None if tensor is None else tensor.dtype
+        if dtype not in FLOAT_DTYPES:
             raise ModelFormatError(
                 self.folder, f"{self.prefix}gate_up_proj is {dtype}; expected MXFP4 or BF16/F16/F32"
             )
-        return _FLOAT_TYPES[dtype]
-
-    def _pick(self, array: np.ndarray, kind: str) -> np.ndarray:
-        # gate_up's rows alternate gate, up (axis 1 of (experts, rows, ...)); down is as it is
-        return array if kind == "down" else array[:, 0 if kind == "gate" else 1 :: 2]
-
-    def _mxfp4_rows(self, fused: str, kind: str, n: int, rows: int, cols: int) -> np.ndarray:
-        blocks, scales = self._tensor(fused + "_blocks"), self._tensor(fused + "_scales")
-        want = (n, rows * (1 if kind == "down" else 2), cols // 32)
-        if cols % 32 or blocks.shape != (*want, 16) or scales.shape != want:
-            raise ModelFormatError(
-                self.folder,
-                f"{self.prefix}{fused}_blocks/_scales have shapes {blocks.shape} / {scales.shape}, expected "
-                f"{(*want, 16)} / {want}",
-            )
-        first, step = (0, 1) if kind == "down" else (0 if kind == "gate" else 1, 2)
-        return mxfp4_blocks_from_hf(blocks, scales, first, step)
-
-    def _float_rows(self, fused: str, kind: str, n: int, rows: int, cols: int) -> tuple[np.ndarray, int]:
-        dtype = self.st.tensors[self.prefix + fused].dtype if self.prefix + fused in self.st.tensors else None
-        array = self._tensor(fused)
-        if dtype not in _FLOAT_TYPES:
-            raise ModelFormatError(
-                self.folder, f"{self.prefix}{fused} is {dtype}; expected MXFP4 or BF16/F16/F32"
-            )
-        want = (n, cols, rows * (1 if kind == "down" else 2))
-        if array.shape != want:
-            raise ModelFormatError(
-                self.folder, f"{self.prefix}{fused} has shape {array.shape}, expected {want}"
-            )
-        # stored transposed (x @ W): the rows are its last axis
-        rows_first = np.swapaxes(array, 1, 2)
-        return np.ascontiguousarray(self._pick(rows_first, kind)).view(np.uint8), _FLOAT_TYPES[dtype]
+        return FLOAT_DTYPES[dtype]
 
     def bias(self, kind: str, n: int, rows: int) -> np.ndarray:
         """Kind's biases, float32 (n, rows)."""
         if kind not in self._biases:
-            fused = "down_proj" if kind == "down" else "gate_up_proj"
-            array = self._tensor(fused + "_bias")
-            dtype = self.st.tensors[self.prefix + fused + "_bias"].dtype
-            want = (n, rows * (1 if kind == "down" else 2))
-            if array.shape != want:
-                raise ModelFormatError(
-                    self.folder, f"{self.prefix}{fused}_bias has shape {array.shape}, expected {want}"
-                )
-            values = (array.astype(np.uint32) << 16).view(np.float32) if dtype == "BF16" else array
-            self._biases[kind] = np.ascontiguousarray(self._pick(values, kind), dtype=np.float32)
+            name, first, step = _fused(kind)
+            array = self._checked(name + "_bias", (n, rows * step))
+            values = float32_of(array, self.st.tensors[self.prefix + name + "_bias"].dtype == "BF16")
+            self._biases[kind] = np.ascontiguousarray(values[:, first::step])
         return self._biases[kind]
 
     def has(self, kind: str, part: str) -> bool:
-        fused = "down_proj" if kind == "down" else "gate_up_proj"
+        name = _fused(kind)[0]
         if part == "bias":
-            return self.prefix + fused + "_bias" in self.st.tensors
-        return self._mxfp4() or self.prefix + fused in self.st.tensors
+            return self.prefix + name + "_bias" in self.st.tensors
+        return self._mxfp4() or self.prefix + name in self.st.tensors

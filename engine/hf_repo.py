@@ -27,11 +27,8 @@ from engine.tokenizer import (
     Tokenizer,
     UnsupportedTokenizer,
 )
-from engine.weights import Weight
+from engine.weights import FLOAT_DTYPES, Weight, float32_of
 from models.formats.safetensors import SafetensorsModel, open_safetensors_repo
-
-# safetensors dtype -> ggml type id the CPU kernels take as is
-_DTYPE_TO_GGML = {"F32": 0, "F16": 1, "BF16": 30}
 
 # HF model_type -> Hearth architecture name (the GGUF `general.architecture` of the same family)
 _FAMILIES = {
@@ -161,7 +158,7 @@ class HFWeights:
                 self.folder, f"tensor for {name!r} is missing from the safetensors files"
             )
         dtype = self.st.tensors[hf_name].dtype
-        if dtype not in _DTYPE_TO_GGML:
+        if dtype not in FLOAT_DTYPES:
             raise ModelFormatError(
                 self.folder,
                 f"tensor {hf_name!r} is {dtype}; Hearth loads F32, F16 and BF16 safetensors weights "
@@ -185,7 +182,7 @@ class HFWeights:
                 self.folder, f"tensor for {name!r} has shape {array.shape}, expected {(rows, cols)}"
             )
         raw = np.ascontiguousarray(array).view(np.uint8)
-        return Weight(_DTYPE_TO_GGML[dtype], raw, rows, cols)
+        return Weight(FLOAT_DTYPES[dtype], raw, rows, cols)
 
     def experts(self, name: str, n: int, rows: int, cols: int) -> list[Weight]:
         """The n (rows, cols) matrices of GGUF expert tensor `name`: one HF tensor each, or row blocks of
@@ -214,10 +211,7 @@ class HFWeights:
             raise MissingTensorError(
                 self.folder, f"tensor for {name!r} has shape {array.shape}, expected {shape}"
             )
-        if dtype == "BF16":
-            vector = (array.astype(np.uint32) << 16).view(np.float32)
-        else:
-            vector = np.array(array, dtype=np.float32)
+        vector = float32_of(array, dtype == "BF16")
         if self.norm_offset and name.endswith("norm.weight"):
             vector = vector + np.float32(self.norm_offset)
         return vector

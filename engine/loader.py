@@ -14,7 +14,7 @@ from engine.chat_template import ChatTemplate
 from engine.errors import MissingTensorError, ModelFormatError
 from engine.hf_repo import is_hf_repo, open_hf_repo
 from engine.tokenizer import Tokenizer
-from engine.weights import Weight
+from engine.weights import Weight, float32_of
 from models.errors import ModelNotFoundError
 from models.formats.ggml_types import type_name
 from models.formats.gguf import GGUFFile, open_gguf
@@ -79,10 +79,7 @@ class GGUFWeights:
         """A small tensor (norms, biases) of `shape` as a float32 copy."""
         info = self._info(name, shape)
         try:
-            values = info.array()
-            if info.ggml_type == BF16:  # the view holds the bits
-                return (values.astype(np.uint32) << 16).view(np.float32).reshape(shape)
-            return np.array(values, dtype=np.float32).reshape(shape)  # small: a copy is fine
+            return float32_of(info.array(), info.ggml_type == BF16).reshape(shape)  # small: a copy is fine
         except ModelFormatError as e:
             raise ModelFormatError(self.gguf.path, f"tensor {name!r}: {e.problem}") from e
 

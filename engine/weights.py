@@ -6,6 +6,17 @@ from dataclasses import dataclass
 
 import numpy as np
 
+# safetensors float dtype -> the ggml type id the kernels take as is
+FLOAT_DTYPES = {"F32": 0, "F16": 1, "BF16": 30}
+
+
+def float32_of(values: np.ndarray, bf16: bool) -> np.ndarray:
+    """A float32 copy of a plain tensor's values; bf16: the view holds BF16 bits (uint16), as the GGUF and
+    safetensors readers give them (numpy has no bfloat16)."""
+    if bf16:
+        return (values.astype(np.uint32) << 16).view(np.float32)
+    return np.array(values, dtype=np.float32)
+
 
 @dataclass(frozen=True)
 class Weight:

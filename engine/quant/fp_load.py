@@ -30,7 +30,7 @@ from engine.backends.cpu.fpquant import (
     block_scales_per_row,
 )
 from engine.errors import MissingTensorError, ModelFormatError
-from engine.weights import Weight
+from engine.weights import Weight, float32_of
 from models.formats.safetensors import SafetensorsModel
 
 # dtypes of a linear layer's main tensor that mean "FP8 or NVFP4": fp_matrix takes them
@@ -41,7 +41,7 @@ def _scale_vector(st: SafetensorsModel, folder: Path, name: str) -> np.ndarray:
     t = st.tensors[name]
     a = st.array(name)
     if t.dtype == "BF16":
-        return (a.astype(np.uint32) << 16).view(np.float32).reshape(-1)
+        return float32_of(a, True).reshape(-1)
     if t.dtype not in ("F32", "F16"):
         raise ModelFormatError(folder, f"scale tensor {name!r} is {t.dtype}; expected F32, F16 or BF16")
     return np.array(a, dtype=np.float32).reshape(-1)

@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from engine.errors import ModelFormatError, UnsupportedArchitectureError
+from engine.weights import FLOAT_DTYPES, float32_of
 from models.errors import ModelNotFoundError
 from models.formats.ggml_types import PLAIN_DTYPES, type_name
 from models.formats.gguf import GGUFFile, open_gguf
@@ -29,7 +30,7 @@ from models.formats.gguf import GGUFFile, open_gguf
 PERMUTED_QK = frozenset({"llama"})
 GEMMA_NORM_OFFSET = frozenset({"gemma3", "gemma2"})
 SUPPORTED_ARCHS = frozenset({"llama", "qwen2", "qwen3", "qwen3moe", "gemma3", "gemma2", "gpt-oss"})
-_F32, _F16, _BF16, _Q4_1 = 0, 1, 30, 3
+_F32, _BF16, _Q4_1 = 0, 30, 3
 
 
 @dataclass
@@ -109,10 +110,7 @@ def _gguf_source(path: Path) -> SourceModel:
     def load(name: str) -> np.ndarray:
         info = g.tensors[name]
         if info.ggml_type in PLAIN_DTYPES:
-            a = info.array()
-            if info.ggml_type == _BF16:
-                return (a.astype(np.uint32) << 16).view(np.float32)
-            return np.array(a, dtype=np.float32)
+            return float32_of(info.array(), info.ggml_type == _BF16)
         try:
             flat = dequantize(info.ggml_type, info.raw(), info.dims[0])
         except Exception as e:
@@ -153,7 +151,6 @@ def _hf_source(folder: Path) -> SourceModel:
     metadata = metadata_from_hf(folder, config, cfg)
     n_head = cfg.num_attention_heads
     n_kv = cfg.num_key_value_heads
-    dtype_types = {"F32": _F32, "F16": _F16, "BF16": _BF16}
     try:
         quantized = _quantized_linears(st, folder, weights)
     except ModelFormatError:
@@ -161,7 +158,7 @@ def _hf_source(folder: Path) -> SourceModel:
         raise
     for g_name, hf_name in names_map.items():
         dtype = st.tensors[hf_name].dtype
-        if dtype not in dtype_types and g_name not in quantized:
+        if dtype not in FLOAT_DTYPES and g_name not in quantized:
             st.close()
             raise ModelFormatError(
                 folder,
@@ -183,10 +180,7 @@ def _hf_source(folder: Path) -> SourceModel:
         if name in quantized:
             return _dequantized(weights, name, *quantized[name][1])
         hf_name = names_map[name]
-        a = st.array(hf_name)
-        if st.tensors[hf_name].dtype == "BF16":
-            return (a.astype(np.uint32) << 16).view(np.float32)
-        return np.array(a, dtype=np.float32)
+        return float32_of(st.array(hf_name), st.tensors[hf_name].dtype == "BF16")
 
     def shape_of(name: str) -> tuple[int, ...]:
         if name in fused:
@@ -211,7 +205,7 @@ def _hf_source(folder: Path) -> SourceModel:
         if name in fused:
             return fused[name][1]
         name = stacks[name][0] if name in stacks else name
-        return quantized[name][0] if name in quantized else dtype_types[st.tensors[names_map[name]].dtype]
+        return quantized[name][0] if name in quantized else FLOAT_DTYPES[st.tensors[names_map[name]].dtype]
 
     singles = {n for n in set(names_map) | set(quantized) if not _EXPERT_NAME.fullmatch(n)}
     order = sorted(singles | set(stacks) | set(fused), key=_tensor_order)
