@@ -30,14 +30,11 @@ RETURN, CALL = "<|return|>", "<|call|>"
 THINKING_CHANNELS = ("analysis",)
 
 
-def harmony_ids(tokens) -> dict[str, int] | None:
-    """{special text: id} when a vocabulary (token texts by id) speaks harmony, else None."""
-    wanted = (START, END, MESSAGE, CHANNEL, RETURN)
-    found = {}
-    for i, text in enumerate(tokens):
-        if text in wanted or text == CALL:
-            found.setdefault(text, i)
-    return found if all(t in found for t in wanted) else None
+def harmony_ids(controls: dict[str, int]) -> dict[str, int] | None:
+    """{special text: id} when a vocabulary whose control tokens are `controls` (text -> id) speaks
+    harmony, else None."""
+    found = {t: controls[t] for t in (START, END, MESSAGE, CHANNEL, RETURN, CALL) if t in controls}
+    return found if all(t in found for t in (START, END, MESSAGE, CHANNEL, RETURN)) else None
 
 
 def harmony_stop_ids(eot_ids, ids: dict[str, int]) -> frozenset[int]:

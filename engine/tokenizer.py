@@ -529,8 +529,11 @@ class Tokenizer:
         self.eot_ids: frozenset[int] = frozenset(eot_ids)
         # gpt-oss's harmony format: its special tokens' ids (None for other vocabularies); its turns end
         # at <|return|> / <|call|>, not at <|end|> (engine.harmony)
-        controls = [t if ty == TOKEN_CONTROL else "" for t, ty in zip(tokens, token_types)]
-        self.harmony = harmony_ids(controls) if "<|channel|>" in controls else None
+        controls: dict[str, int] = {}
+        for i, (piece, piece_type) in enumerate(zip(tokens, token_types)):
+            if piece_type == TOKEN_CONTROL:
+                controls.setdefault(piece, i)
+        self.harmony = harmony_ids(controls)
         if self.harmony is not None:
             self.eot_ids = harmony_stop_ids(self.eot_ids, self.harmony)
         self.add_bos = add_bos
