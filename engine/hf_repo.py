@@ -40,6 +40,7 @@ _FAMILIES = {
     "gemma3_text": "gemma3",
     "gemma2": "gemma2",
     "mixtral": "llama",  # llama.cpp's name for Mixtral too: a llama with experts
+    "qwen2_moe": "qwen2moe",
     "qwen3_moe": "qwen3moe",
     "gpt_oss": "gpt-oss",
 }
@@ -68,6 +69,10 @@ _LAYER_NAMES = {
     "block_sparse_moe.gate.weight": "ffn_gate_inp.weight",
     "mlp.router.weight": "ffn_gate_inp.weight",  # gpt-oss
     "mlp.router.bias": "ffn_gate_inp.bias",
+    "mlp.shared_expert.gate_proj.weight": "ffn_gate_shexp.weight",  # Qwen2-MoE's shared expert
+    "mlp.shared_expert.up_proj.weight": "ffn_up_shexp.weight",
+    "mlp.shared_expert.down_proj.weight": "ffn_down_shexp.weight",
+    "mlp.shared_expert_gate.weight": "ffn_gate_inp_shexp.weight",
 }
 # experts: HF keeps one tensor per expert, GGUF one (experts, rows, cols) tensor; expert e of GGUF tensor T
 # is named T.e here (HFWeights.experts)
@@ -346,7 +351,8 @@ def config_from_hf(folder: Path, config: dict) -> LlamaConfig | Gemma3Config:
         heads = int(config["num_attention_heads"])
         hidden = int(config["hidden_size"])
         head_dim = int(config.get("head_dim") or hidden // heads)
-        ff = int(config["moe_intermediate_size" if model_type == "qwen3_moe" else "intermediate_size"])
+        qwen_moe = model_type in ("qwen2_moe", "qwen3_moe")
+        ff = int(config["moe_intermediate_size" if qwen_moe else "intermediate_size"])
         return LlamaConfig(
             hidden_size=hidden,
             intermediate_size=ff,
@@ -367,8 +373,10 @@ def config_from_hf(folder: Path, config: dict) -> LlamaConfig | Gemma3Config:
             num_experts=experts,
             num_experts_per_tok=int(config["num_experts_per_tok"]) if experts else 0,
             # Mixtral always renormalizes the chosen experts' weights (gpt-oss's softmax over the chosen
-            # logits is the same numbers); Qwen3-MoE says so in its config
-            norm_topk_prob=bool(config.get("norm_topk_prob", False)) if model_type == "qwen3_moe" else True,
+            # logits is the same numbers); Qwen2/3-MoE say so in their configs
+            norm_topk_prob=bool(config.get("norm_topk_prob", False)) if qwen_moe else True,
+            shared_expert_intermediate_size=int(config.get("shared_expert_intermediate_size") or 0)
+            if model_type == "qwen2_moe" else 0,
             expert_act="swiglu_oai" if model_type == "gpt_oss" else "silu",
             swiglu_alpha=float(config.get("swiglu_alpha", 1.702)),
             swiglu_limit=float(config.get("swiglu_limit", 7.0)),

@@ -121,6 +121,15 @@ FAMILIES = {
         torch.bfloat16,
         False,
     ),
+    # Qwen2-MoE: 4 routed experts (2 a token, not renormalized, as Qwen1.5-MoE and Qwen2-57B-A14B) beside a
+    # gated shared expert; QKV biases
+    "qwen2moe": (
+        transformers.Qwen2MoeConfig,
+        dict(tie_word_embeddings=False, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
+             shared_expert_intermediate_size=64, norm_topk_prob=False, qkv_bias=True),
+        torch.bfloat16,
+        False,
+    ),
     "mixtral": (
         transformers.MixtralConfig,
         dict(tie_word_embeddings=False, num_local_experts=4, num_experts_per_tok=2, sliding_window=None),

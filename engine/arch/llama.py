@@ -1,7 +1,7 @@
 """Llama family: Llama 2/3, Mistral, SmolLM, Qwen2/3, Phi-3 (GQA, RoPE, RMSNorm, SwiGLU), and its
-mixture-of-experts members Mixtral, Qwen3-MoE and gpt-oss (engine/arch/moe.py in place of the dense FFN;
-gpt-oss adds attention sinks, biases on every linear, a sliding window on every other layer and a clamped
-SwiGLU in its experts)."""
+mixture-of-experts members Mixtral, Qwen2-MoE, Qwen3-MoE and gpt-oss (engine/arch/moe.py in place of the
+dense FFN; Qwen2-MoE adds a gated shared expert; gpt-oss adds attention sinks, biases on every linear, a
+sliding window on every other layer and a clamped SwiGLU in its experts)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,9 @@ from engine.weights import Weight
 
 # llama.cpp's converter permutes Llama's q/k weights so GGML's "normal" RoPE (adjacent pairs) applies;
 # these families keep HF's half-split ("NeoX") layout instead.
-_NEOX_ROPE = frozenset({"qwen2", "qwen3", "qwen3moe", "phi3", "gpt-oss"})
+_NEOX_ROPE = frozenset({"qwen2", "qwen2moe", "qwen3", "qwen3moe", "phi3", "gpt-oss"})
+# every FFN is experts: no dense feed_forward_length needed in the GGUF
+_MOE_ONLY = frozenset({"qwen2moe", "qwen3moe", "gpt-oss"})
 
 
 @dataclass
@@ -46,6 +48,8 @@ class LlamaConfig:
     num_experts: int = 0
     num_experts_per_tok: int = 0
     norm_topk_prob: bool = True
+    # the intermediate size of a shared expert every token runs beside the routed ones (Qwen2-MoE; 0: none)
+    shared_expert_intermediate_size: int = 0
     # the experts' activation: "silu" (silu(gate) * up) or "swiglu_oai" (gpt-oss: gate clamped above and up
     # both ways at swiglu_limit, then gate * sigmoid(swiglu_alpha gate) * (up + 1))
     expert_act: str = "silu"
@@ -105,8 +109,7 @@ class LlamaConfig:
             scaling = dataclasses.replace(scaling, truncate=False)
         n_layers = int(key("block_count"))
         experts = int(metadata.get(f"{arch}.expert_count", 0))
-        moe_only = arch in ("qwen3moe", "gpt-oss")  # all FFNs are experts: no dense length needed
-        ff = int(key("feed_forward_length", 0)) if moe_only else int(key("feed_forward_length"))
+        ff = int(key("feed_forward_length", 0)) if arch in _MOE_ONLY else int(key("feed_forward_length"))
         if experts:
             ff = int(metadata.get(f"{arch}.expert_feed_forward_length", ff))
         return cls(
@@ -127,8 +130,10 @@ class LlamaConfig:
             num_experts=experts,
             num_experts_per_tok=int(key("expert_used_count")) if experts else 0,
             # llama.cpp's Mixtral and Qwen3-MoE graphs renormalize (gpt-oss's softmax over the chosen
-            # experts' logits is the same numbers); Hearth's converter writes the key
-            norm_topk_prob=bool(metadata.get(f"{arch}.expert_weights_norm", True)),
+            # experts' logits is the same numbers), its Qwen2-MoE graph does not (Qwen1.5-MoE's and
+            # Qwen2-57B-A14B's norm_topk_prob false); Hearth's converter writes the key
+            norm_topk_prob=bool(metadata.get(f"{arch}.expert_weights_norm", arch != "qwen2moe")),
+            shared_expert_intermediate_size=int(key("expert_shared_feed_forward_length", 0)),
             expert_act="swiglu_oai" if gpt_oss else "silu",
             # llama.cpp fixes gpt-oss's 1.702 and 7.0; Hearth's converter writes other values under these keys
             swiglu_alpha=float(key("expert_swiglu_alpha", 1.702)),
@@ -161,7 +166,7 @@ class LlamaLayer:
     bv: np.ndarray | None = None
     q_norm: np.ndarray | None = None  # optional per-head RMSNorm of q and k before RoPE (Qwen3), (head_dim,)
     k_norm: np.ndarray | None = None
-    moe: MoE | None = None  # the experts that replace gate/up/down (Mixtral, Qwen3-MoE, gpt-oss)
+    moe: MoE | None = None  # the experts that replace gate/up/down (Mixtral, Qwen2/3-MoE, gpt-oss)
     bo: np.ndarray | None = None  # attention output bias (gpt-oss), (hidden,)
     sinks: np.ndarray | None = None  # attention-sink logits per query head (gpt-oss), (n_heads,)
 
@@ -186,7 +191,7 @@ def _ffn_weights(weights, p: str, ff: int, d: int) -> tuple[Weight, Weight]:
     return weights.matrix(p + "ffn_gate.weight", ff, d), weights.matrix(p + "ffn_up.weight", ff, d)
 
 
-@register("llama", "mistral", "qwen2", "qwen3", "qwen3moe", "phi3", "gpt-oss")
+@register("llama", "mistral", "qwen2", "qwen2moe", "qwen3", "qwen3moe", "phi3", "gpt-oss")
 class LlamaModel(Decoder):
     """A Llama-family decoder over weights that stay in their file format."""
 
@@ -212,7 +217,9 @@ class LlamaModel(Decoder):
                 return weights.vector(p + name, n) if weights.has(p + name) else None
 
             wq, wk, wv = _attention_weights(weights, p, q, kv, d)
-            moe = load_moe(weights, p, cfg.num_experts, ff, d) if cfg.num_experts else None
+            moe = None
+            if cfg.num_experts:
+                moe = load_moe(weights, p, cfg.num_experts, ff, d, cfg.shared_expert_intermediate_size)
             # llama.cpp's gpt-oss names the pre-FFN norm post_attention_norm; its sinks may lack ".weight"
             ffn_norm = "ffn_norm.weight"
             if not weights.has(p + ffn_norm):

@@ -1,10 +1,12 @@
-"""Mixture-of-experts feed-forward blocks (Mixtral, Qwen3-MoE, gpt-oss): a router picks k experts per token.
+"""Mixture-of-experts feed-forward blocks (Mixtral, Qwen2-MoE, Qwen3-MoE, gpt-oss): a router picks k experts
+per token.
 
 out[t] = sum over the k experts e with the largest router logits of w[t, e] * down_e(silu(gate_e h) * up_e h)
 with w = softmax over all experts' logits, taken at the chosen ones and (norm_topk_prob) renormalized to
 sum 1, as transformers computes it (Mixtral's and gpt-oss's "softmax over the top k" is the same numbers).
 gpt-oss adds a bias to the router and to each expert's three matrices, and its own activation
-(LlamaConfig.expert_act).
+(LlamaConfig.expert_act). Qwen2-MoE adds a shared expert every token runs, a dense SwiGLU FFN whose output
+is scaled by sigmoid(shared_gate . h) and added to the routed experts' sum.
 
 Each expert is an ordinary weight matrix (a row block of the file's (experts, rows, cols) tensor, still
 in its quantized format), so every weight type the engine computes with works here. Tokens are grouped by
@@ -21,6 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from engine.backends import cpu as ops
+from engine.errors import MissingTensorError
 from engine.weights import Weight
 
 
@@ -40,14 +43,19 @@ class MoE:
     gate_bias: np.ndarray | None = None
     up_bias: np.ndarray | None = None
     down_bias: np.ndarray | None = None
+    # the shared expert (Qwen2-MoE): gate, up (shared_ff, hidden) and down (hidden, shared_ff), and its
+    # gate's weight vector (hidden,); None: none
+    shared: tuple[Weight, Weight, Weight] | None = None
+    shared_gate: np.ndarray | None = None
 
     def weights(self) -> list[Weight]:
-        return [self.router, *self.gate, *self.up, *self.down]
+        return [self.router, *self.gate, *self.up, *self.down, *(self.shared or ())]
 
 
-def load_moe(weights, p: str, n_experts: int, ff: int, d: int) -> MoE:
+def load_moe(weights, p: str, n_experts: int, ff: int, d: int, shared_ff: int = 0) -> MoE:
     """The experts of layer prefix p ("blk.N.") from a weight source with matrix() and experts() (and
-    expert_stack(), where the source keeps merged expert tensors)."""
+    expert_stack(), where the source keeps merged expert tensors); shared_ff: the shared expert's
+    intermediate size (0: none)."""
     shapes = {"gate": (ff, d), "up": (ff, d), "down": (d, ff)}
 
     def bias(name: str, shape: tuple[int, ...]) -> np.ndarray | None:
@@ -64,7 +72,24 @@ def load_moe(weights, p: str, n_experts: int, ff: int, d: int) -> MoE:
         stacks = tuple(stacker(f"{p}ffn_{k}_exps.weight", n_experts, *s) for k, s in shapes.items())
         if all(w is not None and ops.gathers_experts(w) for w in stacks):
             moe.stacks = stacks
+    if shared_ff:
+        moe.shared = (
+            weights.matrix(p + "ffn_gate_shexp.weight", shared_ff, d),
+            weights.matrix(p + "ffn_up_shexp.weight", shared_ff, d),
+            weights.matrix(p + "ffn_down_shexp.weight", d, shared_ff),
+        )
+        moe.shared_gate = _shared_gate(weights, p + "ffn_gate_inp_shexp.weight", d)
     return moe
+
+
+def _shared_gate(weights, name: str, d: int) -> np.ndarray:
+    """The shared expert's gate vector (d,): HF's (1, hidden) Linear, which GGUFs keep as (1, d) or (d,)."""
+    try:
+        return weights.floats(name, (1, d)).reshape(d)
+    except MissingTensorError:
+        if not weights.has(name):
+            raise
+        return weights.floats(name, (d,))
 
 
 def route(logits: np.ndarray, k: int, normalize: bool) -> tuple[np.ndarray, np.ndarray]:
@@ -89,7 +114,31 @@ def moe_forward(out: np.ndarray, h: np.ndarray, moe: MoE, cfg) -> None:
     experts, w = route(logits, cfg.num_experts_per_tok, cfg.norm_topk_prob)
     if n == 1 and moe.stacks is not None:
         _one_token(out, h, moe, experts[0], w[0], cfg)
-        return
+    else:
+        _grouped(out, h, moe, experts, w, cfg)
+    if moe.shared is not None:
+        _add_shared(out, h, moe)
+
+
+def _add_shared(out: np.ndarray, h: np.ndarray, moe: MoE) -> None:
+    # out += sigmoid(h . shared_gate) * down(silu(gate h) * up h): Qwen2-MoE's shared expert
+    gate_w, up_w, down_w = moe.shared
+    n = h.shape[0]
+    gate = np.empty((n, gate_w.rows), np.float32)
+    up = np.empty((n, gate_w.rows), np.float32)
+    ops.linear(gate, gate_w, h)
+    ops.linear(up, up_w, h)
+    ops.silu_mul(gate, gate, up)
+    y = np.empty_like(out)
+    ops.linear(y, down_w, gate)
+    # a row's gate logit in one fixed order, alone or in a batch (BLAS's gemv may not keep it)
+    logit = (h * moe.shared_gate).sum(axis=1, dtype=np.float32)
+    out += (np.float32(1) / (np.float32(1) + np.exp(-logit)))[:, None] * y
+
+
+def _grouped(out: np.ndarray, h: np.ndarray, moe: MoE, experts: np.ndarray, w: np.ndarray, cfg) -> None:
+    # tokens grouped by expert: each chosen expert's three matrices once, on all the tokens routed to it
+    n = h.shape[0]
     out[:] = 0.0
     ff = moe.gate[0].rows
     for e in np.unique(experts):

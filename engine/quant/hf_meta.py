@@ -71,13 +71,15 @@ def _hparams(arch: str, config: dict, cfg) -> dict[str, Any]:
         if cfg.head_dim != cfg.hidden_size // cfg.num_attention_heads:
             md[f"{a}.attention.key_length"] = cfg.head_dim
             md[f"{a}.attention.value_length"] = cfg.head_dim
-    if getattr(cfg, "num_experts", 0):  # the keys llama.cpp writes for Mixtral ("llama") and Qwen3-MoE
+    if getattr(cfg, "num_experts", 0):  # the keys llama.cpp writes for Mixtral ("llama") and Qwen2/3-MoE
         md[f"{a}.expert_count"] = cfg.num_experts
         md[f"{a}.expert_used_count"] = cfg.num_experts_per_tok
         md[f"{a}.expert_weights_norm"] = bool(cfg.norm_topk_prob)
-        if arch in ("qwen3moe", "gpt-oss"):
+        if arch in ("qwen2moe", "qwen3moe", "gpt-oss"):
             md[f"{a}.expert_feed_forward_length"] = cfg.intermediate_size
             md[f"{a}.feed_forward_length"] = int(config.get("intermediate_size") or cfg.intermediate_size)
+        if cfg.shared_expert_intermediate_size:  # Qwen2-MoE (llama.cpp's key)
+            md[f"{a}.expert_shared_feed_forward_length"] = cfg.shared_expert_intermediate_size
         if arch == "gpt-oss":  # Hearth's keys (llama.cpp fixes 1.702 and 7.0)
             md[f"{a}.expert_swiglu_alpha"] = float(cfg.swiglu_alpha)
             md[f"{a}.expert_swiglu_limit"] = float(cfg.swiglu_limit)

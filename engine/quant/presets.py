@@ -51,6 +51,7 @@ PRESETS: dict[str, tuple[int, int]] = {
 }
 FALLBACK = {Q2_K: Q4_0, Q3_K: Q4_0, Q4_K: Q5_0, Q5_K: Q5_1, Q6_K: Q8_0}
 _LAYER = re.compile(r"blk\.(\d+)\.")
+_FFN_DOWN = re.compile(r"ffn_down(_exps|_shexp)?\.weight$")
 
 
 def use_more_bits(i_layer: int, n_layers: int) -> bool:
@@ -59,11 +60,13 @@ def use_more_bits(i_layer: int, n_layers: int) -> bool:
 
 
 def is_quantizable(name: str, shape: tuple[int, ...]) -> bool:
-    """Matrices ending in "weight" except norms and mixture-of-experts routers (ffn_gate_inp, kept F32
-    as llama.cpp keeps them: small, and a rounded router logit can change which experts run); everything
+    """Matrices ending in "weight" except norms, mixture-of-experts routers (ffn_gate_inp, kept F32
+    as llama.cpp keeps them: small, and a rounded router logit can change which experts run) and shared
+    expert gates (ffn_gate_inp_shexp: one row, which llama.cpp's quantizer counts as 1-D); everything
     else is stored as F32."""
     return (
         len(shape) >= 2
+        and shape[-2] > 1
         and name.endswith("weight")
         and "_norm.weight" not in name
         and not name.endswith("ffn_gate_inp.weight")
@@ -100,7 +103,7 @@ def _mix_type(fmt: str, base: int, name: str, cols: int, n_layers: int, n_gqa: i
             t = Q5_K if layer < 2 else Q4_K
         elif fmt in ("Q4_K_M", "Q5_K_M") and use_more_bits(layer, n_layers):
             t = Q6_K
-    elif name.endswith("ffn_down.weight"):
+    elif _FFN_DOWN.search(name):  # dense, routed experts' or shared expert's (llama.cpp: "ffn_down" in name)
         if fmt == "Q2_K":
             t = Q3_K
         elif fmt == "Q3_K_M":

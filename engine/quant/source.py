@@ -29,7 +29,9 @@ from models.formats.gguf import GGUFFile, open_gguf
 # architectures whose GGUF stores q/k for interleaved (non-NeoX) RoPE: HF rows are permuted on the way in
 PERMUTED_QK = frozenset({"llama"})
 GEMMA_NORM_OFFSET = frozenset({"gemma3", "gemma2"})
-SUPPORTED_ARCHS = frozenset({"llama", "qwen2", "qwen3", "qwen3moe", "gemma3", "gemma2", "gpt-oss"})
+SUPPORTED_ARCHS = frozenset(
+    {"llama", "qwen2", "qwen2moe", "qwen3", "qwen3moe", "gemma3", "gemma2", "gpt-oss"}
+)
 _F32, _BF16, _Q4_1 = 0, 30, 3
 
 

@@ -64,6 +64,29 @@ def test_q4_k_m_rules():
         assert p[f"blk.{i}.ffn_down.weight"] == want
 
 
+def test_mixture_of_experts_tensors():
+    """llama.cpp matches "ffn_down" anywhere in the name: routed experts' (ffn_down_exps) and a shared
+    expert's (ffn_down_shexp) get the extra bits too; routers and the shared expert's one-row gate stay
+    F32."""
+    d, ff, n_experts = 512, 256, 8
+    shapes = {"token_embd.weight": (1000, d)}
+    for i in range(8):
+        shapes |= {
+            f"blk.{i}.ffn_gate_inp.weight": (n_experts, d),
+            f"blk.{i}.ffn_gate_exps.weight": (n_experts, ff, d),
+            f"blk.{i}.ffn_down_exps.weight": (n_experts, d, ff),
+            f"blk.{i}.ffn_gate_shexp.weight": (ff, d),
+            f"blk.{i}.ffn_down_shexp.weight": (d, ff),
+            f"blk.{i}.ffn_gate_inp_shexp.weight": (1, d),
+        }
+    p = plan("Q4_K_M", shapes, 8, 4)
+    for i in range(8):
+        more = Q6_K if use_more_bits(i, 8) else Q4_K
+        assert p[f"blk.{i}.ffn_down_exps.weight"] == more and p[f"blk.{i}.ffn_down_shexp.weight"] == more
+        assert p[f"blk.{i}.ffn_gate_exps.weight"] == Q4_K and p[f"blk.{i}.ffn_gate_shexp.weight"] == Q4_K
+        assert p[f"blk.{i}.ffn_gate_inp.weight"] == F32 and p[f"blk.{i}.ffn_gate_inp_shexp.weight"] == F32
+
+
 def test_tied_embedding_gets_output_type_and_q3_k_m():
     p = plan("Q3_K_M", _shapes(n_layers=32), 32, 4)
     assert p["token_embd.weight"] == Q6_K
