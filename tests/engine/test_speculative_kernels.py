@@ -101,9 +101,15 @@ def test_small_batch_limit_averages_the_types_crossovers_by_size():
 
     T = gguf.GGMLQuantizationType
     rng = np.random.default_rng(9)
-    q41, _ = make_weight(T.Q4_1, 64, 64, rng)  # crossover 40
-    q6k, _ = make_weight(T.Q6_K, 64, 256, rng)  # none listed: SMALL_BATCH_MAX; 4x q41's size
-    assert cpu.small_batch_limit([q41]) == cpu.SMALL_BATCH_CROSSOVER[T.Q4_1]
-    assert cpu.small_batch_limit([q6k]) == cpu.SMALL_BATCH_MAX
-    assert cpu.small_batch_limit([q41, q6k]) == int((40 + 4 * cpu.SMALL_BATCH_MAX) / 5)
+    from engine.backends.cpu.fpquant import FP8_E4M3
+    from engine.weights import Weight
+
+    q41, _ = make_weight(T.Q4_1, 64, 64, rng)
+    q2k, _ = make_weight(T.Q2_K, 64, 256, rng)  # 4x q41's size
+    fp8 = Weight(FP8_E4M3, np.zeros((64, 64), np.uint8), 64, 64)  # none listed: SMALL_BATCH_MAX
+    c41, c2k = cpu.SMALL_BATCH_CROSSOVER[T.Q4_1], cpu.SMALL_BATCH_CROSSOVER[T.Q2_K]
+    assert cpu.small_batch_limit([q41]) == c41
+    assert cpu.small_batch_limit([fp8]) == cpu.SMALL_BATCH_MAX
+    assert cpu.small_batch_limit([q41, q2k]) == int((c41 + 4 * c2k) / 5) != c41
+    assert cpu.small_batch_limit([fp8, q41]) == int((cpu.SMALL_BATCH_MAX + c41) / 2)
     assert cpu.small_batch_limit([]) == cpu.SMALL_BATCH_MAX

@@ -111,21 +111,30 @@ _SMALL: dict[int, Callable] = {
 SMALL_BATCH_MAX = 16
 
 # For more tokens, a forward pass keeps the small-batch kernels while they still beat dequantize + BLAS
-# for its weights (small_batch_limit): the most tokens at which they did, per type, on a 1536 x 768 matrix
-# (2 shared cores; small / BLAS ms at that count). Dequantizing the whole matrix costs BLAS about
-# 0.9 ms whatever the count, while the small kernels cost per token, so the 4-bit and 8-bit legacy types
-# and the float types keep them longest; the K-quants' kernels do more per weight (Q2_K and Q3_K lose
-# even at 16, which SMALL_BATCH_MAX keeps for verify passes anyway). A chat turn of 20-40 tokens on
-# SmolLM2 Q4_1 prefills in about half the time (62 vs 119 ms at 17 tokens, 112 vs 144 at 32).
+# for its weights (small_batch_limit): per type, the most tokens at which they did on a 1536 x 768 matrix
+# (2 shared cores, 2026-12-05, after the four-token kernels; small / BLAS ms at that count, then at the
+# next count measured). Dequantizing the whole matrix costs BLAS about 0.7 ms whatever the count, while
+# the small kernels cost per token, so the legacy 4/5/8-bit types and the float types keep them longest;
+# the K-quants' kernels do more per weight. A 4096 x 4096 matrix moves each crossover up, if anywhere
+# (Q4_0 64: 16.2 / 16.7 ms, Q8_0 64: 13.8 / 16.9, Q4_K 32: 10.8 / 12.8, Q6_K 48: 12.8 / 14.6, F16 64:
+# 13.7 / 15.3), so the smaller matrix's figures are the ones kept.
 SMALL_BATCH_CROSSOVER = {
-    Q4_0: 40,  # 40: 0.82 / 1.13, 48: 1.00 / 1.13
-    Q4_1: 40,  # 40: 0.96 / 1.18, 48: 1.14 / 1.19
-    Q8_0: 48,  # 48: 0.92 / 1.18, 64: 1.23 / 1.26
-    Q5_0: 24,  # 24: 1.06 / 1.22, 32: 1.41 / 1.25
-    Q4_K: 20,  # 24: 1.06 / 1.03
-    F16: 64,  # 64: 1.19 / 1.46
-    BF16: 64,  # 64: 0.95 / 1.30
-    F32: 64,  # 64: 1.06 / 1.37
+    Q4_0: 48,  # 48: 0.90 / 1.16, 64: 1.24 / 1.20
+    Q4_1: 48,  # 48: 1.05 / 1.15, 64: 1.33 / 1.19
+    Q8_0: 64,  # 64: 1.05 / 1.28, 96: 1.52 / 1.46
+    Q5_0: 48,  # 48: 0.98 / 1.09, 64: 1.32 / 1.11
+    Q5_1: 40,  # 40: 0.93 / 1.01, 48: 1.10 / 1.07
+    Q2_K: 24,  # 24: 0.73 / 0.84, 32: 0.97 / 0.85
+    Q3_K: 40,  # 40: 0.87 / 1.01, 48: 1.06 / 1.05
+    Q4_K: 32,  # 32: 0.77 / 0.94, 40: 1.02 / 0.97
+    Q5_K: 32,  # 32: 0.86 / 0.97, 40: 1.10 / 1.03
+    Q6_K: 48,  # 48: 0.95 / 1.10, 64: 1.27 / 1.19
+    IQ4_NL: 48,  # 48: 0.95 / 1.18, 64: 1.21 / 1.19
+    IQ4_XS: 48,  # 48: 0.95 / 1.09, 64: 1.30 / 1.20
+    MXFP4: 48,  # 32: 0.65 / 0.98, 64: 1.24 / 1.25
+    F16: 96,  # 96: 1.05 / 1.42, 128: 1.56 / 1.65
+    BF16: 96,  # 96: 1.22 / 1.39, 128: 1.73 / 1.59
+    F32: 96,  # 96: 1.34 / 1.41, 128: 1.46 / 1.71
 }
 
 
