@@ -162,7 +162,7 @@ def generate(
     stop_ids = tokenizer.eot_ids
     # After a turn marker the reply starts a new text (a SentencePiece prefix space is dropped); a
     # completion continues the prompt's text, so its first word keeps its space.
-    decoder = reply_decoder(tokenizer, text_start=tokenizer.is_control(prompt_ids[-1]))
+    decoder = reply_decoder(tokenizer, prompt_ids)
     matcher = _StopMatcher(params.stop)
 
     t0 = time.perf_counter()

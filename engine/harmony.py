@@ -16,11 +16,16 @@ message, the thinking dropped, as gpt-oss's own template does with earlier turns
 <|return|> (the answer is done) and <|call|> (a tool call, which Hearth does not run) do
 (`harmony_stop_ids`). A message to a function (`to=functions.NAME`, gpt-oss's tool calls) becomes a
 `<tool_call>` block, which the API server turns into OpenAI tool_calls as it does for Qwen's and Hermes'.
+
+"Continue" (a reply that stopped part-way goes on): `continuation` spells the stored partial reply back in
+harmony, its analysis and answer as the messages they were, left open; `reply_decoder` reads the prompt's
+open message so the new text goes on inside the same <think> block or answer.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 
 from engine.reasoning import CLOSE, OPEN
 
@@ -45,13 +50,37 @@ def harmony_stop_ids(eot_ids, ids: dict[str, int]) -> frozenset[int]:
     return frozenset(stops)
 
 
-def reply_decoder(tokenizer, text_start: bool):
-    """The decoder for a generated reply's tokens: a HarmonyDecoder for a harmony model (gpt-oss),
-    otherwise a StreamDecoder that drops control tokens."""
+def reply_decoder(tokenizer, prompt_ids: Sequence[int], text_start: bool | None = None):
+    """The decoder for the tokens generated after `prompt_ids`: a HarmonyDecoder for a harmony model
+    (gpt-oss; it starts inside the message the prompt leaves open, if any), otherwise a StreamDecoder
+    that drops control tokens. text_start: the reply starts a new text (default: the prompt ends with a
+    control token, a turn marker; a completion continues the prompt's text)."""
     from engine.tokenizer import StreamDecoder
 
+    if text_start is None:
+        text_start = bool(prompt_ids) and tokenizer.is_control(prompt_ids[-1])
     plain = StreamDecoder(tokenizer, skip_special=True, text_start=text_start)
-    return plain if tokenizer.harmony is None else HarmonyDecoder(plain, tokenizer.harmony)
+    if tokenizer.harmony is None:
+        return plain
+    decoder = HarmonyDecoder(plain, tokenizer.harmony)
+    decoder.resume(prompt_ids)
+    return decoder
+
+
+def continuation(partial: str) -> str:
+    """The harmony text that follows the generation prompt ("<|start|>assistant") for a reply that goes on
+    from `partial`, a stored reply in Hearth's convention: its <think> block as an analysis message (left
+    open when the block is), then its answer as an open final message."""
+    body = partial.lstrip()
+    if not body.startswith(OPEN):
+        return f"{CHANNEL}final{MESSAGE}{partial}"
+    thinking, closed, answer = body[len(OPEN) :].partition(CLOSE)
+    thinking = thinking.removeprefix("\n")  # the decoder's own line breaks around the block
+    analysis = f"{CHANNEL}analysis{MESSAGE}"
+    if not closed:
+        return analysis + thinking
+    final = f"{END}{START}assistant{CHANNEL}final{MESSAGE}"
+    return analysis + thinking.removesuffix("\n") + final + answer.lstrip("\n")
 
 
 class HarmonyDecoder:
@@ -81,6 +110,20 @@ class HarmonyDecoder:
         self._answered = False  # an answer message (or tool call) has begun
         self._dropping = False  # an analysis message after the answer: not shown
         self._tool = False  # inside a tool call's arguments
+
+    def resume(self, prompt_ids: Sequence[int]) -> None:
+        """Start inside the message `prompt_ids` leaves open (a continued reply, `continuation`): read its
+        header and text as if generated, showing nothing, so what follows goes on in that channel."""
+        ids = [int(t) for t in prompt_ids]
+        kinds = [self._ids.get(t) for t in ids]
+        starts = [i for i, k in enumerate(kinds) if k == START]
+        if not starts:
+            return
+        tail = kinds[starts[-1] :]
+        if MESSAGE not in tail or any(k in (END, RETURN, CALL) for k in tail):
+            return  # the prompt ends at a header or after a closed message: a reply starts afresh
+        for t in ids[starts[-1] :]:
+            self.push(t)
 
     def push(self, token_id: int) -> str:
         special = self._ids.get(int(token_id))

@@ -336,7 +336,7 @@ def speculative_generate(
     if params.repetition_penalty != 1.0:
         processors.append(repetition_penalty(params.repetition_penalty, params.repeat_last_n))
     vocab = tokenizer.vocab_size
-    decoder = reply_decoder(tokenizer, text_start=tokenizer.is_control(prompt_ids[-1]))
+    decoder = reply_decoder(tokenizer, prompt_ids)
     matcher = _StopMatcher(params.stop)
     policy = _Adaptive(k_max, k, adaptive)
 

@@ -37,6 +37,7 @@ from engine.client import (
 )
 from engine.context_policy import DEFAULT_POLICY, ChatContext, fit_conversation
 from engine.generate import GenerationParams, generate, prefill
+from engine.harmony import continuation
 from engine.loader import LoadedModel, load_model
 from engine.memory import peak_rss_mb, rss_mb
 from engine.prefix_cache import PrefixCache
@@ -197,7 +198,9 @@ class ChatRunner:
             # "continue": the reply goes on from the last assistant message's text, rendered unclosed
             partial = messages.pop()["content"]
         text = self.lm.template.render(messages, add_generation_prompt=True, **(template_vars or {}))
-        if opens_reasoning(text) and partial.lstrip().startswith(OPEN):
+        if partial and self.lm.tokenizer.harmony is not None:
+            partial = continuation(partial)  # gpt-oss: the reply's analysis and answer as harmony messages
+        elif opens_reasoning(text) and partial.lstrip().startswith(OPEN):
             partial = partial.lstrip()[len(OPEN) :]  # the template opened the block the reply spells out
         text += partial
         # the template writes BOS itself when the model wants it

@@ -351,7 +351,7 @@ class Engine:
         tok = self.tokenizer
         if seq.generated == 0:
             seq.t_first = time.monotonic()
-            seq.decoder = reply_decoder(tok, text_start=p.text_start)
+            seq.decoder = reply_decoder(tok, p.prompt_ids, text_start=p.text_start)
             seq.matcher = _StopMatcher(p.stop)
             self.metrics.ttft.observe(seq.t_first - seq.arrived)
         seq.generated += 1

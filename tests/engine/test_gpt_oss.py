@@ -132,7 +132,7 @@ def test_llama_cpp_names(tmp_path):
 
 
 def _decode(tokenizer, text: str) -> str:
-    d = reply_decoder(tokenizer, True)
+    d = reply_decoder(tokenizer, [], text_start=True)
     out = ""
     for i in tokenizer.encode(text):
         if i in tokenizer.eot_ids:
@@ -184,6 +184,30 @@ def test_harmony_tool_calls_become_the_servers_tool_calls():
     assert parse_tool_calls(text)[1][0]["function"] == {"name": "now", "arguments": "{}"}
 
 
+def test_a_partial_reply_is_spelled_back_as_open_harmony_messages():
+    from engine.harmony import continuation
+
+    assert continuation("Hel") == "<|channel|>final<|message|>Hel"
+    assert continuation("<think>\nweighing it") == "<|channel|>analysis<|message|>weighing it"
+    assert continuation("<think>\nTwo and two.\n</think>\n\nIt is") == (
+        "<|channel|>analysis<|message|>Two and two.<|end|><|start|>assistant<|channel|>final<|message|>It is"
+    )
+
+
+def _scripted(monkeypatch, model, script: list[int], n_prompt: int) -> None:
+    # the model's forward runs; its last logits row then picks the script's token for the position that
+    # follows (the prompt may be prefilled in chunks)
+    forward = model.forward
+
+    def scripted(tokens, cache, all_logits=False):
+        logits = forward(tokens, cache, all_logits)
+        logits[-1] = -10.0
+        logits[-1, script[min(max(cache.offset - n_prompt, 0), len(script) - 1)]] = 10.0
+        return logits
+
+    monkeypatch.setattr(model, "forward", scripted)
+
+
 def test_generate_streams_a_harmony_reply_as_thinking_and_answer(monkeypatch):
     """generate() on the tiny model made to pick a scripted harmony reply (its forward runs, its logits
     are replaced by the script's next token): the streamed text is the reasoning convention's, the
@@ -196,17 +220,7 @@ def test_generate_streams_a_harmony_reply_as_thinking_and_answer(monkeypatch):
         "<|channel|>analysis<|message|>the user greets<|end|><|start|>assistant<|channel|>final<|message|>"
         "hello<|return|>"
     )
-    forward = model.forward
-    at = {"i": 0}
-
-    def scripted(tokens, cache, all_logits=False):
-        logits = forward(tokens, cache, all_logits)
-        logits[-1] = -10.0
-        logits[-1, script[min(at["i"], len(script) - 1)]] = 10.0
-        at["i"] += 1
-        return logits
-
-    monkeypatch.setattr(model, "forward", scripted)
+    _scripted(monkeypatch, model, script, len(prompt))
     events = list(generate(model, tok, prompt, model.new_cache(256), GenerationParams(max_tokens=64)))
     assert [e.token for e in events] == script and events[-1].finish_reason == "stop"
     text = "".join(e.text for e in events)
@@ -231,3 +245,32 @@ def test_the_worker_chats_with_the_folder_and_reuses_the_cache():
     assert "<|channel|>final<|message|>Hello<|end|>" in text and "greeting" not in text
     again = list(runner.chat(turn2, params))[-1]
     assert again.cached_tokens > 100 and again.generated_tokens == 4
+
+
+@pytest.mark.parametrize("partial, script, more", [
+    # stopped while thinking: the analysis goes on in the same block, then the answer
+    ("<think>\nthe user", " greets<|end|><|start|>assistant<|channel|>final<|message|>hello<|return|>",
+     " greets\n</think>\n\nhello"),
+    # stopped in the answer: it goes on
+    ("<think>\nthe user greets\n</think>\n\nhel", "lo there<|return|>", "lo there"),
+    ("hel", "lo<|return|>", "lo"),
+])
+def test_continue_goes_on_inside_the_open_message(monkeypatch, partial, script, more):
+    """The app's Continue on a gpt-oss reply: the prompt spells the partial reply as open harmony messages,
+    and the new text goes on from it in Hearth's convention (one <think> block, then the answer)."""
+    from engine.client import LoadOptions
+    from engine.worker import ChatRunner
+
+    runner = ChatRunner.load(TINY / "gpt-oss", LoadOptions(n_ctx=512, batch_size=64, prefix_cache_mb=0))
+    tok, model = runner.lm.tokenizer, runner.lm.model
+    messages = [{"role": "user", "content": "hi"},
+                {"role": "assistant", "content": partial, "continue": True}]
+    ids = runner.encode(list(messages))
+    prompt = tok.decode(ids)
+    assert prompt.endswith(partial.split("\n")[-1]) and "<|start|>assistant<|channel|>" in prompt
+    _scripted(monkeypatch, model, tok.encode(script), len(ids))
+    events = list(runner.chat(messages, GenerationParams(max_tokens=32)))
+    text = "".join(e.text for e in events if e.text)
+    assert text == more
+    whole = split_reasoning(partial + text)
+    assert whole.answer.startswith(("hello", "hello there"))
