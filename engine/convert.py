@@ -62,15 +62,15 @@ def _remove(path: Path) -> None:
 def estimate_bytes(fmt: TargetFormat, source, param: str | None = None) -> int | None:
     """Weight bytes of the output of a preset GGUF format (known from the type plan, fallbacks
     included), None for the other formats. The file adds its metadata (tokenizer: ~1-5 MB)."""
-    from engine.quant.presets import PRESETS, plan
+    from engine.quant.presets import PRESETS
 
     name = fmt.name.upper()
     if fmt.container != "gguf" or name not in PRESETS:
         return None
-    from engine.quant.gguf_formats import gqa
+    from engine.quant.gguf_formats import preset_plan
     from models.formats.ggml_types import row_nbytes
 
-    types = plan(name, source.shapes, source.n_layers, gqa(source))
+    types = preset_plan(name, source)
     total = 0
     for n, s in source.shapes.items():
         rows = 1

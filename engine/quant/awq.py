@@ -425,13 +425,13 @@ def _options(options: dict) -> tuple[str, bool]:
 def _gguf_writer(preset: str):
     def write(source: SourceModel, out_path: Path, options: dict, progress: ProgressFn) -> ConvertResult:
         from engine.quant.encode import dequantize, quantize
-        from engine.quant.gguf_formats import gqa, output_metadata, write_gguf
-        from engine.quant.presets import F32, PRESETS, plan
+        from engine.quant.gguf_formats import output_metadata, preset_plan, write_gguf
+        from engine.quant.presets import F32, PRESETS
         from models.formats.ggml_types import type_name
 
         pick_group(source, 32)
         text, clip = _options(options)
-        types = plan(preset, source.shapes, source.n_layers, gqa(source))
+        types = preset_plan(preset, source)
 
         def qdq(name: str, w: np.ndarray) -> np.ndarray:
             t = types[name]

@@ -14,7 +14,7 @@ import numpy as np
 
 from engine.quant.encode import quantize
 from engine.quant.gguf_writer import GGUFWriter
-from engine.quant.presets import F32, PRESETS, plan
+from engine.quant.presets import F32, MXFP4, PRESETS, plan
 from engine.quant.registry import ConvertResult, ProgressFn, TargetFormat, register
 from engine.quant.source import SourceModel
 from models.formats.ggml_types import row_nbytes, type_name
@@ -27,6 +27,12 @@ def gqa(source: SourceModel) -> int:
     a = source.architecture
     heads = int(source.metadata[f"{a}.attention.head_count"])
     return heads // int(source.metadata.get(f"{a}.attention.head_count_kv", heads))
+
+
+def preset_plan(fmt: str, source: SourceModel) -> dict[str, int]:
+    """presets.plan for `source`: tensor name -> ggml type of preset `fmt`."""
+    experts = int(source.metadata.get(f"{source.architecture}.expert_count", 0))
+    return plan(fmt, source.shapes, source.n_layers, gqa(source), experts)
 
 
 def output_metadata(
@@ -75,13 +81,12 @@ def write_gguf(
 
 # MXFP4 tensors of the source (gpt-oss's experts) stay MXFP4 in a quantized output, as llama.cpp keeps
 # them: re-encoding the 4-bit codes to another 4-bit type could only lose. Float outputs decode them.
-MXFP4 = 39
 _FLOAT_OUTPUTS = ("F32", "F16", "BF16")
 
 
 def _preset_writer(fmt: str):
     def write(source: SourceModel, out_path: Path, options: dict, progress: ProgressFn) -> ConvertResult:
-        types = plan(fmt, source.shapes, source.n_layers, gqa(source))
+        types = preset_plan(fmt, source)
         if fmt not in _FLOAT_OUTPUTS:
             types.update({n: MXFP4 for n, t in source.source_types.items() if t == MXFP4})
         write_gguf(source, out_path, types, progress, output_metadata(source, PRESETS[fmt][1]))
@@ -107,6 +112,7 @@ _DESCRIPTIONS = {
     "Q3_K_M": "llama.cpp's Q3_K_M mix",
     "Q4_K_M": "llama.cpp's Q4_K_M mix",
     "Q5_K_M": "llama.cpp's Q5_K_M mix",
+    "MXFP4_MOE": "mixture-of-experts models: experts in MXFP4 (gpt-oss's 4-bit floats), the rest Q8_0",
 }
 
 for _name in PRESETS:

@@ -13,6 +13,10 @@ it has no importance matrix and no overrides):
 * Q2_K: attn_v Q4_K when n_head/n_head_kv >= 4, else Q3_K; ffn_down and attn_output Q3_K.
 * Q3_K, Q4_K, Q5_K (no llama.cpp file type of that name): every matrix in that type ("pure"), with the
   output rule above.
+* Models with 8 experts a layer (Mixtral): attn_v and attn_k get Q8_0 (llama.cpp: "bumping this to Q8_0
+  trades just ~128MB"), and attn_output Q5_K in Q2_K, Q3_K_M and Q4_K_M.
+* MXFP4_MOE: the experts' (experts, rows, cols) tensors MXFP4 (gpt-oss's own format), every other
+  matrix Q8_0, the output included. A dense model gets Q8_0 throughout, as in llama.cpp.
 * Fallback for rows that are not a multiple of a type's block (K-quants need 256): Q2_K, Q3_K ->
   Q4_0; Q4_K -> Q5_0; Q5_K -> Q5_1; Q6_K -> Q8_0; and F16 if even 32 does not divide the row.
   Both starter models hit this: SmolLM2's 576-wide and Gemma-3-270M's 640-wide matrices.
@@ -29,6 +33,7 @@ from models.formats.ggml_types import BLOCK_SIZES
 F32, F16, BF16 = int(T.F32), int(T.F16), int(T.BF16)
 Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 = int(T.Q8_0), int(T.Q4_0), int(T.Q4_1), int(T.Q5_0), int(T.Q5_1)
 Q2_K, Q3_K, Q4_K, Q5_K, Q6_K = int(T.Q2_K), int(T.Q3_K), int(T.Q4_K), int(T.Q5_K), int(T.Q6_K)
+MXFP4 = 39
 
 # format name -> (base type, llama.cpp file type id written as general.file_type)
 PRESETS: dict[str, tuple[int, int]] = {
@@ -48,7 +53,9 @@ PRESETS: dict[str, tuple[int, int]] = {
     "Q3_K": (Q3_K, 12),
     "Q4_K": (Q4_K, 15),
     "Q5_K": (Q5_K, 17),
+    "MXFP4_MOE": (MXFP4, 38),
 }
+_PURE = ("Q3_K", "Q4_K", "Q5_K")  # every matrix in the one type: no per-tensor rules
 FALLBACK = {Q2_K: Q4_0, Q3_K: Q4_0, Q4_K: Q5_0, Q5_K: Q5_1, Q6_K: Q8_0}
 _LAYER = re.compile(r"blk\.(\d+)\.")
 _FFN_DOWN = re.compile(r"ffn_down(_exps|_shexp)?\.weight$")
@@ -85,8 +92,14 @@ def fallback(ggml_type: int, cols: int) -> int:
     return t if fits(t, cols) else F16
 
 
-def _mix_type(fmt: str, base: int, name: str, cols: int, n_layers: int, n_gqa: int, tied: bool) -> int:
+def _mix_type(
+    fmt: str, base: int, name: str, shape: tuple[int, ...], n_layers: int, n_gqa: int, tied: bool,
+    n_experts: int,
+) -> int:
+    cols = shape[-1]
     is_output = name == "output.weight" or (tied and name == "token_embd.weight")
+    if fmt == "MXFP4_MOE":
+        return MXFP4 if len(shape) == 3 and not is_output else Q8_0
     if is_output:
         if not fits(base, cols) or cols % 256:
             return Q8_0
@@ -96,7 +109,9 @@ def _mix_type(fmt: str, base: int, name: str, cols: int, n_layers: int, n_gqa: i
     m = _LAYER.match(name)
     layer = int(m.group(1)) if m else 0
     t = base
-    if name.endswith("attn_v.weight"):
+    if n_experts == 8 and fmt not in _PURE and name.endswith(("attn_v.weight", "attn_k.weight")):
+        t = Q8_0
+    elif name.endswith("attn_v.weight"):
         if fmt == "Q2_K":
             t = Q4_K if n_gqa >= 4 else Q3_K
         elif fmt == "Q3_K_M":
@@ -111,7 +126,9 @@ def _mix_type(fmt: str, base: int, name: str, cols: int, n_layers: int, n_gqa: i
         elif fmt in ("Q4_K_M", "Q5_K_M") and use_more_bits(layer, n_layers):
             t = Q6_K
     elif name.endswith("attn_output.weight"):
-        if fmt == "Q2_K":
+        if n_experts == 8:
+            t = Q5_K if fmt in ("Q2_K", "Q3_K_M", "Q4_K_M") else base
+        elif fmt == "Q2_K":
             t = Q3_K
         elif fmt == "Q3_K_M":
             t = Q4_K
@@ -120,12 +137,14 @@ def _mix_type(fmt: str, base: int, name: str, cols: int, n_layers: int, n_gqa: i
     return t
 
 
-def plan(fmt: str, shapes: dict[str, tuple[int, ...]], n_layers: int, n_gqa: int) -> dict[str, int]:
+def plan(
+    fmt: str, shapes: dict[str, tuple[int, ...]], n_layers: int, n_gqa: int, n_experts: int = 0
+) -> dict[str, int]:
     """Tensor name -> ggml type for preset `fmt` (a PRESETS key), fallbacks applied.
 
     Args:
         shapes: tensor name -> numpy shape (last dim = row length), in file order.
-        n_layers: number of blocks; n_gqa: attention heads per kv head.
+        n_layers: number of blocks; n_gqa: attention heads per kv head; n_experts: experts a layer (0: dense).
     """
     base, _ = PRESETS[fmt]
     tied = "output.weight" not in shapes
@@ -138,5 +157,5 @@ def plan(fmt: str, shapes: dict[str, tuple[int, ...]], n_layers: int, n_gqa: int
         if base in (F32, F16, BF16):
             out[name] = base
             continue
-        out[name] = fallback(_mix_type(fmt, base, name, cols, n_layers, n_gqa, tied), cols)
+        out[name] = fallback(_mix_type(fmt, base, name, shape, n_layers, n_gqa, tied, n_experts), cols)
     return out

@@ -323,3 +323,29 @@ def test_qwen2moe_decode_steps_match_a_verify_pass(ggufs):
     cache = m.new_cache(16)
     m.forward(prompt, cache)
     np.testing.assert_array_equal(m.forward(steps, cache, all_logits=True), np.array(decoded))
+
+
+def test_mxfp4_moe_conversion_writes_llama_cpps_mxfp4_experts(tmp_path):
+    """`hearth convert FOLDER MXFP4_MOE`: every expert tensor in MXFP4 with the bytes gguf-py's (llama.cpp's)
+    encoder writes, the other matrices Q8_0, the router F32; the model runs close to transformers."""
+    import gguf
+
+    from engine.quant.source import open_source
+
+    out = convert(TINY / "mixtral", "MXFP4_MOE", tmp_path / "m.gguf").output
+    g = open_gguf(out)
+    assert g.metadata["general.file_type"] == 38
+    types = {n: t.type_name for n, t in g.tensors.items()}
+    assert types["blk.0.ffn_down_exps.weight"] == types["blk.1.ffn_up_exps.weight"] == "MXFP4"
+    assert types["blk.1.attn_q.weight"] == types["output.weight"] == "Q8_0"
+    assert types["blk.1.ffn_gate_inp.weight"] == "F32"
+    with open_source(TINY / "mixtral") as src:
+        x = src.tensor("blk.1.ffn_gate_exps.weight")
+    want = gguf.quants.quantize(x.reshape(-1, x.shape[-1]), gguf.GGMLQuantizationType.MXFP4)
+    np.testing.assert_array_equal(g.tensors["blk.1.ffn_gate_exps.weight"].raw().reshape(want.shape), want)
+    g.close()
+    golden = _golden("mixtral")
+    ref = np.array(golden["logits"])
+    m = load_model(out).model
+    err = np.abs(m.forward(golden["tokens"], m.new_cache(32), all_logits=True) - ref).max(axis=1)
+    assert np.median(err) < 0.2 * np.abs(ref).max()  # 4-bit experts: Q4_0 gives 0.26 of the scale here

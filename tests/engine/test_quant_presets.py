@@ -87,6 +87,48 @@ def test_mixture_of_experts_tensors():
         assert p[f"blk.{i}.ffn_gate_inp.weight"] == F32 and p[f"blk.{i}.ffn_gate_inp_shexp.weight"] == F32
 
 
+def _moe_shapes(n_experts: int, d: int = 512, ff: int = 256) -> dict[str, tuple[int, ...]]:
+    shapes = {"token_embd.weight": (1000, d), "output.weight": (1000, d)}
+    for i in range(8):
+        shapes |= {
+            f"blk.{i}.attn_norm.weight": (d,),
+            f"blk.{i}.attn_q.weight": (d, d),
+            f"blk.{i}.attn_k.weight": (d // 4, d),
+            f"blk.{i}.attn_v.weight": (d // 4, d),
+            f"blk.{i}.attn_output.weight": (d, d),
+            f"blk.{i}.ffn_gate_inp.weight": (n_experts, d),
+            f"blk.{i}.ffn_up_exps.weight": (n_experts, ff, d),
+            f"blk.{i}.ffn_down_exps.weight": (n_experts, d, ff),
+        }
+    return shapes
+
+
+def test_mxfp4_moe_puts_experts_in_mxfp4_and_the_rest_in_q8_0():
+    p = plan("MXFP4_MOE", _moe_shapes(4), 8, 4, n_experts=4)
+    assert p["blk.3.ffn_up_exps.weight"] == presets.MXFP4 and p["blk.3.ffn_down_exps.weight"] == presets.MXFP4
+    for name in ("blk.3.attn_q.weight", "blk.3.attn_v.weight", "output.weight", "token_embd.weight"):
+        assert p[name] == Q8_0
+    assert p["blk.3.ffn_gate_inp.weight"] == F32 and p["blk.3.attn_norm.weight"] == F32
+    assert presets.PRESETS["MXFP4_MOE"][1] == 38  # llama.cpp's LLAMA_FTYPE_MOSTLY_MXFP4_MOE
+    # rows that do not split into blocks of 32: F16
+    odd = plan("MXFP4_MOE", {"blk.0.ffn_down_exps.weight": (4, 64, 48)}, 1, 1, n_experts=4)
+    assert odd["blk.0.ffn_down_exps.weight"] == presets.F16
+
+
+def test_eight_expert_models_get_llama_cpps_attention_bumps():
+    """Mixtral (8 experts): attn_k and attn_v Q8_0 in every mix, attn_output Q5_K in Q2_K/Q3_K_M/Q4_K_M;
+    other expert counts and the pure formats keep the usual rules."""
+    for fmt in ("Q2_K", "Q3_K_M", "Q4_K_M", "Q5_K_M", "Q6_K", "Q4_0"):
+        p = plan(fmt, _moe_shapes(8), 8, 4, n_experts=8)
+        assert p["blk.4.attn_k.weight"] == Q8_0 and p["blk.4.attn_v.weight"] == Q8_0, fmt
+        if fmt in ("Q2_K", "Q3_K_M", "Q4_K_M"):
+            assert p["blk.4.attn_output.weight"] == Q5_K, fmt
+    assert plan("Q5_K_M", _moe_shapes(8), 8, 4, n_experts=8)["blk.4.attn_output.weight"] == Q5_K  # its base
+    assert plan("Q4_K", _moe_shapes(8), 8, 4, n_experts=8)["blk.4.attn_v.weight"] == Q4_K
+    p = plan("Q4_K_M", _moe_shapes(4), 8, 4, n_experts=4)
+    assert p["blk.4.attn_k.weight"] == Q4_K and p["blk.4.attn_output.weight"] == Q4_K
+
+
 def test_tied_embedding_gets_output_type_and_q3_k_m():
     p = plan("Q3_K_M", _shapes(n_layers=32), 32, 4)
     assert p["token_embd.weight"] == Q6_K
