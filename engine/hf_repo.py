@@ -15,7 +15,7 @@ import numpy as np
 from tokenizers import Tokenizer as HFTokenizer
 
 from engine.arch.gemma3 import Gemma3Config
-from engine.arch.llama import LlamaConfig, gpt_oss_layer_types
+from engine.arch.llama import LlamaConfig, gpt_oss_layer_types, smollm3_rope_layers
 from engine.errors import MissingTensorError, ModelFormatError, UnsupportedArchitectureError
 from engine.hf_experts import FusedExperts
 from engine.rope import RopeScaling
@@ -34,6 +34,7 @@ from models.formats.safetensors import SafetensorsModel, open_safetensors_repo
 _FAMILIES = {
     "llama": "llama",
     "mistral": "llama",
+    "smollm3": "smollm3",
     "qwen2": "qwen2",
     "qwen3": "qwen3",
     "phi3": "phi3",
@@ -381,9 +382,22 @@ def config_from_hf(folder: Path, config: dict) -> LlamaConfig | Gemma3Config:
             swiglu_alpha=float(config.get("swiglu_alpha", 1.702)),
             swiglu_limit=float(config.get("swiglu_limit", 7.0)),
             **_sliding_window(config),
+            rope_layers=_rope_layers(config),
         )
     except (KeyError, TypeError, ValueError) as e:
         raise ModelFormatError(folder / "config.json", f"missing or invalid hyper-parameter ({e})") from e
+
+
+def _rope_layers(config: dict) -> tuple[bool, ...] | None:
+    """SmolLM3's per-layer RoPE flags (no_rope_layers: 1 rotates, 0 does not; by default every
+    no_rope_layer_interval-th layer does not), None for the other families."""
+    if config.get("model_type") != "smollm3":
+        return None
+    flags = config.get("no_rope_layers")
+    if flags is None:
+        n = int(config["num_hidden_layers"])
+        return smollm3_rope_layers(n, int(config.get("no_rope_layer_interval") or 4))
+    return tuple(bool(f) for f in flags)
 
 
 def _sliding_window(config: dict) -> dict:

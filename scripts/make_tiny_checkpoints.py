@@ -121,6 +121,12 @@ FAMILIES = {
         torch.bfloat16,
         False,
     ),
+    # SmolLM3: RoPE left out of every fourth layer (4 layers: the last one)
+    "smollm3": (
+        transformers.SmolLM3Config, dict(tie_word_embeddings=True, num_hidden_layers=4, pad_token_id=0),
+        torch.bfloat16,
+        False,
+    ),
     # Qwen2-MoE: 4 routed experts (2 a token, not renormalized, as Qwen1.5-MoE and Qwen2-57B-A14B) beside a
     # gated shared expert; QKV biases
     "qwen2moe": (

@@ -1,4 +1,5 @@
-"""Llama family: Llama 2/3, Mistral, SmolLM, Qwen2/3, Phi-3 (GQA, RoPE, RMSNorm, SwiGLU), and its
+"""Llama family: Llama 2/3, Mistral, SmolLM2/3, Qwen2/3, Phi-3 (GQA, RoPE, RMSNorm, SwiGLU; SmolLM3 leaves
+RoPE out of every fourth layer), and its
 mixture-of-experts members Mixtral, Qwen2-MoE, Qwen3-MoE and gpt-oss (engine/arch/moe.py in place of the
 dense FFN; Qwen2-MoE adds a gated shared expert; gpt-oss adds attention sinks, biases on every linear, a
 sliding window on every other layer and a clamped SwiGLU in its experts)."""
@@ -59,6 +60,8 @@ class LlamaConfig:
     # layer_types names "sliding_attention" (None: every layer; Mistral v0.1)
     sliding_window: int = 0
     layer_types: tuple[str, ...] | None = None
+    # which layers rotate q and k (SmolLM3: all but every fourth, "NoPE" layers); None: every layer
+    rope_layers: tuple[bool, ...] | None = None
     # derived in __post_init__
     n_rep: int = field(init=False)
     q_dim: int = field(init=False)
@@ -78,6 +81,8 @@ class LlamaConfig:
             raise ValueError(f"unknown expert activation {self.expert_act!r}")
         if self.layer_types is not None and len(self.layer_types) != self.num_hidden_layers:
             raise ValueError(f"{len(self.layer_types)} layer types for {self.num_hidden_layers} layers")
+        if self.rope_layers is not None and len(self.rope_layers) != self.num_hidden_layers:
+            raise ValueError(f"{len(self.rope_layers)} RoPE flags for {self.num_hidden_layers} layers")
 
     def window(self, layer: int) -> int | None:
         """Layer's attention window (ops.attention's `window`), None for full attention."""
@@ -86,6 +91,10 @@ class LlamaConfig:
         if self.layer_types is not None and self.layer_types[layer] != "sliding_attention":
             return None
         return self.sliding_window
+
+    def uses_rope(self, layer: int) -> bool:
+        """Whether layer `layer` rotates q and k (False in SmolLM3's NoPE layers)."""
+        return self.rope_layers is None or self.rope_layers[layer]
 
     @classmethod
     def from_gguf(cls, metadata: dict, vocab_size: int) -> LlamaConfig:
@@ -142,7 +151,14 @@ class LlamaConfig:
             # every layer of a "llama" that has one (Mistral v0.1, as Hearth's converter writes it)
             sliding_window=int(key("attention.sliding_window", 0)) if arch in ("gpt-oss", "llama") else 0,
             layer_types=gpt_oss_layer_types(n_layers) if gpt_oss else None,
+            # llama.cpp fixes SmolLM3's NoPE layers at every fourth (no GGUF key)
+            rope_layers=smollm3_rope_layers(n_layers) if arch == "smollm3" else None,
         )
+
+
+def smollm3_rope_layers(n_layers: int, interval: int = 4) -> tuple[bool, ...]:
+    """SmolLM3's RoPE flags: every `interval`-th layer (the 4th, 8th, ...) attends without positions."""
+    return tuple((i + 1) % interval != 0 for i in range(n_layers))
 
 
 def gpt_oss_layer_types(n_layers: int) -> tuple[str, ...]:
@@ -191,7 +207,7 @@ def _ffn_weights(weights, p: str, ff: int, d: int) -> tuple[Weight, Weight]:
     return weights.matrix(p + "ffn_gate.weight", ff, d), weights.matrix(p + "ffn_up.weight", ff, d)
 
 
-@register("llama", "mistral", "qwen2", "qwen2moe", "qwen3", "qwen3moe", "phi3", "gpt-oss")
+@register("llama", "mistral", "smollm3", "qwen2", "qwen2moe", "qwen3", "qwen3moe", "phi3", "gpt-oss")
 class LlamaModel(Decoder):
     """A Llama-family decoder over weights that stay in their file format."""
 
@@ -367,11 +383,12 @@ class LlamaModel(Decoder):
             if layer.k_norm is not None:
                 heads_k = s.k.reshape(n * kv_heads, hd)
                 ops.rmsnorm(heads_k, heads_k, layer.k_norm, cfg.rms_norm_eps)
-            ops.rope(q3, s.positions, inv_freq, cfg.rotary_dim, cfg.rope_neox)
-            ops.rope(k3, s.positions, inv_freq, cfg.rotary_dim, cfg.rope_neox)
-            if self.rope_mscale != 1:
-                q3[..., : cfg.rotary_dim] *= self.rope_mscale
-                k3[..., : cfg.rotary_dim] *= self.rope_mscale
+            if cfg.uses_rope(i):
+                ops.rope(q3, s.positions, inv_freq, cfg.rotary_dim, cfg.rope_neox)
+                ops.rope(k3, s.positions, inv_freq, cfg.rotary_dim, cfg.rope_neox)
+                if self.rope_mscale != 1:
+                    q3[..., : cfg.rotary_dim] *= self.rope_mscale
+                    k3[..., : cfg.rotary_dim] *= self.rope_mscale
             attend(i, attn3, q3, k3, v3)
             if capture is not None:
                 capture(i, "attn_output", s.attn)

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from engine.arch.llama import gpt_oss_layer_types
+from engine.arch.llama import gpt_oss_layer_types, smollm3_rope_layers
 from engine.errors import ModelFormatError
 from engine.rope import rope_attention_factor
 from engine.tokenizer import (
@@ -83,6 +83,10 @@ def _hparams(arch: str, config: dict, cfg) -> dict[str, Any]:
         if arch == "gpt-oss":  # Hearth's keys (llama.cpp fixes 1.702 and 7.0)
             md[f"{a}.expert_swiglu_alpha"] = float(cfg.swiglu_alpha)
             md[f"{a}.expert_swiglu_limit"] = float(cfg.swiglu_limit)
+    rope_layers = getattr(cfg, "rope_layers", None)
+    if rope_layers is not None and rope_layers != smollm3_rope_layers(cfg.num_hidden_layers):
+        # llama.cpp fixes SmolLM3's NoPE layers at every fourth, and GGUF has no key for others
+        raise ModelFormatError("config.json", f"RoPE on layers {rope_layers} cannot be written to a GGUF")
     window = getattr(cfg, "sliding_window", 0)
     if window and arch not in ("gemma3", "gemma2"):
         # the layers are implied by the architecture, as LlamaConfig.from_gguf reads them back: every layer

@@ -29,7 +29,7 @@ def _golden(family: str) -> dict:
 
 def test_every_family_has_a_fixture():
     dense = {"llama", "llama3-scaled", "mistral", "qwen2", "qwen3", "phi3", "gemma3"}
-    assert dense | {"qwen3moe", "mixtral", "gpt-oss", "gpt-oss-bf16"} <= set(FAMILIES)
+    assert dense | {"smollm3", "qwen2moe", "qwen3moe", "mixtral", "gpt-oss", "gpt-oss-bf16"} <= set(FAMILIES)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -387,3 +387,36 @@ def test_a_sliding_window_survives_conversion_to_gguf(tmp_path):
     assert [m.cfg.window(i) for i in range(2)] == [4, 4]
     logits = m.forward(golden["tokens"], m.new_cache(64), all_logits=True)
     np.testing.assert_allclose(logits, np.array(golden["logits"]), atol=1e-4 * np.abs(golden["logits"]).max())
+
+
+def test_smollm3_leaves_rope_out_of_every_fourth_layer_in_gguf_too(tmp_path):
+    """SmolLM3 (the fixture: 4 layers, the last without RoPE) as llama.cpp converts it: a "smollm3" GGUF with
+    q/k permuted for GGML's adjacent-pair RoPE and no key for the NoPE layers (llama.cpp fixes every
+    fourth); a folder whose layers differ from that cannot be written."""
+    from engine.convert import convert
+    from engine.errors import ModelFormatError
+    from models.formats.gguf import open_gguf
+
+    golden = _golden("smollm3")
+    folder = load_model(TINY / "smollm3").model
+    assert folder.cfg.rope_layers == (True, True, True, False)
+    out = convert(TINY / "smollm3", "F32", tmp_path / "s3.gguf").output
+    assert open_gguf(out).architecture == "smollm3"
+    m = load_model(out).model
+    assert m.cfg.rope_layers == (True, True, True, False) and not m.cfg.rope_neox
+    logits = m.forward(golden["tokens"], m.new_cache(64), all_logits=True)
+    np.testing.assert_allclose(logits, np.array(golden["logits"]), atol=1e-4 * np.abs(golden["logits"]).max())
+    # the fused draft step rotates every layer: it declines the model (the layered path drafts instead)
+    from engine.backends.cpu.draft import DraftForward
+
+    q8 = load_model(convert(TINY / "smollm3", "Q8_0", tmp_path / "s3q8.gguf").output).model
+    assert DraftForward.build(q8) is None
+    q8.cfg.rope_layers = None
+    assert DraftForward.build(q8) is not None
+    shutil.copytree(TINY / "smollm3", tmp_path / "odd")
+    config = json.loads((tmp_path / "odd" / "config.json").read_text())
+    config["no_rope_layers"] = [1, 0, 1, 1]
+    (tmp_path / "odd" / "config.json").write_text(json.dumps(config))
+    assert load_model(tmp_path / "odd").model.cfg.rope_layers == (True, False, True, True)
+    with pytest.raises(ModelFormatError, match="RoPE on layers"):
+        convert(tmp_path / "odd", "F16", tmp_path / "odd.gguf")

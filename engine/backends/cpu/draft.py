@@ -369,6 +369,8 @@ class DraftForward:
             return None
         if cfg.sliding_window:  # the step attends over every key
             return None
+        if not all(getattr(cfg, "rope_layers", None) or ()):  # the step rotates every layer
+            return None
         if cfg.hidden_size % QK or cfg.q_dim % QK or cfg.intermediate_size % QK or cfg.kv_dim % 16:
             return None
         mats = []

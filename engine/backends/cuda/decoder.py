@@ -365,6 +365,10 @@ class CudaDecoder:
                 "sliding-window attention, attention sinks and attention output biases in llama-family "
                 "models have no CUDA kernels yet; use --device cpu"
             )
+        if not all(getattr(cfg, "rope_layers", None) or ()):
+            raise UnsupportedCudaModelError(
+                "layers without RoPE (SmolLM3) have no CUDA kernels yet; use --device cpu"
+            )
         if self.gemma and cfg.attn_logit_softcapping is not None:
             raise UnsupportedCudaModelError(
                 "attention logit soft-capping has no CUDA kernel; use --device cpu"

@@ -247,6 +247,14 @@ CUPY_MODULES = (
 )
 
 
+def test_layers_without_rope_stay_on_the_cpu(fake, tmp_path):
+    """SmolLM3's NoPE layers have no CUDA path: a typed error, which placement turns into the CPU fallback."""
+    model = _model(tmp_path, "llama")
+    model.cfg.rope_layers = (True,) * (model.cfg.num_hidden_layers - 1) + (False,)
+    with pytest.raises(fake.decoder.UnsupportedCudaModelError, match="without RoPE"):
+        fake.decoder.CudaDecoder(model, n_ctx=64)
+
+
 @pytest.fixture(scope="module")
 def ptx_params(module_ptx) -> dict[str, list[str]]:
     return {
