@@ -35,6 +35,7 @@ _FAMILIES = {
     "llama": "llama",
     "mistral": "llama",
     "smollm3": "smollm3",
+    "granite": "granite",
     "qwen2": "qwen2",
     "qwen3": "qwen3",
     "phi3": "phi3",
@@ -383,9 +384,24 @@ def config_from_hf(folder: Path, config: dict) -> LlamaConfig | Gemma3Config:
             swiglu_limit=float(config.get("swiglu_limit", 7.0)),
             **_sliding_window(config),
             rope_layers=_rope_layers(config),
+            **_granite_constants(config),
         )
     except (KeyError, TypeError, ValueError) as e:
         raise ModelFormatError(folder / "config.json", f"missing or invalid hyper-parameter ({e})") from e
+
+
+def _granite_constants(config: dict) -> dict:
+    """Granite's multipliers (LlamaConfig's embedding/residual/attention_multiplier, logits_scaling)."""
+    if config.get("model_type") != "granite":
+        return {}
+    if config.get("mlp_bias"):
+        raise UnsupportedArchitectureError("Granite models with FFN biases (mlp_bias) are not supported yet")
+    return {
+        "embedding_multiplier": float(config.get("embedding_multiplier", 1.0)),
+        "residual_multiplier": float(config.get("residual_multiplier", 1.0)),
+        "attention_multiplier": float(config.get("attention_multiplier", 1.0)),
+        "logits_scaling": float(config.get("logits_scaling", 1.0)),
+    }
 
 
 def _rope_layers(config: dict) -> tuple[bool, ...] | None:

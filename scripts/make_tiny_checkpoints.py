@@ -127,6 +127,14 @@ FAMILIES = {
         torch.bfloat16,
         False,
     ),
+    # Granite 3: scaled embeddings, residual branches, attention scores and logits
+    "granite": (
+        transformers.GraniteConfig,
+        dict(tie_word_embeddings=True, embedding_multiplier=6.0, residual_multiplier=0.3,
+             attention_multiplier=0.15, logits_scaling=4.0, pad_token_id=0),
+        torch.bfloat16,
+        False,
+    ),
     # Qwen2-MoE: 4 routed experts (2 a token, not renormalized, as Qwen1.5-MoE and Qwen2-57B-A14B) beside a
     # gated shared expert; QKV biases
     "qwen2moe": (

@@ -1,5 +1,6 @@
 """Llama family: Llama 2/3, Mistral, SmolLM2/3, Qwen2/3, Phi-3 (GQA, RoPE, RMSNorm, SwiGLU; SmolLM3 leaves
-RoPE out of every fourth layer), and its
+RoPE out of every fourth layer; Granite 3 scales the embeddings, residual branches, attention scores and
+logits by constants), and its
 mixture-of-experts members Mixtral, Qwen2-MoE, Qwen3-MoE and gpt-oss (engine/arch/moe.py in place of the
 dense FFN; Qwen2-MoE adds a gated shared expert; gpt-oss adds attention sinks, biases on every linear, a
 sliding window on every other layer and a clamped SwiGLU in its experts)."""
@@ -62,6 +63,12 @@ class LlamaConfig:
     layer_types: tuple[str, ...] | None = None
     # which layers rotate q and k (SmolLM3: all but every fourth, "NoPE" layers); None: every layer
     rope_layers: tuple[bool, ...] | None = None
+    # Granite's constants: the embeddings and every residual branch are scaled, the attention scores use
+    # attention_multiplier instead of 1/sqrt(head_dim) (0: that default), the logits are divided
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    attention_multiplier: float = 0.0
+    logits_scaling: float = 1.0
     # derived in __post_init__
     n_rep: int = field(init=False)
     q_dim: int = field(init=False)
@@ -91,6 +98,12 @@ class LlamaConfig:
         if self.layer_types is not None and self.layer_types[layer] != "sliding_attention":
             return None
         return self.sliding_window
+
+    @property
+    def scaled(self) -> bool:
+        """Granite's constants differ from a plain llama's."""
+        return (self.embedding_multiplier, self.residual_multiplier, self.attention_multiplier,
+                self.logits_scaling) != (1.0, 1.0, 0.0, 1.0)
 
     def uses_rope(self, layer: int) -> bool:
         """Whether layer `layer` rotates q and k (False in SmolLM3's NoPE layers)."""
@@ -153,6 +166,10 @@ class LlamaConfig:
             layer_types=gpt_oss_layer_types(n_layers) if gpt_oss else None,
             # llama.cpp fixes SmolLM3's NoPE layers at every fourth (no GGUF key)
             rope_layers=smollm3_rope_layers(n_layers) if arch == "smollm3" else None,
+            embedding_multiplier=float(key("embedding_scale", 1.0)),
+            residual_multiplier=float(key("residual_scale", 1.0)),
+            attention_multiplier=float(key("attention.scale", 0.0)),
+            logits_scaling=float(key("logit_scale", 1.0)),
         )
 
 
@@ -207,7 +224,9 @@ def _ffn_weights(weights, p: str, ff: int, d: int) -> tuple[Weight, Weight]:
     return weights.matrix(p + "ffn_gate.weight", ff, d), weights.matrix(p + "ffn_up.weight", ff, d)
 
 
-@register("llama", "mistral", "smollm3", "qwen2", "qwen2moe", "qwen3", "qwen3moe", "phi3", "gpt-oss")
+@register(
+    "llama", "mistral", "smollm3", "granite", "qwen2", "qwen2moe", "qwen3", "qwen3moe", "phi3", "gpt-oss"
+)
 class LlamaModel(Decoder):
     """A Llama-family decoder over weights that stay in their file format."""
 
@@ -285,7 +304,8 @@ class LlamaModel(Decoder):
         factor = rope_attention_factor(cfg.rope_scaling)
         full = cfg.rotary_dim == cfg.head_dim
         self.rope_mscale = np.float32(1.0 if full else factor)
-        self.scale = np.float32((factor**2 if full else 1.0) / np.sqrt(cfg.head_dim))
+        base = cfg.attention_multiplier or 1.0 / np.sqrt(cfg.head_dim)  # Granite's own scale, else 1/sqrt(d)
+        self.scale = np.float32((factor**2 if full else 1.0) * base)
         self._decode = Scratch(cfg, 1)
         self._logits = np.empty((1, cfg.vocab_size), np.float32)
 
@@ -314,11 +334,16 @@ class LlamaModel(Decoder):
             ops.rmsnorm(s.h, s.x, self.output_norm, cfg.rms_norm_eps)
             logits = np.empty((n, cfg.vocab_size), np.float32)
             ops.linear(logits, self.output, s.h)
-            return logits
+            return self._scale_logits(logits)
         last = s.h[n - 1 : n]
         ops.rmsnorm(last, s.x[n - 1 : n], self.output_norm, cfg.rms_norm_eps)
         ops.linear(self._logits, self.output, last)
-        return self._logits
+        return self._scale_logits(self._logits)
+
+    def _scale_logits(self, logits: np.ndarray) -> np.ndarray:
+        if self.cfg.logits_scaling != 1.0:  # Granite divides its logits
+            logits /= np.float32(self.cfg.logits_scaling)
+        return logits
 
     def _forward_batch(self, tokens: np.ndarray, caches: list[KVCache], first: int = 0, hidden=None):
         n = len(tokens)
@@ -340,7 +365,7 @@ class LlamaModel(Decoder):
             cache.advance(tokens[b : b + 1])
         ops.rmsnorm(s.h, s.x, self.output_norm, self.cfg.rms_norm_eps)
         ops.linear(logits, self.output, s.h)
-        return logits
+        return self._scale_logits(logits)
 
     def _layers(
         self, s: Scratch, tokens: np.ndarray, attend, first: int = 0, hidden=None, inv_freq=None
@@ -356,8 +381,11 @@ class LlamaModel(Decoder):
         inv_freq = self.inv_freq if inv_freq is None else inv_freq
         if hidden is None:
             ops.get_rows(s.x, self.token_embd, tokens)
+            if cfg.embedding_multiplier != 1.0:
+                s.x *= np.float32(cfg.embedding_multiplier)
         else:
             s.x[:] = hidden
+        residual = np.float32(cfg.residual_multiplier)
         heads, kv_heads, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         q3 = s.q.reshape(n, heads, hd)
         k3 = s.k.reshape(n, kv_heads, hd)
@@ -395,11 +423,11 @@ class LlamaModel(Decoder):
             ops.linear(s.o, layer.wo, s.attn)
             if layer.bo is not None:
                 s.o += layer.bo
-            s.x += s.o
+            _add_residual(s.x, s.o, residual)
             ops.rmsnorm(s.h, s.x, layer.ffn_norm, cfg.rms_norm_eps)
             if layer.moe is not None:
                 moe_forward(s.o, s.h, layer.moe, cfg)
-                s.x += s.o
+                _add_residual(s.x, s.o, residual)
                 continue
             if capture is not None:
                 capture(i, "ffn_up", s.h)
@@ -409,4 +437,11 @@ class LlamaModel(Decoder):
             if capture is not None:
                 capture(i, "ffn_down", s.gate)
             ops.linear(s.o, layer.w_down, s.gate)
-            s.x += s.o
+            _add_residual(s.x, s.o, residual)
+
+
+def _add_residual(x: np.ndarray, branch: np.ndarray, scale: np.float32) -> None:
+    """x += branch (times Granite's residual multiplier; branch is scratch, scaled in place)."""
+    if scale != 1:
+        branch *= scale
+    x += branch

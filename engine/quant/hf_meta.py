@@ -83,6 +83,11 @@ def _hparams(arch: str, config: dict, cfg) -> dict[str, Any]:
         if arch == "gpt-oss":  # Hearth's keys (llama.cpp fixes 1.702 and 7.0)
             md[f"{a}.expert_swiglu_alpha"] = float(cfg.swiglu_alpha)
             md[f"{a}.expert_swiglu_limit"] = float(cfg.swiglu_limit)
+    if arch == "granite":  # llama.cpp's keys
+        md[f"{a}.embedding_scale"] = float(cfg.embedding_multiplier)
+        md[f"{a}.residual_scale"] = float(cfg.residual_multiplier)
+        md[f"{a}.attention.scale"] = float(cfg.attention_multiplier)
+        md[f"{a}.logit_scale"] = float(cfg.logits_scaling)
     rope_layers = getattr(cfg, "rope_layers", None)
     if rope_layers is not None and rope_layers != smollm3_rope_layers(cfg.num_hidden_layers):
         # llama.cpp fixes SmolLM3's NoPE layers at every fourth, and GGUF has no key for others

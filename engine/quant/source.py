@@ -27,10 +27,10 @@ from models.formats.ggml_types import PLAIN_DTYPES, type_name
 from models.formats.gguf import GGUFFile, open_gguf
 
 # architectures whose GGUF stores q/k for interleaved (non-NeoX) RoPE: HF rows are permuted on the way in
-PERMUTED_QK = frozenset({"llama", "smollm3"})  # llama.cpp's converter permutes their q/k for GGML's RoPE
+PERMUTED_QK = frozenset({"llama", "smollm3", "granite"})
 GEMMA_NORM_OFFSET = frozenset({"gemma3", "gemma2"})
 SUPPORTED_ARCHS = frozenset(
-    {"llama", "smollm3", "qwen2", "qwen2moe", "qwen3", "qwen3moe", "gemma3", "gemma2", "gpt-oss"}
+    {"llama", "smollm3", "granite", "qwen2", "qwen2moe", "qwen3", "qwen3moe", "gemma3", "gemma2", "gpt-oss"}
 )
 _F32, _BF16, _Q4_1 = 0, 30, 3
 

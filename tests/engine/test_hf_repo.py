@@ -28,8 +28,8 @@ def _golden(family: str) -> dict:
 
 
 def test_every_family_has_a_fixture():
-    dense = {"llama", "llama3-scaled", "mistral", "qwen2", "qwen3", "phi3", "gemma3"}
-    assert dense | {"smollm3", "qwen2moe", "qwen3moe", "mixtral", "gpt-oss", "gpt-oss-bf16"} <= set(FAMILIES)
+    dense = {"llama", "llama3-scaled", "mistral", "smollm3", "granite", "qwen2", "qwen3", "phi3", "gemma3"}
+    assert dense | {"qwen2moe", "qwen3moe", "mixtral", "gpt-oss", "gpt-oss-bf16"} <= set(FAMILIES)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -420,3 +420,29 @@ def test_smollm3_leaves_rope_out_of_every_fourth_layer_in_gguf_too(tmp_path):
     assert load_model(tmp_path / "odd").model.cfg.rope_layers == (True, False, True, True)
     with pytest.raises(ModelFormatError, match="RoPE on layers"):
         convert(tmp_path / "odd", "F16", tmp_path / "odd.gguf")
+
+
+def test_granite_constants_survive_conversion_to_gguf(tmp_path):
+    """Granite's four multipliers under llama.cpp's keys (granite.embedding_scale, residual_scale,
+    attention.scale, logit_scale) in a "granite" GGUF with permuted q/k; CUDA and the fused draft step
+    decline the model (CPU with a notice; the layered draft path)."""
+    from engine.backends.cpu.draft import DraftForward
+    from engine.convert import convert
+    from models.formats.gguf import open_gguf
+
+    golden = _golden("granite")
+    out = convert(TINY / "granite", "F32", tmp_path / "g.gguf").output
+    md = open_gguf(out).metadata
+    assert md["general.architecture"] == "granite"
+    keys = ("embedding_scale", "residual_scale", "attention.scale", "logit_scale")
+    got = [md[f"granite.{k}"] for k in keys]
+    assert got == pytest.approx([6.0, 0.3, 0.15, 4.0])  # float32 keys
+    m = load_model(out).model
+    assert m.cfg.scaled and not m.cfg.rope_neox
+    logits = m.forward(golden["tokens"], m.new_cache(64), all_logits=True)
+    np.testing.assert_allclose(logits, np.array(golden["logits"]), atol=1e-4 * np.abs(golden["logits"]).max())
+    q8 = load_model(convert(TINY / "granite", "Q8_0", tmp_path / "q8.gguf").output).model
+    assert DraftForward.build(q8) is None
+    q8.cfg.embedding_multiplier = q8.cfg.residual_multiplier = q8.cfg.logits_scaling = 1.0
+    q8.cfg.attention_multiplier = 0.0
+    assert DraftForward.build(q8) is not None

@@ -365,6 +365,11 @@ class CudaDecoder:
                 "sliding-window attention, attention sinks and attention output biases in llama-family "
                 "models have no CUDA kernels yet; use --device cpu"
             )
+        if getattr(cfg, "scaled", False):
+            raise UnsupportedCudaModelError(
+                "Granite's embedding, residual and logit multipliers have no CUDA kernels yet; "
+                "use --device cpu"
+            )
         if not all(getattr(cfg, "rope_layers", None) or ()):
             raise UnsupportedCudaModelError(
                 "layers without RoPE (SmolLM3) have no CUDA kernels yet; use --device cpu"

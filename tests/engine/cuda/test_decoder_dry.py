@@ -247,11 +247,16 @@ CUPY_MODULES = (
 )
 
 
-def test_layers_without_rope_stay_on_the_cpu(fake, tmp_path):
-    """SmolLM3's NoPE layers have no CUDA path: a typed error, which placement turns into the CPU fallback."""
+def test_layers_without_rope_and_granite_constants_stay_on_the_cpu(fake, tmp_path):
+    """SmolLM3's NoPE layers and Granite's multipliers have no CUDA path: a typed error, which placement turns
+    into the CPU fallback."""
     model = _model(tmp_path, "llama")
     model.cfg.rope_layers = (True,) * (model.cfg.num_hidden_layers - 1) + (False,)
     with pytest.raises(fake.decoder.UnsupportedCudaModelError, match="without RoPE"):
+        fake.decoder.CudaDecoder(model, n_ctx=64)
+    model.cfg.rope_layers = None
+    model.cfg.logits_scaling = 4.0  # Granite's multipliers
+    with pytest.raises(fake.decoder.UnsupportedCudaModelError, match="Granite"):
         fake.decoder.CudaDecoder(model, n_ctx=64)
 
 
