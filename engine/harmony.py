@@ -114,15 +114,17 @@ class HarmonyDecoder:
     def resume(self, prompt_ids: Sequence[int]) -> None:
         """Start inside the message `prompt_ids` leaves open (a continued reply, `continuation`): read its
         header and text as if generated, showing nothing, so what follows goes on in that channel."""
-        ids = [int(t) for t in prompt_ids]
-        kinds = [self._ids.get(t) for t in ids]
-        starts = [i for i, k in enumerate(kinds) if k == START]
-        if not starts:
+        tail = []  # the prompt's ids from its last <|start|> on (read backwards: a long prompt costs nothing)
+        for t in reversed(prompt_ids):
+            tail.append(int(t))
+            if self._ids.get(tail[-1]) == START:
+                break
+        else:
             return
-        tail = kinds[starts[-1] :]
-        if MESSAGE not in tail or any(k in (END, RETURN, CALL) for k in tail):
+        kinds = [self._ids.get(t) for t in tail]
+        if MESSAGE not in kinds or any(k in (END, RETURN, CALL) for k in kinds):
             return  # the prompt ends at a header or after a closed message: a reply starts afresh
-        for t in ids[starts[-1] :]:
+        for t in reversed(tail):
             self.push(t)
 
     def push(self, token_id: int) -> str:
