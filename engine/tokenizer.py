@@ -71,6 +71,14 @@ _GPT4O = (
     r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 
+# Mistral's Tekken (Mistral Nemo, Mistral Small 3, Devstral, Magistral, Pixtral): o200k's letter runs without
+# the contraction suffix, every digit its own piece.
+_TEKKEN = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+    r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
 _PRE_REGEXES: dict[str, tuple[str, ...]] = {
     # llama.cpp's fallback for pre == "default" (and for a missing pre key).
     "default": (r"[\p{P}\$\+<=>\^~\|]+", _GPT2, r"\p{N}+", r"[0-9][0-9][0-9]"),
@@ -78,6 +86,7 @@ _PRE_REGEXES: dict[str, tuple[str, ...]] = {
     "llama3": (_LLAMA3,),
     "qwen2": (_QWEN2,),
     "gpt4o": (_GPT4O,),
+    "tekken": (_TEKKEN,),
     # StarCoder family (SmolLM included): every digit isolated first, then GPT-2 splitting.
     "starcoder": (r"\p{N}", _GPT2),
     "falcon": (r"[\p{P}\$\+<=>\^~\|`]+", _GPT2, r"[0-9][0-9][0-9]"),
@@ -110,6 +119,7 @@ _PRE_ALIASES: dict[str, tuple[str, bool]] = {
     "falcon": ("falcon", False),
     "gpt-4o": ("gpt4o", False),
     "llama4": ("gpt4o", False),
+    "tekken": ("tekken", True),  # llama.cpp: ignore_merges, as for Llama 3
 }
 
 SUPPORTED_PRE_TOKENIZERS = tuple(sorted(_PRE_ALIASES))

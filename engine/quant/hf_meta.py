@@ -40,6 +40,7 @@ _FAMILY_PRE = {
     "llama3": "llama-bpe",
     "qwen2": "qwen2",
     "gpt4o": "gpt-4o",
+    "tekken": "tekken",
     "starcoder": "smollm",
     "falcon": "falcon",
 }

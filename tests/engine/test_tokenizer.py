@@ -203,6 +203,7 @@ EXPECTED_PIECES = {
     "llama-bpe": ["I", "'M", " ", "123", "45", " abc", "\n\n", " ", " x"],
     "qwen2": ["I", "'M", " ", "1", "2", "3", "4", "5", " abc", "\n\n", " ", " x"],
     "default": ["I", "'", "M", " ", "123", "45", " abc", "\n\n ", " x"],
+    "tekken": ["I", "'M", " ", "1", "2", "3", "4", "5", " abc", "\n\n", " ", " x"],
 }
 
 
@@ -217,6 +218,25 @@ def test_pre_tokenizer_splits(pre):
 def test_llama3_contractions_ignore_case_and_newlines():
     tok = Tokenizer.from_gguf_metadata(synthetic_metadata("llama3"))
     assert tok.pre_tokenize("YOU'LL  go;\n\nok") == ["YOU", "'LL", " ", " go", ";\n\n", "ok"]
+
+
+def test_tekken_splits_case_runs_and_keeps_no_contractions():
+    """Mistral's Tekken: an upper-case run splits from a capitalised word, an apostrophe starts its own
+    piece (o200k would keep "'re" on "they"), digits one by one; the pre name round-trips through
+    conversion's tokenizer.json matching."""
+    from engine.quant.hf_meta import _pre_name
+    from engine.tokenizer import _TEKKEN
+
+    tok = Tokenizer.from_gguf_metadata(synthetic_metadata("tekken"))
+    pieces = ["Hello", "WORLD", " they", "'re", " ", "4", "2", "/", "7"]
+    assert tok.pre_tokenize("HelloWORLD they're 42/7") == pieces
+    gpt4o = Tokenizer.from_gguf_metadata(synthetic_metadata("gpt-4o"))
+    assert gpt4o.pre_tokenize("they're 42") == ["they're", " ", "42"]
+
+    spec = {"pre_tokenizer": {"type": "Sequence", "pretokenizers": [
+        {"type": "Split", "pattern": {"Regex": _TEKKEN}, "behavior": "Isolated", "invert": False},
+        {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False}]}}
+    assert _pre_name(spec) == "tekken"
 
 
 def test_merges_apply():
