@@ -36,6 +36,7 @@ _FAMILIES = {
     "mistral": "llama",
     "smollm3": "smollm3",
     "granite": "granite",
+    "glm4": "glm4",
     "qwen2": "qwen2",
     "qwen3": "qwen3",
     "phi3": "phi3",
@@ -71,6 +72,8 @@ _LAYER_NAMES = {
     "block_sparse_moe.gate.weight": "ffn_gate_inp.weight",
     "mlp.router.weight": "ffn_gate_inp.weight",  # gpt-oss
     "mlp.router.bias": "ffn_gate_inp.bias",
+    "post_self_attn_layernorm.weight": "post_attention_norm.weight",  # GLM-4's norms of the branch outputs
+    "post_mlp_layernorm.weight": "post_ffw_norm.weight",
     "mlp.shared_expert.gate_proj.weight": "ffn_gate_shexp.weight",  # Qwen2-MoE's shared expert
     "mlp.shared_expert.up_proj.weight": "ffn_up_shexp.weight",
     "mlp.shared_expert.down_proj.weight": "ffn_down_shexp.weight",
@@ -368,8 +371,8 @@ def config_from_hf(folder: Path, config: dict) -> LlamaConfig | Gemma3Config:
             head_dim=head_dim,
             rotary_dim=int(head_dim * rotary),
             # HF checkpoints keep q/k in the half-split layout (rotate_half); only llama.cpp's
-            # converter permutes them for adjacent-pair RoPE.
-            rope_neox=True,
+            # converter permutes them for adjacent-pair RoPE. GLM-4 rotates adjacent pairs itself.
+            rope_neox=model_type != "glm4",
             rope_scaling=scaling,
             architecture=arch,
             num_experts=experts,

@@ -120,7 +120,12 @@ _PRE_ALIASES: dict[str, tuple[str, bool]] = {
     "gpt-4o": ("gpt4o", False),
     "llama4": ("gpt4o", False),
     "tekken": ("tekken", True),  # llama.cpp: ignore_merges, as for Llama 3
+    "glm4": ("llama3", False),  # GLM-4: Llama 3's split, merges applied (and never a BOS: below)
+    "chatglm-bpe": ("llama3", False),
 }
+# pre-tokenizers after which llama.cpp adds no BOS token whatever the metadata says (GLM-4's templates
+# write [gMASK]<sop> themselves)
+_NO_BOS_PRE = frozenset({"glm4", "chatglm-bpe"})
 
 SUPPORTED_PRE_TOKENIZERS = tuple(sorted(_PRE_ALIASES))
 
@@ -624,7 +629,7 @@ class Tokenizer:
             unk_id=unk_id,
             pad_id=_optional_id(metadata, "tokenizer.ggml.padding_token_id", n_vocab),
             eot_ids=eot,
-            add_bos=bool(metadata.get("tokenizer.ggml.add_bos_token", False)),
+            add_bos=bool(metadata.get("tokenizer.ggml.add_bos_token", False)) and pre not in _NO_BOS_PRE,
             add_eos=bool(metadata.get("tokenizer.ggml.add_eos_token", False)),
             pre=pre,
             kind=kind,

@@ -135,6 +135,15 @@ FAMILIES = {
         torch.bfloat16,
         False,
     ),
+    # GLM-4: norms of each branch's output, half of each head rotated in adjacent pairs, fused gate|up,
+    # QKV biases
+    "glm4": (
+        transformers.Glm4Config,
+        dict(tie_word_embeddings=False, head_dim=16, partial_rotary_factor=0.5, attention_bias=True,
+             pad_token_id=0),
+        torch.bfloat16,
+        False,
+    ),
     # Qwen2-MoE: 4 routed experts (2 a token, not renormalized, as Qwen1.5-MoE and Qwen2-57B-A14B) beside a
     # gated shared expert; QKV biases
     "qwen2moe": (

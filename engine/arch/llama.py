@@ -1,6 +1,7 @@
 """Llama family: Llama 2/3, Mistral, SmolLM2/3, Qwen2/3, Phi-3 (GQA, RoPE, RMSNorm, SwiGLU; SmolLM3 leaves
 RoPE out of every fourth layer; Granite 3 scales the embeddings, residual branches, attention scores and
-logits by constants), and its
+logits by constants; GLM-4 norms each branch's output too and rotates half of each head in adjacent
+pairs), and its
 mixture-of-experts members Mixtral, Qwen2-MoE, Qwen3-MoE and gpt-oss (engine/arch/moe.py in place of the
 dense FFN; Qwen2-MoE adds a gated shared expert; gpt-oss adds attention sinks, biases on every linear, a
 sliding window on every other layer and a clamped SwiGLU in its experts)."""
@@ -202,6 +203,9 @@ class LlamaLayer:
     moe: MoE | None = None  # the experts that replace gate/up/down (Mixtral, Qwen2/3-MoE, gpt-oss)
     bo: np.ndarray | None = None  # attention output bias (gpt-oss), (hidden,)
     sinks: np.ndarray | None = None  # attention-sink logits per query head (gpt-oss), (n_heads,)
+    # RMSNorm of the attention and FFN outputs before the residual add (GLM-4's "sandwich" norms), (hidden,)
+    post_attn_norm: np.ndarray | None = None
+    post_ffn_norm: np.ndarray | None = None
 
 
 def _attention_weights(weights, p: str, q: int, kv: int, d: int) -> tuple[Weight, Weight, Weight]:
@@ -225,7 +229,8 @@ def _ffn_weights(weights, p: str, ff: int, d: int) -> tuple[Weight, Weight]:
 
 
 @register(
-    "llama", "mistral", "smollm3", "granite", "qwen2", "qwen2moe", "qwen3", "qwen3moe", "phi3", "gpt-oss"
+    "llama", "mistral", "smollm3", "granite", "glm4", "qwen2", "qwen2moe", "qwen3", "qwen3moe", "phi3",
+    "gpt-oss",
 )
 class LlamaModel(Decoder):
     """A Llama-family decoder over weights that stay in their file format."""
@@ -255,10 +260,11 @@ class LlamaModel(Decoder):
             moe = None
             if cfg.num_experts:
                 moe = load_moe(weights, p, cfg.num_experts, ff, d, cfg.shared_expert_intermediate_size)
-            # llama.cpp's gpt-oss names the pre-FFN norm post_attention_norm; its sinks may lack ".weight"
-            ffn_norm = "ffn_norm.weight"
+            # llama.cpp's gpt-oss names the pre-FFN norm post_attention_norm; its sinks may lack ".weight".
+            # Beside an ffn_norm (GLM-4), post_attention_norm norms the attention output
+            ffn_norm, post_attn = "ffn_norm.weight", "post_attention_norm.weight"
             if not weights.has(p + ffn_norm):
-                ffn_norm = "post_attention_norm.weight"
+                ffn_norm, post_attn = post_attn, ""
             sinks = next((s for s in ("attn_sinks.weight", "attn_sinks") if weights.has(p + s)), None)
             w_gate, w_up = _ffn_weights(weights, p, ff, d) if moe is None else (None, None)
             self.layers.append(
@@ -280,6 +286,8 @@ class LlamaModel(Decoder):
                     moe=moe,
                     bo=optional("attn_output.bias", d),
                     sinks=None if sinks is None else weights.vector(p + sinks, cfg.num_attention_heads),
+                    post_attn_norm=optional(post_attn, d) if post_attn else None,
+                    post_ffn_norm=optional("post_ffw_norm.weight", d),
                 )
             )
         half = cfg.rotary_dim // 2
@@ -423,6 +431,8 @@ class LlamaModel(Decoder):
             ops.linear(s.o, layer.wo, s.attn)
             if layer.bo is not None:
                 s.o += layer.bo
+            if layer.post_attn_norm is not None:
+                ops.rmsnorm(s.o, s.o, layer.post_attn_norm, cfg.rms_norm_eps)
             _add_residual(s.x, s.o, residual)
             ops.rmsnorm(s.h, s.x, layer.ffn_norm, cfg.rms_norm_eps)
             if layer.moe is not None:
@@ -437,6 +447,8 @@ class LlamaModel(Decoder):
             if capture is not None:
                 capture(i, "ffn_down", s.gate)
             ops.linear(s.o, layer.w_down, s.gate)
+            if layer.post_ffn_norm is not None:
+                ops.rmsnorm(s.o, s.o, layer.post_ffn_norm, cfg.rms_norm_eps)
             _add_residual(s.x, s.o, residual)
 
 

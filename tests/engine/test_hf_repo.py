@@ -28,7 +28,8 @@ def _golden(family: str) -> dict:
 
 
 def test_every_family_has_a_fixture():
-    dense = {"llama", "llama3-scaled", "mistral", "smollm3", "granite", "qwen2", "qwen3", "phi3", "gemma3"}
+    dense = {"llama", "llama3-scaled", "mistral", "smollm3", "granite", "glm4", "qwen2", "qwen3", "phi3"}
+    dense |= {"gemma2", "gemma3"}
     assert dense | {"qwen2moe", "qwen3moe", "mixtral", "gpt-oss", "gpt-oss-bf16"} <= set(FAMILIES)
 
 
@@ -446,3 +447,39 @@ def test_granite_constants_survive_conversion_to_gguf(tmp_path):
     q8.cfg.embedding_multiplier = q8.cfg.residual_multiplier = q8.cfg.logits_scaling = 1.0
     q8.cfg.attention_multiplier = 0.0
     assert DraftForward.build(q8) is not None
+
+
+def test_glm4_converts_to_llama_cpps_layout(tmp_path):
+    """GLM-4 as llama.cpp writes it: post_attention_norm / post_ffw_norm for the branch outputs beside
+    ffn_norm, a fused ffn_up of gate then up rows, q/k as HF keeps them (GLM-4 rotates adjacent pairs of
+    the first half of each head itself), rope.dimension_count the rotated half. CUDA and the fused draft step
+    decline the model."""
+    from engine.backends.cpu.draft import DraftForward
+    from engine.convert import convert
+    from models.formats.gguf import open_gguf
+
+    golden = _golden("glm4")
+    out = convert(TINY / "glm4", "F32", tmp_path / "glm4.gguf").output
+    g = open_gguf(out)
+    assert g.architecture == "glm4" and g.metadata["glm4.rope.dimension_count"] == 8
+    names = set(g.tensors)
+    assert {f"blk.1.{n}.weight" for n in ("post_attention_norm", "post_ffw_norm", "ffn_norm")} <= names
+    assert tuple(g.tensors["blk.1.ffn_up.weight"].shape) == (2 * 96, 64)
+    assert "blk.1.ffn_gate.weight" not in names
+    m = load_model(out).model
+    assert not m.cfg.rope_neox and m.cfg.rotary_dim == 8
+    logits = m.forward(golden["tokens"], m.new_cache(64), all_logits=True)
+    np.testing.assert_allclose(logits, np.array(golden["logits"]), atol=1e-4 * np.abs(golden["logits"]).max())
+    q8 = load_model(convert(TINY / "glm4", "Q8_0", tmp_path / "q8.gguf").output).model
+    assert DraftForward.build(q8) is None
+
+
+def test_glm4_vocabularies_never_get_a_bos():
+    """llama.cpp's "glm4" pre-tokenizer: Llama 3's split, and no BOS whatever add_bos_token says (the chat
+    template writes [gMASK]<sop>)."""
+    from engine.tokenizer import Tokenizer
+    from tests.engine.test_tokenizer import synthetic_metadata
+
+    tok = Tokenizer.from_gguf_metadata(synthetic_metadata("glm4", **{"tokenizer.ggml.add_bos_token": True}))
+    assert not tok.add_bos
+    assert tok.pre_tokenize("I'M 12345") == ["I", "'M", " ", "123", "45"]

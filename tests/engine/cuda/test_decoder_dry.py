@@ -247,9 +247,9 @@ CUPY_MODULES = (
 )
 
 
-def test_layers_without_rope_and_granite_constants_stay_on_the_cpu(fake, tmp_path):
-    """SmolLM3's NoPE layers and Granite's multipliers have no CUDA path: a typed error, which placement turns
-    into the CPU fallback."""
+def test_layers_without_rope_granite_constants_and_branch_norms_stay_on_the_cpu(fake, tmp_path):
+    """SmolLM3's NoPE layers, Granite's multipliers and GLM-4's norms of the branch outputs have no CUDA
+    path: a typed error, which placement turns into the CPU fallback."""
     model = _model(tmp_path, "llama")
     model.cfg.rope_layers = (True,) * (model.cfg.num_hidden_layers - 1) + (False,)
     with pytest.raises(fake.decoder.UnsupportedCudaModelError, match="without RoPE"):
@@ -257,6 +257,10 @@ def test_layers_without_rope_and_granite_constants_stay_on_the_cpu(fake, tmp_pat
     model.cfg.rope_layers = None
     model.cfg.logits_scaling = 4.0  # Granite's multipliers
     with pytest.raises(fake.decoder.UnsupportedCudaModelError, match="Granite"):
+        fake.decoder.CudaDecoder(model, n_ctx=64)
+    model.cfg.logits_scaling = 1.0
+    model.layers[0].post_ffn_norm = model.layers[0].ffn_norm  # GLM-4's norm of the FFN output
+    with pytest.raises(fake.decoder.UnsupportedCudaModelError, match="GLM-4"):
         fake.decoder.CudaDecoder(model, n_ctx=64)
 
 
