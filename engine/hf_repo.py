@@ -37,6 +37,7 @@ _FAMILIES = {
     "smollm3": "smollm3",
     "granite": "granite",
     "glm4": "glm4",
+    "olmo2": "olmo2",
     "qwen2": "qwen2",
     "qwen3": "qwen3",
     "phi3": "phi3",
@@ -92,6 +93,12 @@ _GEMMA3_LAYER_NAMES = {
     "pre_feedforward_layernorm.weight": "ffn_norm.weight",
     "post_feedforward_layernorm.weight": "post_ffw_norm.weight",
 }
+# OLMo 2 norms the branch outputs: HF's post_attention_layernorm is llama.cpp's post_attention_norm
+_OLMO2_LAYER_NAMES = {
+    **_LAYER_NAMES,
+    "post_attention_layernorm.weight": "post_attention_norm.weight",
+    "post_feedforward_layernorm.weight": "post_ffw_norm.weight",
+}
 _GLOBAL_NAMES = {
     "model.embed_tokens.weight": "token_embd.weight",
     "model.norm.weight": "output_norm.weight",
@@ -130,6 +137,7 @@ class HFWeights:
         self.st = st
         self.folder = folder
         layer_names = _GEMMA3_LAYER_NAMES if arch in _GEMMA else _LAYER_NAMES
+        layer_names = _OLMO2_LAYER_NAMES if arch == "olmo2" else layer_names
         self.names = {g: hf for hf in st.tensors if (g := _gguf_name(hf, layer_names))}
         # AutoAWQ linears (prefix + qweight/qzeros/scales) run as Q4_1: engine/quant/awq_pack.py
         self.awq = {

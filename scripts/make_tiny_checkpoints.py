@@ -144,6 +144,10 @@ FAMILIES = {
         torch.bfloat16,
         False,
     ),
+    # OLMo 2: norms of the branch outputs only, q/k norms over the whole projections
+    "olmo2": (
+        transformers.Olmo2Config, dict(tie_word_embeddings=False, pad_token_id=0), torch.bfloat16, False
+    ),
     # Qwen2-MoE: 4 routed experts (2 a token, not renormalized, as Qwen1.5-MoE and Qwen2-57B-A14B) beside a
     # gated shared expert; QKV biases
     "qwen2moe": (

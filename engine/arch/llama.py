@@ -1,7 +1,7 @@
 """Llama family: Llama 2/3, Mistral, SmolLM2/3, Qwen2/3, Phi-3 (GQA, RoPE, RMSNorm, SwiGLU; SmolLM3 leaves
 RoPE out of every fourth layer; Granite 3 scales the embeddings, residual branches, attention scores and
 logits by constants; GLM-4 norms each branch's output too and rotates half of each head in adjacent
-pairs), and its
+pairs; OLMo 2 norms only the branch outputs, and q and k over their whole width), and its
 mixture-of-experts members Mixtral, Qwen2-MoE, Qwen3-MoE and gpt-oss (engine/arch/moe.py in place of the
 dense FFN; Qwen2-MoE adds a gated shared expert; gpt-oss adds attention sinks, biases on every linear, a
 sliding window on every other layer and a clamped SwiGLU in its experts)."""
@@ -17,13 +17,14 @@ from engine.arch import register
 from engine.arch.base import Decoder, Scratch
 from engine.arch.moe import MoE, load_moe, moe_forward
 from engine.backends import cpu as ops
+from engine.errors import UnsupportedArchitectureError
 from engine.kv_cache import KVCache
 from engine.rope import RopeScaling, rope_attention_factor, rope_inv_freq, rope_scaling_from_gguf
 from engine.weights import Weight
 
 # llama.cpp's converter permutes Llama's q/k weights so GGML's "normal" RoPE (adjacent pairs) applies;
 # these families keep HF's half-split ("NeoX") layout instead.
-_NEOX_ROPE = frozenset({"qwen2", "qwen2moe", "qwen3", "qwen3moe", "phi3", "gpt-oss"})
+_NEOX_ROPE = frozenset({"qwen2", "qwen2moe", "qwen3", "qwen3moe", "phi3", "gpt-oss", "olmo2"})
 # every FFN is experts: no dense feed_forward_length needed in the GGUF
 _MOE_ONLY = frozenset({"qwen2moe", "qwen3moe", "gpt-oss"})
 
@@ -106,6 +107,12 @@ class LlamaConfig:
         return (self.embedding_multiplier, self.residual_multiplier, self.attention_multiplier,
                 self.logits_scaling) != (1.0, 1.0, 0.0, 1.0)
 
+    @property
+    def post_norm_only(self) -> bool:
+        """OLMo 2: no norms before the attention and FFN, RMSNorm of their outputs instead, and q/k norms
+        over the whole projections."""
+        return self.architecture == "olmo2"
+
     def uses_rope(self, layer: int) -> bool:
         """Whether layer `layer` rotates q and k (False in SmolLM3's NoPE layers)."""
         return self.rope_layers is None or self.rope_layers[layer]
@@ -131,6 +138,11 @@ class LlamaConfig:
             # gpt-oss was trained with YaRN's ramp ends unrounded (its config's "truncate": false)
             scaling = dataclasses.replace(scaling, truncate=False)
         n_layers = int(key("block_count"))
+        if arch == "olmo2" and int(metadata.get("olmo2.attention.sliding_window", 0)):
+            # OLMo 3 (llama.cpp writes it as olmo2 with a window): its per-layer-type RoPE is not read yet
+            raise UnsupportedArchitectureError(
+                "OLMo 3 GGUFs (olmo2 with a sliding window) are not supported yet"
+            )
         experts = int(metadata.get(f"{arch}.expert_count", 0))
         ff = int(key("feed_forward_length", 0)) if arch in _MOE_ONLY else int(key("feed_forward_length"))
         if experts:
@@ -186,19 +198,21 @@ def gpt_oss_layer_types(n_layers: int) -> tuple[str, ...]:
 
 @dataclass
 class LlamaLayer:
-    attn_norm: np.ndarray  # (hidden,)
+    attn_norm: np.ndarray | None  # (hidden,); None: the branch takes the residual stream as is (OLMo 2)
     wq: Weight  # (q_dim, hidden)
     wk: Weight  # (kv_dim, hidden)
     wv: Weight  # (kv_dim, hidden)
     wo: Weight  # (hidden, q_dim)
-    ffn_norm: np.ndarray  # (hidden,)
+    ffn_norm: np.ndarray | None  # (hidden,)
     w_gate: Weight | None  # (ffn, hidden); None in a mixture-of-experts layer
     w_up: Weight | None  # (ffn, hidden)
     w_down: Weight | None  # (hidden, ffn)
     bq: np.ndarray | None = None  # optional QKV biases (Qwen2)
     bk: np.ndarray | None = None
     bv: np.ndarray | None = None
-    q_norm: np.ndarray | None = None  # optional per-head RMSNorm of q and k before RoPE (Qwen3), (head_dim,)
+    # optional RMSNorm of q and k before RoPE: per head (Qwen3, (head_dim,)) or over the whole projection
+    # (OLMo 2, (q_dim,) and (kv_dim,))
+    q_norm: np.ndarray | None = None
     k_norm: np.ndarray | None = None
     moe: MoE | None = None  # the experts that replace gate/up/down (Mixtral, Qwen2/3-MoE, gpt-oss)
     bo: np.ndarray | None = None  # attention output bias (gpt-oss), (hidden,)
@@ -229,8 +243,8 @@ def _ffn_weights(weights, p: str, ff: int, d: int) -> tuple[Weight, Weight]:
 
 
 @register(
-    "llama", "mistral", "smollm3", "granite", "glm4", "qwen2", "qwen2moe", "qwen3", "qwen3moe", "phi3",
-    "gpt-oss",
+    "llama", "mistral", "smollm3", "granite", "glm4", "olmo2", "qwen2", "qwen2moe", "qwen3", "qwen3moe",
+    "phi3", "gpt-oss",
 )
 class LlamaModel(Decoder):
     """A Llama-family decoder over weights that stay in their file format."""
@@ -262,27 +276,31 @@ class LlamaModel(Decoder):
                 moe = load_moe(weights, p, cfg.num_experts, ff, d, cfg.shared_expert_intermediate_size)
             # llama.cpp's gpt-oss names the pre-FFN norm post_attention_norm; its sinks may lack ".weight".
             # Beside an ffn_norm (GLM-4), post_attention_norm norms the attention output
-            ffn_norm, post_attn = "ffn_norm.weight", "post_attention_norm.weight"
-            if not weights.has(p + ffn_norm):
+            attn_norm, ffn_norm = "attn_norm.weight", "ffn_norm.weight"
+            post_attn = "post_attention_norm.weight"
+            if cfg.post_norm_only:
+                attn_norm = ffn_norm = ""
+            elif not weights.has(p + ffn_norm):
                 ffn_norm, post_attn = post_attn, ""
+            qk_norm = (q, kv) if cfg.post_norm_only else (cfg.head_dim, cfg.head_dim)
             sinks = next((s for s in ("attn_sinks.weight", "attn_sinks") if weights.has(p + s)), None)
             w_gate, w_up = _ffn_weights(weights, p, ff, d) if moe is None else (None, None)
             self.layers.append(
                 LlamaLayer(
-                    attn_norm=weights.vector(p + "attn_norm.weight", d),
+                    attn_norm=weights.vector(p + attn_norm, d) if attn_norm else None,
                     wq=wq,
                     wk=wk,
                     wv=wv,
                     wo=weights.matrix(p + "attn_output.weight", d, q),
-                    ffn_norm=weights.vector(p + ffn_norm, d),
+                    ffn_norm=weights.vector(p + ffn_norm, d) if ffn_norm else None,
                     w_gate=w_gate,
                     w_up=w_up,
                     w_down=weights.matrix(p + "ffn_down.weight", d, ff) if moe is None else None,
                     bq=optional("attn_q.bias", q),
                     bk=optional("attn_k.bias", kv),
                     bv=optional("attn_v.bias", kv),
-                    q_norm=optional("attn_q_norm.weight", cfg.head_dim),
-                    k_norm=optional("attn_k_norm.weight", cfg.head_dim),
+                    q_norm=optional("attn_q_norm.weight", qk_norm[0]),
+                    k_norm=optional("attn_k_norm.weight", qk_norm[1]),
                     moe=moe,
                     bo=optional("attn_output.bias", d),
                     sinks=None if sinks is None else weights.vector(p + sinks, cfg.num_attention_heads),
@@ -401,7 +419,7 @@ class LlamaModel(Decoder):
         attn3 = s.attn.reshape(n, heads, hd)
         capture = self.capture
         for i, layer in enumerate(self.layers[first:], first):
-            ops.rmsnorm(s.h, s.x, layer.attn_norm, cfg.rms_norm_eps)
+            _pre_norm(s.h, s.x, layer.attn_norm, cfg.rms_norm_eps)
             if capture is not None:
                 capture(i, "attn_q", s.h)
             ops.linear(s.q, layer.wq, s.h)
@@ -413,12 +431,12 @@ class LlamaModel(Decoder):
                 s.k += layer.bk
             if layer.bv is not None:
                 s.v += layer.bv
-            if layer.q_norm is not None:
-                heads_q = s.q.reshape(n * heads, hd)
-                ops.rmsnorm(heads_q, heads_q, layer.q_norm, cfg.rms_norm_eps)
+            if layer.q_norm is not None:  # per head, or over the whole row (OLMo 2)
+                rows_q = s.q.reshape(-1, len(layer.q_norm))
+                ops.rmsnorm(rows_q, rows_q, layer.q_norm, cfg.rms_norm_eps)
             if layer.k_norm is not None:
-                heads_k = s.k.reshape(n * kv_heads, hd)
-                ops.rmsnorm(heads_k, heads_k, layer.k_norm, cfg.rms_norm_eps)
+                rows_k = s.k.reshape(-1, len(layer.k_norm))
+                ops.rmsnorm(rows_k, rows_k, layer.k_norm, cfg.rms_norm_eps)
             if cfg.uses_rope(i):
                 ops.rope(q3, s.positions, inv_freq, cfg.rotary_dim, cfg.rope_neox)
                 ops.rope(k3, s.positions, inv_freq, cfg.rotary_dim, cfg.rope_neox)
@@ -434,7 +452,7 @@ class LlamaModel(Decoder):
             if layer.post_attn_norm is not None:
                 ops.rmsnorm(s.o, s.o, layer.post_attn_norm, cfg.rms_norm_eps)
             _add_residual(s.x, s.o, residual)
-            ops.rmsnorm(s.h, s.x, layer.ffn_norm, cfg.rms_norm_eps)
+            _pre_norm(s.h, s.x, layer.ffn_norm, cfg.rms_norm_eps)
             if layer.moe is not None:
                 moe_forward(s.o, s.h, layer.moe, cfg)
                 _add_residual(s.x, s.o, residual)
@@ -450,6 +468,14 @@ class LlamaModel(Decoder):
             if layer.post_ffn_norm is not None:
                 ops.rmsnorm(s.o, s.o, layer.post_ffn_norm, cfg.rms_norm_eps)
             _add_residual(s.x, s.o, residual)
+
+
+def _pre_norm(out: np.ndarray, x: np.ndarray, norm: np.ndarray | None, eps: float) -> None:
+    """out = the branch input: RMSNorm of the residual stream x, or x itself (OLMo 2 norms outputs only)."""
+    if norm is None:
+        out[:] = x
+    else:
+        ops.rmsnorm(out, x, norm, eps)
 
 
 def _add_residual(x: np.ndarray, branch: np.ndarray, scale: np.float32) -> None:

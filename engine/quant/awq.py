@@ -373,6 +373,11 @@ def pick_group(source: SourceModel, group: int | None = None) -> int:
     """
     from engine.errors import UnsupportedArchitectureError
 
+    if "blk.0.attn_norm.weight" not in source.shapes:
+        raise UnsupportedArchitectureError(
+            f"{source.path}: AWQ folds its scales into the norms before q/k/v and gate/up, which this model "
+            "(OLMo 2) does not have; pick a GGUF format instead"
+        )
     cols = set()
     for i in range(source.n_layers):
         for k in LINEARS:

@@ -28,7 +28,8 @@ def _golden(family: str) -> dict:
 
 
 def test_every_family_has_a_fixture():
-    dense = {"llama", "llama3-scaled", "mistral", "smollm3", "granite", "glm4", "qwen2", "qwen3", "phi3"}
+    dense = {"llama", "llama3-scaled", "mistral", "smollm3", "granite", "glm4", "olmo2", "qwen2", "qwen3"}
+    dense |= {"phi3"}
     dense |= {"gemma2", "gemma3"}
     assert dense | {"qwen2moe", "qwen3moe", "mixtral", "gpt-oss", "gpt-oss-bf16"} <= set(FAMILIES)
 
@@ -129,7 +130,7 @@ def test_unsupported_family(tmp_path):
     config = json.loads((folder / "config.json").read_text())
     config["model_type"] = "mamba"
     (folder / "config.json").write_text(json.dumps(config))
-    match = "mamba.*supported: gemma2, gemma3_text, gpt_oss, llama"
+    match = "mamba.*supported: gemma2, gemma3_text, glm4, gpt_oss, granite, llama"
     with pytest.raises(UnsupportedArchitectureError, match=match):
         load_model(folder)
 
@@ -483,3 +484,39 @@ def test_glm4_vocabularies_never_get_a_bos():
     tok = Tokenizer.from_gguf_metadata(synthetic_metadata("glm4", **{"tokenizer.ggml.add_bos_token": True}))
     assert not tok.add_bos
     assert tok.pre_tokenize("I'M 12345") == ["I", "'M", " ", "123", "45"]
+
+
+def test_olmo2_norms_only_branch_outputs_also_in_gguf(tmp_path):
+    """OLMo 2 as llama.cpp writes it: no attn_norm / ffn_norm, post_attention_norm and post_ffw_norm after
+    the branches, attn_q_norm / attn_k_norm over the whole projections; AWQ (which folds into the missing
+    norms) refuses it with a typed error; OLMo 3 GGUFs (a window) are refused, not run wrong."""
+    from engine.convert import convert
+    from engine.errors import UnsupportedArchitectureError
+    from engine.quant.gguf_writer import GGUFWriter
+    from models.formats.gguf import open_gguf
+
+    golden = _golden("olmo2")
+    folder = load_model(TINY / "olmo2").model
+    layer = folder.layers[0]
+    assert layer.attn_norm is None and layer.ffn_norm is None and layer.post_ffn_norm is not None
+    assert layer.q_norm.shape == (folder.cfg.q_dim,) and layer.k_norm.shape == (folder.cfg.kv_dim,)
+    out = convert(TINY / "olmo2", "F32", tmp_path / "o2.gguf").output
+    g = open_gguf(out)
+    assert g.architecture == "olmo2" and "blk.0.attn_norm.weight" not in g.tensors
+    assert {"blk.0.post_attention_norm.weight", "blk.0.post_ffw_norm.weight"} <= set(g.tensors)
+    m = load_model(out).model
+    logits = m.forward(golden["tokens"], m.new_cache(64), all_logits=True)
+    np.testing.assert_allclose(logits, np.array(golden["logits"]), atol=1e-4 * np.abs(golden["logits"]).max())
+    with pytest.raises(UnsupportedArchitectureError, match="AWQ folds"):
+        convert(TINY / "olmo2", "awq", tmp_path / "awq.gguf")
+    md = dict(g.metadata) | {"olmo2.attention.sliding_window": 4096}
+    specs = [(n, t.ggml_type, tuple(t.shape)) for n, t in g.tensors.items()]
+    with open(tmp_path / "olmo3.gguf", "wb") as fh:
+        w = GGUFWriter(fh, md, specs)
+        w.write_header()
+        for name, _, _ in specs:
+            w.write_tensor(name, np.ascontiguousarray(g.tensors[name].raw()).reshape(-1))
+        w.finish()
+    g.close()
+    with pytest.raises(UnsupportedArchitectureError, match="OLMo 3"):
+        load_model(tmp_path / "olmo3.gguf")
