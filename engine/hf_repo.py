@@ -38,6 +38,7 @@ _FAMILIES = {
     "granite": "granite",
     "glm4": "glm4",
     "olmo2": "olmo2",
+    "ernie4_5": "ernie4_5",
     "qwen2": "qwen2",
     "qwen3": "qwen3",
     "phi3": "phi3",
@@ -354,6 +355,7 @@ def config_from_hf(folder: Path, config: dict) -> LlamaConfig | Gemma3Config:
         or 1.0
     )
     theta, scaling = _rope_scaling(config)
+    _refuse_linear_biases(config)
     experts = int(config.get("num_experts") or config.get("num_local_experts") or 0)
     if experts and (config.get("mlp_only_layers") or int(config.get("decoder_sparse_step") or 1) != 1):
         raise UnsupportedArchitectureError(
@@ -379,8 +381,8 @@ def config_from_hf(folder: Path, config: dict) -> LlamaConfig | Gemma3Config:
             head_dim=head_dim,
             rotary_dim=int(head_dim * rotary),
             # HF checkpoints keep q/k in the half-split layout (rotate_half); only llama.cpp's
-            # converter permutes them for adjacent-pair RoPE. GLM-4 rotates adjacent pairs itself.
-            rope_neox=model_type != "glm4",
+            # converter permutes them for adjacent-pair RoPE. GLM-4 and ERNIE 4.5 rotate adjacent pairs.
+            rope_neox=model_type not in ("glm4", "ernie4_5"),
             rope_scaling=scaling,
             architecture=arch,
             num_experts=experts,
@@ -401,12 +403,19 @@ def config_from_hf(folder: Path, config: dict) -> LlamaConfig | Gemma3Config:
         raise ModelFormatError(folder / "config.json", f"missing or invalid hyper-parameter ({e})") from e
 
 
+def _refuse_linear_biases(config: dict) -> None:
+    """Families whose configs can ask for biases on every linear (Granite's mlp_bias, ERNIE 4.5's use_bias),
+    which the llama family's FFN does not take."""
+    if config.get("mlp_bias") or config.get("use_bias"):
+        raise UnsupportedArchitectureError(
+            f"{config.get('model_type')} models with FFN biases (mlp_bias / use_bias) are not supported yet"
+        )
+
+
 def _granite_constants(config: dict) -> dict:
     """Granite's multipliers (LlamaConfig's embedding/residual/attention_multiplier, logits_scaling)."""
     if config.get("model_type") != "granite":
         return {}
-    if config.get("mlp_bias"):
-        raise UnsupportedArchitectureError("Granite models with FFN biases (mlp_bias) are not supported yet")
     return {
         "embedding_multiplier": float(config.get("embedding_multiplier", 1.0)),
         "residual_multiplier": float(config.get("residual_multiplier", 1.0)),

@@ -148,6 +148,10 @@ FAMILIES = {
     "olmo2": (
         transformers.Olmo2Config, dict(tie_word_embeddings=False, pad_token_id=0), torch.bfloat16, False
     ),
+    # ERNIE 4.5 (dense): adjacent-pair RoPE on whole heads
+    "ernie4_5": (
+        transformers.Ernie4_5Config, dict(tie_word_embeddings=True, head_dim=16), torch.bfloat16, False
+    ),
     # Qwen2-MoE: 4 routed experts (2 a token, not renormalized, as Qwen1.5-MoE and Qwen2-57B-A14B) beside a
     # gated shared expert; QKV biases
     "qwen2moe": (

@@ -1,7 +1,8 @@
 """Llama family: Llama 2/3, Mistral, SmolLM2/3, Qwen2/3, Phi-3 (GQA, RoPE, RMSNorm, SwiGLU; SmolLM3 leaves
 RoPE out of every fourth layer; Granite 3 scales the embeddings, residual branches, attention scores and
 logits by constants; GLM-4 norms each branch's output too and rotates half of each head in adjacent
-pairs; OLMo 2 norms only the branch outputs, and q and k over their whole width), and its
+pairs, as ERNIE 4.5 does on whole heads; OLMo 2 norms only the branch outputs, and q and k over their whole
+width), and its
 mixture-of-experts members Mixtral, Qwen2-MoE, Qwen3-MoE and gpt-oss (engine/arch/moe.py in place of the
 dense FFN; Qwen2-MoE adds a gated shared expert; gpt-oss adds attention sinks, biases on every linear, a
 sliding window on every other layer and a clamped SwiGLU in its experts)."""
@@ -243,8 +244,8 @@ def _ffn_weights(weights, p: str, ff: int, d: int) -> tuple[Weight, Weight]:
 
 
 @register(
-    "llama", "mistral", "smollm3", "granite", "glm4", "olmo2", "qwen2", "qwen2moe", "qwen3", "qwen3moe",
-    "phi3", "gpt-oss",
+    "llama", "mistral", "smollm3", "granite", "glm4", "olmo2", "ernie4_5", "qwen2", "qwen2moe", "qwen3",
+    "qwen3moe", "phi3", "gpt-oss",
 )
 class LlamaModel(Decoder):
     """A Llama-family decoder over weights that stay in their file format."""

@@ -30,8 +30,8 @@ from models.formats.gguf import GGUFFile, open_gguf
 PERMUTED_QK = frozenset({"llama", "smollm3", "granite"})
 GEMMA_NORM_OFFSET = frozenset({"gemma3", "gemma2"})
 SUPPORTED_ARCHS = frozenset(
-    {"llama", "smollm3", "granite", "glm4", "olmo2", "qwen2", "qwen2moe", "qwen3", "qwen3moe", "gemma3",
-     "gemma2", "gpt-oss"}
+    {"llama", "smollm3", "granite", "glm4", "olmo2", "ernie4_5", "qwen2", "qwen2moe", "qwen3", "qwen3moe",
+     "gemma3", "gemma2", "gpt-oss"}
 )
 _F32, _BF16, _Q4_1 = 0, 30, 3
 

@@ -29,7 +29,7 @@ def _golden(family: str) -> dict:
 
 def test_every_family_has_a_fixture():
     dense = {"llama", "llama3-scaled", "mistral", "smollm3", "granite", "glm4", "olmo2", "qwen2", "qwen3"}
-    dense |= {"phi3"}
+    dense |= {"phi3", "ernie4_5"}
     dense |= {"gemma2", "gemma3"}
     assert dense | {"qwen2moe", "qwen3moe", "mixtral", "gpt-oss", "gpt-oss-bf16"} <= set(FAMILIES)
 
@@ -130,7 +130,7 @@ def test_unsupported_family(tmp_path):
     config = json.loads((folder / "config.json").read_text())
     config["model_type"] = "mamba"
     (folder / "config.json").write_text(json.dumps(config))
-    match = "mamba.*supported: gemma2, gemma3_text, glm4, gpt_oss, granite, llama"
+    match = "mamba.*supported: ernie4_5, gemma2, gemma3_text, glm4, gpt_oss, granite, llama"
     with pytest.raises(UnsupportedArchitectureError, match=match):
         load_model(folder)
 
@@ -520,3 +520,24 @@ def test_olmo2_norms_only_branch_outputs_also_in_gguf(tmp_path):
     g.close()
     with pytest.raises(UnsupportedArchitectureError, match="OLMo 3"):
         load_model(tmp_path / "olmo3.gguf")
+
+
+def test_ernie4_5_in_gguf_and_ffn_biases_refused(tmp_path):
+    """ERNIE 4.5 (dense) as llama.cpp writes it: an "ernie4_5" GGUF with q/k as HF keeps them (adjacent-pair
+    RoPE); a config asking for biases on every linear (use_bias, or a llama's mlp_bias) is refused, not run
+    without them."""
+    from engine.convert import convert
+
+    golden = _golden("ernie4_5")
+    out = convert(TINY / "ernie4_5", "F32", tmp_path / "e.gguf").output
+    m = load_model(out).model
+    assert m.cfg.architecture == "ernie4_5" and not m.cfg.rope_neox
+    logits = m.forward(golden["tokens"], m.new_cache(64), all_logits=True)
+    np.testing.assert_allclose(logits, np.array(golden["logits"]), atol=1e-4 * np.abs(golden["logits"]).max())
+    for family, key in (("ernie4_5", "use_bias"), ("llama", "mlp_bias")):
+        folder = _copy(family, tmp_path / family)
+        config = json.loads((folder / "config.json").read_text())
+        config[key] = True
+        (folder / "config.json").write_text(json.dumps(config))
+        with pytest.raises(UnsupportedArchitectureError, match="FFN biases"):
+            load_model(folder)
