@@ -38,6 +38,7 @@ _FAMILIES = {
     "granite": "granite",
     "glm4": "glm4",
     "olmo2": "olmo2",
+    "olmo3": "olmo2",  # llama.cpp's name for OLMo 3 too: OLMo 2 with sliding-window layers
     "ernie4_5": "ernie4_5",
     "qwen2": "qwen2",
     "qwen3": "qwen3",
@@ -249,8 +250,20 @@ def _gguf_name(hf_name: str, layer_names: dict[str, str]) -> str | None:
 
 
 def _rope_scaling(config: dict) -> tuple[float, RopeScaling]:
-    """(rope theta, scaling) from either the transformers-5 `rope_parameters` or older fields."""
+    """(rope theta, scaling) from either the transformers-5 `rope_parameters` or older fields; for OLMo 3's
+    parameters per layer type, the full-attention layers' (its windowed layers rotate unscaled with the
+    same theta: LlamaConfig.window_rope_unscaled)."""
     params = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    if "full_attention" in params:
+        local = params.get("sliding_attention") or {}
+        params = params["full_attention"]
+        if (local.get("rope_type") or "default") != "default" or local.get("rope_theta", params.get(
+            "rope_theta"
+        )) != params.get("rope_theta"):
+            raise UnsupportedArchitectureError(
+                f"RoPE parameters per layer type {config.get('rope_parameters')} are not supported yet "
+                "(the sliding-window layers' must be unscaled, with the full layers' theta)"
+            )
     theta = float(params.get("rope_theta", config.get("rope_theta", 10000.0)))
     kind = params.get("rope_type", params.get("type", "default")) or "default"
     if kind == "default":
@@ -397,6 +410,7 @@ def config_from_hf(folder: Path, config: dict) -> LlamaConfig | Gemma3Config:
             swiglu_limit=float(config.get("swiglu_limit", 7.0)),
             **_sliding_window(config),
             rope_layers=_rope_layers(config),
+            window_rope_unscaled=model_type == "olmo3",
             **_granite_constants(config),
         )
     except (KeyError, TypeError, ValueError) as e:
@@ -443,7 +457,7 @@ def _sliding_window(config: dict) -> dict:
     model_type = config.get("model_type")
     window = int(config.get("sliding_window") or 0)
     if config.get("use_sliding_window") is False or (
-        model_type not in ("mistral", "mixtral", "gpt_oss") and not config.get("use_sliding_window")
+        model_type not in ("mistral", "mixtral", "gpt_oss", "olmo3") and not config.get("use_sliding_window")
     ):
         window = 0
     if not window:

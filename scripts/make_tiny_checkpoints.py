@@ -152,6 +152,17 @@ FAMILIES = {
     "ernie4_5": (
         transformers.Ernie4_5Config, dict(tie_word_embeddings=True, head_dim=16), torch.bfloat16, False
     ),
+    # OLMo 3: a window of 4 on three layers of four, YaRN on the full layer only (the windowed ones unscaled)
+    "olmo3": (
+        transformers.Olmo3Config,
+        dict(tie_word_embeddings=False, pad_token_id=0, num_hidden_layers=4, sliding_window=4,
+             rope_parameters={
+                 "full_attention": dict(rope_type="yarn", rope_theta=50000.0, factor=4.0,
+                                        original_max_position_embeddings=64, beta_fast=32.0, beta_slow=1.0),
+                 "sliding_attention": dict(rope_type="default", rope_theta=50000.0)}),
+        torch.bfloat16,
+        False,
+    ),
     # Qwen2-MoE: 4 routed experts (2 a token, not renormalized, as Qwen1.5-MoE and Qwen2-57B-A14B) beside a
     # gated shared expert; QKV biases
     "qwen2moe": (

@@ -18,7 +18,6 @@ from engine.arch import register
 from engine.arch.base import Decoder, Scratch
 from engine.arch.moe import MoE, load_moe, moe_forward
 from engine.backends import cpu as ops
-from engine.errors import UnsupportedArchitectureError
 from engine.kv_cache import KVCache
 from engine.rope import RopeScaling, rope_attention_factor, rope_inv_freq, rope_scaling_from_gguf
 from engine.weights import Weight
@@ -26,6 +25,8 @@ from engine.weights import Weight
 # llama.cpp's converter permutes Llama's q/k weights so GGML's "normal" RoPE (adjacent pairs) applies;
 # these families keep HF's half-split ("NeoX") layout instead.
 _NEOX_ROPE = frozenset({"qwen2", "qwen2moe", "qwen3", "qwen3moe", "phi3", "gpt-oss", "olmo2"})
+# GGUF architectures that may carry attention.sliding_window (Mistral v0.1 as "llama", gpt-oss, OLMo 3)
+_WINDOWED = frozenset({"llama", "gpt-oss", "olmo2"})
 # every FFN is experts: no dense feed_forward_length needed in the GGUF
 _MOE_ONLY = frozenset({"qwen2moe", "qwen3moe", "gpt-oss"})
 
@@ -64,6 +65,9 @@ class LlamaConfig:
     # layer_types names "sliding_attention" (None: every layer; Mistral v0.1)
     sliding_window: int = 0
     layer_types: tuple[str, ...] | None = None
+    # the windowed layers rotate with plain RoPE (same theta, no scaling or attention factor) while the full
+    # layers take rope_scaling (OLMo 3)
+    window_rope_unscaled: bool = False
     # which layers rotate q and k (SmolLM3: all but every fourth, "NoPE" layers); None: every layer
     rope_layers: tuple[bool, ...] | None = None
     # Granite's constants: the embeddings and every residual branch are scaled, the attention scores use
@@ -139,11 +143,7 @@ class LlamaConfig:
             # gpt-oss was trained with YaRN's ramp ends unrounded (its config's "truncate": false)
             scaling = dataclasses.replace(scaling, truncate=False)
         n_layers = int(key("block_count"))
-        if arch == "olmo2" and int(metadata.get("olmo2.attention.sliding_window", 0)):
-            # OLMo 3 (llama.cpp writes it as olmo2 with a window): its per-layer-type RoPE is not read yet
-            raise UnsupportedArchitectureError(
-                "OLMo 3 GGUFs (olmo2 with a sliding window) are not supported yet"
-            )
+        olmo = arch == "olmo2" and bool(metadata.get("olmo2.attention.sliding_window"))
         experts = int(metadata.get(f"{arch}.expert_count", 0))
         ff = int(key("feed_forward_length", 0)) if arch in _MOE_ONLY else int(key("feed_forward_length"))
         if experts:
@@ -176,8 +176,12 @@ class LlamaConfig:
             swiglu_limit=float(key("expert_swiglu_limit", 7.0)),
             # a window on gpt-oss's even layers (llama.cpp's swa pattern 2, transformers' layer_types), on
             # every layer of a "llama" that has one (Mistral v0.1, as Hearth's converter writes it)
-            sliding_window=int(key("attention.sliding_window", 0)) if arch in ("gpt-oss", "llama") else 0,
-            layer_types=gpt_oss_layer_types(n_layers) if gpt_oss else None,
+            sliding_window=int(key("attention.sliding_window", 0)) if arch in _WINDOWED else 0,
+            layer_types=(
+                gpt_oss_layer_types(n_layers) if gpt_oss else olmo3_layer_types(n_layers) if olmo else None
+            ),
+            # OLMo 3 (llama.cpp's olmo2 with a window): plain RoPE in the windowed layers, as transformers
+            window_rope_unscaled=olmo,
             # llama.cpp fixes SmolLM3's NoPE layers at every fourth (no GGUF key)
             rope_layers=smollm3_rope_layers(n_layers) if arch == "smollm3" else None,
             embedding_multiplier=float(key("embedding_scale", 1.0)),
@@ -190,6 +194,11 @@ class LlamaConfig:
 def smollm3_rope_layers(n_layers: int, interval: int = 4) -> tuple[bool, ...]:
     """SmolLM3's RoPE flags: every `interval`-th layer (the 4th, 8th, ...) attends without positions."""
     return tuple((i + 1) % interval != 0 for i in range(n_layers))
+
+
+def olmo3_layer_types(n_layers: int) -> tuple[str, ...]:
+    """OLMo 3's layers (llama.cpp's swa pattern 4, transformers' default): a window on three of every four."""
+    return tuple("sliding_attention" if (i + 1) % 4 else "full_attention" for i in range(n_layers))
 
 
 def gpt_oss_layer_types(n_layers: int) -> tuple[str, ...]:
@@ -333,8 +342,21 @@ class LlamaModel(Decoder):
         self.rope_mscale = np.float32(1.0 if full else factor)
         base = cfg.attention_multiplier or 1.0 / np.sqrt(cfg.head_dim)  # Granite's own scale, else 1/sqrt(d)
         self.scale = np.float32((factor**2 if full else 1.0) * base)
+        # OLMo 3's windowed layers rotate with plain RoPE and no attention factor (the full layers scale)
+        self._plain_rope = None
+        if cfg.window_rope_unscaled and cfg.rope_scaling.kind != "none" and full:
+            plain = rope_inv_freq(cfg.rotary_dim, cfg.rope_theta, RopeScaling())
+            self._plain_rope = (plain, np.float32(base))
         self._decode = Scratch(cfg, 1)
         self._logits = np.empty((1, cfg.vocab_size), np.float32)
+
+    def _plain(self, i: int) -> bool:
+        # layer i rotates with plain RoPE (OLMo 3's windowed layers of a model with scaled RoPE)
+        return self._plain_rope is not None and self.cfg.window(i) is not None
+
+    def _scale_of(self, i: int) -> np.float32:
+        """Layer i's attention scale."""
+        return self._plain_rope[1] if self._plain(i) else self.scale
 
     def rope_freqs(self, n_ctx: int) -> np.ndarray:
         """The RoPE frequencies for a cache of n_ctx positions: LongRoPE models take their long factors
@@ -353,7 +375,8 @@ class LlamaModel(Decoder):
         def attend(i, attn3, q3, k3, v3):
             k_cache, v_cache = cache.update_and_fetch(i - first, k3, v3)
             sinks = self.layers[i].sinks
-            ops.attention(attn3, q3, k_cache, v_cache, pos0, self.scale, cfg.window(i), sinks=sinks)
+            scale = self._scale_of(i)
+            ops.attention(attn3, q3, k_cache, v_cache, pos0, scale, cfg.window(i), sinks=sinks)
 
         self._layers(s, tokens, attend, first, hidden, self.rope_freqs(cache.n_ctx))
         cache.advance(tokens)
@@ -383,7 +406,7 @@ class LlamaModel(Decoder):
             for b, cache in enumerate(caches):
                 k_cache, v_cache = cache.update_and_fetch(i - first, k3[b : b + 1], v3[b : b + 1])
                 pos = int(s.positions[b])
-                ops.attention(attn3[b : b + 1], q3[b : b + 1], k_cache, v_cache, pos, self.scale,
+                ops.attention(attn3[b : b + 1], q3[b : b + 1], k_cache, v_cache, pos, self._scale_of(i),
                               self.cfg.window(i), sinks=self.layers[i].sinks)
 
         # one set of frequencies for the batch: the server's caches share a context length
@@ -439,8 +462,9 @@ class LlamaModel(Decoder):
                 rows_k = s.k.reshape(-1, len(layer.k_norm))
                 ops.rmsnorm(rows_k, rows_k, layer.k_norm, cfg.rms_norm_eps)
             if cfg.uses_rope(i):
-                ops.rope(q3, s.positions, inv_freq, cfg.rotary_dim, cfg.rope_neox)
-                ops.rope(k3, s.positions, inv_freq, cfg.rotary_dim, cfg.rope_neox)
+                freqs = self._plain_rope[0] if self._plain(i) else inv_freq
+                ops.rope(q3, s.positions, freqs, cfg.rotary_dim, cfg.rope_neox)
+                ops.rope(k3, s.positions, freqs, cfg.rotary_dim, cfg.rope_neox)
                 if self.rope_mscale != 1:
                     q3[..., : cfg.rotary_dim] *= self.rope_mscale
                     k3[..., : cfg.rotary_dim] *= self.rope_mscale

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from engine.arch.llama import gpt_oss_layer_types, smollm3_rope_layers
+from engine.arch.llama import gpt_oss_layer_types, olmo3_layer_types, smollm3_rope_layers
 from engine.errors import ModelFormatError
 from engine.rope import rope_attention_factor
 from engine.tokenizer import (
@@ -97,7 +97,8 @@ def _hparams(arch: str, config: dict, cfg) -> dict[str, Any]:
     if window and arch not in ("gemma3", "gemma2"):
         # the layers are implied by the architecture, as LlamaConfig.from_gguf reads them back: every layer
         # for a "llama" (Mistral v0.1), the even ones for gpt-oss (llama.cpp's pattern)
-        implied = {"llama": None, "gpt-oss": gpt_oss_layer_types(cfg.num_hidden_layers)}
+        n = cfg.num_hidden_layers
+        implied = {"llama": None, "gpt-oss": gpt_oss_layer_types(n), "olmo2": olmo3_layer_types(n)}
         if arch not in implied or cfg.layer_types != implied[arch]:
             raise ModelFormatError(
                 "config.json",

@@ -29,7 +29,7 @@ def _golden(family: str) -> dict:
 
 def test_every_family_has_a_fixture():
     dense = {"llama", "llama3-scaled", "mistral", "smollm3", "granite", "glm4", "olmo2", "qwen2", "qwen3"}
-    dense |= {"phi3", "ernie4_5"}
+    dense |= {"phi3", "ernie4_5", "olmo3"}
     dense |= {"gemma2", "gemma3"}
     assert dense | {"qwen2moe", "qwen3moe", "mixtral", "gpt-oss", "gpt-oss-bf16"} <= set(FAMILIES)
 
@@ -489,10 +489,9 @@ def test_glm4_vocabularies_never_get_a_bos():
 def test_olmo2_norms_only_branch_outputs_also_in_gguf(tmp_path):
     """OLMo 2 as llama.cpp writes it: no attn_norm / ffn_norm, post_attention_norm and post_ffw_norm after
     the branches, attn_q_norm / attn_k_norm over the whole projections; AWQ (which folds into the missing
-    norms) refuses it with a typed error; OLMo 3 GGUFs (a window) are refused, not run wrong."""
+    norms) refuses it with a typed error."""
     from engine.convert import convert
     from engine.errors import UnsupportedArchitectureError
-    from engine.quant.gguf_writer import GGUFWriter
     from models.formats.gguf import open_gguf
 
     golden = _golden("olmo2")
@@ -504,22 +503,37 @@ def test_olmo2_norms_only_branch_outputs_also_in_gguf(tmp_path):
     g = open_gguf(out)
     assert g.architecture == "olmo2" and "blk.0.attn_norm.weight" not in g.tensors
     assert {"blk.0.post_attention_norm.weight", "blk.0.post_ffw_norm.weight"} <= set(g.tensors)
+    assert "olmo2.attention.sliding_window" not in g.metadata
+    g.close()
     m = load_model(out).model
     logits = m.forward(golden["tokens"], m.new_cache(64), all_logits=True)
     np.testing.assert_allclose(logits, np.array(golden["logits"]), atol=1e-4 * np.abs(golden["logits"]).max())
     with pytest.raises(UnsupportedArchitectureError, match="AWQ folds"):
         convert(TINY / "olmo2", "awq", tmp_path / "awq.gguf")
-    md = dict(g.metadata) | {"olmo2.attention.sliding_window": 4096}
-    specs = [(n, t.ggml_type, tuple(t.shape)) for n, t in g.tensors.items()]
-    with open(tmp_path / "olmo3.gguf", "wb") as fh:
-        w = GGUFWriter(fh, md, specs)
-        w.write_header()
-        for name, _, _ in specs:
-            w.write_tensor(name, np.ascontiguousarray(g.tensors[name].raw()).reshape(-1))
-        w.finish()
-    g.close()
-    with pytest.raises(UnsupportedArchitectureError, match="OLMo 3"):
-        load_model(tmp_path / "olmo3.gguf")
+
+
+def test_olmo3_windows_and_per_layer_rope_survive_conversion(tmp_path):
+    """OLMo 3 (the fixture: a window of 4 on three layers of four, YaRN on the full layer only) as llama.cpp
+    writes it: an olmo2 GGUF with attention.sliding_window, its layers implied (three of four windowed), the
+    windowed layers rotating with plain RoPE. RoPE settings per layer type other than that are refused."""
+    from engine.convert import convert
+    from models.formats.gguf import open_gguf
+
+    golden = _golden("olmo3")
+    out = convert(TINY / "olmo3", "F32", tmp_path / "o3.gguf").output
+    md = open_gguf(out).metadata
+    assert md["general.architecture"] == "olmo2" and md["olmo2.attention.sliding_window"] == 4
+    assert md["olmo2.rope.scaling.type"] == "yarn"
+    m = load_model(out).model
+    assert [m.cfg.window(i) for i in range(4)] == [4, 4, 4, None] and m.cfg.window_rope_unscaled
+    logits = m.forward(golden["tokens"], m.new_cache(64), all_logits=True)
+    np.testing.assert_allclose(logits, np.array(golden["logits"]), atol=1e-4 * np.abs(golden["logits"]).max())
+    folder = _copy("olmo3", tmp_path)
+    config = json.loads((folder / "config.json").read_text())
+    config["rope_parameters"]["sliding_attention"]["rope_theta"] = 10000.0
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UnsupportedArchitectureError, match="per layer type"):
+        load_model(folder)
 
 
 def test_ernie4_5_in_gguf_and_ffn_biases_refused(tmp_path):
