@@ -1,11 +1,14 @@
-"""Llama family: Llama 2/3, Mistral, SmolLM2/3, Qwen2/3, Phi-3 (GQA, RoPE, RMSNorm, SwiGLU; SmolLM3 leaves
-RoPE out of every fourth layer; Granite 3 scales the embeddings, residual branches, attention scores and
-logits by constants; GLM-4 norms each branch's output too and rotates half of each head in adjacent
-pairs, as ERNIE 4.5 does on whole heads; OLMo 2 norms only the branch outputs, and q and k over their whole
-width), and its
-mixture-of-experts members Mixtral, Qwen2-MoE, Qwen3-MoE and gpt-oss (engine/arch/moe.py in place of the
-dense FFN; Qwen2-MoE adds a gated shared expert; gpt-oss adds attention sinks, biases on every linear, a
-sliding window on every other layer and a clamped SwiGLU in its experts)."""
+"""Llama family: Llama 2/3, Mistral, SmolLM2/3, Qwen2/3, Phi-3 (GQA, RoPE, RMSNorm, SwiGLU), the variants
+that change a piece of that layer, and the mixture-of-experts members (engine/arch/moe.py in place of the
+dense FFN).
+
+Variants: SmolLM3 leaves RoPE out of every fourth layer; Granite 3 scales the embeddings, residual
+branches, attention scores and logits by constants; GLM-4 norms each branch's output too and rotates half
+of each head in adjacent pairs, as ERNIE 4.5 does on whole heads; OLMo 2 norms only the branch outputs, and
+q and k over their whole width; OLMo 3 adds a window on three layers of four, which rotate with plain RoPE.
+Mixture of experts: Mixtral, Qwen3-MoE, Qwen2-MoE (with a gated shared expert) and gpt-oss (attention
+sinks, biases on every linear, a sliding window on every other layer and a clamped SwiGLU in its experts).
+"""
 
 from __future__ import annotations
 
