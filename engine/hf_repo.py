@@ -48,6 +48,7 @@ _FAMILIES = {
     "mixtral": "llama",  # llama.cpp's name for Mixtral too: a llama with experts
     "qwen2_moe": "qwen2moe",
     "qwen3_moe": "qwen3moe",
+    "glm4_moe": "glm4moe",  # GLM-4.5 / 4.6 / 4.7 (MoE)
     "gpt_oss": "gpt-oss",
 }
 
@@ -81,6 +82,10 @@ _LAYER_NAMES = {
     "mlp.shared_expert.up_proj.weight": "ffn_up_shexp.weight",
     "mlp.shared_expert.down_proj.weight": "ffn_down_shexp.weight",
     "mlp.shared_expert_gate.weight": "ffn_gate_inp_shexp.weight",
+    "mlp.shared_experts.gate_proj.weight": "ffn_gate_shexp.weight",  # GLM-4.5's (ungated) shared experts
+    "mlp.shared_experts.up_proj.weight": "ffn_up_shexp.weight",
+    "mlp.shared_experts.down_proj.weight": "ffn_down_shexp.weight",
+    "mlp.gate.e_score_correction_bias": "exp_probs_b.bias",  # GLM-4.5's routing bias
 }
 # experts: HF keeps one tensor per expert, GGUF one (experts, rows, cols) tensor; expert e of GGUF tensor T
 # is named T.e here (HFWeights.experts)
@@ -369,7 +374,8 @@ def config_from_hf(folder: Path, config: dict) -> LlamaConfig | Gemma3Config:
     )
     theta, scaling = _rope_scaling(config)
     _refuse_linear_biases(config)
-    experts = int(config.get("num_experts") or config.get("num_local_experts") or 0)
+    experts = config.get("num_experts") or config.get("num_local_experts") or config.get("n_routed_experts")
+    experts = int(experts or 0)
     if experts and (config.get("mlp_only_layers") or int(config.get("decoder_sparse_step") or 1) != 1):
         raise UnsupportedArchitectureError(
             f"{folder}: mixture-of-experts models with dense layers between the sparse ones "
@@ -380,7 +386,15 @@ def config_from_hf(folder: Path, config: dict) -> LlamaConfig | Gemma3Config:
         hidden = int(config["hidden_size"])
         head_dim = int(config.get("head_dim") or hidden // heads)
         qwen_moe = model_type in ("qwen2_moe", "qwen3_moe")
-        ff = int(config["moe_intermediate_size" if qwen_moe else "intermediate_size"])
+        ff = int(config["moe_intermediate_size" if qwen_moe or experts and model_type == "glm4_moe" else
+                        "intermediate_size"])
+        # Mixtral always renormalizes the chosen experts' weights (gpt-oss's softmax over the chosen
+        # logits is the same numbers); Qwen2/3-MoE say so in their configs; GLM-4.5 routes its own way
+        moe = {
+            "norm_topk_prob": bool(config.get("norm_topk_prob", False)) if qwen_moe else True,
+            "shared_expert_intermediate_size": int(config.get("shared_expert_intermediate_size") or 0)
+            if model_type == "qwen2_moe" else 0,
+        } | _glm_moe(config, ff)
         return LlamaConfig(
             hidden_size=hidden,
             intermediate_size=ff,
@@ -400,11 +414,7 @@ def config_from_hf(folder: Path, config: dict) -> LlamaConfig | Gemma3Config:
             architecture=arch,
             num_experts=experts,
             num_experts_per_tok=int(config["num_experts_per_tok"]) if experts else 0,
-            # Mixtral always renormalizes the chosen experts' weights (gpt-oss's softmax over the chosen
-            # logits is the same numbers); Qwen2/3-MoE say so in their configs
-            norm_topk_prob=bool(config.get("norm_topk_prob", False)) if qwen_moe else True,
-            shared_expert_intermediate_size=int(config.get("shared_expert_intermediate_size") or 0)
-            if model_type == "qwen2_moe" else 0,
+            **moe,
             expert_act="swiglu_oai" if model_type == "gpt_oss" else "silu",
             swiglu_alpha=float(config.get("swiglu_alpha", 1.702)),
             swiglu_limit=float(config.get("swiglu_limit", 7.0)),
@@ -415,6 +425,26 @@ def config_from_hf(folder: Path, config: dict) -> LlamaConfig | Gemma3Config:
         )
     except (KeyError, TypeError, ValueError) as e:
         raise ModelFormatError(folder / "config.json", f"missing or invalid hyper-parameter ({e})") from e
+
+
+def _glm_moe(config: dict, expert_ff: int) -> dict:
+    """GLM-4.5's mixture of experts (LlamaConfig fields): sigmoid routing scaled by routed_scaling_factor,
+    n_shared_experts ungated shared experts, first_k_dense_replace leading dense layers."""
+    if config.get("model_type") != "glm4_moe":
+        return {}
+    groups, top_groups = int(config.get("n_group") or 1), int(config.get("topk_group") or 1)
+    if top_groups < groups:
+        raise UnsupportedArchitectureError(
+            f"group-limited expert routing (n_group {groups}, topk_group {top_groups}) is not supported yet"
+        )
+    return {
+        "expert_gating": "sigmoid",
+        "expert_weights_scale": float(config.get("routed_scaling_factor", 1.0)),
+        "norm_topk_prob": bool(config.get("norm_topk_prob", True)),
+        "shared_expert_intermediate_size": expert_ff * int(config.get("n_shared_experts") or 0),
+        "first_dense_layers": int(config.get("first_k_dense_replace") or 0),
+        "dense_intermediate_size": int(config["intermediate_size"]),
+    }
 
 
 def _refuse_linear_biases(config: dict) -> None:

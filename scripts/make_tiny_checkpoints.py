@@ -163,6 +163,17 @@ FAMILIES = {
         torch.bfloat16,
         False,
     ),
+    # GLM-4.5 (MoE): a dense first layer, then 4 routed experts (2 a token, sigmoid scores plus a choice bias,
+    # scaled by 2.5) beside an ungated shared expert; half of each head rotated; q/k norms; QKV biases
+    "glm4moe": (
+        transformers.Glm4MoeConfig,
+        dict(tie_word_embeddings=False, num_hidden_layers=3, head_dim=16, partial_rotary_factor=0.5,
+             attention_bias=True, use_qk_norm=True, n_routed_experts=4, num_experts_per_tok=2,
+             n_shared_experts=1, moe_intermediate_size=48, first_k_dense_replace=1, routed_scaling_factor=2.5,
+             n_group=1, topk_group=1, norm_topk_prob=True, pad_token_id=0),
+        torch.bfloat16,
+        False,
+    ),
     # Qwen2-MoE: 4 routed experts (2 a token, not renormalized, as Qwen1.5-MoE and Qwen2-57B-A14B) beside a
     # gated shared expert; QKV biases
     "qwen2moe": (
@@ -306,6 +317,9 @@ def write_family(name: str, out: Path) -> None:
                 p.copy_(mxfp4_round(p.transpose(1, 2)).transpose(1, 2))
             if pname.endswith("sinks"):
                 p.copy_(torch.linspace(-1.0, 2.0, p.numel()))
+        for bname, b in model.named_buffers():  # GLM-4.5's routing bias: a buffer, zero at init
+            if bname.endswith("e_score_correction_bias"):
+                b.copy_(0.3 * torch.randn_like(b))
     model = model.to(dtype)
     folder = out / name
     shutil.rmtree(folder, ignore_errors=True)

@@ -26,6 +26,10 @@ class Scratch:
         self.o = np.empty((n, cfg.hidden_size), f32)
         self.gate = np.empty((n, cfg.intermediate_size), f32)
         self.up = np.empty((n, cfg.intermediate_size), f32)
+        # a mixture of experts' leading dense layers (GLM-4.5): their own FFN length
+        dense_ff = getattr(cfg, "dense_intermediate_size", 0) or cfg.intermediate_size
+        self.dense_gate = self.gate if dense_ff == cfg.intermediate_size else np.empty((n, dense_ff), f32)
+        self.dense_up = self.up if dense_ff == cfg.intermediate_size else np.empty((n, dense_ff), f32)
         self.positions = np.empty(n, np.int64)
 
 

@@ -27,7 +27,7 @@ from engine.weights import Weight
 
 # llama.cpp's converter permutes Llama's q/k weights so GGML's "normal" RoPE (adjacent pairs) applies;
 # these families keep HF's half-split ("NeoX") layout instead.
-_NEOX_ROPE = frozenset({"qwen2", "qwen2moe", "qwen3", "qwen3moe", "phi3", "gpt-oss", "olmo2"})
+_NEOX_ROPE = frozenset({"qwen2", "qwen2moe", "qwen3", "qwen3moe", "phi3", "gpt-oss", "olmo2", "glm4moe"})
 # GGUF architectures that may carry attention.sliding_window (Mistral v0.1 as "llama", gpt-oss, OLMo 3)
 _WINDOWED = frozenset({"llama", "gpt-oss", "olmo2"})
 # every FFN is experts: no dense feed_forward_length needed in the GGUF
@@ -57,8 +57,16 @@ class LlamaConfig:
     num_experts: int = 0
     num_experts_per_tok: int = 0
     norm_topk_prob: bool = True
-    # the intermediate size of a shared expert every token runs beside the routed ones (Qwen2-MoE; 0: none)
+    # the intermediate size of a shared expert every token runs beside the routed ones (Qwen2-MoE, GLM-4.5;
+    # 0: none)
     shared_expert_intermediate_size: int = 0
+    # routing: "softmax" over the logits, or "sigmoid" scores with a per-expert choice bias (GLM-4.5); the
+    # chosen experts' weights are multiplied by expert_weights_scale
+    expert_gating: str = "softmax"
+    expert_weights_scale: float = 1.0
+    # the first layers keep a dense FFN of dense_intermediate_size (GLM-4.5's first_k_dense_replace)
+    first_dense_layers: int = 0
+    dense_intermediate_size: int = 0
     # the experts' activation: "silu" (silu(gate) * up) or "swiglu_oai" (gpt-oss: gate clamped above and up
     # both ways at swiglu_limit, then gate * sigmoid(swiglu_alpha gate) * (up + 1))
     expert_act: str = "silu"
@@ -96,6 +104,8 @@ class LlamaConfig:
         self.kv_dim = self.num_key_value_heads * self.head_dim
         if self.expert_act not in ("silu", "swiglu_oai"):
             raise ValueError(f"unknown expert activation {self.expert_act!r}")
+        if self.expert_gating not in ("softmax", "sigmoid"):
+            raise ValueError(f"unknown expert gating {self.expert_gating!r}")
         if self.layer_types is not None and len(self.layer_types) != self.num_hidden_layers:
             raise ValueError(f"{len(self.layer_types)} layer types for {self.num_hidden_layers} layers")
         if self.rope_layers is not None and len(self.rope_layers) != self.num_hidden_layers:
@@ -121,6 +131,10 @@ class LlamaConfig:
         over the whole projections."""
         return self.architecture == "olmo2"
 
+    def has_experts(self, layer: int) -> bool:
+        """Layer `layer` runs a mixture of experts (not one of the leading dense layers)."""
+        return bool(self.num_experts) and layer >= self.first_dense_layers
+
     def uses_rope(self, layer: int) -> bool:
         """Whether layer `layer` rotates q and k (False in SmolLM3's NoPE layers)."""
         return self.rope_layers is None or self.rope_layers[layer]
@@ -145,12 +159,18 @@ class LlamaConfig:
         if gpt_oss and scaling.kind == "yarn":
             # gpt-oss was trained with YaRN's ramp ends unrounded (its config's "truncate": false)
             scaling = dataclasses.replace(scaling, truncate=False)
-        n_layers = int(key("block_count"))
+        # GLM-4.5's GGUFs count their next-token-prediction layers in block_count; they are not run
+        n_layers = int(key("block_count")) - int(metadata.get(f"{arch}.nextn_predict_layers", 0))
         olmo = arch == "olmo2" and bool(metadata.get("olmo2.attention.sliding_window"))
         experts = int(metadata.get(f"{arch}.expert_count", 0))
         ff = int(key("feed_forward_length", 0)) if arch in _MOE_ONLY else int(key("feed_forward_length"))
+        dense_ff = ff
         if experts:
             ff = int(metadata.get(f"{arch}.expert_feed_forward_length", ff))
+        # a shared expert: its own length (Qwen2-MoE), or a count of expert-sized ones (GLM-4.5)
+        shared_ff = int(key("expert_shared_feed_forward_length", 0))
+        shared_ff = shared_ff or ff * int(key("expert_shared_count", 0))
+        leading_dense = int(key("leading_dense_block_count", 0)) if experts else 0
         return cls(
             hidden_size=hidden,
             intermediate_size=ff,
@@ -172,7 +192,12 @@ class LlamaConfig:
             # experts' logits is the same numbers), its Qwen2-MoE graph does not (Qwen1.5-MoE's and
             # Qwen2-57B-A14B's norm_topk_prob false); Hearth's converter writes the key
             norm_topk_prob=bool(metadata.get(f"{arch}.expert_weights_norm", arch != "qwen2moe")),
-            shared_expert_intermediate_size=int(key("expert_shared_feed_forward_length", 0)),
+            shared_expert_intermediate_size=shared_ff if experts else 0,
+            # llama.cpp's expert_gating_func: 1 softmax, 2 sigmoid
+            expert_gating="sigmoid" if int(key("expert_gating_func", 1)) == 2 else "softmax",
+            expert_weights_scale=float(key("expert_weights_scale", 1.0)),
+            first_dense_layers=leading_dense,
+            dense_intermediate_size=dense_ff if leading_dense else 0,
             expert_act="swiglu_oai" if gpt_oss else "silu",
             # llama.cpp fixes gpt-oss's 1.702 and 7.0; Hearth's converter writes other values under these keys
             swiglu_alpha=float(key("expert_swiglu_alpha", 1.702)),
@@ -257,7 +282,7 @@ def _ffn_weights(weights, p: str, ff: int, d: int) -> tuple[Weight, Weight]:
 
 @register(
     "llama", "mistral", "smollm3", "granite", "glm4", "olmo2", "ernie4_5", "qwen2", "qwen2moe", "qwen3",
-    "qwen3moe", "phi3", "gpt-oss",
+    "qwen3moe", "glm4moe", "phi3", "gpt-oss",
 )
 class LlamaModel(Decoder):
     """A Llama-family decoder over weights that stay in their file format."""
@@ -285,8 +310,9 @@ class LlamaModel(Decoder):
 
             wq, wk, wv = _attention_weights(weights, p, q, kv, d)
             moe = None
-            if cfg.num_experts:
+            if cfg.has_experts(i):
                 moe = load_moe(weights, p, cfg.num_experts, ff, d, cfg.shared_expert_intermediate_size)
+            layer_ff = (cfg.dense_intermediate_size or ff) if cfg.first_dense_layers > i else ff
             # llama.cpp's gpt-oss names the pre-FFN norm post_attention_norm; its sinks may lack ".weight".
             # Beside an ffn_norm (GLM-4), post_attention_norm norms the attention output
             attn_norm, ffn_norm = "attn_norm.weight", "ffn_norm.weight"
@@ -297,7 +323,7 @@ class LlamaModel(Decoder):
                 ffn_norm, post_attn = post_attn, ""
             qk_norm = (q, kv) if cfg.post_norm_only else (cfg.head_dim, cfg.head_dim)
             sinks = next((s for s in ("attn_sinks.weight", "attn_sinks") if weights.has(p + s)), None)
-            w_gate, w_up = _ffn_weights(weights, p, ff, d) if moe is None else (None, None)
+            w_gate, w_up = _ffn_weights(weights, p, layer_ff, d) if moe is None else (None, None)
             self.layers.append(
                 LlamaLayer(
                     attn_norm=weights.vector(p + attn_norm, d) if attn_norm else None,
@@ -308,7 +334,7 @@ class LlamaModel(Decoder):
                     ffn_norm=weights.vector(p + ffn_norm, d) if ffn_norm else None,
                     w_gate=w_gate,
                     w_up=w_up,
-                    w_down=weights.matrix(p + "ffn_down.weight", d, ff) if moe is None else None,
+                    w_down=weights.matrix(p + "ffn_down.weight", d, layer_ff) if moe is None else None,
                     bq=optional("attn_q.bias", q),
                     bk=optional("attn_k.bias", kv),
                     bv=optional("attn_v.bias", kv),
@@ -487,12 +513,13 @@ class LlamaModel(Decoder):
                 continue
             if capture is not None:
                 capture(i, "ffn_up", s.h)
-            ops.linear(s.gate, layer.w_gate, s.h)
-            ops.linear(s.up, layer.w_up, s.h)
-            ops.silu_mul(s.gate, s.gate, s.up)
+            gate, up = (s.gate, s.up) if layer.w_gate.rows == s.gate.shape[1] else (s.dense_gate, s.dense_up)
+            ops.linear(gate, layer.w_gate, s.h)
+            ops.linear(up, layer.w_up, s.h)
+            ops.silu_mul(gate, gate, up)
             if capture is not None:
-                capture(i, "ffn_down", s.gate)
-            ops.linear(s.o, layer.w_down, s.gate)
+                capture(i, "ffn_down", gate)
+            ops.linear(s.o, layer.w_down, gate)
             if layer.post_ffn_norm is not None:
                 ops.rmsnorm(s.o, s.o, layer.post_ffn_norm, cfg.rms_norm_eps)
             _add_residual(s.x, s.o, residual)

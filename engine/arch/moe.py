@@ -1,12 +1,14 @@
-"""Mixture-of-experts feed-forward blocks (Mixtral, Qwen2-MoE, Qwen3-MoE, gpt-oss): a router picks k experts
-per token.
+"""Mixture-of-experts feed-forward blocks (Mixtral, Qwen2-MoE, Qwen3-MoE, gpt-oss, GLM-4.5): a router picks k
+experts per token.
 
 out[t] = sum over the k experts e with the largest router logits of w[t, e] * down_e(silu(gate_e h) * up_e h)
 with w = softmax over all experts' logits, taken at the chosen ones and (norm_topk_prob) renormalized to
 sum 1, as transformers computes it (Mixtral's and gpt-oss's "softmax over the top k" is the same numbers).
 gpt-oss adds a bias to the router and to each expert's three matrices, and its own activation
 (LlamaConfig.expert_act). Qwen2-MoE adds a shared expert every token runs, a dense SwiGLU FFN whose output
-is scaled by sigmoid(shared_gate . h) and added to the routed experts' sum.
+is scaled by sigmoid(shared_gate . h) and added to the routed experts' sum. GLM-4.5 routes by sigmoid
+scores instead of a softmax: the k largest of score + a per-expert bias are chosen, weighted by their scores
+(renormalized) times a constant, and its shared expert is ungated.
 
 Each expert is an ordinary weight matrix (a row block of the file's (experts, rows, cols) tensor, still
 in its quantized format), so every weight type the engine computes with works here. Tokens are grouped by
@@ -46,7 +48,10 @@ class MoE:
     # the shared expert (Qwen2-MoE): gate, up (shared_ff, hidden) and down (hidden, shared_ff), and its
     # gate's weight vector (hidden,); None: none
     shared: tuple[Weight, Weight, Weight] | None = None
-    shared_gate: np.ndarray | None = None
+    shared_gate: np.ndarray | None = None  # None with a shared expert: ungated (GLM-4.5)
+    # sigmoid routing's per-expert bias added to the scores for the choice only (GLM-4.5's
+    # e_score_correction_bias), (experts,); None: none
+    score_bias: np.ndarray | None = None
 
     def weights(self) -> list[Weight]:
         return [self.router, *self.gate, *self.up, *self.down, *(self.shared or ())]
@@ -65,6 +70,7 @@ def load_moe(weights, p: str, n_experts: int, ff: int, d: int, shared_ff: int = 
         router=weights.matrix(p + "ffn_gate_inp.weight", n_experts, d),
         **{k: weights.experts(f"{p}ffn_{k}_exps.weight", n_experts, *s) for k, s in shapes.items()},
         router_bias=bias("ffn_gate_inp.bias", (n_experts,)),
+        score_bias=bias("exp_probs_b.bias", (n_experts,)),
         **{f"{k}_bias": bias(f"ffn_{k}_exps.bias", (n_experts, s[0])) for k, s in shapes.items()},
     )
     stacker = getattr(weights, "expert_stack", None)
@@ -78,7 +84,8 @@ def load_moe(weights, p: str, n_experts: int, ff: int, d: int, shared_ff: int = 
             weights.matrix(p + "ffn_up_shexp.weight", shared_ff, d),
             weights.matrix(p + "ffn_down_shexp.weight", d, shared_ff),
         )
-        moe.shared_gate = _shared_gate(weights, p + "ffn_gate_inp_shexp.weight", d)
+        gate = p + "ffn_gate_inp_shexp.weight"
+        moe.shared_gate = _shared_gate(weights, gate, d) if weights.has(gate) else None
     return moe
 
 
@@ -92,15 +99,33 @@ def _shared_gate(weights, name: str, d: int) -> np.ndarray:
         return weights.floats(name, (d,))
 
 
-def route(logits: np.ndarray, k: int, normalize: bool) -> tuple[np.ndarray, np.ndarray]:
-    """(experts (n, k) int64, weights (n, k) float32) from router logits (n, experts): the k largest
-    logits of each token (ties: the lower index first) and their softmax probabilities."""
-    top = np.argsort(-logits, axis=1, kind="stable")[:, :k]
-    z = logits - logits.max(axis=1, keepdims=True)
-    p = np.exp(z, dtype=np.float32)
-    chosen = np.take_along_axis(p, top, axis=1)
-    total = chosen.sum(axis=1, keepdims=True) if normalize else p.sum(axis=1, keepdims=True)
-    return top, (chosen / total).astype(np.float32)
+def route(
+    logits: np.ndarray, k: int, normalize: bool, sigmoid: bool = False, bias: np.ndarray | None = None,
+    scale: float = 1.0,
+) -> tuple[np.ndarray, np.ndarray]:
+    """(experts (n, k) int64, weights (n, k) float32) from router logits (n, experts).
+
+    Softmax routing: the k largest logits of each token (ties: the lower index first) and their softmax
+    probabilities (renormalized over the k when `normalize`). Sigmoid routing (GLM-4.5, DeepSeek-V3): the
+    k largest of sigmoid(logit) + bias, weighted by their sigmoid scores (renormalized when `normalize`).
+    Either way the weights are then multiplied by `scale`."""
+    if sigmoid:
+        scores = (np.float32(1) / (np.float32(1) + np.exp(-logits))).astype(np.float32)
+        choice = scores if bias is None else scores + bias
+        top = np.argsort(-choice, axis=1, kind="stable")[:, :k]
+        w = np.take_along_axis(scores, top, axis=1)
+        if normalize:
+            w = w / (w.sum(axis=1, keepdims=True) + np.float32(1e-20))
+    else:
+        top = np.argsort(-logits, axis=1, kind="stable")[:, :k]
+        z = logits - logits.max(axis=1, keepdims=True)
+        p = np.exp(z, dtype=np.float32)
+        chosen = np.take_along_axis(p, top, axis=1)
+        total = chosen.sum(axis=1, keepdims=True) if normalize else p.sum(axis=1, keepdims=True)
+        w = chosen / total
+    if scale != 1.0:
+        w = w * np.float32(scale)
+    return top, w.astype(np.float32)
 
 
 def moe_forward(out: np.ndarray, h: np.ndarray, moe: MoE, cfg) -> None:
@@ -111,7 +136,8 @@ def moe_forward(out: np.ndarray, h: np.ndarray, moe: MoE, cfg) -> None:
     ops.linear(logits, moe.router, h)
     if moe.router_bias is not None:
         logits += moe.router_bias
-    experts, w = route(logits, cfg.num_experts_per_tok, cfg.norm_topk_prob)
+    experts, w = route(logits, cfg.num_experts_per_tok, cfg.norm_topk_prob, cfg.expert_gating == "sigmoid",
+                       moe.score_bias, cfg.expert_weights_scale)
     if n == 1 and moe.stacks is not None:
         _one_token(out, h, moe, experts[0], w[0], cfg)
     else:
@@ -131,6 +157,9 @@ def _add_shared(out: np.ndarray, h: np.ndarray, moe: MoE) -> None:
     ops.silu_mul(gate, gate, up)
     y = np.empty_like(out)
     ops.linear(y, down_w, gate)
+    if moe.shared_gate is None:  # GLM-4.5: ungated
+        out += y
+        return
     # a row's gate logit in one fixed order, alone or in a batch (BLAS's gemv may not keep it)
     logit = (h * moe.shared_gate).sum(axis=1, dtype=np.float32)
     out += (np.float32(1) / (np.float32(1) + np.exp(-logit)))[:, None] * y

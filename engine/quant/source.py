@@ -31,7 +31,7 @@ PERMUTED_QK = frozenset({"llama", "smollm3", "granite"})
 GEMMA_NORM_OFFSET = frozenset({"gemma3", "gemma2"})
 SUPPORTED_ARCHS = frozenset(
     {"llama", "smollm3", "granite", "glm4", "olmo2", "ernie4_5", "qwen2", "qwen2moe", "qwen3", "qwen3moe",
-     "gemma3", "gemma2", "gpt-oss"}
+     "glm4moe", "gemma3", "gemma2", "gpt-oss"}
 )
 _F32, _BF16, _Q4_1 = 0, 30, 3
 
@@ -150,12 +150,14 @@ def _hf_source(folder: Path) -> SourceModel:
         )
     st = open_safetensors_repo(folder)
     weights = HFWeights(st, folder, arch)
-    names_map = weights.names  # gguf name -> hf name
+    # gguf name -> hf name, without layers past num_hidden_layers (GLM-4.5's next-token-prediction layer)
+    names_map = {g: hf for g, hf in weights.names.items() if _layer_of(g) < cfg.num_hidden_layers}
     metadata = metadata_from_hf(folder, config, cfg)
     n_head = cfg.num_attention_heads
     n_kv = cfg.num_key_value_heads
     try:
         quantized = _quantized_linears(st, folder, weights)
+        quantized = {g: v for g, v in quantized.items() if _layer_of(g) < cfg.num_hidden_layers}
     except ModelFormatError:
         st.close()
         raise
@@ -223,6 +225,11 @@ def _hf_source(folder: Path) -> SourceModel:
         _loader=load,
         _closer=st.close,
     )
+
+
+def _layer_of(gguf_name: str) -> int:
+    """The block index of a GGUF tensor name ("blk.N."), -1 for the others."""
+    return int(gguf_name.split(".", 2)[1]) if gguf_name.startswith("blk.") else -1
 
 
 _EXPERT_NAME = re.compile(r"blk\.\d+\.ffn_\w+_exps\.weight\.\d+")  # HFWeights' name of one expert

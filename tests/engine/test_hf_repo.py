@@ -31,7 +31,7 @@ def test_every_family_has_a_fixture():
     dense = {"llama", "llama3-scaled", "mistral", "smollm3", "granite", "glm4", "olmo2", "qwen2", "qwen3"}
     dense |= {"phi3", "ernie4_5", "olmo3"}
     dense |= {"gemma2", "gemma3"}
-    assert dense | {"qwen2moe", "qwen3moe", "mixtral", "gpt-oss", "gpt-oss-bf16"} <= set(FAMILIES)
+    assert dense | {"qwen2moe", "qwen3moe", "glm4moe", "mixtral", "gpt-oss", "gpt-oss-bf16"} <= set(FAMILIES)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -130,7 +130,7 @@ def test_unsupported_family(tmp_path):
     config = json.loads((folder / "config.json").read_text())
     config["model_type"] = "mamba"
     (folder / "config.json").write_text(json.dumps(config))
-    match = "mamba.*supported: ernie4_5, gemma2, gemma3_text, glm4, gpt_oss, granite, llama"
+    match = "mamba.*supported: ernie4_5, gemma2, gemma3_text, glm4, glm4_moe, gpt_oss, granite, llama"
     with pytest.raises(UnsupportedArchitectureError, match=match):
         load_model(folder)
 

@@ -92,8 +92,8 @@ def test_gguf_models_give_transformers_logits(ggufs, family, monkeypatch):
     routes = []  # the F16 model's routing, layer by layer, replayed in the Q8_0 model (below)
     route_f16 = moe_module.route
 
-    def recording(logits, k, normalize):
-        routes.append(route_f16(logits, k, normalize))
+    def recording(*args):
+        routes.append(route_f16(*args))
         return routes[-1]
 
     for fmt in ("F16", "Q8_0"):
@@ -108,7 +108,7 @@ def test_gguf_models_give_transformers_logits(ggufs, family, monkeypatch):
             # layer 0, which every later position then attends to); with the F16 model's routing the
             # remaining error is Q8_0's alone
             replay = iter(routes)
-            monkeypatch.setattr(moe_module, "route", lambda logits, k, normalize, it=replay: next(it))
+            monkeypatch.setattr(moe_module, "route", lambda *args, it=replay: next(it))
             err = np.abs(m.forward(golden["tokens"], m.new_cache(64), all_logits=True) - ref).max(axis=1)
             assert next(replay, None) is None
             assert np.median(err / scale) < 3e-2 and (err / scale).max() < 5e-2, err / scale
@@ -349,3 +349,60 @@ def test_mxfp4_moe_conversion_writes_llama_cpps_mxfp4_experts(tmp_path):
     m = load_model(out).model
     err = np.abs(m.forward(golden["tokens"], m.new_cache(32), all_logits=True) - ref).max(axis=1)
     assert np.median(err) < 0.2 * np.abs(ref).max()  # 4-bit experts: Q4_0 gives 0.26 of the scale here
+
+
+def test_glm45_moe_in_gguf_with_llama_cpps_keys_and_nextn_layers(tmp_path):
+    """GLM-4.5 (the fixture: a dense first layer, then sigmoid-routed experts with a choice bias, scaled by
+    2.5, beside an ungated shared expert) as a glm4moe GGUF: llama.cpp's keys; block_count that counts a
+    next-token-prediction layer (nextn_predict_layers), whose tensors are not run; the pre-FFN norm under
+    llama.cpp's name post_attention_norm. Group-limited routing (DeepSeek-V3) is refused."""
+    from engine.errors import UnsupportedArchitectureError
+    from engine.quant.gguf_writer import GGUFWriter
+
+    golden = _golden("glm4moe")
+    out = convert(TINY / "glm4moe", "F16", tmp_path / "glm.gguf").output
+    g = open_gguf(out)
+    md = dict(g.metadata)
+    assert g.architecture == "glm4moe"
+    assert (md["glm4moe.expert_gating_func"], md["glm4moe.leading_dense_block_count"]) == (2, 1)
+    assert (md["glm4moe.expert_shared_count"], md["glm4moe.expert_weights_scale"]) == (1, 2.5)
+    assert "blk.0.ffn_gate.weight" in g.tensors and "blk.1.ffn_gate_exps.weight" in g.tensors
+    assert g.tensors["blk.1.exp_probs_b.bias"].type_name == "F32"
+    # llama.cpp's file: one more block (the MTP layer, a copy of the last here) and its pre-FFN norm name
+    md |= {"glm4moe.block_count": 4, "glm4moe.nextn_predict_layers": 1}
+    specs, data = [], {}
+    for name, t in g.tensors.items():
+        for new in (name, name.replace("blk.2.", "blk.3.")) if name.startswith("blk.2.") else (name,):
+            new = new.replace("ffn_norm.weight", "post_attention_norm.weight")
+            specs.append((new, t.ggml_type, tuple(t.shape)))
+            data[new] = np.ascontiguousarray(t.raw()).reshape(-1)
+    with open(tmp_path / "llama-cpp.gguf", "wb") as fh:
+        w = GGUFWriter(fh, md, specs)
+        w.write_header()
+        for name, _, _ in specs:
+            w.write_tensor(name, data[name])
+        w.finish()
+    g.close()
+    ref = np.array(golden["logits"])
+    for path in (out, tmp_path / "llama-cpp.gguf"):
+        m = load_model(path).model
+        assert m.cfg.num_hidden_layers == 3 and m.layers[0].moe is None
+        assert m.layers[1].moe.shared is not None and m.layers[1].moe.shared_gate is None
+        err = np.abs(m.forward(golden["tokens"], m.new_cache(32), all_logits=True) - ref).max()
+        assert err < 1e-3 * np.abs(ref).max(), err  # F16 weights
+    config = json.loads((TINY / "glm4moe" / "config.json").read_text())
+    import shutil
+
+    shutil.copytree(TINY / "glm4moe", tmp_path / "grouped")
+    (tmp_path / "grouped" / "config.json").write_text(json.dumps(config | {"n_group": 2, "topk_group": 1}))
+    with pytest.raises(UnsupportedArchitectureError, match="group-limited"):
+        load_model(tmp_path / "grouped")
+
+
+def test_sigmoid_routing_chooses_by_biased_score_and_weighs_by_score():
+    logits = np.array([[0.0, 2.0, 1.0, -1.0]], np.float32)
+    bias = np.array([3.0, 0.0, 0.0, 0.0], np.float32)
+    experts, w = route(logits, 2, normalize=True, sigmoid=True, bias=bias, scale=2.5)
+    s = 1 / (1 + np.exp(-logits[0]))
+    np.testing.assert_array_equal(experts, [[0, 1]])  # expert 0 chosen by its bias, not its score
+    np.testing.assert_allclose(w[0], 2.5 * s[[0, 1]] / s[[0, 1]].sum(), rtol=1e-6)
