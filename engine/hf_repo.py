@@ -15,7 +15,7 @@ import numpy as np
 from tokenizers import Tokenizer as HFTokenizer
 
 from engine.arch.gemma3 import Gemma3Config
-from engine.arch.llama import LlamaConfig, gpt_oss_layer_types, smollm3_rope_layers
+from engine.arch.llama import LlamaConfig, gpt_oss_layer_types, smollm3_rope_layers, windowed_rope_layers
 from engine.errors import MissingTensorError, ModelFormatError, UnsupportedArchitectureError
 from engine.hf_experts import FusedExperts
 from engine.rope import RopeScaling
@@ -40,6 +40,7 @@ _FAMILIES = {
     "olmo2": "olmo2",
     "olmo3": "olmo2",  # llama.cpp's name for OLMo 3 too: OLMo 2 with sliding-window layers
     "ernie4_5": "ernie4_5",
+    "exaone4": "exaone4",
     "qwen2": "qwen2",
     "qwen3": "qwen3",
     "phi3": "phi3",
@@ -100,7 +101,8 @@ _GEMMA3_LAYER_NAMES = {
     "pre_feedforward_layernorm.weight": "ffn_norm.weight",
     "post_feedforward_layernorm.weight": "post_ffw_norm.weight",
 }
-# OLMo 2 norms the branch outputs: HF's post_attention_layernorm is llama.cpp's post_attention_norm
+# OLMo 2 and EXAONE 4 norm the branch outputs: HF's post_attention_layernorm is llama.cpp's
+# post_attention_norm
 _OLMO2_LAYER_NAMES = {
     **_LAYER_NAMES,
     "post_attention_layernorm.weight": "post_attention_norm.weight",
@@ -144,7 +146,7 @@ class HFWeights:
         self.st = st
         self.folder = folder
         layer_names = _GEMMA3_LAYER_NAMES if arch in _GEMMA else _LAYER_NAMES
-        layer_names = _OLMO2_LAYER_NAMES if arch == "olmo2" else layer_names
+        layer_names = _OLMO2_LAYER_NAMES if arch in ("olmo2", "exaone4") else layer_names
         self.names = {g: hf for hf in st.tensors if (g := _gguf_name(hf, layer_names))}
         # AutoAWQ linears (prefix + qweight/qzeros/scales) run as Q4_1: engine/quant/awq_pack.py
         self.awq = {
@@ -470,7 +472,11 @@ def _granite_constants(config: dict) -> dict:
 
 def _rope_layers(config: dict) -> tuple[bool, ...] | None:
     """SmolLM3's per-layer RoPE flags (no_rope_layers: 1 rotates, 0 does not; by default every
-    no_rope_layer_interval-th layer does not), None for the other families."""
+    no_rope_layer_interval-th layer does not); EXAONE 4 with a window rotates in the windowed layers only;
+    None for the other families."""
+    if config.get("model_type") == "exaone4":
+        types = _sliding_window(config).get("layer_types")
+        return None if types is None else windowed_rope_layers(types)
     if config.get("model_type") != "smollm3":
         return None
     flags = config.get("no_rope_layers")
@@ -487,12 +493,21 @@ def _sliding_window(config: dict) -> dict:
     model_type = config.get("model_type")
     window = int(config.get("sliding_window") or 0)
     if config.get("use_sliding_window") is False or (
-        model_type not in ("mistral", "mixtral", "gpt_oss", "olmo3") and not config.get("use_sliding_window")
+        model_type not in ("mistral", "mixtral", "gpt_oss", "olmo3", "exaone4")
+        and not config.get("use_sliding_window")
     ):
         window = 0
     if not window:
         return {}
     types = config.get("layer_types")
+    pattern = config.get("sliding_window_pattern")  # EXAONE 4 configs without layer_types: 4, or "LLLG"
+    if types is None and model_type == "exaone4" and pattern:
+        n = int(config["num_hidden_layers"])
+        if isinstance(pattern, str):
+            local = [pattern[i % len(pattern)] == "L" for i in range(n)]
+            types = ["sliding_attention" if w else "full_attention" for w in local]
+        else:
+            types = ["sliding_attention" if (i + 1) % int(pattern) else "full_attention" for i in range(n)]
     if types is None and config.get("use_sliding_window"):
         first = int(config.get("max_window_layers") or 0)
         n = int(config["num_hidden_layers"])

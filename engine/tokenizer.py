@@ -120,6 +120,7 @@ _PRE_ALIASES: dict[str, tuple[str, bool]] = {
     "gpt-4o": ("gpt4o", False),
     "llama4": ("gpt4o", False),
     "tekken": ("tekken", True),  # llama.cpp: ignore_merges, as for Llama 3
+    "exaone4": ("gpt2", False),
     "glm4": ("llama3", False),  # GLM-4: Llama 3's split, merges applied (and never a BOS: below)
     "chatglm-bpe": ("llama3", False),
 }

@@ -174,6 +174,15 @@ FAMILIES = {
         torch.bfloat16,
         False,
     ),
+    # EXAONE 4: norms of the branch outputs only, per-head q/k norms, a window of 4 on three layers of four,
+    # RoPE only in those
+    "exaone4": (
+        transformers.Exaone4Config,
+        dict(tie_word_embeddings=False, num_hidden_layers=4, head_dim=16, sliding_window=4,
+             sliding_window_pattern=4, pad_token_id=0),
+        torch.bfloat16,
+        False,
+    ),
     # Qwen2-MoE: 4 routed experts (2 a token, not renormalized, as Qwen1.5-MoE and Qwen2-57B-A14B) beside a
     # gated shared expert; QKV biases
     "qwen2moe": (

@@ -5,7 +5,8 @@ dense FFN).
 Variants: SmolLM3 leaves RoPE out of every fourth layer; Granite 3 scales the embeddings, residual
 branches, attention scores and logits by constants; GLM-4 norms each branch's output too and rotates half
 of each head in adjacent pairs, as ERNIE 4.5 does on whole heads; OLMo 2 norms only the branch outputs, and
-q and k over their whole width; OLMo 3 adds a window on three layers of four, which rotate with plain RoPE.
+q and k over their whole width; OLMo 3 adds a window on three layers of four, which rotate with plain RoPE;
+EXAONE 4 norms only the branch outputs too, and with a window rotates only in the windowed layers.
 Mixture of experts: Mixtral, Qwen3-MoE, Qwen2-MoE (with a gated shared expert) and gpt-oss (attention
 sinks, biases on every linear, a sliding window on every other layer and a clamped SwiGLU in its experts).
 """
@@ -27,9 +28,11 @@ from engine.weights import Weight
 
 # llama.cpp's converter permutes Llama's q/k weights so GGML's "normal" RoPE (adjacent pairs) applies;
 # these families keep HF's half-split ("NeoX") layout instead.
-_NEOX_ROPE = frozenset({"qwen2", "qwen2moe", "qwen3", "qwen3moe", "phi3", "gpt-oss", "olmo2", "glm4moe"})
+_NEOX_ROPE = frozenset(
+    {"qwen2", "qwen2moe", "qwen3", "qwen3moe", "phi3", "gpt-oss", "olmo2", "glm4moe", "exaone4"}
+)
 # GGUF architectures that may carry attention.sliding_window (Mistral v0.1 as "llama", gpt-oss, OLMo 3)
-_WINDOWED = frozenset({"llama", "gpt-oss", "olmo2"})
+_WINDOWED = frozenset({"llama", "gpt-oss", "olmo2", "exaone4"})
 # every FFN is experts: no dense feed_forward_length needed in the GGUF
 _MOE_ONLY = frozenset({"qwen2moe", "qwen3moe", "gpt-oss"})
 
@@ -127,8 +130,12 @@ class LlamaConfig:
 
     @property
     def post_norm_only(self) -> bool:
-        """OLMo 2: no norms before the attention and FFN, RMSNorm of their outputs instead, and q/k norms
-        over the whole projections."""
+        """OLMo 2, EXAONE 4: no norms before the attention and FFN, RMSNorm of their outputs instead."""
+        return self.architecture in ("olmo2", "exaone4")
+
+    @property
+    def qk_norm_full(self) -> bool:
+        """OLMo 2: q/k norms over the whole projections (not per head)."""
         return self.architecture == "olmo2"
 
     def has_experts(self, layer: int) -> bool:
@@ -162,6 +169,14 @@ class LlamaConfig:
         # GLM-4.5's GGUFs count their next-token-prediction layers in block_count; they are not run
         n_layers = int(key("block_count")) - int(metadata.get(f"{arch}.nextn_predict_layers", 0))
         olmo = arch == "olmo2" and bool(metadata.get("olmo2.attention.sliding_window"))
+        # EXAONE 4: a window on three layers of four when the file gives one (llama.cpp assumes 4096 for the
+        # 64-layer 32B), RoPE only in those layers then
+        exaone_window = 0
+        if arch == "exaone4":
+            default = 4096 if n_layers == 64 else 0
+            exaone_window = int(metadata.get("exaone4.attention.sliding_window", default))
+        every_fourth_full = olmo or exaone_window > 0
+        window = int(key("attention.sliding_window", 0)) if arch in _WINDOWED else 0
         experts = int(metadata.get(f"{arch}.expert_count", 0))
         ff = int(key("feed_forward_length", 0)) if arch in _MOE_ONLY else int(key("feed_forward_length"))
         dense_ff = ff
@@ -204,14 +219,19 @@ class LlamaConfig:
             swiglu_limit=float(key("expert_swiglu_limit", 7.0)),
             # a window on gpt-oss's even layers (llama.cpp's swa pattern 2, transformers' layer_types), on
             # every layer of a "llama" that has one (Mistral v0.1, as Hearth's converter writes it)
-            sliding_window=int(key("attention.sliding_window", 0)) if arch in _WINDOWED else 0,
+            sliding_window=exaone_window or window,
             layer_types=(
-                gpt_oss_layer_types(n_layers) if gpt_oss else olmo3_layer_types(n_layers) if olmo else None
+                gpt_oss_layer_types(n_layers) if gpt_oss else olmo3_layer_types(n_layers) if every_fourth_full
+                else None
             ),
             # OLMo 3 (llama.cpp's olmo2 with a window): plain RoPE in the windowed layers, as transformers
             window_rope_unscaled=olmo,
             # llama.cpp fixes SmolLM3's NoPE layers at every fourth (no GGUF key)
-            rope_layers=smollm3_rope_layers(n_layers) if arch == "smollm3" else None,
+            rope_layers=(
+                smollm3_rope_layers(n_layers) if arch == "smollm3"
+                else windowed_rope_layers(olmo3_layer_types(n_layers)) if exaone_window
+                else None
+            ),
             embedding_multiplier=float(key("embedding_scale", 1.0)),
             residual_multiplier=float(key("residual_scale", 1.0)),
             attention_multiplier=float(key("attention.scale", 0.0)),
@@ -222,6 +242,11 @@ class LlamaConfig:
 def smollm3_rope_layers(n_layers: int, interval: int = 4) -> tuple[bool, ...]:
     """SmolLM3's RoPE flags: every `interval`-th layer (the 4th, 8th, ...) attends without positions."""
     return tuple((i + 1) % interval != 0 for i in range(n_layers))
+
+
+def windowed_rope_layers(layer_types) -> tuple[bool, ...]:
+    """EXAONE 4 with a window: RoPE in the windowed layers only (the full ones attend without positions)."""
+    return tuple(t == "sliding_attention" for t in layer_types)
 
 
 def olmo3_layer_types(n_layers: int) -> tuple[str, ...]:
@@ -282,7 +307,7 @@ def _ffn_weights(weights, p: str, ff: int, d: int) -> tuple[Weight, Weight]:
 
 @register(
     "llama", "mistral", "smollm3", "granite", "glm4", "olmo2", "ernie4_5", "qwen2", "qwen2moe", "qwen3",
-    "qwen3moe", "glm4moe", "phi3", "gpt-oss",
+    "qwen3moe", "glm4moe", "exaone4", "phi3", "gpt-oss",
 )
 class LlamaModel(Decoder):
     """A Llama-family decoder over weights that stay in their file format."""
@@ -321,7 +346,7 @@ class LlamaModel(Decoder):
                 attn_norm = ffn_norm = ""
             elif not weights.has(p + ffn_norm):
                 ffn_norm, post_attn = post_attn, ""
-            qk_norm = (q, kv) if cfg.post_norm_only else (cfg.head_dim, cfg.head_dim)
+            qk_norm = (q, kv) if cfg.qk_norm_full else (cfg.head_dim, cfg.head_dim)
             sinks = next((s for s in ("attn_sinks.weight", "attn_sinks") if weights.has(p + s)), None)
             w_gate, w_up = _ffn_weights(weights, p, layer_ff, d) if moe is None else (None, None)
             self.layers.append(

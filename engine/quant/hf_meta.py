@@ -96,6 +96,8 @@ def _hparams(arch: str, config: dict, cfg) -> dict[str, Any]:
         md[f"{a}.attention.scale"] = float(cfg.attention_multiplier)
         md[f"{a}.logit_scale"] = float(cfg.logits_scaling)
     rope_layers = getattr(cfg, "rope_layers", None)
+    if arch == "exaone4":  # implied by the window, as llama.cpp reads it
+        rope_layers = None
     if rope_layers is not None and rope_layers != smollm3_rope_layers(cfg.num_hidden_layers):
         # llama.cpp fixes SmolLM3's NoPE layers at every fourth, and GGUF has no key for others
         raise ModelFormatError("config.json", f"RoPE on layers {rope_layers} cannot be written to a GGUF")
@@ -104,7 +106,8 @@ def _hparams(arch: str, config: dict, cfg) -> dict[str, Any]:
         # the layers are implied by the architecture, as LlamaConfig.from_gguf reads them back: every layer
         # for a "llama" (Mistral v0.1), the even ones for gpt-oss (llama.cpp's pattern)
         n = cfg.num_hidden_layers
-        implied = {"llama": None, "gpt-oss": gpt_oss_layer_types(n), "olmo2": olmo3_layer_types(n)}
+        implied = {"llama": None, "gpt-oss": gpt_oss_layer_types(n), "olmo2": olmo3_layer_types(n),
+                   "exaone4": olmo3_layer_types(n)}
         if arch not in implied or cfg.layer_types != implied[arch]:
             raise ModelFormatError(
                 "config.json",

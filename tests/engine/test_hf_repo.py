@@ -29,7 +29,7 @@ def _golden(family: str) -> dict:
 
 def test_every_family_has_a_fixture():
     dense = {"llama", "llama3-scaled", "mistral", "smollm3", "granite", "glm4", "olmo2", "qwen2", "qwen3"}
-    dense |= {"phi3", "ernie4_5", "olmo3"}
+    dense |= {"phi3", "ernie4_5", "olmo3", "exaone4"}
     dense |= {"gemma2", "gemma3"}
     assert dense | {"qwen2moe", "qwen3moe", "glm4moe", "mixtral", "gpt-oss", "gpt-oss-bf16"} <= set(FAMILIES)
 
@@ -130,7 +130,7 @@ def test_unsupported_family(tmp_path):
     config = json.loads((folder / "config.json").read_text())
     config["model_type"] = "mamba"
     (folder / "config.json").write_text(json.dumps(config))
-    match = "mamba.*supported: ernie4_5, gemma2, gemma3_text, glm4, glm4_moe, gpt_oss, granite, llama"
+    match = "mamba.*supported: ernie4_5, exaone4, gemma2, gemma3_text, glm4, glm4_moe, gpt_oss, granite"
     with pytest.raises(UnsupportedArchitectureError, match=match):
         load_model(folder)
 
@@ -555,3 +555,26 @@ def test_ernie4_5_in_gguf_and_ffn_biases_refused(tmp_path):
         (folder / "config.json").write_text(json.dumps(config))
         with pytest.raises(UnsupportedArchitectureError, match="FFN biases"):
             load_model(folder)
+
+
+def test_exaone4_windows_and_rope_only_in_windowed_layers_in_gguf(tmp_path):
+    """EXAONE 4 (the fixture: norms of the branch outputs only, per-head q/k norms, a window of 4 on three
+    layers of four, RoPE only in those) as an exaone4 GGUF with attention.sliding_window; a config giving
+    only sliding_window_pattern ("LLLG" or 4) reads the same."""
+    from engine.convert import convert
+    from models.formats.gguf import open_gguf
+
+    golden = _golden("exaone4")
+    out = convert(TINY / "exaone4", "F32", tmp_path / "ex.gguf").output
+    assert open_gguf(out).metadata["exaone4.attention.sliding_window"] == 4
+    m = load_model(out).model
+    assert m.cfg.rope_layers == (True, True, True, False) and m.layers[0].attn_norm is None
+    logits = m.forward(golden["tokens"], m.new_cache(64), all_logits=True)
+    np.testing.assert_allclose(logits, np.array(golden["logits"]), atol=1e-4 * np.abs(golden["logits"]).max())
+    for pattern in ("LLLG", 4):
+        folder = _copy("exaone4", tmp_path / str(pattern))
+        config = json.loads((folder / "config.json").read_text())
+        del config["layer_types"]
+        (folder / "config.json").write_text(json.dumps(config | {"sliding_window_pattern": pattern}))
+        cfg = load_model(folder).model.cfg
+        assert cfg.rope_layers == (True, True, True, False) and cfg.window(3) is None and cfg.window(0) == 4
