@@ -41,6 +41,7 @@ _FAMILIES = {
     "olmo3": "olmo2",  # llama.cpp's name for OLMo 3 too: OLMo 2 with sliding-window layers
     "ernie4_5": "ernie4_5",
     "exaone4": "exaone4",
+    "seed_oss": "seed_oss",
     "qwen2": "qwen2",
     "qwen3": "qwen3",
     "phi3": "phi3",

@@ -79,6 +79,13 @@ _TEKKEN = (
     r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 
+# ByteDance's Seed-Coder / Seed-OSS: Llama 3's split with single digits and punctuation runs that stop at
+# line breaks.
+_SEED_CODER = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1}| ?[^\s\p{L}\p{N}\r\n]+|\s*[\r\n]+"
+    r"|\s+(?!\S)|\s+"
+)
+
 _PRE_REGEXES: dict[str, tuple[str, ...]] = {
     # llama.cpp's fallback for pre == "default" (and for a missing pre key).
     "default": (r"[\p{P}\$\+<=>\^~\|]+", _GPT2, r"\p{N}+", r"[0-9][0-9][0-9]"),
@@ -87,6 +94,7 @@ _PRE_REGEXES: dict[str, tuple[str, ...]] = {
     "qwen2": (_QWEN2,),
     "gpt4o": (_GPT4O,),
     "tekken": (_TEKKEN,),
+    "seed-coder": (_SEED_CODER,),
     # StarCoder family (SmolLM included): every digit isolated first, then GPT-2 splitting.
     "starcoder": (r"\p{N}", _GPT2),
     "falcon": (r"[\p{P}\$\+<=>\^~\|`]+", _GPT2, r"[0-9][0-9][0-9]"),
@@ -121,6 +129,7 @@ _PRE_ALIASES: dict[str, tuple[str, bool]] = {
     "llama4": ("gpt4o", False),
     "tekken": ("tekken", True),  # llama.cpp: ignore_merges, as for Llama 3
     "exaone4": ("gpt2", False),
+    "seed-coder": ("seed-coder", False),
     "glm4": ("llama3", False),  # GLM-4: Llama 3's split, merges applied (and never a BOS: below)
     "chatglm-bpe": ("llama3", False),
 }

@@ -183,6 +183,14 @@ FAMILIES = {
         torch.bfloat16,
         False,
     ),
+    # Seed-OSS: a llama with QKV biases (and an output bias the releases leave off: here on, to test it)
+    "seed_oss": (
+        transformers.SeedOssConfig,
+        dict(tie_word_embeddings=False, head_dim=16, attention_bias=True, attention_out_bias=True,
+             pad_token_id=0),
+        torch.bfloat16,
+        False,
+    ),
     # Qwen2-MoE: 4 routed experts (2 a token, not renormalized, as Qwen1.5-MoE and Qwen2-57B-A14B) beside a
     # gated shared expert; QKV biases
     "qwen2moe": (

@@ -6,7 +6,8 @@ Variants: SmolLM3 leaves RoPE out of every fourth layer; Granite 3 scales the em
 branches, attention scores and logits by constants; GLM-4 norms each branch's output too and rotates half
 of each head in adjacent pairs, as ERNIE 4.5 does on whole heads; OLMo 2 norms only the branch outputs, and
 q and k over their whole width; OLMo 3 adds a window on three layers of four, which rotate with plain RoPE;
-EXAONE 4 norms only the branch outputs too, and with a window rotates only in the windowed layers.
+EXAONE 4 norms only the branch outputs too, and with a window rotates only in the windowed layers; Seed-OSS
+is a llama with QKV biases.
 Mixture of experts: Mixtral, Qwen3-MoE, Qwen2-MoE (with a gated shared expert) and gpt-oss (attention
 sinks, biases on every linear, a sliding window on every other layer and a clamped SwiGLU in its experts).
 """
@@ -29,7 +30,7 @@ from engine.weights import Weight
 # llama.cpp's converter permutes Llama's q/k weights so GGML's "normal" RoPE (adjacent pairs) applies;
 # these families keep HF's half-split ("NeoX") layout instead.
 _NEOX_ROPE = frozenset(
-    {"qwen2", "qwen2moe", "qwen3", "qwen3moe", "phi3", "gpt-oss", "olmo2", "glm4moe", "exaone4"}
+    {"qwen2", "qwen2moe", "qwen3", "qwen3moe", "phi3", "gpt-oss", "olmo2", "glm4moe", "exaone4", "seed_oss"}
 )
 # GGUF architectures that may carry attention.sliding_window (Mistral v0.1 as "llama", gpt-oss, OLMo 3)
 _WINDOWED = frozenset({"llama", "gpt-oss", "olmo2", "exaone4"})
@@ -307,7 +308,7 @@ def _ffn_weights(weights, p: str, ff: int, d: int) -> tuple[Weight, Weight]:
 
 @register(
     "llama", "mistral", "smollm3", "granite", "glm4", "olmo2", "ernie4_5", "qwen2", "qwen2moe", "qwen3",
-    "qwen3moe", "glm4moe", "exaone4", "phi3", "gpt-oss",
+    "qwen3moe", "glm4moe", "exaone4", "seed_oss", "phi3", "gpt-oss",
 )
 class LlamaModel(Decoder):
     """A Llama-family decoder over weights that stay in their file format."""

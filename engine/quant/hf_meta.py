@@ -41,6 +41,7 @@ _FAMILY_PRE = {
     "qwen2": "qwen2",
     "gpt4o": "gpt-4o",
     "tekken": "tekken",
+    "seed-coder": "seed-coder",
     "starcoder": "smollm",
     "falcon": "falcon",
 }

@@ -31,7 +31,7 @@ PERMUTED_QK = frozenset({"llama", "smollm3", "granite"})
 GEMMA_NORM_OFFSET = frozenset({"gemma3", "gemma2"})
 SUPPORTED_ARCHS = frozenset(
     {"llama", "smollm3", "granite", "glm4", "olmo2", "ernie4_5", "qwen2", "qwen2moe", "qwen3", "qwen3moe",
-     "glm4moe", "exaone4", "gemma3", "gemma2", "gpt-oss"}
+     "glm4moe", "exaone4", "seed_oss", "gemma3", "gemma2", "gpt-oss"}
 )
 _F32, _BF16, _Q4_1 = 0, 30, 3
 

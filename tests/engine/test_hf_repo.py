@@ -29,7 +29,7 @@ def _golden(family: str) -> dict:
 
 def test_every_family_has_a_fixture():
     dense = {"llama", "llama3-scaled", "mistral", "smollm3", "granite", "glm4", "olmo2", "qwen2", "qwen3"}
-    dense |= {"phi3", "ernie4_5", "olmo3", "exaone4"}
+    dense |= {"phi3", "ernie4_5", "olmo3", "exaone4", "seed_oss"}
     dense |= {"gemma2", "gemma3"}
     assert dense | {"qwen2moe", "qwen3moe", "glm4moe", "mixtral", "gpt-oss", "gpt-oss-bf16"} <= set(FAMILIES)
 
@@ -578,3 +578,14 @@ def test_exaone4_windows_and_rope_only_in_windowed_layers_in_gguf(tmp_path):
         (folder / "config.json").write_text(json.dumps(config | {"sliding_window_pattern": pattern}))
         cfg = load_model(folder).model.cfg
         assert cfg.rope_layers == (True, True, True, False) and cfg.window(3) is None and cfg.window(0) == 4
+
+
+def test_seed_oss_biases_survive_conversion(tmp_path):
+    """Seed-OSS (the fixture with QKV and output biases) as a seed_oss GGUF, q/k as HF keeps them (NeoX)."""
+    from engine.convert import convert
+
+    golden = _golden("seed_oss")
+    m = load_model(convert(TINY / "seed_oss", "F32", tmp_path / "s.gguf").output).model
+    assert m.cfg.architecture == "seed_oss" and m.cfg.rope_neox and m.layers[0].bo is not None
+    logits = m.forward(golden["tokens"], m.new_cache(64), all_logits=True)
+    np.testing.assert_allclose(logits, np.array(golden["logits"]), atol=1e-4 * np.abs(golden["logits"]).max())
