@@ -406,3 +406,18 @@ def test_sigmoid_routing_chooses_by_biased_score_and_weighs_by_score():
     s = 1 / (1 + np.exp(-logits[0]))
     np.testing.assert_array_equal(experts, [[0, 1]])  # expert 0 chosen by its bias, not its score
     np.testing.assert_allclose(w[0], 2.5 * s[[0, 1]] / s[[0, 1]].sum(), rtol=1e-6)
+
+
+def test_glm45_batched_decode_matches_one_sequence_at_a_time():
+    """The server's batched step on GLM-4.5 (dense first layer with its own FFN length, sigmoid-routed
+    experts): each sequence's logits as its own decode step gives them."""
+    m = load_model(TINY / "glm4moe").model
+    prompts = ([5, 17, 42], [99, 3, 250, 77])
+    caches = [m.new_cache(16) for _ in prompts]
+    for p, c in zip(prompts, caches, strict=True):
+        m.forward(p, c)
+    batched = m.forward_batch([8, 120], caches).copy()
+    for b, (p, tok) in enumerate(zip(prompts, (8, 120), strict=True)):
+        cache = m.new_cache(16)
+        m.forward(p, cache)
+        np.testing.assert_allclose(batched[b], m.forward([tok], cache)[0], atol=1e-4 * np.abs(batched).max())
