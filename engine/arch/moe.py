@@ -90,12 +90,11 @@ def load_moe(weights, p: str, n_experts: int, ff: int, d: int, shared_ff: int = 
 
 
 def _shared_gate(weights, name: str, d: int) -> np.ndarray:
-    """The shared expert's gate vector (d,): HF's (1, hidden) Linear, which GGUFs keep as (1, d) or (d,)."""
+    """The shared expert's gate vector (d,) of tensor `name` (present): HF's (1, hidden) Linear, which GGUFs
+    keep as (1, d) or (d,)."""
     try:
         return weights.floats(name, (1, d)).reshape(d)
-    except MissingTensorError:
-        if not weights.has(name):
-            raise
+    except MissingTensorError:  # a shape mismatch: the other layout
         return weights.floats(name, (d,))
 
 
