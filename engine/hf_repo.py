@@ -262,12 +262,10 @@ def _rope_scaling(config: dict) -> tuple[float, RopeScaling]:
     parameters per layer type, the full-attention layers' (its windowed layers rotate unscaled with the
     same theta: LlamaConfig.window_rope_unscaled)."""
     params = config.get("rope_parameters") or config.get("rope_scaling") or {}
-    if "full_attention" in params:
-        local = params.get("sliding_attention") or {}
-        params = params["full_attention"]
-        if (local.get("rope_type") or "default") != "default" or local.get("rope_theta", params.get(
-            "rope_theta"
-        )) != params.get("rope_theta"):
+    if "full_attention" in params:  # OLMo 3: parameters per layer type
+        local, params = params.get("sliding_attention") or {}, params["full_attention"]
+        same_theta = local.get("rope_theta", params.get("rope_theta")) == params.get("rope_theta")
+        if (local.get("rope_type") or "default") != "default" or not same_theta:
             raise UnsupportedArchitectureError(
                 f"RoPE parameters per layer type {config.get('rope_parameters')} are not supported yet "
                 "(the sliding-window layers' must be unscaled, with the full layers' theta)"
@@ -389,8 +387,9 @@ def config_from_hf(folder: Path, config: dict) -> LlamaConfig | Gemma3Config:
         hidden = int(config["hidden_size"])
         head_dim = int(config.get("head_dim") or hidden // heads)
         qwen_moe = model_type in ("qwen2_moe", "qwen3_moe")
-        ff = int(config["moe_intermediate_size" if qwen_moe or experts and model_type == "glm4_moe" else
-                        "intermediate_size"])
+        # the experts' FFN length (GLM-4.5's intermediate_size is its dense layers')
+        expert_sized = qwen_moe or (experts and model_type == "glm4_moe")
+        ff = int(config["moe_intermediate_size" if expert_sized else "intermediate_size"])
         # Mixtral always renormalizes the chosen experts' weights (gpt-oss's softmax over the chosen
         # logits is the same numbers); Qwen2/3-MoE say so in their configs; GLM-4.5 routes its own way
         moe = {
@@ -451,8 +450,8 @@ def _glm_moe(config: dict, expert_ff: int) -> dict:
 
 
 def _refuse_linear_biases(config: dict) -> None:
-    """Families whose configs can ask for biases on every linear (Granite's mlp_bias, ERNIE 4.5's use_bias),
-    which the llama family's FFN does not take."""
+    """A config asking for biases on every linear (a llama's or Granite's mlp_bias, ERNIE 4.5's use_bias) is
+    refused: the llama family's FFN takes none."""
     if config.get("mlp_bias") or config.get("use_bias"):
         raise UnsupportedArchitectureError(
             f"{config.get('model_type')} models with FFN biases (mlp_bias / use_bias) are not supported yet"
