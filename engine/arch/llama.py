@@ -32,8 +32,9 @@ from engine.weights import Weight
 _NEOX_ROPE = frozenset(
     {"qwen2", "qwen2moe", "qwen3", "qwen3moe", "phi3", "gpt-oss", "olmo2", "glm4moe", "exaone4", "seed_oss"}
 )
-# GGUF architectures that may carry attention.sliding_window (Mistral v0.1 as "llama", gpt-oss, OLMo 3)
-_WINDOWED = frozenset({"llama", "gpt-oss", "olmo2", "exaone4"})
+# GGUF architectures that may carry attention.sliding_window (Mistral v0.1 as "llama", gpt-oss, OLMo 3;
+# EXAONE 4's, with its default, is read on its own)
+_WINDOWED = frozenset({"llama", "gpt-oss", "olmo2"})
 # every FFN is experts: no dense feed_forward_length needed in the GGUF
 _MOE_ONLY = frozenset({"qwen2moe", "qwen3moe", "gpt-oss"})
 

@@ -109,7 +109,7 @@ def route(
     k largest of sigmoid(logit) + bias, weighted by their sigmoid scores (renormalized when `normalize`).
     Either way the weights are then multiplied by `scale`."""
     if sigmoid:
-        scores = (np.float32(1) / (np.float32(1) + np.exp(-logits))).astype(np.float32)
+        scores = _sigmoid(logits)
         choice = scores if bias is None else scores + bias
         top = np.argsort(-choice, axis=1, kind="stable")[:, :k]
         w = np.take_along_axis(scores, top, axis=1)
@@ -146,7 +146,7 @@ def moe_forward(out: np.ndarray, h: np.ndarray, moe: MoE, cfg) -> None:
 
 
 def _add_shared(out: np.ndarray, h: np.ndarray, moe: MoE) -> None:
-    # out += sigmoid(h . shared_gate) * down(silu(gate h) * up h): Qwen2-MoE's shared expert
+    # out += down(silu(gate h) * up h), times sigmoid(h . shared_gate) where gated (Qwen2-MoE)
     gate_w, up_w, down_w = moe.shared
     n = h.shape[0]
     gate = np.empty((n, gate_w.rows), np.float32)
@@ -161,7 +161,11 @@ def _add_shared(out: np.ndarray, h: np.ndarray, moe: MoE) -> None:
         return
     # a row's gate logit in one fixed order, alone or in a batch (BLAS's gemv may not keep it)
     logit = (h * moe.shared_gate).sum(axis=1, dtype=np.float32)
-    out += (np.float32(1) / (np.float32(1) + np.exp(-logit)))[:, None] * y
+    out += _sigmoid(logit)[:, None] * y
+
+
+def _sigmoid(x: np.ndarray) -> np.ndarray:
+    return (np.float32(1) / (np.float32(1) + np.exp(-x))).astype(np.float32)
 
 
 def _grouped(out: np.ndarray, h: np.ndarray, moe: MoE, experts: np.ndarray, w: np.ndarray, cfg) -> None:
