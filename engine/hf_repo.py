@@ -109,6 +109,15 @@ _OLMO2_LAYER_NAMES = {
     "post_attention_layernorm.weight": "post_attention_norm.weight",
     "post_feedforward_layernorm.weight": "post_ffw_norm.weight",
 }
+# gpt-oss and GLM-4.5 keep the pre-FFN norm, which llama.cpp names post_attention_norm for them (the llama
+# architecture reads it as the FFN norm when no ffn_norm is present)
+_POST_ATTN_FFN_NORM = {**_LAYER_NAMES, "post_attention_layernorm.weight": "post_attention_norm.weight"}
+_ARCH_LAYER_NAMES = {
+    "olmo2": _OLMO2_LAYER_NAMES,
+    "exaone4": _OLMO2_LAYER_NAMES,
+    "gpt-oss": _POST_ATTN_FFN_NORM,
+    "glm4moe": _POST_ATTN_FFN_NORM,
+}
 _GLOBAL_NAMES = {
     "model.embed_tokens.weight": "token_embd.weight",
     "model.norm.weight": "output_norm.weight",
@@ -146,8 +155,7 @@ class HFWeights:
     def __init__(self, st: SafetensorsModel, folder: Path, arch: str):
         self.st = st
         self.folder = folder
-        layer_names = _GEMMA3_LAYER_NAMES if arch in _GEMMA else _LAYER_NAMES
-        layer_names = _OLMO2_LAYER_NAMES if arch in ("olmo2", "exaone4") else layer_names
+        layer_names = _GEMMA3_LAYER_NAMES if arch in _GEMMA else _ARCH_LAYER_NAMES.get(arch, _LAYER_NAMES)
         self.names = {g: hf for hf in st.tensors if (g := _gguf_name(hf, layer_names))}
         # AutoAWQ linears (prefix + qweight/qzeros/scales) run as Q4_1: engine/quant/awq_pack.py
         self.awq = {

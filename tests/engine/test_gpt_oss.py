@@ -106,7 +106,8 @@ def test_a_float_gguf_matches_transformers(tmp_path, source):
 
 
 def test_llama_cpp_names(tmp_path):
-    """llama.cpp's gpt-oss GGUF calls the pre-FFN norm post_attention_norm; a file with its names loads."""
+    """llama.cpp's gpt-oss GGUF calls the pre-FFN norm post_attention_norm, and so does our converter; a file
+    naming it ffn_norm (Hearth's conversions before 2026-12) still loads."""
     from gguf import GGUFReader
 
     from engine.quant.gguf_writer import GGUFWriter
@@ -114,13 +115,15 @@ def test_llama_cpp_names(tmp_path):
     golden = _golden()
     src = convert(TINY / "gpt-oss", "Q8_0", tmp_path / "ours.gguf").output
     reader = GGUFReader(src)
+    names = {t.name for t in reader.tensors}
+    assert "blk.0.post_attention_norm.weight" in names and "blk.0.ffn_norm.weight" not in names
     md = load_model(src).metadata
     specs, data = [], []
     for t in reader.tensors:
-        name = t.name.replace("ffn_norm.weight", "post_attention_norm.weight")
+        name = t.name.replace("post_attention_norm.weight", "ffn_norm.weight")
         specs.append((name, int(t.tensor_type), tuple(int(d) for d in reversed(t.shape))))
         data.append(np.ascontiguousarray(t.data).view(np.uint8).reshape(-1))
-    path = tmp_path / "llama-cpp-names.gguf"
+    path = tmp_path / "old-names.gguf"
     with open(path, "wb") as fh:
         w = GGUFWriter(fh, {k: v for k, v in md.items() if k != "general.alignment"}, specs)
         w.write_header()

@@ -355,7 +355,7 @@ def test_glm45_moe_in_gguf_with_llama_cpps_keys_and_nextn_layers(tmp_path):
     """GLM-4.5 (the fixture: a dense first layer, then sigmoid-routed experts with a choice bias, scaled by
     2.5, beside an ungated shared expert) as a glm4moe GGUF: llama.cpp's keys; block_count that counts a
     next-token-prediction layer (nextn_predict_layers), whose tensors are not run; the pre-FFN norm under
-    llama.cpp's name post_attention_norm. Group-limited routing (DeepSeek-V3) is refused."""
+    llama.cpp's name post_attention_norm (or ffn_norm). Group-limited routing (DeepSeek-V3) is refused."""
     from engine.errors import UnsupportedArchitectureError
     from engine.quant.gguf_writer import GGUFWriter
 
@@ -368,12 +368,14 @@ def test_glm45_moe_in_gguf_with_llama_cpps_keys_and_nextn_layers(tmp_path):
     assert (md["glm4moe.expert_shared_count"], md["glm4moe.expert_weights_scale"]) == (1, 2.5)
     assert "blk.0.ffn_gate.weight" in g.tensors and "blk.1.ffn_gate_exps.weight" in g.tensors
     assert g.tensors["blk.1.exp_probs_b.bias"].type_name == "F32"
-    # llama.cpp's file: one more block (the MTP layer, a copy of the last here) and its pre-FFN norm name
+    assert "blk.1.post_attention_norm.weight" in g.tensors and "blk.1.ffn_norm.weight" not in g.tensors
+    # llama.cpp's file: one more block (the MTP layer, a copy of the last here); and Hearth's conversions
+    # before 2026-12 named the pre-FFN norm ffn_norm
     md |= {"glm4moe.block_count": 4, "glm4moe.nextn_predict_layers": 1}
     specs, data = [], {}
     for name, t in g.tensors.items():
         for new in (name, name.replace("blk.2.", "blk.3.")) if name.startswith("blk.2.") else (name,):
-            new = new.replace("ffn_norm.weight", "post_attention_norm.weight")
+            new = new.replace("post_attention_norm.weight", "ffn_norm.weight")
             specs.append((new, t.ggml_type, tuple(t.shape)))
             data[new] = np.ascontiguousarray(t.raw()).reshape(-1)
     with open(tmp_path / "llama-cpp.gguf", "wb") as fh:
