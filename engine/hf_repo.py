@@ -42,6 +42,8 @@ _FAMILIES = {
     "ernie4_5": "ernie4_5",
     "exaone4": "exaone4",
     "seed_oss": "seed_oss",
+    "lfm2": "lfm2",
+    "lfm2_moe": "lfm2moe",  # LFM2-8B-A1B
     "qwen2": "qwen2",
     "qwen3": "qwen3",
     "phi3": "phi3",
@@ -91,7 +93,7 @@ _LAYER_NAMES = {
 }
 # experts: HF keeps one tensor per expert, GGUF one (experts, rows, cols) tensor; expert e of GGUF tensor T
 # is named T.e here (HFWeights.experts)
-_EXPERT_RE = re.compile(r"(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight")
+_EXPERT_RE = re.compile(r"(?:mlp|block_sparse_moe|feed_forward)\.experts\.(\d+)\.(\w+)\.weight")
 _EXPERT_KIND = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
 _EXPERT_KIND |= {"w1": "gate", "w3": "up", "w2": "down"}  # Mixtral's names
 _GEMMA = ("gemma3", "gemma2")  # the architectures of engine/arch/gemma3.py
@@ -112,7 +114,26 @@ _OLMO2_LAYER_NAMES = {
 # gpt-oss and GLM-4.5 keep the pre-FFN norm, which llama.cpp names post_attention_norm for them (the llama
 # architecture reads it as the FFN norm when no ffn_norm is present)
 _POST_ATTN_FFN_NORM = {**_LAYER_NAMES, "post_attention_layernorm.weight": "post_attention_norm.weight"}
+# LFM2: its own names for the norms, FFN and attention output; the short convolution in its other layers
+_LFM2_LAYER_NAMES = {
+    **_LAYER_NAMES,
+    "operator_norm.weight": "attn_norm.weight",
+    "ffn_norm.weight": "ffn_norm.weight",
+    "feed_forward.w1.weight": "ffn_gate.weight",
+    "feed_forward.w3.weight": "ffn_up.weight",
+    "feed_forward.w2.weight": "ffn_down.weight",
+    "self_attn.q_layernorm.weight": "attn_q_norm.weight",
+    "self_attn.k_layernorm.weight": "attn_k_norm.weight",
+    "self_attn.out_proj.weight": "attn_output.weight",
+    "conv.conv.weight": "shortconv.conv.weight",  # (hidden, 1, taps) in HF, (hidden, taps) in GGUF
+    "conv.in_proj.weight": "shortconv.in_proj.weight",
+    "conv.out_proj.weight": "shortconv.out_proj.weight",
+    "feed_forward.gate.weight": "ffn_gate_inp.weight",  # LFM2-MoE's router and its choice bias
+    "feed_forward.expert_bias": "exp_probs_b.bias",
+}
 _ARCH_LAYER_NAMES = {
+    "lfm2": _LFM2_LAYER_NAMES,
+    "lfm2moe": _LFM2_LAYER_NAMES,
     "olmo2": _OLMO2_LAYER_NAMES,
     "exaone4": _OLMO2_LAYER_NAMES,
     "gpt-oss": _POST_ATTN_FFN_NORM,
@@ -121,6 +142,7 @@ _ARCH_LAYER_NAMES = {
 _GLOBAL_NAMES = {
     "model.embed_tokens.weight": "token_embd.weight",
     "model.norm.weight": "output_norm.weight",
+    "model.embedding_norm.weight": "token_embd_norm.weight",  # LFM2's final norm (llama.cpp's name)
     "lm_head.weight": "output.weight",
 }
 _LAYER_RE = re.compile(r"model\.layers\.(\d+)\.(.+)")
@@ -243,6 +265,7 @@ class HFWeights:
         if fused is not None:
             return fused[0].bias(fused[1], *shape)
         array, dtype = self._tensor(name)
+        array = conv_kernel_2d(name, array)
         if array.shape != shape:
             raise MissingTensorError(
                 self.folder, f"tensor for {name!r} has shape {array.shape}, expected {shape}"
@@ -251,6 +274,20 @@ class HFWeights:
         if self.norm_offset and name.endswith("norm.weight"):
             vector = vector + np.float32(self.norm_offset)
         return vector
+
+
+def conv_kernel_shape(gguf_name: str, shape) -> tuple[int, ...]:
+    """A tensor's shape as GGUF keeps it: LFM2's convolution kernels lose the middle axis of HF's
+    (hidden, 1, taps)."""
+    shape = tuple(int(n) for n in shape)
+    if gguf_name.endswith("shortconv.conv.weight") and len(shape) == 3 and shape[1] == 1:
+        return shape[0], shape[2]
+    return shape
+
+
+def conv_kernel_2d(gguf_name: str, array):
+    """The array with conv_kernel_shape's shape (a view)."""
+    return array.reshape(conv_kernel_shape(gguf_name, array.shape))
 
 
 def _gguf_name(hf_name: str, layer_names: dict[str, str]) -> str | None:
@@ -383,6 +420,7 @@ def config_from_hf(folder: Path, config: dict) -> LlamaConfig | Gemma3Config:
     )
     theta, scaling = _rope_scaling(config)
     _refuse_linear_biases(config)
+    lfm2 = _lfm2(config)
     experts = config.get("num_experts") or config.get("num_local_experts") or config.get("n_routed_experts")
     experts = int(experts or 0)
     if experts and (config.get("mlp_only_layers") or int(config.get("decoder_sparse_step") or 1) != 1):
@@ -396,15 +434,16 @@ def config_from_hf(folder: Path, config: dict) -> LlamaConfig | Gemma3Config:
         head_dim = int(config.get("head_dim") or hidden // heads)
         qwen_moe = model_type in ("qwen2_moe", "qwen3_moe")
         # the experts' FFN length (GLM-4.5's intermediate_size is its dense layers')
-        expert_sized = qwen_moe or (experts and model_type == "glm4_moe")
+        expert_sized = qwen_moe or (experts and model_type in ("glm4_moe", "lfm2_moe"))
         ff = int(config["moe_intermediate_size" if expert_sized else "intermediate_size"])
+        ff = lfm2.pop("intermediate_size", ff)
         # Mixtral always renormalizes the chosen experts' weights (gpt-oss's softmax over the chosen
         # logits is the same numbers); Qwen2/3-MoE say so in their configs; GLM-4.5 routes its own way
         moe = {
             "norm_topk_prob": bool(config.get("norm_topk_prob", False)) if qwen_moe else True,
             "shared_expert_intermediate_size": int(config.get("shared_expert_intermediate_size") or 0)
             if model_type == "qwen2_moe" else 0,
-        } | _glm_moe(config, ff)
+        } | _sigmoid_moe(config, ff)
         return LlamaConfig(
             hidden_size=hidden,
             intermediate_size=ff,
@@ -412,7 +451,7 @@ def config_from_hf(folder: Path, config: dict) -> LlamaConfig | Gemma3Config:
             num_attention_heads=heads,
             num_key_value_heads=int(config.get("num_key_value_heads") or heads),
             vocab_size=int(config["vocab_size"]),
-            rms_norm_eps=float(config.get("rms_norm_eps", 1e-5)),
+            rms_norm_eps=float(lfm2.pop("rms_norm_eps", config.get("rms_norm_eps", 1e-5))),
             rope_theta=theta,
             max_position_embeddings=int(config.get("max_position_embeddings", 4096)),
             head_dim=head_dim,
@@ -432,14 +471,24 @@ def config_from_hf(folder: Path, config: dict) -> LlamaConfig | Gemma3Config:
             rope_layers=_rope_layers(config),
             window_rope_unscaled=model_type == "olmo3",
             **_granite_constants(config),
+            **lfm2,
         )
     except (KeyError, TypeError, ValueError) as e:
         raise ModelFormatError(folder / "config.json", f"missing or invalid hyper-parameter ({e})") from e
 
 
-def _glm_moe(config: dict, expert_ff: int) -> dict:
-    """GLM-4.5's mixture of experts (LlamaConfig fields): sigmoid routing scaled by routed_scaling_factor,
-    n_shared_experts ungated shared experts, first_k_dense_replace leading dense layers."""
+def _sigmoid_moe(config: dict, expert_ff: int) -> dict:
+    """GLM-4.5's and LFM2-MoE's mixtures of experts (LlamaConfig fields): sigmoid routing scaled by
+    routed_scaling_factor; GLM-4.5's n_shared_experts ungated shared experts and first_k_dense_replace
+    leading dense layers, LFM2-MoE's num_dense_layers."""
+    if config.get("model_type") == "lfm2_moe":
+        return {
+            "expert_gating": "sigmoid",
+            "expert_weights_scale": float(config.get("routed_scaling_factor", 1.0)),
+            "norm_topk_prob": bool(config.get("norm_topk_prob", True)),
+            "first_dense_layers": int(config.get("num_dense_layers") or 0),
+            "dense_intermediate_size": int(config["intermediate_size"]),
+        }
     if config.get("model_type") != "glm4_moe":
         return {}
     groups, top_groups = int(config.get("n_group") or 1), int(config.get("topk_group") or 1)
@@ -454,6 +503,39 @@ def _glm_moe(config: dict, expert_ff: int) -> dict:
         "shared_expert_intermediate_size": expert_ff * int(config.get("n_shared_experts") or 0),
         "first_dense_layers": int(config.get("first_k_dense_replace") or 0),
         "dense_intermediate_size": int(config["intermediate_size"]),
+    }
+
+
+def _lfm2(config: dict) -> dict:
+    """LFM2's and LFM2-MoE's LlamaConfig fields: norm_eps, which layers convolve (layer_types, or the older
+    full_attn_idxs) with conv_L_cache taps; the dense LFM2's FFN length (block_ff_dim adjusted as its MLP
+    does: 2/3, times block_ffn_dim_multiplier, rounded up to block_multiple_of)."""
+    if config.get("model_type") not in ("lfm2", "lfm2_moe"):
+        return {}
+    if config.get("conv_bias"):
+        raise UnsupportedArchitectureError(
+            "LFM2 models with convolution biases (conv_bias) are not supported yet"
+        )
+    fields = {}
+    if config["model_type"] == "lfm2":
+        ff = int(config.get("block_ff_dim") or config["intermediate_size"])
+        if config.get("block_auto_adjust_ff_dim", True):
+            ff = int(2 * ff / 3)
+            if config.get("block_ffn_dim_multiplier") is not None:
+                ff = int(float(config["block_ffn_dim_multiplier"]) * ff)
+            multiple = int(config.get("block_multiple_of") or 256)
+            ff = multiple * -(-ff // multiple)
+        fields["intermediate_size"] = ff
+    n = int(config["num_hidden_layers"])
+    types = config.get("layer_types")
+    if types is None:
+        full = set(config.get("full_attn_idxs") or [])
+        types = ["full_attention" if i in full else "conv" for i in range(n)]
+    types = tuple("conv" if t == "conv" else "full_attention" for t in types)
+    return fields | {
+        "rms_norm_eps": float(config.get("norm_eps", 1e-5)),
+        "layer_types": types,
+        "conv_taps": int(config.get("conv_L_cache") or 3),
     }
 
 

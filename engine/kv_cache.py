@@ -107,12 +107,13 @@ class KVCache:
         n_layers, n_kv_heads, _, head_dim = self.k.shape
         return 2 * n_layers * n_kv_heads * head_dim * self.dtype.itemsize
 
-    def read(self, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray]:
-        """Copies of the keys and values of positions lo..hi: (n_layers, n_kv_heads, hi - lo, head_dim)."""
+    def read(self, lo: int, hi: int) -> tuple[np.ndarray, ...]:
+        """Copies of everything the cache holds for positions lo..hi, each array with the positions on its
+        third axis: keys and values (n_layers, n_kv_heads, hi - lo, head_dim)."""
         return np.array(self.k[:, :, lo:hi, :]), np.array(self.v[:, :, lo:hi, :])
 
     def write(self, lo: int, k: np.ndarray, v: np.ndarray) -> None:
-        """Store k, v (n_layers, n_kv_heads, n, head_dim), as `read` returns them, at positions lo.."""
+        """Store the arrays `read` returns (k, v: (n_layers, n_kv_heads, n, head_dim)) at positions lo.."""
         n = k.shape[2]
         self.k[:, :, lo : lo + n, :] = k
         self.v[:, :, lo : lo + n, :] = v
@@ -120,3 +121,43 @@ class KVCache:
     @property
     def state(self) -> tuple[np.ndarray, np.ndarray, list[int]]:
         return self.k, self.v, self.tokens
+
+
+class ShortConvKVCache(KVCache):
+    """A KV cache for a model with short-convolution layers beside its attention ones (LFM2).
+
+    The attention layers' keys and values are the base class's (layer index: the attention layers counted
+    in order). Each convolution layer keeps the input of its convolution at every position, (n_conv, 1,
+    n_ctx, width) in the cache's dtype: the output at p reads positions p - kernel + 1..p, so trimming
+    (speculation, regenerate) and restoring a stored prefix stay exact with no state to roll back.
+    """
+
+    def __init__(
+        self, n_layers: int, n_kv_heads: int, head_dim: int, n_ctx: int, dtype, n_conv: int, width: int
+    ):
+        super().__init__(n_layers, n_kv_heads, head_dim, n_ctx, dtype)
+        self.conv = lazy_zeros((n_conv, 1, n_ctx, width), self.dtype)
+
+    @property
+    def nbytes(self) -> int:
+        return super().nbytes + int(self.conv.nbytes)
+
+    @property
+    def bytes_per_token(self) -> int:
+        n_conv, _, _, width = self.conv.shape
+        return super().bytes_per_token + n_conv * width * self.dtype.itemsize
+
+    def conv_history(self, layer: int, x: np.ndarray) -> np.ndarray:
+        """Store x (n_tok, width), convolution layer `layer`'s inputs, at positions offset.. and return
+        that layer's (n_ctx, width) history, in the cache's dtype."""
+        pos = self.offset
+        self.conv[layer, 0, pos : pos + len(x)] = x
+        return self.conv[layer, 0]
+
+    def read(self, lo: int, hi: int) -> tuple[np.ndarray, ...]:
+        """Keys, values and the convolution inputs (n_conv, 1, hi - lo, width) of positions lo..hi."""
+        return (*super().read(lo, hi), np.array(self.conv[:, :, lo:hi, :]))
+
+    def write(self, lo: int, k: np.ndarray, v: np.ndarray, conv: np.ndarray) -> None:
+        super().write(lo, k, v)
+        self.conv[:, :, lo : lo + conv.shape[2], :] = conv

@@ -48,6 +48,8 @@ class KVShape:
     head_dim: int
     hidden_size: int
     trained_ctx: int
+    # LFM2's convolution layers (among n_layers): no keys and values, their inputs (hidden_size) instead
+    conv_layers: int = 0
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -56,7 +58,8 @@ class KVShape:
 
     def kv_bytes_per_token_at(self, itemsize: int) -> int:
         """Bytes of keys and values per token with `itemsize`-byte elements (4: float32, 2: float16)."""
-        return self.n_layers * self.n_kv_heads * self.head_dim * 2 * int(itemsize)
+        attention = (self.n_layers - self.conv_layers) * self.n_kv_heads * self.head_dim * 2
+        return (attention + self.conv_layers * self.hidden_size) * int(itemsize)
 
 
 @dataclass
@@ -92,19 +95,26 @@ def kv_shape_from_gguf(metadata: dict[str, Any], path: str = "model") -> KVShape
     try:
         layers = int(metadata[f"{arch}.block_count"])
         heads = int(metadata[f"{arch}.attention.head_count"])
-        kv_heads = int(metadata.get(f"{arch}.attention.head_count_kv", heads))
+        kv_heads = metadata.get(f"{arch}.attention.head_count_kv", heads)
+        conv_layers = 0
+        if hasattr(kv_heads, "__len__"):  # per layer (LFM2: 0 in its convolution layers)
+            per_layer = [int(h) for h in kv_heads]
+            conv_layers = per_layer.count(0) if metadata.get(f"{arch}.shortconv.l_cache") else 0
+            kv_heads = max(per_layer)
+        kv_heads = int(kv_heads)
         hidden = int(metadata[f"{arch}.embedding_length"])
         head_dim = int(metadata.get(f"{arch}.attention.key_length", hidden // heads))
         trained = int(metadata.get(f"{arch}.context_length", 0))
     except (KeyError, TypeError, ValueError, ZeroDivisionError) as e:
         raise ModelFormatError(path, f"metadata lacks the {arch} hyper-parameters ({e})") from e
-    return KVShape(layers, kv_heads, head_dim, hidden, trained)
+    return KVShape(layers, kv_heads, head_dim, hidden, trained, conv_layers)
 
 
 def kv_shape_from_config(cfg) -> KVShape:
     """The same from an architecture config (engine.arch: a Hugging Face folder's config.json, read)."""
     layers, kv_heads, trained = cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.max_position_embeddings
-    return KVShape(layers, kv_heads, cfg.head_dim, cfg.hidden_size, trained)
+    conv_layers = getattr(cfg, "n_conv_layers", 0)
+    return KVShape(layers, kv_heads, cfg.head_dim, cfg.hidden_size, trained, conv_layers)
 
 
 def available_bytes() -> int:

@@ -18,21 +18,25 @@ from engine.kv_cache import KVCache
 
 
 class _Node:
-    """One edge of the tree: tokens (n,) and their k, v (n_layers, n_kv_heads, n, head_dim)."""
+    """One edge of the tree: tokens (n,) and their cache state, the arrays KVCache.read returns (k, v:
+    (n_layers, n_kv_heads, n, head_dim), and more for some caches), positions on the third axis."""
 
-    __slots__ = ("tokens", "k", "v", "children", "parent", "last_used")
+    __slots__ = ("tokens", "parts", "children", "parent", "last_used")
 
-    def __init__(self, tokens: np.ndarray, k: np.ndarray, v: np.ndarray, parent: _Node | None):
+    def __init__(self, tokens: np.ndarray, parts: tuple[np.ndarray, ...], parent: _Node | None):
         self.tokens = tokens
-        self.k = k
-        self.v = v
+        self.parts = parts
         self.children: dict[int, _Node] = {}
         self.parent = parent
         self.last_used = 0
 
     @property
     def nbytes(self) -> int:
-        return int(self.k.nbytes + self.v.nbytes)
+        return sum(int(a.nbytes) for a in self.parts)
+
+    def positions(self, lo: int, hi: int | None = None) -> tuple[np.ndarray, ...]:
+        """The parts of positions lo..hi of this edge (views)."""
+        return tuple(a[:, :, lo:hi] for a in self.parts)
 
 
 def _common(a: np.ndarray, b: np.ndarray) -> int:
@@ -54,7 +58,7 @@ class PrefixCache:
         if max_bytes < 0:
             raise ValueError("max_bytes must be >= 0")
         self.max_bytes = int(max_bytes)
-        self._root = _Node(np.empty(0, np.int64), np.empty(0), np.empty(0), None)
+        self._root = _Node(np.empty(0, np.int64), (), None)
         self._clock = 0
         self._nbytes = 0
         self.hits = 0
@@ -145,7 +149,7 @@ class PrefixCache:
             lo, hi = max(start, pos), min(pos + m, matched)
             if lo < hi:
                 # node positions pos..pos+m map onto cache positions of the same index
-                cache.write(lo, node.k[:, :, lo - pos : hi - pos, :], node.v[:, :, lo - pos : hi - pos, :])
+                cache.write(lo, *node.positions(lo - pos, hi - pos))
             pos += m
         cache.advance(ids[start:matched])
         return matched
@@ -168,7 +172,7 @@ class PrefixCache:
         self._touch(path)
         added = 0
         if matched < len(ids):
-            leaf = _Node(ids[matched:].copy(), *cache.read(matched, len(ids)), parent)
+            leaf = _Node(ids[matched:].copy(), cache.read(matched, len(ids)), parent)
             leaf.last_used = self._clock
             parent.children[int(ids[matched])] = leaf
             added = leaf.nbytes
@@ -178,11 +182,11 @@ class PrefixCache:
 
     def _split(self, node: _Node, m: int) -> _Node:
         """Cut node's edge after m positions; returns the new upper node (which holds those m)."""
-        upper = _Node(node.tokens[:m].copy(), node.k[:, :, :m].copy(), node.v[:, :, :m].copy(), node.parent)
+        upper = _Node(node.tokens[:m].copy(), tuple(a.copy() for a in node.positions(0, m)), node.parent)
         upper.last_used = node.last_used
         node.parent.children[int(node.tokens[0])] = upper
         # copies, not views: a view would keep the whole old segment alive after the upper part is evicted
-        node.tokens, node.k, node.v = node.tokens[m:].copy(), node.k[:, :, m:].copy(), node.v[:, :, m:].copy()
+        node.tokens, node.parts = node.tokens[m:].copy(), tuple(a.copy() for a in node.positions(m))
         node.parent = upper
         upper.children[int(node.tokens[0])] = node
         return upper

@@ -114,6 +114,7 @@ _PRE_ALIASES: dict[str, tuple[str, bool]] = {
     "llama-v3": ("llama3", True),
     "llama-bpe": ("llama3", True),
     "falcon3": ("llama3", True),
+    "lfm2": ("llama3", True),  # Liquid's LFM2 (llama.cpp: Llama 3's split and ignore_merges)
     "dbrx": ("llama3", False),
     "smaug-bpe": ("llama3", False),
     "qwen2": ("qwen2", False),

@@ -145,6 +145,8 @@ def kv_bytes_per_token(metadata: Mapping[str, Any]) -> int:
         key_len = int(need("embedding_length")) // heads
     value_len = metadata.get(f"{arch}.attention.value_length") or key_len
     total = sum(h * (int(key_len) + int(value_len)) for h in n_head_kv) * KV_BYTES
+    if metadata.get(f"{arch}.shortconv.l_cache"):  # LFM2's convolution layers keep their inputs per token
+        total += n_head_kv.count(0) * int(need("embedding_length")) * KV_BYTES
     if n_layer <= 0 or total <= 0:
         raise ModelFormatError(f"<{arch} metadata>", "block_count/head counts give an empty KV cache")
     return total
@@ -168,9 +170,12 @@ def kv_bytes_per_token_config(config: Mapping[str, Any]) -> int:
         n_head = int(cfg["num_attention_heads"])
         n_kv = int(cfg.get("num_key_value_heads") or n_head)
         head_dim = int(cfg.get("head_dim") or int(cfg["hidden_size"]) // n_head)
+        # LFM2: its convolution layers keep their inputs (hidden_size a token) instead of keys and values
+        n_conv = list(cfg.get("layer_types") or []).count("conv") if cfg.get("model_type") == "lfm2" else 0
+        conv_bytes = n_conv * int(cfg["hidden_size"]) * KV_BYTES
     except (KeyError, TypeError, ValueError, ZeroDivisionError) as e:
         raise ModelFormatError("config.json", f"cannot size the KV cache from it ({e!r})") from None
-    return n_layer * n_kv * 2 * head_dim * KV_BYTES
+    return (n_layer - n_conv) * n_kv * 2 * head_dim * KV_BYTES + conv_bytes
 
 
 def bits_per_weight(quant: str | None) -> float:

@@ -200,6 +200,25 @@ FAMILIES = {
         torch.bfloat16,
         False,
     ),
+    # LFM2: gated short convolutions (kernel 3) in place of attention in three layers of four, per-head q/k
+    # norms; the FFN length adjusted as LFM2's config asks (2/3 of 96, rounded up to a multiple of 32)
+    "lfm2": (
+        transformers.Lfm2Config,
+        dict(tie_word_embeddings=True, num_hidden_layers=4, norm_eps=1e-6, block_multiple_of=32,
+             layer_types=["conv", "full_attention", "conv", "conv"], pad_token_id=0),
+        torch.bfloat16,
+        False,
+    ),
+    # LFM2-MoE (LFM2-8B-A1B): LFM2's layers, a dense FFN in the first, then 4 experts (2 a token, sigmoid
+    # scores plus a choice bias, renormalized)
+    "lfm2moe": (
+        transformers.Lfm2MoeConfig,
+        dict(tie_word_embeddings=True, num_hidden_layers=4, norm_eps=1e-6, num_dense_layers=1, num_experts=4,
+             num_experts_per_tok=2, moe_intermediate_size=48, use_expert_bias=True,
+             layer_types=["conv", "full_attention", "conv", "conv"], pad_token_id=0),
+        torch.bfloat16,
+        False,
+    ),
     "mixtral": (
         transformers.MixtralConfig,
         dict(tie_word_embeddings=False, num_local_experts=4, num_experts_per_tok=2, sliding_window=None),
@@ -334,8 +353,8 @@ def write_family(name: str, out: Path) -> None:
                 p.copy_(mxfp4_round(p.transpose(1, 2)).transpose(1, 2))
             if pname.endswith("sinks"):
                 p.copy_(torch.linspace(-1.0, 2.0, p.numel()))
-        for bname, b in model.named_buffers():  # GLM-4.5's routing bias: a buffer, zero at init
-            if bname.endswith("e_score_correction_bias"):
+        for bname, b in model.named_buffers():  # GLM-4.5's, LFM2-MoE's routing bias: a buffer, zero at init
+            if bname.endswith(("e_score_correction_bias", "expert_bias")):
                 b.copy_(0.3 * torch.randn_like(b))
     model = model.to(dtype)
     folder = out / name

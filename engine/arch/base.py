@@ -31,6 +31,8 @@ class Scratch:
         self.dense_gate = self.gate if dense_ff == cfg.intermediate_size else np.empty((n, dense_ff), f32)
         self.dense_up = self.up if dense_ff == cfg.intermediate_size else np.empty((n, dense_ff), f32)
         self.positions = np.empty(n, np.int64)
+        # LFM2's convolution layers: in_proj's B, C and x rows
+        self.bcx = np.empty((n, 3 * cfg.hidden_size), f32) if getattr(cfg, "conv_taps", 0) else None
 
 
 def check_batch(tokens, caches) -> np.ndarray:
@@ -64,9 +66,9 @@ class Decoder:
         """The most tokens a forward pass runs through the small-batch kernels rather than dequantize +
         BLAS (ops.small_batch_limit of the layers' matrices)."""
         weights = [w for layer in self.layers for w in vars(layer).values() if isinstance(w, Weight)]
-        for layer in self.layers:  # a mixture-of-experts layer's matrices
-            moe = getattr(layer, "moe", None)
-            weights += moe.weights() if moe is not None else []
+        for layer in self.layers:  # a mixture-of-experts layer's or a convolution layer's matrices
+            for part in (getattr(layer, "moe", None), getattr(layer, "conv", None)):
+                weights += part.weights() if part is not None else []
         return ops.small_batch_limit(weights)
 
     def new_cache(self, n_ctx: int, dtype=np.float32) -> KVCache:

@@ -7,7 +7,8 @@ branches, attention scores and logits by constants; GLM-4 norms each branch's ou
 of each head in adjacent pairs, as ERNIE 4.5 does on whole heads; OLMo 2 norms only the branch outputs, and
 q and k over their whole width; OLMo 3 adds a window on three layers of four, which rotate with plain RoPE;
 EXAONE 4 norms only the branch outputs too, and with a window rotates only in the windowed layers; Seed-OSS
-is a llama with QKV biases.
+is a llama with QKV biases; LFM2 replaces attention with a gated short convolution (engine/arch/shortconv.py)
+in most layers and norms q and k per head.
 Mixture of experts: Mixtral, Qwen3-MoE, Qwen2-MoE (with a gated shared expert) and gpt-oss (attention
 sinks, biases on every linear, a sliding window on every other layer and a clamped SwiGLU in its experts).
 """
@@ -22,15 +23,17 @@ import numpy as np
 from engine.arch import register
 from engine.arch.base import Decoder, Scratch
 from engine.arch.moe import MoE, load_moe, moe_forward
+from engine.arch.shortconv import ShortConv, convolve, gated_inputs, load_shortconv
 from engine.backends import cpu as ops
-from engine.kv_cache import KVCache
+from engine.kv_cache import KVCache, ShortConvKVCache
 from engine.rope import RopeScaling, rope_attention_factor, rope_inv_freq, rope_scaling_from_gguf
 from engine.weights import Weight
 
 # llama.cpp's converter permutes Llama's q/k weights so GGML's "normal" RoPE (adjacent pairs) applies;
 # these families keep HF's half-split ("NeoX") layout instead.
 _NEOX_ROPE = frozenset(
-    {"qwen2", "qwen2moe", "qwen3", "qwen3moe", "phi3", "gpt-oss", "olmo2", "glm4moe", "exaone4", "seed_oss"}
+    {"qwen2", "qwen2moe", "qwen3", "qwen3moe", "phi3", "gpt-oss", "olmo2", "glm4moe", "exaone4", "seed_oss",
+     "lfm2", "lfm2moe"}
 )
 # GGUF architectures that may carry attention.sliding_window (Mistral v0.1 as "llama", gpt-oss, OLMo 3;
 # EXAONE 4's, with its default, is read on its own)
@@ -86,6 +89,9 @@ class LlamaConfig:
     window_rope_unscaled: bool = False
     # which layers rotate q and k (SmolLM3: all but every fourth, "NoPE" layers); None: every layer
     rope_layers: tuple[bool, ...] | None = None
+    # LFM2: the layers layer_types names "conv" run a gated short convolution of conv_taps taps in place of
+    # attention
+    conv_taps: int = 0
     # Granite's constants: the embeddings and every residual branch are scaled, the attention scores use
     # attention_multiplier instead of 1/sqrt(head_dim) (0: that default), the logits are divided
     embedding_multiplier: float = 1.0
@@ -96,6 +102,7 @@ class LlamaConfig:
     n_rep: int = field(init=False)
     q_dim: int = field(init=False)
     kv_dim: int = field(init=False)
+    _slots: tuple[int, ...] = field(init=False, repr=False)
 
     def __post_init__(self):
         if self.head_dim == 0:
@@ -115,6 +122,24 @@ class LlamaConfig:
             raise ValueError(f"{len(self.layer_types)} layer types for {self.num_hidden_layers} layers")
         if self.rope_layers is not None and len(self.rope_layers) != self.num_hidden_layers:
             raise ValueError(f"{len(self.rope_layers)} RoPE flags for {self.num_hidden_layers} layers")
+        conv = [self.is_conv(i) for i in range(self.num_hidden_layers)]
+        if any(conv) and self.conv_taps < 1:
+            raise ValueError("convolution layers need conv_taps >= 1")
+        self._slots = tuple(conv[:i].count(c) for i, c in enumerate(conv))
+
+    def is_conv(self, layer: int) -> bool:
+        """Layer `layer` runs LFM2's short convolution instead of attention."""
+        return self.layer_types is not None and self.layer_types[layer] == "conv"
+
+    @property
+    def n_conv_layers(self) -> int:
+        return sum(map(self.is_conv, range(self.num_hidden_layers)))
+
+    def cache_slot(self, layer: int, first: int = 0) -> int:
+        """Layer `layer`'s index in a cache of the layers from `first` on: its place among them in the
+        layers of its kind (attention or convolution), as the cache numbers them."""
+        kind = self.is_conv(layer)
+        return self._slots[layer] - sum(self.is_conv(i) == kind for i in range(first))
 
     def window(self, layer: int) -> int | None:
         """Layer's attention window (ops.attention's `window`), None for full attention."""
@@ -159,6 +184,15 @@ class LlamaConfig:
             return value
 
         n_heads = int(key("attention.head_count"))
+        # LFM2 gives KV heads per layer, 0 in its convolution layers
+        kv_heads = key("attention.head_count_kv", n_heads)
+        conv_types = None
+        if hasattr(kv_heads, "__len__"):
+            per_layer = [int(h) for h in kv_heads]
+            conv_types = tuple("conv" if h == 0 else "full_attention" for h in per_layer)
+            kv_heads = max(per_layer)
+            if any(h not in (0, kv_heads) for h in per_layer) or arch not in ("lfm2", "lfm2moe"):
+                raise ValueError(f"{arch}: KV head counts per layer {per_layer} are not supported")
         hidden = int(key("embedding_length"))
         head_dim = int(key("attention.key_length", hidden // n_heads))
         scaling = rope_scaling_from_gguf(metadata, arch)
@@ -193,7 +227,7 @@ class LlamaConfig:
             intermediate_size=ff,
             num_hidden_layers=n_layers,
             num_attention_heads=n_heads,
-            num_key_value_heads=int(key("attention.head_count_kv", n_heads)),
+            num_key_value_heads=int(kv_heads),
             vocab_size=vocab_size,
             rms_norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-5)),
             rope_theta=float(key("rope.freq_base", 10000.0)),
@@ -224,8 +258,9 @@ class LlamaConfig:
             sliding_window=exaone_window or window,
             layer_types=(
                 gpt_oss_layer_types(n_layers) if gpt_oss else olmo3_layer_types(n_layers) if every_fourth_full
-                else None
+                else conv_types
             ),
+            conv_taps=int(key("shortconv.l_cache", 0)),
             # OLMo 3 (llama.cpp's olmo2 with a window): plain RoPE in the windowed layers, as transformers
             window_rope_unscaled=olmo,
             # llama.cpp fixes SmolLM3's NoPE layers at every fourth (no GGUF key)
@@ -264,10 +299,10 @@ def gpt_oss_layer_types(n_layers: int) -> tuple[str, ...]:
 @dataclass
 class LlamaLayer:
     attn_norm: np.ndarray | None  # (hidden,); None: the branch takes the residual stream as is (OLMo 2)
-    wq: Weight  # (q_dim, hidden)
-    wk: Weight  # (kv_dim, hidden)
-    wv: Weight  # (kv_dim, hidden)
-    wo: Weight  # (hidden, q_dim)
+    wq: Weight | None  # (q_dim, hidden); None in a convolution layer (LFM2), as wk, wv and wo
+    wk: Weight | None  # (kv_dim, hidden)
+    wv: Weight | None  # (kv_dim, hidden)
+    wo: Weight | None  # (hidden, q_dim)
     ffn_norm: np.ndarray | None  # (hidden,)
     w_gate: Weight | None  # (ffn, hidden); None in a mixture-of-experts layer
     w_up: Weight | None  # (ffn, hidden)
@@ -285,6 +320,7 @@ class LlamaLayer:
     # RMSNorm of the attention and FFN outputs before the residual add (GLM-4's "sandwich" norms), (hidden,)
     post_attn_norm: np.ndarray | None = None
     post_ffn_norm: np.ndarray | None = None
+    conv: ShortConv | None = None  # LFM2's short convolution in place of attention
 
 
 def _attention_weights(weights, p: str, q: int, kv: int, d: int) -> tuple[Weight, Weight, Weight]:
@@ -309,7 +345,7 @@ def _ffn_weights(weights, p: str, ff: int, d: int) -> tuple[Weight, Weight]:
 
 @register(
     "llama", "mistral", "smollm3", "granite", "glm4", "olmo2", "ernie4_5", "qwen2", "qwen2moe", "qwen3",
-    "qwen3moe", "glm4moe", "exaone4", "seed_oss", "phi3", "gpt-oss",
+    "qwen3moe", "glm4moe", "exaone4", "seed_oss", "phi3", "gpt-oss", "lfm2", "lfm2moe",
 )
 class LlamaModel(Decoder):
     """A Llama-family decoder over weights that stay in their file format."""
@@ -321,7 +357,9 @@ class LlamaModel(Decoder):
         self.cfg = cfg
         d, q, kv, ff = cfg.hidden_size, cfg.q_dim, cfg.kv_dim, cfg.intermediate_size
         self.token_embd = weights.matrix("token_embd.weight", cfg.vocab_size, d)
-        self.output_norm = weights.vector("output_norm.weight", d)
+        # LFM2 names its final norm token_embd_norm (HF's embedding_norm), though it norms the last output
+        final_norm = "output_norm.weight" if weights.has("output_norm.weight") else "token_embd_norm.weight"
+        self.output_norm = weights.vector(final_norm, d)
         # Tied embeddings: small models reuse the input embedding as the output projection.
         self.output = (
             weights.matrix("output.weight", cfg.vocab_size, d)
@@ -335,7 +373,8 @@ class LlamaModel(Decoder):
             def optional(name, n, p=p):
                 return weights.vector(p + name, n) if weights.has(p + name) else None
 
-            wq, wk, wv = _attention_weights(weights, p, q, kv, d)
+            conv = load_shortconv(weights, p, d, cfg.conv_taps) if cfg.is_conv(i) else None
+            wq, wk, wv = _attention_weights(weights, p, q, kv, d) if conv is None else (None, None, None)
             moe = None
             if cfg.has_experts(i):
                 moe = load_moe(weights, p, cfg.num_experts, ff, d, cfg.shared_expert_intermediate_size)
@@ -357,7 +396,7 @@ class LlamaModel(Decoder):
                     wq=wq,
                     wk=wk,
                     wv=wv,
-                    wo=weights.matrix(p + "attn_output.weight", d, q),
+                    wo=weights.matrix(p + "attn_output.weight", d, q) if conv is None else None,
                     ffn_norm=weights.vector(p + ffn_norm, d) if ffn_norm else None,
                     w_gate=w_gate,
                     w_up=w_up,
@@ -372,6 +411,7 @@ class LlamaModel(Decoder):
                     sinks=None if sinks is None else weights.vector(p + sinks, cfg.num_attention_heads),
                     post_attn_norm=optional(post_attn, d) if post_attn else None,
                     post_ffn_norm=optional("post_ffw_norm.weight", d),
+                    conv=conv,
                 )
             )
         half = cfg.rotary_dim // 2
@@ -406,6 +446,16 @@ class LlamaModel(Decoder):
         self._decode = Scratch(cfg, 1)
         self._logits = np.empty((1, cfg.vocab_size), np.float32)
 
+    def new_cache(self, n_ctx: int, dtype=np.float32) -> KVCache:
+        """An empty cache for n_ctx positions; with LFM2's convolution layers, one that keeps their inputs."""
+        cfg = self.cfg
+        n_conv = cfg.n_conv_layers
+        if not n_conv:
+            return super().new_cache(n_ctx, dtype)
+        n_attn = cfg.num_hidden_layers - n_conv
+        kv_heads, d = cfg.num_key_value_heads, cfg.hidden_size
+        return ShortConvKVCache(n_attn, kv_heads, cfg.head_dim, n_ctx, dtype, n_conv, d)
+
     def _plain(self, i: int) -> bool:
         # layer i rotates with plain RoPE (OLMo 3's windowed layers of a model with scaled RoPE)
         return self._plain_rope is not None and self.cfg.window(i) is not None
@@ -429,12 +479,16 @@ class LlamaModel(Decoder):
         s.positions[:] = np.arange(pos0, pos0 + n)
 
         def attend(i, attn3, q3, k3, v3):
-            k_cache, v_cache = cache.update_and_fetch(i - first, k3, v3)
+            k_cache, v_cache = cache.update_and_fetch(cfg.cache_slot(i, first), k3, v3)
             sinks = self.layers[i].sinks
             scale = self._scale_of(i)
             ops.attention(attn3, q3, k_cache, v_cache, pos0, scale, cfg.window(i), sinks=sinks)
 
-        self._layers(s, tokens, attend, first, hidden, self.rope_freqs(cache.n_ctx))
+        def conv_mix(i, out, bx):
+            history = cache.conv_history(cfg.cache_slot(i, first), bx)
+            convolve(out, history, pos0, self.layers[i].conv.kernel)
+
+        self._layers(s, tokens, attend, first, hidden, self.rope_freqs(cache.n_ctx), conv_mix)
         cache.advance(tokens)
         if all_logits:
             ops.rmsnorm(s.h, s.x, self.output_norm, cfg.rms_norm_eps)
@@ -459,14 +513,22 @@ class LlamaModel(Decoder):
 
         def attend(i, attn3, q3, k3, v3):
             # each sequence attends over its own cache, at its own position
+            slot = self.cfg.cache_slot(i, first)
             for b, cache in enumerate(caches):
-                k_cache, v_cache = cache.update_and_fetch(i - first, k3[b : b + 1], v3[b : b + 1])
+                k_cache, v_cache = cache.update_and_fetch(slot, k3[b : b + 1], v3[b : b + 1])
                 pos = int(s.positions[b])
                 ops.attention(attn3[b : b + 1], q3[b : b + 1], k_cache, v_cache, pos, self._scale_of(i),
                               self.cfg.window(i), sinks=self.layers[i].sinks)
 
+        def conv_mix(i, out, bx):
+            slot = self.cfg.cache_slot(i, first)
+            for b, cache in enumerate(caches):
+                history = cache.conv_history(slot, bx[b : b + 1])
+                convolve(out[b : b + 1], history, int(s.positions[b]), self.layers[i].conv.kernel)
+
         # one set of frequencies for the batch: the server's caches share a context length
-        self._layers(s, tokens, attend, first, hidden, self.rope_freqs(max(c.n_ctx for c in caches)))
+        freqs = self.rope_freqs(max(c.n_ctx for c in caches))
+        self._layers(s, tokens, attend, first, hidden, freqs, conv_mix)
         for b, cache in enumerate(caches):
             cache.advance(tokens[b : b + 1])
         ops.rmsnorm(s.h, s.x, self.output_norm, self.cfg.rms_norm_eps)
@@ -474,16 +536,18 @@ class LlamaModel(Decoder):
         return self._scale_logits(logits)
 
     def _layers(
-        self, s: Scratch, tokens: np.ndarray, attend, first: int = 0, hidden=None, inv_freq=None
+        self, s: Scratch, tokens: np.ndarray, attend, first: int = 0, hidden=None, inv_freq=None,
+        conv_mix=None,
     ) -> None:
         """Embed tokens (n,) into s.x (or start from `hidden`, the residual stream entering layer
         `first`) and run the layers from `first` on; s.positions holds each row's position; inv_freq: the
         RoPE frequencies (rope_freqs of the cache; default self.inv_freq, as Gemma's _layers takes none).
 
-        attend(layer index, attn3 out, q3, k3, v3) stores k, v in the cache(s) and writes attn3.
+        attend(layer index, attn3 out, q3, k3, v3) stores k, v in the cache(s) and writes attn3;
+        conv_mix(layer index, out, bx) stores a convolution layer's gated inputs bx (n, hidden) in the
+        cache(s) and writes their convolution to out.
         """
         cfg = self.cfg
-        n = len(tokens)
         inv_freq = self.inv_freq if inv_freq is None else inv_freq
         if hidden is None:
             ops.get_rows(s.x, self.token_embd, tokens)
@@ -492,44 +556,16 @@ class LlamaModel(Decoder):
         else:
             s.x[:] = hidden
         residual = np.float32(cfg.residual_multiplier)
-        heads, kv_heads, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        q3 = s.q.reshape(n, heads, hd)
-        k3 = s.k.reshape(n, kv_heads, hd)
-        v3 = s.v.reshape(n, kv_heads, hd)
-        attn3 = s.attn.reshape(n, heads, hd)
         capture = self.capture
         for i, layer in enumerate(self.layers[first:], first):
             _pre_norm(s.h, s.x, layer.attn_norm, cfg.rms_norm_eps)
-            if capture is not None:
-                capture(i, "attn_q", s.h)
-            ops.linear(s.q, layer.wq, s.h)
-            ops.linear(s.k, layer.wk, s.h)
-            ops.linear(s.v, layer.wv, s.h)
-            if layer.bq is not None:
-                s.q += layer.bq
-            if layer.bk is not None:
-                s.k += layer.bk
-            if layer.bv is not None:
-                s.v += layer.bv
-            if layer.q_norm is not None:  # per head, or over the whole row (OLMo 2)
-                rows_q = s.q.reshape(-1, len(layer.q_norm))
-                ops.rmsnorm(rows_q, rows_q, layer.q_norm, cfg.rms_norm_eps)
-            if layer.k_norm is not None:
-                rows_k = s.k.reshape(-1, len(layer.k_norm))
-                ops.rmsnorm(rows_k, rows_k, layer.k_norm, cfg.rms_norm_eps)
-            if cfg.uses_rope(i):
-                freqs = self._plain_rope[0] if self._plain(i) else inv_freq
-                ops.rope(q3, s.positions, freqs, cfg.rotary_dim, cfg.rope_neox)
-                ops.rope(k3, s.positions, freqs, cfg.rotary_dim, cfg.rope_neox)
-                if self.rope_mscale != 1:
-                    q3[..., : cfg.rotary_dim] *= self.rope_mscale
-                    k3[..., : cfg.rotary_dim] *= self.rope_mscale
-            attend(i, attn3, q3, k3, v3)
-            if capture is not None:
-                capture(i, "attn_output", s.attn)
-            ops.linear(s.o, layer.wo, s.attn)
-            if layer.bo is not None:
-                s.o += layer.bo
+            if layer.conv is not None:  # LFM2: out_proj(C * conv(B * x))
+                bx, c = gated_inputs(s.bcx, layer.conv, s.h)
+                conv_mix(i, s.h, bx)
+                s.h *= c
+                ops.linear(s.o, layer.conv.out_proj, s.h)
+            else:
+                self._attention(s, i, layer, attend, inv_freq)
             if layer.post_attn_norm is not None:
                 ops.rmsnorm(s.o, s.o, layer.post_attn_norm, cfg.rms_norm_eps)
             _add_residual(s.x, s.o, residual)
@@ -550,6 +586,46 @@ class LlamaModel(Decoder):
             if layer.post_ffn_norm is not None:
                 ops.rmsnorm(s.o, s.o, layer.post_ffn_norm, cfg.rms_norm_eps)
             _add_residual(s.x, s.o, residual)
+
+    def _attention(self, s: Scratch, i: int, layer: LlamaLayer, attend, inv_freq) -> None:
+        """Layer i's attention branch (see _layers): s.h, the normed input, -> s.o, before any output norm."""
+        cfg = self.cfg
+        n, capture = len(s.h), self.capture
+        heads, kv_heads, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        q3 = s.q.reshape(n, heads, hd)
+        k3 = s.k.reshape(n, kv_heads, hd)
+        v3 = s.v.reshape(n, kv_heads, hd)
+        attn3 = s.attn.reshape(n, heads, hd)
+        if capture is not None:
+            capture(i, "attn_q", s.h)
+        ops.linear(s.q, layer.wq, s.h)
+        ops.linear(s.k, layer.wk, s.h)
+        ops.linear(s.v, layer.wv, s.h)
+        if layer.bq is not None:
+            s.q += layer.bq
+        if layer.bk is not None:
+            s.k += layer.bk
+        if layer.bv is not None:
+            s.v += layer.bv
+        if layer.q_norm is not None:  # per head, or over the whole row (OLMo 2)
+            rows_q = s.q.reshape(-1, len(layer.q_norm))
+            ops.rmsnorm(rows_q, rows_q, layer.q_norm, cfg.rms_norm_eps)
+        if layer.k_norm is not None:
+            rows_k = s.k.reshape(-1, len(layer.k_norm))
+            ops.rmsnorm(rows_k, rows_k, layer.k_norm, cfg.rms_norm_eps)
+        if cfg.uses_rope(i):
+            freqs = self._plain_rope[0] if self._plain(i) else inv_freq
+            ops.rope(q3, s.positions, freqs, cfg.rotary_dim, cfg.rope_neox)
+            ops.rope(k3, s.positions, freqs, cfg.rotary_dim, cfg.rope_neox)
+            if self.rope_mscale != 1:
+                q3[..., : cfg.rotary_dim] *= self.rope_mscale
+                k3[..., : cfg.rotary_dim] *= self.rope_mscale
+        attend(i, attn3, q3, k3, v3)
+        if capture is not None:
+            capture(i, "attn_output", s.attn)
+        ops.linear(s.o, layer.wo, s.attn)
+        if layer.bo is not None:
+            s.o += layer.bo
 
 
 def _pre_norm(out: np.ndarray, x: np.ndarray, norm: np.ndarray | None, eps: float) -> None:

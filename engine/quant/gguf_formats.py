@@ -24,9 +24,11 @@ QUANTIZATION_VERSION = 2
 
 
 def gqa(source: SourceModel) -> int:
+    """Attention heads per KV head (LFM2 gives KV heads per layer, 0 in its convolution layers)."""
     a = source.architecture
     heads = int(source.metadata[f"{a}.attention.head_count"])
-    return heads // int(source.metadata.get(f"{a}.attention.head_count_kv", heads))
+    kv = source.metadata.get(f"{a}.attention.head_count_kv", heads)
+    return heads // int(max(kv) if hasattr(kv, "__len__") else kv)
 
 
 def preset_plan(fmt: str, source: SourceModel) -> dict[str, int]:

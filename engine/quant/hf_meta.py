@@ -77,20 +77,26 @@ def _hparams(arch: str, config: dict, cfg) -> dict[str, Any]:
         md[f"{a}.expert_count"] = cfg.num_experts
         md[f"{a}.expert_used_count"] = cfg.num_experts_per_tok
         md[f"{a}.expert_weights_norm"] = bool(cfg.norm_topk_prob)
-        if arch in ("qwen2moe", "qwen3moe", "gpt-oss", "glm4moe"):
+        if arch in ("qwen2moe", "qwen3moe", "gpt-oss", "glm4moe", "lfm2moe"):
             md[f"{a}.expert_feed_forward_length"] = cfg.intermediate_size
             md[f"{a}.feed_forward_length"] = int(config.get("intermediate_size") or cfg.intermediate_size)
-        if arch == "glm4moe":  # llama.cpp's keys: shared experts counted, sigmoid gating, dense layers
-            md[f"{a}.expert_shared_count"] = cfg.shared_expert_intermediate_size // cfg.intermediate_size
-            md[f"{a}.expert_gating_func"] = 2 if cfg.expert_gating == "sigmoid" else 1
+        if cfg.expert_gating == "sigmoid":  # llama.cpp's keys: sigmoid gating, scale, dense layers
+            md[f"{a}.expert_gating_func"] = 2
             md[f"{a}.expert_weights_scale"] = float(cfg.expert_weights_scale)
             md[f"{a}.leading_dense_block_count"] = cfg.first_dense_layers
+        if arch == "glm4moe":  # shared experts counted
+            md[f"{a}.expert_shared_count"] = cfg.shared_expert_intermediate_size // cfg.intermediate_size
             md[f"{a}.nextn_predict_layers"] = 0
         elif cfg.shared_expert_intermediate_size:  # Qwen2-MoE (llama.cpp's key)
             md[f"{a}.expert_shared_feed_forward_length"] = cfg.shared_expert_intermediate_size
         if arch == "gpt-oss":  # Hearth's keys (llama.cpp fixes 1.702 and 7.0)
             md[f"{a}.expert_swiglu_alpha"] = float(cfg.swiglu_alpha)
             md[f"{a}.expert_swiglu_limit"] = float(cfg.swiglu_limit)
+    if arch in ("lfm2", "lfm2moe"):  # llama.cpp's keys: KV heads per layer (0 in convolution layers), taps
+        md[f"{a}.attention.head_count_kv"] = [
+            0 if cfg.is_conv(i) else cfg.num_key_value_heads for i in range(cfg.num_hidden_layers)
+        ]
+        md[f"{a}.shortconv.l_cache"] = cfg.conv_taps
     if arch == "granite":  # llama.cpp's keys
         md[f"{a}.embedding_scale"] = float(cfg.embedding_multiplier)
         md[f"{a}.residual_scale"] = float(cfg.residual_multiplier)

@@ -31,7 +31,7 @@ PERMUTED_QK = frozenset({"llama", "smollm3", "granite"})
 GEMMA_NORM_OFFSET = frozenset({"gemma3", "gemma2"})
 SUPPORTED_ARCHS = frozenset(
     {"llama", "smollm3", "granite", "glm4", "olmo2", "ernie4_5", "qwen2", "qwen2moe", "qwen3", "qwen3moe",
-     "glm4moe", "exaone4", "seed_oss", "gemma3", "gemma2", "gpt-oss"}
+     "glm4moe", "exaone4", "seed_oss", "lfm2", "lfm2moe", "gemma3", "gemma2", "gpt-oss"}
 )
 _F32, _BF16, _Q4_1 = 0, 30, 3
 
@@ -136,7 +136,7 @@ def _gguf_source(path: Path) -> SourceModel:
 
 
 def _hf_source(folder: Path) -> SourceModel:
-    from engine.hf_repo import HFWeights, config_from_hf, read_json
+    from engine.hf_repo import HFWeights, config_from_hf, conv_kernel_2d, conv_kernel_shape, read_json
     from engine.quant.hf_meta import metadata_from_hf
     from models.formats.safetensors import open_safetensors_repo
 
@@ -185,14 +185,16 @@ def _hf_source(folder: Path) -> SourceModel:
         if name in quantized:
             return _dequantized(weights, name, *quantized[name][1])
         hf_name = names_map[name]
-        return float32_of(st.array(hf_name), st.tensors[hf_name].dtype == "BF16")
+        return conv_kernel_2d(name, float32_of(st.array(hf_name), st.tensors[hf_name].dtype == "BF16"))
 
     def shape_of(name: str) -> tuple[int, ...]:
         if name in fused:
             return fused[name][0]
         if name in stacks:
             return (len(stacks[name]), *shape_of(stacks[name][0]))
-        return quantized[name][1] if name in quantized else st.tensors[names_map[name]].shape
+        if name in quantized:
+            return quantized[name][1]
+        return conv_kernel_shape(name, st.tensors[names_map[name]].shape)
 
     def load(name: str) -> np.ndarray:
         if name in fused:

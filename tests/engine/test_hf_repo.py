@@ -29,9 +29,10 @@ def _golden(family: str) -> dict:
 
 def test_every_family_has_a_fixture():
     dense = {"llama", "llama3-scaled", "mistral", "smollm3", "granite", "glm4", "olmo2", "qwen2", "qwen3"}
-    dense |= {"phi3", "ernie4_5", "olmo3", "exaone4", "seed_oss"}
+    dense |= {"phi3", "ernie4_5", "olmo3", "exaone4", "seed_oss", "lfm2"}
     dense |= {"gemma2", "gemma3"}
-    assert dense | {"qwen2moe", "qwen3moe", "glm4moe", "mixtral", "gpt-oss", "gpt-oss-bf16"} <= set(FAMILIES)
+    moe = {"qwen2moe", "qwen3moe", "glm4moe", "lfm2moe", "mixtral", "gpt-oss", "gpt-oss-bf16"}
+    assert dense | moe <= set(FAMILIES)
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -123,7 +123,9 @@ def test_resume_uses_range_and_bad_partial_restarts(server, tmp_path):
     part.write_bytes(data[:100_000])
     _, stats = download_file(job, tmp_path, FAST)
     assert stats.resumed_from == 100_000 and stats.restarts_from_zero == 0
-    assert server.log[-1]["range"] == "bytes=100000-" and server.log[-1]["sent"] == SIZE - 100_000
+    # any entry: under heavy load a request the client gave up on may be logged after the one that served it
+    served = [e for e in server.log if e["range"] == "bytes=100000-"]
+    assert served and any(e["sent"] == SIZE - 100_000 for e in served)
 
     hub.library_path(tmp_path, REPO, FILE).unlink()
     part.write_bytes(b"\0" * 50_000)  # not a prefix of the file: the checksum catches it

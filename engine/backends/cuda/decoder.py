@@ -358,6 +358,10 @@ class CudaDecoder:
                 "mixture-of-experts models (Mixtral, Qwen3-MoE) have no CUDA kernels yet; use --device cpu"
             )
         layers = [] if self.gemma else model.layers
+        if any(layer.conv is not None for layer in layers):
+            raise UnsupportedCudaModelError(
+                "short-convolution layers (LFM2) have no CUDA kernels yet; use --device cpu"
+            )
         if any(layer.post_attn_norm is not None or layer.post_ffn_norm is not None for layer in layers):
             raise UnsupportedCudaModelError(
                 "norms of the attention and FFN outputs (GLM-4) have no CUDA kernels yet; use --device cpu"

@@ -17,6 +17,7 @@ import os
 import re
 import sys
 import types
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -248,8 +249,8 @@ CUPY_MODULES = (
 
 
 def test_layers_without_rope_granite_constants_and_branch_norms_stay_on_the_cpu(fake, tmp_path):
-    """SmolLM3's NoPE layers, Granite's multipliers and GLM-4's norms of the branch outputs have no CUDA
-    path: a typed error, which placement turns into the CPU fallback."""
+    """SmolLM3's NoPE layers, Granite's multipliers, GLM-4's norms of the branch outputs and LFM2's
+    convolutions have no CUDA path: a typed error, which placement turns into the CPU fallback."""
     model = _model(tmp_path, "llama")
     model.cfg.rope_layers = (True,) * (model.cfg.num_hidden_layers - 1) + (False,)
     with pytest.raises(fake.decoder.UnsupportedCudaModelError, match="without RoPE"):
@@ -262,6 +263,11 @@ def test_layers_without_rope_granite_constants_and_branch_norms_stay_on_the_cpu(
     model.layers[0].post_ffn_norm = model.layers[0].ffn_norm  # GLM-4's norm of the FFN output
     with pytest.raises(fake.decoder.UnsupportedCudaModelError, match="GLM-4"):
         fake.decoder.CudaDecoder(model, n_ctx=64)
+    from engine.loader import load_model
+
+    lfm2 = load_model(Path(__file__).resolve().parents[2] / "fixtures" / "tiny" / "lfm2").model
+    with pytest.raises(fake.decoder.UnsupportedCudaModelError, match="LFM2"):
+        fake.decoder.CudaDecoder(lfm2, n_ctx=64)
 
 
 @pytest.fixture(scope="module")
