@@ -34,6 +34,7 @@ from models.formats.safetensors import SafetensorsModel, open_safetensors_repo
 _FAMILIES = {
     "llama": "llama",
     "mistral": "llama",
+    "ministral3": "mistral3",  # Ministral 3 (text): llama.cpp's mistral3
     "smollm3": "smollm3",
     "granite": "granite",
     "glm4": "glm4",
@@ -471,6 +472,7 @@ def config_from_hf(folder: Path, config: dict) -> LlamaConfig | Gemma3Config:
             rope_layers=_rope_layers(config),
             window_rope_unscaled=model_type == "olmo3",
             **_granite_constants(config),
+            **_attn_temperature(config),
             **lfm2,
         )
     except (KeyError, TypeError, ValueError) as e:
@@ -503,6 +505,18 @@ def _sigmoid_moe(config: dict, expert_ff: int) -> dict:
         "shared_expert_intermediate_size": expert_ff * int(config.get("n_shared_experts") or 0),
         "first_dense_layers": int(config.get("first_k_dense_replace") or 0),
         "dense_intermediate_size": int(config["intermediate_size"]),
+    }
+
+
+def _attn_temperature(config: dict) -> dict:
+    """Ministral 3's Llama 4 attention temperature (LlamaConfig fields) from its rope_parameters."""
+    params = config.get("rope_parameters") or {}
+    beta = float(params.get("llama_4_scaling_beta") or 0.0)
+    if not beta:
+        return {}
+    return {
+        "attn_temperature_beta": beta,
+        "attn_temperature_length": int(params["original_max_position_embeddings"]),
     }
 
 

@@ -200,6 +200,17 @@ FAMILIES = {
         torch.bfloat16,
         False,
     ),
+    # Ministral 3: YaRN (mscale over mscale_all_dim) and Llama 4's query temperature, here over an original
+    # context of 4 so that it grows within the 16 tokens
+    "ministral3": (
+        transformers.Ministral3Config,
+        dict(tie_word_embeddings=False, head_dim=16, pad_token_id=0,
+             rope_parameters=dict(rope_type="yarn", rope_theta=1000000.0, factor=16.0,
+                                  original_max_position_embeddings=4, beta_fast=32.0, beta_slow=1.0,
+                                  mscale=1.0, mscale_all_dim=1.0, llama_4_scaling_beta=0.5)),
+        torch.bfloat16,
+        False,
+    ),
     # LFM2: gated short convolutions (kernel 3) in place of attention in three layers of four, per-head q/k
     # norms; the FFN length adjusted as LFM2's config asks (2/3 of 96, rounded up to a multiple of 32)
     "lfm2": (

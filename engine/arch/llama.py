@@ -7,7 +7,8 @@ branches, attention scores and logits by constants; GLM-4 norms each branch's ou
 of each head in adjacent pairs, as ERNIE 4.5 does on whole heads; OLMo 2 norms only the branch outputs, and
 q and k over their whole width; OLMo 3 adds a window on three layers of four, which rotate with plain RoPE;
 EXAONE 4 norms only the branch outputs too, and with a window rotates only in the windowed layers; Seed-OSS
-is a llama with QKV biases; LFM2 replaces attention with a gated short convolution (engine/arch/shortconv.py)
+is a llama with QKV biases; Ministral 3 scales its queries up past the original context (Llama 4's
+temperature tuning); LFM2 replaces attention with a gated short convolution (engine/arch/shortconv.py)
 in most layers and norms q and k per head.
 Mixture of experts: Mixtral, Qwen3-MoE, Qwen2-MoE (with a gated shared expert) and gpt-oss (attention
 sinks, biases on every linear, a sliding window on every other layer and a clamped SwiGLU in its experts).
@@ -89,6 +90,10 @@ class LlamaConfig:
     window_rope_unscaled: bool = False
     # which layers rotate q and k (SmolLM3: all but every fourth, "NoPE" layers); None: every layer
     rope_layers: tuple[bool, ...] | None = None
+    # Ministral 3 (Llama 4's attention temperature): queries at position p are multiplied by
+    # 1 + attn_temperature_beta * log(1 + floor(p / attn_temperature_length)) after RoPE (0: off)
+    attn_temperature_beta: float = 0.0
+    attn_temperature_length: int = 0
     # LFM2: the layers layer_types names "conv" run a gated short convolution of conv_taps taps in place of
     # attention
     conv_taps: int = 0
@@ -122,6 +127,8 @@ class LlamaConfig:
             raise ValueError(f"{len(self.layer_types)} layer types for {self.num_hidden_layers} layers")
         if self.rope_layers is not None and len(self.rope_layers) != self.num_hidden_layers:
             raise ValueError(f"{len(self.rope_layers)} RoPE flags for {self.num_hidden_layers} layers")
+        if self.attn_temperature_beta and self.attn_temperature_length < 1:
+            raise ValueError("attention temperature scaling needs attn_temperature_length >= 1")
         conv = [self.is_conv(i) for i in range(self.num_hidden_layers)]
         if any(conv) and self.conv_taps < 1:
             raise ValueError("convolution layers need conv_taps >= 1")
@@ -198,6 +205,12 @@ class LlamaConfig:
         scaling = rope_scaling_from_gguf(metadata, arch)
         if scaling.kind == "linear" and scaling.factor == 1.0:
             scaling = RopeScaling()
+        log_mul = metadata.get(f"{arch}.rope.scaling.yarn_log_multiplier")
+        if arch == "mistral3" and scaling.kind == "yarn" and log_mul:
+            # llama.cpp's Ministral 3: mscale 1 over mscale_all_dim (the key's value), as transformers' YaRN
+            scaling = dataclasses.replace(
+                scaling, mscale=1.0, mscale_all_dim=float(log_mul), attention_factor=None
+            )
         gpt_oss = arch == "gpt-oss"
         if gpt_oss and scaling.kind == "yarn":
             # gpt-oss was trained with YaRN's ramp ends unrounded (its config's "truncate": false)
@@ -222,6 +235,7 @@ class LlamaConfig:
         shared_ff = int(key("expert_shared_feed_forward_length", 0))
         shared_ff = shared_ff or ff * int(key("expert_shared_count", 0))
         leading_dense = int(key("leading_dense_block_count", 0)) if experts else 0
+        temperature = float(key("attention.temperature_scale", 0.0))
         return cls(
             hidden_size=hidden,
             intermediate_size=ff,
@@ -273,6 +287,9 @@ class LlamaConfig:
             residual_multiplier=float(key("residual_scale", 1.0)),
             attention_multiplier=float(key("attention.scale", 0.0)),
             logits_scaling=float(key("logit_scale", 1.0)),
+            # llama.cpp's Ministral 3: the temperature over YaRN's original context
+            attn_temperature_beta=temperature,
+            attn_temperature_length=scaling.original_max_position if temperature else 0,
         )
 
 
@@ -344,8 +361,8 @@ def _ffn_weights(weights, p: str, ff: int, d: int) -> tuple[Weight, Weight]:
 
 
 @register(
-    "llama", "mistral", "smollm3", "granite", "glm4", "olmo2", "ernie4_5", "qwen2", "qwen2moe", "qwen3",
-    "qwen3moe", "glm4moe", "exaone4", "seed_oss", "phi3", "gpt-oss", "lfm2", "lfm2moe",
+    "llama", "mistral", "mistral3", "smollm3", "granite", "glm4", "olmo2", "ernie4_5", "qwen2", "qwen2moe",
+    "qwen3", "qwen3moe", "glm4moe", "exaone4", "seed_oss", "phi3", "gpt-oss", "lfm2", "lfm2moe",
 )
 class LlamaModel(Decoder):
     """A Llama-family decoder over weights that stay in their file format."""
@@ -620,6 +637,9 @@ class LlamaModel(Decoder):
             if self.rope_mscale != 1:
                 q3[..., : cfg.rotary_dim] *= self.rope_mscale
                 k3[..., : cfg.rotary_dim] *= self.rope_mscale
+        if cfg.attn_temperature_beta:  # Ministral 3: queries sharpened with the distance from the start
+            steps = np.floor(s.positions / cfg.attn_temperature_length)
+            q3 *= (1.0 + cfg.attn_temperature_beta * np.log1p(steps)).astype(np.float32)[:, None, None]
         attend(i, attn3, q3, k3, v3)
         if capture is not None:
             capture(i, "attn_output", s.attn)

@@ -92,6 +92,15 @@ def _hparams(arch: str, config: dict, cfg) -> dict[str, Any]:
         if arch == "gpt-oss":  # Hearth's keys (llama.cpp fixes 1.702 and 7.0)
             md[f"{a}.expert_swiglu_alpha"] = float(cfg.swiglu_alpha)
             md[f"{a}.expert_swiglu_limit"] = float(cfg.swiglu_limit)
+    if arch == "mistral3" and cfg.attn_temperature_beta:  # llama.cpp's keys (its length: YaRN's original)
+        yarn = cfg.rope_scaling
+        if yarn.kind != "yarn" or yarn.original_max_position != cfg.attn_temperature_length:
+            raise ModelFormatError(
+                "config.json",
+                "a Ministral 3 GGUF keeps the attention temperature over YaRN's original context only",
+            )
+        md[f"{a}.attention.temperature_scale"] = float(cfg.attn_temperature_beta)
+        md[f"{a}.rope.scaling.yarn_log_multiplier"] = float(cfg.rope_scaling.mscale_all_dim or 1.0)
     if arch in ("lfm2", "lfm2moe"):  # llama.cpp's keys: KV heads per layer (0 in convolution layers), taps
         md[f"{a}.attention.head_count_kv"] = [
             0 if cfg.is_conv(i) else cfg.num_key_value_heads for i in range(cfg.num_hidden_layers)

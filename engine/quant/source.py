@@ -27,11 +27,11 @@ from models.formats.ggml_types import PLAIN_DTYPES, type_name
 from models.formats.gguf import GGUFFile, open_gguf
 
 # architectures whose GGUF stores q/k for interleaved (non-NeoX) RoPE: HF rows are permuted on the way in
-PERMUTED_QK = frozenset({"llama", "smollm3", "granite"})
+PERMUTED_QK = frozenset({"llama", "mistral3", "smollm3", "granite"})
 GEMMA_NORM_OFFSET = frozenset({"gemma3", "gemma2"})
 SUPPORTED_ARCHS = frozenset(
-    {"llama", "smollm3", "granite", "glm4", "olmo2", "ernie4_5", "qwen2", "qwen2moe", "qwen3", "qwen3moe",
-     "glm4moe", "exaone4", "seed_oss", "lfm2", "lfm2moe", "gemma3", "gemma2", "gpt-oss"}
+    {"llama", "mistral3", "smollm3", "granite", "glm4", "olmo2", "ernie4_5", "qwen2", "qwen2moe", "qwen3",
+     "qwen3moe", "glm4moe", "exaone4", "seed_oss", "lfm2", "lfm2moe", "gemma3", "gemma2", "gpt-oss"}
 )
 _F32, _BF16, _Q4_1 = 0, 30, 3
 

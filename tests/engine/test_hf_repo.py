@@ -29,7 +29,7 @@ def _golden(family: str) -> dict:
 
 def test_every_family_has_a_fixture():
     dense = {"llama", "llama3-scaled", "mistral", "smollm3", "granite", "glm4", "olmo2", "qwen2", "qwen3"}
-    dense |= {"phi3", "ernie4_5", "olmo3", "exaone4", "seed_oss", "lfm2"}
+    dense |= {"phi3", "ernie4_5", "olmo3", "exaone4", "seed_oss", "lfm2", "ministral3"}
     dense |= {"gemma2", "gemma3"}
     moe = {"qwen2moe", "qwen3moe", "glm4moe", "lfm2moe", "mixtral", "gpt-oss", "gpt-oss-bf16"}
     assert dense | moe <= set(FAMILIES)
@@ -590,3 +590,43 @@ def test_seed_oss_biases_survive_conversion(tmp_path):
     assert m.cfg.architecture == "seed_oss" and m.cfg.rope_neox and m.layers[0].bo is not None
     logits = m.forward(golden["tokens"], m.new_cache(64), all_logits=True)
     np.testing.assert_allclose(logits, np.array(golden["logits"]), atol=1e-4 * np.abs(golden["logits"]).max())
+
+
+def test_ministral3_temperature_and_yarn_in_llama_cpps_mistral3_gguf(tmp_path):
+    """Ministral 3 as llama.cpp writes it: a mistral3 GGUF with q/k permuted for adjacent-pair RoPE, the
+    queries' temperature (attention.temperature_scale over YaRN's original context) and YaRN's
+    mscale_all_dim as rope.scaling.yarn_log_multiplier; the file's logits are the folder's. Without the
+    temperature the golden is off by logits (the fixture's original context is 4 positions)."""
+    from engine.convert import convert
+    from engine.quant.gguf_writer import GGUFWriter
+    from models.formats.gguf import open_gguf
+
+    golden = _golden("ministral3")
+    ref = np.array(golden["logits"])
+    out = convert(TINY / "ministral3", "F16", tmp_path / "m3.gguf").output
+    g = open_gguf(out)
+    md = dict(g.metadata)
+    assert md["general.architecture"] == "mistral3"
+    assert md["mistral3.attention.temperature_scale"] == pytest.approx(0.5)
+    assert md["mistral3.rope.scaling.yarn_log_multiplier"] == 1.0
+    assert md["mistral3.rope.scaling.original_context_length"] == 4
+    # llama.cpp's own files carry no attn_factor: it comes from the log multiplier
+    del md["mistral3.rope.scaling.attn_factor"], md["general.alignment"]
+    specs = [(n, t.ggml_type, tuple(t.shape)) for n, t in g.tensors.items()]
+    data = {n: np.ascontiguousarray(t.raw()).reshape(-1) for n, t in g.tensors.items()}
+    with open(tmp_path / "llama-cpp.gguf", "wb") as fh:
+        w = GGUFWriter(fh, md, specs)
+        w.write_header()
+        for name, _, _ in specs:
+            w.write_tensor(name, data[name])
+        w.finish()
+    g.close()
+    for path in (out, tmp_path / "llama-cpp.gguf"):
+        m = load_model(path).model
+        assert not m.cfg.rope_neox
+        assert (m.cfg.attn_temperature_beta, m.cfg.attn_temperature_length) == (0.5, 4)
+        logits = m.forward(golden["tokens"], m.new_cache(32), all_logits=True)
+        assert np.abs(logits - ref).max() < 1e-3 * np.abs(ref).max()
+    m.cfg.attn_temperature_beta = 0.0
+    logits = m.forward(golden["tokens"], m.new_cache(32), all_logits=True)
+    assert np.abs(logits - ref).max() > 0.1 * np.abs(ref).max()

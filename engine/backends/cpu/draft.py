@@ -371,7 +371,7 @@ class DraftForward:
             return None
         if not all(getattr(cfg, "rope_layers", None) or ()):  # the step rotates every layer
             return None
-        if getattr(cfg, "scaled", False):  # Granite's multipliers: the step has none
+        if getattr(cfg, "scaled", False) or cfg.attn_temperature_beta:  # Granite's, Ministral 3's scales
             return None
         if cfg.hidden_size % QK or cfg.q_dim % QK or cfg.intermediate_size % QK or cfg.kv_dim % 16:
             return None

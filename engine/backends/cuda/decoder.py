@@ -358,6 +358,10 @@ class CudaDecoder:
                 "mixture-of-experts models (Mixtral, Qwen3-MoE) have no CUDA kernels yet; use --device cpu"
             )
         layers = [] if self.gemma else model.layers
+        if getattr(cfg, "attn_temperature_beta", 0.0):
+            raise UnsupportedCudaModelError(
+                "Ministral 3's attention temperature has no CUDA kernel yet; use --device cpu"
+            )
         if any(layer.conv is not None for layer in layers):
             raise UnsupportedCudaModelError(
                 "short-convolution layers (LFM2) have no CUDA kernels yet; use --device cpu"
