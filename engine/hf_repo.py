@@ -29,6 +29,7 @@ from engine.tokenizer import (
 )
 from engine.weights import FLOAT_DTYPES, Weight, float32_of
 from models.formats.safetensors import SafetensorsModel, open_safetensors_repo
+from models.hf_config import language_config
 
 # HF model_type -> Hearth architecture name (the GGUF `general.architecture` of the same family)
 _FAMILIES = {
@@ -147,6 +148,13 @@ _GLOBAL_NAMES = {
     "lm_head.weight": "output.weight",
 }
 _LAYER_RE = re.compile(r"model\.layers\.(\d+)\.(.+)")
+# multimodal folders (Gemma 3 4B and up, Mistral Small 3.1, Ministral 3): the language model's tensors under
+# these prefixes (transformers' layouts of 2025 and of 2026), the vision tower's left out
+_LANGUAGE_PREFIXES = (
+    ("language_model.model.", "model."),
+    ("model.language_model.", "model."),
+    ("language_model.lm_head.", "lm_head."),
+)
 # gpt-oss's fused expert tensors (engine/hf_experts.py), by the GGUF names they stand for
 _FUSED_EXPERTS_RE = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(?:gate_up|down)_proj(?:_blocks)?")
 _GGUF_EXPERTS_RE = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)_exps\.(weight|bias)")
@@ -291,7 +299,16 @@ def conv_kernel_2d(gguf_name: str, array):
     return array.reshape(conv_kernel_shape(gguf_name, array.shape))
 
 
+def _language_name(hf_name: str) -> str:
+    """A multimodal folder's language-model tensor under the text-only model's name."""
+    for prefix, plain in _LANGUAGE_PREFIXES:
+        if hf_name.startswith(prefix):
+            return plain + hf_name[len(prefix) :]
+    return hf_name
+
+
 def _gguf_name(hf_name: str, layer_names: dict[str, str]) -> str | None:
+    hf_name = _language_name(hf_name)
     if hf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[hf_name]
     m = _LAYER_RE.fullmatch(hf_name)
@@ -365,7 +382,8 @@ def _rope_scaling(config: dict) -> tuple[float, RopeScaling]:
 
 def _gemma3_config(config: dict, arch: str = "gemma3") -> Gemma3Config:
     params = config.get("rope_parameters") or {}
-    full = params.get("full_attention", params)
+    # transformers 5's parameters per layer type, or older configs' rope_scaling (the global layers')
+    full = params.get("full_attention", params) or config.get("rope_scaling") or {}
     local = params.get("sliding_attention", {})
     _, scaling = _rope_scaling({"rope_parameters": full})
     heads = int(config["num_attention_heads"])
@@ -400,7 +418,9 @@ def _gemma3_config(config: dict, arch: str = "gemma3") -> Gemma3Config:
 
 
 def config_from_hf(folder: Path, config: dict) -> LlamaConfig | Gemma3Config:
-    """The architecture config for a config.json. Raises UnsupportedArchitectureError for other families."""
+    """The architecture config for a config.json (a multimodal folder's: its language model's). Raises
+    UnsupportedArchitectureError for other families."""
+    config = language_config(config)
     model_type = config.get("model_type")
     arch = _FAMILIES.get(model_type)
     if arch is None:

@@ -21,6 +21,7 @@ from typing import Any
 
 from models.errors import ModelFormatError
 from models.formats.ggml_types import BLOCK_SIZES, TYPE_NAMES
+from models.hf_config import language_config
 
 KV_BYTES = 4  # float32 K and V
 OVERHEAD_BYTES = 128 << 20  # activations, logits, scratch buffers, the Python runtime's share
@@ -164,7 +165,8 @@ def _per_layer(value: Any, n_layer: int) -> list[int]:
 
 def kv_bytes_per_token_config(config: Mapping[str, Any]) -> int:
     """The same from a Hugging Face config.json (num_hidden_layers, num_key_value_heads, head_dim)."""
-    cfg = config.get("text_config") or config
+    cfg = language_config(config)
+    cfg = cfg.get("text_config") or cfg  # other multimodal layouts: their text_config as it is
     try:
         n_layer = int(cfg["num_hidden_layers"])
         n_head = int(cfg["num_attention_heads"])

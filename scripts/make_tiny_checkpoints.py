@@ -266,6 +266,27 @@ FAMILIES = {
     ),
 }
 
+# multimodal folders (a vision tower beside the language model; Hearth reads the language model): family ->
+# (config class, text config, vision config); the text config is COMMON plus these
+_VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+               image_size=28, patch_size=14)
+MULTIMODAL = {
+    "gemma3-mm": (
+        transformers.Gemma3Config,
+        dict(model_type="gemma3_text", head_dim=32, query_pre_attn_scalar=32, sliding_window=4,
+             pad_token_id=0, layer_types=["sliding_attention", "full_attention"]),
+        dict(_VISION),
+        dict(mm_tokens_per_image=4, image_token_index=317, boi_token_index=318, eoi_token_index=319),
+    ),
+    "ministral3-mm": (
+        transformers.Mistral3Config,
+        dict(FAMILIES["ministral3"][1], model_type="ministral3"),
+        dict(_VISION, head_dim=16),
+        dict(image_token_index=317),
+    ),
+}
+FAMILIES |= {name: (spec[0], {}, torch.bfloat16, False) for name, spec in MULTIMODAL.items()}
+
 
 def tiny_tokenizer() -> Tokenizer:
     """A byte-level BPE: the 256 byte symbols, a few merges, and chat special tokens."""
@@ -350,8 +371,14 @@ def write_gpt_oss_mxfp4(src: Path, dst: Path) -> None:
 def write_family(name: str, out: Path) -> None:
     cls, extra, dtype, shard = FAMILIES[name]
     torch.manual_seed(sum(map(ord, name)))
-    config = cls(**{**COMMON, **extra})
-    model = transformers.AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32).eval()
+    auto = transformers.AutoModelForCausalLM
+    if name in MULTIMODAL:
+        _, text, vision, wrapper = MULTIMODAL[name]
+        config = cls(text_config={**COMMON, **text}, vision_config=vision, **wrapper)
+        auto = transformers.AutoModelForImageTextToText
+    else:
+        config = cls(**{**COMMON, **extra})
+    model = auto.from_config(config, torch_dtype=torch.float32).eval()
     with torch.no_grad():  # larger than default init so the logits are not all near zero
         for pname, p in model.named_parameters():
             if p.dim() > 1:
@@ -390,7 +417,7 @@ def write_family(name: str, out: Path) -> None:
     )
     # reference: transformers loading the folder as written (bf16/f16 weights) in float32; loading
     # afresh recomputes RoPE buffers in float32 (casting the live model would round them to bf16)
-    ref = transformers.AutoModelForCausalLM.from_pretrained(folder, torch_dtype=torch.float32).eval()
+    ref = auto.from_pretrained(folder, torch_dtype=torch.float32).eval()
     ids = torch.tensor([TOKENS])
     with torch.no_grad():
         logits = ref(ids).logits[0]

@@ -33,6 +33,11 @@ SLIDING = "sliding_attention"
 FULL = "full_attention"
 
 
+def pattern_layer_types(n_layers: int, period: int = 6) -> list[str]:
+    """A window on every layer but each period-th (Gemma 3: five of six)."""
+    return [SLIDING if (i + 1) % period else FULL for i in range(n_layers)]
+
+
 @dataclass
 class Gemma3Config:
     """Hyper-parameters, named as in Hugging Face's Gemma3TextConfig."""
@@ -72,7 +77,7 @@ class Gemma3Config:
             period = self.sliding_window_pattern
             if period < 1:
                 raise ValueError(f"sliding_window_pattern must be positive, got {period}")
-            self.layer_types = [SLIDING if (i + 1) % period else FULL for i in range(self.num_hidden_layers)]
+            self.layer_types = pattern_layer_types(self.num_hidden_layers, period)
         if len(self.layer_types) != self.num_hidden_layers or set(self.layer_types) - {SLIDING, FULL}:
             raise ValueError(f"layer_types must list {SLIDING!r}/{FULL!r} for each of the layers")
         self.n_rep = self.num_attention_heads // self.num_key_value_heads

@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from engine.arch.gemma3 import SLIDING, pattern_layer_types
 from engine.arch.llama import gpt_oss_layer_types, olmo3_layer_types, smollm3_rope_layers
 from engine.errors import ModelFormatError
 from engine.rope import rope_attention_factor
@@ -61,9 +62,22 @@ def _hparams(arch: str, config: dict, cfg) -> dict[str, Any]:
         f"{a}.attention.layer_norm_rms_epsilon": float(cfg.rms_norm_eps),
     }
     if arch in ("gemma3", "gemma2"):
+        # GGUF has no key for the score scale: readers take head_dim, or hidden / heads on the 27B models
+        wide = cfg.num_hidden_layers == (46 if arch == "gemma2" else 62)
+        implied = cfg.hidden_size / cfg.num_attention_heads if wide else cfg.head_dim
+        if cfg.query_pre_attn_scalar != implied:
+            raise ModelFormatError(
+                "config.json",
+                f"query_pre_attn_scalar {cfg.query_pre_attn_scalar:g} differs from the {implied:g} a {arch} "
+                "GGUF implies; this model cannot be converted to GGUF (run the folder as it is)",
+            )
         md[f"{a}.attention.key_length"] = cfg.head_dim
         md[f"{a}.attention.value_length"] = cfg.head_dim
         md[f"{a}.attention.sliding_window"] = cfg.sliding_window
+        types = list(cfg.layer_types or [])
+        if arch == "gemma3" and types and types != pattern_layer_types(cfg.num_hidden_layers):
+            # windowed layers other than Gemma 3's five of six: one flag per layer, as llama.cpp's key allows
+            md[f"{a}.attention.sliding_window_pattern"] = np.array([t == SLIDING for t in types])
         for cap in ("attn_logit_softcapping", "final_logit_softcapping"):  # Gemma 2's (llama.cpp's keys)
             if getattr(cfg, cap):
                 md[f"{a}.{cap}"] = float(getattr(cfg, cap))

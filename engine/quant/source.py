@@ -136,7 +136,14 @@ def _gguf_source(path: Path) -> SourceModel:
 
 
 def _hf_source(folder: Path) -> SourceModel:
-    from engine.hf_repo import HFWeights, config_from_hf, conv_kernel_2d, conv_kernel_shape, read_json
+    from engine.hf_repo import (
+        HFWeights,
+        config_from_hf,
+        conv_kernel_2d,
+        conv_kernel_shape,
+        language_config,
+        read_json,
+    )
     from engine.quant.hf_meta import metadata_from_hf
     from models.formats.safetensors import open_safetensors_repo
 
@@ -152,7 +159,7 @@ def _hf_source(folder: Path) -> SourceModel:
     weights = HFWeights(st, folder, arch)
     # gguf name -> hf name, without layers past num_hidden_layers (GLM-4.5's next-token-prediction layer)
     names_map = {g: hf for g, hf in weights.names.items() if _layer_of(g) < cfg.num_hidden_layers}
-    metadata = metadata_from_hf(folder, config, cfg)
+    metadata = metadata_from_hf(folder, language_config(config), cfg)
     n_head = cfg.num_attention_heads
     n_kv = cfg.num_key_value_heads
     try:

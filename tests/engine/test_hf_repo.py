@@ -30,7 +30,7 @@ def _golden(family: str) -> dict:
 def test_every_family_has_a_fixture():
     dense = {"llama", "llama3-scaled", "mistral", "smollm3", "granite", "glm4", "olmo2", "qwen2", "qwen3"}
     dense |= {"phi3", "ernie4_5", "olmo3", "exaone4", "seed_oss", "lfm2", "ministral3"}
-    dense |= {"gemma2", "gemma3"}
+    dense |= {"gemma2", "gemma3", "gemma3-mm", "ministral3-mm"}
     moe = {"qwen2moe", "qwen3moe", "glm4moe", "lfm2moe", "mixtral", "gpt-oss", "gpt-oss-bf16"}
     assert dense | moe <= set(FAMILIES)
 
@@ -630,3 +630,47 @@ def test_ministral3_temperature_and_yarn_in_llama_cpps_mistral3_gguf(tmp_path):
     m.cfg.attn_temperature_beta = 0.0
     logits = m.forward(golden["tokens"], m.new_cache(32), all_logits=True)
     assert np.abs(logits - ref).max() > 0.1 * np.abs(ref).max()
+
+
+@pytest.mark.parametrize("family", ["gemma3-mm", "ministral3-mm"])
+def test_multimodal_folders_run_and_convert_their_language_model(family, tmp_path):
+    """A multimodal folder (vision tower beside the language model, as Gemma 3 4B+ and Ministral 3 ship):
+    its language model runs (the golden test covers it) and converts to a text GGUF without the vision
+    tensors; Gemma 3's explicit window layout (here a window on layer 0 only) travels as per-layer flags."""
+    from engine.convert import convert
+    from models.formats.gguf import open_gguf
+
+    golden = _golden(family)
+    ref = np.array(golden["logits"])
+    out = convert(TINY / family, "F16", tmp_path / "text.gguf").output
+    g = open_gguf(out)
+    assert not [n for n in g.tensors if "vision" in n or "mm_" in n or "projector" in n]
+    if family == "gemma3-mm":
+        assert [bool(f) for f in g.metadata["gemma3.attention.sliding_window_pattern"]] == [True, False]
+    g.close()
+    m = load_model(out).model
+    logits = m.forward(golden["tokens"], m.new_cache(32), all_logits=True)
+    assert np.abs(logits - ref).max() < 1e-3 * np.abs(ref).max()
+
+
+def test_multimodal_text_config_defaults_and_what_gguf_cannot_hold(tmp_path):
+    """Google's Gemma 3 4B config gives only what differs from transformers' defaults (8 heads, 4 KV heads of
+    256, a vocabulary of 262208); a Gemma whose score scale differs from head_dim cannot become a GGUF."""
+    from engine.convert import convert
+    from engine.hf_repo import config_from_hf
+    from models.fit import kv_bytes_per_token_config
+
+    google = {
+        "model_type": "gemma3",
+        "text_config": {"hidden_size": 2560, "intermediate_size": 10240, "model_type": "gemma3_text",
+                        "num_hidden_layers": 34, "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+                        "sliding_window": 1024},
+        "vision_config": {"model_type": "siglip_vision_model"},
+    }
+    cfg = config_from_hf(tmp_path, google)
+    assert (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim) == (8, 4, 256)
+    assert (cfg.vocab_size, cfg.query_pre_attn_scalar, cfg.sliding_window) == (262_208, 256, 1024)
+    assert cfg.rope_scaling.kind == "linear" and cfg.rope_scaling.factor == 8.0
+    assert kv_bytes_per_token_config(google) == 34 * 4 * 256 * 2 * 4
+    with pytest.raises(ModelFormatError, match="query_pre_attn_scalar"):
+        convert(TINY / "gemma3", "F16", tmp_path / "g3.gguf")
