@@ -456,8 +456,9 @@ def config_from_hf(folder: Path, config: dict) -> LlamaConfig | Gemma3Config:
         qwen_moe = model_type in ("qwen2_moe", "qwen3_moe")
         # the experts' FFN length (GLM-4.5's intermediate_size is its dense layers')
         expert_sized = qwen_moe or (experts and model_type in ("glm4_moe", "lfm2_moe"))
-        ff = int(config["moe_intermediate_size" if expert_sized else "intermediate_size"])
-        ff = lfm2.pop("intermediate_size", ff)
+        # LFM2 sizes its FFN from block_ff_dim (_lfm2)
+        ff_key = "moe_intermediate_size" if expert_sized else "intermediate_size"
+        ff = lfm2.pop("intermediate_size", 0) or int(config[ff_key])
         # Mixtral always renormalizes the chosen experts' weights (gpt-oss's softmax over the chosen
         # logits is the same numbers); Qwen2/3-MoE say so in their configs; GLM-4.5 routes its own way
         moe = {

@@ -172,8 +172,12 @@ def kv_bytes_per_token_config(config: Mapping[str, Any]) -> int:
         n_head = int(cfg["num_attention_heads"])
         n_kv = int(cfg.get("num_key_value_heads") or n_head)
         head_dim = int(cfg.get("head_dim") or int(cfg["hidden_size"]) // n_head)
-        # LFM2: its convolution layers keep their inputs (hidden_size a token) instead of keys and values
-        n_conv = list(cfg.get("layer_types") or []).count("conv") if cfg.get("model_type") == "lfm2" else 0
+        # LFM2: its convolution layers keep their inputs (hidden_size a token) instead of keys and values;
+        # layer_types names them, or they are the layers not in the older configs' full_attn_idxs
+        n_conv = 0
+        if cfg.get("model_type") in ("lfm2", "lfm2_moe"):
+            types = cfg.get("layer_types")
+            n_conv = list(types).count("conv") if types else n_layer - len(cfg.get("full_attn_idxs") or [])
         conv_bytes = n_conv * int(cfg["hidden_size"]) * KV_BYTES
     except (KeyError, TypeError, ValueError, ZeroDivisionError) as e:
         raise ModelFormatError("config.json", f"cannot size the KV cache from it ({e!r})") from None

@@ -209,3 +209,27 @@ def test_lfm2_moe_gguf_and_batched_decode(tmp_path):
         cache = m.new_cache(16)
         m.forward(p, cache)
         np.testing.assert_allclose(batched[b], m.forward([tok], cache)[0], atol=_tol(batched))
+
+
+def test_released_lfm2_config(tmp_path):
+    """LFM2-1.2B's config.json as released (transformers 4.54's keys: block_ff_dim, full_attn_idxs, no
+    layer_types or intermediate_size): 16 layers of which 6 attend, an FFN of 8192, and memory estimates that
+    count 10 convolution layers."""
+    from engine.hf_repo import config_from_hf
+    from engine.memory_guard import kv_shape_from_config
+    from models.fit import kv_bytes_per_token_config
+
+    config = {
+        "architectures": ["Lfm2ForCausalLM"], "model_type": "lfm2", "block_auto_adjust_ff_dim": True,
+        "block_dim": 2048, "block_ff_dim": 12288, "block_ffn_dim_multiplier": 1.0, "block_multiple_of": 256,
+        "conv_L_cache": 3, "conv_bias": False, "full_attn_idxs": [2, 5, 8, 10, 12, 14], "hidden_size": 2048,
+        "max_position_embeddings": 128000, "norm_eps": 1e-05, "num_attention_heads": 32,
+        "num_hidden_layers": 16, "num_key_value_heads": 8, "rope_theta": 1000000.0, "vocab_size": 65536,
+    }
+    cfg = config_from_hf(tmp_path, config)
+    assert cfg.intermediate_size == 8192 and cfg.n_conv_layers == 10 and cfg.rms_norm_eps == 1e-5
+    assert [i for i in range(16) if not cfg.is_conv(i)] == [2, 5, 8, 10, 12, 14]
+    assert cfg.rope_neox and cfg.rope_theta == 1e6 and cfg.conv_taps == 3
+    per_token = (6 * 8 * 64 * 2 + 10 * 2048) * 4
+    assert kv_shape_from_config(cfg).kv_bytes_per_token == per_token
+    assert kv_bytes_per_token_config(config) == per_token
