@@ -38,6 +38,7 @@ _FAMILIES = {
     "ministral3": "mistral3",  # Ministral 3 (text): llama.cpp's mistral3
     "smollm3": "smollm3",
     "granite": "granite",
+    "granitemoehybrid": "granite",  # Granite 4.0's non-hybrid members (Micro): attention layers only
     "glm4": "glm4",
     "olmo2": "olmo2",
     "olmo3": "olmo2",  # llama.cpp's name for OLMo 3 too: OLMo 2 with sliding-window layers
@@ -92,6 +93,8 @@ _LAYER_NAMES = {
     "mlp.shared_experts.up_proj.weight": "ffn_up_shexp.weight",
     "mlp.shared_experts.down_proj.weight": "ffn_down_shexp.weight",
     "mlp.gate.e_score_correction_bias": "exp_probs_b.bias",  # GLM-4.5's routing bias
+    "shared_mlp.input_linear.weight": "ffn_up.weight",  # Granite 4.0: gate rows then up rows, as Phi-3's
+    "shared_mlp.output_linear.weight": "ffn_down.weight",
 }
 # experts: HF keeps one tensor per expert, GGUF one (experts, rows, cols) tensor; expert e of GGUF tensor T
 # is named T.e here (HFWeights.experts)
@@ -442,6 +445,7 @@ def config_from_hf(folder: Path, config: dict) -> LlamaConfig | Gemma3Config:
     theta, scaling = _rope_scaling(config)
     _refuse_linear_biases(config)
     lfm2 = _lfm2(config)
+    granite4 = _granite4(config)
     experts = config.get("num_experts") or config.get("num_local_experts") or config.get("n_routed_experts")
     experts = int(experts or 0)
     if experts and (config.get("mlp_only_layers") or int(config.get("decoder_sparse_step") or 1) != 1):
@@ -458,7 +462,7 @@ def config_from_hf(folder: Path, config: dict) -> LlamaConfig | Gemma3Config:
         expert_sized = qwen_moe or (experts and model_type in ("glm4_moe", "lfm2_moe"))
         # LFM2 sizes its FFN from block_ff_dim (_lfm2)
         ff_key = "moe_intermediate_size" if expert_sized else "intermediate_size"
-        ff = lfm2.pop("intermediate_size", 0) or int(config[ff_key])
+        ff = lfm2.pop("intermediate_size", 0) or granite4.pop("intermediate_size", 0) or int(config[ff_key])
         # Mixtral always renormalizes the chosen experts' weights (gpt-oss's softmax over the chosen
         # logits is the same numbers); Qwen2/3-MoE say so in their configs; GLM-4.5 routes its own way
         moe = {
@@ -490,11 +494,12 @@ def config_from_hf(folder: Path, config: dict) -> LlamaConfig | Gemma3Config:
             swiglu_alpha=float(config.get("swiglu_alpha", 1.702)),
             swiglu_limit=float(config.get("swiglu_limit", 7.0)),
             **_sliding_window(config),
-            rope_layers=_rope_layers(config),
+            rope_layers=granite4.pop("rope_layers", None) or _rope_layers(config),
             window_rope_unscaled=model_type == "olmo3",
             **_granite_constants(config),
             **_attn_temperature(config),
             **lfm2,
+            **granite4,
         )
     except (KeyError, TypeError, ValueError) as e:
         raise ModelFormatError(folder / "config.json", f"missing or invalid hyper-parameter ({e})") from e
@@ -583,9 +588,31 @@ def _refuse_linear_biases(config: dict) -> None:
         )
 
 
+def _granite4(config: dict) -> dict:
+    """Granite 4.0 (granitemoehybrid) without Mamba layers or experts (Granite-4.0-Micro): a Granite 3 whose
+    FFN is the "shared MLP" of shared_intermediate_size, RoPE only with position_embedding_type "rope".
+    The hybrid members (Mamba-2 layers) and the mixtures of experts are refused."""
+    if config.get("model_type") != "granitemoehybrid":
+        return {}
+    n = int(config["num_hidden_layers"])
+    types = list(config.get("layer_types") or config.get("layers_block_type") or ["mamba"] * n)
+    if any(t not in ("attention", "full_attention") for t in types):  # "mamba" / "linear_attention"
+        raise UnsupportedArchitectureError(
+            "Granite 4.0's hybrid models (Mamba-2 layers: Granite-4.0-H) are not supported yet; the "
+            "attention-only ones (Granite-4.0-Micro) are"
+        )
+    if int(config.get("num_local_experts") or 0):
+        raise UnsupportedArchitectureError("Granite 4.0 mixtures of experts are not supported yet")
+    rope = config.get("position_embedding_type") == "rope"
+    return {
+        "intermediate_size": int(config["shared_intermediate_size"]),
+        "rope_layers": None if rope else (False,) * n,
+    }
+
+
 def _granite_constants(config: dict) -> dict:
     """Granite's multipliers (LlamaConfig's embedding/residual/attention_multiplier, logits_scaling)."""
-    if config.get("model_type") != "granite":
+    if config.get("model_type") not in ("granite", "granitemoehybrid"):
         return {}
     return {
         "embedding_multiplier": float(config.get("embedding_multiplier", 1.0)),

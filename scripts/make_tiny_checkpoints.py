@@ -135,6 +135,16 @@ FAMILIES = {
         torch.bfloat16,
         False,
     ),
+    # Granite 4.0 Micro: Granite's multipliers in a granitemoehybrid config with attention layers only, no
+    # experts, and its FFN as the fused "shared MLP"
+    "granite4": (
+        transformers.GraniteMoeHybridConfig,
+        dict(tie_word_embeddings=True, layer_types=["attention", "attention"], num_local_experts=0,
+             shared_intermediate_size=96, position_embedding_type="rope", embedding_multiplier=3.0,
+             residual_multiplier=0.5, attention_multiplier=0.2, logits_scaling=2.0, pad_token_id=0),
+        torch.bfloat16,
+        False,
+    ),
     # GLM-4: norms of each branch's output, half of each head rotated in adjacent pairs, fused gate|up,
     # QKV biases
     "glm4": (

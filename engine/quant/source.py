@@ -13,6 +13,7 @@ llama-family q/k rows are permuted for GGUF's interleaved RoPE, Gemma norms are 
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -187,6 +188,7 @@ def _hf_source(folder: Path) -> SourceModel:
     for experts in stacks.values():
         experts.sort(key=lambda n: int(n.rsplit(".", 1)[1]))
     fused = _fused_experts(weights, cfg)  # gpt-oss: name -> (shape, type, loader)
+    fused |= _split_gate_up(st, names_map, arch)
 
     def load_one(name: str) -> np.ndarray:
         if name in quantized:
@@ -242,6 +244,36 @@ def _layer_of(gguf_name: str) -> int:
 
 
 _EXPERT_NAME = re.compile(r"blk\.\d+\.ffn_\w+_exps\.weight\.\d+")  # HFWeights' name of one expert
+
+
+# GGUF architectures whose files keep gate and up fused in one ffn_up (llama.cpp's Phi-3 and GLM-4)
+_FUSED_GATE_UP = frozenset({"phi3", "glm4"})
+
+
+def _split_gate_up(st, names_map: dict[str, str], arch: str) -> dict[str, tuple[tuple[int, ...], int, Any]]:
+    """A fused ffn_up (gate rows then up rows: Granite 4.0's shared MLP) as the separate ffn_gate and ffn_up
+    llama.cpp's other architectures read: name -> (shape, source type, float32 loader). Takes the fused
+    names out of names_map."""
+    out = {}
+    if arch in _FUSED_GATE_UP:
+        return out
+    for name in [n for n in names_map if n.endswith(".ffn_up.weight")]:
+        gate = name.replace(".ffn_up.", ".ffn_gate.")
+        if gate in names_map:
+            continue
+        hf_name = names_map.pop(name)
+        info = st.tensors[hf_name]
+        rows, cols = info.shape[0] // 2, info.shape[1]
+        for part, lo in ((gate, 0), (name, rows)):
+            load = functools.partial(_rows, st, hf_name, lo, rows)
+            out[part] = ((rows, cols), FLOAT_DTYPES[info.dtype], load)
+    return out
+
+
+def _rows(st, hf_name: str, lo: int, n: int) -> np.ndarray:
+    """Rows lo..lo+n of a safetensors matrix as float32."""
+    bf16 = st.tensors[hf_name].dtype == "BF16"
+    return np.ascontiguousarray(float32_of(st.array(hf_name)[lo : lo + n], bf16))
 
 
 def _fused_experts(weights, cfg) -> dict[str, tuple[tuple[int, ...], int, Any]]:

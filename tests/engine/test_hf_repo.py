@@ -28,7 +28,8 @@ def _golden(family: str) -> dict:
 
 
 def test_every_family_has_a_fixture():
-    dense = {"llama", "llama3-scaled", "mistral", "smollm3", "granite", "glm4", "olmo2", "qwen2", "qwen3"}
+    dense = {"llama", "llama3-scaled", "mistral", "smollm3", "granite", "granite4", "glm4", "olmo2", "qwen2"}
+    dense |= {"qwen3"}
     dense |= {"phi3", "ernie4_5", "olmo3", "exaone4", "seed_oss", "lfm2", "ministral3"}
     dense |= {"gemma2", "gemma3", "gemma3-mm", "ministral3-mm"}
     moe = {"qwen2moe", "qwen3moe", "glm4moe", "lfm2moe", "mixtral", "gpt-oss", "gpt-oss-bf16"}
@@ -674,3 +675,33 @@ def test_multimodal_text_config_defaults_and_what_gguf_cannot_hold(tmp_path):
     assert kv_bytes_per_token_config(google) == 34 * 4 * 256 * 2 * 4
     with pytest.raises(ModelFormatError, match="query_pre_attn_scalar"):
         convert(TINY / "gemma3", "F16", tmp_path / "g3.gguf")
+
+
+def test_granite4_micro_and_its_gguf_as_llama_cpp_writes_it(tmp_path):
+    """Granite 4.0 without Mamba layers or experts (Granite-4.0-Micro's layout): Granite's multipliers over a
+    fused "shared MLP", also one token at a time; converted, it is llama.cpp's granite GGUF with gate and up
+    split. Hybrid (Mamba-2) and MoE members are refused with a message."""
+    from engine.convert import convert
+    from engine.hf_repo import config_from_hf
+    from models.formats.gguf import open_gguf
+
+    golden = _golden("granite4")
+    ref = np.array(golden["logits"])
+    m = load_model(TINY / "granite4").model
+    cache = m.new_cache(32)
+    rows = np.array([m.forward([t], cache)[0].copy() for t in golden["tokens"]])
+    assert np.abs(rows - ref).max() < 1e-4 * np.abs(ref).max()
+    out = convert(TINY / "granite4", "F16", tmp_path / "g4.gguf").output
+    g = open_gguf(out)
+    assert g.architecture == "granite" and g.metadata["granite.logit_scale"] == 2.0
+    assert tuple(g.tensors["blk.0.ffn_gate.weight"].shape) == tuple(g.tensors["blk.0.ffn_up.weight"].shape)
+    assert tuple(g.tensors["blk.0.ffn_up.weight"].shape) == (96, 64)
+    g.close()
+    m = load_model(out).model
+    logits = m.forward(golden["tokens"], m.new_cache(32), all_logits=True)
+    assert np.abs(logits - ref).max() < 1e-3 * np.abs(ref).max()
+    config = json.loads((TINY / "granite4" / "config.json").read_text())
+    for change, message in (({"layer_types": ["mamba", "full_attention"]}, "Mamba"),
+                            ({"num_local_experts": 4}, "experts")):
+        with pytest.raises(UnsupportedArchitectureError, match=message):
+            config_from_hf(tmp_path, config | change)
