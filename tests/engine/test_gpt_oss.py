@@ -108,28 +108,16 @@ def test_a_float_gguf_matches_transformers(tmp_path, source):
 def test_llama_cpp_names(tmp_path):
     """llama.cpp's gpt-oss GGUF calls the pre-FFN norm post_attention_norm, and so does our converter; a file
     naming it ffn_norm (Hearth's conversions before 2026-12) still loads."""
-    from gguf import GGUFReader
-
-    from engine.quant.gguf_writer import GGUFWriter
+    from models.formats.gguf import open_gguf
+    from tests.engine.gguf_rewrite import rewrite_gguf
 
     golden = _golden()
     src = convert(TINY / "gpt-oss", "Q8_0", tmp_path / "ours.gguf").output
-    reader = GGUFReader(src)
-    names = {t.name for t in reader.tensors}
-    assert "blk.0.post_attention_norm.weight" in names and "blk.0.ffn_norm.weight" not in names
-    md = load_model(src).metadata
-    specs, data = [], []
-    for t in reader.tensors:
-        name = t.name.replace("post_attention_norm.weight", "ffn_norm.weight")
-        specs.append((name, int(t.tensor_type), tuple(int(d) for d in reversed(t.shape))))
-        data.append(np.ascontiguousarray(t.data).view(np.uint8).reshape(-1))
-    path = tmp_path / "old-names.gguf"
-    with open(path, "wb") as fh:
-        w = GGUFWriter(fh, {k: v for k, v in md.items() if k != "general.alignment"}, specs)
-        w.write_header()
-        for (name, _, _), raw in zip(specs, data):
-            w.write_tensor(name, raw)
-        w.finish()
+    g = open_gguf(src)
+    assert "blk.0.post_attention_norm.weight" in g.tensors and "blk.0.ffn_norm.weight" not in g.tensors
+    g.close()
+    path = rewrite_gguf(src, tmp_path / "old-names.gguf",
+                        lambda name: name.replace("post_attention_norm.weight", "ffn_norm.weight"))
     m = load_model(path).model
     _close_to_golden(m.forward(golden["tokens"], m.new_cache(64), all_logits=True), golden, tol=0.05)
 

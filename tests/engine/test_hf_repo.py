@@ -599,8 +599,8 @@ def test_ministral3_temperature_and_yarn_in_llama_cpps_mistral3_gguf(tmp_path):
     mscale_all_dim as rope.scaling.yarn_log_multiplier; the file's logits are the folder's. Without the
     temperature the golden is off by logits (the fixture's original context is 4 positions)."""
     from engine.convert import convert
-    from engine.quant.gguf_writer import GGUFWriter
     from models.formats.gguf import open_gguf
+    from tests.engine.gguf_rewrite import rewrite_gguf
 
     golden = _golden("ministral3")
     ref = np.array(golden["logits"])
@@ -611,17 +611,9 @@ def test_ministral3_temperature_and_yarn_in_llama_cpps_mistral3_gguf(tmp_path):
     assert md["mistral3.attention.temperature_scale"] == pytest.approx(0.5)
     assert md["mistral3.rope.scaling.yarn_log_multiplier"] == 1.0
     assert md["mistral3.rope.scaling.original_context_length"] == 4
-    # llama.cpp's own files carry no attn_factor: it comes from the log multiplier
-    del md["mistral3.rope.scaling.attn_factor"], md["general.alignment"]
-    specs = [(n, t.ggml_type, tuple(t.shape)) for n, t in g.tensors.items()]
-    data = {n: np.ascontiguousarray(t.raw()).reshape(-1) for n, t in g.tensors.items()}
-    with open(tmp_path / "llama-cpp.gguf", "wb") as fh:
-        w = GGUFWriter(fh, md, specs)
-        w.write_header()
-        for name, _, _ in specs:
-            w.write_tensor(name, data[name])
-        w.finish()
     g.close()
+    # llama.cpp's own files carry no attn_factor: it comes from the log multiplier
+    rewrite_gguf(out, tmp_path / "llama-cpp.gguf", drop_keys={"mistral3.rope.scaling.attn_factor"})
     for path in (out, tmp_path / "llama-cpp.gguf"):
         m = load_model(path).model
         assert not m.cfg.rope_neox

@@ -18,6 +18,7 @@ from engine.generate import GenerationParams, generate
 from engine.kv_cache import ShortConvKVCache
 from engine.loader import load_model
 from engine.prefix_cache import PrefixCache
+from tests.engine.gguf_rewrite import check_batched_decode
 
 TINY = Path(__file__).resolve().parents[1] / "fixtures" / "tiny"
 GOLDEN = json.loads((TINY / "lfm2" / "golden.json").read_text())
@@ -93,16 +94,7 @@ def test_float16_cache_stays_close(lm):
 
 
 def test_batched_decode_matches_one_sequence_at_a_time(lm):
-    m = lm.model
-    prompts = ([5, 17, 42], [99, 3, 250, 77, 1], [8])
-    caches = [m.new_cache(16) for _ in prompts]
-    for p, c in zip(prompts, caches, strict=True):
-        m.forward(p, c)
-    batched = m.forward_batch([8, 120, 33], caches).copy()
-    for b, (p, tok) in enumerate(zip(prompts, (8, 120, 33), strict=True)):
-        cache = m.new_cache(16)
-        m.forward(p, cache)
-        np.testing.assert_allclose(batched[b], m.forward([tok], cache)[0], atol=_tol(batched))
+    check_batched_decode(lm.model, ([5, 17, 42], [99, 3, 250, 77, 1], [8]), (8, 120, 33))
 
 
 def test_speculation_with_rejections_keeps_greedy_output(lm):
@@ -200,15 +192,7 @@ def test_lfm2_moe_gguf_and_batched_decode(tmp_path):
     assert m.layers[0].moe is None and m.layers[1].moe.score_bias is not None and m.layers[0].conv is not None
     np.testing.assert_allclose(m.forward(golden["tokens"], m.new_cache(32), all_logits=True), ref,
                                atol=1e-3 * np.abs(ref).max())
-    prompts = ([5, 17, 42], [99, 3, 250, 77, 1])
-    caches = [m.new_cache(16) for _ in prompts]
-    for p, c in zip(prompts, caches, strict=True):
-        m.forward(p, c)
-    batched = m.forward_batch([8, 120], caches).copy()
-    for b, (p, tok) in enumerate(zip(prompts, (8, 120), strict=True)):
-        cache = m.new_cache(16)
-        m.forward(p, cache)
-        np.testing.assert_allclose(batched[b], m.forward([tok], cache)[0], atol=_tol(batched))
+    check_batched_decode(m, ([5, 17, 42], [99, 3, 250, 77, 1]), (8, 120))
 
 
 def test_released_lfm2_config(tmp_path):

@@ -357,7 +357,7 @@ def test_glm45_moe_in_gguf_with_llama_cpps_keys_and_nextn_layers(tmp_path):
     next-token-prediction layer (nextn_predict_layers), whose tensors are not run; the pre-FFN norm under
     llama.cpp's name post_attention_norm (or ffn_norm). Group-limited routing (DeepSeek-V3) is refused."""
     from engine.errors import UnsupportedArchitectureError
-    from engine.quant.gguf_writer import GGUFWriter
+    from tests.engine.gguf_rewrite import rewrite_gguf
 
     golden = _golden("glm4moe")
     out = convert(TINY / "glm4moe", "F16", tmp_path / "glm.gguf").output
@@ -371,20 +371,14 @@ def test_glm45_moe_in_gguf_with_llama_cpps_keys_and_nextn_layers(tmp_path):
     assert "blk.1.post_attention_norm.weight" in g.tensors and "blk.1.ffn_norm.weight" not in g.tensors
     # llama.cpp's file: one more block (the MTP layer, a copy of the last here); and Hearth's conversions
     # before 2026-12 named the pre-FFN norm ffn_norm
-    md |= {"glm4moe.block_count": 4, "glm4moe.nextn_predict_layers": 1}
-    specs, data = [], {}
-    for name, t in g.tensors.items():
-        for new in (name, name.replace("blk.2.", "blk.3.")) if name.startswith("blk.2.") else (name,):
-            new = new.replace("post_attention_norm.weight", "ffn_norm.weight")
-            specs.append((new, t.ggml_type, tuple(t.shape)))
-            data[new] = np.ascontiguousarray(t.raw()).reshape(-1)
-    with open(tmp_path / "llama-cpp.gguf", "wb") as fh:
-        w = GGUFWriter(fh, md, specs)
-        w.write_header()
-        for name, _, _ in specs:
-            w.write_tensor(name, data[name])
-        w.finish()
     g.close()
+
+    def rename(name):
+        name = name.replace("post_attention_norm.weight", "ffn_norm.weight")
+        return (name, name.replace("blk.2.", "blk.3.")) if name.startswith("blk.2.") else name
+
+    rewrite_gguf(out, tmp_path / "llama-cpp.gguf", rename,
+                 {"glm4moe.block_count": 4, "glm4moe.nextn_predict_layers": 1})
     ref = np.array(golden["logits"])
     for path in (out, tmp_path / "llama-cpp.gguf"):
         m = load_model(path).model
@@ -413,13 +407,6 @@ def test_sigmoid_routing_chooses_by_biased_score_and_weighs_by_score():
 def test_glm45_batched_decode_matches_one_sequence_at_a_time():
     """The server's batched step on GLM-4.5 (dense first layer with its own FFN length, sigmoid-routed
     experts): each sequence's logits as its own decode step gives them."""
-    m = load_model(TINY / "glm4moe").model
-    prompts = ([5, 17, 42], [99, 3, 250, 77])
-    caches = [m.new_cache(16) for _ in prompts]
-    for p, c in zip(prompts, caches, strict=True):
-        m.forward(p, c)
-    batched = m.forward_batch([8, 120], caches).copy()
-    for b, (p, tok) in enumerate(zip(prompts, (8, 120), strict=True)):
-        cache = m.new_cache(16)
-        m.forward(p, cache)
-        np.testing.assert_allclose(batched[b], m.forward([tok], cache)[0], atol=1e-4 * np.abs(batched).max())
+    from tests.engine.gguf_rewrite import check_batched_decode
+
+    check_batched_decode(load_model(TINY / "glm4moe").model, ([5, 17, 42], [99, 3, 250, 77]), (8, 120))

@@ -1,0 +1,46 @@
+"""Test helpers: a GGUF rewritten with other names, blocks or keys (as llama.cpp or older Hearth versions
+write a family), and the batched decode step checked against one sequence at a time."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from engine.quant.gguf_writer import GGUFWriter
+from models.formats.gguf import open_gguf
+
+
+def rewrite_gguf(src: Path, dst: Path, rename=None, metadata=None, drop_keys=()) -> Path:
+    """Copy GGUF src to dst with each tensor under the names rename(name) gives (a name or a tuple of
+    names: copies), metadata updated by `metadata` and without the keys in drop_keys. Returns dst."""
+    g = open_gguf(src)
+    md = {k: v for k, v in g.metadata.items() if k != "general.alignment" and k not in drop_keys}
+    md.update(metadata or {})
+    specs, data = [], {}
+    for name, t in g.tensors.items():
+        new = rename(name) if rename is not None else name
+        for n in (new,) if isinstance(new, str) else new:
+            specs.append((n, t.ggml_type, tuple(t.shape)))
+            data[n] = np.ascontiguousarray(t.raw()).reshape(-1)
+    g.close()
+    with open(dst, "wb") as fh:
+        w = GGUFWriter(fh, md, specs)
+        w.write_header()
+        for n, _, _ in specs:
+            w.write_tensor(n, data[n])
+        w.finish()
+    return dst
+
+
+def check_batched_decode(model, prompts, tokens, rtol: float = 1e-4) -> None:
+    """model.forward_batch(tokens) after each prompt gives each sequence the logits of its own decode step."""
+    caches = [model.new_cache(16) for _ in prompts]
+    for p, c in zip(prompts, caches, strict=True):
+        model.forward(p, c)
+    batched = model.forward_batch(list(tokens), caches).copy()
+    for b, (p, tok) in enumerate(zip(prompts, tokens, strict=True)):
+        cache = model.new_cache(16)
+        model.forward(p, cache)
+        single = model.forward([tok], cache)[0]
+        np.testing.assert_allclose(batched[b], single, atol=rtol * np.abs(batched).max())
