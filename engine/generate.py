@@ -73,6 +73,7 @@ def prefill(model, cache: KVCache, ids: Sequence[int], chunk: int = 512) -> tupl
         raise ContextOverflowError(len(ids), cache.n_ctx)
     reused = min(cache.common_prefix(ids), len(ids) - 1)  # recompute at least the last token for its logits
     cache.trim(cache.offset - reused)
+    reused = cache.offset  # a recurrent model's cache may step back further (RecurrentKVCache.trim)
     logits = None
     for start in range(reused, len(ids), chunk):
         logits = model.forward(ids[start : start + chunk], cache)

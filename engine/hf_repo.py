@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 from tokenizers import Tokenizer as HFTokenizer
 
+from engine.arch.deltanet import DeltaShape
 from engine.arch.gemma3 import Gemma3Config
 from engine.arch.llama import LlamaConfig, gpt_oss_layer_types, smollm3_rope_layers, windowed_rope_layers
 from engine.errors import MissingTensorError, ModelFormatError, UnsupportedArchitectureError
@@ -47,6 +48,7 @@ _FAMILIES = {
     "seed_oss": "seed_oss",
     "lfm2": "lfm2",
     "lfm2_moe": "lfm2moe",  # LFM2-8B-A1B
+    "qwen3_5_text": "qwen35",  # Qwen3.5 (dense; llama.cpp's name)
     "qwen2": "qwen2",
     "qwen3": "qwen3",
     "phi3": "phi3",
@@ -136,7 +138,21 @@ _LFM2_LAYER_NAMES = {
     "feed_forward.gate.weight": "ffn_gate_inp.weight",  # LFM2-MoE's router and its choice bias
     "feed_forward.expert_bias": "exp_probs_b.bias",
 }
+# Qwen3.5: its gated DeltaNet layers (llama.cpp's qwen35 names); A_log is read as -exp(A_log) (ssm_a)
+_QWEN35_LAYER_NAMES = {
+    **_LAYER_NAMES,
+    "linear_attn.in_proj_qkv.weight": "attn_qkv.weight",
+    "linear_attn.in_proj_z.weight": "attn_gate.weight",
+    "linear_attn.in_proj_b.weight": "ssm_beta.weight",
+    "linear_attn.in_proj_a.weight": "ssm_alpha.weight",
+    "linear_attn.conv1d.weight": "ssm_conv1d.weight",  # (conv_dim, 1, taps) in HF, (conv_dim, taps) in GGUF
+    "linear_attn.dt_bias": "ssm_dt.bias",
+    "linear_attn.A_log": "ssm_a",
+    "linear_attn.norm.weight": "ssm_norm.weight",
+    "linear_attn.out_proj.weight": "ssm_out.weight",
+}
 _ARCH_LAYER_NAMES = {
+    "qwen35": _QWEN35_LAYER_NAMES,
     "lfm2": _LFM2_LAYER_NAMES,
     "lfm2moe": _LFM2_LAYER_NAMES,
     "olmo2": _OLMO2_LAYER_NAMES,
@@ -197,8 +213,9 @@ class HFWeights:
             for hf in st.tensors
             if hf.endswith(".qweight") and (g := _gguf_name(hf[: -len("qweight")] + "weight", layer_names))
         }
-        # Gemma's RMSNorm multiplies by (1 + w); GGUF files (and so our architecture) store 1 + w
-        self.norm_offset = 1.0 if arch in _GEMMA else 0.0
+        # Gemma's and Qwen3.5's RMSNorms multiply by (1 + w); GGUF files (and so our architecture) store 1 + w
+        # (not Qwen3.5's gated norm in its DeltaNet layers, which multiplies by w)
+        self.norm_offset = 1.0 if arch in _GEMMA or arch == "qwen35" else 0.0
         # FP8 / NVFP4 linears: engine/quant/fp_load.py (compressed-tensors NVFP4 codes are weight_packed)
         for hf in st.tensors:
             if hf.endswith(".weight_packed") and (g := _gguf_name(hf[: -len("_packed")], layer_names)):
@@ -283,8 +300,10 @@ class HFWeights:
                 self.folder, f"tensor for {name!r} has shape {array.shape}, expected {shape}"
             )
         vector = float32_of(array, dtype == "BF16")
-        if self.norm_offset and name.endswith("norm.weight"):
+        if self.norm_offset and name.endswith("norm.weight") and not name.endswith("ssm_norm.weight"):
             vector = vector + np.float32(self.norm_offset)
+        if name.endswith(".ssm_a"):  # HF's A_log
+            vector = -np.exp(vector)
         return vector
 
 
@@ -292,7 +311,8 @@ def conv_kernel_shape(gguf_name: str, shape) -> tuple[int, ...]:
     """A tensor's shape as GGUF keeps it: LFM2's convolution kernels lose the middle axis of HF's
     (hidden, 1, taps)."""
     shape = tuple(int(n) for n in shape)
-    if gguf_name.endswith("shortconv.conv.weight") and len(shape) == 3 and shape[1] == 1:
+    kernels = ("shortconv.conv.weight", "ssm_conv1d.weight")
+    if gguf_name.endswith(kernels) and len(shape) == 3 and shape[1] == 1:
         return shape[0], shape[2]
     return shape
 
@@ -446,6 +466,7 @@ def config_from_hf(folder: Path, config: dict) -> LlamaConfig | Gemma3Config:
     _refuse_linear_biases(config)
     lfm2 = _lfm2(config)
     granite4 = _granite4(config)
+    qwen35 = _qwen35(config)
     experts = config.get("num_experts") or config.get("num_local_experts") or config.get("n_routed_experts")
     experts = int(experts or 0)
     if experts and (config.get("mlp_only_layers") or int(config.get("decoder_sparse_step") or 1) != 1):
@@ -500,6 +521,7 @@ def config_from_hf(folder: Path, config: dict) -> LlamaConfig | Gemma3Config:
             **_attn_temperature(config),
             **lfm2,
             **granite4,
+            **qwen35,
         )
     except (KeyError, TypeError, ValueError) as e:
         raise ModelFormatError(folder / "config.json", f"missing or invalid hyper-parameter ({e})") from e
@@ -586,6 +608,31 @@ def _refuse_linear_biases(config: dict) -> None:
         raise UnsupportedArchitectureError(
             f"{config.get('model_type')} models with FFN biases (mlp_bias / use_bias) are not supported yet"
         )
+
+
+def _qwen35(config: dict) -> dict:
+    """Qwen3.5's LlamaConfig fields: which layers run the gated DeltaNet (layer_types "linear_attention"),
+    its sizes, and the attention layers' output gate."""
+    if config.get("model_type") != "qwen3_5_text":
+        return {}
+    if config.get("attention_bias"):
+        raise UnsupportedArchitectureError("Qwen3.5 models with attention biases are not supported yet")
+    n = int(config["num_hidden_layers"])
+    types = config.get("layer_types")
+    if types is None:
+        every = int(config.get("full_attention_interval") or 4)
+        types = ["linear_attention" if (i + 1) % every else "full_attention" for i in range(n)]
+    return {
+        "layer_types": tuple(types),
+        "delta": DeltaShape(
+            k_heads=int(config.get("linear_num_key_heads", 16)),
+            v_heads=int(config.get("linear_num_value_heads", 32)),
+            head_k=int(config.get("linear_key_head_dim", 128)),
+            head_v=int(config.get("linear_value_head_dim", 128)),
+            taps=int(config.get("linear_conv_kernel_dim", 4)),
+        ),
+        "attn_output_gate": True,
+    }
 
 
 def _granite4(config: dict) -> dict:

@@ -39,6 +39,9 @@ class KVCache:
     is done, `offset`, `trim(n)`, `state`.
     """
 
+    # every position's state can be read and written back (engine.prefix_cache stores prefixes of it)
+    partial_states = True
+
     def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, n_ctx: int, dtype=np.float32):
         dtype = np.dtype(dtype)
         if dtype not in KV_DTYPES:
@@ -161,3 +164,68 @@ class ShortConvKVCache(KVCache):
     def write(self, lo: int, k: np.ndarray, v: np.ndarray, conv: np.ndarray) -> None:
         super().write(lo, k, v)
         self.conv[:, :, lo : lo + conv.shape[2], :] = conv
+
+
+class RecurrentKVCache(KVCache):
+    """A KV cache for a model with recurrent layers beside its attention ones (Qwen3.5's gated DeltaNet).
+
+    The attention layers' keys and values are the base class's (layer index: the attention layers counted
+    in order). Each recurrent layer's state, `recurrent` (n_rec, *state_shape), and its convolution's last
+    inputs, `conv_state` (n_rec, *conv_shape), float32, hold for the cache's end only: a trim cannot step
+    back token by token.
+    The model calls `snapshot` before and after every multi-token pass (a prompt, a chunk of one: the end of
+    a prompt is where the next turn's prompt, respelling the reply, parts from the cache); trim(n) returns to
+    the latest snapshot at or before offset - n (the start when there is none) and drops what follows, so it
+    may drop more than n: callers continue from `offset`. Stored prefixes (engine.prefix_cache) are not kept
+    for it (`partial_states` False).
+    """
+
+    partial_states = False
+    MAX_SNAPSHOTS = 6
+
+    def __init__(
+        self, n_layers: int, n_kv_heads: int, head_dim: int, n_ctx: int, dtype, n_rec: int,
+        state_shape: tuple[int, ...], conv_shape: tuple[int, ...],
+    ):
+        super().__init__(n_layers, n_kv_heads, head_dim, n_ctx, dtype)
+        self.recurrent = np.zeros((n_rec, *state_shape), np.float32)
+        self.conv_state = np.zeros((n_rec, *conv_shape), np.float32)
+        self._snapshots: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+
+    @property
+    def state_nbytes(self) -> int:
+        """Bytes of the recurrent state with every snapshot slot filled (fixed, whatever the context)."""
+        return (1 + self.MAX_SNAPSHOTS) * int(self.recurrent.nbytes + self.conv_state.nbytes)
+
+    @property
+    def nbytes(self) -> int:
+        return super().nbytes + self.state_nbytes
+
+    def snapshot(self) -> None:
+        """Keep the state at the current end (the latest MAX_SNAPSHOTS positions are kept)."""
+        pos = self.offset
+        if pos == 0 or pos in self._snapshots:
+            return
+        self._snapshots[pos] = (self.recurrent.copy(), self.conv_state.copy())
+        while len(self._snapshots) > self.MAX_SNAPSHOTS:
+            del self._snapshots[min(self._snapshots)]
+
+    def trim(self, n: int) -> int:
+        """Forget at least the last n positions: back to the latest snapshot at or before offset - n.
+        Returns how many were dropped."""
+        n = max(0, min(n, self.offset))
+        if not n:
+            return 0
+        end = self.offset
+        pos = max((p for p in self._snapshots if p <= end - n), default=0)
+        if pos:
+            state, conv = self._snapshots[pos]
+            self.recurrent[:] = state
+            self.conv_state[:] = conv
+        else:
+            self.recurrent[:] = 0.0
+            self.conv_state[:] = 0.0
+        for p in [p for p in self._snapshots if p > pos]:
+            del self._snapshots[p]
+        del self._tokens[pos:]
+        return end - pos

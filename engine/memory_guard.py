@@ -50,6 +50,9 @@ class KVShape:
     trained_ctx: int
     # LFM2's convolution layers (among n_layers): no keys and values, their inputs (hidden_size) instead
     conv_layers: int = 0
+    # Qwen3.5's recurrent layers (among n_layers): nothing per token, a fixed state per sequence instead
+    recurrent_layers: int = 0
+    state_bytes: int = 0
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -58,7 +61,8 @@ class KVShape:
 
     def kv_bytes_per_token_at(self, itemsize: int) -> int:
         """Bytes of keys and values per token with `itemsize`-byte elements (4: float32, 2: float16)."""
-        attention = (self.n_layers - self.conv_layers) * self.n_kv_heads * self.head_dim * 2
+        attending = self.n_layers - self.conv_layers - self.recurrent_layers
+        attention = attending * self.n_kv_heads * self.head_dim * 2
         return (attention + self.conv_layers * self.hidden_size) * int(itemsize)
 
 
@@ -114,7 +118,13 @@ def kv_shape_from_config(cfg) -> KVShape:
     """The same from an architecture config (engine.arch: a Hugging Face folder's config.json, read)."""
     layers, kv_heads, trained = cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.max_position_embeddings
     conv_layers = getattr(cfg, "n_conv_layers", 0)
-    return KVShape(layers, kv_heads, cfg.head_dim, cfg.hidden_size, trained, conv_layers)
+    recurrent = getattr(cfg, "n_recurrent_layers", 0)
+    state = 0
+    if recurrent:
+        from engine.kv_cache import RecurrentKVCache
+
+        state = (1 + RecurrentKVCache.MAX_SNAPSHOTS) * recurrent * cfg.delta.state_floats * 4
+    return KVShape(layers, kv_heads, cfg.head_dim, cfg.hidden_size, trained, conv_layers, recurrent, state)
 
 
 def available_bytes() -> int:
@@ -156,7 +166,7 @@ def estimate(
     # activations of a prefill batch: residual, norm, q/k/v/o and the FFN's gate/up (~4x hidden each)
     activations = batch * shape.hidden_size * 16 * 4
     overhead = FIXED_OVERHEAD + activations
-    room = int(available * HEADROOM) - weights_bytes - overhead
+    room = int(available * HEADROOM) - weights_bytes - overhead - int(shape.state_bytes * cpu_share)
     warnings = []
     if shape.trained_ctx and n_ctx > shape.trained_ctx:
         warnings.append(
@@ -166,7 +176,7 @@ def estimate(
     return MemoryEstimate(
         n_ctx=n_ctx,
         weights_bytes=int(weights_bytes),
-        kv_bytes=per_token * n_ctx,
+        kv_bytes=per_token * n_ctx + int(shape.state_bytes * cpu_share),
         overhead_bytes=overhead,
         available_bytes=available,
         kv_bytes_per_token=per_token,

@@ -136,6 +136,9 @@ class PrefixCache:
         ids = np.asarray(tokens, dtype=np.int64)
         if start is None:
             start = cache.common_prefix(ids)
+        if not cache.partial_states:  # a recurrent model's state is kept for the cache's end only
+            self.misses += 1
+            return start
         path, matched = self._walk(ids)
         matched = min(matched, cache.n_ctx)
         if matched <= start:
@@ -160,7 +163,7 @@ class PrefixCache:
         A state larger than the whole budget is stored up to the budget. Returns bytes added.
         """
         ids = np.asarray(cache.tokens, dtype=np.int64)
-        if len(ids) == 0 or self.max_bytes == 0:
+        if len(ids) == 0 or self.max_bytes == 0 or not cache.partial_states:
             return 0
         ids = ids[: self.max_bytes // cache.bytes_per_token]
         path, matched = self._walk(ids)

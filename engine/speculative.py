@@ -24,7 +24,7 @@ import numpy as np
 from engine.backends.cpu.draft import MAX_TOKENS as MAX_FAST_TOKENS
 from engine.backends.cpu.draft import DraftForward
 from engine.errors import ContextOverflowError, HearthError
-from engine.generate import GenerationEvent, GenerationParams, _StopMatcher, prefill
+from engine.generate import GenerationEvent, GenerationParams, _StopMatcher, generate, prefill
 from engine.harmony import reply_decoder
 from engine.kv_cache import KVCache
 from engine.memory import peak_rss_mb
@@ -145,6 +145,8 @@ class DraftModel:
 
         problem = compatibility_problem(target_tokenizer, self.tokenizer, target_model.cfg.vocab_size,
                                         self.model.cfg.vocab_size)
+        if not self.cache.partial_states:
+            problem = "its recurrent layers (Qwen3.5's) cannot step back over rejected drafts"
         if problem:
             raise IncompatibleDraftError(f"the draft model cannot be used with this target: {problem}; "
                                          "pick a draft with the same tokenizer "
@@ -307,7 +309,7 @@ def speculative_generate(
     k: int = 4,
     k_max: int = 8,
     adaptive: bool = True,
-) -> Iterator[SpeculativeEvent]:
+) -> Iterator[GenerationEvent]:
     """Stream a reply like engine.generate.generate, drafting with `proposer` and verifying in batches.
 
     Args:
@@ -325,6 +327,11 @@ def speculative_generate(
     """
     if not 1 <= k <= k_max:
         raise ValueError(f"need 1 <= k <= k_max, got k={k}, k_max={k_max}")
+    if not cache.partial_states:
+        # a recurrent model (Qwen3.5) keeps its state for the cache's end only: rejected drafts could not be
+        # taken back, so the reply is decoded plainly (its events carry no speculation figures)
+        yield from generate(model, tokenizer, prompt_ids, cache, params)
+        return
     if hasattr(proposer, "check_compatible"):
         proposer.check_compatible(model, tokenizer)
     prompt_ids = [int(t) for t in prompt_ids]

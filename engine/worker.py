@@ -271,6 +271,8 @@ class ChatRunner:
             live = cache.common_prefix(ids)
             restored = max(0, self.store.restore(ids, cache, start=live) - live)
         cached = min(cache.common_prefix(ids), len(ids) - 1)
+        cache.trim(cache.offset - cached)  # as prefill() would; a recurrent cache may step back further
+        cached = cache.offset
         chunk = self.options.batch_size
         base = ChatEvent(
             prompt_tokens=len(ids),

@@ -221,6 +221,18 @@ FAMILIES = {
         torch.bfloat16,
         False,
     ),
+    # Qwen3.5 (dense text): gated DeltaNet layers (a causal convolution of 4 over q|k|v, l2-normed q and k,
+    # decay and write strength per value head, a norm gated by z) in three layers of four, the fourth full
+    # attention with an output gate and RoPE on a quarter of each head; norms scale by 1 + w
+    "qwen3_5": (
+        transformers.Qwen3_5TextConfig,
+        dict(tie_word_embeddings=False, num_hidden_layers=4, head_dim=16, linear_key_head_dim=8,
+             linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4,
+             rope_parameters=dict(rope_type="default", rope_theta=10000000.0, partial_rotary_factor=0.25,
+                                  mrope_section=[1, 1, 0], mrope_interleaved=True), pad_token_id=0),
+        torch.bfloat16,
+        False,
+    ),
     # LFM2: gated short convolutions (kernel 3) in place of attention in three layers of four, per-head q/k
     # norms; the FFN length adjusted as LFM2's config asks (2/3 of 96, rounded up to a multiple of 32)
     "lfm2": (

@@ -21,12 +21,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from engine.arch import register
+from engine.arch import deltanet, register
 from engine.arch.base import Decoder, Scratch
+from engine.arch.deltanet import DeltaNet, DeltaShape, load_deltanet
 from engine.arch.moe import MoE, load_moe, moe_forward
 from engine.arch.shortconv import ShortConv, convolve, gated_inputs, load_shortconv
 from engine.backends import cpu as ops
-from engine.kv_cache import KVCache, ShortConvKVCache
+from engine.kv_cache import KVCache, RecurrentKVCache, ShortConvKVCache
 from engine.rope import RopeScaling, rope_attention_factor, rope_inv_freq, rope_scaling_from_gguf
 from engine.weights import Weight
 
@@ -97,6 +98,10 @@ class LlamaConfig:
     # LFM2: the layers layer_types names "conv" run a gated short convolution of conv_taps taps in place of
     # attention
     conv_taps: int = 0
+    # Qwen3.5: the layers layer_types names "linear_attention" run a gated DeltaNet of these sizes
+    # (engine/arch/deltanet.py); its attention layers gate their output by sigmoid(a second half of q_proj)
+    delta: DeltaShape | None = None
+    attn_output_gate: bool = False
     # Granite's constants: the embeddings and every residual branch are scaled, the attention scores use
     # attention_multiplier instead of 1/sqrt(head_dim) (0: that default), the logits are divided
     embedding_multiplier: float = 1.0
@@ -129,24 +134,37 @@ class LlamaConfig:
             raise ValueError(f"{len(self.rope_layers)} RoPE flags for {self.num_hidden_layers} layers")
         if self.attn_temperature_beta and self.attn_temperature_length < 1:
             raise ValueError("attention temperature scaling needs attn_temperature_length >= 1")
-        conv = [self.is_conv(i) for i in range(self.num_hidden_layers)]
-        if any(conv) and self.conv_taps < 1:
+        kinds = [self._kind(i) for i in range(self.num_hidden_layers)]
+        if "conv" in kinds and self.conv_taps < 1:
             raise ValueError("convolution layers need conv_taps >= 1")
-        self._slots = tuple(conv[:i].count(c) for i, c in enumerate(conv))
+        if "recurrent" in kinds and self.delta is None:
+            raise ValueError("linear-attention layers need the DeltaNet's sizes")
+        self._slots = tuple(kinds[:i].count(k) for i, k in enumerate(kinds))
 
     def is_conv(self, layer: int) -> bool:
         """Layer `layer` runs LFM2's short convolution instead of attention."""
         return self.layer_types is not None and self.layer_types[layer] == "conv"
 
+    def is_recurrent(self, layer: int) -> bool:
+        """Layer `layer` runs Qwen3.5's gated DeltaNet instead of attention."""
+        return self.layer_types is not None and self.layer_types[layer] == "linear_attention"
+
+    def _kind(self, layer: int) -> str:
+        return "conv" if self.is_conv(layer) else "recurrent" if self.is_recurrent(layer) else "attention"
+
     @property
     def n_conv_layers(self) -> int:
         return sum(map(self.is_conv, range(self.num_hidden_layers)))
 
+    @property
+    def n_recurrent_layers(self) -> int:
+        return sum(map(self.is_recurrent, range(self.num_hidden_layers)))
+
     def cache_slot(self, layer: int, first: int = 0) -> int:
         """Layer `layer`'s index in a cache of the layers from `first` on: its place among them in the
-        layers of its kind (attention or convolution), as the cache numbers them."""
-        kind = self.is_conv(layer)
-        return self._slots[layer] - sum(self.is_conv(i) == kind for i in range(first))
+        layers of its kind (attention, convolution or recurrent), as the cache numbers them."""
+        kind = self._kind(layer)
+        return self._slots[layer] - sum(self._kind(i) == kind for i in range(first))
 
     def window(self, layer: int) -> int | None:
         """Layer's attention window (ops.attention's `window`), None for full attention."""
@@ -183,6 +201,12 @@ class LlamaConfig:
     @classmethod
     def from_gguf(cls, metadata: dict, vocab_size: int) -> LlamaConfig:
         arch = metadata["general.architecture"]
+        if arch == "qwen35":
+            from engine.errors import UnsupportedArchitectureError
+
+            raise UnsupportedArchitectureError(
+                "llama.cpp's qwen35 GGUFs are not read yet (Qwen3.5 runs from its Hugging Face folder)"
+            )
 
         def key(name, default=None):
             value = metadata.get(f"{arch}.{name}", default)
@@ -338,6 +362,7 @@ class LlamaLayer:
     post_attn_norm: np.ndarray | None = None
     post_ffn_norm: np.ndarray | None = None
     conv: ShortConv | None = None  # LFM2's short convolution in place of attention
+    delta: DeltaNet | None = None  # Qwen3.5's gated DeltaNet in place of attention
 
 
 def _attention_weights(weights, p: str, q: int, kv: int, d: int) -> tuple[Weight, Weight, Weight]:
@@ -362,7 +387,7 @@ def _ffn_weights(weights, p: str, ff: int, d: int) -> tuple[Weight, Weight]:
 
 @register(
     "llama", "mistral", "mistral3", "smollm3", "granite", "glm4", "olmo2", "ernie4_5", "qwen2", "qwen2moe",
-    "qwen3", "qwen3moe", "glm4moe", "exaone4", "seed_oss", "phi3", "gpt-oss", "lfm2", "lfm2moe",
+    "qwen3", "qwen3moe", "glm4moe", "exaone4", "seed_oss", "phi3", "gpt-oss", "lfm2", "lfm2moe", "qwen35",
 )
 class LlamaModel(Decoder):
     """A Llama-family decoder over weights that stay in their file format."""
@@ -391,7 +416,11 @@ class LlamaModel(Decoder):
                 return weights.vector(p + name, n) if weights.has(p + name) else None
 
             conv = load_shortconv(weights, p, d, cfg.conv_taps) if cfg.is_conv(i) else None
-            wq, wk, wv = _attention_weights(weights, p, q, kv, d) if conv is None else (None, None, None)
+            delta = load_deltanet(weights, p, d, cfg.delta) if cfg.is_recurrent(i) else None
+            attends = conv is None and delta is None
+            # Qwen3.5's gated attention: q_proj gives each head's query then its output gate
+            q_rows = 2 * q if cfg.attn_output_gate else q
+            wq, wk, wv = _attention_weights(weights, p, q_rows, kv, d) if attends else (None, None, None)
             moe = None
             if cfg.has_experts(i):
                 moe = load_moe(weights, p, cfg.num_experts, ff, d, cfg.shared_expert_intermediate_size)
@@ -413,7 +442,7 @@ class LlamaModel(Decoder):
                     wq=wq,
                     wk=wk,
                     wv=wv,
-                    wo=weights.matrix(p + "attn_output.weight", d, q) if conv is None else None,
+                    wo=weights.matrix(p + "attn_output.weight", d, q) if attends else None,
                     ffn_norm=weights.vector(p + ffn_norm, d) if ffn_norm else None,
                     w_gate=w_gate,
                     w_up=w_up,
@@ -429,6 +458,7 @@ class LlamaModel(Decoder):
                     post_attn_norm=optional(post_attn, d) if post_attn else None,
                     post_ffn_norm=optional("post_ffw_norm.weight", d),
                     conv=conv,
+                    delta=delta,
                 )
             )
         half = cfg.rotary_dim // 2
@@ -466,11 +496,14 @@ class LlamaModel(Decoder):
     def new_cache(self, n_ctx: int, dtype=np.float32) -> KVCache:
         """An empty cache for n_ctx positions; with LFM2's convolution layers, one that keeps their inputs."""
         cfg = self.cfg
-        n_conv = cfg.n_conv_layers
+        n_conv, n_rec = cfg.n_conv_layers, cfg.n_recurrent_layers
+        n_attn, kv_heads, d = cfg.num_hidden_layers - n_conv - n_rec, cfg.num_key_value_heads, cfg.hidden_size
+        if n_rec:
+            shape = cfg.delta
+            state, conv = (shape.v_heads, shape.head_k, shape.head_v), (shape.taps - 1, shape.conv_dim)
+            return RecurrentKVCache(n_attn, kv_heads, cfg.head_dim, n_ctx, dtype, n_rec, state, conv)
         if not n_conv:
             return super().new_cache(n_ctx, dtype)
-        n_attn = cfg.num_hidden_layers - n_conv
-        kv_heads, d = cfg.num_key_value_heads, cfg.hidden_size
         return ShortConvKVCache(n_attn, kv_heads, cfg.head_dim, n_ctx, dtype, n_conv, d)
 
     def _plain(self, i: int) -> bool:
@@ -505,8 +538,18 @@ class LlamaModel(Decoder):
             history = cache.conv_history(cfg.cache_slot(i, first), bx)
             convolve(out, history, pos0, self.layers[i].conv.kernel)
 
-        self._layers(s, tokens, attend, first, hidden, self.rope_freqs(cache.n_ctx), conv_mix)
+        def delta_mix(i, qkv, z, b, a):
+            slot = cfg.cache_slot(i, first)
+            return deltanet.mix(self.layers[i].delta, cfg.delta, cfg.rms_norm_eps, qkv, z, b, a,
+                                cache.conv_state[slot], cache.recurrent[slot])
+
+        snapshots = n > 1 and not cache.partial_states
+        if snapshots:  # recurrent states to return to (RecurrentKVCache.trim): a pass's start and its end
+            cache.snapshot()
+        self._layers(s, tokens, attend, first, hidden, self.rope_freqs(cache.n_ctx), conv_mix, delta_mix)
         cache.advance(tokens)
+        if snapshots:  # the end of a prompt: where the next turn's prompt parts from the reply
+            cache.snapshot()
         if all_logits:
             ops.rmsnorm(s.h, s.x, self.output_norm, cfg.rms_norm_eps)
             logits = np.empty((n, cfg.vocab_size), np.float32)
@@ -543,9 +586,18 @@ class LlamaModel(Decoder):
                 history = cache.conv_history(slot, bx[b : b + 1])
                 convolve(out[b : b + 1], history, int(s.positions[b]), self.layers[i].conv.kernel)
 
+        def delta_mix(i, qkv, z, beta, alpha):
+            slot, cfg = self.cfg.cache_slot(i, first), self.cfg
+            rows = [
+                deltanet.mix(self.layers[i].delta, cfg.delta, cfg.rms_norm_eps, qkv[b : b + 1], z[b : b + 1],
+                             beta[b : b + 1], alpha[b : b + 1], cache.conv_state[slot], cache.recurrent[slot])
+                for b, cache in enumerate(caches)
+            ]
+            return np.concatenate(rows)
+
         # one set of frequencies for the batch: the server's caches share a context length
         freqs = self.rope_freqs(max(c.n_ctx for c in caches))
-        self._layers(s, tokens, attend, first, hidden, freqs, conv_mix)
+        self._layers(s, tokens, attend, first, hidden, freqs, conv_mix, delta_mix)
         for b, cache in enumerate(caches):
             cache.advance(tokens[b : b + 1])
         ops.rmsnorm(s.h, s.x, self.output_norm, self.cfg.rms_norm_eps)
@@ -554,7 +606,7 @@ class LlamaModel(Decoder):
 
     def _layers(
         self, s: Scratch, tokens: np.ndarray, attend, first: int = 0, hidden=None, inv_freq=None,
-        conv_mix=None,
+        conv_mix=None, delta_mix=None,
     ) -> None:
         """Embed tokens (n,) into s.x (or start from `hidden`, the residual stream entering layer
         `first`) and run the layers from `first` on; s.positions holds each row's position; inv_freq: the
@@ -562,7 +614,8 @@ class LlamaModel(Decoder):
 
         attend(layer index, attn3 out, q3, k3, v3) stores k, v in the cache(s) and writes attn3;
         conv_mix(layer index, out, bx) stores a convolution layer's gated inputs bx (n, hidden) in the
-        cache(s) and writes their convolution to out.
+        cache(s) and writes their convolution to out; delta_mix(layer index, qkv, z, b, a) runs a DeltaNet
+        layer's projections through its recurrent state(s) and returns out_proj's input.
         """
         cfg = self.cfg
         inv_freq = self.inv_freq if inv_freq is None else inv_freq
@@ -581,6 +634,8 @@ class LlamaModel(Decoder):
                 conv_mix(i, s.h, bx)
                 s.h *= c
                 ops.linear(s.o, layer.conv.out_proj, s.h)
+            elif layer.delta is not None:  # Qwen3.5: out_proj(gated norm(delta rule(conv(q|k|v))))
+                ops.linear(s.o, layer.delta.out_proj, delta_mix(i, *deltanet.project(layer.delta, s.h)))
             else:
                 self._attention(s, i, layer, attend, inv_freq)
             if layer.post_attn_norm is not None:
@@ -615,7 +670,14 @@ class LlamaModel(Decoder):
         attn3 = s.attn.reshape(n, heads, hd)
         if capture is not None:
             capture(i, "attn_q", s.h)
-        ops.linear(s.q, layer.wq, s.h)
+        gate = None
+        if cfg.attn_output_gate:  # Qwen3.5: per head its query, then its output gate
+            qg = np.empty((n, heads, 2, hd), np.float32)
+            ops.linear(qg.reshape(n, 2 * cfg.q_dim), layer.wq, s.h)
+            q3[:] = qg[:, :, 0]
+            gate = qg[:, :, 1].reshape(n, cfg.q_dim)
+        else:
+            ops.linear(s.q, layer.wq, s.h)
         ops.linear(s.k, layer.wk, s.h)
         ops.linear(s.v, layer.wv, s.h)
         if layer.bq is not None:
@@ -641,6 +703,8 @@ class LlamaModel(Decoder):
             steps = np.floor(s.positions / cfg.attn_temperature_length)
             q3 *= (1.0 + cfg.attn_temperature_beta * np.log1p(steps)).astype(np.float32)[:, None, None]
         attend(i, attn3, q3, k3, v3)
+        if gate is not None:
+            s.attn *= 1.0 / (1.0 + np.exp(-gate))
         if capture is not None:
             capture(i, "attn_output", s.attn)
         ops.linear(s.o, layer.wo, s.attn)

@@ -373,9 +373,10 @@ def pick_group(source: SourceModel, group: int | None = None) -> int:
     """
     from engine.errors import UnsupportedArchitectureError
 
-    if any("shortconv" in name for name in source.shapes):
+    if any("shortconv" in name or ".ssm_" in name for name in source.shapes):
         raise UnsupportedArchitectureError(
-            f"{source.path}: AWQ does not cover LFM2's convolution layers yet; pick a GGUF format instead"
+            f"{source.path}: AWQ does not cover LFM2's convolution or Qwen3.5's DeltaNet layers yet; pick a "
+            "GGUF format instead"
         )
     if "blk.0.attn_norm.weight" not in source.shapes:
         raise UnsupportedArchitectureError(

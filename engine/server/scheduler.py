@@ -253,6 +253,7 @@ class Engine:
             # recompute at least the last prompt token: its logits give the first reply token
             reused = min(seq.cache.common_prefix(ids), len(ids) - 1)
             seq.cache.trim(seq.cache.offset - reused)
+            reused = seq.cache.offset  # a recurrent model's cache may step back further
             seq.done = seq.cached = reused
             self.metrics.prompt_tokens.inc(len(ids))
             self.metrics.cached_tokens.inc(reused)

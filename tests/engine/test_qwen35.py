@@ -1,0 +1,141 @@
+"""Qwen3.5 (dense text): gated DeltaNet layers beside gated full attention.
+
+The fixture (tests/fixtures/tiny/qwen3_5, scripts/make_tiny_checkpoints.py) has three DeltaNet layers and
+one attention layer; test_hf_repo checks its logits and greedy tokens against transformers. Here: the cache
+that keeps each DeltaNet layer's state at its end (chunked prefill, trims that step back to a snapshot,
+chat turns, regenerate, batched decode), what cannot use it (stored prefixes, speculation, drafting) and
+what declines the model.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from engine.generate import GenerationParams, generate
+from engine.kv_cache import RecurrentKVCache
+from engine.loader import load_model
+from engine.prefix_cache import PrefixCache
+from tests.engine.gguf_rewrite import check_batched_decode
+
+TINY = Path(__file__).resolve().parents[1] / "fixtures" / "tiny"
+GOLDEN = json.loads((TINY / "qwen3_5" / "golden.json").read_text())
+TOKENS = GOLDEN["tokens"]
+REF = np.array(GOLDEN["logits"])
+TOL = 1e-4 * np.abs(REF).max()
+
+
+@pytest.fixture(scope="module")
+def lm():
+    return load_model(TINY / "qwen3_5")
+
+
+def test_config_and_cache_layout(lm):
+    cfg = lm.model.cfg
+    assert cfg.architecture == "qwen35" and cfg.attn_output_gate and cfg.rotary_dim == 4
+    assert [cfg.is_recurrent(i) for i in range(4)] == [True, True, True, False]
+    assert (cfg.delta.k_heads, cfg.delta.v_heads, cfg.delta.conv_dim) == (2, 4, 64)
+    cache = lm.model.new_cache(32)
+    assert isinstance(cache, RecurrentKVCache) and not cache.partial_states
+    assert cache.k.shape == (1, 2, 32, 16)
+    assert cache.recurrent.shape == (3, 4, 8, 8) and cache.conv_state.shape == (3, 3, 64)
+    assert cache.bytes_per_token == 2 * 2 * 16 * 4  # the attention layer's keys and values only
+
+
+def test_prefill_in_chunks_matches_one_pass(lm):
+    m = lm.model
+    cache = m.new_cache(32)
+    rows, start = [], 0
+    for size in (5, 1, 2, 7, 1):
+        rows.append(m.forward(TOKENS[start : start + size], cache, all_logits=True))
+        start += size
+    np.testing.assert_allclose(np.concatenate(rows), REF, atol=TOL)
+
+
+def test_trim_steps_back_to_a_snapshot_and_recomputes(lm):
+    """A trim lands on the latest start or end of a multi-token pass at or before the target (or on 0),
+    which may drop more than asked; continuing from offset gives the exact logits."""
+    m = lm.model
+    cache = m.new_cache(32)
+    m.forward(TOKENS[:6], cache)
+    m.forward(TOKENS[6:12], cache)  # snapshots at 6 and 12
+    for t in TOKENS[12:]:
+        m.forward([t], cache)
+    assert cache.trim(3) == 4 and cache.offset == 12  # back to the second pass's end
+    np.testing.assert_allclose(m.forward(TOKENS[12:14], cache, all_logits=True), REF[12:14], atol=TOL)
+    assert cache.trim(5) == 8 and cache.offset == 6  # 9 lies between the snapshots 6 and 12
+    np.testing.assert_allclose(m.forward(TOKENS[6:9], cache, all_logits=True), REF[6:9], atol=TOL)
+    assert cache.trim(5) == 9 and cache.offset == 0  # before every snapshot: the empty state
+    np.testing.assert_allclose(m.forward(TOKENS[:4], cache, all_logits=True), REF[:4], atol=TOL)
+
+
+def test_chat_turns_reuse_and_regenerate_match_a_fresh_cache(lm):
+    m, tok = lm.model, lm.tokenizer
+    params = GenerationParams(max_tokens=6, temperature=0.0)
+    cache = m.new_cache(128)
+    first = list(generate(m, tok, TOKENS, cache, params))
+    reply = [e.token for e in first]
+    turn2 = TOKENS + reply + [5, 17, 42, 99]
+    second = list(generate(m, tok, turn2, cache, params))
+    assert second[-1].cached_tokens == len(TOKENS) + len(reply) - 1  # the whole cache was reused
+    fresh = [e.token for e in generate(m, tok, turn2, m.new_cache(128), params)]
+    assert [e.token for e in second] == fresh
+    again = list(generate(m, tok, turn2, cache, params))  # regenerate: back to a snapshot, same reply
+    assert [e.token for e in again] == fresh and again[-1].cached_tokens < len(turn2) - 1
+
+
+def test_batched_decode_matches_one_sequence_at_a_time(lm):
+    check_batched_decode(lm.model, ([5, 17, 42], [99, 3, 250, 77, 1], [8]), (8, 120, 33))
+
+
+def test_no_stored_prefixes_and_no_speculation(lm):
+    """Stored prefixes need every position's state, speculation takes back rejected drafts: neither works
+    on a state kept for the cache's end. The prefix store skips such caches, speculative_generate decodes
+    plainly (same reply, no speculation figures) and such a model cannot draft."""
+    from engine.lookup import PromptLookup
+    from engine.speculative import DraftModel, IncompatibleDraftError, SpeculativeEvent, speculative_generate
+
+    m, tok = lm.model, lm.tokenizer
+    store = PrefixCache(1 << 20)
+    cache = m.new_cache(32)
+    m.forward(TOKENS, cache)
+    assert store.insert(cache) == 0 and store.restore(TOKENS, m.new_cache(32)) == 0
+    params = GenerationParams(max_tokens=8, temperature=0.0)
+    prompt = TOKENS[:6] * 3
+    plain = [e.token for e in generate(m, tok, prompt, m.new_cache(64), params)]
+    events = list(speculative_generate(m, tok, prompt, m.new_cache(64), params, PromptLookup(), k=4))
+    assert [e.token for e in events] == plain
+    assert not any(isinstance(e, SpeculativeEvent) for e in events)
+    llama = load_model(TINY / "llama")
+    with pytest.raises(IncompatibleDraftError, match="recurrent"):
+        DraftModel(m, tok, 64).check_compatible(llama.model, llama.tokenizer)
+
+
+def test_memory_estimate_counts_the_fixed_state(lm):
+    from engine.memory_guard import estimate, kv_shape_from_config
+
+    shape = kv_shape_from_config(lm.model.cfg)
+    cache = lm.model.new_cache(64)
+    assert shape.kv_bytes_per_token == cache.bytes_per_token
+    assert shape.state_bytes == cache.state_nbytes
+    kv = estimate(10 << 20, shape, 64, available=8 << 30).kv_bytes
+    assert kv == 64 * cache.bytes_per_token + cache.state_nbytes
+
+
+def test_what_declines_it(lm, tmp_path):
+    """No CUDA kernels, no fused CPU draft step, no AWQ, no GGUF conversion (llama.cpp's qwen35 files are not
+    read either): typed errors."""
+    from engine.backends.cpu.draft import DraftForward
+    from engine.convert import convert
+    from engine.errors import UnsupportedArchitectureError
+    from engine.hf_repo import config_from_hf
+
+    assert DraftForward.build(lm.model) is None
+    with pytest.raises(UnsupportedArchitectureError, match="qwen35"):
+        convert(TINY / "qwen3_5", "Q8_0", tmp_path / "q.gguf")
+    text = json.loads((TINY / "qwen3_5" / "config.json").read_text())
+    wrapped = {"model_type": "qwen3_5", "text_config": text}  # the multimodal folder's config
+    assert config_from_hf(tmp_path, wrapped).delta == lm.model.cfg.delta
