@@ -130,26 +130,30 @@ def _l2norm(x: np.ndarray) -> np.ndarray:
 @njit(cache=True, nogil=True, parallel=True)
 def _delta_rule(q, k, v, g, beta, state, out):
     """The gated delta rule over n tokens, per value head: q, k (n, heads, dk), v (n, heads, dv), g, beta
-    (n, heads); state (heads, dk, dv) read and updated; out (n, heads, dv)."""
+    (n, heads); state (heads, dk, dv) read and updated; out (n, heads, dv).
+
+    Two passes over the state a token, each along its rows (dv contiguous): decay and read S^T k, then
+    write k delta^T and read S^T q.
+    """
     n, heads, dk = k.shape
     dv = v.shape[2]
     for h in prange(heads):
         s = state[h]
+        mem = np.empty(dv, np.float32)
         for t in range(n):
             decay = np.float32(np.exp(g[t, h]))
-            bt = beta[t, h]
+            mem[:] = 0.0
             for i in range(dk):
+                ki = k[t, h, i]
                 for j in range(dv):
                     s[i, j] *= decay
-            for j in range(dv):  # column j's read and write touch column j only
-                acc = np.float32(0.0)
-                for i in range(dk):
-                    acc += s[i, j] * k[t, h, i]
-                delta = (v[t, h, j] - acc) * bt
-                for i in range(dk):
-                    s[i, j] += k[t, h, i] * delta
+                    mem[j] += s[i, j] * ki
+            bt = beta[t, h]
             for j in range(dv):
-                acc = np.float32(0.0)
-                for i in range(dk):
-                    acc += s[i, j] * q[t, h, i]
-                out[t, h, j] = acc
+                mem[j] = (v[t, h, j] - mem[j]) * bt  # the delta
+                out[t, h, j] = 0.0
+            for i in range(dk):
+                ki, qi = k[t, h, i], q[t, h, i]
+                for j in range(dv):
+                    s[i, j] += ki * mem[j]
+                    out[t, h, j] += s[i, j] * qi
