@@ -150,6 +150,7 @@ _QWEN35_LAYER_NAMES = {
     "linear_attn.A_log": "ssm_a",
     "linear_attn.norm.weight": "ssm_norm.weight",
     "linear_attn.out_proj.weight": "ssm_out.weight",
+    "post_attention_layernorm.weight": "post_attention_norm.weight",  # the pre-FFN norm (llama.cpp's name)
 }
 _ARCH_LAYER_NAMES = {
     "qwen35": _QWEN35_LAYER_NAMES,

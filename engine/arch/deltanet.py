@@ -47,6 +47,9 @@ class DeltaShape:
     head_k: int
     head_v: int
     taps: int
+    # the order of the value heads: grouped by key head (HF: key head i serves value heads i*r .. i*r + r - 1)
+    # or tiled (llama.cpp's GGUFs: value head j is served by key head j % k_heads)
+    tiled: bool = False
 
     @property
     def key_dim(self) -> int:
@@ -81,6 +84,16 @@ def load_deltanet(weights, p: str, d: int, shape: DeltaShape) -> DeltaNet:
     )
 
 
+def tile_value_heads(x: np.ndarray, shape: DeltaShape, per_head: int, axis: int = 0) -> np.ndarray:
+    """x with its value heads (blocks of per_head along `axis`) from HF's grouped order into llama.cpp's
+    tiled one: grouped [K0v0, K0v1, .., K1v0, ..] -> tiled [K0v0, K1v0, .., K0v1, K1v1, ..]."""
+    rep = shape.v_heads // shape.k_heads
+    x = np.moveaxis(x, axis, 0)
+    rest = x.shape[1:]
+    x = x.reshape(shape.k_heads, rep, per_head, *rest).swapaxes(0, 1).reshape(-1, *rest)
+    return np.ascontiguousarray(np.moveaxis(x, 0, axis))
+
+
 def project(net: DeltaNet, h: np.ndarray) -> tuple[np.ndarray, ...]:
     """The input projections of h (n, hidden): (qkv, z, b, a), rows per token."""
     n = len(h)
@@ -110,7 +123,9 @@ def mix(
     q = _l2norm(conv[:, :kd].reshape(n, shape.k_heads, shape.head_k)) * np.float32(shape.head_k**-0.5)
     k = _l2norm(conv[:, kd : 2 * kd].reshape(n, shape.k_heads, shape.head_k))
     v = np.ascontiguousarray(conv[:, 2 * kd :].reshape(n, shape.v_heads, shape.head_v))
-    if rep > 1:  # key head i serves value heads i * rep .. (i + 1) * rep - 1
+    if rep > 1 and shape.tiled:  # value head j: key head j % k_heads
+        q, k = np.tile(q, (1, rep, 1)), np.tile(k, (1, rep, 1))
+    elif rep > 1:  # key head i serves value heads i * rep .. (i + 1) * rep - 1
         q, k = np.repeat(q, rep, axis=1), np.repeat(k, rep, axis=1)
     beta = (1.0 / (1.0 + np.exp(-b))).astype(np.float32)
     g = (net.neg_a * np.logaddexp(0.0, a + net.dt_bias)).astype(np.float32)  # -exp(A_log) softplus(a + dt)

@@ -35,7 +35,7 @@ from engine.weights import Weight
 # these families keep HF's half-split ("NeoX") layout instead.
 _NEOX_ROPE = frozenset(
     {"qwen2", "qwen2moe", "qwen3", "qwen3moe", "phi3", "gpt-oss", "olmo2", "glm4moe", "exaone4", "seed_oss",
-     "lfm2", "lfm2moe"}
+     "lfm2", "lfm2moe", "qwen35"}
 )
 # GGUF architectures that may carry attention.sliding_window (Mistral v0.1 as "llama", gpt-oss, OLMo 3;
 # EXAONE 4's, with its default, is read on its own)
@@ -201,12 +201,6 @@ class LlamaConfig:
     @classmethod
     def from_gguf(cls, metadata: dict, vocab_size: int) -> LlamaConfig:
         arch = metadata["general.architecture"]
-        if arch == "qwen35":
-            from engine.errors import UnsupportedArchitectureError
-
-            raise UnsupportedArchitectureError(
-                "llama.cpp's qwen35 GGUFs are not read yet (Qwen3.5 runs from its Hugging Face folder)"
-            )
 
         def key(name, default=None):
             value = metadata.get(f"{arch}.{name}", default)
@@ -260,6 +254,7 @@ class LlamaConfig:
         shared_ff = shared_ff or ff * int(key("expert_shared_count", 0))
         leading_dense = int(key("leading_dense_block_count", 0)) if experts else 0
         temperature = float(key("attention.temperature_scale", 0.0))
+        qwen35 = _qwen35_from_gguf(arch, key, n_layers)
         return cls(
             hidden_size=hidden,
             intermediate_size=ff,
@@ -296,7 +291,7 @@ class LlamaConfig:
             sliding_window=exaone_window or window,
             layer_types=(
                 gpt_oss_layer_types(n_layers) if gpt_oss else olmo3_layer_types(n_layers) if every_fourth_full
-                else conv_types
+                else conv_types or qwen35.pop("layer_types", None)
             ),
             conv_taps=int(key("shortconv.l_cache", 0)),
             # OLMo 3 (llama.cpp's olmo2 with a window): plain RoPE in the windowed layers, as transformers
@@ -314,7 +309,34 @@ class LlamaConfig:
             # llama.cpp's Ministral 3: the temperature over YaRN's original context
             attn_temperature_beta=temperature,
             attn_temperature_length=scaling.original_max_position if temperature else 0,
+            **qwen35,
         )
+
+
+def _qwen35_from_gguf(arch: str, key, n_layers: int) -> dict:
+    """llama.cpp's qwen35 keys as LlamaConfig fields: DeltaNet layers but every full_attention_interval-th,
+    their sizes (ssm.*; value heads in llama.cpp's tiled order), gated attention."""
+    if arch != "qwen35":
+        return {}
+    every = int(key("full_attention_interval", 4))
+    v_heads = int(key("ssm.time_step_rank"))
+    return {
+        "layer_types": qwen35_layer_types(n_layers, every),
+        "delta": DeltaShape(
+            k_heads=int(key("ssm.group_count")),
+            v_heads=v_heads,
+            head_k=int(key("ssm.state_size")),
+            head_v=int(key("ssm.inner_size")) // v_heads,
+            taps=int(key("ssm.conv_kernel")),
+            tiled=True,
+        ),
+        "attn_output_gate": True,
+    }
+
+
+def qwen35_layer_types(n_layers: int, every: int = 4) -> tuple[str, ...]:
+    """Qwen3.5's layers: a gated DeltaNet in all but every `every`-th, which attends."""
+    return tuple("linear_attention" if (i + 1) % every else "full_attention" for i in range(n_layers))
 
 
 def smollm3_rope_layers(n_layers: int, interval: int = 4) -> tuple[bool, ...]:

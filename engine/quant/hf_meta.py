@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from engine.arch.gemma3 import SLIDING, pattern_layer_types
-from engine.arch.llama import gpt_oss_layer_types, olmo3_layer_types, smollm3_rope_layers
+from engine.arch.llama import gpt_oss_layer_types, olmo3_layer_types, qwen35_layer_types, smollm3_rope_layers
 from engine.errors import ModelFormatError
 from engine.rope import rope_attention_factor
 from engine.tokenizer import (
@@ -115,6 +115,22 @@ def _hparams(arch: str, config: dict, cfg) -> dict[str, Any]:
             )
         md[f"{a}.attention.temperature_scale"] = float(cfg.attn_temperature_beta)
         md[f"{a}.rope.scaling.yarn_log_multiplier"] = float(cfg.rope_scaling.mscale_all_dim or 1.0)
+    if arch == "qwen35":  # llama.cpp's keys: the DeltaNet's sizes, every n-th layer attending
+        shape = cfg.delta
+        every = next((e for e in range(2, cfg.num_hidden_layers + 1)
+                      if tuple(cfg.layer_types) == qwen35_layer_types(cfg.num_hidden_layers, e)), 0)
+        if not every:
+            raise ModelFormatError(
+                "config.json", f"layers {cfg.layer_types} cannot be written to a qwen35 GGUF"
+            )
+        md[f"{a}.full_attention_interval"] = every
+        md[f"{a}.ssm.conv_kernel"] = shape.taps
+        md[f"{a}.ssm.state_size"] = shape.head_k
+        md[f"{a}.ssm.group_count"] = shape.k_heads
+        md[f"{a}.ssm.time_step_rank"] = shape.v_heads
+        md[f"{a}.ssm.inner_size"] = shape.value_dim
+        sections = list((config.get("rope_parameters") or {}).get("mrope_section") or [11, 11, 10])
+        md[f"{a}.rope.dimension_sections"] = [int(v) for v in sections] + [0] * (4 - len(sections))
     if arch in ("lfm2", "lfm2moe"):  # llama.cpp's keys: KV heads per layer (0 in convolution layers), taps
         md[f"{a}.attention.head_count_kv"] = [
             0 if cfg.is_conv(i) else cfg.num_key_value_heads for i in range(cfg.num_hidden_layers)

@@ -32,7 +32,7 @@ PERMUTED_QK = frozenset({"llama", "mistral3", "smollm3", "granite"})
 GEMMA_NORM_OFFSET = frozenset({"gemma3", "gemma2"})
 SUPPORTED_ARCHS = frozenset(
     {"llama", "mistral3", "smollm3", "granite", "glm4", "olmo2", "ernie4_5", "qwen2", "qwen2moe", "qwen3",
-     "qwen3moe", "glm4moe", "exaone4", "seed_oss", "lfm2", "lfm2moe", "gemma3", "gemma2", "gpt-oss"}
+     "qwen3moe", "glm4moe", "exaone4", "seed_oss", "lfm2", "lfm2moe", "qwen35", "gemma3", "gemma2", "gpt-oss"}
 )
 _F32, _BF16, _Q4_1 = 0, 30, 3
 
@@ -213,6 +213,8 @@ def _hf_source(folder: Path) -> SourceModel:
             x = permute_qk(x, n_head)
         elif arch in PERMUTED_QK and name.endswith("attn_k.weight"):
             x = permute_qk(x, n_kv)
+        if arch == "qwen35":
+            x = _qwen35_layout(name, x, cfg.delta)
         if arch in GEMMA_NORM_OFFSET and name.endswith("norm.weight"):
             x = x + np.float32(1.0)
         return np.ascontiguousarray(x)
@@ -248,6 +250,27 @@ _EXPERT_NAME = re.compile(r"blk\.\d+\.ffn_\w+_exps\.weight\.\d+")  # HFWeights' 
 
 # GGUF architectures whose files keep gate and up fused in one ffn_up (llama.cpp's Phi-3 and GLM-4)
 _FUSED_GATE_UP = frozenset({"phi3", "glm4"})
+
+
+def _qwen35_layout(name: str, x: np.ndarray, shape) -> np.ndarray:
+    """A Qwen3.5 tensor as llama.cpp's qwen35 GGUF stores it: norms as 1 + w (not the DeltaNet's gated norm),
+    A_log as -exp(A_log), and everything indexed by value head in tiled order (engine.arch.deltanet)."""
+    from engine.arch.deltanet import tile_value_heads
+
+    if name.endswith("norm.weight") and not name.endswith("ssm_norm.weight"):
+        return x + np.float32(1.0)
+    if name.endswith(".ssm_a"):
+        x = -np.exp(x)
+    kd = 2 * shape.key_dim
+    if name.endswith((".ssm_a", "ssm_dt.bias", "ssm_beta.weight", "ssm_alpha.weight")):
+        return tile_value_heads(x, shape, 1)
+    if name.endswith("attn_gate.weight"):
+        return tile_value_heads(x, shape, shape.head_v)
+    if name.endswith("ssm_out.weight"):
+        return tile_value_heads(x, shape, shape.head_v, axis=1)
+    if name.endswith(("attn_qkv.weight", "ssm_conv1d.weight")):  # q and k rows stay; v rows are tiled
+        return np.concatenate([x[:kd], tile_value_heads(x[kd:], shape, shape.head_v)])
+    return x
 
 
 def _split_gate_up(st, names_map: dict[str, str], arch: str) -> dict[str, tuple[tuple[int, ...], int, Any]]:

@@ -9,6 +9,7 @@ what declines the model.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -125,17 +126,49 @@ def test_memory_estimate_counts_the_fixed_state(lm):
     assert kv == 64 * cache.bytes_per_token + cache.state_nbytes
 
 
-def test_what_declines_it(lm, tmp_path):
-    """No CUDA kernels, no fused CPU draft step, no AWQ, no GGUF conversion (llama.cpp's qwen35 files are not
-    read either): typed errors."""
-    from engine.backends.cpu.draft import DraftForward
+def test_gguf_in_llama_cpps_qwen35_layout(lm, tmp_path):
+    """Converted as llama.cpp's convert_hf_to_gguf writes Qwen3.5: its ssm.* keys, full_attention_interval
+    and rope sections; norms as 1 + w (not the DeltaNet's gated norm), A_log as -exp(A_log); the value heads
+    in tiled order in every tensor indexed by them; the convolution kernels F32. The file runs as the
+    folder does (the tiled heads read as such)."""
     from engine.convert import convert
+    from models.formats.gguf import open_gguf
+
+    out = convert(TINY / "qwen3_5", "F16", tmp_path / "q.gguf").output
+    g = open_gguf(out)
+    md = dict(g.metadata)
+    assert (md["qwen35.full_attention_interval"], md["qwen35.ssm.conv_kernel"]) == (4, 3 + 1)
+    assert (md["qwen35.ssm.group_count"], md["qwen35.ssm.time_step_rank"]) == (2, 4)
+    assert (md["qwen35.ssm.state_size"], md["qwen35.ssm.inner_size"]) == (8, 32)
+    assert list(md["qwen35.rope.dimension_sections"]) == [1, 1, 0, 0]
+    assert md["qwen35.rope.dimension_count"] == 4
+    conv = g.tensors["blk.0.ssm_conv1d.weight"]
+    assert conv.type_name == "F32" and tuple(conv.shape) == (64, 4)
+    assert "blk.3.post_attention_norm.weight" in g.tensors and "blk.3.attn_q.weight" in g.tensors
+    stored = np.asarray(g.tensors["blk.0.ssm_a"].raw()).view(np.float32).reshape(-1)
+    grouped = lm.model.layers[0].delta.neg_a  # -exp(A_log) from the folder: [K0v0, K0v1, K1v0, K1v1]
+    np.testing.assert_allclose(stored, grouped[[0, 2, 1, 3]], rtol=1e-6)  # tiled: [K0v0, K1v0, K0v1, K1v1]
+    g.close()
+    m = load_model(out).model
+    assert m.cfg.delta.tiled and m.cfg.delta == dataclasses.replace(lm.model.cfg.delta, tiled=True)
+    np.testing.assert_allclose(m.forward(TOKENS, m.new_cache(32), all_logits=True), REF, atol=1e-3 * 8.2)
+    q8 = convert(TINY / "qwen3_5", "Q8_0", tmp_path / "q8.gguf")
+    assert q8.result.tensor_types["blk.0.ssm_conv1d.weight"] == "F32"
+    assert q8.result.tensor_types["blk.0.attn_qkv.weight"] == "Q8_0"
+
+
+def test_what_declines_it(lm, tmp_path):
+    """No CUDA kernels (tests/engine/cuda), no fused CPU draft step, no AWQ: typed errors or None."""
+    from engine.backends.cpu.draft import DraftForward
     from engine.errors import UnsupportedArchitectureError
     from engine.hf_repo import config_from_hf
+    from engine.quant.awq import pick_group
+    from engine.quant.source import open_source
 
     assert DraftForward.build(lm.model) is None
-    with pytest.raises(UnsupportedArchitectureError, match="qwen35"):
-        convert(TINY / "qwen3_5", "Q8_0", tmp_path / "q.gguf")
+    refused = pytest.raises(UnsupportedArchitectureError, match="DeltaNet")
+    with open_source(TINY / "qwen3_5") as source, refused:
+        pick_group(source)
     text = json.loads((TINY / "qwen3_5" / "config.json").read_text())
     wrapped = {"model_type": "qwen3_5", "text_config": text}  # the multimodal folder's config
     assert config_from_hf(tmp_path, wrapped).delta == lm.model.cfg.delta
