@@ -109,7 +109,7 @@ def test_llama_cpp_names(tmp_path):
     """llama.cpp's gpt-oss GGUF calls the pre-FFN norm post_attention_norm, and so does our converter; a file
     naming it ffn_norm (Hearth's conversions before 2026-12) still loads."""
     from models.formats.gguf import open_gguf
-    from tests.engine.gguf_rewrite import rewrite_gguf
+    from tests.engine.model_checks import rewrite_gguf
 
     golden = _golden()
     src = convert(TINY / "gpt-oss", "Q8_0", tmp_path / "ours.gguf").output

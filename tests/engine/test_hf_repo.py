@@ -600,7 +600,7 @@ def test_ministral3_temperature_and_yarn_in_llama_cpps_mistral3_gguf(tmp_path):
     temperature the golden is off by logits (the fixture's original context is 4 positions)."""
     from engine.convert import convert
     from models.formats.gguf import open_gguf
-    from tests.engine.gguf_rewrite import rewrite_gguf
+    from tests.engine.model_checks import rewrite_gguf
 
     golden = _golden("ministral3")
     ref = np.array(golden["logits"])

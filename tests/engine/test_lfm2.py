@@ -18,7 +18,7 @@ from engine.generate import GenerationParams, generate
 from engine.kv_cache import ShortConvKVCache
 from engine.loader import load_model
 from engine.prefix_cache import PrefixCache
-from tests.engine.gguf_rewrite import check_batched_decode
+from tests.engine.model_checks import check_batched_decode, chunked_logits
 
 TINY = Path(__file__).resolve().parents[1] / "fixtures" / "tiny"
 GOLDEN = json.loads((TINY / "lfm2" / "golden.json").read_text())
@@ -49,13 +49,7 @@ def test_config_and_cache_layout(lm):
 
 def test_prefill_in_chunks_matches_one_pass(lm):
     """Chunks cut the convolution's three-position window at every offset."""
-    m = lm.model
-    cache = m.new_cache(32)
-    rows, start = [], 0
-    for size in (5, 1, 2, 7, 1):
-        rows.append(m.forward(TOKENS[start : start + size], cache, all_logits=True))
-        start += size
-    np.testing.assert_allclose(np.concatenate(rows), REF, atol=_tol(REF))
+    np.testing.assert_allclose(chunked_logits(lm.model, TOKENS, (5, 1, 2, 7, 1)), REF, atol=_tol(REF))
 
 
 def test_trim_then_other_tokens_is_exact(lm):

@@ -357,7 +357,7 @@ def test_glm45_moe_in_gguf_with_llama_cpps_keys_and_nextn_layers(tmp_path):
     next-token-prediction layer (nextn_predict_layers), whose tensors are not run; the pre-FFN norm under
     llama.cpp's name post_attention_norm (or ffn_norm). Group-limited routing (DeepSeek-V3) is refused."""
     from engine.errors import UnsupportedArchitectureError
-    from tests.engine.gguf_rewrite import rewrite_gguf
+    from tests.engine.model_checks import rewrite_gguf
 
     golden = _golden("glm4moe")
     out = convert(TINY / "glm4moe", "F16", tmp_path / "glm.gguf").output
@@ -407,6 +407,6 @@ def test_sigmoid_routing_chooses_by_biased_score_and_weighs_by_score():
 def test_glm45_batched_decode_matches_one_sequence_at_a_time():
     """The server's batched step on GLM-4.5 (dense first layer with its own FFN length, sigmoid-routed
     experts): each sequence's logits as its own decode step gives them."""
-    from tests.engine.gguf_rewrite import check_batched_decode
+    from tests.engine.model_checks import check_batched_decode
 
     check_batched_decode(load_model(TINY / "glm4moe").model, ([5, 17, 42], [99, 3, 250, 77]), (8, 120))

@@ -1,5 +1,6 @@
 """Test helpers: a GGUF rewritten with other names, blocks or keys (as llama.cpp or older Hearth versions
-write a family), and the batched decode step checked against one sequence at a time."""
+write a family), a prompt run in chunks, and the batched decode step checked against one sequence at a
+time."""
 
 from __future__ import annotations
 
@@ -31,6 +32,16 @@ def rewrite_gguf(src: Path, dst: Path, rename=None, metadata=None, drop_keys=())
             w.write_tensor(n, data[n])
         w.finish()
     return dst
+
+
+def chunked_logits(model, tokens, sizes) -> np.ndarray:
+    """All logits of `tokens` run through one cache in passes of the given sizes."""
+    cache = model.new_cache(len(tokens) + 1)
+    rows, start = [], 0
+    for size in sizes:
+        rows.append(model.forward(tokens[start : start + size], cache, all_logits=True))
+        start += size
+    return np.concatenate(rows)
 
 
 def check_batched_decode(model, prompts, tokens, rtol: float = 1e-4) -> None:
