@@ -9,7 +9,8 @@ q and k over their whole width; OLMo 3 adds a window on three layers of four, wh
 EXAONE 4 norms only the branch outputs too, and with a window rotates only in the windowed layers; Seed-OSS
 is a llama with QKV biases; Ministral 3 scales its queries up past the original context (Llama 4's
 temperature tuning); LFM2 replaces attention with a gated short convolution (engine/arch/shortconv.py)
-in most layers and norms q and k per head.
+in most layers and norms q and k per head; Qwen3.5 replaces it with a gated DeltaNet (engine/arch/deltanet.py)
+in three layers of four and gates the output of the others.
 Mixture of experts: Mixtral, Qwen3-MoE, Qwen2-MoE (with a gated shared expert) and gpt-oss (attention
 sinks, biases on every linear, a sliding window on every other layer and a clamped SwiGLU in its experts).
 """
