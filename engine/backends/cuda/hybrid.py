@@ -17,6 +17,8 @@ from engine.kv_cache import KVCache
 class HybridKVCache:
     """A CudaKVCache for the GPU layers and a KVCache for the CPU layers, kept at the same tokens."""
 
+    partial_states = True  # as both halves' (KVCache.partial_states): every position can be read back
+
     def __init__(self, gpu: CudaKVCache, cpu: KVCache):
         self.gpu, self.cpu = gpu, cpu
         self.n_ctx = cpu.n_ctx
