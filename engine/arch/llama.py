@@ -363,7 +363,7 @@ def gpt_oss_layer_types(n_layers: int) -> tuple[str, ...]:
 @dataclass
 class LlamaLayer:
     attn_norm: np.ndarray | None  # (hidden,); None: the branch takes the residual stream as is (OLMo 2)
-    wq: Weight | None  # (q_dim, hidden); None in a convolution layer (LFM2), as wk, wv and wo
+    wq: Weight | None  # (q_dim, hidden); None in a convolution or DeltaNet layer, as wk, wv and wo
     wk: Weight | None  # (kv_dim, hidden)
     wv: Weight | None  # (kv_dim, hidden)
     wo: Weight | None  # (hidden, q_dim)
@@ -517,7 +517,8 @@ class LlamaModel(Decoder):
         self._logits = np.empty((1, cfg.vocab_size), np.float32)
 
     def new_cache(self, n_ctx: int, dtype=np.float32) -> KVCache:
-        """An empty cache for n_ctx positions; with LFM2's convolution layers, one that keeps their inputs."""
+        """An empty cache for n_ctx positions: with LFM2's convolution layers one that keeps their inputs, with
+        Qwen3.5's DeltaNet layers one that keeps their state."""
         cfg = self.cfg
         n_conv, n_rec = cfg.n_conv_layers, cfg.n_recurrent_layers
         n_attn, kv_heads, d = cfg.num_hidden_layers - n_conv - n_rec, cfg.num_key_value_heads, cfg.hidden_size
