@@ -517,8 +517,8 @@ class LlamaModel(Decoder):
         self._logits = np.empty((1, cfg.vocab_size), np.float32)
 
     def new_cache(self, n_ctx: int, dtype=np.float32) -> KVCache:
-        """An empty cache for n_ctx positions: with LFM2's convolution layers one that keeps their inputs, with
-        Qwen3.5's DeltaNet layers one that keeps their state."""
+        """An empty cache for n_ctx positions: with LFM2's convolution layers one that keeps their inputs,
+        with Qwen3.5's DeltaNet layers one that keeps their state."""
         cfg = self.cfg
         n_conv, n_rec = cfg.n_conv_layers, cfg.n_recurrent_layers
         n_attn, kv_heads, d = cfg.num_hidden_layers - n_conv - n_rec, cfg.num_key_value_heads, cfg.hidden_size
