@@ -49,6 +49,7 @@ _FAMILIES = {
     "lfm2": "lfm2",
     "lfm2_moe": "lfm2moe",  # LFM2-8B-A1B
     "qwen3_5_text": "qwen35",  # Qwen3.5 (dense; llama.cpp's name)
+    "qwen3_5_moe_text": "qwen35moe",  # Qwen3.5-MoE (35B-A3B, 122B-A10B, ...)
     "qwen2": "qwen2",
     "qwen3": "qwen3",
     "phi3": "phi3",
@@ -154,6 +155,7 @@ _QWEN35_LAYER_NAMES = {
 }
 _ARCH_LAYER_NAMES = {
     "qwen35": _QWEN35_LAYER_NAMES,
+    "qwen35moe": _QWEN35_LAYER_NAMES,
     "lfm2": _LFM2_LAYER_NAMES,
     "lfm2moe": _LFM2_LAYER_NAMES,
     "olmo2": _OLMO2_LAYER_NAMES,
@@ -216,7 +218,7 @@ class HFWeights:
         }
         # Gemma's and Qwen3.5's RMSNorms multiply by (1 + w); GGUF files (and so our architecture) store 1 + w
         # (not Qwen3.5's gated norm in its DeltaNet layers, which multiplies by w)
-        self.norm_offset = 1.0 if arch in _GEMMA or arch == "qwen35" else 0.0
+        self.norm_offset = 1.0 if arch in _GEMMA or arch in ("qwen35", "qwen35moe") else 0.0
         # FP8 / NVFP4 linears: engine/quant/fp_load.py (compressed-tensors NVFP4 codes are weight_packed)
         for hf in st.tensors:
             if hf.endswith(".weight_packed") and (g := _gguf_name(hf[: -len("_packed")], layer_names)):
@@ -479,7 +481,7 @@ def config_from_hf(folder: Path, config: dict) -> LlamaConfig | Gemma3Config:
         heads = int(config["num_attention_heads"])
         hidden = int(config["hidden_size"])
         head_dim = int(config.get("head_dim") or hidden // heads)
-        qwen_moe = model_type in ("qwen2_moe", "qwen3_moe")
+        qwen_moe = model_type in ("qwen2_moe", "qwen3_moe", "qwen3_5_moe_text")
         # the experts' FFN length (GLM-4.5's intermediate_size is its dense layers')
         expert_sized = qwen_moe or (experts and model_type in ("glm4_moe", "lfm2_moe"))
         # LFM2 sizes its FFN from block_ff_dim (_lfm2)
@@ -488,9 +490,11 @@ def config_from_hf(folder: Path, config: dict) -> LlamaConfig | Gemma3Config:
         # Mixtral always renormalizes the chosen experts' weights (gpt-oss's softmax over the chosen
         # logits is the same numbers); Qwen2/3-MoE say so in their configs; GLM-4.5 routes its own way
         moe = {
-            "norm_topk_prob": bool(config.get("norm_topk_prob", False)) if qwen_moe else True,
+            # Qwen3.5-MoE always renormalizes (its config has no key for it)
+            "norm_topk_prob": bool(config.get("norm_topk_prob", False))
+            if qwen_moe and model_type != "qwen3_5_moe_text" else True,
             "shared_expert_intermediate_size": int(config.get("shared_expert_intermediate_size") or 0)
-            if model_type == "qwen2_moe" else 0,
+            if model_type in ("qwen2_moe", "qwen3_5_moe_text") else 0,
         } | _sigmoid_moe(config, ff)
         return LlamaConfig(
             hidden_size=hidden,
@@ -614,7 +618,7 @@ def _refuse_linear_biases(config: dict) -> None:
 def _qwen35(config: dict) -> dict:
     """Qwen3.5's LlamaConfig fields: which layers run the gated DeltaNet (layer_types "linear_attention"),
     its sizes, and the attention layers' output gate."""
-    if config.get("model_type") != "qwen3_5_text":
+    if config.get("model_type") not in ("qwen3_5_text", "qwen3_5_moe_text"):
         return {}
     if config.get("attention_bias"):
         raise UnsupportedArchitectureError("Qwen3.5 models with attention biases are not supported yet")

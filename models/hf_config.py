@@ -10,7 +10,12 @@ from __future__ import annotations
 from typing import Any
 
 # wrapper model_type -> its language model's model_type when text_config does not name it
-_MULTIMODAL = {"gemma3": "gemma3_text", "mistral3": "mistral", "qwen3_5": "qwen3_5_text"}
+_MULTIMODAL = {
+    "gemma3": "gemma3_text",
+    "mistral3": "mistral",
+    "qwen3_5": "qwen3_5_text",
+    "qwen3_5_moe": "qwen3_5_moe_text",
+}
 # transformers' defaults (Gemma3TextConfig, Ministral3Config) for what a text_config may leave out
 _TEXT_DEFAULTS: dict[str, dict[str, Any]] = {
     "gemma3_text": {

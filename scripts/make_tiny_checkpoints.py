@@ -233,6 +233,18 @@ FAMILIES = {
         torch.bfloat16,
         False,
     ),
+    # Qwen3.5-MoE (Qwen3.5-35B-A3B's layout): Qwen3.5's layers with 4 routed experts (2 a token, renormalized)
+    # beside a gated shared expert in every layer
+    "qwen3_5_moe": (
+        transformers.Qwen3_5MoeTextConfig,
+        dict(tie_word_embeddings=False, num_hidden_layers=4, head_dim=16, linear_key_head_dim=8,
+             linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4, num_experts=4,
+             num_experts_per_tok=2, moe_intermediate_size=48, shared_expert_intermediate_size=64,
+             rope_parameters=dict(rope_type="default", rope_theta=10000000.0, partial_rotary_factor=0.25,
+                                  mrope_section=[1, 1, 0], mrope_interleaved=True), pad_token_id=0),
+        torch.bfloat16,
+        False,
+    ),
     # LFM2: gated short convolutions (kernel 3) in place of attention in three layers of four, per-head q/k
     # norms; the FFN length adjusted as LFM2's config asks (2/3 of 96, rounded up to a multiple of 32)
     "lfm2": (

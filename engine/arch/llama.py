@@ -36,13 +36,13 @@ from engine.weights import Weight
 # these families keep HF's half-split ("NeoX") layout instead.
 _NEOX_ROPE = frozenset(
     {"qwen2", "qwen2moe", "qwen3", "qwen3moe", "phi3", "gpt-oss", "olmo2", "glm4moe", "exaone4", "seed_oss",
-     "lfm2", "lfm2moe", "qwen35"}
+     "lfm2", "lfm2moe", "qwen35", "qwen35moe"}
 )
 # GGUF architectures that may carry attention.sliding_window (Mistral v0.1 as "llama", gpt-oss, OLMo 3;
 # EXAONE 4's, with its default, is read on its own)
 _WINDOWED = frozenset({"llama", "gpt-oss", "olmo2"})
 # every FFN is experts: no dense feed_forward_length needed in the GGUF
-_MOE_ONLY = frozenset({"qwen2moe", "qwen3moe", "gpt-oss"})
+_MOE_ONLY = frozenset({"qwen2moe", "qwen3moe", "gpt-oss", "qwen35moe"})
 
 
 @dataclass
@@ -317,7 +317,7 @@ class LlamaConfig:
 def _qwen35_from_gguf(arch: str, key, n_layers: int) -> dict:
     """llama.cpp's qwen35 keys as LlamaConfig fields: DeltaNet layers but every full_attention_interval-th,
     their sizes (ssm.*; value heads in llama.cpp's tiled order), gated attention."""
-    if arch != "qwen35":
+    if arch not in ("qwen35", "qwen35moe"):
         return {}
     every = int(key("full_attention_interval", 4))
     v_heads = int(key("ssm.time_step_rank"))
@@ -411,6 +411,7 @@ def _ffn_weights(weights, p: str, ff: int, d: int) -> tuple[Weight, Weight]:
 @register(
     "llama", "mistral", "mistral3", "smollm3", "granite", "glm4", "olmo2", "ernie4_5", "qwen2", "qwen2moe",
     "qwen3", "qwen3moe", "glm4moe", "exaone4", "seed_oss", "phi3", "gpt-oss", "lfm2", "lfm2moe", "qwen35",
+    "qwen35moe",
 )
 class LlamaModel(Decoder):
     """A Llama-family decoder over weights that stay in their file format."""

@@ -91,7 +91,7 @@ def _hparams(arch: str, config: dict, cfg) -> dict[str, Any]:
         md[f"{a}.expert_count"] = cfg.num_experts
         md[f"{a}.expert_used_count"] = cfg.num_experts_per_tok
         md[f"{a}.expert_weights_norm"] = bool(cfg.norm_topk_prob)
-        if arch in ("qwen2moe", "qwen3moe", "gpt-oss", "glm4moe", "lfm2moe"):
+        if arch in ("qwen2moe", "qwen3moe", "gpt-oss", "glm4moe", "lfm2moe", "qwen35moe"):
             md[f"{a}.expert_feed_forward_length"] = cfg.intermediate_size
             md[f"{a}.feed_forward_length"] = int(config.get("intermediate_size") or cfg.intermediate_size)
         if cfg.expert_gating == "sigmoid":  # llama.cpp's keys: sigmoid gating, scale, dense layers
@@ -115,7 +115,7 @@ def _hparams(arch: str, config: dict, cfg) -> dict[str, Any]:
             )
         md[f"{a}.attention.temperature_scale"] = float(cfg.attn_temperature_beta)
         md[f"{a}.rope.scaling.yarn_log_multiplier"] = float(cfg.rope_scaling.mscale_all_dim or 1.0)
-    if arch == "qwen35":  # llama.cpp's keys: the DeltaNet's sizes, every n-th layer attending
+    if arch in ("qwen35", "qwen35moe"):  # llama.cpp's keys: the DeltaNet's sizes, every n-th layer attending
         shape = cfg.delta
         every = next((e for e in range(2, cfg.num_hidden_layers + 1)
                       if tuple(cfg.layer_types) == qwen35_layer_types(cfg.num_hidden_layers, e)), 0)

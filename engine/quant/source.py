@@ -32,7 +32,8 @@ PERMUTED_QK = frozenset({"llama", "mistral3", "smollm3", "granite"})
 GEMMA_NORM_OFFSET = frozenset({"gemma3", "gemma2"})
 SUPPORTED_ARCHS = frozenset(
     {"llama", "mistral3", "smollm3", "granite", "glm4", "olmo2", "ernie4_5", "qwen2", "qwen2moe", "qwen3",
-     "qwen3moe", "glm4moe", "exaone4", "seed_oss", "lfm2", "lfm2moe", "qwen35", "gemma3", "gemma2", "gpt-oss"}
+     "qwen3moe", "glm4moe", "exaone4", "seed_oss", "lfm2", "lfm2moe", "qwen35", "qwen35moe", "gemma3",
+     "gemma2", "gpt-oss"}
 )
 _F32, _BF16, _Q4_1 = 0, 30, 3
 
@@ -213,7 +214,7 @@ def _hf_source(folder: Path) -> SourceModel:
             x = permute_qk(x, n_head)
         elif arch in PERMUTED_QK and name.endswith("attn_k.weight"):
             x = permute_qk(x, n_kv)
-        if arch == "qwen35":
+        if arch in ("qwen35", "qwen35moe"):
             x = _qwen35_layout(name, x, cfg.delta)
         if arch in GEMMA_NORM_OFFSET and name.endswith("norm.weight"):
             x = x + np.float32(1.0)

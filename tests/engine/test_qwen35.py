@@ -166,3 +166,27 @@ def test_what_declines_it(lm, tmp_path):
     text = json.loads((TINY / "qwen3_5" / "config.json").read_text())
     wrapped = {"model_type": "qwen3_5", "text_config": text}  # the multimodal folder's config
     assert config_from_hf(tmp_path, wrapped).delta == lm.model.cfg.delta
+
+
+def test_qwen35_moe_folder_gguf_and_batched_decode(tmp_path):
+    """Qwen3.5-MoE (35B-A3B's layout: every layer's FFN 4 routed experts, renormalized, beside a gated
+    shared expert): the folder (golden in test_hf_repo), llama.cpp's qwen35moe GGUF, the batched step."""
+    from engine.convert import convert
+    from models.formats.gguf import open_gguf
+
+    golden = json.loads((TINY / "qwen3_5_moe" / "golden.json").read_text())
+    ref = np.array(golden["logits"])
+    out = convert(TINY / "qwen3_5_moe", "F16", tmp_path / "moe.gguf").output
+    g = open_gguf(out)
+    md = dict(g.metadata)
+    assert g.architecture == "qwen35moe" and md["qwen35moe.full_attention_interval"] == 4
+    assert (md["qwen35moe.expert_count"], md["qwen35moe.expert_used_count"]) == (4, 2)
+    assert md["qwen35moe.expert_feed_forward_length"] == 48
+    assert md["qwen35moe.expert_shared_feed_forward_length"] == 64
+    assert {"blk.0.ffn_gate_exps.weight", "blk.0.ffn_gate_inp_shexp.weight", "blk.0.ssm_a"} <= set(g.tensors)
+    g.close()
+    m = load_model(out).model
+    assert m.cfg.delta.tiled and m.layers[0].moe.shared_gate is not None and m.cfg.norm_topk_prob
+    np.testing.assert_allclose(m.forward(golden["tokens"], m.new_cache(32), all_logits=True), ref,
+                               atol=1e-3 * np.abs(ref).max())
+    check_batched_decode(m, ([5, 17, 42], [99, 3, 250, 77, 1]), (8, 120))
