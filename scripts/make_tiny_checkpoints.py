@@ -43,6 +43,14 @@ COMMON = dict(
     eos_token_id=2,
 )
 
+# Qwen3.5's tiny layout (qwen3_5 and qwen3_5_moe): 8-wide DeltaNet heads, 2 key heads serving 4 value heads
+_QWEN35 = dict(
+    tie_word_embeddings=False, num_hidden_layers=4, head_dim=16, linear_key_head_dim=8,
+    linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4, pad_token_id=0,
+    rope_parameters=dict(rope_type="default", rope_theta=10000000.0, partial_rotary_factor=0.25,
+                         mrope_section=[1, 1, 0], mrope_interleaved=True),
+)
+
 # family -> (config class, extra config, dtype written, shard the weights)
 FAMILIES = {
     "llama": (transformers.LlamaConfig, dict(tie_word_embeddings=True), torch.float32, False),
@@ -224,24 +232,13 @@ FAMILIES = {
     # Qwen3.5 (dense text): gated DeltaNet layers (a causal convolution of 4 over q|k|v, l2-normed q and k,
     # decay and write strength per value head, a norm gated by z) in three layers of four, the fourth full
     # attention with an output gate and RoPE on a quarter of each head; norms scale by 1 + w
-    "qwen3_5": (
-        transformers.Qwen3_5TextConfig,
-        dict(tie_word_embeddings=False, num_hidden_layers=4, head_dim=16, linear_key_head_dim=8,
-             linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4,
-             rope_parameters=dict(rope_type="default", rope_theta=10000000.0, partial_rotary_factor=0.25,
-                                  mrope_section=[1, 1, 0], mrope_interleaved=True), pad_token_id=0),
-        torch.bfloat16,
-        False,
-    ),
+    "qwen3_5": (transformers.Qwen3_5TextConfig, _QWEN35, torch.bfloat16, False),
     # Qwen3.5-MoE (Qwen3.5-35B-A3B's layout): Qwen3.5's layers with 4 routed experts (2 a token, renormalized)
     # beside a gated shared expert in every layer
     "qwen3_5_moe": (
         transformers.Qwen3_5MoeTextConfig,
-        dict(tie_word_embeddings=False, num_hidden_layers=4, head_dim=16, linear_key_head_dim=8,
-             linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4, num_experts=4,
-             num_experts_per_tok=2, moe_intermediate_size=48, shared_expert_intermediate_size=64,
-             rope_parameters=dict(rope_type="default", rope_theta=10000000.0, partial_rotary_factor=0.25,
-                                  mrope_section=[1, 1, 0], mrope_interleaved=True), pad_token_id=0),
+        dict(_QWEN35, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
+             shared_expert_intermediate_size=64),
         torch.bfloat16,
         False,
     ),
