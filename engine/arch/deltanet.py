@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 from numba import njit, prange
 
+from engine.arch.shortconv import convolve
 from engine.backends import cpu as ops
 from engine.weights import Weight
 
@@ -113,10 +114,9 @@ def mix(
     conv_state (taps - 1, conv_dim) and state (v_heads, head_k, head_v), updated in place. Returns the
     (n, value_dim) input of out_proj."""
     n = len(qkv)
-    window = np.concatenate([conv_state, qkv])  # (taps - 1 + n, conv_dim)
-    conv = np.zeros_like(qkv)
-    for j in range(shape.taps):  # output t reads inputs t .. t + taps - 1 of the window
-        conv += net.conv[:, j] * window[j : j + n]
+    window = np.concatenate([conv_state, qkv])  # (taps - 1 + n, conv_dim): inputs t .. t + taps - 1 make t
+    conv = np.empty_like(qkv)
+    convolve(conv, window, shape.taps - 1, net.conv)
     conv_state[:] = window[n:]
     conv *= 1.0 / (1.0 + np.exp(-conv))  # SiLU
     kd, rep = shape.key_dim, shape.v_heads // shape.k_heads
@@ -133,8 +133,7 @@ def mix(
     _delta_rule(np.ascontiguousarray(q), np.ascontiguousarray(k), v, g, beta, state, out)
     rows = out.reshape(n * shape.v_heads, shape.head_v)
     ops.rmsnorm(rows, rows, net.norm, eps)
-    gate = z.reshape(n * shape.v_heads, shape.head_v)
-    rows *= gate / (1.0 + np.exp(-gate))
+    ops.silu_mul(rows, z.reshape(n * shape.v_heads, shape.head_v), rows)
     return out.reshape(n, shape.value_dim)
 
 
