@@ -16,6 +16,7 @@ from tokenizers import Tokenizer as HFTokenizer
 
 from engine.arch.deltanet import DeltaShape
 from engine.arch.gemma3 import Gemma3Config
+from engine.arch.gemma4 import Gemma4Config
 from engine.arch.llama import LlamaConfig, gpt_oss_layer_types, smollm3_rope_layers, windowed_rope_layers
 from engine.errors import MissingTensorError, ModelFormatError, UnsupportedArchitectureError
 from engine.hf_experts import FusedExperts
@@ -55,6 +56,7 @@ _FAMILIES = {
     "phi3": "phi3",
     "gemma3_text": "gemma3",
     "gemma2": "gemma2",
+    "gemma4_text": "gemma4",
     "mixtral": "llama",  # llama.cpp's name for Mixtral too: a llama with experts
     "qwen2_moe": "qwen2moe",
     "qwen3_moe": "qwen3moe",
@@ -153,7 +155,25 @@ _QWEN35_LAYER_NAMES = {
     "linear_attn.out_proj.weight": "ssm_out.weight",
     "post_attention_layernorm.weight": "post_attention_norm.weight",  # the pre-FFN norm (llama.cpp's name)
 }
+# Gemma 4: Gemma 3's four norms, its layer scalar, per-layer-embedding pieces and experts beside the MLP
+# (llama.cpp's gemma4 names; the router's per-expert scale is its ffn_down_exps.scale)
+_GEMMA4_LAYER_NAMES = {
+    **_GEMMA3_LAYER_NAMES,
+    "layer_scalar": "layer_output_scale.weight",
+    "per_layer_input_gate.weight": "inp_gate.weight",
+    "per_layer_projection.weight": "proj.weight",
+    "post_per_layer_input_norm.weight": "post_norm.weight",
+    "router.proj.weight": "ffn_gate_inp.weight",
+    "router.scale": "ffn_gate_inp.scale",
+    "router.per_expert_scale": "ffn_down_exps.scale",
+    "experts.gate_up_proj": "ffn_gate_up_exps.weight",  # (experts, 2 ff, hidden): gate rows, then up rows
+    "experts.down_proj": "ffn_down_exps.weight",
+    "pre_feedforward_layernorm_2.weight": "pre_ffw_norm_2.weight",
+    "post_feedforward_layernorm_1.weight": "post_ffw_norm_1.weight",
+    "post_feedforward_layernorm_2.weight": "post_ffw_norm_2.weight",
+}
 _ARCH_LAYER_NAMES = {
+    "gemma4": _GEMMA4_LAYER_NAMES,
     "qwen35": _QWEN35_LAYER_NAMES,
     "qwen35moe": _QWEN35_LAYER_NAMES,
     "lfm2": _LFM2_LAYER_NAMES,
@@ -167,6 +187,9 @@ _GLOBAL_NAMES = {
     "model.embed_tokens.weight": "token_embd.weight",
     "model.norm.weight": "output_norm.weight",
     "model.embedding_norm.weight": "token_embd_norm.weight",  # LFM2's final norm (llama.cpp's name)
+    "model.embed_tokens_per_layer.weight": "per_layer_token_embd.weight",  # Gemma 4's per-layer embeddings
+    "model.per_layer_model_projection.weight": "per_layer_model_proj.weight",
+    "model.per_layer_projection_norm.weight": "per_layer_proj_norm.weight",
     "lm_head.weight": "output.weight",
 }
 _LAYER_RE = re.compile(r"model\.layers\.(\d+)\.(.+)")
@@ -283,10 +306,20 @@ class HFWeights:
         return [self.matrix(f"{name}.{e}", rows, cols) for e in range(n)]
 
     def expert_stack(self, name: str, n: int, rows: int, cols: int) -> Weight | None:
-        """The (n * rows, cols) merged weight of GGUF expert tensor `name` (gpt-oss), None for experts kept
-        one tensor each."""
+        """The (n * rows, cols) merged weight of GGUF expert tensor `name` (gpt-oss's fused tensors, Gemma 4's
+        (experts, rows, cols) ones), None for experts kept one tensor each."""
         fused = self._fused(name)
-        return None if fused is None else fused[0].stack(fused[1], n, rows, cols)
+        if fused is not None:
+            return fused[0].stack(fused[1], n, rows, cols)
+        if name not in self.names:
+            return None
+        array, dtype = self._tensor(name)
+        if array.shape != (n, rows, cols):
+            raise MissingTensorError(
+                self.folder, f"tensor for {name!r} has shape {array.shape}, expected {(n, rows, cols)}"
+            )
+        raw = np.ascontiguousarray(array).view(np.uint8).reshape(n * rows, -1)
+        return Weight(FLOAT_DTYPES[dtype], raw, n * rows, cols)
 
     def vector(self, name: str, n: int) -> np.ndarray:
         return self.floats(name, (n,))
@@ -443,7 +476,61 @@ def _gemma3_config(config: dict, arch: str = "gemma3") -> Gemma3Config:
     )
 
 
-def config_from_hf(folder: Path, config: dict) -> LlamaConfig | Gemma3Config:
+def _gemma4_config(config: dict) -> Gemma4Config:
+    """Gemma4TextConfig's fields; the global layers' head size and KV heads from global_head_dim /
+    num_global_key_value_heads, or per_layer_config as transformers writes it back."""
+    types = config.get("layer_types")
+    n = int(config["num_hidden_layers"])
+    per_layer = {int(i): v for i, v in (config.get("per_layer_config") or {}).items()}
+    full = [per_layer.get(i, {}) for i in range(n) if types and types[i] == "full_attention"]
+    head_dim = int(config.get("head_dim", 256))
+    global_head_dim = int(config.get("global_head_dim") or (full[0].get("head_dim") if full else 0) or 512)
+    kv = int(config.get("num_key_value_heads") or config["num_attention_heads"])
+    global_kv = int(
+        config.get("num_global_key_value_heads") or (full[0].get("num_key_value_heads") if full else 0) or kv
+    )
+    if config.get("use_bidirectional_attention") == "all":
+        raise UnsupportedArchitectureError("bidirectional Gemma 4 is an encoder, not a chat model")
+    params = config.get("rope_parameters") or {}
+    full_rope, local_rope = params.get("full_attention") or {}, params.get("sliding_attention") or {}
+    for kind, rope in (("full_attention", full_rope), ("sliding_attention", local_rope)):
+        if (rope.get("rope_type") or "default") not in ("default", "proportional"):
+            kind_name = rope.get("rope_type")
+            raise UnsupportedArchitectureError(f"Gemma 4 {kind} RoPE {kind_name!r} is not supported")
+    global_rotary = float(full_rope.get("partial_rotary_factor", 1.0)) if full_rope.get(
+        "rope_type") == "proportional" else 1.0
+    experts = int(config.get("num_experts") or 0) if config.get("enable_moe_block") else 0
+    return Gemma4Config(
+        hidden_size=int(config["hidden_size"]),
+        intermediate_size=int(config["intermediate_size"]),
+        num_hidden_layers=n,
+        num_attention_heads=int(config["num_attention_heads"]),
+        num_key_value_heads=kv,
+        num_global_key_value_heads=global_kv,
+        vocab_size=int(config["vocab_size"]),
+        head_dim=head_dim,
+        global_head_dim=global_head_dim,
+        rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+        rope_theta=float(full_rope.get("rope_theta", 1_000_000.0)),
+        rope_local_base_freq=float(local_rope.get("rope_theta", 10_000.0)),
+        global_rotary_factor=global_rotary,
+        global_rope_factor=float(full_rope.get("factor") or 1.0),
+        local_rotary_dim=int(head_dim * float(local_rope.get("partial_rotary_factor", 1.0))),
+        sliding_window=int(config.get("sliding_window") or 512),
+        layer_types=types,
+        max_position_embeddings=int(config.get("max_position_embeddings", 131_072)),
+        final_logit_softcapping=config.get("final_logit_softcapping"),
+        num_kv_shared_layers=int(config.get("num_kv_shared_layers") or 0),
+        hidden_size_per_layer_input=int(config.get("hidden_size_per_layer_input") or 0),
+        vocab_size_per_layer_input=int(config.get("vocab_size_per_layer_input") or 0),
+        use_double_wide_mlp=bool(config.get("use_double_wide_mlp")),
+        num_experts=experts,
+        num_experts_per_tok=int(config.get("top_k_experts") or 0) if experts else 0,
+        moe_intermediate_size=int(config.get("moe_intermediate_size") or 0) if experts else 0,
+    )
+
+
+def config_from_hf(folder: Path, config: dict) -> LlamaConfig | Gemma3Config | Gemma4Config:
     """The architecture config for a config.json (a multimodal folder's: its language model's). Raises
     UnsupportedArchitectureError for other families."""
     config = language_config(config)
@@ -454,9 +541,9 @@ def config_from_hf(folder: Path, config: dict) -> LlamaConfig | Gemma3Config:
             f"{folder}: model_type {model_type!r} is not supported from safetensors yet "
             f"(supported: {', '.join(sorted(_FAMILIES))})"
         )
-    if arch in _GEMMA:
+    if arch in (*_GEMMA, "gemma4"):
         try:
-            return _gemma3_config(config, arch)
+            return _gemma4_config(config) if arch == "gemma4" else _gemma3_config(config, arch)
         except (KeyError, TypeError, ValueError) as e:
             raise ModelFormatError(folder / "config.json", f"missing or invalid hyper-parameter ({e})") from e
     # partial rotary embeddings (Phi-4-mini: 0.75): the first part of each head turns, the rest does not

@@ -229,3 +229,64 @@ class RecurrentKVCache(KVCache):
             del self._snapshots[p]
         del self._tokens[pos:]
         return end - pos
+
+
+class GroupedKVCache(KVCache):
+    """A KV cache whose layers come in more than one shape (Gemma 4: the windowed layers' heads are half as
+    wide as the global layers', with more of them).
+
+    Layers of one (n_kv_heads, head_dim) share a group, an (n_group_layers, n_kv_heads, n_ctx, head_dim) pair
+    of arrays; `slots[i]` = (group, index in it) of cache layer i. Trim, prefixes and stored prefixes work as
+    for the base class (every position is kept).
+    """
+
+    def __init__(self, groups: list[tuple[int, int, int]], slots: list[tuple[int, int]], n_ctx: int, dtype):
+        """groups: (n_layers, n_kv_heads, head_dim) of each group; slots: (group, index) per cache layer."""
+        dtype = np.dtype(dtype)
+        if dtype not in KV_DTYPES:
+            raise ValueError(f"KV cache dtype must be float32 or float16, got {dtype}")
+        if sorted(slots) != sorted({(g, j) for g, (n, _, _) in enumerate(groups) for j in range(n)}):
+            raise ValueError("GroupedKVCache: every group slot must belong to exactly one layer")
+        self.n_ctx = n_ctx
+        self.dtype = dtype
+        self.slots = list(slots)
+        self.groups = [
+            (lazy_zeros((n, heads, n_ctx, hd), dtype), lazy_zeros((n, heads, n_ctx, hd), dtype))
+            for n, heads, hd in groups
+        ]
+        self._tokens = []
+
+    @property
+    def nbytes(self) -> int:
+        return sum(int(k.nbytes + v.nbytes) for k, v in self.groups)
+
+    @property
+    def bytes_per_token(self) -> int:
+        floats = sum(2 * n * heads * hd for n, heads, _, hd in (k.shape for k, _ in self.groups))
+        return floats * self.dtype.itemsize
+
+    def update_and_fetch(self, layer: int, k: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        g, j = self.slots[layer]
+        keys, values = self.groups[g]
+        pos, n = self.offset, k.shape[0]
+        keys[j, :, pos : pos + n, :] = k.transpose(1, 0, 2)
+        values[j, :, pos : pos + n, :] = v.transpose(1, 0, 2)
+        return keys[j], values[j]
+
+    def fetch(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
+        """Cache layer `layer`'s (n_kv_heads, n_ctx, head_dim) keys and values, as stored so far."""
+        g, j = self.slots[layer]
+        keys, values = self.groups[g]
+        return keys[j], values[j]
+
+    def read(self, lo: int, hi: int) -> tuple[np.ndarray, ...]:
+        """Keys and values of positions lo..hi, group by group (k0, v0, k1, v1, ...)."""
+        return tuple(np.array(a[:, :, lo:hi, :]) for pair in self.groups for a in pair)
+
+    def write(self, lo: int, *arrays: np.ndarray) -> None:
+        for a, stored in zip(arrays, (a for pair in self.groups for a in pair), strict=True):
+            stored[:, :, lo : lo + a.shape[2], :] = a
+
+    @property
+    def state(self):
+        return self.groups, self.tokens

@@ -12,6 +12,7 @@ from typing import Any
 # wrapper model_type -> its language model's model_type when text_config does not name it
 _MULTIMODAL = {
     "gemma3": "gemma3_text",
+    "gemma4": "gemma4_text",
     "mistral3": "mistral",
     "qwen3_5": "qwen3_5_text",
     "qwen3_5_moe": "qwen3_5_moe_text",

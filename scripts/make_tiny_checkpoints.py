@@ -51,6 +51,12 @@ _QWEN35 = dict(
                          mrope_section=[1, 1, 0], mrope_interleaved=True),
 )
 
+# Gemma 4's tiny layout: 16-wide heads on the windowed layers, 32-wide on the global ones
+_GEMMA4 = dict(
+    head_dim=16, global_head_dim=32, sliding_window=4, final_logit_softcapping=30.0, pad_token_id=0,
+    tie_word_embeddings=True,
+)
+
 # family -> (config class, extra config, dtype written, shard the weights)
 FAMILIES = {
     "llama": (transformers.LlamaConfig, dict(tie_word_embeddings=True), torch.float32, False),
@@ -295,6 +301,28 @@ FAMILIES = {
         torch.bfloat16,
         False,
     ),
+    # Gemma 4, E2B-style: per-layer embeddings, the last 2 layers reusing earlier layers' keys and values
+    # (their MLPs double-wide), global layers with their own head size and proportional RoPE, logit capping
+    "gemma4": (
+        transformers.Gemma4TextConfig,
+        dict(_GEMMA4, num_hidden_layers=5, hidden_size_per_layer_input=8, vocab_size_per_layer_input=VOCAB,
+             num_kv_shared_layers=2, use_double_wide_mlp=True,
+             layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention",
+                          "full_attention"]),
+        torch.bfloat16,
+        False,
+    ),
+    # Gemma 4, 26B-A4B-style: a dense MLP and 4 routed experts side by side in every layer; the global layers'
+    # values are their keys (attention_k_eq_v) with fewer KV heads
+    "gemma4-moe": (
+        transformers.Gemma4TextConfig,
+        dict(_GEMMA4, num_hidden_layers=3, hidden_size_per_layer_input=0, attention_k_eq_v=True,
+             num_global_key_value_heads=1, enable_moe_block=True, num_experts=4, top_k_experts=2,
+             moe_intermediate_size=32,
+             layer_types=["sliding_attention", "sliding_attention", "full_attention"]),
+        torch.bfloat16,
+        False,
+    ),
 }
 
 # multimodal folders (a vision tower beside the language model; Hearth reads the language model): family ->
@@ -425,6 +453,8 @@ def write_family(name: str, out: Path) -> None:
         for bname, b in model.named_buffers():  # GLM-4.5's, LFM2-MoE's routing bias: a buffer, zero at init
             if bname.endswith(("e_score_correction_bias", "expert_bias")):
                 b.copy_(0.3 * torch.randn_like(b))
+            if bname.endswith("layer_scalar"):  # Gemma 4's per-layer output scale: one at init
+                b.copy_(0.5 + torch.rand_like(b))
     model = model.to(dtype)
     folder = out / name
     shutil.rmtree(folder, ignore_errors=True)

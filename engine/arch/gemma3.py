@@ -38,6 +38,15 @@ def pattern_layer_types(n_layers: int, period: int = 6) -> list[str]:
     return [SLIDING if (i + 1) % period else FULL for i in range(n_layers)]
 
 
+def softcap(logits: np.ndarray, cap: float | None) -> np.ndarray:
+    """cap * tanh(logits / cap) in place (Gemma's final-logit soft-capping); no change when cap is None."""
+    if cap is not None:
+        np.multiply(logits, np.float32(1.0 / cap), out=logits)
+        np.tanh(logits, out=logits)
+        np.multiply(logits, np.float32(cap), out=logits)
+    return logits
+
+
 @dataclass
 class Gemma3Config:
     """Hyper-parameters, named as in Hugging Face's Gemma3TextConfig."""
@@ -290,13 +299,7 @@ class Gemma3Model(Decoder):
         return self._softcap(logits)
 
     def _softcap(self, logits: np.ndarray) -> np.ndarray:
-        cap = self.cfg.final_logit_softcapping
-        if cap is not None:
-            # cap * tanh(logits / cap), in place
-            np.multiply(logits, np.float32(1.0 / cap), out=logits)
-            np.tanh(logits, out=logits)
-            np.multiply(logits, np.float32(cap), out=logits)
-        return logits
+        return softcap(logits, self.cfg.final_logit_softcapping)
 
     def _layers(self, s: Scratch, tokens: np.ndarray, attend, first: int = 0, hidden=None) -> None:
         """Embed tokens (n,) into s.x (or start from `hidden`, the residual stream entering layer

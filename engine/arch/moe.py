@@ -52,6 +52,11 @@ class MoE:
     # sigmoid routing's per-expert bias added to the scores for the choice only (GLM-4.5's
     # e_score_correction_bias), (experts,); None: none
     score_bias: np.ndarray | None = None
+    # Gemma 4's per-expert multiplier of the routing weights (router.per_expert_scale), (experts,); None: none
+    expert_scale: np.ndarray | None = None
+    # stacks[0] is the merged gate|up tensor (experts * 2ff rows: each expert's gate rows then its up rows, as
+    # Gemma 4 keeps them) and stacks[1] the same tensor
+    gate_up_stacked: bool = False
 
     def weights(self) -> list[Weight]:
         return [self.router, *self.gate, *self.up, *self.down, *(self.shared or ())]
@@ -127,16 +132,19 @@ def route(
     return top, w.astype(np.float32)
 
 
-def moe_forward(out: np.ndarray, h: np.ndarray, moe: MoE, cfg) -> None:
+def moe_forward(out: np.ndarray, h: np.ndarray, moe: MoE, cfg, router_h: np.ndarray | None = None) -> None:
     """out (n, hidden) = the MoE block applied to the normed hidden states h (n, hidden); cfg: a
-    LlamaConfig (num_experts_per_tok, norm_topk_prob, the experts' activation)."""
+    LlamaConfig (num_experts_per_tok, norm_topk_prob, expert_gating, expert_weights_scale, expert_act) or
+    Gemma4Config; router_h: what the router reads when it is not h (Gemma 4: its own norm of the residual)."""
     n = h.shape[0]
     logits = np.empty((n, len(moe.gate)), np.float32)
-    ops.linear(logits, moe.router, h)
+    ops.linear(logits, moe.router, h if router_h is None else router_h)
     if moe.router_bias is not None:
         logits += moe.router_bias
     experts, w = route(logits, cfg.num_experts_per_tok, cfg.norm_topk_prob, cfg.expert_gating == "sigmoid",
                        moe.score_bias, cfg.expert_weights_scale)
+    if moe.expert_scale is not None:
+        w = w * moe.expert_scale[experts]
     if n == 1 and moe.stacks is not None:
         _one_token(out, h, moe, experts[0], w[0], cfg)
     else:
@@ -196,6 +204,8 @@ def _activate(gate: np.ndarray, up: np.ndarray, moe: MoE, experts: np.ndarray, c
         up += moe.up_bias[experts]
     if cfg.expert_act == "swiglu_oai":
         ops.swiglu_oai_mul(gate, gate, up, cfg.swiglu_alpha, cfg.swiglu_limit)
+    elif cfg.expert_act == "gelu_tanh":  # Gemma 4
+        ops.gelu_tanh_mul(gate, gate, up)
     else:
         ops.silu_mul(gate, gate, up)
 
@@ -207,8 +217,9 @@ def _one_token(out: np.ndarray, h: np.ndarray, moe: MoE, experts: np.ndarray, w:
     k = len(experts)
     gate = np.empty((k, ff), np.float32)
     up = np.empty((k, ff), np.float32)
-    ops.linear_experts(gate, gate_all, h, experts * ff, ff)
-    ops.linear_experts(up, up_all, h, experts * ff, ff)
+    gate_rows = experts * (2 * ff if moe.gate_up_stacked else ff)
+    ops.linear_experts(gate, gate_all, h, gate_rows, ff)
+    ops.linear_experts(up, up_all, h, gate_rows + ff if moe.gate_up_stacked else gate_rows, ff)
     _activate(gate, up, moe, experts, cfg)
     y = np.empty((k, d), np.float32)
     ops.linear_experts(y, down_all, gate, experts * d, d)
