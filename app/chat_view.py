@@ -27,16 +27,10 @@ from app.qt import (
     Signal,
     Slot,
 )
-from engine.reasoning import OPEN, Reasoning, split_reasoning
+from engine.reasoning import Reasoning, split_reasoning, starts_opening
 
 ROLE_NAMES = {"user": "You", "assistant": "Assistant", "system": "System"}
 STATE_NOTES = {"stopped": "stopped", "error": "interrupted", "streaming": "writing…"}
-
-
-def _opening(text: str) -> bool:
-    """`text` is the first part of a thinking block's opening tag (which may arrive over tokens)."""
-    start = text.lstrip()
-    return 0 < len(start) < len(OPEN) and OPEN.startswith(start)
 
 
 class MessageWidget(QFrame):
@@ -130,7 +124,7 @@ class MessageWidget(QFrame):
             self._show_thinking(split)
             self._answer = None if split.thinking is None else split.answer
             text = split.answer
-            if self.message.state == "streaming" and split.thinking is None and _opening(text):
+            if self.message.state == "streaming" and split.thinking is None and starts_opening(text):
                 text = ""  # "<thi" may be a thinking block arriving in pieces: show it once it is one
             if self.body.isHidden() == bool(text or split.thinking is None):
                 self.body.setVisible(bool(text or split.thinking is None))  # no empty box while thinking

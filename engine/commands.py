@@ -11,7 +11,7 @@ from engine.errors import HearthError
 from engine.generate import GenerationParams, generate
 from engine.loader import LoadedModel, load_model
 from engine.memory import peak_rss_mb
-from engine.reasoning import OPEN, opens_reasoning, strip_reasoning
+from engine.reasoning import opens_reasoning, stored_opening, strip_reasoning
 from engine.templates import ensure_chat_template
 from engine.token_reuse import reuse_held_tokens
 from models.resolve import resolve_model
@@ -160,7 +160,7 @@ def cmd_chat(args) -> int:
             respelled = reuse_held_tokens(lm.tokenizer, ids, cache.tokens)  # the cache's own tokens
             ids = respelled if len(respelled) < n_ctx else ids
             # a reply inside a thinking block the template opened shows (and keeps) its opening tag
-            reply = [OPEN + "\n"] if opens_reasoning(lm.tokenizer.decode(ids[-8:])) else []
+            reply = [stored_opening(opens_reasoning(lm.tokenizer.decode(ids[-8:])))]
             print("".join(reply), end="", flush=True)
             last = None
             for event in generate(lm.model, lm.tokenizer, ids, cache, params):

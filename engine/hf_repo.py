@@ -31,7 +31,7 @@ from engine.tokenizer import (
 )
 from engine.weights import FLOAT_DTYPES, Weight, float32_of
 from models.formats.safetensors import SafetensorsModel, open_safetensors_repo
-from models.hf_config import language_config
+from models.hf_config import gemma4_global_shape, language_config
 
 # HF model_type -> Hearth architecture name (the GGUF `general.architecture` of the same family)
 _FAMILIES = {
@@ -481,14 +481,9 @@ def _gemma4_config(config: dict) -> Gemma4Config:
     num_global_key_value_heads, or per_layer_config as transformers writes it back."""
     types = config.get("layer_types")
     n = int(config["num_hidden_layers"])
-    per_layer = {int(i): v for i, v in (config.get("per_layer_config") or {}).items()}
-    full = [per_layer.get(i, {}) for i in range(n) if types and types[i] == "full_attention"]
     head_dim = int(config.get("head_dim", 256))
-    global_head_dim = int(config.get("global_head_dim") or (full[0].get("head_dim") if full else 0) or 512)
+    global_head_dim, global_kv = gemma4_global_shape(config)
     kv = int(config.get("num_key_value_heads") or config["num_attention_heads"])
-    global_kv = int(
-        config.get("num_global_key_value_heads") or (full[0].get("num_key_value_heads") if full else 0) or kv
-    )
     if config.get("use_bidirectional_attention") == "all":
         raise UnsupportedArchitectureError("bidirectional Gemma 4 is an encoder, not a chat model")
     params = config.get("rope_parameters") or {}

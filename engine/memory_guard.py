@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from models.errors import HearthError, ModelFormatError
+from models.fit import gemma4_kv_widths_gguf
 
 FIXED_OVERHEAD = 300 << 20  # Python, numpy/Numba runtime, tokenizer, chat template
 HEADROOM = 0.9  # use at most this share of the available memory
@@ -53,6 +54,9 @@ class KVShape:
     # Qwen3.5's recurrent layers (among n_layers): nothing per token, a fixed state per sequence instead
     recurrent_layers: int = 0
     state_bytes: int = 0
+    # n_kv_heads * head_dim of each layer keeping keys and values, when they differ (Gemma 4: windowed and
+    # global layers apart, shared-KV layers keep none); empty: n_kv_heads * head_dim on every attending layer
+    kv_widths: tuple[int, ...] = ()
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -62,7 +66,8 @@ class KVShape:
     def kv_bytes_per_token_at(self, itemsize: int) -> int:
         """Bytes of keys and values per token with `itemsize`-byte elements (4: float32, 2: float16)."""
         attending = self.n_layers - self.conv_layers - self.recurrent_layers
-        attention = attending * self.n_kv_heads * self.head_dim * 2
+        widths = sum(self.kv_widths) if self.kv_widths else attending * self.n_kv_heads * self.head_dim
+        attention = 2 * widths
         return (attention + self.conv_layers * self.hidden_size) * int(itemsize)
 
 
@@ -111,7 +116,8 @@ def kv_shape_from_gguf(metadata: dict[str, Any], path: str = "model") -> KVShape
         trained = int(metadata.get(f"{arch}.context_length", 0))
     except (KeyError, TypeError, ValueError, ZeroDivisionError) as e:
         raise ModelFormatError(path, f"metadata lacks the {arch} hyper-parameters ({e})") from e
-    return KVShape(layers, kv_heads, head_dim, hidden, trained, conv_layers)
+    widths = tuple(gemma4_kv_widths_gguf(metadata)) if arch == "gemma4" else ()
+    return KVShape(layers, kv_heads, head_dim, hidden, trained, conv_layers, kv_widths=widths)
 
 
 def kv_shape_from_config(cfg) -> KVShape:
@@ -124,7 +130,10 @@ def kv_shape_from_config(cfg) -> KVShape:
         from engine.kv_cache import RecurrentKVCache
 
         state = (1 + RecurrentKVCache.MAX_SNAPSHOTS) * recurrent * cfg.delta.state_floats * 4
-    return KVShape(layers, kv_heads, cfg.head_dim, cfg.hidden_size, trained, conv_layers, recurrent, state)
+    widths = tuple(getattr(cfg, "kv_widths", ()))
+    return KVShape(
+        layers, kv_heads, cfg.head_dim, cfg.hidden_size, trained, conv_layers, recurrent, state, widths
+    )
 
 
 def available_bytes() -> int:

@@ -1,10 +1,12 @@
 """Reasoning ("thinking") blocks: a reply that starts with <think>...</think> before its answer.
 
 Reasoning models (Qwen3, QwQ, DeepSeek-R1 and its distills, ...) write their chain of thought first,
-between <think> and </think>, then the answer. Some chat templates open the block themselves (the
-generation prompt ends with "<think>"), so the model's text starts inside it; the worker then puts
-the opening tag in front of the reply, so a stored reply always spells its block out
-(`opens_reasoning`).
+between <think> and </think>, then the answer. Gemma 4 writes the same block as a channel,
+"<|channel>thought\n...<channel|>" (its markers are text tokens, decoded into the reply); `MARKERS`
+holds each (open, close) pair, and every function here treats them alike. Some chat templates open
+the block themselves (the generation prompt ends with "<think>"), so the model's text starts inside
+it; the worker then puts the opening marker in front of the reply, so a stored reply always spells
+its block out (`opens_reasoning`, `stored_opening`).
 
 - `split_reasoning` parses a whole reply (the app's display, the API's non-streamed answer);
 - `ReasoningStream` splits a reply as it streams (the API's `reasoning_content` deltas);
@@ -12,8 +14,8 @@ the opening tag in front of the reply, so a stored reply always spells its block
   the thinking is for the turn it was written in (Qwen3's and DeepSeek-R1's templates drop it too),
   and it would fill the context.
 
-Only a block at the very start of a reply counts (after whitespace): a "<think>" later in an answer
-is text the model wrote about tags.
+Only a block at the very start of a reply counts (after whitespace): a "<think>" or "<|channel>" later
+in an answer is text the model wrote about tags.
 """
 
 from __future__ import annotations
@@ -21,7 +23,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-OPEN, CLOSE = "<think>", "</think>"
+# (open, close) markers of a thinking block; the first is Hearth's own (harmony's replies are stored in it).
+# Gemma 4's newline after the channel name belongs to its marker.
+MARKERS = (("<think>", "</think>"), ("<|channel>thought\n", "<channel|>"))
+OPEN, CLOSE = MARKERS[0]
 
 
 @dataclass(frozen=True)
@@ -36,18 +41,40 @@ class Reasoning:
 def split_reasoning(text: str) -> Reasoning:
     """Split a reply (as stored: a prompt-opened block has its opening tag) into thinking and answer."""
     body = text.lstrip()
-    if not body.startswith(OPEN):
+    marker = _opening_marker(body)
+    if marker is None:
         return Reasoning(None, text)
-    body = body[len(OPEN) :]
-    end = body.find(CLOSE)
+    opening, closing = marker
+    body = body[len(opening) :]
+    end = body.find(closing)
     if end < 0:
         return Reasoning(body.strip(), "", thinking_done=False)
-    return Reasoning(body[:end].strip(), body[end + len(CLOSE) :].lstrip())
+    return Reasoning(body[:end].strip(), body[end + len(closing) :].lstrip())
 
 
-def opens_reasoning(prompt_tail: str) -> bool:
-    """True when a rendered prompt (its end is enough) leaves a thinking block open for the reply."""
-    return prompt_tail.rstrip().endswith(OPEN)
+def _opening_marker(body: str) -> tuple[str, str] | None:
+    """The (open, close) pair whose opening marker `body` starts with."""
+    return next((pair for pair in MARKERS if body.startswith(pair[0])), None)
+
+
+def starts_opening(text: str) -> bool:
+    """`text` (after leading whitespace) is a proper beginning of an opening marker: a thinking block may
+    be arriving over tokens."""
+    start = text.lstrip()
+    return any(0 < len(start) < len(opening) and opening.startswith(start) for opening, _ in MARKERS)
+
+
+def opens_reasoning(prompt_tail: str) -> str:
+    """The opening marker of the thinking block a rendered prompt (its end is enough) leaves open for the
+    reply, as in `MARKERS`; "" (false) when it leaves none."""
+    tail = prompt_tail.rstrip()
+    return next((opening for opening, _ in MARKERS if tail.endswith(opening.rstrip())), "")
+
+
+def stored_opening(marker: str) -> str:
+    """The text a stored reply starts with when the prompt opened its block with `marker`
+    (`opens_reasoning`): the marker on a line of its own; "" for no marker."""
+    return marker.rstrip() + "\n" if marker else ""
 
 
 def strip_reasoning(messages: Sequence[dict], keep_last: bool = False) -> list[dict]:
@@ -84,11 +111,14 @@ class ReasoningStream:
     back until it is complete or ruled out. `flush()` returns the rest when the reply ends.
 
     Args:
-        opened: the prompt opened the block (`opens_reasoning`): the text starts inside it.
+        opened: the opening marker the prompt left open (`opens_reasoning`; True for <think>): the text
+            starts inside that block.
     """
 
-    def __init__(self, opened: bool = False):
-        self._state = "thinking" if opened else "start"
+    def __init__(self, opened: bool | str = False):
+        marker = OPEN if opened is True else opened
+        self._state = "thinking" if marker else "start"
+        self._close = dict(MARKERS).get(marker, CLOSE)  # "start" sets it from the marker it finds
         self._held = ""
 
     def feed(self, text: str) -> tuple[str, str]:
@@ -98,24 +128,25 @@ class ReasoningStream:
             held = self._held
             if self._state == "start":  # before the reply's first text: is it a thinking block?
                 body = held.lstrip()
-                if body.startswith(OPEN):
-                    self._held, self._state = body[len(OPEN) :], "thinking"
+                marker = _opening_marker(body)
+                if marker is not None:
+                    self._held, self._state, self._close = body[len(marker[0]) :], "thinking", marker[1]
                     continue
-                if not body or OPEN.startswith(body):
+                if not body or starts_opening(body):
                     return thinking, answer  # undecided yet
                 self._state = "answer"
                 continue
             if self._state == "thinking":
-                end = held.find(CLOSE)
+                end = held.find(self._close)
                 if end >= 0:
                     thinking += held[:end]
-                    self._held, self._state = held[end + len(CLOSE) :], "after"
+                    self._held, self._state = held[end + len(self._close) :], "after"
                     continue
-                keep = _partial_suffix(held, CLOSE)
+                keep = _partial_suffix(held, self._close)
                 thinking += held[: len(held) - keep]
                 self._held = held[len(held) - keep :]
                 return thinking, answer
-            if self._state == "after":  # the whitespace between </think> and the answer is dropped
+            if self._state == "after":  # the whitespace between the block and the answer is dropped
                 body = held.lstrip()
                 if not body:
                     self._held = ""

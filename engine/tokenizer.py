@@ -5,8 +5,9 @@ Hugging Face `tokenizers.Tokenizer` from it (Rust BPE, fast) and keep our own by
 decoding, so decoding is byte-exact and the streaming decoder never depends on HF internals.
 
 Two kinds are supported: byte-level BPE (`tokenizer.ggml.model == "gpt2"`: GPT-2, Llama 3, Qwen2,
-SmolLM) and SentencePiece BPE (`"llama"`: Llama 2, Mistral, Gemma), whose merges are derived from
-the token scores; other kinds raise `UnsupportedTokenizer`.
+SmolLM) and SentencePiece BPE (`"llama"`: Llama 2, Mistral, Gemma, whose merges are derived from
+the token scores; `"gemma4"`: Gemma 4, the same with its merges stored); other kinds raise
+`UnsupportedTokenizer`.
 """
 
 from __future__ import annotations
@@ -34,7 +35,9 @@ TOKEN_UNUSED = 5
 TOKEN_BYTE = 6
 
 # Texts of control tokens that end a turn in the chat formats we know of.
-_END_OF_TURN_TEXTS = ("<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "<end_of_turn>", "<|endoftext|>")
+_END_OF_TURN_TEXTS = (
+    "<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "<end_of_turn>", "<|endoftext|>", "<turn|>",  # Gemma 4
+)
 
 
 class TokenizerError(HearthError):
@@ -590,11 +593,16 @@ class Tokenizer:
         kind = metadata.get("tokenizer.ggml.model")
         if kind is None:
             raise TokenizerError("the model has no tokenizer (metadata tokenizer.ggml.model is missing)")
-        if kind not in ("gpt2", "llama"):
+        if kind not in ("gpt2", "llama", "gemma4"):
             raise UnsupportedTokenizer(
                 f"tokenizer model {kind!r} is not supported yet (only byte-level BPE, 'gpt2', and "
-                "SentencePiece BPE, 'llama', are)"
+                "SentencePiece BPE, 'llama' and 'gemma4', are)"
             )
+        gemma4 = kind == "gemma4"
+        if gemma4:  # SentencePiece-style BPE ranked by its stored merges, no space prefix by default
+            if metadata.get("tokenizer.ggml.merges") is None:
+                raise TokenizerError("metadata tokenizer.ggml.merges is missing (required by 'gemma4')")
+            kind = "llama"
         tokens = metadata.get("tokenizer.ggml.tokens")
         if not tokens:
             raise TokenizerError("metadata tokenizer.ggml.tokens is missing or empty")
@@ -626,7 +634,7 @@ class Tokenizer:
             add_space_prefix = False
             split_types = (TOKEN_CONTROL, TOKEN_USER_DEFINED)
         else:
-            add_space_prefix = bool(metadata.get("tokenizer.ggml.add_space_prefix", True))
+            add_space_prefix = bool(metadata.get("tokenizer.ggml.add_space_prefix", not gemma4))
             with _gc_paused():
                 hf = _sentencepiece_bpe(metadata, tokens, types, merge_pairs, unk_id, add_space_prefix)
             pre = "sentencepiece"

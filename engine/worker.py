@@ -41,7 +41,7 @@ from engine.harmony import continuation
 from engine.loader import LoadedModel, load_model
 from engine.memory import peak_rss_mb, rss_mb
 from engine.prefix_cache import PrefixCache
-from engine.reasoning import OPEN, opens_reasoning, strip_reasoning
+from engine.reasoning import opens_reasoning, stored_opening, strip_reasoning
 from engine.spec_chat import DraftSlot, prime, proposer_for, spec_fields
 from engine.speculative import speculative_generate
 from engine.templates import ensure_chat_template
@@ -200,15 +200,16 @@ class ChatRunner:
         text = self.lm.template.render(messages, add_generation_prompt=True, **(template_vars or {}))
         if partial and self.lm.tokenizer.harmony is not None:
             partial = continuation(partial)  # gpt-oss: the reply's analysis and answer as harmony messages
-        elif opens_reasoning(text) and partial.lstrip().startswith(OPEN):
-            partial = partial.lstrip()[len(OPEN) :]  # the template opened the block the reply spells out
+        elif (marker := opens_reasoning(text)) and partial.lstrip().startswith(marker):
+            partial = partial.lstrip()[len(marker) :]  # the template opened the block the reply spells out
         text += partial
         # the template writes BOS itself when the model wants it
         return self.lm.tokenizer.encode(text, add_special=False)
 
-    def _opens_reasoning(self, messages: Sequence[dict], ids: Sequence[int]) -> bool:
-        """The prompt `ids` leaves a thinking block open: the reply's text starts inside it."""
-        return not _continues(messages) and opens_reasoning(self.lm.tokenizer.decode(ids[-8:]))
+    def _opens_reasoning(self, messages: Sequence[dict], ids: Sequence[int]) -> str:
+        """The opening marker of the thinking block the prompt `ids` leaves open ("" for none): the
+        reply's text starts inside it."""
+        return "" if _continues(messages) else opens_reasoning(self.lm.tokenizer.decode(ids[-8:]))
 
     def _context_state(self, chat_id: str | None) -> ChatContext | None:
         if chat_id is None:
@@ -305,7 +306,7 @@ class ChatRunner:
                 return
             ttft = 0.0
             # a reply inside a block the template opened is stored with the opening tag (engine.reasoning)
-            opening = OPEN + "\n" if self._opens_reasoning(messages, ids) else ""
+            opening = stored_opening(self._opens_reasoning(messages, ids))
             gen_params = replace(params, prefill_chunk=chunk)
             if proposer is None:
                 stream = generate(model, self.lm.tokenizer, ids, cache, gen_params)

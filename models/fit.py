@@ -21,7 +21,7 @@ from typing import Any
 
 from models.errors import ModelFormatError
 from models.formats.ggml_types import BLOCK_SIZES, TYPE_NAMES
-from models.hf_config import language_config
+from models.hf_config import gemma4_global_shape, language_config
 
 KV_BYTES = 4  # float32 K and V
 OVERHEAD_BYTES = 128 << 20  # activations, logits, scratch buffers, the Python runtime's share
@@ -138,6 +138,8 @@ def kv_bytes_per_token(metadata: Mapping[str, Any]) -> int:
     n_head = _per_layer(need("attention.head_count"), n_layer)
     kv = metadata.get(f"{arch}.attention.head_count_kv")
     n_head_kv = _per_layer(kv, n_layer) if kv is not None else n_head
+    if arch == "gemma4":
+        return 2 * sum(gemma4_kv_widths_gguf(metadata)) * KV_BYTES
     key_len = metadata.get(f"{arch}.attention.key_length")
     if key_len is None:
         heads = max(n_head) if n_head else 0
@@ -151,6 +153,42 @@ def kv_bytes_per_token(metadata: Mapping[str, Any]) -> int:
     if n_layer <= 0 or total <= 0:
         raise ModelFormatError(f"<{arch} metadata>", "block_count/head counts give an empty KV cache")
     return total
+
+
+def gemma4_kv_widths(windowed: list[bool], kv_heads: list[int], head_dim: int, global_head_dim: int,
+                     shared: int) -> list[int]:
+    """n_kv_heads * head_dim of each Gemma 4 layer that keeps keys and values: all but the last `shared`
+    (which attend over earlier layers'), windowed layers' heads head_dim wide, global ones global_head_dim."""
+    keep = len(windowed) - int(shared)
+    return [h * (head_dim if w else global_head_dim) for w, h in zip(windowed[:keep], kv_heads[:keep])]
+
+
+def gemma4_kv_widths_gguf(metadata: Mapping[str, Any]) -> list[int]:
+    """gemma4_kv_widths from llama.cpp's gemma4 keys. Raises ModelFormatError when they are missing."""
+    a = "gemma4"
+    try:
+        n = int(metadata[f"{a}.block_count"])
+        windowed = [bool(f) for f in metadata[f"{a}.attention.sliding_window_pattern"]]
+        kv = metadata.get(f"{a}.attention.head_count_kv", metadata[f"{a}.attention.head_count"])
+        shared = int(metadata.get(f"{a}.attention.shared_kv_layers", 0))
+        return gemma4_kv_widths(
+            windowed, _per_layer(kv, n), int(metadata[f"{a}.attention.key_length_swa"]),
+            int(metadata[f"{a}.attention.key_length"]), shared,
+        )
+    except (KeyError, TypeError, ValueError) as e:
+        raise ModelFormatError("<gemma4 metadata>", f"cannot size the KV cache ({e!r})") from None
+
+
+def _gemma4_kv_widths_config(cfg: Mapping[str, Any]) -> list[int]:
+    """gemma4_kv_widths from a gemma4_text config.json."""
+    n = int(cfg["num_hidden_layers"])
+    types = cfg.get("layer_types") or ["full_attention" if (i + 1) % 5 == 0 else "sliding" for i in range(n)]
+    windowed = [t != "full_attention" for t in types]
+    global_hd, global_kv = gemma4_global_shape({**cfg, "layer_types": types})
+    kv = int(cfg.get("num_key_value_heads") or cfg["num_attention_heads"])
+    heads = [kv if w else global_kv for w in windowed]
+    return gemma4_kv_widths(windowed, heads, int(cfg.get("head_dim", 256)), global_hd,
+                            int(cfg.get("num_kv_shared_layers") or 0))
 
 
 def _per_layer(value: Any, n_layer: int) -> list[int]:
@@ -168,6 +206,8 @@ def kv_bytes_per_token_config(config: Mapping[str, Any]) -> int:
     cfg = language_config(config)
     cfg = cfg.get("text_config") or cfg  # other multimodal layouts: their text_config as it is
     try:
+        if cfg.get("model_type") == "gemma4_text":
+            return 2 * sum(_gemma4_kv_widths_config(cfg)) * KV_BYTES
         n_layer = int(cfg["num_hidden_layers"])
         n_head = int(cfg["num_attention_heads"])
         n_kv = int(cfg.get("num_key_value_heads") or n_head)

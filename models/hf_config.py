@@ -47,3 +47,15 @@ def language_config(config: dict[str, Any]) -> dict[str, Any]:
         return config
     model_type = text.get("model_type") or _MULTIMODAL[wrapper]
     return {**_TEXT_DEFAULTS.get(model_type, {}), **text, "model_type": model_type}
+
+
+def gemma4_global_shape(config: dict[str, Any]) -> tuple[int, int]:
+    """(head_dim, n_kv_heads) of a gemma4_text config's global layers: global_head_dim and
+    num_global_key_value_heads as released configs give them, or per_layer_config as transformers writes
+    them back (defaults: 512 and the windowed layers' KV heads)."""
+    types = config.get("layer_types") or []
+    per_layer = {int(i): v for i, v in (config.get("per_layer_config") or {}).items()}
+    full = next((per_layer.get(i, {}) for i, t in enumerate(types) if t == "full_attention"), {})
+    kv = int(config.get("num_key_value_heads") or config["num_attention_heads"])
+    head_dim = int(config.get("global_head_dim") or full.get("head_dim") or 512)
+    return head_dim, int(config.get("num_global_key_value_heads") or full.get("num_key_value_heads") or kv)

@@ -48,7 +48,46 @@ _FAMILY_PRE = {
 }
 
 
+def _gemma4_hparams(cfg) -> dict[str, Any]:
+    """llama.cpp's gemma4 keys: head sizes, KV heads and FFN lengths per layer kind, the layer pattern, the
+    shared-KV layers, per-layer embeddings and experts (the global RoPE goes in the rope_freqs tensor)."""
+    a = "gemma4"
+    n = cfg.num_hidden_layers
+    windowed = [not cfg.is_global(i) for i in range(n)]
+    md: dict[str, Any] = {
+        "general.architecture": a,
+        f"{a}.block_count": n,
+        f"{a}.context_length": cfg.max_position_embeddings,
+        f"{a}.embedding_length": cfg.hidden_size,
+        f"{a}.feed_forward_length": [int(ff) for ff in cfg.intermediate_sizes],
+        f"{a}.attention.head_count": cfg.num_attention_heads,
+        f"{a}.attention.head_count_kv": [cfg.layer_kv_heads(i) for i in range(n)],
+        f"{a}.attention.key_length": cfg.global_head_dim,
+        f"{a}.attention.value_length": cfg.global_head_dim,
+        f"{a}.attention.key_length_swa": cfg.head_dim,
+        f"{a}.attention.value_length_swa": cfg.head_dim,
+        f"{a}.attention.layer_norm_rms_epsilon": float(cfg.rms_norm_eps),
+        f"{a}.attention.sliding_window": cfg.sliding_window,
+        f"{a}.attention.sliding_window_pattern": np.array(windowed),
+        f"{a}.attention.shared_kv_layers": cfg.num_kv_shared_layers,
+        f"{a}.rope.freq_base": float(cfg.rope_theta),
+        f"{a}.rope.freq_base_swa": float(cfg.rope_local_base_freq),
+        f"{a}.rope.dimension_count": cfg.global_head_dim,
+        f"{a}.rope.dimension_count_swa": cfg.local_rotary_dim,
+        f"{a}.embedding_length_per_layer_input": cfg.hidden_size_per_layer_input,
+    }
+    if cfg.final_logit_softcapping:
+        md[f"{a}.final_logit_softcapping"] = float(cfg.final_logit_softcapping)
+    if cfg.num_experts:
+        md[f"{a}.expert_count"] = cfg.num_experts
+        md[f"{a}.expert_used_count"] = cfg.num_experts_per_tok
+        md[f"{a}.expert_feed_forward_length"] = cfg.moe_intermediate_size
+    return md
+
+
 def _hparams(arch: str, config: dict, cfg) -> dict[str, Any]:
+    if arch == "gemma4":
+        return _gemma4_hparams(cfg)
     a = arch
     md: dict[str, Any] = {
         "general.architecture": arch,
@@ -192,7 +231,7 @@ def _pre_name(spec: dict) -> str:
     )
 
 
-def _tokenizer_metadata(folder: Path, tok_config: dict) -> dict[str, Any]:
+def _tokenizer_metadata(folder: Path, tok_config: dict, arch: str = "") -> dict[str, Any]:
     path = folder / "tokenizer.json"
     try:
         spec = json.loads(path.read_text(encoding="utf-8"))
@@ -245,6 +284,9 @@ def _tokenizer_metadata(folder: Path, tok_config: dict) -> dict[str, Any]:
                 "tokenizer.ggml.add_space_prefix": any(s.get("type") == "Prepend" for s in steps),
             }
         )
+        if arch == "gemma4":  # llama.cpp reads Gemma 4's vocabulary by its merges (its "gemma4" model)
+            md.update({"tokenizer.ggml.model": "gemma4", "tokenizer.ggml.pre": "gemma4",
+                       "tokenizer.ggml.merges": merges})
     else:
         md.update(
             {
@@ -273,7 +315,7 @@ def metadata_from_hf(folder: Path, config: dict, cfg) -> dict[str, Any]:
     tok_path = folder / "tokenizer_config.json"
     tok_config = read_json(tok_path) if tok_path.exists() else {}
     md = {"general.type": "model", "general.name": folder.name, **_hparams(cfg.architecture, config, cfg)}
-    md.update(_tokenizer_metadata(folder, tok_config))
+    md.update(_tokenizer_metadata(folder, tok_config, cfg.architecture))
     template = chat_template_source(folder, tok_config)
     if template:
         md["tokenizer.chat_template"] = template

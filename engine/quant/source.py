@@ -33,7 +33,7 @@ GEMMA_NORM_OFFSET = frozenset({"gemma3", "gemma2"})
 SUPPORTED_ARCHS = frozenset(
     {"llama", "mistral3", "smollm3", "granite", "glm4", "olmo2", "ernie4_5", "qwen2", "qwen2moe", "qwen3",
      "qwen3moe", "glm4moe", "exaone4", "seed_oss", "lfm2", "lfm2moe", "qwen35", "qwen35moe", "gemma3",
-     "gemma2", "gpt-oss"}
+     "gemma2", "gemma4", "gpt-oss"}
 )
 _F32, _BF16, _Q4_1 = 0, 30, 3
 
@@ -190,6 +190,8 @@ def _hf_source(folder: Path) -> SourceModel:
         experts.sort(key=lambda n: int(n.rsplit(".", 1)[1]))
     fused = _fused_experts(weights, cfg)  # gpt-oss: name -> (shape, type, loader)
     fused |= _split_gate_up(st, names_map, arch)
+    if arch == "gemma4":
+        fused |= _gemma4_rope_freqs(cfg)
 
     def load_one(name: str) -> np.ndarray:
         if name in quantized:
@@ -292,6 +294,16 @@ def _split_gate_up(st, names_map: dict[str, str], arch: str) -> dict[str, tuple[
             load = functools.partial(_rows, st, hf_name, lo, rows)
             out[part] = ((rows, cols), FLOAT_DTYPES[info.dtype], load)
     return out
+
+
+def _gemma4_rope_freqs(cfg) -> dict[str, tuple[tuple[int, ...], int, Any]]:
+    """Gemma 4's global layers' proportional RoPE as llama.cpp's gemma4 GGUF keeps it: rope_freqs, a divisor
+    per frequency of the whole head (the RoPE factor for those that turn, 1e30 for those that stay)."""
+    half = cfg.global_head_dim // 2
+    turning = int(cfg.global_rotary_factor * cfg.global_head_dim // 2)
+    factors = np.full(half, 1e30, np.float32)
+    factors[:turning] = cfg.global_rope_factor
+    return {"rope_freqs.weight": ((half,), _F32, factors.copy)}
 
 
 def _rows(st, hf_name: str, lo: int, n: int) -> np.ndarray:
