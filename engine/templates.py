@@ -1,7 +1,7 @@
 """Fallback chat templates for models whose file carries none (base checkpoints such as Gemma 3 270M).
 
 A base model was never trained on a turn format, so any template is a guess; the family's own
-instruction format (Gemma's `<start_of_turn>`) is the best one, and ChatML the default for the rest.
+instruction format (Gemma's `<start_of_turn>`, Gemma 4's `<|turn>`) is the best one, and ChatML the default for the rest.
 The templates are Jinja files in resources/templates/, rendered by engine.chat_template.
 """
 
@@ -14,7 +14,9 @@ from engine.chat_template import ChatTemplate, TemplateError
 TEMPLATE_DIR = Path(__file__).resolve().parents[1] / "resources" / "templates"
 
 # GGUF general.architecture -> template file stem; anything else gets DEFAULT_TEMPLATE
-_FAMILY_TEMPLATES = {"gemma": "gemma", "gemma2": "gemma", "gemma3": "gemma", "gemma3n": "gemma"}
+_FAMILY_TEMPLATES = {
+    "gemma": "gemma", "gemma2": "gemma", "gemma3": "gemma", "gemma3n": "gemma", "gemma4": "gemma4",
+}
 DEFAULT_TEMPLATE = "chatml"
 
 

@@ -42,6 +42,15 @@ def test_gemma_turns():
     assert no_prompt == "<start_of_turn>user\nHi there<end_of_turn>\n"
 
 
+def test_gemma4_turns():
+    assert fallback_template_name("gemma4") == "gemma4"
+    text = fallback_template("gemma4", bos_token="<bos>").render(CONVERSATION)
+    assert text == (
+        "<bos><|turn>system\nBe brief.<turn|>\n<|turn>user\nHi there<turn|>\n"
+        "<|turn>model\nHello.<turn|>\n<|turn>user\nName a colour.<turn|>\n<|turn>model\n"
+    )
+
+
 def test_chatml_turns():
     text = fallback_template("llama").render(CONVERSATION[:2])
     assert text == "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\n Hi there \n<|im_end|>\n" + (
