@@ -1,7 +1,8 @@
 """Fallback chat templates for models whose file carries none (base checkpoints such as Gemma 3 270M).
 
 A base model was never trained on a turn format, so any template is a guess; the family's own
-instruction format (Gemma's `<start_of_turn>`, Gemma 4's `<|turn>`) is the best one, and ChatML the default for the rest.
+instruction format (Gemma's `<start_of_turn>`, Gemma 4's `<|turn>`) is the best one, and ChatML the
+default for the rest.
 The templates are Jinja files in resources/templates/, rendered by engine.chat_template.
 """
 

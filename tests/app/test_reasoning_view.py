@@ -108,3 +108,24 @@ def test_a_tag_arriving_in_pieces_is_not_shown_as_text(qtbot):
     assert w.thinking_label.text() == "Hm"
     # a finished reply that really is "<thi" shows as written
     assert _widget(qtbot, "<thi").body.plain_text() == "<thi"
+
+
+GEMMA = "<|channel>thought\nThe user asks for the capital of France.<channel|>Paris is the capital."
+
+
+def test_a_gemma_thought_channel_shows_as_thoughts(qtbot):
+    w = _widget(qtbot, GEMMA)
+    assert w.thinking_section.isVisible() and w.thinking_button.text() == "Thoughts"
+    assert w.body.plain_text() == "Paris is the capital."
+    w.thinking_button.click()
+    assert w.thinking_label.text() == "The user asks for the capital of France."
+
+    w = _widget(qtbot, "", state="streaming")
+    w.set_text("<|chan", immediate=True)
+    assert w.body.plain_text() == "" and not w.thinking_section.isVisible()
+    w.set_text("<|channel>thought", immediate=True)  # the marker's newline is still to come
+    assert w.body.plain_text() == "" and not w.thinking_section.isVisible()
+    w.set_text("<|channel>thought\nThe us", immediate=True)
+    assert w.thinking_button.text() == "Thinking…" and w.thinking_label.text() == "The us"
+    w.set_text("<|channel>thought\nThe user asks.<channel|>Par", immediate=True)
+    assert w.thinking_button.text() == "Thoughts" and w.body.plain_text() == "Par"

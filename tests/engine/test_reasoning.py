@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from engine.reasoning import ReasoningStream, opens_reasoning, split_reasoning, strip_reasoning
+from engine.reasoning import (
+    ReasoningStream,
+    opens_reasoning,
+    split_reasoning,
+    stored_opening,
+    strip_reasoning,
+)
 
 REPLY = "<think>\nThe user wants a capital.\nIt is Paris.\n</think>\n\nParis is the capital of France."
 
@@ -47,6 +53,56 @@ def test_strip_keeps_answers_and_other_messages():
     assert strip_reasoning(partial, keep_last=True)[1]["content"] == "Paris is the capital of France."
 
 
+# Gemma 4: the block is a "thought" channel; its markers are text tokens, decoded into the reply
+GEMMA_REPLY = (
+    "<|channel>thought\nThe user wants a capital.\nIt is Paris.<channel|>Paris is the capital of France."
+)
+GEMMA_TOKENS = ["<|channel>", "thought", "\n", "The", " user", " wants", " a", " capital", ".\n", "It", " is",
+                " Paris", ".", "<channel|>", "Paris", " is", " the", " capital", " of", " France", "."]
+
+
+def test_gemma_split_a_finished_reply_and_one_cut_off():
+    r = split_reasoning(GEMMA_REPLY)
+    assert (r.thinking, r.answer, r.thinking_done) == (
+        "The user wants a capital.\nIt is Paris.", "Paris is the capital of France.", True
+    )
+    r = split_reasoning("\n<|channel>thought\nLet me see <chan")
+    assert (r.thinking, r.answer, r.thinking_done) == ("Let me see <chan", "", False)
+    # the pairs do not mix: a <think> block is not closed by <channel|>
+    assert split_reasoning("<think>a<channel|>b").thinking_done is False
+
+
+def test_gemma_channel_later_in_an_answer_is_text():
+    plain = "Gemma opens with <|channel>thought\n and closes with <channel|>."
+    assert split_reasoning(plain).thinking is None and split_reasoning(plain).answer == plain
+    assert _stream([plain[:17], plain[17:30], plain[30:]]) == ("", plain)
+    assert _stream(["<|chan", "nel>final\nHi"]) == ("", "<|channel>final\nHi")  # not the thought channel
+    assert split_reasoning("<|channel>thought").thinking is None  # the marker ends with its newline
+
+
+def test_gemma_prompt_opened_blocks():
+    assert opens_reasoning("<|turn>model\n<|channel>thought\n") == "<|channel>thought\n"
+    assert opens_reasoning("<｜Assistant｜><think>\n") == "<think>"
+    assert stored_opening("<|channel>thought\n") == "<|channel>thought\n"
+    assert stored_opening("<think>") == "<think>\n" and stored_opening("") == ""
+    # thinking off: the template writes an empty, closed channel
+    assert not opens_reasoning("<|turn>model\n<|channel>thought\n<channel|>")
+    assert not opens_reasoning("<|turn>model\n")
+
+
+def test_gemma_strip_from_history():
+    messages = [
+        {"role": "user", "content": "Capital of France?"},
+        {"role": "assistant", "content": GEMMA_REPLY},
+        {"role": "assistant", "content": "<|channel>thought\ncut off"},
+        {"role": "assistant", "content": "See <|channel>thought\nx<channel|> here"},
+    ]
+    out = strip_reasoning(messages)
+    assert [m["content"] for m in out] == [
+        "Capital of France?", "Paris is the capital of France.", "", messages[3]["content"]
+    ]
+
+
 def _stream(pieces, opened=False):
     s = ReasoningStream(opened)
     thinking = answer = ""
@@ -55,6 +111,34 @@ def _stream(pieces, opened=False):
         thinking, answer = thinking + t, answer + a
     t, a = s.flush()
     return thinking + t, answer + a
+
+
+def test_gemma_stream_token_by_token():
+    thinking, answer = _stream(GEMMA_TOKENS)
+    assert thinking == "The user wants a capital.\nIt is Paris."
+    assert answer == "Paris is the capital of France."
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 5, 7, 100])
+def test_gemma_stream_in_pieces_of_any_size(size):
+    pieces = [GEMMA_REPLY[i : i + size] for i in range(0, len(GEMMA_REPLY), size)]
+    assert _stream(pieces) == ("The user wants a capital.\nIt is Paris.", "Paris is the capital of France.")
+
+
+def test_gemma_stream_holds_back_only_what_may_be_a_marker():
+    s = ReasoningStream()
+    assert s.feed("<|chan") == ("", "")  # may be <|channel>thought
+    assert s.feed("nel>thought") == ("", "")  # the marker's newline is still to come
+    assert s.feed("\nplan <chan") == ("plan ", "")  # "<chan" may be <channel|>
+    assert s.feed("nel is fine </think>") == ("<channel is fine </think>", "")  # </think> is not this close
+    assert s.feed("<channel") == ("", "")
+    assert s.feed("|>\nDone.") == ("", "Done.")
+    assert s.flush() == ("", "")
+    # prompt-opened, and cut off while thinking
+    opened = opens_reasoning("<|turn>model\n<|channel>thought\n")
+    assert _stream(["plan", "<channel|>", "Yes."], opened=opened) == ("plan", "Yes.")
+    assert _stream(["still thinking <channel"], opened=opened) == ("still thinking <channel", "")
+    assert _stream(["<|channel>thought\nstill <chan"]) == ("still <chan", "")
 
 
 @pytest.mark.parametrize("size", [1, 2, 3, 5, 7, 100])
@@ -88,6 +172,11 @@ def test_stream_without_a_block_and_prompt_opened():
 OPENING_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n<think>\n{% endif %}"
+)
+# Gemma 4's turns, with a generation prompt that opens the thought channel
+GEMMA_OPENING_TEMPLATE = (
+    "{% for m in messages %}<|turn>{{ m.role }}\n{{ m.content }}<turn|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|turn>model\n<|channel>thought\n{% endif %}"
 )
 
 
@@ -133,6 +222,25 @@ def test_a_reply_inside_a_template_opened_block_is_stored_with_its_tag(runner, m
     assert prompt.count("<think>") == 1 and prompt.endswith(text[len("<think>") :])
     more, events = _reply(runner, [*messages, partial])
     assert not more.startswith("<think>")  # a continuation adds text, never a second tag
+
+
+def test_a_reply_inside_a_gemma_channel_is_stored_with_its_marker(runner, monkeypatch):
+    from engine.chat_template import ChatTemplate
+
+    monkeypatch.setattr(runner.lm, "template", ChatTemplate(GEMMA_OPENING_TEMPLATE))
+    messages = [{"role": "user", "content": "Capital of France?"}]
+    text, events = _reply(runner, messages)
+    assert events[0].text.startswith("<|channel>thought\n")  # with the first piece, as <think> is
+    assert split_reasoning(text).thinking is not None
+    # continuing it: the template's marker opens the block, the stored one is not repeated
+    partial = {"role": "assistant", "content": text, "continue": True}
+    prompt = runner.lm.tokenizer.decode(runner.encode([*messages, partial]))
+    assert prompt.endswith("<|turn>model\n" + text)
+    more, _ = _reply(runner, [*messages, partial])
+    assert not more.startswith("<|channel>")
+    reply = {"role": "assistant", "content": GEMMA_REPLY}
+    history = [*messages, reply, {"role": "user", "content": "Spain?"}]
+    assert "It is Paris" not in runner.lm.tokenizer.decode(runner.encode(history))
 
 
 def test_without_an_opened_block_replies_are_left_as_written(runner):

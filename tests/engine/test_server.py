@@ -116,12 +116,15 @@ def test_a_reply_that_re_tokenizes_differently_keeps_its_cached_tokens(client, e
     assert reply.usage.prompt_tokens_details.cached_tokens == len(held)
 
 
-def test_thinking_goes_to_reasoning_content(client, server, engine, lm, monkeypatch):
+@pytest.mark.parametrize("opening", ["think", "gemma"])
+def test_thinking_goes_to_reasoning_content(client, server, engine, lm, monkeypatch, opening):
     from engine.chat_template import ChatTemplate
-    from tests.engine.test_reasoning import OPENING_TEMPLATE
+    from tests.engine.test_reasoning import GEMMA_OPENING_TEMPLATE, OPENING_TEMPLATE
 
-    # the template opens a thinking block (as DeepSeek-R1's does): SmolLM2's short reply is all thinking
-    monkeypatch.setattr(lm, "template", ChatTemplate(OPENING_TEMPLATE))
+    # the template opens a thinking block (as DeepSeek-R1's does, or a Gemma 4 thought channel):
+    # SmolLM2's short reply is all thinking
+    template = OPENING_TEMPLATE if opening == "think" else GEMMA_OPENING_TEMPLATE
+    monkeypatch.setattr(lm, "template", ChatTemplate(template))
     kw = dict(model="smol", messages=HI, max_tokens=8, temperature=0)
     full = client.chat.completions.create(**kw)
     message = full.choices[0].message
