@@ -327,14 +327,17 @@ def test_attention_with_soft_capped_scores(n_tok, pos0, window, dtype):
         cpu.attention(out, q, k_cache, v_cache, pos0, scale, window, softcap=0.0)
 
 
-# pos0 LONG_KEYS - 5: the pass straddles the switch to ops.attention_long (chunks of keys, merged after)
+# pos0 long_keys(hd) - 5: the pass straddles the switch to ops.attention_long (chunks of keys, merged after),
+# which comes at fewer keys for wider heads (256: Gemma; 512: Gemma 4's global layers, from the first key)
 @pytest.mark.parametrize("dtype", [np.float32, np.float16])
-@pytest.mark.parametrize("pos0", [510, ops.LONG_KEYS - 5])
-def test_attention_gives_a_query_the_same_bits_alone_or_among_others(dtype, pos0):
+@pytest.mark.parametrize(
+    "pos0,hd", [(510, 32), (ops.LONG_KEYS - 5, 32), (ops.long_keys(256) - 5, 256), (3, 512), (300, 512)]
+)
+def test_attention_gives_a_query_the_same_bits_alone_or_among_others(dtype, pos0, hd):
     # 9 queries in one call (a verify pass) each get what a one-token decode step at its position gets
     # (speculative verify relies on it), float32 and float16 caches alike
     rng = np.random.default_rng(7)
-    n_heads, n_kv, hd, n_tok = 6, 2, 32, 9
+    n_heads, n_kv, n_tok = 6, 2, 9
     q = rng.standard_normal((n_tok, n_heads, hd)).astype(np.float32)
     k_cache = rng.standard_normal((n_kv, pos0 + 20, hd)).astype(dtype)
     v_cache = rng.standard_normal((n_kv, pos0 + 20, hd)).astype(dtype)

@@ -339,14 +339,15 @@ _NO_SINKS = np.empty(0, np.float32)
 def _attention_kernel(out, q, k_cache, v_cache, pos0: int, scale: float, cap: float, sinks) -> None:
     """The Numba attention kernels (few queries: decode, verify passes, batched decode steps).
 
-    Queries with at least ops.LONG_KEYS keys go to ops.attention_long, the others to the per-head
-    kernels: which one a query takes depends on its own key count only, so it gets the same bits in a
-    decode step and in a verify pass.
+    Queries with at least ops.long_keys(head_dim) keys go to ops.attention_long, the others to the
+    per-head kernels: which one a query takes depends on its own key count (and the layer's head size)
+    only, so it gets the same bits in a decode step and in a verify pass.
     """
     pos0, scale, cap = int(pos0), np.float32(scale), np.float32(cap)
     if k_cache.dtype == np.float16:  # Numba has no float16: the kernels read the halves' bits themselves
         k_cache, v_cache = k_cache.view(np.uint16), v_cache.view(np.uint16)
-    short = min(len(q), max(0, ops.LONG_KEYS - 1 - pos0))  # queries before the one with LONG_KEYS keys
+    long_keys = ops.long_keys(q.shape[2])
+    short = min(len(q), max(0, long_keys - 1 - pos0))  # queries before the one with long_keys keys
     if short and k_cache.dtype == np.uint16:
         ops.attention_f16(out[:short], q[:short], k_cache, v_cache, pos0, scale, cap, sinks)
     elif short:

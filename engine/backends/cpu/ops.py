@@ -212,7 +212,7 @@ def _widen_overload(x):
     return None
 
 
-# attention_long takes the queries with at least LONG_KEYS keys. Their keys go in chunks of about
+# attention_long takes the queries with at least long_keys(head_dim) keys. Their keys go in chunks of about
 # LONG_CHUNK_KEYS (at most LONG_MAX_CHUNKS), one parallel item a (query, kv head, chunk) that reads
 # each key and value row once for all the query heads sharing the kv head; the chunks merge after.
 # attention()'s items, one a (query, head), read a kv head's rows once a query head: past the caches
@@ -220,9 +220,26 @@ def _widen_overload(x):
 # cores, ms a token, per-head kernel -> this one: 4000 keys 21.2 -> 19.1 (f16 cache), 27.2 -> 22.5 (f32);
 # 8000 keys 38.7 -> 30.0 (f16), 53.9 -> 36.7 (f32). Below about 2000 keys the chunked kernel lost (600
 # keys: 7.8 -> 8.4 ms), hence the switch.
+# Wide heads cross over far sooner: a kv head's rows outgrow the caches at fewer keys, and the per-head kernel
+# then re-reads them once a query head. ms a decode query (2 cores, f32 cache; f16 alike), per-head kernel /
+# this one: head 512, 8 heads on 1 kv head (Gemma 4's global layers) at 64 keys 0.18 / 0.05, 1024 keys
+# 5.44 / 0.36; 32 heads on 4 kv heads at 16 keys 0.07 / 0.09, 1024 keys 31.2 / 1.23; head 256, 8 heads on
+# 1 (Gemma 4's windowed layers) at 512 keys 0.14 / 0.17, 1024 keys 0.44 / 0.14 (in the E2B-shaped model at
+# its 512-key window the switch at 384 cost 2.5 ms a token over 28 layers); 4 on 1 (Gemma 3 270M) at 512
+# keys 0.15 / 0.10, 1024 keys 0.32 / 0.08. Heads of 128 keep LONG_KEYS (32 on 8 at 512 keys: 0.18 / 0.22,
+# 1024 keys: 0.40 / 0.38).
 LONG_KEYS = 3072
+LONG_KEYS_HEAD_256 = 768
+LONG_KEYS_HEAD_512 = 1
 LONG_CHUNK_KEYS = 256
 LONG_MAX_CHUNKS = 32
+
+
+def long_keys(head_dim: int) -> int:
+    """The key count from which a query goes to attention_long, for heads of head_dim."""
+    if head_dim >= 512:
+        return LONG_KEYS_HEAD_512
+    return LONG_KEYS_HEAD_256 if head_dim >= 256 else LONG_KEYS
 
 
 @njit(inline="always", **_KW)
