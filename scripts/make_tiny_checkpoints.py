@@ -337,6 +337,15 @@ MULTIMODAL = {
         dict(_VISION),
         dict(mm_tokens_per_image=4, image_token_index=317, boi_token_index=318, eoi_token_index=319),
     ),
+    # Gemma 4 E2B's layout (Gemma4ForConditionalGeneration): the language model under model.language_model,
+    # beside a vision tower (no audio tower here)
+    "gemma4-mm": (
+        transformers.Gemma4Config,
+        dict(FAMILIES["gemma4"][1], model_type="gemma4_text"),
+        dict(_VISION, model_type="gemma4_vision", head_dim=16, num_key_value_heads=2, patch_size=4,
+             pooling_kernel_size=2, position_embedding_size=64),
+        dict(audio_config=None, image_token_id=317, boi_token_id=318, eoi_token_id=319),
+    ),
     "ministral3-mm": (
         transformers.Mistral3Config,
         dict(FAMILIES["ministral3"][1], model_type="ministral3"),

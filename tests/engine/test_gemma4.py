@@ -242,3 +242,19 @@ def test_released_multimodal_config_and_what_declines_it(lm, tmp_path):
     assert DraftForward.build(lm.model) is None
     with open_source(TINY / "gemma4") as source, pytest.raises(UnsupportedArchitectureError, match="Gemma 4"):
         pick_group(source)
+
+
+def test_multimodal_folder_converts_as_its_language_model(tmp_path):
+    """Gemma4ForConditionalGeneration (the released layout): the model.language_model.* tensors convert, the
+    vision tower's are left out; the file gives the folder's golden logits (test_hf_repo: the folder's)."""
+    from engine.convert import convert
+    from models.formats.gguf import open_gguf
+
+    tokens, ref = _golden("gemma4-mm")
+    out = convert(TINY / "gemma4-mm", "F16", tmp_path / "mm.gguf").output
+    g = open_gguf(out)
+    assert g.architecture == "gemma4" and not any("vision" in n or n.startswith("v.") for n in g.tensors)
+    g.close()
+    m = load_model(out).model
+    np.testing.assert_allclose(m.forward(tokens, m.new_cache(32), all_logits=True), ref,
+                               atol=1e-3 * np.abs(ref).max())
