@@ -23,6 +23,7 @@ from typing import Any
 
 from engine.reasoning import split_reasoning
 from models.errors import HearthError
+from models.library import use_wal
 from models.paths import data_dir
 
 EXPORT_FORMAT = "hearth-chat"
@@ -134,7 +135,7 @@ class ChatStore:
         try:
             self.db = sqlite3.connect(self.path, timeout=10, isolation_level=None)
             self.db.row_factory = sqlite3.Row
-            self.db.execute("PRAGMA journal_mode=WAL")
+            use_wal(self.db)
             self.db.execute("PRAGMA synchronous=NORMAL")  # WAL + NORMAL: a killed process loses nothing
             self.db.execute("PRAGMA foreign_keys=ON")
             self._migrate()

@@ -20,6 +20,7 @@ import re
 import shutil
 import sqlite3
 import threading
+import time
 from collections import Counter
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -192,6 +193,29 @@ def _gguf_file_type(value) -> str | None:
         return None
 
 
+def use_wal(db: sqlite3.Connection, attempts: int = 100) -> None:
+    """Put the database in WAL mode unless it is already (the mode is kept in the file).
+
+    Switching needs the database to itself. Another connection reading it makes the switch wait out the
+    busy timeout, and two connections switching a new file at once (the app's window and its library
+    thread) can be told "database is locked" at once, without waiting: SQLite's way out of a deadlock.
+    So the switch is retried (every 50 ms) until it is done or the other connection did it.
+
+    Raises:
+        sqlite3.OperationalError: still locked after `attempts` tries, or another error.
+    """
+    for attempt in range(attempts):
+        if db.execute("PRAGMA journal_mode").fetchone()[0].lower() == "wal":
+            return
+        try:
+            db.execute("PRAGMA journal_mode=WAL")
+            return
+        except sqlite3.OperationalError as e:
+            if "locked" not in str(e) or attempt == attempts - 1:
+                raise
+            time.sleep(0.05)
+
+
 class Library:
     """The index. Thread-safe; one connection per call, WAL so readers never block the writer.
 
@@ -206,7 +230,7 @@ class Library:
         self._lock = threading.Lock()
         self.db_path.parent.mkdir(parents=True, exist_ok=True)
         with self._connect() as db:
-            db.execute("PRAGMA journal_mode=WAL")
+            use_wal(db)
             db.executescript(_SCHEMA)
 
     @contextlib.contextmanager

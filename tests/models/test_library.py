@@ -153,3 +153,32 @@ def test_hf_cache_discovery_and_no_duplicate_download(lib, tmp_path, monkeypatch
     lib.remove(entry.id)
     assert Path(got).exists(), "the Hugging Face cache is never deleted from"
     assert lib.discover_hf_cache(tmp_path / "no-cache-here") == []
+
+
+def test_wal_switch_waits_for_a_reader_of_a_new_database(tmp_path):
+    """A new file (rollback journal) that another connection is reading cannot switch to WAL until the
+    reader is done; use_wal retries instead of failing with "database is locked" (two Library() calls
+    racing on a new file, the app's window and its library thread, hit that)."""
+    import threading
+
+    from models.library import use_wal
+
+    path = tmp_path / "new.sqlite3"
+    with sqlite3.connect(path) as db:
+        db.execute("CREATE TABLE t (x)")
+    reader = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+    reader.execute("BEGIN")
+    reader.execute("SELECT * FROM t").fetchall()
+    threading.Timer(0.3, reader.execute, ("COMMIT",)).start()
+    switcher = sqlite3.connect(path, timeout=0)  # no busy wait: "locked" at once while the reader reads
+    use_wal(switcher)
+    assert switcher.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+    with pytest.raises(sqlite3.OperationalError, match="locked"):  # gives up after its attempts
+        other = tmp_path / "other.sqlite3"
+        sqlite3.connect(other).execute("CREATE TABLE t (x)")
+        held = sqlite3.connect(other, isolation_level=None)
+        held.execute("BEGIN")
+        held.execute("SELECT * FROM t").fetchall()
+        use_wal(sqlite3.connect(other, timeout=0), attempts=3)
+    switcher.close()
+    reader.close()
