@@ -18,6 +18,7 @@ from engine.arch.deltanet import DeltaShape
 from engine.arch.gemma3 import Gemma3Config
 from engine.arch.gemma4 import Gemma4Config
 from engine.arch.llama import LlamaConfig, gpt_oss_layer_types, smollm3_rope_layers, windowed_rope_layers
+from engine.arch.mamba2 import MambaShape
 from engine.errors import MissingTensorError, ModelFormatError, UnsupportedArchitectureError
 from engine.hf_experts import FusedExperts
 from engine.rope import RopeScaling
@@ -172,8 +173,21 @@ _GEMMA4_LAYER_NAMES = {
     "post_feedforward_layernorm_1.weight": "post_ffw_norm_1.weight",
     "post_feedforward_layernorm_2.weight": "post_ffw_norm_2.weight",
 }
+# Granite 4.0-H: its Mamba-2 layers (llama.cpp's granitehybrid names); A_log is read as -exp(A_log) (ssm_a)
+_GRANITE_HYBRID_LAYER_NAMES = {
+    **_LAYER_NAMES,
+    "mamba.in_proj.weight": "ssm_in.weight",
+    "mamba.conv1d.weight": "ssm_conv1d.weight",  # (conv_dim, 1, taps) in HF, (conv_dim, taps) in GGUF
+    "mamba.conv1d.bias": "ssm_conv1d.bias",
+    "mamba.dt_bias": "ssm_dt.bias",
+    "mamba.A_log": "ssm_a",
+    "mamba.D": "ssm_d",
+    "mamba.norm.weight": "ssm_norm.weight",
+    "mamba.out_proj.weight": "ssm_out.weight",
+}
 _ARCH_LAYER_NAMES = {
     "gemma4": _GEMMA4_LAYER_NAMES,
+    "granitehybrid": _GRANITE_HYBRID_LAYER_NAMES,
     "qwen35": _QWEN35_LAYER_NAMES,
     "qwen35moe": _QWEN35_LAYER_NAMES,
     "lfm2": _LFM2_LAYER_NAMES,
@@ -551,6 +565,7 @@ def config_from_hf(folder: Path, config: dict) -> LlamaConfig | Gemma3Config | G
     _refuse_linear_biases(config)
     lfm2 = _lfm2(config)
     granite4 = _granite4(config)
+    arch = granite4.pop("architecture", arch)  # Granite 4.0-H: llama.cpp's granitehybrid
     qwen35 = _qwen35(config)
     experts = config.get("num_experts") or config.get("num_local_experts") or config.get("n_routed_experts")
     experts = int(experts or 0)
@@ -723,25 +738,43 @@ def _qwen35(config: dict) -> dict:
 
 
 def _granite4(config: dict) -> dict:
-    """Granite 4.0 (granitemoehybrid) without Mamba layers or experts (Granite-4.0-Micro): a Granite 3 whose
-    FFN is the "shared MLP" of shared_intermediate_size, RoPE only with position_embedding_type "rope".
-    The hybrid members (Mamba-2 layers) and the mixtures of experts are refused."""
+    """Granite 4.0 (granitemoehybrid) as LlamaConfig fields: a Granite 3 whose FFN is the "shared MLP" of
+    shared_intermediate_size, RoPE only with position_embedding_type "rope", and in the hybrid members
+    (Granite-4.0-H) Mamba-2 layers (llama.cpp's granitehybrid). Mixtures of experts are refused."""
     if config.get("model_type") != "granitemoehybrid":
         return {}
     n = int(config["num_hidden_layers"])
     types = list(config.get("layer_types") or config.get("layers_block_type") or ["mamba"] * n)
-    if any(t not in ("attention", "full_attention") for t in types):  # "mamba" / "linear_attention"
-        raise UnsupportedArchitectureError(
-            "Granite 4.0's hybrid models (Mamba-2 layers: Granite-4.0-H) are not supported yet; the "
-            "attention-only ones (Granite-4.0-Micro) are"
-        )
+    mamba = [t in ("mamba", "linear_attention") for t in types]
+    if any(not m and t not in ("attention", "full_attention") for m, t in zip(mamba, types)):
+        raise UnsupportedArchitectureError(f"Granite 4.0 layer types {sorted(set(types))} are not supported")
     if int(config.get("num_local_experts") or 0):
         raise UnsupportedArchitectureError("Granite 4.0 mixtures of experts are not supported yet")
     rope = config.get("position_embedding_type") == "rope"
-    return {
+    out = {
         "intermediate_size": int(config["shared_intermediate_size"]),
         "rope_layers": None if rope else (False,) * n,
     }
+    if any(mamba):
+        hidden = int(config["hidden_size"])
+        heads = int(config.get("mamba_n_heads") or 128)
+        d_head = config.get("mamba_d_head") or "auto"
+        d_head = int(config.get("mamba_expand") or 2) * hidden // heads if d_head == "auto" else int(d_head)
+        if config.get("hidden_act", "silu") != "silu" or config.get("mamba_proj_bias"):
+            raise UnsupportedArchitectureError("Granite 4.0-H's Mamba-2 layers need SiLU and no in/out bias")
+        # transformers 5 writes infinity as {"__float__": "Infinity"}
+        lo, hi = (float(v["__float__"] if isinstance(v, dict) else v)
+                  for v in config.get("time_step_limit") or (0.0, float("inf")))
+        out |= {
+            "architecture": "granitehybrid",
+            "layer_types": tuple("linear_attention" if m else "full_attention" for m in mamba),
+            "mamba": MambaShape(
+                heads=heads, head_dim=d_head, state_size=int(config.get("mamba_d_state") or 256),
+                groups=int(config.get("mamba_n_groups") or 1), taps=int(config.get("mamba_d_conv") or 4),
+                dt_min=lo, dt_max=hi,
+            ),
+        }
+    return out
 
 
 def _granite_constants(config: dict) -> dict:

@@ -129,7 +129,8 @@ def kv_shape_from_config(cfg) -> KVShape:
     if recurrent:
         from engine.kv_cache import RecurrentKVCache
 
-        state = (1 + RecurrentKVCache.MAX_SNAPSHOTS) * recurrent * cfg.delta.state_floats * 4
+        shape = cfg.delta or cfg.mamba
+        state = (1 + RecurrentKVCache.MAX_SNAPSHOTS) * recurrent * shape.state_floats * 4
     widths = tuple(getattr(cfg, "kv_widths", ()))
     return KVShape(
         layers, kv_heads, cfg.head_dim, cfg.hidden_size, trained, conv_layers, recurrent, state, widths

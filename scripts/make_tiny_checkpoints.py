@@ -159,6 +159,19 @@ FAMILIES = {
         torch.bfloat16,
         False,
     ),
+    # Granite 4.0-H (hybrid): Mamba-2 in three layers of four (2 groups of B and C for 8 heads of 16), the
+    # other attending without positions; Granite's multipliers
+    "granite4-h": (
+        transformers.GraniteMoeHybridConfig,
+        dict(tie_word_embeddings=True, num_hidden_layers=4,
+             layer_types=["linear_attention", "attention", "linear_attention", "linear_attention"],
+             num_local_experts=0, shared_intermediate_size=96, position_embedding_type="nope",
+             mamba_n_heads=8, mamba_d_head=16, mamba_d_state=16, mamba_n_groups=2, mamba_d_conv=4,
+             mamba_expand=2, mamba_chunk_size=8, embedding_multiplier=3.0, residual_multiplier=0.5,
+             attention_multiplier=0.2, logits_scaling=2.0, pad_token_id=0),
+        torch.bfloat16,
+        False,
+    ),
     # GLM-4: norms of each branch's output, half of each head rotated in adjacent pairs, fused gate|up,
     # QKV biases
     "glm4": (

@@ -66,8 +66,8 @@ class Decoder:
         """The most tokens a forward pass runs through the small-batch kernels rather than dequantize +
         BLAS (ops.small_batch_limit of the layers' matrices)."""
         weights = [w for layer in self.layers for w in vars(layer).values() if isinstance(w, Weight)]
-        for layer in self.layers:  # a mixture-of-experts, convolution or DeltaNet layer's matrices
-            for kind in ("moe", "conv", "delta"):
+        for layer in self.layers:  # a mixture-of-experts, convolution, DeltaNet or Mamba-2 layer's matrices
+            for kind in ("moe", "conv", "delta", "mamba"):
                 part = getattr(layer, kind, None)
                 weights += part.weights() if part is not None else []
         return ops.small_batch_limit(weights)

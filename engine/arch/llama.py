@@ -22,9 +22,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from engine.arch import deltanet, register
+from engine.arch import deltanet, mamba2, register
 from engine.arch.base import Decoder, Scratch
 from engine.arch.deltanet import DeltaNet, DeltaShape, load_deltanet
+from engine.arch.mamba2 import Mamba2, MambaShape, load_mamba2
 from engine.arch.moe import MoE, load_moe, moe_forward
 from engine.arch.shortconv import ShortConv, convolve, gated_inputs, load_shortconv
 from engine.backends import cpu as ops
@@ -42,6 +43,9 @@ _NEOX_ROPE = frozenset(
 # EXAONE 4's, with its default, is read on its own)
 _WINDOWED = frozenset({"llama", "gpt-oss", "olmo2"})
 # every FFN is experts: no dense feed_forward_length needed in the GGUF
+# architectures whose GGUFs give KV heads per layer, 0 in the layers without attention (LFM2's convolution
+# layers, Granite 4.0-H's Mamba-2 ones)
+_KV_PER_LAYER = frozenset({"lfm2", "lfm2moe", "granitehybrid"})
 _MOE_ONLY = frozenset({"qwen2moe", "qwen3moe", "gpt-oss", "qwen35moe"})
 
 
@@ -103,6 +107,8 @@ class LlamaConfig:
     # (engine/arch/deltanet.py); its attention layers gate their output by sigmoid(a second half of q_proj)
     delta: DeltaShape | None = None
     attn_output_gate: bool = False
+    # Granite 4.0-H: those layers run Mamba-2 of these sizes instead (engine/arch/mamba2.py)
+    mamba: MambaShape | None = None
     # Granite's constants: the embeddings and every residual branch are scaled, the attention scores use
     # attention_multiplier instead of 1/sqrt(head_dim) (0: that default), the logits are divided
     embedding_multiplier: float = 1.0
@@ -138,8 +144,8 @@ class LlamaConfig:
         kinds = [self._kind(i) for i in range(self.num_hidden_layers)]
         if "conv" in kinds and self.conv_taps < 1:
             raise ValueError("convolution layers need conv_taps >= 1")
-        if "recurrent" in kinds and self.delta is None:
-            raise ValueError("linear-attention layers need the DeltaNet's sizes")
+        if "recurrent" in kinds and (self.delta is None) == (self.mamba is None):
+            raise ValueError("linear-attention layers need the sizes of a DeltaNet or of Mamba-2")
         self._slots = tuple(kinds[:i].count(k) for i, k in enumerate(kinds))
 
     def is_conv(self, layer: int) -> bool:
@@ -147,7 +153,7 @@ class LlamaConfig:
         return self.layer_types is not None and self.layer_types[layer] == "conv"
 
     def is_recurrent(self, layer: int) -> bool:
-        """Layer `layer` runs Qwen3.5's gated DeltaNet instead of attention."""
+        """Layer `layer` runs Qwen3.5's gated DeltaNet or Mamba-2 (Granite 4.0-H) instead of attention."""
         return self.layer_types is not None and self.layer_types[layer] == "linear_attention"
 
     def _kind(self, layer: int) -> str:
@@ -217,8 +223,10 @@ class LlamaConfig:
             per_layer = [int(h) for h in kv_heads]
             conv_types = tuple("conv" if h == 0 else "full_attention" for h in per_layer)
             kv_heads = max(per_layer)
-            if any(h not in (0, kv_heads) for h in per_layer) or arch not in ("lfm2", "lfm2moe"):
+            if any(h not in (0, kv_heads) for h in per_layer) or arch not in _KV_PER_LAYER:
                 raise ValueError(f"{arch}: KV head counts per layer {per_layer} are not supported")
+            if arch == "granitehybrid":  # its layers without keys and values run Mamba-2
+                conv_types = tuple("linear_attention" if h == 0 else "full_attention" for h in per_layer)
         hidden = int(key("embedding_length"))
         head_dim = int(key("attention.key_length", hidden // n_heads))
         scaling = rope_scaling_from_gguf(metadata, arch)
@@ -255,7 +263,7 @@ class LlamaConfig:
         shared_ff = shared_ff or ff * int(key("expert_shared_count", 0))
         leading_dense = int(key("leading_dense_block_count", 0)) if experts else 0
         temperature = float(key("attention.temperature_scale", 0.0))
-        qwen35 = _qwen35_from_gguf(arch, key, n_layers)
+        qwen35 = _qwen35_from_gguf(arch, key, n_layers) | _granitehybrid_from_gguf(arch, key, n_layers)
         return cls(
             hidden_size=hidden,
             intermediate_size=ff,
@@ -299,7 +307,8 @@ class LlamaConfig:
             window_rope_unscaled=olmo,
             # llama.cpp fixes SmolLM3's NoPE layers at every fourth (no GGUF key)
             rope_layers=(
-                smollm3_rope_layers(n_layers) if arch == "smollm3"
+                qwen35.pop("rope_layers") if "rope_layers" in qwen35
+                else smollm3_rope_layers(n_layers) if arch == "smollm3"
                 else windowed_rope_layers(olmo3_layer_types(n_layers)) if exaone_window
                 else None
             ),
@@ -332,6 +341,21 @@ def _qwen35_from_gguf(arch: str, key, n_layers: int) -> dict:
             tiled=True,
         ),
         "attn_output_gate": True,
+    }
+
+
+def _granitehybrid_from_gguf(arch: str, key, n_layers: int) -> dict:
+    """llama.cpp's granitehybrid keys as LlamaConfig fields: Mamba-2's sizes (ssm.*), and no RoPE unless
+    rope.scaling.finetuned says so (Granite 4.0-H attends without positions)."""
+    if arch != "granitehybrid":
+        return {}
+    heads = int(key("ssm.time_step_rank"))
+    return {
+        "mamba": MambaShape(
+            heads=heads, head_dim=int(key("ssm.inner_size")) // heads, state_size=int(key("ssm.state_size")),
+            groups=int(key("ssm.group_count")), taps=int(key("ssm.conv_kernel")),
+        ),
+        "rope_layers": None if bool(key("rope.scaling.finetuned", False)) else (False,) * n_layers,
     }
 
 
@@ -386,6 +410,7 @@ class LlamaLayer:
     post_ffn_norm: np.ndarray | None = None
     conv: ShortConv | None = None  # LFM2's short convolution in place of attention
     delta: DeltaNet | None = None  # Qwen3.5's gated DeltaNet in place of attention
+    mamba: Mamba2 | None = None  # Granite 4.0-H's Mamba-2 in place of attention
 
 
 def _attention_weights(weights, p: str, q: int, kv: int, d: int) -> tuple[Weight, Weight, Weight]:
@@ -411,7 +436,7 @@ def _ffn_weights(weights, p: str, ff: int, d: int) -> tuple[Weight, Weight]:
 @register(
     "llama", "mistral", "mistral3", "smollm3", "granite", "glm4", "olmo2", "ernie4_5", "qwen2", "qwen2moe",
     "qwen3", "qwen3moe", "glm4moe", "exaone4", "seed_oss", "phi3", "gpt-oss", "lfm2", "lfm2moe", "qwen35",
-    "qwen35moe",
+    "qwen35moe", "granitehybrid",
 )
 class LlamaModel(Decoder):
     """A Llama-family decoder over weights that stay in their file format."""
@@ -440,8 +465,10 @@ class LlamaModel(Decoder):
                 return weights.vector(p + name, n) if weights.has(p + name) else None
 
             conv = load_shortconv(weights, p, d, cfg.conv_taps) if cfg.is_conv(i) else None
-            delta = load_deltanet(weights, p, d, cfg.delta) if cfg.is_recurrent(i) else None
-            attends = conv is None and delta is None
+            recurrent = cfg.is_recurrent(i)
+            delta = load_deltanet(weights, p, d, cfg.delta) if recurrent and cfg.delta else None
+            mamba = load_mamba2(weights, p, d, cfg.mamba) if recurrent and cfg.mamba else None
+            attends = conv is None and not recurrent
             # Qwen3.5's gated attention: q_proj gives each head's query then its output gate
             q_rows = 2 * q if cfg.attn_output_gate else q
             wq, wk, wv = _attention_weights(weights, p, q_rows, kv, d) if attends else (None, None, None)
@@ -483,6 +510,7 @@ class LlamaModel(Decoder):
                     post_ffn_norm=optional("post_ffw_norm.weight", d),
                     conv=conv,
                     delta=delta,
+                    mamba=mamba,
                 )
             )
         half = cfg.rotary_dim // 2
@@ -524,8 +552,9 @@ class LlamaModel(Decoder):
         n_conv, n_rec = cfg.n_conv_layers, cfg.n_recurrent_layers
         n_attn, kv_heads, d = cfg.num_hidden_layers - n_conv - n_rec, cfg.num_key_value_heads, cfg.hidden_size
         if n_rec:
-            shape = cfg.delta
-            state, conv = (shape.v_heads, shape.head_k, shape.head_v), (shape.taps - 1, shape.conv_dim)
+            shape = cfg.delta or cfg.mamba
+            state = (shape.v_heads, shape.head_k, shape.head_v) if cfg.delta else cfg.mamba.state_dims
+            conv = (shape.taps - 1, shape.conv_dim)
             return RecurrentKVCache(n_attn, kv_heads, cfg.head_dim, n_ctx, dtype, n_rec, state, conv)
         if not n_conv:
             return super().new_cache(n_ctx, dtype)
@@ -563,10 +592,9 @@ class LlamaModel(Decoder):
             history = cache.conv_history(cfg.cache_slot(i, first), bx)
             convolve(out, history, pos0, self.layers[i].conv.kernel)
 
-        def delta_mix(i, qkv, z, b, a):
+        def delta_mix(i, *projections):
             slot = cfg.cache_slot(i, first)
-            return deltanet.mix(self.layers[i].delta, cfg.delta, cfg.rms_norm_eps, qkv, z, b, a,
-                                cache.conv_state[slot], cache.recurrent[slot])
+            return self._recurrent_mix(i, projections, cache.conv_state[slot], cache.recurrent[slot])
 
         snapshots = n > 1 and not cache.partial_states
         if snapshots:  # recurrent states to return to (RecurrentKVCache.trim): a pass's start and its end
@@ -611,11 +639,11 @@ class LlamaModel(Decoder):
                 history = cache.conv_history(slot, bx[b : b + 1])
                 convolve(out[b : b + 1], history, int(s.positions[b]), self.layers[i].conv.kernel)
 
-        def delta_mix(i, qkv, z, beta, alpha):
-            slot, cfg = self.cfg.cache_slot(i, first), self.cfg
+        def delta_mix(i, *projections):
+            slot = self.cfg.cache_slot(i, first)
             rows = [
-                deltanet.mix(self.layers[i].delta, cfg.delta, cfg.rms_norm_eps, qkv[b : b + 1], z[b : b + 1],
-                             beta[b : b + 1], alpha[b : b + 1], cache.conv_state[slot], cache.recurrent[slot])
+                self._recurrent_mix(i, [x[b : b + 1] for x in projections], cache.conv_state[slot],
+                                    cache.recurrent[slot])
                 for b, cache in enumerate(caches)
             ]
             return np.concatenate(rows)
@@ -661,6 +689,8 @@ class LlamaModel(Decoder):
                 ops.linear(s.o, layer.conv.out_proj, s.h)
             elif layer.delta is not None:  # Qwen3.5: out_proj(gated norm(delta rule(conv(q|k|v))))
                 ops.linear(s.o, layer.delta.out_proj, delta_mix(i, *deltanet.project(layer.delta, s.h)))
+            elif layer.mamba is not None:  # Granite 4.0-H: out_proj(gated norm(scan(conv(x|B|C))))
+                ops.linear(s.o, layer.mamba.out_proj, delta_mix(i, *mamba2.project(layer.mamba, s.h)))
             else:
                 self._attention(s, i, layer, attend, inv_freq)
             if layer.post_attn_norm is not None:
@@ -683,6 +713,14 @@ class LlamaModel(Decoder):
             if layer.post_ffn_norm is not None:
                 ops.rmsnorm(s.o, s.o, layer.post_ffn_norm, cfg.rms_norm_eps)
             _add_residual(s.x, s.o, residual)
+
+    def _recurrent_mix(self, i: int, projections, conv_state: np.ndarray, state: np.ndarray) -> np.ndarray:
+        """Layer i's DeltaNet or Mamba-2 over one sequence's projections (deltanet.project's or
+        mamba2.project's), from and into its states; returns out_proj's input."""
+        layer, cfg = self.layers[i], self.cfg
+        if layer.delta is not None:
+            return deltanet.mix(layer.delta, cfg.delta, cfg.rms_norm_eps, *projections, conv_state, state)
+        return mamba2.mix(layer.mamba, cfg.mamba, cfg.rms_norm_eps, *projections, conv_state, state)
 
     def _attention(self, s: Scratch, i: int, layer: LlamaLayer, attend, inv_freq) -> None:
         """Layer i's attention branch (see _layers): s.h, the normed input, -> s.o, before any output norm."""

@@ -375,8 +375,8 @@ def pick_group(source: SourceModel, group: int | None = None) -> int:
 
     if any("shortconv" in name or ".ssm_" in name for name in source.shapes):
         raise UnsupportedArchitectureError(
-            f"{source.path}: AWQ does not cover LFM2's convolution or Qwen3.5's DeltaNet layers yet; pick a "
-            "GGUF format instead"
+            f"{source.path}: AWQ does not cover LFM2's convolution, Qwen3.5's DeltaNet or Mamba-2 layers "
+            "yet; pick a GGUF format instead"
         )
     if source.architecture == "gemma4":
         raise UnsupportedArchitectureError(

@@ -175,13 +175,29 @@ def _hparams(arch: str, config: dict, cfg) -> dict[str, Any]:
             0 if cfg.is_conv(i) else cfg.num_key_value_heads for i in range(cfg.num_hidden_layers)
         ]
         md[f"{a}.shortconv.l_cache"] = cfg.conv_taps
-    if arch == "granite":  # llama.cpp's keys
+    if arch == "granitehybrid":  # llama.cpp's keys: Mamba-2's sizes, KV heads per layer (0 in Mamba-2 layers)
+        shape = cfg.mamba
+        if (shape.dt_min, shape.dt_max) != (0.0, float("inf")):
+            raise ModelFormatError("config.json", "a granitehybrid GGUF has no key for time_step_limit")
+        md[f"{a}.ssm.conv_kernel"] = shape.taps
+        md[f"{a}.ssm.state_size"] = shape.state_size
+        md[f"{a}.ssm.group_count"] = shape.groups
+        md[f"{a}.ssm.time_step_rank"] = shape.heads
+        md[f"{a}.ssm.inner_size"] = shape.d_inner
+        md[f"{a}.attention.head_count_kv"] = [
+            0 if cfg.is_recurrent(i) else cfg.num_key_value_heads for i in range(cfg.num_hidden_layers)
+        ]
+        # RoPE in the attention layers or none (Granite 4.0-H), as llama.cpp reads this key for the family
+        md[f"{a}.rope.scaling.finetuned"] = cfg.rope_layers is None
+    if arch in ("granite", "granitehybrid"):  # llama.cpp's keys
         md[f"{a}.embedding_scale"] = float(cfg.embedding_multiplier)
         md[f"{a}.residual_scale"] = float(cfg.residual_multiplier)
         md[f"{a}.attention.scale"] = float(cfg.attention_multiplier)
         md[f"{a}.logit_scale"] = float(cfg.logits_scaling)
     rope_layers = getattr(cfg, "rope_layers", None)
     if arch == "exaone4":  # implied by the window, as llama.cpp reads it
+        rope_layers = None
+    if arch == "granitehybrid" and rope_layers is not None and not any(rope_layers):  # rope.scaling.finetuned
         rope_layers = None
     if rope_layers is not None and rope_layers != smollm3_rope_layers(cfg.num_hidden_layers):
         # llama.cpp fixes SmolLM3's NoPE layers at every fourth, and GGUF has no key for others

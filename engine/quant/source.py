@@ -28,12 +28,12 @@ from models.formats.ggml_types import PLAIN_DTYPES, type_name
 from models.formats.gguf import GGUFFile, open_gguf
 
 # architectures whose GGUF stores q/k for interleaved (non-NeoX) RoPE: HF rows are permuted on the way in
-PERMUTED_QK = frozenset({"llama", "mistral3", "smollm3", "granite"})
+PERMUTED_QK = frozenset({"llama", "mistral3", "smollm3", "granite", "granitehybrid"})
 GEMMA_NORM_OFFSET = frozenset({"gemma3", "gemma2"})
 SUPPORTED_ARCHS = frozenset(
     {"llama", "mistral3", "smollm3", "granite", "glm4", "olmo2", "ernie4_5", "qwen2", "qwen2moe", "qwen3",
      "qwen3moe", "glm4moe", "exaone4", "seed_oss", "lfm2", "lfm2moe", "qwen35", "qwen35moe", "gemma3",
-     "gemma2", "gemma4", "gpt-oss"}
+     "gemma2", "gemma4", "gpt-oss", "granitehybrid"}
 )
 _F32, _BF16, _Q4_1 = 0, 30, 3
 
@@ -206,7 +206,8 @@ def _hf_source(folder: Path) -> SourceModel:
             return (len(stacks[name]), *shape_of(stacks[name][0]))
         if name in quantized:
             return quantized[name][1]
-        return conv_kernel_shape(name, st.tensors[names_map[name]].shape)
+        shape = conv_kernel_shape(name, st.tensors[names_map[name]].shape)
+        return _mamba_shape(name, shape, cfg.mamba) if arch == "granitehybrid" else shape
 
     def load(name: str) -> np.ndarray:
         if name in fused:
@@ -218,6 +219,10 @@ def _hf_source(folder: Path) -> SourceModel:
             x = permute_qk(x, n_kv)
         if arch in ("qwen35", "qwen35moe"):
             x = _qwen35_layout(name, x, cfg.delta)
+        if arch == "granitehybrid":  # llama.cpp's Mamba-2 shapes, A_log as -exp(A_log)
+            x = x.reshape(shape_of(name))
+            if name.endswith(".ssm_a"):
+                x = -np.exp(x)
         if arch in GEMMA_NORM_OFFSET and name.endswith("norm.weight"):
             x = x + np.float32(1.0)
         return np.ascontiguousarray(x)
@@ -294,6 +299,16 @@ def _split_gate_up(st, names_map: dict[str, str], arch: str) -> dict[str, tuple[
             load = functools.partial(_rows, st, hf_name, lo, rows)
             out[part] = ((rows, cols), FLOAT_DTYPES[info.dtype], load)
     return out
+
+
+def _mamba_shape(name: str, shape: tuple[int, ...], mamba) -> tuple[int, ...]:
+    """A Mamba-2 tensor's shape as llama.cpp's granitehybrid GGUF keeps it: A and D as (heads, 1), the
+    gated norm as (groups, d_inner / groups)."""
+    if name.endswith((".ssm_a", ".ssm_d")):
+        return mamba.heads, 1
+    if name.endswith("ssm_norm.weight"):
+        return mamba.groups, mamba.d_inner // mamba.groups
+    return shape
 
 
 def _gemma4_rope_freqs(cfg) -> dict[str, tuple[tuple[int, ...], int, Any]]:

@@ -29,6 +29,7 @@ def _golden(family: str) -> dict:
 
 def test_every_family_has_a_fixture():
     dense = {"llama", "llama3-scaled", "mistral", "smollm3", "granite", "granite4", "glm4", "olmo2", "qwen2"}
+    dense |= {"granite4-h"}
     dense |= {"qwen3", "qwen3_5"}
     dense |= {"phi3", "ernie4_5", "olmo3", "exaone4", "seed_oss", "lfm2", "ministral3"}
     dense |= {"gemma2", "gemma3", "gemma3-mm", "ministral3-mm", "gemma4", "gemma4-mm"}
@@ -673,7 +674,7 @@ def test_multimodal_text_config_defaults_and_what_gguf_cannot_hold(tmp_path):
 def test_granite4_micro_and_its_gguf_as_llama_cpp_writes_it(tmp_path):
     """Granite 4.0 without Mamba layers or experts (Granite-4.0-Micro's layout): Granite's multipliers over a
     fused "shared MLP", also one token at a time; converted, it is llama.cpp's granite GGUF with gate and up
-    split. Hybrid (Mamba-2) and MoE members are refused with a message."""
+    split. MoE members are refused with a message (the hybrid ones: test_granite4h.py)."""
     from engine.convert import convert
     from engine.hf_repo import config_from_hf
     from models.formats.gguf import open_gguf
@@ -694,7 +695,7 @@ def test_granite4_micro_and_its_gguf_as_llama_cpp_writes_it(tmp_path):
     logits = m.forward(golden["tokens"], m.new_cache(32), all_logits=True)
     assert np.abs(logits - ref).max() < 1e-3 * np.abs(ref).max()
     config = json.loads((TINY / "granite4" / "config.json").read_text())
-    for change, message in (({"layer_types": ["mamba", "full_attention"]}, "Mamba"),
+    for change, message in (({"layer_types": ["conv", "full_attention"]}, "layer types"),
                             ({"num_local_experts": 4}, "experts")):
         with pytest.raises(UnsupportedArchitectureError, match=message):
             config_from_hf(tmp_path, config | change)

@@ -379,7 +379,7 @@ class DraftForward:
         for lay in model.layers:
             if any(v is not None for v in (lay.bq, lay.bk, lay.bv, lay.bo, lay.sinks, lay.q_norm, lay.k_norm,
                                            lay.moe, lay.post_attn_norm, lay.post_ffn_norm, lay.conv,
-                                           lay.delta)):
+                                           lay.delta, lay.mamba)):
                 return None
             mats.extend(getattr(lay, name) for name in cls._NAMES)
         out = model.output

@@ -250,8 +250,8 @@ CUPY_MODULES = (
 
 def test_layers_without_rope_granite_constants_and_branch_norms_stay_on_the_cpu(fake, tmp_path):
     """SmolLM3's NoPE layers, Granite's multipliers, GLM-4's norms of the branch outputs, LFM2's
-    convolutions, Ministral 3's query temperature, Qwen3.5's DeltaNet and Gemma 4 have no CUDA path: a typed
-    error, which placement turns into the CPU fallback."""
+    convolutions, Ministral 3's query temperature, Qwen3.5's DeltaNet, Mamba-2 and Gemma 4 have no CUDA
+    path: a typed error, which placement turns into the CPU fallback."""
     model = _model(tmp_path, "llama")
     model.cfg.rope_layers = (True,) * (model.cfg.num_hidden_layers - 1) + (False,)
     with pytest.raises(fake.decoder.UnsupportedCudaModelError, match="without RoPE"):
@@ -275,6 +275,9 @@ def test_layers_without_rope_granite_constants_and_branch_norms_stay_on_the_cpu(
     qwen35 = load_model(Path(__file__).resolve().parents[2] / "fixtures" / "tiny" / "qwen3_5").model
     with pytest.raises(fake.decoder.UnsupportedCudaModelError, match="DeltaNet"):
         fake.decoder.CudaDecoder(qwen35, n_ctx=64)
+    granite4h = load_model(Path(__file__).resolve().parents[2] / "fixtures" / "tiny" / "granite4-h").model
+    with pytest.raises(fake.decoder.UnsupportedCudaModelError, match="Mamba-2"):
+        fake.decoder.CudaDecoder(granite4h, n_ctx=64)
     gemma4 = load_model(Path(__file__).resolve().parents[2] / "fixtures" / "tiny" / "gemma4").model
     with pytest.raises(fake.decoder.UnsupportedCudaModelError, match="not Gemma4Model"):
         fake.decoder.CudaDecoder(gemma4, n_ctx=64)
