@@ -185,6 +185,16 @@ _GRANITE_HYBRID_LAYER_NAMES = {
     "mamba.norm.weight": "ssm_norm.weight",
     "mamba.out_proj.weight": "ssm_out.weight",
 }
+# Granite 4.0-H Tiny / Small: experts (input_linear: each expert's gate rows then up rows) beside the shared
+# MLP, which is their shared expert
+_GRANITE_HYBRID_MOE_LAYER_NAMES = {
+    **_GRANITE_HYBRID_LAYER_NAMES,
+    "block_sparse_moe.input_linear.weight": "ffn_gate_up_exps.weight",
+    "block_sparse_moe.output_linear.weight": "ffn_down_exps.weight",
+    "block_sparse_moe.router.layer.weight": "ffn_gate_inp.weight",
+    "shared_mlp.input_linear.weight": "ffn_up_shexp.weight",  # gate rows, then up rows
+    "shared_mlp.output_linear.weight": "ffn_down_shexp.weight",
+}
 _ARCH_LAYER_NAMES = {
     "gemma4": _GEMMA4_LAYER_NAMES,
     "granitehybrid": _GRANITE_HYBRID_LAYER_NAMES,
@@ -246,6 +256,8 @@ class HFWeights:
         self.st = st
         self.folder = folder
         layer_names = _GEMMA3_LAYER_NAMES if arch in _GEMMA else _ARCH_LAYER_NAMES.get(arch, _LAYER_NAMES)
+        if arch == "granitehybrid" and any(".block_sparse_moe." in t for t in st.tensors):
+            layer_names = _GRANITE_HYBRID_MOE_LAYER_NAMES
         self.names = {g: hf for hf in st.tensors if (g := _gguf_name(hf, layer_names))}
         # AutoAWQ linears (prefix + qweight/qzeros/scales) run as Q4_1: engine/quant/awq_pack.py
         self.awq = {
@@ -591,7 +603,8 @@ def config_from_hf(folder: Path, config: dict) -> LlamaConfig | Gemma3Config | G
             "norm_topk_prob": bool(config.get("norm_topk_prob", False))
             if qwen_moe and model_type != "qwen3_5_moe_text" else True,
             "shared_expert_intermediate_size": int(config.get("shared_expert_intermediate_size") or 0)
-            if model_type in ("qwen2_moe", "qwen3_5_moe_text") else 0,
+            if model_type in ("qwen2_moe", "qwen3_5_moe_text")
+            else granite4.pop("shared_expert_intermediate_size", 0),
         } | _sigmoid_moe(config, ff)
         return LlamaConfig(
             hidden_size=hidden,
@@ -748,13 +761,21 @@ def _granite4(config: dict) -> dict:
     mamba = [t in ("mamba", "linear_attention") for t in types]
     if any(not m and t not in ("attention", "full_attention") for m, t in zip(mamba, types)):
         raise UnsupportedArchitectureError(f"Granite 4.0 layer types {sorted(set(types))} are not supported")
-    if int(config.get("num_local_experts") or 0):
-        raise UnsupportedArchitectureError("Granite 4.0 mixtures of experts are not supported yet")
+    experts = int(config.get("num_local_experts") or 0)
+    if experts and not any(mamba):
+        raise UnsupportedArchitectureError(
+            "Granite 4.0 mixtures of experts without Mamba-2 layers are not supported yet (hybrid ones are)"
+        )
     rope = config.get("position_embedding_type") == "rope"
     out = {
         "intermediate_size": int(config["shared_intermediate_size"]),
         "rope_layers": None if rope else (False,) * n,
     }
+    if experts:  # Tiny / Small: softmax over the chosen k experts; the shared MLP is their shared expert
+        out |= {
+            "intermediate_size": int(config["intermediate_size"]),
+            "shared_expert_intermediate_size": int(config["shared_intermediate_size"]),
+        }
     if any(mamba):
         hidden = int(config["hidden_size"])
         heads = int(config.get("mamba_n_heads") or 128)

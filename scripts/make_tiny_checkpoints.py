@@ -57,6 +57,15 @@ _GEMMA4 = dict(
     tie_word_embeddings=True,
 )
 
+FAMILIES_GRANITE4H = dict(
+    tie_word_embeddings=True, num_hidden_layers=4,
+    layer_types=["linear_attention", "attention", "linear_attention", "linear_attention"],
+    num_local_experts=0, shared_intermediate_size=96, position_embedding_type="nope",
+    mamba_n_heads=8, mamba_d_head=16, mamba_d_state=16, mamba_n_groups=2, mamba_d_conv=4,
+    mamba_expand=2, mamba_chunk_size=8, embedding_multiplier=3.0, residual_multiplier=0.5,
+    attention_multiplier=0.2, logits_scaling=2.0, pad_token_id=0,
+)
+
 # family -> (config class, extra config, dtype written, shard the weights)
 FAMILIES = {
     "llama": (transformers.LlamaConfig, dict(tie_word_embeddings=True), torch.float32, False),
@@ -161,14 +170,12 @@ FAMILIES = {
     ),
     # Granite 4.0-H (hybrid): Mamba-2 in three layers of four (2 groups of B and C for 8 heads of 16), the
     # other attending without positions; Granite's multipliers
-    "granite4-h": (
+    "granite4-h": (transformers.GraniteMoeHybridConfig, FAMILIES_GRANITE4H, torch.bfloat16, False),
+    # Granite 4.0-H Tiny / Small's layout: the same with 4 routed experts (softmax over the chosen 2) beside
+    # the shared MLP in every layer
+    "granite4-h-moe": (
         transformers.GraniteMoeHybridConfig,
-        dict(tie_word_embeddings=True, num_hidden_layers=4,
-             layer_types=["linear_attention", "attention", "linear_attention", "linear_attention"],
-             num_local_experts=0, shared_intermediate_size=96, position_embedding_type="nope",
-             mamba_n_heads=8, mamba_d_head=16, mamba_d_state=16, mamba_n_groups=2, mamba_d_conv=4,
-             mamba_expand=2, mamba_chunk_size=8, embedding_multiplier=3.0, residual_multiplier=0.5,
-             attention_multiplier=0.2, logits_scaling=2.0, pad_token_id=0),
+        dict(FAMILIES_GRANITE4H, num_local_experts=4, num_experts_per_tok=2, intermediate_size=32),
         torch.bfloat16,
         False,
     ),

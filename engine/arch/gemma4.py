@@ -28,7 +28,7 @@ import numpy as np
 from engine.arch import register
 from engine.arch.base import Decoder
 from engine.arch.gemma3 import FULL, SLIDING, softcap
-from engine.arch.moe import MoE, moe_forward
+from engine.arch.moe import MoE, load_moe, moe_forward
 from engine.backends import cpu as ops
 from engine.kv_cache import GroupedKVCache
 from engine.rope import rope_inv_freq
@@ -368,31 +368,10 @@ class Gemma4Model(Decoder):
         """A layer's experts: their gate and up rows from one merged tensor (HF's gate_up_proj, llama.cpp's
         ffn_gate_up_exps) or two, the router, and the per-expert scale (llama.cpp: ffn_down_exps.scale)."""
         cfg = self.cfg
-        n, ff, d = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
-        down = weights.experts(p + "ffn_down_exps.weight", n, d, ff)
-        stack = getattr(weights, "expert_stack", lambda *a: None)
-        if weights.has(p + "ffn_gate_up_exps.weight"):
-            both = weights.experts(p + "ffn_gate_up_exps.weight", n, 2 * ff, d)
-            gate = [w.row_block(0, ff) for w in both]
-            up = [w.row_block(ff, 2 * ff) for w in both]
-            merged = stack(p + "ffn_gate_up_exps.weight", n, 2 * ff, d)
-            stacks = (merged, merged, stack(p + "ffn_down_exps.weight", n, d, ff))
-        else:
-            gate = weights.experts(p + "ffn_gate_exps.weight", n, ff, d)
-            up = weights.experts(p + "ffn_up_exps.weight", n, ff, d)
-            stacks = tuple(stack(f"{p}ffn_{k}_exps.weight", n, *s) for k, s in
-                           (("gate", (ff, d)), ("up", (ff, d)), ("down", (d, ff))))
-        moe = MoE(
-            router=weights.matrix(p + "ffn_gate_inp.weight", n, d),
-            gate=gate,
-            up=up,
-            down=down,
-            expert_scale=weights.vector(p + "ffn_down_exps.scale", n)
-            if weights.has(p + "ffn_down_exps.scale") else None,
-            gate_up_stacked=weights.has(p + "ffn_gate_up_exps.weight"),
-        )
-        if all(w is not None and ops.gathers_experts(w) for w in stacks):
-            moe.stacks = stacks
+        n = cfg.num_experts
+        moe = load_moe(weights, p, n, cfg.moe_intermediate_size, cfg.hidden_size)
+        if weights.has(p + "ffn_down_exps.scale"):
+            moe.expert_scale = weights.vector(p + "ffn_down_exps.scale", n)
         return moe
 
     # ---- cache

@@ -65,30 +65,45 @@ class MoE:
 def load_moe(weights, p: str, n_experts: int, ff: int, d: int, shared_ff: int = 0) -> MoE:
     """The experts of layer prefix p ("blk.N.") from a weight source with matrix() and experts() (and
     expert_stack(), where the source keeps merged expert tensors); shared_ff: the shared expert's
-    intermediate size (0: none)."""
+    intermediate size (0: none). Each expert's gate and up rows may share one tensor, ffn_gate_up_exps
+    (Gemma 4's, and Granite 4.0's input_linear as HF keeps it), and a shared expert's one ffn_up_shexp
+    (Granite 4.0's shared_mlp)."""
     shapes = {"gate": (ff, d), "up": (ff, d), "down": (d, ff)}
+    stacker = getattr(weights, "expert_stack", lambda *a: None)
+    merged = p + "ffn_gate_up_exps.weight"
 
     def bias(name: str, shape: tuple[int, ...]) -> np.ndarray | None:
         return weights.floats(p + name, shape) if weights.has(p + name) else None
 
+    if weights.has(merged):
+        both = weights.experts(merged, n_experts, 2 * ff, d)
+        experts = {"gate": [w.row_block(0, ff) for w in both], "up": [w.row_block(ff, 2 * ff) for w in both]}
+        gate_up = stacker(merged, n_experts, 2 * ff, d)
+        stacks = (gate_up, gate_up, stacker(p + "ffn_down_exps.weight", n_experts, d, ff))
+    else:
+        experts = {k: weights.experts(f"{p}ffn_{k}_exps.weight", n_experts, *s) for k, s in shapes.items()
+                   if k != "down"}
+        stacks = tuple(stacker(f"{p}ffn_{k}_exps.weight", n_experts, *s) for k, s in shapes.items())
     moe = MoE(
         router=weights.matrix(p + "ffn_gate_inp.weight", n_experts, d),
-        **{k: weights.experts(f"{p}ffn_{k}_exps.weight", n_experts, *s) for k, s in shapes.items()},
+        gate=experts["gate"],
+        up=experts["up"],
+        down=weights.experts(p + "ffn_down_exps.weight", n_experts, d, ff),
         router_bias=bias("ffn_gate_inp.bias", (n_experts,)),
         score_bias=bias("exp_probs_b.bias", (n_experts,)),
         **{f"{k}_bias": bias(f"ffn_{k}_exps.bias", (n_experts, s[0])) for k, s in shapes.items()},
+        gate_up_stacked=weights.has(merged),
     )
-    stacker = getattr(weights, "expert_stack", None)
-    if stacker is not None:
-        stacks = tuple(stacker(f"{p}ffn_{k}_exps.weight", n_experts, *s) for k, s in shapes.items())
-        if all(w is not None and ops.gathers_experts(w) for w in stacks):
-            moe.stacks = stacks
+    if all(w is not None and ops.gathers_experts(w) for w in stacks):
+        moe.stacks = stacks
     if shared_ff:
-        moe.shared = (
-            weights.matrix(p + "ffn_gate_shexp.weight", shared_ff, d),
-            weights.matrix(p + "ffn_up_shexp.weight", shared_ff, d),
-            weights.matrix(p + "ffn_down_shexp.weight", d, shared_ff),
-        )
+        if weights.has(p + "ffn_gate_shexp.weight"):
+            gate = weights.matrix(p + "ffn_gate_shexp.weight", shared_ff, d)
+            up = weights.matrix(p + "ffn_up_shexp.weight", shared_ff, d)
+        else:  # gate rows, then up rows
+            fused = weights.matrix(p + "ffn_up_shexp.weight", 2 * shared_ff, d)
+            gate, up = fused.row_block(0, shared_ff), fused.row_block(shared_ff, 2 * shared_ff)
+        moe.shared = (gate, up, weights.matrix(p + "ffn_down_shexp.weight", d, shared_ff))
         gate = p + "ffn_gate_inp_shexp.weight"
         moe.shared_gate = _shared_gate(weights, gate, d) if weights.has(gate) else None
     return moe

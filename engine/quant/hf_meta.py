@@ -130,7 +130,7 @@ def _hparams(arch: str, config: dict, cfg) -> dict[str, Any]:
         md[f"{a}.expert_count"] = cfg.num_experts
         md[f"{a}.expert_used_count"] = cfg.num_experts_per_tok
         md[f"{a}.expert_weights_norm"] = bool(cfg.norm_topk_prob)
-        if arch in ("qwen2moe", "qwen3moe", "gpt-oss", "glm4moe", "lfm2moe", "qwen35moe"):
+        if arch in ("qwen2moe", "qwen3moe", "gpt-oss", "glm4moe", "lfm2moe", "qwen35moe", "granitehybrid"):
             md[f"{a}.expert_feed_forward_length"] = cfg.intermediate_size
             md[f"{a}.feed_forward_length"] = int(config.get("intermediate_size") or cfg.intermediate_size)
         if cfg.expert_gating == "sigmoid":  # llama.cpp's keys: sigmoid gating, scale, dense layers

@@ -282,23 +282,41 @@ def _qwen35_layout(name: str, x: np.ndarray, shape) -> np.ndarray:
 
 
 def _split_gate_up(st, names_map: dict[str, str], arch: str) -> dict[str, tuple[tuple[int, ...], int, Any]]:
-    """A fused ffn_up (gate rows then up rows: Granite 4.0's shared MLP) as the separate ffn_gate and ffn_up
-    llama.cpp's other architectures read: name -> (shape, source type, float32 loader). Takes the fused
-    names out of names_map."""
+    """A fused gate|up (gate rows then up rows: Granite 4.0's shared MLP as ffn_up, as ffn_up_shexp beside
+    experts; Granite 4.0-H's experts as ffn_gate_up_exps) as the separate gate and up tensors llama.cpp's
+    other architectures read: name -> (shape, source type, float32 loader). Takes the fused names out of
+    names_map. Gemma 4's GGUFs keep the experts' merged tensor."""
     out = {}
     if arch in _FUSED_GATE_UP:
         return out
-    for name in [n for n in names_map if n.endswith(".ffn_up.weight")]:
-        gate = name.replace(".ffn_up.", ".ffn_gate.")
+    pairs = {".ffn_up.weight": ".ffn_gate.weight", ".ffn_up_shexp.weight": ".ffn_gate_shexp.weight"}
+    if arch == "granitehybrid":
+        pairs[".ffn_gate_up_exps.weight"] = ".ffn_gate_exps.weight"
+    for name in list(names_map):
+        suffix = next((s for s in pairs if name.endswith(s)), None)
+        if suffix is None:
+            continue
+        gate = name[: -len(suffix)] + pairs[suffix]
+        up = name.replace("ffn_gate_up_exps", "ffn_up_exps")
         if gate in names_map:
             continue
         hf_name = names_map.pop(name)
         info = st.tensors[hf_name]
-        rows, cols = info.shape[0] // 2, info.shape[1]
-        for part, lo in ((gate, 0), (name, rows)):
-            load = functools.partial(_rows, st, hf_name, lo, rows)
-            out[part] = ((rows, cols), FLOAT_DTYPES[info.dtype], load)
+        axis = len(info.shape) - 2  # the rows: of the matrix, or of each expert's
+        rows = info.shape[axis] // 2
+        shape = tuple(rows if i == axis else n for i, n in enumerate(info.shape))
+        for part, lo in ((gate, 0), (up, rows)):
+            load = functools.partial(_rows, st, hf_name, lo, rows, axis)
+            out[part] = (shape, FLOAT_DTYPES[info.dtype], load)
     return out
+
+
+def _rows(st, hf_name: str, lo: int, n: int, axis: int = 0) -> np.ndarray:
+    """Rows lo..lo+n (along `axis`: 1 for each expert's of an (experts, rows, cols) tensor) of a safetensors
+    tensor as float32."""
+    bf16 = st.tensors[hf_name].dtype == "BF16"
+    part = st.array(hf_name)[(slice(None),) * axis + (slice(lo, lo + n),)]
+    return np.ascontiguousarray(float32_of(part, bf16))
 
 
 def _mamba_shape(name: str, shape: tuple[int, ...], mamba) -> tuple[int, ...]:
@@ -319,12 +337,6 @@ def _gemma4_rope_freqs(cfg) -> dict[str, tuple[tuple[int, ...], int, Any]]:
     factors = np.full(half, 1e30, np.float32)
     factors[:turning] = cfg.global_rope_factor
     return {"rope_freqs.weight": ((half,), _F32, factors.copy)}
-
-
-def _rows(st, hf_name: str, lo: int, n: int) -> np.ndarray:
-    """Rows lo..lo+n of a safetensors matrix as float32."""
-    bf16 = st.tensors[hf_name].dtype == "BF16"
-    return np.ascontiguousarray(float32_of(st.array(hf_name)[lo : lo + n], bf16))
 
 
 def _fused_experts(weights, cfg) -> dict[str, tuple[tuple[int, ...], int, Any]]:

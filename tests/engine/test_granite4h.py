@@ -110,7 +110,7 @@ def test_gguf_in_llama_cpps_granitehybrid_layout(lm, tmp_path):
 
 def test_what_declines_it(lm, tmp_path):
     """No fused CPU draft step, no AWQ, no stored prefixes (the state is kept for the cache's end); the CUDA
-    decoder declines it (tests/engine/cuda/test_decoder_dry.py); Granite 4.0 experts are refused."""
+    decoder declines it (tests/engine/cuda/test_decoder_dry.py). The released configs' layer names read."""
     from engine.backends.cpu.draft import DraftForward
     from engine.errors import UnsupportedArchitectureError
     from engine.hf_repo import config_from_hf
@@ -128,5 +128,34 @@ def test_what_declines_it(lm, tmp_path):
     config = json.loads((TINY / "granite4-h" / "config.json").read_text())
     config["layer_types"] = ["mamba", "attention", "mamba", "mamba"]  # the released configs' names
     assert config_from_hf(tmp_path, config) == lm.model.cfg
-    with pytest.raises(UnsupportedArchitectureError, match="mixtures of experts"):
-        config_from_hf(tmp_path, config | {"num_local_experts": 4})
+
+
+def test_experts_beside_the_shared_mlp_folder_gguf_and_batched_decode(tmp_path):
+    """Granite 4.0-H Tiny / Small's layout: 4 experts (softmax over the chosen 2) beside the shared MLP, their
+    shared expert. Converted as llama.cpp writes it: input_linear split into ffn_gate_exps / ffn_up_exps, the
+    shared MLP as ffn_*_shexp; Q8_0 experts take the one-token path over the merged tensors."""
+    from engine.convert import convert
+    from models.formats.gguf import open_gguf
+
+    golden = json.loads((TINY / "granite4-h-moe" / "golden.json").read_text())
+    ref = np.array(golden["logits"])
+    folder = load_model(TINY / "granite4-h-moe").model
+    moe = folder.layers[1].moe
+    assert moe.gate_up_stacked and moe.shared is not None and moe.shared_gate is None
+    out = convert(TINY / "granite4-h-moe", "F16", tmp_path / "m.gguf").output
+    g = open_gguf(out)
+    md = dict(g.metadata)
+    assert (md["granitehybrid.expert_count"], md["granitehybrid.expert_used_count"]) == (4, 2)
+    assert md["granitehybrid.expert_shared_feed_forward_length"] == 96
+    assert tuple(g.tensors["blk.1.ffn_gate_exps.weight"].shape) == (4, 32, 64)
+    assert {"blk.1.ffn_up_exps.weight", "blk.1.ffn_gate_shexp.weight", "blk.1.ffn_down_shexp.weight"} <= set(
+        g.tensors
+    )
+    g.close()
+    m = load_model(out).model
+    np.testing.assert_allclose(m.forward(golden["tokens"], m.new_cache(32), all_logits=True), ref,
+                               atol=1e-3 * np.abs(ref).max())
+    q8 = load_model(convert(TINY / "granite4-h-moe", "Q8_0", tmp_path / "q8.gguf").output).model
+    assert q8.layers[1].moe.stacks is not None
+    check_batched_decode(q8, ([5, 17, 42], [99, 3, 250, 77, 1]), (8, 120))
+    check_batched_decode(folder, ([5, 17, 42], [99, 3, 250, 77, 1]), (8, 120))
