@@ -128,13 +128,51 @@ def mix(
     np.clip(step, shape.dt_min, shape.dt_max, out=step)
     y = np.empty((n, di), np.float32)
     gs = shape.groups * shape.state_size
-    _scan(y, np.ascontiguousarray(conv[:, :di]), step, np.ascontiguousarray(conv[:, di : di + gs]),
-          np.ascontiguousarray(conv[:, di + gs :]), net.neg_a, net.d, state, shape.groups)
+    x, b, c = (np.ascontiguousarray(a) for a in (conv[:, :di], conv[:, di : di + gs], conv[:, di + gs :]))
+    if n >= CHUNKED_MIN_TOKENS:
+        _scan_chunked(y, x, step, b, c, net.neg_a, net.d, state, shape)
+    else:
+        _scan(y, x, step, b, c, net.neg_a, net.d, state, shape.groups)
     y *= z * _sigmoid(z)  # the gate before the norm (Granite's norm_before_gate=False)
     rows = y.reshape(n * shape.groups, di // shape.groups)
     ops.rmsnorm(rows, rows, np.ones(rows.shape[1], np.float32), eps)
     y *= net.norm
     return y
+
+
+# Passes of at least this many tokens (prompts) scan in chunks of SCAN_CHUNK tokens with matrix products
+# (_scan_chunked); shorter ones (decode, verify passes) token by token (_scan). A Granite-4.0-H-1B shape
+# (48 heads of 64, state 128; Q4_K_M, 2 cores) prefilling 512 tokens: 52.7 tok/s token by token, 76.2 in
+# chunks of 64 (73.9 in 32, 71.6 in 128); the scan 60 ms a layer (token by token the prompt's Numba kernels
+# run on one thread: ops.batch_phase).
+CHUNKED_MIN_TOKENS = 16
+SCAN_CHUNK = 64
+
+
+def _scan_chunked(y, x, step, b, c, neg_a, d, state, shape: MambaShape) -> None:
+    """_scan's results by chunks (Mamba-2's state space duality): within a chunk each output is a
+    decay-masked, C.B-weighted sum of the chunk's inputs plus the chunk's start state read through C; the
+    state then moves to the chunk's end. All heads at once, each product a batched matmul over heads."""
+    n = x.shape[0]
+    heads, p, size = state.shape
+    rep = heads // shape.groups
+    xh = x.reshape(n, heads, p)
+    bh = np.repeat(b.reshape(n, shape.groups, size), rep, axis=1)  # (n, heads, size): each head's group
+    ch = np.repeat(c.reshape(n, shape.groups, size), rep, axis=1)
+    for t0 in range(0, n, SCAN_CHUNK):
+        t1 = min(n, t0 + SCAN_CHUNK)
+        cum = np.cumsum((step[t0:t1] * neg_a).T, axis=1, dtype=np.float32)  # (heads, T): log decay to t
+        xdt = (xh[t0:t1] * step[t0:t1, :, None]).transpose(1, 0, 2)  # (heads, T, p)
+        bt, ct = bh[t0:t1].transpose(1, 0, 2), ch[t0:t1].transpose(1, 0, 2)  # (heads, T, size)
+        diff = cum[:, :, None] - cum[:, None, :]  # (heads, T, T): log decay from s to t
+        causal = np.tri(t1 - t0, dtype=bool)
+        decay = np.exp(np.where(causal, diff, np.float32(-np.inf)), dtype=np.float32)
+        out = np.matmul(np.matmul(ct, bt.transpose(0, 2, 1)) * decay, xdt)  # (heads, T, p)
+        out += np.exp(cum)[:, :, None] * np.matmul(ct, state.transpose(0, 2, 1))
+        to_end = np.exp(cum[:, -1:] - cum)  # (heads, T)
+        state *= np.exp(cum[:, -1])[:, None, None]
+        state += np.matmul((xdt * to_end[:, :, None]).transpose(0, 2, 1), bt)
+        y[t0:t1] = (out.transpose(1, 0, 2) + d[None, :, None] * xh[t0:t1]).reshape(t1 - t0, heads * p)
 
 
 def _sigmoid(x: np.ndarray) -> np.ndarray:

@@ -66,6 +66,29 @@ def test_trim_steps_back_to_a_snapshot_and_chat_turns_match_a_fresh_cache(lm):
     assert [e.token for e in second] == [e.token for e in generate(m, tok, turn2, m.new_cache(128), params)]
 
 
+def test_chunked_scan_matches_the_token_by_token_one():
+    """A prompt's scan in chunks of matrix products (uneven last chunk, several groups) gives the outputs
+    and end state of the token-by-token kernel."""
+    from engine.arch import mamba2
+    from engine.arch.mamba2 import MambaShape
+
+    rng = np.random.default_rng(3)
+    shape, n = MambaShape(heads=6, head_dim=8, state_size=12, groups=3, taps=4), mamba2.SCAN_CHUNK + 37
+    x = rng.standard_normal((n, 48), dtype=np.float32)
+    b, c = (rng.standard_normal((n, 36), dtype=np.float32) for _ in range(2))
+    step = rng.random((n, 6), dtype=np.float32)
+    neg_a, d = -np.exp(rng.standard_normal(6)).astype(np.float32), rng.standard_normal(6).astype(np.float32)
+    start = rng.standard_normal((6, 8, 12)).astype(np.float32)
+    outs, states = [], []
+    for scan in (mamba2._scan, mamba2._scan_chunked):
+        y, state = np.empty((n, 48), np.float32), start.copy()
+        scan(y, x, step, b, c, neg_a, d, state, shape.groups if scan is mamba2._scan else shape)
+        outs.append(y)
+        states.append(state)
+    np.testing.assert_allclose(outs[1], outs[0], atol=1e-5 * np.abs(outs[0]).max())
+    np.testing.assert_allclose(states[1], states[0], atol=1e-5 * np.abs(states[0]).max())
+
+
 def test_batched_decode_matches_one_sequence_at_a_time(lm):
     check_batched_decode(lm.model, ([5, 17, 42], [99, 3, 250, 77, 1], [8]), (8, 120, 33))
 
