@@ -35,6 +35,20 @@ class Scratch:
         self.bcx = np.empty((n, 3 * cfg.hidden_size), f32) if getattr(cfg, "conv_taps", 0) else None
 
 
+def gguf_key(metadata: dict):
+    """key(name, default=None): the GGUF value of `{arch}.{name}` (general.architecture's prefix), `default`
+    when absent; KeyError naming the full key when both are missing."""
+    arch = metadata["general.architecture"]
+
+    def key(name, default=None):
+        value = metadata.get(f"{arch}.{name}", default)
+        if value is None:
+            raise KeyError(f"{arch}.{name}")
+        return value
+
+    return key
+
+
 def check_batch(tokens, caches) -> np.ndarray:
     """forward_batch's arguments checked: one token per cache, distinct caches with room for one more.
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from engine.arch import register
-from engine.arch.base import Decoder, Scratch
+from engine.arch.base import Decoder, Scratch, gguf_key
 from engine.backends import cpu as ops
 from engine.kv_cache import KVCache
 from engine.rope import RopeScaling, rope_attention_factor, rope_inv_freq, rope_scaling_from_gguf
@@ -106,12 +106,7 @@ class Gemma3Config:
             ValueError: values are inconsistent (e.g. key and value head sizes differ).
         """
         arch = metadata["general.architecture"]
-
-        def key(name, default=None):
-            value = metadata.get(f"{arch}.{name}", default)
-            if value is None:
-                raise KeyError(f"{arch}.{name}")
-            return value
+        key = gguf_key(metadata)
 
         def optional_float(name):
             value = metadata.get(f"{arch}.{name}")

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from engine.arch import register
-from engine.arch.base import Decoder
+from engine.arch.base import Decoder, gguf_key
 from engine.arch.gemma3 import FULL, SLIDING, softcap
 from engine.arch.moe import MoE, load_moe, moe_forward
 from engine.backends import cpu as ops
@@ -139,12 +139,7 @@ class Gemma4Config:
             KeyError: a required key is missing. ValueError: values are inconsistent.
         """
         arch = metadata["general.architecture"]
-
-        def key(name, default=None):
-            value = metadata.get(f"{arch}.{name}", default)
-            if value is None:
-                raise KeyError(f"{arch}.{name}")
-            return value
+        key = gguf_key(metadata)
 
         n_layers = int(key("block_count"))
         flags = key("attention.sliding_window_pattern")

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from engine.arch import deltanet, mamba2, register
-from engine.arch.base import Decoder, Scratch
+from engine.arch.base import Decoder, Scratch, gguf_key
 from engine.arch.deltanet import DeltaNet, DeltaShape, load_deltanet
 from engine.arch.mamba2 import Mamba2, MambaShape, load_mamba2
 from engine.arch.moe import MoE, load_moe, moe_forward
@@ -208,12 +208,7 @@ class LlamaConfig:
     @classmethod
     def from_gguf(cls, metadata: dict, vocab_size: int) -> LlamaConfig:
         arch = metadata["general.architecture"]
-
-        def key(name, default=None):
-            value = metadata.get(f"{arch}.{name}", default)
-            if value is None:
-                raise KeyError(f"{arch}.{name}")
-            return value
+        key = gguf_key(metadata)
 
         n_heads = int(key("attention.head_count"))
         # LFM2 gives KV heads per layer, 0 in its convolution layers

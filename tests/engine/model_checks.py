@@ -55,3 +55,18 @@ def check_batched_decode(model, prompts, tokens, rtol: float = 1e-4) -> None:
         model.forward(p, cache)
         single = model.forward([tok], cache)[0]
         np.testing.assert_allclose(batched[b], single, atol=rtol * np.abs(batched).max())
+
+
+def check_speculation_keeps_greedy(model, tokenizer, prompt) -> list:
+    """Prompt lookup speculating on `prompt` (a repeated one, so drafts are proposed and some rejected, each
+    rejection trimming the cache) gives the plain greedy reply. Returns the speculative events."""
+    from engine.generate import GenerationParams, generate
+    from engine.lookup import PromptLookup
+    from engine.speculative import speculative_generate
+
+    params = GenerationParams(max_tokens=16, temperature=0.0)
+    plain = [e.token for e in generate(model, tokenizer, prompt, model.new_cache(64), params)]
+    events = list(speculative_generate(model, tokenizer, prompt, model.new_cache(64), params, PromptLookup(),
+                                       k=4, adaptive=False))
+    assert [e.token for e in events] == plain
+    return events

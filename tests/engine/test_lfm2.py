@@ -14,11 +14,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from engine.generate import GenerationParams, generate
 from engine.kv_cache import ShortConvKVCache
 from engine.loader import load_model
 from engine.prefix_cache import PrefixCache
-from tests.engine.model_checks import check_batched_decode, chunked_logits
+from tests.engine.model_checks import check_batched_decode, check_speculation_keeps_greedy, chunked_logits
 
 TINY = Path(__file__).resolve().parents[1] / "fixtures" / "tiny"
 GOLDEN = json.loads((TINY / "lfm2" / "golden.json").read_text())
@@ -94,16 +93,7 @@ def test_batched_decode_matches_one_sequence_at_a_time(lm):
 def test_speculation_with_rejections_keeps_greedy_output(lm):
     """Prompt lookup proposes continuations of a repeated prompt; the target rejects most of them, each
     rejection trims the cache, and the reply stays the plain greedy one."""
-    from engine.lookup import PromptLookup
-    from engine.speculative import speculative_generate
-
-    m, tok = lm.model, lm.tokenizer
-    prompt = TOKENS[:6] * 3
-    params = GenerationParams(max_tokens=16, temperature=0.0)
-    plain = [e.token for e in generate(m, tok, prompt, m.new_cache(64), params)]
-    events = list(speculative_generate(m, tok, prompt, m.new_cache(64), params, PromptLookup(), k=4,
-                                       adaptive=False))
-    assert [e.token for e in events] == plain
+    events = check_speculation_keeps_greedy(lm.model, lm.tokenizer, TOKENS[:6] * 3)
     assert events[-1].drafted_tokens > events[-1].accepted_tokens  # some drafts were rejected
 
 

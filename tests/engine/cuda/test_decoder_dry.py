@@ -266,21 +266,11 @@ def test_layers_without_rope_granite_constants_and_branch_norms_stay_on_the_cpu(
         fake.decoder.CudaDecoder(model, n_ctx=64)
     from engine.loader import load_model
 
-    lfm2 = load_model(Path(__file__).resolve().parents[2] / "fixtures" / "tiny" / "lfm2").model
-    with pytest.raises(fake.decoder.UnsupportedCudaModelError, match="LFM2"):
-        fake.decoder.CudaDecoder(lfm2, n_ctx=64)
-    ministral3 = load_model(Path(__file__).resolve().parents[2] / "fixtures" / "tiny" / "ministral3").model
-    with pytest.raises(fake.decoder.UnsupportedCudaModelError, match="Ministral 3"):
-        fake.decoder.CudaDecoder(ministral3, n_ctx=64)
-    qwen35 = load_model(Path(__file__).resolve().parents[2] / "fixtures" / "tiny" / "qwen3_5").model
-    with pytest.raises(fake.decoder.UnsupportedCudaModelError, match="DeltaNet"):
-        fake.decoder.CudaDecoder(qwen35, n_ctx=64)
-    granite4h = load_model(Path(__file__).resolve().parents[2] / "fixtures" / "tiny" / "granite4-h").model
-    with pytest.raises(fake.decoder.UnsupportedCudaModelError, match="Mamba-2"):
-        fake.decoder.CudaDecoder(granite4h, n_ctx=64)
-    gemma4 = load_model(Path(__file__).resolve().parents[2] / "fixtures" / "tiny" / "gemma4").model
-    with pytest.raises(fake.decoder.UnsupportedCudaModelError, match="not Gemma4Model"):
-        fake.decoder.CudaDecoder(gemma4, n_ctx=64)
+    tiny = Path(__file__).resolve().parents[2] / "fixtures" / "tiny"
+    for family, message in (("lfm2", "LFM2"), ("ministral3", "Ministral 3"), ("qwen3_5", "DeltaNet"),
+                            ("granite4-h", "Mamba-2"), ("gemma4", "not Gemma4Model")):
+        with pytest.raises(fake.decoder.UnsupportedCudaModelError, match=message):
+            fake.decoder.CudaDecoder(load_model(tiny / family).model, n_ctx=64)
 
 
 @pytest.fixture(scope="module")
