@@ -147,11 +147,15 @@ class Decoder:
         with ops.batch_phase(len(tokens), self.small_batch_max):
             return self._forward_batch(tokens, list(caches), first=first_layer, hidden=hidden)
 
+    def _new_scratch(self, n: int):
+        """Activation buffers for n tokens (a family with other buffers overrides it)."""
+        return Scratch(self.cfg, n)
+
     def _batch_buffers(self, n: int) -> tuple[Scratch, np.ndarray]:
         """Scratch and (n, vocab) logits for batched decode of n sequences, kept per n."""
         buffers = self.__dict__.setdefault("_batch_scratch", {})
         if n not in buffers:
             if len(buffers) > 16:
                 buffers.clear()
-            buffers[n] = (Scratch(self.cfg, n), np.empty((n, self.cfg.vocab_size), np.float32))
+            buffers[n] = (self._new_scratch(n), np.empty((n, self.cfg.vocab_size), np.float32))
         return buffers[n]

@@ -250,6 +250,7 @@ class _Scratch:
         self.h = np.empty((n, d), f32)
         self.o = np.empty((n, d), f32)
         self.y = np.empty((n, d), f32)
+        self.router = np.empty((n, d), f32)  # the experts' router input
         self.positions = np.empty(n, np.int64)
         shapes = {(cfg.layer_kv_heads(i), cfg.layer_head_dim(i)) for i in range(cfg.num_hidden_layers)}
         self.q = {hd: np.empty((n, heads * hd), f32) for _, hd in shapes}
@@ -291,7 +292,7 @@ class Gemma4Model(Decoder):
         self.ones = {hd: np.ones(hd, np.float32) for hd in (cfg.head_dim, cfg.global_head_dim)}
         self.layers = [self._layer(weights, i, local_freq, global_freq) for i in range(n_layers)]
         self.embed_scale = np.float32(d**0.5)
-        self._decode = _Scratch(cfg, 1)
+        self._decode = self._new_scratch(1)
         self._logits = np.empty((1, cfg.vocab_size), np.float32)
 
     def _global_inv_freq(self, weights) -> np.ndarray:
@@ -369,6 +370,9 @@ class Gemma4Model(Decoder):
             moe.expert_scale = weights.vector(p + "ffn_down_exps.scale", n)
         return moe
 
+    def _new_scratch(self, n: int) -> _Scratch:
+        return _Scratch(self.cfg, n)
+
     # ---- cache
 
     def new_cache(self, n_ctx: int, dtype=np.float32) -> GroupedKVCache:
@@ -394,7 +398,7 @@ class Gemma4Model(Decoder):
             raise ValueError("Gemma 4 runs whole: its layers cannot start from another device's hidden state")
         cfg = self.cfg
         n = len(tokens)
-        s = self._decode if n == 1 else _Scratch(cfg, n)
+        s = self._decode if n == 1 else self._new_scratch(n)
         s.positions[:] = np.arange(cache.offset, cache.offset + n)
 
         def attend(layer: Gemma4Layer, i: int, s: _Scratch, attn3, q3, k3, v3):
@@ -417,13 +421,7 @@ class Gemma4Model(Decoder):
     def _forward_batch(self, tokens: np.ndarray, caches: list[GroupedKVCache], first: int = 0, hidden=None):
         if first or hidden is not None:
             raise ValueError("Gemma 4 runs whole: its layers cannot start from another device's hidden state")
-        n = len(tokens)
-        buffers = self.__dict__.setdefault("_batch_scratch", {})
-        if n not in buffers:
-            if len(buffers) > 16:
-                buffers.clear()
-            buffers[n] = (_Scratch(self.cfg, n), np.empty((n, self.cfg.vocab_size), np.float32))
-        s, logits = buffers[n]
+        s, logits = self._batch_buffers(len(tokens))
         for b, cache in enumerate(caches):
             s.positions[b] = cache.offset
 
@@ -523,10 +521,9 @@ class Gemma4Model(Decoder):
         ops.linear(s.o, layer.w_down, gate)
         if layer.moe is not None:
             ops.rmsnorm(s.o, s.o, layer.post_mlp_norm, eps)
-            router_h = np.empty_like(s.h)
-            ops.rmsnorm(router_h, s.x, layer.router_scale, eps)
+            ops.rmsnorm(s.router, s.x, layer.router_scale, eps)
             ops.rmsnorm(s.h, s.x, layer.pre_moe_norm, eps)
-            moe_forward(s.y, s.h, layer.moe, self.cfg, router_h)
+            moe_forward(s.y, s.h, layer.moe, self.cfg, s.router)
             ops.rmsnorm(s.y, s.y, layer.post_moe_norm, eps)
             s.o += s.y
         ops.rmsnorm(s.h, s.o, layer.post_ffn_norm, eps)
