@@ -94,6 +94,11 @@ class MemoryEstimate:
         return self.total_bytes <= self.available_bytes * HEADROOM
 
 
+# GGUF architectures with recurrent layers (a fixed state per sequence, no keys and values): Qwen3.5's
+# DeltaNet, Granite 4.0-H's Mamba-2
+_RECURRENT_ARCHS = frozenset({"qwen35", "qwen35moe", "granitehybrid"})
+
+
 def kv_shape_from_gguf(metadata: dict[str, Any], path: str = "model") -> KVShape:
     """Layers, KV heads, head size and trained context from GGUF metadata (`{arch}.*` keys).
 
@@ -101,6 +106,13 @@ def kv_shape_from_gguf(metadata: dict[str, Any], path: str = "model") -> KVShape
         ModelFormatError: the keys the estimate needs are missing or not integers.
     """
     arch = metadata.get("general.architecture")
+    if arch in _RECURRENT_ARCHS:  # their layers and fixed state as the architecture's config reads them
+        from engine.arch import model_class
+
+        try:
+            return kv_shape_from_config(model_class(arch).config_class.from_gguf(metadata, vocab_size=1))
+        except (KeyError, TypeError, ValueError) as e:
+            raise ModelFormatError(path, f"metadata lacks the {arch} hyper-parameters ({e})") from e
     try:
         layers = int(metadata[f"{arch}.block_count"])
         heads = int(metadata[f"{arch}.attention.head_count"])

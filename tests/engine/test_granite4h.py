@@ -123,6 +123,10 @@ def test_gguf_in_llama_cpps_granitehybrid_layout(lm, tmp_path):
     shapes = {n: (t.type_name, tuple(t.shape)) for n, t in g.tensors.items() if n.startswith("blk.0.")}
     assert shapes["blk.0.ssm_a"] == ("F32", (8, 1)) and shapes["blk.0.ssm_norm.weight"] == ("F32", (2, 64))
     assert shapes["blk.0.ssm_conv1d.weight"] == ("F32", (192, 4)) and "blk.0.ffn_gate.weight" in shapes
+    from engine.memory_guard import kv_shape_from_gguf
+
+    shape, cache = kv_shape_from_gguf(g.metadata), lm.model.new_cache(8)
+    assert (shape.kv_bytes_per_token, shape.state_bytes) == (cache.bytes_per_token, cache.state_nbytes)
     stored = np.asarray(g.tensors["blk.0.ssm_a"].array()).reshape(-1)
     np.testing.assert_allclose(stored, lm.model.layers[0].mamba.neg_a, rtol=1e-6)
     g.close()

@@ -142,6 +142,10 @@ def test_gguf_in_llama_cpps_qwen35_layout(lm, tmp_path):
     stored = np.asarray(g.tensors["blk.0.ssm_a"].raw()).view(np.float32).reshape(-1)
     grouped = lm.model.layers[0].delta.neg_a  # -exp(A_log) from the folder: [K0v0, K0v1, K1v0, K1v1]
     np.testing.assert_allclose(stored, grouped[[0, 2, 1, 3]], rtol=1e-6)  # tiled: [K0v0, K1v0, K0v1, K1v1]
+    from engine.memory_guard import kv_shape_from_gguf
+
+    shape, cache = kv_shape_from_gguf(g.metadata), lm.model.new_cache(8)
+    assert (shape.kv_bytes_per_token, shape.state_bytes) == (cache.bytes_per_token, cache.state_nbytes)
     g.close()
     m = load_model(out).model
     assert m.cfg.delta.tiled and m.cfg.delta == dataclasses.replace(lm.model.cfg.delta, tiled=True)
