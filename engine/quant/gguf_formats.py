@@ -14,7 +14,7 @@ import numpy as np
 
 from engine.quant.encode import quantize
 from engine.quant.gguf_writer import GGUFWriter
-from engine.quant.presets import F32, MXFP4, PRESETS, plan
+from engine.quant.presets import F16, F32, MXFP4, PRESETS, is_quantizable, plan
 from engine.quant.registry import ConvertResult, ProgressFn, TargetFormat, register
 from engine.quant.source import SourceModel
 from models.formats.ggml_types import row_nbytes, type_name
@@ -127,7 +127,9 @@ def _write_mixed(source: SourceModel, out_path: Path, options: dict, progress: P
     budget = parse_budget(options.get("param"))
     errors = measure(source, progress)
     choice = assign(errors, budget)
-    types = {n: choice.types.get(n, F32) for n in source.names}
+    # matrices whose rows split into no candidate's blocks stay F16 (presets.fallback), the rest F32
+    unsplit = {n for n in source.names if is_quantizable(n, source.shapes[n])}
+    types = {n: choice.types.get(n, F16 if n in unsplit else F32) for n in source.names}
     # general.file_type 7 (MOSTLY_Q8_0) would be wrong; 1024 is llama.cpp's "guessed" marker
     write_gguf(source, out_path, types, progress, output_metadata(source, 1024))
     return ConvertResult(

@@ -67,8 +67,10 @@ def candidates(cols: int) -> tuple[int, ...]:
 
 
 def measure(source: SourceModel, progress: ProgressFn) -> dict[str, dict[int, tuple[float, int]]]:
-    """name -> {type: (error, n_weights)} for every quantizable tensor."""
-    names = [n for n in source.names if is_quantizable(n, source.shapes[n])]
+    """name -> {type: (error, n_weights)} for every quantizable tensor whose rows split into some candidate's
+    blocks (the others stay F16, as the presets' fallback keeps them)."""
+    shapes = source.shapes
+    names = [n for n in source.names if is_quantizable(n, shapes[n]) and candidates(shapes[n][-1])]
     out: dict[str, dict[int, tuple[float, int]]] = {}
     for i, name in enumerate(names):
         progress(i, len(names), f"measuring {name}")
