@@ -147,6 +147,9 @@ def kv_bytes_per_token(metadata: Mapping[str, Any]) -> int:
             raise ModelFormatError(f"<{arch} metadata>", "attention.head_count is zero")
         key_len = int(need("embedding_length")) // heads
     value_len = metadata.get(f"{arch}.attention.value_length") or key_len
+    every = int(metadata.get(f"{arch}.full_attention_interval") or 0)
+    if every:  # Qwen3.5: every `every`-th layer attends, the others keep a fixed state
+        n_head_kv = [h if (i + 1) % every == 0 else 0 for i, h in enumerate(n_head_kv)]
     total = sum(h * (int(key_len) + int(value_len)) for h in n_head_kv) * KV_BYTES
     if metadata.get(f"{arch}.shortconv.l_cache"):  # LFM2's convolution layers keep their inputs per token
         total += n_head_kv.count(0) * int(need("embedding_length")) * KV_BYTES
@@ -215,13 +218,15 @@ def kv_bytes_per_token_config(config: Mapping[str, Any]) -> int:
         # LFM2: its convolution layers keep their inputs (hidden_size a token) instead of keys and values;
         # layer_types names them, or they are the layers not in the older configs' full_attn_idxs
         n_conv = 0
+        types = list(cfg.get("layer_types") or cfg.get("layers_block_type") or [])
         if cfg.get("model_type") in ("lfm2", "lfm2_moe"):
-            types = cfg.get("layer_types")
-            n_conv = list(types).count("conv") if types else n_layer - len(cfg.get("full_attn_idxs") or [])
+            n_conv = types.count("conv") if types else n_layer - len(cfg.get("full_attn_idxs") or [])
         conv_bytes = n_conv * int(cfg["hidden_size"]) * KV_BYTES
+        # Qwen3.5's DeltaNet and Granite 4.0-H's Mamba-2 layers keep a fixed state, no keys and values
+        attending = n_layer - n_conv - sum(t in ("linear_attention", "mamba") for t in types)
     except (KeyError, TypeError, ValueError, ZeroDivisionError) as e:
         raise ModelFormatError("config.json", f"cannot size the KV cache from it ({e!r})") from None
-    return (n_layer - n_conv) * n_kv * 2 * head_dim * KV_BYTES + conv_bytes
+    return attending * n_kv * 2 * head_dim * KV_BYTES + conv_bytes
 
 
 def bits_per_weight(quant: str | None) -> float:

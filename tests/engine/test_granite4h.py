@@ -127,6 +127,10 @@ def test_gguf_in_llama_cpps_granitehybrid_layout(lm, tmp_path):
 
     shape, cache = kv_shape_from_gguf(g.metadata), lm.model.new_cache(8)
     assert (shape.kv_bytes_per_token, shape.state_bytes) == (cache.bytes_per_token, cache.state_nbytes)
+    from models.fit import kv_bytes_per_token, kv_bytes_per_token_config  # the library's fit estimate
+
+    config = json.loads((TINY / "granite4-h" / "config.json").read_text())
+    assert kv_bytes_per_token(g.metadata) == kv_bytes_per_token_config(config) == cache.bytes_per_token
     stored = np.asarray(g.tensors["blk.0.ssm_a"].array()).reshape(-1)
     np.testing.assert_allclose(stored, lm.model.layers[0].mamba.neg_a, rtol=1e-6)
     g.close()

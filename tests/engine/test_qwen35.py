@@ -146,6 +146,10 @@ def test_gguf_in_llama_cpps_qwen35_layout(lm, tmp_path):
 
     shape, cache = kv_shape_from_gguf(g.metadata), lm.model.new_cache(8)
     assert (shape.kv_bytes_per_token, shape.state_bytes) == (cache.bytes_per_token, cache.state_nbytes)
+    from models.fit import kv_bytes_per_token, kv_bytes_per_token_config  # the library's fit estimate
+
+    config = json.loads((TINY / "qwen3_5" / "config.json").read_text())
+    assert kv_bytes_per_token(g.metadata) == kv_bytes_per_token_config(config) == cache.bytes_per_token
     g.close()
     m = load_model(out).model
     assert m.cfg.delta.tiled and m.cfg.delta == dataclasses.replace(lm.model.cfg.delta, tiled=True)
