@@ -19,6 +19,7 @@ from engine.arch.gemma3 import Gemma3Config
 from engine.arch.gemma4 import Gemma4Config
 from engine.arch.llama import LlamaConfig, gpt_oss_layer_types, smollm3_rope_layers, windowed_rope_layers
 from engine.arch.mamba2 import MambaShape
+from engine.arch.nemotron_h import NemotronHConfig
 from engine.errors import MissingTensorError, ModelFormatError, UnsupportedArchitectureError
 from engine.hf_experts import FusedExperts
 from engine.rope import RopeScaling
@@ -58,6 +59,7 @@ _FAMILIES = {
     "gemma3_text": "gemma3",
     "gemma2": "gemma2",
     "gemma4_text": "gemma4",
+    "nemotron_h": "nemotron_h",  # dense Nemotron-H (Mamba-2, attention and MLP blocks)
     "mixtral": "llama",  # llama.cpp's name for Mixtral too: a llama with experts
     "qwen2_moe": "qwen2moe",
     "qwen3_moe": "qwen3moe",
@@ -195,8 +197,24 @@ _GRANITE_HYBRID_MOE_LAYER_NAMES = {
     "shared_mlp.input_linear.weight": "ffn_up_shexp.weight",  # gate rows, then up rows
     "shared_mlp.output_linear.weight": "ffn_down_shexp.weight",
 }
+# Nemotron-H: each block's norm and its one mixer (llama.cpp's nemotron_h names)
+_NEMOTRON_H_LAYER_NAMES = {
+    "norm.weight": "attn_norm.weight",
+    **{
+        "mixer." + hf.removeprefix("mamba."): gguf
+        for hf, gguf in _GRANITE_HYBRID_LAYER_NAMES.items()
+        if hf.startswith("mamba.")
+    },
+    "mixer.q_proj.weight": "attn_q.weight",
+    "mixer.k_proj.weight": "attn_k.weight",
+    "mixer.v_proj.weight": "attn_v.weight",
+    "mixer.o_proj.weight": "attn_output.weight",
+    "mixer.up_proj.weight": "ffn_up.weight",
+    "mixer.down_proj.weight": "ffn_down.weight",
+}
 _ARCH_LAYER_NAMES = {
     "gemma4": _GEMMA4_LAYER_NAMES,
+    "nemotron_h": _NEMOTRON_H_LAYER_NAMES,
     "granitehybrid": _GRANITE_HYBRID_LAYER_NAMES,
     "qwen35": _QWEN35_LAYER_NAMES,
     "qwen35moe": _QWEN35_LAYER_NAMES,
@@ -214,6 +232,8 @@ _GLOBAL_NAMES = {
     "model.embed_tokens_per_layer.weight": "per_layer_token_embd.weight",  # Gemma 4's per-layer embeddings
     "model.per_layer_model_projection.weight": "per_layer_model_proj.weight",
     "model.per_layer_projection_norm.weight": "per_layer_proj_norm.weight",
+    "model.embeddings.weight": "token_embd.weight",  # Nemotron-H (its backbone.* names)
+    "model.norm_f.weight": "output_norm.weight",
     "lm_head.weight": "output.weight",
 }
 _LAYER_RE = re.compile(r"model\.layers\.(\d+)\.(.+)")
@@ -223,6 +243,7 @@ _LANGUAGE_PREFIXES = (
     ("language_model.model.", "model."),
     ("model.language_model.", "model."),
     ("language_model.lm_head.", "lm_head."),
+    ("backbone.", "model."),  # Nemotron-H's text model
 )
 # gpt-oss's fused expert tensors (engine/hf_experts.py), by the GGUF names they stand for
 _FUSED_EXPERTS_RE = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(?:gate_up|down)_proj(?:_blocks)?")
@@ -551,6 +572,45 @@ def _gemma4_config(config: dict) -> Gemma4Config:
     )
 
 
+_NEMOTRON_KINDS = {"M": "mamba", "*": "attention", "-": "mlp", "E": "moe", "linear_attention": "mamba",
+                   "full_attention": "attention", "mamba": "mamba", "attention": "attention", "mlp": "mlp",
+                   "moe": "moe"}
+
+
+def _nemotron_h_config(config: dict) -> NemotronHConfig:
+    """NemotronHConfig's fields: block kinds from layers_block_type or the older hybrid_override_pattern
+    ("M" Mamba-2, "*" attention, "-" MLP); the mixtures of experts (Nemotron 3) are refused."""
+    types = config.get("layers_block_type") or config.get("layer_types")
+    types = types or list(config["hybrid_override_pattern"])
+    kinds = tuple(_NEMOTRON_KINDS.get(t, t) for t in types)
+    if "moe" in kinds:
+        raise UnsupportedArchitectureError("Nemotron-H mixtures of experts (Nemotron 3) are not supported")
+    if config.get("mlp_hidden_act", "relu2") != "relu2" or config.get("mamba_hidden_act", "silu") != "silu":
+        raise UnsupportedArchitectureError("Nemotron-H needs relu2 MLPs and SiLU in its Mamba-2 layers")
+    if config.get("mlp_bias") or config.get("attention_bias") or config.get("mamba_proj_bias"):
+        raise UnsupportedArchitectureError("Nemotron-H with linear biases is not supported yet")
+    heads = int(config.get("mamba_num_heads") or 128)
+    lo, hi = (float(v["__float__"] if isinstance(v, dict) else v)
+              for v in config.get("time_step_limit") or (0.0, float("inf")))
+    n_heads = int(config["num_attention_heads"])
+    return NemotronHConfig(
+        hidden_size=int(config["hidden_size"]),
+        vocab_size=int(config["vocab_size"]),
+        kinds=kinds,
+        num_attention_heads=n_heads,
+        num_key_value_heads=int(config.get("num_key_value_heads") or n_heads),
+        head_dim=int(config.get("head_dim") or int(config["hidden_size"]) // n_heads),
+        intermediate_size=int(config["intermediate_size"]),
+        mamba=MambaShape(
+            heads=heads, head_dim=int(config.get("mamba_head_dim") or 64),
+            state_size=int(config.get("ssm_state_size") or 128), groups=int(config.get("n_groups") or 8),
+            taps=int(config.get("conv_kernel") or 4), dt_min=lo, dt_max=hi,
+        ),
+        rms_norm_eps=float(config.get("layer_norm_epsilon", 1e-5)),
+        max_position_embeddings=int(config.get("max_position_embeddings", 8192)),
+    )
+
+
 def config_from_hf(folder: Path, config: dict) -> LlamaConfig | Gemma3Config | Gemma4Config:
     """The architecture config for a config.json (a multimodal folder's: its language model's). Raises
     UnsupportedArchitectureError for other families."""
@@ -562,8 +622,10 @@ def config_from_hf(folder: Path, config: dict) -> LlamaConfig | Gemma3Config | G
             f"{folder}: model_type {model_type!r} is not supported from safetensors yet "
             f"(supported: {', '.join(sorted(_FAMILIES))})"
         )
-    if arch in (*_GEMMA, "gemma4"):
+    if arch in (*_GEMMA, "gemma4", "nemotron_h"):
         try:
+            if arch == "nemotron_h":
+                return _nemotron_h_config(config)
             return _gemma4_config(config) if arch == "gemma4" else _gemma3_config(config, arch)
         except (KeyError, TypeError, ValueError) as e:
             raise ModelFormatError(folder / "config.json", f"missing or invalid hyper-parameter ({e})") from e

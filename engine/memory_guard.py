@@ -95,8 +95,8 @@ class MemoryEstimate:
 
 
 # GGUF architectures with recurrent layers (a fixed state per sequence, no keys and values): Qwen3.5's
-# DeltaNet, Granite 4.0-H's Mamba-2
-_RECURRENT_ARCHS = frozenset({"qwen35", "qwen35moe", "granitehybrid"})
+# DeltaNet, Granite 4.0-H's and Nemotron-H's Mamba-2
+_RECURRENT_ARCHS = frozenset({"qwen35", "qwen35moe", "granitehybrid", "nemotron_h"})
 
 
 def kv_shape_from_gguf(metadata: dict[str, Any], path: str = "model") -> KVShape:
@@ -141,7 +141,7 @@ def kv_shape_from_config(cfg) -> KVShape:
     if recurrent:
         from engine.kv_cache import RecurrentKVCache
 
-        shape = cfg.delta or cfg.mamba
+        shape = getattr(cfg, "delta", None) or cfg.mamba
         state = (1 + RecurrentKVCache.MAX_SNAPSHOTS) * recurrent * shape.state_floats * 4
     widths = tuple(getattr(cfg, "kv_widths", ()))
     return KVShape(

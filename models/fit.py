@@ -211,19 +211,24 @@ def kv_bytes_per_token_config(config: Mapping[str, Any]) -> int:
     try:
         if cfg.get("model_type") == "gemma4_text":
             return 2 * sum(_gemma4_kv_widths_config(cfg)) * KV_BYTES
-        n_layer = int(cfg["num_hidden_layers"])
+        types = list(cfg.get("layer_types") or cfg.get("layers_block_type") or [])
+        if cfg.get("model_type") == "nemotron_h" and not types:  # its older configs' block pattern
+            kinds = {"*": "attention", "M": "mamba", "-": "mlp", "E": "moe"}
+            types = [kinds.get(c, c) for c in cfg.get("hybrid_override_pattern", "")]
+        # Nemotron-H's configs as transformers writes them back give the layers by their types only
+        n_layer = int(cfg.get("num_hidden_layers") or len(types) or cfg["num_hidden_layers"])
         n_head = int(cfg["num_attention_heads"])
         n_kv = int(cfg.get("num_key_value_heads") or n_head)
         head_dim = int(cfg.get("head_dim") or int(cfg["hidden_size"]) // n_head)
         # LFM2: its convolution layers keep their inputs (hidden_size a token) instead of keys and values;
         # layer_types names them, or they are the layers not in the older configs' full_attn_idxs
         n_conv = 0
-        types = list(cfg.get("layer_types") or cfg.get("layers_block_type") or [])
         if cfg.get("model_type") in ("lfm2", "lfm2_moe"):
             n_conv = types.count("conv") if types else n_layer - len(cfg.get("full_attn_idxs") or [])
         conv_bytes = n_conv * int(cfg["hidden_size"]) * KV_BYTES
-        # Qwen3.5's DeltaNet and Granite 4.0-H's Mamba-2 layers keep a fixed state, no keys and values
-        attending = n_layer - n_conv - sum(t in ("linear_attention", "mamba") for t in types)
+        # Qwen3.5's DeltaNet and Mamba-2 layers (Granite 4.0-H, Nemotron-H) keep a fixed state, no keys and
+        # values; nor do Nemotron-H's MLP blocks
+        attending = n_layer - n_conv - sum(t in ("linear_attention", "mamba", "mlp", "moe") for t in types)
     except (KeyError, TypeError, ValueError, ZeroDivisionError) as e:
         raise ModelFormatError("config.json", f"cannot size the KV cache from it ({e!r})") from None
     return attending * n_kv * 2 * head_dim * KV_BYTES + conv_bytes

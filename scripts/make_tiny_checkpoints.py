@@ -179,6 +179,16 @@ FAMILIES = {
         torch.bfloat16,
         False,
     ),
+    # Nemotron-H (dense): each block one mixer, Mamba-2 (8 heads of 16, 2 groups), attention without positions
+    # or a squared-ReLU MLP
+    "nemotron_h": (
+        transformers.NemotronHConfig,
+        dict(tie_word_embeddings=False, hybrid_override_pattern="M-*M-", head_dim=16, ssm_state_size=16,
+             mamba_num_heads=8, mamba_head_dim=16, n_groups=2, conv_kernel=4, chunk_size=8,
+             layer_norm_epsilon=1e-5, num_hidden_layers=5),
+        torch.bfloat16,
+        False,
+    ),
     # GLM-4: norms of each branch's output, half of each head rotated in adjacent pairs, fused gate|up,
     # QKV biases
     "glm4": (

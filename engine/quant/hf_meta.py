@@ -85,9 +85,45 @@ def _gemma4_hparams(cfg) -> dict[str, Any]:
     return md
 
 
+def _mamba_hparams(a: str, shape) -> dict[str, Any]:
+    """llama.cpp's ssm.* keys for Mamba-2 layers (granitehybrid, nemotron_h)."""
+    if (shape.dt_min, shape.dt_max) != (0.0, float("inf")):
+        raise ModelFormatError("config.json", f"a {a} GGUF has no key for time_step_limit")
+    return {
+        f"{a}.ssm.conv_kernel": shape.taps,
+        f"{a}.ssm.state_size": shape.state_size,
+        f"{a}.ssm.group_count": shape.groups,
+        f"{a}.ssm.time_step_rank": shape.heads,
+        f"{a}.ssm.inner_size": shape.d_inner,
+    }
+
+
+def _nemotron_h_hparams(cfg) -> dict[str, Any]:
+    """llama.cpp's nemotron_h keys: KV heads per layer (0 but in attention blocks), FFN lengths per layer
+    (0 but in MLP blocks), the head size, Mamba-2's sizes, no RoPE."""
+    a = "nemotron_h"
+    return {
+        "general.architecture": a,
+        f"{a}.block_count": cfg.num_hidden_layers,
+        f"{a}.context_length": cfg.max_position_embeddings,
+        f"{a}.embedding_length": cfg.hidden_size,
+        f"{a}.vocab_size": cfg.vocab_size,
+        f"{a}.feed_forward_length": [cfg.intermediate_size * (k == "mlp") for k in cfg.kinds],
+        f"{a}.attention.head_count": cfg.num_attention_heads,
+        f"{a}.attention.head_count_kv": [cfg.num_key_value_heads * (k == "attention") for k in cfg.kinds],
+        f"{a}.attention.key_length": cfg.head_dim,
+        f"{a}.attention.value_length": cfg.head_dim,
+        f"{a}.attention.layer_norm_rms_epsilon": float(cfg.rms_norm_eps),
+        f"{a}.rope.scaling.finetuned": False,
+        **_mamba_hparams(a, cfg.mamba),
+    }
+
+
 def _hparams(arch: str, config: dict, cfg) -> dict[str, Any]:
     if arch == "gemma4":
         return _gemma4_hparams(cfg)
+    if arch == "nemotron_h":
+        return _nemotron_h_hparams(cfg)
     a = arch
     md: dict[str, Any] = {
         "general.architecture": arch,
@@ -176,14 +212,7 @@ def _hparams(arch: str, config: dict, cfg) -> dict[str, Any]:
         ]
         md[f"{a}.shortconv.l_cache"] = cfg.conv_taps
     if arch == "granitehybrid":  # llama.cpp's keys: Mamba-2's sizes, KV heads per layer (0 in Mamba-2 layers)
-        shape = cfg.mamba
-        if (shape.dt_min, shape.dt_max) != (0.0, float("inf")):
-            raise ModelFormatError("config.json", "a granitehybrid GGUF has no key for time_step_limit")
-        md[f"{a}.ssm.conv_kernel"] = shape.taps
-        md[f"{a}.ssm.state_size"] = shape.state_size
-        md[f"{a}.ssm.group_count"] = shape.groups
-        md[f"{a}.ssm.time_step_rank"] = shape.heads
-        md[f"{a}.ssm.inner_size"] = shape.d_inner
+        md.update(_mamba_hparams(a, cfg.mamba))
         md[f"{a}.attention.head_count_kv"] = [
             0 if cfg.is_recurrent(i) else cfg.num_key_value_heads for i in range(cfg.num_hidden_layers)
         ]

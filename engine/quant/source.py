@@ -28,12 +28,14 @@ from models.formats.ggml_types import PLAIN_DTYPES, type_name
 from models.formats.gguf import GGUFFile, open_gguf
 
 # architectures whose GGUF stores q/k for interleaved (non-NeoX) RoPE: HF rows are permuted on the way in
-PERMUTED_QK = frozenset({"llama", "mistral3", "smollm3", "granite", "granitehybrid"})
+PERMUTED_QK = frozenset({"llama", "mistral3", "smollm3", "granite", "granitehybrid", "nemotron_h"})
+# architectures with Mamba-2 layers (llama.cpp's shapes for A, D and the gated norm: _mamba_shape)
+MAMBA_ARCHS = frozenset({"granitehybrid", "nemotron_h"})
 GEMMA_NORM_OFFSET = frozenset({"gemma3", "gemma2"})
 SUPPORTED_ARCHS = frozenset(
     {"llama", "mistral3", "smollm3", "granite", "glm4", "olmo2", "ernie4_5", "qwen2", "qwen2moe", "qwen3",
      "qwen3moe", "glm4moe", "exaone4", "seed_oss", "lfm2", "lfm2moe", "qwen35", "qwen35moe", "gemma3",
-     "gemma2", "gemma4", "gpt-oss", "granitehybrid"}
+     "gemma2", "gemma4", "gpt-oss", "granitehybrid", "nemotron_h"}
 )
 _F32, _BF16, _Q4_1 = 0, 30, 3
 
@@ -207,7 +209,7 @@ def _hf_source(folder: Path) -> SourceModel:
         if name in quantized:
             return quantized[name][1]
         shape = conv_kernel_shape(name, st.tensors[names_map[name]].shape)
-        return _mamba_shape(name, shape, cfg.mamba) if arch == "granitehybrid" else shape
+        return _mamba_shape(name, shape, cfg.mamba) if arch in MAMBA_ARCHS else shape
 
     def load(name: str) -> np.ndarray:
         if name in fused:
@@ -219,7 +221,7 @@ def _hf_source(folder: Path) -> SourceModel:
             x = permute_qk(x, n_kv)
         if arch in ("qwen35", "qwen35moe"):
             x = _qwen35_layout(name, x, cfg.delta)
-        if arch == "granitehybrid":  # llama.cpp's Mamba-2 shapes, A_log as -exp(A_log)
+        if arch in MAMBA_ARCHS:  # llama.cpp's Mamba-2 shapes, A_log as -exp(A_log)
             x = x.reshape(shape_of(name))
             if name.endswith(".ssm_a"):
                 x = -np.exp(x)
@@ -258,6 +260,8 @@ _EXPERT_NAME = re.compile(r"blk\.\d+\.ffn_\w+_exps\.weight\.\d+")  # HFWeights' 
 
 # GGUF architectures whose files keep gate and up fused in one ffn_up (llama.cpp's Phi-3 and GLM-4)
 _FUSED_GATE_UP = frozenset({"phi3", "glm4"})
+# architectures whose MLPs have no gate (Nemotron-H's squared ReLU): their ffn_up is only up
+_UNGATED = frozenset({"nemotron_h"})
 
 
 def _qwen35_layout(name: str, x: np.ndarray, shape) -> np.ndarray:
@@ -287,7 +291,7 @@ def _split_gate_up(st, names_map: dict[str, str], arch: str) -> dict[str, tuple[
     other architectures read: name -> (shape, source type, float32 loader). Takes the fused names out of
     names_map. Gemma 4's GGUFs keep the experts' merged tensor."""
     out = {}
-    if arch in _FUSED_GATE_UP:
+    if arch in _FUSED_GATE_UP or arch in _UNGATED:
         return out
     pairs = {".ffn_up.weight": ".ffn_gate.weight", ".ffn_up_shexp.weight": ".ffn_gate_shexp.weight"}
     if arch == "granitehybrid":

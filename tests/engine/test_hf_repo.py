@@ -29,7 +29,7 @@ def _golden(family: str) -> dict:
 
 def test_every_family_has_a_fixture():
     dense = {"llama", "llama3-scaled", "mistral", "smollm3", "granite", "granite4", "glm4", "olmo2", "qwen2"}
-    dense |= {"granite4-h"}
+    dense |= {"granite4-h", "nemotron_h"}
     dense |= {"qwen3", "qwen3_5"}
     dense |= {"phi3", "ernie4_5", "olmo3", "exaone4", "seed_oss", "lfm2", "ministral3"}
     dense |= {"gemma2", "gemma3", "gemma3-mm", "ministral3-mm", "gemma4", "gemma4-mm"}
