@@ -70,3 +70,26 @@ def check_speculation_keeps_greedy(model, tokenizer, prompt) -> list:
                                        k=4, adaptive=False))
     assert [e.token for e in events] == plain
     return events
+
+
+def check_recurrent_trims_and_chat_turns(model, tokenizer, tokens, ref, tol: float) -> None:
+    """A model whose cache keeps recurrent states at its end (RecurrentKVCache): a trim lands on the latest
+    snapshot at or before its target (6 for 11, here) and continuing gives the reference logits ref; a second
+    chat turn reuses the whole first one and replies as a fresh cache does."""
+    from engine.generate import GenerationParams, generate
+
+    cache = model.new_cache(32)
+    model.forward(tokens[:6], cache)
+    model.forward(tokens[6:12], cache)  # snapshots at 6 and 12
+    for t in tokens[12:]:
+        model.forward([t], cache)
+    assert cache.trim(len(tokens) - 11) == len(tokens) - 6 and cache.offset == 6
+    np.testing.assert_allclose(model.forward(tokens[6:9], cache, all_logits=True), ref[6:9], atol=tol)
+    params = GenerationParams(max_tokens=6, temperature=0.0)
+    cache = model.new_cache(128)
+    reply = [e.token for e in generate(model, tokenizer, tokens, cache, params)]
+    turn2 = list(tokens) + reply + [5, 17, 42, 99]
+    second = list(generate(model, tokenizer, turn2, cache, params))
+    assert second[-1].cached_tokens == len(tokens) + len(reply) - 1
+    fresh = [e.token for e in generate(model, tokenizer, turn2, model.new_cache(128), params)]
+    assert [e.token for e in second] == fresh

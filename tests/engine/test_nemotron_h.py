@@ -15,10 +15,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from engine.generate import GenerationParams, generate
 from engine.kv_cache import RecurrentKVCache
 from engine.loader import load_model
-from tests.engine.model_checks import check_batched_decode, chunked_logits
+from tests.engine.model_checks import (
+    check_batched_decode,
+    check_recurrent_trims_and_chat_turns,
+    chunked_logits,
+)
 
 TINY = Path(__file__).resolve().parents[1] / "fixtures" / "tiny"
 GOLDEN = json.loads((TINY / "nemotron_h" / "golden.json").read_text())
@@ -42,22 +45,8 @@ def test_config_and_cache_layout(lm):
 
 
 def test_prefill_in_chunks_trims_and_chat_turns(lm):
-    m, tok = lm.model, lm.tokenizer
-    np.testing.assert_allclose(chunked_logits(m, TOKENS, (5, 1, 2, 7, 1)), REF, atol=TOL)
-    cache = m.new_cache(32)
-    m.forward(TOKENS[:6], cache)
-    m.forward(TOKENS[6:12], cache)  # snapshots at 6 and 12
-    for t in TOKENS[12:]:
-        m.forward([t], cache)
-    assert cache.trim(5) == 10 and cache.offset == 6
-    np.testing.assert_allclose(m.forward(TOKENS[6:9], cache, all_logits=True), REF[6:9], atol=TOL)
-    params = GenerationParams(max_tokens=6, temperature=0.0)
-    cache = m.new_cache(128)
-    reply = [e.token for e in generate(m, tok, TOKENS, cache, params)]
-    turn2 = TOKENS + reply + [5, 17, 42, 99]
-    second = list(generate(m, tok, turn2, cache, params))
-    assert second[-1].cached_tokens == len(TOKENS) + len(reply) - 1
-    assert [e.token for e in second] == [e.token for e in generate(m, tok, turn2, m.new_cache(128), params)]
+    np.testing.assert_allclose(chunked_logits(lm.model, TOKENS, (5, 1, 2, 7, 1)), REF, atol=TOL)
+    check_recurrent_trims_and_chat_turns(lm.model, lm.tokenizer, TOKENS, REF, TOL)
 
 
 def test_batched_decode_matches_one_sequence_at_a_time(lm):
