@@ -110,9 +110,6 @@ class NemotronHLayer:
     w_up: Weight | None = None
     w_down: Weight | None = None
 
-    def weights(self) -> list[Weight]:
-        return [w for w in (self.wq, self.wk, self.wv, self.wo, self.w_up, self.w_down) if w is not None]
-
 
 @register("nemotron_h")
 class NemotronHModel(Decoder):
@@ -147,12 +144,6 @@ class NemotronHModel(Decoder):
         self.scale = np.float32(cfg.head_dim**-0.5)
         self._logits = np.empty((1, cfg.vocab_size), np.float32)
 
-    @property
-    def small_batch_max(self) -> int:
-        mats = [w for layer in self.layers for w in layer.weights()]
-        mats += [w for layer in self.layers if layer.mamba for w in layer.mamba.weights()]
-        return ops.small_batch_limit(mats)
-
     def new_cache(self, n_ctx: int, dtype=np.float32) -> RecurrentKVCache:
         cfg = self.cfg
         shape = cfg.mamba
@@ -171,12 +162,9 @@ class NemotronHModel(Decoder):
         cache.advance(tokens)
         if n > 1:
             cache.snapshot()
-        rows = x if all_logits else x[n - 1 :]
-        h = np.empty_like(rows)
-        ops.rmsnorm(h, rows, self.output_norm, self.cfg.rms_norm_eps)
-        logits = np.empty((len(rows), self.cfg.vocab_size), np.float32) if all_logits else self._logits
-        ops.linear(logits, self.output, h)
-        return logits
+        if all_logits:
+            return self._output(x, np.empty((n, self.cfg.vocab_size), np.float32))
+        return self._output(x[n - 1 :], self._logits)
 
     def _forward_batch(self, tokens, caches: list[RecurrentKVCache], first=0, hidden=None):
         if first or hidden is not None:
@@ -184,9 +172,12 @@ class NemotronHModel(Decoder):
         x = self._layers(tokens, caches, [c.offset for c in caches])
         for b, cache in enumerate(caches):
             cache.advance(tokens[b : b + 1])
-        h = np.empty_like(x)
-        ops.rmsnorm(h, x, self.output_norm, self.cfg.rms_norm_eps)
-        logits = np.empty((len(x), self.cfg.vocab_size), np.float32)
+        return self._output(x, np.empty((len(x), self.cfg.vocab_size), np.float32))
+
+    def _output(self, rows: np.ndarray, logits: np.ndarray) -> np.ndarray:
+        """logits (written and returned) of the residual stream's rows: the final norm, then the output."""
+        h = np.empty_like(rows)
+        ops.rmsnorm(h, rows, self.output_norm, self.cfg.rms_norm_eps)
         ops.linear(logits, self.output, h)
         return logits
 
