@@ -179,6 +179,7 @@ class ModelInfo:
     estimated_bytes: int
     warnings: list[str] = field(default_factory=list)
     device: str = "cpu"  # where it runs: "cpu", "cuda:0", "cuda:0 (12/28 layers)"
+    vision: bool = False  # it reads images in messages (engine.vision)
 
 
 @dataclass

@@ -90,6 +90,7 @@ def cmd_convert(args) -> int:
                     "seconds": outcome.seconds,
                     "bytes": outcome.nbytes,
                     "tensor_types": outcome.result.tensor_types,
+                    "mmproj": str(outcome.mmproj) if outcome.mmproj else None,
                     **outcome.result.extra,
                 },
                 indent=2,
@@ -102,6 +103,8 @@ def cmd_convert(args) -> int:
             f"wrote {outcome.output} ({outcome.nbytes / 1e6:.1f} MB, {outcome.format}) "
             f"in {outcome.seconds:.1f} s"
         )
+        if outcome.mmproj:
+            print(f"wrote {outcome.mmproj} (the vision tower, for images)")
     return 0
 
 

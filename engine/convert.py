@@ -43,6 +43,7 @@ class ConvertOutcome:
     seconds: float
     nbytes: int
     result: ConvertResult = field(default_factory=ConvertResult)
+    mmproj: Path | None = None  # the vision tower's mmproj GGUF written beside a GGUF output
 
 
 def _size(path: Path) -> int:
@@ -143,6 +144,7 @@ def convert(
         except BaseException:
             _remove(tmp)
             raise
+    mmproj = _vision_beside(src, out_path, overwrite)
     return ConvertOutcome(
         src,
         out_path,
@@ -150,4 +152,29 @@ def convert(
         time.perf_counter() - t0,
         _size(out_path),
         result,
+        mmproj,
     )
+
+
+def _vision_beside(src: Path, out_path: Path, overwrite: bool) -> Path | None:
+    """A multimodal folder converted to GGUF: its vision tower as an mmproj GGUF beside the output (what
+    llama.cpp and Hearth load images with), None when there is none. An existing mmproj is kept unless
+    `overwrite`."""
+    if not src.is_dir() or out_path.suffix != ".gguf":
+        return None
+    from engine.hf_repo import read_json
+    from engine.vision.export import mmproj_path, write_mmproj
+    from models.formats.safetensors import open_safetensors_repo
+
+    target = mmproj_path(out_path)
+    if target.exists() and not overwrite:
+        raise ConvertError(f"{target} already exists; remove it or pass --force")
+    with open_safetensors_repo(src) as st:
+        try:
+            return write_mmproj(src, read_json(src / "config.json"), st, target)
+        except OSError as e:
+            if e.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise DiskFullError(
+                    f"{target.parent}: the disk is full; the vision tower was not written"
+                ) from e
+            raise

@@ -7,6 +7,7 @@ from models.errors import HearthError, ModelFormatError
 __all__ = [
     "ContextOverflowError",
     "HearthError",
+    "ImageInputError",
     "MissingTensorError",
     "ModelFormatError",
     "UnsupportedArchitectureError",
@@ -31,3 +32,8 @@ class ContextOverflowError(HearthError):
             f"the prompt needs {needed} tokens but the context holds {n_ctx}; "
             "shorten the prompt or load the model with a larger context (--ctx)"
         )
+
+
+class ImageInputError(HearthError):
+    """An image in a message cannot be used: the model reads no images, or the bytes are no readable
+    image (the message says which and what to do)."""

@@ -14,6 +14,7 @@ from engine.kv_cache import KVCache
 from engine.memory import peak_rss_mb
 from engine.sampling import check_sampling, make_sampler, repetition_penalty
 from engine.tokenizer import Tokenizer
+from engine.vision.tokens import chunk_end, safe_prefix
 
 
 @dataclass
@@ -71,12 +72,16 @@ def prefill(model, cache: KVCache, ids: Sequence[int], chunk: int = 512) -> tupl
         raise ValueError("cannot generate from an empty prompt")
     if len(ids) > cache.n_ctx:
         raise ContextOverflowError(len(ids), cache.n_ctx)
-    reused = min(cache.common_prefix(ids), len(ids) - 1)  # recompute at least the last token for its logits
+    # recompute at least the last token for its logits; never keep part of an image (engine.vision.tokens)
+    reused = safe_prefix(model, ids, min(cache.common_prefix(ids), len(ids) - 1))
     cache.trim(cache.offset - reused)
     reused = cache.offset  # a recurrent model's cache may step back further (RecurrentKVCache.trim)
     logits = None
-    for start in range(reused, len(ids), chunk):
-        logits = model.forward(ids[start : start + chunk], cache)
+    start = reused
+    while start < len(ids):
+        end = chunk_end(model, ids, start, chunk)
+        logits = model.forward(ids[start:end], cache)
+        start = end
     return logits[-1].copy(), reused
 
 

@@ -95,6 +95,10 @@ class LoadedModel:
     metadata: dict
     load_s: float
     file_size: int
+    # the vision tower (engine.vision) when the model reads images; vision_notice says why one that the
+    # model has could not be used (a broken or mismatched mmproj file), for the load's warnings
+    vision: object | None = None
+    vision_notice: str = ""
 
     @property
     def name(self) -> str:
@@ -113,7 +117,31 @@ def _load_hf_repo(folder: Path, t0: float) -> LoadedModel:
         if template_source
         else None
     )
-    return LoadedModel(folder, model, tokenizer, template, metadata, time.perf_counter() - t0, nbytes)
+    lm = LoadedModel(folder, model, tokenizer, template, metadata, time.perf_counter() - t0, nbytes)
+    _attach_vision(lm, lambda: _hf_vision(folder, weights))
+    return lm
+
+
+def _hf_vision(folder: Path, weights):
+    from engine.hf_repo import read_json
+    from engine.vision.load import hf_vision
+
+    return hf_vision(folder, read_json(folder / "config.json"), weights.st)
+
+
+def _attach_vision(lm: LoadedModel, opener) -> None:
+    """Give a model that can embed images (an `images` attribute) its vision tower, if `opener` finds one.
+    A tower that cannot be used leaves the model text-only with lm.vision_notice saying why."""
+    if not hasattr(lm.model, "images"):
+        return
+    try:
+        tower = opener()
+        if tower is not None:
+            tower.attach(lm.model)
+    except ModelFormatError as e:
+        lm.vision_notice = f"images are off: {e}"
+        return
+    lm.vision = tower
 
 
 def load_model(path: str | Path) -> LoadedModel:
@@ -148,7 +176,7 @@ def load_model(path: str | Path) -> LoadedModel:
         ) from e
     model = cls(cfg, weights)
     template = ChatTemplate.from_gguf_metadata(metadata)
-    return LoadedModel(
+    lm = LoadedModel(
         path=path,
         model=model,
         tokenizer=tokenizer,
@@ -157,3 +185,13 @@ def load_model(path: str | Path) -> LoadedModel:
         load_s=time.perf_counter() - t0,
         file_size=path.stat().st_size,
     )
+    _attach_vision(lm, lambda: _gguf_vision(path))
+    return lm
+
+
+def _gguf_vision(path: Path):
+    """The tower in the mmproj file beside a GGUF model, None without one."""
+    from engine.vision.load import find_mmproj, gguf_vision
+
+    mmproj = find_mmproj(path)
+    return gguf_vision(mmproj) if mmproj is not None else None

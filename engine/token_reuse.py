@@ -30,10 +30,11 @@ def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
 
 
 def _text_run(tokenizer: Tokenizer, ids: Sequence[int], start: int) -> tuple[bytes, np.ndarray]:
-    """Bytes of the ordinary tokens from `start` up to the next special token, and where each ends."""
+    """Bytes of the ordinary tokens from `start` up to the next special token (or image id, past the
+    vocabulary: engine.vision.tokens), and where each ends."""
     pieces = []
     for token in ids[start:]:
-        if tokenizer.is_special(int(token)):
+        if int(token) >= tokenizer.vocab_size or tokenizer.is_special(int(token)):
             break
         pieces.append(tokenizer.token_bytes(int(token)))
     ends = np.cumsum([len(p) for p in pieces], dtype=np.int64)

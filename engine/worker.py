@@ -46,6 +46,8 @@ from engine.spec_chat import DraftSlot, prime, proposer_for, spec_fields
 from engine.speculative import speculative_generate
 from engine.templates import ensure_chat_template
 from engine.token_reuse import best_reuse
+from engine.vision import encode_with_images, prepare_messages
+from engine.vision.tokens import chunk_end, safe_prefix
 from models.formats.gguf import open_gguf
 from models.resolve import resolve_model
 
@@ -133,6 +135,8 @@ class ChatRunner:
         notice = ensure_chat_template(lm)
         if notice:
             progress(LoadProgress("warning", 0.6, notice))
+        if lm.vision_notice:
+            progress(LoadProgress("warning", 0.6, lm.vision_notice))
         if options.threads:
             cpu.set_threads(options.threads)
         if options.device != "cpu":
@@ -171,6 +175,7 @@ class ChatRunner:
             estimated_bytes=est.total_bytes if est else 0,
             warnings=list(est.warnings) if est else [],
             device=getattr(self.lm.model, "placement", "cpu"),
+            vision=self.lm.vision is not None,
         )
 
     def status(self) -> dict:
@@ -197,6 +202,7 @@ class ChatRunner:
         if _continues(messages):
             # "continue": the reply goes on from the last assistant message's text, rendered unclosed
             partial = messages.pop()["content"]
+        messages, images = prepare_messages(self.lm, messages)
         text = self.lm.template.render(messages, add_generation_prompt=True, **(template_vars or {}))
         if partial and self.lm.tokenizer.harmony is not None:
             partial = continuation(partial)  # gpt-oss: the reply's analysis and answer as harmony messages
@@ -204,7 +210,7 @@ class ChatRunner:
             partial = partial.lstrip()[len(marker) :]  # the template opened the block the reply spells out
         text += partial
         # the template writes BOS itself when the model wants it
-        return self.lm.tokenizer.encode(text, add_special=False)
+        return encode_with_images(self.lm, text, images)
 
     def _opens_reasoning(self, messages: Sequence[dict], ids: Sequence[int]) -> str:
         """The opening marker of the thinking block the prompt `ids` leaves open ("" for none): the
@@ -263,6 +269,8 @@ class ChatRunner:
 
         fitted = fit_conversation(messages, encode, n_ctx, reserve, policy, self._context_state(chat_id))
         ids = fitted.ids
+        if proposer is not None and max(ids) >= self.lm.tokenizer.vocab_size:
+            proposer = None  # a draft model cannot read image ids, nor prompt lookup match them
         restored = 0
         if not reuse:
             cache.trim(cache.offset)
@@ -271,7 +279,7 @@ class ChatRunner:
         if reuse and self.store is not None:
             live = cache.common_prefix(ids)
             restored = max(0, self.store.restore(ids, cache, start=live) - live)
-        cached = min(cache.common_prefix(ids), len(ids) - 1)
+        cached = safe_prefix(model, ids, min(cache.common_prefix(ids), len(ids) - 1))
         cache.trim(cache.offset - cached)  # as prefill() would; a recurrent cache may step back further
         cached = cache.offset
         chunk = self.options.batch_size
@@ -294,8 +302,11 @@ class ChatRunner:
                 if should_stop():
                     yield cancelled(prefilled=done - cached)
                     return
-                prefill(model, cache, ids[: done + chunk], chunk)
-                done += chunk
+                end = chunk_end(model, ids, done, chunk)  # never inside an image
+                if end >= len(ids):
+                    break
+                prefill(model, cache, ids[:end], end - done)
+                done = end
                 yield replace(base, prefilled=done - cached, context_after=cache.offset)
             for _ in prime(proposer, ids, chunk):  # the draft's own prefill, cancellable between chunks
                 if should_stop():

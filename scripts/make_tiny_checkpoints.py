@@ -367,6 +367,15 @@ MULTIMODAL = {
         dict(_VISION),
         dict(mm_tokens_per_image=4, image_token_index=317, boi_token_index=318, eoi_token_index=319),
     ),
+    # Gemma 3 with a vision tower Hearth runs: 4x4 patches pooled 2x2 into 4 image tokens, two SigLIP layers,
+    # a window shorter than the prompt before an image; golden_vision.json holds a prompt with two images
+    "gemma3-vision": (
+        transformers.Gemma3Config,
+        dict(model_type="gemma3_text", head_dim=32, query_pre_attn_scalar=32, sliding_window=6,
+             pad_token_id=0, layer_types=["sliding_attention", "full_attention"]),
+        dict(_VISION, image_size=56, num_hidden_layers=2),
+        dict(mm_tokens_per_image=4, image_token_index=317, boi_token_index=318, eoi_token_index=319),
+    ),
     # Gemma 4 E2B's layout (Gemma4ForConditionalGeneration): the language model under model.language_model,
     # beside a vision tower (no audio tower here)
     "gemma4-mm": (
@@ -541,10 +550,93 @@ def write_family(name: str, out: Path) -> None:
         "greedy": [int(t) for t in greedy],
     }
     (folder / "golden.json").write_text(json.dumps(golden))
+    if name == "gemma3-vision":
+        write_vision_golden(ref, folder)
     size = sum(f.stat().st_size for f in folder.iterdir())
     print(f"wrote {folder} ({size:,} bytes)")
     if name == "gpt-oss-bf16":
         write_gpt_oss_mxfp4(folder, out / "gpt-oss")
+
+
+# Gemma's chat template's handling of content lists: <start_of_image> where an image part is
+VISION_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+    "{% if m['content'] is string %}{{ m['content'] }}{% else %}{% for item in m['content'] %}"
+    "{% if item['type'] == 'image' %}<start_of_image>{% elif item['type'] == 'text' %}{{ item['text'] }}"
+    "{% endif %}{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+VISION_MESSAGES = [
+    {"role": "user", "content": "Hello there, look at these."},
+    {"role": "assistant", "content": "Sure, send them."},
+    {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is this? And the other:"},
+                                 {"type": "image"}]},
+]
+
+
+def test_images() -> list:
+    """Two small deterministic RGB pictures, neither square (the processor resizes them to 56 x 56)."""
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(7)
+    a = np.zeros((60, 80, 3), np.uint8)
+    a[..., 0] = np.linspace(0, 255, 80)[None, :]
+    a[..., 1] = np.linspace(255, 0, 60)[:, None]
+    a[20:40, 30:50, 2] = 220
+    b = rng.integers(0, 256, (70, 40, 3), dtype=np.uint8)
+    return [Image.fromarray(a), Image.fromarray(b)]
+
+
+def write_vision_golden(ref, folder: Path) -> None:
+    """golden_vision.json for a Gemma 3 with a vision tower: the prompt as Gemma3Processor builds it (each
+    <start_of_image> becomes "\n\n<start_of_image>" + image tokens + "<end_of_image>\n\n"), the pixels from
+    transformers' PIL image processor, then the logits at every position, 8 greedy tokens, and each image's
+    projected rows, from Gemma3ForConditionalGeneration with the bidirectional image mask (token_type_ids)."""
+    import jinja2
+    from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+
+    tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    while tok.get_vocab_size() < 317:  # the image tokens at the config's ids
+        tok.add_special_tokens([f"<unused{tok.get_vocab_size()}>"])
+    tok.add_special_tokens(["<image_soft_token>", "<start_of_image>", "<end_of_image>"])
+    assert tok.token_to_id("<start_of_image>") == 318, tok.token_to_id("<start_of_image>")
+    tok.save(str(folder / "tokenizer.json"))
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config["chat_template"] = VISION_TEMPLATE
+    (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=1))
+    pre = {"image_processor_type": "Gemma3ImageProcessor", "size": {"height": 56, "width": 56},
+           "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5], "resample": 2,
+           "rescale_factor": 1 / 255, "do_convert_rgb": True, "do_pan_and_scan": False}
+    (folder / "preprocessor_config.json").write_text(json.dumps(pre, indent=1))
+    images = test_images()
+    for i, img in enumerate(images):
+        img.save(folder / f"image{i}.png")
+    text = jinja2.Template(VISION_TEMPLATE).render(messages=VISION_MESSAGES, add_generation_prompt=True)
+    full = "\n\n<start_of_image>" + "<image_soft_token>" * 4 + "<end_of_image>\n\n"
+    ids = tok.encode(text.replace("<start_of_image>", full), add_special_tokens=False).ids
+    processor = Gemma3ImageProcessorPil(**{k: v for k, v in pre.items() if k != "image_processor_type"})
+    pixels = processor(images, return_tensors="pt")["pixel_values"].to(torch.float32)
+    input_ids = torch.tensor([ids])
+    token_type_ids = (input_ids == 317).long()
+    with torch.no_grad():
+        logits = ref(input_ids=input_ids, pixel_values=pixels, token_type_ids=token_type_ids).logits[0]
+        greedy = ref.generate(input_ids=input_ids, pixel_values=pixels, token_type_ids=token_type_ids,
+                              max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0)
+        greedy = greedy[0, len(ids) :]
+        rows = ref.model.get_image_features(pixels).pooler_output
+    golden = {
+        "generator": f"transformers {transformers.__version__}, torch {torch.__version__}",
+        "messages": VISION_MESSAGES,
+        "images": [f"image{i}.png" for i in range(len(images))],
+        "prompt": text,
+        "tokens": ids,
+        "logits": [[round(float(v), 5) for v in row] for row in logits],
+        "greedy": [int(t) for t in greedy],
+        "image_rows": [[[round(float(v), 5) for v in r] for r in image] for image in rows],
+        "pixels": [[round(float(v), 5) for v in image.reshape(-1)[:64]] for image in pixels],
+    }
+    (folder / "golden_vision.json").write_text(json.dumps(golden))
 
 
 def main() -> int:

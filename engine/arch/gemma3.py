@@ -192,6 +192,8 @@ class Gemma3Model(Decoder):
     sliding window on every other layer (all from its config)."""
 
     config_class = Gemma3Config
+    # the images this model can embed (engine.vision.tokens.ImageTable), set by a vision tower's attach()
+    images = None
 
     def __init__(self, cfg: Gemma3Config, weights):
         """Args: cfg; weights: a weight source with matrix(name, rows, cols), vector(name, n), has(name)."""
@@ -241,13 +243,14 @@ class Gemma3Model(Decoder):
         self._decode = Scratch(cfg, 1)
         self._logits = np.empty((1, cfg.vocab_size), np.float32)
 
-    def _attend(self, out3, q3, k_cache, v_cache, pos0: int, window: int | None) -> None:
+    def _attend(self, out3, q3, k_cache, v_cache, pos0: int, window: int | None, key_ends=None) -> None:
         """Causal attention of q3 (n, heads, hd) at positions pos0.. over one layer's cache.
 
         With a window, the query at position p sees keys [p - window + 1, p] (HF's sliding mask:
-        kv > q - window).
+        kv > q - window). key_ends: the image rows' wider reach (ops.attention).
         """
-        ops.attention(out3, q3, k_cache, v_cache, pos0, self.scale, window, self.cfg.attn_logit_softcapping)
+        ops.attention(out3, q3, k_cache, v_cache, pos0, self.scale, window, self.cfg.attn_logit_softcapping,
+                      key_ends=key_ends)
 
     def _forward(self, tokens: np.ndarray, cache: KVCache, all_logits: bool, first: int = 0, hidden=None):
         cfg = self.cfg
@@ -256,10 +259,11 @@ class Gemma3Model(Decoder):
         s = self._decode if n == 1 else Scratch(cfg, n)
         pos0 = cache.offset
         s.positions[:] = np.arange(pos0, pos0 + n)
+        key_ends = None if self.images is None else self.images.key_ends(tokens, pos0)
 
         def attend(i, attn3, q3, k3, v3, window):
             k_cache, v_cache = cache.update_and_fetch(i - first, k3, v3)
-            self._attend(attn3, q3, k_cache, v_cache, pos0, window)
+            self._attend(attn3, q3, k_cache, v_cache, pos0, window, key_ends)
 
         self._layers(s, tokens, attend, first, hidden)
         cache.advance(tokens)
@@ -305,7 +309,11 @@ class Gemma3Model(Decoder):
         cfg = self.cfg
         eps = cfg.rms_norm_eps
         n = len(tokens)
-        if hidden is None:
+        if hidden is None and self.images is not None and tokens.max() >= self.images.base:
+            ops.get_rows(s.x, self.token_embd, np.where(tokens >= self.images.base, 0, tokens))
+            s.x *= self.embed_scale
+            self.images.embed(s.x, tokens)  # image rows as the projector gave them (not scaled)
+        elif hidden is None:
             ops.get_rows(s.x, self.token_embd, tokens)
             s.x *= self.embed_scale
         else:

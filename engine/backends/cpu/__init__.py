@@ -279,6 +279,7 @@ def attention(
     window: int | None = None,
     softcap: float | None = None,
     sinks: np.ndarray | None = None,
+    key_ends: np.ndarray | None = None,
 ) -> None:
     """Causal multi-head attention over one layer's KV cache (GQA aware).
 
@@ -294,6 +295,9 @@ def attention(
             softmax.
         sinks: None, or float32 (n_heads,) attention-sink logits (gpt-oss): each joins its head's softmax
             denominator as a score with no value.
+        key_ends: None, or int64 (n_tok,): query i sees keys up to position key_ends[i] - 1 (at least its
+            own, at most the pass's last) instead of its own: an image's tokens see the whole image
+            (engine.vision.tokens.ImageTable.key_ends). Such passes take the BLAS path whatever their size.
     """
     n_tok, n_heads, _ = q.shape
     if n_heads % k_cache.shape[0] or pos0 + n_tok > k_cache.shape[1]:
@@ -318,8 +322,17 @@ def attention(
         sinks = _NO_SINKS
     elif sinks.shape != (n_heads,) or sinks.dtype != np.float32:
         raise ValueError(f"attention: sinks must be float32 ({n_heads},), got {sinks.dtype} {sinks.shape}")
-    if n_tok > _small_batch_max():
-        _attention_blas(out, q, k_cache, v_cache, int(pos0), np.float32(scale), window or 0, softcap, sinks)
+    if key_ends is not None:
+        key_ends = np.ascontiguousarray(key_ends, dtype=np.int64)
+        own = np.arange(pos0 + 1, pos0 + n_tok + 1)
+        if key_ends.shape != (n_tok,) or (key_ends < own).any() or (key_ends > pos0 + n_tok).any():
+            raise ValueError(f"attention: key_ends must be ({n_tok},) between each query's position + 1 and "
+                             f"{pos0 + n_tok}")
+    if n_tok > _small_batch_max() or key_ends is not None:
+        ends = _NO_ENDS if key_ends is None else key_ends
+        _attention_blas(
+            out, q, k_cache, v_cache, int(pos0), np.float32(scale), window or 0, softcap, sinks, ends
+        )
         return
     # the kernels start every query at key 0: queries whose window reaches past position 0 attend one
     # at a time over a view of the cache that starts at their first key
@@ -334,6 +347,7 @@ def attention(
 
 
 _NO_SINKS = np.empty(0, np.float32)
+_NO_ENDS = np.empty(0, np.int64)
 
 
 def _attention_kernel(out, q, k_cache, v_cache, pos0: int, scale: float, cap: float, sinks) -> None:
@@ -363,7 +377,8 @@ _ATTENTION_QUERY_BLOCK = 64
 
 
 def _attention_blas(
-    out, q, k_cache, v_cache, pos0: int, scale: np.float32, window: int, softcap: float | None, sinks
+    out, q, k_cache, v_cache, pos0: int, scale: np.float32, window: int, softcap: float | None, sinks,
+    ends=_NO_ENDS,
 ) -> None:
     """attention() for many queries, window 0 for none: per kv head and block of queries, scores =
     Q K^T over the keys the block sees (all the kv head's query heads at once, one row each), soft-capped
@@ -382,18 +397,21 @@ def _attention_blas(
     for i0 in range(0, n_tok, _ATTENTION_QUERY_BLOCK):
         i1 = min(i0 + _ATTENTION_QUERY_BLOCK, n_tok)
         key0 = base if window == 0 else max(base, pos0 + i0 - window + 1)  # the block's first key
-        keys = slice(key0 - base, pos0 + i1 - base)
+        block_ends = ends[i0:i1] if len(ends) else ends
+        last = int(block_ends.max()) if len(ends) else pos0 + i1
+        keys = slice(key0 - base, last - base)
         for g in range(n_kv):
             heads = slice(g * rep, (g + 1) * rep)
             qb = q[i0:i1, heads].reshape((i1 - i0) * rep, head_dim)  # row (query, head)
             scores = qb @ k_cache[g, keys].T
             group_sinks = sinks[heads] if len(sinks) else sinks
             if softcap is None:
-                ops.causal_softmax(scores, rep, pos0 + i0, key0, window, scale, group_sinks)
+                ops.causal_softmax(scores, rep, pos0 + i0, key0, window, scale, group_sinks, block_ends)
             else:
                 np.tanh(scores * np.float32(scale / softcap), out=scores)
                 scores *= np.float32(softcap)
-                ops.causal_softmax(scores, rep, pos0 + i0, key0, window, np.float32(1.0), group_sinks)
+                ops.causal_softmax(scores, rep, pos0 + i0, key0, window, np.float32(1.0), group_sinks,
+                                   block_ends)
             out[i0:i1, heads] = (scores @ v_cache[g, keys]).reshape(i1 - i0, rep, head_dim)
 
 

@@ -353,17 +353,18 @@ def gelu_tanh_mul(out, gate, up):
 
 
 @njit(**_KW)
-def causal_softmax(scores, rep, p0, key0, window, scale, sinks):
+def causal_softmax(scores, rep, p0, key0, window, scale, sinks, ends):
     # scores (n * rep, m) f32: row r holds query (r // rep)'s raw q.k over the keys at positions
     # key0 .. key0 + m - 1; that query sits at position p0 + r // rep and sees positions
     # [max(0, p - window + 1) if window else 0, p]. In place: the softmax of scale * scores over the
     # keys it sees, 0 for the others (so that scores @ V is the attention's output). sinks: the rep
-    # heads' sink logits (row r: head r % rep), or empty.
+    # heads' sink logits (row r: head r % rep), or empty. ends: empty, or (n,) int64: query t sees keys
+    # up to position ends[t] - 1 instead of p (an image's tokens see the whole image).
     rows = scores.shape[0]
     for r in range(rows):
         p = p0 + r // rep
         lo = max(0, (0 if window == 0 else max(0, p - window + 1)) - key0)
-        hi = p - key0 + 1
+        hi = p - key0 + 1 if ends.shape[0] == 0 else ends[r // rep] - key0
         row = scores[r]
         seen = row[lo:hi]  # a view of its own: loops from 0 over it vectorize (no index wraparound)
         mx = np.float32(-3.0e38)

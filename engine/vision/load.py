@@ -1,0 +1,233 @@
+"""Finding and opening a model's vision tower: from its Hugging Face folder or an mmproj GGUF beside it.
+
+llama.cpp keeps a vision model's tower in a second GGUF, its "mmproj" file (general.architecture "clip",
+clip.* keys, v.* and mm.* tensors), published next to the language model's GGUFs; Hearth takes one from the
+model file's folder. A Hugging Face folder holds the tower in its safetensors (transformers' vision_tower.*
+and multi_modal_projector.* names), read by the same names as the mmproj's.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import numpy as np
+
+from engine.errors import MissingTensorError, ModelFormatError
+from engine.loader import GGUFWeights
+from engine.vision.gemma3 import Gemma3Vision, Gemma3VisionShape, pool_of
+from engine.vision.siglip import SiglipShape
+from engine.weights import FLOAT_DTYPES, Weight, float32_of
+from models.formats.gguf import open_gguf
+
+# transformers' names (after dropping a leading "model." and SigLIP's "vision_model.") -> mmproj names
+_HF_NAMES = [
+    (re.compile(r"vision_tower\.embeddings\.patch_embedding\.(weight|bias)"), r"v.patch_embd.\1"),
+    (re.compile(r"vision_tower\.embeddings\.position_embedding\.weight"), "v.position_embd.weight"),
+    (re.compile(r"vision_tower\.post_layernorm\.(weight|bias)"), r"v.post_ln.\1"),
+    (re.compile(r"vision_tower\.encoder\.layers\.(\d+)\.layer_norm([12])\.(weight|bias)"),
+     r"v.blk.\1.ln\2.\3"),
+    (re.compile(r"vision_tower\.encoder\.layers\.(\d+)\.self_attn\.([qkv])_proj\.(weight|bias)"),
+     r"v.blk.\1.attn_\2.\3"),
+    (re.compile(r"vision_tower\.encoder\.layers\.(\d+)\.self_attn\.out_proj\.(weight|bias)"),
+     r"v.blk.\1.attn_out.\2"),
+    (re.compile(r"vision_tower\.encoder\.layers\.(\d+)\.mlp\.fc1\.(weight|bias)"), r"v.blk.\1.ffn_up.\2"),
+    (re.compile(r"vision_tower\.encoder\.layers\.(\d+)\.mlp\.fc2\.(weight|bias)"), r"v.blk.\1.ffn_down.\2"),
+    (re.compile(r"multi_modal_projector\.mm_input_projection_weight"), "mm.input_projection.weight"),
+    (re.compile(r"multi_modal_projector\.mm_soft_emb_norm\.weight"), "mm.soft_emb_norm.weight"),
+]
+
+
+def mmproj_name(hf_name: str) -> str | None:
+    """The mmproj name of a transformers vision tensor, None for others (the language model, SigLIP's
+    pooling head, which Gemma 3 does not use)."""
+    name = hf_name.removeprefix("model.").replace("vision_tower.vision_model.", "vision_tower.")
+    for pattern, repl in _HF_NAMES:
+        if pattern.fullmatch(name):
+            return pattern.sub(repl, name)
+    return None
+
+
+class _Source:
+    """has / shape / matrix / vector / floats / floats_any by mmproj name."""
+
+    path: Path
+
+    def floats_any(self, name: str, *shapes: tuple[int, ...]) -> np.ndarray:
+        """A float32 tensor in whichever of `shapes` the file has it."""
+        have = self.shape(name)
+        if have not in shapes:
+            raise MissingTensorError(self.path, f"tensor {name!r} has shape {have}, expected one of {shapes}")
+        return self.floats(name, have)
+
+
+class _GGUFSource(GGUFWeights, _Source):
+    def __init__(self, gguf):
+        super().__init__(gguf)
+        self.path = gguf.path
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        info = self.gguf.tensors.get(name)
+        if info is None:
+            raise MissingTensorError(self.path, f"tensor {name!r} is missing from the mmproj file")
+        return tuple(info.shape)
+
+
+class _HFSource(_Source):
+    def __init__(self, st, folder: Path):
+        self.st, self.path = st, folder
+        self.names = {g: hf for hf in st.tensors if (g := mmproj_name(hf))}
+
+    def has(self, name: str) -> bool:
+        return name in self.names
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._tensor(name).shape)
+
+    def _tensor(self, name: str):
+        hf = self.names.get(name)
+        if hf is None:
+            raise MissingTensorError(
+                self.path, f"vision tensor for {name!r} is missing from the safetensors files"
+            )
+        t = self.st.tensors[hf]
+        if t.dtype not in FLOAT_DTYPES:
+            raise ModelFormatError(
+                self.path, f"vision tensor {hf!r} is {t.dtype}; Hearth reads F32, F16 and BF16"
+            )
+        return t
+
+    def _array(self, name: str, shape: tuple[int, ...]) -> tuple[np.ndarray, str]:
+        t = self._tensor(name)
+        if tuple(t.shape) != shape:
+            raise MissingTensorError(
+                self.path, f"vision tensor {t.name!r} has shape {tuple(t.shape)}, expected {shape}"
+            )
+        return self.st.array(t.name), t.dtype
+
+    def matrix(self, name: str, rows: int, cols: int) -> Weight:
+        array, dtype = self._array(name, (rows, cols))
+        return Weight(FLOAT_DTYPES[dtype], np.ascontiguousarray(array).view(np.uint8), rows, cols)
+
+    def vector(self, name: str, n: int) -> np.ndarray:
+        return self.floats(name, (n,))
+
+    def floats(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
+        array, dtype = self._array(name, shape)
+        values = float32_of(array, dtype == "BF16").reshape(shape)
+        if name == "mm.soft_emb_norm.weight":  # Gemma's RMSNorm multiplies by 1 + w; mmproj files store 1 + w
+            values = values + np.float32(1.0)
+        return values
+
+
+def hf_vision(folder: Path, config: dict, st) -> Gemma3Vision | None:
+    """The vision tower of a Gemma 3 multimodal folder (None: no vision config or no tower tensors)."""
+    vision = config.get("vision_config")
+    if config.get("model_type") != "gemma3" or not isinstance(vision, dict):
+        return None
+    source = _HFSource(st, folder)
+    if not source.has("v.patch_embd.weight"):
+        return None
+    text_hidden = int((config.get("text_config") or {}).get("hidden_size", 2560))
+    encoder = SiglipShape(
+        hidden=int(vision.get("hidden_size", 1152)),
+        ff=int(vision.get("intermediate_size", 4304)),
+        layers=int(vision.get("num_hidden_layers", 27)),
+        heads=int(vision.get("num_attention_heads", 16)),
+        image_size=int(vision.get("image_size", 896)),
+        patch=int(vision.get("patch_size", 14)),
+        eps=float(vision.get("layer_norm_eps", 1e-6)),
+    )
+    pre = _preprocessor(folder)
+    shape = Gemma3VisionShape(
+        encoder=encoder,
+        text_hidden=text_hidden,
+        pool=pool_of(encoder.side, int(config.get("mm_tokens_per_image", 256))),
+        **pre,
+    )
+    return Gemma3Vision(shape, source, folder)
+
+
+def _preprocessor(folder: Path) -> dict:
+    """mean / std from preprocessor_config.json (Gemma 3's are 0.5; its size is the vision config's)."""
+    from engine.hf_repo import read_json
+
+    path = folder / "preprocessor_config.json"
+    if not path.is_file():
+        return {}
+    pre = read_json(path)
+    out = {}
+    for key, field in (("image_mean", "mean"), ("image_std", "std")):
+        value = pre.get(key)
+        if isinstance(value, list) and len(value) == 3:
+            out[field] = tuple(float(v) for v in value)
+    return out
+
+
+def find_mmproj(model_path: Path) -> Path | None:
+    """The mmproj GGUF beside a model file: mmproj*.gguf in its folder (one; with several, the one whose
+    name shares the most with the model's, F16 / BF16 / F32 before quantized ones on a tie)."""
+    found = sorted(
+        p for p in model_path.parent.glob("*.gguf") if "mmproj" in p.name.lower() and p != model_path
+    )
+    if not found:
+        return None
+
+    def score(p: Path) -> tuple[int, int]:
+        common = len(_common_prefix(p.name.lower().replace("mmproj-", ""), model_path.name.lower()))
+        return common, int(any(t in p.name.lower() for t in ("f16", "bf16", "f32")))
+
+    return max(found, key=score)
+
+
+def _common_prefix(a: str, b: str) -> str:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return a[:n]
+
+
+def gguf_vision(path: Path) -> Gemma3Vision:
+    """The vision tower in an mmproj GGUF (llama.cpp's clip files; projector type gemma3).
+
+    Raises:
+        ModelFormatError: not an mmproj file, or one of a projector type Hearth does not run.
+    """
+    gguf = open_gguf(path)
+    meta = gguf.metadata
+    if meta.get("general.architecture") != "clip":
+        raise ModelFormatError(path, "not an mmproj (clip) file")
+    kind = meta.get("clip.projector_type") or meta.get("clip.vision.projector_type")
+    if kind != "gemma3":
+        raise ModelFormatError(
+            path, f"its vision projector is {kind!r}; Hearth runs Gemma 3's (gemma3) so far"
+        )
+
+    def key(name, default=None):
+        value = meta.get(f"clip.vision.{name}", default)
+        if value is None:
+            raise ModelFormatError(path, f"clip.vision.{name} is missing")
+        return value
+
+    encoder = SiglipShape(
+        hidden=int(key("embedding_length")),
+        ff=int(key("feed_forward_length")),
+        layers=int(key("block_count")),
+        heads=int(key("attention.head_count")),
+        image_size=int(key("image_size")),
+        patch=int(key("patch_size")),
+        eps=float(key("attention.layer_norm_epsilon", 1e-6)),
+    )
+    source = _GGUFSource(gguf)
+    proj = source.shape("mm.input_projection.weight")
+    text_hidden = proj[1] if proj[0] == encoder.hidden else proj[0]
+    side = encoder.side
+    pool = int(meta.get("clip.vision.projector.scale_factor", 4))  # llama.cpp's default for Gemma 3
+    pre = {}
+    for name, field in (("image_mean", "mean"), ("image_std", "std")):
+        value = meta.get(f"clip.vision.{name}")
+        if value is not None and len(value) == 3:
+            pre[field] = tuple(float(v) for v in value)
+    if side % pool:
+        raise ModelFormatError(path, f"a {side}-patch side does not pool by {pool}")
+    return Gemma3Vision(Gemma3VisionShape(encoder, int(text_hidden), pool, **pre), source, path)

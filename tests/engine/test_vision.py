@@ -1,0 +1,236 @@
+"""Images in prompts: Gemma 3's SigLIP tower and projector, image ids in the prompt, the bidirectional mask
+over an image's tokens, passes that never split an image, KV reuse across turns, the mmproj GGUF both ways,
+and the errors a user meets.
+
+tests/fixtures/tiny/gemma3-vision (scripts/make_tiny_checkpoints.py) is a Gemma 3 with a 2-layer SigLIP
+(56 px images, 4x4 patches pooled 2x2 into 4 rows) and a Gemma-style template; golden_vision.json holds,
+from transformers' Gemma3ForConditionalGeneration and its PIL image processor, a chat prompt with two images:
+its token ids, logits at every position, 8 greedy tokens and each image's projected rows.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from engine.client import LoadOptions
+from engine.convert import convert
+from engine.errors import ImageInputError
+from engine.generate import GenerationParams, generate, prefill
+from engine.loader import load_model
+from engine.vision import encode_with_images, prepare_messages
+from engine.vision.gemma3 import Gemma3Vision
+from engine.vision.tokens import ImageTable, chunk_end, safe_prefix
+from engine.worker import ChatRunner
+
+TINY = Path(__file__).resolve().parents[1] / "fixtures" / "tiny"
+FOLDER = TINY / "gemma3-vision"
+GOLDEN = json.loads((FOLDER / "golden_vision.json").read_text())
+REF = np.array(GOLDEN["logits"])
+TOL = 1e-4 * np.abs(REF).max()
+IMAGES = [(FOLDER / name).read_bytes() for name in GOLDEN["images"]]
+IMAGE_TOKEN = 317  # the fixture's <image_soft_token>, where transformers' prompt holds an image row
+
+
+def _messages(images=IMAGES) -> list[dict]:
+    """The golden's conversation with the image bytes in its image parts."""
+    out = [dict(m) for m in GOLDEN["messages"]]
+    pending = iter(images)
+    out[-1]["content"] = [
+        {"type": "image", "image": next(pending)} if p["type"] == "image" else p for p in out[-1]["content"]
+    ]
+    return out
+
+
+def _prompt(lm, messages) -> list[int]:
+    template_messages, images = prepare_messages(lm, messages)
+    return encode_with_images(lm, lm.template.render(template_messages, add_generation_prompt=True), images)
+
+
+@pytest.fixture(scope="module")
+def lm():
+    return load_model(FOLDER)
+
+
+@pytest.fixture(scope="module")
+def ids(lm):
+    return _prompt(lm, _messages())
+
+
+def test_image_rows_match_transformers(lm):
+    assert isinstance(lm.vision, Gemma3Vision)
+    for data, ref in zip(IMAGES, GOLDEN["image_rows"], strict=True):
+        ref = np.array(ref)
+        rows = lm.vision.encode(lm.vision.pixels(data))
+        np.testing.assert_allclose(rows, ref, atol=1e-4 * np.abs(ref).max())
+
+
+def test_prompt_ids_are_transformers_with_image_ids(lm, ids):
+    base = lm.model.images.base
+    assert [IMAGE_TOKEN if t >= base else t for t in ids] == GOLDEN["tokens"]
+    runs = lm.model.images.runs(np.array(ids))
+    assert len(runs) == 2 and all(b - a == 4 for a, b in runs)
+    assert ids[runs[0][0] : runs[0][1]] != ids[runs[1][0] : runs[1][1]]  # two images, two sets of ids
+
+
+def test_logits_and_greedy_match_transformers(lm, ids):
+    logits = lm.model.forward(ids, lm.model.new_cache(160), all_logits=True)
+    np.testing.assert_allclose(logits, REF, atol=TOL)
+    cache = lm.model.new_cache(160)
+    params = GenerationParams(max_tokens=8, temperature=0.0)
+    out = [e.token for e in generate(lm.model, lm.tokenizer, ids, cache, params) if e.token is not None]
+    assert out[: len(GOLDEN["greedy"])] == GOLDEN["greedy"][: len(out)]
+    assert len(out) >= 4
+
+
+def test_image_tokens_attend_both_ways(lm, ids, monkeypatch):
+    """Without the image's bidirectional mask the logits leave transformers' (the check can fail)."""
+    monkeypatch.setattr(ImageTable, "key_ends", lambda self, tokens, pos0: None)
+    logits = lm.model.forward(ids, lm.model.new_cache(160), all_logits=True)
+    assert np.abs(logits - REF).max() > 50 * TOL
+
+
+@pytest.mark.parametrize("chunk", [3, 5, 8, 64])
+def test_chunked_prefill_never_splits_an_image(lm, ids, chunk):
+    cache = lm.model.new_cache(160)
+    calls = []
+    real = lm.model.forward
+
+    def forward(tokens, c, all_logits=False):
+        calls.append(len(tokens))
+        return real(tokens, c, all_logits)
+
+    lm.model.forward = forward
+    try:
+        last, _ = prefill(lm.model, cache, ids, chunk)
+    finally:
+        del lm.model.forward
+    np.testing.assert_allclose(last, REF[-1], atol=TOL)
+    assert sum(calls) == len(ids) and len(calls) > 1
+
+
+def test_a_pass_holding_part_of_an_image_is_refused(lm, ids):
+    start = lm.model.images.runs(np.array(ids))[0][0]
+    cache = lm.model.new_cache(160)
+    with pytest.raises(ValueError, match="part of an image"):
+        lm.model.forward(ids[: start + 2], cache)
+
+
+def test_chunk_end_and_safe_prefix():
+    class Model:
+        images = ImageTable(base=100, span=4, hidden=2)
+
+    ids = [1, 2, 100, 101, 102, 103, 3, 104, 105, 106, 107, 4]
+    m = Model()
+    assert chunk_end(m, ids, 0, 2) == 2  # the cut falls before the image
+    assert chunk_end(m, ids, 0, 4) == 2  # inside the first image: back to its start
+    assert chunk_end(m, ids, 2, 2) == 6  # the image starts the pass: on to its end
+    assert chunk_end(m, ids, 2, 5) == 7  # just after it
+    assert chunk_end(m, ids, 6, 3) == 7  # cut inside the second: back to its start
+    assert chunk_end(m, ids, 0, 50) == len(ids)
+    assert [safe_prefix(m, ids, n) for n in (2, 3, 5, 6, 8, 12)] == [2, 2, 2, 6, 7, 12]
+    assert chunk_end(object(), ids, 0, 4) == 4  # a model without images
+
+
+def test_image_table_keeps_the_newest_and_never_reuses_a_slot():
+    table = ImageTable(base=10, span=2, hidden=3, capacity=2)
+    slots = [table.add(table.digest(bytes([i])), np.full((2, 3), i, np.float32)) for i in range(3)]
+    assert slots == [0, 1, 2]
+    assert table.slot_of(table.digest(b"\x00")) is None  # the oldest was dropped
+    out = np.zeros((2, 3), np.float32)
+    table.embed(out, np.array(table.ids(2)))
+    assert (out == 2).all()
+    with pytest.raises(KeyError, match="no longer held"):
+        table.embed(out, np.array(table.ids(0)))
+    with pytest.raises(ValueError):
+        table.add("x", np.zeros((3, 3), np.float32))
+
+
+def test_chat_turns_reuse_the_image_and_a_new_image_is_not_reused():
+    runner = ChatRunner.load(FOLDER, LoadOptions(n_ctx=256, batch_size=5, prefix_cache_mb=0))
+    assert runner.info.vision
+    params = GenerationParams(max_tokens=4, temperature=0.0)
+    first = list(runner.chat(_messages(), params))
+    reply = "".join(e.text for e in first)
+    assert first[-1].finish_reason
+    follow = _messages() + [{"role": "assistant", "content": reply}, {"role": "user", "content": "more"}]
+    second = list(runner.chat(follow, params))[-1]
+    start = runner.lm.model.images.runs(np.array(runner.cache.tokens))[0][0]
+    assert second.cached_tokens > start + 4  # both images came from the cache
+    swapped = _messages([IMAGES[1], IMAGES[0]])
+    third = list(runner.chat(swapped, params))[-1]
+    assert third.cached_tokens <= start  # another image in that place: recomputed from its start
+    fresh = ChatRunner.load(FOLDER, LoadOptions(n_ctx=256, batch_size=512, prefix_cache_mb=0))
+    alone = list(fresh.chat(swapped, params))
+    assert "".join(e.text for e in alone) == "".join(
+        e.text for e in runner.chat(swapped, replace(params), reuse=False)
+    )
+
+
+def test_gguf_with_its_mmproj_matches_transformers(tmp_path):
+    out = convert(FOLDER, "F16", tmp_path / "g3v.gguf")
+    assert out.mmproj == tmp_path / "mmproj-g3v-f16.gguf" and out.mmproj.is_file()
+    lm = load_model(out.output)
+    assert lm.vision is not None and not lm.vision_notice
+    ids = _prompt(lm, _messages())
+    np.testing.assert_allclose(lm.model.forward(ids, lm.model.new_cache(160), all_logits=True), REF, atol=TOL)
+    out.mmproj.unlink()
+    assert load_model(out.output).vision is None  # no mmproj beside it: text only
+
+
+def test_mmproj_of_another_model_is_refused(lm):
+    """A tower whose rows are not the model's width (an mmproj of another model beside it) is refused, which
+    the loader turns into images off with a notice (next test)."""
+    from types import SimpleNamespace
+
+    from engine.errors import ModelFormatError
+
+    other = SimpleNamespace(cfg=SimpleNamespace(hidden_size=128, vocab_size=320))
+    with pytest.raises(ModelFormatError, match="belongs to another model"):
+        lm.vision.attach(other)
+
+
+def test_broken_mmproj_leaves_images_off_with_a_notice(tmp_path):
+    out = convert(FOLDER, "F16", tmp_path / "g3v.gguf")
+    data = out.mmproj.read_bytes()
+    out.mmproj.write_bytes(data[: len(data) // 2])  # a truncated download
+    lm = load_model(out.output)
+    assert lm.vision is None and "images are off" in lm.vision_notice
+    assert lm.model.forward([1, 2, 3], lm.model.new_cache(8)).shape[1] == lm.model.cfg.vocab_size
+
+
+def test_image_to_a_text_model_is_a_typed_error():
+    lm = load_model(TINY / "gemma3")
+    with pytest.raises(ImageInputError, match="does not read images"):
+        prepare_messages(lm, _messages())
+
+
+def test_unreadable_and_oversized_images_are_typed_errors(lm, monkeypatch):
+    with pytest.raises(ImageInputError, match="could not be read"):
+        _prompt(lm, _messages([b"not an image at all", IMAGES[1]]))
+    from PIL import Image
+
+    from engine.vision import gemma3
+
+    monkeypatch.setattr(gemma3, "MAX_PIXELS", 100)
+    buf = io.BytesIO()
+    Image.new("RGB", (20, 20)).save(buf, "PNG")
+    with pytest.raises(ImageInputError, match="scale it down"):
+        _prompt(lm, _messages([buf.getvalue(), IMAGES[1]]))
+
+
+def test_template_that_places_no_images_is_a_typed_error(lm):
+    text = "<|im_start|>user\nno markers here<|im_end|>\n"
+    with pytest.raises(ImageInputError, match="placed 0 image"):
+        encode_with_images(lm, text, IMAGES[:1])
+
+
+def test_text_parts_only_stay_a_string(lm):
+    messages = [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]
+    template_messages, images = prepare_messages(lm, messages)
+    assert template_messages[0]["content"] == "ab" and images == []
