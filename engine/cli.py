@@ -87,6 +87,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling_args(run, 256)
     run.add_argument("prompt")
     run.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    run.add_argument(
+        "--image", action="append", default=[], metavar="FILE",
+        help="an image for a vision model (Gemma 3 with its vision tower or mmproj), before the prompt; "
+        "repeatable; implies --chat",
+    )
     run.add_argument("--system", default=None, help="system prompt (with --chat)")
     run.add_argument("--json", action="store_true", help="print one JSON object with text, ids and stats")
     add_device_args(run)

@@ -5,15 +5,17 @@ from __future__ import annotations
 import json
 import sys
 import time
+from pathlib import Path
 
 from engine.backends import cpu
-from engine.errors import HearthError
+from engine.errors import HearthError, ImageInputError
 from engine.generate import GenerationParams, generate
 from engine.loader import LoadedModel, load_model
 from engine.memory import peak_rss_mb
 from engine.reasoning import opens_reasoning, stored_opening, strip_reasoning
 from engine.templates import ensure_chat_template
 from engine.token_reuse import reuse_held_tokens
+from engine.vision import encode_with_images, prepare_messages
 from models.resolve import resolve_model
 
 _shown: dict[str, int] = {}
@@ -77,17 +79,35 @@ def _chat_prompt(lm: LoadedModel, messages: list[dict]) -> list[int]:
     if notice:
         print(f"hearth: {notice}", file=sys.stderr)
     # earlier replies' thinking blocks stay out of the context (engine.reasoning)
-    text = lm.template.render(strip_reasoning(messages), add_generation_prompt=True)
+    template_messages, images = prepare_messages(lm, strip_reasoning(messages))
+    text = lm.template.render(template_messages, add_generation_prompt=True)
     # the template writes BOS itself when the model wants it; encode its special tokens as such
-    return lm.tokenizer.encode(text, add_special=False)
+    return encode_with_images(lm, text, images)
+
+
+def _read_image(path: str) -> bytes:
+    """An image file's bytes for a message, or a typed error that names the file."""
+    try:
+        return Path(path).expanduser().read_bytes()
+    except OSError as e:
+        raise ImageInputError(f"{path}: cannot read the image ({e.strerror or e})") from e
+
+
+def _user_message(text: str, images: list[bytes]) -> dict:
+    """A user message: the text, after its images as parts when there are any."""
+    if not images:
+        return {"role": "user", "content": text}
+    return {"role": "user", "content": [{"type": "image", "image": b} for b in images]
+            + [{"type": "text", "text": text}]}
 
 
 def cmd_run(args) -> int:
     lm = _load(args)
     params = _params(args)
-    if args.chat:
+    if args.chat or args.image:
+        images = [_read_image(path) for path in args.image]
         messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
-            {"role": "user", "content": args.prompt}
+            _user_message(args.prompt, images)
         ]
         ids = _chat_prompt(lm, messages)
     else:
@@ -133,11 +153,13 @@ def cmd_chat(args) -> int:
     cache = lm.model.new_cache(n_ctx)
     system = [{"role": "system", "content": args.system}] if args.system else []
     messages = list(system)
+    pending: list[bytes] = []  # images for the next message (/image)
     if lm.template is None:
         _chat_prompt(lm, messages)  # pick the fallback template now, so its notice precedes the prompt
     print(
         f"{lm.name} ready (context {n_ctx}, on {getattr(lm.model, 'placement', 'cpu')}). "
-        "/reset clears the chat, /exit or Ctrl-D quits.",
+        "/reset clears the chat, /exit or Ctrl-D quits."
+        + (" /image FILE adds an image to your next message." if lm.vision is not None else ""),
         file=sys.stderr,
     )
     while True:
@@ -152,9 +174,23 @@ def cmd_chat(args) -> int:
             return 0
         if line.strip() == "/reset":
             messages = list(system)
+            pending = []
             print("(chat cleared)", file=sys.stderr)
             continue
-        messages.append({"role": "user", "content": line})
+        if line.strip().startswith("/image"):
+            path = line.strip()[len("/image"):].strip()
+            try:
+                if lm.vision is None:
+                    raise ImageInputError(f"{lm.name} does not read images")
+                if not path:
+                    raise ImageInputError("give a file: /image PATH")
+                pending.append(_read_image(path))
+                print(f"({len(pending)} image(s) go with your next message)", file=sys.stderr)
+            except HearthError as e:
+                print(f"hearth: {e}", file=sys.stderr)
+            continue
+        messages.append(_user_message(line, pending))
+        pending = []
         try:
             ids = _chat_prompt(lm, messages)
             respelled = reuse_held_tokens(lm.tokenizer, ids, cache.tokens)  # the cache's own tokens

@@ -141,6 +141,10 @@ class ChatRunner:
             cpu.set_threads(options.threads)
         if options.device != "cpu":
             choice = _place(lm, options, progress)
+            if lm.vision is not None and getattr(lm.model, "images", None) is None:
+                lm.vision = None  # the GPU decoder embeds no image ids
+                progress(LoadProgress("warning", 0.6, "images are read on the CPU only; on the GPU this "
+                                      "model reads text (load it with device CPU for images)"))
             if choice.device.kind == "cpu" and planned:
                 # planned with layers on the GPU, but the model stays on the CPU (no kernels for it):
                 # it must fit in RAM after all

@@ -234,3 +234,28 @@ def test_text_parts_only_stay_a_string(lm):
     messages = [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]
     template_messages, images = prepare_messages(lm, messages)
     assert template_messages[0]["content"] == "ab" and images == []
+
+
+def test_cli_run_with_images(capsys, lm):
+    """`hearth run --image A --image B PROMPT`: one user message, its images before its text, greedy."""
+    from engine.cli import main
+
+    paths = [str(FOLDER / name) for name in GOLDEN["images"]]
+    argv = ["run", "-m", str(FOLDER), "--image", paths[0], "--image", paths[1], "-n", "4", "--temp", "0",
+            "--json", "What is this?"]
+    assert main(argv) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    messages = [{"role": "user", "content": [{"type": "image", "image": b} for b in IMAGES]
+                 + [{"type": "text", "text": "What is this?"}]}]
+    assert out["prompt_ids"] == _prompt(lm, messages)
+    expected = lm.model.forward(out["prompt_ids"], lm.model.new_cache(64))[0].argmax()
+    assert out["ids"][0] == expected
+
+
+def test_cli_run_image_errors(capsys):
+    from engine.cli import main
+
+    assert main(["run", "-m", str(FOLDER), "--image", "/no/such.png", "hi"]) != 0
+    assert "cannot read the image" in capsys.readouterr().err
+    assert main(["run", "-m", str(TINY / "gemma3"), "--image", str(FOLDER / "image0.png"), "hi"]) != 0
+    assert "does not read images" in capsys.readouterr().err
