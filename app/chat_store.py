@@ -5,12 +5,17 @@ a list of migrations applied in order, so a database written by an older Hearth 
 The app stores a user message when it is sent and the assistant's reply while it streams (at least
 once a second) and when it ends, so a killed app loses at most the last second of a reply.
 
+A message's images (the encoded files as attached, with their MIME type, in order) live in their own
+table, written in the same transaction as the message and removed with it.
+
 Deleting a chat only marks it (so it can be undone); marked chats are purged on the next start.
 Qt-free: the window layer calls it; tests use it directly.
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
 import contextlib
 import json
 import sqlite3
@@ -27,7 +32,7 @@ from models.library import use_wal
 from models.paths import data_dir
 
 EXPORT_FORMAT = "hearth-chat"
-EXPORT_VERSION = 1
+EXPORT_VERSION = 2  # 2: messages may carry "images"; an export without images is still written as 1
 ROLES = ("system", "user", "assistant")
 STATES = ("done", "streaming", "stopped", "error")
 _INSERT_MESSAGE = (
@@ -82,13 +87,40 @@ def _v2(db: sqlite3.Connection) -> None:
     db.execute("CREATE INDEX chats_updated ON chats (updated_at)")
 
 
-MIGRATIONS: list[Callable[[sqlite3.Connection], None]] = [_v1, _v2]
+def _v3(db: sqlite3.Connection) -> None:
+    # images in messages (vision models): the attached files' bytes, kept as they came
+    _run_script(
+        db,
+        """
+        CREATE TABLE message_images (
+            message_id INTEGER NOT NULL REFERENCES messages(id) ON DELETE CASCADE,
+            idx INTEGER NOT NULL,
+            mime TEXT NOT NULL,
+            data BLOB NOT NULL,
+            PRIMARY KEY (message_id, idx)
+        )
+        """,
+    )
+
+
+MIGRATIONS: list[Callable[[sqlite3.Connection], None]] = [_v1, _v2, _v3]
 SCHEMA_VERSION = len(MIGRATIONS)
 
 
 @dataclass
+class MessageImage:
+    """An image in a message: the encoded file (PNG, JPEG, WebP, GIF, BMP) and its MIME type."""
+
+    data: bytes
+    mime: str
+
+    def __repr__(self) -> str:  # not 20 MB of bytes in a log or a failed assert
+        return f"MessageImage({len(self.data)} bytes, {self.mime!r})"
+
+
+@dataclass
 class Message:
-    """One message of a chat."""
+    """One message of a chat; `images` come before its text, as they were sent."""
 
     id: int
     chat_id: str
@@ -99,6 +131,7 @@ class Message:
     created_at: float = 0.0
     updated_at: float = 0.0
     stats: dict = field(default_factory=dict)
+    images: list[MessageImage] = field(default_factory=list)
 
 
 @dataclass
@@ -265,10 +298,11 @@ class ChatStore:
         self.db.execute("UPDATE chats SET deleted_at = NULL WHERE id = ?", (chat_id,))
 
     def purge_deleted(self) -> int:
-        """Remove chats marked deleted, with their messages. Returns how many."""
+        """Remove chats marked deleted, with their messages and images. Returns how many."""
         with self._tx():
             ids = [r[0] for r in self.db.execute("SELECT id FROM chats WHERE deleted_at IS NOT NULL")]
             for chat_id in ids:
+                self._delete_images(chat_id, 0)
                 self.db.execute("DELETE FROM messages WHERE chat_id = ?", (chat_id,))
                 self.db.execute("DELETE FROM chats WHERE id = ?", (chat_id,))
         return len(ids)
@@ -289,11 +323,19 @@ class ChatStore:
         )
 
     def messages(self, chat_id: str) -> list[Message]:
-        """A chat's messages in order."""
+        """A chat's messages in order, with their images."""
         rows = self.db.execute(
             "SELECT * FROM messages WHERE chat_id = ? ORDER BY position", (chat_id,)
         ).fetchall()
-        return [self._message(r) for r in rows]
+        out = [self._message(r) for r in rows]
+        by_id = {m.id: m for m in out}
+        for r in self.db.execute(
+            "SELECT i.message_id, i.mime, i.data FROM message_images i "
+            "JOIN messages m ON m.id = i.message_id WHERE m.chat_id = ? ORDER BY i.message_id, i.idx",
+            (chat_id,),
+        ):
+            by_id[r[0]].images.append(MessageImage(bytes(r[2]), r[1]))
+        return out
 
     def add_message(
         self,
@@ -303,14 +345,16 @@ class ChatStore:
         state: str = "done",
         stats: dict | None = None,
         created_at: float | None = None,
+        images: list[MessageImage] | None = None,
     ) -> Message:
-        """Append a message (committed before this returns)."""
+        """Append a message and its images, in order (committed before this returns)."""
         if role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}")
         if state not in STATES:
             raise ValueError(f"state must be one of {STATES}")
         now = time.time()
         created = created_at or now
+        images = list(images or [])
         with self._tx():
             row = self.db.execute(
                 "SELECT COALESCE(MAX(position), -1) + 1 FROM messages WHERE chat_id = ?", (chat_id,)
@@ -319,8 +363,25 @@ class ChatStore:
                 _INSERT_MESSAGE,
                 (chat_id, row[0], role, content, state, created, now, json.dumps(stats or {})),
             )
+            self._insert_images(cur.lastrowid, images)
             self.db.execute("UPDATE chats SET updated_at = ? WHERE id = ?", (now, chat_id))
-        return Message(cur.lastrowid, chat_id, row[0], role, content, state, created, now, dict(stats or {}))
+        return Message(
+            cur.lastrowid, chat_id, row[0], role, content, state, created, now, dict(stats or {}), images
+        )
+
+    def _insert_images(self, message_id: int, images: list[MessageImage]) -> None:
+        self.db.executemany(
+            "INSERT INTO message_images (message_id, idx, mime, data) VALUES (?, ?, ?, ?)",
+            [(message_id, i, im.mime, sqlite3.Binary(im.data)) for i, im in enumerate(images)],
+        )
+
+    def _delete_images(self, chat_id: str, position: int) -> None:
+        # explicit rather than left to ON DELETE CASCADE: that needs foreign_keys on in every connection
+        self.db.execute(
+            "DELETE FROM message_images WHERE message_id IN "
+            "(SELECT id FROM messages WHERE chat_id = ? AND position >= ?)",
+            (chat_id, position),
+        )
 
     def update_message(
         self, message_id: int, content: str | None = None, state: str | None = None, stats: dict | None = None
@@ -339,31 +400,39 @@ class ChatStore:
         self.db.execute(f"UPDATE messages SET {', '.join(sets)} WHERE id = ?", (*args, message_id))
 
     def delete_from(self, chat_id: str, position: int) -> None:
-        """Remove the messages at `position` and after (edit-and-resend, regenerate)."""
-        self.db.execute("DELETE FROM messages WHERE chat_id = ? AND position >= ?", (chat_id, position))
+        """Remove the messages at `position` and after, with their images (edit-and-resend, regenerate)."""
+        with self._tx():
+            self._delete_images(chat_id, position)
+            self.db.execute("DELETE FROM messages WHERE chat_id = ? AND position >= ?", (chat_id, position))
 
     # ---- export / import
     def export_json(self, chat_id: str) -> dict:
-        """A chat as a JSON-able dict (EXPORT_FORMAT)."""
+        """A chat as a JSON-able dict (EXPORT_FORMAT). A message's images are {"mime", "data": base64}
+        under "images"; a chat without images is written as version 1, which older Hearths import."""
         chat = self.get_chat(chat_id)
+        messages = []
+        for m in self.messages(chat_id):
+            out = {
+                "role": m.role,
+                "content": m.content,
+                "created_at": m.created_at,
+                "state": m.state,
+                "stats": m.stats,
+            }
+            if m.images:
+                out["images"] = [
+                    {"mime": im.mime, "data": base64.b64encode(im.data).decode("ascii")} for im in m.images
+                ]
+            messages.append(out)
         return {
             "format": EXPORT_FORMAT,
-            "version": EXPORT_VERSION,
+            "version": EXPORT_VERSION if any("images" in m for m in messages) else 1,
             "title": chat.title,
             "created_at": chat.created_at,
             "system_prompt": chat.system_prompt,
             "overrides": chat.overrides,
             "model": chat.model,
-            "messages": [
-                {
-                    "role": m.role,
-                    "content": m.content,
-                    "created_at": m.created_at,
-                    "state": m.state,
-                    "stats": m.stats,
-                }
-                for m in self.messages(chat_id)
-            ],
+            "messages": messages,
         }
 
     def export_markdown(self, chat_id: str) -> str:
@@ -376,6 +445,10 @@ class ChatStore:
             out += ["## System", "", chat.system_prompt, ""]
         for m in self.messages(chat_id):
             out += [f"## {m.role.capitalize()}", ""]
+            # the bytes stay out of the Markdown (the JSON export keeps them)
+            out += [f"[image: {len(im.data):,} bytes, {im.mime}]" for im in m.images]
+            if m.images:
+                out.append("")
             split = split_reasoning(m.content) if m.role == "assistant" else None
             if split is not None and split.thinking is not None:
                 # a reasoning model's thinking folds away, as in the app (GitHub and most viewers)
@@ -397,7 +470,7 @@ class ChatStore:
             raise ChatStoreError(f"not a Hearth chat export (format {data.get('format')!r})")
         if int(data.get("version", EXPORT_VERSION)) > EXPORT_VERSION:
             raise ChatStoreError("this chat was exported by a newer Hearth; update Hearth to import it")
-        messages = []
+        messages, images = [], []
         system = data.get("system_prompt") or ""
         for i, m in enumerate(data["messages"]):
             if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content"), str):
@@ -406,15 +479,16 @@ class ChatStore:
                 system = m["content"]
                 continue
             messages.append(m)
+            images.append(_imported_images(i, m.get("images")))
         overrides = data.get("overrides") if isinstance(data.get("overrides"), dict) else {}
         title = str(data.get("title") or "Imported chat")
         with self._tx():
             chat = self.create_chat(title, str(system), overrides, data.get("model"))
             now = time.time()
-            for pos, m in enumerate(messages):
+            for pos, (m, ims) in enumerate(zip(messages, images, strict=True)):
                 state = m.get("state") if m.get("state") in STATES else "done"
                 state = "stopped" if state == "streaming" else state
-                self.db.execute(
+                cur = self.db.execute(
                     _INSERT_MESSAGE,
                     (
                         chat.id,
@@ -427,4 +501,26 @@ class ChatStore:
                         json.dumps(m.get("stats") if isinstance(m.get("stats"), dict) else {}),
                     ),
                 )
+                self._insert_images(cur.lastrowid, ims)
         return chat
+
+
+def _imported_images(i: int, items: Any) -> list[MessageImage]:
+    """The images of message `i` of an import ({"mime": "image/...", "data": base64} each)."""
+    if items is None:
+        return []
+    if not isinstance(items, list):
+        raise ChatStoreError(f'message {i + 1}: "images" must be a list')
+    out = []
+    for j, item in enumerate(items):
+        ok = isinstance(item, dict) and isinstance(item.get("data"), str)
+        mime = item.get("mime") if ok else None
+        if not isinstance(mime, str) or not mime.startswith("image/"):
+            raise ChatStoreError(
+                f'message {i + 1}, image {j + 1}: needs "mime" (image/...) and base64 "data"'
+            )
+        try:
+            out.append(MessageImage(base64.b64decode(item["data"], validate=True), mime))
+        except (binascii.Error, ValueError):
+            raise ChatStoreError(f"message {i + 1}, image {j + 1}: its data is not base64") from None
+    return out

@@ -1,19 +1,23 @@
 """The conversation column: one MessageWidget per message, in a scroll area that follows the stream.
 
-Each message shows its role, its Markdown (app.markdown_view) and buttons: Copy for every message,
-Edit for the user's, Regenerate and Continue for the last reply. A reply that starts with a reasoning
-block (engine.reasoning) shows its thinking in a collapsed section above the answer. The view never
-talks to the store or the engine: it emits signals the window forwards to the controller.
+Each message shows its role, its images (thumbnails: click one to see it whole), its Markdown
+(app.markdown_view) and buttons: Copy for every message, Edit for the user's, Regenerate and Continue
+for the last reply. A reply that starts with a reasoning block (engine.reasoning) shows its thinking in
+a collapsed section above the answer. The view never talks to the store or the engine: it emits signals
+the window forwards to the controller.
 """
 
 from __future__ import annotations
 
-from app.chat_store import Message
+from app.chat_store import Message, MessageImage
+from app.images import image_size, thumbnail
 from app.markdown_view import MarkdownView
 from app.qt import (
+    QDialog,
     QFrame,
     QGuiApplication,
     QHBoxLayout,
+    QIcon,
     QLabel,
     QPalette,
     QPlainTextEdit,
@@ -31,6 +35,35 @@ from engine.reasoning import Reasoning, split_reasoning, starts_opening
 
 ROLE_NAMES = {"user": "You", "assistant": "Assistant", "system": "System"}
 STATE_NOTES = {"stopped": "stopped", "error": "interrupted", "streaming": "writing…"}
+IMAGE_SIDE = 192  # a message's image thumbnails fit this square (logical pixels)
+
+
+def describe_image(image: MessageImage) -> str:
+    """'image/png, 640×480, 120 KB'."""
+    size = image_size(image.data)
+    pixels = f"{size.width()}×{size.height()}, " if size.isValid() else ""
+    return f"{image.mime}, {pixels}{max(1, round(len(image.data) / 1024)):,} KB"
+
+
+class ImageViewer(QDialog):
+    """One image whole (scaled down to fit the screen), in its own window."""
+
+    def __init__(self, image: MessageImage, title: str, parent=None):
+        super().__init__(parent)
+        self.setWindowTitle(f"{title} ({describe_image(image)})")
+        screen = (parent.screen() if parent is not None else QGuiApplication.primaryScreen()).availableSize()
+        side = int(min(screen.width(), screen.height()) * 0.9)
+        layout = QVBoxLayout(self)
+        layout.setContentsMargins(0, 0, 0, 0)
+        self.picture = QLabel(self)
+        self.picture.setAccessibleName(title)
+        self.picture.setAlignment(Qt.AlignmentFlag.AlignCenter)
+        pixmap = thumbnail(image.data, side, self.devicePixelRatioF())
+        if pixmap.isNull():
+            self.picture.setText("This image cannot be shown.")
+        else:
+            self.picture.setPixmap(pixmap)
+        layout.addWidget(self.picture)
 
 
 class MessageWidget(QFrame):
@@ -68,6 +101,10 @@ class MessageWidget(QFrame):
         for b in (self.copy_button, self.edit_button, self.regenerate_button, self.continue_button):
             head.addWidget(b)
         layout.addLayout(head)
+        self.image_buttons: list[QToolButton] = []
+        if message.images:
+            self._build_images(layout)
+        self.viewer: ImageViewer | None = None
         self.thinking_section: QWidget | None = None
         if message.role == "assistant":
             self._build_thinking(layout)
@@ -87,6 +124,34 @@ class MessageWidget(QFrame):
         b.setToolTip(accessible)
         b.setAutoRaise(True)
         return b
+
+    def _build_images(self, layout: QVBoxLayout) -> None:
+        """A row of thumbnails (aspect kept), above the text as the images went to the model."""
+        row = QHBoxLayout()
+        dpr = self.devicePixelRatioF()
+        n = len(self.message.images)
+        for i, image in enumerate(self.message.images):
+            b = QToolButton(self)
+            b.setAutoRaise(True)
+            pixmap = thumbnail(image.data, IMAGE_SIDE, dpr)
+            if pixmap.isNull():
+                b.setText(f"[image: {len(image.data):,} bytes, {image.mime}, unreadable]")
+            else:
+                b.setIcon(QIcon(pixmap))
+                b.setIconSize(pixmap.deviceIndependentSize().toSize())
+            b.setAccessibleName(f"Image {i + 1} of {n}")
+            b.setToolTip(f"{describe_image(image)}. Click to see it whole.")
+            b.clicked.connect(self._on_image_clicked)
+            self.image_buttons.append(b)
+            row.addWidget(b)
+        row.addStretch(1)
+        layout.addLayout(row)
+
+    @Slot()
+    def _on_image_clicked(self) -> None:
+        i = self.image_buttons.index(self.sender())
+        self.viewer = ImageViewer(self.message.images[i], f"Image {i + 1} of {len(self.image_buttons)}", self)
+        self.viewer.open()
 
     def _build_thinking(self, layout: QVBoxLayout) -> None:
         """The collapsible thinking section: an arrow button over a muted, selectable label."""
@@ -128,6 +193,8 @@ class MessageWidget(QFrame):
                 text = ""  # "<thi" may be a thinking block arriving in pieces: show it once it is one
             if self.body.isHidden() == bool(text or split.thinking is None):
                 self.body.setVisible(bool(text or split.thinking is None))  # no empty box while thinking
+        elif self.message.images and self.editor is None:
+            self.body.setVisible(bool(text))  # images alone: no empty text box under them
         self.body.set_markdown_text(text, immediate=immediate)
 
     def _show_thinking(self, split: Reasoning) -> None:
@@ -193,7 +260,7 @@ class MessageWidget(QFrame):
             self.editor.deleteLater()
             self._edit_row.deleteLater()
             self.editor = None
-            self.body.show()
+            self.body.setVisible(bool(self.message.content) or not self.message.images)
 
 
 class ChatView(QScrollArea):

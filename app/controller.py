@@ -6,6 +6,9 @@ listens to the signals; the controller keeps the SQLite store in step with what 
 - the assistant's message is created (state "streaming") when the reply starts, its text is flushed
   every FLUSH_S while it streams and written with its final state and figures when it ends;
 - a reply that fails keeps what had arrived and says why (state "error" or "stopped").
+
+A message with images goes to the engine as a list of parts, its images first and then its text (as
+Gemma 3's examples order them); a message without images stays a string.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ from __future__ import annotations
 import time
 from dataclasses import asdict
 
-from app.chat_store import Chat, ChatStore, Message
+from app.chat_store import Chat, ChatStore, Message, MessageImage
 from app.engine_bridge import EngineBridge
 from app.qt import QObject, QTimer, Signal, Slot
 from app.settings import SAMPLING_KEYS, Settings
@@ -79,6 +82,25 @@ def template_vars(settings: Settings) -> dict:
     and a low reasoning_effort (gpt-oss, which always thinks: as briefly as it can); templates without
     them ignore the variables."""
     return {} if settings.get("thinking") else {"enable_thinking": False, "reasoning_effort": "low"}
+
+
+def message_content(message: Message) -> str | list[dict]:
+    """What the engine gets as a message's content: its text, or with images a list of parts (images,
+    then the text unless it is empty)."""
+    if not message.images:
+        return message.content
+    parts: list[dict] = [{"type": "image", "image": im.data} for im in message.images]
+    if message.content:
+        parts.append({"type": "text", "text": message.content})
+    return parts
+
+
+def chat_title(text: str, images: list[MessageImage]) -> str:
+    """A new chat's title: the first message's first words; "Image" for a message of images only."""
+    title = " ".join(text.split())[:TITLE_CHARS]
+    if title or not images:
+        return title
+    return "Image" if len(images) == 1 else f"{len(images)} images"
 
 
 def event_stats(event: ChatEvent | None) -> dict:
@@ -187,21 +209,29 @@ class ChatController(QObject):
         return self.store.messages(self.chat.id) if self.chat else []
 
     # ---- turns
-    def send(self, text: str) -> bool:
-        """Store the user's message and request a reply. False if not sent (empty, busy, no model)."""
+    def send(self, text: str, images: list[MessageImage] | None = None) -> bool:
+        """Store the user's message (text, images or both) and request a reply. False if not sent (empty,
+        busy, no model, or images for a model that reads none: the notice says so)."""
         text = text.strip()
-        if not text or self.busy:
+        images = list(images or [])
+        if not (text or images) or self.busy:
             return False
         if self.bridge.model is None:
             self.notice.emit("No model is loaded yet: pick one above (or wait for the load to finish).")
+            return False
+        if images and not self.bridge.model.vision:
+            self.notice.emit(
+                f"{self.bridge.model.name} does not read images: load a vision model, or remove the images "
+                "(×) to send the text alone."
+            )
             return False
         if self.chat is None:
             self.new_chat()
         assert self.chat is not None
         first = not self.store.messages(self.chat.id)
-        msg = self.store.add_message(self.chat.id, "user", text)
+        msg = self.store.add_message(self.chat.id, "user", text, images=images)
         if first:
-            title = " ".join(text.split())[:TITLE_CHARS]
+            title = chat_title(text, images)
             self.store.update_chat(self.chat.id, title=title)
             self.chat.title = title
         self.messageAdded.emit(msg)
@@ -223,16 +253,18 @@ class ChatController(QObject):
         return True
 
     def edit_and_resend(self, message_id: int, text: str) -> bool:
-        """Replace a user message (and everything after it) by `text`, then ask for a reply."""
+        """Replace a user message's text (its images stay) and drop everything after it, then ask for a
+        reply."""
         text = text.strip()
         msgs = self.messages()
         target = next((m for m in msgs if m.id == message_id), None)
-        if self.busy or target is None or target.role != "user" or not text or self.bridge.model is None:
+        if self.busy or target is None or target.role != "user" or self.bridge.model is None:
+            return False
+        if not (text or target.images):
             return False
         self.store.delete_from(self.chat.id, target.position)
-        msg = self.store.add_message(self.chat.id, "user", text)
+        self.store.add_message(self.chat.id, "user", text, images=target.images)
         self.chatOpened.emit(self.chat.id)
-        del msg
         self._start_reply()
         return True
 
@@ -256,7 +288,7 @@ class ChatController(QObject):
         for m in self.messages():
             if m.state == "error" and not m.content or (m.role == "assistant" and not m.content):
                 continue
-            conv.append({"role": m.role, "content": m.content})
+            conv.append({"role": m.role, "content": message_content(m)})
         if resume is not None and conv and conv[-1]["role"] == "assistant":
             conv[-1]["continue"] = True
         return conv

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from app.chat_store import ChatStore, ChatStoreError, Message
 from app.chat_view import ChatView
+from app.composer import ComposerBox
 from app.controller import ChatController
 from app.downloads import DownloadService
 from app.engine_bridge import EngineBridge
@@ -62,24 +63,6 @@ from models.version import VERSION
 STATUS_POLL_MS = 2000
 CONTEXT_WARN = 0.85  # warn when the context is this full
 UNDO_MS = 10000
-
-
-class Composer(QPlainTextEdit):
-    """The message editor: Enter sends, Shift+Enter starts a new line.
-
-    Signals:
-        submitted(): Enter was pressed.
-    """
-
-    submitted = Signal()
-
-    def keyPressEvent(self, event) -> None:  # noqa: N802 - Qt override
-        if event.key() in (Qt.Key.Key_Return, Qt.Key.Key_Enter) and not (
-            event.modifiers() & Qt.KeyboardModifier.ShiftModifier
-        ):
-            self.submitted.emit()
-            return
-        super().keyPressEvent(event)
 
 
 class _Relay(QObject):
@@ -266,19 +249,19 @@ class MainWindow(QMainWindow):
         self.starter_button.hide()
         mv.addWidget(self.starter_button)
         bottom = QHBoxLayout()
-        self.composer = Composer()
-        self.composer.setAccessibleName("Message")
-        self.composer.setPlaceholderText("Write a message. Enter sends, Shift+Enter adds a line.")
-        self.composer.setMaximumHeight(140)
+        self.composer_box = ComposerBox()
+        self.composer = self.composer_box.editor
+        self.attach_button = self.composer_box.attach_button
         self.send_button = QPushButton("Send")
         self.send_button.setAccessibleName("Send message")
         self.stop_button = QPushButton("Stop")
         self.stop_button.setAccessibleName("Stop the reply")
         self.stop_button.setEnabled(False)
-        bottom.addWidget(self.composer, 1)
+        bottom.addWidget(self.composer_box, 1)
         col = QVBoxLayout()
         col.addWidget(self.send_button)
         col.addWidget(self.stop_button)
+        col.addStretch(1)
         bottom.addLayout(col)
         mv.addLayout(bottom)
 
@@ -351,6 +334,7 @@ class MainWindow(QMainWindow):
         self.downloads.modelsChanged.connect(self.refresh_models)
         self.starter_button.clicked.connect(lambda: self.load_model("smollm2-135m-instruct"))
         self.composer.submitted.connect(self.send)
+        self.composer_box.notice.connect(self._on_composer_notice)
         self.send_button.clicked.connect(self.send)
         self.stop_button.clicked.connect(c.stop)
         self.view.editRequested.connect(c.edit_and_resend)
@@ -514,8 +498,12 @@ class MainWindow(QMainWindow):
     # ---- sending
     @Slot()
     def send(self) -> None:
-        if self.controller.send(self.composer.toPlainText()):
-            self.composer.clear()
+        if self.controller.send(self.composer.toPlainText(), self.composer_box.images):
+            self.composer_box.clear()
+
+    @Slot(str)
+    def _on_composer_notice(self, text: str) -> None:
+        self.statusBar().showMessage(text, 8000)
 
     @Slot(bool)
     def _on_busy(self, busy: bool) -> None:
@@ -696,6 +684,7 @@ class MainWindow(QMainWindow):
     @Slot(object)
     def _on_loaded(self, info: ModelInfo) -> None:
         self.model_info = info
+        self.composer_box.set_vision(info.vision)
         self.load_progress.hide()
         self.status_model.setText(f"{info.name} · loaded in {info.load_s:.1f} s")
         self._show_device()

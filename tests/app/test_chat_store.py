@@ -7,7 +7,11 @@ import sqlite3
 
 import pytest
 
-from app.chat_store import MIGRATIONS, SCHEMA_VERSION, ChatStore, ChatStoreError
+from app.chat_store import MIGRATIONS, SCHEMA_VERSION, ChatStore, ChatStoreError, MessageImage
+
+# the store keeps whatever bytes it is given (the composer checks they are an image)
+PNG = MessageImage(b"\x89PNG\r\n\x1a\n" + bytes(range(256)) * 3, "image/png")
+JPEG = MessageImage(b"\xff\xd8\xff\xe0" + b"\x00\xff" * 500, "image/jpeg")
 
 
 @pytest.fixture
@@ -119,4 +123,106 @@ def test_import_rejects_what_is_not_a_chat(store, data, match):
     before = len(store.list_chats())
     with pytest.raises(ChatStoreError, match=match):
         store.import_json(data)
+    assert len(store.list_chats()) == before
+
+
+def _image_rows(store) -> int:
+    return store.db.execute("SELECT COUNT(*) FROM message_images").fetchone()[0]
+
+
+def test_migrates_a_version_2_database_to_images(tmp_path):
+    path = tmp_path / "v2.sqlite3"
+    db = sqlite3.connect(path, isolation_level=None)
+    db.execute("CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)")
+    MIGRATIONS[0](db)
+    MIGRATIONS[1](db)
+    db.execute("INSERT INTO meta VALUES ('schema_version', '2')")
+    db.execute("INSERT INTO chats (id, title, created_at, updated_at) VALUES ('c', 'Before images', 1, 1)")
+    db.execute(
+        "INSERT INTO messages (chat_id, position, role, content, created_at, updated_at, stats) "
+        "VALUES ('c', 0, 'user', 'hello', 1, 1, '{}'), "
+        "('c', 1, 'assistant', 'hi!', 2, 2, '{\"ttft_s\": 0.5}')"
+    )
+    tables = {r[0] for r in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+    assert "message_images" not in tables
+    db.close()
+    s = ChatStore(path)
+    assert s.schema_version == SCHEMA_VERSION == 3
+    tables = {r[0] for r in s.db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+    assert "message_images" in tables
+    msgs = s.messages("c")
+    assert [(m.role, m.content, m.stats, m.images) for m in msgs] == [
+        ("user", "hello", {}, []),
+        ("assistant", "hi!", {"ttft_s": 0.5}, []),
+    ]
+    assert s.get_chat("c").title == "Before images"
+    added = s.add_message("c", "user", "and this?", images=[PNG])
+    assert s.messages("c")[-1].images == [PNG] and added.images == [PNG]
+    s.close()
+
+
+def test_images_are_stored_in_order_and_deleted_with_their_messages(store, tmp_path):
+    chat = store.create_chat("Pictures")
+    first = store.add_message(chat.id, "user", "Compare these.", images=[PNG, JPEG])
+    store.add_message(chat.id, "assistant", "The first is a PNG.")
+    only_images = store.add_message(chat.id, "user", "", images=[JPEG])
+    msgs = store.messages(chat.id)
+    assert [m.images for m in msgs] == [[PNG, JPEG], [], [JPEG]]
+    assert msgs[0].id == first.id and msgs[2].content == "" and msgs[2].id == only_images.id
+    assert isinstance(msgs[0].images[0].data, bytes) and msgs[0].images[1].mime == "image/jpeg"
+    assert [c.id for c in store.list_chats("compare")] == [chat.id], "search still reads the text"
+
+    store.delete_from(chat.id, 1)  # regenerate / edit: the later messages' images go with them
+    assert [m.images for m in store.messages(chat.id)] == [[PNG, JPEG]]
+    assert _image_rows(store) == 2
+
+    other = store.create_chat("Kept")
+    store.add_message(other.id, "user", "mine", images=[PNG])
+    store.delete_chat(chat.id)
+    store.undo_delete(chat.id)  # undo brings the images back with the chat
+    assert [m.images for m in store.messages(chat.id)] == [[PNG, JPEG]]
+    store.delete_chat(chat.id)
+    store.close()
+    reopened = ChatStore(tmp_path / "chats.sqlite3")  # the next start purges it, images included
+    assert _image_rows(reopened) == 1
+    assert [m.images for m in reopened.messages(other.id)] == [[PNG]]
+    reopened.close()
+
+
+def test_export_and_import_keep_images(store):
+    chat = store.create_chat("Look")
+    store.add_message(chat.id, "user", "What is on these?", images=[PNG, JPEG])
+    store.add_message(chat.id, "assistant", "Noise.")
+    data = json.loads(json.dumps(store.export_json(chat.id)))
+    assert data["version"] == 2
+    sent = data["messages"][0]["images"]
+    assert [i["mime"] for i in sent] == ["image/png", "image/jpeg"] and isinstance(sent[0]["data"], str)
+    assert "images" not in data["messages"][1]
+    copy = store.import_json(data)
+    assert [(m.content, m.images) for m in store.messages(copy.id)] == [
+        ("What is on these?", [PNG, JPEG]),
+        ("Noise.", []),
+    ]
+    md = store.export_markdown(chat.id)
+    lines = f"[image: {len(PNG.data):,} bytes, image/png]\n[image: {len(JPEG.data):,} bytes, image/jpeg]"
+    assert f"## User\n\n{lines}\n\nWhat is on these?" in md and "base64" not in md
+
+    plain = store.create_chat("Text only")
+    store.add_message(plain.id, "user", "hi")
+    assert store.export_json(plain.id)["version"] == 1, "older Hearths still import chats without images"
+
+
+@pytest.mark.parametrize(
+    "images, match",
+    [
+        ("nope", "must be a list"),
+        ([{"data": "AAAA"}], "image 1: needs"),
+        ([{"mime": "text/plain", "data": "AAAA"}], "image 1: needs"),
+        ([{"mime": "image/png", "data": "not base64!"}], "not base64"),
+    ],
+)
+def test_import_rejects_broken_images(store, images, match):
+    before = len(store.list_chats())
+    with pytest.raises(ChatStoreError, match=match):
+        store.import_json({"messages": [{"role": "user", "content": "x", "images": images}]})
     assert len(store.list_chats()) == before

@@ -1,0 +1,281 @@
+"""Images in chats: the composer's Attach image (button, paste, drop) following the model's vision, files
+refused with a message, the message parts the engine gets, thumbnails in the conversation and after a
+restart. The real window and store (HEARTH_HOME in a temp dir) over the engine with SmolLM2 loaded; the
+tests that send swap the client's generate for a recording stand-in, since SmolLM2 reads no images."""
+
+from __future__ import annotations
+
+import pickle
+from dataclasses import replace
+
+import pytest
+
+from app.chat_store import ChatStore, MessageImage
+from app.chat_view import IMAGE_SIDE
+from app.composer import NO_VISION
+from app.main_window import MainWindow
+from app.qt import (
+    QApplication,
+    QBuffer,
+    QColor,
+    QDragEnterEvent,
+    QDropEvent,
+    QFileDialog,
+    QImage,
+    QIODevice,
+    QMimeData,
+    QPointF,
+    QSize,
+    Qt,
+    QUrl,
+)
+from app.settings import Settings
+from engine.client import ChatEvent
+
+pytestmark = pytest.mark.gui
+
+
+def _encoded(width: int, height: int, color: str, fmt: str = "PNG") -> bytes:
+    image = QImage(width, height, QImage.Format.Format_RGB32)
+    image.fill(QColor(color))
+    buf = QBuffer()
+    buf.open(QIODevice.OpenModeFlag.WriteOnly)
+    assert image.save(buf, fmt)
+    return bytes(buf.data())
+
+
+def _window(qtbot, engine):
+    s = Settings()
+    s.update({"temperature": 0.0, "max_tokens": 12})
+    store = ChatStore()
+    w = MainWindow(s, store, bridge=engine, model="")
+    qtbot.addWidget(w)
+    w.show()
+    return w, store
+
+
+@pytest.fixture
+def vision(engine, monkeypatch):
+    """The loaded model as one that reads images (what the worker reports for a vision model)."""
+    info = replace(engine.model, vision=True)
+    monkeypatch.setattr(engine, "model", info)
+    return info
+
+
+@pytest.fixture
+def replies(engine, monkeypatch):
+    """The conversations sent to the engine; each is answered "A red box."."""
+    calls: list[list[dict]] = []
+
+    def generate(conversation, params=None, **_kwargs):
+        calls.append(pickle.loads(pickle.dumps(conversation)))  # as the worker gets it, over its pipe
+        yield ChatEvent(text="A red box.", token=1, generated_tokens=1)
+        yield ChatEvent(finish_reason="stop", generated_tokens=1)
+
+    monkeypatch.setattr(engine.client, "generate", generate)
+    return calls
+
+
+@pytest.fixture
+def files(tmp_path):
+    wide = tmp_path / "wide.png"
+    wide.write_bytes(_encoded(200, 100, "red"))
+    photo = tmp_path / "photo.jpg"
+    photo.write_bytes(_encoded(90, 120, "blue", "JPEG"))
+    scan = tmp_path / "scan.tiff"
+    scan.write_bytes(_encoded(30, 30, "green", "TIFF"))
+    notes = tmp_path / "notes.png"
+    notes.write_text("not an image at all, whatever the name says")
+    big = tmp_path / "big.png"
+    with big.open("wb") as f:
+        f.truncate(21 << 20)
+    return {"wide": wide, "photo": photo, "scan": scan, "notes": notes, "big": big}
+
+
+def test_attach_follows_the_models_vision(qtbot, engine, files):
+    w, store = _window(qtbot, engine)
+    box = w.composer_box
+    assert not engine.model.vision and not w.attach_button.isEnabled()
+    assert "does not read images" in w.attach_button.toolTip()
+    w.composer.setPlainText("What is this?")
+    QApplication.clipboard().setImage(QImage(str(files["wide"])))
+    w.composer.paste()
+    assert box.images == [] and box.note.isVisible() and box.note.text() == NO_VISION
+    assert w.statusBar().currentMessage() == NO_VISION
+    assert w.composer.toPlainText() == "What is this?", "the image was not pasted as text either"
+
+    seeing = replace(engine.model, vision=True)
+    engine.loaded.emit(seeing)
+    assert w.attach_button.isEnabled() and "paste or drop" in w.attach_button.toolTip()
+    w.composer.paste()
+    assert len(box.images) == 1 and not box.note.isVisible()
+
+    # the model changes to one without vision: the button goes grey, and Enter sends nothing yet
+    engine.loaded.emit(replace(seeing, vision=False))
+    assert not w.attach_button.isEnabled()
+    before = len(store.list_chats())
+    qtbot.keyClick(w.composer, Qt.Key.Key_Return)
+    assert "does not read images" in w.view.notice_label.text()
+    assert len(store.list_chats()) == before and not w.controller.busy
+    assert w.composer.toPlainText() == "What is this?" and len(box.images) == 1, "nothing is lost"
+    w.close()
+    store.close()
+
+
+def test_attach_by_button_paste_and_drop_and_refusals(qtbot, engine, vision, files, monkeypatch):
+    w, store = _window(qtbot, engine)
+    box = w.composer_box
+    assert w.attach_button.isEnabled()
+    w.composer.setPlainText("Compare them")
+    asked = []
+
+    def pick(parent, caption, folder, filters):
+        asked.append(filters)
+        return [str(files["wide"]), str(files["notes"]), str(files["big"])], filters
+
+    monkeypatch.setattr(QFileDialog, "getOpenFileNames", pick)
+    w.attach_button.click()
+    assert "*.png" in asked[0] and "*.webp" in asked[0] and "*.jpg" in asked[0]
+    assert box.images == [MessageImage(files["wide"].read_bytes(), "image/png")], "the file's own bytes"
+    assert "notes.png is not an image" in box.note.text() and box.note.isVisible()
+    assert "big.png is 21.0 MB; images up to 20 MB" in box.note.text()
+    assert "notes.png" in w.statusBar().currentMessage()
+    assert w.composer.toPlainText() == "Compare them", "the typed text stays"
+
+    pasted = QImage(64, 32, QImage.Format.Format_ARGB32)
+    pasted.fill(QColor("yellow"))
+    QApplication.clipboard().setImage(pasted)
+    w.composer.paste()
+    assert len(box.images) == 2 and box.images[1].mime == "image/png"
+    assert QImage.fromData(box.images[1].data).size() == QSize(64, 32)
+    assert not box.note.isVisible(), "a good attachment clears the last refusal"
+
+    mime = QMimeData()
+    mime.setUrls([QUrl.fromLocalFile(str(files["photo"])), QUrl.fromLocalFile(str(files["scan"]))])
+    center = QPointF(w.composer.viewport().rect().center())
+    buttons, keys = Qt.MouseButton.LeftButton, Qt.KeyboardModifier.NoModifier
+    enter = QDragEnterEvent(center.toPoint(), Qt.DropAction.CopyAction, mime, buttons, keys)
+    QApplication.sendEvent(w.composer.viewport(), enter)
+    assert enter.isAccepted(), "the composer takes dropped files"
+    QApplication.sendEvent(
+        w.composer.viewport(), QDropEvent(center, Qt.DropAction.CopyAction, mime, buttons, keys)
+    )
+    assert [im.mime for im in box.images] == ["image/png", "image/png", "image/jpeg", "image/png"]
+    assert box.images[2].data == files["photo"].read_bytes()
+    assert QImage.fromData(box.images[3].data).size() == QSize(30, 30), "a TIFF is kept as PNG"
+    assert w.composer.toPlainText() == "Compare them", "no file path was dropped into the text"
+
+    thumbs = box._thumbs()
+    assert box.strip.isVisible() and len(thumbs) == 4
+    assert thumbs[0].picture.pixmap().size() == QSize(56, 28), "scaled to fit, aspect kept"
+    thumbs[1].remove_button.click()
+    assert [im.mime for im in box.images] == ["image/png", "image/jpeg", "image/png"]
+    assert [t.remove_button.accessibleName() for t in box._thumbs()] == [
+        "Remove image 1",
+        "Remove image 2",
+        "Remove image 3",
+    ]
+    w.close()
+    store.close()
+
+
+def test_images_reach_the_engine_as_parts_and_survive_a_restart(qtbot, engine, vision, replies, files):
+    wide = files["wide"].read_bytes()
+    image_part = {"type": "image", "image": wide}
+    w, store = _window(qtbot, engine)
+    w.composer_box.offer([str(files["wide"])])
+    with qtbot.waitSignal(w.controller.messageDone, timeout=20000):
+        w.composer.setPlainText("What is this?")
+        qtbot.keyClick(w.composer, Qt.Key.Key_Return)
+    assert replies[-1] == [
+        {"role": "user", "content": [image_part, {"type": "text", "text": "What is this?"}]}
+    ]
+    assert w.composer.toPlainText() == "" and w.composer_box.images == []
+    assert not w.composer_box.strip.isVisible()
+    chat_id = w.controller.chat.id
+    user, reply = store.messages(chat_id)
+    assert user.images == [MessageImage(wide, "image/png")] and reply.content == "A red box."
+    buttons = w.view.widgets[user.id].image_buttons
+    assert len(buttons) == 1 and buttons[0].iconSize() == QSize(IMAGE_SIDE, IMAGE_SIDE // 2)
+    assert not w.view.widgets[reply.id].image_buttons
+
+    with qtbot.waitSignal(w.controller.messageDone, timeout=20000):
+        w.composer.setPlainText("And now?")
+        w.send()
+    assert replies[-1][1:] == [
+        {"role": "assistant", "content": "A red box."},
+        {"role": "user", "content": "And now?"},
+    ], "messages without images stay strings"
+    assert replies[-1][0]["content"][0] == image_part
+
+    last = store.messages(chat_id)[-1]
+    with qtbot.waitSignal(w.controller.messageDone, timeout=20000):
+        w.view.widgets[last.id].regenerate_button.click()
+    assert replies[-1][0]["content"] == [image_part, {"type": "text", "text": "What is this?"}]
+
+    first = store.messages(chat_id)[0]
+    w.view.widgets[first.id].start_edit()
+    w.view.widgets[first.id].editor.setPlainText("What colour is it?")
+    with qtbot.waitSignal(w.controller.messageDone, timeout=20000):
+        w.view.widgets[first.id]._resend()
+    assert replies[-1] == [
+        {"role": "user", "content": [image_part, {"type": "text", "text": "What colour is it?"}]}
+    ]
+    edited = store.messages(chat_id)[0]
+    assert edited.content == "What colour is it?" and edited.images == [MessageImage(wide, "image/png")]
+
+    w.controller.new_chat()  # a message of images alone
+    w.composer_box.offer([str(files["photo"]), str(files["wide"])])
+    with qtbot.waitSignal(w.controller.messageDone, timeout=20000):
+        w.send()
+    photo_part = {"type": "image", "image": files["photo"].read_bytes()}
+    assert replies[-1] == [{"role": "user", "content": [photo_part, image_part]}]
+    assert w.controller.chat.title == "2 images"
+    alone = w.view.widgets[store.messages(w.controller.chat.id)[0].id]
+    assert len(alone.image_buttons) == 2 and alone.body.isHidden(), "no empty text box under the images"
+    assert alone.image_buttons[0].iconSize() == QSize(90, 120), "a small image is not enlarged"
+    w.close()
+    store.close()
+
+    w2, store2 = _window(qtbot, engine)  # a new start shows them again, from the store
+    w2.controller.open_chat(chat_id)
+    (shown,) = [x for x in w2.view.widgets.values() if x.message.role == "user"]
+    assert shown.message.images == [MessageImage(wide, "image/png")]
+    assert len(shown.image_buttons) == 1 and not shown.image_buttons[0].icon().isNull()
+    assert shown.image_buttons[0].iconSize() == QSize(IMAGE_SIDE, IMAGE_SIDE // 2)
+    assert "image/png, 200×100" in shown.image_buttons[0].toolTip()
+    shown.image_buttons[0].click()  # seen whole, in its own window
+    assert shown.viewer.isVisible() and shown.viewer.picture.pixmap().size() == QSize(200, 100)
+    shown.viewer.close()
+    w2.close()
+    store2.close()
+
+
+def test_a_vision_model_answers_an_attached_image(qtbot, tmp_path):
+    """End to end with the real engine: the tiny Gemma 3 with a vision tower
+    (tests/fixtures/tiny/gemma3-vision) loads as a model that reads images, and a message with an attached
+    picture gets a reply."""
+    from pathlib import Path
+
+    from app.engine_bridge import EngineBridge
+    from engine.client import LoadOptions
+
+    folder = Path(__file__).resolve().parents[1] / "fixtures" / "tiny" / "gemma3-vision"
+    bridge = EngineBridge()
+    try:
+        info = bridge.client.load_and_wait(folder, LoadOptions(n_ctx=256, batch_size=8, prefix_cache_mb=0))
+        assert info.vision
+        bridge.model = info
+        w, store = _window(qtbot, bridge)
+        assert w.attach_button.isEnabled()
+        w.composer_box.offer([str(folder / "image0.png")])
+        with qtbot.waitSignal(w.controller.messageDone, timeout=60000):
+            w.composer.setPlainText("What is this?")
+            qtbot.keyClick(w.composer, Qt.Key.Key_Return)
+        user, reply = store.messages(w.controller.chat.id)
+        assert user.images[0].data == (folder / "image0.png").read_bytes()
+        assert reply.role == "assistant" and reply.state == "done" and reply.content
+        w.close()
+        store.close()
+    finally:
+        bridge.shutdown()
