@@ -373,7 +373,13 @@ def _model_shape(path: Path) -> tuple[int, memory_guard.KVShape]:
             weights += weights // 32  # block-wise FP8 keeps a float32 scale per row and 128 columns
         return weights, memory_guard.kv_shape_from_config(cfg)
     with open_gguf(path) as gguf:
-        return path.stat().st_size, memory_guard.kv_shape_from_gguf(gguf.metadata, str(path))
+        weights = path.stat().st_size
+        if gguf.metadata.get("general.architecture") == "gemma3":  # its vision tower, when one is beside it
+            from engine.vision.load import find_mmproj
+
+            mmproj = find_mmproj(path)
+            weights += mmproj.stat().st_size if mmproj is not None else 0
+        return weights, memory_guard.kv_shape_from_gguf(gguf.metadata, str(path))
 
 
 def _continues(messages: Sequence[dict]) -> bool:

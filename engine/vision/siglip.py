@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from engine.backends import cpu as ops
-from engine.backends.cpu.ops import softmax_rows
+from engine.backends.cpu.ops import softmax_fast
 from engine.weights import Weight
 
 # queries per block of the attention's score matrix (a block's scores: QUERY_BLOCK x patches float32)
@@ -118,13 +118,14 @@ class SiglipEncoder:
         q, k, v = (
             _linear(w, h).reshape(n, heads, hd).transpose(1, 0, 2) for w in (layer.q, layer.k, layer.v)
         )
-        q *= np.float32(hd**-0.5)
+        scale = np.float32(hd**-0.5)
         out = np.empty((n, heads, hd), np.float32)
         for head in range(heads):
+            queries = np.ascontiguousarray(q[head])
             keys, values = np.ascontiguousarray(k[head]), np.ascontiguousarray(v[head])
             for a in range(0, n, QUERY_BLOCK):
-                scores = q[head, a : a + QUERY_BLOCK] @ keys.T
-                softmax_rows(scores)
+                scores = queries[a : a + QUERY_BLOCK] @ keys.T
+                softmax_fast(scores, scale)
                 out[a : a + QUERY_BLOCK, head] = scores @ values
         return out.reshape(n, shape.hidden)
 

@@ -179,8 +179,12 @@ def test_gguf_with_its_mmproj_matches_transformers(tmp_path):
     assert lm.vision is not None and not lm.vision_notice
     ids = _prompt(lm, _messages())
     np.testing.assert_allclose(lm.model.forward(ids, lm.model.new_cache(160), all_logits=True), REF, atol=TOL)
+    from engine.worker import _model_shape
+
+    assert _model_shape(out.output)[0] == out.output.stat().st_size + out.mmproj.stat().st_size
     out.mmproj.unlink()
     assert load_model(out.output).vision is None  # no mmproj beside it: text only
+    assert _model_shape(out.output)[0] == out.output.stat().st_size
 
 
 def test_mmproj_of_another_model_is_refused(lm):
