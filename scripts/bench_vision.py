@@ -72,7 +72,8 @@ def main() -> int:
     from PIL import Image
 
     encoder = SiglipShape(hidden=1152, ff=4304, layers=args.layers, heads=16, image_size=896, patch=14)
-    tower = Gemma3Vision(Gemma3VisionShape(encoder, text_hidden=2560, pool=4), RandomWeights(), Path("random"))
+    shape = Gemma3VisionShape(encoder, text_hidden=2560, pool=4)
+    tower = Gemma3Vision(shape, RandomWeights(), Path("random"))
     rng = np.random.default_rng(1)
     buf = io.BytesIO()
     Image.fromarray(rng.integers(0, 256, (768, 1024, 3), dtype=np.uint8)).save(buf, "JPEG")

@@ -11,10 +11,12 @@ back through an asyncio queue. A client that goes away cancels its generation at
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import hmac
 import ipaddress
 import json
+import threading
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
@@ -26,6 +28,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from engine.chat_template import TemplateError
+from engine.errors import ImageInputError
 from engine.reasoning import ReasoningStream, opens_reasoning, split_reasoning, strip_reasoning
 from engine.server import protocol
 from engine.server.constraints import grammar_for
@@ -33,6 +36,7 @@ from engine.server.errors import APIError, ServeError, invalid
 from engine.server.metrics import CONTENT_TYPE, ServerMetrics
 from engine.server.scheduler import Delta, Engine, SeqParams
 from engine.tokenizer import TokenizerError
+from engine.vision import encode_with_images, prepare_messages
 
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
 
@@ -65,7 +69,7 @@ class ServerConfig:
     allowed_hosts: list[str] = field(default_factory=list)
     aliases: list[str] = field(default_factory=list)
     request_timeout_s: float = 600.0
-    max_body_bytes: int = 4 << 20
+    max_body_bytes: int = protocol.MAX_BODY_BYTES
     reasoning_format: str = "deepseek"
 
     def __post_init__(self):
@@ -190,6 +194,7 @@ class _Api:
         self.created = protocol.now()
         source = getattr(lm.template, "source", "") or ""
         self.template_has_tools = "tools" in source
+        self._vision_lock = threading.Lock()  # one image encoding at a time (the model's image table)
 
     # --- small routes ---
 
@@ -203,7 +208,8 @@ class _Api:
         return JSONResponse(body, status_code=200 if ok else 503)
 
     async def models(self, request: Request) -> Response:
-        return JSONResponse(protocol.model_list(self.names[:1], self.created))
+        vision = getattr(self.lm, "vision", None) is not None
+        return JSONResponse(protocol.model_list(self.names[:1], self.created, vision=vision))
 
     async def metrics_text(self, request: Request) -> Response:
         return Response(self.metrics.render(), media_type=CONTENT_TYPE)
@@ -266,8 +272,10 @@ class _Api:
                 raise invalid(f"{self.config.model_name}'s chat template does not support tools", "tools")
             extra["tools"] = req.tools
         messages = strip_reasoning(req.messages)  # earlier replies' thinking stays out of the context
+        messages, images = prepare_messages(self.lm, messages)
         text = self.lm.template.render(messages, add_generation_prompt=True, **req.template_vars, **extra)
-        return self.tok.encode(text, add_special=False)
+        with self._vision_lock if images else contextlib.nullcontext():
+            return encode_with_images(self.lm, text, images)
 
     def _encode_completion(self, req: protocol.CompletionRequest) -> list[int]:
         if isinstance(req.prompt, list):
@@ -354,12 +362,16 @@ class _Api:
             ids = await run_in_threadpool(self._encode_chat, req)
         except (TemplateError, TokenizerError) as e:
             raise invalid(str(e), "messages") from e
+        except ImageInputError as e:  # the model reads no images, or one is no readable image
+            code = "invalid_image" if getattr(self.lm, "vision", None) is not None else "images_not_supported"
+            raise invalid(str(e), "messages", code) from e
         params = self._seq_params(req, ids, req.max_tokens, text_start=True, grammar=grammar)
         params.respell = True
         meta = {"id": protocol.new_id("chatcmpl"), "created": protocol.now(), "model": req.model}
         # with grammar-constrained output there is no thinking block to split off
         split = self.config.reasoning_format == "deepseek" and grammar is None
-        opened = split and opens_reasoning(self.tok.decode(ids[-8:]))
+        tail = [t for t in ids[-8:] if t < self.tok.vocab_size]  # image ids (engine.vision) are no text
+        opened = split and opens_reasoning(self.tok.decode(tail))
         return await self._answer(
             request, req, params, meta,
             functools.partial(self._chat_stream, split=split, opened=opened),

@@ -14,6 +14,8 @@ import json
 import random
 from dataclasses import dataclass
 
+from engine.server.protocol import MAX_BODY_BYTES
+
 # field -> values every one of which is invalid for it
 _BAD_CHAT = {
     "model": [None, 5, "", ["m"], {"id": "m"}, "no-such-model", True],
@@ -30,6 +32,11 @@ _BAD_CHAT = {
         [{"role": "user", "content": 5}],
         [{"role": "user", "content": [{"x": 1}]}],
         [{"role": "user", "content": [{"type": "image_url", "image_url": "u"}]}],
+        [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "https://a.example/b.png"}}]}],
+        [{"role": "user", "content": [{"type": "image_url", "image_url": "data:image/png;base64,%%%"}]}],
+        [{"role": "user", "content": [{"type": "image_url", "image_url": "data:text/plain;base64,aGk="}]}],
+        [{"role": "system", "content": [{"type": "image_url", "image_url": "data:image/png;base64,aGk="}]}],
+        [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": 5}}]}],
         [{"role": 7, "content": "x"}],
     ],
     "max_tokens": [0, -1, -(10**12), 10**9, "10", 1.5, True, [], {}],
@@ -108,6 +115,7 @@ def cases(n: int, model: str, seed: int = 0, port: int = 0) -> list[Case]:
     """n malformed requests for a server serving `model` on 127.0.0.1:port."""
     rng = random.Random(seed)
     host = {"Host": f"127.0.0.1:{port}", "Content-Type": "application/json"}
+    big = b'{"model": "' + b"x" * (MAX_BODY_BYTES + (1 << 20)) + b'"}'  # one object, shared by its cases
     out = []
     for _ in range(n):
         kind = rng.random()
@@ -139,7 +147,6 @@ def cases(n: int, model: str, seed: int = 0, port: int = 0) -> list[Case]:
                 Case("POST", "/v1/chat/completions", json.dumps(body).encode(), {**host, "Host": bad_host})
             )
         else:
-            big = b'{"model": "' + b"x" * (5 << 20) + b'"}'
             out.append(Case("POST", "/v1/chat/completions", big, host))
     return out
 

@@ -2,11 +2,15 @@
 
 Every field a request may carry is checked for type and range here, so the engine only ever sees
 values it can honour; anything else becomes an APIError (400) naming the field. Unknown fields are
-ignored, as OpenAI-compatible servers do (clients send vendor extras).
+ignored, as OpenAI-compatible servers do (clients send vendor extras). Images come as `image_url` content
+parts holding a base64 data URL and leave here as the engine's image parts (engine.vision), the file's
+bytes; the server fetches no URL.
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
 import json
 import re
 import time
@@ -20,6 +24,9 @@ MAX_STOP = 4
 MAX_STOP_CHARS = 256
 MAX_MESSAGES = 2048
 MAX_TOP_LOGPROBS = 20
+MAX_IMAGES = 16  # images per request
+MAX_IMAGE_BYTES = 20 << 20  # one image's file, decoded (OpenAI's limit is 20 MB)
+MAX_BODY_BYTES = 32 << 20  # a request body (hearth serve's default): room for one such image as base64
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
@@ -138,25 +145,74 @@ def _common(body: Any, n_ctx: int, max_tokens_names: tuple[str, ...]) -> dict:
     )
 
 
-def _content_text(content: Any, n: int) -> str | None:
+_PARTS_HINT = (
+    "{'type': 'text', 'text': ...} or "
+    "{'type': 'image_url', 'image_url': {'url': 'data:image/png;base64,...'}}"
+)
+
+
+def _content(content: Any, n: int, role: str) -> str | list[dict] | None:
+    """A message's content as the engine takes it (engine.vision): a string, or, when it holds images, a
+    list of {'type': 'text', 'text': str} and {'type': 'image', 'image': bytes} parts."""
     if content is None or isinstance(content, str):
         return content
-    if isinstance(content, list):
-        parts = []
-        for part in content:
-            if (
-                not isinstance(part, dict)
-                or part.get("type") != "text"
-                or not isinstance(part.get("text"), str)
-            ):
-                raise invalid(
-                    f"messages[{n}].content parts must be {{'type': 'text', 'text': ...}} (this server "
-                    "takes text only)",
-                    "messages",
-                )
-            parts.append(part["text"])
-        return "".join(parts)
-    raise invalid(f"messages[{n}].content must be a string or a list of text parts", "messages")
+    if not isinstance(content, list):
+        raise invalid(f"messages[{n}].content must be a string or a list of content parts", "messages")
+    parts: list[dict] = []
+    for k, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "text" and isinstance(part.get("text"), str):
+            parts.append({"type": "text", "text": part["text"]})
+        elif kind == "image_url":
+            where = f"messages[{n}].content[{k}]"
+            if role != "user":
+                raise invalid(f"{where}: images go in user messages only, not in {role} messages", "messages")
+            parts.append({"type": "image", "image": _image(part.get("image_url"), where)})
+        else:
+            raise invalid(f"messages[{n}].content[{k}] must be {_PARTS_HINT}", "messages")
+    if any(p["type"] == "image" for p in parts):
+        return parts
+    return "".join(p["text"] for p in parts)
+
+
+def _image(spec: Any, where: str) -> bytes:
+    """The image file of an image_url part: {'url': 'data:image/...;base64,...'} or that URL as a string
+    (as some clients send it). Remote URLs are refused: the server fetches nothing."""
+    url = spec.get("url") if isinstance(spec, dict) else spec
+    field = f"{where}.image_url.url" if isinstance(spec, dict) else f"{where}.image_url"
+    if not isinstance(url, str) or not url:
+        raise invalid(
+            f"{field} must be a data URL such as 'data:image/png;base64,...'", field, "invalid_image_url"
+        )
+    if url[:8].lower().startswith(("http://", "https://")):
+        raise invalid(
+            f"{field} is a web address; this server does not fetch images: send the image itself as a "
+            "data URL, 'data:image/png;base64,...'",
+            field,
+            "invalid_image_url",
+        )
+    header, comma, data = url.partition(",")
+    media, *params = header.lower().split(";")
+    if not comma or not media.startswith("data:image/") or params[-1:] != ["base64"]:
+        raise invalid(
+            f"{field} must be a base64 data URL of an image, 'data:image/<type>;base64,<data>'; got "
+            f"{header[:40]!r}",
+            field,
+            "invalid_image_url",
+        )
+    data = "".join(data.split())  # some clients wrap base64 in lines
+    too_large = f"{field} holds an image over the limit of {MAX_IMAGE_BYTES >> 20} MiB"
+    if len(data) > 4 * -(-MAX_IMAGE_BYTES // 3):  # decodes to more than the limit (if it decodes)
+        raise invalid(too_large, field, "image_too_large")
+    try:
+        image = base64.b64decode(data + "=" * (-len(data) % 4), validate=True)
+    except (binascii.Error, ValueError) as e:
+        raise invalid(f"{field} is not valid base64 ({e})", field, "invalid_image_url") from e
+    if not image:
+        raise invalid(f"{field} holds no image data", field, "invalid_image_url")
+    if len(image) > MAX_IMAGE_BYTES:
+        raise invalid(too_large, field, "image_too_large")
+    return image
 
 
 # template variables the server sets itself
@@ -176,13 +232,18 @@ def parse_chat(body: Any, n_ctx: int) -> ChatRequest:
     if len(messages) > MAX_MESSAGES:
         raise invalid(f"at most {MAX_MESSAGES} messages per request", "messages")
     clean = []
+    n_images = 0
     for n, m in enumerate(messages):
         if not isinstance(m, dict):
             raise invalid(f"messages[{n}] must be an object with 'role' and 'content'", "messages")
         role = m.get("role")
         if role not in ROLES:
             raise invalid(f"messages[{n}].role must be one of {', '.join(ROLES)}, got {role!r}", "messages")
-        content = _content_text(m.get("content"), n)
+        content = _content(m.get("content"), n, role)
+        if isinstance(content, list):
+            n_images += sum(p["type"] == "image" for p in content)
+            if n_images > MAX_IMAGES:
+                raise invalid(f"at most {MAX_IMAGES} images per request", "messages", "too_many_images")
         out: dict[str, Any] = {"role": "system" if role == "developer" else role, "content": content or ""}
         if content is None and not (role == "assistant" and m.get("tool_calls")):
             raise invalid(f"messages[{n}].content is required", "messages")
@@ -351,11 +412,12 @@ def finish(reason: str | None) -> str | None:
     return {"context": "length", "cancelled": "stop"}.get(reason, reason)
 
 
-def model_list(names: list[str], created: int) -> dict:
-    return {
-        "object": "list",
-        "data": [{"id": n, "object": "model", "created": created, "owned_by": "hearth"} for n in names],
-    }
+def model_list(names: list[str], created: int, vision: bool = False) -> dict:
+    """GET /v1/models: OpenAI's model objects, with llama.cpp's `capabilities` ("multimodal": the model
+    reads images in chat messages)."""
+    capabilities = ["completion", "multimodal"] if vision else ["completion"]
+    model = {"object": "model", "created": created, "owned_by": "hearth", "capabilities": capabilities}
+    return {"object": "list", "data": [{"id": n, **model} for n in names]}
 
 
 def now() -> int:

@@ -7,8 +7,9 @@ Each iteration of the engine loop
      another request prefilled is copied, not computed again. When a fresh cache does not fit in
      memory the request waits for a running one's cache (with none running it fails: 503);
   2. runs one prefill chunk of one admitted sequence (chunked, so running replies keep streaming
-     while a long prompt is read); a sequence whose prompt is done samples its first token from the
-     prefill logits and joins the batch, and its prompt state goes into the prefix store;
+     while a long prompt is read; a chunk never ends inside an image, engine.vision.tokens); a
+     sequence whose prompt is done samples its first token from the prefill logits and joins the
+     batch, and its prompt state goes into the prefix store;
   3. runs one decode step for all decoding sequences at once (Decoder.forward_batch: every weight
      row is read once for the whole batch) and samples each row with that sequence's own sampler,
      grammar mask (structured output), stop strings and limits. A model that picks on its own device
@@ -40,6 +41,7 @@ from engine.server.errors import APIError
 from engine.server.metrics import ServerMetrics
 from engine.token_reuse import best_reuse
 from engine.tokenizer import StreamDecoder, Tokenizer
+from engine.vision.tokens import chunk_end, safe_prefix
 
 
 @dataclass
@@ -204,12 +206,16 @@ class Engine:
                 self._admit()
                 self._reap()
                 if self._prefilling:
-                    self._prefill_step(self._prefilling[0])
+                    seq = self._prefilling[0]
+                    try:
+                        self._prefill_step(seq)
+                    except Exception as e:  # noqa: BLE001 - one prompt's failure is its own (an image dropped)
+                        self._finish(seq, error=_engine_failed(e))
                 self._reap()
                 if self._decoding:
                     self._decode_step()
             except Exception as e:  # noqa: BLE001 - a failed step fails its requests, not the server
-                error = APIError(500, f"the engine failed: {type(e).__name__}: {e}", "server_error")
+                error = _engine_failed(e)
                 for seq in self._prefilling + self._decoding:
                     self._finish(seq, error=error)
             self.metrics.running.set(self.running)
@@ -245,19 +251,30 @@ class Engine:
                 else:
                     self._finish(seq, error=_no_cache_memory(e, self.n_ctx))
                 return
-            if seq.params.respell:
-                ids = self._respell(seq)
-            if self.store is not None:
-                live = seq.cache.common_prefix(ids)
-                self.store.restore(ids, seq.cache, start=live)
-            # recompute at least the last prompt token: its logits give the first reply token
-            reused = min(seq.cache.common_prefix(ids), len(ids) - 1)
-            seq.cache.trim(seq.cache.offset - reused)
-            reused = seq.cache.offset  # a recurrent model's cache may step back further
-            seq.done = seq.cached = reused
-            self.metrics.prompt_tokens.inc(len(ids))
-            self.metrics.cached_tokens.inc(reused)
+            try:
+                self._reuse(seq)
+            except Exception as e:  # noqa: BLE001 - this request fails alone (and is answered)
+                seq.cache = None  # its state may be half restored: not one to reuse
+                self._finish(seq, error=_engine_failed(e))
+                continue
             self._prefilling.append(seq)
+
+    def _reuse(self, seq: Job) -> None:
+        """Make seq's cache hold the longest prefix of its prompt at hand (its own, the prefix store's)."""
+        ids = seq.params.prompt_ids
+        if seq.params.respell:
+            ids = self._respell(seq)
+        if self.store is not None:
+            live = seq.cache.common_prefix(ids)
+            self.store.restore(ids, seq.cache, start=live)
+        # recompute at least the last prompt token: its logits give the first reply token; an image is
+        # prefilled whole (its rows attend to each other), so a reused prefix never ends inside one
+        reused = safe_prefix(self.model, ids, min(seq.cache.common_prefix(ids), len(ids) - 1))
+        seq.cache.trim(seq.cache.offset - reused)
+        reused = seq.cache.offset  # a recurrent model's cache may step back further
+        seq.done = seq.cached = reused
+        self.metrics.prompt_tokens.inc(len(ids))
+        self.metrics.cached_tokens.inc(reused)
 
     def _respell(self, seq: Job) -> list[int]:
         """Spell seq's prompt as its cache or the prefix store holds an earlier reply, if it still fits."""
@@ -272,8 +289,10 @@ class Engine:
 
     def _take_cache(self, ids: Sequence[int]) -> KVCache:
         if self._free:
-            best = max(range(len(self._free)), key=lambda i: self._free[i].common_prefix(ids))
-            return self._free.pop(best)
+            def usable(i: int) -> int:
+                return safe_prefix(self.model, ids, self._free[i].common_prefix(ids))
+
+            return self._free.pop(max(range(len(self._free)), key=usable))
         return self.model.new_cache(self.n_ctx, self.kv_dtype)
 
     def _reap(self) -> None:
@@ -288,7 +307,7 @@ class Engine:
         ids = seq.params.prompt_ids
         # while others decode, keep passes short so their tokens keep flowing
         chunk = self.prefill_chunk if not self._decoding else max(16, self.prefill_chunk // 2)
-        end = min(len(ids), seq.done + chunk)
+        end = chunk_end(self.model, ids, seq.done, chunk)  # never inside an image
         logits = self.model.forward(ids[seq.done : end], seq.cache)
         seq.done = end
         if end < len(ids):
@@ -418,6 +437,10 @@ class Engine:
             if len(self._free) < self.max_seqs:
                 self._free.append(seq.cache)  # keeps its tokens: a follow-up turn reuses them
             seq.cache = None
+
+
+def _engine_failed(e: Exception) -> APIError:
+    return APIError(500, f"the engine failed: {type(e).__name__}: {e}", "server_error")
 
 
 def _no_cache_memory(e: MemoryError, n_ctx: int) -> APIError:
