@@ -143,8 +143,9 @@ class ChatRunner:
             choice = _place(lm, options, progress)
             if lm.vision is not None and getattr(lm.model, "images", None) is None:
                 lm.vision = None  # the GPU decoder embeds no image ids
-                progress(LoadProgress("warning", 0.6, "images are read on the CPU only; on the GPU this "
-                                      "model reads text (load it with device CPU for images)"))
+                lm.vision_notice = ("images are read on the CPU only; on the GPU this model reads text (load "
+                                    "it with device CPU for images)")
+                progress(LoadProgress("warning", 0.6, lm.vision_notice))
             if choice.device.kind == "cpu" and planned:
                 # planned with layers on the GPU, but the model stays on the CPU (no kernels for it):
                 # it must fit in RAM after all

@@ -13,6 +13,9 @@ One file's transfer (`download_file`):
   checked; a mismatch deletes the partial and retries from zero once, then fails;
 - redirects are followed by hand so the token is never sent to another host (the CDN).
 
+A GGUF model's vision tower (llama.cpp's mmproj file) is one more such transfer, into the model's folder:
+`vision_tower_job` says which, if any.
+
 `DownloadManager` runs a persisted queue of such transfers with a parallelism limit, progress
 callbacks (bytes, speed, ETA), pause / resume / cancel, and resumes unfinished jobs after a restart.
 """
@@ -31,11 +34,11 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field, fields
 from email.utils import parsedate_to_datetime
 from http.client import HTTPException
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from urllib.parse import urljoin, urlsplit
 
 from models.hub import (
@@ -43,13 +46,16 @@ from models.hub import (
     HubServerError,
     OfflineError,
     RateLimitedError,
+    RemoteFile,
     check_filename,
     check_repo_id,
     check_revision,
     hf_token,
     http_error,
     library_path,
+    mmprojs_in,
     offline,
+    pick_mmproj,
     resolve_url,
 )
 from models.paths import data_dir, models_dir
@@ -107,17 +113,27 @@ class DownloadJob:
     etag: str | None = None
     commit: str | None = None
     path: str | None = None  # the verified file, once done
+    beside: str | None = None  # a model file of the repo: this file (its vision tower) goes into its folder
+
+    @property
+    def local_name(self) -> str:
+        """Where the file goes inside the repo's library folder: its repo path, or beside its model."""
+        if self.beside is None:
+            return self.filename
+        return str(PurePosixPath(self.beside).parent / PurePosixPath(self.filename).name)
 
     @property
     def id(self) -> str:
-        """Stable key: repo@revision:filename."""
-        return f"{self.repo_id}@{self.revision}:{self.filename}"
+        """Stable key: repo@revision:local name (the repo path unless the file goes beside a model)."""
+        return f"{self.repo_id}@{self.revision}:{self.local_name}"
 
     def validate(self) -> DownloadJob:
         """Check every name that becomes part of a URL or a path; returns self."""
         check_repo_id(self.repo_id)
         check_filename(self.filename)
         check_revision(self.revision)
+        if self.beside is not None:
+            check_filename(self.beside)
         if self.sha256 is not None and not _HEX64.match(self.sha256):
             raise HubServerError(f"{self.filename}: {self.sha256!r} is not a sha256 digest")
         return self
@@ -170,7 +186,48 @@ def partial_path(target: Path) -> Path:
 
 def target_path(job: DownloadJob, root: Path | None = None) -> Path:
     """Where `job`'s verified file goes (checked to stay inside the library folder)."""
-    return library_path(root or models_dir(), job.repo_id, job.filename)
+    return library_path(root or models_dir(), job.repo_id, job.local_name)
+
+
+def vision_tower_job(
+    repo_id: str,
+    repo_files: Iterable[RemoteFile],
+    model_file: str,
+    revision: str = "main",
+    root: Path | None = None,
+) -> DownloadJob | None:
+    """The download of the vision tower that goes beside a GGUF model being downloaded, or None.
+
+    llama.cpp keeps a vision model's image encoder in a second GGUF, its "mmproj" file, and Hearth's loader
+    takes it from the model file's folder; so when a repo publishes one (F16 preferred, see
+    `pick_mmproj`), it is fetched with the model, by the same machinery, into the model's folder.
+
+    Args:
+        repo_id: the repo.
+        repo_files: every file of the repo (RepoDetails.files).
+        model_file: the model's file in the repo (the first part of a split set).
+        revision: the commit the model is downloaded from.
+        root: the library folder (default models_dir()).
+
+    Returns:
+        The job to queue; None when `model_file` is no GGUF language model (an mmproj itself included),
+        the repo has no mmproj, or the model's folder holds an mmproj already.
+    """
+    tower = pick_mmproj(repo_files, model_file)
+    if tower is None:
+        return None
+    job = DownloadJob(
+        repo_id,
+        tower.path,
+        revision=revision,
+        size=tower.size,
+        sha256=tower.sha256,
+        blob_id=tower.blob_id,
+        beside=model_file,
+    ).validate()
+    if mmprojs_in(target_path(job, root).parent):
+        return None
+    return job
 
 
 def _sha256_file(path: Path, h=None):

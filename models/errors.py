@@ -23,6 +23,17 @@ class ModelFormatError(HearthError):
         super().__init__(f"{self.path}: {problem}")
 
 
+class VisionTowerError(ModelFormatError):
+    """A vision tower (llama.cpp's mmproj GGUF, architecture "clip") was taken for a model to chat with."""
+
+    def __init__(self, path: str | Path):
+        super().__init__(
+            path,
+            "this is a vision tower (mmproj), not a model to chat with; keep it in the folder of its "
+            "model and open that model, which reads images with it",
+        )
+
+
 class ModelNotFoundError(HearthError):
     """A model name or path does not resolve to a file."""
 

@@ -447,6 +447,44 @@ def quant_from_name(filename: str) -> str | None:
     return {"FP16": "F16", "FP32": "F32"}.get(q, q)
 
 
+def is_mmproj(filename: str) -> bool:
+    """True for llama.cpp's vision tower file of a model (an "mmproj" GGUF), by name, as loaders find it."""
+    name = PurePosixPath(filename).name.lower()
+    return name.endswith(".gguf") and "mmproj" in name
+
+
+def mmprojs_in(folder: Path) -> list[Path]:
+    """The complete mmproj GGUFs in a local folder (a partial download ends in another suffix)."""
+    if not folder.is_dir():
+        return []
+    return sorted(p for p in folder.glob("*.gguf") if is_mmproj(p.name) and p.is_file())
+
+
+_MMPROJ_PRECISIONS = ("F16", "BF16", "F32")  # preferred in this order; quantized towers come after
+
+
+def pick_mmproj(files: Iterable[RemoteFile], model_file: str) -> RemoteFile | None:
+    """The vision tower (mmproj GGUF) of a repo that goes with its GGUF model `model_file`, or None.
+
+    None when `model_file` is no GGUF language model (an mmproj itself, a safetensors file) or the repo
+    has no single-file mmproj. Among several: those in the model's own folder, then at the repo's top,
+    then elsewhere; within those F16, then BF16, then F32, then the largest quantized one.
+    """
+    if not model_file.lower().endswith(".gguf") or is_mmproj(model_file):
+        return None
+    folder = PurePosixPath(model_file).parent
+
+    def rank(f: RemoteFile) -> tuple:
+        where = PurePosixPath(f.path).parent
+        place = 0 if where == folder else 1 if where == PurePosixPath(".") else 2
+        quant = quant_from_name(f.path)
+        precision = _MMPROJ_PRECISIONS.index(quant) if quant in _MMPROJ_PRECISIONS else 3
+        return place, precision, -(f.size or 0), f.path
+
+    towers = [f for f in files if is_mmproj(f.path) and not _SPLIT.match(f.path)]
+    return min(towers, key=rank) if towers else None
+
+
 @dataclass(frozen=True)
 class GGUFVariant:
     """One downloadable GGUF model: a single file or a complete split set (-00001-of-0000N)."""
@@ -480,7 +518,7 @@ def gguf_variants(files: Iterable[RemoteFile]) -> list[GGUFVariant]:
                 files=(f,),
                 size=f.size or 0,
                 complete=True,
-                mmproj=name.lower().startswith("mmproj"),
+                mmproj=is_mmproj(name),
             )
         )
     for (base, count), parts in splits.items():
@@ -493,7 +531,7 @@ def gguf_variants(files: Iterable[RemoteFile]) -> list[GGUFVariant]:
                 files=ordered,
                 size=sum(f.size or 0 for f in ordered),
                 complete=indices == list(range(1, count + 1)),
-                mmproj=PurePosixPath(base).name.lower().startswith("mmproj"),
+                mmproj=is_mmproj(PurePosixPath(base).name + ".gguf"),
             )
         )
     return sorted(singles, key=lambda v: (v.mmproj, v.size, v.quant))

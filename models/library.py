@@ -6,7 +6,9 @@ Rows come from four sources: "download" (fetched by models.downloads into the li
 "starter" (the starter models of models.starter). Each row records what the file itself says
 (format, architecture, parameter count, context length, quantization), read from its header.
 
-Partial downloads (`*.hearth-partial`) and hidden files are never indexed.
+Partial downloads (`*.hearth-partial`) and hidden files are never indexed, nor are vision towers
+(llama.cpp's mmproj GGUFs, architecture "clip"): they belong to the model in their folder, which the
+engine loads them with, and are deleted with the last model of that folder that Hearth downloaded.
 """
 
 from __future__ import annotations
@@ -26,13 +28,15 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 
 from models.downloads import PARTIAL_SUFFIX
-from models.errors import HearthError, ModelFormatError, ModelNotFoundError
+from models.errors import HearthError, ModelFormatError, ModelNotFoundError, VisionTowerError
 from models.formats.gguf import open_gguf
 from models.formats.safetensors import open_safetensors, open_safetensors_repo
+from models.hub import is_mmproj, mmprojs_in
 from models.paths import data_dir, models_dir
 from models.starter import STARTERS, starter_path
 
 SOURCES = ("download", "import", "hf-cache", "starter")
+_VISION_TOWER = "clip"  # general.architecture of llama.cpp's mmproj files
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS models (
@@ -80,6 +84,11 @@ class ModelEntry:
     def exists(self) -> bool:
         """Whether the file or folder is still there."""
         return os.path.exists(self.path)
+
+    @property
+    def vision_towers(self) -> list[Path]:
+        """The vision towers (mmproj GGUFs) beside a GGUF model; the engine reads images with one of them."""
+        return mmprojs_in(Path(self.path).parent) if self.format == "gguf" else []
 
     @property
     def name(self) -> str:
@@ -263,12 +272,15 @@ class Library:
 
         Raises:
             ModelNotFoundError, ModelFormatError: see inspect_model.
+            VisionTowerError: the file is a vision tower (mmproj), which belongs to a model.
             ValueError: unknown source.
         """
         if source not in SOURCES:
             raise ValueError(f"source must be one of {SOURCES}, got {source!r}")
         path = Path(path).absolute()
         facts = inspect_model(path)
+        if facts.format == "gguf" and facts.architecture == _VISION_TOWER:
+            raise VisionTowerError(path)
         values = {
             "path": str(path),
             "repo": repo,
@@ -301,7 +313,8 @@ class Library:
         """Index a model file, or every model in a folder, in place (or copied into the library: copy=True).
 
         A folder holding safetensors is one model; otherwise each .gguf in it (recursively) is one,
-        with split sets indexed once by their first part.
+        with split sets indexed once by their first part, and vision towers (mmproj files) left to the
+        model beside them.
 
         Raises:
             ModelNotFoundError: the path does not exist or holds no model.
@@ -322,10 +335,14 @@ class Library:
             if not _is_hidden_or_partial(p)
             and not any(part.startswith(".") for part in p.relative_to(path).parts)
         ]
-        ggufs = [p for p in ggufs if not is_later_split_part(p)]
-        if not ggufs:
+        ggufs = [p for p in ggufs if not is_later_split_part(p) and not is_mmproj(p.name)]
+        entries = []
+        for p in ggufs:
+            with contextlib.suppress(VisionTowerError):  # a tower whose name does not say so
+                entries.append(self.add(p, source="import"))
+        if not entries:
             raise ModelNotFoundError(f"{path}: no .gguf or .safetensors model in this folder")
-        return [self.add(p, source="import") for p in ggufs]
+        return entries
 
     def _copy_in(self, path: Path) -> Path:
         dest = self.root / "imported" / path.name
@@ -374,7 +391,20 @@ class Library:
                 for p in _split_parts(path) if entry.format == "gguf" else [path]:
                     p.unlink(missing_ok=True)
                     Path(str(p) + PARTIAL_SUFFIX).unlink(missing_ok=True)
+                if ours and entry.format == "gguf":
+                    self._drop_orphan_towers(path.parent)
         return entry
+
+    def _drop_orphan_towers(self, folder: Path) -> None:
+        """Delete the vision towers of a library folder no model (or model download) is left in: they were
+        fetched for a model and are never listed on their own, so nothing else would ever delete them."""
+        with contextlib.suppress(OSError):
+            for p in folder.iterdir():
+                name = p.name.removesuffix(PARTIAL_SUFFIX)
+                if name.lower().endswith(".gguf") and not is_mmproj(name):
+                    return
+            for tower in mmprojs_in(folder):
+                tower.unlink(missing_ok=True)
 
     def mark_used(self, path: str | Path) -> None:
         """Record that a model was just loaded (sorts recently used models first)."""
@@ -383,10 +413,12 @@ class Library:
 
     # ---- reading
     def entries(self) -> list[ModelEntry]:
-        """Every indexed model, most recently used/added first."""
+        """Every indexed model, most recently used/added first (no vision tower an older version indexed)."""
         with self._connect() as db:
             rows = db.execute(
-                "SELECT * FROM models ORDER BY COALESCE(used_at, added_at) DESC, id DESC"
+                "SELECT * FROM models WHERE architecture IS NOT ? "
+                "ORDER BY COALESCE(used_at, added_at) DESC, id DESC",
+                (_VISION_TOWER,),
             ).fetchall()
         return [self._row(r) for r in rows]
 
@@ -415,7 +447,10 @@ class Library:
     def find(self, repo: str, file: str, sha256: str | None = None) -> ModelEntry | None:
         """A present, indexed copy of `file` from `repo` (matching sha256 when given), else None."""
         with self._connect() as db:
-            rows = db.execute("SELECT * FROM models WHERE repo = ? AND file = ?", (repo, file)).fetchall()
+            rows = db.execute(
+                "SELECT * FROM models WHERE repo = ? AND file = ? AND architecture IS NOT ?",
+                (repo, file, _VISION_TOWER),
+            ).fetchall()
         for row in rows:
             entry = self._row(row)
             if entry.exists and (sha256 is None or entry.sha256 in (None, sha256)):
@@ -443,7 +478,11 @@ class Library:
                 files = {f.file_name: f for f in rev.files}
                 rels = {str(f.file_path.relative_to(rev.snapshot_path)): f for f in rev.files}
                 for rel, f in sorted(rels.items()):
-                    if rel.lower().endswith(".gguf") and not is_later_split_part(Path(rel)):
+                    if (
+                        rel.lower().endswith(".gguf")
+                        and not is_later_split_part(Path(rel))
+                        and not is_mmproj(rel)
+                    ):
                         # an LFS blob's file name in the cache is its sha256
                         sha = f.blob_path.name if len(f.blob_path.name) == 64 else None
                         with contextlib.suppress(HearthError, OSError):

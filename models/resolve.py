@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from models.errors import ModelNotFoundError
+from models.hub import is_mmproj
 from models.starter import STARTERS, Progress, ensure_starter
 
 
@@ -22,7 +23,7 @@ def resolve_model(spec: str, progress: Progress | None = None) -> Path:
     if path.is_dir() and (path / "config.json").is_file():
         return path  # a Hugging Face model folder
     if path.is_dir():
-        ggufs = sorted(path.glob("*.gguf"))
+        ggufs = sorted(p for p in path.glob("*.gguf") if not is_mmproj(p.name))  # a tower goes with its model
         if len(ggufs) == 1:
             return ggufs[0]
         raise ModelNotFoundError(f"{path} is a folder with {len(ggufs)} .gguf files; name the file to use")

@@ -71,6 +71,8 @@ def prepare_messages(lm, messages: Sequence[Mapping]) -> tuple[list[dict], list[
             for p in content
         ]
         out.append({**m, "content": parts})
+    if images and getattr(lm, "vision", None) is None and getattr(lm, "vision_notice", ""):
+        raise ImageInputError(f"{lm.name} reads no images as loaded: {lm.vision_notice}")
     if images and getattr(lm, "vision", None) is None:
         raise ImageInputError(
             f"{lm.name} does not read images. Load a model with a vision tower: a Hugging Face folder with "

@@ -212,6 +212,9 @@ def test_image_to_a_text_model_is_a_typed_error():
     lm = load_model(TINY / "gemma3")
     with pytest.raises(ImageInputError, match="does not read images"):
         prepare_messages(lm, _messages())
+    lm.vision_notice = "images are off: a broken mmproj"  # a tower that could not be used says why
+    with pytest.raises(ImageInputError, match="as loaded: images are off: a broken mmproj"):
+        prepare_messages(lm, _messages())
 
 
 def test_unreadable_and_oversized_images_are_typed_errors(lm, monkeypatch):
