@@ -3,7 +3,8 @@
 The main window creates the service at launch, so downloads left queued or running by the last run
 (closed, crashed or killed) resume at once, not only when the library window is opened. The manager's
 callbacks come from its worker threads; they become queued Qt signals here. A finished file is indexed
-in the library in that worker thread (it reads the file's header), never in the GUI thread.
+in the library in that worker thread (it reads the file's header), never in the GUI thread; a vision
+tower (mmproj) is not indexed, it belongs to the model in its folder.
 """
 
 from __future__ import annotations
@@ -24,8 +25,8 @@ class DownloadService(QObject):
     Signals:
         progress(job_id: str, done: int, total: int): bytes of a running job.
         state(job: DownloadJob): a job changed state.
-        modelsChanged(): a finished download was added to the library.
-        error(message: str): a finished file could not be indexed.
+        modelsChanged(): a finished download was added to the library, or a vision tower beside its model.
+        error(message: str): a finished file could not be indexed, or a model's vision tower failed.
     """
 
     progress = Signal(str, int, int)
@@ -49,8 +50,24 @@ class DownloadService(QObject):
         if not self._closed:
             self.progress.emit(p.job_id, p.done, p.total or 0)
 
+    @property
+    def root(self) -> Path:
+        """The library folder downloads go to."""
+        return self.manager.root
+
     def _on_state(self, job) -> None:
-        if job.state == "done" and job.path and not self._closed:
+        from models.hub import is_mmproj
+
+        tower = is_mmproj(job.filename)
+        if tower and not self._closed:
+            if job.state == "done":
+                self.modelsChanged.emit()  # its model now reads images
+            elif job.state == "failed" and job.beside:
+                self.error.emit(
+                    f"{job.error} — {Path(job.beside).name} works for text without its vision tower; "
+                    "Resume fetches it"
+                )
+        elif job.state == "done" and job.path and not self._closed:
             try:
                 from models.library import Library
 

@@ -2,6 +2,10 @@
 (progress, pause / resume / cancel) and the local models (use, delete with confirmation, show in folder,
 import a file).
 
+A repo's vision towers (llama.cpp's mmproj GGUFs) are listed as such, not as models; downloading a GGUF
+model also queues the repo's vision tower (F16 preferred) as its own row, into the model's folder, unless
+that folder has one already. A local model with a tower beside it is marked "reads images".
+
 Hub calls run in threads; downloads belong to the app's DownloadService (app.downloads, started with
 the main window so unfinished downloads resume at launch), whose callbacks reach the GUI as queued
 signals. "Convert…" opens app.convert_dialog (the conversion runs in a `hearth convert` child process).
@@ -12,7 +16,8 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from pathlib import Path
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
 
 from app.qt import (
     QDesktopServices,
@@ -40,8 +45,19 @@ from models.errors import HearthError
 
 class _Relay(QObject):
     searched = Signal(object, str)  # list[RepoSummary] | None, error
-    variants = Signal(str, object, str)  # repo, list[(variant, fit label)], error
-    local = Signal(object)  # list[ModelEntry]
+    variants = Signal(str, object, str)  # repo, list[_FileRow], error
+    local = Signal(object)  # list[(ModelEntry, reads images: bool)]
+
+
+@dataclass(frozen=True)
+class _FileRow:
+    """One line of a repo's files: a GGUF model variant with its fit, or a vision tower."""
+
+    repo: str
+    commit: str | None
+    variant: object  # models.hub.GGUFVariant
+    text: str
+    repo_files: tuple  # every models.hub.RemoteFile of the repo (to find the model's vision tower)
 
 
 def _mib(n: int) -> str:
@@ -167,9 +183,15 @@ class LibraryWindow(QWidget):
                 rows = []
                 for v in hub.gguf_variants(details.files):
                     if v.mmproj:
-                        continue
-                    est = fit.fit_for_remote(v.size, n_ctx, v.quant)
-                    rows.append((v, est.verdict, details.commit))
+                        text = f"vision tower (mmproj)  ·  {v.quant}  ·  {_mib(v.size)}"
+                    else:
+                        est = fit.fit_for_remote(v.size, n_ctx, v.quant)
+                        text = f"{v.quant}  ·  {_mib(v.size)}  ·  {est.verdict}"
+                        if not v.complete:
+                            text += " (incomplete split set)"
+                        if tower := hub.pick_mmproj(details.files, v.files[0].path):
+                            text += f"  ·  reads images (+ vision tower, {_mib(tower.size or 0)})"
+                    rows.append(_FileRow(repo, details.commit, v, text, details.files))
                 self.relay.variants.emit(repo, rows, "")
             except HearthError as e:
                 self.relay.variants.emit(repo, [], str(e))
@@ -182,25 +204,33 @@ class LibraryWindow(QWidget):
         self.variant_items = []
         if error:
             self.hub_status.setText(error)
-        for v, verdict, commit in rows:
-            note = "" if v.complete else " (incomplete split set)"
-            item = QListWidgetItem(f"{v.quant}  ·  {_mib(v.size)}  ·  {verdict}{note}")
-            self.variants.addItem(item)
-            self.variant_items.append((repo, v, commit))
+        for row in rows:
+            self.variants.addItem(QListWidgetItem(row.text))
+            self.variant_items.append(row)
 
     @Slot()
     def download_selected(self) -> None:
         row = self.variants.currentRow()
         if row < 0:
             return
-        from models.downloads import DownloadJob
+        from models.downloads import DownloadJob, vision_tower_job
 
-        repo, variant, commit = self.variant_items[row]
-        for f in variant.files:
+        item = self.variant_items[row]
+        revision = item.commit or "main"
+        for f in item.variant.files:
             job = DownloadJob(
-                repo, f.path, revision=commit or "main", size=f.size, sha256=f.sha256, blob_id=f.blob_id
+                item.repo, f.path, revision=revision, size=f.size, sha256=f.sha256, blob_id=f.blob_id
             )
             self._add_job_row(self.downloads.add(job))
+        try:
+            tower = vision_tower_job(
+                item.repo, item.repo_files, item.variant.files[0].path, revision, self.downloads.root
+            )
+        except HearthError as e:
+            self.hub_status.setText(str(e))
+            return
+        if tower is not None:
+            self._add_job_row(self.downloads.add(tower))
 
     # ---- downloads
     def _downloads_tab(self) -> QWidget:
@@ -214,7 +244,10 @@ class LibraryWindow(QWidget):
             return
         row = QWidget()
         h = QHBoxLayout(row)
-        h.addWidget(QLabel(job.filename), 1)
+        label = job.filename
+        if job.beside:
+            label += f"  (vision tower of {PurePosixPath(job.beside).name})"
+        h.addWidget(QLabel(label), 1)
         bar = QProgressBar()
         bar.setAccessibleName(f"Download progress of {job.filename}")
         bar.setFormat(job.state)
@@ -293,7 +326,7 @@ class LibraryWindow(QWidget):
             try:
                 lib = Library()
                 lib.register_starters()
-                entries = [e for e in lib.entries() if e.exists]
+                entries = [(e, bool(e.vision_towers)) for e in lib.entries() if e.exists]
             except HearthError:
                 entries = []
             self.relay.local.emit(entries)
@@ -303,10 +336,13 @@ class LibraryWindow(QWidget):
     @Slot(object)
     def _on_local(self, entries) -> None:
         current = self._selected()
-        self.entries = entries
+        self.entries = [e for e, _ in entries]
         self.local.clear()
-        for e in entries:
-            item = QListWidgetItem(f"{e.name}  ·  {e.quant or e.format}  ·  {_mib(e.size)}  ·  {e.source}")
+        for e, reads_images in entries:
+            images = "  ·  reads images" if reads_images else ""
+            item = QListWidgetItem(
+                f"{e.name}  ·  {e.quant or e.format}  ·  {_mib(e.size)}  ·  {e.source}{images}"
+            )
             item.setData(Qt.ItemDataRole.UserRole, e.id)
             item.setData(Qt.ItemDataRole.UserRole + 1, e.path)
             self.local.addItem(item)
@@ -363,8 +399,8 @@ class LibraryWindow(QWidget):
             answer = QMessageBox.question(
                 self,
                 "Delete model",
-                f"Forget {Path(sel[1]).name}? Files Hearth "
-                "downloaded are deleted; imported files stay where they are.",
+                f"Forget {Path(sel[1]).name}? Files Hearth downloaded are deleted (with the vision tower "
+                "beside it, once no model of that folder is left); imported files stay where they are.",
             )
             if answer != QMessageBox.StandardButton.Yes:
                 return

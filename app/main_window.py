@@ -514,7 +514,11 @@ class MainWindow(QMainWindow):
     @Slot(object)
     def _on_reply_event(self, event: ChatEvent) -> None:
         self.last_event = event
-        if event.token is None and not event.finish_reason and event.to_prefill:
+        if event.token is None and not event.finish_reason and event.images_to_read:
+            n, total = int(event.images_read), event.images_to_read
+            image = f"image {min(n + 1, total)}/{total}" if total > 1 else "the image"
+            self.status_speed.setText(f"reading {image} ({event.images_read / total:.0%})")
+        elif event.token is None and not event.finish_reason and event.to_prefill:
             self.status_speed.setText(f"reading prompt {event.prefilled}/{event.to_prefill}")
         elif event.generated_tokens:
             self.status_speed.setText(f"TTFT {event.ttft_s:.2f} s · {event.generation_tps:.1f} tok/s")

@@ -207,6 +207,10 @@ class ChatEvent:
     context_before: int = 0  # tokens in context when the reply starts (the prompt)
     context_after: int = 0  # tokens in context after this event
     dropped_messages: int = 0  # messages the context policy left out
+    # images of the prompt the vision tower encodes before the prefill (0: none new), and how far it is
+    # (1.5: the first done, the second half way)
+    images_to_read: int = 0
+    images_read: float = 0.0
     peak_memory_mb: float = 0.0
     # Speculative decoding (all zero / "" when the reply runs without it); running figures of the reply.
     speculation: str = ""  # the mode in use: "draft" or "prompt-lookup"

@@ -80,6 +80,11 @@ def _chat_prompt(lm: LoadedModel, messages: list[dict]) -> list[int]:
         print(f"hearth: {notice}", file=sys.stderr)
     # earlier replies' thinking blocks stay out of the context (engine.reasoning)
     template_messages, images = prepare_messages(lm, strip_reasoning(messages))
+    pending = [data for data in dict.fromkeys(images) if not lm.vision.holds(data)] if images else []
+    for n, data in enumerate(pending):  # the vision tower's work, with progress on stderr
+        for done in lm.vision.read(data):
+            print(f"\rreading image {n + 1}/{len(pending)}: {done:4.0%}", end="", file=sys.stderr, flush=True)
+        print(file=sys.stderr)
     text = lm.template.render(template_messages, add_generation_prompt=True)
     # the template writes BOS itself when the model wants it; encode its special tokens as such
     return encode_with_images(lm, text, images)

@@ -77,20 +77,26 @@ def cmd_pull(args) -> int:
     revision = details.commit or args.revision or "main"
     total = sum(f.size or 0 for f in files)
     quant = hub.quant_from_name(files[0].path)
-    if files[0].path.endswith(".gguf"):
+    if files[0].path.endswith(".gguf") and not hub.is_mmproj(files[0].path):
         print(fit.fit_for_remote(total, args.ctx, quant).summary(), file=sys.stderr)
 
     wanted, done_paths = [], []
     for f in files:
         known = lib.find(repo_id, f.path, f.sha256)
         cached = None if known else library.hf_cached_file(repo_id, f.path, f.sha256)
+        here = None
+        if hub.is_mmproj(f.path):  # a tower is never indexed: its file is the record that it is here
+            here = downloads.target_path(downloads.DownloadJob(repo_id, f.path))
         if known:
             done_paths.append((f, known.path, known.source))
         elif cached:
             print(f"{f.path}: already in the Hugging Face cache, not downloading it again", file=sys.stderr)
             done_paths.append((f, str(cached), "hf-cache"))
+        elif here is not None and here.is_file() and here.stat().st_size == f.size:
+            done_paths.append((f, str(here), "download"))
         else:
             wanted.append(f)
+    tower = _vision_tower(repo_id, details, files[0], revision, done_paths)
 
     progress = _ProgressLine()
     manager = downloads.DownloadManager(parallel=args.parallel, on_progress=progress)
@@ -102,34 +108,79 @@ def cmd_pull(args) -> int:
         )
         for f in wanted
     ]
+    if tower is not None:
+        tower = manager.add(tower)
     try:
-        manager.wait([j.id for j in jobs])
+        manager.wait([j.id for j in jobs] + ([tower.id] if tower else []))
     except KeyboardInterrupt:
         manager.close()
         print("\npaused; run the same command again to resume", file=sys.stderr)
         return 130
     manager.close()
-    if jobs:
+    if jobs or tower:
         print(file=sys.stderr)
-    failed = [j for j in jobs if j.state != "done"]
-    if failed:
+    failed = [j for j in jobs + ([tower] if tower else []) if j.state != "done"]
+    if any(j is not tower for j in failed):
         raise HearthError("; ".join(j.error or f"{j.filename}: {j.state}" for j in failed))
     by_path = {f.path: f for f in files}
     done_paths += [(by_path[j.filename], j.path, "download") for j in jobs]
 
-    # index what a loader opens: each GGUF (first split part), or the folder of a safetensors set
-    entries = []
+    # index what a loader opens: each GGUF (first split part), or the folder of a safetensors set; a vision
+    # tower is no model of its own
+    entries, towers = [], []
     for f, path, source in done_paths:
-        if f.path.endswith(".gguf") and not library.is_later_split_part(Path(f.path)):
+        if hub.is_mmproj(f.path):
+            towers.append(path)
+        elif f.path.endswith(".gguf") and not library.is_later_split_part(Path(f.path)):
             entries.append(
                 lib.add(path, repo=repo_id, revision=revision, file=f.path, sha256=f.sha256, source=source)
             )
-    if not entries and done_paths:
+    if not entries and not towers and done_paths:
         _, path, source = done_paths[0]
         entries.append(lib.add(Path(path).parent, repo=repo_id, revision=revision, source=source))
     for e in entries:
         print(e.path)
+    for path in towers:
+        print(path)
+        print(
+            f"{Path(path).name} is a vision tower: a GGUF model in its folder reads images with it",
+            file=sys.stderr,
+        )
+    if tower is not None and tower.state == "done":
+        print(f"vision tower: {tower.path}", file=sys.stderr)
+    elif tower is not None:
+        print(
+            f"hearth: the vision tower failed: {tower.error or tower.state}. {files[0].path} is downloaded "
+            "and works for text; run the same command again to fetch its vision tower",
+            file=sys.stderr,
+        )
+        return 1
     return 0
+
+
+def _vision_tower(repo_id: str, details, model, revision: str, done_paths: list):
+    """The download of the vision tower (mmproj) that goes beside the pulled GGUF model, or None (see
+    models.downloads.vision_tower_job); a model already used from elsewhere (the Hugging Face cache) only
+    gets a note, as Hearth downloads into its library folder alone."""
+    from models import downloads, hub
+
+    job = downloads.vision_tower_job(repo_id, details.files, model.path, revision)
+    if job is None:
+        return None
+    at = next((Path(p) for f, p, _ in done_paths if f is model), None)
+    if at is not None and at.parent != downloads.target_path(job).parent:
+        if not hub.mmprojs_in(at.parent):
+            print(
+                f"note: {model.path} is used from {at.parent}; to read images, put its vision tower "
+                f"{job.filename} from {repo_id} in that folder",
+                file=sys.stderr,
+            )
+        return None
+    print(
+        f"{job.filename}: the model's vision tower (for images), {_mib(job.size)}, goes beside it",
+        file=sys.stderr,
+    )
+    return job
 
 
 def _print_drafts(target: str, as_json: bool) -> int:
@@ -169,7 +220,10 @@ def cmd_ls(args) -> int:
         pending = json.loads(downloads.state_path().read_text()).get("jobs", [])
     if args.json:
         out = {
-            "models": [dict(e.__dict__, exists=e.exists) for e in entries],
+            "models": [
+                dict(e.__dict__, exists=e.exists, vision_towers=[str(p) for p in e.vision_towers])
+                for e in entries
+            ],
             "downloads": pending,
             "starters": {n: str(starter_path(n)) if starter_path(n).is_file() else None for n in STARTERS},
         }
@@ -178,9 +232,10 @@ def cmd_ls(args) -> int:
     for e in entries:
         missing = "  (missing)" if not e.exists else ""
         ctx = f"ctx {e.context_length}" if e.context_length else ""
+        vision = "  + vision tower" if e.vision_towers else ""
         print(
             f"{e.id:>4}  {e.name}  {e.format} {e.quant or ''}  {_mib(e.size)}  {e.architecture or ''} "
-            f"{ctx}  [{e.source}]{missing}"
+            f"{ctx}  [{e.source}]{vision}{missing}"
         )
     for n, m in STARTERS.items():
         if not starter_path(n).is_file():

@@ -46,7 +46,7 @@ from engine.spec_chat import DraftSlot, prime, proposer_for, spec_fields
 from engine.speculative import speculative_generate
 from engine.templates import ensure_chat_template
 from engine.token_reuse import best_reuse
-from engine.vision import encode_with_images, prepare_messages
+from engine.vision import encode_with_images, message_images, prepare_messages
 from engine.vision.tokens import chunk_end, safe_prefix
 from models.formats.gguf import open_gguf
 from models.resolve import resolve_model
@@ -272,6 +272,18 @@ class ChatRunner:
         def encode(conversation: Sequence[dict]) -> list[int]:
             return self.encode(conversation, template_vars)
 
+        # new images first (the vision tower's work), reported and cancellable between its layers
+        tower = self.lm.vision
+        pending = [] if tower is None else [d for d in _new_images(messages) if not tower.holds(d)]
+        for n, data in enumerate(pending):
+            for done in tower.read(data):
+                step = ChatEvent(images_to_read=len(pending), images_read=n + done, context_size=n_ctx,
+                                 context_after=cache.offset)
+                if should_stop():
+                    yield replace(step, finish_reason="cancelled")
+                    return
+                yield step
+
         fitted = fit_conversation(messages, encode, n_ctx, reserve, policy, self._context_state(chat_id))
         ids = fitted.ids
         if proposer is not None and max(ids) >= self.lm.tokenizer.vocab_size:
@@ -381,6 +393,17 @@ def _model_shape(path: Path) -> tuple[int, memory_guard.KVShape]:
             mmproj = find_mmproj(path)
             weights += mmproj.stat().st_size if mmproj is not None else 0
         return weights, memory_guard.kv_shape_from_gguf(gguf.metadata, str(path))
+
+
+def _new_images(messages: Sequence[dict]) -> list[bytes]:
+    """The distinct images of a conversation, in order."""
+    seen, out = set(), []
+    for m in messages:
+        for data in message_images(m.get("content")):
+            if data not in seen:
+                seen.add(data)
+                out.append(data)
+    return out
 
 
 def _continues(messages: Sequence[dict]) -> bool:

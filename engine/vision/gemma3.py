@@ -105,8 +105,33 @@ class Gemma3Vision:
 
     def encode(self, pixels: np.ndarray) -> np.ndarray:
         """(tokens, text_hidden) float32 rows of one image's pixels."""
+        return self._project(self.encoder(pixels))
+
+    def holds(self, data: bytes) -> bool:
+        """Whether the image with these bytes is encoded already (its ids cost nothing)."""
+        return self.images.slot_of(self.images.digest(data)) is not None
+
+    def read(self, data: bytes):
+        """Encode an image into the table unless it is there, as a generator that yields the fraction done
+        after each encoder layer (the worker reports it and checks for a cancel between them).
+
+        Raises:
+            ImageInputError: not an image Pillow can read.
+        """
+        if self.holds(data):
+            return
+        n = self.shape.encoder.layers
+        steps = self.encoder.steps(self.pixels(data))
+        while True:
+            try:
+                yield next(steps) / n
+            except StopIteration as done:
+                self.images.add(self.images.digest(data), self._project(done.value))
+                return
+
+    def _project(self, x: np.ndarray) -> np.ndarray:
+        """Pool, norm and project the encoder's (side * side, hidden) outputs (row-major over the grid)."""
         shape, enc = self.shape, self.shape.encoder
-        x = self.encoder(pixels)  # (side * side, hidden), row-major over the patch grid
         k, side = shape.pool, enc.side // shape.pool
         pooled = x.reshape(side, k, side, k, enc.hidden).mean(axis=(1, 3)).reshape(side * side, enc.hidden)
         rms = np.sqrt(np.mean(pooled * pooled, axis=1, keepdims=True) + np.float32(enc.eps))
@@ -129,6 +154,11 @@ class Gemma3Vision:
         Raises:
             ImageInputError: the template placed another number of images, or an image is unreadable.
         """
+        if len(set(images)) > self.images.capacity:
+            raise ImageInputError(
+                f"the conversation holds {len(set(images))} different images; one prompt can hold "
+                f"{self.images.capacity} at most: start a new chat or remove some"
+            )
         placed = text.count(BOI)
         if placed != len(images):
             raise ImageInputError(

@@ -94,6 +94,16 @@ class SiglipEncoder:
 
     def __call__(self, pixels: np.ndarray) -> np.ndarray:
         """(patches, hidden) float32 outputs of one image's pixels (3, image_size, image_size)."""
+        steps = self.steps(pixels)
+        while True:
+            try:
+                next(steps)
+            except StopIteration as done:
+                return done.value
+
+    def steps(self, pixels: np.ndarray):
+        """__call__ as a generator that yields the number of layers done after each (so that a caller can
+        report progress and stop between layers); its return value is the outputs."""
         shape = self.shape
         n, p = shape.patches, shape.patch
         patches = (
@@ -102,12 +112,13 @@ class SiglipEncoder:
         x = patches @ self.patch_w + self.patch_b + self.positions
         x = np.ascontiguousarray(x, dtype=np.float32)
         h = np.empty_like(x)
-        with ops.batch_phase(n):
-            for layer in self.layers:
+        for i, layer in enumerate(self.layers):
+            with ops.batch_phase(n):
                 _layernorm(h, x, *layer.ln1, shape.eps)
                 x += _linear(layer.out, self._attention(layer, h))
                 _layernorm(h, x, *layer.ln2, shape.eps)
                 x += _linear(layer.down, _gelu_tanh(_linear(layer.up, h)))
+            yield i + 1
         _layernorm(h, x, *self.post_ln, shape.eps)
         return h
 

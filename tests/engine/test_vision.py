@@ -266,3 +266,24 @@ def test_cli_run_image_errors(capsys):
     assert "cannot read the image" in capsys.readouterr().err
     assert main(["run", "-m", str(TINY / "gemma3"), "--image", str(FOLDER / "image0.png"), "hi"]) != 0
     assert "does not read images" in capsys.readouterr().err
+
+
+def test_reading_images_reports_progress_and_can_be_cancelled():
+    params = GenerationParams(max_tokens=2, temperature=0.0)
+    runner = ChatRunner.load(FOLDER, LoadOptions(n_ctx=256, prefix_cache_mb=0))
+    events = list(runner.chat(_messages(), params))
+    steps = [e.images_read for e in events if e.images_to_read]
+    assert steps == [0.5, 1.0, 1.5, 2.0]  # two images of two encoder layers each, before the prefill
+    assert events[-1].finish_reason == "length"
+    assert not any(e.images_to_read for e in runner.chat(_messages(), params))  # both held now
+
+    fresh = ChatRunner.load(FOLDER, LoadOptions(n_ctx=256, prefix_cache_mb=0))
+    calls = []
+
+    def should_stop() -> bool:  # no at the first layer, yes at the second
+        calls.append(1)
+        return len(calls) > 1
+
+    events = list(fresh.chat(_messages(), params, should_stop=should_stop))
+    assert events[-1].finish_reason == "cancelled" and events[-1].images_read < 2
+    assert fresh.cache.offset == 0  # nothing was prefilled

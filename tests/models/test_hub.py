@@ -230,3 +230,64 @@ def test_card_summary():
     )
     assert hub.card_summary("") == ""
     assert hub.card_summary("word " * 200).endswith("…")
+
+
+def _files(*names_and_sizes) -> list[hub.RemoteFile]:
+    return [hub.RemoteFile(name, size) for name, size in names_and_sizes]
+
+
+def test_pick_mmproj_prefers_f16_then_bf16_then_f32_then_a_quantized_one():
+    model = "gemma-3-4b-it-Q4_K_M.gguf"
+    towers = [
+        ("mmproj-Q8_0.gguf", 400),
+        ("mmproj-gemma-3-4b-it-Q4_0.gguf", 300),
+        ("mmproj-F32.gguf", 1600),
+        ("mmproj-BF16.gguf", 800),
+        ("mmproj-model-f16.gguf", 800),
+    ]
+    files = _files((model, 3000), ("README.md", 10), *towers)
+    order = []
+    while (tower := hub.pick_mmproj(files, model)) is not None:
+        order.append(tower.path)
+        files = [f for f in files if f.path != tower.path]
+    assert order == [
+        "mmproj-model-f16.gguf",
+        "mmproj-BF16.gguf",
+        "mmproj-F32.gguf",
+        "mmproj-Q8_0.gguf",  # the larger of the quantized ones
+        "mmproj-gemma-3-4b-it-Q4_0.gguf",
+    ]
+
+
+def test_pick_mmproj_none_for_towers_safetensors_and_repos_without_one():
+    files = _files(("m-Q4_K_M.gguf", 30), ("mmproj-m-f16.gguf", 8), ("model.safetensors", 60))
+    assert hub.pick_mmproj(files, "mmproj-m-f16.gguf") is None, "a tower brings no second tower"
+    assert hub.pick_mmproj(files, "model.safetensors") is None
+    assert hub.pick_mmproj(_files(("m-Q4_K_M.gguf", 30), ("m-Q8_0.gguf", 50)), "m-Q4_K_M.gguf") is None
+    split_tower = _files(("m-Q4_K_M.gguf", 30), ("mmproj-f16-00001-of-00002.gguf", 8))
+    assert hub.pick_mmproj(split_tower, "m-Q4_K_M.gguf") is None, "split towers are not fetched"
+
+
+def test_pick_mmproj_prefers_the_models_folder_then_the_top():
+    files = _files(
+        ("BF16/m-BF16-00001-of-00002.gguf", 90),
+        ("BF16/m-BF16-00002-of-00002.gguf", 90),
+        ("other/mmproj-f16.gguf", 8),
+        ("mmproj-F32.gguf", 16),
+        ("BF16/mmproj-Q8_0.gguf", 4),
+    )
+    assert hub.pick_mmproj(files, "BF16/m-BF16-00001-of-00002.gguf").path == "BF16/mmproj-Q8_0.gguf"
+    files = [f for f in files if f.path != "BF16/mmproj-Q8_0.gguf"]
+    assert hub.pick_mmproj(files, "BF16/m-BF16-00001-of-00002.gguf").path == "mmproj-F32.gguf"
+
+
+def test_towers_are_recognized_by_name_as_loaders_find_them(tmp_path):
+    assert hub.is_mmproj("mmproj-BF16.gguf") and hub.is_mmproj("sub/gemma3-4b-MMPROJ-f16.gguf")
+    assert not hub.is_mmproj("gemma-3-4b-it-Q4_K_M.gguf") and not hub.is_mmproj("mmproj.safetensors")
+    variants = hub.gguf_variants(_files(("m-Q4_K_M.gguf", 30), ("gemma3-4b-mmproj-f16.gguf", 8)))
+    assert [(v.quant, v.mmproj) for v in variants] == [("Q4_K_M", False), ("F16", True)]
+    (tmp_path / "m-Q4_K_M.gguf").write_bytes(b"x")
+    (tmp_path / "mmproj-f16.gguf").write_bytes(b"x")
+    (tmp_path / "mmproj-bf16.gguf.hearth-partial").write_bytes(b"x")
+    assert hub.mmprojs_in(tmp_path) == [tmp_path / "mmproj-f16.gguf"]
+    assert hub.mmprojs_in(tmp_path / "absent") == []
