@@ -287,3 +287,20 @@ def test_reading_images_reports_progress_and_can_be_cancelled():
     events = list(fresh.chat(_messages(), params, should_stop=should_stop))
     assert events[-1].finish_reason == "cancelled" and events[-1].images_read < 2
     assert fresh.cache.offset == 0  # nothing was prefilled
+
+
+def test_the_fallback_gemma_template_places_images():
+    """A Gemma 3 file without a chat template gets resources/templates/gemma.jinja, which puts
+    <start_of_image> where an image part is (as Google's template does)."""
+    from engine.templates import ensure_chat_template
+
+    lm = load_model(FOLDER)
+    lm.template = None
+    assert ensure_chat_template(lm)
+    messages = [{"role": "user", "content": [{"type": "image", "image": IMAGES[0]},
+                                             {"type": "text", "text": "What is this?"}]}]
+    ids = _prompt(lm, messages)
+    base = lm.model.images.base
+    assert sum(t >= base for t in ids) == 4
+    assert "<start_of_turn>user\n\n\n<start_of_image><end_of_image>\n\nWhat is this?" in lm.tokenizer.decode(
+        [t for t in ids if t < base])
