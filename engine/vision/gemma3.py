@@ -70,7 +70,7 @@ class Gemma3Vision:
                 f"the vision projector gives rows of {self.shape.text_hidden}, the model's hidden size is "
                 f"{cfg.hidden_size}: this mmproj belongs to another model",
             )
-        self.images = ImageTable(cfg.vocab_size, self.shape.tokens, cfg.hidden_size)
+        self.images = ImageTable(cfg.vocab_size, cfg.hidden_size, bidirectional=True)
         model.images = self.images
 
     def pixels(self, data: bytes) -> np.ndarray:

@@ -1,12 +1,14 @@
 """Image ids: how a prompt holds an image, and where a prompt pass may end.
 
-An image becomes `span` consecutive ids past the model's vocabulary, base + slot * span + i for its i-th
-row, where slot is the image's place in the model's ImageTable (one slot per distinct image content, never
-reused). The same image in a later turn gets the same ids, so KV reuse, the prefix store and trimming treat
-it as they treat text; another image gets other ids. The forward pass looks the ids' rows up in the table.
+An image's rows get ids past the model's vocabulary, base + slot * STRIDE + i for its i-th row, where slot
+is the image's place in the model's ImageTable (one slot per distinct image content, never reused). The same
+image in a later turn gets the same ids, so KV reuse, the prefix store and trimming treat it as they treat
+text; another image gets other ids. The forward pass looks the ids' rows up in the table. Images have as
+many rows as their family gives them (Gemma 3: 256 each; Mistral 3: by the image's size).
 
-Gemma 3 (as transformers and llama.cpp run it) lets an image's tokens attend to each other both ways, so a
-prompt pass must hold an image whole: chunk_end moves a pass's end off an image's inside.
+Gemma 3 (as transformers and llama.cpp run it) lets an image's tokens attend to each other both ways (a
+`bidirectional` table), so a prompt pass must hold such an image whole: chunk_end moves a pass's end off an
+image's inside. Mistral 3's image rows attend causally, like text, and passes may end anywhere.
 """
 
 from __future__ import annotations
@@ -17,20 +19,23 @@ from collections.abc import Sequence
 
 import numpy as np
 
+STRIDE = 1 << 20  # ids per slot: the most rows one image can have
+
 
 class ImageTable:
-    """The image rows a model can embed: slot -> (span, hidden) float32 features, the newest `capacity`.
+    """The image rows a model can embed: slot -> (rows, hidden) float32 features, the newest `capacity`.
 
     Args:
         base: the first image id (the embedding table's row count).
-        span: rows per image.
         hidden: width of a row (the language model's hidden size).
+        bidirectional: an image's rows see each other both ways (Gemma 3), so passes hold images whole.
         capacity: images kept; the oldest is dropped (a prompt that holds it again encodes it again, into a
             new slot).
     """
 
-    def __init__(self, base: int, span: int, hidden: int, capacity: int = 64):
-        self.base, self.span, self.hidden, self.capacity = int(base), int(span), int(hidden), int(capacity)
+    def __init__(self, base: int, hidden: int, bidirectional: bool = False, capacity: int = 64):
+        self.base, self.hidden, self.capacity = int(base), int(hidden), int(capacity)
+        self.bidirectional = bidirectional
         self._slots: OrderedDict[str, int] = OrderedDict()  # content digest -> slot
         self._rows: dict[int, np.ndarray] = {}
         self._next = 0
@@ -47,10 +52,10 @@ class ImageTable:
         return slot
 
     def add(self, digest: str, rows: np.ndarray) -> int:
-        """Store an image's rows (span, hidden); returns its slot."""
+        """Store an image's rows (n, hidden); returns its slot."""
         rows = np.ascontiguousarray(rows, dtype=np.float32)
-        if rows.shape != (self.span, self.hidden):
-            raise ValueError(f"image rows {rows.shape}, expected {(self.span, self.hidden)}")
+        if rows.ndim != 2 or rows.shape[1] != self.hidden or not 0 < len(rows) <= STRIDE:
+            raise ValueError(f"image rows {rows.shape}, expected (1 .. {STRIDE}, {self.hidden})")
         slot = self._next
         self._next += 1
         self._slots[digest] = slot
@@ -61,9 +66,12 @@ class ImageTable:
         return slot
 
     def ids(self, slot: int) -> list[int]:
-        """The prompt ids of the image in `slot`."""
-        first = self.base + slot * self.span
-        return list(range(first, first + self.span))
+        """The prompt ids of the image in `slot`, one a row."""
+        first = self.base + slot * STRIDE
+        return list(range(first, first + len(self._rows[slot])))
+
+    def _locate(self, token: int) -> tuple[int, int]:
+        return divmod(int(token) - self.base, STRIDE)
 
     def embed(self, out: np.ndarray, ids: np.ndarray) -> None:
         """out[r] = the image row of ids[r], for every image id in ids (other rows untouched).
@@ -72,66 +80,71 @@ class ImageTable:
             KeyError: an image id whose image is no longer held.
         """
         for r in np.flatnonzero(ids >= self.base):
-            slot, i = divmod(int(ids[r]) - self.base, self.span)
+            slot, i = self._locate(ids[r])
             rows = self._rows.get(slot)
             if rows is None:
                 raise KeyError(f"image {slot} is no longer held; encode the prompt again")
             out[r] = rows[i]
 
     def runs(self, ids: np.ndarray) -> list[tuple[int, int]]:
-        """[start, end) of each run of one image's ids in ids (a pass's tokens)."""
+        """[start, end) of each run of one image's consecutive ids in ids (a pass's tokens)."""
         ids = np.asarray(ids)
         where = np.flatnonzero(ids >= self.base)
         if not len(where):
             return []
-        slots = (ids[where] - self.base) // self.span
+        slots = (ids[where] - self.base) // STRIDE
         cuts = np.flatnonzero((np.diff(where) != 1) | (np.diff(slots) != 0)) + 1
         return [(int(a[0]), int(a[-1]) + 1) for a in np.split(where, cuts)]
 
     def key_ends(self, ids: np.ndarray, pos0: int) -> np.ndarray | None:
         """Per row of a pass at positions pos0.., the end (exclusive) of the keys it sees: its own position
-        + 1, or its image's last position + 1 (an image's rows see each other). None: no image rows.
+        + 1, or its image's last position + 1 (an image's rows see each other). None: no image rows, or a
+        causal table.
 
         Raises:
             ValueError: the pass holds only part of an image (chunk_end keeps passes from doing so).
         """
-        runs = self.runs(ids)
+        runs = self.runs(ids) if self.bidirectional else []
         if not runs:
             return None
         ends = np.arange(pos0 + 1, pos0 + len(ids) + 1, dtype=np.int64)
         for a, b in runs:
-            first, last = (int(ids[a]) - self.base) % self.span, (int(ids[b - 1]) - self.base) % self.span
-            if first != 0 or last != self.span - 1:
+            slot, first = self._locate(ids[a])
+            if first != 0 or self._locate(ids[b - 1])[1] != self._count(slot) - 1:
                 raise ValueError("a prompt pass holds part of an image; passes must end at chunk_end")
             ends[a:b] = pos0 + b
         return ends
+
+    def _count(self, slot: int) -> int:
+        rows = self._rows.get(slot)
+        if rows is None:
+            raise KeyError(f"image {slot} is no longer held; encode the prompt again")
+        return len(rows)
 
 
 def chunk_end(model, ids: Sequence[int], start: int, limit: int) -> int:
     """Where a prompt pass that starts at ids[start] and takes at most `limit` tokens should end: start +
     limit (or the prompt's end), moved back to the start of an image it would cut, or, when that image
-    starts the pass, forward to its end (an image is never split)."""
+    starts the pass, forward to its end (a bidirectional table's image is never split)."""
     end = min(len(ids), start + limit)
     table = getattr(model, "images", None)
-    if table is None or end >= len(ids):
+    if table is None or not table.bidirectional or end >= len(ids) or end == start:
         return end
-    arr = np.asarray(ids[start : end + table.span], dtype=np.int64)
-    k = end - start  # ids[end] is arr[k]
-    if arr[k] < table.base or k == 0 or arr[k - 1] < table.base:
-        return end
-    slot = (int(arr[k]) - table.base) // table.span
-    if (int(arr[k - 1]) - table.base) // table.span != slot:
-        return end  # one image ends and the next starts here
-    first = start + k - ((int(arr[k]) - table.base) % table.span)  # the cut image's first row
+    cut, before = int(ids[end]), int(ids[end - 1])
+    if cut < table.base or before < table.base or table._locate(cut)[0] != table._locate(before)[0]:
+        return end  # not inside an image
+    first = end - (cut - table.base) % STRIDE  # the cut image's first row
     if first > start:
         return first
-    return first + table.span
+    slot = (cut - table.base) // STRIDE
+    return first + table._count(slot)
 
 
 def safe_prefix(model, ids: Sequence[int], n: int) -> int:
-    """The longest prefix of at most n tokens of ids that does not end inside an image."""
+    """The longest prefix of at most n tokens of ids that does not end inside an image (of a bidirectional
+    table; any prefix of a causal one)."""
     table = getattr(model, "images", None)
-    if table is None or n <= 0 or n >= len(ids) or ids[n] < table.base:
+    if table is None or not table.bidirectional or n <= 0 or n >= len(ids) or ids[n] < table.base:
         return n
-    first = n - ((int(ids[n]) - table.base) % table.span)
+    first = n - ((int(ids[n]) - table.base) % STRIDE)
     return max(0, min(n, first))

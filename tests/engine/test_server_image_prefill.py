@@ -28,7 +28,9 @@ class FakeModel:
 
     def __init__(self, vocab: int):
         self.cfg = SimpleNamespace(vocab_size=vocab)
-        self.images = ImageTable(vocab, SPAN, hidden=2)
+        self.images = ImageTable(vocab, hidden=2, bidirectional=True)  # Gemma 3's kind: images whole
+        for k in range(4):
+            self.images.add(f"image {k}", np.zeros((SPAN, 2), np.float32))
         self.passes: list[list[int]] = []
         self.fail_on: int | None = None  # a token whose pass raises (an image the table no longer holds)
 

@@ -123,10 +123,11 @@ def test_a_pass_holding_part_of_an_image_is_refused(lm, ids):
 
 def test_chunk_end_and_safe_prefix():
     class Model:
-        images = ImageTable(base=100, span=4, hidden=2)
+        images = ImageTable(base=100, hidden=2, bidirectional=True)
 
-    ids = [1, 2, 100, 101, 102, 103, 3, 104, 105, 106, 107, 4]
     m = Model()
+    first, second = (m.images.ids(m.images.add(d, np.zeros((4, 2), np.float32))) for d in ("a", "b"))
+    ids = [1, 2, *first, 3, *second, 4]
     assert chunk_end(m, ids, 0, 2) == 2  # the cut falls before the image
     assert chunk_end(m, ids, 0, 4) == 2  # inside the first image: back to its start
     assert chunk_end(m, ids, 2, 2) == 6  # the image starts the pass: on to its end
@@ -135,20 +136,23 @@ def test_chunk_end_and_safe_prefix():
     assert chunk_end(m, ids, 0, 50) == len(ids)
     assert [safe_prefix(m, ids, n) for n in (2, 3, 5, 6, 8, 12)] == [2, 2, 2, 6, 7, 12]
     assert chunk_end(object(), ids, 0, 4) == 4  # a model without images
+    m.images.bidirectional = False  # causal image rows (Mistral 3): any cut will do
+    assert chunk_end(m, ids, 0, 4) == 4 and safe_prefix(m, ids, 3) == 3
 
 
 def test_image_table_keeps_the_newest_and_never_reuses_a_slot():
-    table = ImageTable(base=10, span=2, hidden=3, capacity=2)
-    slots = [table.add(table.digest(bytes([i])), np.full((2, 3), i, np.float32)) for i in range(3)]
+    table = ImageTable(base=10, hidden=3, capacity=2)
+    slots = [table.add(table.digest(bytes([i])), np.full((2 + i, 3), i, np.float32)) for i in range(3)]
     assert slots == [0, 1, 2]
     assert table.slot_of(table.digest(b"\x00")) is None  # the oldest was dropped
-    out = np.zeros((2, 3), np.float32)
+    assert len(table.ids(2)) == 4  # rows of its own count
+    out = np.zeros((4, 3), np.float32)
     table.embed(out, np.array(table.ids(2)))
     assert (out == 2).all()
     with pytest.raises(KeyError, match="no longer held"):
-        table.embed(out, np.array(table.ids(0)))
+        table.embed(out, np.array([10, 11]))  # slot 0's ids
     with pytest.raises(ValueError):
-        table.add("x", np.zeros((3, 3), np.float32))
+        table.add("x", np.zeros((3, 4), np.float32))
 
 
 def test_chat_turns_reuse_the_image_and_a_new_image_is_not_reused():
