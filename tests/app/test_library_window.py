@@ -85,3 +85,92 @@ def test_import_a_hugging_face_folder_and_chat_with_it(qtbot, tmp_path, monkeypa
     win.import_folder(str(tmp_path / "empty"))
     assert warnings and "empty" in warnings[0]
     win.shutdown()
+
+
+@pytest.fixture
+def vision_repo(server, tmp_path):
+    files = {
+        "model-Q4_K_M.gguf": write_gguf(tmp_path / "src" / "model-Q4_K_M.gguf", arch="gemma3").read_bytes(),
+        "mmproj-model-f16.gguf": write_gguf(tmp_path / "src" / "t16.gguf", arch="clip").read_bytes(),
+        "mmproj-model-Q8_0.gguf": write_gguf(
+            tmp_path / "src" / "t8.gguf", arch="clip", n_layer=3
+        ).read_bytes(),
+    }
+    server.add_repo("org/Vision-GGUF", files, tags=("gguf",), downloads=1)
+    return files
+
+
+def _open_repo(qtbot, win, repo: str) -> None:
+    win.query.setText("vision")
+    with qtbot.waitSignal(win.relay.searched, timeout=10000):
+        win.search_button.click()
+    row = next(i for i in range(win.results.count()) if repo in win.results.item(i).text())
+    with qtbot.waitSignal(win.relay.variants, timeout=10000):
+        win.results.setCurrentRow(row)
+
+
+def _window(qtbot):
+    mgr = DownloadManager(settings=DownloadSettings(backoff_base=0.0), autostart=False)
+    downloads = DownloadService(manager=mgr)
+    win = LibraryWindow(Settings(), downloads=downloads)
+    qtbot.addWidget(win)
+    win.show()
+    return win, downloads
+
+
+def test_a_models_vision_tower_comes_along_in_its_own_row(qtbot, server, vision_repo):
+    from models.paths import models_dir
+
+    win, downloads = _window(qtbot)
+    _open_repo(qtbot, win, "org/Vision-GGUF")
+    texts = [win.variants.item(i).text() for i in range(win.variants.count())]
+    assert texts[0].startswith("Q4_K_M") and "reads images" in texts[0]
+    assert sorted(t.split("  ·  ")[:2] for t in texts[1:]) == [
+        ["vision tower (mmproj)", "F16"],
+        ["vision tower (mmproj)", "Q8_0"],
+    ]
+    win.variants.setCurrentRow(0)
+    win.download_button.click()
+    jobs = downloads.jobs()
+    assert [(j.filename, j.beside) for j in jobs] == [
+        ("model-Q4_K_M.gguf", None),
+        ("mmproj-model-f16.gguf", "model-Q4_K_M.gguf"),
+    ]
+    assert set(win.bars) == {j.id for j in jobs}, "each file has its queue row"
+    qtbot.waitUntil(lambda: all(j.state == "done" for j in jobs), timeout=20000)
+    folder = models_dir() / "hub" / "org" / "Vision-GGUF"
+    assert sorted(p.name for p in folder.iterdir()) == ["mmproj-model-f16.gguf", "model-Q4_K_M.gguf"]
+    qtbot.waitUntil(
+        lambda: win.local.count() == 1 and "reads images" in win.local.item(0).text(), timeout=5000
+    )
+    assert "model-Q4_K_M.gguf" in win.local.item(0).text() and "mmproj" not in win.local.item(0).text()
+
+    win.variants.setCurrentRow(0)
+    win.download_button.click()
+    assert len(downloads.jobs()) == 2, "the folder has its tower: nothing more is queued"
+    win.local.setCurrentRow(0)
+    win.delete_selected(confirm=False)
+    qtbot.waitUntil(lambda: win.local.count() == 0, timeout=5000)
+    assert not folder.exists() or not list(folder.iterdir()), "the model's tower goes with it"
+    win.shutdown()
+    downloads.close()
+
+
+def test_a_failed_vision_tower_is_reported_and_the_model_stays(qtbot, server, vision_repo):
+    import hashlib
+
+    good = vision_repo["mmproj-model-f16.gguf"]
+    server.blobs[hashlib.sha256(good).hexdigest()] = good[:-100]  # a truncated tower
+    win, downloads = _window(qtbot)
+    _open_repo(qtbot, win, "org/Vision-GGUF")
+    win.variants.setCurrentRow(0)
+    with qtbot.waitSignal(downloads.error, timeout=20000) as failed:
+        win.download_button.click()
+    model, tower = downloads.jobs()
+    assert "mmproj-model-f16.gguf" in failed.args[0] and "works for text" in failed.args[0]
+    qtbot.waitUntil(lambda: model.state == "done" and win.local.count() == 1, timeout=20000)
+    assert tower.state == "failed" and "failed" in win.bars[tower.id].format()
+    qtbot.waitUntil(lambda: "works for text" in win.hub_status.text(), timeout=5000)
+    assert "reads images" not in win.local.item(0).text()
+    win.shutdown()
+    downloads.close()

@@ -279,3 +279,66 @@ def test_manager_reports_failures(server, tmp_path):
     assert manager.wait(timeout=10) and job.state == "done"
     manager.close()
     assert threading.active_count() < 50
+
+
+def _vision_repo(server, files: dict[str, bytes], repo="org/vision-GGUF") -> tuple[str, tuple]:
+    server.add_repo(repo, files)
+    return repo, hub.repo_details(repo, with_card=False).files
+
+
+def test_vision_tower_goes_into_the_models_folder_through_the_same_machinery(server, tmp_path):
+    root = tmp_path / "lib"
+    tower_bytes = payload(40_000, 5)
+    repo, files = _vision_repo(
+        server,
+        {
+            "BF16/m-BF16-00001-of-00002.gguf": payload(9_000, 3),
+            "BF16/m-BF16-00002-of-00002.gguf": payload(9_000, 4),
+            "m-Q4_K_M.gguf": payload(5_000, 6),
+            "mmproj-m-f16.gguf": tower_bytes,
+            "mmproj-m-Q8_0.gguf": payload(20_000, 7),
+        },
+    )
+    job = downloads.vision_tower_job(repo, files, "BF16/m-BF16-00001-of-00002.gguf", "main", root)
+    assert (job.filename, job.beside, job.size) == (
+        "mmproj-m-f16.gguf",
+        "BF16/m-BF16-00001-of-00002.gguf",
+        40_000,
+    )
+    assert job.sha256 == hashlib.sha256(tower_bytes).hexdigest()
+    target = root / "hub" / "org" / "vision-GGUF" / "BF16" / "mmproj-m-f16.gguf"
+    assert downloads.target_path(job, root) == target and job.id.endswith(":BF16/mmproj-m-f16.gguf")
+    top = downloads.vision_tower_job(repo, files, "m-Q4_K_M.gguf", "main", root)
+    assert top.id != job.id and downloads.target_path(top, root) == target.parent.parent / "mmproj-m-f16.gguf"
+
+    server.faults = ["cut", "corrupt"]  # resumed after a cut, then the sha256 catches a flipped byte
+    manager = DownloadManager(root, settings=FAST, state_file=tmp_path / "s.json")
+    manager.add(job)
+    assert manager.wait(timeout=20) and job.state == "done", job.error
+    assert target.read_bytes() == tower_bytes and manager.stats[job.id].restarts_from_zero == 1
+    assert not server.faults
+    manager.close()
+    assert downloads.vision_tower_job(repo, files, "BF16/m-BF16-00001-of-00002.gguf", "main", root) is None, (
+        "a folder with a tower gets no second one"
+    )
+    assert not [e for e in server.log if e["path"].endswith(hashlib.sha256(payload(20_000, 7)).hexdigest())]
+
+
+def test_no_vision_tower_job_without_a_tower_or_for_a_tower(server, tmp_path):
+    repo, files = _vision_repo(server, {"m-Q4_K_M.gguf": payload(100, 1), "mmproj-f16.gguf": payload(50, 2)})
+    assert downloads.vision_tower_job(repo, files, "mmproj-f16.gguf", "main", tmp_path) is None
+    assert downloads.vision_tower_job(REPO, hub.repo_details(REPO).files, FILE, "main", tmp_path) is None
+
+
+def test_vision_tower_disk_full_and_hostile_beside(server, tmp_path, monkeypatch):
+    repo, files = _vision_repo(
+        server, {"m-Q4_K_M.gguf": payload(100, 1), "mmproj-f16.gguf": payload(5000, 2)}
+    )
+    job = downloads.vision_tower_job(repo, files, "m-Q4_K_M.gguf", "main", tmp_path)
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(downloads.shutil, "disk_usage", lambda p: usage(10**9, 10**9 - 1000, 1000))
+    with pytest.raises(downloads.DiskSpaceError, match="free space"):
+        download_file(job, tmp_path, FAST)
+    for beside in ("../../x.gguf", "/abs.gguf"):
+        with pytest.raises(hub.UnsafeNameError):
+            DownloadJob(repo, "mmproj-f16.gguf", beside=beside).validate()

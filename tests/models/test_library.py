@@ -130,10 +130,14 @@ def test_hf_cache_discovery_and_no_duplicate_download(lib, tmp_path, monkeypatch
     try:
         isolate_hf(monkeypatch, tmp_path, server)
         model = write_gguf(tmp_path / "m-Q4_0.gguf").read_bytes()
-        server.add_repo("org/cached-GGUF", {"m-Q4_0.gguf": model, "README.md": b"hi"})
+        tower = write_gguf(tmp_path / "mmproj-f16.gguf", arch="clip").read_bytes()
+        server.add_repo(
+            "org/cached-GGUF", {"m-Q4_0.gguf": model, "README.md": b"hi", "mmproj-f16.gguf": tower}
+        )
         cache = tmp_path / "hf-cache"
         got = hf_hub_download("org/cached-GGUF", "m-Q4_0.gguf", cache_dir=cache, endpoint=server.url)
-        hf_hub_download("org/cached-GGUF", "README.md", cache_dir=cache, endpoint=server.url)
+        for name in ("README.md", "mmproj-f16.gguf"):  # a vision tower in the cache is no model
+            hf_hub_download("org/cached-GGUF", name, cache_dir=cache, endpoint=server.url)
     finally:
         server.close()
     import hashlib
@@ -182,3 +186,67 @@ def test_wal_switch_waits_for_a_reader_of_a_new_database(tmp_path):
         use_wal(sqlite3.connect(other, timeout=0), attempts=3)
     switcher.close()
     reader.close()
+
+
+def test_vision_towers_are_never_chat_models(lib, tmp_path):
+    """llama.cpp's mmproj files (architecture "clip") belong to the model in their folder: importing one is
+    refused with a message, a folder's import skips them (by name or by header), and the model is the one
+    that shows them."""
+    from models.errors import VisionTowerError
+
+    folder = tmp_path / "gemma"
+    model = write_gguf(folder / "gemma-3-4b-it-Q4_K_M.gguf", arch="gemma3")
+    tower = write_gguf(folder / "mmproj-gemma-3-4b-it-f16.gguf", arch="clip")
+    unnamed = write_gguf(folder / "vision-f16.gguf", arch="clip")  # a tower whose name does not say so
+    assert inspect_model(tower).architecture == "clip"
+    for path in (tower, unnamed):
+        with pytest.raises(VisionTowerError, match="vision tower"):
+            lib.add(path)
+    with pytest.raises(ModelFormatError, match="open that model"):
+        lib.import_path(tower)
+    (entry,) = lib.import_path(folder)
+    assert entry.path == str(model) and entry.vision_towers == [tower]
+    assert [e.path for e in lib.entries()] == [str(model)]
+    lonely = tmp_path / "only-a-tower"
+    write_gguf(lonely / "mmproj-f16.gguf", arch="clip")
+    with pytest.raises(ModelNotFoundError, match="no .gguf"):
+        lib.import_path(lonely)
+
+
+def test_a_tower_indexed_by_an_older_version_is_not_listed(lib, tmp_path):
+    tower = write_gguf(tmp_path / "m" / "mmproj-f16.gguf", arch="clip")
+    with sqlite3.connect(lib.db_path) as db:  # what `hearth pull` of a repo's mmproj file used to leave
+        db.execute(
+            "INSERT INTO models (path, repo, file, format, size, architecture, source, added_at) "
+            "VALUES (?, 'org/m', 'mmproj-f16.gguf', 'gguf', 1, 'clip', 'download', '2024-01-01')",
+            (str(tower),),
+        )
+    assert lib.entries() == [] and lib.find("org/m", "mmproj-f16.gguf") is None
+    lib.remove(str(tower), delete_files=False)  # still removable by path
+
+
+def test_deleting_the_last_downloaded_model_of_a_folder_deletes_its_tower(lib, tmp_path):
+    folder = lib.root / "hub" / "org" / "gemma-GGUF"
+    q4 = lib.add(
+        write_gguf(folder / "g-Q4_K_M.gguf", arch="gemma3"), repo="org/gemma-GGUF", source="download"
+    )
+    q8 = lib.add(write_gguf(folder / "g-Q8_0.gguf", arch="gemma3"), repo="org/gemma-GGUF", source="download")
+    tower = write_gguf(folder / "mmproj-g-f16.gguf", arch="clip")
+    lib.remove(q4.id)
+    assert tower.exists(), "the other model still reads images with it"
+    lib.remove(q8.id)
+    assert not tower.exists() and not list(folder.iterdir())
+
+    outside = tmp_path / "mine"
+    imported = lib.add(write_gguf(outside / "g-Q4_K_M.gguf", arch="gemma3"))
+    own_tower = write_gguf(outside / "mmproj-f16.gguf", arch="clip")
+    lib.remove(imported.id)
+    assert own_tower.exists(), "a user's own files are left alone"
+
+
+def test_resolve_a_folder_with_a_model_and_its_tower(tmp_path):
+    from models.resolve import resolve_model
+
+    model = write_gguf(tmp_path / "g" / "g-Q4_K_M.gguf", arch="gemma3")
+    write_gguf(tmp_path / "g" / "mmproj-f16.gguf", arch="clip")
+    assert resolve_model(str(tmp_path / "g")) == model

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -72,3 +73,109 @@ def test_pull_errors_and_import(server, capsys, tmp_path):
     assert main(["import", str(src.parent)]) == 0
     assert str(src) in capsys.readouterr().out
     assert main(["rm", str(src)]) == 0 and src.exists()
+
+
+@pytest.fixture
+def vision(server, tmp_path):
+    """A Gemma-like repo: one model and two vision towers (F16, Q8_0); returns their bytes by name."""
+    files = {
+        "model-Q4_K_M.gguf": write_gguf(tmp_path / "src" / "model-Q4_K_M.gguf", arch="gemma3").read_bytes(),
+        "mmproj-model-f16.gguf": write_gguf(tmp_path / "src" / "mmproj-f16.gguf", arch="clip").read_bytes(),
+        "mmproj-model-Q8_0.gguf": write_gguf(
+            tmp_path / "src" / "mmproj-q8.gguf", arch="clip", n_layer=3
+        ).read_bytes(),
+    }
+    server.add_repo("org/Vision-GGUF", files, tags=("gguf",))
+    return files
+
+
+def _cdn_hits(server, data: bytes) -> int:
+    sha = hashlib.sha256(data).hexdigest()
+    return len([e for e in server.log if e["path"] == f"/cdn/{sha}"])
+
+
+def _folder() -> Path:
+    return models_dir() / "hub" / "org" / "Vision-GGUF"
+
+
+def test_pull_brings_the_f16_vision_tower_beside_the_model(server, vision, capsys):
+    assert main(["pull", "org/Vision-GGUF"]) == 0
+    out, err = capsys.readouterr()
+    assert Path(out.strip()) == _folder() / "model-Q4_K_M.gguf", "stdout: the model to load, only"
+    assert "mmproj-model-f16.gguf: the model's vision tower" in err and "vision tower: " in err
+    assert sorted(p.name for p in _folder().iterdir()) == ["mmproj-model-f16.gguf", "model-Q4_K_M.gguf"]
+    assert (_folder() / "mmproj-model-f16.gguf").read_bytes() == vision["mmproj-model-f16.gguf"]
+    assert _cdn_hits(server, vision["mmproj-model-Q8_0.gguf"]) == 0, "one tower, the F16 one"
+
+    assert main(["ls", "--json", "--no-scan"]) == 0
+    (model,) = json.loads(capsys.readouterr().out)["models"]
+    assert model["file"] == "model-Q4_K_M.gguf" and model["architecture"] == "gemma3"
+    assert model["vision_towers"] == [str(_folder() / "mmproj-model-f16.gguf")]
+    assert main(["ls", "--no-scan"]) == 0
+    listing = capsys.readouterr().out
+    assert "mmproj" not in listing and "+ vision tower" in listing
+
+    n = len(server.log)
+    assert main(["pull", "org/Vision-GGUF:Q4_K_M"]) == 0, "pulling again fetches nothing"
+    assert not [e for e in server.log[n:] if e["path"].startswith("/cdn/")]
+
+
+def test_pull_without_a_tower_in_the_repo_or_with_one_in_the_folder(server, vision, capsys):
+    assert main(["pull", "org/Tiny-GGUF:Q4_K_M"]) == 0
+    assert "vision tower" not in capsys.readouterr().err
+    assert [p.name for p in (models_dir() / "hub" / "org" / "Tiny-GGUF").iterdir()] == ["Tiny-Q4_K_M.gguf"]
+
+    own = write_gguf(_folder() / "mmproj-mine-bf16.gguf", arch="clip")
+    assert main(["pull", "org/Vision-GGUF"]) == 0
+    assert "vision tower" not in capsys.readouterr().err
+    assert sorted(p.name for p in _folder().iterdir()) == [own.name, "model-Q4_K_M.gguf"]
+    assert _cdn_hits(server, vision["mmproj-model-f16.gguf"]) == 0
+
+
+def test_pulling_a_tower_itself_brings_nothing_else_and_indexes_nothing(server, vision, capsys):
+    assert main(["pull", "org/Vision-GGUF:mmproj-model-Q8_0.gguf"]) == 0
+    out, err = capsys.readouterr()
+    assert Path(out.strip()) == _folder() / "mmproj-model-Q8_0.gguf" and "is a vision tower" in err
+    assert [p.name for p in _folder().iterdir()] == ["mmproj-model-Q8_0.gguf"]
+    n = len(server.log)
+    assert main(["pull", "org/Vision-GGUF:mmproj-model-Q8_0.gguf"]) == 0
+    assert not [e for e in server.log[n:] if e["path"].startswith("/cdn/")], (
+        "a tower on disk is not fetched again"
+    )
+    assert Path(capsys.readouterr().out.strip()) == _folder() / "mmproj-model-Q8_0.gguf"
+    assert main(["ls", "--json", "--no-scan"]) == 0
+    assert json.loads(capsys.readouterr().out)["models"] == []
+
+
+def test_a_failed_tower_leaves_the_model_usable_and_says_so(server, vision, capsys):
+    good = vision["mmproj-model-f16.gguf"]
+    sha = hashlib.sha256(good).hexdigest()
+    server.blobs[sha] = good[: len(good) // 2]  # the CDN serves a truncated file
+    assert main(["pull", "org/Vision-GGUF"]) == 1, "never a silent success"
+    out, err = capsys.readouterr()
+    assert Path(out.strip()) == _folder() / "model-Q4_K_M.gguf"
+    assert "the vision tower failed" in err and "works for text" in err and "mmproj-model-f16.gguf" in err
+    assert [p.name for p in _folder().iterdir()] == ["model-Q4_K_M.gguf"], "no tower, no partial"
+    assert main(["ls", "--json", "--no-scan"]) == 0
+    listing = json.loads(capsys.readouterr().out)
+    (model,) = listing["models"]
+    assert model["exists"] and model["vision_towers"] == []
+    assert [(j["filename"], j["state"]) for j in listing["downloads"]] == [
+        ("mmproj-model-f16.gguf", "failed")
+    ]
+
+    server.blobs[sha] = good
+    model_fetches = _cdn_hits(server, vision["model-Q4_K_M.gguf"])
+    assert main(["pull", "org/Vision-GGUF"]) == 0, "the same command fetches the tower"
+    assert (_folder() / "mmproj-model-f16.gguf").read_bytes() == good
+    assert _cdn_hits(server, vision["model-Q4_K_M.gguf"]) == model_fetches, "the model is not fetched again"
+
+
+def test_a_model_from_the_hf_cache_gets_a_note_not_a_tower(server, vision, capsys):
+    from huggingface_hub import hf_hub_download
+
+    hf_hub_download("org/Vision-GGUF", "model-Q4_K_M.gguf", endpoint=server.url)
+    assert main(["pull", "org/Vision-GGUF"]) == 0
+    err = capsys.readouterr().err
+    assert "is used from" in err and "put its vision tower mmproj-model-f16.gguf" in err
+    assert _cdn_hits(server, vision["mmproj-model-f16.gguf"]) == 0 and not _folder().exists()
