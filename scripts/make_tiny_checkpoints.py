@@ -385,6 +385,15 @@ MULTIMODAL = {
              pooling_kernel_size=2, position_embedding_size=64),
         dict(audio_config=None, image_token_id=317, boi_token_id=318, eoi_token_id=319),
     ),
+    # Mistral Small 3.1-style: a Pixtral tower (2D RoPE, gated MLP), patches merged 2x2, a GELU projector;
+    # golden_vision.json holds a prompt with two images of different sizes
+    "mistral3-vision": (
+        transformers.Mistral3Config,
+        dict(model_type="mistral", head_dim=16, rms_norm_eps=1e-5),
+        dict(model_type="pixtral", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+             num_attention_heads=2, head_dim=16, image_size=84, patch_size=14, hidden_act="silu"),
+        dict(image_token_index=317, spatial_merge_size=2, multimodal_projector_bias=True),
+    ),
     "ministral3-mm": (
         transformers.Mistral3Config,
         dict(FAMILIES["ministral3"][1], model_type="ministral3"),
@@ -552,6 +561,8 @@ def write_family(name: str, out: Path) -> None:
     (folder / "golden.json").write_text(json.dumps(golden))
     if name == "gemma3-vision":
         write_vision_golden(ref, folder)
+    if name == "mistral3-vision":
+        write_mistral3_vision_golden(ref, folder)
     size = sum(f.stat().st_size for f in folder.iterdir())
     print(f"wrote {folder} ({size:,} bytes)")
     if name == "gpt-oss-bf16":
@@ -635,6 +646,65 @@ def write_vision_golden(ref, folder: Path) -> None:
         "greedy": [int(t) for t in greedy],
         "image_rows": [[[round(float(v), 5) for v in r] for r in image] for image in rows],
         "pixels": [[round(float(v), 5) for v in image.reshape(-1)[:64]] for image in pixels],
+    }
+    (folder / "golden_vision.json").write_text(json.dumps(golden))
+
+
+def write_mistral3_vision_golden(ref, folder: Path) -> None:
+    """golden_vision.json for a Mistral 3 with a Pixtral tower: the prompt as PixtralProcessor builds it (each
+    [IMG] becomes rows of [IMG] x width + [IMG_BREAK], the last break [IMG_END]), the pixels from
+    transformers' PIL image processor (longest edge 84, multiples of 28, bicubic), then the logits at every
+    position, 8 greedy tokens and each image's projected rows, from Mistral3ForConditionalGeneration."""
+    import jinja2
+    from transformers.models.pixtral.image_processing_pil_pixtral import PixtralImageProcessorPil
+
+    tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    while tok.get_vocab_size() < 317:
+        tok.add_special_tokens([f"<unused{tok.get_vocab_size()}>"])
+    tok.add_special_tokens(["[IMG]", "[IMG_BREAK]", "[IMG_END]"])
+    assert tok.token_to_id("[IMG]") == 317
+    tok.save(str(folder / "tokenizer.json"))
+    template = VISION_TEMPLATE.replace("<start_of_image>", "[IMG]")
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config["chat_template"] = template
+    (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=1))
+    pre = {"image_processor_type": "PixtralImageProcessor", "size": {"longest_edge": 84},
+           "patch_size": {"height": 28, "width": 28}, "resample": 3, "rescale_factor": 1 / 255,
+           "image_mean": [0.48145466, 0.4578275, 0.40821073],
+           "image_std": [0.26862954, 0.26130258, 0.27577711],
+           "do_convert_rgb": True}
+    (folder / "preprocessor_config.json").write_text(json.dumps(pre, indent=1))
+    images = test_images()
+    for i, img in enumerate(images):
+        img.save(folder / f"image{i}.png")
+    processor = PixtralImageProcessorPil(**{k: v for k, v in pre.items() if k != "image_processor_type"})
+    out = processor(images, return_tensors="pt")
+    pixels, sizes = out["pixel_values"].to(torch.float32), out["image_sizes"]
+    text = jinja2.Template(template).render(messages=VISION_MESSAGES, add_generation_prompt=True)
+    pieces = text.split("[IMG]")
+    for i, (h, w) in enumerate(sizes.tolist()):
+        rows = [["[IMG]"] * (w // 28) + ["[IMG_BREAK]"] for _ in range(h // 28)]
+        flat = [t for row in rows for t in row]
+        flat[-1] = "[IMG_END]"
+        pieces[i] += "".join(flat)
+    ids = tok.encode("".join(pieces), add_special_tokens=False).ids
+    input_ids = torch.tensor([ids])
+    with torch.no_grad():
+        logits = ref(input_ids=input_ids, pixel_values=pixels, image_sizes=sizes).logits[0]
+        greedy = ref.generate(input_ids=input_ids, pixel_values=pixels, image_sizes=sizes, max_new_tokens=8,
+                              do_sample=False, eos_token_id=None, pad_token_id=0)
+        greedy = greedy[0, len(ids) :]
+        rows = ref.model.get_image_features(pixels, sizes, vision_feature_layer=-1).pooler_output
+    golden = {
+        "generator": f"transformers {transformers.__version__}, torch {torch.__version__}",
+        "messages": VISION_MESSAGES,
+        "images": [f"image{i}.png" for i in range(len(images))],
+        "image_sizes": sizes.tolist(),
+        "prompt": text,
+        "tokens": ids,
+        "logits": [[round(float(v), 5) for v in row] for row in logits],
+        "greedy": [int(t) for t in greedy],
+        "image_rows": [[[round(float(v), 5) for v in r] for r in image] for image in rows],
     }
     (folder / "golden_vision.json").write_text(json.dumps(golden))
 

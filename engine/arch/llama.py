@@ -437,6 +437,9 @@ class LlamaModel(Decoder):
     """A Llama-family decoder over weights that stay in their file format."""
 
     config_class = LlamaConfig
+    # the images this model can embed (engine.vision.tokens.ImageTable), set by a vision tower's attach()
+    # (Mistral 3's Pixtral)
+    images = None
 
     def __init__(self, cfg: LlamaConfig, weights):
         """Args: cfg; weights: a weight source with matrix(name, rows, cols), vector(name, n), has(name)."""
@@ -668,9 +671,13 @@ class LlamaModel(Decoder):
         cfg = self.cfg
         inv_freq = self.inv_freq if inv_freq is None else inv_freq
         if hidden is None:
-            ops.get_rows(s.x, self.token_embd, tokens)
+            images = self.images is not None and tokens.max() >= self.images.base
+            text = np.where(tokens >= self.images.base, 0, tokens) if images else tokens
+            ops.get_rows(s.x, self.token_embd, text)
             if cfg.embedding_multiplier != 1.0:
                 s.x *= np.float32(cfg.embedding_multiplier)
+            if images:
+                self.images.embed(s.x, tokens)  # image rows as the projector gave them
         else:
             s.x[:] = hidden
         residual = np.float32(cfg.residual_multiplier)

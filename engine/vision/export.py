@@ -1,9 +1,9 @@
 """Writing a Hugging Face folder's vision tower as an mmproj GGUF, as llama.cpp names and lays it out.
 
-`hearth convert` of a Gemma 3 multimodal folder to GGUF writes the language model as usual and, beside it,
-mmproj-<name>-f16.gguf (general.architecture "clip", clip.projector_type "gemma3", clip.vision.* sizes; the
-matrices and the patch embedding F16, norms, biases and the position table F32, Gemma's soft_emb_norm stored
-as 1 + w), which Hearth (engine.vision.load) and llama.cpp read back.
+`hearth convert` of a Gemma 3 or Mistral 3 multimodal folder to GGUF writes the language model as usual and,
+beside it, mmproj-<name>-f16.gguf (general.architecture "clip", clip.projector_type "gemma3" or "pixtral",
+clip.vision.* sizes; the matrices and the patch embedding F16, norms, biases and the position table F32,
+Gemma's soft_emb_norm stored as 1 + w), which Hearth (engine.vision.load) and llama.cpp read back.
 """
 
 from __future__ import annotations
@@ -14,6 +14,8 @@ import numpy as np
 
 from engine.quant.gguf_writer import GGUFWriter
 from engine.vision.load import _HFSource, hf_vision, mmproj_name
+from engine.vision.pixtral import PixtralVision
+from engine.weights import float32_of
 
 F32, F16 = 0, 1
 
@@ -25,11 +27,10 @@ def mmproj_path(out_path: Path) -> Path:
 
 def write_mmproj(folder: Path, config: dict, st, out_path: Path) -> Path | None:
     """Write the folder's vision tower as an mmproj GGUF at out_path; None (nothing written) when the folder
-    has no tower Hearth runs."""
+    has no tower Hearth runs, or one the mmproj keys cannot describe (a Pixtral with another RoPE base)."""
     tower = hf_vision(folder, config, st)
     if tower is None:
         return None
-    shape, enc = tower.shape, tower.shape.encoder
     source = _HFSource(st, folder)
     names = sorted(n for n in (mmproj_name(hf) for hf in st.tensors) if n is not None)
     metadata = {
@@ -37,6 +38,39 @@ def write_mmproj(folder: Path, config: dict, st, out_path: Path) -> Path | None:
         "general.name": folder.name,
         "general.file_type": F16,
         "clip.has_vision_encoder": True,
+    }
+    extra = {}
+    if isinstance(tower, PixtralVision):
+        if tower.shape.rope_theta != 10000.0:  # GGUF's pixtral keys keep no RoPE base: llama.cpp's is fixed
+            return None
+        metadata |= _pixtral_metadata(tower.shape)
+        extra = _img_break(folder, st, tower.shape.text_hidden)
+    else:
+        metadata |= _gemma3_metadata(tower.shape)
+    arrays = {}
+    for name in names:
+        values = source.floats(name, source.shape(name))  # float32 (soft_emb_norm as 1 + w)
+        keep_f16 = values.ndim >= 2 and name != "v.position_embd.weight"
+        arrays[name] = values.astype(np.float16 if keep_f16 else np.float32)
+    arrays |= extra
+    specs = [(n, F16 if a.dtype == np.float16 else F32, a.shape) for n, a in arrays.items()]
+    tmp = out_path.with_name(f".{out_path.name}.part")
+    try:
+        with open(tmp, "wb") as fh:
+            writer = GGUFWriter(fh, metadata, specs)
+            writer.write_header()
+            for name, array in arrays.items():
+                writer.write_tensor(name, array.view(np.uint8).reshape(-1))
+            writer.finish()
+        tmp.replace(out_path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return out_path
+
+
+def _gemma3_metadata(shape) -> dict:
+    enc = shape.encoder
+    return {
         "clip.projector_type": "gemma3",
         "clip.use_gelu": True,
         "clip.vision.image_size": enc.image_size,
@@ -51,21 +85,37 @@ def write_mmproj(folder: Path, config: dict, st, out_path: Path) -> Path | None:
         "clip.vision.image_mean": [float(v) for v in shape.mean],
         "clip.vision.image_std": [float(v) for v in shape.std],
     }
-    arrays = {}
-    for name in names:
-        values = source.floats(name, source.shape(name))  # float32 (soft_emb_norm as 1 + w)
-        keep_f16 = values.ndim >= 2 and name != "v.position_embd.weight"
-        arrays[name] = values.astype(np.float16 if keep_f16 else np.float32)
-    specs = [(n, F16 if a.dtype == np.float16 else F32, a.shape) for n, a in arrays.items()]
-    tmp = out_path.with_name(f".{out_path.name}.part")
-    try:
-        with open(tmp, "wb") as fh:
-            writer = GGUFWriter(fh, metadata, specs)
-            writer.write_header()
-            for name, array in arrays.items():
-                writer.write_tensor(name, array.view(np.uint8).reshape(-1))
-            writer.finish()
-        tmp.replace(out_path)
-    finally:
-        tmp.unlink(missing_ok=True)
-    return out_path
+
+
+def _pixtral_metadata(shape) -> dict:
+    """llama.cpp's keys for Mistral 3's tower (projector "pixtral"; its RoPE base is the fixed 10000)."""
+    return {
+        "clip.projector_type": "pixtral",
+        "clip.use_silu" if shape.act == "silu" else "clip.use_gelu": True,
+        "clip.vision.image_size": shape.longest_edge,
+        "clip.vision.patch_size": shape.patch,
+        "clip.vision.embedding_length": shape.hidden,
+        "clip.vision.feed_forward_length": shape.ff,
+        "clip.vision.block_count": shape.layers,
+        "clip.vision.attention.head_count": shape.heads,
+        "clip.vision.attention.layer_norm_epsilon": shape.projector_eps,  # llama.cpp's projector norm too
+        "clip.vision.projection_dim": shape.text_hidden,
+        "clip.vision.spatial_merge_size": shape.merge,
+        "clip.vision.image_mean": [float(v) for v in shape.mean],
+        "clip.vision.image_std": [float(v) for v in shape.std],
+    }
+
+
+def _img_break(folder: Path, st, text_hidden: int) -> dict:
+    """The [IMG_BREAK] token's embedding as llama.cpp's pixtral mmproj carries it (v.token_embd.img_break:
+    its image chunks hold the breaks); Hearth keeps the breaks as tokens and ignores it."""
+    from engine.hf_repo import folder_tokenizer
+
+    tokenizer, _ = folder_tokenizer(folder)
+    ids = tokenizer.encode("[IMG_BREAK]", add_special=False)
+    table = next((n for n in st.tensors if n.endswith("embed_tokens.weight")), None)
+    if len(ids) != 1 or table is None:
+        return {}
+    row = st.array(table)[ids[0]]
+    bf16 = st.tensors[table].dtype == "BF16"
+    return {"v.token_embd.img_break": float32_of(np.asarray(row), bf16).reshape(text_hidden)}

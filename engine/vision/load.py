@@ -16,6 +16,7 @@ import numpy as np
 from engine.errors import MissingTensorError, ModelFormatError
 from engine.loader import GGUFWeights
 from engine.vision.gemma3 import Gemma3Vision, Gemma3VisionShape, pool_of
+from engine.vision.pixtral import PixtralShape, PixtralVision
 from engine.vision.siglip import SiglipShape
 from engine.weights import FLOAT_DTYPES, Weight, float32_of
 from models.formats.gguf import open_gguf
@@ -35,6 +36,20 @@ _HF_NAMES = [
     (re.compile(r"vision_tower\.encoder\.layers\.(\d+)\.mlp\.fc2\.(weight|bias)"), r"v.blk.\1.ffn_down.\2"),
     (re.compile(r"multi_modal_projector\.mm_input_projection_weight"), "mm.input_projection.weight"),
     (re.compile(r"multi_modal_projector\.mm_soft_emb_norm\.weight"), "mm.soft_emb_norm.weight"),
+    # Mistral 3's Pixtral tower and projector
+    (re.compile(r"vision_tower\.patch_conv\.weight"), "v.patch_embd.weight"),
+    (re.compile(r"vision_tower\.ln_pre\.weight"), "v.pre_ln.weight"),
+    (re.compile(r"vision_tower\.transformer\.layers\.(\d+)\.attention\.([qkv])_proj\.weight"),
+     r"v.blk.\1.attn_\2.weight"),
+    (re.compile(r"vision_tower\.transformer\.layers\.(\d+)\.attention\.o_proj\.weight"),
+     r"v.blk.\1.attn_out.weight"),
+    (re.compile(r"vision_tower\.transformer\.layers\.(\d+)\.attention_norm\.weight"), r"v.blk.\1.ln1.weight"),
+    (re.compile(r"vision_tower\.transformer\.layers\.(\d+)\.ffn_norm\.weight"), r"v.blk.\1.ln2.weight"),
+    (re.compile(r"vision_tower\.transformer\.layers\.(\d+)\.feed_forward\.(gate|up|down)_proj\.weight"),
+     r"v.blk.\1.ffn_\2.weight"),
+    (re.compile(r"multi_modal_projector\.norm\.weight"), "mm.input_norm.weight"),
+    (re.compile(r"multi_modal_projector\.patch_merger\.merging_layer\.weight"), "mm.patch_merger.weight"),
+    (re.compile(r"multi_modal_projector\.linear_([12])\.(weight|bias)"), r"mm.\1.\2"),
 ]
 
 
@@ -120,14 +135,17 @@ class _HFSource(_Source):
         return values
 
 
-def hf_vision(folder: Path, config: dict, st) -> Gemma3Vision | None:
-    """The vision tower of a Gemma 3 multimodal folder (None: no vision config or no tower tensors)."""
+def hf_vision(folder: Path, config: dict, st) -> Gemma3Vision | PixtralVision | None:
+    """The vision tower of a Gemma 3 or Mistral 3 multimodal folder (None: no vision config or no tower
+    tensors)."""
     vision = config.get("vision_config")
-    if config.get("model_type") != "gemma3" or not isinstance(vision, dict):
+    if config.get("model_type") not in ("gemma3", "mistral3") or not isinstance(vision, dict):
         return None
     source = _HFSource(st, folder)
     if not source.has("v.patch_embd.weight"):
         return None
+    if config["model_type"] == "mistral3":
+        return _hf_pixtral(folder, config, vision, source)
     text_hidden = int((config.get("text_config") or {}).get("hidden_size", 2560))
     encoder = SiglipShape(
         hidden=int(vision.get("hidden_size", 1152)),
@@ -146,6 +164,38 @@ def hf_vision(folder: Path, config: dict, st) -> Gemma3Vision | None:
         **pre,
     )
     return Gemma3Vision(shape, source, folder)
+
+
+def _hf_pixtral(folder: Path, config: dict, vision: dict, source) -> PixtralVision:
+    from engine.hf_repo import read_json
+
+    text = config.get("text_config") or {}
+    layer = config.get("vision_feature_layer", -1)
+    if layer not in (-1, [-1]):
+        raise ModelFormatError(
+            folder, f"vision_feature_layer {layer!r}: Hearth reads the last layer's features"
+        )
+    rope = vision.get("rope_parameters") or {}
+    pre_path = folder / "preprocessor_config.json"
+    pre = read_json(pre_path) if pre_path.is_file() else {}
+    longest = (pre.get("size") or {}).get("longest_edge") or vision.get("image_size", 1540)
+    shape = PixtralShape(
+        hidden=int(vision.get("hidden_size", 1024)),
+        ff=int(vision.get("intermediate_size", 4096)),
+        layers=int(vision.get("num_hidden_layers", 24)),
+        heads=int(vision.get("num_attention_heads", 16)),
+        patch=int(vision.get("patch_size", 14)),
+        longest_edge=int(longest),
+        text_hidden=int(text.get("hidden_size", 5120)),
+        merge=int(config.get("spatial_merge_size", 2)),
+        rope_theta=float(rope.get("rope_theta", vision.get("rope_theta", 10000.0))),
+        act=str(vision.get("hidden_act", "silu")),
+        projector_eps=float(text.get("rms_norm_eps", 1e-5)),
+        **_preprocessor(folder),
+    )
+    if config.get("projector_hidden_act", "gelu") != "gelu":
+        raise ModelFormatError(folder, f"projector_hidden_act {config['projector_hidden_act']!r} is not gelu")
+    return PixtralVision(shape, source, folder)
 
 
 def _preprocessor(folder: Path) -> dict:
@@ -187,8 +237,8 @@ def _common_prefix(a: str, b: str) -> str:
     return a[:n]
 
 
-def gguf_vision(path: Path) -> Gemma3Vision:
-    """The vision tower in an mmproj GGUF (llama.cpp's clip files; projector type gemma3).
+def gguf_vision(path: Path) -> Gemma3Vision | PixtralVision:
+    """The vision tower in an mmproj GGUF (llama.cpp's clip files; projector type gemma3 or pixtral).
 
     Raises:
         ModelFormatError: not an mmproj file, or one of a projector type Hearth does not run.
@@ -198,9 +248,10 @@ def gguf_vision(path: Path) -> Gemma3Vision:
     if meta.get("general.architecture") != "clip":
         raise ModelFormatError(path, "not an mmproj (clip) file")
     kind = meta.get("clip.projector_type") or meta.get("clip.vision.projector_type")
-    if kind != "gemma3":
+    if kind not in ("gemma3", "pixtral"):
         raise ModelFormatError(
-            path, f"its vision projector is {kind!r}; Hearth runs Gemma 3's (gemma3) so far"
+            path,
+            f"its vision projector is {kind!r}; Hearth runs Gemma 3's (gemma3) and Mistral 3's (pixtral)",
         )
 
     def key(name, default=None):
@@ -209,6 +260,31 @@ def gguf_vision(path: Path) -> Gemma3Vision:
             raise ModelFormatError(path, f"clip.vision.{name} is missing")
         return value
 
+    source = _GGUFSource(gguf)
+    pre = {}
+    for name, field in (("image_mean", "mean"), ("image_std", "std")):
+        value = meta.get(f"clip.vision.{name}")
+        if value is not None and len(value) == 3:
+            pre[field] = tuple(float(v) for v in value)
+    if kind == "pixtral":
+        if not source.has("mm.patch_merger.weight"):
+            raise ModelFormatError(
+                path, "a pixtral mmproj without a patch merger (Pixtral 12B) is not supported"
+            )
+        shape = PixtralShape(
+            hidden=int(key("embedding_length")),
+            ff=int(key("feed_forward_length")),
+            layers=int(key("block_count")),
+            heads=int(key("attention.head_count")),
+            patch=int(key("patch_size")),
+            longest_edge=int(key("image_size")),
+            text_hidden=int(source.shape("mm.1.weight")[0]),
+            merge=int(meta.get("clip.vision.spatial_merge_size", 2)),
+            act="gelu" if meta.get("clip.use_gelu") and not meta.get("clip.use_silu") else "silu",
+            projector_eps=float(key("attention.layer_norm_epsilon", 1e-5)),
+            **pre,
+        )
+        return PixtralVision(shape, source, path)
     encoder = SiglipShape(
         hidden=int(key("embedding_length")),
         ff=int(key("feed_forward_length")),
@@ -218,16 +294,10 @@ def gguf_vision(path: Path) -> Gemma3Vision:
         patch=int(key("patch_size")),
         eps=float(key("attention.layer_norm_epsilon", 1e-6)),
     )
-    source = _GGUFSource(gguf)
     proj = source.shape("mm.input_projection.weight")
     text_hidden = proj[1] if proj[0] == encoder.hidden else proj[0]
     side = encoder.side
     pool = int(meta.get("clip.vision.projector.scale_factor", 4))  # llama.cpp's default for Gemma 3
-    pre = {}
-    for name, field in (("image_mean", "mean"), ("image_std", "std")):
-        value = meta.get(f"clip.vision.{name}")
-        if value is not None and len(value) == 3:
-            pre[field] = tuple(float(v) for v in value)
     if side % pool:
         raise ModelFormatError(path, f"a {side}-patch side does not pool by {pool}")
     return Gemma3Vision(Gemma3VisionShape(encoder, int(text_hidden), pool, **pre), source, path)

@@ -308,3 +308,80 @@ def test_the_fallback_gemma_template_places_images():
     assert sum(t >= base for t in ids) == 4
     assert "<start_of_turn>user\n\n\n<start_of_image><end_of_image>\n\nWhat is this?" in lm.tokenizer.decode(
         [t for t in ids if t < base])
+
+
+# Mistral 3 (tests/fixtures/tiny/mistral3-vision): a Pixtral tower (2 layers, 2D RoPE, gated SiLU MLP),
+# patches merged 2x2 through the merging layer, a GELU projector with biases; two images of different shapes
+# (84 x 84 and 84 x 56 after the processor: 3 x 3 and 3 x 2 rows), laid out with [IMG_BREAK] / [IMG_END]
+M3 = TINY / "mistral3-vision"
+M3_GOLDEN = json.loads((M3 / "golden_vision.json").read_text())
+M3_REF = np.array(M3_GOLDEN["logits"])
+M3_TOL = 1e-4 * np.abs(M3_REF).max()
+M3_IMAGES = [(M3 / name).read_bytes() for name in M3_GOLDEN["images"]]
+
+
+def _m3_messages() -> list[dict]:
+    out = [dict(m) for m in M3_GOLDEN["messages"]]
+    pending = iter(M3_IMAGES)
+    out[-1]["content"] = [
+        {"type": "image", "image": next(pending)} if p["type"] == "image" else p for p in out[-1]["content"]
+    ]
+    return out
+
+
+@pytest.fixture(scope="module")
+def m3():
+    return load_model(M3)
+
+
+def test_mistral3_rows_prompt_logits_and_greedy_match_transformers(m3):
+    from engine.vision.pixtral import PixtralVision
+
+    assert isinstance(m3.vision, PixtralVision)
+    for data, ref in zip(M3_IMAGES, M3_GOLDEN["image_rows"], strict=True):
+        ref = np.array(ref)
+        rows = m3.vision.encode(m3.vision.pixels(data))
+        np.testing.assert_allclose(rows, ref, atol=1e-4 * np.abs(ref).max())
+    ids = _prompt(m3, _m3_messages())
+    base = m3.model.images.base
+    assert [IMAGE_TOKEN if t >= base else t for t in ids] == M3_GOLDEN["tokens"]
+    # 3 rows of 3, then 3 rows of 2: [IMG_BREAK] after each row but the last, [IMG_END] after the last
+    text = m3.tokenizer.decode([t if t < base else IMAGE_TOKEN for t in ids])
+    assert "[IMG][IMG][IMG][IMG_BREAK][IMG][IMG][IMG][IMG_BREAK][IMG][IMG][IMG][IMG_END]" in text
+    assert "[IMG][IMG][IMG_BREAK][IMG][IMG][IMG_BREAK][IMG][IMG][IMG_END]" in text
+    np.testing.assert_allclose(m3.model.forward(ids, m3.model.new_cache(160), all_logits=True), M3_REF,
+                               atol=M3_TOL)
+    params = GenerationParams(max_tokens=8, temperature=0.0)
+    out = [e.token for e in generate(m3.model, m3.tokenizer, ids, m3.model.new_cache(160), params)
+           if e.token is not None]
+    assert out[: len(M3_GOLDEN["greedy"])] == M3_GOLDEN["greedy"][: len(out)] and len(out) >= 4
+
+
+def test_mistral3_image_rows_are_causal_so_passes_split_anywhere(m3):
+    ids = _prompt(m3, _m3_messages())
+    assert m3.model.images.key_ends(np.array(ids), 0) is None
+    cache = m3.model.new_cache(160)
+    last, _ = prefill(m3.model, cache, ids, 5)  # passes that cut images
+    np.testing.assert_allclose(last, M3_REF[-1], atol=M3_TOL)
+
+
+def test_mistral3_gguf_with_its_mmproj_matches_transformers(tmp_path):
+    out = convert(M3, "F16", tmp_path / "m3.gguf")
+    assert out.mmproj is not None
+    from models.formats.gguf import open_gguf
+
+    with open_gguf(out.mmproj) as gguf:
+        assert gguf.metadata["clip.projector_type"] == "pixtral"
+        assert "v.token_embd.img_break" in gguf.tensors  # what llama.cpp's pixtral graph reads
+    lm = load_model(out.output)
+    ids = _prompt(lm, _m3_messages())
+    np.testing.assert_allclose(lm.model.forward(ids, lm.model.new_cache(160), all_logits=True), M3_REF,
+                               atol=M3_TOL)
+
+
+@pytest.mark.parametrize(
+    ("size", "expected"),
+    [((60, 80), (84, 84)), ((70, 40), (84, 56)), ((3000, 1000), (84, 28)), ((28, 29), (28, 56))],
+)
+def test_mistral3_resizes_within_the_longest_edge_to_whole_cells(m3, size, expected):
+    assert m3.vision.target_size(*size) == expected

@@ -388,6 +388,16 @@ def causal_softmax(scores, rep, p0, key0, window, scale, sinks, ends):
 
 
 @njit(**_KW)
+def gelu_erf(x):
+    # x (n, m) f32 in place: the exact GELU, x / 2 (1 + erf(x / sqrt 2)) (PyTorch's default gelu)
+    n, m = x.shape
+    for r in range(n):
+        for j in range(m):
+            v = x[r, j]
+            x[r, j] = np.float32(0.5) * v * (np.float32(1.0) + math.erf(v * np.float32(0.7071067811865476)))
+
+
+@njit(**_KW)
 def softmax_fast(x, scale):
     # x (n, m) f32 raw scores; in place: the softmax of scale * x over each row (scale > 0), by fast_exp.
     # Probabilities below float32's smallest normal become 0: a product with denormals runs ~40x slower in
