@@ -1,11 +1,13 @@
-"""Time one image through a randomly initialised Gemma 3 vision tower of the released shape.
+"""Time one image through a randomly initialised vision tower of a released shape.
 
-SigLIP-So400m as Gemma 3 4B/12B/27B ship it (896 px, patches of 14: 4096 patches, 27 layers of 1152, 16
-heads, MLP 4304) with F16 weights (as an mmproj-*-f16.gguf holds them), pooled to 256 rows and projected to
-a hidden size of 2560 (Gemma 3 4B). Prints seconds per image (preprocessing, encoder, projector) and the
-process's peak RSS.
+--family gemma3: SigLIP-So400m as Gemma 3 4B/12B/27B ship it (896 px, patches of 14: 4096 patches, 27 layers
+of 1152, 16 heads, MLP 4304), pooled to 256 rows and projected to a hidden size of 2560 (Gemma 3 4B).
+--family mistral3: Pixtral as Mistral Small 3.1 ships it (24 layers of 1024, 16 heads, gated MLP 4096,
+longest edge 1540), 2x2 merged and projected to 5120; the 1024 x 768 test photo becomes 74 x 56 patches.
+Weights F16 (as an mmproj-*-f16.gguf holds them). Prints seconds per image (preprocessing, encoder,
+projector), the image's rows and the process's peak RSS.
 
-Usage: python3 scripts/bench_vision.py [--threads N] [--layers 27] [--repeat 2]
+Usage: python3 scripts/bench_vision.py [--family gemma3|mistral3] [--threads N] [--layers N] [--repeat 2]
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from engine.backends import cpu  # noqa: E402
 from engine.memory import peak_rss_mb  # noqa: E402
 from engine.vision.gemma3 import Gemma3Vision, Gemma3VisionShape  # noqa: E402
+from engine.vision.pixtral import PixtralShape, PixtralVision  # noqa: E402
 from engine.vision.siglip import SiglipShape  # noqa: E402
 from engine.weights import Weight  # noqa: E402
 
@@ -64,16 +67,25 @@ class RandomWeights:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=None)
-    parser.add_argument("--layers", type=int, default=27)
+    parser.add_argument("--family", choices=("gemma3", "mistral3"), default="gemma3")
+    parser.add_argument("--layers", type=int, default=None, help="encoder layers (default: the release's)")
     parser.add_argument("--repeat", type=int, default=2)
     args = parser.parse_args()
     if args.threads:
         cpu.set_threads(args.threads)
     from PIL import Image
 
-    encoder = SiglipShape(hidden=1152, ff=4304, layers=args.layers, heads=16, image_size=896, patch=14)
-    shape = Gemma3VisionShape(encoder, text_hidden=2560, pool=4)
-    tower = Gemma3Vision(shape, RandomWeights(), Path("random"))
+    if args.family == "gemma3":
+        encoder = SiglipShape(hidden=1152, ff=4304, layers=args.layers or 27, heads=16, image_size=896,
+                              patch=14)
+        shape = Gemma3VisionShape(encoder, text_hidden=2560, pool=4)
+        tower = Gemma3Vision(shape, RandomWeights(), Path("random"))
+        layers = encoder.layers
+    else:
+        shape = PixtralShape(hidden=1024, ff=4096, layers=args.layers or 24, heads=16, patch=14,
+                             longest_edge=1540, text_hidden=5120)
+        tower = PixtralVision(shape, RandomWeights(), Path("random"))
+        layers = shape.layers
     rng = np.random.default_rng(1)
     buf = io.BytesIO()
     Image.fromarray(rng.integers(0, 256, (768, 1024, 3), dtype=np.uint8)).save(buf, "JPEG")
@@ -88,7 +100,8 @@ def main() -> int:
         run = {"preprocess_s": round(t1 - t0, 3), "encode_s": round(t2 - t1, 3), "total_s": round(t2 - t0, 3)}
         if best is None or run["total_s"] < best["total_s"]:
             best = run
-    print(json.dumps({"layers": args.layers, "patches": encoder.patches, "rows": list(rows.shape),
+    print(json.dumps({"family": args.family, "layers": layers, "pixels": list(pixels.shape[1:]),
+                      "rows": list(rows.shape),
                       "threads": cpu.get_threads(), **best, "peak_rss_mb": round(peak_rss_mb(), 1)}))
     return 0
 
