@@ -17,21 +17,18 @@ As transformers' Mistral3ForConditionalGeneration and its PixtralProcessor run i
 
 from __future__ import annotations
 
-import io
 import math
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from engine.backends import cpu as ops
-from engine.backends.cpu.ops import gelu_erf, softmax_fast
+from engine.backends.cpu.ops import gelu_erf
 from engine.errors import ImageInputError, ModelFormatError
-from engine.vision.tokens import ImageTable
+from engine.vision.tower import VisionTower, attend_all, linear, normalized, open_rgb, single_token
 
 IMG, IMG_BREAK, IMG_END = "[IMG]", "[IMG_BREAK]", "[IMG_END]"
-MAX_PIXELS = 100_000_000
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 
@@ -75,12 +72,17 @@ class _Layer:
     down: object
 
 
-class PixtralVision:
+class PixtralVision(VisionTower):
     """Mistral 3's vision tower over a weight source with mmproj names (engine.vision.load)."""
+
+    bidirectional = False
 
     def __init__(self, shape: PixtralShape, weights, source: Path):
         self.shape = shape
         self.source = source
+        self.text_hidden = shape.text_hidden
+        self.depth = shape.layers
+
         d, ff, p, m = shape.hidden, shape.ff, shape.patch, shape.merge
         if shape.act not in ("silu", "gelu"):
             raise ModelFormatError(
@@ -115,20 +117,7 @@ class PixtralVision:
         half = shape.head_dim // 2  # RoPE pairs: the first half turn by row, the second by column
         inv = 1.0 / shape.rope_theta ** (np.arange(0, shape.head_dim, 2, dtype=np.float64) / shape.head_dim)
         self.inv_row, self.inv_col = inv[0::2][: half // 2], inv[1::2][: half - half // 2]
-        self.images: ImageTable | None = None
         self._grids: dict[str, tuple[int, int]] = {}  # image digest -> (rows, columns) of its merged grid
-
-    def attach(self, model) -> None:
-        """Let `model` (a Mistral decoder) embed this tower's images: ids past its vocabulary, causal rows."""
-        cfg = model.cfg
-        if cfg.hidden_size != self.shape.text_hidden:
-            raise ModelFormatError(
-                self.source,
-                f"the vision projector gives rows of {self.shape.text_hidden}, the model's hidden size is "
-                f"{cfg.hidden_size}: this mmproj belongs to another model",
-            )
-        self.images = ImageTable(cfg.vocab_size, cfg.hidden_size, bidirectional=False)
-        model.images = self.images
 
     def target_size(self, height: int, width: int) -> tuple[int, int]:
         """(height, width) an image of this size is resized to: within longest_edge, multiples of the cell."""
@@ -144,38 +133,10 @@ class PixtralVision:
         Raises:
             ImageInputError: not an image Pillow can read, or an absurdly large one.
         """
-        from PIL import Image, ImageOps
+        from PIL import Image
 
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("error", Image.DecompressionBombWarning)
-                with Image.open(io.BytesIO(data)) as img:
-                    if img.width * img.height > MAX_PIXELS:
-                        raise ImageInputError(
-                            f"the image is {img.width}x{img.height} pixels; the most Hearth reads is "
-                            f"{MAX_PIXELS:,} pixels: scale it down"
-                        )
-                    img = ImageOps.exif_transpose(img).convert("RGB")
-                    height, width = self.target_size(img.height, img.width)
-                    img = img.resize((width, height), Image.Resampling.BICUBIC)
-        except ImageInputError:
-            raise
-        except (OSError, ValueError, Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
-            raise ImageInputError(
-                f"the image could not be read ({e}); send a PNG, JPEG, WebP, GIF or BMP file"
-            ) from e
-        x = np.asarray(img, dtype=np.float32) * np.float32(1 / 255)
-        x = (x - np.array(self.shape.mean, np.float32)) / np.array(self.shape.std, np.float32)
-        return np.ascontiguousarray(x.transpose(2, 0, 1), dtype=np.float32)
-
-    def encode(self, pixels: np.ndarray) -> np.ndarray:
-        """(rows x columns of the merged grid, text_hidden) float32 rows of one image's pixels."""
-        steps = self.steps(pixels)
-        while True:
-            try:
-                next(steps)
-            except StopIteration as done:
-                return done.value
+        img = open_rgb(data, lambda w, h: (self.target_size(h, w)[::-1], Image.Resampling.BICUBIC))
+        return normalized(img, self.shape.mean, self.shape.std)
 
     def steps(self, pixels: np.ndarray):
         """encode as a generator that yields the layers done after each; returns the rows."""
@@ -193,15 +154,15 @@ class PixtralVision:
         for i, layer in enumerate(self.layers):
             with ops.batch_phase(n):
                 _rmsnorm(h, x, layer.ln1, 1e-5)
-                x += _linear(layer.out, self._attention(layer, h, cos, sin))
+                x += linear(layer.out, self._attention(layer, h, cos, sin))
                 _rmsnorm(h, x, layer.ln2, 1e-5)
-                gate, up = _linear(layer.gate, h), _linear(layer.up, h)
+                gate, up = linear(layer.gate, h), linear(layer.up, h)
                 if shape.act == "silu":
                     ops.silu_mul(gate, gate, up)
                 else:
                     gelu_erf(gate)
                     gate *= up
-                x += _linear(layer.down, gate)
+                x += linear(layer.down, gate)
             yield i + 1
         return self._project(x, gh, gw)
 
@@ -209,52 +170,21 @@ class PixtralVision:
         shape = self.shape
         n, heads, hd = len(h), shape.heads, shape.head_dim
         q, k, v = (
-            _linear(w, h).reshape(n, heads, hd).transpose(1, 0, 2) for w in (layer.q, layer.k, layer.v)
+            linear(w, h).reshape(n, heads, hd).transpose(1, 0, 2) for w in (layer.q, layer.k, layer.v)
         )
-        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
-        scale = np.float32(hd**-0.5)
-        out = np.empty((n, heads, hd), np.float32)
-        for head in range(heads):
-            keys, values = np.ascontiguousarray(k[head]), np.ascontiguousarray(v[head])
-            for a in range(0, n, 1024):
-                scores = q[head, a : a + 1024] @ keys.T
-                softmax_fast(scores, scale)
-                out[a : a + 1024, head] = scores @ values
-        return out.reshape(n, shape.hidden)
+        return attend_all(_rotate(q, cos, sin), _rotate(k, cos, sin), v)
 
     def _project(self, x: np.ndarray, gh: int, gw: int) -> np.ndarray:
         shape, m, d = self.shape, self.shape.merge, self.shape.hidden
         _rmsnorm(x, x, self.input_norm, shape.projector_eps)
         merged = x.reshape(gh // m, m, gw // m, m, d).transpose(0, 2, 4, 1, 3).reshape(-1, d * m * m)
-        y = _linear(self.merger, np.ascontiguousarray(merged))
-        y = _linear(self.linear_1, y, self.bias_1)
+        y = linear(self.merger, np.ascontiguousarray(merged))
+        y = linear(self.linear_1, y, self.bias_1)
         gelu_erf(y)
-        return _linear(self.linear_2, y, self.bias_2)
+        return linear(self.linear_2, y, self.bias_2)
 
-    def holds(self, data: bytes) -> bool:
-        return self.images.slot_of(self.images.digest(data)) is not None
-
-    def read(self, data: bytes):
-        """Encode an image into the table unless it is there; yields the fraction done after each layer."""
-        digest = self.images.digest(data)
-        if self.images.slot_of(digest) is not None:
-            return
-        pixels = self.pixels(data)
-        steps = self.steps(pixels)
-        while True:
-            try:
-                yield next(steps) / self.shape.layers
-            except StopIteration as done:
-                self.images.add(digest, done.value)
-                self._grids[digest] = (pixels.shape[1] // self.shape.cell, pixels.shape[2] // self.shape.cell)
-                return
-
-    def image_ids(self, data: bytes) -> tuple[list[int], tuple[int, int]]:
-        """The prompt ids of an image's rows and its merged grid (rows, columns), encoding it if need be."""
-        for _ in self.read(data):
-            pass
-        digest = self.images.digest(data)
-        return self.images.ids(self.images.slot_of(digest)), self._grids[digest]
+    def _remember(self, digest: str, pixels: np.ndarray) -> None:
+        self._grids[digest] = (pixels.shape[1] // self.shape.cell, pixels.shape[2] // self.shape.cell)
 
     def encode_prompt(self, tokenizer, text: str, images) -> list[int]:
         """Token ids of a rendered prompt whose template wrote [IMG] once per image.
@@ -262,23 +192,20 @@ class PixtralVision:
         Raises:
             ImageInputError: the template placed another number of images, or an image is unreadable.
         """
-        if len(set(images)) > self.images.capacity:
-            raise ImageInputError(
-                f"the conversation holds {len(set(images))} different images; one prompt can hold "
-                f"{self.images.capacity} at most: start a new chat or remove some"
-            )
+        self.check_count(images)
         pieces = text.split(IMG)
         if len(pieces) - 1 != len(images):
             raise ImageInputError(
                 f"the chat template placed {len(pieces) - 1} image(s) for the {len(images)} given; this "
                 "model's template does not take images in that position (put images in user messages)"
             )
-        img = _single_token(tokenizer, IMG)
-        if img is None or None in (_single_token(tokenizer, IMG_BREAK), _single_token(tokenizer, IMG_END)):
+        img = single_token(tokenizer, IMG)
+        if img is None or None in (single_token(tokenizer, IMG_BREAK), single_token(tokenizer, IMG_END)):
             raise ImageInputError("the tokenizer has no [IMG] / [IMG_BREAK] / [IMG_END] tokens")
         rows = []
         for i, data in enumerate(images):
-            ids, (gh, gw) = self.image_ids(data)
+            ids = self.image_ids(data)
+            gh, gw = self._grids[self.images.digest(data)]
             layout = [IMG * gw + IMG_BREAK] * gh
             pieces[i] += "".join(layout)[: -len(IMG_BREAK)] + IMG_END
             rows += ids
@@ -292,24 +219,11 @@ class PixtralVision:
         return out
 
 
-def _single_token(tokenizer, text: str) -> int | None:
-    ids = tokenizer.encode(text, add_special=False)
-    return ids[0] if len(ids) == 1 else None
-
-
 def _rotate(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
     """Rotate-half RoPE of x (heads, n, hd) by per-patch angles (n, hd / 2)."""
     half = x.shape[-1] // 2
     a, b = x[..., :half], x[..., half:]
     return np.ascontiguousarray(np.concatenate([a * cos - b * sin, b * cos + a * sin], axis=-1))
-
-
-def _linear(w, x: np.ndarray, bias: np.ndarray | None = None) -> np.ndarray:
-    out = np.empty((len(x), w.rows), np.float32)
-    ops.linear(out, w, np.ascontiguousarray(x))
-    if bias is not None:
-        out += bias
-    return out
 
 
 def _rmsnorm(out: np.ndarray, x: np.ndarray, w: np.ndarray, eps: float) -> None:

@@ -15,11 +15,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from engine.backends import cpu as ops
-from engine.backends.cpu.ops import softmax_fast
+from engine.vision.tower import attend_all, linear
 from engine.weights import Weight
-
-# queries per block of the attention's score matrix (a block's scores: QUERY_BLOCK x patches float32)
-QUERY_BLOCK = 1024
 
 
 @dataclass(frozen=True)
@@ -67,7 +64,7 @@ class SiglipEncoder:
         def norm(name):
             return weights.vector(name + ".weight", d), weights.vector(name + ".bias", d)
 
-        def linear(name, rows, cols):
+        def affine(name, rows, cols):
             return weights.matrix(name + ".weight", rows, cols), weights.vector(name + ".bias", rows)
 
         self.layers = []
@@ -81,13 +78,13 @@ class SiglipEncoder:
             self.layers.append(
                 _Layer(
                     ln1=norm(b + "ln1"),
-                    q=linear(b + "attn_q", d, d),
-                    k=linear(b + "attn_k", d, d),
-                    v=linear(b + "attn_v", d, d),
-                    out=linear(b + "attn_out", d, d),
+                    q=affine(b + "attn_q", d, d),
+                    k=affine(b + "attn_k", d, d),
+                    v=affine(b + "attn_v", d, d),
+                    out=affine(b + "attn_out", d, d),
                     ln2=norm(b + "ln2"),
-                    up=linear(up, ff, d),
-                    down=linear(down, d, ff),
+                    up=affine(up, ff, d),
+                    down=affine(down, d, ff),
                 )
             )
         self.post_ln = norm("v.post_ln")
@@ -129,16 +126,7 @@ class SiglipEncoder:
         q, k, v = (
             _linear(w, h).reshape(n, heads, hd).transpose(1, 0, 2) for w in (layer.q, layer.k, layer.v)
         )
-        scale = np.float32(hd**-0.5)
-        out = np.empty((n, heads, hd), np.float32)
-        for head in range(heads):
-            queries = np.ascontiguousarray(q[head])
-            keys, values = np.ascontiguousarray(k[head]), np.ascontiguousarray(v[head])
-            for a in range(0, n, QUERY_BLOCK):
-                scores = queries[a : a + QUERY_BLOCK] @ keys.T
-                softmax_fast(scores, scale)
-                out[a : a + QUERY_BLOCK, head] = scores @ values
-        return out.reshape(n, shape.hidden)
+        return attend_all(q, k, v)
 
 
 def _cols(weights, name: str) -> int:
@@ -147,11 +135,7 @@ def _cols(weights, name: str) -> int:
 
 
 def _linear(w: tuple[Weight, np.ndarray], x: np.ndarray) -> np.ndarray:
-    weight, bias = w
-    out = np.empty((len(x), weight.rows), np.float32)
-    ops.linear(out, weight, np.ascontiguousarray(x))
-    out += bias
-    return out
+    return linear(w[0], x, w[1])
 
 
 def _layernorm(out: np.ndarray, x: np.ndarray, w: np.ndarray, b: np.ndarray, eps: float) -> None:

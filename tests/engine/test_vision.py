@@ -37,14 +37,18 @@ IMAGES = [(FOLDER / name).read_bytes() for name in GOLDEN["images"]]
 IMAGE_TOKEN = 317  # the fixture's <image_soft_token>, where transformers' prompt holds an image row
 
 
-def _messages(images=IMAGES) -> list[dict]:
-    """The golden's conversation with the image bytes in its image parts."""
-    out = [dict(m) for m in GOLDEN["messages"]]
+def _with_images(golden: dict, images: list[bytes]) -> list[dict]:
+    """A golden's conversation with these images' bytes in its image parts, in order."""
+    out = [dict(m) for m in golden["messages"]]
     pending = iter(images)
     out[-1]["content"] = [
         {"type": "image", "image": next(pending)} if p["type"] == "image" else p for p in out[-1]["content"]
     ]
     return out
+
+
+def _messages(images=IMAGES) -> list[dict]:
+    return _with_images(GOLDEN, images)
 
 
 def _prompt(lm, messages) -> list[int]:
@@ -226,9 +230,9 @@ def test_unreadable_and_oversized_images_are_typed_errors(lm, monkeypatch):
         _prompt(lm, _messages([b"not an image at all", IMAGES[1]]))
     from PIL import Image
 
-    from engine.vision import gemma3
+    from engine.vision import tower
 
-    monkeypatch.setattr(gemma3, "MAX_PIXELS", 100)
+    monkeypatch.setattr(tower, "MAX_PIXELS", 100)
     buf = io.BytesIO()
     Image.new("RGB", (20, 20)).save(buf, "PNG")
     with pytest.raises(ImageInputError, match="scale it down"):
@@ -321,12 +325,7 @@ M3_IMAGES = [(M3 / name).read_bytes() for name in M3_GOLDEN["images"]]
 
 
 def _m3_messages() -> list[dict]:
-    out = [dict(m) for m in M3_GOLDEN["messages"]]
-    pending = iter(M3_IMAGES)
-    out[-1]["content"] = [
-        {"type": "image", "image": next(pending)} if p["type"] == "image" else p for p in out[-1]["content"]
-    ]
-    return out
+    return _with_images(M3_GOLDEN, M3_IMAGES)
 
 
 @pytest.fixture(scope="module")
