@@ -385,6 +385,19 @@ MULTIMODAL = {
              pooling_kernel_size=2, position_embedding_size=64),
         dict(audio_config=None, image_token_id=317, boi_token_id=318, eoi_token_id=319),
     ),
+    # Gemma 4 E2B-style with a vision tower Hearth runs: patches of 4 px pooled 2x2, two encoder layers with
+    # clipped linears and standardized outputs, image rows attending both ways on the windowed layers
+    # (use_bidirectional_attention "vision"); golden_vision.json holds a prompt with two images of different
+    # sizes
+    "gemma4-vision": (
+        transformers.Gemma4Config,
+        dict(FAMILIES["gemma4"][1], model_type="gemma4_text", use_bidirectional_attention="vision",
+             max_position_embeddings=512),
+        dict(_VISION, model_type="gemma4_vision", head_dim=16, num_key_value_heads=2, patch_size=4,
+             num_hidden_layers=2, pooling_kernel_size=2, position_embedding_size=64, use_clipped_linears=True,
+             standardize=True),
+        dict(audio_config=None, image_token_id=317, boi_token_id=318, eoi_token_id=319),
+    ),
     # Mistral Small 3.1-style: a Pixtral tower (2D RoPE, gated MLP), patches merged 2x2, a GELU projector;
     # golden_vision.json holds a prompt with two images of different sizes
     "mistral3-vision": (
@@ -512,6 +525,14 @@ def write_family(name: str, out: Path) -> None:
                 b.copy_(0.3 * torch.randn_like(b))
             if bname.endswith("layer_scalar"):  # Gemma 4's per-layer output scale: one at init
                 b.copy_(0.5 + torch.rand_like(b))
+            if bname.endswith("std_bias"):  # Gemma 4's vision standardization: empty at init
+                b.copy_(0.3 * torch.randn_like(b))
+            if bname.endswith("std_scale"):
+                b.copy_(0.5 + torch.rand_like(b))
+            if bname.endswith(("input_min", "output_min")):  # Gemma 4's clipped linears: +-inf at init
+                b.fill_(-1.2 - float(torch.rand(())))
+            if bname.endswith(("input_max", "output_max")):
+                b.fill_(1.2 + float(torch.rand(())))
     model = model.to(dtype)
     folder = out / name
     shutil.rmtree(folder, ignore_errors=True)
@@ -563,6 +584,8 @@ def write_family(name: str, out: Path) -> None:
         write_vision_golden(ref, folder)
     if name == "mistral3-vision":
         write_mistral3_vision_golden(ref, folder)
+    if name == "gemma4-vision":
+        write_gemma4_vision_golden(ref, folder)
     size = sum(f.stat().st_size for f in folder.iterdir())
     print(f"wrote {folder} ({size:,} bytes)")
     if name == "gpt-oss-bf16":
@@ -700,6 +723,65 @@ def write_mistral3_vision_golden(ref, folder: Path) -> None:
         "messages": VISION_MESSAGES,
         "images": [f"image{i}.png" for i in range(len(images))],
         "image_sizes": sizes.tolist(),
+        "prompt": text,
+        "tokens": ids,
+        "logits": [[round(float(v), 5) for v in row] for row in logits],
+        "greedy": [int(t) for t in greedy],
+        "image_rows": [[[round(float(v), 5) for v in r] for r in image] for image in rows],
+    }
+    (folder / "golden_vision.json").write_text(json.dumps(golden))
+
+
+def write_gemma4_vision_golden(ref, folder: Path) -> None:
+    """golden_vision.json for a Gemma 4 with a vision tower: the prompt as Gemma4Processor builds it (each
+    <|image|> the template wrote becomes <|image> + one <|image|> per soft token + <image|>), the patches from
+    transformers' PIL image processor (aspect kept within 70 soft tokens, bicubic, sides multiples of
+    patch x pool), then the logits at every position, 8 greedy tokens and each image's projected rows, from
+    Gemma4ForConditionalGeneration with the image rows marked in mm_token_type_ids."""
+    import jinja2
+    from transformers.models.gemma4.image_processing_pil_gemma4 import Gemma4ImageProcessorPil
+
+    tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    while tok.get_vocab_size() < 317:
+        tok.add_special_tokens([f"<unused{tok.get_vocab_size()}>"])
+    tok.add_special_tokens(["<|image|>", "<|image>", "<image|>"])
+    assert tok.token_to_id("<image|>") == 319
+    tok.save(str(folder / "tokenizer.json"))
+    template = VISION_TEMPLATE.replace("<start_of_image>", "<|image|>")
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config |= {"chat_template": template, "image_token": "<|image|>", "boi_token": "<|image>",
+               "eoi_token": "<image|>"}
+    (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=1))
+    pre = {"image_processor_type": "Gemma4ImageProcessor", "patch_size": 4, "pooling_kernel_size": 2,
+           "max_soft_tokens": 70, "resample": 3, "rescale_factor": 1 / 255, "do_rescale": True,
+           "do_normalize": False, "do_convert_rgb": True}
+    (folder / "preprocessor_config.json").write_text(json.dumps(pre, indent=1))
+    images = test_images()
+    for i, img in enumerate(images):
+        img.save(folder / f"image{i}.png")
+    processor = Gemma4ImageProcessorPil(**{k: v for k, v in pre.items() if k != "image_processor_type"})
+    out = processor(images, return_tensors="pt")
+    pixels, positions = out["pixel_values"].to(torch.float32), out["image_position_ids"]
+    counts = [int(n) for n in out["num_soft_tokens_per_image"]]
+    text = jinja2.Template(template).render(messages=VISION_MESSAGES, add_generation_prompt=True)
+    pieces = text.split("<|image|>")
+    for i, n in enumerate(counts):
+        pieces[i] += "<|image>" + "<|image|>" * n + "<image|>"
+    ids = tok.encode("".join(pieces), add_special_tokens=False).ids
+    input_ids = torch.tensor([ids])
+    kinds = (input_ids == 317).long()
+    kw = dict(pixel_values=pixels, image_position_ids=positions, mm_token_type_ids=kinds)
+    with torch.no_grad():
+        logits = ref(input_ids=input_ids, **kw).logits[0]
+        greedy = ref.generate(input_ids=input_ids, **kw, max_new_tokens=8, do_sample=False, eos_token_id=None,
+                              pad_token_id=0)
+        greedy = greedy[0, len(ids) :]
+        rows = ref.model.get_image_features(pixels, positions).pooler_output
+    golden = {
+        "generator": f"transformers {transformers.__version__}, torch {torch.__version__}",
+        "messages": VISION_MESSAGES,
+        "images": [f"image{i}.png" for i in range(len(images))],
+        "soft_tokens": counts,
         "prompt": text,
         "tokens": ids,
         "logits": [[round(float(v), 5) for v in row] for row in logits],

@@ -271,6 +271,10 @@ class Gemma4Model(Decoder):
     """A Gemma 4 decoder over weights that stay in their file format (see the module docstring)."""
 
     config_class = Gemma4Config
+    # the images this model can embed (engine.vision.tokens.ImageTable), set by a vision tower's attach(), and
+    # the token whose per-layer embedding image positions take (the pad token, as transformers gives them)
+    images = None
+    image_pad_id = 0
 
     def __init__(self, cfg: Gemma4Config, weights):
         """Args: cfg; weights: a weight source with matrix(name, rows, cols), vector(name, n), has(name)."""
@@ -400,13 +404,16 @@ class Gemma4Model(Decoder):
         n = len(tokens)
         s = self._decode if n == 1 else self._new_scratch(n)
         s.positions[:] = np.arange(cache.offset, cache.offset + n)
+        # an image's rows see each other both ways on the windowed layers only (bidirectional tables)
+        key_ends = None if self.images is None else self.images.key_ends(tokens, cache.offset)
 
         def attend(layer: Gemma4Layer, i: int, s: _Scratch, attn3, q3, k3, v3):
             if k3 is None:
                 k_cache, v_cache = cache.fetch(layer.kv_slot)
             else:
                 k_cache, v_cache = cache.update_and_fetch(layer.kv_slot, k3, v3)
-            ops.attention(attn3, q3, k_cache, v_cache, int(s.positions[0]), 1.0, layer.window)
+            ends = None if key_ends is None or layer.window is None else key_ends[n - s.n :]
+            ops.attention(attn3, q3, k_cache, v_cache, int(s.positions[0]), 1.0, layer.window, key_ends=ends)
 
         # a prompt pass that wants the last logits only: the shared-KV layers need its last row alone
         s = self._layers(s, tokens, attend, last_only=not all_logits)
@@ -455,8 +462,9 @@ class Gemma4Model(Decoder):
         s.per_layer += s.pl_tokens
         s.per_layer *= np.float32(2**-0.5)
 
-    def _layers(self, s: _Scratch, tokens: np.ndarray, attend, last_only: bool) -> _Scratch:
-        """Embed tokens into s.x and run every layer; s.positions holds each row's position.
+    def _layers(self, s: _Scratch, ids: np.ndarray, attend, last_only: bool) -> _Scratch:
+        """Embed ids (tokens and image ids) into s.x and run every layer; s.positions holds each row's
+        position.
 
         attend(layer, index, scratch, attn3 out, q3, k3, v3) stores k3, v3 in the cache(s) (None in a
         shared-KV layer: it reads its source's) and writes attn3. With last_only, the shared-KV layers run
@@ -464,8 +472,14 @@ class Gemma4Model(Decoder):
         """
         cfg = self.cfg
         eps = cfg.rms_norm_eps
+        images = self.images is not None and ids.max() >= self.images.base
+        # image positions: the pad token's per-layer embedding, and their rows as the projector gave them
+        # (not scaled) in place of an embedding
+        tokens = np.where(ids >= self.images.base, self.image_pad_id, ids) if images else ids
         ops.get_rows(s.x, self.token_embd, tokens)
         s.x *= self.embed_scale
+        if images:
+            self.images.embed(s.x, ids)
         if cfg.hidden_size_per_layer_input:
             self._per_layer_inputs(s, tokens)
         heads = cfg.num_attention_heads

@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from engine.quant.gguf_writer import GGUFWriter
+from engine.vision.gemma4 import Gemma4Vision
 from engine.vision.load import _HFSource, hf_vision, mmproj_name
 from engine.vision.pixtral import PixtralVision
 from engine.weights import float32_of
@@ -29,7 +30,7 @@ def write_mmproj(folder: Path, config: dict, st, out_path: Path) -> Path | None:
     """Write the folder's vision tower as an mmproj GGUF at out_path; None (nothing written) when the folder
     has no tower Hearth runs, or one the mmproj keys cannot describe (a Pixtral with another RoPE base)."""
     tower = hf_vision(folder, config, st)
-    if tower is None:
+    if tower is None or isinstance(tower, Gemma4Vision):  # no mmproj layout is written for Gemma 4's tower
         return None
     source = _HFSource(st, folder)
     names = sorted(n for n in (mmproj_name(hf) for hf in st.tensors) if n is not None)

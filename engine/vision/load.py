@@ -16,6 +16,7 @@ import numpy as np
 from engine.errors import MissingTensorError, ModelFormatError
 from engine.loader import GGUFWeights
 from engine.vision.gemma3 import Gemma3Vision, Gemma3VisionShape, pool_of
+from engine.vision.gemma4 import Gemma4Vision, Gemma4VisionShape
 from engine.vision.pixtral import PixtralShape, PixtralVision
 from engine.vision.siglip import SiglipShape
 from engine.weights import FLOAT_DTYPES, Weight, float32_of
@@ -51,6 +52,38 @@ _HF_NAMES = [
     (re.compile(r"multi_modal_projector\.patch_merger\.merging_layer\.weight"), "mm.patch_merger.weight"),
     (re.compile(r"multi_modal_projector\.linear_([12])\.(weight|bias)"), r"mm.\1.\2"),
 ]
+
+# Gemma 4's tower and projector (transformers' names after dropping "model.") -> mmproj-style names, for
+# Hearth only: llama.cpp's own Gemma 4 mmproj layout is not checked; no mmproj is written or read for it
+_GEMMA4_NAMES = [
+    (re.compile(r"vision_tower\.patch_embedder\.input_proj\.weight"), "v.patch_embd.weight"),
+    (re.compile(r"vision_tower\.patch_embedder\.position_embedding_table"), "v.position_embd.weight"),
+    (re.compile(r"vision_tower\.std_(bias|scale)"), r"v.std_\1"),
+    (re.compile(r"vision_tower\.encoder\.layers\.(\d+)\.self_attn\.([qkv])_proj\.(?:linear\.)?(\w+)"),
+     r"v.blk.\1.attn_\2.\3"),
+    (re.compile(r"vision_tower\.encoder\.layers\.(\d+)\.self_attn\.o_proj\.(?:linear\.)?(\w+)"),
+     r"v.blk.\1.attn_out.\2"),
+    (re.compile(r"vision_tower\.encoder\.layers\.(\d+)\.self_attn\.([qk])_norm\.weight"),
+     r"v.blk.\1.attn_\2_norm.weight"),
+    (re.compile(r"vision_tower\.encoder\.layers\.(\d+)\.mlp\.(gate|up|down)_proj\.(?:linear\.)?(\w+)"),
+     r"v.blk.\1.ffn_\2.\3"),
+    (re.compile(r"vision_tower\.encoder\.layers\.(\d+)\.input_layernorm\.weight"), r"v.blk.\1.ln1.weight"),
+    (re.compile(r"vision_tower\.encoder\.layers\.(\d+)\.post_attention_layernorm\.weight"),
+     r"v.blk.\1.attn_post_norm.weight"),
+    (re.compile(r"vision_tower\.encoder\.layers\.(\d+)\.pre_feedforward_layernorm\.weight"),
+     r"v.blk.\1.ln2.weight"),
+    (re.compile(r"vision_tower\.encoder\.layers\.(\d+)\.post_feedforward_layernorm\.weight"),
+     r"v.blk.\1.ffn_post_norm.weight"),
+    (re.compile(r"embed_vision\.embedding_projection\.weight"), "mm.input_projection.weight"),
+]
+
+
+def _gemma4_name(hf_name: str) -> str | None:
+    name = hf_name.removeprefix("model.")
+    for pattern, repl in _GEMMA4_NAMES:
+        if pattern.fullmatch(name):
+            return pattern.sub(repl, name)
+    return None
 
 
 def mmproj_name(hf_name: str) -> str | None:
@@ -89,9 +122,9 @@ class _GGUFSource(GGUFWeights, _Source):
 
 
 class _HFSource(_Source):
-    def __init__(self, st, folder: Path):
+    def __init__(self, st, folder: Path, rename=mmproj_name):
         self.st, self.path = st, folder
-        self.names = {g: hf for hf in st.tensors if (g := mmproj_name(hf))}
+        self.names = {g: hf for hf in st.tensors if (g := rename(hf))}
 
     def has(self, name: str) -> bool:
         return name in self.names
@@ -135,12 +168,14 @@ class _HFSource(_Source):
         return values
 
 
-def hf_vision(folder: Path, config: dict, st) -> Gemma3Vision | PixtralVision | None:
-    """The vision tower of a Gemma 3 or Mistral 3 multimodal folder (None: no vision config or no tower
-    tensors)."""
+def hf_vision(folder: Path, config: dict, st) -> Gemma3Vision | Gemma4Vision | PixtralVision | None:
+    """The vision tower of a Gemma 3, Gemma 4 or Mistral 3 multimodal folder (None: no vision config or no
+    tower tensors)."""
     vision = config.get("vision_config")
-    if config.get("model_type") not in ("gemma3", "mistral3") or not isinstance(vision, dict):
+    if config.get("model_type") not in ("gemma3", "gemma4", "mistral3") or not isinstance(vision, dict):
         return None
+    if config["model_type"] == "gemma4":
+        return _hf_gemma4(folder, config, vision, st)
     source = _HFSource(st, folder)
     if not source.has("v.patch_embd.weight"):
         return None
@@ -164,6 +199,54 @@ def hf_vision(folder: Path, config: dict, st) -> Gemma3Vision | PixtralVision | 
         **pre,
     )
     return Gemma3Vision(shape, source, folder)
+
+
+def _hf_gemma4(folder: Path, config: dict, vision: dict, st) -> Gemma4Vision | None:
+    from engine.hf_repo import read_json
+
+    source = _HFSource(st, folder, _gemma4_name)
+    if not source.has("v.patch_embd.weight"):
+        return None
+    text = config.get("text_config") or {}
+    if vision.get("hidden_activation", "gelu_pytorch_tanh") != "gelu_pytorch_tanh":
+        raise ModelFormatError(folder, f"the vision MLP's activation {vision['hidden_activation']!r} is not "
+                               "one Hearth runs")
+    rope = vision.get("rope_parameters") or {}
+    pre = {}
+    if (folder / "preprocessor_config.json").is_file():
+        pre = read_json(folder / "preprocessor_config.json")
+    elif (folder / "processor_config.json").is_file():  # transformers 5 keeps it in the processor's
+        pre = read_json(folder / "processor_config.json").get("image_processor") or {}
+    heads = int(vision.get("num_attention_heads", 16))
+    hidden = int(vision.get("hidden_size", 768))
+    defaults = Gemma4VisionShape.__dataclass_fields__
+
+    def token(name: str) -> int:
+        value = config.get(name)
+        return int(value) if value is not None else defaults[name].default
+
+    shape = Gemma4VisionShape(
+        hidden=hidden,
+        ff=int(vision.get("intermediate_size", 3072)),
+        layers=int(vision.get("num_hidden_layers", 16)),
+        heads=heads,
+        kv_heads=int(vision.get("num_key_value_heads") or heads),
+        head_dim=int(vision.get("head_dim") or hidden // heads),
+        patch=int(vision.get("patch_size", 16)),
+        pool=int(vision.get("pooling_kernel_size", 3)),
+        positions=int(vision.get("position_embedding_size", 10240)),
+        text_hidden=int(text.get("hidden_size", 1536)),
+        max_soft_tokens=int(pre.get("max_soft_tokens", 280)),
+        rope_theta=float(rope.get("rope_theta", 100.0)),
+        eps=float(vision.get("rms_norm_eps", 1e-6)),
+        standardize=bool(vision.get("standardize", False)),
+        bidirectional=text.get("use_bidirectional_attention") == "vision",
+        image_token_id=token("image_token_id"),
+        boi_token_id=token("boi_token_id"),
+        eoi_token_id=token("eoi_token_id"),
+        pad_token_id=int(text.get("pad_token_id") or 0),
+    )
+    return Gemma4Vision(shape, source, folder)
 
 
 def _hf_pixtral(folder: Path, config: dict, vision: dict, source) -> PixtralVision:

@@ -384,3 +384,110 @@ def test_mistral3_gguf_with_its_mmproj_matches_transformers(tmp_path):
 )
 def test_mistral3_resizes_within_the_longest_edge_to_whole_cells(m3, size, expected):
     assert m3.vision.target_size(*size) == expected
+
+
+# Gemma 4 (tests/fixtures/tiny/gemma4-vision): an E2B-style text model (per-layer inputs, shared-KV layers)
+# with a 2-layer tower (2D RoPE, q/k/v norms, clipped linears, patches pooled 2x2, standardized), its image
+# rows bidirectional on the windowed layers ("vision"); two images of different sizes (56 x 72 and 88 x 48
+# after the processor: 63 and 66 rows), each between <|image> and <image|>
+G4 = TINY / "gemma4-vision"
+G4_GOLDEN = json.loads((G4 / "golden_vision.json").read_text())
+G4_REF = np.array(G4_GOLDEN["logits"])
+G4_TOL = 1e-4 * np.abs(G4_REF).max()
+G4_IMAGES = [(G4 / name).read_bytes() for name in G4_GOLDEN["images"]]
+
+
+@pytest.fixture(scope="module")
+def g4():
+    return load_model(G4)
+
+
+@pytest.fixture(scope="module")
+def g4_ids(g4):
+    return _prompt(g4, _with_images(G4_GOLDEN, G4_IMAGES))
+
+
+def test_gemma4_image_rows_match_transformers(g4):
+    from engine.vision.gemma4 import Gemma4Vision
+
+    assert isinstance(g4.vision, Gemma4Vision) and g4.vision.bidirectional
+    for data, ref in zip(G4_IMAGES, G4_GOLDEN["image_rows"], strict=True):
+        ref = np.array(ref)
+        rows = g4.vision.encode(g4.vision.pixels(data))
+        np.testing.assert_allclose(rows, ref, atol=1e-4 * np.abs(ref).max())
+
+
+def test_gemma4_prompt_logits_and_greedy_match_transformers(g4, g4_ids):
+    base = g4.model.images.base
+    assert [IMAGE_TOKEN if t >= base else t for t in g4_ids] == G4_GOLDEN["tokens"]
+    runs = g4.model.images.runs(np.array(g4_ids))
+    assert [b - a for a, b in runs] == G4_GOLDEN["soft_tokens"]
+    assert all(g4_ids[a - 1] == 318 and g4_ids[b] == 319 for a, b in runs)  # <|image> rows <image|>
+    logits = g4.model.forward(g4_ids, g4.model.new_cache(256), all_logits=True)
+    np.testing.assert_allclose(logits, G4_REF, atol=G4_TOL)
+    params = GenerationParams(max_tokens=8, temperature=0.0)
+    out = [e.token for e in generate(g4.model, g4.tokenizer, g4_ids, g4.model.new_cache(256), params)
+           if e.token is not None]
+    assert out[: len(G4_GOLDEN["greedy"])] == G4_GOLDEN["greedy"][: len(out)] and len(out) >= 4
+
+
+def test_gemma4_image_rows_attend_both_ways_on_windowed_layers_only(g4, g4_ids, monkeypatch):
+    """Causal image rows, image rows bidirectional on the global layers too, or image positions whose
+    per-layer inputs are not the pad token's all leave transformers' logits (the checks can fail)."""
+    ids = np.array(g4_ids)
+    full_ends = g4.model.images.key_ends(ids, 0)
+
+    def forward():
+        return g4.model.forward(g4_ids, g4.model.new_cache(256), all_logits=True)
+
+    with monkeypatch.context() as m:
+        m.setattr(ImageTable, "key_ends", lambda self, tokens, pos0: None)
+        assert np.abs(forward() - G4_REF).max() > 50 * G4_TOL
+    from engine.backends import cpu as ops
+
+    real = ops.attention
+
+    def everywhere(out, q, k, v, pos0, scale, window=None, *args, key_ends=None, **kw):
+        if key_ends is None and len(q) == len(ids):  # a global layer of the prompt pass
+            key_ends = full_ends
+        return real(out, q, k, v, pos0, scale, window, *args, key_ends=key_ends, **kw)
+
+    with monkeypatch.context() as m:
+        m.setattr(ops, "attention", everywhere)
+        assert np.abs(forward() - G4_REF).max() > 50 * G4_TOL
+    with monkeypatch.context() as m:
+        m.setattr(g4.model, "image_pad_id", 5)
+        assert np.abs(forward() - G4_REF).max() > 50 * G4_TOL
+
+
+@pytest.mark.parametrize("chunk", [3, 40, 64, 256])
+def test_gemma4_chunked_prefill_never_splits_an_image(g4, g4_ids, chunk):
+    cache = g4.model.new_cache(256)
+    calls = []
+    real = g4.model.forward
+
+    def forward(tokens, c, all_logits=False):
+        calls.append(len(tokens))
+        return real(tokens, c, all_logits)
+
+    g4.model.forward = forward
+    try:
+        last, _ = prefill(g4.model, cache, g4_ids, chunk)
+    finally:
+        del g4.model.forward
+    np.testing.assert_allclose(last, G4_REF[-1], atol=G4_TOL)
+    assert sum(calls) == len(g4_ids) and (len(calls) > 1) == (chunk < len(g4_ids))
+
+
+@pytest.mark.parametrize(
+    ("size", "expected"),  # transformers' get_aspect_ratio_preserving_size(h, w, 4, 280, 2)
+    [((60, 80), (56, 72)), ((70, 40), (88, 48)), ((4, 1000), (8, 560)), ((1000, 4), (560, 8)),
+     ((3000, 2000), (80, 48)), ((8, 8), (64, 64))],
+)
+def test_gemma4_resizes_within_the_patch_budget(g4, size, expected):
+    assert g4.vision.target_size(*size) == expected
+
+
+def test_gemma4_template_that_places_no_images_is_a_typed_error(g4):
+    with pytest.raises(ImageInputError, match="placed 0 image"):
+        g4.vision.encode_prompt(g4.tokenizer, "no image here", G4_IMAGES[:1])
