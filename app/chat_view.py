@@ -10,7 +10,7 @@ the window forwards to the controller.
 from __future__ import annotations
 
 from app.chat_store import Message, MessageImage
-from app.images import image_size, thumbnail
+from app.images import image_size, offered_items, thumbnail
 from app.markdown_view import MarkdownView
 from app.qt import (
     QDialog,
@@ -270,11 +270,13 @@ class ChatView(QScrollArea):
         editRequested(message_id: int, text: str)
         regenerateRequested()
         continueRequested()
+        imagesDropped(items: list): images or image files dropped on the conversation (for the composer)
     """
 
     editRequested = Signal(int, str)
     regenerateRequested = Signal()
     continueRequested = Signal()
+    imagesDropped = Signal(list)
 
     def __init__(self, parent=None):
         super().__init__(parent)
@@ -295,8 +297,23 @@ class ChatView(QScrollArea):
         self.setWidget(self._inner)
         self.widgets: dict[int, MessageWidget] = {}
         self._follow = True
+        self.setAcceptDrops(True)  # a picture dropped anywhere on the chat goes to the composer
         self.verticalScrollBar().valueChanged.connect(self._on_scrolled)
         self.verticalScrollBar().rangeChanged.connect(self._on_range)
+
+    def dragEnterEvent(self, event) -> None:  # noqa: N802 - Qt override
+        if offered_items(event.mimeData()):
+            event.acceptProposedAction()
+
+    def dragMoveEvent(self, event) -> None:  # noqa: N802 - Qt override
+        if offered_items(event.mimeData()):
+            event.acceptProposedAction()
+
+    def dropEvent(self, event) -> None:  # noqa: N802 - Qt override
+        items = offered_items(event.mimeData())
+        if items:
+            event.acceptProposedAction()
+            self.imagesDropped.emit(items)
 
     def clear(self) -> None:
         for w in self.widgets.values():

@@ -335,6 +335,7 @@ class MainWindow(QMainWindow):
         self.starter_button.clicked.connect(lambda: self.load_model("smollm2-135m-instruct"))
         self.composer.submitted.connect(self.send)
         self.composer_box.notice.connect(self._on_composer_notice)
+        self.view.imagesDropped.connect(self.composer_box.offer)
         self.send_button.clicked.connect(self.send)
         self.stop_button.clicked.connect(c.stop)
         self.view.editRequested.connect(c.edit_and_resend)

@@ -165,6 +165,19 @@ def test_attach_by_button_paste_and_drop_and_refusals(qtbot, engine, vision, fil
     assert QImage.fromData(box.images[3].data).size() == QSize(30, 30), "a TIFF is kept as PNG"
     assert w.composer.toPlainText() == "Compare them", "no file path was dropped into the text"
 
+    # dropped on the conversation instead: the same attachments, in the composer
+    drop_on_chat = QMimeData()
+    drop_on_chat.setUrls([QUrl.fromLocalFile(str(files["wide"]))])
+    middle = QPointF(w.view.viewport().rect().center())
+    enter = QDragEnterEvent(middle.toPoint(), Qt.DropAction.CopyAction, drop_on_chat, buttons, keys)
+    QApplication.sendEvent(w.view.viewport(), enter)
+    assert enter.isAccepted(), "the conversation takes dropped pictures too"
+    QApplication.sendEvent(
+        w.view.viewport(), QDropEvent(middle, Qt.DropAction.CopyAction, drop_on_chat, buttons, keys)
+    )
+    assert len(box.images) == 5 and box.images[4].data == files["wide"].read_bytes()
+    box.remove(4)
+
     thumbs = box._thumbs()
     assert box.strip.isVisible() and len(thumbs) == 4
     assert thumbs[0].picture.pixmap().size() == QSize(56, 28), "scaled to fit, aspect kept"
