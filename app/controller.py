@@ -281,21 +281,32 @@ class ChatController(QObject):
         if self.busy:
             self.bridge.cancel()
 
-    def _conversation(self, resume: Message | None) -> list[dict]:
+    def _conversation(self, resume: Message | None) -> tuple[list[dict], int]:
+        """The messages for the engine, and how many of the chat's images were left out of them."""
         conv = []
         if self.chat and self.chat.system_prompt.strip():
             conv.append({"role": "system", "content": self.chat.system_prompt})
+        # earlier images in a chat now on a model that reads none are left out, with a notice, so the chat
+        # goes on (send() refuses new images for such a model)
+        vision = self.bridge.model is None or self.bridge.model.vision
+        left_out = 0
         for m in self.messages():
             if m.state == "error" and not m.content or (m.role == "assistant" and not m.content):
+                continue
+            if m.images and not vision:
+                left_out += len(m.images)
+                if not m.content:
+                    continue
+                conv.append({"role": m.role, "content": m.content})
                 continue
             conv.append({"role": m.role, "content": message_content(m)})
         if resume is not None and conv and conv[-1]["role"] == "assistant":
             conv[-1]["continue"] = True
-        return conv
+        return conv, left_out
 
     def _start_reply(self, resume: Message | None = None) -> None:
         assert self.chat is not None
-        conversation = self._conversation(resume)
+        conversation, left_out = self._conversation(resume)
         self._turn += 1
         if resume is None:
             self._reply = self.store.add_message(self.chat.id, "assistant", "", state="streaming")
@@ -307,6 +318,11 @@ class ChatController(QObject):
             self.store.update_message(resume.id, state="streaming")
         self._flushed_text = self._text
         self._last_event = None
+        if left_out:  # after the reply's message is shown, which clears older notices
+            self.notice.emit(
+                f"{self.bridge.model.name} does not read images: the chat's {left_out} image(s) are left "
+                "out of this reply (load a vision model to use them)."
+            )
         self._set_busy(True)
         self._flush_timer.start()
         params = sampling_params(self.settings, self.chat.overrides)

@@ -292,3 +292,29 @@ def test_a_vision_model_answers_an_attached_image(qtbot, tmp_path):
         store.close()
     finally:
         bridge.shutdown()
+
+
+def test_a_chat_with_images_goes_on_with_a_text_model(qtbot, engine, vision, replies, files, monkeypatch):
+    """The chat's earlier images are left out, with a notice, once the loaded model reads none."""
+    w, store = _window(qtbot, engine)
+    w.composer_box.offer([str(files["wide"])])
+    with qtbot.waitSignal(w.controller.messageDone, timeout=20000):
+        w.composer.setPlainText("What is this?")
+        w.send()
+    w.composer_box.offer([str(files["photo"])])  # an image-only message too
+    with qtbot.waitSignal(w.controller.messageDone, timeout=20000):
+        w.send()
+    monkeypatch.setattr(engine, "model", replace(vision, vision=False))
+    notices = []
+    w.controller.notice.connect(notices.append)
+    with qtbot.waitSignal(w.controller.messageDone, timeout=20000):
+        w.composer.setPlainText("And now?")
+        w.send()
+    sent = replies[-1]
+    assert sent[0] == {"role": "user", "content": "What is this?"}
+    assert [m["content"] for m in sent if m["role"] == "user"] == ["What is this?", "And now?"]
+    assert any("2 image(s) are left out" in text for text in notices)
+    assert "2 image(s) are left out" in w.view.notice_label.text(), "shown while the reply streams"
+    assert len(store.messages(w.controller.chat.id)[0].images) == 1, "the stored images stay"
+    w.close()
+    store.close()
