@@ -116,6 +116,10 @@ def build_parser() -> argparse.ArgumentParser:
         "-r", "--repetitions", type=int, default=1, help="repeat prefill/decode, report the best"
     )
     bench.add_argument("--json", action="store_true")
+    bench.add_argument(
+        "--image", default=None, metavar="FILE",
+        help="also time a chat prompt with this image (vision models): reading the image, its prefill, TTFT",
+    )
     add_device_args(bench)
     bench.add_argument(
         "--chat",

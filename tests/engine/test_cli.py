@@ -162,3 +162,16 @@ def test_bench_lookup_with_notes(capsys, smollm2_path):
         assert 300 <= long - short <= 450
     for key in ("baseline_decode_tps", "decode_tps", "speedup", "acceptance_rate", "tokens_per_pass"):
         assert longer[key] > 0, key
+
+
+def test_bench_times_a_prompt_with_an_image(capsys):
+    """`hearth bench --image FILE`: reading the image, the prompt's prefill and TTFT, with the image's rows
+    counted (4 on the tiny Gemma 3 vision fixture); a text model answers with the typed error."""
+    tiny = Path(__file__).resolve().parents[1] / "fixtures" / "tiny"
+    image = str(tiny / "gemma3-vision" / "image0.png")
+    out = _json_out(capsys, ["bench", "-m", str(tiny / "gemma3-vision"), "-p", "8", "-g", "4", "--image", image,
+                             "--json"])
+    assert out["image_rows"] == 4 and out["image_prompt_tokens"] > 4
+    assert out["image_ttft_s"] >= out["image_s"] > 0 and out["image_prefill_s"] > 0
+    assert main(["bench", "-m", str(tiny / "gemma3"), "-p", "8", "-g", "4", "--image", image]) != 0
+    assert "does not read images" in capsys.readouterr().err
