@@ -169,8 +169,8 @@ def test_bench_times_a_prompt_with_an_image(capsys):
     counted (4 on the tiny Gemma 3 vision fixture); a text model answers with the typed error."""
     tiny = Path(__file__).resolve().parents[1] / "fixtures" / "tiny"
     image = str(tiny / "gemma3-vision" / "image0.png")
-    out = _json_out(capsys, ["bench", "-m", str(tiny / "gemma3-vision"), "-p", "8", "-g", "4", "--image", image,
-                             "--json"])
+    argv = ["bench", "-m", str(tiny / "gemma3-vision"), "-p", "8", "-g", "4", "--image", image, "--json"]
+    out = _json_out(capsys, argv)
     assert out["image_rows"] == 4 and out["image_prompt_tokens"] > 4
     assert out["image_ttft_s"] >= out["image_s"] > 0 and out["image_prefill_s"] > 0
     assert main(["bench", "-m", str(tiny / "gemma3"), "-p", "8", "-g", "4", "--image", image]) != 0
