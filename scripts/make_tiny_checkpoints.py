@@ -407,6 +407,20 @@ MULTIMODAL = {
              num_attention_heads=2, head_dim=16, image_size=84, patch_size=14, hidden_act="silu"),
         dict(image_token_index=317, spatial_merge_size=2, multimodal_projector_bias=True),
     ),
+    # Qwen3.5 with its vision tower (Qwen3_5ForConditionalGeneration): 4 px patches (a 3D convolution over two
+    # copies of the image), a learned 4x4 position grid resampled to each image, 2D rotary, merged 2x2; the
+    # text model's M-RoPE turns pairs by (t, h, w) interleaved, every axis in use; golden_vision.json holds a
+    # prompt with two images of different sizes
+    "qwen3_5-vision": (
+        transformers.Qwen3_5Config,
+        dict(_QWEN35, model_type="qwen3_5_text", head_dim=32,
+             rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5,
+                                  mrope_section=[3, 3, 2], mrope_interleaved=True)),
+        dict(model_type="qwen3_5_vision", depth=2, hidden_size=32, intermediate_size=64, num_heads=2,
+             patch_size=4, temporal_patch_size=2, spatial_merge_size=2, out_hidden_size=64,
+             num_position_embeddings=16),
+        dict(image_token_id=317, vision_start_token_id=318, vision_end_token_id=319, video_token_id=316),
+    ),
     "ministral3-mm": (
         transformers.Mistral3Config,
         dict(FAMILIES["ministral3"][1], model_type="ministral3"),
@@ -586,6 +600,8 @@ def write_family(name: str, out: Path) -> None:
         write_mistral3_vision_golden(ref, folder)
     if name == "gemma4-vision":
         write_gemma4_vision_golden(ref, folder)
+    if name == "qwen3_5-vision":
+        write_qwen35_vision_golden(ref, folder)
     size = sum(f.stat().st_size for f in folder.iterdir())
     print(f"wrote {folder} ({size:,} bytes)")
     if name == "gpt-oss-bf16":
@@ -787,6 +803,65 @@ def write_gemma4_vision_golden(ref, folder: Path) -> None:
         "logits": [[round(float(v), 5) for v in row] for row in logits],
         "greedy": [int(t) for t in greedy],
         "image_rows": [[[round(float(v), 5) for v in r] for r in image] for image in rows],
+    }
+    (folder / "golden_vision.json").write_text(json.dumps(golden))
+
+
+def write_qwen35_vision_golden(ref, folder: Path) -> None:
+    """golden_vision.json for a Qwen3.5 with its vision tower: the prompt as Qwen3VLProcessor builds it (the
+    template writes <|vision_start|><|image_pad|><|vision_end|>; the pad becomes one per merged row), the
+    patches from transformers' PIL image processor (smart_resize to multiples of 8 px within 256 .. 1920
+    pixels, bicubic), then the logits at every position, 8 greedy tokens and each image's merged rows, from
+    Qwen3_5ForConditionalGeneration with the image rows marked in mm_token_type_ids (M-RoPE positions)."""
+    import jinja2
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    while tok.get_vocab_size() < 317:
+        tok.add_special_tokens([f"<unused{tok.get_vocab_size()}>"])
+    tok.add_special_tokens(["<|image_pad|>", "<|vision_start|>", "<|vision_end|>"])
+    assert tok.token_to_id("<|vision_end|>") == 319
+    tok.save(str(folder / "tokenizer.json"))
+    template = VISION_TEMPLATE.replace("<start_of_image>", "<|vision_start|><|image_pad|><|vision_end|>")
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config["chat_template"] = template
+    (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=1))
+    pre = {"image_processor_type": "Qwen2VLImageProcessor",
+           "size": {"shortest_edge": 256, "longest_edge": 1920}, "patch_size": 4, "temporal_patch_size": 2,
+           "merge_size": 2, "resample": 3,
+           "rescale_factor": 1 / 255, "image_mean": [0.48145466, 0.4578275, 0.40821073],
+           "image_std": [0.26862954, 0.26130258, 0.27577711], "do_convert_rgb": True}
+    (folder / "preprocessor_config.json").write_text(json.dumps(pre, indent=1))
+    images = test_images()
+    for i, img in enumerate(images):
+        img.save(folder / f"image{i}.png")
+    processor = Qwen2VLImageProcessorPil(**{k: v for k, v in pre.items() if k != "image_processor_type"})
+    out = processor(images, return_tensors="pt")
+    pixels, grids = out["pixel_values"].to(torch.float32), out["image_grid_thw"]
+    text = jinja2.Template(template).render(messages=VISION_MESSAGES, add_generation_prompt=True)
+    pieces = text.split("<|image_pad|>")
+    for i, (_, h, w) in enumerate(grids.tolist()):
+        pieces[i] += "<|image_pad|>" * (h * w // 4)
+    ids = tok.encode("".join(pieces), add_special_tokens=False).ids
+    input_ids = torch.tensor([ids])
+    kw = dict(pixel_values=pixels, image_grid_thw=grids, mm_token_type_ids=(input_ids == 317).int())
+    with torch.no_grad():
+        logits = ref(input_ids=input_ids, **kw).logits[0]
+        greedy = ref.generate(input_ids=input_ids, **kw, max_new_tokens=8, do_sample=False, eos_token_id=None,
+                              pad_token_id=0)
+        greedy = greedy[0, len(ids) :]
+        rows = ref.model.get_image_features(pixels, grids).pooler_output
+    golden = {
+        "generator": f"transformers {transformers.__version__}, torch {torch.__version__}",
+        "messages": VISION_MESSAGES,
+        "images": [f"image{i}.png" for i in range(len(images))],
+        "grids": grids.tolist(),
+        "prompt": text,
+        "tokens": ids,
+        "logits": [[round(float(v), 5) for v in row] for row in logits],
+        "greedy": [int(t) for t in greedy],
+        "image_rows": [[[round(float(v), 5) for v in r] for r in image] for image in rows],
+        "pixels": [[round(float(v), 5) for v in row] for row in pixels[:4]],
     }
     (folder / "golden_vision.json").write_text(json.dumps(golden))
 

@@ -440,6 +440,9 @@ class LlamaModel(Decoder):
     # the images this model can embed (engine.vision.tokens.ImageTable), set by a vision tower's attach()
     # (Mistral 3's Pixtral)
     images = None
+    # Qwen3.5 with its vision tower: (3, rotary pairs) masks of the pairs M-RoPE turns by t, h, w (set by the
+    # tower's attach(); its table gives the positions: engine.vision.qwen35)
+    mrope = None
 
     def __init__(self, cfg: LlamaConfig, weights):
         """Args: cfg; weights: a weight source with matrix(name, rows, cols), vector(name, n), has(name)."""
@@ -579,6 +582,7 @@ class LlamaModel(Decoder):
         s = self._decode if n == 1 else Scratch(cfg, n)
         pos0 = cache.offset
         s.positions[:] = np.arange(pos0, pos0 + n)
+        s.axes = self._mrope_axes(s, cache, tokens)
 
         def attend(i, attn3, q3, k3, v3):
             k_cache, v_cache = cache.update_and_fetch(cfg.cache_slot(i, first), k3, v3)
@@ -611,6 +615,16 @@ class LlamaModel(Decoder):
         ops.linear(self._logits, self.output, last)
         return self._scale_logits(self._logits)
 
+    def _mrope_axes(self, s: Scratch, cache: KVCache, tokens: np.ndarray) -> np.ndarray | None:
+        """With M-RoPE and images held: s.positions becomes the pass's text positions (past an image they
+        are no longer the cache's index) and the result its (3, n) t, h, w positions where they differ (an
+        image's rows); None where one position per row serves."""
+        if self.mrope is None or not self.images.any_held():
+            return None
+        axes = self.images.positions(cache.tokens, tokens)
+        s.positions[:] = axes[0]
+        return axes if (axes[1:] != axes[0]).any() else None
+
     def _scale_logits(self, logits: np.ndarray) -> np.ndarray:
         if self.cfg.logits_scaling != 1.0:  # Granite divides its logits
             logits /= np.float32(self.cfg.logits_scaling)
@@ -619,15 +633,18 @@ class LlamaModel(Decoder):
     def _forward_batch(self, tokens: np.ndarray, caches: list[KVCache], first: int = 0, hidden=None):
         n = len(tokens)
         s, logits = self._batch_buffers(n)
+        s.axes = None
         for b, cache in enumerate(caches):
             s.positions[b] = cache.offset
+            if self.mrope is not None and self.images.any_held():  # decoded text: the three axes agree
+                s.positions[b] = self.images.positions(cache.tokens, tokens[b : b + 1])[0, 0]
 
         def attend(i, attn3, q3, k3, v3):
-            # each sequence attends over its own cache, at its own position
+            # each sequence attends over its own cache, at its own index
             slot = self.cfg.cache_slot(i, first)
             for b, cache in enumerate(caches):
                 k_cache, v_cache = cache.update_and_fetch(slot, k3[b : b + 1], v3[b : b + 1])
-                pos = int(s.positions[b])
+                pos = cache.offset
                 ops.attention(attn3[b : b + 1], q3[b : b + 1], k_cache, v_cache, pos, self._scale_of(i),
                               self.cfg.window(i), sinks=self.layers[i].sinks)
 
@@ -759,8 +776,14 @@ class LlamaModel(Decoder):
             ops.rmsnorm(rows_k, rows_k, layer.k_norm, cfg.rms_norm_eps)
         if cfg.uses_rope(i):
             freqs = self._plain_rope[0] if self._plain(i) else inv_freq
-            ops.rope(q3, s.positions, freqs, cfg.rotary_dim, cfg.rope_neox)
-            ops.rope(k3, s.positions, freqs, cfg.rotary_dim, cfg.rope_neox)
+            axes = getattr(s, "axes", None)
+            # M-RoPE: each pair turns by its axis's position (the other axes' pairs at frequency 0 stay)
+            turns = [(s.positions, freqs)] if axes is None else [
+                (axes[a], (freqs * self.mrope[a]).astype(np.float32)) for a in range(3)
+            ]
+            for positions, f in turns:
+                ops.rope(q3, positions, f, cfg.rotary_dim, cfg.rope_neox)
+                ops.rope(k3, positions, f, cfg.rotary_dim, cfg.rope_neox)
             if self.rope_mscale != 1:
                 q3[..., : cfg.rotary_dim] *= self.rope_mscale
                 k3[..., : cfg.rotary_dim] *= self.rope_mscale

@@ -18,6 +18,7 @@ from engine.loader import GGUFWeights
 from engine.vision.gemma3 import Gemma3Vision, Gemma3VisionShape, pool_of
 from engine.vision.gemma4 import Gemma4Vision, Gemma4VisionShape
 from engine.vision.pixtral import PixtralShape, PixtralVision
+from engine.vision.qwen35 import Qwen35Vision, Qwen35VisionShape
 from engine.vision.siglip import SiglipShape
 from engine.weights import FLOAT_DTYPES, Weight, float32_of
 from models.formats.gguf import open_gguf
@@ -168,14 +169,19 @@ class _HFSource(_Source):
         return values
 
 
-def hf_vision(folder: Path, config: dict, st) -> Gemma3Vision | Gemma4Vision | PixtralVision | None:
-    """The vision tower of a Gemma 3, Gemma 4 or Mistral 3 multimodal folder (None: no vision config or no
-    tower tensors)."""
+def hf_vision(
+    folder: Path, config: dict, st
+) -> Gemma3Vision | Gemma4Vision | PixtralVision | Qwen35Vision | None:
+    """The vision tower of a Gemma 3, Gemma 4, Mistral 3 or Qwen3.5 multimodal folder (None: no vision config
+    or no tower tensors)."""
     vision = config.get("vision_config")
-    if config.get("model_type") not in ("gemma3", "gemma4", "mistral3") or not isinstance(vision, dict):
+    families = ("gemma3", "gemma4", "mistral3", "qwen3_5")
+    if config.get("model_type") not in families or not isinstance(vision, dict):
         return None
     if config["model_type"] == "gemma4":
         return _hf_gemma4(folder, config, vision, st)
+    if config["model_type"] == "qwen3_5":
+        return _hf_qwen35(folder, config, vision, st)
     source = _HFSource(st, folder)
     if not source.has("v.patch_embd.weight"):
         return None
@@ -279,6 +285,60 @@ def _hf_pixtral(folder: Path, config: dict, vision: dict, source) -> PixtralVisi
     if config.get("projector_hidden_act", "gelu") != "gelu":
         raise ModelFormatError(folder, f"projector_hidden_act {config['projector_hidden_act']!r} is not gelu")
     return PixtralVision(shape, source, folder)
+
+
+def _qwen35_name(hf_name: str) -> str | None:
+    name = hf_name.removeprefix("model.")
+    return name if name.startswith("visual.") else None
+
+
+def _hf_qwen35(folder: Path, config: dict, vision: dict, st) -> Qwen35Vision | None:
+    from engine.hf_repo import read_json
+
+    source = _HFSource(st, folder, _qwen35_name)
+    if not source.has("visual.patch_embed.proj.weight"):
+        return None
+    text = config.get("text_config") or {}
+    rope = text.get("rope_parameters") or {}
+    if not rope.get("mrope_interleaved", True):
+        raise ModelFormatError(folder, "M-RoPE with sections in a row (mrope_interleaved false) is not one "
+                               "Hearth runs")
+    if vision.get("hidden_act", "gelu_pytorch_tanh") != "gelu_pytorch_tanh":
+        raise ModelFormatError(folder, f"the vision MLP's activation {vision['hidden_act']!r} is not one "
+                               "Hearth runs")
+    pre = {}
+    if (folder / "preprocessor_config.json").is_file():
+        pre = read_json(folder / "preprocessor_config.json")
+    elif (folder / "processor_config.json").is_file():  # transformers 5 keeps it in the processor's
+        pre = read_json(folder / "processor_config.json").get("image_processor") or {}
+    size = pre.get("size") or {}
+    defaults = Qwen35VisionShape.__dataclass_fields__
+    merge = int(vision.get("spatial_merge_size", 2))
+    patch = int(vision.get("patch_size", 16))
+    if int(pre.get("merge_size", merge)) != merge or int(pre.get("patch_size", patch)) != patch:
+        raise ModelFormatError(folder, "the image processor's patch or merge size differs from the model's")
+    out = {}
+    for key, field in (("image_mean", "mean"), ("image_std", "std")):
+        value = pre.get(key)
+        if isinstance(value, list) and len(value) == 3:
+            out[field] = tuple(float(v) for v in value)
+    shape = Qwen35VisionShape(
+        hidden=int(vision.get("hidden_size", 1152)),
+        ff=int(vision.get("intermediate_size", 4304)),
+        layers=int(vision.get("depth", 27)),
+        heads=int(vision.get("num_heads", 16)),
+        patch=patch,
+        text_hidden=int(vision.get("out_hidden_size", text.get("hidden_size", 3584))),
+        positions=int(vision.get("num_position_embeddings", 2304)),
+        mrope_section=tuple(int(v) for v in rope.get("mrope_section", (11, 11, 10))),
+        merge=merge,
+        temporal=int(vision.get("temporal_patch_size", 2)),
+        rope_theta=float((vision.get("rope_parameters") or {}).get("rope_theta", 10000.0)),
+        min_pixels=int(size.get("shortest_edge") or pre.get("min_pixels") or defaults["min_pixels"].default),
+        max_pixels=int(size.get("longest_edge") or pre.get("max_pixels") or defaults["max_pixels"].default),
+        **out,
+    )
+    return Qwen35Vision(shape, source, folder)
 
 
 def _preprocessor(folder: Path) -> dict:

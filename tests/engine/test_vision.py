@@ -491,3 +491,133 @@ def test_gemma4_resizes_within_the_patch_budget(g4, size, expected):
 def test_gemma4_template_that_places_no_images_is_a_typed_error(g4):
     with pytest.raises(ImageInputError, match="placed 0 image"):
         g4.vision.encode_prompt(g4.tokenizer, "no image here", G4_IMAGES[:1])
+
+
+# Qwen3.5 (tests/fixtures/tiny/qwen3_5-vision): a ViT of 2 blocks over 4 px patches (a 3D convolution over two
+# copies of the image), a learned 4x4 position grid resampled to each image, 2D rotary, patches merged 2x2;
+# two images of different shapes (32 x 48 and 56 x 32 px after smart_resize: 4 x 6 and 7 x 4 rows) whose
+# rows take M-RoPE positions (t, h, w), the text after each continuing at its start + max(rows, columns)
+Q35 = TINY / "qwen3_5-vision"
+Q35_GOLDEN = json.loads((Q35 / "golden_vision.json").read_text())
+Q35_REF = np.array(Q35_GOLDEN["logits"])
+Q35_TOL = 1e-4 * np.abs(Q35_REF).max()
+Q35_IMAGES = [(Q35 / name).read_bytes() for name in Q35_GOLDEN["images"]]
+
+
+def _q35_messages(images=Q35_IMAGES) -> list[dict]:
+    return _with_images(Q35_GOLDEN, images)
+
+
+@pytest.fixture(scope="module")
+def q35():
+    return load_model(Q35)
+
+
+@pytest.fixture(scope="module")
+def q35_ids(q35):
+    return _prompt(q35, _q35_messages())
+
+
+def test_qwen35_image_rows_match_transformers(q35):
+    from engine.vision.qwen35 import Qwen35Vision
+
+    assert isinstance(q35.vision, Qwen35Vision)
+    for data, ref, (_, gh, gw) in zip(Q35_IMAGES, Q35_GOLDEN["image_rows"], Q35_GOLDEN["grids"], strict=True):
+        ref = np.array(ref)
+        pixels = q35.vision.pixels(data)
+        assert pixels.shape[1:] == (gh * 4, gw * 4)
+        rows = q35.vision.encode(pixels)
+        np.testing.assert_allclose(rows, ref, atol=1e-4 * np.abs(ref).max())
+    # the processor's first patches: (C, T, p, p) of the first image's first merge square, T copies
+    first = q35.vision.pixels(Q35_IMAGES[0])[:, :4, :4]
+    ref = np.array(Q35_GOLDEN["pixels"][0]).reshape(3, 2, 4, 4)
+    np.testing.assert_allclose(first, ref[:, 0], atol=1e-4)
+    np.testing.assert_allclose(first, ref[:, 1], atol=1e-4)
+
+
+def test_qwen35_prompt_logits_and_greedy_match_transformers(q35, q35_ids):
+    base = q35.model.images.base
+    assert [IMAGE_TOKEN if t >= base else t for t in q35_ids] == Q35_GOLDEN["tokens"]
+    text = q35.tokenizer.decode([t if t < base else IMAGE_TOKEN for t in q35_ids])
+    assert "<|vision_start|>" + "<|image_pad|>" * 24 + "<|vision_end|>" in text
+    assert "<|vision_start|>" + "<|image_pad|>" * 28 + "<|vision_end|>" in text
+    logits = q35.model.forward(q35_ids, q35.model.new_cache(256), all_logits=True)
+    np.testing.assert_allclose(logits, Q35_REF, atol=Q35_TOL)
+    params = GenerationParams(max_tokens=8, temperature=0.0)
+    out = [e.token for e in generate(q35.model, q35.tokenizer, q35_ids, q35.model.new_cache(256), params)
+           if e.token is not None]
+    assert out == Q35_GOLDEN["greedy"]
+
+
+def test_qwen35_positions_continue_after_each_image(q35, q35_ids):
+    table = q35.model.images
+    ids = np.array(q35_ids)
+    (a0, a1), (b0, b1) = table.runs(ids)
+    axes = table.positions([], ids)
+    assert (axes[:, :a0] == np.arange(a0)).all()
+    # the first image: 4 x 6 rows at t = a0, h = a0 + row, w = a0 + column; text resumes at a0 + 6
+    np.testing.assert_array_equal(axes[0, a0:a1], np.full(24, a0))
+    np.testing.assert_array_equal(axes[1, a0:a1], a0 + np.arange(24) // 6)
+    np.testing.assert_array_equal(axes[2, a0:a1], a0 + np.arange(24) % 6)
+    assert (axes[:, a1] == a0 + 6).all()
+    shift = 6 - 24 + 7 - 28  # 7 x 4 second image
+    assert (axes[:, b1:] == np.arange(b1, len(ids)) + shift).all()
+    # any split of the held ids and the pass gives the same positions
+    for cut in (a0 + 5, a1, b0 + 13, len(ids) - 1):
+        np.testing.assert_array_equal(table.positions(ids[:cut], ids[cut:]), axes[:, cut:])
+
+
+def test_qwen35_index_positions_would_not_match(q35, q35_ids, monkeypatch):
+    """The golden depends on M-RoPE: the cache's index as every position misses it."""
+    monkeypatch.setattr(q35.model, "mrope", None)
+    logits = q35.model.forward(q35_ids, q35.model.new_cache(256), all_logits=True)
+    assert np.abs(logits - Q35_REF).max() > 10 * Q35_TOL
+
+
+@pytest.mark.parametrize("chunk", [3, 7, 40, 256])
+def test_qwen35_chunked_prefill_matches_one_pass(q35, q35_ids, chunk):
+    cache = q35.model.new_cache(256)
+    last, _ = prefill(q35.model, cache, q35_ids, chunk)  # passes that cut images
+    np.testing.assert_allclose(last, Q35_REF[-1], atol=Q35_TOL)
+
+
+def test_qwen35_second_chat_turn_equals_a_fresh_run():
+    params = GenerationParams(max_tokens=6, temperature=0.0)
+    runner = ChatRunner.load(Q35, LoadOptions(n_ctx=256, batch_size=16, prefix_cache_mb=0))
+    assert runner.info.vision
+    first = list(runner.chat(_q35_messages(), params))
+    assert [e.token for e in first if e.token is not None] == Q35_GOLDEN["greedy"][:6]
+    reply = "".join(e.text for e in first)
+    follow = _q35_messages() + [{"role": "assistant", "content": reply},
+                                {"role": "user", "content": "and the first one?"}]
+    second = list(runner.chat(follow, params))
+    start = runner.lm.model.images.runs(np.array(runner.cache.tokens))[-1][1]
+    assert second[-1].cached_tokens >= start  # both images came from the cache
+    fresh = ChatRunner.load(Q35, LoadOptions(n_ctx=256, batch_size=16, prefix_cache_mb=0))
+    alone = list(fresh.chat(follow, params))
+    tokens = [e.token for e in second if e.token is not None]
+    assert tokens == [e.token for e in alone if e.token is not None] and len(tokens) == 6
+    # the logits of the second turn's prompt: after reuse, as a fresh cache gives them
+    ids = _prompt(runner.lm, follow)
+    model = runner.lm.model
+    cache = model.new_cache(256)
+    whole = model.forward(ids, cache, all_logits=True)[-1]
+    reused = model.new_cache(256)
+    prefill(model, reused, ids[: start + 3], 16)
+    reused.trim(2)  # to a state the cache holds (DeltaNet layers return to a pass's start or end)
+    assert reused.offset < start + 3
+    again = model.forward(ids[reused.offset :], reused)[-1]
+    np.testing.assert_allclose(again, whole, atol=1e-4 * np.abs(whole).max())
+
+
+def test_qwen35_batched_decode_takes_each_caches_positions(q35, q35_ids):
+    model = q35.model
+    with_images, text = model.new_cache(256), model.new_cache(256)
+    prefill(model, with_images, q35_ids, 256)
+    prefill(model, text, Q35_GOLDEN["tokens"][:20], 256)
+    a, b = model.new_cache(256), model.new_cache(256)
+    prefill(model, a, q35_ids, 256)
+    prefill(model, b, Q35_GOLDEN["tokens"][:20], 256)
+    batch = model.forward_batch([5, 9], [with_images, text])
+    np.testing.assert_allclose(batch[0], model.forward([5], a)[-1], atol=Q35_TOL)
+    np.testing.assert_allclose(batch[1], model.forward([9], b)[-1], atol=Q35_TOL)

@@ -1,0 +1,347 @@
+"""Qwen3.5's vision (Qwen3_5ForConditionalGeneration): a ViT over variable-size images, patches merged 2x2,
+and M-RoPE positions for the rows it gives the language model.
+
+As transformers runs it, with its Qwen2-VL image processor and Qwen3-VL processor:
+- the image (RGB, EXIF orientation applied) is resized (bicubic) so both sides are multiples of patch x merge
+  and its area lies within [min_pixels, max_pixels], aspect kept as closely as that allows (smart_resize),
+  scaled to [0, 1] and normalized by the preprocessor's mean and std;
+- patches are taken in merge order (each merge x merge square's patches one after another, squares row by
+  row); the patch embedding is a 3D convolution over temporal_patch_size copies of the image, so its kernel
+  summed over time applies to the one image;
+- a learned square grid of position embeddings is resampled (bilinear, corners aligned) to the image's patch
+  grid and added; every block is LayerNorm -> attention with 2D rotary positions (per head, the first half of
+  the rotate-half pairs turn by the patch's row, the second by its column, on a quarter of the head's
+  frequencies each) -> residual, LayerNorm -> linear, tanh GELU, linear -> residual;
+- the merger LayerNorms each patch, concatenates each square's patches (patch-major) and runs linear ->
+  exact GELU -> linear into the language model's width;
+- the prompt holds, where the template wrote <|image_pad|> (between <|vision_start|> and <|vision_end|>), one
+  pad per merged row, which the image's rows replace. They attend causally, like text.
+
+Positions (M-RoPE): text at sequence index i sits at i + delta, where delta sums, over the images before it,
+max(rows, columns) - rows * columns of their merged grids; an image starting at index s, at position P = s +
+delta, gives its row r the positions (t, h, w) = (P, P + r // columns, P + r % columns). The language model's
+rotary pairs turn by t, h or w, interleaved by its mrope_section (pair j: h when j % 3 == 1 and j < 3 h-pairs,
+w when j % 3 == 2 and j < 3 w-pairs, else t). With text only the three agree with the index.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from engine.backends import cpu as ops
+from engine.backends.cpu.ops import gelu_erf
+from engine.errors import ImageInputError, ModelFormatError
+from engine.vision.tokens import STRIDE, ImageTable
+from engine.vision.tower import VisionTower, attend_all, linear, normalized, open_rgb, single_token
+
+IMAGE_PAD = "<|image_pad|>"
+CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
+CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+
+
+@dataclass(frozen=True)
+class Qwen35VisionShape:
+    hidden: int
+    ff: int
+    layers: int
+    heads: int
+    patch: int
+    text_hidden: int
+    positions: int  # learned position embeddings: a square grid of this many
+    mrope_section: tuple[int, int, int]  # the language model's rotary pairs turned by t, h, w
+    merge: int = 2
+    temporal: int = 2
+    rope_theta: float = 10000.0
+    min_pixels: int = 56 * 56
+    max_pixels: int = 28 * 28 * 1280
+    mean: tuple[float, float, float] = CLIP_MEAN
+    std: tuple[float, float, float] = CLIP_STD
+    eps: float = 1e-6
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    @property
+    def cell(self) -> int:
+        """Pixels along a side of one merged row's square (patch x merge)."""
+        return self.patch * self.merge
+
+
+@dataclass
+class _Block:
+    ln1: tuple[np.ndarray, np.ndarray]
+    qkv: object
+    qkv_b: np.ndarray
+    proj: object
+    proj_b: np.ndarray
+    ln2: tuple[np.ndarray, np.ndarray]
+    fc1: object
+    fc1_b: np.ndarray
+    fc2: object
+    fc2_b: np.ndarray
+
+
+class Qwen35ImageTable(ImageTable):
+    """An ImageTable that knows each image's merged grid, and so the M-RoPE positions of a sequence."""
+
+    def __init__(self, base: int, hidden: int):
+        super().__init__(base, hidden, bidirectional=False)
+        self.grids: dict[int, tuple[int, int]] = {}  # slot -> (rows, columns); tiny, kept past eviction
+
+    def any_held(self) -> bool:
+        """Whether an image was ever added (before that, every position is its index)."""
+        return self._next > 0
+
+    def positions(self, held: Sequence[int], ids: np.ndarray) -> np.ndarray:
+        """(3, n) int64 (t, h, w) positions of a pass's ids that follow the `held` ids (the cache's tokens).
+
+        Raises:
+            KeyError: an image id of an image this table never held.
+        """
+        seq = np.concatenate([np.asarray(held, np.int64), np.asarray(ids, np.int64)])
+        index = np.arange(len(seq), dtype=np.int64)
+        out = np.broadcast_to(index, (3, len(seq))).copy()
+        where = np.flatnonzero(seq >= self.base)
+        if not len(where):
+            return out[:, len(held) :]
+        slot, row = np.divmod(seq[where] - self.base, STRIDE)
+        cols = np.empty_like(row)
+        contrib = np.zeros(len(seq), np.int64)
+        for s in np.unique(slot):
+            grid = self.grids.get(int(s))
+            if grid is None:
+                raise KeyError(f"image {int(s)} is no longer held; encode the prompt again")
+            gh, gw = grid
+            mine = slot == s
+            cols[mine] = gw
+            last = mine & (row == gh * gw - 1)
+            contrib[where[last]] = max(gh, gw) - gh * gw
+        delta = np.cumsum(contrib) - contrib  # over the images that ended before each index
+        out += delta
+        start = where - row + delta[where]  # P of each image row's image
+        out[0, where] = start
+        out[1, where] = start + row // cols
+        out[2, where] = start + row % cols
+        return out[:, len(held) :]
+
+
+class Qwen35Vision(VisionTower):
+    """Qwen3.5's vision tower over a weight source with transformers' `visual.*` names."""
+
+    bidirectional = False
+
+    def __init__(self, shape: Qwen35VisionShape, weights, source: Path):
+        self.shape = shape
+        self.source = source
+        self.text_hidden = shape.text_hidden
+        self.depth = shape.layers
+        d, ff, p, m, t = shape.hidden, shape.ff, shape.patch, shape.merge, shape.temporal
+        side = math.isqrt(shape.positions)
+        if side * side != shape.positions:
+            raise ModelFormatError(source, f"num_position_embeddings {shape.positions} is not a square")
+        conv = weights.floats("visual.patch_embed.proj.weight", (d, 3, t, p, p))
+        self.patch_w = conv.sum(axis=2).reshape(d, 3 * p * p).T.copy()  # the same image in every frame
+        self.patch_b = weights.vector("visual.patch_embed.proj.bias", d)
+        self.pos_embed = weights.floats("visual.pos_embed.weight", (shape.positions, d))
+        self.side = side
+
+        def norm(name: str) -> tuple[np.ndarray, np.ndarray]:
+            return weights.vector(name + ".weight", d), weights.vector(name + ".bias", d)
+
+        self.blocks = []
+        for i in range(shape.layers):
+            b = f"visual.blocks.{i}."
+            self.blocks.append(
+                _Block(
+                    ln1=norm(b + "norm1"),
+                    qkv=weights.matrix(b + "attn.qkv.weight", 3 * d, d),
+                    qkv_b=weights.vector(b + "attn.qkv.bias", 3 * d),
+                    proj=weights.matrix(b + "attn.proj.weight", d, d),
+                    proj_b=weights.vector(b + "attn.proj.bias", d),
+                    ln2=norm(b + "norm2"),
+                    fc1=weights.matrix(b + "mlp.linear_fc1.weight", ff, d),
+                    fc1_b=weights.vector(b + "mlp.linear_fc1.bias", ff),
+                    fc2=weights.matrix(b + "mlp.linear_fc2.weight", d, ff),
+                    fc2_b=weights.vector(b + "mlp.linear_fc2.bias", d),
+                )
+            )
+        wide = d * m * m
+        self.merge_ln = norm("visual.merger.norm")
+        self.merge_fc1 = weights.matrix("visual.merger.linear_fc1.weight", wide, wide)
+        self.merge_fc1_b = weights.vector("visual.merger.linear_fc1.bias", wide)
+        self.merge_fc2 = weights.matrix("visual.merger.linear_fc2.weight", shape.text_hidden, wide)
+        self.merge_fc2_b = weights.vector("visual.merger.linear_fc2.bias", shape.text_hidden)
+        quarter = shape.head_dim // 2  # frequencies per axis: half of the head's pairs
+        self.inv_freq = 1.0 / shape.rope_theta ** (np.arange(0, quarter, 2, dtype=np.float64) / quarter)
+        self._grids: dict[str, tuple[int, int]] = {}  # image digest -> merged (rows, columns)
+
+    def attach(self, model) -> None:
+        """As VisionTower.attach, with a table that knows each image's grid, and M-RoPE's sections (the
+        frequency masks of t, h, w) on the model."""
+        super().attach(model)
+        self.images = Qwen35ImageTable(model.cfg.vocab_size, model.cfg.hidden_size)
+        model.images = self.images
+        pairs = model.cfg.rotary_dim // 2
+        if sum(self.shape.mrope_section) != pairs:
+            raise ModelFormatError(
+                self.source, f"mrope_section {list(self.shape.mrope_section)} does not cover the {pairs} "
+                "rotary pairs of the language model's heads"
+            )
+        model.mrope = mrope_masks(self.shape.mrope_section, pairs)
+
+    def target_size(self, height: int, width: int) -> tuple[int, int]:
+        """(height, width) an image of this size is resized to (transformers' smart_resize)."""
+        shape, f = self.shape, self.shape.cell
+        if max(height, width) / min(height, width) > 200:
+            raise ImageInputError(
+                f"the image is {width}x{height} pixels; its sides may differ 200-fold at most: crop it"
+            )
+        h, w = round(height / f) * f, round(width / f) * f
+        if h * w > shape.max_pixels:
+            beta = math.sqrt(height * width / shape.max_pixels)
+            h, w = max(f, math.floor(height / beta / f) * f), max(f, math.floor(width / beta / f) * f)
+        elif h * w < shape.min_pixels:
+            beta = math.sqrt(shape.min_pixels / (height * width))
+            h, w = math.ceil(height * beta / f) * f, math.ceil(width * beta / f) * f
+        return h, w
+
+    def pixels(self, data: bytes) -> np.ndarray:
+        """(3, H, W) float32 input of an encoded image file (H, W multiples of the cell).
+
+        Raises:
+            ImageInputError: not an image Pillow can read, or an absurdly large one.
+        """
+        from PIL import Image
+
+        img = open_rgb(data, lambda w, h: (self.target_size(h, w)[::-1], Image.Resampling.BICUBIC))
+        return normalized(img, self.shape.mean, self.shape.std)
+
+    def steps(self, pixels: np.ndarray):
+        """encode as a generator that yields the blocks done after each; returns the merged rows."""
+        shape = self.shape
+        p, m, d = shape.patch, shape.merge, shape.hidden
+        gh, gw = pixels.shape[1] // p, pixels.shape[2] // p
+        n = gh * gw
+        # (C, gh/m, m, p, gw/m, m, p) -> merge order: square row, square column, row in it, column in it
+        patches = pixels.reshape(3, gh // m, m, p, gw // m, m, p).transpose(1, 4, 2, 5, 0, 3, 6)
+        x = np.ascontiguousarray(patches.reshape(n, 3 * p * p) @ self.patch_w + self.patch_b, np.float32)
+        sq_r, sq_c, in_r, in_c = np.unravel_index(np.arange(n), (gh // m, gw // m, m, m))
+        rows, cols = sq_r * m + in_r, sq_c * m + in_c
+        x += self._positions(rows, cols, gh, gw)
+        angles = np.concatenate([np.outer(rows, self.inv_freq), np.outer(cols, self.inv_freq)], axis=1)
+        cos, sin = np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+        h = np.empty_like(x)
+        for i, block in enumerate(self.blocks):
+            with ops.batch_phase(n):
+                _layernorm(h, x, *block.ln1, shape.eps)
+                x += linear(block.proj, self._attention(block, h, cos, sin), block.proj_b)
+                _layernorm(h, x, *block.ln2, shape.eps)
+                x += linear(block.fc2, _gelu_tanh(linear(block.fc1, h, block.fc1_b)), block.fc2_b)
+            yield i + 1
+        _layernorm(h, x, *self.merge_ln, shape.eps)
+        y = linear(self.merge_fc1, np.ascontiguousarray(h.reshape(n // (m * m), d * m * m)), self.merge_fc1_b)
+        gelu_erf(y)
+        return linear(self.merge_fc2, y, self.merge_fc2_b)
+
+    def _positions(self, rows: np.ndarray, cols: np.ndarray, gh: int, gw: int) -> np.ndarray:
+        """(n, hidden) learned position embeddings resampled bilinearly (corners aligned) to gh x gw."""
+        side = self.side
+
+        def taps(index: np.ndarray, size: int):
+            src = index.astype(np.float32) * np.float32(side - 1) / np.float32(max(size - 1, 1))
+            lo = np.floor(src)
+            frac = (src - lo).astype(np.float32)
+            lo = lo.astype(np.int64)
+            return lo, np.minimum(lo + 1, side - 1), np.float32(1) - frac, frac
+
+        r0, r1, wr0, wr1 = taps(rows, gh)
+        c0, c1, wc0, wc1 = taps(cols, gw)
+        table = self.pos_embed
+        out = table[r0 * side + c0] * (wr0 * wc0)[:, None]
+        out += table[r0 * side + c1] * (wr0 * wc1)[:, None]
+        out += table[r1 * side + c0] * (wr1 * wc0)[:, None]
+        out += table[r1 * side + c1] * (wr1 * wc1)[:, None]
+        return out
+
+    def _attention(self, block: _Block, h: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+        shape = self.shape
+        n, heads, hd = len(h), shape.heads, shape.head_dim
+        qkv = linear(block.qkv, h, block.qkv_b).reshape(n, 3, heads, hd).transpose(1, 2, 0, 3)
+        return attend_all(_rotate(qkv[0], cos, sin), _rotate(qkv[1], cos, sin), np.ascontiguousarray(qkv[2]))
+
+    def _remember(self, digest: str, pixels: np.ndarray) -> None:
+        grid = (pixels.shape[1] // self.shape.cell, pixels.shape[2] // self.shape.cell)
+        self._grids[digest] = grid
+        self.images.grids[self.images.slot_of(digest)] = grid
+
+    def encode_prompt(self, tokenizer, text: str, images) -> list[int]:
+        """Token ids of a rendered prompt whose template wrote <|image_pad|> once per image.
+
+        Raises:
+            ImageInputError: the template placed another number of images, or an image is unreadable.
+        """
+        self.check_count(images)
+        pieces = text.split(IMAGE_PAD)
+        if len(pieces) - 1 != len(images):
+            raise ImageInputError(
+                f"the chat template placed {len(pieces) - 1} image(s) for the {len(images)} given; this "
+                "model's template does not take images in that position (put images in user messages)"
+            )
+        pad = single_token(tokenizer, IMAGE_PAD)
+        if pad is None:
+            raise ImageInputError(f"the tokenizer has no {IMAGE_PAD} token")
+        rows = []
+        for i, data in enumerate(images):
+            ids = self.image_ids(data)
+            pieces[i] += IMAGE_PAD * len(ids)
+            rows += ids
+        out, n = [], 0
+        for t in tokenizer.encode("".join(pieces), add_special=False):
+            if t == pad:
+                t, n = rows[n], n + 1
+            out.append(t)
+        if n != len(rows):
+            raise ImageInputError(f"the prompt holds {n} image positions for {len(rows)} image rows")
+        return out
+
+
+def mrope_masks(section: Sequence[int], pairs: int) -> np.ndarray:
+    """(3, pairs) float32: 1 where rotary pair j turns by the t, h or w position (interleaved sections)."""
+    axis = np.zeros(pairs, np.int64)
+    j = np.arange(pairs)
+    axis[(j % 3 == 1) & (j < 3 * section[1])] = 1
+    axis[(j % 3 == 2) & (j < 3 * section[2])] = 2
+    return (axis[None, :] == np.arange(3)[:, None]).astype(np.float32)
+
+
+def _rotate(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+    """Rotate-half RoPE of x (heads, n, hd) by per-patch angles (n, hd / 2)."""
+    half = x.shape[-1] // 2
+    a, b = x[..., :half], x[..., half:]
+    return np.ascontiguousarray(np.concatenate([a * cos - b * sin, b * cos + a * sin], axis=-1))
+
+
+def _layernorm(out: np.ndarray, x: np.ndarray, w: np.ndarray, b: np.ndarray, eps: float) -> None:
+    mean = x.mean(axis=1, keepdims=True)
+    centered = x - mean
+    var = np.mean(centered * centered, axis=1, keepdims=True)
+    np.multiply(centered, 1.0 / np.sqrt(var + np.float32(eps)), out=out)
+    out *= w
+    out += b
+
+
+def _gelu_tanh(x: np.ndarray) -> np.ndarray:
+    """GELU with the tanh approximation, in place."""
+    t = x * x * np.float32(0.044715)
+    t += np.float32(1.0)
+    t *= x * np.float32(math.sqrt(2.0 / math.pi))
+    np.tanh(t, out=t)
+    t += np.float32(1.0)
+    x *= t * np.float32(0.5)
+    return x
