@@ -624,6 +624,22 @@ VISION_MESSAGES = [
 ]
 
 
+def vision_tokenizer(folder: Path, specials: list[str], marker: str, **config) -> tuple[Tokenizer, str]:
+    """The fixture's tokenizer with the family's three image tokens at ids 317, 318, 319 (the config's), and
+    its chat template writing `marker` where an image part is; `config`: more tokenizer_config.json keys."""
+    tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    while tok.get_vocab_size() < 317:  # the image tokens at the config's ids
+        tok.add_special_tokens([f"<unused{tok.get_vocab_size()}>"])
+    tok.add_special_tokens(specials)
+    assert [tok.token_to_id(t) for t in specials] == [317, 318, 319], specials
+    tok.save(str(folder / "tokenizer.json"))
+    template = VISION_TEMPLATE.replace("<start_of_image>", marker)
+    tok_config = json.loads((folder / "tokenizer_config.json").read_text())
+    tok_config |= {"chat_template": template, **config}
+    (folder / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=1))
+    return tok, template
+
+
 def test_images() -> list:
     """Two small deterministic RGB pictures, neither square (the processor resizes them to 56 x 56)."""
     import numpy as np
@@ -646,15 +662,8 @@ def write_vision_golden(ref, folder: Path) -> None:
     import jinja2
     from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
 
-    tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
-    while tok.get_vocab_size() < 317:  # the image tokens at the config's ids
-        tok.add_special_tokens([f"<unused{tok.get_vocab_size()}>"])
-    tok.add_special_tokens(["<image_soft_token>", "<start_of_image>", "<end_of_image>"])
-    assert tok.token_to_id("<start_of_image>") == 318, tok.token_to_id("<start_of_image>")
-    tok.save(str(folder / "tokenizer.json"))
-    config = json.loads((folder / "tokenizer_config.json").read_text())
-    config["chat_template"] = VISION_TEMPLATE
-    (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=1))
+    tok, _ = vision_tokenizer(folder, ["<image_soft_token>", "<start_of_image>", "<end_of_image>"],
+                              "<start_of_image>")
     pre = {"image_processor_type": "Gemma3ImageProcessor", "size": {"height": 56, "width": 56},
            "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5], "resample": 2,
            "rescale_factor": 1 / 255, "do_convert_rgb": True, "do_pan_and_scan": False}
@@ -697,16 +706,7 @@ def write_mistral3_vision_golden(ref, folder: Path) -> None:
     import jinja2
     from transformers.models.pixtral.image_processing_pil_pixtral import PixtralImageProcessorPil
 
-    tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
-    while tok.get_vocab_size() < 317:
-        tok.add_special_tokens([f"<unused{tok.get_vocab_size()}>"])
-    tok.add_special_tokens(["[IMG]", "[IMG_BREAK]", "[IMG_END]"])
-    assert tok.token_to_id("[IMG]") == 317
-    tok.save(str(folder / "tokenizer.json"))
-    template = VISION_TEMPLATE.replace("<start_of_image>", "[IMG]")
-    config = json.loads((folder / "tokenizer_config.json").read_text())
-    config["chat_template"] = template
-    (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=1))
+    tok, template = vision_tokenizer(folder, ["[IMG]", "[IMG_BREAK]", "[IMG_END]"], "[IMG]")
     pre = {"image_processor_type": "PixtralImageProcessor", "size": {"longest_edge": 84},
            "patch_size": {"height": 28, "width": 28}, "resample": 3, "rescale_factor": 1 / 255,
            "image_mean": [0.48145466, 0.4578275, 0.40821073],
@@ -757,17 +757,8 @@ def write_gemma4_vision_golden(ref, folder: Path) -> None:
     import jinja2
     from transformers.models.gemma4.image_processing_pil_gemma4 import Gemma4ImageProcessorPil
 
-    tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
-    while tok.get_vocab_size() < 317:
-        tok.add_special_tokens([f"<unused{tok.get_vocab_size()}>"])
-    tok.add_special_tokens(["<|image|>", "<|image>", "<image|>"])
-    assert tok.token_to_id("<image|>") == 319
-    tok.save(str(folder / "tokenizer.json"))
-    template = VISION_TEMPLATE.replace("<start_of_image>", "<|image|>")
-    config = json.loads((folder / "tokenizer_config.json").read_text())
-    config |= {"chat_template": template, "image_token": "<|image|>", "boi_token": "<|image>",
-               "eoi_token": "<image|>"}
-    (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=1))
+    tok, template = vision_tokenizer(folder, ["<|image|>", "<|image>", "<image|>"], "<|image|>",
+                                     image_token="<|image|>", boi_token="<|image>", eoi_token="<image|>")
     pre = {"image_processor_type": "Gemma4ImageProcessor", "patch_size": 4, "pooling_kernel_size": 2,
            "max_soft_tokens": 70, "resample": 3, "rescale_factor": 1 / 255, "do_rescale": True,
            "do_normalize": False, "do_convert_rgb": True}
@@ -816,16 +807,8 @@ def write_qwen35_vision_golden(ref, folder: Path) -> None:
     import jinja2
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-    tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
-    while tok.get_vocab_size() < 317:
-        tok.add_special_tokens([f"<unused{tok.get_vocab_size()}>"])
-    tok.add_special_tokens(["<|image_pad|>", "<|vision_start|>", "<|vision_end|>"])
-    assert tok.token_to_id("<|vision_end|>") == 319
-    tok.save(str(folder / "tokenizer.json"))
-    template = VISION_TEMPLATE.replace("<start_of_image>", "<|vision_start|><|image_pad|><|vision_end|>")
-    config = json.loads((folder / "tokenizer_config.json").read_text())
-    config["chat_template"] = template
-    (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=1))
+    tok, template = vision_tokenizer(folder, ["<|image_pad|>", "<|vision_start|>", "<|vision_end|>"],
+                                     "<|vision_start|><|image_pad|><|vision_end|>")
     pre = {"image_processor_type": "Qwen2VLImageProcessor",
            "size": {"shortest_edge": 256, "longest_edge": 1920}, "patch_size": 4, "temporal_patch_size": 2,
            "merge_size": 2, "resample": 3,

@@ -89,4 +89,13 @@ def encode_with_images(lm, text: str, images: Sequence[bytes]) -> list[int]:
     """
     if not images:
         return lm.tokenizer.encode(text, add_special=False)
-    return lm.vision.encode_prompt(lm.tokenizer, text, images)
+    from engine.errors import ImageInputError
+
+    ids = lm.vision.encode_prompt(lm.tokenizer, text, images)
+    if lm.vision.images.missing(ids):  # encoding the later images dropped earlier ones: over the budget
+        table = lm.vision.images
+        raise ImageInputError(
+            f"the conversation's images need more than the {table.max_bytes >> 20} MiB (or {table.capacity} "
+            "images) kept for image rows: start a new chat, or send fewer or smaller images"
+        )
+    return ids

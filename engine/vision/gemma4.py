@@ -32,7 +32,7 @@ import numpy as np
 
 from engine.backends import cpu as ops
 from engine.errors import ImageInputError, ModelFormatError
-from engine.vision.tower import VisionTower, attend_all, linear, normalized, open_rgb
+from engine.vision.tower import VisionTower, attend_all, linear, normalized, open_rgb, rmsnorm
 
 
 @dataclass(frozen=True)
@@ -209,15 +209,15 @@ class Gemma4Vision(VisionTower):
         h = np.empty_like(x)
         for i, layer in enumerate(self.layers):
             with ops.batch_phase(n):
-                _rmsnorm(h, x, layer.ln1, shape.eps)
+                rmsnorm(h, x, layer.ln1, shape.eps)
                 attn = layer.out(self._attention(layer, h, cos, sin))
-                _rmsnorm(attn, attn, layer.post_attn, shape.eps)
+                rmsnorm(attn, attn, layer.post_attn, shape.eps)
                 x += attn
-                _rmsnorm(h, x, layer.ln2, shape.eps)
+                rmsnorm(h, x, layer.ln2, shape.eps)
                 gate = layer.gate(h)
                 ops.gelu_tanh_mul(gate, gate, layer.up(h))
                 y = layer.down(gate)
-                _rmsnorm(y, y, layer.post_ffn, shape.eps)
+                rmsnorm(y, y, layer.post_ffn, shape.eps)
                 x += y
             yield i + 1
         return self._project(x, gh, gw)
@@ -228,9 +228,9 @@ class Gemma4Vision(VisionTower):
         q = layer.q(h).reshape(n, shape.heads, hd)
         k = layer.k(h).reshape(n, shape.kv_heads, hd)
         v = layer.v(h).reshape(n, shape.kv_heads, hd)
-        _rmsnorm(q, q, layer.q_norm, eps)
-        _rmsnorm(k, k, layer.k_norm, eps)
-        _rmsnorm(v, v, None, eps)
+        rmsnorm(q, q, layer.q_norm, eps)
+        rmsnorm(k, k, layer.k_norm, eps)
+        rmsnorm(v, v, None, eps)
         q, k = _rotate_2d(q, cos, sin), _rotate_2d(k, cos, sin)
         group = shape.heads // shape.kv_heads
         q = q.transpose(1, 0, 2) * np.float32(hd**0.5)  # the tower scales scores by 1, attend_all by hd^-0.5
@@ -246,7 +246,7 @@ class Gemma4Vision(VisionTower):
             pooled -= self.std_bias
             pooled *= self.std_scale
         pooled = np.ascontiguousarray(pooled, dtype=np.float32)
-        _rmsnorm(pooled, pooled, None, shape.eps)
+        rmsnorm(pooled, pooled, None, shape.eps)
         return linear(self.projection, pooled)
 
     def attach(self, model) -> None:
@@ -297,11 +297,3 @@ def _rotate_2d(x: np.ndarray, cos, sin) -> np.ndarray:
         out[..., axis * half : axis * half + quarter] = a * c - b * s
         out[..., axis * half + quarter : (axis + 1) * half] = b * c + a * s
     return out
-
-
-def _rmsnorm(out: np.ndarray, x: np.ndarray, w: np.ndarray | None, eps: float) -> None:
-    """RMSNorm over the last axis (times w when given: Gemma 4 multiplies by w, not 1 + w)."""
-    scale = 1.0 / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + np.float32(eps))
-    np.multiply(x, scale.astype(np.float32), out=out)
-    if w is not None:
-        out *= w

@@ -26,11 +26,18 @@ import numpy as np
 from engine.backends import cpu as ops
 from engine.backends.cpu.ops import gelu_erf
 from engine.errors import ImageInputError, ModelFormatError
-from engine.vision.tower import VisionTower, attend_all, linear, normalized, open_rgb, single_token
+from engine.vision.tower import (
+    CLIP_MEAN,
+    CLIP_STD,
+    VisionTower,
+    attend_all,
+    linear,
+    rmsnorm,
+    rotate_half,
+    single_token,
+)
 
 IMG, IMG_BREAK, IMG_END = "[IMG]", "[IMG_BREAK]", "[IMG_END]"
-CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
-CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 
 
 @dataclass(frozen=True)
@@ -127,17 +134,6 @@ class PixtralVision(VisionTower):
         cell = self.shape.cell
         return ((height - 1) // cell + 1) * cell, ((width - 1) // cell + 1) * cell
 
-    def pixels(self, data: bytes) -> np.ndarray:
-        """(3, H, W) float32 input of an encoded image file (H, W multiples of the cell).
-
-        Raises:
-            ImageInputError: not an image Pillow can read, or an absurdly large one.
-        """
-        from PIL import Image
-
-        img = open_rgb(data, lambda w, h: (self.target_size(h, w)[::-1], Image.Resampling.BICUBIC))
-        return normalized(img, self.shape.mean, self.shape.std)
-
     def steps(self, pixels: np.ndarray):
         """encode as a generator that yields the layers done after each; returns the rows."""
         shape = self.shape
@@ -146,16 +142,16 @@ class PixtralVision(VisionTower):
         n = gh * gw
         patches = pixels.reshape(3, gh, p, gw, p).transpose(1, 3, 0, 2, 4).reshape(n, 3 * p * p)
         x = np.ascontiguousarray(patches @ self.patch_w, dtype=np.float32)
-        _rmsnorm(x, x, self.pre_ln, 1e-5)
+        rmsnorm(x, x, self.pre_ln, 1e-5)
         rows, cols = np.divmod(np.arange(n), gw)
         angles = np.concatenate([np.outer(rows, self.inv_row), np.outer(cols, self.inv_col)], axis=1)
         cos, sin = np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
         h = np.empty_like(x)
         for i, layer in enumerate(self.layers):
             with ops.batch_phase(n):
-                _rmsnorm(h, x, layer.ln1, 1e-5)
+                rmsnorm(h, x, layer.ln1, 1e-5)
                 x += linear(layer.out, self._attention(layer, h, cos, sin))
-                _rmsnorm(h, x, layer.ln2, 1e-5)
+                rmsnorm(h, x, layer.ln2, 1e-5)
                 gate, up = linear(layer.gate, h), linear(layer.up, h)
                 if shape.act == "silu":
                     ops.silu_mul(gate, gate, up)
@@ -172,11 +168,11 @@ class PixtralVision(VisionTower):
         q, k, v = (
             linear(w, h).reshape(n, heads, hd).transpose(1, 0, 2) for w in (layer.q, layer.k, layer.v)
         )
-        return attend_all(_rotate(q, cos, sin), _rotate(k, cos, sin), v)
+        return attend_all(rotate_half(q, cos, sin), rotate_half(k, cos, sin), v)
 
     def _project(self, x: np.ndarray, gh: int, gw: int) -> np.ndarray:
         shape, m, d = self.shape, self.shape.merge, self.shape.hidden
-        _rmsnorm(x, x, self.input_norm, shape.projector_eps)
+        rmsnorm(x, x, self.input_norm, shape.projector_eps)
         merged = x.reshape(gh // m, m, gw // m, m, d).transpose(0, 2, 4, 1, 3).reshape(-1, d * m * m)
         y = linear(self.merger, np.ascontiguousarray(merged))
         y = linear(self.linear_1, y, self.bias_1)
@@ -219,14 +215,3 @@ class PixtralVision(VisionTower):
         return out
 
 
-def _rotate(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
-    """Rotate-half RoPE of x (heads, n, hd) by per-patch angles (n, hd / 2)."""
-    half = x.shape[-1] // 2
-    a, b = x[..., :half], x[..., half:]
-    return np.ascontiguousarray(np.concatenate([a * cos - b * sin, b * cos + a * sin], axis=-1))
-
-
-def _rmsnorm(out: np.ndarray, x: np.ndarray, w: np.ndarray, eps: float) -> None:
-    rms = np.sqrt(np.mean(x * x, axis=1, keepdims=True) + np.float32(eps))
-    np.divide(x, rms, out=out)
-    out *= w

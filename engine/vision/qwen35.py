@@ -37,11 +37,19 @@ from engine.backends import cpu as ops
 from engine.backends.cpu.ops import gelu_erf
 from engine.errors import ImageInputError, ModelFormatError
 from engine.vision.tokens import STRIDE, ImageTable
-from engine.vision.tower import VisionTower, attend_all, linear, normalized, open_rgb, single_token
+from engine.vision.tower import (
+    CLIP_MEAN,
+    CLIP_STD,
+    VisionTower,
+    attend_all,
+    gelu_tanh,
+    layernorm,
+    linear,
+    rotate_half,
+    single_token,
+)
 
 IMAGE_PAD = "<|image_pad|>"
-CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
-CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 
 
 @dataclass(frozen=True)
@@ -211,17 +219,6 @@ class Qwen35Vision(VisionTower):
             h, w = math.ceil(height * beta / f) * f, math.ceil(width * beta / f) * f
         return h, w
 
-    def pixels(self, data: bytes) -> np.ndarray:
-        """(3, H, W) float32 input of an encoded image file (H, W multiples of the cell).
-
-        Raises:
-            ImageInputError: not an image Pillow can read, or an absurdly large one.
-        """
-        from PIL import Image
-
-        img = open_rgb(data, lambda w, h: (self.target_size(h, w)[::-1], Image.Resampling.BICUBIC))
-        return normalized(img, self.shape.mean, self.shape.std)
-
     def steps(self, pixels: np.ndarray):
         """encode as a generator that yields the blocks done after each; returns the merged rows."""
         shape = self.shape
@@ -239,12 +236,12 @@ class Qwen35Vision(VisionTower):
         h = np.empty_like(x)
         for i, block in enumerate(self.blocks):
             with ops.batch_phase(n):
-                _layernorm(h, x, *block.ln1, shape.eps)
+                layernorm(h, x, *block.ln1, shape.eps)
                 x += linear(block.proj, self._attention(block, h, cos, sin), block.proj_b)
-                _layernorm(h, x, *block.ln2, shape.eps)
-                x += linear(block.fc2, _gelu_tanh(linear(block.fc1, h, block.fc1_b)), block.fc2_b)
+                layernorm(h, x, *block.ln2, shape.eps)
+                x += linear(block.fc2, gelu_tanh(linear(block.fc1, h, block.fc1_b)), block.fc2_b)
             yield i + 1
-        _layernorm(h, x, *self.merge_ln, shape.eps)
+        layernorm(h, x, *self.merge_ln, shape.eps)
         y = linear(self.merge_fc1, np.ascontiguousarray(h.reshape(n // (m * m), d * m * m)), self.merge_fc1_b)
         gelu_erf(y)
         return linear(self.merge_fc2, y, self.merge_fc2_b)
@@ -273,7 +270,8 @@ class Qwen35Vision(VisionTower):
         shape = self.shape
         n, heads, hd = len(h), shape.heads, shape.head_dim
         qkv = linear(block.qkv, h, block.qkv_b).reshape(n, 3, heads, hd).transpose(1, 2, 0, 3)
-        return attend_all(_rotate(qkv[0], cos, sin), _rotate(qkv[1], cos, sin), np.ascontiguousarray(qkv[2]))
+        q, k = rotate_half(qkv[0], cos, sin), rotate_half(qkv[1], cos, sin)
+        return attend_all(q, k, np.ascontiguousarray(qkv[2]))
 
     def _remember(self, digest: str, pixels: np.ndarray) -> None:
         grid = (pixels.shape[1] // self.shape.cell, pixels.shape[2] // self.shape.cell)
@@ -320,28 +318,3 @@ def mrope_masks(section: Sequence[int], pairs: int) -> np.ndarray:
     return (axis[None, :] == np.arange(3)[:, None]).astype(np.float32)
 
 
-def _rotate(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
-    """Rotate-half RoPE of x (heads, n, hd) by per-patch angles (n, hd / 2)."""
-    half = x.shape[-1] // 2
-    a, b = x[..., :half], x[..., half:]
-    return np.ascontiguousarray(np.concatenate([a * cos - b * sin, b * cos + a * sin], axis=-1))
-
-
-def _layernorm(out: np.ndarray, x: np.ndarray, w: np.ndarray, b: np.ndarray, eps: float) -> None:
-    mean = x.mean(axis=1, keepdims=True)
-    centered = x - mean
-    var = np.mean(centered * centered, axis=1, keepdims=True)
-    np.multiply(centered, 1.0 / np.sqrt(var + np.float32(eps)), out=out)
-    out *= w
-    out += b
-
-
-def _gelu_tanh(x: np.ndarray) -> np.ndarray:
-    """GELU with the tanh approximation, in place."""
-    t = x * x * np.float32(0.044715)
-    t += np.float32(1.0)
-    t *= x * np.float32(math.sqrt(2.0 / math.pi))
-    np.tanh(t, out=t)
-    t += np.float32(1.0)
-    x *= t * np.float32(0.5)
-    return x

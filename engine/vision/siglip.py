@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from engine.backends import cpu as ops
-from engine.vision.tower import attend_all, linear
+from engine.vision.tower import attend_all, gelu_tanh, layernorm, linear
 from engine.weights import Weight
 
 
@@ -111,12 +111,12 @@ class SiglipEncoder:
         h = np.empty_like(x)
         for i, layer in enumerate(self.layers):
             with ops.batch_phase(n):
-                _layernorm(h, x, *layer.ln1, shape.eps)
+                layernorm(h, x, *layer.ln1, shape.eps)
                 x += _linear(layer.out, self._attention(layer, h))
-                _layernorm(h, x, *layer.ln2, shape.eps)
-                x += _linear(layer.down, _gelu_tanh(_linear(layer.up, h)))
+                layernorm(h, x, *layer.ln2, shape.eps)
+                x += _linear(layer.down, gelu_tanh(_linear(layer.up, h)))
             yield i + 1
-        _layernorm(h, x, *self.post_ln, shape.eps)
+        layernorm(h, x, *self.post_ln, shape.eps)
         return h
 
     def _attention(self, layer: _Layer, h: np.ndarray) -> np.ndarray:
@@ -138,24 +138,3 @@ def _linear(w: tuple[Weight, np.ndarray], x: np.ndarray) -> np.ndarray:
     return linear(w[0], x, w[1])
 
 
-def _layernorm(out: np.ndarray, x: np.ndarray, w: np.ndarray, b: np.ndarray, eps: float) -> None:
-    mean = x.mean(axis=1, keepdims=True)
-    centered = x - mean
-    var = np.mean(centered * centered, axis=1, keepdims=True)
-    np.multiply(centered, 1.0 / np.sqrt(var + np.float32(eps)), out=out)
-    out *= w
-    out += b
-
-
-def _gelu_tanh(x: np.ndarray) -> np.ndarray:
-    """GELU with the tanh approximation (PyTorch's gelu(approximate='tanh')), in place."""
-    t = x * x
-    t *= np.float32(0.044715)
-    t += np.float32(1.0)
-    t *= x
-    t *= np.float32(np.sqrt(2.0 / np.pi))
-    np.tanh(t, out=t)
-    t += np.float32(1.0)
-    x *= t
-    x *= np.float32(0.5)
-    return x

@@ -20,6 +20,9 @@ from collections.abc import Sequence
 import numpy as np
 
 STRIDE = 1 << 20  # ids per slot: the most rows one image can have
+# the image rows one model keeps (float32): 64 Gemma 3 4B images are 168 MiB, one Mistral Small image at
+# 1540 px is 62 MiB (3025 rows of 5120)
+MAX_BYTES = 512 << 20
 
 
 class ImageTable:
@@ -29,12 +32,16 @@ class ImageTable:
         base: the first image id (the embedding table's row count).
         hidden: width of a row (the language model's hidden size).
         bidirectional: an image's rows see each other both ways (Gemma 3), so passes hold images whole.
-        capacity: images kept; the oldest is dropped (a prompt that holds it again encodes it again, into a
-            new slot).
+        capacity: images kept; past it or past max_bytes of rows the oldest is dropped (a prompt that holds
+            it again encodes it again, into a new slot); the newest always stays.
     """
 
-    def __init__(self, base: int, hidden: int, bidirectional: bool = False, capacity: int = 64):
+    def __init__(
+        self, base: int, hidden: int, bidirectional: bool = False, capacity: int = 64,
+        max_bytes: int = MAX_BYTES,
+    ):
         self.base, self.hidden, self.capacity = int(base), int(hidden), int(capacity)
+        self.max_bytes = int(max_bytes)
         self.bidirectional = bidirectional
         self._slots: OrderedDict[str, int] = OrderedDict()  # content digest -> slot
         self._rows: dict[int, np.ndarray] = {}
@@ -60,10 +67,21 @@ class ImageTable:
         self._next += 1
         self._slots[digest] = slot
         self._rows[slot] = rows
-        while len(self._slots) > self.capacity:
+        while len(self._slots) > 1 and (len(self._slots) > self.capacity or self.nbytes > self.max_bytes):
             _, old = self._slots.popitem(last=False)
             self._rows.pop(old, None)
         return slot
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the rows held."""
+        return sum(rows.nbytes for rows in self._rows.values())
+
+    def missing(self, ids) -> int:
+        """How many of the images whose ids are in `ids` are no longer held."""
+        ids = np.asarray(ids)
+        slots = {int(v) for v in (ids[ids >= self.base] - self.base) // STRIDE}
+        return sum(slot not in self._rows for slot in slots)
 
     def ids(self, slot: int) -> list[int]:
         """The prompt ids of the image in `slot`, one a row."""

@@ -18,6 +18,9 @@ from engine.vision.tokens import ImageTable
 
 # decoded images larger than this many pixels are refused (a decompression bomb, not a photo)
 MAX_PIXELS = 100_000_000
+# CLIP's normalization, which Pixtral's and Qwen's processors use
+CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
+CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 
 
 def open_rgb(data: bytes, resize=None):
@@ -91,6 +94,44 @@ def attend_all(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
     return out.reshape(n, heads * hd)
 
 
+def rotate_half(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+    """Rotate-half RoPE of x (heads, n, head_dim) by per-patch angles (n, head_dim / 2)."""
+    half = x.shape[-1] // 2
+    a, b = x[..., :half], x[..., half:]
+    return np.ascontiguousarray(np.concatenate([a * cos - b * sin, b * cos + a * sin], axis=-1))
+
+
+def layernorm(out: np.ndarray, x: np.ndarray, w: np.ndarray, b: np.ndarray, eps: float) -> None:
+    """out = LayerNorm(x) * w + b over each row."""
+    centered = x - x.mean(axis=1, keepdims=True)
+    var = np.mean(centered * centered, axis=1, keepdims=True)
+    np.multiply(centered, 1.0 / np.sqrt(var + np.float32(eps)), out=out)
+    out *= w
+    out += b
+
+
+def rmsnorm(out: np.ndarray, x: np.ndarray, w: np.ndarray | None, eps: float) -> None:
+    """out = x / rms(x) (times w when given) over the last axis."""
+    rms = np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + np.float32(eps))
+    np.divide(x, rms, out=out)
+    if w is not None:
+        out *= w
+
+
+def gelu_tanh(x: np.ndarray) -> np.ndarray:
+    """GELU with the tanh approximation (PyTorch's gelu(approximate='tanh')), in place."""
+    t = x * x
+    t *= np.float32(0.044715)
+    t += np.float32(1.0)
+    t *= x
+    t *= np.float32(np.sqrt(2.0 / np.pi))
+    np.tanh(t, out=t)
+    t += np.float32(1.0)
+    x *= t
+    x *= np.float32(0.5)
+    return x
+
+
 def single_token(tokenizer, text: str) -> int | None:
     """The id of a special token's text, None when the vocabulary has no such token."""
     ids = tokenizer.encode(text, add_special=False)
@@ -116,6 +157,18 @@ class VisionTower:
     images: ImageTable | None = None  # the language model's, set by attach()
 
     def pixels(self, data: bytes) -> np.ndarray:
+        """(3, H, W) float32 input of an encoded image file: resized (bicubic) to the family's
+        target_size(height, width), normalized by its shape's mean and std (Gemma's towers override it).
+
+        Raises:
+            ImageInputError: not an image Pillow can read, or an absurdly large one.
+        """
+        from PIL import Image
+
+        img = open_rgb(data, lambda w, h: (self.target_size(h, w)[::-1], Image.Resampling.BICUBIC))
+        return normalized(img, self.shape.mean, self.shape.std)
+
+    def target_size(self, height: int, width: int) -> tuple[int, int]:
         raise NotImplementedError
 
     def steps(self, pixels: np.ndarray):

@@ -621,3 +621,29 @@ def test_qwen35_batched_decode_takes_each_caches_positions(q35, q35_ids):
     batch = model.forward_batch([5, 9], [with_images, text])
     np.testing.assert_allclose(batch[0], model.forward([5], a)[-1], atol=Q35_TOL)
     np.testing.assert_allclose(batch[1], model.forward([9], b)[-1], atol=Q35_TOL)
+
+
+def test_image_rows_are_kept_within_a_byte_budget():
+    table = ImageTable(base=10, hidden=4, max_bytes=3 * 8 * 4 * 4)  # three images of 8 rows
+    slots = [table.add(str(i), np.full((8, 4), i, np.float32)) for i in range(4)]
+    assert table.slot_of("0") is None and table.nbytes == 3 * 8 * 4 * 4  # the oldest went
+    assert table.missing(table.ids(slots[3]) + [10, 11]) == 1  # slot 0's ids are no longer held
+    table.add("big", np.zeros((100, 4), np.float32))  # alone over the budget: the newest always stays
+    assert table.slot_of("big") is not None and len(table._rows) == 1
+
+
+def test_a_conversation_over_the_image_budget_is_a_typed_error(lm, monkeypatch):
+    one_image = 4 * lm.model.cfg.hidden_size * 4  # 4 rows of float32
+    monkeypatch.setattr(lm.model.images, "max_bytes", one_image + 1)  # room for one image only
+    fresh = [_rgb_png(seed) for seed in (3, 4)]
+    with pytest.raises(ImageInputError, match="need more than"):
+        _prompt(lm, _messages(fresh))
+
+
+def _rgb_png(seed: int) -> bytes:
+    from PIL import Image
+
+    buf = io.BytesIO()
+    pixels = np.random.default_rng(seed).integers(0, 256, (20, 30, 3), dtype=np.uint8)
+    Image.fromarray(pixels).save(buf, "PNG")
+    return buf.getvalue()
