@@ -380,8 +380,8 @@ def _common_prefix(a: str, b: str) -> str:
     return a[:n]
 
 
-def gguf_vision(path: Path) -> Gemma3Vision | PixtralVision:
-    """The vision tower in an mmproj GGUF (llama.cpp's clip files; projector type gemma3 or pixtral).
+def gguf_vision(path: Path):
+    """The vision tower in an mmproj GGUF (llama.cpp's clip files), by its projector type (GGUF_READERS).
 
     Raises:
         ModelFormatError: not an mmproj file, or one of a projector type Hearth does not run.
@@ -391,11 +391,16 @@ def gguf_vision(path: Path) -> Gemma3Vision | PixtralVision:
     if meta.get("general.architecture") != "clip":
         raise ModelFormatError(path, "not an mmproj (clip) file")
     kind = meta.get("clip.projector_type") or meta.get("clip.vision.projector_type")
-    if kind not in ("gemma3", "pixtral"):
+    reader = GGUF_READERS.get(kind)
+    if reader is None:
         raise ModelFormatError(
-            path,
-            f"its vision projector is {kind!r}; Hearth runs Gemma 3's (gemma3) and Mistral 3's (pixtral)",
+            path, f"its vision projector is {kind!r}; Hearth runs {', '.join(sorted(GGUF_READERS))}"
         )
+    return reader(path, meta, _GGUFSource(gguf))
+
+
+def clip_key(path: Path, meta: dict):
+    """key(name, default) -> metadata clip.vision.<name>; a missing key without a default is a format error."""
 
     def key(name, default=None):
         value = meta.get(f"clip.vision.{name}", default)
@@ -403,31 +408,41 @@ def gguf_vision(path: Path) -> Gemma3Vision | PixtralVision:
             raise ModelFormatError(path, f"clip.vision.{name} is missing")
         return value
 
-    source = _GGUFSource(gguf)
+    return key
+
+
+def clip_stats(meta: dict) -> dict:
+    """mean / std of an mmproj's image normalization, where it has them."""
     pre = {}
     for name, field in (("image_mean", "mean"), ("image_std", "std")):
         value = meta.get(f"clip.vision.{name}")
         if value is not None and len(value) == 3:
             pre[field] = tuple(float(v) for v in value)
-    if kind == "pixtral":
-        if not source.has("mm.patch_merger.weight"):
-            raise ModelFormatError(
-                path, "a pixtral mmproj without a patch merger (Pixtral 12B) is not supported"
-            )
-        shape = PixtralShape(
-            hidden=int(key("embedding_length")),
-            ff=int(key("feed_forward_length")),
-            layers=int(key("block_count")),
-            heads=int(key("attention.head_count")),
-            patch=int(key("patch_size")),
-            longest_edge=int(key("image_size")),
-            text_hidden=int(source.shape("mm.1.weight")[0]),
-            merge=int(meta.get("clip.vision.spatial_merge_size", 2)),
-            act="gelu" if meta.get("clip.use_gelu") and not meta.get("clip.use_silu") else "silu",
-            projector_eps=float(key("attention.layer_norm_epsilon", 1e-5)),
-            **pre,
-        )
-        return PixtralVision(shape, source, path)
+    return pre
+
+
+def _pixtral_gguf(path: Path, meta: dict, source) -> PixtralVision:
+    key = clip_key(path, meta)
+    if not source.has("mm.patch_merger.weight"):
+        raise ModelFormatError(path, "a pixtral mmproj without a patch merger (Pixtral 12B) is not supported")
+    shape = PixtralShape(
+        hidden=int(key("embedding_length")),
+        ff=int(key("feed_forward_length")),
+        layers=int(key("block_count")),
+        heads=int(key("attention.head_count")),
+        patch=int(key("patch_size")),
+        longest_edge=int(key("image_size")),
+        text_hidden=int(source.shape("mm.1.weight")[0]),
+        merge=int(meta.get("clip.vision.spatial_merge_size", 2)),
+        act="gelu" if meta.get("clip.use_gelu") and not meta.get("clip.use_silu") else "silu",
+        projector_eps=float(key("attention.layer_norm_epsilon", 1e-5)),
+        **clip_stats(meta),
+    )
+    return PixtralVision(shape, source, path)
+
+
+def _gemma3_gguf(path: Path, meta: dict, source) -> Gemma3Vision:
+    key = clip_key(path, meta)
     encoder = SiglipShape(
         hidden=int(key("embedding_length")),
         ff=int(key("feed_forward_length")),
@@ -443,4 +458,8 @@ def gguf_vision(path: Path) -> Gemma3Vision | PixtralVision:
     pool = int(meta.get("clip.vision.projector.scale_factor", 4))  # llama.cpp's default for Gemma 3
     if side % pool:
         raise ModelFormatError(path, f"a {side}-patch side does not pool by {pool}")
-    return Gemma3Vision(Gemma3VisionShape(encoder, int(text_hidden), pool, **pre), source, path)
+    return Gemma3Vision(Gemma3VisionShape(encoder, int(text_hidden), pool, **clip_stats(meta)), source, path)
+
+
+# mmproj projector type (clip.projector_type) -> reader(path, metadata, weight source) -> tower
+GGUF_READERS = {"gemma3": _gemma3_gguf, "pixtral": _pixtral_gguf}
