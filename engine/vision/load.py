@@ -400,7 +400,7 @@ def gguf_vision(path: Path):
 
 
 def clip_key(path: Path, meta: dict):
-    """key(name, default) -> metadata clip.vision.<name>; a missing key without a default is a format error."""
+    """key(name, default) -> clip.vision.<name>; a missing key without a default is a format error."""
 
     def key(name, default=None):
         value = meta.get(f"clip.vision.{name}", default)
