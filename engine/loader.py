@@ -185,13 +185,13 @@ def load_model(path: str | Path) -> LoadedModel:
         load_s=time.perf_counter() - t0,
         file_size=path.stat().st_size,
     )
-    _attach_vision(lm, lambda: _gguf_vision(path))
+    _attach_vision(lm, lambda: _gguf_vision(path, metadata))
     return lm
 
 
-def _gguf_vision(path: Path):
-    """The tower in the mmproj file beside a GGUF model, None without one."""
+def _gguf_vision(path: Path, metadata: dict):
+    """The tower in the mmproj file beside a GGUF model (whose metadata is given), None without one."""
     from engine.vision.load import find_mmproj, gguf_vision
 
     mmproj = find_mmproj(path)
-    return gguf_vision(mmproj) if mmproj is not None else None
+    return gguf_vision(mmproj, metadata) if mmproj is not None else None

@@ -387,11 +387,10 @@ def _model_shape(path: Path) -> tuple[int, memory_guard.KVShape]:
         return weights, memory_guard.kv_shape_from_config(cfg)
     with open_gguf(path) as gguf:
         weights = path.stat().st_size
-        if gguf.metadata.get("general.architecture") == "gemma3":  # its vision tower, when one is beside it
-            from engine.vision.load import find_mmproj
+        from engine.vision.load import find_mmproj  # its vision tower, when one is beside it
 
-            mmproj = find_mmproj(path)
-            weights += mmproj.stat().st_size if mmproj is not None else 0
+        mmproj = find_mmproj(path)
+        weights += mmproj.stat().st_size if mmproj is not None else 0
         return weights, memory_guard.kv_shape_from_gguf(gguf.metadata, str(path))
 
 

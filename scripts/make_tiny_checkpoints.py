@@ -421,6 +421,18 @@ MULTIMODAL = {
              num_position_embeddings=16),
         dict(image_token_id=317, vision_start_token_id=318, vision_end_token_id=319, video_token_id=316),
     ),
+    # Qwen3.5-MoE with the same vision tower (Qwen3_5MoeForConditionalGeneration): qwen3_5-vision's tower and
+    # M-RoPE over qwen3_5_moe's text layers; golden_vision.json as qwen3_5-vision's
+    "qwen3_5_moe-vision": (
+        transformers.Qwen3_5MoeConfig,
+        dict(FAMILIES["qwen3_5_moe"][1], model_type="qwen3_5_moe_text", head_dim=32,
+             rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5,
+                                  mrope_section=[3, 3, 2], mrope_interleaved=True)),
+        dict(model_type="qwen3_5_moe_vision", depth=2, hidden_size=32, intermediate_size=64, num_heads=2,
+             patch_size=4, temporal_patch_size=2, spatial_merge_size=2, out_hidden_size=64,
+             num_position_embeddings=16),
+        dict(image_token_id=317, vision_start_token_id=318, vision_end_token_id=319, video_token_id=316),
+    ),
     "ministral3-mm": (
         transformers.Mistral3Config,
         dict(FAMILIES["ministral3"][1], model_type="ministral3"),
@@ -600,7 +612,7 @@ def write_family(name: str, out: Path) -> None:
         write_mistral3_vision_golden(ref, folder)
     if name == "gemma4-vision":
         write_gemma4_vision_golden(ref, folder)
-    if name == "qwen3_5-vision":
+    if name in ("qwen3_5-vision", "qwen3_5_moe-vision"):
         write_qwen35_vision_golden(ref, folder)
     size = sum(f.stat().st_size for f in folder.iterdir())
     print(f"wrote {folder} ({size:,} bytes)")

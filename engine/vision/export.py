@@ -1,21 +1,24 @@
 """Writing a Hugging Face folder's vision tower as an mmproj GGUF, as llama.cpp names and lays it out.
 
-`hearth convert` of a Gemma 3 or Mistral 3 multimodal folder to GGUF writes the language model as usual and,
-beside it, mmproj-<name>-f16.gguf (general.architecture "clip", clip.projector_type "gemma3" or "pixtral",
-clip.vision.* sizes; the matrices and the patch embedding F16, norms, biases and the position table F32,
-Gemma's soft_emb_norm stored as 1 + w), which Hearth (engine.vision.load) and llama.cpp read back.
+`hearth convert` of a Gemma 3, Mistral 3 or Qwen3.5 (dense or MoE) multimodal folder to GGUF writes the
+language model as usual and, beside it, mmproj-<name>-f16.gguf (general.architecture "clip",
+clip.projector_type "gemma3", "pixtral" or "qwen3vl_merger", clip.vision.* sizes; the matrices and the patch
+embedding F16, norms, biases and the position table F32, Gemma's soft_emb_norm stored as 1 + w), which Hearth
+(engine.vision.load) and llama.cpp read back.
 """
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import numpy as np
 
 from engine.quant.gguf_writer import GGUFWriter
 from engine.vision.gemma4 import Gemma4Vision
-from engine.vision.load import _HFSource, hf_vision, mmproj_name
+from engine.vision.load import _HFSource, hf_vision, mmproj_name, qwen35_name
 from engine.vision.pixtral import PixtralVision
+from engine.vision.qwen35 import Qwen35Vision
 from engine.weights import float32_of
 
 F32, F16 = 0, 1
@@ -28,12 +31,14 @@ def mmproj_path(out_path: Path) -> Path:
 
 def write_mmproj(folder: Path, config: dict, st, out_path: Path) -> Path | None:
     """Write the folder's vision tower as an mmproj GGUF at out_path; None (nothing written) when the folder
-    has no tower Hearth runs, or one the mmproj keys cannot describe (a Pixtral with another RoPE base)."""
+    has no tower Hearth runs, or one the mmproj keys cannot describe (a Pixtral with another RoPE base, a
+    Qwen3.5 kernel over other than two frames)."""
     tower = hf_vision(folder, config, st)
     if tower is None or isinstance(tower, Gemma4Vision):  # no mmproj layout is written for Gemma 4's tower
         return None
-    source = _HFSource(st, folder)
-    names = sorted(n for n in (mmproj_name(hf) for hf in st.tensors) if n is not None)
+    rename = qwen35_name if isinstance(tower, Qwen35Vision) else mmproj_name
+    source = _HFSource(st, folder, rename)
+    names = sorted(n for n in (rename(hf) for hf in st.tensors) if n is not None)
     metadata = {
         "general.architecture": "clip",
         "general.name": folder.name,
@@ -46,11 +51,18 @@ def write_mmproj(folder: Path, config: dict, st, out_path: Path) -> Path | None:
             return None
         metadata |= _pixtral_metadata(tower.shape)
         extra = _img_break(folder, st, tower.shape.text_hidden)
+    elif isinstance(tower, Qwen35Vision):
+        if tower.shape.temporal != 2:  # llama.cpp's qwen3vl_merger holds two temporal slices of the kernel
+            return None
+        metadata |= _qwen35_metadata(tower.shape, config)
     else:
         metadata |= _gemma3_metadata(tower.shape)
     arrays = {}
     for name in names:
         values = source.floats(name, source.shape(name))  # float32 (soft_emb_norm as 1 + w)
+        if name == "v.patch_embd.weight" and values.ndim == 5:  # Qwen3.5's 3D kernel: a 2D kernel per frame
+            arrays[name + ".1"] = values[:, :, 1].astype(np.float16)
+            values = values[:, :, 0]
         keep_f16 = values.ndim >= 2 and name != "v.position_embd.weight"
         arrays[name] = values.astype(np.float16 if keep_f16 else np.float32)
     arrays |= extra
@@ -102,6 +114,31 @@ def _pixtral_metadata(shape) -> dict:
         "clip.vision.attention.layer_norm_epsilon": shape.projector_eps,  # llama.cpp's projector norm too
         "clip.vision.projection_dim": shape.text_hidden,
         "clip.vision.spatial_merge_size": shape.merge,
+        "clip.vision.image_mean": [float(v) for v in shape.mean],
+        "clip.vision.image_std": [float(v) for v in shape.std],
+    }
+
+
+def _qwen35_metadata(shape, config: dict) -> dict:
+    """llama.cpp's keys for Qwen3.5's tower (projector "qwen3vl_merger"), and the image processor's pixel
+    bounds (clip.vision.image_{min,max}_pixels), which its converter leaves to the runtime's defaults."""
+    text = config.get("text_config") or {}
+    return {
+        "clip.projector_type": "qwen3vl_merger",
+        "clip.use_gelu": True,
+        "clip.vision.image_size": math.isqrt(shape.positions) * shape.patch,
+        "clip.vision.patch_size": shape.patch,
+        "clip.vision.embedding_length": shape.hidden,
+        "clip.vision.feed_forward_length": shape.ff,
+        "clip.vision.block_count": shape.layers,
+        "clip.vision.attention.head_count": shape.heads,
+        # as llama.cpp writes it: the text model's RMSNorm epsilon (the tower's LayerNorms use 1e-6 too)
+        "clip.vision.attention.layer_norm_epsilon": float(text.get("rms_norm_eps", shape.eps)),
+        "clip.vision.projection_dim": int(text.get("hidden_size", shape.text_hidden)),
+        "clip.vision.spatial_merge_size": shape.merge,
+        "clip.vision.is_deepstack_layers": [False] * shape.layers,
+        "clip.vision.image_min_pixels": shape.min_pixels,
+        "clip.vision.image_max_pixels": shape.max_pixels,
         "clip.vision.image_mean": [float(v) for v in shape.mean],
         "clip.vision.image_std": [float(v) for v in shape.std],
     }

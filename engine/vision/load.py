@@ -172,15 +172,15 @@ class _HFSource(_Source):
 def hf_vision(
     folder: Path, config: dict, st
 ) -> Gemma3Vision | Gemma4Vision | PixtralVision | Qwen35Vision | None:
-    """The vision tower of a Gemma 3, Gemma 4, Mistral 3 or Qwen3.5 multimodal folder (None: no vision config
-    or no tower tensors)."""
+    """The vision tower of a Gemma 3, Gemma 4, Mistral 3 or Qwen3.5 (dense or MoE) multimodal folder (None: no
+    vision config or no tower tensors)."""
     vision = config.get("vision_config")
-    families = ("gemma3", "gemma4", "mistral3", "qwen3_5")
+    families = ("gemma3", "gemma4", "mistral3", "qwen3_5", "qwen3_5_moe")
     if config.get("model_type") not in families or not isinstance(vision, dict):
         return None
     if config["model_type"] == "gemma4":
         return _hf_gemma4(folder, config, vision, st)
-    if config["model_type"] == "qwen3_5":
+    if config["model_type"] in ("qwen3_5", "qwen3_5_moe"):  # one tower, beside dense or MoE text layers
         return _hf_qwen35(folder, config, vision, st)
     source = _HFSource(st, folder)
     if not source.has("v.patch_embd.weight"):
@@ -287,16 +287,35 @@ def _hf_pixtral(folder: Path, config: dict, vision: dict, source) -> PixtralVisi
     return PixtralVision(shape, source, folder)
 
 
-def _qwen35_name(hf_name: str) -> str | None:
+# Qwen3.5's tower (transformers' names after dropping "model.") -> llama.cpp's qwen3vl_merger mmproj names
+_QWEN35_NAMES = [
+    (re.compile(r"visual\.patch_embed\.proj\.(weight|bias)"), r"v.patch_embd.\1"),
+    (re.compile(r"visual\.pos_embed\.weight"), "v.position_embd.weight"),
+    (re.compile(r"visual\.blocks\.(\d+)\.norm([12])\.(weight|bias)"), r"v.blk.\1.ln\2.\3"),
+    (re.compile(r"visual\.blocks\.(\d+)\.attn\.qkv\.(weight|bias)"), r"v.blk.\1.attn_qkv.\2"),
+    (re.compile(r"visual\.blocks\.(\d+)\.attn\.proj\.(weight|bias)"), r"v.blk.\1.attn_out.\2"),
+    (re.compile(r"visual\.blocks\.(\d+)\.mlp\.linear_fc1\.(weight|bias)"), r"v.blk.\1.ffn_up.\2"),
+    (re.compile(r"visual\.blocks\.(\d+)\.mlp\.linear_fc2\.(weight|bias)"), r"v.blk.\1.ffn_down.\2"),
+    (re.compile(r"visual\.merger\.norm\.(weight|bias)"), r"v.post_ln.\1"),
+    (re.compile(r"visual\.merger\.linear_fc1\.(weight|bias)"), r"mm.0.\1"),
+    (re.compile(r"visual\.merger\.linear_fc2\.(weight|bias)"), r"mm.2.\1"),
+]
+
+
+def qwen35_name(hf_name: str) -> str | None:
+    """The mmproj name of a transformers Qwen3.5 vision tensor, None for others."""
     name = hf_name.removeprefix("model.")
-    return name if name.startswith("visual.") else None
+    for pattern, repl in _QWEN35_NAMES:
+        if pattern.fullmatch(name):
+            return pattern.sub(repl, name)
+    return None
 
 
 def _hf_qwen35(folder: Path, config: dict, vision: dict, st) -> Qwen35Vision | None:
     from engine.hf_repo import read_json
 
-    source = _HFSource(st, folder, _qwen35_name)
-    if not source.has("visual.patch_embed.proj.weight"):
+    source = _HFSource(st, folder, qwen35_name)
+    if not source.has("v.patch_embd.weight"):
         return None
     text = config.get("text_config") or {}
     rope = text.get("rope_parameters") or {}
@@ -380,8 +399,12 @@ def _common_prefix(a: str, b: str) -> str:
     return a[:n]
 
 
-def gguf_vision(path: Path):
+def gguf_vision(path: Path, text_meta: dict | None = None):
     """The vision tower in an mmproj GGUF (llama.cpp's clip files), by its projector type (GGUF_READERS).
+
+    Args:
+        path: the mmproj file.
+        text_meta: the language model's GGUF metadata (Qwen3.5's M-RoPE sections are there), if known.
 
     Raises:
         ModelFormatError: not an mmproj file, or one of a projector type Hearth does not run.
@@ -396,7 +419,7 @@ def gguf_vision(path: Path):
         raise ModelFormatError(
             path, f"its vision projector is {kind!r}; Hearth runs {', '.join(sorted(GGUF_READERS))}"
         )
-    return reader(path, meta, _GGUFSource(gguf))
+    return reader(path, meta, _GGUFSource(gguf), text_meta or {})
 
 
 def clip_key(path: Path, meta: dict):
@@ -421,7 +444,7 @@ def clip_stats(meta: dict) -> dict:
     return pre
 
 
-def _pixtral_gguf(path: Path, meta: dict, source) -> PixtralVision:
+def _pixtral_gguf(path: Path, meta: dict, source, text_meta: dict) -> PixtralVision:
     key = clip_key(path, meta)
     if not source.has("mm.patch_merger.weight"):
         raise ModelFormatError(path, "a pixtral mmproj without a patch merger (Pixtral 12B) is not supported")
@@ -441,7 +464,7 @@ def _pixtral_gguf(path: Path, meta: dict, source) -> PixtralVision:
     return PixtralVision(shape, source, path)
 
 
-def _gemma3_gguf(path: Path, meta: dict, source) -> Gemma3Vision:
+def _gemma3_gguf(path: Path, meta: dict, source, text_meta: dict) -> Gemma3Vision:
     key = clip_key(path, meta)
     encoder = SiglipShape(
         hidden=int(key("embedding_length")),
@@ -461,5 +484,39 @@ def _gemma3_gguf(path: Path, meta: dict, source) -> Gemma3Vision:
     return Gemma3Vision(Gemma3VisionShape(encoder, int(text_hidden), pool, **clip_stats(meta)), source, path)
 
 
-# mmproj projector type (clip.projector_type) -> reader(path, metadata, weight source) -> tower
-GGUF_READERS = {"gemma3": _gemma3_gguf, "pixtral": _pixtral_gguf}
+# Qwen3.5's image processor's pixel bounds, for an mmproj without clip.vision.image_{min,max}_pixels
+QWEN35_MIN_PIXELS, QWEN35_MAX_PIXELS = 256 * 256, 4096 * 4096
+
+
+def _qwen35_gguf(path: Path, meta: dict, source, text_meta: dict) -> Qwen35Vision:
+    key = clip_key(path, meta)
+    if np.any(meta.get("clip.vision.is_deepstack_layers", False)):
+        raise ModelFormatError(path, "a Qwen3-VL tower with deepstack layers is not one Hearth runs")
+    arch = text_meta.get("general.architecture")
+    sections = text_meta.get(f"{arch}.rope.dimension_sections")
+    if sections is None or len(sections) < 3:
+        raise ModelFormatError(path, "the language model beside it has no M-RoPE sections "
+                               "(rope.dimension_sections); use the mmproj with its Qwen3.5 model")
+    hidden = int(key("embedding_length"))
+    shape = Qwen35VisionShape(
+        hidden=hidden,
+        ff=int(key("feed_forward_length")),
+        layers=int(key("block_count")),
+        heads=int(key("attention.head_count")),
+        patch=int(key("patch_size")),
+        text_hidden=int(source.shape("mm.2.weight")[0]),
+        positions=int(source.shape("v.position_embd.weight")[0]),
+        mrope_section=tuple(int(v) for v in list(sections)[:3]),
+        merge=int(key("spatial_merge_size", 2)),
+        temporal=2 if source.has("v.patch_embd.weight.1") else 1,
+        min_pixels=int(key("image_min_pixels", QWEN35_MIN_PIXELS)),
+        max_pixels=int(key("image_max_pixels", QWEN35_MAX_PIXELS)),
+        eps=float(key("attention.layer_norm_epsilon", 1e-6)),
+        **clip_stats(meta),
+    )
+    return Qwen35Vision(shape, source, path)
+
+
+# mmproj projector type (clip.projector_type) -> reader(path, metadata, weight source, the language model's
+# metadata) -> tower
+GGUF_READERS = {"gemma3": _gemma3_gguf, "pixtral": _pixtral_gguf, "qwen3vl_merger": _qwen35_gguf}

@@ -140,7 +140,10 @@ class Qwen35ImageTable(ImageTable):
 
 
 class Qwen35Vision(VisionTower):
-    """Qwen3.5's vision tower over a weight source with transformers' `visual.*` names."""
+    """Qwen3.5's vision tower over a weight source with llama.cpp's mmproj names (engine.vision.load maps
+    transformers' `visual.*` onto them): v.patch_embd (the 3D convolution, or its temporal slices as
+    v.patch_embd.weight and .weight.1), v.position_embd, v.blk.N.{ln1, attn_qkv, attn_out, ln2, ffn_up,
+    ffn_down}, and the merger's norm and linears as v.post_ln, mm.0, mm.2."""
 
     bidirectional = False
 
@@ -153,10 +156,15 @@ class Qwen35Vision(VisionTower):
         side = math.isqrt(shape.positions)
         if side * side != shape.positions:
             raise ModelFormatError(source, f"num_position_embeddings {shape.positions} is not a square")
-        conv = weights.floats("visual.patch_embed.proj.weight", (d, 3, t, p, p))
-        self.patch_w = conv.sum(axis=2).reshape(d, 3 * p * p).T.copy()  # the same image in every frame
-        self.patch_b = weights.vector("visual.patch_embed.proj.bias", d)
-        self.pos_embed = weights.floats("visual.pos_embed.weight", (shape.positions, d))
+        conv = weights.floats_any("v.patch_embd.weight", (d, 3, t, p, p), (d, 3, p, p))
+        if conv.ndim == 5:
+            conv = conv.sum(axis=2)  # the same image in every frame
+        else:  # an mmproj keeps the frames' kernels apart: .weight, .weight.1
+            for i in range(1, t):
+                conv = conv + weights.floats(f"v.patch_embd.weight.{i}", (d, 3, p, p))
+        self.patch_w = conv.reshape(d, 3 * p * p).T.copy()
+        self.patch_b = weights.vector("v.patch_embd.bias", d)
+        self.pos_embed = weights.floats("v.position_embd.weight", (shape.positions, d))
         self.side = side
 
         def norm(name: str) -> tuple[np.ndarray, np.ndarray]:
@@ -164,27 +172,27 @@ class Qwen35Vision(VisionTower):
 
         self.blocks = []
         for i in range(shape.layers):
-            b = f"visual.blocks.{i}."
+            b = f"v.blk.{i}."
             self.blocks.append(
                 _Block(
-                    ln1=norm(b + "norm1"),
-                    qkv=weights.matrix(b + "attn.qkv.weight", 3 * d, d),
-                    qkv_b=weights.vector(b + "attn.qkv.bias", 3 * d),
-                    proj=weights.matrix(b + "attn.proj.weight", d, d),
-                    proj_b=weights.vector(b + "attn.proj.bias", d),
-                    ln2=norm(b + "norm2"),
-                    fc1=weights.matrix(b + "mlp.linear_fc1.weight", ff, d),
-                    fc1_b=weights.vector(b + "mlp.linear_fc1.bias", ff),
-                    fc2=weights.matrix(b + "mlp.linear_fc2.weight", d, ff),
-                    fc2_b=weights.vector(b + "mlp.linear_fc2.bias", d),
+                    ln1=norm(b + "ln1"),
+                    qkv=weights.matrix(b + "attn_qkv.weight", 3 * d, d),
+                    qkv_b=weights.vector(b + "attn_qkv.bias", 3 * d),
+                    proj=weights.matrix(b + "attn_out.weight", d, d),
+                    proj_b=weights.vector(b + "attn_out.bias", d),
+                    ln2=norm(b + "ln2"),
+                    fc1=weights.matrix(b + "ffn_up.weight", ff, d),
+                    fc1_b=weights.vector(b + "ffn_up.bias", ff),
+                    fc2=weights.matrix(b + "ffn_down.weight", d, ff),
+                    fc2_b=weights.vector(b + "ffn_down.bias", d),
                 )
             )
         wide = d * m * m
-        self.merge_ln = norm("visual.merger.norm")
-        self.merge_fc1 = weights.matrix("visual.merger.linear_fc1.weight", wide, wide)
-        self.merge_fc1_b = weights.vector("visual.merger.linear_fc1.bias", wide)
-        self.merge_fc2 = weights.matrix("visual.merger.linear_fc2.weight", shape.text_hidden, wide)
-        self.merge_fc2_b = weights.vector("visual.merger.linear_fc2.bias", shape.text_hidden)
+        self.merge_ln = norm("v.post_ln")
+        self.merge_fc1 = weights.matrix("mm.0.weight", wide, wide)
+        self.merge_fc1_b = weights.vector("mm.0.bias", wide)
+        self.merge_fc2 = weights.matrix("mm.2.weight", shape.text_hidden, wide)
+        self.merge_fc2_b = weights.vector("mm.2.bias", shape.text_hidden)
         quarter = shape.head_dim // 2  # frequencies per axis: half of the head's pairs
         self.inv_freq = 1.0 / shape.rope_theta ** (np.arange(0, quarter, 2, dtype=np.float64) / quarter)
         self._grids: dict[str, tuple[int, int]] = {}  # image digest -> merged (rows, columns)

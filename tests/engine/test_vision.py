@@ -502,6 +502,7 @@ Q35_GOLDEN = json.loads((Q35 / "golden_vision.json").read_text())
 Q35_REF = np.array(Q35_GOLDEN["logits"])
 Q35_TOL = 1e-4 * np.abs(Q35_REF).max()
 Q35_IMAGES = [(Q35 / name).read_bytes() for name in Q35_GOLDEN["images"]]
+Q35MOE = TINY / "qwen3_5_moe-vision"  # Qwen3.5-MoE's text layers with the same tower
 
 
 def _q35_messages(images=Q35_IMAGES) -> list[dict]:
@@ -574,6 +575,67 @@ def test_qwen35_index_positions_would_not_match(q35, q35_ids, monkeypatch):
     assert np.abs(logits - Q35_REF).max() > 10 * Q35_TOL
 
 
+def test_qwen35_moe_rows_prompt_logits_and_greedy_match_transformers():
+    """Qwen3.5-MoE (tests/fixtures/tiny/qwen3_5_moe-vision): the same tower and M-RoPE, MoE text layers."""
+    from engine.vision.qwen35 import Qwen35Vision
+
+    golden = json.loads((Q35MOE / "golden_vision.json").read_text())
+    images = [(Q35MOE / name).read_bytes() for name in golden["images"]]
+    lm = load_model(Q35MOE)
+    assert isinstance(lm.vision, Qwen35Vision)
+    for data, ref in zip(images, golden["image_rows"], strict=True):
+        ref = np.array(ref)
+        rows = lm.vision.encode(lm.vision.pixels(data))
+        np.testing.assert_allclose(rows, ref, atol=1e-4 * np.abs(ref).max())
+    ids = _prompt(lm, _with_images(golden, images))
+    assert [IMAGE_TOKEN if t >= lm.model.images.base else t for t in ids] == golden["tokens"]
+    ref = np.array(golden["logits"])
+    tol = 1e-4 * np.abs(ref).max()
+    np.testing.assert_allclose(lm.model.forward(ids, lm.model.new_cache(256), all_logits=True), ref, atol=tol)
+    last, _ = prefill(lm.model, lm.model.new_cache(256), ids, 7)  # passes that cut images
+    np.testing.assert_allclose(last, ref[-1], atol=tol)
+    params = GenerationParams(max_tokens=8, temperature=0.0)
+    out = [e.token for e in generate(lm.model, lm.tokenizer, ids, lm.model.new_cache(256), params)
+           if e.token is not None]
+    assert out == golden["greedy"]
+
+
+@pytest.mark.parametrize("folder", [Q35, Q35MOE], ids=["dense", "moe"])
+def test_qwen35_gguf_with_its_mmproj_matches_transformers(tmp_path, folder):
+    """The mmproj as llama.cpp's converter writes Qwen3.5's (projector qwen3vl_merger, the 3D patch kernel as
+    two 2D ones, the merger as v.post_ln, mm.0, mm.2), read back beside the F16 GGUF."""
+    from models.formats.gguf import open_gguf
+
+    golden = json.loads((folder / "golden_vision.json").read_text())
+    out = convert(folder, "F16", tmp_path / "q35.gguf")
+    assert out.mmproj == tmp_path / "mmproj-q35-f16.gguf"
+    with open_gguf(out.mmproj) as gguf:
+        meta, tensors = gguf.metadata, gguf.tensors
+        assert meta["general.architecture"] == "clip" and meta["clip.projector_type"] == "qwen3vl_merger"
+        assert meta["clip.use_gelu"] and meta["clip.has_vision_encoder"]
+        assert meta["clip.vision.spatial_merge_size"] == 2 and meta["clip.vision.image_size"] == 16
+        assert list(meta["clip.vision.is_deepstack_layers"]) == [False, False]
+        assert (meta["clip.vision.image_min_pixels"], meta["clip.vision.image_max_pixels"]) == (256, 1920)
+        for key in ("patch_size", "embedding_length", "feed_forward_length", "block_count", "projection_dim",
+                    "attention.head_count", "attention.layer_norm_epsilon", "image_mean", "image_std"):
+            assert f"clip.vision.{key}" in meta
+        assert tuple(tensors["v.patch_embd.weight"].shape) == tuple(tensors["v.patch_embd.weight.1"].shape)
+        for name in ("v.patch_embd.bias", "v.position_embd.weight", "v.blk.1.attn_qkv.weight",
+                     "v.blk.1.attn_qkv.bias", "v.blk.1.attn_out.weight", "v.blk.1.ln1.weight",
+                     "v.blk.1.ln2.bias", "v.blk.1.ffn_up.weight", "v.blk.1.ffn_down.bias", "v.post_ln.weight",
+                     "mm.0.weight", "mm.2.bias"):
+            assert name in tensors, name
+        assert not any(n.startswith("v.deepstack") for n in tensors)
+    lm = load_model(out.output)
+    assert lm.vision is not None and not lm.vision_notice
+    ids = _prompt(lm, _with_images(golden, [(folder / name).read_bytes() for name in golden["images"]]))
+    ref = np.array(golden["logits"])
+    logits = lm.model.forward(ids, lm.model.new_cache(256), all_logits=True)
+    print(f"{folder.name}: max |logit - golden| {np.abs(logits - ref).max():.3g}, max |golden| "
+          f"{np.abs(ref).max():.3g}")
+    np.testing.assert_allclose(logits, ref, atol=1e-4 * np.abs(ref).max())
+
+
 @pytest.mark.parametrize("chunk", [3, 7, 40, 256])
 def test_qwen35_chunked_prefill_matches_one_pass(q35, q35_ids, chunk):
     cache = q35.model.new_cache(256)
@@ -581,19 +643,22 @@ def test_qwen35_chunked_prefill_matches_one_pass(q35, q35_ids, chunk):
     np.testing.assert_allclose(last, Q35_REF[-1], atol=Q35_TOL)
 
 
-def test_qwen35_second_chat_turn_equals_a_fresh_run():
+@pytest.mark.parametrize("folder", [Q35, Q35MOE], ids=["dense", "moe"])
+def test_qwen35_second_chat_turn_equals_a_fresh_run(folder):
+    golden = json.loads((folder / "golden_vision.json").read_text())
+    messages = _with_images(golden, [(folder / name).read_bytes() for name in golden["images"]])
     params = GenerationParams(max_tokens=6, temperature=0.0)
-    runner = ChatRunner.load(Q35, LoadOptions(n_ctx=256, batch_size=16, prefix_cache_mb=0))
+    runner = ChatRunner.load(folder, LoadOptions(n_ctx=256, batch_size=16, prefix_cache_mb=0))
     assert runner.info.vision
-    first = list(runner.chat(_q35_messages(), params))
-    assert [e.token for e in first if e.token is not None] == Q35_GOLDEN["greedy"][:6]
+    first = list(runner.chat(messages, params))
+    assert [e.token for e in first if e.token is not None] == golden["greedy"][:6]
     reply = "".join(e.text for e in first)
-    follow = _q35_messages() + [{"role": "assistant", "content": reply},
-                                {"role": "user", "content": "and the first one?"}]
+    follow = messages + [{"role": "assistant", "content": reply},
+                         {"role": "user", "content": "and the first one?"}]
     second = list(runner.chat(follow, params))
     start = runner.lm.model.images.runs(np.array(runner.cache.tokens))[-1][1]
     assert second[-1].cached_tokens >= start  # both images came from the cache
-    fresh = ChatRunner.load(Q35, LoadOptions(n_ctx=256, batch_size=16, prefix_cache_mb=0))
+    fresh = ChatRunner.load(folder, LoadOptions(n_ctx=256, batch_size=16, prefix_cache_mb=0))
     alone = list(fresh.chat(follow, params))
     tokens = [e.token for e in second if e.token is not None]
     assert tokens == [e.token for e in alone if e.token is not None] and len(tokens) == 6
