@@ -398,6 +398,15 @@ MULTIMODAL = {
              standardize=True),
         dict(audio_config=None, image_token_id=317, boi_token_id=318, eoi_token_id=319),
     ),
+    # the same as E2B / E4B ship it: use_bidirectional_attention unset, so image rows attend causally
+    "gemma4-vision-causal": (
+        transformers.Gemma4Config,
+        dict(FAMILIES["gemma4"][1], model_type="gemma4_text", max_position_embeddings=512),
+        dict(_VISION, model_type="gemma4_vision", head_dim=16, num_key_value_heads=2, patch_size=4,
+             num_hidden_layers=2, pooling_kernel_size=2, position_embedding_size=64, use_clipped_linears=True,
+             standardize=True),
+        dict(audio_config=None, image_token_id=317, boi_token_id=318, eoi_token_id=319),
+    ),
     # Mistral Small 3.1-style: a Pixtral tower (2D RoPE, gated MLP), patches merged 2x2, a GELU projector;
     # golden_vision.json holds a prompt with two images of different sizes
     "mistral3-vision": (
@@ -610,7 +619,7 @@ def write_family(name: str, out: Path) -> None:
         write_vision_golden(ref, folder)
     if name == "mistral3-vision":
         write_mistral3_vision_golden(ref, folder)
-    if name == "gemma4-vision":
+    if name in ("gemma4-vision", "gemma4-vision-causal"):
         write_gemma4_vision_golden(ref, folder)
     if name in ("qwen3_5-vision", "qwen3_5_moe-vision"):
         write_qwen35_vision_golden(ref, folder)

@@ -712,3 +712,19 @@ def _rgb_png(seed: int) -> bytes:
     pixels = np.random.default_rng(seed).integers(0, 256, (20, 30, 3), dtype=np.uint8)
     Image.fromarray(pixels).save(buf, "PNG")
     return buf.getvalue()
+
+
+def test_gemma4_causal_images_as_e2b_and_e4b_ship_match_transformers():
+    """Gemma 4 without use_bidirectional_attention (E2B, E4B): image rows attend causally everywhere
+    (tests/fixtures/tiny/gemma4-vision-causal, the same tower and text model as gemma4-vision)."""
+    folder = TINY / "gemma4-vision-causal"
+    golden = json.loads((folder / "golden_vision.json").read_text())
+    ref = np.array(golden["logits"])
+    lm = load_model(folder)
+    assert lm.vision is not None and not lm.model.images.bidirectional
+    ids = _prompt(lm, _with_images(golden, [(folder / name).read_bytes() for name in golden["images"]]))
+    assert [IMAGE_TOKEN if t >= lm.model.images.base else t for t in ids] == golden["tokens"]
+    np.testing.assert_allclose(lm.model.forward(ids, lm.model.new_cache(512), all_logits=True), ref,
+                               atol=1e-4 * np.abs(ref).max())
+    last, _ = prefill(lm.model, lm.model.new_cache(512), ids, 5)  # passes may cut images here
+    np.testing.assert_allclose(last, ref[-1], atol=1e-4 * np.abs(ref).max())
