@@ -326,7 +326,7 @@ class LibraryWindow(QWidget):
             try:
                 lib = Library()
                 lib.register_starters()
-                entries = [(e, bool(e.vision_towers)) for e in lib.entries() if e.exists]
+                entries = [(e, e.reads_images) for e in lib.entries() if e.exists]
             except HearthError:
                 entries = []
             self.relay.local.emit(entries)

@@ -60,6 +60,10 @@ CREATE INDEX IF NOT EXISTS models_repo_file ON models (repo, file);
 """
 
 
+# Hugging Face model types whose folders carry a vision tower the engine runs (engine.vision.load's
+# VISION_MODEL_TYPES; a test keeps the two the same, as models/ never imports engine/)
+VISION_MODEL_TYPES = ("gemma3", "gemma4", "mistral3", "qwen3_5", "qwen3_5_moe")
+
 @dataclass(frozen=True)
 class ModelEntry:
     """One indexed model: a .gguf file (first part of a split set) or a safetensors folder/file."""
@@ -89,6 +93,19 @@ class ModelEntry:
     def vision_towers(self) -> list[Path]:
         """The vision towers (mmproj GGUFs) beside a GGUF model; the engine reads images with one of them."""
         return mmprojs_in(Path(self.path).parent) if self.format == "gguf" else []
+
+    @property
+    def reads_images(self) -> bool:
+        """Whether the engine can read images with this model: a GGUF with a vision tower beside it, or a
+        Hugging Face folder of a vision family (VISION_MODEL_TYPES) with its vision config."""
+        if self.format == "gguf":
+            return bool(self.vision_towers)
+        try:
+            config = json.loads((Path(self.path) / "config.json").read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return False
+        return (isinstance(config, dict) and config.get("model_type") in VISION_MODEL_TYPES
+                and isinstance(config.get("vision_config"), dict))
 
     @property
     def name(self) -> str:

@@ -87,6 +87,10 @@ def _gemma4_name(hf_name: str) -> str | None:
     return None
 
 
+# model types whose Hugging Face folders' vision towers hf_vision runs (models.library keeps a copy)
+VISION_MODEL_TYPES = ("gemma3", "gemma4", "mistral3", "qwen3_5", "qwen3_5_moe")
+
+
 def mmproj_name(hf_name: str) -> str | None:
     """The mmproj name of a transformers vision tensor, None for others (the language model, SigLIP's
     pooling head, which Gemma 3 does not use)."""
@@ -175,8 +179,7 @@ def hf_vision(
     """The vision tower of a Gemma 3, Gemma 4, Mistral 3 or Qwen3.5 (dense or MoE) multimodal folder (None: no
     vision config or no tower tensors)."""
     vision = config.get("vision_config")
-    families = ("gemma3", "gemma4", "mistral3", "qwen3_5", "qwen3_5_moe")
-    if config.get("model_type") not in families or not isinstance(vision, dict):
+    if config.get("model_type") not in VISION_MODEL_TYPES or not isinstance(vision, dict):
         return None
     if config["model_type"] == "gemma4":
         return _hf_gemma4(folder, config, vision, st)

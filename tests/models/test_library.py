@@ -250,3 +250,15 @@ def test_resolve_a_folder_with_a_model_and_its_tower(tmp_path):
     model = write_gguf(tmp_path / "g" / "g-Q4_K_M.gguf", arch="gemma3")
     write_gguf(tmp_path / "g" / "mmproj-f16.gguf", arch="clip")
     assert resolve_model(str(tmp_path / "g")) == model
+
+
+def test_vision_folders_are_marked_as_reading_images(lib):
+    """A Hugging Face folder of a vision family with its vision config reads images; a text folder does not.
+    The list of families is the engine's (models/ cannot import engine/)."""
+    from engine.vision.load import VISION_MODEL_TYPES
+
+    assert library.VISION_MODEL_TYPES == VISION_MODEL_TYPES
+    tiny = Path(__file__).resolve().parents[1] / "fixtures" / "tiny"
+    (vision,) = lib.import_path(tiny / "gemma3-vision")
+    (text,) = lib.import_path(tiny / "gemma3")
+    assert vision.reads_images and not text.reads_images
