@@ -55,6 +55,7 @@ _FAMILIES = {
     "qwen3_5_moe_text": "qwen35moe",  # Qwen3.5-MoE (35B-A3B, 122B-A10B, ...)
     "qwen2": "qwen2",
     "qwen3": "qwen3",
+    "qwen3_vl_text": "qwen3",  # Qwen3-VL's language model: Qwen3 with M-RoPE (text-only: plain RoPE)
     "phi3": "phi3",
     "gemma3_text": "gemma3",
     "gemma2": "gemma2",

@@ -16,6 +16,7 @@ _MULTIMODAL = {
     "mistral3": "mistral",
     "qwen3_5": "qwen3_5_text",
     "qwen3_5_moe": "qwen3_5_moe_text",
+    "qwen3_vl": "qwen3_vl_text",
 }
 # transformers' defaults (Gemma3TextConfig, Ministral3Config) for what a text_config may leave out
 _TEXT_DEFAULTS: dict[str, dict[str, Any]] = {

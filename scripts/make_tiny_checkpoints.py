@@ -442,6 +442,20 @@ MULTIMODAL = {
              num_position_embeddings=16),
         dict(image_token_id=317, vision_start_token_id=318, vision_end_token_id=319, video_token_id=316),
     ),
+    # Qwen3-VL (Qwen3VLForConditionalGeneration): qwen3_5-vision's tower with deepstack mergers after blocks 0
+    # and 1 of 3, whose rows join the image rows after text layers 0 and 1 (of 2); Qwen3 text layers with
+    # M-RoPE (interleaved sections, every axis in use); golden_vision.json as qwen3_5-vision's
+    "qwen3_vl-vision": (
+        transformers.Qwen3VLConfig,
+        dict(model_type="qwen3_vl_text", head_dim=16, pad_token_id=0,
+             rope_parameters=dict(rope_type="default", rope_theta=10000.0, mrope_section=[3, 3, 2],
+                                  mrope_interleaved=True)),
+        dict(model_type="qwen3_vl_vision", depth=3, hidden_size=32, intermediate_size=64, num_heads=2,
+             patch_size=4, temporal_patch_size=2, spatial_merge_size=2, out_hidden_size=64,
+             num_position_embeddings=16, deepstack_visual_indexes=[0, 1]),
+        dict(image_token_id=317, vision_start_token_id=318, vision_end_token_id=319, video_token_id=316,
+             tie_word_embeddings=False),
+    ),
     "ministral3-mm": (
         transformers.Mistral3Config,
         dict(FAMILIES["ministral3"][1], model_type="ministral3"),
@@ -621,7 +635,7 @@ def write_family(name: str, out: Path) -> None:
         write_mistral3_vision_golden(ref, folder)
     if name in ("gemma4-vision", "gemma4-vision-causal"):
         write_gemma4_vision_golden(ref, folder)
-    if name in ("qwen3_5-vision", "qwen3_5_moe-vision"):
+    if name in ("qwen3_5-vision", "qwen3_5_moe-vision", "qwen3_vl-vision"):
         write_qwen35_vision_golden(ref, folder)
     size = sum(f.stat().st_size for f in folder.iterdir())
     print(f"wrote {folder} ({size:,} bytes)")
@@ -824,7 +838,8 @@ def write_qwen35_vision_golden(ref, folder: Path) -> None:
     template writes <|vision_start|><|image_pad|><|vision_end|>; the pad becomes one per merged row), the
     patches from transformers' PIL image processor (smart_resize to multiples of 8 px within 256 .. 1920
     pixels, bicubic), then the logits at every position, 8 greedy tokens and each image's merged rows, from
-    Qwen3_5ForConditionalGeneration with the image rows marked in mm_token_type_ids (M-RoPE positions)."""
+    Qwen3_5ForConditionalGeneration with the image rows marked in mm_token_type_ids (M-RoPE positions).
+    Qwen3-VL's (Qwen3VLForConditionalGeneration) the same, with each image's deepstack rows too."""
     import jinja2
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
@@ -854,7 +869,9 @@ def write_qwen35_vision_golden(ref, folder: Path) -> None:
         greedy = ref.generate(input_ids=input_ids, **kw, max_new_tokens=8, do_sample=False, eos_token_id=None,
                               pad_token_id=0)
         greedy = greedy[0, len(ids) :]
-        rows = ref.model.get_image_features(pixels, grids).pooler_output
+        features = ref.model.get_image_features(pixels, grids)
+        rows = features.pooler_output
+        deepstack = getattr(features, "deepstack_features", None) or []  # per merger: per image
     golden = {
         "generator": f"transformers {transformers.__version__}, torch {torch.__version__}",
         "messages": VISION_MESSAGES,
@@ -865,6 +882,8 @@ def write_qwen35_vision_golden(ref, folder: Path) -> None:
         "logits": [[round(float(v), 5) for v in row] for row in logits],
         "greedy": [int(t) for t in greedy],
         "image_rows": [[[round(float(v), 5) for v in r] for r in image] for image in rows],
+        **({"deepstack_rows": [[[[round(float(v), 5) for v in r] for r in image] for image in level]
+                               for level in deepstack]} if deepstack else {}),
         "pixels": [[round(float(v), 5) for v in row] for row in pixels[:4]],
     }
     (folder / "golden_vision.json").write_text(json.dumps(golden))

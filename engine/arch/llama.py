@@ -440,8 +440,8 @@ class LlamaModel(Decoder):
     # the images this model can embed (engine.vision.tokens.ImageTable), set by a vision tower's attach()
     # (Mistral 3's Pixtral)
     images = None
-    # Qwen3.5 with its vision tower: (3, rotary pairs) masks of the pairs M-RoPE turns by t, h, w (set by the
-    # tower's attach(); its table gives the positions: engine.vision.qwen35)
+    # Qwen3.5 and Qwen3-VL with their vision tower: (3, rotary pairs) masks of the pairs M-RoPE turns by t, h,
+    # w (set by the tower's attach(); its table gives the positions: engine.vision.qwen35)
     mrope = None
 
     def __init__(self, cfg: LlamaConfig, weights):
@@ -687,8 +687,10 @@ class LlamaModel(Decoder):
         """
         cfg = self.cfg
         inv_freq = self.inv_freq if inv_freq is None else inv_freq
+        images = self.images is not None and tokens.max() >= self.images.base
+        # Qwen3-VL: the tower's deepstack sets join the pass's image rows after the first layers
+        stack = getattr(self.images, "deepstack", 0) if images else 0
         if hidden is None:
-            images = self.images is not None and tokens.max() >= self.images.base
             text = np.where(tokens >= self.images.base, 0, tokens) if images else tokens
             ops.get_rows(s.x, self.token_embd, text)
             if cfg.embedding_multiplier != 1.0:
@@ -698,7 +700,6 @@ class LlamaModel(Decoder):
         else:
             s.x[:] = hidden
         residual = np.float32(cfg.residual_multiplier)
-        capture = self.capture
         for i, layer in enumerate(self.layers[first:], first):
             _pre_norm(s.h, s.x, layer.attn_norm, cfg.rms_norm_eps)
             if layer.conv is not None:  # LFM2: out_proj(C * conv(B * x))
@@ -718,20 +719,26 @@ class LlamaModel(Decoder):
             _pre_norm(s.h, s.x, layer.ffn_norm, cfg.rms_norm_eps)
             if layer.moe is not None:
                 moe_forward(s.o, s.h, layer.moe, cfg)
-                _add_residual(s.x, s.o, residual)
-                continue
-            if capture is not None:
-                capture(i, "ffn_up", s.h)
-            gate, up = (s.gate, s.up) if layer.w_gate.rows == s.gate.shape[1] else (s.dense_gate, s.dense_up)
-            ops.linear(gate, layer.w_gate, s.h)
-            ops.linear(up, layer.w_up, s.h)
-            ops.silu_mul(gate, gate, up)
-            if capture is not None:
-                capture(i, "ffn_down", gate)
-            ops.linear(s.o, layer.w_down, gate)
-            if layer.post_ffn_norm is not None:
-                ops.rmsnorm(s.o, s.o, layer.post_ffn_norm, cfg.rms_norm_eps)
+            else:
+                self._dense_ffn(s, i, layer)
             _add_residual(s.x, s.o, residual)
+            if i < stack:
+                self.images.add_deepstack(s.x, tokens, i)
+
+    def _dense_ffn(self, s: Scratch, i: int, layer: LlamaLayer) -> None:
+        """Layer i's gated FFN: s.h, the normed input, -> s.o (after any output norm)."""
+        cfg, capture = self.cfg, self.capture
+        if capture is not None:
+            capture(i, "ffn_up", s.h)
+        gate, up = (s.gate, s.up) if layer.w_gate.rows == s.gate.shape[1] else (s.dense_gate, s.dense_up)
+        ops.linear(gate, layer.w_gate, s.h)
+        ops.linear(up, layer.w_up, s.h)
+        ops.silu_mul(gate, gate, up)
+        if capture is not None:
+            capture(i, "ffn_down", gate)
+        ops.linear(s.o, layer.w_down, gate)
+        if layer.post_ffn_norm is not None:
+            ops.rmsnorm(s.o, s.o, layer.post_ffn_norm, cfg.rms_norm_eps)
 
     def _recurrent_mix(self, i: int, projections, conv_state: np.ndarray, state: np.ndarray) -> np.ndarray:
         """Layer i's DeltaNet or Mamba-2 over one sequence's projections (deltanet.project's or

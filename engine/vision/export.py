@@ -54,6 +54,8 @@ def write_mmproj(folder: Path, config: dict, st, out_path: Path) -> Path | None:
     elif isinstance(tower, Qwen35Vision):
         if tower.shape.temporal != 2:  # llama.cpp's qwen3vl_merger holds two temporal slices of the kernel
             return None
+        if tower.shape.deepstack:  # Qwen3-VL's deepstack mergers: no mmproj layout is written for them
+            return None
         metadata |= _qwen35_metadata(tower.shape, config)
     else:
         metadata |= _gemma3_metadata(tower.shape)

@@ -88,7 +88,7 @@ def _gemma4_name(hf_name: str) -> str | None:
 
 
 # model types whose Hugging Face folders' vision towers hf_vision runs (models.library keeps a copy)
-VISION_MODEL_TYPES = ("gemma3", "gemma4", "mistral3", "qwen3_5", "qwen3_5_moe")
+VISION_MODEL_TYPES = ("gemma3", "gemma4", "mistral3", "qwen3_5", "qwen3_5_moe", "qwen3_vl")
 
 
 def mmproj_name(hf_name: str) -> str | None:
@@ -176,14 +176,14 @@ class _HFSource(_Source):
 def hf_vision(
     folder: Path, config: dict, st
 ) -> Gemma3Vision | Gemma4Vision | PixtralVision | Qwen35Vision | None:
-    """The vision tower of a Gemma 3, Gemma 4, Mistral 3 or Qwen3.5 (dense or MoE) multimodal folder (None: no
-    vision config or no tower tensors)."""
+    """The vision tower of a Gemma 3, Gemma 4, Mistral 3, Qwen3.5 (dense or MoE) or Qwen3-VL (dense)
+    multimodal folder (None: no vision config or no tower tensors)."""
     vision = config.get("vision_config")
     if config.get("model_type") not in VISION_MODEL_TYPES or not isinstance(vision, dict):
         return None
     if config["model_type"] == "gemma4":
         return _hf_gemma4(folder, config, vision, st)
-    if config["model_type"] in ("qwen3_5", "qwen3_5_moe"):  # one tower, beside dense or MoE text layers
+    if config["model_type"] in ("qwen3_5", "qwen3_5_moe", "qwen3_vl"):  # Qwen3-VL's adds deepstack mergers
         return _hf_qwen35(folder, config, vision, st)
     source = _HFSource(st, folder)
     if not source.has("v.patch_embd.weight"):
@@ -302,11 +302,15 @@ _QWEN35_NAMES = [
     (re.compile(r"visual\.merger\.norm\.(weight|bias)"), r"v.post_ln.\1"),
     (re.compile(r"visual\.merger\.linear_fc1\.(weight|bias)"), r"mm.0.\1"),
     (re.compile(r"visual\.merger\.linear_fc2\.(weight|bias)"), r"mm.2.\1"),
+    # Qwen3-VL's deepstack mergers (Hearth's names; no mmproj is written or read for them)
+    (re.compile(r"visual\.deepstack_merger_list\.(\d+)\.norm\.(weight|bias)"), r"v.deepstack.\1.norm.\2"),
+    (re.compile(r"visual\.deepstack_merger_list\.(\d+)\.linear_fc([12])\.(weight|bias)"),
+     r"v.deepstack.\1.fc\2.\3"),
 ]
 
 
 def qwen35_name(hf_name: str) -> str | None:
-    """The mmproj name of a transformers Qwen3.5 vision tensor, None for others."""
+    """The mmproj name of a transformers Qwen3.5 or Qwen3-VL vision tensor, None for others."""
     name = hf_name.removeprefix("model.")
     for pattern, repl in _QWEN35_NAMES:
         if pattern.fullmatch(name):
@@ -321,7 +325,8 @@ def _hf_qwen35(folder: Path, config: dict, vision: dict, st) -> Qwen35Vision | N
     if not source.has("v.patch_embd.weight"):
         return None
     text = config.get("text_config") or {}
-    rope = text.get("rope_parameters") or {}
+    # Qwen3-VL's published configs keep the sections in rope_scaling
+    rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
     if not rope.get("mrope_interleaved", True):
         raise ModelFormatError(folder, "M-RoPE with sections in a row (mrope_interleaved false) is not one "
                                "Hearth runs")
@@ -353,6 +358,8 @@ def _hf_qwen35(folder: Path, config: dict, vision: dict, st) -> Qwen35Vision | N
         text_hidden=int(vision.get("out_hidden_size", text.get("hidden_size", 3584))),
         positions=int(vision.get("num_position_embeddings", 2304)),
         mrope_section=tuple(int(v) for v in rope.get("mrope_section", (11, 11, 10))),
+        deepstack=tuple(int(v) for v in vision.get("deepstack_visual_indexes", (8, 16, 24)))
+        if config["model_type"] == "qwen3_vl" else (),
         merge=merge,
         temporal=int(vision.get("temporal_patch_size", 2)),
         rope_theta=float((vision.get("rope_parameters") or {}).get("rope_theta", 10000.0)),

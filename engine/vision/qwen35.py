@@ -1,5 +1,5 @@
-"""Qwen3.5's vision (Qwen3_5ForConditionalGeneration): a ViT over variable-size images, patches merged 2x2,
-and M-RoPE positions for the rows it gives the language model.
+"""Qwen3.5's and Qwen3-VL's vision (Qwen3_5ForConditionalGeneration, Qwen3VLForConditionalGeneration): a ViT
+over variable-size images, patches merged 2x2, and M-RoPE positions for the rows it gives the language model.
 
 As transformers runs it, with its Qwen2-VL image processor and Qwen3-VL processor:
 - the image (RGB, EXIF orientation applied) is resized (bicubic) so both sides are multiples of patch x merge
@@ -16,6 +16,11 @@ As transformers runs it, with its Qwen2-VL image processor and Qwen3-VL processo
   exact GELU -> linear into the language model's width;
 - the prompt holds, where the template wrote <|image_pad|> (between <|vision_start|> and <|vision_end|>), one
   pad per merged row, which the image's rows replace. They attend causally, like text.
+
+Qwen3-VL's tower is the same with deepstack: after each block listed in deepstack_visual_indexes, a merger of
+its own (LayerNorm over each square's concatenated patches, then linear -> exact GELU -> linear) gives the
+image a second set of rows; the language model adds the k-th set (in block order) to the image's rows of its
+residual stream after its layer k. The table keeps them as one wide row per image row: [merged | set 0 | ...].
 
 Positions (M-RoPE): text at sequence index i sits at i + delta, where delta sums, over the images before it,
 max(rows, columns) - rows * columns of their merged grids; an image starting at index s, at position P = s +
@@ -70,6 +75,7 @@ class Qwen35VisionShape:
     mean: tuple[float, float, float] = CLIP_MEAN
     std: tuple[float, float, float] = CLIP_STD
     eps: float = 1e-6
+    deepstack: tuple[int, ...] = ()  # Qwen3-VL: the blocks whose output its deepstack mergers take, in order
 
     @property
     def head_dim(self) -> int:
@@ -96,11 +102,27 @@ class _Block:
 
 
 class Qwen35ImageTable(ImageTable):
-    """An ImageTable that knows each image's merged grid, and so the M-RoPE positions of a sequence."""
+    """An ImageTable that knows each image's merged grid, and so the M-RoPE positions of a sequence; with
+    Qwen3-VL's deepstack, its rows carry `deepstack` more sets of features after the merged one."""
 
-    def __init__(self, base: int, hidden: int):
-        super().__init__(base, hidden, bidirectional=False)
+    def __init__(self, base: int, hidden: int, deepstack: int = 0):
+        super().__init__(base, hidden * (1 + deepstack), bidirectional=False)
+        self.width, self.deepstack = hidden, deepstack
         self.grids: dict[int, tuple[int, int]] = {}  # slot -> (rows, columns); tiny, kept past eviction
+
+    def add_deepstack(self, out: np.ndarray, ids: np.ndarray, level: int) -> None:
+        """out[r] += deepstack set `level` of ids[r]'s image row, for every image id in ids (a pass's).
+
+        Raises:
+            KeyError: an image id whose image is no longer held.
+        """
+        lo = (level + 1) * self.width
+        for r in np.flatnonzero(ids >= self.base):
+            slot, i = self._locate(ids[r])
+            rows = self._rows.get(slot)
+            if rows is None:
+                raise KeyError(f"image {slot} is no longer held; encode the prompt again")
+            out[r] += rows[i, lo : lo + self.width]
 
     def any_held(self) -> bool:
         """Whether an image was ever added (before that, every position is its index)."""
@@ -140,10 +162,12 @@ class Qwen35ImageTable(ImageTable):
 
 
 class Qwen35Vision(VisionTower):
-    """Qwen3.5's vision tower over a weight source with llama.cpp's mmproj names (engine.vision.load maps
-    transformers' `visual.*` onto them): v.patch_embd (the 3D convolution, or its temporal slices as
-    v.patch_embd.weight and .weight.1), v.position_embd, v.blk.N.{ln1, attn_qkv, attn_out, ln2, ffn_up,
-    ffn_down}, and the merger's norm and linears as v.post_ln, mm.0, mm.2."""
+    """Qwen3.5's (and Qwen3-VL's) vision tower over a weight source with llama.cpp's mmproj names
+    (engine.vision.load maps transformers' `visual.*` onto them): v.patch_embd (the 3D convolution, or its
+    temporal slices as v.patch_embd.weight and .weight.1), v.position_embd, v.blk.N.{ln1, attn_qkv, attn_out,
+    ln2, ffn_up, ffn_down}, the merger's norm and linears as v.post_ln, mm.0, mm.2, and Qwen3-VL's deepstack
+    mergers as v.deepstack.K.{norm, fc1, fc2} (K: the merger's index in deepstack_visual_indexes; Hearth's
+    names)."""
 
     bidirectional = False
 
@@ -193,6 +217,15 @@ class Qwen35Vision(VisionTower):
         self.merge_fc1_b = weights.vector("mm.0.bias", wide)
         self.merge_fc2 = weights.matrix("mm.2.weight", shape.text_hidden, wide)
         self.merge_fc2_b = weights.vector("mm.2.bias", shape.text_hidden)
+        self.deepstack = []  # per deepstack merger: (norm over the wide row, fc1, fc1 bias, fc2, fc2 bias)
+        for k in range(len(shape.deepstack)):
+            b = f"v.deepstack.{k}."
+            self.deepstack.append((
+                (weights.vector(b + "norm.weight", wide), weights.vector(b + "norm.bias", wide)),
+                weights.matrix(b + "fc1.weight", wide, wide), weights.vector(b + "fc1.bias", wide),
+                weights.matrix(b + "fc2.weight", shape.text_hidden, wide),
+                weights.vector(b + "fc2.bias", shape.text_hidden),
+            ))
         quarter = shape.head_dim // 2  # frequencies per axis: half of the head's pairs
         self.inv_freq = 1.0 / shape.rope_theta ** (np.arange(0, quarter, 2, dtype=np.float64) / quarter)
         self._grids: dict[str, tuple[int, int]] = {}  # image digest -> merged (rows, columns)
@@ -201,7 +234,7 @@ class Qwen35Vision(VisionTower):
         """As VisionTower.attach, with a table that knows each image's grid, and M-RoPE's sections (the
         frequency masks of t, h, w) on the model."""
         super().attach(model)
-        self.images = Qwen35ImageTable(model.cfg.vocab_size, model.cfg.hidden_size)
+        self.images = Qwen35ImageTable(model.cfg.vocab_size, model.cfg.hidden_size, len(self.shape.deepstack))
         model.images = self.images
         pairs = model.cfg.rotary_dim // 2
         if sum(self.shape.mrope_section) != pairs:
@@ -210,6 +243,11 @@ class Qwen35Vision(VisionTower):
                 "rotary pairs of the language model's heads"
             )
         model.mrope = mrope_masks(self.shape.mrope_section, pairs)
+        if len(self.shape.deepstack) > model.cfg.num_hidden_layers:
+            raise ModelFormatError(
+                self.source, f"{len(self.shape.deepstack)} deepstack mergers for a language model of "
+                f"{model.cfg.num_hidden_layers} layers"
+            )
 
     def target_size(self, height: int, width: int) -> tuple[int, int]:
         """(height, width) an image of this size is resized to (transformers' smart_resize)."""
@@ -228,7 +266,8 @@ class Qwen35Vision(VisionTower):
         return h, w
 
     def steps(self, pixels: np.ndarray):
-        """encode as a generator that yields the blocks done after each; returns the merged rows."""
+        """encode as a generator that yields the blocks done after each; returns the merged rows (with
+        Qwen3-VL's deepstack sets after them, each row [merged | set 0 | ...])."""
         shape = self.shape
         p, m, d = shape.patch, shape.merge, shape.hidden
         gh, gw = pixels.shape[1] // p, pixels.shape[2] // p
@@ -242,17 +281,30 @@ class Qwen35Vision(VisionTower):
         angles = np.concatenate([np.outer(rows, self.inv_freq), np.outer(cols, self.inv_freq)], axis=1)
         cos, sin = np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
         h = np.empty_like(x)
+        stacked = []  # deepstack sets in block order (the language model's layer order)
         for i, block in enumerate(self.blocks):
             with ops.batch_phase(n):
                 layernorm(h, x, *block.ln1, shape.eps)
                 x += linear(block.proj, self._attention(block, h, cos, sin), block.proj_b)
                 layernorm(h, x, *block.ln2, shape.eps)
                 x += linear(block.fc2, gelu_tanh(linear(block.fc1, h, block.fc1_b)), block.fc2_b)
+                if i in shape.deepstack:
+                    norm, fc1, fc1_b, fc2, fc2_b = self.deepstack[shape.deepstack.index(i)]
+                    wide = np.empty((n // (m * m), d * m * m), np.float32)
+                    layernorm(wide, np.ascontiguousarray(x.reshape(wide.shape)), *norm, shape.eps)
+                    stacked.append(self._project(wide, fc1, fc1_b, fc2, fc2_b))
             yield i + 1
         layernorm(h, x, *self.merge_ln, shape.eps)
-        y = linear(self.merge_fc1, np.ascontiguousarray(h.reshape(n // (m * m), d * m * m)), self.merge_fc1_b)
+        wide = np.ascontiguousarray(h.reshape(n // (m * m), d * m * m))
+        rows = self._project(wide, self.merge_fc1, self.merge_fc1_b, self.merge_fc2, self.merge_fc2_b)
+        return np.concatenate([rows, *stacked], axis=1) if stacked else rows
+
+    @staticmethod
+    def _project(wide: np.ndarray, fc1, fc1_b, fc2, fc2_b) -> np.ndarray:
+        """A merger's linear -> exact GELU -> linear over normed squares (rows, d * m * m) -> (rows, text)."""
+        y = linear(fc1, wide, fc1_b)
         gelu_erf(y)
-        return linear(self.merge_fc2, y, self.merge_fc2_b)
+        return linear(fc2, y, fc2_b)
 
     def _positions(self, rows: np.ndarray, cols: np.ndarray, gh: int, gw: int) -> np.ndarray:
         """(n, hidden) learned position embeddings resampled bilinearly (corners aligned) to gh x gw."""

@@ -102,7 +102,7 @@ class ImageTable:
             rows = self._rows.get(slot)
             if rows is None:
                 raise KeyError(f"image {slot} is no longer held; encode the prompt again")
-            out[r] = rows[i]
+            out[r] = rows[i, : out.shape[1]]  # a wider row carries more (Qwen3-VL's deepstack sets)
 
     def runs(self, ids: np.ndarray) -> list[tuple[int, int]]:
         """[start, end) of each run of one image's consecutive ids in ids (a pass's tokens)."""

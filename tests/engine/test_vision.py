@@ -503,6 +503,8 @@ Q35_REF = np.array(Q35_GOLDEN["logits"])
 Q35_TOL = 1e-4 * np.abs(Q35_REF).max()
 Q35_IMAGES = [(Q35 / name).read_bytes() for name in Q35_GOLDEN["images"]]
 Q35MOE = TINY / "qwen3_5_moe-vision"  # Qwen3.5-MoE's text layers with the same tower
+# Qwen3-VL: the same tower (3 blocks) with deepstack mergers after blocks 0 and 1, Qwen3 text layers
+Q3VL = TINY / "qwen3_vl-vision"
 
 
 def _q35_messages(images=Q35_IMAGES) -> list[dict]:
@@ -643,7 +645,7 @@ def test_qwen35_chunked_prefill_matches_one_pass(q35, q35_ids, chunk):
     np.testing.assert_allclose(last, Q35_REF[-1], atol=Q35_TOL)
 
 
-@pytest.mark.parametrize("folder", [Q35, Q35MOE], ids=["dense", "moe"])
+@pytest.mark.parametrize("folder", [Q35, Q35MOE, Q3VL], ids=["dense", "moe", "qwen3_vl"])
 def test_qwen35_second_chat_turn_equals_a_fresh_run(folder):
     golden = json.loads((folder / "golden_vision.json").read_text())
     messages = _with_images(golden, [(folder / name).read_bytes() for name in golden["images"]])
@@ -728,3 +730,91 @@ def test_gemma4_causal_images_as_e2b_and_e4b_ship_match_transformers():
                                atol=1e-4 * np.abs(ref).max())
     last, _ = prefill(lm.model, lm.model.new_cache(512), ids, 5)  # passes may cut images here
     np.testing.assert_allclose(last, ref[-1], atol=1e-4 * np.abs(ref).max())
+
+
+# Qwen3-VL (tests/fixtures/tiny/qwen3_vl-vision): Qwen3.5's tower with deepstack mergers after vision blocks 0
+# and 1, whose rows are added to the image rows after text layers 0 and 1; the same two images and M-RoPE
+Q3VL_GOLDEN = json.loads((Q3VL / "golden_vision.json").read_text())
+Q3VL_REF = np.array(Q3VL_GOLDEN["logits"])
+Q3VL_TOL = 1e-4 * np.abs(Q3VL_REF).max()
+Q3VL_IMAGES = [(Q3VL / name).read_bytes() for name in Q3VL_GOLDEN["images"]]
+
+
+@pytest.fixture(scope="module")
+def q3vl():
+    return load_model(Q3VL)
+
+
+@pytest.fixture(scope="module")
+def q3vl_ids(q3vl):
+    return _prompt(q3vl, _with_images(Q3VL_GOLDEN, Q3VL_IMAGES))
+
+
+def test_qwen3_vl_image_and_deepstack_rows_match_transformers(q3vl):
+    from engine.vision.qwen35 import Qwen35Vision
+
+    assert isinstance(q3vl.vision, Qwen35Vision) and q3vl.vision.shape.deepstack == (0, 1)
+    width = q3vl.model.cfg.hidden_size
+    for k, (data, ref) in enumerate(zip(Q3VL_IMAGES, Q3VL_GOLDEN["image_rows"], strict=True)):
+        rows = q3vl.vision.encode(q3vl.vision.pixels(data))
+        assert rows.shape == (len(ref), 3 * width)  # [merged | deepstack 0 | deepstack 1]
+        sets = [ref] + [level[k] for level in Q3VL_GOLDEN["deepstack_rows"]]
+        for level, want in enumerate(sets):
+            want = np.array(want)
+            got = rows[:, level * width : (level + 1) * width]
+            np.testing.assert_allclose(got, want, atol=1e-4 * np.abs(want).max())
+
+
+def test_qwen3_vl_prompt_logits_and_greedy_match_transformers(q3vl, q3vl_ids):
+    base = q3vl.model.images.base
+    assert [IMAGE_TOKEN if t >= base else t for t in q3vl_ids] == Q3VL_GOLDEN["tokens"]
+    logits = q3vl.model.forward(q3vl_ids, q3vl.model.new_cache(256), all_logits=True)
+    print(f"qwen3_vl: max |logit - golden| {np.abs(logits - Q3VL_REF).max():.3g}, max |golden| "
+          f"{np.abs(Q3VL_REF).max():.3g}")
+    np.testing.assert_allclose(logits, Q3VL_REF, atol=Q3VL_TOL)
+    params = GenerationParams(max_tokens=8, temperature=0.0)
+    out = [e.token for e in generate(q3vl.model, q3vl.tokenizer, q3vl_ids, q3vl.model.new_cache(256), params)
+           if e.token is not None]
+    assert out == Q3VL_GOLDEN["greedy"]
+
+
+def test_qwen3_vl_golden_depends_on_deepstack(q3vl, q3vl_ids, monkeypatch):
+    """Without the deepstack sets (or with them one layer late) the logits miss transformers'."""
+    table = q3vl.model.images
+    monkeypatch.setattr(table, "deepstack", 0)
+    logits = q3vl.model.forward(q3vl_ids, q3vl.model.new_cache(256), all_logits=True)
+    assert np.abs(logits - Q3VL_REF).max() > 10 * Q3VL_TOL
+    monkeypatch.undo()
+    add = table.add_deepstack
+    # each set one layer late: set 0 after layer 1, set 1 never
+    monkeypatch.setattr(table, "add_deepstack", lambda out, ids, level: level and add(out, ids, level - 1))
+    logits = q3vl.model.forward(q3vl_ids, q3vl.model.new_cache(256), all_logits=True)
+    assert np.abs(logits - Q3VL_REF).max() > 10 * Q3VL_TOL
+
+
+@pytest.mark.parametrize("chunk", [3, 7, 13, 40, 256])
+def test_qwen3_vl_chunked_prefill_matches_one_pass(q3vl, q3vl_ids, chunk):
+    """Passes that cut an image add each deepstack row to its own image row."""
+    cache = q3vl.model.new_cache(256)
+    last, _ = prefill(q3vl.model, cache, q3vl_ids, chunk)
+    np.testing.assert_allclose(last, Q3VL_REF[-1], atol=Q3VL_TOL)
+    again = q3vl.model.new_cache(256)
+    whole = q3vl.model.forward(q3vl_ids, again, all_logits=True)
+    step = q3vl.model.new_cache(256)
+    rows = [q3vl.model.forward(q3vl_ids[i : i + chunk], step, all_logits=True)
+            for i in range(0, len(q3vl_ids), chunk)]
+    np.testing.assert_allclose(np.concatenate(rows), whole, atol=Q3VL_TOL)
+    np.testing.assert_allclose(np.concatenate(rows), Q3VL_REF, atol=Q3VL_TOL)
+
+
+def test_qwen3_vl_text_config_is_qwen3_with_mrope(q3vl):
+    from engine.vision.qwen35 import mrope_masks
+
+    assert q3vl.model.cfg.architecture == "qwen3"
+    np.testing.assert_array_equal(q3vl.model.mrope, mrope_masks((3, 3, 2), 8))
+
+
+def test_qwen3_vl_is_converted_without_an_mmproj(tmp_path):
+    """No mmproj layout is written for the deepstack mergers: the text GGUF alone."""
+    out = convert(Q3VL, "F16", tmp_path / "q3vl.gguf")
+    assert out.mmproj is None
