@@ -359,6 +359,14 @@ FAMILIES = {
 # (config class, text config, vision config); the text config is COMMON plus these
 _VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
                image_size=28, patch_size=14)
+# the Qwen vision fixtures' tower (4 px patches, two frames, merged 2x2, a 4x4 position grid), image
+# tokens and M-RoPE (interleaved sections over half of each head)
+_QWEN_VISION = dict(hidden_size=32, intermediate_size=64, num_heads=2, patch_size=4, temporal_patch_size=2,
+                    spatial_merge_size=2, out_hidden_size=64, num_position_embeddings=16)
+_QWEN_VISION_TOKENS = dict(image_token_id=317, vision_start_token_id=318, vision_end_token_id=319,
+                           video_token_id=316)
+_MROPE_HALF = dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5,
+                   mrope_section=[3, 3, 2], mrope_interleaved=True)
 MULTIMODAL = {
     "gemma3-mm": (
         transformers.Gemma3Config,
@@ -422,25 +430,18 @@ MULTIMODAL = {
     # prompt with two images of different sizes
     "qwen3_5-vision": (
         transformers.Qwen3_5Config,
-        dict(_QWEN35, model_type="qwen3_5_text", head_dim=32,
-             rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5,
-                                  mrope_section=[3, 3, 2], mrope_interleaved=True)),
-        dict(model_type="qwen3_5_vision", depth=2, hidden_size=32, intermediate_size=64, num_heads=2,
-             patch_size=4, temporal_patch_size=2, spatial_merge_size=2, out_hidden_size=64,
-             num_position_embeddings=16),
-        dict(image_token_id=317, vision_start_token_id=318, vision_end_token_id=319, video_token_id=316),
+        dict(_QWEN35, model_type="qwen3_5_text", head_dim=32, rope_parameters=_MROPE_HALF),
+        dict(_QWEN_VISION, model_type="qwen3_5_vision", depth=2),
+        dict(_QWEN_VISION_TOKENS),
     ),
     # Qwen3.5-MoE with the same vision tower (Qwen3_5MoeForConditionalGeneration): qwen3_5-vision's tower and
     # M-RoPE over qwen3_5_moe's text layers; golden_vision.json as qwen3_5-vision's
     "qwen3_5_moe-vision": (
         transformers.Qwen3_5MoeConfig,
         dict(FAMILIES["qwen3_5_moe"][1], model_type="qwen3_5_moe_text", head_dim=32,
-             rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5,
-                                  mrope_section=[3, 3, 2], mrope_interleaved=True)),
-        dict(model_type="qwen3_5_moe_vision", depth=2, hidden_size=32, intermediate_size=64, num_heads=2,
-             patch_size=4, temporal_patch_size=2, spatial_merge_size=2, out_hidden_size=64,
-             num_position_embeddings=16),
-        dict(image_token_id=317, vision_start_token_id=318, vision_end_token_id=319, video_token_id=316),
+             rope_parameters=_MROPE_HALF),
+        dict(_QWEN_VISION, model_type="qwen3_5_moe_vision", depth=2),
+        dict(_QWEN_VISION_TOKENS),
     ),
     # Qwen3-VL (Qwen3VLForConditionalGeneration): qwen3_5-vision's tower with deepstack mergers after blocks 0
     # and 1 of 3, whose rows join the image rows after text layers 0 and 1 (of 2); Qwen3 text layers with
@@ -450,11 +451,8 @@ MULTIMODAL = {
         dict(model_type="qwen3_vl_text", head_dim=16, pad_token_id=0,
              rope_parameters=dict(rope_type="default", rope_theta=10000.0, mrope_section=[3, 3, 2],
                                   mrope_interleaved=True)),
-        dict(model_type="qwen3_vl_vision", depth=3, hidden_size=32, intermediate_size=64, num_heads=2,
-             patch_size=4, temporal_patch_size=2, spatial_merge_size=2, out_hidden_size=64,
-             num_position_embeddings=16, deepstack_visual_indexes=[0, 1]),
-        dict(image_token_id=317, vision_start_token_id=318, vision_end_token_id=319, video_token_id=316,
-             tie_word_embeddings=False),
+        dict(_QWEN_VISION, model_type="qwen3_vl_vision", depth=3, deepstack_visual_indexes=[0, 1]),
+        dict(_QWEN_VISION_TOKENS, tie_word_embeddings=False),
     ),
     "ministral3-mm": (
         transformers.Mistral3Config,

@@ -90,13 +90,7 @@ class Gemma3Vision(VisionTower):
         Raises:
             ImageInputError: the template placed another number of images, or an image is unreadable.
         """
-        self.check_count(images)
-        placed = text.count(BOI)
-        if placed != len(images):
-            raise ImageInputError(
-                f"the chat template placed {placed} image(s) for the {len(images)} given; this model's "
-                "template does not take images in that position (put images in user messages)"
-            )
+        self.check_placed(text, BOI, images)
         text = text.replace(BOI, f"\n\n{BOI}{EOI}\n\n")
         ids = tokenizer.encode(text, add_special=False)
         boi = single_token(tokenizer, BOI)

@@ -259,19 +259,13 @@ class Gemma4Vision(VisionTower):
         Raises:
             ImageInputError: the template placed another number of images, or an image is unreadable.
         """
-        self.check_count(images)
         shape = self.shape
         try:
             image, boi, eoi = (tokenizer.token_text(t) for t in
                                (shape.image_token_id, shape.boi_token_id, shape.eoi_token_id))
         except (IndexError, KeyError) as e:
             raise ImageInputError("the tokenizer lacks the image tokens the model's config names") from e
-        placed = text.count(image)
-        if placed != len(images):
-            raise ImageInputError(
-                f"the chat template placed {placed} image(s) for the {len(images)} given; this model's "
-                "template does not take images in that position (put images in user messages)"
-            )
+        self.check_placed(text, image, images)
         out, n = [], 0
         for t in tokenizer.encode(text.replace(image, boi + eoi), add_special=False):
             out.append(t)

@@ -188,13 +188,8 @@ class PixtralVision(VisionTower):
         Raises:
             ImageInputError: the template placed another number of images, or an image is unreadable.
         """
-        self.check_count(images)
+        self.check_placed(text, IMG, images)
         pieces = text.split(IMG)
-        if len(pieces) - 1 != len(images):
-            raise ImageInputError(
-                f"the chat template placed {len(pieces) - 1} image(s) for the {len(images)} given; this "
-                "model's template does not take images in that position (put images in user messages)"
-            )
         img = single_token(tokenizer, IMG)
         if img is None or None in (single_token(tokenizer, IMG_BREAK), single_token(tokenizer, IMG_END)):
             raise ImageInputError("the tokenizer has no [IMG] / [IMG_BREAK] / [IMG_END] tokens")

@@ -344,13 +344,8 @@ class Qwen35Vision(VisionTower):
         Raises:
             ImageInputError: the template placed another number of images, or an image is unreadable.
         """
-        self.check_count(images)
+        self.check_placed(text, IMAGE_PAD, images)
         pieces = text.split(IMAGE_PAD)
-        if len(pieces) - 1 != len(images):
-            raise ImageInputError(
-                f"the chat template placed {len(pieces) - 1} image(s) for the {len(images)} given; this "
-                "model's template does not take images in that position (put images in user messages)"
-            )
         pad = single_token(tokenizer, IMAGE_PAD)
         if pad is None:
             raise ImageInputError(f"the tokenizer has no {IMAGE_PAD} token")

@@ -223,6 +223,17 @@ class VisionTower:
     def _remember(self, digest: str, pixels: np.ndarray) -> None:
         """What a family keeps of an image beside its rows (Mistral 3: its grid)."""
 
+    def check_placed(self, text: str, marker: str, images) -> None:
+        """Raises ImageInputError unless the rendered prompt holds `marker` once per image (and the images
+        fit the table: check_count)."""
+        self.check_count(images)
+        placed = text.count(marker)
+        if placed != len(images):
+            raise ImageInputError(
+                f"the chat template placed {placed} image(s) for the {len(images)} given; this model's "
+                "template does not take images in that position (put images in user messages)"
+            )
+
     def check_count(self, images) -> None:
         """Raises ImageInputError when a prompt holds more distinct images than the table keeps."""
         if len(set(images)) > self.images.capacity:
