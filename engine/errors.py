@@ -37,3 +37,8 @@ class ContextOverflowError(HearthError):
 class ImageInputError(HearthError):
     """An image in a message cannot be used: the model reads no images, or the bytes are no readable
     image (the message says which and what to do)."""
+
+
+class ImagesBusyError(ImageInputError):
+    """The images of prompts still being read fill the model's image table (a server's concurrent
+    requests): this prompt's images do not fit beside them until one finishes; retry shortly."""

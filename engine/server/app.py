@@ -11,7 +11,6 @@ back through an asyncio queue. A client that goes away cancels its generation at
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import hmac
 import ipaddress
@@ -28,7 +27,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from engine.chat_template import TemplateError
-from engine.errors import ImageInputError
+from engine.errors import ImageInputError, ImagesBusyError
 from engine.reasoning import ReasoningStream, opens_reasoning, split_reasoning, strip_reasoning
 from engine.server import protocol
 from engine.server.constraints import grammar_for
@@ -265,7 +264,10 @@ class _Api:
             )
         return max_tokens or room
 
-    def _encode_chat(self, req: protocol.ChatRequest) -> list[int]:
+    def _encode_chat(self, req: protocol.ChatRequest) -> tuple[list[int], Callable[[], None] | None]:
+        """The prompt ids of a chat request, and, when it holds images, what lets them go again: they are
+        held in the model's image table (other requests' encodings do not drop them) until its prompt is
+        prefilled or it ends (SeqParams.release)."""
         extra = {}
         if req.tools and req.tool_choice != "none":
             if not self.template_has_tools:
@@ -274,8 +276,13 @@ class _Api:
         messages = strip_reasoning(req.messages)  # earlier replies' thinking stays out of the context
         messages, images = prepare_messages(self.lm, messages)
         text = self.lm.template.render(messages, add_generation_prompt=True, **req.template_vars, **extra)
-        with self._vision_lock if images else contextlib.nullcontext():
-            return encode_with_images(self.lm, text, images)
+        if not images:
+            return encode_with_images(self.lm, text, images), None
+        table = self.lm.vision.images
+        with self._vision_lock:
+            ids = encode_with_images(self.lm, text, images)
+            slots = table.hold(ids)
+        return ids, functools.partial(table.release, slots)
 
     def _encode_completion(self, req: protocol.CompletionRequest) -> list[int]:
         if isinstance(req.prompt, list):
@@ -359,14 +366,22 @@ class _Api:
         if grammar is not None and req.tools and req.tool_choice != "none":
             raise invalid("response_format and tools cannot be combined", "response_format")
         try:
-            ids = await run_in_threadpool(self._encode_chat, req)
+            ids, release = await run_in_threadpool(self._encode_chat, req)
         except (TemplateError, TokenizerError) as e:
             raise invalid(str(e), "messages") from e
+        except ImagesBusyError as e:  # other requests' images fill the table until they are prefilled
+            raise APIError(503, str(e), "server_error", code="server_busy") from e
         except ImageInputError as e:  # the model reads no images, or one is no readable image
             code = "invalid_image" if getattr(self.lm, "vision", None) is not None else "images_not_supported"
             raise invalid(str(e), "messages", code) from e
-        params = self._seq_params(req, ids, req.max_tokens, text_start=True, grammar=grammar)
+        try:
+            params = self._seq_params(req, ids, req.max_tokens, text_start=True, grammar=grammar)
+        except BaseException:
+            if release is not None:
+                release()
+            raise
         params.respell = True
+        params.release = release
         meta = {"id": protocol.new_id("chatcmpl"), "created": protocol.now(), "model": req.model}
         # with grammar-constrained output there is no thinking block to split off
         split = self.config.reasoning_format == "deepseek" and grammar is None

@@ -61,6 +61,8 @@ class SeqParams:
     ignore_eos: bool = False  # end-of-turn tokens are never sampled (benchmarks: fixed reply lengths)
     # a chat prompt: a re-tokenized earlier reply may take the spelling a held cache has (engine.token_reuse)
     respell: bool = False
+    # called once the prompt is prefilled or the request ends (engine.server.app: lets its images go)
+    release: Callable[[], None] | None = None
 
 
 @dataclass
@@ -180,11 +182,15 @@ class Engine:
         Raises:
             APIError (400): the grammar cannot be compiled. (Built here, on the caller's thread.)
         """
-        if self._stop.is_set():
-            raise APIError(503, "the server is shutting down", "server_error")
-        seq = Job(params, emit, time.monotonic())
-        if params.grammar is not None:
-            seq.constraint = Constraint(self.tokenizer, self.n_vocab, params.grammar)
+        try:
+            if self._stop.is_set():
+                raise APIError(503, "the server is shutting down", "server_error")
+            seq = Job(params, emit, time.monotonic())
+            if params.grammar is not None:
+                seq.constraint = Constraint(self.tokenizer, self.n_vocab, params.grammar)
+        except BaseException:
+            _release(params)
+            raise
         self._inbox.put(seq)
         return seq
 
@@ -312,6 +318,7 @@ class Engine:
         seq.done = end
         if end < len(ids):
             return
+        _release(seq.params)  # the cache holds the prompt's images now
         self._prefilling.remove(seq)
         if self.store is not None:
             self.store.insert(seq.cache)  # the prompt's state, for the next request sharing its prefix
@@ -423,6 +430,7 @@ class Engine:
         if seq.finished:
             return
         seq.finished = True
+        _release(seq.params)
         for group in (self._waiting, self._prefilling, self._decoding):
             if seq in group:
                 group.remove(seq)
@@ -437,6 +445,13 @@ class Engine:
             if len(self._free) < self.max_seqs:
                 self._free.append(seq.cache)  # keeps its tokens: a follow-up turn reuses them
             seq.cache = None
+
+
+def _release(params: SeqParams) -> None:
+    """Call params.release once (it may be called from the request's thread or the engine's)."""
+    release, params.release = params.release, None
+    if release is not None:
+        release()
 
 
 def _engine_failed(e: Exception) -> APIError:

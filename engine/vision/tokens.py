@@ -14,10 +14,13 @@ image's inside. Mistral 3's image rows attend causally, like text, and passes ma
 from __future__ import annotations
 
 import hashlib
-from collections import OrderedDict
+import threading
+from collections import Counter, OrderedDict
 from collections.abc import Sequence
 
 import numpy as np
+
+from engine.errors import ImagesBusyError
 
 STRIDE = 1 << 20  # ids per slot: the most rows one image can have
 # the image rows one model keeps (float32): 64 Gemma 3 4B images are 168 MiB, one Mistral Small image at
@@ -33,7 +36,12 @@ class ImageTable:
         hidden: width of a row (the language model's hidden size).
         bidirectional: an image's rows see each other both ways (Gemma 3), so passes hold images whole.
         capacity: images kept; past it or past max_bytes of rows the oldest is dropped (a prompt that holds
-            it again encodes it again, into a new slot); the newest always stays.
+            it again encodes it again, into a new slot); the newest always stays, and so do held images.
+
+    Holding (a server's concurrent requests): an image is encoded while one request is parsed and its rows
+    are read when that request's prompt is prefilled, later, while other requests encode theirs. `hold`
+    keeps a prompt's images from being dropped until `release`; adding an image that does not fit beside
+    the held ones raises ImagesBusyError instead of dropping rows a waiting prompt still needs.
     """
 
     def __init__(
@@ -46,6 +54,8 @@ class ImageTable:
         self._slots: OrderedDict[str, int] = OrderedDict()  # content digest -> slot
         self._rows: dict[int, np.ndarray] = {}
         self._next = 0
+        self._held: Counter[int] = Counter()  # slot -> prompts holding it
+        self._lock = threading.Lock()  # hold / release come from another thread than add
 
     @staticmethod
     def digest(data: bytes) -> str:
@@ -59,18 +69,53 @@ class ImageTable:
         return slot
 
     def add(self, digest: str, rows: np.ndarray) -> int:
-        """Store an image's rows (n, hidden); returns its slot."""
+        """Store an image's rows (n, hidden); returns its slot.
+
+        Raises:
+            ImagesBusyError: the held images leave no room for these rows (nothing is stored).
+        """
         rows = np.ascontiguousarray(rows, dtype=np.float32)
         if rows.ndim != 2 or rows.shape[1] != self.hidden or not 0 < len(rows) <= STRIDE:
             raise ValueError(f"image rows {rows.shape}, expected (1 .. {STRIDE}, {self.hidden})")
-        slot = self._next
-        self._next += 1
-        self._slots[digest] = slot
-        self._rows[slot] = rows
-        while len(self._slots) > 1 and (len(self._slots) > self.capacity or self.nbytes > self.max_bytes):
-            _, old = self._slots.popitem(last=False)
-            self._rows.pop(old, None)
+        with self._lock:
+            slot = self._next
+            self._next += 1
+            self._slots[digest] = slot
+            self._rows[slot] = rows
+            while self._over():
+                old = next((d for d, s in self._slots.items() if s != slot and s not in self._held), None)
+                if old is None:  # only held images (and this one) left
+                    break
+                self._rows.pop(self._slots.pop(old), None)
+            if self._over() and self._held:
+                del self._slots[digest], self._rows[slot]
+                raise ImagesBusyError(
+                    f"{len(self._held)} image(s) of prompts still being read fill the "
+                    f"{self.max_bytes >> 20} MiB (or {self.capacity} images) kept for image rows: retry when "
+                    "they finish (or, if this prompt's images alone need more, send fewer or smaller ones)"
+                )
         return slot
+
+    def _over(self) -> bool:
+        return len(self._slots) > 1 and (len(self._slots) > self.capacity or self.nbytes > self.max_bytes)
+
+    def hold(self, ids) -> tuple[int, ...]:
+        """Keep the images whose ids are in `ids` (a prompt's) until `release` of the result."""
+        with self._lock:
+            slots = tuple(s for s in self._slots_of(ids) if s in self._rows)
+            self._held.update(slots)
+        return slots
+
+    def release(self, slots: Sequence[int]) -> None:
+        """Let the images of a `hold` be dropped again (once no other prompt holds them)."""
+        with self._lock:
+            self._held.subtract(slots)
+            for slot in [s for s, n in self._held.items() if n <= 0]:
+                del self._held[slot]
+
+    def _slots_of(self, ids) -> set[int]:
+        ids = np.asarray(ids)
+        return {int(v) for v in (ids[ids >= self.base] - self.base) // STRIDE}
 
     @property
     def nbytes(self) -> int:
@@ -79,9 +124,7 @@ class ImageTable:
 
     def missing(self, ids) -> int:
         """How many of the images whose ids are in `ids` are no longer held."""
-        ids = np.asarray(ids)
-        slots = {int(v) for v in (ids[ids >= self.base] - self.base) // STRIDE}
-        return sum(slot not in self._rows for slot in slots)
+        return sum(slot not in self._rows for slot in self._slots_of(ids))
 
     def ids(self, slot: int) -> list[int]:
         """The prompt ids of the image in `slot`, one a row."""

@@ -180,3 +180,43 @@ def test_a_request_whose_reuse_fails_is_answered(model, engine_of, text, monkeyp
     last = run(engine, text[:4], respell=True)[-1]
     assert last.error is not None and "unreadable prompt" in last.error.message
     assert run(engine, text[:4])[-1].error is None  # the engine goes on
+
+
+def test_a_requests_release_is_called_once_when_its_prompt_is_read(model, engine_of, text):
+    engine = engine_of(prefill_chunk=4)
+    calls = []
+    got: queue.Queue[Delta] = queue.Queue()
+    engine.submit(SeqParams(prompt_ids=text[:2] + model.image(0) + text[2:4], max_tokens=100, temperature=0,
+                            ignore_eos=True, release=lambda: calls.append("released")), got.put)
+    assert got.get(timeout=30).error is None  # the first reply token: the prompt is read
+    assert calls == ["released"]  # before the reply ends (its keys and values hold the image now)
+    deltas = [got.get(timeout=30)]
+    while deltas[-1].finish_reason is None:
+        deltas.append(got.get(timeout=30))
+    assert calls == ["released"]
+
+
+@pytest.mark.parametrize("how", ["timed out waiting", "failed prefill", "grammar refused", "server stopping"])
+def test_a_requests_release_is_called_when_it_ends_unread(model, engine_of, text, how):
+    from engine.server.errors import APIError
+
+    engine = engine_of(prefill_chunk=64)
+    calls = []
+    prompt = text[:2] + model.image(3) + text[2:4]
+    params = dict(max_tokens=2, release=lambda: calls.append(1))
+    if how in ("grammar refused", "server stopping"):
+        if how == "server stopping":
+            engine.stop()
+        else:
+            params["grammar"] = "this is no grammar {"
+        with pytest.raises(APIError):
+            engine.submit(SeqParams(prompt_ids=prompt, **params), lambda d: None)
+    else:
+        if how == "failed prefill":
+            model.fail_on = model.image(3)[0]
+        else:
+            params["timeout_s"] = 0.0  # past its deadline when the engine admits it
+        last = run(engine, prompt, **params)[-1]
+        assert last.error is not None and last.error.status == (500 if how == "failed prefill" else 504)
+        assert not model.passes or how == "failed prefill"
+    assert calls == [1]

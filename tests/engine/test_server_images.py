@@ -13,6 +13,7 @@ import base64
 import http.client
 import json
 import struct
+import threading
 import zlib
 from pathlib import Path
 
@@ -241,5 +242,50 @@ def test_a_model_with_vision_reads_images_through_the_server(vision_lm):
         assert status == 400 and body["error"]["code"] == "invalid_image", body
         assert "could not be read" in body["error"]["message"]
     finally:
+        server.close()
+        engine.stop()
+
+
+class _Gated(_Passes):
+    """The model, with prefill passes that wait for `gate` (a request whose prompt is not yet read)."""
+
+    def __init__(self, model):
+        super().__init__(model)
+        self.gate = threading.Event()
+        self.reading = threading.Event()  # a pass waits at the gate
+
+    def forward(self, tokens, cache, *args, **kwargs):
+        self.reading.set()
+        assert self.gate.wait(60), "the test never opened the gate"
+        return super().forward(tokens, cache, *args, **kwargs)
+
+
+def test_images_of_a_waiting_request_are_not_dropped_by_another_requests_images(vision_lm, monkeypatch):
+    # request A's images are encoded when it is parsed and read when its prompt is prefilled; request B,
+    # parsed meanwhile, must not drop them from the model's image table (A would fail with a 500)
+    lm = vision_lm
+    table = lm.model.images
+    model = _Gated(lm.model)
+    engine = Engine(model, lm.tokenizer, n_ctx=600, max_seqs=4, prefill_chunk=512)
+    engine.start()
+    server = LiveServer(engine, lm)
+    first = {}
+    try:
+        monkeypatch.setattr(table, "capacity", 2)
+        a = ask(image(data_url(png(seed=11))), image(data_url(png(seed=12))))
+        waiting = threading.Thread(target=lambda: first.update(zip(("status", "body"), post(server.port, a))))
+        waiting.start()
+        assert model.reading.wait(60), first  # A is parsed (its images encoded) and waits to be read
+        status, busy = post(server.port, ask(image(data_url(png(seed=13)))))
+        assert status == 503 and busy["error"]["code"] == "server_busy", busy
+        assert "retry when they finish" in busy["error"]["message"]
+        model.gate.set()
+        waiting.join(120)
+        assert first["status"] == 200, first  # A's images were still there when its prompt was read
+        assert not table._held  # released once A's prompt was prefilled
+        status, later = post(server.port, ask(image(data_url(png(seed=13)))))
+        assert status == 200, later  # B fits now: A's images may go
+    finally:
+        model.gate.set()
         server.close()
         engine.stop()

@@ -818,3 +818,28 @@ def test_qwen3_vl_is_converted_without_an_mmproj(tmp_path):
     """No mmproj layout is written for the deepstack mergers: the text GGUF alone."""
     out = convert(Q3VL, "F16", tmp_path / "q3vl.gguf")
     assert out.mmproj is None
+
+
+def test_held_images_are_kept_past_the_budget_and_refuse_what_does_not_fit():
+    from engine.errors import ImagesBusyError
+    from engine.vision.tokens import ImageTable
+
+    table = ImageTable(100, hidden=2, capacity=2)
+    a = table.ids(table.add("a", np.ones((3, 2))))
+    b = table.ids(table.add("b", np.ones((3, 2))))
+    held = table.hold(a + [5] + b)  # a prompt holding both (and a text token)
+    assert held == (0, 1)
+    with pytest.raises(ImagesBusyError, match="retry when they finish"):
+        table.add("c", np.ones((3, 2)))
+    assert table.slot_of("c") is None and not table.missing(a + b)  # nothing dropped, nothing stored
+    table.release(held)
+    c = table.ids(table.add("c", np.ones((3, 2))))
+    assert table.missing(a) == 1 and not table.missing(b + c)  # unheld: the oldest goes, as before
+    # two prompts hold b: it stays until both let it go
+    first, second = table.hold(b), table.hold(b + c)
+    table.release(first)
+    with pytest.raises(ImagesBusyError):
+        table.add("d", np.ones((3, 2)))
+    table.release(second)
+    table.add("d", np.ones((3, 2)))
+    assert table.missing(b) == 1
