@@ -3,9 +3,10 @@
 Guards run before any route (one ASGI middleware): the Host header must name this server (DNS
 rebinding: a web page's script cannot reach a loopback server through its own domain name), the API
 key must match when one is set, and bodies are bounded. Every rejection is an OpenAI-style error body
-with a 4xx status. Handlers validate (engine.server.protocol), render the chat template and tokenize
-on a worker thread, and hand the request to the engine thread (engine.server.scheduler); replies come
-back through an asyncio queue. A client that goes away cancels its generation at the next step.
+(Ollama's `{"error": ...}` under /api/, whose routes are engine.server.ollama's) with a 4xx status.
+Handlers validate (engine.server.protocol), render the chat template and tokenize on a worker thread,
+and hand the request to the engine thread (engine.server.scheduler); replies come back through an
+asyncio queue. A client that goes away cancels its generation at the next step.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from starlette.routing import Route
 from engine.chat_template import TemplateError
 from engine.errors import ImageInputError, ImagesBusyError
 from engine.reasoning import ReasoningStream, opens_reasoning, split_reasoning, strip_reasoning
-from engine.server import protocol
+from engine.server import ollama, protocol
 from engine.server.constraints import grammar_for
 from engine.server.errors import APIError, ServeError, invalid
 from engine.server.metrics import CONTENT_TYPE, ServerMetrics
@@ -124,7 +125,7 @@ class _Guard:
         try:
             error = self._check(scope)
             if error is not None:
-                await _error_response(error)(scope, receive, counted_send)
+                await _error_response(error, path)(scope, receive, counted_send)
             else:
                 await self.app(scope, receive, counted_send)
         finally:
@@ -169,11 +170,16 @@ class _Guard:
         return None
 
 
-_ENDPOINTS = {"/v1/models", "/v1/chat/completions", "/v1/completions", "/health", "/metrics"}
+_ENDPOINTS = {
+    "/v1/models", "/v1/chat/completions", "/v1/completions", "/health", "/metrics",
+    "/api/chat", "/api/generate", "/api/tags", "/api/show", "/api/ps", "/api/version",
+}
 
 
-def _error_response(e: APIError) -> JSONResponse:
-    return JSONResponse(e.body(), status_code=e.status)
+def _error_response(e: APIError, path: str = "") -> JSONResponse:
+    """The error's body as the API at `path` writes errors: Ollama's under /api/, OpenAI's elsewhere."""
+    body = ollama.error_body(e) if path.startswith("/api/") else e.body()
+    return JSONResponse(body, status_code=e.status)
 
 
 def _sse(obj: dict) -> str:
@@ -236,7 +242,7 @@ class _Api:
         except (ValueError, RecursionError) as e:
             raise invalid(f"the request body is not valid JSON: {e}") from e
 
-    def _check_model(self, model: str) -> None:
+    def check_model(self, model: str) -> None:
         if model not in self.names:
             raise APIError(
                 404,
@@ -309,6 +315,8 @@ class _Api:
             max_tokens=self._limits(len(ids), max_tokens),
             temperature=req.temperature,
             top_p=req.top_p,
+            top_k=req.top_k,
+            min_p=req.min_p,
             seed=req.seed,
             stop=req.stop,
             logprobs=req.logprobs,
@@ -361,7 +369,26 @@ class _Api:
 
     async def chat(self, request: Request) -> Response:
         req = protocol.parse_chat(await self._json(request), self.engine.n_ctx)
-        self._check_model(req.model)
+        params, split, opened = await self.prepare_chat(req)
+        meta = {"id": protocol.new_id("chatcmpl"), "created": protocol.now(), "model": req.model}
+        return await self._answer(
+            request, req, params, meta,
+            functools.partial(self._chat_stream, split=split, opened=opened),
+            functools.partial(self._chat_reply, split=split, opened=opened),
+        )
+
+    async def prepare_chat(
+        self, req: protocol.ChatRequest, split: bool | None = None
+    ) -> tuple[SeqParams, bool, bool]:
+        """The engine's parameters for a parsed chat request, whether its reply's thinking block is split off
+        (split: as asked, by default as the server's reasoning format says; never with a grammar) and whether
+        the prompt opened one already (opened). Used by the Ollama routes too.
+
+        Raises:
+            APIError: an unknown model, a bad template/tokenizer input or image (400), images that do not
+                fit beside other requests' (503), a prompt over the context (400).
+        """
+        self.check_model(req.model)
         grammar = grammar_for(req.response_format)
         if grammar is not None and req.tools and req.tool_choice != "none":
             raise invalid("response_format and tools cannot be combined", "response_format")
@@ -382,16 +409,13 @@ class _Api:
             raise
         params.respell = True
         params.release = release
-        meta = {"id": protocol.new_id("chatcmpl"), "created": protocol.now(), "model": req.model}
         # with grammar-constrained output there is no thinking block to split off
-        split = self.config.reasoning_format == "deepseek" and grammar is None
+        if split is None:
+            split = self.config.reasoning_format == "deepseek"
+        split = split and grammar is None
         tail = [t for t in ids[-8:] if t < self.tok.vocab_size]  # image ids (engine.vision) are no text
         opened = split and opens_reasoning(self.tok.decode(tail))
-        return await self._answer(
-            request, req, params, meta,
-            functools.partial(self._chat_stream, split=split, opened=opened),
-            functools.partial(self._chat_reply, split=split, opened=opened),
-        )
+        return params, split, opened
 
     def _chat_reply(self, req, meta: dict, deltas: list[Delta], split: bool, opened: bool) -> dict:
         last = deltas[-1]
@@ -514,7 +538,7 @@ class _Api:
 
     async def completions(self, request: Request) -> Response:
         req = protocol.parse_completion(await self._json(request), self.engine.n_ctx)
-        self._check_model(req.model)
+        self.check_model(req.model)
         try:
             ids = await run_in_threadpool(self._encode_completion, req)
         except TokenizerError as e:
@@ -599,22 +623,25 @@ def _usage_chunk(base: dict, last: Delta) -> str:
 
 
 async def _api_error(request: Request, exc: APIError) -> Response:
-    return _error_response(exc)
+    return _error_response(exc, request.url.path)
 
 
 async def _http_error(request: Request, exc: HTTPException) -> Response:
     kinds = {404: "not_found_error", 405: "invalid_request_error"}
     message = {
-        404: f"no route {request.url.path}; see /v1/models, /v1/chat/completions, /v1/completions",
+        404: f"no route {request.url.path}; see /v1/models, /v1/chat/completions, /v1/completions, "
+        "and Ollama's /api/chat, /api/generate, /api/tags",
         405: f"{request.method} is not allowed on {request.url.path}",
     }.get(exc.status_code, exc.detail)
     return _error_response(
-        APIError(exc.status_code, message, kinds.get(exc.status_code, "invalid_request_error"))
+        APIError(exc.status_code, message, kinds.get(exc.status_code, "invalid_request_error")),
+        request.url.path,
     )
 
 
 async def _unexpected(request: Request, exc: Exception) -> Response:
-    return _error_response(APIError(500, f"internal error: {type(exc).__name__}: {exc}", "server_error"))
+    error = APIError(500, f"internal error: {type(exc).__name__}: {exc}", "server_error")
+    return _error_response(error, request.url.path)
 
 
 def create_app(config: ServerConfig, engine: Engine, lm) -> Starlette:
@@ -626,12 +653,23 @@ def create_app(config: ServerConfig, engine: Engine, lm) -> Starlette:
         lm: the engine.loader.LoadedModel (tokenizer, chat template).
     """
     api = _Api(engine, lm, config, engine.metrics)
+    oll = ollama.OllamaRoutes(api)
     routes = [
         Route("/health", api.health, methods=["GET"]),
         Route("/metrics", api.metrics_text, methods=["GET"]),
         Route("/v1/models", api.models, methods=["GET"]),
         Route("/v1/chat/completions", api.chat, methods=["POST"]),
         Route("/v1/completions", api.completions, methods=["POST"]),
+        # Ollama's native API (engine.server.ollama)
+        Route("/", oll.root, methods=["GET", "HEAD"]),
+        Route("/api/version", oll.version, methods=["GET"]),
+        Route("/api/tags", oll.tags, methods=["GET"]),
+        Route("/api/ps", oll.ps, methods=["GET"]),
+        Route("/api/show", oll.show, methods=["POST"]),
+        Route("/api/chat", oll.chat, methods=["POST"]),
+        Route("/api/generate", oll.generate, methods=["POST"]),
+        *(Route(f"/api/{name}", oll.unsupported, methods=["POST", "DELETE"])
+          for name in ("pull", "push", "create", "copy", "delete", "embed", "embeddings")),
     ]
     app = Starlette(
         routes=routes,

@@ -1,4 +1,5 @@
-"""Malformed requests for `hearth serve`: each one must get a 4xx with an OpenAI-style body, never a crash.
+"""Malformed requests for `hearth serve`: each one must get a 4xx with an error body (OpenAI's, or Ollama's
+under /api/), never a crash.
 
 Used by the tests (a few hundred) and scripts/bench_serve.py (a thousand). Every case is invalid by
 construction (a valid request would start a generation and answer 200): a valid body with one to three
@@ -85,6 +86,44 @@ _BAD_COMPLETION = {
     "stop": [[None], 3],
     "n": [3],
 }
+_OPTIONS = [
+    "x", 5, [], {"num_predict": 0}, {"num_predict": -3}, {"num_predict": 10**9}, {"temperature": "hot"},
+    {"top_k": -2}, {"top_p": 0}, {"min_p": 1}, {"seed": "s"}, {"stop": 5},
+]
+_OLLAMA_COMMON = {
+    "model": [None, 5, "", ["m"], "no-such-model"],
+    "options": _OPTIONS,
+    "format": ["yaml", 5, []],
+    "think": ["very", 5, []],
+    "stream": ["yes", 1, []],
+}
+_BAD_OLLAMA_CHAT = {
+    **_OLLAMA_COMMON,
+    "messages": [
+        "hi",
+        {},
+        [None],
+        ["hi"],
+        [{"role": "robot", "content": "x"}],
+        [{"role": "user", "content": 5}],
+        [{"role": "user", "content": "x", "images": "abc"}],
+        [{"role": "user", "content": "x", "images": ["%%%"]}],
+        [{"role": "user", "content": "x", "images": [5]}],
+        [{"role": "assistant", "content": "x", "images": ["aGk="]}],
+        [{"role": "user", "content": "x", "tool_calls": "t"}],
+    ],
+    "tools": ["t", 5, [{"type": "function"}]],
+}
+_BAD_GENERATE = {
+    **_OLLAMA_COMMON,
+    "prompt": [5, [], {}],
+    "suffix": ["tail"],
+    "template": ["{{ .Prompt }}"],
+    "raw": ["yes", 1],
+    "context": ["c", [1.5], [-1], [10**9]],
+    "system": [5, []],
+    "images": ["abc", [5], ["%%%"]],
+}
 _RAW = [
     b"",
     b"{",
@@ -119,7 +158,14 @@ def cases(n: int, model: str, seed: int = 0, port: int = 0) -> list[Case]:
     out = []
     for _ in range(n):
         kind = rng.random()
-        if kind < 0.45:
+        if kind < 0.12:  # Ollama's routes
+            chat = rng.random() < 0.5
+            body = {"model": model, "options": {"num_predict": 4}, "stream": False}
+            body.update({"messages": [{"role": "user", "content": "hi"}]} if chat else {"prompt": "hi"})
+            _mutate(rng, body, _BAD_OLLAMA_CHAT if chat else _BAD_GENERATE)
+            path = "/api/chat" if chat else "/api/generate"
+            out.append(Case("POST", path, json.dumps(body).encode(), host))
+        elif kind < 0.45:
             body = {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
             _mutate(rng, body, _BAD_CHAT)
             out.append(Case("POST", "/v1/chat/completions", json.dumps(body).encode(), host))
@@ -137,7 +183,8 @@ def cases(n: int, model: str, seed: int = 0, port: int = 0) -> list[Case]:
             out.append(Case(rng.choice(methods), path, None, host))
         elif kind < 0.91:
             path = rng.choice(
-                ["/", "/v1", "/v2/chat/completions", "/v1/embeddings", "/../etc/passwd", "/%00"]
+                ["/api", "/api/unknown", "/v1", "/v2/chat/completions", "/v1/embeddings", "/../etc/passwd",
+                 "/%00"]
             )
             out.append(Case(rng.choice(["GET", "POST"]), path, b"{}", host))
         elif kind < 0.96:
@@ -177,12 +224,14 @@ def send(case: Case, port: int, timeout: float = 30.0) -> tuple[int, bytes]:
 
 
 def check(status: int, body: bytes) -> str | None:
-    """Why an answer to a malformed request is wrong, or None when it is a 4xx with an error body."""
+    """Why an answer to a malformed request is wrong, or None when it is a 4xx with an error body (OpenAI's
+    {"error": {"message": ...}} or Ollama's {"error": "..."})."""
     if not 400 <= status < 500:
         return f"status {status}: {body[:200]!r}"
     try:
         err = json.loads(body)["error"]
-        assert isinstance(err["message"], str) and err["message"]
+        message = err if isinstance(err, str) else err["message"]
+        assert isinstance(message, str) and message
     except (ValueError, KeyError, TypeError, AssertionError):
-        return f"status {status} without an OpenAI error body: {body[:200]!r}"
+        return f"status {status} without an error body: {body[:200]!r}"
     return None

@@ -44,6 +44,8 @@ class Common:
     include_usage: bool
     logprobs: int | None  # None, or how many alternatives to report per token (0: only the chosen)
     ignore_eos: bool  # vLLM's extension: keep generating past end-of-turn (benchmarks)
+    top_k: int = 0  # llama.cpp's and vLLM's extensions: the k most likely tokens only (0: off)
+    min_p: float = 0.0  # tokens less likely than min_p times the most likely are dropped
 
 
 @dataclass
@@ -131,6 +133,12 @@ def _common(body: Any, n_ctx: int, max_tokens_names: tuple[str, ...]) -> dict:
         raise invalid("'ignore_eos' must be true or false", "ignore_eos")
     for name in ("presence_penalty", "frequency_penalty"):
         _number(body, name, 0.0, -2.0, 2.0)  # accepted for compatibility; not applied
+    top_k = body.get("top_k")
+    if top_k is not None and (not _is_int(top_k) or top_k < 0):
+        raise invalid(f"'top_k' must be an integer >= 0 (0: off), got {top_k!r}", "top_k")
+    min_p = _number(body, "min_p", 0.0, 0.0, 1.0)
+    if min_p == 1.0:
+        raise invalid("'min_p' must be below 1", "min_p")
     return dict(
         model=model,
         max_tokens=max_tokens,
@@ -142,6 +150,8 @@ def _common(body: Any, n_ctx: int, max_tokens_names: tuple[str, ...]) -> dict:
         include_usage=include_usage,
         logprobs=None,
         ignore_eos=ignore_eos,
+        top_k=top_k or 0,
+        min_p=min_p,
     )
 
 
@@ -180,6 +190,11 @@ def _image(spec: Any, where: str) -> bytes:
     (as some clients send it). Remote URLs are refused: the server fetches nothing."""
     url = spec.get("url") if isinstance(spec, dict) else spec
     field = f"{where}.image_url.url" if isinstance(spec, dict) else f"{where}.image_url"
+    return image_bytes(url, field)
+
+
+def image_bytes(url: Any, field: str) -> bytes:
+    """The image file a data URL holds, checked (base64, size); `field` names it in the 400s."""
     if not isinstance(url, str) or not url:
         raise invalid(
             f"{field} must be a data URL such as 'data:image/png;base64,...'", field, "invalid_image_url"

@@ -52,6 +52,8 @@ class SeqParams:
     max_tokens: int
     temperature: float = 1.0
     top_p: float = 1.0
+    top_k: int = 0  # 0: off
+    min_p: float = 0.0
     seed: int | None = None
     stop: Sequence[str] = ()
     logprobs: int | None = None  # None: none; k >= 0: the chosen token's and the k most likely
@@ -106,7 +108,7 @@ class Job:
         self.generated = 0
         self.t_first = 0.0
         self.finished = False
-        check_sampling(params.temperature, 0, params.top_p, 0.0)
+        check_sampling(params.temperature, params.top_k, params.top_p, params.min_p)
         self.rng = np.random.default_rng(params.seed)  # one uniform a sampled token, host or device
         self.constraint: Constraint | None = None
         self.decoder: StreamDecoder | HarmonyDecoder | None = None  # set when the first token is sampled
@@ -352,7 +354,8 @@ class Engine:
         if seq.constraint is not None or p.logprobs is not None:
             return None
         u = seq.rng.random() if p.temperature > 0 else 0.0
-        return p.temperature, 0, p.top_p, 0.0, u, tuple(self.tokenizer.eot_ids) if p.ignore_eos else ()
+        banned = tuple(self.tokenizer.eot_ids) if p.ignore_eos else ()
+        return p.temperature, p.top_k, p.top_p, p.min_p, u, banned
 
     def _sample(self, seq: Job, logits: np.ndarray) -> None:
         """Pick seq's next token from its logits row (on the host) and emit it."""
@@ -369,7 +372,7 @@ class Engine:
         if p.temperature == 0:
             token = int(np.argmax(logits))
         else:
-            token = draw(logits, p.temperature, 0, p.top_p, 0.0, seq.rng.random())
+            token = draw(logits, p.temperature, p.top_k, p.top_p, p.min_p, seq.rng.random())
         self._emit(seq, token, raw)
 
     def _emit(self, seq: Job, token: int, raw: np.ndarray | None = None) -> None:

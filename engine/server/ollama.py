@@ -1,0 +1,544 @@
+"""Ollama's native API over the same engine as the OpenAI routes.
+
+Many tools speak only Ollama's protocol (Open WebUI, editor plugins, the `ollama` Python and JavaScript
+libraries, scripts that post to /api/chat), so `hearth serve` answers it too:
+
+- POST /api/chat and /api/generate: newline-delimited JSON streams (the default) or one JSON object with
+  `"stream": false`; `options` (temperature, top_k, top_p, min_p, seed, stop, num_predict), `format`
+  ("json" or a JSON schema), `tools`, `think`, base64 `images`, /api/generate's `system`, `raw` and
+  `context`. The closing object carries Ollama's counts and durations (nanoseconds).
+- GET /api/tags, /api/ps, /api/version, POST /api/show: the one model this server runs.
+- The model-management routes (pull, push, create, copy, delete) and embeddings answer 501 with what to
+  do instead: a server runs the model it was started with.
+
+Requests become engine.server.protocol's ChatRequest (so one validation, one template path and one
+scheduler serve both APIs); errors are Ollama's `{"error": "..."}` bodies with the same statuses.
+Where Ollama's request sets no sampling options its defaults apply (temperature 0.8, top_k 40, top_p 0.9),
+not OpenAI's. Options Hearth does not apply (repeat_penalty, mirostat, num_ctx above the server's context,
+...) are accepted and ignored, as the OpenAI routes ignore presence_penalty: `hearth serve --ctx` sets the
+context.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from typing import Any
+
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+
+from engine.reasoning import ReasoningStream
+from engine.server import protocol
+from engine.server.errors import APIError, invalid
+from engine.server.scheduler import Delta, SeqParams
+
+# the Ollama release whose API these routes follow (clients read /api/version to pick features)
+API_VERSION = "0.12.0"
+# Ollama's sampling defaults, for requests that leave an option out
+DEFAULTS = {"temperature": 0.8, "top_k": 40, "top_p": 0.9, "min_p": 0.0}
+_OPTIONS = {"temperature": "temperature", "top_k": "top_k", "top_p": "top_p", "min_p": "min_p",
+            "seed": "seed", "stop": "stop"}
+NDJSON = "application/x-ndjson"
+
+
+@dataclass
+class OllamaRequest:
+    """A parsed /api/chat or /api/generate body.
+
+    `chat` is what the OpenAI chat route would run; `think` is Ollama's (None: unset, True/False, or an
+    effort "low"/"medium"/"high"); /api/generate's raw prompt and context are set only there."""
+
+    chat: protocol.ChatRequest
+    stream: bool
+    think: bool | str | None
+    raw_prompt: str | None = None  # /api/generate with raw: the prompt, no template
+    context: list[int] | None = None  # /api/generate: an earlier reply's context to continue
+
+
+def _object(body: Any) -> dict:
+    if not isinstance(body, dict):
+        raise invalid("the request body must be a JSON object")
+    return body
+
+
+def _common(body: dict) -> tuple[dict, bool, bool | str | None]:
+    """The OpenAI-style fields of an Ollama request (model, sampling, format, think); its stream flag."""
+    options = body.get("options")
+    if options is None:
+        options = {}
+    if not isinstance(options, dict):
+        raise invalid("'options' must be an object such as {'temperature': 0.7}", "options")
+    openai: dict[str, Any] = {"model": body.get("model")}
+    for name, field in _OPTIONS.items():
+        if options.get(name) is not None:
+            openai[field] = options[name]
+        elif name in DEFAULTS:
+            openai[field] = DEFAULTS[name]
+    predict = options.get("num_predict")
+    if predict is not None:
+        if not protocol._is_int(predict) or predict == 0 or predict < -2:
+            raise invalid(
+                "'options.num_predict' must be a positive number of tokens, -1 (no limit) or -2 (fill the "
+                f"context), got {predict!r}",
+                "options.num_predict",
+            )
+        if predict > 0:
+            openai["max_tokens"] = predict
+    stream = body.get("stream", True)
+    if stream is None:
+        stream = True
+    if not isinstance(stream, bool):
+        raise invalid("'stream' must be true or false", "stream")
+    fmt = body.get("format")
+    if fmt == "json":
+        openai["response_format"] = {"type": "json_object"}
+    elif isinstance(fmt, dict):
+        openai["response_format"] = {"type": "json_schema", "json_schema": {"name": "format", "schema": fmt}}
+    elif fmt not in (None, ""):
+        raise invalid("'format' must be \"json\" or a JSON schema object", "format")
+    think = body.get("think")
+    if think not in (None, True, False, "low", "medium", "high"):
+        raise invalid("'think' must be true, false, or an effort: \"low\", \"medium\" or \"high\"", "think")
+    if think is False:
+        openai["chat_template_kwargs"] = {"enable_thinking": False}
+    elif think is True:
+        openai["chat_template_kwargs"] = {"enable_thinking": True}
+    elif isinstance(think, str):  # gpt-oss's template reads an effort
+        openai["reasoning_effort"] = think
+    return openai, stream, think
+
+
+def _images(spec: Any, where: str) -> list[bytes]:
+    """A message's (or /api/generate's) `images`: base64 strings (data URLs too), as files."""
+    if spec is None:
+        return []
+    if not isinstance(spec, list) or not all(isinstance(i, str) for i in spec):
+        raise invalid(f"'{where}' must be a list of base64-encoded images", where, "invalid_image")
+    return [
+        protocol.image_bytes(i if i.startswith("data:") else f"data:image/*;base64,{i}", f"{where}[{k}]")
+        for k, i in enumerate(spec)
+    ]
+
+
+def _with_images(req: protocol.ChatRequest, images: dict[int, list[bytes]]) -> protocol.ChatRequest:
+    """req with each message's images as the engine's image parts (before its text, as the app sends them)."""
+    total = sum(len(v) for v in images.values())
+    if total > protocol.MAX_IMAGES:
+        raise invalid(f"at most {protocol.MAX_IMAGES} images per request", "messages", "too_many_images")
+    for n, files in images.items():
+        message = req.messages[n]
+        if message["role"] != "user":
+            raise invalid(f"messages[{n}].images: images go in user messages only", "messages")
+        message["content"] = [
+            *({"type": "image", "image": f} for f in files),
+            {"type": "text", "text": message["content"] or ""},
+        ]
+    return req
+
+
+def parse_chat(body: Any, n_ctx: int) -> OllamaRequest:
+    """Validate an /api/chat body (an empty `messages` only loads the model: chat.messages is empty).
+
+    Raises:
+        APIError (400): a missing, mistyped or out-of-range field.
+    """
+    body = _object(body)
+    openai, stream, think = _common(body)
+    messages = body.get("messages")
+    if messages is None:
+        messages = []
+    if not isinstance(messages, list):
+        raise invalid("'messages' must be a list of {role, content} objects", "messages")
+    if not messages:
+        return OllamaRequest(_load_only(openai, n_ctx), stream, think)
+    translated, images = [], {}
+    for n, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise invalid(f"messages[{n}] must be an object with 'role' and 'content'", "messages")
+        out = {k: m[k] for k in ("role", "content", "tool_call_id") if k in m}
+        out.setdefault("content", "")
+        if m.get("tool_calls") is not None:
+            calls = m["tool_calls"]
+            if not isinstance(calls, list) or not all(isinstance(c, dict) for c in calls):
+                raise invalid(f"messages[{n}].tool_calls must be a list of objects", "messages")
+            out["tool_calls"] = [{"type": "function", **c} for c in calls]
+        if isinstance(m.get("tool_name"), str):  # Ollama names the tool a result came from
+            out["name"] = m["tool_name"]
+        if m.get("images"):
+            images[n] = _images(m["images"], f"messages[{n}].images")
+        translated.append(out)
+    openai.update(messages=translated, tools=body.get("tools"))
+    return OllamaRequest(_with_images(protocol.parse_chat(openai, n_ctx), images), stream, think)
+
+
+def _load_only(openai: dict, n_ctx: int) -> protocol.ChatRequest:
+    """A request with no prompt (Ollama's way to load a model): validated, with no messages."""
+    req = protocol.parse_chat({**openai, "messages": [{"role": "user", "content": ""}]}, n_ctx)
+    req.messages = []
+    return req
+
+
+def parse_generate(body: Any, n_ctx: int) -> OllamaRequest:
+    """Validate an /api/generate body: its prompt (with `system` and `images`) becomes a one-turn chat
+    through the model's template, or with `raw` the prompt as it is. An empty prompt only loads the model.
+
+    Raises:
+        APIError (400): a missing, mistyped or unsupported field.
+    """
+    body = _object(body)
+    openai, stream, think = _common(body)
+    prompt = body.get("prompt")
+    if prompt is None:
+        prompt = ""
+    if not isinstance(prompt, str):
+        raise invalid("'prompt' must be a string", "prompt")
+    for name in ("suffix", "template"):
+        if body.get(name):
+            raise invalid(
+                f"'{name}' is not supported by this server: it uses the model's own chat template", name
+            )
+    system = body.get("system")
+    if system is not None and not isinstance(system, str):
+        raise invalid("'system' must be a string", "system")
+    raw = body.get("raw", False)
+    if not isinstance(raw, bool):
+        raise invalid("'raw' must be true or false", "raw")
+    context = body.get("context")
+    if context is not None and not (isinstance(context, list) and all(protocol._is_int(t) for t in context)):
+        raise invalid("'context' must be the list of token ids an earlier reply returned", "context")
+    images = _images(body.get("images"), "images")
+    if not prompt and not images:
+        return OllamaRequest(_load_only(openai, n_ctx), stream, think)
+    if raw:
+        if images or system:
+            raise invalid("'raw' prompts take no 'images' or 'system': they skip the chat template", "raw")
+        req = _load_only(openai, n_ctx)
+        return OllamaRequest(req, stream, think, raw_prompt=prompt, context=context or None)
+    messages = [{"role": "system", "content": system}] if system else []
+    messages.append({"role": "user", "content": prompt})
+    openai["messages"] = messages
+    req = _with_images(protocol.parse_chat(openai, n_ctx), {len(messages) - 1: images} if images else {})
+    return OllamaRequest(req, stream, think, context=context or None)
+
+
+# --- replies ----------------------------------------------------------------------------------
+
+
+def created_at() -> str:
+    """Now, as Ollama writes it (RFC 3339, UTC)."""
+    return datetime.now(timezone.utc).isoformat(timespec="microseconds").replace("+00:00", "Z")
+
+
+def done_reason(delta: Delta) -> str:
+    return {"context": "length", "cancelled": "stop"}.get(delta.finish_reason, delta.finish_reason or "stop")
+
+
+def counts(last: Delta, started: float) -> dict:
+    """Ollama's closing figures: token counts and durations in nanoseconds."""
+    decode_ns = int((last.generated_tokens - 1) / last.decode_tps * 1e9) if last.decode_tps else 0
+    return {
+        "total_duration": int((time.monotonic() - started) * 1e9),
+        "load_duration": 0,  # the model was loaded when the server started
+        "prompt_eval_count": last.prompt_tokens,
+        "prompt_eval_duration": int(last.ttft_s * 1e9),
+        "eval_count": last.generated_tokens,
+        "eval_duration": decode_ns,
+    }
+
+
+def tool_calls(calls: list[dict]) -> list[dict]:
+    """OpenAI tool calls (arguments as JSON text) as Ollama writes them (arguments as an object)."""
+    out = []
+    for c in calls:
+        fn = c["function"]
+        try:
+            args = json.loads(fn["arguments"])
+        except ValueError:
+            args = {}
+        out.append({"function": {"name": fn["name"], "arguments": args}})
+    return out
+
+
+def error_body(e: APIError) -> dict:
+    return {"error": e.message}
+
+
+def _line(obj: dict) -> str:
+    return json.dumps(obj, ensure_ascii=False) + "\n"
+
+
+class OllamaRoutes:
+    """The /api/* handlers over the OpenAI routes' handler object (engine.server.app._Api)."""
+
+    def __init__(self, api):
+        self.api = api
+        self._facts = None
+
+    # --- model information ---
+
+    def _model_facts(self):
+        if self._facts is None:
+            from models.library import inspect_model
+
+            try:
+                self._facts = inspect_model(self.api.lm.path)
+            except Exception:  # noqa: BLE001 - a file Hearth loaded but cannot describe: fewer details
+                self._facts = False
+        return self._facts or None
+
+    def _details(self) -> dict:
+        facts = self._model_facts()
+        lm = self.api.lm
+        family = str(lm.metadata.get("general.architecture") or (facts.arch if facts else "") or "")
+        params = facts.params if facts and facts.params else 0
+        size = lm.metadata.get("general.size_label") or (_size_label(params) if params else "")
+        return {
+            "parent_model": "",
+            "format": facts.format if facts else ("gguf" if lm.path.suffix == ".gguf" else "safetensors"),
+            "family": family,
+            "families": [family] if family else None,
+            "parameter_size": size,
+            "quantization_level": (facts.quant or "") if facts else "",
+        }
+
+    def _entry(self) -> dict:
+        facts = self._model_facts()
+        lm = self.api.lm
+        stat = lm.path.stat()
+        name = self.api.names[0]
+        return {
+            "name": name,
+            "model": name,
+            "modified_at": datetime.fromtimestamp(stat.st_mtime, timezone.utc).isoformat().replace(
+                "+00:00", "Z"
+            ),
+            "size": facts.size if facts else lm.file_size,
+            "digest": _digest(lm, stat),
+            "details": self._details(),
+        }
+
+    def capabilities(self) -> list[str]:
+        out = ["completion"]
+        if getattr(self.api.lm, "vision", None) is not None:
+            out.append("vision")
+        if self.api.template_has_tools:
+            out.append("tools")
+        source = getattr(self.api.lm.template, "source", "") or ""
+        if "enable_thinking" in source or "<think>" in source or "reasoning_effort" in source:
+            out.append("thinking")
+        return out
+
+    async def root(self, request: Request) -> Response:
+        return PlainTextResponse("Hearth is running (Ollama's API at /api, OpenAI's at /v1)")
+
+    async def version(self, request: Request) -> Response:
+        return JSONResponse({"version": API_VERSION})
+
+    async def tags(self, request: Request) -> Response:
+        return JSONResponse({"models": [await run_in_threadpool(self._entry)]})
+
+    async def ps(self, request: Request) -> Response:
+        entry = await run_in_threadpool(self._entry)
+        entry.pop("modified_at")
+        entry.update(expires_at="2999-12-31T23:59:59Z", size_vram=0, context_length=self.api.engine.n_ctx)
+        return JSONResponse({"models": [entry]})
+
+    async def show(self, request: Request) -> Response:
+        body = _object(await self.api._json(request))
+        name = body.get("model", body.get("name"))
+        if not isinstance(name, str) or not name:
+            raise invalid("'model' is required", "model")
+        self.check_model(name)
+        lm = self.api.lm
+        cfg = lm.model.cfg
+        details = await run_in_threadpool(self._details)
+        arch = details["family"] or "llama"
+        info = {
+            "general.architecture": arch,
+            "general.name": lm.name,
+            f"{arch}.context_length": lm.context_length,
+            f"{arch}.embedding_length": getattr(cfg, "hidden_size", None),
+            f"{arch}.block_count": getattr(cfg, "num_layers", getattr(cfg, "num_hidden_layers", None)),
+        }
+        return JSONResponse({
+            "license": str(lm.metadata.get("general.license") or ""),
+            "modelfile": f"# served by Hearth\nFROM {lm.path}\n",
+            "parameters": "\n".join(f"{k} {v}" for k, v in DEFAULTS.items()),
+            "template": getattr(lm.template, "source", "") or "",
+            "details": details,
+            "model_info": {k: v for k, v in info.items() if v is not None},
+            "capabilities": self.capabilities(),
+            "modified_at": (await run_in_threadpool(self._entry))["modified_at"],
+        })
+
+    async def unsupported(self, request: Request) -> Response:
+        what = request.url.path.removeprefix("/api/")
+        hint = (
+            "this server does not compute embeddings"
+            if what.startswith("embed")
+            else "it serves the one model it was started with; manage models in Hearth's library "
+            "(hearth pull / hearth list) and start `hearth serve -m MODEL`"
+        )
+        raise APIError(501, f"/api/{what} is not supported by hearth serve: {hint}", "not_implemented")
+
+    def check_model(self, name: str) -> None:
+        """Ollama clients add the default tag (":latest") to names that have none."""
+        self.api.check_model(name.removesuffix(":latest") if name not in self.api.names else name)
+
+    # --- generation ---
+
+    async def chat(self, request: Request) -> Response:
+        started = time.monotonic()
+        parsed = parse_chat(await self.api._json(request), self.api.engine.n_ctx)
+        return await self._run(request, parsed, started, key="message")
+
+    async def generate(self, request: Request) -> Response:
+        started = time.monotonic()
+        parsed = parse_generate(await self.api._json(request), self.api.engine.n_ctx)
+        return await self._run(request, parsed, started, key="response")
+
+    async def _run(self, request: Request, parsed: OllamaRequest, started: float, key: str) -> Response:
+        req = parsed.chat
+        self.check_model(req.model)
+        req.model = self.api.names[0] if req.model not in self.api.names else req.model
+        head = {"model": parsed.chat.model}
+        if not req.messages and parsed.raw_prompt is None:  # no prompt: the model is loaded already
+            body = {**head, "created_at": created_at(), "done": True, "done_reason": "load"}
+            body[key] = {"role": "assistant", "content": ""} if key == "message" else ""
+            if parsed.stream:
+                return StreamingResponse(iter([_line(body)]), media_type=NDJSON)
+            return JSONResponse(body)
+        params, split, opened = await self._params(parsed)
+        images = any(isinstance(m.get("content"), list) for m in req.messages)
+        reply = _Reply(self.api, parsed, params, split, opened, key, head, started,
+                       context=key == "response" and not images)
+        job, q = await self.api._submit(params)
+        if parsed.stream:
+            return StreamingResponse(reply.stream(job, q), media_type=NDJSON)
+        return JSONResponse(reply.whole(await self.api._collect(request, job, q)))
+
+    async def _params(self, parsed: OllamaRequest) -> tuple[SeqParams, bool, bool]:
+        api, req = self.api, parsed.chat
+        split = parsed.think is not False
+        if parsed.raw_prompt is None:
+            params, split, opened = await api.prepare_chat(req, split=split)
+        else:
+            tok = api.tok
+            ids = await run_in_threadpool(tok.encode, parsed.raw_prompt, add_special=not parsed.context)
+            text_start = bool(ids) and tok.is_control(ids[-1])
+            params = api._seq_params(req, ids, req.max_tokens, text_start=text_start)
+            split = opened = False
+        if parsed.context:
+            bad = [t for t in parsed.context if not 0 <= t < api.tok.vocab_size]
+            if bad:
+                raise invalid(f"context token {bad[0]} is outside the vocabulary", "context")
+            ids = list(params.prompt_ids)
+            if parsed.raw_prompt is None and ids and ids[0] == api.tok.bos_id:
+                ids = ids[1:]  # the context starts the sequence already
+            params.prompt_ids = parsed.context + ids
+            try:
+                params.max_tokens = api._limits(len(params.prompt_ids), req.max_tokens)
+            except APIError:
+                if params.release is not None:
+                    params.release()
+                raise
+            params.respell = False
+        return params, split, opened
+
+
+class _Reply:
+    """One Ollama reply: its lines while it streams, or the whole object."""
+
+    def __init__(self, api, parsed: OllamaRequest, params: SeqParams, split: bool, opened: bool,
+                 key: str, head: dict, started: float, context: bool):
+        self.api, self.parsed, self.key, self.head, self.started = api, parsed, key, head, started
+        self.prompt_ids = list(params.prompt_ids) if context else None
+        self.thinking = ReasoningStream(opened) if split else None
+        self.tools = bool(parsed.chat.tools)
+        self.tokens: list[int] = []
+
+    def _body(self, text: str, thinking: str = "", calls: list[dict] | None = None) -> dict:
+        if self.key == "message":
+            part: Any = {"role": "assistant", "content": text}
+            if thinking:
+                part["thinking"] = thinking
+            if calls:
+                part["tool_calls"] = calls
+            return {**self.head, "created_at": created_at(), "message": part}
+        body = {**self.head, "created_at": created_at(), "response": text}
+        if thinking:
+            body["thinking"] = thinking
+        return body
+
+    def _split(self, d: Delta, text: str) -> tuple[str, str]:
+        if d.token is not None and d.token not in self.api.tok.eot_ids:
+            self.tokens.append(d.token)
+        if self.thinking is None:
+            return "", text
+        thinking, text = self.thinking.feed(text)
+        if d.finish_reason is not None:
+            rest = self.thinking.flush()
+            thinking, text = thinking + rest[0], text + rest[1]
+        return thinking, text
+
+    def _closing(self, last: Delta) -> dict:
+        out = {"done": True, "done_reason": done_reason(last), **counts(last, self.started)}
+        if self.prompt_ids is not None:
+            out["context"] = self.prompt_ids + self.tokens
+        return out
+
+    def whole(self, deltas: list[Delta]) -> dict:
+        thinking, text = "", ""
+        for d in deltas:
+            t, a = self._split(d, d.text)
+            thinking, text = thinking + t, text + a
+        calls = None
+        if self.tools:
+            text, found = protocol.parse_tool_calls(text)
+            calls = tool_calls(found) or None
+        return {**self._body(text, thinking, calls), **self._closing(deltas[-1])}
+
+    async def stream(self, job, q: asyncio.Queue) -> AsyncIterator[str]:
+        held: list[str] = []
+        try:
+            while True:
+                d = await q.get()
+                if d.error is not None:
+                    yield _line(error_body(d.error))
+                    break
+                thinking, text = self._split(d, d.text)
+                if self.tools:  # tool calls are only known once the reply is complete
+                    held.append(text)
+                    text = ""
+                if thinking or text:
+                    yield _line({**self._body(text, thinking), "done": False})
+                if d.finish_reason is not None:
+                    calls = None
+                    if self.tools:
+                        text, found = protocol.parse_tool_calls("".join(held))
+                        calls = tool_calls(found) or None
+                        if text or calls:
+                            yield _line({**self._body(text, calls=calls), "done": False})
+                    yield _line({**self._body(""), **self._closing(d)})
+                    break
+        finally:
+            job.cancel()  # the client went away (or the reply ended: then a no-op)
+
+
+def _size_label(params: int) -> str:
+    """A parameter count as Ollama labels it: 494M, 1.2B, 8.0B."""
+    return f"{params / 1e9:.1f}B" if params >= 1e9 else f"{round(params / 1e6)}M"
+
+
+def _digest(lm, stat) -> str:
+    """A stable id of the served file (path, size, time), hex like Ollama's digests, without reading
+    gigabytes to hash them."""
+    import hashlib
+
+    return hashlib.sha256(f"{lm.path}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()
