@@ -164,7 +164,8 @@ def cmd_serve(args) -> int:
         port=sock.getsockname()[1],
         api_key=args.api_key,
         allowed_hosts=list(args.allow_host),
-        aliases=[lm.name, lm.path.name],
+        # the name the model was asked for (a starter name such as smollm2-135m-instruct) is accepted too
+        aliases=[lm.name, lm.path.name, *([args.model] if "/" not in args.model else [])],
         request_timeout_s=args.request_timeout,
         reasoning_format=args.reasoning_format,
     )

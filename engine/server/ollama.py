@@ -406,8 +406,7 @@ class OllamaRoutes:
     async def _run(self, request: Request, parsed: OllamaRequest, started: float, key: str) -> Response:
         req = parsed.chat
         self.check_model(req.model)
-        req.model = self.api.names[0] if req.model not in self.api.names else req.model
-        head = {"model": parsed.chat.model}
+        head = {"model": req.model}  # as the client named it, as Ollama answers
         if not req.messages and parsed.raw_prompt is None:  # no prompt: the model is loaded already
             body = {**head, "created_at": created_at(), "done": True, "done_reason": "load"}
             body[key] = {"role": "assistant", "content": ""} if key == "message" else ""

@@ -290,3 +290,24 @@ def test_images_through_ollamas_client(tmp_path):
     finally:
         server.close()
         engine.stop()
+
+
+@pytest.mark.slow
+def test_the_name_a_model_was_served_by_is_accepted(smollm2_path, monkeypatch, capsys):
+    # `hearth serve -m smollm2-135m-instruct`: clients may ask for the model by that name (as `ollama run
+    # NAME` users do), besides the file's stem and the model's own name
+    from engine.cli import main
+    from engine.server import app
+    from engine.server.errors import ServeError
+
+    seen = []
+
+    def record(config, engine, lm):
+        seen.append(config)
+        raise ServeError("stopped by the test before serving")
+
+    monkeypatch.setattr(app, "create_app", record)
+    assert main(["serve", "-m", "smollm2-135m-instruct", "--port", "0", "--ctx", "64"]) == 1
+    assert "stopped by the test" in capsys.readouterr().err
+    (config,) = seen
+    assert config.model_name == smollm2_path.stem and "smollm2-135m-instruct" in config.aliases
