@@ -154,6 +154,32 @@ def test_converted_gguf_and_mmproj_are_llama_cpps_layout(converted, folder):
 
 
 @pytest.mark.parametrize("folder", [DENSE, MOE], ids=["dense", "moe"])
+def test_names_and_key_types_are_gguf_pys(converted, folder):
+    """Against gguf-py (llama.cpp's own constants and reader): the architecture's tensor names, the deepstack
+    tensors' and keys' names, and value types llama.cpp's loaders take (u32 count, bool flags)."""
+    import gguf
+
+    text, mmproj = converted[folder]
+    arch = gguf.MODEL_ARCH.QWEN3VLMOE if folder == MOE else gguf.MODEL_ARCH.QWEN3VL
+    name = gguf.MODEL_ARCH_NAMES[arch]
+    reader = gguf.GGUFReader(text)
+    assert reader.fields["general.architecture"].contents() == name
+    known = {gguf.TENSOR_NAMES[t].format(bid=b) for t in gguf.MODEL_TENSORS[arch] for b in range(2)}
+    assert {t.name.rsplit(".", 1)[0] for t in reader.tensors} <= known
+    count = reader.fields[gguf.Keys.LLM.NUM_DEEPSTACK_LAYERS.format(arch=name)]
+    assert count.types == [gguf.GGUFValueType.UINT32] and count.contents() == 2
+    sections = reader.fields[gguf.Keys.Rope.DIMENSION_SECTIONS.format(arch=name)]
+    assert sections.types[0] == gguf.GGUFValueType.ARRAY and len(sections.contents()) == 4
+    reader = gguf.GGUFReader(mmproj)
+    assert reader.fields["clip.projector_type"].contents() == gguf.VisionProjectorType.QWEN3VL
+    flags = reader.fields[gguf.Keys.ClipVision.IS_DEEPSTACK_LAYERS]
+    assert flags.types == [gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.BOOL]
+    parts = (gguf.MODEL_TENSOR.V_DS_NORM, gguf.MODEL_TENSOR.V_DS_FC1, gguf.MODEL_TENSOR.V_DS_FC2)
+    deep = {gguf.TENSOR_NAMES[t].format(bid=b) for t in parts for b in BLOCKS[folder]}
+    assert {t.name.rsplit(".", 1)[0] for t in reader.tensors if t.name.startswith("v.deepstack.")} == deep
+
+
+@pytest.mark.parametrize("folder", [DENSE, MOE], ids=["dense", "moe"])
 def test_converted_gguf_with_its_mmproj_matches_transformers(converted, folder):
     golden, _, ref = _golden(folder)
     lm = load_model(converted[folder][0])
