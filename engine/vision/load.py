@@ -340,9 +340,11 @@ def qwen35_namer(deepstack: tuple[int, ...] = ()):
 def _hf_qwen35(folder: Path, config: dict, vision: dict, st) -> Qwen35Vision | None:
     from engine.hf_repo import read_json
 
-    deepstack = ()
-    if config["model_type"] in _QWEN3_VL:  # transformers' default when the config gives none
+    # transformers' defaults for what the config leaves out: Qwen3.5's sections; Qwen3-VL's, and its blocks
+    deepstack, default_sections = (), (11, 11, 10)
+    if config["model_type"] in _QWEN3_VL:
         deepstack = tuple(int(v) for v in vision.get("deepstack_visual_indexes", (8, 16, 24)))
+        default_sections = (24, 20, 20)
     source = _HFSource(st, folder, qwen35_namer(deepstack))
     if not source.has("v.patch_embd.weight"):
         return None
@@ -379,7 +381,7 @@ def _hf_qwen35(folder: Path, config: dict, vision: dict, st) -> Qwen35Vision | N
         patch=patch,
         text_hidden=int(vision.get("out_hidden_size", text.get("hidden_size", 3584))),
         positions=int(vision.get("num_position_embeddings", 2304)),
-        mrope_section=tuple(int(v) for v in rope.get("mrope_section", (11, 11, 10))),
+        mrope_section=tuple(int(v) for v in rope.get("mrope_section") or default_sections),
         deepstack=deepstack,
         merge=merge,
         temporal=int(vision.get("temporal_patch_size", 2)),
@@ -531,8 +533,8 @@ def _qwen35_gguf(path: Path, meta: dict, source, text_meta: dict) -> Qwen35Visio
     layers = int(key("block_count"))
     flags = [bool(f) for f in meta.get("clip.vision.is_deepstack_layers", ())]
     if flags and len(flags) != layers:
-        raise ModelFormatError(path, f"clip.vision.is_deepstack_layers flags {len(flags)} vision blocks of "
-                               f"{layers}; the file is damaged or not one llama.cpp wrote")
+        raise ModelFormatError(path, f"clip.vision.is_deepstack_layers has {len(flags)} flags for {layers} "
+                               "vision blocks; the file is damaged or not from llama.cpp's converter")
     hidden = int(key("embedding_length"))
     shape = Qwen35VisionShape(
         hidden=hidden,

@@ -254,7 +254,7 @@ def test_mismatched_mmproj_leaves_images_off_with_a_reason(converted, tmp_path, 
         "count": (dict(text_meta={f"{arch}.n_deepstack_layers": 3}),
                   "gives 2 deepstack sets but the language model takes 3"),
         "flags": (dict(mmproj_meta={"clip.vision.is_deepstack_layers": [False, True, True, False]}),
-                  "flags 4 vision blocks of 3"),
+                  "has 4 flags for 3 vision blocks"),
         "missing": (dict(rename=lambda n: None if n.startswith("v.deepstack.2.fc2") else n),
                     "v.deepstack.2.fc2.weight"),
         # a Qwen3.5-style text model (no n_deepstack_layers) beside a Qwen3-VL tower
