@@ -12,6 +12,12 @@ cols) tensors, MXFP4 blocks as `1 byte exponent | 16 bytes` with element j in th
 and j + 16 in its high nibble (gguf.quants.MXFP4; the same E2M1 codes, read as doubled values with a
 half scale: the same numbers). Here the HF tensors are repacked into that layout once, at load: every
 backend then runs one MXFP4 type, and `hearth convert` writes the GGUF as llama.cpp does, losslessly.
+
+Qwen3-VL-MoE folders fuse their experts the same way, with gate and up as halves instead of interleaved rows
+(gate_e row i is row i of gate_up_proj, up row i is row ff + i) and no biases. Qwen's own checkpoints store
+them transposed, (experts, hidden, 2 ff) and (experts, ff, hidden); transformers 5 writes them back rows
+first, (experts, 2 ff, hidden) and (experts, hidden, ff). Which one a tensor holds is told by its shape, as
+transformers tells it (a shape that fits both is read rows first).
 """
 
 from __future__ import annotations
@@ -58,18 +64,26 @@ def _repack(blocks, scales, first, step, out):
                 out[e, r, o + 1 + j] = lo | (hi << 4)
 
 
-def _fused(kind: str) -> tuple[str, int, int]:
-    """(HF tensor, first row, row step) holding kind's rows: gate_up's even rows are gate's, its odd rows
-    up's; down_proj is as it is."""
-    return ("down_proj", 0, 1) if kind == "down" else ("gate_up_proj", 0 if kind == "gate" else 1, 2)
+def _fused(kind: str, rows: int, halves: bool = False) -> tuple[str, slice]:
+    """(HF tensor, its rows that are kind's) for a kind of `rows` rows an expert: gate_up's even rows are
+    gate's and its odd rows up's (gpt-oss), or its first and second halves (halves: Qwen3-VL-MoE); down_proj
+    is as it is."""
+    if kind == "down":
+        return "down_proj", slice(0, rows)
+    if halves:
+        return "gate_up_proj", slice(0, rows) if kind == "gate" else slice(rows, 2 * rows)
+    return "gate_up_proj", slice(0 if kind == "gate" else 1, 2 * rows, 2)
 
 
 class FusedExperts:
-    """One layer's gpt-oss experts from a safetensors repo: merged (experts * rows, cols) Weights per kind
-    (GGUF's gate, up and down) and their biases, built on first use and kept."""
+    """One layer's fused experts (gpt-oss's, Qwen3-VL-MoE's) from a safetensors repo: merged
+    (experts * rows, cols) Weights per kind (GGUF's gate, up and down) and their biases, built on first use
+    and kept."""
 
-    def __init__(self, st, folder, prefix: str):
-        self.st, self.folder, self.prefix = st, folder, prefix  # prefix: "model.layers.N.mlp.experts."
+    def __init__(self, st, folder, prefix: str, halves: bool = False):
+        # prefix: "model.layers.N.mlp.experts." (or "model.language_model.layers.N.mlp.experts."); halves:
+        # gate_up_proj holds gate then up (Qwen3-VL-MoE), not interleaved rows (gpt-oss)
+        self.st, self.folder, self.prefix, self.halves = st, folder, prefix, halves
         self._weights: dict[str, Weight] = {}
         self._biases: dict[str, np.ndarray] = {}
 
@@ -99,19 +113,32 @@ class FusedExperts:
 
     def build(self, kind: str, n: int, rows: int, cols: int) -> Weight:
         """stack(), built anew and not kept (conversion reads one tensor at a time)."""
-        name, first, step = _fused(kind)
-        all_rows = rows * step
+        name, part = _fused(kind, rows, self.halves)
+        all_rows = rows if kind == "down" else 2 * rows
         ggml_type = self.source_type()
         if ggml_type == MXFP4:
             groups = (n, all_rows, cols // 32)
             if cols % 32:
                 raise ModelFormatError(self.folder, f"{self.prefix}{name}: {cols} columns, not blocks of 32")
             blocks = self._checked(name + "_blocks", (*groups, 16))
-            raw = mxfp4_blocks_from_hf(blocks, self._checked(name + "_scales", groups), first, step)
-        else:  # stored transposed (x @ W): the rows are the last axis
-            rows_first = np.swapaxes(self._checked(name, (n, cols, all_rows)), 1, 2)
-            raw = np.ascontiguousarray(rows_first[:, first::step]).view(np.uint8)
+            raw = mxfp4_blocks_from_hf(blocks, self._checked(name + "_scales", groups), part.start,
+                                       part.step or 1)
+        else:
+            raw = np.ascontiguousarray(self._rows_first(name, n, all_rows, cols)[:, part]).view(np.uint8)
         return Weight(ggml_type, raw.reshape(n * rows, -1), n * rows, cols)
+
+    def _rows_first(self, name: str, n: int, rows: int, cols: int) -> np.ndarray:
+        """Float tensor `name` as (n, rows, cols): gpt-oss's is stored transposed (x @ W: the rows are the
+        last axis); Qwen3-VL-MoE's either way, told by its shape (rows first when it fits both)."""
+        array = self._tensor(name)
+        if self.halves and array.shape == (n, rows, cols):
+            return array
+        if array.shape != (n, cols, rows):
+            want = f"{(n, rows, cols)} or {(n, cols, rows)}" if self.halves else str((n, cols, rows))
+            raise ModelFormatError(
+                self.folder, f"{self.prefix}{name} has shape {array.shape}, expected {want}"
+            )
+        return np.swapaxes(array, 1, 2)
 
     def source_type(self) -> int:
         """The ggml type the experts come in (MXFP4, or the float dtype of a dequantized checkpoint)."""
@@ -128,14 +155,14 @@ class FusedExperts:
     def bias(self, kind: str, n: int, rows: int) -> np.ndarray:
         """Kind's biases, float32 (n, rows)."""
         if kind not in self._biases:
-            name, first, step = _fused(kind)
-            array = self._checked(name + "_bias", (n, rows * step))
+            name, part = _fused(kind, rows, self.halves)
+            array = self._checked(name + "_bias", (n, rows if kind == "down" else 2 * rows))
             values = float32_of(array, self.st.tensors[self.prefix + name + "_bias"].dtype == "BF16")
-            self._biases[kind] = np.ascontiguousarray(values[:, first::step])
+            self._biases[kind] = np.ascontiguousarray(values[:, part])
         return self._biases[kind]
 
     def has(self, kind: str, part: str) -> bool:
-        name = _fused(kind)[0]
+        name = "down_proj" if kind == "down" else "gate_up_proj"
         if part == "bias":
             return self.prefix + name + "_bias" in self.st.tensors
         return self._mxfp4() or self.prefix + name in self.st.tensors

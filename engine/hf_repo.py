@@ -55,7 +55,7 @@ _FAMILIES = {
     "qwen3_5_moe_text": "qwen35moe",  # Qwen3.5-MoE (35B-A3B, 122B-A10B, ...)
     "qwen2": "qwen2",
     "qwen3": "qwen3",
-    "qwen3_vl_text": "qwen3",  # Qwen3-VL's language model: Qwen3 with M-RoPE (text-only: plain RoPE)
+    "qwen3_vl_text": "qwen3vl",  # Qwen3-VL's language model: Qwen3 with M-RoPE and deepstack
     "phi3": "phi3",
     "gemma3_text": "gemma3",
     "gemma2": "gemma2",
@@ -64,6 +64,7 @@ _FAMILIES = {
     "mixtral": "llama",  # llama.cpp's name for Mixtral too: a llama with experts
     "qwen2_moe": "qwen2moe",
     "qwen3_moe": "qwen3moe",
+    "qwen3_vl_moe_text": "qwen3vlmoe",  # Qwen3-VL-30B-A3B, 235B-A22B: Qwen3-MoE with M-RoPE and deepstack
     "glm4_moe": "glm4moe",  # GLM-4.5 / 4.6 / 4.7 (MoE)
     "gpt_oss": "gpt-oss",
 }
@@ -246,7 +247,7 @@ _LANGUAGE_PREFIXES = (
     ("language_model.lm_head.", "lm_head."),
     ("backbone.", "model."),  # Nemotron-H's text model
 )
-# gpt-oss's fused expert tensors (engine/hf_experts.py), by the GGUF names they stand for
+# gpt-oss's and Qwen3-VL-MoE's fused expert tensors (engine/hf_experts.py), by the GGUF names they stand for
 _FUSED_EXPERTS_RE = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(?:gate_up|down)_proj(?:_blocks)?")
 _GGUF_EXPERTS_RE = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)_exps\.(weight|bias)")
 
@@ -294,11 +295,13 @@ class HFWeights:
         for hf in st.tensors:
             if hf.endswith(".weight_packed") and (g := _gguf_name(hf[: -len("_packed")], layer_names)):
                 self.names.setdefault(g, hf)
-        # gpt-oss: per layer, the fused experts the GGUF-named expert tensors are cut from
+        # gpt-oss, Qwen3-VL-MoE (gate and up as halves): per layer, the fused experts the GGUF-named expert
+        # tensors are cut from
         self.fused = {
-            int(m.group(1)): FusedExperts(st, folder, f"model.layers.{m.group(1)}.mlp.experts.")
+            int(m.group(1)): FusedExperts(st, folder, hf[: hf.rindex("experts.") + len("experts.")],
+                                          halves=arch == "qwen3vlmoe")
             for hf in st.tensors
-            if (m := _FUSED_EXPERTS_RE.fullmatch(hf))
+            if (m := _FUSED_EXPERTS_RE.fullmatch(_language_name(hf)))
         }
 
     def _fused(self, name: str) -> tuple[FusedExperts, str, str] | None:
@@ -615,6 +618,7 @@ def _nemotron_h_config(config: dict) -> NemotronHConfig:
 def config_from_hf(folder: Path, config: dict) -> LlamaConfig | Gemma3Config | Gemma4Config:
     """The architecture config for a config.json (a multimodal folder's: its language model's). Raises
     UnsupportedArchitectureError for other families."""
+    deepstack = _deepstack_layers(config)
     config = language_config(config)
     model_type = config.get("model_type")
     arch = _FAMILIES.get(model_type)
@@ -653,7 +657,7 @@ def config_from_hf(folder: Path, config: dict) -> LlamaConfig | Gemma3Config | G
         heads = int(config["num_attention_heads"])
         hidden = int(config["hidden_size"])
         head_dim = int(config.get("head_dim") or hidden // heads)
-        qwen_moe = model_type in ("qwen2_moe", "qwen3_moe", "qwen3_5_moe_text")
+        qwen_moe = model_type in ("qwen2_moe", "qwen3_moe", "qwen3_5_moe_text", "qwen3_vl_moe_text")
         # the experts' FFN length (GLM-4.5's intermediate_size is its dense layers')
         expert_sized = qwen_moe or (experts and model_type in ("glm4_moe", "lfm2_moe"))
         # LFM2 sizes its FFN from block_ff_dim (_lfm2)
@@ -662,9 +666,9 @@ def config_from_hf(folder: Path, config: dict) -> LlamaConfig | Gemma3Config | G
         # Mixtral always renormalizes the chosen experts' weights (gpt-oss's softmax over the chosen
         # logits is the same numbers); Qwen2/3-MoE say so in their configs; GLM-4.5 routes its own way
         moe = {
-            # Qwen3.5-MoE always renormalizes (its config has no key for it)
+            # Qwen3.5-MoE and Qwen3-VL-MoE always renormalize (their configs have no key for it)
             "norm_topk_prob": bool(config.get("norm_topk_prob", False))
-            if qwen_moe and model_type != "qwen3_5_moe_text" else True,
+            if qwen_moe and model_type not in ("qwen3_5_moe_text", "qwen3_vl_moe_text") else True,
             "shared_expert_intermediate_size": int(config.get("shared_expert_intermediate_size") or 0)
             if model_type in ("qwen2_moe", "qwen3_5_moe_text")
             else granite4.pop("shared_expert_intermediate_size", 0),
@@ -700,9 +704,20 @@ def config_from_hf(folder: Path, config: dict) -> LlamaConfig | Gemma3Config | G
             **lfm2,
             **granite4,
             **qwen35,
+            deepstack_layers=deepstack,
         )
     except (KeyError, TypeError, ValueError) as e:
         raise ModelFormatError(folder / "config.json", f"missing or invalid hyper-parameter ({e})") from e
+
+
+def _deepstack_layers(config: dict) -> int:
+    """How many deepstack sets a Qwen3-VL (dense or MoE) folder's vision tower adds to its first text layers
+    (transformers' default deepstack_visual_indexes (8, 16, 24) when its vision_config gives none); 0 for
+    other folders."""
+    vision = config.get("vision_config")
+    if config.get("model_type") not in ("qwen3_vl", "qwen3_vl_moe") or not isinstance(vision, dict):
+        return 0
+    return len(vision.get("deepstack_visual_indexes", (8, 16, 24)))
 
 
 def _sigmoid_moe(config: dict, expert_ff: int) -> dict:

@@ -454,6 +454,19 @@ MULTIMODAL = {
         dict(_QWEN_VISION, model_type="qwen3_vl_vision", depth=3, deepstack_visual_indexes=[0, 1]),
         dict(_QWEN_VISION_TOKENS, tie_word_embeddings=False),
     ),
+    # Qwen3-VL-MoE (Qwen3VLMoeForConditionalGeneration, Qwen3-VL-30B-A3B's layout): qwen3_vl-vision's tower
+    # and M-RoPE, its deepstack mergers after blocks 1 and 2 (so a merger's index and its block's differ),
+    # over Qwen3-MoE text layers of 4 experts (2 a token, renormalized), each layer's experts kept in two
+    # fused tensors (gate_up_proj, down_proj); golden_vision.json as qwen3_5-vision's
+    "qwen3_vl_moe-vision": (
+        transformers.Qwen3VLMoeConfig,
+        dict(model_type="qwen3_vl_moe_text", head_dim=16, pad_token_id=0, num_experts=4,
+             num_experts_per_tok=2, moe_intermediate_size=48,
+             rope_parameters=dict(rope_type="default", rope_theta=10000.0, mrope_section=[3, 3, 2],
+                                  mrope_interleaved=True)),
+        dict(_QWEN_VISION, model_type="qwen3_vl_moe_vision", depth=3, deepstack_visual_indexes=[1, 2]),
+        dict(_QWEN_VISION_TOKENS, tie_word_embeddings=False),
+    ),
     "ministral3-mm": (
         transformers.Mistral3Config,
         dict(FAMILIES["ministral3"][1], model_type="ministral3"),
@@ -633,7 +646,7 @@ def write_family(name: str, out: Path) -> None:
         write_mistral3_vision_golden(ref, folder)
     if name in ("gemma4-vision", "gemma4-vision-causal"):
         write_gemma4_vision_golden(ref, folder)
-    if name in ("qwen3_5-vision", "qwen3_5_moe-vision", "qwen3_vl-vision"):
+    if name in ("qwen3_5-vision", "qwen3_5_moe-vision", "qwen3_vl-vision", "qwen3_vl_moe-vision"):
         write_qwen35_vision_golden(ref, folder)
     size = sum(f.stat().st_size for f in folder.iterdir())
     print(f"wrote {folder} ({size:,} bytes)")

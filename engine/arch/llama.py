@@ -10,7 +10,9 @@ EXAONE 4 norms only the branch outputs too, and with a window rotates only in th
 is a llama with QKV biases; Ministral 3 scales its queries up past the original context (Llama 4's
 temperature tuning); LFM2 replaces attention with a gated short convolution (engine/arch/shortconv.py)
 in most layers and norms q and k per head; Qwen3.5 replaces it with a gated DeltaNet (engine/arch/deltanet.py)
-in three layers of four and gates the output of the others.
+in three layers of four and gates the output of the others. Qwen3-VL (llama.cpp's qwen3vl and qwen3vlmoe) is
+Qwen3 or Qwen3-MoE whose image rows take M-RoPE positions and, after the first layers, its vision tower's
+deepstack sets (engine/vision/qwen35.py).
 Mixture of experts: Mixtral, Qwen3-MoE, Qwen2-MoE (with a gated shared expert) and gpt-oss (attention
 sinks, biases on every linear, a sliding window on every other layer and a clamped SwiGLU in its experts).
 """
@@ -37,7 +39,7 @@ from engine.weights import Weight
 # these families keep HF's half-split ("NeoX") layout instead.
 _NEOX_ROPE = frozenset(
     {"qwen2", "qwen2moe", "qwen3", "qwen3moe", "phi3", "gpt-oss", "olmo2", "glm4moe", "exaone4", "seed_oss",
-     "lfm2", "lfm2moe", "qwen35", "qwen35moe"}
+     "lfm2", "lfm2moe", "qwen35", "qwen35moe", "qwen3vl", "qwen3vlmoe"}
 )
 # GGUF architectures that may carry attention.sliding_window (Mistral v0.1 as "llama", gpt-oss, OLMo 3;
 # EXAONE 4's, with its default, is read on its own)
@@ -46,7 +48,7 @@ _WINDOWED = frozenset({"llama", "gpt-oss", "olmo2"})
 # architectures whose GGUFs give KV heads per layer, 0 in the layers without attention (LFM2's convolution
 # layers, Granite 4.0-H's Mamba-2 ones)
 _KV_PER_LAYER = frozenset({"lfm2", "lfm2moe", "granitehybrid"})
-_MOE_ONLY = frozenset({"qwen2moe", "qwen3moe", "gpt-oss", "qwen35moe"})
+_MOE_ONLY = frozenset({"qwen2moe", "qwen3moe", "gpt-oss", "qwen35moe", "qwen3vlmoe"})
 
 
 @dataclass
@@ -115,6 +117,10 @@ class LlamaConfig:
     residual_multiplier: float = 1.0
     attention_multiplier: float = 0.0
     logits_scaling: float = 1.0
+    # Qwen3-VL (llama.cpp's qwen3vl / qwen3vlmoe: Qwen3 / Qwen3-MoE with M-RoPE): how many deepstack sets its
+    # vision tower adds to the image rows after the first layers (llama.cpp's n_deepstack_layers), which a
+    # tower beside it must give; 0 for other models
+    deepstack_layers: int = 0
     # derived in __post_init__
     n_rep: int = field(init=False)
     q_dim: int = field(init=False)
@@ -311,6 +317,7 @@ class LlamaConfig:
             residual_multiplier=float(key("residual_scale", 1.0)),
             attention_multiplier=float(key("attention.scale", 0.0)),
             logits_scaling=float(key("logit_scale", 1.0)),
+            deepstack_layers=int(key("n_deepstack_layers", 0)),
             # llama.cpp's Ministral 3: the temperature over YaRN's original context
             attn_temperature_beta=temperature,
             attn_temperature_length=scaling.original_max_position if temperature else 0,
@@ -431,7 +438,7 @@ def _ffn_weights(weights, p: str, ff: int, d: int) -> tuple[Weight, Weight]:
 @register(
     "llama", "mistral", "mistral3", "smollm3", "granite", "glm4", "olmo2", "ernie4_5", "qwen2", "qwen2moe",
     "qwen3", "qwen3moe", "glm4moe", "exaone4", "seed_oss", "phi3", "gpt-oss", "lfm2", "lfm2moe", "qwen35",
-    "qwen35moe", "granitehybrid",
+    "qwen35moe", "granitehybrid", "qwen3vl", "qwen3vlmoe",
 )
 class LlamaModel(Decoder):
     """A Llama-family decoder over weights that stay in their file format."""

@@ -166,7 +166,8 @@ def _hparams(arch: str, config: dict, cfg) -> dict[str, Any]:
         md[f"{a}.expert_count"] = cfg.num_experts
         md[f"{a}.expert_used_count"] = cfg.num_experts_per_tok
         md[f"{a}.expert_weights_norm"] = bool(cfg.norm_topk_prob)
-        if arch in ("qwen2moe", "qwen3moe", "gpt-oss", "glm4moe", "lfm2moe", "qwen35moe", "granitehybrid"):
+        if arch in ("qwen2moe", "qwen3moe", "gpt-oss", "glm4moe", "lfm2moe", "qwen35moe", "granitehybrid",
+                    "qwen3vlmoe"):
             md[f"{a}.expert_feed_forward_length"] = cfg.intermediate_size
             md[f"{a}.feed_forward_length"] = int(config.get("intermediate_size") or cfg.intermediate_size)
         if cfg.expert_gating == "sigmoid":  # llama.cpp's keys: sigmoid gating, scale, dense layers
@@ -206,6 +207,11 @@ def _hparams(arch: str, config: dict, cfg) -> dict[str, Any]:
         md[f"{a}.ssm.inner_size"] = shape.value_dim
         sections = list((config.get("rope_parameters") or {}).get("mrope_section") or [11, 11, 10])
         md[f"{a}.rope.dimension_sections"] = [int(v) for v in sections] + [0] * (4 - len(sections))
+    if arch in ("qwen3vl", "qwen3vlmoe"):  # llama.cpp's keys: M-RoPE's 4 sections, the deepstack sets' count
+        rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+        sections = [int(v) for v in rope.get("mrope_section") or (24, 20, 20)]
+        md[f"{a}.rope.dimension_sections"] = sections + [0] * (4 - len(sections))
+        md[f"{a}.n_deepstack_layers"] = cfg.deepstack_layers
     if arch in ("lfm2", "lfm2moe"):  # llama.cpp's keys: KV heads per layer (0 in convolution layers), taps
         md[f"{a}.attention.head_count_kv"] = [
             0 if cfg.is_conv(i) else cfg.num_key_value_heads for i in range(cfg.num_hidden_layers)

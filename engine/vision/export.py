@@ -1,10 +1,11 @@
 """Writing a Hugging Face folder's vision tower as an mmproj GGUF, as llama.cpp names and lays it out.
 
-`hearth convert` of a Gemma 3, Mistral 3 or Qwen3.5 (dense or MoE) multimodal folder to GGUF writes the
-language model as usual and, beside it, mmproj-<name>-f16.gguf (general.architecture "clip",
+`hearth convert` of a Gemma 3, Mistral 3, Qwen3.5 or Qwen3-VL (dense or MoE) multimodal folder to GGUF
+writes the language model as usual and, beside it, mmproj-<name>-f16.gguf (general.architecture "clip",
 clip.projector_type "gemma3", "pixtral" or "qwen3vl_merger", clip.vision.* sizes; the matrices and the patch
 embedding F16, norms, biases and the position table F32, Gemma's soft_emb_norm stored as 1 + w), which Hearth
-(engine.vision.load) and llama.cpp read back.
+(engine.vision.load) and llama.cpp read back. Qwen3-VL's deepstack mergers go in as llama.cpp's converter
+writes them: v.deepstack.<vision block>.{norm,fc1,fc2}, the blocks flagged in clip.vision.is_deepstack_layers.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import numpy as np
 
 from engine.quant.gguf_writer import GGUFWriter
 from engine.vision.gemma4 import Gemma4Vision
-from engine.vision.load import _HFSource, hf_vision, mmproj_name, qwen35_name
+from engine.vision.load import _HFSource, hf_vision, mmproj_name, qwen35_namer
 from engine.vision.pixtral import PixtralVision
 from engine.vision.qwen35 import Qwen35Vision
 from engine.weights import float32_of
@@ -36,7 +37,7 @@ def write_mmproj(folder: Path, config: dict, st, out_path: Path) -> Path | None:
     tower = hf_vision(folder, config, st)
     if tower is None or isinstance(tower, Gemma4Vision):  # no mmproj layout is written for Gemma 4's tower
         return None
-    rename = qwen35_name if isinstance(tower, Qwen35Vision) else mmproj_name
+    rename = qwen35_namer(tower.shape.deepstack) if isinstance(tower, Qwen35Vision) else mmproj_name
     source = _HFSource(st, folder, rename)
     names = sorted(n for n in (rename(hf) for hf in st.tensors) if n is not None)
     metadata = {
@@ -53,8 +54,6 @@ def write_mmproj(folder: Path, config: dict, st, out_path: Path) -> Path | None:
         extra = _img_break(folder, st, tower.shape.text_hidden)
     elif isinstance(tower, Qwen35Vision):
         if tower.shape.temporal != 2:  # llama.cpp's qwen3vl_merger holds two temporal slices of the kernel
-            return None
-        if tower.shape.deepstack:  # Qwen3-VL's deepstack mergers: no mmproj layout is written for them
             return None
         metadata |= _qwen35_metadata(tower.shape, config)
     else:
@@ -122,8 +121,9 @@ def _pixtral_metadata(shape) -> dict:
 
 
 def _qwen35_metadata(shape, config: dict) -> dict:
-    """llama.cpp's keys for Qwen3.5's tower (projector "qwen3vl_merger"), and the image processor's pixel
-    bounds (clip.vision.image_{min,max}_pixels), which its converter leaves to the runtime's defaults."""
+    """llama.cpp's keys for Qwen3.5's and Qwen3-VL's tower (projector "qwen3vl_merger"), and the image
+    processor's pixel bounds (clip.vision.image_{min,max}_pixels), which its converter leaves to the runtime's
+    defaults."""
     text = config.get("text_config") or {}
     return {
         "clip.projector_type": "qwen3vl_merger",
@@ -138,7 +138,8 @@ def _qwen35_metadata(shape, config: dict) -> dict:
         "clip.vision.attention.layer_norm_epsilon": float(text.get("rms_norm_eps", shape.eps)),
         "clip.vision.projection_dim": int(text.get("hidden_size", shape.text_hidden)),
         "clip.vision.spatial_merge_size": shape.merge,
-        "clip.vision.is_deepstack_layers": [False] * shape.layers,
+        # the vision blocks Qwen3-VL's deepstack mergers follow (none in Qwen3.5's)
+        "clip.vision.is_deepstack_layers": [i in shape.deepstack for i in range(shape.layers)],
         "clip.vision.image_min_pixels": shape.min_pixels,
         "clip.vision.image_max_pixels": shape.max_pixels,
         "clip.vision.image_mean": [float(v) for v in shape.mean],

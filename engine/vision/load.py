@@ -88,7 +88,7 @@ def _gemma4_name(hf_name: str) -> str | None:
 
 
 # model types whose Hugging Face folders' vision towers hf_vision runs (models.library keeps a copy)
-VISION_MODEL_TYPES = ("gemma3", "gemma4", "mistral3", "qwen3_5", "qwen3_5_moe", "qwen3_vl")
+VISION_MODEL_TYPES = ("gemma3", "gemma4", "mistral3", "qwen3_5", "qwen3_5_moe", "qwen3_vl", "qwen3_vl_moe")
 
 
 def mmproj_name(hf_name: str) -> str | None:
@@ -176,14 +176,14 @@ class _HFSource(_Source):
 def hf_vision(
     folder: Path, config: dict, st
 ) -> Gemma3Vision | Gemma4Vision | PixtralVision | Qwen35Vision | None:
-    """The vision tower of a Gemma 3, Gemma 4, Mistral 3, Qwen3.5 (dense or MoE) or Qwen3-VL (dense)
+    """The vision tower of a Gemma 3, Gemma 4, Mistral 3, Qwen3.5 (dense or MoE) or Qwen3-VL (dense or MoE)
     multimodal folder (None: no vision config or no tower tensors)."""
     vision = config.get("vision_config")
     if config.get("model_type") not in VISION_MODEL_TYPES or not isinstance(vision, dict):
         return None
     if config["model_type"] == "gemma4":
         return _hf_gemma4(folder, config, vision, st)
-    if config["model_type"] in ("qwen3_5", "qwen3_5_moe", "qwen3_vl"):  # Qwen3-VL's adds deepstack mergers
+    if config["model_type"] in ("qwen3_5", "qwen3_5_moe", *_QWEN3_VL):  # Qwen3-VL's adds deepstack mergers
         return _hf_qwen35(folder, config, vision, st)
     source = _HFSource(st, folder)
     if not source.has("v.patch_embd.weight"):
@@ -302,26 +302,50 @@ _QWEN35_NAMES = [
     (re.compile(r"visual\.merger\.norm\.(weight|bias)"), r"v.post_ln.\1"),
     (re.compile(r"visual\.merger\.linear_fc1\.(weight|bias)"), r"mm.0.\1"),
     (re.compile(r"visual\.merger\.linear_fc2\.(weight|bias)"), r"mm.2.\1"),
-    # Qwen3-VL's deepstack mergers (Hearth's names; no mmproj is written or read for them)
-    (re.compile(r"visual\.deepstack_merger_list\.(\d+)\.norm\.(weight|bias)"), r"v.deepstack.\1.norm.\2"),
-    (re.compile(r"visual\.deepstack_merger_list\.(\d+)\.linear_fc([12])\.(weight|bias)"),
-     r"v.deepstack.\1.fc\2.\3"),
 ]
+# Qwen3-VL's deepstack mergers (transformers' list index, part, weight or bias)
+_DEEPSTACK_NAME = re.compile(
+    r"visual\.deepstack_merger_list\.(\d+)\.(norm|linear_fc1|linear_fc2)\.(weight|bias)"
+)
+_DEEPSTACK_PART = {"norm": "norm", "linear_fc1": "fc1", "linear_fc2": "fc2"}
+# the wrapper model types of Qwen3-VL (dense, MoE): Qwen3.5's tower with deepstack mergers
+_QWEN3_VL = ("qwen3_vl", "qwen3_vl_moe")
 
 
-def qwen35_name(hf_name: str) -> str | None:
-    """The mmproj name of a transformers Qwen3.5 or Qwen3-VL vision tensor, None for others."""
-    name = hf_name.removeprefix("model.")
-    for pattern, repl in _QWEN35_NAMES:
-        if pattern.fullmatch(name):
-            return pattern.sub(repl, name)
-    return None
+def qwen35_namer(deepstack: tuple[int, ...] = ()):
+    """name(hf_name): the mmproj name of a transformers Qwen3.5 or Qwen3-VL vision tensor, None for others.
+
+    Args:
+        deepstack: Qwen3-VL's deepstack_visual_indexes. Its k-th deepstack merger is named after the vision
+            block it follows, v.deepstack.<deepstack[k]>.{norm,fc1,fc2}, as llama.cpp's converter names it.
+    """
+
+    def name(hf_name: str) -> str | None:
+        plain = hf_name.removeprefix("model.")
+        m = _DEEPSTACK_NAME.fullmatch(plain)
+        if m:
+            k = int(m.group(1))
+            block = deepstack[k] if k < len(deepstack) else None
+            if block is None:
+                return None
+            return f"v.deepstack.{block}.{_DEEPSTACK_PART[m.group(2)]}.{m.group(3)}"
+        for pattern, repl in _QWEN35_NAMES:
+            if pattern.fullmatch(plain):
+                return pattern.sub(repl, plain)
+        return None
+
+    return name
 
 
 def _hf_qwen35(folder: Path, config: dict, vision: dict, st) -> Qwen35Vision | None:
     from engine.hf_repo import read_json
 
-    source = _HFSource(st, folder, qwen35_name)
+    # transformers' defaults for what the config leaves out: Qwen3.5's sections; Qwen3-VL's, and its blocks
+    deepstack, default_sections = (), (11, 11, 10)
+    if config["model_type"] in _QWEN3_VL:
+        deepstack = tuple(int(v) for v in vision.get("deepstack_visual_indexes", (8, 16, 24)))
+        default_sections = (24, 20, 20)
+    source = _HFSource(st, folder, qwen35_namer(deepstack))
     if not source.has("v.patch_embd.weight"):
         return None
     text = config.get("text_config") or {}
@@ -357,9 +381,8 @@ def _hf_qwen35(folder: Path, config: dict, vision: dict, st) -> Qwen35Vision | N
         patch=patch,
         text_hidden=int(vision.get("out_hidden_size", text.get("hidden_size", 3584))),
         positions=int(vision.get("num_position_embeddings", 2304)),
-        mrope_section=tuple(int(v) for v in rope.get("mrope_section", (11, 11, 10))),
-        deepstack=tuple(int(v) for v in vision.get("deepstack_visual_indexes", (8, 16, 24)))
-        if config["model_type"] == "qwen3_vl" else (),
+        mrope_section=tuple(int(v) for v in rope.get("mrope_section") or default_sections),
+        deepstack=deepstack,
         merge=merge,
         temporal=int(vision.get("temporal_patch_size", 2)),
         rope_theta=float((vision.get("rope_parameters") or {}).get("rope_theta", 10000.0)),
@@ -499,19 +522,25 @@ QWEN35_MIN_PIXELS, QWEN35_MAX_PIXELS = 256 * 256, 4096 * 4096
 
 
 def _qwen35_gguf(path: Path, meta: dict, source, text_meta: dict) -> Qwen35Vision:
+    """Qwen3.5's or Qwen3-VL's tower (projector qwen3vl_merger); Qwen3-VL's deepstack mergers follow the
+    vision blocks clip.vision.is_deepstack_layers flags, as v.deepstack.<block>.* tensors."""
     key = clip_key(path, meta)
-    if np.any(meta.get("clip.vision.is_deepstack_layers", False)):
-        raise ModelFormatError(path, "a Qwen3-VL tower with deepstack layers is not one Hearth runs")
     arch = text_meta.get("general.architecture")
     sections = text_meta.get(f"{arch}.rope.dimension_sections")
     if sections is None or len(sections) < 3:
         raise ModelFormatError(path, "the language model beside it has no M-RoPE sections "
-                               "(rope.dimension_sections); use the mmproj with its Qwen3.5 model")
+                               "(rope.dimension_sections); use the mmproj with its Qwen3.5 or Qwen3-VL model")
+    layers = int(key("block_count"))
+    flags = [bool(f) for f in meta.get("clip.vision.is_deepstack_layers", ())]
+    if flags and len(flags) != layers:
+        raise ModelFormatError(path, f"clip.vision.is_deepstack_layers has {len(flags)} flags for {layers} "
+                               "vision blocks; the file is damaged or not from llama.cpp's converter")
     hidden = int(key("embedding_length"))
     shape = Qwen35VisionShape(
         hidden=hidden,
         ff=int(key("feed_forward_length")),
-        layers=int(key("block_count")),
+        layers=layers,
+        deepstack=tuple(i for i, deep in enumerate(flags) if deep),
         heads=int(key("attention.head_count")),
         patch=int(key("patch_size")),
         text_hidden=int(source.shape("mm.2.weight")[0]),

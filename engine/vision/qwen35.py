@@ -166,8 +166,8 @@ class Qwen35Vision(VisionTower):
     (engine.vision.load maps transformers' `visual.*` onto them): v.patch_embd (the 3D convolution, or its
     temporal slices as v.patch_embd.weight and .weight.1), v.position_embd, v.blk.N.{ln1, attn_qkv, attn_out,
     ln2, ffn_up, ffn_down}, the merger's norm and linears as v.post_ln, mm.0, mm.2, and Qwen3-VL's deepstack
-    mergers as v.deepstack.K.{norm, fc1, fc2} (K: the merger's index in deepstack_visual_indexes; Hearth's
-    names)."""
+    mergers as v.deepstack.B.{norm, fc1, fc2} (B: the vision block whose output the merger takes, as
+    llama.cpp's converter names them)."""
 
     bidirectional = False
 
@@ -218,8 +218,8 @@ class Qwen35Vision(VisionTower):
         self.merge_fc2 = weights.matrix("mm.2.weight", shape.text_hidden, wide)
         self.merge_fc2_b = weights.vector("mm.2.bias", shape.text_hidden)
         self.deepstack = []  # per deepstack merger: (norm over the wide row, fc1, fc1 bias, fc2, fc2 bias)
-        for k in range(len(shape.deepstack)):
-            b = f"v.deepstack.{k}."
+        for block in shape.deepstack:
+            b = f"v.deepstack.{block}."
             self.deepstack.append((
                 (weights.vector(b + "norm.weight", wide), weights.vector(b + "norm.bias", wide)),
                 weights.matrix(b + "fc1.weight", wide, wide), weights.vector(b + "fc1.bias", wide),
@@ -232,22 +232,35 @@ class Qwen35Vision(VisionTower):
 
     def attach(self, model) -> None:
         """As VisionTower.attach, with a table that knows each image's grid, and M-RoPE's sections (the
-        frequency masks of t, h, w) on the model."""
-        super().attach(model)
-        self.images = Qwen35ImageTable(model.cfg.vocab_size, model.cfg.hidden_size, len(self.shape.deepstack))
-        model.images = self.images
+        frequency masks of t, h, w) on the model. Every check runs before the model is touched, so a tower
+        that does not fit leaves it text-only.
+
+        Raises:
+            ModelFormatError: the tower does not fit the model (its sections, or its deepstack sets against
+                the model's layers and n_deepstack_layers).
+        """
         pairs = model.cfg.rotary_dim // 2
         if sum(self.shape.mrope_section) != pairs:
             raise ModelFormatError(
                 self.source, f"mrope_section {list(self.shape.mrope_section)} does not cover the {pairs} "
                 "rotary pairs of the language model's heads"
             )
-        model.mrope = mrope_masks(self.shape.mrope_section, pairs)
         if len(self.shape.deepstack) > model.cfg.num_hidden_layers:
             raise ModelFormatError(
                 self.source, f"{len(self.shape.deepstack)} deepstack mergers for a language model of "
                 f"{model.cfg.num_hidden_layers} layers"
             )
+        expected = getattr(model.cfg, "deepstack_layers", 0)
+        if len(self.shape.deepstack) != expected:
+            raise ModelFormatError(
+                self.source, f"the vision tower gives {len(self.shape.deepstack)} deepstack sets but the "
+                f"language model takes {expected} (n_deepstack_layers); use the mmproj published with this "
+                "model"
+            )
+        super().attach(model)
+        self.images = Qwen35ImageTable(model.cfg.vocab_size, model.cfg.hidden_size, len(self.shape.deepstack))
+        model.images = self.images
+        model.mrope = mrope_masks(self.shape.mrope_section, pairs)
 
     def target_size(self, height: int, width: int) -> tuple[int, int]:
         """(height, width) an image of this size is resized to (transformers' smart_resize)."""

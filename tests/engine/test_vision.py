@@ -503,8 +503,10 @@ Q35_REF = np.array(Q35_GOLDEN["logits"])
 Q35_TOL = 1e-4 * np.abs(Q35_REF).max()
 Q35_IMAGES = [(Q35 / name).read_bytes() for name in Q35_GOLDEN["images"]]
 Q35MOE = TINY / "qwen3_5_moe-vision"  # Qwen3.5-MoE's text layers with the same tower
-# Qwen3-VL: the same tower (3 blocks) with deepstack mergers after blocks 0 and 1, Qwen3 text layers
+# Qwen3-VL: the same tower (3 blocks) with deepstack mergers after blocks 0 and 1, Qwen3 text layers; its MoE
+# (after blocks 1 and 2, Qwen3-MoE text layers)
 Q3VL = TINY / "qwen3_vl-vision"
+Q3VLMOE = TINY / "qwen3_vl_moe-vision"
 
 
 def _q35_messages(images=Q35_IMAGES) -> list[dict]:
@@ -645,7 +647,9 @@ def test_qwen35_chunked_prefill_matches_one_pass(q35, q35_ids, chunk):
     np.testing.assert_allclose(last, Q35_REF[-1], atol=Q35_TOL)
 
 
-@pytest.mark.parametrize("folder", [Q35, Q35MOE, Q3VL], ids=["dense", "moe", "qwen3_vl"])
+@pytest.mark.parametrize(
+    "folder", [Q35, Q35MOE, Q3VL, Q3VLMOE], ids=["dense", "moe", "qwen3_vl", "qwen3_vl_moe"]
+)
 def test_qwen35_second_chat_turn_equals_a_fresh_run(folder):
     golden = json.loads((folder / "golden_vision.json").read_text())
     messages = _with_images(golden, [(folder / name).read_bytes() for name in golden["images"]])
@@ -808,16 +812,12 @@ def test_qwen3_vl_chunked_prefill_matches_one_pass(q3vl, q3vl_ids, chunk):
 
 
 def test_qwen3_vl_text_config_is_qwen3_with_mrope(q3vl):
+    """llama.cpp's qwen3vl: Qwen3's layers, M-RoPE, and the deepstack sets' count (its GGUFs and mmproj:
+    tests/engine/test_qwen3vl_gguf.py)."""
     from engine.vision.qwen35 import mrope_masks
 
-    assert q3vl.model.cfg.architecture == "qwen3"
+    assert q3vl.model.cfg.architecture == "qwen3vl" and q3vl.model.cfg.deepstack_layers == 2
     np.testing.assert_array_equal(q3vl.model.mrope, mrope_masks((3, 3, 2), 8))
-
-
-def test_qwen3_vl_is_converted_without_an_mmproj(tmp_path):
-    """No mmproj layout is written for the deepstack mergers: the text GGUF alone."""
-    out = convert(Q3VL, "F16", tmp_path / "q3vl.gguf")
-    assert out.mmproj is None
 
 
 def test_held_images_are_kept_past_the_budget_and_refuse_what_does_not_fit():
