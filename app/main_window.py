@@ -228,7 +228,8 @@ class MainWindow(QMainWindow):
         ok, why = serve_available() if self.server.command is None else (True, "")
         self.serve_button.setEnabled(ok)
         self.serve_button.setToolTip(
-            why or "Run an OpenAI-compatible server (hearth serve) for the loaded model"
+            why or "Run a local API server (hearth serve) for the loaded model: OpenAI's API at /v1, "
+            "Ollama's at /api"
         )
         self.serve_label = QLabel("")
         self.serve_label.setAccessibleName("Server address")
@@ -786,6 +787,9 @@ class MainWindow(QMainWindow):
             "failed": "server failed",
         }.get(state, state)
         self.serve_label.setText(text)
+        if state == "running" and url.endswith("/v1"):
+            base = url.removesuffix("/v1")
+            message = f"{message}\nOpenAI clients: {url}\nOllama clients (OLLAMA_HOST): {base}".strip()
         self.serve_label.setToolTip(message)
         if state in ("stopped", "failed"):
             self.serve_button.blockSignals(True)

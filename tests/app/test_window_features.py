@@ -87,6 +87,7 @@ def test_serve_toggle_shows_the_url_and_stops_the_server(qtbot, engine):
         w.serve_button.click()
     url = w.serve_label.text()
     assert url == f"http://127.0.0.1:{port}/v1" and w.serve_button.isChecked()
+    assert f"Ollama clients (OLLAMA_HOST): http://127.0.0.1:{port}" in w.serve_label.toolTip()
     with urllib.request.urlopen(url.removesuffix("/v1") + "/health", timeout=5) as r:
         assert json.loads(r.read()) == {"status": "ok"}
     pid = w.server.proc.processId()
