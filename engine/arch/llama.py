@@ -10,7 +10,8 @@ EXAONE 4 norms only the branch outputs too, and with a window rotates only in th
 is a llama with QKV biases; Ministral 3 scales its queries up past the original context (Llama 4's
 temperature tuning); LFM2 replaces attention with a gated short convolution (engine/arch/shortconv.py)
 in most layers and norms q and k per head; Qwen3.5 replaces it with a gated DeltaNet (engine/arch/deltanet.py)
-in three layers of four and gates the output of the others.
+in three layers of four and gates the output of the others; Qwen2-VL's and Qwen2.5-VL's language model
+(llama.cpp's qwen2vl) is Qwen2 whose rotary pairs turn by M-RoPE positions once a vision tower sets `mrope`.
 Mixture of experts: Mixtral, Qwen3-MoE, Qwen2-MoE (with a gated shared expert) and gpt-oss (attention
 sinks, biases on every linear, a sliding window on every other layer and a clamped SwiGLU in its experts).
 """
@@ -37,7 +38,7 @@ from engine.weights import Weight
 # these families keep HF's half-split ("NeoX") layout instead.
 _NEOX_ROPE = frozenset(
     {"qwen2", "qwen2moe", "qwen3", "qwen3moe", "phi3", "gpt-oss", "olmo2", "glm4moe", "exaone4", "seed_oss",
-     "lfm2", "lfm2moe", "qwen35", "qwen35moe"}
+     "lfm2", "lfm2moe", "qwen35", "qwen35moe", "qwen2vl"}
 )
 # GGUF architectures that may carry attention.sliding_window (Mistral v0.1 as "llama", gpt-oss, OLMo 3;
 # EXAONE 4's, with its default, is read on its own)
@@ -431,7 +432,7 @@ def _ffn_weights(weights, p: str, ff: int, d: int) -> tuple[Weight, Weight]:
 @register(
     "llama", "mistral", "mistral3", "smollm3", "granite", "glm4", "olmo2", "ernie4_5", "qwen2", "qwen2moe",
     "qwen3", "qwen3moe", "glm4moe", "exaone4", "seed_oss", "phi3", "gpt-oss", "lfm2", "lfm2moe", "qwen35",
-    "qwen35moe", "granitehybrid",
+    "qwen35moe", "granitehybrid", "qwen2vl",
 )
 class LlamaModel(Decoder):
     """A Llama-family decoder over weights that stay in their file format."""
