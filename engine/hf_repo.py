@@ -56,10 +56,12 @@ _FAMILIES = {
     "qwen2": "qwen2",
     "qwen3": "qwen3",
     "qwen3_vl_text": "qwen3",  # Qwen3-VL's language model: Qwen3 with M-RoPE (text-only: plain RoPE)
-    # Qwen2.5-VL's language model: Qwen2 with M-RoPE, llama.cpp's qwen2vl (the published configs keep its
-    # fields at the top level, transformers 5 in text_config)
+    # Qwen2.5-VL's and Qwen2-VL's language model: Qwen2 with M-RoPE, llama.cpp's qwen2vl (the published
+    # configs keep its fields at the top level, transformers 5 in text_config)
     "qwen2_5_vl_text": "qwen2vl",
     "qwen2_5_vl": "qwen2vl",
+    "qwen2_vl_text": "qwen2vl",  # Qwen2-VL's: the same
+    "qwen2_vl": "qwen2vl",
     "phi3": "phi3",
     "gemma3_text": "gemma3",
     "gemma2": "gemma2",

@@ -1,11 +1,11 @@
 """Writing a Hugging Face folder's vision tower as an mmproj GGUF, as llama.cpp names and lays it out.
 
-`hearth convert` of a Gemma 3, Mistral 3, Qwen3.5 (dense or MoE) or Qwen2.5-VL multimodal folder to GGUF
-writes the language model as usual and, beside it, mmproj-<name>-f16.gguf (general.architecture "clip",
-clip.projector_type "gemma3", "pixtral", "qwen3vl_merger" or "qwen2.5vl_merger", clip.vision.* sizes; the
-matrices and the patch embedding F16, norms, biases and the position table F32, Gemma's soft_emb_norm stored
-as 1 + w; Qwen2.5-VL's fused qkv split into attn_q, attn_k, attn_v as llama.cpp's converter writes them),
-which Hearth (engine.vision.load) and llama.cpp read back.
+`hearth convert` of a Gemma 3, Mistral 3, Qwen3.5 (dense or MoE), Qwen2.5-VL or Qwen2-VL multimodal folder to
+GGUF writes the language model as usual and, beside it, mmproj-<name>-f16.gguf (general.architecture "clip",
+clip.projector_type "gemma3", "pixtral", "qwen3vl_merger", "qwen2.5vl_merger" or "qwen2vl_merger",
+clip.vision.* sizes; the matrices and the patch embedding F16, norms, biases and the position table F32,
+Gemma's soft_emb_norm stored as 1 + w; Qwen2.5-VL's and Qwen2-VL's fused qkv split into attn_q, attn_k, attn_v
+as llama.cpp's converter writes them), which Hearth (engine.vision.load) and llama.cpp read back.
 """
 
 from __future__ import annotations
@@ -150,15 +150,21 @@ def _qwen25_metadata(shape, config: dict) -> dict | None:
     """llama.cpp's keys for Qwen2.5-VL's tower (projector "qwen2.5vl_merger"): the full-attention blocks as
     a period (n_wa_pattern: block i attends fully when (i + 1) % n == 0, as llama.cpp's converter derives it
     from fullatt_block_indexes) and the window's pixels (clip.vision.window_size, which llama.cpp's converter
-    leaves to its default of 112). None when the full-attention blocks are not every n-th (no key says so)."""
+    leaves to its default of 112). None when the full-attention blocks are not every n-th (no key says so).
+    Qwen2-VL's (projector "qwen2vl_merger"): neither clip.use_silu nor clip.use_gelu, which llama.cpp reads as
+    its quick GELU; feed_forward_length the MLP's (llama.cpp's converter writes the text width there, and
+    both read the tensors' rows)."""
+    # image_size: llama.cpp's converter's value for configs without one (unused)
+    qwen2 = {"clip.projector_type": "qwen2vl_merger", "clip.vision.image_size": 560}
+    if not shape.gated:
+        return _qwen_vision_metadata(shape, config) | qwen2
     full = shape.full_blocks
     period = full[0] + 1 if full else 0
     if not period or set(full) != {i for i in range(shape.layers) if (i + 1) % period == 0}:
         return None
-    return _qwen_vision_metadata(shape, config) | {
+    return _qwen_vision_metadata(shape, config) | qwen2 | {
         "clip.projector_type": "qwen2.5vl_merger",
         "clip.use_silu": True,
-        "clip.vision.image_size": 560,  # llama.cpp's converter's value for configs without one (unused)
         "clip.vision.n_wa_pattern": period,
         "clip.vision.window_size": shape.window,
     }

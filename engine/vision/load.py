@@ -89,7 +89,9 @@ def _gemma4_name(hf_name: str) -> str | None:
 
 
 # model types whose Hugging Face folders' vision towers hf_vision runs (models.library keeps a copy)
-VISION_MODEL_TYPES = ("gemma3", "gemma4", "mistral3", "qwen2_5_vl", "qwen3_5", "qwen3_5_moe", "qwen3_vl")
+VISION_MODEL_TYPES = (
+    "gemma3", "gemma4", "mistral3", "qwen2_vl", "qwen2_5_vl", "qwen3_5", "qwen3_5_moe", "qwen3_vl",
+)
 
 
 def mmproj_name(hf_name: str) -> str | None:
@@ -177,8 +179,8 @@ class _HFSource(_Source):
 def hf_vision(
     folder: Path, config: dict, st
 ) -> Gemma3Vision | Gemma4Vision | PixtralVision | Qwen35Vision | None:
-    """The vision tower of a Gemma 3, Gemma 4, Mistral 3, Qwen3.5 (dense or MoE), Qwen3-VL (dense) or
-    Qwen2.5-VL multimodal folder (None: no vision config or no tower tensors)."""
+    """The vision tower of a Gemma 3, Gemma 4, Mistral 3, Qwen3.5 (dense or MoE), Qwen3-VL (dense),
+    Qwen2.5-VL or Qwen2-VL multimodal folder (None: no vision config or no tower tensors)."""
     vision = config.get("vision_config")
     if config.get("model_type") not in VISION_MODEL_TYPES or not isinstance(vision, dict):
         return None
@@ -186,7 +188,7 @@ def hf_vision(
         return _hf_gemma4(folder, config, vision, st)
     if config["model_type"] in ("qwen3_5", "qwen3_5_moe", "qwen3_vl"):  # Qwen3-VL's adds deepstack mergers
         return _hf_qwen35(folder, config, vision, st)
-    if config["model_type"] == "qwen2_5_vl":
+    if config["model_type"] in ("qwen2_5_vl", "qwen2_vl"):
         return _hf_qwen25(folder, config, vision, st)
     source = _HFSource(st, folder)
     if not source.has("v.patch_embd.weight"):
@@ -305,9 +307,11 @@ _QWEN35_NAMES = [
     (re.compile(r"visual\.merger\.norm\.(weight|bias)"), r"v.post_ln.\1"),
     (re.compile(r"visual\.merger\.linear_fc1\.(weight|bias)"), r"mm.0.\1"),
     (re.compile(r"visual\.merger\.linear_fc2\.(weight|bias)"), r"mm.2.\1"),
-    # Qwen2.5-VL's gated MLP and its merger (RMSNorm, then an MLP as a Sequential)
+    # Qwen2.5-VL's gated MLP (Qwen2-VL's plain one) and its merger (a norm, then an MLP as a Sequential)
     (re.compile(r"visual\.blocks\.(\d+)\.mlp\.(gate|up|down)_proj\.(weight|bias)"), r"v.blk.\1.ffn_\2.\3"),
-    (re.compile(r"visual\.merger\.ln_q\.weight"), "v.post_ln.weight"),
+    (re.compile(r"visual\.blocks\.(\d+)\.mlp\.fc1\.(weight|bias)"), r"v.blk.\1.ffn_up.\2"),
+    (re.compile(r"visual\.blocks\.(\d+)\.mlp\.fc2\.(weight|bias)"), r"v.blk.\1.ffn_down.\2"),
+    (re.compile(r"visual\.merger\.ln_q\.(weight|bias)"), r"v.post_ln.\1"),
     (re.compile(r"visual\.merger\.mlp\.([02])\.(weight|bias)"), r"mm.\1.\2"),
     # Qwen3-VL's deepstack mergers (Hearth's names; no mmproj is written or read for them)
     (re.compile(r"visual\.deepstack_merger_list\.(\d+)\.norm\.(weight|bias)"), r"v.deepstack.\1.norm.\2"),
@@ -317,7 +321,8 @@ _QWEN35_NAMES = [
 
 
 def qwen35_name(hf_name: str) -> str | None:
-    """The mmproj name of a transformers Qwen3.5, Qwen3-VL or Qwen2.5-VL vision tensor, None for others."""
+    """The mmproj name of a transformers Qwen3.5, Qwen3-VL, Qwen2.5-VL or Qwen2-VL vision tensor, None for
+    others."""
     name = hf_name.removeprefix("model.")
     for pattern, repl in _QWEN35_NAMES:
         if pattern.fullmatch(name):
@@ -391,33 +396,44 @@ def _qwen_preprocessor(folder: Path, patch: int, merge: int, min_pixels: int, ma
 
 
 def _hf_qwen25(folder: Path, config: dict, vision: dict, st) -> Qwen25Vision | None:
-    """Qwen2.5-VL's tower; its language model's M-RoPE sections from text_config (transformers 5) or from the
-    top level, where the published configs keep them (rope_scaling)."""
+    """Qwen2.5-VL's tower, or Qwen2-VL's (its width is embed_dim, its hidden_size the language model's, its
+    MLP mlp_ratio times wider; no windows); the language model's M-RoPE sections from text_config
+    (transformers 5) or from the top level, where the published configs keep them (rope_scaling)."""
     source = _HFSource(st, folder, qwen35_name)
     if not source.has("v.patch_embd.weight"):
         return None
     text = config.get("text_config") or config
     rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
-    if vision.get("hidden_act", "silu") != "silu":
+    qwen2 = config["model_type"] == "qwen2_vl"
+    act = "quick_gelu" if qwen2 else "silu"
+    if vision.get("hidden_act", act) != act:
         raise ModelFormatError(folder, f"the vision MLP's activation {vision['hidden_act']!r} is not one "
                                "Hearth runs")
     merge = int(vision.get("spatial_merge_size", 2))
     patch = int(vision.get("patch_size", 14))
+    layers = int(vision.get("depth", 32))
+    if qwen2:
+        hidden = int(vision.get("embed_dim", 1280))
+        sizes = dict(hidden=hidden, ff=hidden * int(vision.get("mlp_ratio", 4)),
+                     text_hidden=int(vision.get("hidden_size", text.get("hidden_size", 3584))),
+                     full_blocks=tuple(range(layers)), gated=False)
+    else:
+        sizes = dict(hidden=int(vision.get("hidden_size", 1280)),
+                     ff=int(vision.get("intermediate_size", 3420)),
+                     text_hidden=int(vision.get("out_hidden_size", text.get("hidden_size", 3584))),
+                     full_blocks=tuple(int(i) for i in vision.get("fullatt_block_indexes", (7, 15, 23, 31))),
+                     window=int(vision.get("window_size", 112)))
     shape = Qwen25VisionShape(
-        hidden=int(vision.get("hidden_size", 1280)),
-        ff=int(vision.get("intermediate_size", 3420)),
-        layers=int(vision.get("depth", 32)),
+        layers=layers,
         heads=int(vision.get("num_heads", 16)),
         patch=patch,
-        text_hidden=int(vision.get("out_hidden_size", text.get("hidden_size", 3584))),
         positions=0,
         mrope_section=tuple(int(v) for v in rope.get("mrope_section", (16, 24, 24))),
         mrope_interleaved=False,
         merge=merge,
         temporal=int(vision.get("temporal_patch_size", 2)),
         rope_theta=float((vision.get("rope_parameters") or {}).get("rope_theta", 10000.0)),
-        window=int(vision.get("window_size", 112)),
-        full_blocks=tuple(int(i) for i in vision.get("fullatt_block_indexes", (7, 15, 23, 31))),
+        **sizes,
         **_qwen_preprocessor(folder, patch, merge, QWEN25_MIN_PIXELS, QWEN25_MAX_PIXELS),
     )
     return Qwen25Vision(shape, source, folder)
@@ -591,16 +607,20 @@ def _qwen35_gguf(path: Path, meta: dict, source, text_meta: dict) -> Qwen35Visio
 
 def _qwen25_gguf(path: Path, meta: dict, source, text_meta: dict) -> Qwen25Vision:
     """llama.cpp's qwen2.5vl_merger: the full-attention blocks every n_wa_pattern-th, windows of
-    clip.vision.window_size pixels (llama.cpp's 112 when absent); its text model (qwen2vl) turns M-RoPE
-    sections in a row."""
+    clip.vision.window_size pixels (llama.cpp's 112 when absent); or its qwen2vl_merger (LayerNorms,
+    quick-GELU MLPs, no windows; its feed_forward_length is not the MLP's, so the tensor's rows are read);
+    their text model (qwen2vl) turns M-RoPE sections in a row."""
     key = clip_key(path, meta)
     layers = int(key("block_count"))
-    period = int(key("n_wa_pattern"))
+    gated = meta.get("clip.projector_type") == "qwen2.5vl_merger"
+    period = int(key("n_wa_pattern")) if gated else 1
     if period < 1:
         raise ModelFormatError(path, f"clip.vision.n_wa_pattern {period} is not a block period")
+    if bool(meta.get("clip.use_silu")) != gated or meta.get("clip.use_gelu"):
+        raise ModelFormatError(path, "its vision MLP's activation is not the one its projector type runs")
     shape = Qwen25VisionShape(
         hidden=int(key("embedding_length")),
-        ff=int(key("feed_forward_length")),
+        ff=int(source.shape("v.blk.0.ffn_up.weight")[0]),
         layers=layers,
         heads=int(key("attention.head_count")),
         patch=int(key("patch_size")),
@@ -615,6 +635,7 @@ def _qwen25_gguf(path: Path, meta: dict, source, text_meta: dict) -> Qwen25Visio
         eps=float(key("attention.layer_norm_epsilon", 1e-6)),
         window=int(key("window_size", 112)),
         full_blocks=tuple(i for i in range(layers) if (i + 1) % period == 0),
+        gated=gated,
         **clip_stats(meta),
     )
     return Qwen25Vision(shape, source, path)
@@ -624,5 +645,5 @@ def _qwen25_gguf(path: Path, meta: dict, source, text_meta: dict) -> Qwen25Visio
 # metadata) -> tower
 GGUF_READERS = {
     "gemma3": _gemma3_gguf, "pixtral": _pixtral_gguf, "qwen3vl_merger": _qwen35_gguf,
-    "qwen2.5vl_merger": _qwen25_gguf,
+    "qwen2.5vl_merger": _qwen25_gguf, "qwen2vl_merger": _qwen25_gguf,
 }

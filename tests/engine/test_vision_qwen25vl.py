@@ -215,3 +215,63 @@ def test_qwen25_full_attention_blocks_no_period_describes_get_no_mmproj(tmp_path
     (folder / "config.json").write_text(json.dumps(config))
     out = convert(folder, "F16", tmp_path / "irregular.gguf")
     assert out.mmproj is None and out.output.is_file()
+
+
+# Qwen2-VL (tests/fixtures/tiny/qwen2_vl-vision): the same text layers and M-RoPE; a tower of 2 LayerNorm
+# blocks with quick-GELU MLPs attending over the whole image, a LayerNorm merger; the same two images
+Q2 = Q25.parent / "qwen2_vl-vision"
+Q2_GOLDEN = json.loads((Q2 / "golden_vision.json").read_text())
+
+
+def test_qwen2_vl_rows_prompt_logits_and_greedy_match_transformers(monkeypatch):
+    lm = load_model(Q2)
+    assert isinstance(lm.vision, Qwen25Vision) and not lm.vision.shape.gated
+    assert lm.model.cfg.architecture == "qwen2vl"
+    for data, ref in zip(IMAGES, Q2_GOLDEN["image_rows"], strict=True):
+        ref = np.array(ref)
+        rows = lm.vision.encode(lm.vision.pixels(data))
+        np.testing.assert_allclose(rows, ref, atol=1e-4 * np.abs(ref).max())
+    ids = _prompt(lm, _with_images(Q2_GOLDEN, IMAGES))
+    assert [IMAGE_TOKEN if t >= lm.model.images.base else t for t in ids] == Q2_GOLDEN["tokens"]
+    ref = np.array(Q2_GOLDEN["logits"])
+    tol = 1e-4 * np.abs(ref).max()
+    logits = lm.model.forward(ids, lm.model.new_cache(256), all_logits=True)
+    print(f"qwen2_vl: max |logit - golden| {np.abs(logits - ref).max():.3g}, max |golden| "
+          f"{np.abs(ref).max():.3g}")
+    np.testing.assert_allclose(logits, ref, atol=tol)
+    last, _ = prefill(lm.model, lm.model.new_cache(256), ids, 7)  # passes that cut images
+    np.testing.assert_allclose(last, ref[-1], atol=tol)
+    params = GenerationParams(max_tokens=8, temperature=0.0)
+    out = [e.token for e in generate(lm.model, lm.tokenizer, ids, lm.model.new_cache(256), params)
+           if e.token is not None]
+    assert out == Q2_GOLDEN["greedy"]
+    # RMSNorms in place of its LayerNorms (Qwen2.5-VL's) miss the golden rows
+    for block in lm.vision.blocks:
+        monkeypatch.setattr(block, "ln1", (block.ln1[0], None))
+    rows = lm.vision.encode(lm.vision.pixels(IMAGES[0]))
+    assert np.abs(rows - np.array(Q2_GOLDEN["image_rows"][0])).max() > 0.01
+
+
+def test_qwen2_vl_gguf_with_its_mmproj_matches_transformers(tmp_path):
+    """The mmproj as llama.cpp's converter writes Qwen2-VL's (projector qwen2vl_merger: LayerNorm biases,
+    ffn_up / ffn_down, no activation key: llama.cpp's quick GELU), beside the qwen2vl text GGUF."""
+    from models.formats.gguf import open_gguf
+
+    out = convert(Q2, "F16", tmp_path / "q2.gguf")
+    with open_gguf(out.mmproj) as gguf:
+        meta, tensors = gguf.metadata, gguf.tensors
+        assert meta["clip.projector_type"] == "qwen2vl_merger"
+        for key in ("clip.use_silu", "clip.use_gelu", "clip.vision.n_wa_pattern"):
+            assert key not in meta, key
+        for name in ("v.blk.1.attn_q.weight", "v.blk.1.ln1.bias", "v.blk.1.ln2.bias", "v.blk.1.ffn_up.bias",
+                     "v.blk.1.ffn_down.weight", "v.post_ln.bias", "mm.0.weight", "mm.2.bias",
+                     "v.patch_embd.weight.1"):
+            assert name in tensors, name
+        assert "v.blk.1.ffn_gate.weight" not in tensors
+    lm = load_model(out.output)
+    assert isinstance(lm.vision, Qwen25Vision) and not lm.vision.shape.gated and not lm.vision_notice
+    ids = _prompt(lm, _with_images(Q2_GOLDEN, IMAGES))
+    ref = np.array(Q2_GOLDEN["logits"])
+    logits = lm.model.forward(ids, lm.model.new_cache(256), all_logits=True)
+    print(f"qwen2_vl GGUF + mmproj: max |logit - golden| {np.abs(logits - ref).max():.3g}")
+    np.testing.assert_allclose(logits, ref, atol=1e-4 * np.abs(ref).max())
