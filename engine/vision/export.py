@@ -19,7 +19,7 @@ from engine.quant.gguf_writer import GGUFWriter
 from engine.vision.gemma4 import Gemma4Vision
 from engine.vision.load import _HFSource, hf_vision, mmproj_name, qwen35_name
 from engine.vision.pixtral import PixtralVision
-from engine.vision.qwen25 import Qwen25Vision
+from engine.vision.qwen25 import Qwen25Vision, periodic_blocks
 from engine.vision.qwen35 import Qwen35Vision
 from engine.weights import float32_of
 
@@ -160,7 +160,7 @@ def _qwen25_metadata(shape, config: dict) -> dict | None:
         return _qwen_vision_metadata(shape, config) | qwen2
     full = shape.full_blocks
     period = full[0] + 1 if full else 0
-    if not period or set(full) != {i for i in range(shape.layers) if (i + 1) % period == 0}:
+    if not period or tuple(sorted(full)) != periodic_blocks(period, shape.layers):
         return None
     return _qwen_vision_metadata(shape, config) | qwen2 | {
         "clip.projector_type": "qwen2.5vl_merger",

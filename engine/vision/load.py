@@ -18,7 +18,13 @@ from engine.loader import GGUFWeights
 from engine.vision.gemma3 import Gemma3Vision, Gemma3VisionShape, pool_of
 from engine.vision.gemma4 import Gemma4Vision, Gemma4VisionShape
 from engine.vision.pixtral import PixtralShape, PixtralVision
-from engine.vision.qwen25 import QWEN25_MAX_PIXELS, QWEN25_MIN_PIXELS, Qwen25Vision, Qwen25VisionShape
+from engine.vision.qwen25 import (
+    QWEN25_MAX_PIXELS,
+    QWEN25_MIN_PIXELS,
+    Qwen25Vision,
+    Qwen25VisionShape,
+    periodic_blocks,
+)
 from engine.vision.qwen35 import Qwen35Vision, Qwen35VisionShape
 from engine.vision.siglip import SiglipShape
 from engine.weights import FLOAT_DTYPES, Weight, float32_of
@@ -634,7 +640,7 @@ def _qwen25_gguf(path: Path, meta: dict, source, text_meta: dict) -> Qwen25Visio
         max_pixels=int(key("image_max_pixels", QWEN25_MAX_PIXELS)),
         eps=float(key("attention.layer_norm_epsilon", 1e-6)),
         window=int(key("window_size", 112)),
-        full_blocks=tuple(i for i in range(layers) if (i + 1) % period == 0),
+        full_blocks=periodic_blocks(period, layers),
         gated=gated,
         **clip_stats(meta),
     )

@@ -71,6 +71,11 @@ class _Block:
     down_b: np.ndarray
 
 
+def periodic_blocks(period: int, layers: int) -> tuple[int, ...]:
+    """The full-attention blocks llama.cpp's n_wa_pattern gives: every period-th, (i + 1) % period == 0."""
+    return tuple(i for i in range(layers) if (i + 1) % period == 0)
+
+
 def window_order(rows: int, cols: int, side: int) -> tuple[np.ndarray, list[tuple[int, int]]]:
     """A merged grid of rows x cols in window order (transformers' get_vision_window_index for one image):
     the merged rows' indices (row-major in the grid), windows of side x side taken row by row, each window's

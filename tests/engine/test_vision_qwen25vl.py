@@ -23,7 +23,7 @@ import pytest
 from engine.convert import convert
 from engine.generate import GenerationParams, generate, prefill
 from engine.loader import load_model
-from engine.vision.qwen25 import Qwen25Vision, window_order
+from engine.vision.qwen25 import Qwen25Vision, periodic_blocks, window_order
 from engine.vision.qwen35 import mrope_masks
 from tests.engine.test_vision import IMAGE_TOKEN, _prompt, _with_images
 
@@ -275,3 +275,29 @@ def test_qwen2_vl_gguf_with_its_mmproj_matches_transformers(tmp_path):
     logits = lm.model.forward(ids, lm.model.new_cache(256), all_logits=True)
     print(f"qwen2_vl GGUF + mmproj: max |logit - golden| {np.abs(logits - ref).max():.3g}")
     np.testing.assert_allclose(logits, ref, atol=1e-4 * np.abs(ref).max())
+
+
+def test_qwen25_mmproj_keys_llama_cpp_leaves_out_take_its_defaults(tmp_path):
+    """llama.cpp's converter writes no window size (its runtime takes 112 px) and no pixel bounds; the full-
+    attention blocks follow n_wa_pattern (8 for the released models: blocks 7, 15, 23, 31 of 32); a text model
+    without M-RoPE sections beside it is refused (the loader turns that into images off)."""
+    from engine.errors import ModelFormatError
+    from engine.vision.load import GGUF_READERS, _GGUFSource
+    from engine.vision.qwen25 import QWEN25_MAX_PIXELS, QWEN25_MIN_PIXELS
+    from models.formats.gguf import open_gguf
+
+    out = convert(Q25, "F16", tmp_path / "q25.gguf")
+    with open_gguf(out.output) as text:
+        text_meta = dict(text.metadata)
+    gguf = open_gguf(out.mmproj)
+    left_out = ("clip.vision.window_size", "clip.vision.image_min_pixels", "clip.vision.image_max_pixels")
+    meta = {k: v for k, v in gguf.metadata.items() if k not in left_out}
+    read = GGUF_READERS["qwen2.5vl_merger"]
+    shape = read(out.mmproj, meta, _GGUFSource(gguf), text_meta).shape
+    assert (shape.window, shape.min_pixels, shape.max_pixels) == (112, QWEN25_MIN_PIXELS, QWEN25_MAX_PIXELS)
+    assert shape.mrope_section == (2, 3, 3) and not shape.mrope_interleaved
+    assert shape.full_blocks == periodic_blocks(2, 3) == (1,)
+    assert periodic_blocks(8, 32) == (7, 15, 23, 31)  # the released models' fullatt_block_indexes
+    with pytest.raises(ModelFormatError, match="M-RoPE sections"):
+        read(out.mmproj, meta, _GGUFSource(gguf), {"general.architecture": "qwen2"})
+    gguf.close()
