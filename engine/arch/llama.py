@@ -441,8 +441,9 @@ class LlamaModel(Decoder):
     # the images this model can embed (engine.vision.tokens.ImageTable), set by a vision tower's attach()
     # (Mistral 3's Pixtral)
     images = None
-    # Qwen3.5 and Qwen3-VL with their vision tower: (3, rotary pairs) masks of the pairs M-RoPE turns by t, h,
-    # w (set by the tower's attach(); its table gives the positions: engine.vision.qwen35)
+    # Qwen3.5, Qwen3-VL, Qwen2.5-VL and Qwen2-VL with their vision tower: (3, rotary pairs) masks of the pairs
+    # M-RoPE turns by t, h, w (set by the tower's attach(); its table gives the positions:
+    # engine.vision.qwen35)
     mrope = None
 
     def __init__(self, cfg: LlamaConfig, weights):
