@@ -186,7 +186,7 @@ def test_qwen25_broken_mmproj_leaves_images_off_with_a_notice(tmp_path):
 
 def _published(folder: Path, tmp_path: Path) -> Path:
     """The fixture with its config.json as Qwen's published ones lay it out: the text fields at the top level,
-    the M-RoPE sections in rope_scaling {"type": "mrope"}."""
+    the M-RoPE sections in rope_scaling {"type": "mrope"}, a sliding window that is off."""
     copy = tmp_path / "published"
     shutil.copytree(folder, copy)
     config = json.loads((copy / "config.json").read_text())
@@ -194,7 +194,8 @@ def _published(folder: Path, tmp_path: Path) -> Path:
     rope = text.pop("rope_parameters")
     config |= {k: v for k, v in text.items() if k != "model_type"}
     config |= {"rope_theta": rope["rope_theta"],
-               "rope_scaling": {"type": "mrope", "mrope_section": rope["mrope_section"]}}
+               "rope_scaling": {"type": "mrope", "mrope_section": rope["mrope_section"]},
+               "sliding_window": 32768, "use_sliding_window": False}  # as Qwen2.5-VL-7B-Instruct's
     (copy / "config.json").write_text(json.dumps(config))
     return copy
 
