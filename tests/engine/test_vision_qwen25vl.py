@@ -201,10 +201,18 @@ def _published(folder: Path, tmp_path: Path) -> Path:
 
 
 def test_qwen25_published_config_layout_matches_transformers(tmp_path):
-    lm = load_model(_published(Q25, tmp_path))
+    from models.formats.gguf import open_gguf
+
+    folder = _published(Q25, tmp_path)
+    lm = load_model(folder)
     assert isinstance(lm.vision, Qwen25Vision) and lm.model.cfg.architecture == "qwen2vl"
     assert lm.vision.shape.mrope_section == (2, 3, 3)
     assert _logits_error(lm, _prompt(lm, _with_images(GOLDEN, IMAGES))) < TOL
+    out = convert(folder, "F16", tmp_path / "published.gguf")
+    with open_gguf(out.output) as gguf:
+        assert list(gguf.metadata["qwen2vl.rope.dimension_sections"]) == [2, 3, 3, 0]
+    converted = load_model(out.output)
+    assert _logits_error(converted, _prompt(converted, _with_images(GOLDEN, IMAGES))) < TOL
 
 
 def test_qwen25_full_attention_blocks_no_period_describes_get_no_mmproj(tmp_path):
