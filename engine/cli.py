@@ -89,8 +89,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     run.add_argument(
         "--image", action="append", default=[], metavar="FILE",
-        help="an image for a vision model (Gemma 3 and 4, Mistral 3, Qwen3.5, Qwen3-VL; a GGUF needs its "
-        "mmproj beside it), before the prompt; repeatable; implies --chat",
+        help="an image for a vision model (Gemma 3 and 4, Mistral 3, Qwen3.5, Qwen3-VL, Qwen2-VL and "
+        "Qwen2.5-VL; a GGUF needs its mmproj beside it), before the prompt; repeatable; implies --chat",
     )
     run.add_argument("--system", default=None, help="system prompt (with --chat)")
     run.add_argument("--json", action="store_true", help="print one JSON object with text, ids and stats")

@@ -56,6 +56,12 @@ _FAMILIES = {
     "qwen2": "qwen2",
     "qwen3": "qwen3",
     "qwen3_vl_text": "qwen3vl",  # Qwen3-VL's language model: Qwen3 with M-RoPE and deepstack
+    # Qwen2.5-VL's and Qwen2-VL's language model: Qwen2 with M-RoPE, llama.cpp's qwen2vl (the published
+    # configs keep its fields at the top level, transformers 5 in text_config)
+    "qwen2_5_vl_text": "qwen2vl",
+    "qwen2_5_vl": "qwen2vl",
+    "qwen2_vl_text": "qwen2vl",  # Qwen2-VL's: the same
+    "qwen2_vl": "qwen2vl",
     "phi3": "phi3",
     "gemma3_text": "gemma3",
     "gemma2": "gemma2",
@@ -445,7 +451,7 @@ def _rope_scaling(config: dict) -> tuple[float, RopeScaling]:
             )
     theta = float(params.get("rope_theta", config.get("rope_theta", 10000.0)))
     kind = params.get("rope_type", params.get("type", "default")) or "default"
-    if kind == "default":
+    if kind in ("default", "mrope"):  # Qwen2.5-VL's published "mrope": plain frequencies, turned per axis
         return theta, RopeScaling()
     if kind == "linear":
         return theta, RopeScaling("linear", float(params["factor"]))

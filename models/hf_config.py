@@ -18,6 +18,8 @@ _MULTIMODAL = {
     "qwen3_5_moe": "qwen3_5_moe_text",
     "qwen3_vl": "qwen3_vl_text",
     "qwen3_vl_moe": "qwen3_vl_moe_text",
+    "qwen2_5_vl": "qwen2_5_vl_text",
+    "qwen2_vl": "qwen2_vl_text",
 }
 # transformers' defaults (Gemma3TextConfig, Ministral3Config) for what a text_config may leave out
 _TEXT_DEFAULTS: dict[str, dict[str, Any]] = {

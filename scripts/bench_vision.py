@@ -4,10 +4,13 @@
 of 1152, 16 heads, MLP 4304), pooled to 256 rows and projected to a hidden size of 2560 (Gemma 3 4B).
 --family mistral3: Pixtral as Mistral Small 3.1 ships it (24 layers of 1024, 16 heads, gated MLP 4096,
 longest edge 1540), 2x2 merged and projected to 5120; the 1024 x 768 test photo becomes 74 x 56 patches.
+--family qwen2_5_vl: Qwen2.5-VL 7B's tower (32 layers of 1280, 16 heads, gated MLP 3420, windows of 112 px but
+in blocks 7, 15, 23, 31), 2x2 merged and projected to 3584; the test photo becomes 74 x 54 patches (999 rows).
 Weights F16 (as an mmproj-*-f16.gguf holds them). Prints seconds per image (preprocessing, encoder,
 projector), the image's rows and the process's peak RSS.
 
-Usage: python3 scripts/bench_vision.py [--family gemma3|mistral3] [--threads N] [--layers N] [--repeat 2]
+Usage: python3 scripts/bench_vision.py [--family gemma3|mistral3|qwen2_5_vl] [--threads N] [--layers N]
+    [--repeat 2]
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from engine.backends import cpu  # noqa: E402
 from engine.memory import peak_rss_mb  # noqa: E402
 from engine.vision.gemma3 import Gemma3Vision, Gemma3VisionShape  # noqa: E402
 from engine.vision.pixtral import PixtralShape, PixtralVision  # noqa: E402
+from engine.vision.qwen25 import Qwen25Vision, Qwen25VisionShape  # noqa: E402
 from engine.vision.siglip import SiglipShape  # noqa: E402
 from engine.weights import Weight  # noqa: E402
 
@@ -67,7 +71,7 @@ class RandomWeights:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=None)
-    parser.add_argument("--family", choices=("gemma3", "mistral3"), default="gemma3")
+    parser.add_argument("--family", choices=("gemma3", "mistral3", "qwen2_5_vl"), default="gemma3")
     parser.add_argument("--layers", type=int, default=None, help="encoder layers (default: the release's)")
     parser.add_argument("--repeat", type=int, default=2)
     args = parser.parse_args()
@@ -81,6 +85,13 @@ def main() -> int:
         shape = Gemma3VisionShape(encoder, text_hidden=2560, pool=4)
         tower = Gemma3Vision(shape, RandomWeights(), Path("random"))
         layers = encoder.layers
+    elif args.family == "qwen2_5_vl":
+        shape = Qwen25VisionShape(hidden=1280, ff=3420, layers=args.layers or 32, heads=16, patch=14,
+                                  text_hidden=3584, positions=0, mrope_section=(16, 24, 24),
+                                  mrope_interleaved=False, min_pixels=3136, max_pixels=12845056,
+                                  full_blocks=(7, 15, 23, 31))
+        tower = Qwen25Vision(shape, RandomWeights(), Path("random"))
+        layers = shape.layers
     else:
         shape = PixtralShape(hidden=1024, ff=4096, layers=args.layers or 24, heads=16, patch=14,
                              longest_edge=1540, text_hidden=5120)

@@ -467,6 +467,29 @@ MULTIMODAL = {
         dict(_QWEN_VISION, model_type="qwen3_vl_moe_vision", depth=3, deepstack_visual_indexes=[1, 2]),
         dict(_QWEN_VISION_TOKENS, tie_word_embeddings=False),
     ),
+    # Qwen2.5-VL (Qwen2_5_VLForConditionalGeneration): Qwen2 text layers (QKV biases) with M-RoPE in sections
+    # one after another (t, h, w pairs in a row); a tower of 3 RMSNorm blocks with gated SiLU MLPs, windows
+    # of 16 px (2 x 2 merged rows, so each image spans several) in blocks 0 and 2, block 1 attending over the
+    # whole image; golden_vision.json as qwen3_5-vision's
+    "qwen2_5_vl-vision": (
+        transformers.Qwen2_5_VLConfig,
+        dict(model_type="qwen2_5_vl_text", pad_token_id=0,
+             rope_parameters=dict(rope_type="default", rope_theta=10000.0, mrope_section=[2, 3, 3])),
+        dict(hidden_size=32, intermediate_size=64, num_heads=2, patch_size=4, temporal_patch_size=2,
+             spatial_merge_size=2, out_hidden_size=64, model_type="qwen2_5_vl_vision", depth=3,
+             hidden_act="silu", window_size=16, fullatt_block_indexes=[1]),
+        dict(_QWEN_VISION_TOKENS, tie_word_embeddings=False),
+    ),
+    # Qwen2-VL (Qwen2VLForConditionalGeneration): qwen2_5_vl-vision's text layers and M-RoPE; a tower of 2
+    # LayerNorm blocks (embed_dim 32) with quick-GELU MLPs attending over the whole image, a LayerNorm merger
+    "qwen2_vl-vision": (
+        transformers.Qwen2VLConfig,
+        dict(model_type="qwen2_vl_text", pad_token_id=0,
+             rope_parameters=dict(rope_type="default", rope_theta=10000.0, mrope_section=[2, 3, 3])),
+        dict(embed_dim=32, hidden_size=64, mlp_ratio=2, num_heads=2, patch_size=4, temporal_patch_size=2,
+             spatial_merge_size=2, model_type="qwen2_vl_vision", depth=2, hidden_act="quick_gelu"),
+        dict(_QWEN_VISION_TOKENS, tie_word_embeddings=False),
+    ),
     "ministral3-mm": (
         transformers.Mistral3Config,
         dict(FAMILIES["ministral3"][1], model_type="ministral3"),
@@ -646,7 +669,8 @@ def write_family(name: str, out: Path) -> None:
         write_mistral3_vision_golden(ref, folder)
     if name in ("gemma4-vision", "gemma4-vision-causal"):
         write_gemma4_vision_golden(ref, folder)
-    if name in ("qwen3_5-vision", "qwen3_5_moe-vision", "qwen3_vl-vision", "qwen3_vl_moe-vision"):
+    if name in ("qwen3_5-vision", "qwen3_5_moe-vision", "qwen3_vl-vision", "qwen3_vl_moe-vision",
+                "qwen2_5_vl-vision", "qwen2_vl-vision"):
         write_qwen35_vision_golden(ref, folder)
     size = sum(f.stat().st_size for f in folder.iterdir())
     print(f"wrote {folder} ({size:,} bytes)")
@@ -850,7 +874,8 @@ def write_qwen35_vision_golden(ref, folder: Path) -> None:
     patches from transformers' PIL image processor (smart_resize to multiples of 8 px within 256 .. 1920
     pixels, bicubic), then the logits at every position, 8 greedy tokens and each image's merged rows, from
     Qwen3_5ForConditionalGeneration with the image rows marked in mm_token_type_ids (M-RoPE positions).
-    Qwen3-VL's (Qwen3VLForConditionalGeneration) the same, with each image's deepstack rows too."""
+    Qwen3-VL's (Qwen3VLForConditionalGeneration) the same, with each image's deepstack rows too; Qwen2.5-VL's
+    (Qwen2_5_VLForConditionalGeneration) and Qwen2-VL's (Qwen2VLForConditionalGeneration) the same."""
     import jinja2
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 

@@ -12,7 +12,8 @@ temperature tuning); LFM2 replaces attention with a gated short convolution (eng
 in most layers and norms q and k per head; Qwen3.5 replaces it with a gated DeltaNet (engine/arch/deltanet.py)
 in three layers of four and gates the output of the others. Qwen3-VL (llama.cpp's qwen3vl and qwen3vlmoe) is
 Qwen3 or Qwen3-MoE whose image rows take M-RoPE positions and, after the first layers, its vision tower's
-deepstack sets (engine/vision/qwen35.py).
+deepstack sets (engine/vision/qwen35.py); Qwen2-VL's and Qwen2.5-VL's language model (llama.cpp's qwen2vl)
+is Qwen2 whose rotary pairs turn by M-RoPE positions once a vision tower sets `mrope`.
 Mixture of experts: Mixtral, Qwen3-MoE, Qwen2-MoE (with a gated shared expert) and gpt-oss (attention
 sinks, biases on every linear, a sliding window on every other layer and a clamped SwiGLU in its experts).
 """
@@ -39,7 +40,8 @@ from engine.weights import Weight
 # these families keep HF's half-split ("NeoX") layout instead.
 _NEOX_ROPE = frozenset(
     {"qwen2", "qwen2moe", "qwen3", "qwen3moe", "phi3", "gpt-oss", "olmo2", "glm4moe", "exaone4", "seed_oss",
-     "lfm2", "lfm2moe", "qwen35", "qwen35moe", "qwen3vl", "qwen3vlmoe"}
+     "lfm2", "lfm2moe", "qwen35", "qwen35moe", "qwen3vl", "qwen3vlmoe",
+     "qwen2vl"}
 )
 # GGUF architectures that may carry attention.sliding_window (Mistral v0.1 as "llama", gpt-oss, OLMo 3;
 # EXAONE 4's, with its default, is read on its own)
@@ -438,7 +440,7 @@ def _ffn_weights(weights, p: str, ff: int, d: int) -> tuple[Weight, Weight]:
 @register(
     "llama", "mistral", "mistral3", "smollm3", "granite", "glm4", "olmo2", "ernie4_5", "qwen2", "qwen2moe",
     "qwen3", "qwen3moe", "glm4moe", "exaone4", "seed_oss", "phi3", "gpt-oss", "lfm2", "lfm2moe", "qwen35",
-    "qwen35moe", "granitehybrid", "qwen3vl", "qwen3vlmoe",
+    "qwen35moe", "granitehybrid", "qwen3vl", "qwen3vlmoe", "qwen2vl",
 )
 class LlamaModel(Decoder):
     """A Llama-family decoder over weights that stay in their file format."""
@@ -447,8 +449,9 @@ class LlamaModel(Decoder):
     # the images this model can embed (engine.vision.tokens.ImageTable), set by a vision tower's attach()
     # (Mistral 3's Pixtral)
     images = None
-    # Qwen3.5 and Qwen3-VL with their vision tower: (3, rotary pairs) masks of the pairs M-RoPE turns by t, h,
-    # w (set by the tower's attach(); its table gives the positions: engine.vision.qwen35)
+    # Qwen3.5, Qwen3-VL, Qwen2.5-VL and Qwen2-VL with their vision tower: (3, rotary pairs) masks of the pairs
+    # M-RoPE turns by t, h, w (set by the tower's attach(); its table gives the positions:
+    # engine.vision.qwen35)
     mrope = None
 
     def __init__(self, cfg: LlamaConfig, weights):

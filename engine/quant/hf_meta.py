@@ -205,13 +205,12 @@ def _hparams(arch: str, config: dict, cfg) -> dict[str, Any]:
         md[f"{a}.ssm.group_count"] = shape.k_heads
         md[f"{a}.ssm.time_step_rank"] = shape.v_heads
         md[f"{a}.ssm.inner_size"] = shape.value_dim
-        sections = list((config.get("rope_parameters") or {}).get("mrope_section") or [11, 11, 10])
-        md[f"{a}.rope.dimension_sections"] = [int(v) for v in sections] + [0] * (4 - len(sections))
+        md.update(_mrope_sections(a, config, [11, 11, 10]))
     if arch in ("qwen3vl", "qwen3vlmoe"):  # llama.cpp's keys: M-RoPE's 4 sections, the deepstack sets' count
-        rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
-        sections = [int(v) for v in rope.get("mrope_section") or (24, 20, 20)]
-        md[f"{a}.rope.dimension_sections"] = sections + [0] * (4 - len(sections))
+        md.update(_mrope_sections(a, config, [24, 20, 20]))
         md[f"{a}.n_deepstack_layers"] = cfg.deepstack_layers
+    if arch == "qwen2vl":  # Qwen2.5-VL's language model: llama.cpp's M-RoPE sections (in a row)
+        md.update(_mrope_sections(a, config, [16, 24, 24]))
     if arch in ("lfm2", "lfm2moe"):  # llama.cpp's keys: KV heads per layer (0 in convolution layers), taps
         md[f"{a}.attention.head_count_kv"] = [
             0 if cfg.is_conv(i) else cfg.num_key_value_heads for i in range(cfg.num_hidden_layers)
@@ -263,6 +262,14 @@ def _hparams(arch: str, config: dict, cfg) -> dict[str, Any]:
         md[f"{a}.rope.scaling.yarn_beta_slow"] = float(scaling.beta_slow)
         md[f"{a}.rope.scaling.attn_factor"] = float(rope_attention_factor(scaling))
     return md
+
+
+def _mrope_sections(a: str, config: dict, default: list[int]) -> dict[str, Any]:
+    """llama.cpp's rope.dimension_sections (t, h, w and a fourth, 0) from mrope_section (transformers 5's
+    rope_parameters, or the rope_scaling of published Qwen2.5-VL configs)."""
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    sections = list(rope.get("mrope_section") or default)
+    return {f"{a}.rope.dimension_sections": [int(v) for v in sections] + [0] * (4 - len(sections))}
 
 
 def _pre_name(spec: dict) -> str:

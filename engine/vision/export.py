@@ -1,11 +1,13 @@
 """Writing a Hugging Face folder's vision tower as an mmproj GGUF, as llama.cpp names and lays it out.
 
-`hearth convert` of a Gemma 3, Mistral 3, Qwen3.5 or Qwen3-VL (dense or MoE) multimodal folder to GGUF
-writes the language model as usual and, beside it, mmproj-<name>-f16.gguf (general.architecture "clip",
-clip.projector_type "gemma3", "pixtral" or "qwen3vl_merger", clip.vision.* sizes; the matrices and the patch
-embedding F16, norms, biases and the position table F32, Gemma's soft_emb_norm stored as 1 + w), which Hearth
-(engine.vision.load) and llama.cpp read back. Qwen3-VL's deepstack mergers go in as llama.cpp's converter
-writes them: v.deepstack.<vision block>.{norm,fc1,fc2}, the blocks flagged in clip.vision.is_deepstack_layers.
+`hearth convert` of a Gemma 3, Mistral 3, Qwen3.5 (dense or MoE), Qwen3-VL (dense or MoE), Qwen2.5-VL or
+Qwen2-VL multimodal folder to GGUF writes the language model as usual and, beside it, mmproj-<name>-f16.gguf
+(general.architecture "clip", clip.projector_type "gemma3", "pixtral", "qwen3vl_merger", "qwen2.5vl_merger"
+or "qwen2vl_merger", clip.vision.* sizes; the matrices and the patch embedding F16, norms, biases and the
+position table F32, Gemma's soft_emb_norm stored as 1 + w; Qwen2.5-VL's and Qwen2-VL's fused qkv split into
+attn_q, attn_k, attn_v as llama.cpp's converter writes them), which Hearth (engine.vision.load) and llama.cpp
+read back. Qwen3-VL's deepstack mergers go in as llama.cpp's converter writes them:
+v.deepstack.<vision block>.{norm,fc1,fc2}, the blocks flagged in clip.vision.is_deepstack_layers.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from engine.quant.gguf_writer import GGUFWriter
 from engine.vision.gemma4 import Gemma4Vision
 from engine.vision.load import _HFSource, hf_vision, mmproj_name, qwen35_namer
 from engine.vision.pixtral import PixtralVision
+from engine.vision.qwen25 import Qwen25Vision, periodic_blocks
 from engine.vision.qwen35 import Qwen35Vision
 from engine.weights import float32_of
 
@@ -33,7 +36,7 @@ def mmproj_path(out_path: Path) -> Path:
 def write_mmproj(folder: Path, config: dict, st, out_path: Path) -> Path | None:
     """Write the folder's vision tower as an mmproj GGUF at out_path; None (nothing written) when the folder
     has no tower Hearth runs, or one the mmproj keys cannot describe (a Pixtral with another RoPE base, a
-    Qwen3.5 kernel over other than two frames)."""
+    Qwen3.5 kernel over other than two frames, Qwen2.5-VL full-attention blocks that are not every n-th)."""
     tower = hf_vision(folder, config, st)
     if tower is None or isinstance(tower, Gemma4Vision):  # no mmproj layout is written for Gemma 4's tower
         return None
@@ -55,7 +58,11 @@ def write_mmproj(folder: Path, config: dict, st, out_path: Path) -> Path | None:
     elif isinstance(tower, Qwen35Vision):
         if tower.shape.temporal != 2:  # llama.cpp's qwen3vl_merger holds two temporal slices of the kernel
             return None
-        metadata |= _qwen35_metadata(tower.shape, config)
+        keys = _qwen25_metadata(tower.shape, config) if isinstance(tower, Qwen25Vision) else (
+            _qwen35_metadata(tower.shape, config))
+        if keys is None:
+            return None
+        metadata |= keys
     else:
         metadata |= _gemma3_metadata(tower.shape)
     arrays = {}
@@ -64,8 +71,11 @@ def write_mmproj(folder: Path, config: dict, st, out_path: Path) -> Path | None:
         if name == "v.patch_embd.weight" and values.ndim == 5:  # Qwen3.5's 3D kernel: a 2D kernel per frame
             arrays[name + ".1"] = values[:, :, 1].astype(np.float16)
             values = values[:, :, 0]
-        keep_f16 = values.ndim >= 2 and name != "v.position_embd.weight"
-        arrays[name] = values.astype(np.float16 if keep_f16 else np.float32)
+        if isinstance(tower, Qwen25Vision) and ".attn_qkv." in name:  # qwen2.5vl_merger keeps q, k, v apart
+            for part, third in zip("qkv", np.split(values, 3), strict=True):
+                arrays[name.replace("attn_qkv", "attn_" + part)] = _stored(name, third)
+            continue
+        arrays[name] = _stored(name, values)
     arrays |= extra
     specs = [(n, F16 if a.dtype == np.float16 else F32, a.shape) for n, a in arrays.items()]
     tmp = out_path.with_name(f".{out_path.name}.part")
@@ -80,6 +90,12 @@ def write_mmproj(folder: Path, config: dict, st, out_path: Path) -> Path | None:
     finally:
         tmp.unlink(missing_ok=True)
     return out_path
+
+
+def _stored(name: str, values: np.ndarray) -> np.ndarray:
+    """A tensor as the mmproj stores it: matrices and kernels F16, vectors and position embeddings F32."""
+    keep_f16 = values.ndim >= 2 and name != "v.position_embd.weight"
+    return values.astype(np.float16 if keep_f16 else np.float32)
 
 
 def _gemma3_metadata(shape) -> dict:
@@ -121,14 +137,45 @@ def _pixtral_metadata(shape) -> dict:
 
 
 def _qwen35_metadata(shape, config: dict) -> dict:
-    """llama.cpp's keys for Qwen3.5's and Qwen3-VL's tower (projector "qwen3vl_merger"), and the image
-    processor's pixel bounds (clip.vision.image_{min,max}_pixels), which its converter leaves to the runtime's
-    defaults."""
-    text = config.get("text_config") or {}
-    return {
+    """llama.cpp's keys for Qwen3.5's and Qwen3-VL's tower (projector "qwen3vl_merger")."""
+    return _qwen_vision_metadata(shape, config) | {
         "clip.projector_type": "qwen3vl_merger",
         "clip.use_gelu": True,
         "clip.vision.image_size": math.isqrt(shape.positions) * shape.patch,
+        # the vision blocks Qwen3-VL's deepstack mergers follow (none in Qwen3.5's)
+        "clip.vision.is_deepstack_layers": [i in shape.deepstack for i in range(shape.layers)],
+    }
+
+
+def _qwen25_metadata(shape, config: dict) -> dict | None:
+    """llama.cpp's keys for Qwen2.5-VL's tower (projector "qwen2.5vl_merger"): the full-attention blocks as
+    a period (n_wa_pattern: block i attends fully when (i + 1) % n == 0, as llama.cpp's converter derives it
+    from fullatt_block_indexes) and the window's pixels (clip.vision.window_size, which llama.cpp's converter
+    leaves to its default of 112). None when the full-attention blocks are not every n-th (no key says so).
+    Qwen2-VL's (projector "qwen2vl_merger"): neither clip.use_silu nor clip.use_gelu, which llama.cpp reads as
+    its quick GELU; feed_forward_length the MLP's (llama.cpp's converter writes the text width there, and
+    both read the tensors' rows)."""
+    # image_size: llama.cpp's converter's value for configs without one (unused)
+    qwen2 = {"clip.projector_type": "qwen2vl_merger", "clip.vision.image_size": 560}
+    if not shape.gated:
+        return _qwen_vision_metadata(shape, config) | qwen2
+    full = shape.full_blocks
+    period = full[0] + 1 if full else 0
+    if not period or tuple(sorted(full)) != periodic_blocks(period, shape.layers):
+        return None
+    return _qwen_vision_metadata(shape, config) | qwen2 | {
+        "clip.projector_type": "qwen2.5vl_merger",
+        "clip.use_silu": True,
+        "clip.vision.n_wa_pattern": period,
+        "clip.vision.window_size": shape.window,
+    }
+
+
+def _qwen_vision_metadata(shape, config: dict) -> dict:
+    """The clip.vision keys of the Qwen towers, and the image processor's pixel bounds
+    (clip.vision.image_{min,max}_pixels), which llama.cpp's converter leaves to the runtime's defaults."""
+    text = config.get("text_config") or config  # published Qwen2.5-VL configs: the text fields at the top
+    return {
         "clip.vision.patch_size": shape.patch,
         "clip.vision.embedding_length": shape.hidden,
         "clip.vision.feed_forward_length": shape.ff,
@@ -138,8 +185,6 @@ def _qwen35_metadata(shape, config: dict) -> dict:
         "clip.vision.attention.layer_norm_epsilon": float(text.get("rms_norm_eps", shape.eps)),
         "clip.vision.projection_dim": int(text.get("hidden_size", shape.text_hidden)),
         "clip.vision.spatial_merge_size": shape.merge,
-        # the vision blocks Qwen3-VL's deepstack mergers follow (none in Qwen3.5's)
-        "clip.vision.is_deepstack_layers": [i in shape.deepstack for i in range(shape.layers)],
         "clip.vision.image_min_pixels": shape.min_pixels,
         "clip.vision.image_max_pixels": shape.max_pixels,
         "clip.vision.image_mean": [float(v) for v in shape.mean],

@@ -18,6 +18,13 @@ from engine.loader import GGUFWeights
 from engine.vision.gemma3 import Gemma3Vision, Gemma3VisionShape, pool_of
 from engine.vision.gemma4 import Gemma4Vision, Gemma4VisionShape
 from engine.vision.pixtral import PixtralShape, PixtralVision
+from engine.vision.qwen25 import (
+    QWEN25_MAX_PIXELS,
+    QWEN25_MIN_PIXELS,
+    Qwen25Vision,
+    Qwen25VisionShape,
+    periodic_blocks,
+)
 from engine.vision.qwen35 import Qwen35Vision, Qwen35VisionShape
 from engine.vision.siglip import SiglipShape
 from engine.weights import FLOAT_DTYPES, Weight, float32_of
@@ -88,7 +95,9 @@ def _gemma4_name(hf_name: str) -> str | None:
 
 
 # model types whose Hugging Face folders' vision towers hf_vision runs (models.library keeps a copy)
-VISION_MODEL_TYPES = ("gemma3", "gemma4", "mistral3", "qwen3_5", "qwen3_5_moe", "qwen3_vl", "qwen3_vl_moe")
+VISION_MODEL_TYPES = (
+    "gemma3", "gemma4", "mistral3", "qwen2_vl", "qwen2_5_vl", "qwen3_5", "qwen3_5_moe", "qwen3_vl", "qwen3_vl_moe",
+)
 
 
 def mmproj_name(hf_name: str) -> str | None:
@@ -176,8 +185,8 @@ class _HFSource(_Source):
 def hf_vision(
     folder: Path, config: dict, st
 ) -> Gemma3Vision | Gemma4Vision | PixtralVision | Qwen35Vision | None:
-    """The vision tower of a Gemma 3, Gemma 4, Mistral 3, Qwen3.5 (dense or MoE) or Qwen3-VL (dense or MoE)
-    multimodal folder (None: no vision config or no tower tensors)."""
+    """The vision tower of a Gemma 3, Gemma 4, Mistral 3, Qwen3.5 (dense or MoE), Qwen3-VL (dense or MoE),
+    Qwen2.5-VL or Qwen2-VL multimodal folder (None: no vision config or no tower tensors)."""
     vision = config.get("vision_config")
     if config.get("model_type") not in VISION_MODEL_TYPES or not isinstance(vision, dict):
         return None
@@ -185,6 +194,8 @@ def hf_vision(
         return _hf_gemma4(folder, config, vision, st)
     if config["model_type"] in ("qwen3_5", "qwen3_5_moe", *_QWEN3_VL):  # Qwen3-VL's adds deepstack mergers
         return _hf_qwen35(folder, config, vision, st)
+    if config["model_type"] in ("qwen2_5_vl", "qwen2_vl"):
+        return _hf_qwen25(folder, config, vision, st)
     source = _HFSource(st, folder)
     if not source.has("v.patch_embd.weight"):
         return None
@@ -302,6 +313,12 @@ _QWEN35_NAMES = [
     (re.compile(r"visual\.merger\.norm\.(weight|bias)"), r"v.post_ln.\1"),
     (re.compile(r"visual\.merger\.linear_fc1\.(weight|bias)"), r"mm.0.\1"),
     (re.compile(r"visual\.merger\.linear_fc2\.(weight|bias)"), r"mm.2.\1"),
+    # Qwen2.5-VL's gated MLP (Qwen2-VL's plain one) and its merger (a norm, then an MLP as a Sequential)
+    (re.compile(r"visual\.blocks\.(\d+)\.mlp\.(gate|up|down)_proj\.(weight|bias)"), r"v.blk.\1.ffn_\2.\3"),
+    (re.compile(r"visual\.blocks\.(\d+)\.mlp\.fc1\.(weight|bias)"), r"v.blk.\1.ffn_up.\2"),
+    (re.compile(r"visual\.blocks\.(\d+)\.mlp\.fc2\.(weight|bias)"), r"v.blk.\1.ffn_down.\2"),
+    (re.compile(r"visual\.merger\.ln_q\.(weight|bias)"), r"v.post_ln.\1"),
+    (re.compile(r"visual\.merger\.mlp\.([02])\.(weight|bias)"), r"mm.\1.\2"),
 ]
 # Qwen3-VL's deepstack mergers (transformers' list index, part, weight or bias)
 _DEEPSTACK_NAME = re.compile(
@@ -338,8 +355,6 @@ def qwen35_namer(deepstack: tuple[int, ...] = ()):
 
 
 def _hf_qwen35(folder: Path, config: dict, vision: dict, st) -> Qwen35Vision | None:
-    from engine.hf_repo import read_json
-
     # transformers' defaults for what the config leaves out: Qwen3.5's sections; Qwen3-VL's, and its blocks
     deepstack, default_sections = (), (11, 11, 10)
     if config["model_type"] in _QWEN3_VL:
@@ -357,22 +372,11 @@ def _hf_qwen35(folder: Path, config: dict, vision: dict, st) -> Qwen35Vision | N
     if vision.get("hidden_act", "gelu_pytorch_tanh") != "gelu_pytorch_tanh":
         raise ModelFormatError(folder, f"the vision MLP's activation {vision['hidden_act']!r} is not one "
                                "Hearth runs")
-    pre = {}
-    if (folder / "preprocessor_config.json").is_file():
-        pre = read_json(folder / "preprocessor_config.json")
-    elif (folder / "processor_config.json").is_file():  # transformers 5 keeps it in the processor's
-        pre = read_json(folder / "processor_config.json").get("image_processor") or {}
-    size = pre.get("size") or {}
     defaults = Qwen35VisionShape.__dataclass_fields__
     merge = int(vision.get("spatial_merge_size", 2))
     patch = int(vision.get("patch_size", 16))
-    if int(pre.get("merge_size", merge)) != merge or int(pre.get("patch_size", patch)) != patch:
-        raise ModelFormatError(folder, "the image processor's patch or merge size differs from the model's")
-    out = {}
-    for key, field in (("image_mean", "mean"), ("image_std", "std")):
-        value = pre.get(key)
-        if isinstance(value, list) and len(value) == 3:
-            out[field] = tuple(float(v) for v in value)
+    bounds = defaults["min_pixels"].default, defaults["max_pixels"].default
+    pre = _qwen_preprocessor(folder, patch, merge, *bounds)
     shape = Qwen35VisionShape(
         hidden=int(vision.get("hidden_size", 1152)),
         ff=int(vision.get("intermediate_size", 4304)),
@@ -386,11 +390,81 @@ def _hf_qwen35(folder: Path, config: dict, vision: dict, st) -> Qwen35Vision | N
         merge=merge,
         temporal=int(vision.get("temporal_patch_size", 2)),
         rope_theta=float((vision.get("rope_parameters") or {}).get("rope_theta", 10000.0)),
-        min_pixels=int(size.get("shortest_edge") or pre.get("min_pixels") or defaults["min_pixels"].default),
-        max_pixels=int(size.get("longest_edge") or pre.get("max_pixels") or defaults["max_pixels"].default),
-        **out,
+        **pre,
     )
     return Qwen35Vision(shape, source, folder)
+
+
+def _qwen_preprocessor(folder: Path, patch: int, merge: int, min_pixels: int, max_pixels: int) -> dict:
+    """The Qwen image processor's pixel bounds (min_pixels, max_pixels: the given ones when the folder has
+    none) and its mean / std, as Qwen35VisionShape fields.
+
+    Raises:
+        ModelFormatError: the processor's patch or merge size is not the model's.
+    """
+    from engine.hf_repo import read_json
+
+    pre = {}
+    if (folder / "preprocessor_config.json").is_file():
+        pre = read_json(folder / "preprocessor_config.json")
+    elif (folder / "processor_config.json").is_file():  # transformers 5 keeps it in the processor's
+        pre = read_json(folder / "processor_config.json").get("image_processor") or {}
+    if int(pre.get("merge_size", merge)) != merge or int(pre.get("patch_size", patch)) != patch:
+        raise ModelFormatError(folder, "the image processor's patch or merge size differs from the model's")
+    size = pre.get("size") or {}
+    out = {
+        "min_pixels": int(size.get("shortest_edge") or pre.get("min_pixels") or min_pixels),
+        "max_pixels": int(size.get("longest_edge") or pre.get("max_pixels") or max_pixels),
+    }
+    for key, field in (("image_mean", "mean"), ("image_std", "std")):
+        value = pre.get(key)
+        if isinstance(value, list) and len(value) == 3:
+            out[field] = tuple(float(v) for v in value)
+    return out
+
+
+def _hf_qwen25(folder: Path, config: dict, vision: dict, st) -> Qwen25Vision | None:
+    """Qwen2.5-VL's tower, or Qwen2-VL's (its width is embed_dim, its hidden_size the language model's, its
+    MLP mlp_ratio times wider; no windows); the language model's M-RoPE sections from text_config
+    (transformers 5) or from the top level, where the published configs keep them (rope_scaling)."""
+    source = _HFSource(st, folder, qwen35_namer())
+    if not source.has("v.patch_embd.weight"):
+        return None
+    text = config.get("text_config") or config
+    rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
+    qwen2 = config["model_type"] == "qwen2_vl"
+    act = "quick_gelu" if qwen2 else "silu"
+    if vision.get("hidden_act", act) != act:
+        raise ModelFormatError(folder, f"the vision MLP's activation {vision['hidden_act']!r} is not one "
+                               "Hearth runs")
+    merge = int(vision.get("spatial_merge_size", 2))
+    patch = int(vision.get("patch_size", 14))
+    layers = int(vision.get("depth", 32))
+    if qwen2:
+        hidden = int(vision.get("embed_dim", 1280))
+        sizes = dict(hidden=hidden, ff=hidden * int(vision.get("mlp_ratio", 4)),
+                     text_hidden=int(vision.get("hidden_size", text.get("hidden_size", 3584))),
+                     full_blocks=tuple(range(layers)), gated=False)
+    else:
+        sizes = dict(hidden=int(vision.get("hidden_size", 1280)),
+                     ff=int(vision.get("intermediate_size", 3420)),
+                     text_hidden=int(vision.get("out_hidden_size", text.get("hidden_size", 3584))),
+                     full_blocks=tuple(int(i) for i in vision.get("fullatt_block_indexes", (7, 15, 23, 31))),
+                     window=int(vision.get("window_size", 112)))
+    shape = Qwen25VisionShape(
+        layers=layers,
+        heads=int(vision.get("num_heads", 16)),
+        patch=patch,
+        positions=0,
+        mrope_section=tuple(int(v) for v in rope.get("mrope_section", (16, 24, 24))),
+        mrope_interleaved=False,
+        merge=merge,
+        temporal=int(vision.get("temporal_patch_size", 2)),
+        rope_theta=float((vision.get("rope_parameters") or {}).get("rope_theta", 10000.0)),
+        **sizes,
+        **_qwen_preprocessor(folder, patch, merge, QWEN25_MIN_PIXELS, QWEN25_MAX_PIXELS),
+    )
+    return Qwen25Vision(shape, source, folder)
 
 
 def _preprocessor(folder: Path) -> dict:
@@ -521,15 +595,24 @@ def _gemma3_gguf(path: Path, meta: dict, source, text_meta: dict) -> Gemma3Visio
 QWEN35_MIN_PIXELS, QWEN35_MAX_PIXELS = 256 * 256, 4096 * 4096
 
 
-def _qwen35_gguf(path: Path, meta: dict, source, text_meta: dict) -> Qwen35Vision:
-    """Qwen3.5's or Qwen3-VL's tower (projector qwen3vl_merger); Qwen3-VL's deepstack mergers follow the
-    vision blocks clip.vision.is_deepstack_layers flags, as v.deepstack.<block>.* tensors."""
-    key = clip_key(path, meta)
+def _mrope_sections(path: Path, text_meta: dict, family: str) -> tuple[int, int, int]:
+    """The t, h, w sections of the language model's M-RoPE (its GGUF's rope.dimension_sections).
+
+    Raises:
+        ModelFormatError: the language model beside the mmproj has none.
+    """
     arch = text_meta.get("general.architecture")
     sections = text_meta.get(f"{arch}.rope.dimension_sections")
     if sections is None or len(sections) < 3:
         raise ModelFormatError(path, "the language model beside it has no M-RoPE sections "
-                               "(rope.dimension_sections); use the mmproj with its Qwen3.5 or Qwen3-VL model")
+                               f"(rope.dimension_sections); use the mmproj with its {family} model")
+    return tuple(int(v) for v in list(sections)[:3])
+
+
+def _qwen35_gguf(path: Path, meta: dict, source, text_meta: dict) -> Qwen35Vision:
+    """Qwen3.5's or Qwen3-VL's tower (projector qwen3vl_merger); Qwen3-VL's deepstack mergers follow the
+    vision blocks clip.vision.is_deepstack_layers flags, as v.deepstack.<block>.* tensors."""
+    key = clip_key(path, meta)
     layers = int(key("block_count"))
     flags = [bool(f) for f in meta.get("clip.vision.is_deepstack_layers", ())]
     if flags and len(flags) != layers:
@@ -545,7 +628,7 @@ def _qwen35_gguf(path: Path, meta: dict, source, text_meta: dict) -> Qwen35Visio
         patch=int(key("patch_size")),
         text_hidden=int(source.shape("mm.2.weight")[0]),
         positions=int(source.shape("v.position_embd.weight")[0]),
-        mrope_section=tuple(int(v) for v in list(sections)[:3]),
+        mrope_section=_mrope_sections(path, text_meta, "Qwen3.5 or Qwen3-VL"),
         merge=int(key("spatial_merge_size", 2)),
         temporal=2 if source.has("v.patch_embd.weight.1") else 1,
         min_pixels=int(key("image_min_pixels", QWEN35_MIN_PIXELS)),
@@ -556,6 +639,45 @@ def _qwen35_gguf(path: Path, meta: dict, source, text_meta: dict) -> Qwen35Visio
     return Qwen35Vision(shape, source, path)
 
 
+def _qwen25_gguf(path: Path, meta: dict, source, text_meta: dict) -> Qwen25Vision:
+    """llama.cpp's qwen2.5vl_merger: the full-attention blocks every n_wa_pattern-th, windows of
+    clip.vision.window_size pixels (llama.cpp's 112 when absent); or its qwen2vl_merger (LayerNorms,
+    quick-GELU MLPs, no windows; its feed_forward_length is not the MLP's, so the tensor's rows are read);
+    their text model (qwen2vl) turns M-RoPE sections in a row."""
+    key = clip_key(path, meta)
+    layers = int(key("block_count"))
+    gated = meta.get("clip.projector_type") == "qwen2.5vl_merger"
+    period = int(key("n_wa_pattern")) if gated else 1
+    if period < 1:
+        raise ModelFormatError(path, f"clip.vision.n_wa_pattern {period} is not a block period")
+    if bool(meta.get("clip.use_silu")) != gated or meta.get("clip.use_gelu"):
+        raise ModelFormatError(path, "its vision MLP's activation is not the one its projector type runs")
+    shape = Qwen25VisionShape(
+        hidden=int(key("embedding_length")),
+        ff=int(source.shape("v.blk.0.ffn_up.weight")[0]),
+        layers=layers,
+        heads=int(key("attention.head_count")),
+        patch=int(key("patch_size")),
+        text_hidden=int(source.shape("mm.2.weight")[0]),
+        positions=0,
+        mrope_section=_mrope_sections(path, text_meta, "Qwen2.5-VL"),
+        mrope_interleaved=text_meta.get("general.architecture") != "qwen2vl",
+        merge=int(key("spatial_merge_size", 2)),
+        temporal=2 if source.has("v.patch_embd.weight.1") else 1,
+        min_pixels=int(key("image_min_pixels", QWEN25_MIN_PIXELS)),
+        max_pixels=int(key("image_max_pixels", QWEN25_MAX_PIXELS)),
+        eps=float(key("attention.layer_norm_epsilon", 1e-6)),
+        window=int(key("window_size", 112)),
+        full_blocks=periodic_blocks(period, layers),
+        gated=gated,
+        **clip_stats(meta),
+    )
+    return Qwen25Vision(shape, source, path)
+
+
 # mmproj projector type (clip.projector_type) -> reader(path, metadata, weight source, the language model's
 # metadata) -> tower
-GGUF_READERS = {"gemma3": _gemma3_gguf, "pixtral": _pixtral_gguf, "qwen3vl_merger": _qwen35_gguf}
+GGUF_READERS = {
+    "gemma3": _gemma3_gguf, "pixtral": _pixtral_gguf, "qwen3vl_merger": _qwen35_gguf,
+    "qwen2.5vl_merger": _qwen25_gguf, "qwen2vl_merger": _qwen25_gguf,
+}

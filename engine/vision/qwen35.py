@@ -26,7 +26,8 @@ Positions (M-RoPE): text at sequence index i sits at i + delta, where delta sums
 max(rows, columns) - rows * columns of their merged grids; an image starting at index s, at position P = s +
 delta, gives its row r the positions (t, h, w) = (P, P + r // columns, P + r % columns). The language model's
 rotary pairs turn by t, h or w, interleaved by its mrope_section (pair j: h when j % 3 == 1 and j < 3 h-pairs,
-w when j % 3 == 2 and j < 3 w-pairs, else t). With text only the three agree with the index.
+w when j % 3 == 2 and j < 3 w-pairs, else t; Qwen2.5-VL's sections lie in a row instead: mrope_masks). With
+text only the three agree with the index. Qwen2.5-VL's windowed tower (engine.vision.qwen25) builds on this.
 """
 
 from __future__ import annotations
@@ -76,6 +77,8 @@ class Qwen35VisionShape:
     std: tuple[float, float, float] = CLIP_STD
     eps: float = 1e-6
     deepstack: tuple[int, ...] = ()  # Qwen3-VL: the blocks whose output its deepstack mergers take, in order
+    # the language model's M-RoPE layout: sections interleaved (Qwen3.5, Qwen3-VL) or in a row (Qwen2.5-VL)
+    mrope_interleaved: bool = True
 
     @property
     def head_dim(self) -> int:
@@ -170,23 +173,14 @@ class Qwen35Vision(VisionTower):
     llama.cpp's converter names them)."""
 
     bidirectional = False
+    patch_b: np.ndarray | None = None  # the patch convolution's bias (Qwen2.5-VL's has none)
 
     def __init__(self, shape: Qwen35VisionShape, weights, source: Path):
-        self.shape = shape
-        self.source = source
-        self.text_hidden = shape.text_hidden
-        self.depth = shape.layers
-        d, ff, p, m, t = shape.hidden, shape.ff, shape.patch, shape.merge, shape.temporal
+        self._setup(shape, weights, source)
+        d, ff, m = shape.hidden, shape.ff, shape.merge
         side = math.isqrt(shape.positions)
         if side * side != shape.positions:
             raise ModelFormatError(source, f"num_position_embeddings {shape.positions} is not a square")
-        conv = weights.floats_any("v.patch_embd.weight", (d, 3, t, p, p), (d, 3, p, p))
-        if conv.ndim == 5:
-            conv = conv.sum(axis=2)  # the same image in every frame
-        else:  # an mmproj keeps the frames' kernels apart: .weight, .weight.1
-            for i in range(1, t):
-                conv = conv + weights.floats(f"v.patch_embd.weight.{i}", (d, 3, p, p))
-        self.patch_w = conv.reshape(d, 3 * p * p).T.copy()
         self.patch_b = weights.vector("v.patch_embd.bias", d)
         self.pos_embed = weights.floats("v.position_embd.weight", (shape.positions, d))
         self.side = side
@@ -226,6 +220,22 @@ class Qwen35Vision(VisionTower):
                 weights.matrix(b + "fc2.weight", shape.text_hidden, wide),
                 weights.vector(b + "fc2.bias", shape.text_hidden),
             ))
+
+    def _setup(self, shape: Qwen35VisionShape, weights, source: Path) -> None:
+        """What the Qwen towers share: the shape, the patch kernel (summed over its frames: the same image in
+        each), the 2D rotary frequencies."""
+        self.shape = shape
+        self.source = source
+        self.text_hidden = shape.text_hidden
+        self.depth = shape.layers
+        d, p, t = shape.hidden, shape.patch, shape.temporal
+        conv = weights.floats_any("v.patch_embd.weight", (d, 3, t, p, p), (d, 3, p, p))
+        if conv.ndim == 5:
+            conv = conv.sum(axis=2)  # the same image in every frame
+        else:  # an mmproj keeps the frames' kernels apart: .weight, .weight.1
+            for i in range(1, t):
+                conv = conv + weights.floats(f"v.patch_embd.weight.{i}", (d, 3, p, p))
+        self.patch_w = conv.reshape(d, 3 * p * p).T.copy()
         quarter = shape.head_dim // 2  # frequencies per axis: half of the head's pairs
         self.inv_freq = 1.0 / shape.rope_theta ** (np.arange(0, quarter, 2, dtype=np.float64) / quarter)
         self._grids: dict[str, tuple[int, int]] = {}  # image digest -> merged (rows, columns)
@@ -260,7 +270,7 @@ class Qwen35Vision(VisionTower):
         super().attach(model)
         self.images = Qwen35ImageTable(model.cfg.vocab_size, model.cfg.hidden_size, len(self.shape.deepstack))
         model.images = self.images
-        model.mrope = mrope_masks(self.shape.mrope_section, pairs)
+        model.mrope = mrope_masks(self.shape.mrope_section, pairs, self.shape.mrope_interleaved)
 
     def target_size(self, height: int, width: int) -> tuple[int, int]:
         """(height, width) an image of this size is resized to (transformers' smart_resize)."""
@@ -282,17 +292,11 @@ class Qwen35Vision(VisionTower):
         """encode as a generator that yields the blocks done after each; returns the merged rows (with
         Qwen3-VL's deepstack sets after them, each row [merged | set 0 | ...])."""
         shape = self.shape
-        p, m, d = shape.patch, shape.merge, shape.hidden
-        gh, gw = pixels.shape[1] // p, pixels.shape[2] // p
-        n = gh * gw
-        # (C, gh/m, m, p, gw/m, m, p) -> merge order: square row, square column, row in it, column in it
-        patches = pixels.reshape(3, gh // m, m, p, gw // m, m, p).transpose(1, 4, 2, 5, 0, 3, 6)
-        x = np.ascontiguousarray(patches.reshape(n, 3 * p * p) @ self.patch_w + self.patch_b, np.float32)
-        sq_r, sq_c, in_r, in_c = np.unravel_index(np.arange(n), (gh // m, gw // m, m, m))
-        rows, cols = sq_r * m + in_r, sq_c * m + in_c
-        x += self._positions(rows, cols, gh, gw)
-        angles = np.concatenate([np.outer(rows, self.inv_freq), np.outer(cols, self.inv_freq)], axis=1)
-        cos, sin = np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+        m, d = shape.merge, shape.hidden
+        x, rows, cols = self._patches(pixels)
+        n = len(x)
+        x += self._positions(rows, cols, pixels.shape[1] // shape.patch, pixels.shape[2] // shape.patch)
+        cos, sin = self._rotary(rows, cols)
         h = np.empty_like(x)
         stacked = []  # deepstack sets in block order (the language model's layer order)
         for i, block in enumerate(self.blocks):
@@ -308,9 +312,35 @@ class Qwen35Vision(VisionTower):
                     stacked.append(self._project(wide, fc1, fc1_b, fc2, fc2_b))
             yield i + 1
         layernorm(h, x, *self.merge_ln, shape.eps)
-        wide = np.ascontiguousarray(h.reshape(n // (m * m), d * m * m))
-        rows = self._project(wide, self.merge_fc1, self.merge_fc1_b, self.merge_fc2, self.merge_fc2_b)
+        rows = self._merge(h)
         return np.concatenate([rows, *stacked], axis=1) if stacked else rows
+
+    def _patches(self, pixels: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(n, hidden) patch embeddings of an image in merge order (each merge x merge square's patches one
+        after another, squares row by row), and each patch's row and column in the patch grid."""
+        p, m = self.shape.patch, self.shape.merge
+        gh, gw = pixels.shape[1] // p, pixels.shape[2] // p
+        n = gh * gw
+        # (C, gh/m, m, p, gw/m, m, p) -> merge order: square row, square column, row in it, column in it
+        patches = pixels.reshape(3, gh // m, m, p, gw // m, m, p).transpose(1, 4, 2, 5, 0, 3, 6)
+        x = patches.reshape(n, 3 * p * p) @ self.patch_w
+        if self.patch_b is not None:
+            x += self.patch_b
+        sq_r, sq_c, in_r, in_c = np.unravel_index(np.arange(n), (gh // m, gw // m, m, m))
+        return np.ascontiguousarray(x, np.float32), sq_r * m + in_r, sq_c * m + in_c
+
+    def _rotary(self, rows: np.ndarray, cols: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """cos, sin (n, head_dim / 2) of the 2D rotary angles: the first half turns by the patch's row, the
+        second by its column."""
+        angles = np.concatenate([np.outer(rows, self.inv_freq), np.outer(cols, self.inv_freq)], axis=1)
+        return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+
+    def _merge(self, h: np.ndarray) -> np.ndarray:
+        """The merger's rows (n / merge^2, text_hidden) of the normed patches h (n, hidden) in merge order:
+        each square's patches concatenated, then linear -> exact GELU -> linear."""
+        m, d = self.shape.merge, self.shape.hidden
+        wide = np.ascontiguousarray(h.reshape(len(h) // (m * m), d * m * m))
+        return self._project(wide, self.merge_fc1, self.merge_fc1_b, self.merge_fc2, self.merge_fc2_b)
 
     @staticmethod
     def _project(wide: np.ndarray, fc1, fc1_b, fc2, fc2_b) -> np.ndarray:
@@ -377,12 +407,20 @@ class Qwen35Vision(VisionTower):
         return out
 
 
-def mrope_masks(section: Sequence[int], pairs: int) -> np.ndarray:
-    """(3, pairs) float32: 1 where rotary pair j turns by the t, h or w position (interleaved sections)."""
+def mrope_masks(section: Sequence[int], pairs: int, interleaved: bool = True) -> np.ndarray:
+    """(3, pairs) float32: 1 where rotary pair j turns by the t, h or w position.
+
+    Interleaved sections (Qwen3.5, Qwen3-VL; llama.cpp's IMROPE): pair j by h when j % 3 == 1 and
+    j < 3 h-pairs, by w when j % 3 == 2 and j < 3 w-pairs, else by t. Sections in a row (Qwen2-VL, Qwen2.5-VL;
+    llama.cpp's MROPE): the first section[0] pairs by t, the next section[1] by h, the rest by w."""
     axis = np.zeros(pairs, np.int64)
     j = np.arange(pairs)
-    axis[(j % 3 == 1) & (j < 3 * section[1])] = 1
-    axis[(j % 3 == 2) & (j < 3 * section[2])] = 2
+    if interleaved:
+        axis[(j % 3 == 1) & (j < 3 * section[1])] = 1
+        axis[(j % 3 == 2) & (j < 3 * section[2])] = 2
+    else:
+        axis[j >= section[0]] = 1
+        axis[j >= section[0] + section[1]] = 2
     return (axis[None, :] == np.arange(3)[:, None]).astype(np.float32)
 
 

@@ -507,6 +507,9 @@ Q35MOE = TINY / "qwen3_5_moe-vision"  # Qwen3.5-MoE's text layers with the same 
 # (after blocks 1 and 2, Qwen3-MoE text layers)
 Q3VL = TINY / "qwen3_vl-vision"
 Q3VLMOE = TINY / "qwen3_vl_moe-vision"
+# Qwen2.5-VL: a windowed tower, Qwen2 text layers with M-RoPE sections in a row (test_vision_qwen25vl.py)
+Q25VL = TINY / "qwen2_5_vl-vision"
+Q2VL = TINY / "qwen2_vl-vision"  # Qwen2-VL: the same text layers, LayerNorm blocks, no windows
 
 
 def _q35_messages(images=Q35_IMAGES) -> list[dict]:
@@ -647,9 +650,8 @@ def test_qwen35_chunked_prefill_matches_one_pass(q35, q35_ids, chunk):
     np.testing.assert_allclose(last, Q35_REF[-1], atol=Q35_TOL)
 
 
-@pytest.mark.parametrize(
-    "folder", [Q35, Q35MOE, Q3VL, Q3VLMOE], ids=["dense", "moe", "qwen3_vl", "qwen3_vl_moe"]
-)
+@pytest.mark.parametrize("folder", [Q35, Q35MOE, Q3VL, Q3VLMOE, Q25VL, Q2VL],
+                         ids=["dense", "moe", "qwen3_vl", "qwen3_vl_moe", "qwen2_5_vl", "qwen2_vl"])
 def test_qwen35_second_chat_turn_equals_a_fresh_run(folder):
     golden = json.loads((folder / "golden_vision.json").read_text())
     messages = _with_images(golden, [(folder / name).read_bytes() for name in golden["images"]])
