@@ -63,7 +63,8 @@ CREATE INDEX IF NOT EXISTS models_repo_file ON models (repo, file);
 # Hugging Face model types whose folders carry a vision tower the engine runs (engine.vision.load's
 # VISION_MODEL_TYPES; a test keeps the two the same, as models/ never imports engine/)
 VISION_MODEL_TYPES = (
-    "gemma3", "gemma4", "mistral3", "qwen2_vl", "qwen2_5_vl", "qwen3_5", "qwen3_5_moe", "qwen3_vl", "qwen3_vl_moe",
+    "gemma3", "gemma4", "mistral3", "qwen2_vl", "qwen2_5_vl", "qwen3_5", "qwen3_5_moe", "qwen3_vl",
+    "qwen3_vl_moe",
 )
 
 @dataclass(frozen=True)

@@ -96,7 +96,8 @@ def _gemma4_name(hf_name: str) -> str | None:
 
 # model types whose Hugging Face folders' vision towers hf_vision runs (models.library keeps a copy)
 VISION_MODEL_TYPES = (
-    "gemma3", "gemma4", "mistral3", "qwen2_vl", "qwen2_5_vl", "qwen3_5", "qwen3_5_moe", "qwen3_vl", "qwen3_vl_moe",
+    "gemma3", "gemma4", "mistral3", "qwen2_vl", "qwen2_5_vl", "qwen3_5", "qwen3_5_moe", "qwen3_vl",
+    "qwen3_vl_moe",
 )
 
 
