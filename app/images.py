@@ -4,6 +4,9 @@ An attachment keeps its file's own bytes when it is one of the formats the engin
 PNG, JPEG, WebP, GIF, BMP); another format Qt decodes (TIFF, an icon, a pasted bitmap) is stored as PNG.
 A file Qt cannot decode, one over MAX_IMAGE_BYTES, and an image too large to decode in Qt's allocation
 limit are refused with an AttachmentError that says which and why; the caller shows it.
+
+Everything here but `thumbnail` (which makes a QPixmap) may run off the GUI thread: the composer checks
+attachments in a worker (app.composer), since decoding a 20 MB image takes a while.
 """
 
 from __future__ import annotations
@@ -152,21 +155,30 @@ def image_size(data: bytes) -> QSize:
     return size
 
 
-def thumbnail(data: bytes, side: int, dpr: float = 1.0) -> QPixmap:
+def thumbnail_image(data: bytes, side: int, dpr: float = 1.0) -> QImage:
+    """The image scaled to fit side × side logical pixels (aspect kept, never enlarged), as a QImage; null if
+    the bytes are no readable image. Decoded at the reduced size where the format allows (JPEG). Safe to call
+    off the GUI thread (no QPixmap)."""
+    with _reading(data) as reader:
+        size = reader.size()  # as stored: the reader scales before it turns, and the box is square
+        if not size.isValid() or _too_large(size):
+            return QImage()
+        box = round(side * dpr)
+        if size.width() > box or size.height() > box:
+            reader.setScaledSize(size.scaled(box, box, Qt.AspectRatioMode.KeepAspectRatio))
+        return reader.read()
+
+
+def thumbnail(data: bytes, side: int, dpr: float = 1.0, image: QImage | None = None) -> QPixmap:
     """The image scaled to fit side × side logical pixels (aspect kept, never enlarged); null if the bytes
-    are no readable image. Decoded at the reduced size where the format allows (JPEG), and cached."""
+    are no readable image. Decoded at the reduced size where the format allows (JPEG), and cached; `image`,
+    a thumbnail_image of the same bytes made in a worker thread, saves the decoding (GUI thread only)."""
     key = f"hearth-thumb:{side}:{dpr}:{hashlib.sha1(data).hexdigest()}"
     cached = QPixmapCache.find(key)
     if cached is not None:
         return cached
-    with _reading(data) as reader:
-        size = reader.size()  # as stored: the reader scales before it turns, and the box is square
-        if not size.isValid() or _too_large(size):
-            return QPixmap()
-        box = round(side * dpr)
-        if size.width() > box or size.height() > box:
-            reader.setScaledSize(size.scaled(box, box, Qt.AspectRatioMode.KeepAspectRatio))
-        image = reader.read()
+    if image is None:
+        image = thumbnail_image(data, side, dpr)
     if image.isNull():
         return QPixmap()
     pixmap = QPixmap.fromImage(image)
