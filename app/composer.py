@@ -357,6 +357,11 @@ class ComposerBox(QWidget):
             self._refused = False
             self.checked.emit(False)
 
+    def shutdown(self) -> None:
+        """Drop the image checks not started yet (the window is closing): only a running one is waited for."""
+        self._pool.clear()
+        self._pending.clear()
+
     # ---- drops on the box around the editor (the editor handles its own, through insertFromMimeData)
     def dragEnterEvent(self, event) -> None:  # noqa: N802 - Qt override
         if offered_items(event.mimeData()):

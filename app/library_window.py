@@ -5,7 +5,8 @@ import a file).
 A repo's vision towers (llama.cpp's mmproj GGUFs) are listed as such, not as models; downloading a GGUF
 model also queues the repo's vision tower (F16 preferred) as its own row, into the model's folder, unless
 that folder has one already or the tower's header (read first, with a Range request) names a projector
-Hearth does not run: then the model's row says "vision tower not fetched: ...". The model and its tower
+Hearth does not run: then the variant is listed as "text only" and the model's queue row says "vision tower
+not fetched: ...". The model and its tower
 are checked for free space together before either is queued. Cancelling, pausing or resuming the model's
 row does the same to its tower's row; the tower's own buttons leave the model alone. A local model with a
 tower beside it is marked "reads images".
@@ -185,6 +186,17 @@ class LibraryWindow(QWidget):
         def run():
             from models import fit, hub
 
+            def unreadable(tower) -> str | None:
+                """The projector of `tower` when Hearth cannot read images with it, from its header (read once
+                per tower); None when it can, or when the header could not be read."""
+                if tower.path not in unsupported:
+                    meta = hub.remote_gguf_metadata(repo, tower.path, details.commit or "main", tower.size)
+                    header = hub.tower_header(meta) if meta is not None else None
+                    bad = header is not None and header.unsupported is not None
+                    unsupported[tower.path] = (header.projector_type or "(none named)") if bad else None
+                return unsupported[tower.path]
+
+            unsupported: dict[str, str | None] = {}
             try:
                 details = hub.repo_details(repo, with_card=False)
                 rows = []
@@ -196,7 +208,11 @@ class LibraryWindow(QWidget):
                         text = f"{v.quant}  ·  {_mib(v.size)}  ·  {est.verdict}"
                         if not v.complete:
                             text += " (incomplete split set)"
-                        if tower := hub.pick_mmproj(details.files, v.files[0].path):
+                        tower = hub.pick_mmproj(details.files, v.files[0].path)
+                        if tower is not None and (kind := unreadable(tower)):
+                            text += f"  ·  text only (its vision tower's projector {kind} "
+                            text += "is not read by Hearth)"
+                        elif tower is not None:
                             text += f"  ·  reads images (+ vision tower, {_mib(tower.size or 0)})"
                     rows.append(_FileRow(repo, details.commit, v, text, details.files))
                 self.relay.variants.emit(repo, rows, "")

@@ -822,6 +822,7 @@ class MainWindow(QMainWindow):
         self._closing = True
         self._unsubscribe()
         self._status_timer.stop()
+        self.composer_box.shutdown()
         self.controller.stop()
         self.controller.flush()
         if self.controller._reply is not None:

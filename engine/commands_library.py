@@ -248,6 +248,7 @@ def cmd_ls(args) -> int:
             print(f"   -  {n}  (starter, not downloaded: `hearth pull {n}`) {m.description}")
     for j in pending:
         error = f": {j['error']}" if j.get("error") else ""
+        error += f" ({j['note']})" if j.get("note") else ""
         print(f"   -  {j['repo_id']}:{j['filename']}  download {j['state']} (a partial, not a model){error}")
     if not entries and not pending:
         print("the library is empty; try `hearth search` and `hearth pull`", file=sys.stderr)

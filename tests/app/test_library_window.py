@@ -196,6 +196,9 @@ def test_a_tower_hearth_cannot_read_is_not_fetched_and_the_models_row_says_so(qt
     server.add_repo("org/Llava-vision-GGUF", files, tags=("gguf",))
     win, downloads = _window(qtbot)
     _open_repo(qtbot, win, "org/Llava-vision-GGUF")
+    listed = win.variants.item(0).text()
+    assert "text only (its vision tower's projector llava is not read by Hearth)" in listed
+    assert "reads images" not in listed
     win.variants.setCurrentRow(0)
     with qtbot.waitSignal(win.relay.planned, timeout=10000):
         win.download_button.click()
@@ -207,7 +210,9 @@ def test_a_tower_hearth_cannot_read_is_not_fetched_and_the_models_row_says_so(qt
     folder = models_dir() / "hub" / "org" / "Llava-vision-GGUF"
     assert [p.name for p in folder.iterdir()] == ["m-Q4_K_M.gguf"]
     sha = hashlib.sha256(tower).hexdigest()
-    assert [e["range"] for e in server.log if e["path"] == f"/cdn/{sha}"] == ["bytes=0-65535"]
+    assert [e["range"] for e in server.log if e["path"] == f"/cdn/{sha}"] == ["bytes=0-65535"] * 2, (
+        "its header, read for the listing and again for the download; never the whole tower"
+    )
     win.shutdown()
     downloads.close()
 
