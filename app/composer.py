@@ -24,7 +24,7 @@ from app.images import (
     image_from_file,
     image_from_qimage,
     offered_items,
-    thumbnail,
+    pixmap_of,
     thumbnail_image,
 )
 from app.qt import (
@@ -86,6 +86,7 @@ class _Thumb(QFrame):
     check is still running."""
 
     def __init__(self, image: MessageImage | None, parent=None, picture: QImage | None = None):
+        # picture: the image's thumbnail_image at THUMB_SIDE (required with an image)
         super().__init__(parent)
         self.image = image
         self.setFrameShape(QFrame.Shape.StyledPanel)
@@ -99,7 +100,8 @@ class _Thumb(QFrame):
             self.picture.setAlignment(Qt.AlignmentFlag.AlignCenter)
             self.picture.setToolTip("Checking this image…")
         else:
-            self.picture.setPixmap(thumbnail(image.data, THUMB_SIDE, self.devicePixelRatioF(), picture))
+            # `picture` (thumbnail_image) was made in the check's worker thread: here it is only wrapped
+            self.picture.setPixmap(pixmap_of(picture, self.devicePixelRatioF()))
             self.picture.setToolTip(f"{image.mime}, {len(image.data) / 1024:,.0f} KB")
         self.remove_button = QToolButton(self)
         self.remove_button.setText("×")
@@ -279,9 +281,10 @@ class ComposerBox(QWidget):
             self.checked.emit(refused)
 
     def add(self, image: MessageImage) -> None:
-        """Add one image that is checked already (decoded by the caller), after those waiting."""
+        """Add one image that is checked already (decoded by the caller), before those being checked."""
         self.images.append(image)
-        self._insert(_Thumb(image, self.strip), before_pending=True)
+        picture = thumbnail_image(image.data, THUMB_SIDE, self.devicePixelRatioF())
+        self._insert(_Thumb(image, self.strip, picture), before_pending=True)
         self._relabel()
 
     def _insert(self, thumb: _Thumb, before_pending: bool = False) -> _Thumb:

@@ -169,19 +169,23 @@ def thumbnail_image(data: bytes, side: int, dpr: float = 1.0) -> QImage:
         return reader.read()
 
 
-def thumbnail(data: bytes, side: int, dpr: float = 1.0, image: QImage | None = None) -> QPixmap:
+def thumbnail(data: bytes, side: int, dpr: float = 1.0) -> QPixmap:
     """The image scaled to fit side × side logical pixels (aspect kept, never enlarged); null if the bytes
-    are no readable image. Decoded at the reduced size where the format allows (JPEG), and cached; `image`,
-    a thumbnail_image of the same bytes made in a worker thread, saves the decoding (GUI thread only)."""
+    are no readable image. Decoded at the reduced size where the format allows (JPEG), and cached."""
     key = f"hearth-thumb:{side}:{dpr}:{hashlib.sha1(data).hexdigest()}"
     cached = QPixmapCache.find(key)
     if cached is not None:
         return cached
-    if image is None:
-        image = thumbnail_image(data, side, dpr)
+    pixmap = pixmap_of(thumbnail_image(data, side, dpr), dpr)
+    if not pixmap.isNull():
+        QPixmapCache.insert(key, pixmap)
+    return pixmap
+
+
+def pixmap_of(image: QImage, dpr: float = 1.0) -> QPixmap:
+    """A thumbnail_image (made in any thread) as a pixmap for a label (GUI thread only); null stays null."""
     if image.isNull():
         return QPixmap()
     pixmap = QPixmap.fromImage(image)
     pixmap.setDevicePixelRatio(dpr)
-    QPixmapCache.insert(key, pixmap)
     return pixmap

@@ -888,6 +888,8 @@ class DownloadManager:
         its folder; cancelling the tower alone leaves the model alone."""
         with self._cond:
             job = self._jobs[job_id]
+            if job.state not in PERSISTED:
+                return  # done or cancelled already: its tower, if still coming, is left alone
             for j in [job, *self.towers_of(job_id)]:
                 if j.state == "running":
                     self._live[j.id].stop = "cancel"

@@ -520,7 +520,7 @@ def remote_gguf_metadata(
 
     from models.formats.gguf import metadata_from_prefix
 
-    if offline():
+    if offline() or (size is not None and size < 24):  # 24 bytes: magic, version and the two counts
         return None
     check_repo_id(repo_id)
     check_filename(filename)
