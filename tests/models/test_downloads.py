@@ -487,7 +487,8 @@ def test_cancelling_the_tower_alone_leaves_the_model_and_pause_resume_carry_the_
     assert (model.state, tower.state) == ("queued", "queued")
     assert _wait_for(lambda: tower.state == "running")
     manager.pause(tower.id)
-    assert manager.wait([tower.id], timeout=10) and tower.state == "paused" and model.state == "running"
+    assert manager.wait([tower.id], timeout=10) and tower.state == "paused"
+    assert model.state in ("running", "done"), "pausing the tower leaves its model going"
     manager.cancel(tower.id)
     assert tower.state == "cancelled"
     assert manager.wait(timeout=10) and model.state == "done"
@@ -497,7 +498,7 @@ def test_cancelling_the_tower_alone_leaves_the_model_and_pause_resume_carry_the_
 
 def test_a_tower_that_arrives_after_its_model_was_deleted_is_not_kept(server, tmp_path):
     root = tmp_path / "lib"
-    server.throttle = 300_000
+    server.throttle = 150_000
     manager = DownloadManager(root, parallel=1, settings=FAST, state_file=tmp_path / "s.json")
     model, tower = _model_and_tower(server, tmp_path, tower_size=150_000, model_size=10_000)
     model, tower = manager.add(model), manager.add(tower)
