@@ -454,6 +454,9 @@ class LibraryWindow(QWidget):
             Library().remove(sel[0])
         except HearthError as e:
             QMessageBox.warning(self, "Delete failed", str(e))
+        else:
+            # a vision tower still on its way to the deleted model's folder is not wanted any more
+            self.downloads.manager.cancel_lone_towers(Path(sel[1]).parent)
         self.refresh_local()
         self.modelsChanged.emit()
 

@@ -323,6 +323,16 @@ def check_free_space(
     )
 
 
+def model_in_folder(folder: Path) -> bool:
+    """Whether a library folder holds a GGUF model other than a vision tower, complete or partial."""
+    with contextlib.suppress(OSError):
+        for p in folder.iterdir():
+            name = p.name.removesuffix(PARTIAL_SUFFIX)
+            if name.lower().endswith(".gguf") and not is_mmproj(name):
+                return True
+    return False
+
+
 def drop_orphan_towers(folder: Path) -> list[Path]:
     """Delete the complete vision towers of a library folder no model, nor a model's partial download, is
     left in: they were fetched for a model and are never listed on their own, so nothing else would ever
@@ -331,11 +341,8 @@ def drop_orphan_towers(folder: Path) -> list[Path]:
     Returns:
         The files deleted.
     """
-    with contextlib.suppress(OSError):
-        for p in folder.iterdir():
-            name = p.name.removesuffix(PARTIAL_SUFFIX)
-            if name.lower().endswith(".gguf") and not is_mmproj(name):
-                return []
+    if model_in_folder(folder):
+        return []
     towers = mmprojs_in(folder)
     for tower in towers:
         tower.unlink(missing_ok=True)
@@ -899,13 +906,33 @@ class DownloadManager:
             if job.state == "cancelled" and job.beside is None:
                 self._drop_orphans(job)
 
+    def _model_coming(self, folder: Path) -> bool:
+        """Whether a model download into `folder` is queued, running, paused or failed (lock held)."""
+        coming = (o for o in self._jobs.values() if o.beside is None and o.state in PERSISTED)
+        return any(target_path(o, self.root).parent == folder for o in coming)
+
     def _drop_orphans(self, job: DownloadJob) -> list[Path]:
         """Delete the vision towers in `job`'s folder unless a model is there or still to come (lock held)."""
         folder = target_path(job, self.root).parent
-        coming = (o for o in self._jobs.values() if o.beside is None and o.state in PERSISTED)
-        if any(target_path(o, self.root).parent == folder for o in coming):
-            return []
-        return drop_orphan_towers(folder)
+        return [] if self._model_coming(folder) else drop_orphan_towers(folder)
+
+    def cancel_lone_towers(self, folder: Path) -> list[DownloadJob]:
+        """Cancel the vision tower downloads into `folder` when no model is left there nor on its way (the
+        model was deleted while its tower was still coming). Returns the jobs cancelled."""
+        folder = folder.absolute()
+        with self._cond:
+            if model_in_folder(folder) or self._model_coming(folder):
+                return []
+            towers = [
+                j
+                for j in self._jobs.values()
+                if j.beside is not None
+                and j.state in PERSISTED
+                and target_path(j, self.root).parent.absolute() == folder
+            ]
+            for tower in towers:
+                self.cancel(tower.id)
+            return towers
 
     def wait(self, job_ids: list[str] | None = None, timeout: float | None = None) -> bool:
         """Block until the given jobs (default: all) are neither queued nor running. False on timeout."""

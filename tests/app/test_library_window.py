@@ -107,8 +107,8 @@ def _open_repo(qtbot, win, repo: str) -> None:
         win.results.setCurrentRow(row)
 
 
-def _window(qtbot):
-    mgr = DownloadManager(settings=DownloadSettings(backoff_base=0.0), autostart=False)
+def _window(qtbot, chunk_size: int = 1 << 20):
+    mgr = DownloadManager(settings=DownloadSettings(backoff_base=0.0, chunk_size=chunk_size), autostart=False)
     downloads = DownloadService(manager=mgr)
     win = LibraryWindow(Settings(), downloads=downloads)
     qtbot.addWidget(win)
@@ -280,5 +280,31 @@ def test_the_model_and_its_tower_must_fit_together_before_either_is_queued(
     assert f"the model needs {model / 2**20:,.1f} MiB and its vision tower {tower / 2**20:,.1f} MiB" in text
     assert f"{free / 2**20:,.1f} MiB free" in text
     assert downloads.jobs() == [] and win.bars == {}
+    win.shutdown()
+    downloads.close()
+
+
+def test_deleting_a_model_whose_tower_is_still_coming_cancels_the_tower(qtbot, server, vision_repo):
+    import hashlib
+
+    from models.paths import models_dir
+
+    folder = models_dir() / "hub" / "org" / "Vision-GGUF"
+    win, downloads = _window(qtbot, chunk_size=8192)  # a stop is seen after each chunk
+    _open_repo(qtbot, win, "org/Vision-GGUF")
+    server.throttle = 30_000  # the tower takes seconds, the model a moment
+    win.variants.setCurrentRow(0)
+    with qtbot.waitSignal(win.relay.planned, timeout=20000):
+        win.download_button.click()
+    model, tower = downloads.jobs()
+    qtbot.waitUntil(lambda: model.state == "done" and win.local.count() == 1, timeout=20000)
+    assert tower.state == "running"
+    win.local.setCurrentRow(0)
+    win.delete_selected(confirm=False)
+    qtbot.waitUntil(lambda: tower.state == "cancelled", timeout=5000)
+    assert not folder.exists() or not list(folder.iterdir()), "no model, no tower, no partial"
+    sha = hashlib.sha256(vision_repo["mmproj-model-f16.gguf"]).hexdigest()
+    (fetch,) = [e for e in server.log if e["path"] == f"/cdn/{sha}" and e["range"] is None]
+    assert fetch["sent"] < len(vision_repo["mmproj-model-f16.gguf"]), "stopped, not fetched to the end"
     win.shutdown()
     downloads.close()
