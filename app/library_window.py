@@ -6,10 +6,10 @@ A repo's vision towers (llama.cpp's mmproj GGUFs) are listed as such, not as mod
 model also queues the repo's vision tower (F16 preferred) as its own row, into the model's folder, unless
 that folder has one already or the tower's header (read first, with a Range request) names a projector
 Hearth does not run: then the variant is listed as "text only" and the model's queue row says "vision tower
-not fetched: ...". The model and its tower
-are checked for free space together before either is queued. Cancelling, pausing or resuming the model's
-row does the same to its tower's row; the tower's own buttons leave the model alone. A local model with a
-tower beside it is marked "reads images".
+not fetched: ...". The model and its tower are checked for free space together before either is queued.
+Cancelling, pausing or resuming the model's row does the same to its tower's row; the tower's own buttons
+leave the model alone, and deleting a model cancels a tower still on its way to its folder. A local model
+with a tower beside it is marked "reads images".
 
 Hub calls run in threads; downloads belong to the app's DownloadService (app.downloads, started with
 the main window so unfinished downloads resume at launch), whose callbacks reach the GUI as queued
