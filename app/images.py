@@ -4,6 +4,9 @@ An attachment keeps its file's own bytes when it is one of the formats the engin
 PNG, JPEG, WebP, GIF, BMP); another format Qt decodes (TIFF, an icon, a pasted bitmap) is stored as PNG.
 A file Qt cannot decode, one over MAX_IMAGE_BYTES, and an image too large to decode in Qt's allocation
 limit are refused with an AttachmentError that says which and why; the caller shows it.
+
+Everything here but `thumbnail` (which makes a QPixmap) may run off the GUI thread: the composer checks
+attachments in a worker (app.composer), since decoding a 20 MB image takes a while.
 """
 
 from __future__ import annotations
@@ -152,6 +155,20 @@ def image_size(data: bytes) -> QSize:
     return size
 
 
+def thumbnail_image(data: bytes, side: int, dpr: float = 1.0) -> QImage:
+    """The image scaled to fit side × side logical pixels (aspect kept, never enlarged), as a QImage; null if
+    the bytes are no readable image. Decoded at the reduced size where the format allows (JPEG). Safe to call
+    off the GUI thread (no QPixmap)."""
+    with _reading(data) as reader:
+        size = reader.size()  # as stored: the reader scales before it turns, and the box is square
+        if not size.isValid() or _too_large(size):
+            return QImage()
+        box = round(side * dpr)
+        if size.width() > box or size.height() > box:
+            reader.setScaledSize(size.scaled(box, box, Qt.AspectRatioMode.KeepAspectRatio))
+        return reader.read()
+
+
 def thumbnail(data: bytes, side: int, dpr: float = 1.0) -> QPixmap:
     """The image scaled to fit side × side logical pixels (aspect kept, never enlarged); null if the bytes
     are no readable image. Decoded at the reduced size where the format allows (JPEG), and cached."""
@@ -159,17 +176,16 @@ def thumbnail(data: bytes, side: int, dpr: float = 1.0) -> QPixmap:
     cached = QPixmapCache.find(key)
     if cached is not None:
         return cached
-    with _reading(data) as reader:
-        size = reader.size()  # as stored: the reader scales before it turns, and the box is square
-        if not size.isValid() or _too_large(size):
-            return QPixmap()
-        box = round(side * dpr)
-        if size.width() > box or size.height() > box:
-            reader.setScaledSize(size.scaled(box, box, Qt.AspectRatioMode.KeepAspectRatio))
-        image = reader.read()
+    pixmap = pixmap_of(thumbnail_image(data, side, dpr), dpr)
+    if not pixmap.isNull():
+        QPixmapCache.insert(key, pixmap)
+    return pixmap
+
+
+def pixmap_of(image: QImage, dpr: float = 1.0) -> QPixmap:
+    """A thumbnail_image (made in any thread) as a pixmap for a label (GUI thread only); null stays null."""
     if image.isNull():
         return QPixmap()
     pixmap = QPixmap.fromImage(image)
     pixmap.setDevicePixelRatio(dpr)
-    QPixmapCache.insert(key, pixmap)
     return pixmap

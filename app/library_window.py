@@ -4,7 +4,12 @@ import a file).
 
 A repo's vision towers (llama.cpp's mmproj GGUFs) are listed as such, not as models; downloading a GGUF
 model also queues the repo's vision tower (F16 preferred) as its own row, into the model's folder, unless
-that folder has one already. A local model with a tower beside it is marked "reads images".
+that folder has one already or the tower's header (read first, with a Range request) names a projector
+Hearth does not run: then the variant is listed as "text only" and the model's queue row says "vision tower
+not fetched: ...". The model and its tower are checked for free space together before either is queued.
+Cancelling, pausing or resuming the model's row does the same to its tower's row; the tower's own buttons
+leave the model alone, and deleting a model cancels a tower still on its way to its folder. A local model
+with a tower beside it is marked "reads images".
 
 Hub calls run in threads; downloads belong to the app's DownloadService (app.downloads, started with
 the main window so unfinished downloads resume at launch), whose callbacks reach the GUI as queued
@@ -47,6 +52,7 @@ class _Relay(QObject):
     searched = Signal(object, str)  # list[RepoSummary] | None, error
     variants = Signal(str, object, str)  # repo, list[_FileRow], error
     local = Signal(object)  # list[(ModelEntry, reads images: bool)]
+    planned = Signal(object, object, str)  # model jobs, their vision tower job or None, error
 
 
 @dataclass(frozen=True)
@@ -84,6 +90,7 @@ class LibraryWindow(QWidget):
         self.relay.searched.connect(self._on_searched)
         self.relay.variants.connect(self._on_variants)
         self.relay.local.connect(self._on_local)
+        self.relay.planned.connect(self._on_planned)
         self._owns_downloads = downloads is None
         if downloads is None:
             from app.downloads import DownloadService
@@ -95,6 +102,7 @@ class LibraryWindow(QWidget):
         downloads.modelsChanged.connect(self._on_downloaded)
         downloads.error.connect(self._on_download_error)
         self.bars: dict[str, QProgressBar] = {}
+        self.labels: dict[str, QLabel] = {}
         self.variant_items: list = []
         self.convert_dialogs: list = []
         self.entries: list = []
@@ -178,6 +186,17 @@ class LibraryWindow(QWidget):
         def run():
             from models import fit, hub
 
+            def unreadable(tower) -> str | None:
+                """The projector of `tower` when Hearth cannot read images with it, from its header (read once
+                per tower); None when it can, or when the header could not be read."""
+                if tower.path not in unsupported:
+                    meta = hub.remote_gguf_metadata(repo, tower.path, details.commit or "main", tower.size)
+                    header = hub.tower_header(meta) if meta is not None else None
+                    bad = header is not None and header.unsupported is not None
+                    unsupported[tower.path] = (header.projector_type or "(none named)") if bad else None
+                return unsupported[tower.path]
+
+            unsupported: dict[str, str | None] = {}
             try:
                 details = hub.repo_details(repo, with_card=False)
                 rows = []
@@ -189,7 +208,11 @@ class LibraryWindow(QWidget):
                         text = f"{v.quant}  ·  {_mib(v.size)}  ·  {est.verdict}"
                         if not v.complete:
                             text += " (incomplete split set)"
-                        if tower := hub.pick_mmproj(details.files, v.files[0].path):
+                        tower = hub.pick_mmproj(details.files, v.files[0].path)
+                        if tower is not None and (kind := unreadable(tower)):
+                            text += f"  ·  text only (its vision tower's projector {kind} "
+                            text += "is not read by Hearth)"
+                        elif tower is not None:
                             text += f"  ·  reads images (+ vision tower, {_mib(tower.size or 0)})"
                     rows.append(_FileRow(repo, details.commit, v, text, details.files))
                 self.relay.variants.emit(repo, rows, "")
@@ -210,27 +233,47 @@ class LibraryWindow(QWidget):
 
     @Slot()
     def download_selected(self) -> None:
+        """Queue the selected variant's files and its vision tower. The tower's header is read and the free
+        space checked in a thread (network, disk); the rows appear when that is done (relay.planned)."""
         row = self.variants.currentRow()
         if row < 0:
             return
-        from models.downloads import DownloadJob, vision_tower_job
+        from models.downloads import DownloadJob
 
         item = self.variant_items[row]
         revision = item.commit or "main"
-        for f in item.variant.files:
-            job = DownloadJob(
-                item.repo, f.path, revision=revision, size=f.size, sha256=f.sha256, blob_id=f.blob_id
-            )
-            self._add_job_row(self.downloads.add(job))
-        try:
-            tower = vision_tower_job(
-                item.repo, item.repo_files, item.variant.files[0].path, revision, self.downloads.root
-            )
-        except HearthError as e:
-            self.hub_status.setText(str(e))
+        jobs = [
+            DownloadJob(item.repo, f.path, revision=revision, size=f.size, sha256=f.sha256, blob_id=f.blob_id)
+            for f in item.variant.files
+        ]
+        root = self.downloads.root
+        self.hub_status.setText(f"Preparing the download of {PurePosixPath(jobs[0].filename).name}…")
+
+        def run():
+            from models.downloads import check_free_space, vision_tower
+
+            try:
+                choice = vision_tower(item.repo, item.repo_files, item.variant.files[0].path, revision, root)
+                jobs[0].note = choice.note
+                check_free_space(jobs + ([choice.job] if choice.job else []), root)
+            except HearthError as e:
+                self.relay.planned.emit(jobs, None, str(e))
+                return
+            self.relay.planned.emit(jobs, choice.job, "")
+
+        threading.Thread(target=run, daemon=True, name="hearth-download-plan").start()
+
+    @Slot(object, object, str)
+    def _on_planned(self, jobs, tower, error: str) -> None:
+        if error:
+            self.hub_status.setText(error)
             return
+        for job in jobs:
+            self._add_job_row(self.downloads.add(job))
         if tower is not None:
             self._add_job_row(self.downloads.add(tower))
+        note = jobs[0].note
+        self.hub_status.setText(note or f"Downloading {PurePosixPath(jobs[0].filename).name}")
 
     # ---- downloads
     def _downloads_tab(self) -> QWidget:
@@ -244,10 +287,9 @@ class LibraryWindow(QWidget):
             return
         row = QWidget()
         h = QHBoxLayout(row)
-        label = job.filename
-        if job.beside:
-            label += f"  (vision tower of {PurePosixPath(job.beside).name})"
-        h.addWidget(QLabel(label), 1)
+        label = QLabel(_row_text(job))
+        label.setWordWrap(True)
+        h.addWidget(label, 1)
         bar = QProgressBar()
         bar.setAccessibleName(f"Download progress of {job.filename}")
         bar.setFormat(job.state)
@@ -262,6 +304,7 @@ class LibraryWindow(QWidget):
             b.clicked.connect(lambda _=False, f=fn, i=job.id: self._job_action(f, i))
             h.addWidget(b)
         self.bars[job.id] = bar
+        self.labels[job.id] = label
         self.jobs_layout.insertWidget(self.jobs_layout.count() - 1, row)
 
     def _job_action(self, fn, job_id: str) -> None:
@@ -281,6 +324,7 @@ class LibraryWindow(QWidget):
             self._add_job_row(job)
         bar = self.bars[job.id]
         bar.setFormat(f"{job.state} %p%" if job.state != "failed" else f"failed: {job.error}")
+        self.labels[job.id].setText(_row_text(job))
         if job.state == "done":
             bar.setMaximum(1000)
             bar.setValue(1000)
@@ -410,6 +454,9 @@ class LibraryWindow(QWidget):
             Library().remove(sel[0])
         except HearthError as e:
             QMessageBox.warning(self, "Delete failed", str(e))
+        else:
+            # a vision tower still on its way to the deleted model's folder is not wanted any more
+            self.downloads.manager.cancel_lone_towers(Path(sel[1]).parent)
         self.refresh_local()
         self.modelsChanged.emit()
 
@@ -446,6 +493,17 @@ class LibraryWindow(QWidget):
             dialog.shutdown()
         if self._owns_downloads:
             self.downloads.close(timeout=5.0)
+
+
+def _row_text(job) -> str:
+    """A queue row's label: the file, whose tower it is, and its note (why the model's tower is not
+    fetched, or why a tower was not kept)."""
+    text = job.filename
+    if job.beside:
+        text += f"  (vision tower of {PurePosixPath(job.beside).name})"
+    if job.note:
+        text += f"  ·  {job.note}"
+    return text
 
 
 def models_folder(settings: Settings) -> Path:

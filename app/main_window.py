@@ -156,6 +156,7 @@ class MainWindow(QMainWindow):
         self._relay.fit.connect(self._on_fit)
         self._deleted: str | None = None
         self._closing = False
+        self._send_when_checked = False  # Send was pressed while attached images were still being checked
         self._engine_dirty = False
         self.cuda_ok, self.cuda_reason = cuda_status()
         self._device_notice = ""  # the worker's reason when a CUDA load fell back to the CPU
@@ -336,6 +337,7 @@ class MainWindow(QMainWindow):
         self.starter_button.clicked.connect(lambda: self.load_model("smollm2-135m-instruct"))
         self.composer.submitted.connect(self.send)
         self.composer_box.notice.connect(self._on_composer_notice)
+        self.composer_box.checked.connect(self._on_images_checked)
         self.view.imagesDropped.connect(self.composer_box.offer)
         self.send_button.clicked.connect(self.send)
         self.stop_button.clicked.connect(c.stop)
@@ -500,8 +502,28 @@ class MainWindow(QMainWindow):
     # ---- sending
     @Slot()
     def send(self) -> None:
+        """Send the composer's text and images. While an attached image is still being checked (in a worker
+        thread), the message waits for it and goes when the checks are done; if one of them is refused, it
+        does not go, so the note can say why first."""
+        if self.composer_box.checking:
+            self._send_when_checked = True
+            self.statusBar().showMessage("Sending when the attached images are checked…", 8000)
+            return
         if self.controller.send(self.composer.toPlainText(), self.composer_box.images):
             self.composer_box.clear()
+
+    @Slot(bool)
+    def _on_images_checked(self, refused: bool) -> None:
+        if not self._send_when_checked or self._closing:
+            return
+        self._send_when_checked = False
+        if refused:
+            self.statusBar().showMessage(
+                "Not sent: an attached image was refused (see the note above the message); "
+                "send again to go without it", 8000
+            )
+            return
+        self.send()
 
     @Slot(str)
     def _on_composer_notice(self, text: str) -> None:
@@ -804,6 +826,7 @@ class MainWindow(QMainWindow):
         self._closing = True
         self._unsubscribe()
         self._status_timer.stop()
+        self.composer_box.shutdown()
         self.controller.stop()
         self.controller.flush()
         if self.controller._reply is not None:

@@ -97,17 +97,18 @@ def cmd_pull(args) -> int:
         else:
             wanted.append(f)
     tower = _vision_tower(repo_id, details, files[0], revision, done_paths)
-
-    progress = _ProgressLine()
-    manager = downloads.DownloadManager(parallel=args.parallel, on_progress=progress)
     jobs = [
-        manager.add(
-            downloads.DownloadJob(
-                repo_id, f.path, revision=revision, size=f.size, sha256=f.sha256, blob_id=f.blob_id
-            )
+        downloads.DownloadJob(
+            repo_id, f.path, revision=revision, size=f.size, sha256=f.sha256, blob_id=f.blob_id
         )
         for f in wanted
     ]
+    # the model and its tower must fit together, before either starts (raises DiskSpaceError)
+    downloads.check_free_space(jobs + ([tower] if tower else []))
+
+    progress = _ProgressLine()
+    manager = downloads.DownloadManager(parallel=args.parallel, on_progress=progress)
+    jobs = [manager.add(job) for job in jobs]
     if tower is not None:
         tower = manager.add(tower)
     try:
@@ -160,11 +161,12 @@ def cmd_pull(args) -> int:
 
 def _vision_tower(repo_id: str, details, model, revision: str, done_paths: list):
     """The download of the vision tower (mmproj) that goes beside the pulled GGUF model, or None (see
-    models.downloads.vision_tower_job); a model already used from elsewhere (the Hugging Face cache) only
-    gets a note, as Hearth downloads into its library folder alone."""
+    models.downloads.vision_tower: a tower whose projector Hearth does not run is skipped, with a note); a
+    model already used from elsewhere (the Hugging Face cache) only gets a note, as Hearth downloads into its
+    library folder alone."""
     from models import downloads, hub
 
-    job = downloads.vision_tower_job(repo_id, details.files, model.path, revision)
+    job = downloads.vision_tower(repo_id, details.files, model.path, revision, read_header=False).job
     if job is None:
         return None
     at = next((Path(p) for f, p, _ in done_paths if f is model), None)
@@ -176,11 +178,15 @@ def _vision_tower(repo_id: str, details, model, revision: str, done_paths: list)
                 file=sys.stderr,
             )
         return None
+    choice = downloads.vision_tower(repo_id, details.files, model.path, revision)  # reads its header
+    if choice.job is None:
+        print(choice.note or f"{job.filename}: not fetched", file=sys.stderr)
+        return None
     print(
         f"{job.filename}: the model's vision tower (for images), {_mib(job.size)}, goes beside it",
         file=sys.stderr,
     )
-    return job
+    return choice.job
 
 
 def _print_drafts(target: str, as_json: bool) -> int:
@@ -242,6 +248,7 @@ def cmd_ls(args) -> int:
             print(f"   -  {n}  (starter, not downloaded: `hearth pull {n}`) {m.description}")
     for j in pending:
         error = f": {j['error']}" if j.get("error") else ""
+        error += f" ({j['note']})" if j.get("note") else ""
         print(f"   -  {j['repo_id']}:{j['filename']}  download {j['state']} (a partial, not a model){error}")
     if not entries and not pending:
         print("the library is empty; try `hearth search` and `hearth pull`", file=sys.stderr)

@@ -14,10 +14,15 @@ One file's transfer (`download_file`):
 - redirects are followed by hand so the token is never sent to another host (the CDN).
 
 A GGUF model's vision tower (llama.cpp's mmproj file) is one more such transfer, into the model's folder:
-`vision_tower_job` says which, if any.
+`vision_tower` says which, if any: it reads the tower's GGUF header remotely first (a Range request for its
+first bytes) and skips a tower whose projector Hearth does not run (hub.VISION_PROJECTOR_TYPES).
+`check_free_space` checks a model's files and its tower together before either starts.
 
 `DownloadManager` runs a persisted queue of such transfers with a parallelism limit, progress
 callbacks (bytes, speed, ETA), pause / resume / cancel, and resumes unfinished jobs after a restart.
+A tower follows its model there: cancelling, pausing or resuming a model's file does the same to the tower
+queued beside it (the tower's own buttons leave the model alone), and a tower that ends up in a folder with
+no model, nor a model download, is deleted (`drop_orphan_towers`).
 """
 
 from __future__ import annotations
@@ -52,11 +57,15 @@ from models.hub import (
     check_revision,
     hf_token,
     http_error,
+    is_mmproj,
     library_path,
     mmprojs_in,
     offline,
     pick_mmproj,
+    remote_gguf_metadata,
     resolve_url,
+    same_model_file,
+    tower_header,
 )
 from models.paths import data_dir, models_dir
 
@@ -114,6 +123,7 @@ class DownloadJob:
     commit: str | None = None
     path: str | None = None  # the verified file, once done
     beside: str | None = None  # a model file of the repo: this file (its vision tower) goes into its folder
+    note: str | None = None  # shown with the job's row, e.g. why the model's vision tower is not fetched
 
     @property
     def local_name(self) -> str:
@@ -189,18 +199,33 @@ def target_path(job: DownloadJob, root: Path | None = None) -> Path:
     return library_path(root or models_dir(), job.repo_id, job.local_name)
 
 
-def vision_tower_job(
+@dataclass(frozen=True)
+class TowerChoice:
+    """The vision tower to fetch beside a GGUF model: `job` (None: nothing to fetch) and, when a tower the
+    repo offers is not fetched because Hearth could not read images with it, `note` saying so."""
+
+    job: DownloadJob | None
+    note: str | None = None
+
+
+def vision_tower(
     repo_id: str,
     repo_files: Iterable[RemoteFile],
     model_file: str,
     revision: str = "main",
     root: Path | None = None,
-) -> DownloadJob | None:
-    """The download of the vision tower that goes beside a GGUF model being downloaded, or None.
+    read_header: bool = True,
+) -> TowerChoice:
+    """The download of the vision tower that goes beside a GGUF model being downloaded, if any.
 
     llama.cpp keeps a vision model's image encoder in a second GGUF, its "mmproj" file, and Hearth's loader
-    takes it from the model file's folder; so when a repo publishes one (F16 preferred, see
-    `pick_mmproj`), it is fetched with the model, by the same machinery, into the model's folder.
+    takes it from the model file's folder; so when a repo publishes one (F16 preferred, see `pick_mmproj`),
+    it is fetched with the model, by the same machinery, into the model's folder. Before that, its GGUF
+    header is read remotely (`hub.remote_gguf_metadata`: a Range request for the first bytes): a tower whose
+    projector Hearth does not run (hub.VISION_PROJECTOR_TYPES), or one without a vision encoder, is not
+    fetched. When the header cannot be read (no network, a server without Range, no GGUF header), the tower
+    is fetched as it is and the engine judges it when the model loads. This makes a network request: call
+    it off the GUI thread.
 
     Args:
         repo_id: the repo.
@@ -208,14 +233,16 @@ def vision_tower_job(
         model_file: the model's file in the repo (the first part of a split set).
         revision: the commit the model is downloaded from.
         root: the library folder (default models_dir()).
+        read_header: False skips the header check (no network).
 
     Returns:
-        The job to queue; None when `model_file` is no GGUF language model (an mmproj itself included),
-        the repo has no mmproj, or the model's folder holds an mmproj already.
+        A TowerChoice whose job is None when `model_file` is no GGUF language model (an mmproj itself
+        included), the repo has no mmproj, the model's folder holds an mmproj already, or the tower is one
+        Hearth cannot read (then its note says why: "vision tower not fetched: ...").
     """
     tower = pick_mmproj(repo_files, model_file)
     if tower is None:
-        return None
+        return TowerChoice(None)
     job = DownloadJob(
         repo_id,
         tower.path,
@@ -226,8 +253,100 @@ def vision_tower_job(
         beside=model_file,
     ).validate()
     if mmprojs_in(target_path(job, root).parent):
-        return None
-    return job
+        return TowerChoice(None)
+    if read_header:
+        metadata = remote_gguf_metadata(repo_id, tower.path, revision, tower.size)
+        why = tower_header(metadata).unsupported if metadata is not None else None
+        if why is not None:
+            model = PurePosixPath(model_file).name
+            return TowerChoice(None, f"vision tower not fetched: {why}; {model} works for text without it")
+    return TowerChoice(job)
+
+
+def vision_tower_job(
+    repo_id: str,
+    repo_files: Iterable[RemoteFile],
+    model_file: str,
+    revision: str = "main",
+    root: Path | None = None,
+) -> DownloadJob | None:
+    """`vision_tower(...).job`: the tower's download, or None (see `vision_tower`)."""
+    return vision_tower(repo_id, repo_files, model_file, revision, root).job
+
+
+def _existing_folder(path: Path) -> Path:
+    while not path.exists() and path.parent != path:
+        path = path.parent
+    return path
+
+
+def check_free_space(
+    jobs: Iterable[DownloadJob], root: Path | None = None, margin: int | None = None
+) -> None:
+    """Check, before any of them starts, that the disk holds all of `jobs` at once (a model's files and its
+    vision tower): what is left of each (a partial from an earlier run counts as fetched) plus a margin.
+
+    Args:
+        jobs: the downloads about to be queued (a size None counts as 0).
+        root: the library folder (default models_dir()).
+        margin: bytes to keep free beyond the files (default DownloadSettings().disk_margin).
+
+    Raises:
+        DiskSpaceError: naming the model's size, the tower's, and the free space.
+    """
+    root = root or models_dir()
+    margin = DownloadSettings().disk_margin if margin is None else margin
+    model, tower, folder = 0, 0, None
+    for job in jobs:
+        target = target_path(job, root)
+        folder = folder or target.parent
+        left = job.size or 0
+        with contextlib.suppress(OSError):
+            left -= partial_path(target).stat().st_size
+        if job.beside is not None:
+            tower += max(left, 0)
+        else:
+            model += max(left, 0)
+    if folder is None:
+        return
+    where = _existing_folder(folder)
+    free = shutil.disk_usage(where).free
+    if free >= model + tower + margin:
+        return
+    mib = 2**20
+    what = f"the model needs {model / mib:,.1f} MiB"
+    if tower:
+        what += f" and its vision tower {tower / mib:,.1f} MiB ({(model + tower) / mib:,.1f} MiB together)"
+    raise DiskSpaceError(
+        f"{what}, but {where} has {free / mib:,.1f} MiB free (keeping {margin / mib:.0f} MiB spare); "
+        "free space or pick a smaller variant"
+    )
+
+
+def model_in_folder(folder: Path) -> bool:
+    """Whether a library folder holds a GGUF model other than a vision tower, complete or partial."""
+    with contextlib.suppress(OSError):
+        for p in folder.iterdir():
+            name = p.name.removesuffix(PARTIAL_SUFFIX)
+            if name.lower().endswith(".gguf") and not is_mmproj(name):
+                return True
+    return False
+
+
+def drop_orphan_towers(folder: Path) -> list[Path]:
+    """Delete the complete vision towers of a library folder no model, nor a model's partial download, is
+    left in: they were fetched for a model and are never listed on their own, so nothing else would ever
+    delete them. (A tower's own partial belongs to its running or queued download, whose cancel deletes it.)
+
+    Returns:
+        The files deleted.
+    """
+    if model_in_folder(folder):
+        return []
+    towers = mmprojs_in(folder)
+    for tower in towers:
+        tower.unlink(missing_ok=True)
+    return towers
 
 
 def _sha256_file(path: Path, h=None):
@@ -731,32 +850,89 @@ class DownloadManager:
         with self._cond:
             return self._jobs[job_id]
 
-    def pause(self, job_id: str) -> None:
-        """Stop a job after its current chunk, keeping the partial file."""
+    def towers_of(self, job_id: str) -> list[DownloadJob]:
+        """The vision tower jobs queued beside the model that job `job_id` downloads (any of its split
+        parts); [] for a tower's own job."""
         with self._cond:
             job = self._jobs[job_id]
-            if job.state == "running":
-                self._live[job_id].stop = "pause"
-            elif job.state == "queued":
-                self._set_state(job, "paused")
+            if job.beside is not None:
+                return []
+            return [
+                t
+                for t in self._jobs.values()
+                if t.beside is not None
+                and (t.repo_id, t.revision) == (job.repo_id, job.revision)
+                and same_model_file(t.beside, job.filename)
+            ]
+
+    def pause(self, job_id: str) -> None:
+        """Stop a job after its current chunk, keeping the partial file; a model's vision tower pauses with
+        it (pausing the tower alone leaves the model running)."""
+        with self._cond:
+            job = self._jobs[job_id]
+            if job.state not in ACTIVE:
+                return
+            for j in [job, *self.towers_of(job_id)]:
+                if j.state == "running":
+                    self._live[j.id].stop = "pause"
+                elif j.state == "queued":
+                    self._set_state(j, "paused")
 
     def resume(self, job_id: str) -> None:
-        """Queue a paused or failed job again; it continues from its partial file."""
+        """Queue a paused or failed job again; it continues from its partial file. A model's paused or failed
+        vision tower is resumed with it."""
         with self._cond:
             job = self._jobs[job_id]
-            if job.state in ("paused", "failed"):
-                self._set_state(job, "queued")
+            if job.state not in ("paused", "failed"):
+                return
+            for j in [job, *self.towers_of(job_id)]:
+                if j.state in ("paused", "failed"):
+                    self._set_state(j, "queued")
 
     def cancel(self, job_id: str) -> None:
-        """Stop a job and delete its partial file."""
+        """Stop a job and delete its partial file. Cancelling a model's file cancels the vision tower queued
+        beside it too, and a tower already fetched is deleted once no model (nor model download) is left in
+        its folder; cancelling the tower alone leaves the model alone."""
         with self._cond:
             job = self._jobs[job_id]
-            if job.state == "running":
-                self._live[job_id].stop = "cancel"
-                return
-            if job.state in ("queued", "paused", "failed"):
-                partial_path(target_path(job, self.root)).unlink(missing_ok=True)
-                self._set_state(job, "cancelled")
+            if job.state not in PERSISTED:
+                return  # done or cancelled already: its tower, if still coming, is left alone
+            for j in [job, *self.towers_of(job_id)]:
+                if j.state == "running":
+                    self._live[j.id].stop = "cancel"
+                elif j.state in ("queued", "paused", "failed"):
+                    partial_path(target_path(j, self.root)).unlink(missing_ok=True)
+                    self._set_state(j, "cancelled")
+            if job.state == "cancelled" and job.beside is None:
+                self._drop_orphans(job)
+
+    def _model_coming(self, folder: Path) -> bool:
+        """Whether a model download into `folder` is queued, running, paused or failed (lock held)."""
+        coming = (o for o in self._jobs.values() if o.beside is None and o.state in PERSISTED)
+        return any(target_path(o, self.root).parent == folder for o in coming)
+
+    def _drop_orphans(self, job: DownloadJob) -> list[Path]:
+        """Delete the vision towers in `job`'s folder unless a model is there or still to come (lock held)."""
+        folder = target_path(job, self.root).parent
+        return [] if self._model_coming(folder) else drop_orphan_towers(folder)
+
+    def cancel_lone_towers(self, folder: Path) -> list[DownloadJob]:
+        """Cancel the vision tower downloads into `folder` when no model is left there nor on its way (the
+        model was deleted while its tower was still coming). Returns the jobs cancelled."""
+        folder = folder.absolute()
+        with self._cond:
+            if model_in_folder(folder) or self._model_coming(folder):
+                return []
+            towers = [
+                j
+                for j in self._jobs.values()
+                if j.beside is not None
+                and j.state in PERSISTED
+                and target_path(j, self.root).parent.absolute() == folder
+            ]
+            for tower in towers:
+                self.cancel(tower.id)
+            return towers
 
     def wait(self, job_ids: list[str] | None = None, timeout: float | None = None) -> bool:
         """Block until the given jobs (default: all) are neither queued nor running. False on timeout."""
@@ -832,4 +1008,12 @@ class DownloadManager:
                 state, error = "failed", f"{job.filename}: unexpected error {e!r}"
             with self._cond:
                 self._live.pop(job.id, None)
+                if state == "cancelled" and job.beside is None:
+                    self._set_state(job, state, error)
+                    self._drop_orphans(job)
+                    continue
+                if state == "done" and job.beside is not None and self._drop_orphans(job):
+                    # its model was cancelled or deleted while the tower was on its way
+                    state = "cancelled"
+                    job.note = "no model is left in its folder: the vision tower was not kept"
                 self._set_state(job, state, error)

@@ -460,6 +460,98 @@ def mmprojs_in(folder: Path) -> list[Path]:
     return sorted(p for p in folder.glob("*.gguf") if is_mmproj(p.name) and p.is_file())
 
 
+# The projector types (an mmproj's clip.projector_type) whose vision towers Hearth runs: the keys of
+# engine.vision.load.GGUF_READERS, which a test keeps equal to this (models/ never imports engine/). To add
+# one: write its reader in engine/vision/load.py, register it in GGUF_READERS, and name it here; until it
+# is named here, a model download skips towers of that type instead of fetching what the engine cannot read.
+VISION_PROJECTOR_TYPES = ("gemma3", "pixtral", "qwen3vl_merger")
+
+_HEADER_FIRST_READ = 64 * 1024  # an mmproj's key/value section is a few KiB
+_HEADER_MAX_READ = 8 << 20  # a header that needs more than this is read by downloading the file
+
+
+@dataclass(frozen=True)
+class TowerHeader:
+    """What a vision tower's (mmproj's) GGUF header says about it."""
+
+    projector_type: str | None  # clip.projector_type (clip.vision.projector_type in audio+vision files)
+    has_vision_encoder: bool  # False: an audio-only projector
+
+    @property
+    def unsupported(self) -> str | None:
+        """Why Hearth cannot read images with this tower, or None when it can."""
+        if not self.has_vision_encoder:
+            return f"it has no vision encoder (projector {self.projector_type or 'unknown'}, audio only)"
+        if self.projector_type not in VISION_PROJECTOR_TYPES:
+            return (
+                f"projector {self.projector_type or '(none named)'} is not one Hearth reads "
+                f"(it reads {', '.join(VISION_PROJECTOR_TYPES)})"
+            )
+        return None
+
+
+def tower_header(metadata: dict) -> TowerHeader:
+    """The projector facts of an mmproj GGUF from its metadata (as engine.vision.load reads them)."""
+    kind = metadata.get("clip.vision.projector_type") or metadata.get("clip.projector_type")
+    has_vision = metadata.get("clip.has_vision_encoder", True)
+    return TowerHeader(kind if isinstance(kind, str) else None, bool(has_vision))
+
+
+def remote_gguf_metadata(
+    repo_id: str, filename: str, revision: str = "main", size: int | None = None, timeout: float = 20.0
+) -> dict | None:
+    """A Hub file's GGUF key/value metadata, read with HTTP Range requests for its first bytes only.
+
+    The request goes through huggingface_hub's session with its headers (HF_ENDPOINT, the user's token; the
+    token is not sent on to the CDN). A server that ignores Range answers 200: only the first bytes of that
+    body are read before the connection is closed.
+
+    Args:
+        repo_id, filename, revision: the file.
+        size: its size when known (bounds what the header may claim).
+        timeout: per request, in seconds.
+
+    Returns:
+        The metadata, or None when it could not be had: no network, offline mode, an HTTP error, a header
+        over 8 MiB, or bytes that are no GGUF header. The caller then goes on without it.
+    """
+    from huggingface_hub import hf_hub_url
+    from huggingface_hub.utils import build_hf_headers, get_session
+
+    from models.formats.gguf import metadata_from_prefix
+
+    if offline() or (size is not None and size < 24):  # 24 bytes: magic, version and the two counts
+        return None
+    check_repo_id(repo_id)
+    check_filename(filename)
+    check_revision(revision)
+    url = hf_hub_url(repo_id, filename, revision=revision, endpoint=endpoint())
+    want = _HEADER_FIRST_READ if size is None else min(_HEADER_FIRST_READ, size)
+    try:
+        while True:
+            headers = build_hf_headers(token=hf_token() or False)
+            headers.update({"Range": f"bytes=0-{want - 1}", "Accept-Encoding": "identity"})
+            data = bytearray()
+            with get_session().stream(
+                "GET", url, headers=headers, timeout=timeout, follow_redirects=True
+            ) as r:
+                if r.status_code not in (200, 206):
+                    return None
+                for block in r.iter_bytes():
+                    data += block
+                    if len(data) >= want:
+                        break
+            data = bytes(data[:want])
+            metadata = metadata_from_prefix(data, size, filename)
+            if metadata is not None:
+                return metadata
+            if len(data) < want or want >= _HEADER_MAX_READ or (size is not None and want >= size):
+                return None
+            want = min(want * 4, _HEADER_MAX_READ, size or _HEADER_MAX_READ)
+    except Exception:  # noqa: BLE001 - a missing header means "download as before", never an error
+        return None
+
+
 _MMPROJ_PRECISIONS = ("F16", "BF16", "F32")  # preferred in this order; quantized towers come after
 
 
@@ -483,6 +575,14 @@ def pick_mmproj(files: Iterable[RemoteFile], model_file: str) -> RemoteFile | No
 
     towers = [f for f in files if is_mmproj(f.path) and not _SPLIT.match(f.path)]
     return min(towers, key=rank) if towers else None
+
+
+def same_model_file(a: str, b: str) -> bool:
+    """Whether repo paths `a` and `b` are one model: the same file, or parts of one split set."""
+    if a == b:
+        return True
+    ma, mb = _SPLIT.match(a), _SPLIT.match(b)
+    return bool(ma and mb and (ma.group("base"), ma.group("count")) == (mb.group("base"), mb.group("count")))
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ from collections import Counter
 from dataclasses import dataclass, fields
 from pathlib import Path
 
-from models.downloads import PARTIAL_SUFFIX
+from models.downloads import PARTIAL_SUFFIX, drop_orphan_towers
 from models.errors import HearthError, ModelFormatError, ModelNotFoundError, VisionTowerError
 from models.formats.gguf import open_gguf
 from models.formats.safetensors import open_safetensors, open_safetensors_repo
@@ -412,19 +412,8 @@ class Library:
                     p.unlink(missing_ok=True)
                     Path(str(p) + PARTIAL_SUFFIX).unlink(missing_ok=True)
                 if ours and entry.format == "gguf":
-                    self._drop_orphan_towers(path.parent)
+                    drop_orphan_towers(path.parent)
         return entry
-
-    def _drop_orphan_towers(self, folder: Path) -> None:
-        """Delete the vision towers of a library folder no model (or model download) is left in: they were
-        fetched for a model and are never listed on their own, so nothing else would ever delete them."""
-        with contextlib.suppress(OSError):
-            for p in folder.iterdir():
-                name = p.name.removesuffix(PARTIAL_SUFFIX)
-                if name.lower().endswith(".gguf") and not is_mmproj(name):
-                    return
-            for tower in mmprojs_in(folder):
-                tower.unlink(missing_ok=True)
 
     def mark_used(self, path: str | Path) -> None:
         """Record that a model was just loaded (sorts recently used models first)."""

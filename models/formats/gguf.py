@@ -282,6 +282,22 @@ class _HeaderParser:
             raise self.fail(f"{what} is not valid UTF-8") from None
 
     def parse(self) -> tuple[int, int, int, dict[str, Any], list[tuple[str, int, tuple[int, ...], int, int]]]:
+        version, n_tensors, metadata = self.parse_metadata()
+        alignment = self.alignment(metadata)
+        tensors = [self.tensor_info(i, alignment) for i in range(n_tensors)]
+        names = set()
+        for name, *_ in tensors:
+            if name in names:
+                raise self.fail(f"tensor {name!r} appears twice")
+            names.add(name)
+
+        data_offset = -(-self.pos // alignment) * alignment
+        placed = [(name, t, dims, data_offset + off, nb) for name, t, dims, off, nb in tensors]
+        self.check_placement(placed)
+        return version, alignment, data_offset, metadata, placed
+
+    def parse_metadata(self) -> tuple[int, int, dict[str, Any]]:
+        """The preamble and the key/value section: (version, tensor count, metadata)."""
         mm = self.mm
         if mm[0:4] != MAGIC:
             raise self.fail(f"not a GGUF file (starts with {bytes(mm[0:4])!r}, expected {MAGIC!r})")
@@ -313,19 +329,7 @@ class _HeaderParser:
                 raise self.fail(f"metadata key {key!r} appears twice")
             vtype = self.u32(f"value type of {key!r}")
             metadata[key] = self.value(vtype, key, 0)
-
-        alignment = self.alignment(metadata)
-        tensors = [self.tensor_info(i, alignment) for i in range(n_tensors)]
-        names = set()
-        for name, *_ in tensors:
-            if name in names:
-                raise self.fail(f"tensor {name!r} appears twice")
-            names.add(name)
-
-        data_offset = -(-self.pos // alignment) * alignment
-        placed = [(name, t, dims, data_offset + off, nb) for name, t, dims, off, nb in tensors]
-        self.check_placement(placed)
-        return version, alignment, data_offset, metadata, placed
+        return version, n_tensors, metadata
 
     def value(self, vtype: int, key: str, depth: int) -> Any:
         scalar = _SCALARS.get(vtype)
@@ -356,6 +360,7 @@ class _HeaderParser:
             dtype = scalar[1]
             if count > left // dtype.itemsize:
                 raise self.fail(f"array {key!r} claims {count} elements, more than the {left} bytes left")
+            self.need(count * dtype.itemsize, f"array {key!r}")
             arr = np.frombuffer(self.mm, dtype=dtype, count=count, offset=self.pos).copy()
             self.pos += count * dtype.itemsize
             if etype == _BOOL:
@@ -376,7 +381,7 @@ class _HeaderParser:
 
     def string_array(self, key: str, count: int) -> list[str]:
         # the hot loop of opening a file (49k tokens + 49k merges): locals only, no method calls
-        mm, pos, end = self.mm, self.pos, self.end
+        mm, pos, end = self.mm, self.pos, min(self.end, len(self.mm))
         unpack = _U64.unpack_from
         out: list[str] = []
         append = out.append
@@ -439,3 +444,45 @@ class _HeaderParser:
         for (a, _, _, a_start, a_nbytes), (b, _, _, b_start, _) in zip(ordered, ordered[1:], strict=False):
             if a_start + a_nbytes > b_start:
                 raise self.fail(f"tensors {a!r} and {b!r} overlap in the file")
+
+
+class _NeedMore(Exception):
+    """The bytes at hand end inside the key/value section."""
+
+
+class _PrefixParser(_HeaderParser):
+    """A header parser over the first bytes of a file (a Range request's answer): every limit is checked
+    against the whole file's size, and running out of the bytes at hand raises _NeedMore."""
+
+    def __init__(self, name: str, data: bytes, total_size: int):
+        super().__init__(Path(name), data, max(total_size, len(data)))  # type: ignore[arg-type]
+        self.have = len(data)
+
+    def need(self, n: int, what: str) -> None:
+        super().need(n, what)
+        if n > self.have - self.pos:
+            raise _NeedMore(what)
+
+
+def metadata_from_prefix(data: bytes, total_size: int | None, name: str) -> dict[str, Any] | None:
+    """The key/value metadata of a GGUF file from its first bytes (no tensor infos are read).
+
+    Args:
+        data: the file's first bytes.
+        total_size: the whole file's size when known (the limits a header may claim are checked against it).
+        name: the file's name, for messages.
+
+    Returns:
+        The metadata; None when `data` ends before the key/value section does (fetch more bytes).
+
+    Raises:
+        ModelFormatError: the bytes are no GGUF v2/v3 header, or the header is invalid.
+    """
+    if len(data) < 4 + 4 + 8 + 8:
+        if len(data) < (total_size or 0):
+            return None
+        raise ModelFormatError(Path(name), f"file is only {len(data)} bytes, too small to be a GGUF file")
+    try:
+        return _PrefixParser(name, data, total_size or MAX_HEADER_BYTES).parse_metadata()[2]
+    except _NeedMore:
+        return None

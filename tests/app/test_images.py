@@ -54,6 +54,11 @@ def _window(qtbot, engine):
     return w, store
 
 
+def _checked(qtbot, box) -> None:
+    """Wait for the composer's image checks (they run in its worker thread)."""
+    qtbot.waitUntil(lambda: not box.checking, timeout=10000)
+
+
 @pytest.fixture
 def vision(engine, monkeypatch):
     """The loaded model as one that reads images (what the worker reports for a vision model)."""
@@ -108,6 +113,7 @@ def test_attach_follows_the_models_vision(qtbot, engine, files):
     engine.loaded.emit(seeing)
     assert w.attach_button.isEnabled() and "paste or drop" in w.attach_button.toolTip()
     w.composer.paste()
+    _checked(qtbot, box)
     assert len(box.images) == 1 and not box.note.isVisible()
 
     # the model changes to one without vision: the button goes grey, and Enter sends nothing yet
@@ -135,6 +141,7 @@ def test_attach_by_button_paste_and_drop_and_refusals(qtbot, engine, vision, fil
 
     monkeypatch.setattr(QFileDialog, "getOpenFileNames", pick)
     w.attach_button.click()
+    _checked(qtbot, box)
     assert "*.png" in asked[0] and "*.webp" in asked[0] and "*.jpg" in asked[0]
     assert box.images == [MessageImage(files["wide"].read_bytes(), "image/png")], "the file's own bytes"
     assert "notes.png is not an image" in box.note.text() and box.note.isVisible()
@@ -146,6 +153,7 @@ def test_attach_by_button_paste_and_drop_and_refusals(qtbot, engine, vision, fil
     pasted.fill(QColor("yellow"))
     QApplication.clipboard().setImage(pasted)
     w.composer.paste()
+    _checked(qtbot, box)
     assert len(box.images) == 2 and box.images[1].mime == "image/png"
     assert QImage.fromData(box.images[1].data).size() == QSize(64, 32)
     assert not box.note.isVisible(), "a good attachment clears the last refusal"
@@ -160,6 +168,7 @@ def test_attach_by_button_paste_and_drop_and_refusals(qtbot, engine, vision, fil
     QApplication.sendEvent(
         w.composer.viewport(), QDropEvent(center, Qt.DropAction.CopyAction, mime, buttons, keys)
     )
+    _checked(qtbot, box)
     assert [im.mime for im in box.images] == ["image/png", "image/png", "image/jpeg", "image/png"]
     assert box.images[2].data == files["photo"].read_bytes()
     assert QImage.fromData(box.images[3].data).size() == QSize(30, 30), "a TIFF is kept as PNG"
@@ -175,6 +184,7 @@ def test_attach_by_button_paste_and_drop_and_refusals(qtbot, engine, vision, fil
     QApplication.sendEvent(
         w.view.viewport(), QDropEvent(middle, Qt.DropAction.CopyAction, drop_on_chat, buttons, keys)
     )
+    _checked(qtbot, box)
     assert len(box.images) == 5 and box.images[4].data == files["wide"].read_bytes()
     box.remove(4)
 
@@ -316,5 +326,94 @@ def test_a_chat_with_images_goes_on_with_a_text_model(qtbot, engine, vision, rep
     assert any("2 image(s) are left out" in text for text in notices)
     assert "2 image(s) are left out" in w.view.notice_label.text(), "shown while the reply streams"
     assert len(store.messages(w.controller.chat.id)[0].images) == 1, "the stored images stay"
+    w.close()
+    store.close()
+
+
+@pytest.fixture
+def held(monkeypatch):
+    """The composer's image check, held until the test lets it go (`release`); records its threads."""
+    import threading
+
+    import app.composer as composer
+
+    gate = threading.Event()
+    threads = []
+    real = composer.check_image
+
+    def check(item, dpr):
+        threads.append(threading.current_thread())
+        assert gate.wait(20), "never released"
+        return real(item, dpr)
+
+    monkeypatch.setattr(composer, "check_image", check)
+    yield gate, threads
+    gate.set()
+
+
+def test_images_are_checked_off_the_gui_thread_and_send_waits_for_them(
+    qtbot, engine, vision, replies, files, held
+):
+    import threading
+
+    gate, threads = held
+    w, store = _window(qtbot, engine)
+    box = w.composer_box
+    w.composer.setPlainText("What is this?")
+    box.offer([str(files["wide"]), str(files["photo"])])
+    assert box.checking and box.images == [] and box.strip.isVisible()
+    assert [t.picture.text() for t in box._placeholders()] == ["…", "…"], "their places are held"
+    qtbot.waitUntil(lambda: len(threads) == 1, timeout=5000)
+    assert threads[0] is not threading.main_thread(), "offer() returned while the check is held elsewhere"
+
+    qtbot.keyClick(w.composer, Qt.Key.Key_Return)  # Send while the images are being checked: it waits
+    assert replies == [] and not w.controller.busy and w.composer.toPlainText() == "What is this?"
+    assert "Sending when the attached images are checked" in w.statusBar().currentMessage()
+    with qtbot.waitSignal(w.controller.messageDone, timeout=20000):
+        gate.set()
+    wide, photo = files["wide"].read_bytes(), files["photo"].read_bytes()
+    assert replies[-1] == [
+        {
+            "role": "user",
+            "content": [
+                {"type": "image", "image": wide},
+                {"type": "image", "image": photo},
+                {"type": "text", "text": "What is this?"},
+            ],
+        }
+    ], "both images went, in the order offered"
+    assert all(t is not threading.main_thread() for t in threads) and len(threads) == 2
+    assert box.images == [] and not box.strip.isVisible() and w.composer.toPlainText() == ""
+    w.close()
+    store.close()
+
+
+def test_a_refused_image_stops_a_waiting_send_and_a_removed_check_is_ignored(
+    qtbot, engine, vision, replies, files, held
+):
+    gate, threads = held
+    w, store = _window(qtbot, engine)
+    box = w.composer_box
+    w.composer.setPlainText("Look")
+    box.offer([str(files["notes"])])
+    w.send()
+    with qtbot.waitSignal(box.checked, timeout=10000) as done:
+        gate.set()
+    assert done.args == [True]
+    assert replies == [] and "notes.png is not an image" in box.note.text() and box.note.isVisible()
+    assert "Not sent" in w.statusBar().currentMessage() and w.composer.toPlainText() == "Look"
+
+    # a placeholder removed while its image is checked: the answer is dropped, nothing waits for it
+    gate.clear()
+    box.offer([str(files["wide"])])
+    (placeholder,) = box._placeholders()
+    assert placeholder.remove_button.accessibleName() == "Remove image being checked 1"
+    with qtbot.waitSignal(box.checked, timeout=5000):
+        placeholder.remove_button.click()
+    assert not box.checking and not box.strip.isVisible()
+    gate.set()
+    qtbot.waitUntil(lambda: len(threads) == 2, timeout=5000)
+    qtbot.wait(200)  # the check's answer arrives, and is ignored
+    assert box.images == [] and not box._thumbs()
     w.close()
     store.close()

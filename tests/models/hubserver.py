@@ -4,7 +4,7 @@ Served: GET /api/models (search), /api/models/{repo}[/revision/{rev}] (info; sib
 blobId and LFS sha256 when ?blobs=true), /api/models/{repo}/tree/{rev} (recursive listing),
 HEAD/GET /{repo}/resolve/{rev}/{file} (X-Repo-Commit, ETag/X-Linked-Etag, X-Linked-Size; LFS files
 redirect to /cdn/{sha256} on another host name, like the real CDN), and /cdn/{sha256} with Range
-and If-Range.
+(bytes=START- and bytes=START-END) and If-Range.
 
 Fault injection: `faults` is a queue of one-shot faults. Status faults ("401", "403", "404", "429",
 "500") are consumed by the next resolve request; body faults ("cut", "stall", "ignore_range",
@@ -299,12 +299,14 @@ class HubServer:
 
             def _body(self, data: bytes, head: bool, etag: str, extra=None):
                 fault = None if head else hub._take(BODY_FAULTS)
-                start, status = 0, 200
+                start, stop, status = 0, len(data), 200
                 rng = self.headers.get("Range")
                 if_range = self.headers.get("If-Range")
                 if rng and fault != "ignore_range" and (if_range is None or if_range == etag):
                     try:
-                        start = int(rng.removeprefix("bytes=").split("-")[0])
+                        first, _, last = rng.removeprefix("bytes=").partition("-")
+                        start = int(first)
+                        stop = min(len(data), int(last) + 1) if last else len(data)
                     except ValueError:
                         return self._error(400)
                     if start >= len(data):
@@ -314,7 +316,7 @@ class HubServer:
                         self.end_headers()
                         return self._entry(416)
                     status = 206
-                body = data[start:]
+                body = data[start:stop]
                 if fault == "corrupt" and body:
                     i = hub.rng.randrange(len(body))
                     body = body[:i] + bytes([body[i] ^ 0x5A]) + body[i + 1 :]
@@ -323,7 +325,7 @@ class HubServer:
                 self.send_header("Accept-Ranges", "bytes")
                 self.send_header("ETag", etag)
                 if status == 206:
-                    self.send_header("Content-Range", f"bytes {start}-{len(data) - 1}/{len(data)}")
+                    self.send_header("Content-Range", f"bytes {start}-{stop - 1}/{len(data)}")
                 for k, v in (extra or {}).items():
                     self.send_header(k, v)
                 self.end_headers()
@@ -370,3 +372,33 @@ def isolate_hf(monkeypatch, tmp_path, server: HubServer | None = None) -> None:
 def payload(n: int, seed: int) -> bytes:
     """Deterministic incompressible-looking bytes of length n."""
     return random.Random(seed).randbytes(n)
+
+
+def mmproj_bytes(
+    path, projector: str | None, nbytes: int = 200_000, has_vision: bool = True, kv_padding: int = 0
+) -> bytes:
+    """A llama.cpp vision tower (mmproj GGUF, architecture "clip") of about `nbytes`, written by the `gguf`
+    package to `path` and returned as bytes.
+
+    Args:
+        projector: its clip.projector_type (None: no such key).
+        has_vision: its clip.has_vision_encoder.
+        kv_padding: bytes of an extra metadata array placed before the projector keys (a large header).
+    """
+    import gguf
+    import numpy as np
+
+    w = gguf.GGUFWriter(str(path), "clip")
+    if kv_padding:
+        w.add_array("clip.test.padding", [0.5] * (kv_padding // 4))
+    w.add_bool("clip.has_vision_encoder", has_vision)
+    if projector is not None:
+        w.add_string("clip.projector_type", projector)
+    rows = max(1, nbytes // (64 * 4))
+    w.add_tensor("v.patch_embd.weight", np.random.default_rng(0).normal(size=(rows, 64)).astype(np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with open(path, "rb") as f:
+        return f.read()

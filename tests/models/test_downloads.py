@@ -12,7 +12,7 @@ import pytest
 
 from models import downloads, hub
 from models.downloads import DownloadJob, DownloadManager, DownloadSettings, download_file, partial_path
-from tests.models.hubserver import TOKEN, HubServer, isolate_hf, payload
+from tests.models.hubserver import TOKEN, HubServer, isolate_hf, mmproj_bytes, payload
 
 CHUNK = 16 * 1024
 FAST = DownloadSettings(
@@ -311,6 +311,8 @@ def test_vision_tower_goes_into_the_models_folder_through_the_same_machinery(ser
     top = downloads.vision_tower_job(repo, files, "m-Q4_K_M.gguf", "main", root)
     assert top.id != job.id and downloads.target_path(top, root) == target.parent.parent / "mmproj-m-f16.gguf"
 
+    target.parent.mkdir(parents=True)
+    (target.parent / "m-BF16-00001-of-00002.gguf").write_bytes(payload(9_000, 3))  # its model is there
     server.faults = ["cut", "corrupt"]  # resumed after a cut, then the sha256 catches a flipped byte
     manager = DownloadManager(root, settings=FAST, state_file=tmp_path / "s.json")
     manager.add(job)
@@ -342,3 +344,189 @@ def test_vision_tower_disk_full_and_hostile_beside(server, tmp_path, monkeypatch
     for beside in ("../../x.gguf", "/abs.gguf"):
         with pytest.raises(hub.UnsafeNameError):
             DownloadJob(repo, "mmproj-f16.gguf", beside=beside).validate()
+
+
+# ------------------------------------------------------------ a tower's header, read before it is fetched
+
+
+def _cdn_requests(server, data: bytes) -> list[dict]:
+    sha = hashlib.sha256(data).hexdigest()
+    return [e for e in server.log if e["path"] == f"/cdn/{sha}"]
+
+
+def test_a_tower_hearth_cannot_read_is_not_fetched_its_header_says_so(server, tmp_path, monkeypatch):
+    root = tmp_path / "lib"
+    llava = mmproj_bytes(tmp_path / "a.gguf", "llava", 400_000)
+    repo, files = _vision_repo(server, {"m-Q4_K_M.gguf": payload(5_000, 1), "mmproj-m-f16.gguf": llava})
+    choice = downloads.vision_tower(repo, files, "m-Q4_K_M.gguf", "main", root)
+    assert choice.job is None
+    assert choice.note.startswith("vision tower not fetched: projector llava is not one Hearth reads")
+    assert "m-Q4_K_M.gguf works for text" in choice.note and "gemma3" in choice.note
+    reads = _cdn_requests(server, llava)
+    assert [e["range"] for e in reads] == ["bytes=0-65535"], "one Range request for the first 64 KiB"
+    assert server.sent_bytes(reads[0]["path"]) <= 65536 and not root.exists()
+
+    # a header larger than the first read: the read grows until the key/value section is whole
+    big = mmproj_bytes(tmp_path / "b.gguf", "llava", 600_000, kv_padding=150_000)
+    repo, files = _vision_repo(server, {"m-Q4_0.gguf": payload(5_000, 2), "mmproj-big.gguf": big}, "org/big")
+    assert downloads.vision_tower(repo, files, "m-Q4_0.gguf", "main", root).note is not None
+    assert [e["range"] for e in _cdn_requests(server, big)] == ["bytes=0-65535", "bytes=0-262143"]
+
+    # an audio-only projector (no vision encoder) is skipped too
+    audio = mmproj_bytes(tmp_path / "c.gguf", "ultravox", 100_000, has_vision=False)
+    repo, files = _vision_repo(server, {"m-Q8_0.gguf": payload(5_000, 3), "mmproj-a.gguf": audio}, "org/au")
+    assert "no vision encoder" in downloads.vision_tower(repo, files, "m-Q8_0.gguf", "main", root).note
+
+    # a gated repo: the header request carries the user's token to the Hub, and not on to the CDN
+    gated = mmproj_bytes(tmp_path / "d.gguf", "llava", 100_000)
+    server.add_repo("org/gated-vision", {"m-Q4_0.gguf": payload(500, 4), "mmproj.gguf": gated}, gated=True)
+    monkeypatch.setenv("HF_TOKEN", TOKEN)
+    files = hub.repo_details("org/gated-vision", with_card=False).files
+    assert downloads.vision_tower("org/gated-vision", files, "m-Q4_0.gguf", "main", root).note is not None
+    asked = [e for e in server.log if e["path"] == "/org/gated-vision/resolve/main/mmproj.gguf"]
+    assert asked and asked[-1]["auth"] == f"Bearer {TOKEN}" and asked[-1]["range"] == "bytes=0-65535"
+    assert _cdn_requests(server, gated)[-1]["auth"] is None
+
+
+def test_a_tower_hearth_reads_is_fetched_after_its_header_and_unreadable_headers_fall_back(
+    server, tmp_path, monkeypatch
+):
+    root = tmp_path / "lib"
+    gemma = mmproj_bytes(tmp_path / "a.gguf", "gemma3", 300_000)
+    repo, files = _vision_repo(server, {"m-Q4_K_M.gguf": payload(5_000, 1), "mmproj-m-f16.gguf": gemma})
+    choice = downloads.vision_tower(repo, files, "m-Q4_K_M.gguf", "main", root)
+    assert choice.note is None and choice.job.filename == "mmproj-m-f16.gguf"
+    assert [e["range"] for e in _cdn_requests(server, gemma)] == ["bytes=0-65535"]
+
+    # a server that ignores Range answers 200: only the first bytes are read before hanging up
+    llava = mmproj_bytes(tmp_path / "b.gguf", "llava", 2_000_000)
+    repo, files = _vision_repo(server, {"m-Q4_0.gguf": payload(500, 2), "mmproj-x.gguf": llava}, "org/nr")
+    server.faults = ["ignore_range"]
+    assert downloads.vision_tower(repo, files, "m-Q4_0.gguf", "main", root).job is None
+    assert not server.faults and _cdn_requests(server, llava)[-1]["status"] == 200
+
+    # the header cannot be had (a Hub error, offline mode, bytes that are no GGUF): fetched as before
+    server.faults = ["500"]
+    assert downloads.vision_tower(repo, files, "m-Q4_0.gguf", "main", root).job is not None
+    assert not server.faults
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    time.sleep(0.2)  # the server logs a response after sending it
+    n = len(server.log)
+    assert downloads.vision_tower(repo, files, "m-Q4_0.gguf", "main", root).job is not None
+    assert len(server.log) == n, "offline: no request"
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    raw = {"m.gguf": payload(500, 3), "mmproj-raw.gguf": payload(9_000, 4)}
+    repo, files = _vision_repo(server, raw, "org/r")
+    assert downloads.vision_tower(repo, files, "m.gguf", "main", root).job is not None
+    assert downloads.vision_tower(repo, files, "m.gguf", "main", root, read_header=False).job is not None
+
+
+# ---------------------------------------------------------------------------- a tower follows its model
+
+
+def _model_and_tower(server, tmp_path, tower_size=20_000, model_size=SIZE, repo="org/follow-GGUF"):
+    model = payload(model_size, 11)
+    tower = mmproj_bytes(tmp_path / f"t{tower_size}.gguf", "gemma3", tower_size)
+    server.add_repo(repo, {"m-Q4_K_M.gguf": model, "mmproj-m-f16.gguf": tower})
+    files = hub.repo_details(repo, with_card=False).files
+    by = {f.path: f for f in files}
+    f = by["m-Q4_K_M.gguf"]
+    model_job = DownloadJob(repo, f.path, size=f.size, sha256=f.sha256)
+    tower_job = downloads.vision_tower_job(repo, files, f.path, "main", tmp_path / "lib")
+    assert tower_job is not None
+    return model_job, tower_job
+
+
+def test_cancelling_a_model_cancels_its_tower_and_leaves_no_tower_behind(server, tmp_path):
+    root = tmp_path / "lib"
+    folder = root / "hub" / "org" / "follow-GGUF"
+    server.throttle = 200_000
+    # the tower (small) is done while the model still runs: cancelling the model deletes the lone tower
+    manager = DownloadManager(root, parallel=2, settings=FAST, state_file=tmp_path / "s.json")
+    model, tower = _model_and_tower(server, tmp_path)
+    model, tower = manager.add(model), manager.add(tower)
+    assert manager.towers_of(model.id) == [tower] and manager.towers_of(tower.id) == []
+    assert manager.wait([tower.id], timeout=10) and tower.state == "done"
+    assert (folder / "mmproj-m-f16.gguf").is_file() and model.state == "running"
+    manager.cancel(model.id)
+    assert manager.wait(timeout=10) and model.state == "cancelled"
+    assert not folder.exists() or not list(folder.iterdir()), "no model, no tower, no partial"
+
+    # both running: both stop, both partials go
+    model2, tower2 = _model_and_tower(server, tmp_path, tower_size=400_000, repo="org/both-GGUF")
+    model2, tower2 = manager.add(model2), manager.add(tower2)
+    assert _wait_for(lambda: model2.state == tower2.state == "running")
+    manager.cancel(model2.id)
+    assert manager.wait(timeout=10) and (model2.state, tower2.state) == ("cancelled", "cancelled")
+    assert not _leftovers(root) and not list((root / "hub" / "org" / "both-GGUF").glob("*.gguf"))
+    manager.close()
+
+    # the tower still queued behind the model (one at a time): cancelled with it at once
+    manager = DownloadManager(root, parallel=1, settings=FAST, state_file=tmp_path / "s2.json")
+    model3, tower3 = _model_and_tower(server, tmp_path, repo="org/queued-GGUF")
+    model3, tower3 = manager.add(model3), manager.add(tower3)
+    assert _wait_for(lambda: model3.state == "running")
+    manager.cancel(model3.id)
+    assert tower3.state == "cancelled"
+    assert manager.wait(timeout=10) and model3.state == "cancelled"
+    manager.close()
+    assert not _leftovers(root)
+
+
+def test_cancelling_the_tower_alone_leaves_the_model_and_pause_resume_carry_the_tower(server, tmp_path):
+    root = tmp_path / "lib"
+    folder = root / "hub" / "org" / "follow-GGUF"
+    server.throttle = 400_000
+    manager = DownloadManager(root, parallel=2, settings=FAST, state_file=tmp_path / "s.json")
+    model, tower = _model_and_tower(server, tmp_path, tower_size=300_000)
+    model, tower = manager.add(model), manager.add(tower)
+    assert _wait_for(lambda: model.state == tower.state == "running")
+    manager.pause(model.id)
+    assert manager.wait(timeout=10) and (model.state, tower.state) == ("paused", "paused")
+    manager.resume(model.id)
+    assert (model.state, tower.state) == ("queued", "queued")
+    assert _wait_for(lambda: tower.state == "running")
+    manager.pause(tower.id)
+    assert manager.wait([tower.id], timeout=10) and tower.state == "paused"
+    assert model.state in ("running", "done"), "pausing the tower leaves its model going"
+    manager.cancel(tower.id)
+    assert tower.state == "cancelled"
+    assert manager.wait(timeout=10) and model.state == "done"
+    assert [p.name for p in folder.iterdir()] == ["m-Q4_K_M.gguf"]
+    manager.close()
+
+
+def test_a_tower_that_arrives_after_its_model_was_deleted_is_not_kept(server, tmp_path):
+    root = tmp_path / "lib"
+    server.throttle = 150_000
+    manager = DownloadManager(root, parallel=1, settings=FAST, state_file=tmp_path / "s.json")
+    model, tower = _model_and_tower(server, tmp_path, tower_size=150_000, model_size=10_000)
+    model, tower = manager.add(model), manager.add(tower)
+    assert _wait_for(lambda: tower.state == "running")
+    target = downloads.target_path(model, root)
+    assert model.state == "done" and target.is_file()
+    target.unlink()  # what the library's Delete does with a downloaded model
+    assert manager.wait(timeout=10) and tower.state == "cancelled" and "not kept" in tower.note
+    assert not list(target.parent.iterdir())
+    manager.close()
+
+
+def test_free_space_is_checked_for_the_model_and_its_tower_together(server, tmp_path, monkeypatch):
+    root = tmp_path / "lib"
+    model, tower = _model_and_tower(server, tmp_path, tower_size=100_000)
+    usage = namedtuple("usage", "total used free")
+    need = model.size + tower.size
+    monkeypatch.setattr(downloads.shutil, "disk_usage", lambda p: usage(10**9, 10**9 - need, need - 1))
+    with pytest.raises(downloads.DiskSpaceError) as e:
+        downloads.check_free_space([model, tower], root, margin=0)
+    message = str(e.value)
+    assert f"the model needs {model.size / 2**20:,.1f} MiB" in message
+    assert f"its vision tower {tower.size / 2**20:,.1f} MiB" in message
+    assert f"has {(need - 1) / 2**20:,.1f} MiB free" in message and str(tmp_path) in message
+    downloads.check_free_space([model], root, margin=0)  # each alone would fit
+    downloads.check_free_space([tower], root, margin=0)
+    # bytes already in a partial count as fetched
+    part = partial_path(downloads.target_path(model, root))
+    part.parent.mkdir(parents=True)
+    part.write_bytes(b"x" * 10)
+    downloads.check_free_space([model, tower], root, margin=0)

@@ -472,3 +472,31 @@ def test_random_header_corruption_never_escapes(tmp_path):
             assert t.offset + t.nbytes <= len(b) and t.raw().nbytes == t.nbytes
         f.close()
     assert rejected > 200  # most corruptions are caught
+
+
+# ---------------------------------------------------------------- the metadata from a file's first bytes
+
+
+def test_metadata_from_prefix_needs_the_whole_key_value_section_and_no_more(tmp_path):
+    """A Range request's answer: the metadata once the prefix holds every key/value pair (tensor infos are
+    not needed), None before that; foreign bytes are refused as in open_gguf."""
+    from models.formats.gguf import metadata_from_prefix
+
+    path = write_gguf(tmp_path / "a.gguf", sample_tensors())
+    blob = path.read_bytes()
+    with open_gguf(path) as f:
+        want, first_tensor = f.metadata, next(iter(f.tensors))
+    found = [n for n in range(len(blob) + 1) if metadata_from_prefix(blob[:n], len(blob), "a.gguf")]
+    first = found[0]
+    assert found == list(range(first, len(blob) + 1)), "once enough, every longer prefix is enough"
+    got = metadata_from_prefix(blob[:first], len(blob), "a.gguf")
+    assert got.keys() == want.keys()
+    for k, v in want.items():
+        assert np.array_equal(got[k], v) if isinstance(v, np.ndarray) else got[k] == v, k
+    # the last value ends exactly there: the first tensor info (its name's length) comes next
+    assert blob[first : first + 8] == struct.pack("<Q", len(first_tensor.encode()))
+    assert metadata_from_prefix(blob[:first], None, "a.gguf").keys() == want.keys(), "size unknown"
+    with pytest.raises(ModelFormatError, match="not a GGUF file"):
+        metadata_from_prefix(b"PK\x03\x04" + bytes(100), 5000, "z.gguf")
+    with pytest.raises(ModelFormatError, match="short.gguf: .*(truncated|left)"):
+        metadata_from_prefix(blob[: first - 1], first - 1, "short.gguf")  # the whole file, cut short

@@ -291,3 +291,21 @@ def test_towers_are_recognized_by_name_as_loaders_find_them(tmp_path):
     (tmp_path / "mmproj-bf16.gguf.hearth-partial").write_bytes(b"x")
     assert hub.mmprojs_in(tmp_path) == [tmp_path / "mmproj-f16.gguf"]
     assert hub.mmprojs_in(tmp_path / "absent") == []
+
+
+def test_the_projector_types_a_download_fetches_are_the_ones_the_engine_reads():
+    """models/ names the mmproj projector types (models/ cannot import engine/); a tower of any other type is
+    not downloaded. A reader added to engine.vision.load.GGUF_READERS needs its name in
+    models.hub.VISION_PROJECTOR_TYPES too, and this test says so."""
+    from engine.vision.load import GGUF_READERS
+
+    missing = sorted(set(GGUF_READERS) - set(hub.VISION_PROJECTOR_TYPES))
+    extra = sorted(set(hub.VISION_PROJECTOR_TYPES) - set(GGUF_READERS))
+    assert not missing, f"add {missing} to models.hub.VISION_PROJECTOR_TYPES (the engine reads them)"
+    assert not extra, f"models.hub.VISION_PROJECTOR_TYPES names {extra}, which the engine has no reader for"
+    assert hub.TowerHeader("gemma3", True).unsupported is None
+    assert "projector llava is not one Hearth reads" in hub.TowerHeader("llava", True).unsupported
+    assert "no vision encoder" in hub.TowerHeader("ultravox", False).unsupported
+    assert hub.tower_header({"clip.vision.projector_type": "pixtral", "clip.projector_type": "x"}) == (
+        hub.TowerHeader("pixtral", True)
+    )

@@ -10,7 +10,7 @@ import pytest
 
 from engine.cli import main
 from models.paths import models_dir
-from tests.models.hubserver import HubServer, isolate_hf
+from tests.models.hubserver import HubServer, isolate_hf, mmproj_bytes
 from tests.models.test_library import write_gguf
 
 
@@ -77,13 +77,12 @@ def test_pull_errors_and_import(server, capsys, tmp_path):
 
 @pytest.fixture
 def vision(server, tmp_path):
-    """A Gemma-like repo: one model and two vision towers (F16, Q8_0); returns their bytes by name."""
+    """A Gemma-like repo: one model and two vision towers (F16, Q8_0, projector gemma3); returns their bytes
+    by name."""
     files = {
         "model-Q4_K_M.gguf": write_gguf(tmp_path / "src" / "model-Q4_K_M.gguf", arch="gemma3").read_bytes(),
-        "mmproj-model-f16.gguf": write_gguf(tmp_path / "src" / "mmproj-f16.gguf", arch="clip").read_bytes(),
-        "mmproj-model-Q8_0.gguf": write_gguf(
-            tmp_path / "src" / "mmproj-q8.gguf", arch="clip", n_layer=3
-        ).read_bytes(),
+        "mmproj-model-f16.gguf": mmproj_bytes(tmp_path / "src" / "mmproj-f16.gguf", "gemma3", 100_000),
+        "mmproj-model-Q8_0.gguf": mmproj_bytes(tmp_path / "src" / "mmproj-q8.gguf", "gemma3", 50_000),
     }
     server.add_repo("org/Vision-GGUF", files, tags=("gguf",))
     return files
@@ -179,3 +178,33 @@ def test_a_model_from_the_hf_cache_gets_a_note_not_a_tower(server, vision, capsy
     err = capsys.readouterr().err
     assert "is used from" in err and "put its vision tower mmproj-model-f16.gguf" in err
     assert _cdn_hits(server, vision["mmproj-model-f16.gguf"]) == 0 and not _folder().exists()
+
+
+def test_pull_skips_a_tower_hearth_cannot_read_and_says_why(server, tmp_path, capsys):
+    model = write_gguf(tmp_path / "src" / "llava-Q4_K_M.gguf").read_bytes()
+    tower = mmproj_bytes(tmp_path / "src" / "mmproj-llava.gguf", "llava", 300_000)
+    server.add_repo("org/Llava-GGUF", {"llava-Q4_K_M.gguf": model, "mmproj-llava-f16.gguf": tower})
+    assert main(["pull", "org/Llava-GGUF"]) == 0
+    out, err = capsys.readouterr()
+    folder = models_dir() / "hub" / "org" / "Llava-GGUF"
+    assert Path(out.strip()) == folder / "llava-Q4_K_M.gguf"
+    assert "vision tower not fetched: projector llava is not one Hearth reads" in err
+    assert [p.name for p in folder.iterdir()] == ["llava-Q4_K_M.gguf"]
+    sha = hashlib.sha256(tower).hexdigest()
+    assert [e["range"] for e in server.log if e["path"] == f"/cdn/{sha}"] == ["bytes=0-65535"]
+
+
+def test_pull_checks_the_free_space_of_the_model_and_its_tower_together(server, vision, capsys, monkeypatch):
+    from collections import namedtuple
+
+    from models import downloads
+
+    model, tower = len(vision["model-Q4_K_M.gguf"]), len(vision["mmproj-model-f16.gguf"])
+    free = model + tower + downloads.DownloadSettings().disk_margin - 1  # each would fit alone
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(downloads.shutil, "disk_usage", lambda p: usage(10**12, 0, free))
+    assert main(["pull", "org/Vision-GGUF"]) == 1
+    err = capsys.readouterr().err
+    assert f"the model needs {model / 2**20:,.1f} MiB and its vision tower {tower / 2**20:,.1f} MiB" in err
+    assert f"has {free / 2**20:,.1f} MiB free" in err and "free space" in err
+    assert not _folder().exists(), "nothing started"
