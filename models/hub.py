@@ -464,7 +464,7 @@ def mmprojs_in(folder: Path) -> list[Path]:
 # engine.vision.load.GGUF_READERS, which a test keeps equal to this (models/ never imports engine/). To add
 # one: write its reader in engine/vision/load.py, register it in GGUF_READERS, and name it here; until it
 # is named here, a model download skips towers of that type instead of fetching what the engine cannot read.
-VISION_PROJECTOR_TYPES = ("gemma3", "pixtral", "qwen3vl_merger")
+VISION_PROJECTOR_TYPES = ("gemma3", "pixtral", "qwen3vl_merger", "qwen2.5vl_merger", "qwen2vl_merger")
 
 _HEADER_FIRST_READ = 64 * 1024  # an mmproj's key/value section is a few KiB
 _HEADER_MAX_READ = 8 << 20  # a header that needs more than this is read by downloading the file
