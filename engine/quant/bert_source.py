@@ -31,7 +31,9 @@ def _vocab_metadata(folder: Path, tok_config: dict) -> dict:
         raise ModelFormatError(path, "missing; conversion needs the fast tokenizer file") from None
     model = spec.get("model") or {}
     if model.get("type") != "WordPiece":
-        raise ModelFormatError(path, f"a BERT folder's tokenizer must be WordPiece, not {model.get('type')!r}")
+        raise ModelFormatError(
+            path, f"a BERT folder's tokenizer must be WordPiece, not {model.get('type')!r}"
+        )
     vocab: dict[str, int] = dict(model.get("vocab") or {})
     for added in spec.get("added_tokens", []):
         vocab.setdefault(added["content"], added["id"])
@@ -104,10 +106,12 @@ def bert_source(folder: Path, config: dict):
     }
     st = open_safetensors_repo(folder)
     names = hf_names(st.tensors)
-    for g, hf in names.items():
+    for hf in names.values():
         if st.tensors[hf].dtype not in FLOAT_DTYPES:
             st.close()
-            raise ModelFormatError(folder, f"tensor {hf!r} is {st.tensors[hf].dtype}; BERT conversion reads floats")
+            raise ModelFormatError(
+                folder, f"tensor {hf!r} is {st.tensors[hf].dtype}; BERT conversion reads F32, F16 and BF16"
+            )
 
     def load(name: str) -> np.ndarray:
         hf = names[name]

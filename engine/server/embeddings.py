@@ -149,7 +149,9 @@ class EmbeddingRoutes:
     def _token_ids(self, req: EmbedRequest, limit: int) -> list[list[int]]:
         """The ids of req's inputs, checked (on a worker thread)."""
         if req.texts is not None:
-            return embed.tokenize(self.lm, req.texts, limit=limit, truncate=req.truncate, field_name=req.field)
+            return embed.tokenize(
+                self.lm, req.texts, limit=limit, truncate=req.truncate, field_name=req.field
+            )
         vocab = self.lm.tokenizer.vocab_size
         for i, ids in enumerate(req.ids):
             if not ids:
@@ -159,7 +161,8 @@ class EmbeddingRoutes:
                 raise EmbeddingInputError(f"input[{i}]: token id {bad} is outside the vocabulary of {vocab}")
             if len(ids) > limit:
                 raise EmbeddingInputError(
-                    f"input[{i}] is {len(ids)} tokens; this model embeds at most {limit}", "context_length_exceeded"
+                    f"input[{i}] is {len(ids)} tokens; this model embeds at most {limit}",
+                    "context_length_exceeded",
                 )
         return req.ids
 
@@ -200,7 +203,10 @@ class EmbeddingRoutes:
         data = [{"object": "embedding", "index": i, "embedding": encoded(v)} for i, v in enumerate(vectors)]
         n = sum(counts)
         return JSONResponse({
-            "object": "list", "data": data, "model": req.model, "usage": {"prompt_tokens": n, "total_tokens": n},
+            "object": "list",
+            "data": data,
+            "model": req.model,
+            "usage": {"prompt_tokens": n, "total_tokens": n},
         })
 
     # --- Ollama ---
