@@ -8,6 +8,7 @@ For each family a folder with config.json, model.safetensors (or shards + index)
 tokenizer.json/tokenizer_config.json (with a chat template) and generation_config.json, plus golden.json:
 the token ids fed, float32 logits at every position (rounded to 5 decimals) and 8 greedy tokens computed by
 transformers itself. Hearth's tests load these folders through its own safetensors path and compare.
+The embedding models (bert-embed, qwen3-embed) hold embedding_golden.json instead: pooled last hidden states.
 """
 
 from __future__ import annotations
@@ -969,7 +970,7 @@ def write_bert_embed(out: Path) -> None:
     _sentence_transformers_files(folder, "pooling_mode_cls_token", 32, max_seq_length=24)
     golden = _embed_golden(model, tok, EMBED_TEXTS)
     golden["long_ids"] = tok.encode(" ".join(["hello world"] * 20)).ids  # past max_seq_length
-    (folder / "golden.json").write_text(json.dumps({**golden, "family": "bert", "pooling": "cls"}))
+    (folder / "embedding_golden.json").write_text(json.dumps({**golden, "family": "bert", "pooling": "cls"}))
     print(f"wrote {folder}")
 
 
@@ -1035,7 +1036,7 @@ def write_qwen3_embed(out: Path) -> None:
     _sentence_transformers_files(folder, "pooling_mode_lasttoken", 64, prompts=prompts)
     golden = _embed_golden(model, tok, EMBED_TEXTS)
     golden["query"] = _embed_golden(model, tok, EMBED_TEXTS[:2], prompts["query"])
-    (folder / "golden.json").write_text(json.dumps({**golden, "family": "qwen3", "pooling": "last"}))
+    (folder / "embedding_golden.json").write_text(json.dumps({**golden, "family": "qwen3", "pooling": "last"}))
     print(f"wrote {folder}")
 
 

@@ -28,7 +28,7 @@ TOL = 2e-5
 
 
 def golden(name: str) -> dict:
-    return json.loads((TINY / name / "golden.json").read_text())
+    return json.loads((TINY / name / "embedding_golden.json").read_text())
 
 
 def unit(rows) -> np.ndarray:
