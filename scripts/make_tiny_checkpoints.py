@@ -1036,7 +1036,8 @@ def write_qwen3_embed(out: Path) -> None:
     _sentence_transformers_files(folder, "pooling_mode_lasttoken", 64, prompts=prompts)
     golden = _embed_golden(model, tok, EMBED_TEXTS)
     golden["query"] = _embed_golden(model, tok, EMBED_TEXTS[:2], prompts["query"])
-    (folder / "embedding_golden.json").write_text(json.dumps({**golden, "family": "qwen3", "pooling": "last"}))
+    golden |= {"family": "qwen3", "pooling": "last"}
+    (folder / "embedding_golden.json").write_text(json.dumps(golden))
     print(f"wrote {folder}")
 
 
