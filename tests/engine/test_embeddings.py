@@ -4,8 +4,8 @@ tests/fixtures/tiny/bert-embed (a BertModel with a WordPiece tokenizer.json and 
 sentence-transformers files: CLS pooling, Normalize, max_seq_length 24) and qwen3-embed (a Qwen3Model laid
 out as Qwen3-Embedding: <|endoftext|> appended, last-token pooling, a "query" prompt) hold
 embedding_golden.json: each text's token ids and its mean, CLS and last-token pools of last_hidden_state,
-computed by transformers (scripts/make_tiny_checkpoints.py bert-embed qwen3-embed). The BERT folder is also converted with
-`hearth convert` to llama.cpp's bert GGUF layout and checked the same way.
+computed by transformers (scripts/make_tiny_checkpoints.py bert-embed qwen3-embed). The BERT folder is
+also converted with `hearth convert` to llama.cpp's bert GGUF layout and checked the same way.
 """
 
 from __future__ import annotations
