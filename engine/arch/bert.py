@@ -192,6 +192,9 @@ class BertModel:
                     out_norm_b=weights.vector(p + "layer_output_norm.bias", d),
                 )
             )
+        matrices = [self.token_embd] + [w for layer in self.layers for w in vars(layer).values()
+                                        if not isinstance(w, np.ndarray)]
+        self._small_max = ops.small_batch_limit(matrices)
 
     def hidden_states(self, tokens) -> np.ndarray:
         """The last layer's output (n, hidden_size) float32 for one sequence of token ids (n,), token type
@@ -202,9 +205,15 @@ class BertModel:
         """
         cfg = self.cfg
         ids = np.asarray(tokens, dtype=np.int64).reshape(-1)
-        n, d = len(ids), cfg.hidden_size
+        n = len(ids)
         if not 0 < n <= cfg.max_position_embeddings:
             raise ValueError(f"{n} tokens for a BERT encoder of {cfg.max_position_embeddings} positions")
+        with ops.batch_phase(n, self._small_max):  # the threading policy of a decoder's prefill
+            return self._hidden(ids)
+
+    def _hidden(self, ids: np.ndarray) -> np.ndarray:
+        cfg = self.cfg
+        n, d = len(ids), cfg.hidden_size
         x = np.empty((n, d), np.float32)
         rows = np.empty((n, d), np.float32)
         ops.get_rows(x, self.token_embd, ids)

@@ -204,3 +204,22 @@ def test_gguf_pooling_types():
 
     with pytest.raises(EmbeddingUnsupportedError):
         embed.embedding_spec(Path("m.gguf"), {**md, "qwen3.pooling_type": 4}, Model())
+
+
+def test_hearth_embed_prints_one_json_vector_per_input(capsys, monkeypatch):
+    import io
+
+    from engine.cli import main
+
+    g = golden(BERT)
+    assert main(["embed", "-m", str(BERT), *g["texts"][:2]]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert np.abs(np.asarray(rows) - unit(g["cls"][:2])).max() < TOL
+    monkeypatch.setattr("sys.stdin", io.StringIO(g["texts"][2] + "\n\n" + g["texts"][3] + "\n"))
+    assert main(["embed", "-m", str(BERT), "--no-normalize", "--dims", "5"]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert np.abs(np.asarray(rows) - np.asarray(g["cls"])[2:, :5]).max() < TOL
+    assert main(["embed", "-m", str(BERT), " ".join(["hello"] * 40)]) == 1
+    assert "at most 24" in capsys.readouterr().err
+    assert main(["embed", "-m", str(BERT), "--truncate", " ".join(["hello"] * 40)]) == 0
+    assert len(json.loads(capsys.readouterr().out)) == 32
