@@ -529,15 +529,16 @@ class _HashTable:
         return out
 
 
-def wordpiece_vocab(tokens: Sequence[str]) -> dict[str, int]:
+def wordpiece_vocab(tokens: Sequence[str], types: Sequence[int]) -> dict[str, int]:
     """BERT's WordPiece vocabulary (word-initial pieces bare, continuations with "##") from llama.cpp's GGUF
     form of it (convert_hf_to_gguf.py BertModel.set_vocab's phantom(): "\u2581" + word-initial piece, a
-    continuation without its "##", "[...]" specials as they are)."""
+    continuation without its "##", CONTROL tokens as they are; converters before 2025 kept every "[...]"
+    token as it is, which this reads too)."""
     vocab: dict[str, int] = {}
     for i, t in enumerate(tokens):
         if t.startswith(_SPM_SPACE):
             piece = t[1:]
-        elif t.startswith("[") and t.endswith("]"):
+        elif types[i] == TOKEN_CONTROL or t.startswith("[") and t.endswith("]"):
             piece = t
         else:
             piece = "##" + t
@@ -552,9 +553,8 @@ def _wordpiece(tokens: list[str], types: list[int], unk_id: int | None) -> HFTok
     WordPiece with "[UNK]" for a word it cannot spell."""
     if unk_id is None:
         raise TokenizerError("metadata tokenizer.ggml.unknown_token_id is missing (required by 'bert')")
-    hf = HFTokenizer(
-        models.WordPiece(wordpiece_vocab(tokens), unk_token=tokens[unk_id], max_input_chars_per_word=100)
-    )
+    vocab = wordpiece_vocab(tokens, types)
+    hf = HFTokenizer(models.WordPiece(vocab, unk_token=tokens[unk_id], max_input_chars_per_word=100))
     hf.normalizer = normalizers.BertNormalizer(
         clean_text=True, handle_chinese_chars=True, strip_accents=None, lowercase=True
     )

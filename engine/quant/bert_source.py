@@ -5,8 +5,8 @@ hold: bert.context_length, embedding_length, feed_forward_length, block_count, a
 attention.layer_norm_epsilon, attention.causal = false, pooling_type (from the folder's
 sentence-transformers Pooling module: 1 mean, 2 cls, 3 last), tokenizer.ggml.model "bert" with
 token_type_count, the vocabulary in its "phantom space" form (a word-initial piece gets U+2581 in front, a
-continuation loses its "##", "[...]" specials stay as they are), token types (added special tokens
-CONTROL), and the special ids: bos = [CLS], eos = sep = [SEP], unk, pad, mask.
+continuation loses its "##", CONTROL tokens stay as they are), token types (added special tokens CONTROL),
+and the special ids: bos = [CLS], eos = sep = [SEP], unk, pad, mask.
 """
 
 from __future__ import annotations
@@ -46,8 +46,8 @@ def _vocab_metadata(folder: Path, tok_config: dict) -> dict:
         if added.get("special"):
             types[added["id"]] = TOKEN_CONTROL
 
-    def phantom(t: str) -> str:
-        if t.startswith("[") and t.endswith("]"):
+    def phantom(t: str, kind: int) -> str:
+        if kind == TOKEN_CONTROL:
             return t
         return t[2:] if t.startswith("##") else "\u2581" + t
 
@@ -59,7 +59,8 @@ def _vocab_metadata(folder: Path, tok_config: dict) -> dict:
 
     md = {
         "tokenizer.ggml.model": "bert",
-        "tokenizer.ggml.tokens": [phantom(t) for t in tokens],
+        "tokenizer.ggml.pre": "default",
+        "tokenizer.ggml.tokens": [phantom(t, int(k)) for t, k in zip(tokens, types)],
         "tokenizer.ggml.token_type": types,
     }
     cls, sep = tid("cls_token", "[CLS]"), tid("sep_token", "[SEP]")
