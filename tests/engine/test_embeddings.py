@@ -223,3 +223,18 @@ def test_hearth_embed_prints_one_json_vector_per_input(capsys, monkeypatch):
     assert "at most 24" in capsys.readouterr().err
     assert main(["embed", "-m", str(BERT), "--truncate", " ".join(["hello"] * 40)]) == 0
     assert len(json.loads(capsys.readouterr().out)) == 32
+
+
+def test_converted_qwen3_embedding_gguf_closes_inputs_as_the_folder_does(tmp_path):
+    # llama.cpp's keys for a Qwen3-Embedding GGUF: qwen3.pooling_type 3 and <|endoftext|> as an added EOS
+    from engine.cli import main
+
+    out = tmp_path / "qwen3-embed.gguf"
+    assert main(["convert", str(QWEN3), "--to", "F32", "-o", str(out)]) == 0
+    lm = load_model(out)
+    g = golden(QWEN3)
+    assert lm.embedding.pooling == "last" and lm.embedding.source == "qwen3.pooling_type"
+    assert lm.tokenizer.add_eos and lm.tokenizer.token_text(lm.tokenizer.eos_id) == "<|endoftext|>"
+    assert [lm.tokenizer.encode_embedding(t) for t in g["texts"]] == g["ids"]
+    vectors, _ = embed.embed_texts(lm, g["texts"])
+    assert np.abs(vectors - unit(g["last"])).max() < TOL
