@@ -215,3 +215,19 @@ def test_hearth_serve_starts_with_a_bert_gguf(tmp_path, monkeypatch, capsys):
     assert "stopped by the test" in capsys.readouterr().err
     [(config, lm)] = seen
     assert lm.embedding.encoder_only and config.model_name == "bert-embed"
+
+
+def test_engine_calls_run_on_the_engine_thread():
+    from engine.server.errors import APIError
+
+    lm = load_model(TINY / "bert-embed")
+    engine = Engine(lm.model, lm.tokenizer, n_ctx=64, prefix_cache_bytes=0)
+    engine.start()
+    try:
+        assert engine.call(lambda: threading.current_thread().name).result(30) == "hearth-engine"
+        with pytest.raises(ZeroDivisionError):  # the caller gets the call's own failure
+            engine.call(lambda: 1 / 0).result(30)
+    finally:
+        engine.stop()
+    with pytest.raises(APIError):  # after stop: refused at once, never left waiting
+        engine.call(lambda: 1).result(1)
