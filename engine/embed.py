@@ -63,7 +63,7 @@ def _json(path: Path) -> dict | list | None:
         return None
 
 
-def _sentence_transformers(folder: Path, spec: EmbeddingSpec) -> None:
+def read_sentence_transformers(folder: Path, spec: EmbeddingSpec) -> None:
     """Fill spec from a folder's sentence-transformers files (those absent change nothing)."""
     modules = _json(folder / "modules.json")
     if isinstance(modules, list):
@@ -119,7 +119,7 @@ def embedding_spec(path: Path, metadata: dict, model) -> EmbeddingSpec:
             )
         spec.pooling, spec.dedicated, spec.source = kind, True, f"{arch}.pooling_type"
     elif Path(path).is_dir():
-        _sentence_transformers(Path(path), spec)
+        read_sentence_transformers(Path(path), spec)
     return spec
 
 

@@ -77,7 +77,7 @@ def _vocab_metadata(folder: Path, tok_config: dict) -> dict:
 def bert_source(folder: Path, config: dict):
     """The SourceModel of a BertModel folder (engine.quant.source.open_source dispatches here)."""
     from engine.arch.bert import BertConfig, hf_names
-    from engine.embed import EmbeddingSpec, _sentence_transformers
+    from engine.embed import EmbeddingSpec, read_sentence_transformers
     from engine.hf_repo import read_json
     from engine.quant.source import SourceModel, _tensor_order
     from models.formats.safetensors import open_safetensors_repo
@@ -87,7 +87,7 @@ def bert_source(folder: Path, config: dict):
     except (KeyError, TypeError, ValueError) as e:
         raise ModelFormatError(folder / "config.json", f"missing or invalid hyper-parameter ({e})") from e
     spec = EmbeddingSpec(pooling="mean", encoder_only=True)
-    _sentence_transformers(folder, spec)
+    read_sentence_transformers(folder, spec)
     tok_path = folder / "tokenizer_config.json"
     tok_config = read_json(tok_path) if tok_path.exists() else {}
     metadata = {

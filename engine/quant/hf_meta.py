@@ -379,10 +379,10 @@ def _embedding_metadata(folder: Path, arch: str, md: dict[str, Any]) -> dict[str
     `{arch}.pooling_type` from its Pooling module and, when its tokenizer.json post-processor closes every
     input with a special token, that token as EOS with add_eos_token set (gguf-py SpecialVocab's reading of
     TemplateProcessing; the EOS it replaces stays an end of turn as eot_token_id). {} for other folders."""
-    from engine.embed import EmbeddingSpec, _sentence_transformers
+    from engine.embed import EmbeddingSpec, read_sentence_transformers
 
     spec = EmbeddingSpec(pooling="mean")
-    _sentence_transformers(folder, spec)
+    read_sentence_transformers(folder, spec)
     if not spec.dedicated:
         return {}
     out: dict[str, Any] = {f"{arch}.pooling_type": {"mean": 1, "cls": 2, "last": 3}[spec.pooling]}
