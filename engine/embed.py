@@ -157,13 +157,15 @@ def check_model(lm) -> EmbeddingSpec:
             "BERT encoders and the Llama / Qwen family of decoders on the CPU (load it with --device cpu "
             "if it runs on a GPU)"
         )
+    if lm.embedding is None:  # a LoadedModel put together elsewhere: read its pooling now
+        lm.embedding = embedding_spec(lm.path, lm.metadata, lm.model)
     return lm.embedding
 
 
 def context_limit(lm, n_ctx: int | None = None) -> int:
     """The most tokens one input may have: the model's own limit (an encoder's positions,
     sentence_bert_config's max_seq_length), capped at n_ctx when given."""
-    spec: EmbeddingSpec = lm.embedding
+    spec = check_model(lm)
     limits = [int(lm.model.cfg.max_position_embeddings)]
     if spec.max_tokens:
         limits.append(spec.max_tokens)
