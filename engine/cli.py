@@ -1,4 +1,5 @@
-"""`hearth` command line: run, chat, tokenize, bench.
+"""`hearth` command line: run, chat, tokenize, bench, embed (and the library, quantization and server
+commands).
 
 Heavy imports (numpy, numba, the engine) happen after argument parsing, so that `--threads`
 can size OpenBLAS's pool (it reads its environment once, when numpy loads).
@@ -28,6 +29,7 @@ HANDLERS = {
     "eval": "engine.commands_quant:cmd_eval",
     "quant-report": "engine.commands_quant:cmd_quant_report",
     "serve": "engine.commands_server:cmd_serve",
+    "embed": "engine.commands_embed:cmd_embed",
 }
 
 
@@ -137,6 +139,9 @@ def build_parser() -> argparse.ArgumentParser:
     from engine.commands_server import add_serve_parser
 
     add_serve_parser(sub)
+    from engine.commands_embed import add_embed_parser
+
+    add_embed_parser(sub)
     return parser
 
 

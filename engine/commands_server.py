@@ -151,12 +151,13 @@ def cmd_serve(args) -> int:
     )
     del runner  # its live cache and prefix store are not used: the engine has its own
     # compile/warm the batched decode path and build the grammar vocabulary before the ready line
-    warm = [lm.model.new_cache(8, engine.kv_dtype) for _ in range(2)]
-    for c in warm:
-        lm.model.forward([0], c)
-    lm.model.forward_batch([0, 0], warm)
-    ll_tokenizer(lm.tokenizer, engine.n_vocab)
-    del warm
+    if not getattr(lm.model, "encoder_only", False):  # an encoder has no decode path (ChatRunner warmed it)
+        warm = [lm.model.new_cache(8, engine.kv_dtype) for _ in range(2)]
+        for c in warm:
+            lm.model.forward([0], c)
+        lm.model.forward_batch([0, 0], warm)
+        ll_tokenizer(lm.tokenizer, engine.n_vocab)
+        del warm
     _check_gpu_room(lm.model, args, engine.kv_dtype)
     config = ServerConfig(
         model_name=name,

@@ -6,6 +6,9 @@ from models.errors import HearthError, ModelFormatError
 
 __all__ = [
     "ContextOverflowError",
+    "EmbeddingInputError",
+    "EmbeddingOnlyModelError",
+    "EmbeddingUnsupportedError",
     "HearthError",
     "ImageInputError",
     "MissingTensorError",
@@ -42,3 +45,26 @@ class ImageInputError(HearthError):
 class ImagesBusyError(ImageInputError):
     """The images of prompts still being read fill the model's image table (a server's concurrent
     requests): this prompt's images do not fit beside them until one finishes; retry shortly."""
+
+
+class EmbeddingOnlyModelError(HearthError):
+    """The model is an embedding model (a BERT encoder): it cannot chat or generate text."""
+
+
+class EmbeddingUnsupportedError(HearthError):
+    """The model cannot give embeddings here: its family has no final-hidden-states path, it runs on a
+    device without one, or its pooling (a reranker's) is not supported."""
+
+
+class EmbeddingInputError(HearthError):
+    """An input to embed is unusable: empty, or longer than the model's context without truncation asked.
+
+    Attributes:
+        field: the request field at fault ("input", "prompt").
+        code: a short machine-readable reason ("empty_input", "context_length_exceeded").
+    """
+
+    def __init__(self, message: str, code: str = "invalid_input", field: str = "input"):
+        self.code = code
+        self.field = field
+        super().__init__(message)

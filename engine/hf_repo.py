@@ -288,6 +288,10 @@ class HFWeights:
         if arch == "granitehybrid" and any(".block_sparse_moe." in t for t in st.tensors):
             layer_names = _GRANITE_HYBRID_MOE_LAYER_NAMES
         self.names = {g: hf for hf in st.tensors if (g := _gguf_name(hf, layer_names))}
+        if arch == "bert":  # an encoder's own names (engine/arch/bert.py)
+            from engine.arch.bert import hf_names
+
+            self.names = hf_names(st.tensors)
         # AutoAWQ linears (prefix + qweight/qzeros/scales) run as Q4_1: engine/quant/awq_pack.py
         self.awq = {
             g: hf[: -len("qweight")]
@@ -420,6 +424,8 @@ def _language_name(hf_name: str) -> str:
     for prefix, plain in _LANGUAGE_PREFIXES:
         if hf_name.startswith(prefix):
             return plain + hf_name[len(prefix) :]
+    if hf_name.startswith(("layers.", "embed_tokens.", "norm.")):  # a bare base model (Qwen3-Embedding's)
+        return "model." + hf_name
     return hf_name
 
 
@@ -621,9 +627,16 @@ def _nemotron_h_config(config: dict) -> NemotronHConfig:
     )
 
 
-def config_from_hf(folder: Path, config: dict) -> LlamaConfig | Gemma3Config | Gemma4Config:
+def config_from_hf(folder: Path, config: dict):
     """The architecture config for a config.json (a multimodal folder's: its language model's). Raises
     UnsupportedArchitectureError for other families."""
+    if config.get("model_type") == "bert":  # an encoder (embeddings only): engine/arch/bert.py
+        from engine.arch.bert import BertConfig
+
+        try:
+            return BertConfig.from_hf(config)
+        except (KeyError, TypeError, ValueError) as e:
+            raise ModelFormatError(folder / "config.json", f"missing or invalid hyper-parameter ({e})") from e
     deepstack = _deepstack_layers(config)
     config = language_config(config)
     model_type = config.get("model_type")
@@ -971,6 +984,9 @@ def tokenizer_from_hf(folder: Path, tok_config: dict, gen_config: dict) -> Token
         types[added["id"]] = TOKEN_CONTROL if added.get("special") else TOKEN_USER_DEFINED
     bos = _token_id(tok_config.get("bos_token"), vocab)
     eos = _token_id(tok_config.get("eos_token"), vocab)
+    if kind == "bert":  # [CLS] text [SEP] (the tokenizer.json post-processor adds them: encode_embedding)
+        bos = _token_id(tok_config.get("cls_token", "[CLS]"), vocab)
+        eos = _token_id(tok_config.get("sep_token", "[SEP]"), vocab)
     gen_eos = gen_config.get("eos_token_id")
     eot = {eos} if eos is not None else set()
     eot.update(gen_eos if isinstance(gen_eos, list) else [gen_eos] if isinstance(gen_eos, int) else [])
@@ -1003,6 +1019,8 @@ def _tokenizer_kind(path: Path, spec: dict) -> tuple[str, bool]:
     decoder = spec.get("decoder") or {}
     if decoder.get("type") == "ByteLevel":
         return "gpt2", False
+    if (spec.get("model") or {}).get("type") == "WordPiece":  # BERT encoders
+        return "bert", False
     parts = [decoder, *decoder.get("decoders", [])]
     if any(p.get("type") == "ByteFallback" for p in parts) or (spec.get("model") or {}).get("byte_fallback"):
         normalizer = spec.get("normalizer") or {}

@@ -11,6 +11,7 @@ import numpy as np
 from engine.arch import model_class
 from engine.backends import cpu
 from engine.chat_template import ChatTemplate
+from engine.embed import embedding_spec
 from engine.errors import MissingTensorError, ModelFormatError
 from engine.hf_repo import is_hf_repo, open_hf_repo
 from engine.tokenizer import Tokenizer
@@ -99,6 +100,8 @@ class LoadedModel:
     # model has could not be used (a broken or mismatched mmproj file), for the load's warnings
     vision: object | None = None
     vision_notice: str = ""
+    # how it pools hidden states into embeddings (engine.embed.EmbeddingSpec)
+    embedding: object | None = None
 
     @property
     def name(self) -> str:
@@ -118,7 +121,9 @@ def _load_hf_repo(folder: Path, t0: float) -> LoadedModel:
         else None
     )
     lm = LoadedModel(folder, model, tokenizer, template, metadata, time.perf_counter() - t0, nbytes)
-    _attach_vision(lm, lambda: _hf_vision(folder, weights))
+    lm.embedding = embedding_spec(folder, metadata, model)
+    if not getattr(model, "encoder_only", False):
+        _attach_vision(lm, lambda: _hf_vision(folder, weights))
     return lm
 
 
@@ -185,6 +190,7 @@ def load_model(path: str | Path) -> LoadedModel:
         load_s=time.perf_counter() - t0,
         file_size=path.stat().st_size,
     )
+    lm.embedding = embedding_spec(path, metadata, model)
     _attach_vision(lm, lambda: _gguf_vision(path, metadata))
     return lm
 

@@ -6,8 +6,9 @@ decoding, so decoding is byte-exact and the streaming decoder never depends on H
 
 Two kinds are supported: byte-level BPE (`tokenizer.ggml.model == "gpt2"`: GPT-2, Llama 3, Qwen2,
 SmolLM) and SentencePiece BPE (`"llama"`: Llama 2, Mistral, Gemma, whose merges are derived from
-the token scores; `"gemma4"`: Gemma 4, the same with its merges stored); other kinds raise
-`UnsupportedTokenizer`.
+the token scores; `"gemma4"`: Gemma 4, the same with its merges stored) and WordPiece (`"bert"`: BERT
+encoders, whose vocabulary llama.cpp stores with a U+2581 "phantom space" before word-initial pieces and
+"##" stripped from the others); other kinds raise `UnsupportedTokenizer`.
 """
 
 from __future__ import annotations
@@ -193,6 +194,14 @@ def _optional_id(metadata: Mapping[str, Any], key: str, n_vocab: int) -> int | N
             return None
         raise TokenizerError(f"metadata {key} = {token_id} is outside the vocabulary of {n_vocab} tokens")
     return token_id
+
+
+def _find(tokens: list[str], text: str) -> int | None:
+    """The id of the vocabulary entry `text`, None without one."""
+    try:
+        return tokens.index(text)
+    except ValueError:
+        return None
 
 
 def _per_token(metadata: Mapping[str, Any], key: str, n_vocab: int) -> np.ndarray | None:
@@ -520,6 +529,42 @@ class _HashTable:
         return out
 
 
+def wordpiece_vocab(tokens: Sequence[str], types: Sequence[int]) -> dict[str, int]:
+    """BERT's WordPiece vocabulary (word-initial pieces bare, continuations with "##") from llama.cpp's GGUF
+    form of it (convert_hf_to_gguf.py BertModel.set_vocab's phantom(): "\u2581" + word-initial piece, a
+    continuation without its "##", CONTROL tokens as they are; converters before 2025 kept every "[...]"
+    token as it is, which this reads too)."""
+    vocab: dict[str, int] = {}
+    for i, t in enumerate(tokens):
+        if t.startswith(_SPM_SPACE):
+            piece = t[1:]
+        elif types[i] == TOKEN_CONTROL or t.startswith("[") and t.endswith("]"):
+            piece = t
+        else:
+            piece = "##" + t
+        vocab.setdefault(piece, i)
+    return vocab
+
+
+def _wordpiece(tokens: list[str], types: list[int], unk_id: int | None) -> HFTokenizer:
+    """The Hugging Face WordPiece tokenizer of a `bert` GGUF vocabulary: BERT's normalizer (clean text,
+    CJK characters split, lowercase with accents stripped: the uncased models' tokenizer.json; llama.cpp's
+    WPM tokenizer lowercases too), its pre-tokenizer (whitespace and punctuation) and greedy longest-match
+    WordPiece with "[UNK]" for a word it cannot spell."""
+    if unk_id is None:
+        raise TokenizerError("metadata tokenizer.ggml.unknown_token_id is missing (required by 'bert')")
+    vocab = wordpiece_vocab(tokens, types)
+    hf = HFTokenizer(models.WordPiece(vocab, unk_token=tokens[unk_id], max_input_chars_per_word=100))
+    hf.normalizer = normalizers.BertNormalizer(
+        clean_text=True, handle_chinese_chars=True, strip_accents=None, lowercase=True
+    )
+    hf.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    hf.decoder = decoders.WordPiece()
+    hf.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False)
+                           for i, k in enumerate(types) if k == TOKEN_CONTROL])
+    return hf
+
+
 class Tokenizer:
     """Text <-> token ids for one model.
 
@@ -593,10 +638,10 @@ class Tokenizer:
         kind = metadata.get("tokenizer.ggml.model")
         if kind is None:
             raise TokenizerError("the model has no tokenizer (metadata tokenizer.ggml.model is missing)")
-        if kind not in ("gpt2", "llama", "gemma4"):
+        if kind not in ("gpt2", "llama", "gemma4", "bert"):
             raise UnsupportedTokenizer(
-                f"tokenizer model {kind!r} is not supported yet (only byte-level BPE, 'gpt2', and "
-                "SentencePiece BPE, 'llama' and 'gemma4', are)"
+                f"tokenizer model {kind!r} is not supported yet (only byte-level BPE, 'gpt2', "
+                "SentencePiece BPE, 'llama' and 'gemma4', and WordPiece, 'bert', are)"
             )
         gemma4 = kind == "gemma4"
         if gemma4:  # SentencePiece-style BPE ranked by its stored merges, no space prefix by default
@@ -627,6 +672,15 @@ class Tokenizer:
         eot.update(i for i in controls if tokens[i] in wanted)
         merges = metadata.get("tokenizer.ggml.merges")
         merge_pairs = None if merges is None else _parse_merges(merges)
+        if kind == "bert":  # [CLS] text [SEP], as llama.cpp's WPM tokenizer adds them
+            sep_id = _optional_id(metadata, "tokenizer.ggml.seperator_token_id", n_vocab)
+            bos_id = bos_id if bos_id is not None else _find(tokens, "[CLS]")
+            eos_id = next((i for i in (sep_id, eos_id) if i is not None), _find(tokens, "[SEP]"))
+            return cls(
+                _wordpiece(tokens, types, unk_id), tokens, types, bos_id=bos_id, eos_id=eos_id, unk_id=unk_id,
+                pad_id=_optional_id(metadata, "tokenizer.ggml.padding_token_id", n_vocab), eot_ids=(),
+                add_bos=bos_id is not None, add_eos=eos_id is not None, pre="bert", kind="bert",
+            )
         if kind == "gpt2":
             if merge_pairs is None:
                 raise TokenizerError("metadata tokenizer.ggml.merges is missing (required by BPE)")
@@ -715,6 +769,10 @@ class Tokenizer:
         kind = self._types[token_id]
         if kind == TOKEN_BYTE and (m := _BYTE_TOKEN_RE.fullmatch(text)):
             raw = bytes([int(m.group(1), 16)])
+        elif self.kind == "bert":  # WordPiece: a continuation joins its word, a word-initial piece starts one
+            if kind == TOKEN_NORMAL:
+                text = text[2:] if text.startswith("##") else " " + text.removeprefix(_SPM_SPACE)
+            raw = text.encode("utf-8", "surrogateescape")
         elif kind in (TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNKNOWN) or self.kind == "llama":
             if self.kind == "llama" and kind in (TOKEN_NORMAL, TOKEN_UNUSED):
                 text = text.replace(_SPM_SPACE, " ")  # special tokens match the raw text, so stay raw
@@ -741,6 +799,14 @@ class Tokenizer:
             if self.add_eos and self.eos_id is not None:
                 ids.append(self.eos_id)
         return ids
+
+    def encode_embedding(self, text: str) -> list[int]:
+        """Token ids of one input to embed, with the special tokens the model's own tokenizer adds: a
+        Hugging Face folder's tokenizer.json post-processor (BERT's [CLS] .. [SEP], Qwen3-Embedding's
+        closing <|endoftext|>), else BOS / EOS as the GGUF metadata asks (tokenizer.ggml.add_eos_token)."""
+        if self.pre == "hf" and self._hf.post_processor is not None:
+            return self._hf.encode(text, add_special_tokens=True).ids
+        return self.encode(text, add_special=True)
 
     def decode(self, ids: Sequence[int], skip_special: bool = False) -> str:
         """Text for `ids`. Invalid UTF-8 becomes U+FFFD; control tokens are dropped if skip_special.

@@ -132,7 +132,8 @@ class ChatRunner:
             progress(LoadProgress("warning", 0.5, warning))
         progress(LoadProgress("map", 0.6, "mapping weights"))
         lm = load_model(path)
-        notice = ensure_chat_template(lm)
+        encoder = bool(getattr(lm.model, "encoder_only", False))  # a BERT: embeddings only, no template
+        notice = None if encoder else ensure_chat_template(lm)
         if notice:
             progress(LoadProgress("warning", 0.6, notice))
         if lm.vision_notice:
@@ -152,6 +153,11 @@ class ChatRunner:
                 estimate, store_bytes = plan(0)
         progress(LoadProgress("warmup", 0.8, "loading compiled kernels"))
         compiled = cpu.kernels_compiled()
+        if encoder:  # its one path: a pass over a short input
+            lm.model.hidden_states([lm.tokenizer.bos_id or 0] * 2)
+            runner = cls(lm, options.name or path.stem, options, store_bytes, estimate)
+            runner.load_s = time.perf_counter() - t0
+            return runner
         warm = lm.model.new_cache(8, options.kv_numpy_dtype)  # loads the kernels this dtype uses
         lm.model.forward([lm.tokenizer.bos_id or 0] * 2, warm)  # small-batch path
         lm.model.forward([0], warm)  # decode path

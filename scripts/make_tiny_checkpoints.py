@@ -8,6 +8,7 @@ For each family a folder with config.json, model.safetensors (or shards + index)
 tokenizer.json/tokenizer_config.json (with a chat template) and generation_config.json, plus golden.json:
 the token ids fed, float32 logits at every position (rounded to 5 decimals) and 8 greedy tokens computed by
 transformers itself. Hearth's tests load these folders through its own safetensors path and compare.
+The embedding models (bert-embed, qwen3-embed) hold embedding_golden.json instead: pooled last hidden states.
 """
 
 from __future__ import annotations
@@ -925,16 +926,162 @@ def write_qwen35_vision_golden(ref, folder: Path) -> None:
     (folder / "golden_vision.json").write_text(json.dumps(golden))
 
 
+# --- embedding models: golden.json holds pooled vectors as sentence-transformers computes them -------------
+
+EMBED_TEXTS = ["the cat sat on the mat.", "Hello, world!", "embeddings of the world", "a"]
+BERT_WORDS = ["the", "cat", "sat", "on", "mat", "hello", "world", "embed", "##ding", "##s", "of", "a", "is"]
+
+
+def _normalized(v: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.normalize(v, dim=-1)
+
+
+def _embed_golden(model, tok: Tokenizer, texts: list[str], prompt: str = "") -> dict:
+    """Token ids and the mean, CLS and last-token pools (raw and L2-normalised) of each text, from the
+    model's last_hidden_state (one text at a time: no padding)."""
+    out = {"texts": texts, "prompt": prompt, "ids": [], "mean": [], "cls": [], "last": []}
+    for text in texts:
+        ids = tok.encode(prompt + text).ids
+        with torch.no_grad():
+            hidden = model(input_ids=torch.tensor([ids])).last_hidden_state[0].double()
+        out["ids"].append(ids)
+        for key, v in (("mean", hidden.mean(0)), ("cls", hidden[0]), ("last", hidden[-1])):
+            out[key].append([round(float(x), 6) for x in v])
+    return out
+
+
+def write_bert_embed(out: Path) -> None:
+    """bert-embed: a 2-layer BertModel (hidden 32, 4 heads) with a WordPiece tokenizer.json and the
+    sentence-transformers files of a bge-style model (CLS pooling, Normalize, max_seq_length 24)."""
+    from tokenizers import normalizers, processors
+
+    torch.manual_seed(4242)
+    vocab = {t: i for i, t in enumerate(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"])}
+    for t in [*".,!?'", *"abcdefghijklmnopqrstuvwxyz", *("##" + c for c in "abcdefghijklmnopqrstuvwxyz"),
+              *BERT_WORDS]:
+        vocab.setdefault(t, len(vocab))
+    tok = Tokenizer(models.WordPiece(vocab, unk_token="[UNK]", max_input_chars_per_word=100))
+    tok.normalizer = normalizers.BertNormalizer(lowercase=True)
+    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tok.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1",
+        special_tokens=[("[CLS]", 2), ("[SEP]", 3)],
+    )
+    tok.decoder = decoders.WordPiece()
+    tok.add_special_tokens(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"])
+    config = transformers.BertConfig(
+        vocab_size=len(vocab), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=64, type_vocab_size=2, layer_norm_eps=1e-12, hidden_act="gelu",
+    )
+    model = transformers.BertModel(config).eval()
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 0.3)
+            elif "LayerNorm.weight" in pname:
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            else:
+                p.normal_(0.0, 0.1)
+    folder = out / "bert-embed"
+    shutil.rmtree(folder, ignore_errors=True)
+    model.save_pretrained(folder, safe_serialization=True)
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "BertTokenizer", "do_lower_case": True, "model_max_length": 24,
+        "cls_token": "[CLS]",
+        "sep_token": "[SEP]", "unk_token": "[UNK]", "pad_token": "[PAD]", "mask_token": "[MASK]",
+    }, indent=2))
+    _sentence_transformers_files(folder, "pooling_mode_cls_token", 32, max_seq_length=24)
+    golden = _embed_golden(model, tok, EMBED_TEXTS)
+    golden["long_ids"] = tok.encode(" ".join(["hello world"] * 20)).ids  # past max_seq_length
+    (folder / "embedding_golden.json").write_text(json.dumps({**golden, "family": "bert", "pooling": "cls"}))
+    print(f"wrote {folder}")
+
+
+def _sentence_transformers_files(folder: Path, mode: str, dim: int, max_seq_length: int | None = None,
+                                 prompts: dict | None = None) -> None:
+    modules = [
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+        {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"},
+    ]
+    (folder / "modules.json").write_text(json.dumps(modules, indent=2))
+    (folder / "1_Pooling").mkdir(exist_ok=True)
+    modes = ("cls_token", "mean_tokens", "max_tokens", "mean_sqrt_len_tokens", "weightedmean_tokens",
+             "lasttoken")
+    pooling = {"word_embedding_dimension": dim,
+               **{f"pooling_mode_{m}": f"pooling_mode_{m}" == mode for m in modes}}
+    pooling["include_prompt"] = True
+    (folder / "1_Pooling" / "config.json").write_text(json.dumps(pooling, indent=2))
+    (folder / "2_Normalize").mkdir(exist_ok=True)
+    if max_seq_length is not None:
+        (folder / "sentence_bert_config.json").write_text(
+            json.dumps({"max_seq_length": max_seq_length, "do_lower_case": False})
+        )
+    if prompts is not None:
+        (folder / "config_sentence_transformers.json").write_text(json.dumps(
+            {"prompts": prompts, "default_prompt_name": None, "similarity_fn_name": "cosine"}, indent=2
+        ))
+
+
+def write_qwen3_embed(out: Path) -> None:
+    """qwen3-embed: a tiny Qwen3 (float32) laid out as Qwen3-Embedding: its tokenizer appends <|endoftext|>
+    (a TemplateProcessing post-processor), last-token pooling, Normalize, a "query" instruction prompt."""
+    from tokenizers import processors
+
+    torch.manual_seed(3003)
+    config = transformers.Qwen3Config(**{**COMMON, "tie_word_embeddings": True, "head_dim": 32})
+    model = transformers.Qwen3Model(config).eval()
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 0.15)
+            elif "norm" in pname:
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+    tok = tiny_tokenizer()
+    tok.add_special_tokens(["<|endoftext|>"])
+    eot = tok.token_to_id("<|endoftext|>")
+    tok.post_processor = processors.TemplateProcessing(
+        single="$A <|endoftext|>", pair="$A <|endoftext|> $B:1 <|endoftext|>:1",
+        special_tokens=[("<|endoftext|>", eot)],
+    )
+    folder = out / "qwen3-embed"
+    shutil.rmtree(folder, ignore_errors=True)
+    model.save_pretrained(folder, safe_serialization=True)
+    config_json = json.loads((folder / "config.json").read_text())
+    config_json["architectures"] = ["Qwen3ForCausalLM"]  # as Qwen3-Embedding's own config.json names it
+    (folder / "config.json").write_text(json.dumps(config_json, indent=2))
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "padding_side": "left",
+        "chat_template": CHAT_TEMPLATE,
+    }, indent=2))
+    prompts = {"query": "Instruct: find the answer\nQuery:", "document": ""}
+    _sentence_transformers_files(folder, "pooling_mode_lasttoken", 64, prompts=prompts)
+    golden = _embed_golden(model, tok, EMBED_TEXTS)
+    golden["query"] = _embed_golden(model, tok, EMBED_TEXTS[:2], prompts["query"])
+    golden |= {"family": "qwen3", "pooling": "last"}
+    (folder / "embedding_golden.json").write_text(json.dumps(golden))
+    print(f"wrote {folder}")
+
+
+EMBEDDING_FAMILIES = {"bert-embed": write_bert_embed, "qwen3-embed": write_qwen3_embed}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=ROOT / "tests" / "fixtures" / "tiny")
-    parser.add_argument("families", nargs="*", default=sorted(FAMILIES))
+    parser.add_argument("families", nargs="*", default=sorted(FAMILIES) + sorted(EMBEDDING_FAMILIES))
     args = parser.parse_args()
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)
     args.out.mkdir(parents=True, exist_ok=True)
     for name in args.families:
-        write_family(name, args.out)
+        if name in EMBEDDING_FAMILIES:
+            EMBEDDING_FAMILIES[name](args.out)
+        else:
+            write_family(name, args.out)
     return 0
 
 

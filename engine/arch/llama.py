@@ -589,6 +589,34 @@ class LlamaModel(Decoder):
     def _forward(self, tokens: np.ndarray, cache: KVCache, all_logits: bool, first: int = 0, hidden=None):
         cfg = self.cfg
         n = len(tokens)
+        s = self._run(tokens, cache, first, hidden)
+        if all_logits:
+            ops.rmsnorm(s.h, s.x, self.output_norm, cfg.rms_norm_eps)
+            logits = np.empty((n, cfg.vocab_size), np.float32)
+            ops.linear(logits, self.output, s.h)
+            return self._scale_logits(logits)
+        last = s.h[n - 1 : n]
+        ops.rmsnorm(last, s.x[n - 1 : n], self.output_norm, cfg.rms_norm_eps)
+        ops.linear(self._logits, self.output, last)
+        return self._scale_logits(self._logits)
+
+    def hidden_states(self, tokens) -> np.ndarray:
+        """The final hidden states (n, hidden_size) float32 of one sequence of token ids (n,): the last
+        layer's output after the final norm (transformers' last_hidden_state), in a cache of its own.
+        Embeddings pool these rows (engine.embed); the decode path never comes here."""
+        tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
+        cache = self.new_cache(len(tokens))
+        with ops.batch_phase(len(tokens), self.small_batch_max):
+            s = self._run(tokens, cache)
+            out = np.empty((len(tokens), self.cfg.hidden_size), np.float32)
+            ops.rmsnorm(out, s.x, self.output_norm, self.cfg.rms_norm_eps)
+        return out
+
+    def _run(self, tokens: np.ndarray, cache: KVCache, first: int = 0, hidden=None) -> Scratch:
+        """Run tokens through the layers (from `first`) into the cache; the scratch whose x holds the last
+        layer's output, before the final norm."""
+        cfg = self.cfg
+        n = len(tokens)
         s = self._decode if n == 1 else Scratch(cfg, n)
         pos0 = cache.offset
         s.positions[:] = np.arange(pos0, pos0 + n)
@@ -615,15 +643,7 @@ class LlamaModel(Decoder):
         cache.advance(tokens)
         if snapshots:  # the end of a prompt: where the next turn's prompt parts from the reply
             cache.snapshot()
-        if all_logits:
-            ops.rmsnorm(s.h, s.x, self.output_norm, cfg.rms_norm_eps)
-            logits = np.empty((n, cfg.vocab_size), np.float32)
-            ops.linear(logits, self.output, s.h)
-            return self._scale_logits(logits)
-        last = s.h[n - 1 : n]
-        ops.rmsnorm(last, s.x[n - 1 : n], self.output_norm, cfg.rms_norm_eps)
-        ops.linear(self._logits, self.output, last)
-        return self._scale_logits(self._logits)
+        return s
 
     def _mrope_axes(self, s: Scratch, cache: KVCache, tokens: np.ndarray) -> np.ndarray | None:
         """With M-RoPE and images held: s.positions becomes the pass's text positions (past an image they

@@ -377,7 +377,37 @@ def metadata_from_hf(folder: Path, config: dict, cfg) -> dict[str, Any]:
     template = chat_template_source(folder, tok_config)
     if template:
         md["tokenizer.chat_template"] = template
+    md.update(_embedding_metadata(folder, cfg.architecture, md))
     return md
+
+
+def _embedding_metadata(folder: Path, arch: str, md: dict[str, Any]) -> dict[str, Any]:
+    """A sentence-transformers decoder's keys, as llama.cpp's converter writes them (Qwen3-Embedding):
+    `{arch}.pooling_type` from its Pooling module and, when its tokenizer.json post-processor closes every
+    input with a special token, that token as EOS with add_eos_token set (gguf-py SpecialVocab's reading of
+    TemplateProcessing; the EOS it replaces stays an end of turn as eot_token_id). {} for other folders."""
+    from engine.embed import EmbeddingSpec, read_sentence_transformers
+
+    spec = EmbeddingSpec(pooling="mean")
+    read_sentence_transformers(folder, spec)
+    if not spec.dedicated:
+        return {}
+    out: dict[str, Any] = {f"{arch}.pooling_type": {"mean": 1, "cls": 2, "last": 3}[spec.pooling]}
+    post = json.loads((folder / "tokenizer.json").read_text(encoding="utf-8")).get("post_processor") or {}
+    for processor in post.get("processors", [post]):
+        single = processor.get("single", []) if processor.get("type") == "TemplateProcessing" else []
+        last = single[-1].get("SpecialToken", {}).get("id") if len(single) > 1 else None
+        if last is None:
+            continue
+        tokens = md["tokenizer.ggml.tokens"]
+        if last in tokens:
+            eos = md.get("tokenizer.ggml.eos_token_id")
+            new = tokens.index(last)
+            if eos is not None and eos != new:
+                out["tokenizer.ggml.eot_token_id"] = eos
+            out["tokenizer.ggml.eos_token_id"] = new
+            out["tokenizer.ggml.add_eos_token"] = True
+    return out
 
 
 # --- export: GGUF metadata -> config.json, tokenizer.json, tokenizer_config.json -------------------

@@ -153,6 +153,10 @@ def _hf_source(folder: Path) -> SourceModel:
     from models.formats.safetensors import open_safetensors_repo
 
     config = read_json(folder / "config.json")
+    if config.get("model_type") == "bert":  # an encoder: llama.cpp's bert layout (quant/bert_source.py)
+        from engine.quant.bert_source import bert_source
+
+        return bert_source(folder, config)
     cfg = config_from_hf(folder, config)
     arch = cfg.architecture
     if arch not in SUPPORTED_ARCHS:

@@ -32,6 +32,7 @@ from engine.errors import ImageInputError, ImagesBusyError
 from engine.reasoning import ReasoningStream, opens_reasoning, split_reasoning, strip_reasoning
 from engine.server import ollama, protocol
 from engine.server.constraints import grammar_for
+from engine.server.embeddings import EmbeddingRoutes, refuse_generation
 from engine.server.errors import APIError, ServeError, invalid
 from engine.server.metrics import CONTENT_TYPE, ServerMetrics
 from engine.server.scheduler import Delta, Engine, SeqParams
@@ -173,6 +174,7 @@ class _Guard:
 _ENDPOINTS = {
     "/v1/models", "/v1/chat/completions", "/v1/completions", "/health", "/metrics",
     "/api/chat", "/api/generate", "/api/tags", "/api/show", "/api/ps", "/api/version",
+    "/v1/embeddings", "/api/embed", "/api/embeddings",
 }
 
 
@@ -214,7 +216,11 @@ class _Api:
 
     async def models(self, request: Request) -> Response:
         vision = getattr(self.lm, "vision", None) is not None
-        return JSONResponse(protocol.model_list(self.names[:1], self.created, vision=vision))
+        spec = getattr(self.lm, "embedding", None)
+        return JSONResponse(protocol.model_list(
+            self.names[:1], self.created, vision=vision, embedding=spec is not None and spec.dedicated,
+            completion=spec is None or not spec.encoder_only,
+        ))
 
     async def metrics_text(self, request: Request) -> Response:
         return Response(self.metrics.render(), media_type=CONTENT_TYPE)
@@ -310,6 +316,7 @@ class _Api:
         grammar: str | None = None,
     ) -> SeqParams:
         """The engine's parameters for a parsed chat / completion request whose prompt encodes to `ids`."""
+        refuse_generation(self.lm, req.model)
         return SeqParams(
             prompt_ids=ids,
             max_tokens=self._limits(len(ids), max_tokens),
@@ -389,6 +396,7 @@ class _Api:
                 fit beside other requests' (503), a prompt over the context (400).
         """
         self.check_model(req.model)
+        refuse_generation(self.lm, req.model)
         grammar = grammar_for(req.response_format)
         if grammar is not None and req.tools and req.tool_choice != "none":
             raise invalid("response_format and tools cannot be combined", "response_format")
@@ -539,6 +547,7 @@ class _Api:
     async def completions(self, request: Request) -> Response:
         req = protocol.parse_completion(await self._json(request), self.engine.n_ctx)
         self.check_model(req.model)
+        refuse_generation(self.lm, req.model)
         try:
             ids = await run_in_threadpool(self._encode_completion, req)
         except TokenizerError as e:
@@ -630,7 +639,7 @@ async def _http_error(request: Request, exc: HTTPException) -> Response:
     kinds = {404: "not_found_error", 405: "invalid_request_error"}
     message = {
         404: f"no route {request.url.path}; see /v1/models, /v1/chat/completions, /v1/completions, "
-        "and Ollama's /api/chat, /api/generate, /api/tags",
+        "/v1/embeddings, and Ollama's /api/chat, /api/generate, /api/embed, /api/tags",
         405: f"{request.method} is not allowed on {request.url.path}",
     }.get(exc.status_code, exc.detail)
     return _error_response(
@@ -654,12 +663,14 @@ def create_app(config: ServerConfig, engine: Engine, lm) -> Starlette:
     """
     api = _Api(engine, lm, config, engine.metrics)
     oll = ollama.OllamaRoutes(api)
+    emb = EmbeddingRoutes(api)
     routes = [
         Route("/health", api.health, methods=["GET"]),
         Route("/metrics", api.metrics_text, methods=["GET"]),
         Route("/v1/models", api.models, methods=["GET"]),
         Route("/v1/chat/completions", api.chat, methods=["POST"]),
         Route("/v1/completions", api.completions, methods=["POST"]),
+        Route("/v1/embeddings", emb.openai, methods=["POST"]),
         # Ollama's native API (engine.server.ollama)
         Route("/", oll.root, methods=["GET", "HEAD"]),
         Route("/api/version", oll.version, methods=["GET"]),
@@ -668,8 +679,10 @@ def create_app(config: ServerConfig, engine: Engine, lm) -> Starlette:
         Route("/api/show", oll.show, methods=["POST"]),
         Route("/api/chat", oll.chat, methods=["POST"]),
         Route("/api/generate", oll.generate, methods=["POST"]),
+        Route("/api/embed", emb.ollama_embed, methods=["POST"]),
+        Route("/api/embeddings", emb.ollama_embeddings, methods=["POST"]),
         *(Route(f"/api/{name}", oll.unsupported, methods=["POST", "DELETE"])
-          for name in ("pull", "push", "create", "copy", "delete", "embed", "embeddings")),
+          for name in ("pull", "push", "create", "copy", "delete")),
     ]
     app = Starlette(
         routes=routes,

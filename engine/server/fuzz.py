@@ -124,6 +124,24 @@ _BAD_GENERATE = {
     "system": [5, []],
     "images": ["abc", [5], ["%%%"]],
 }
+_BAD_EMBEDDINGS = {
+    "model": [None, 5, "", ["m"], "no-such-model"],
+    "input": [None, [], 5, {}, True, [None], [1.5], [[1], "a"], [[]], [-1], [10**9], [[2], [-3]], ["a", 5]],
+    "encoding_format": ["hex", 5, [], True],
+    "dimensions": [0, -1, "8", 1.5, 10**6, True, []],
+}
+_BAD_OLLAMA_EMBED = {
+    "model": [None, 5, "", "no-such-model"],
+    "input": [None, [], 5, {}, [5], [None], [["a"]]],
+    "truncate": ["yes", 1, []],
+    "options": ["x", 5, []],
+    "dimensions": [0, "8", 10**6, -2],
+}
+_BAD_OLLAMA_EMBEDDINGS = {
+    "model": [None, 5, "", "no-such-model"],
+    "prompt": [None, 5, [], {}, ["a"]],
+    "options": ["x", 5, []],
+}
 _RAW = [
     b"",
     b"{",
@@ -158,7 +176,16 @@ def cases(n: int, model: str, seed: int = 0, port: int = 0) -> list[Case]:
     out = []
     for _ in range(n):
         kind = rng.random()
-        if kind < 0.12:  # Ollama's routes
+        if kind < 0.04:  # the embedding routes, OpenAI's and Ollama's
+            path = rng.choice(["/v1/embeddings", "/api/embed", "/api/embeddings"])
+            if path == "/api/embeddings":
+                body, bad = {"model": model, "prompt": "hi"}, _BAD_OLLAMA_EMBEDDINGS
+            else:
+                body = {"model": model, "input": ["hi", "there"]}
+                bad = _BAD_EMBEDDINGS if path == "/v1/embeddings" else _BAD_OLLAMA_EMBED
+            _mutate(rng, body, bad)
+            out.append(Case("POST", path, json.dumps(body).encode(), host))
+        elif kind < 0.12:  # Ollama's routes
             chat = rng.random() < 0.5
             body = {"model": model, "options": {"num_predict": 4}, "stream": False}
             body.update({"messages": [{"role": "user", "content": "hi"}]} if chat else {"prompt": "hi"})
@@ -174,7 +201,7 @@ def cases(n: int, model: str, seed: int = 0, port: int = 0) -> list[Case]:
             _mutate(rng, body, _BAD_COMPLETION)
             out.append(Case("POST", "/v1/completions", json.dumps(body).encode(), host))
         elif kind < 0.8:
-            path = rng.choice(["/v1/chat/completions", "/v1/completions"])
+            path = rng.choice(["/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/api/embed"])
             out.append(Case("POST", path, rng.choice(_RAW), host))
         elif kind < 0.86:
             path = rng.choice(["/v1/chat/completions", "/v1/completions", "/v1/models", "/health"])
@@ -183,8 +210,8 @@ def cases(n: int, model: str, seed: int = 0, port: int = 0) -> list[Case]:
             out.append(Case(rng.choice(methods), path, None, host))
         elif kind < 0.91:
             path = rng.choice(
-                ["/api", "/api/unknown", "/v1", "/v2/chat/completions", "/v1/embeddings", "/../etc/passwd",
-                 "/%00"]
+                ["/api", "/api/unknown", "/v1", "/v2/chat/completions", "/v1/embeddings", "/api/embed",
+                 "/../etc/passwd", "/%00"]
             )
             out.append(Case(rng.choice(["GET", "POST"]), path, b"{}", host))
         elif kind < 0.96:

@@ -8,8 +8,9 @@ libraries, scripts that post to /api/chat), so `hearth serve` answers it too:
   ("json" or a JSON schema), `tools`, `think`, base64 `images`, /api/generate's `system`, `raw` and
   `context`. The closing object carries Ollama's counts and durations (nanoseconds).
 - GET /api/tags, /api/ps, /api/version, POST /api/show: the one model this server runs.
-- The model-management routes (pull, push, create, copy, delete) and embeddings answer 501 with what to
-  do instead: a server runs the model it was started with.
+- POST /api/embed and the legacy /api/embeddings: engine.server.embeddings.
+- The model-management routes (pull, push, create, copy, delete) answer 501 with what to do instead: a
+  server runs the model it was started with.
 
 Requests become engine.server.protocol's ChatRequest (so one validation, one template path and one
 scheduler serve both APIs); errors are Ollama's `{"error": "..."}` bodies with the same statuses.
@@ -324,7 +325,10 @@ class OllamaRoutes:
         }
 
     def capabilities(self) -> list[str]:
-        out = ["completion"]
+        spec = getattr(self.api.lm, "embedding", None)
+        if spec is not None and spec.encoder_only:
+            return ["embedding"]
+        out = ["completion", "embedding"] if spec is not None and spec.dedicated else ["completion"]
         if getattr(self.api.lm, "vision", None) is not None:
             out.append("vision")
         if self.api.template_has_tools:
@@ -379,12 +383,8 @@ class OllamaRoutes:
 
     async def unsupported(self, request: Request) -> Response:
         what = request.url.path.removeprefix("/api/")
-        hint = (
-            "this server does not compute embeddings"
-            if what.startswith("embed")
-            else "it serves the one model it was started with; manage models in Hearth's library "
-            "(hearth pull / hearth list) and start `hearth serve -m MODEL`"
-        )
+        hint = ("it serves the one model it was started with; manage models in Hearth's library "
+                "(hearth pull / hearth list) and start `hearth serve -m MODEL`")
         raise APIError(501, f"/api/{what} is not supported by hearth serve: {hint}", "not_implemented")
 
     def check_model(self, name: str) -> None:

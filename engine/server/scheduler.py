@@ -15,6 +15,9 @@ Each iteration of the engine loop
      grammar mask (structured output), stop strings and limits. A model that picks on its own device
      (the CUDA decoder's pick_batch) picks the rows that need no grammar or logprobs there, so only
      their tokens come back; it draws with the same uniforms as the host, so a seed gives one reply.
+Work that is no sequence (embeddings: engine.server.embeddings) comes as a call (Engine.call): the engine
+thread runs it between two iterations, so it never races a prefill or decode step over the model's
+buffers, and replies being decoded wait for one input's pass at most.
 A request that arrives mid-reply of others is therefore decoding by the next step after its prefill,
 without waiting for anything to finish. Cancellation (client gone) and deadlines are checked every
 iteration. Results go back through each sequence's `emit` callback (called on the engine thread).
@@ -22,6 +25,7 @@ iteration. Results go back through each sequence's `emit` callback (called on th
 
 from __future__ import annotations
 
+import concurrent.futures
 import itertools
 import queue
 import threading
@@ -119,6 +123,22 @@ class Job:
         self.cancelled = True
 
 
+class _Call:
+    """A function to run on the engine thread, and the future its result goes to."""
+
+    def __init__(self, fn: Callable[[], object]):
+        self.fn = fn
+        self.future: concurrent.futures.Future = concurrent.futures.Future()
+
+    def run(self) -> None:
+        if not self.future.set_running_or_notify_cancel():
+            return
+        try:
+            self.future.set_result(self.fn())
+        except BaseException as e:  # noqa: BLE001 - the caller gets its own failure
+            self.future.set_exception(e)
+
+
 class Engine:
     """Owns a model and runs requests in continuous batches on its own thread.
 
@@ -152,7 +172,8 @@ class Engine:
         self.store = PrefixCache(prefix_cache_bytes) if prefix_cache_bytes > 0 else None
         self.metrics = metrics or ServerMetrics()
         self.n_vocab = int(model.cfg.vocab_size)
-        self._inbox: queue.Queue[Job] = queue.Queue()
+        self._inbox: queue.Queue[Job | _Call | None] = queue.Queue()
+        self._calls: list[_Call] = []
         self._waiting: list[Job] = []
         self._prefilling: list[Job] = []
         self._decoding: list[Job] = []
@@ -196,6 +217,16 @@ class Engine:
         self._inbox.put(seq)
         return seq
 
+    def call(self, fn: Callable[[], object]) -> concurrent.futures.Future:
+        """Run fn() on the engine thread between two steps (it owns the model: nothing else computes on
+        it meanwhile); the future holds its result or exception. Safe from any thread."""
+        item = _Call(fn)
+        if self._stop.is_set():
+            item.future.set_exception(APIError(503, "the server is shutting down", "server_error"))
+        else:
+            self._inbox.put(item)
+        return item.future
+
     @property
     def running(self) -> int:
         return len(self._prefilling) + len(self._decoding)
@@ -210,6 +241,9 @@ class Engine:
         while not self._stop.is_set():
             idle = not (self._waiting or self._prefilling or self._decoding)
             self._drain_inbox(block=idle)
+            calls, self._calls = self._calls, []
+            for call in calls:
+                call.run()
             try:
                 self._admit()
                 self._reap()
@@ -230,12 +264,23 @@ class Engine:
             self.metrics.waiting.set(len(self._waiting) + self._inbox.qsize())
         for seq in self._waiting + self._prefilling + self._decoding:
             self._finish(seq, "cancelled")
+        while True:  # calls queued while stopping: their callers must not wait forever
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(item, _Call):
+                item.future.cancel()
+        for call in self._calls:
+            call.future.cancel()
 
     def _drain_inbox(self, block: bool) -> None:
         try:
             item = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
             while True:
-                if item is not None:
+                if isinstance(item, _Call):
+                    self._calls.append(item)
+                elif item is not None:
                     self._waiting.append(item)
                 item = self._inbox.get_nowait()
         except queue.Empty:

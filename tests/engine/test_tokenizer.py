@@ -267,8 +267,9 @@ def test_unknown_pre_is_a_typed_error():
 
 def test_unknown_tokenizer_model_is_a_typed_error():
     # SentencePiece ("llama") is covered in test_tokenizer_spm.py; other kinds are refused clearly.
-    with pytest.raises(UnsupportedTokenizer, match="'bert'") as info:
-        Tokenizer.from_gguf_metadata(synthetic_metadata(**{"tokenizer.ggml.model": "bert"}))
+    # (WordPiece, "bert", is covered in test_embeddings.py)
+    with pytest.raises(UnsupportedTokenizer, match="'t5'") as info:
+        Tokenizer.from_gguf_metadata(synthetic_metadata(**{"tokenizer.ggml.model": "t5"}))
     assert isinstance(info.value, HearthError)
 
 
