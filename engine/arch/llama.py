@@ -13,8 +13,8 @@ in most layers and norms q and k per head; Qwen3.5 replaces it with a gated Delt
 in three layers of four and gates the output of the others, as Qwen3-Next does (its DeltaNet's projections
 fused per key head, dense FFNs in some layers of its mixture of experts). Qwen3-VL (llama.cpp's qwen3vl and
 qwen3vlmoe) is Qwen3 or Qwen3-MoE whose image rows take M-RoPE positions and, after the first layers, its
-vision tower's deepstack sets (engine/vision/qwen35.py); Qwen2-VL's and Qwen2.5-VL's language model (llama.cpp's qwen2vl)
-is Qwen2 whose rotary pairs turn by M-RoPE positions once a vision tower sets `mrope`.
+vision tower's deepstack sets (engine/vision/qwen35.py); Qwen2-VL's and Qwen2.5-VL's language model
+(llama.cpp's qwen2vl) is Qwen2 whose rotary pairs turn by M-RoPE positions once a vision tower sets `mrope`.
 Mixture of experts: Mixtral, Qwen3-MoE, Qwen2-MoE (with a gated shared expert) and gpt-oss (attention
 sinks, biases on every linear, a sliding window on every other layer and a clamped SwiGLU in its experts).
 """
