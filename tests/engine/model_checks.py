@@ -34,6 +34,37 @@ def rewrite_gguf(src: Path, dst: Path, rename=None, metadata=None, drop_keys=())
     return dst
 
 
+def block_fp8_twins(src: Path, dst: Path, is_linear) -> tuple[Path, Path]:
+    """Hugging Face folder src written twice under dst: dst/"fp8" with the tensors is_linear(name) picks in
+    block-wise FP8 (weight_scale_inv per 128 x 128, as Qwen3's and DeepSeek-V3's FP8 checkpoints keep them),
+    dst/"dense" with those weights decoded to float32 (the reference decoder); the rest float32 in both.
+    Returns (fp8 folder, dense folder)."""
+    import shutil
+
+    from engine.quant.fp8 import dequantize_fp8_blocks, quantize_fp8_blocks
+    from models.formats.safetensors import open_safetensors
+    from tests.engine.test_fpquant import _write_st
+
+    st = open_safetensors(src / "model.safetensors")
+    fp8, dense = {}, {}
+    for name, t in st.tensors.items():
+        a = np.array(st.array(name))
+        x = (a.astype(np.uint32) << 16).view(np.float32) if t.dtype == "BF16" else a.astype(np.float32)
+        if is_linear(name):
+            codes, scale = quantize_fp8_blocks(x)
+            fp8[name] = ("F8_E4M3", x.shape, codes.tobytes())
+            fp8[name[: -len("weight")] + "weight_scale_inv"] = ("F32", scale.shape, scale.tobytes())
+            x = dequantize_fp8_blocks(codes, scale)
+        else:
+            fp8[name] = ("F32", x.shape, x.tobytes())
+        dense[name] = ("F32", x.shape, np.ascontiguousarray(x, np.float32).tobytes())
+    st.close()
+    for folder, tensors in (("fp8", fp8), ("dense", dense)):
+        shutil.copytree(src, dst / folder, ignore=shutil.ignore_patterns("*.safetensors"))
+        _write_st(dst / folder / "model.safetensors", tensors)
+    return dst / "fp8", dst / "dense"
+
+
 def chunked_logits(model, tokens, sizes) -> np.ndarray:
     """All logits of `tokens` run through one cache in passes of the given sizes."""
     cache = model.new_cache(len(tokens) + 1)

@@ -24,6 +24,7 @@ from engine.loader import load_model
 from engine.quant.gguf_writer import GGUFWriter
 from models.formats.gguf import open_gguf
 from tests.engine.model_checks import (
+    block_fp8_twins,
     check_batched_decode,
     check_recurrent_trims_and_chat_turns,
     chunked_logits,
@@ -203,6 +204,28 @@ def test_q8_0_gguf(tmp_path):
     assert err[:4].max() < 0.05 * np.abs(REF).max()
     assert np.sqrt((err**2).mean() / (REF**2).mean()) < 0.15
     assert (logits.argmax(1) == REF.argmax(1)).sum() >= len(TOKENS) - 2
+
+
+def test_block_fp8_folder(tmp_path):
+    """Qwen3-Next-80B-A3B's FP8 releases (block-wise FP8 linears with weight_scale_inv, the fused DeltaNet
+    projections included; routers and the shared expert's gate kept wider) load through the FP8 loader and
+    give the logits of the same folder with those weights decoded to float32."""
+    from engine.backends.cpu.fpquant import FP8_E4M3_BLOCK
+
+    def linear(name: str) -> bool:
+        return ".layers." in name and (name.endswith("proj.weight") or "in_proj_" in name)
+
+    fp8, dense = block_fp8_twins(FOLDER, tmp_path, linear)
+    config = dict(CONFIG, quantization_config={"quant_method": "fp8", "fmt": "e4m3",
+                                               "weight_block_size": [128, 128]})
+    (fp8 / "config.json").write_text(json.dumps(config))
+    got, want = load_model(fp8).model, load_model(dense).model
+    delta = got.layers[0].delta
+    assert delta.in_qkvz.ggml_type == delta.in_ba.ggml_type == FP8_E4M3_BLOCK
+    assert got.layers[0].moe.down[3].ggml_type == got.layers[1].w_gate.ggml_type == FP8_E4M3_BLOCK
+    a = got.forward(TOKENS, got.new_cache(32), all_logits=True)
+    b = want.forward(TOKENS, want.new_cache(32), all_logits=True)
+    assert np.abs(a - b).max() < 1e-4 * np.abs(b).max()
 
 
 def test_memory_estimates_count_the_fixed_state(lm, f16):
