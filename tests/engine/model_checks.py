@@ -12,9 +12,10 @@ from engine.quant.gguf_writer import GGUFWriter
 from models.formats.gguf import open_gguf
 
 
-def rewrite_gguf(src: Path, dst: Path, rename=None, metadata=None, drop_keys=()) -> Path:
+def rewrite_gguf(src: Path, dst: Path, rename=None, metadata=None, drop_keys=(), extra=None) -> Path:
     """Copy GGUF src to dst with each tensor under the names rename(name) gives (a name or a tuple of
-    names: copies), metadata updated by `metadata` and without the keys in drop_keys. Returns dst."""
+    names: copies; an empty tuple drops it), metadata updated by `metadata` and without the keys in drop_keys,
+    plus the tensors in `extra` (name -> (ggml type, shape, raw bytes)). Returns dst."""
     g = open_gguf(src)
     md = {k: v for k, v in g.metadata.items() if k != "general.alignment" and k not in drop_keys}
     md.update(metadata or {})
@@ -25,6 +26,9 @@ def rewrite_gguf(src: Path, dst: Path, rename=None, metadata=None, drop_keys=())
             specs.append((n, t.ggml_type, tuple(t.shape)))
             data[n] = np.ascontiguousarray(t.raw()).reshape(-1)
     g.close()
+    for n, (ggml_type, shape, raw) in (extra or {}).items():
+        specs.append((n, ggml_type, tuple(shape)))
+        data[n] = np.ascontiguousarray(raw).reshape(-1).view(np.uint8)
     with open(dst, "wb") as fh:
         w = GGUFWriter(fh, md, specs)
         w.write_header()

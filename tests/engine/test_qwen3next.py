@@ -21,13 +21,13 @@ from engine.convert import convert
 from engine.errors import UnsupportedArchitectureError
 from engine.hf_repo import config_from_hf
 from engine.loader import load_model
-from engine.quant.gguf_writer import GGUFWriter
 from models.formats.gguf import open_gguf
 from tests.engine.model_checks import (
     block_fp8_twins,
     check_batched_decode,
     check_recurrent_trims_and_chat_turns,
     chunked_logits,
+    rewrite_gguf,
 )
 
 FOLDER = Path(__file__).resolve().parents[1] / "fixtures" / "tiny" / "qwen3_next"
@@ -152,14 +152,10 @@ def test_older_gguf_with_ssm_in_runs_the_same(f16, tmp_path):
     """llama.cpp's first qwen3next GGUFs keep in_proj_qkvz whole (ssm_in, HF's rows per key head); its
     loader still takes them. Rebuilt here from attn_qkv and attn_gate, the file gives the same logits."""
     g = open_gguf(f16)
-    md = {k: v for k, v in g.metadata.items() if k != "general.alignment"}
     hk, k_heads, v_heads, hv = 8, 2, 4, 8
     rv = v_heads // k_heads * hv
-    specs, data = [], {}
+    fused = {}
     for name, t in g.tensors.items():
-        if name.endswith("attn_gate.weight"):
-            continue
-        raw = np.ascontiguousarray(t.raw()).reshape(-1)
         if name.endswith("attn_qkv.weight"):
             qkv = np.asarray(t.array()).reshape(t.shape)
             gate = g.tensors[name.replace("attn_qkv", "attn_gate")]
@@ -168,19 +164,11 @@ def test_older_gguf_with_ssm_in_runs_the_same(f16, tmp_path):
             heads = [np.concatenate([q[i * hk : (i + 1) * hk], k[i * hk : (i + 1) * hk],
                                      v[i * rv : (i + 1) * rv], z[i * rv : (i + 1) * rv]])
                      for i in range(k_heads)]
-            fused = np.concatenate(heads)
-            name, raw = name.replace("attn_qkv", "ssm_in"), fused.reshape(-1).view(np.uint8)
-            specs.append((name, t.ggml_type, fused.shape))
-        else:
-            specs.append((name, t.ggml_type, tuple(t.shape)))
-        data[name] = raw
+            rows = np.concatenate(heads)
+            fused[name.replace("attn_qkv", "ssm_in")] = (t.ggml_type, rows.shape, rows.view(np.uint8))
     g.close()
-    with open(tmp_path / "old.gguf", "wb") as fh:
-        w = GGUFWriter(fh, md, specs)
-        w.write_header()
-        for name, _, _ in specs:
-            w.write_tensor(name, data[name])
-        w.finish()
+    split = ("attn_qkv.weight", "attn_gate.weight")
+    rewrite_gguf(f16, tmp_path / "old.gguf", rename=lambda n: () if n.endswith(split) else n, extra=fused)
     m = load_model(tmp_path / "old.gguf").model
     assert m.layers[0].delta.in_qkvz is not None
     new = load_model(f16).model
