@@ -191,8 +191,8 @@ def _hparams(arch: str, config: dict, cfg) -> dict[str, Any]:
             )
         md[f"{a}.attention.temperature_scale"] = float(cfg.attn_temperature_beta)
         md[f"{a}.rope.scaling.yarn_log_multiplier"] = float(cfg.rope_scaling.mscale_all_dim or 1.0)
-    if arch in ("qwen35", "qwen35moe", "qwen3next"):  # llama.cpp's keys: the DeltaNet's sizes, every n-th
-        # layer attending
+    # llama.cpp's qwen35 / qwen3next keys: the DeltaNet's sizes, every n-th layer attending
+    if arch in ("qwen35", "qwen35moe", "qwen3next"):
         shape = cfg.delta
         every = next((e for e in range(2, cfg.num_hidden_layers + 1)
                       if tuple(cfg.layer_types) == qwen35_layer_types(cfg.num_hidden_layers, e)), 0)
