@@ -53,6 +53,7 @@ _FAMILIES = {
     "lfm2_moe": "lfm2moe",  # LFM2-8B-A1B
     "qwen3_5_text": "qwen35",  # Qwen3.5 (dense; llama.cpp's name)
     "qwen3_5_moe_text": "qwen35moe",  # Qwen3.5-MoE (35B-A3B, 122B-A10B, ...)
+    "qwen3_next": "qwen3next",  # Qwen3-Next (80B-A3B): Qwen3.5-MoE's forerunner
     "qwen2": "qwen2",
     "qwen3": "qwen3",
     "qwen3_vl_text": "qwen3vl",  # Qwen3-VL's language model: Qwen3 with M-RoPE and deepstack
@@ -166,6 +167,13 @@ _QWEN35_LAYER_NAMES = {
     "linear_attn.out_proj.weight": "ssm_out.weight",
     "post_attention_layernorm.weight": "post_attention_norm.weight",  # the pre-FFN norm (llama.cpp's name)
 }
+# Qwen3-Next: Qwen3.5's names, its DeltaNet's input projections fused per key head (engine.arch.deltanet;
+# llama.cpp's names for them as they stand: ssm_in, as its older qwen3next GGUFs keep it, and ssm_ba)
+_QWEN3NEXT_LAYER_NAMES = {
+    **_QWEN35_LAYER_NAMES,
+    "linear_attn.in_proj_qkvz.weight": "ssm_in.weight",
+    "linear_attn.in_proj_ba.weight": "ssm_ba.weight",
+}
 # Gemma 4: Gemma 3's four norms, its layer scalar, per-layer-embedding pieces and experts beside the MLP
 # (llama.cpp's gemma4 names; the router's per-expert scale is its ffn_down_exps.scale)
 _GEMMA4_LAYER_NAMES = {
@@ -226,6 +234,7 @@ _ARCH_LAYER_NAMES = {
     "granitehybrid": _GRANITE_HYBRID_LAYER_NAMES,
     "qwen35": _QWEN35_LAYER_NAMES,
     "qwen35moe": _QWEN35_LAYER_NAMES,
+    "qwen3next": _QWEN3NEXT_LAYER_NAMES,
     "lfm2": _LFM2_LAYER_NAMES,
     "lfm2moe": _LFM2_LAYER_NAMES,
     "olmo2": _OLMO2_LAYER_NAMES,
@@ -233,6 +242,7 @@ _ARCH_LAYER_NAMES = {
     "gpt-oss": _POST_ATTN_FFN_NORM,
     "glm4moe": _POST_ATTN_FFN_NORM,
 }
+_QWEN35_ARCHS = ("qwen35", "qwen35moe", "qwen3next")  # gated DeltaNet beside gated attention
 _GLOBAL_NAMES = {
     "model.embed_tokens.weight": "token_embd.weight",
     "model.norm.weight": "output_norm.weight",
@@ -298,9 +308,9 @@ class HFWeights:
             for hf in st.tensors
             if hf.endswith(".qweight") and (g := _gguf_name(hf[: -len("qweight")] + "weight", layer_names))
         }
-        # Gemma's and Qwen3.5's RMSNorms multiply by (1 + w); GGUF files (and so our architecture) store 1 + w
-        # (not Qwen3.5's gated norm in its DeltaNet layers, which multiplies by w)
-        self.norm_offset = 1.0 if arch in _GEMMA or arch in ("qwen35", "qwen35moe") else 0.0
+        # Gemma's, Qwen3.5's and Qwen3-Next's RMSNorms multiply by (1 + w); GGUF files (and so our
+        # architecture) store 1 + w (not the gated norm in their DeltaNet layers, which multiplies by w)
+        self.norm_offset = 1.0 if arch in _GEMMA or arch in _QWEN35_ARCHS else 0.0
         # FP8 / NVFP4 linears: engine/quant/fp_load.py (compressed-tensors NVFP4 codes are weight_packed)
         for hf in st.tensors:
             if hf.endswith(".weight_packed") and (g := _gguf_name(hf[: -len("_packed")], layer_names)):
@@ -667,7 +677,8 @@ def config_from_hf(folder: Path, config: dict):
     qwen35 = _qwen35(config)
     experts = config.get("num_experts") or config.get("num_local_experts") or config.get("n_routed_experts")
     experts = int(experts or 0)
-    if experts and (config.get("mlp_only_layers") or int(config.get("decoder_sparse_step") or 1) != 1):
+    sparse_steps = config.get("mlp_only_layers") or int(config.get("decoder_sparse_step") or 1) != 1
+    if experts and sparse_steps and model_type != "qwen3_next":
         raise UnsupportedArchitectureError(
             f"{folder}: mixture-of-experts models with dense layers between the sparse ones "
             "(mlp_only_layers / decoder_sparse_step) are not supported yet"
@@ -676,7 +687,8 @@ def config_from_hf(folder: Path, config: dict):
         heads = int(config["num_attention_heads"])
         hidden = int(config["hidden_size"])
         head_dim = int(config.get("head_dim") or hidden // heads)
-        qwen_moe = model_type in ("qwen2_moe", "qwen3_moe", "qwen3_5_moe_text", "qwen3_vl_moe_text")
+        qwen_moe = model_type in ("qwen2_moe", "qwen3_moe", "qwen3_5_moe_text", "qwen3_vl_moe_text",
+                                  "qwen3_next")
         # the experts' FFN length (GLM-4.5's intermediate_size is its dense layers')
         expert_sized = qwen_moe or (experts and model_type in ("glm4_moe", "lfm2_moe"))
         # LFM2 sizes its FFN from block_ff_dim (_lfm2)
@@ -685,11 +697,12 @@ def config_from_hf(folder: Path, config: dict):
         # Mixtral always renormalizes the chosen experts' weights (gpt-oss's softmax over the chosen
         # logits is the same numbers); Qwen2/3-MoE say so in their configs; GLM-4.5 routes its own way
         moe = {
-            # Qwen3.5-MoE and Qwen3-VL-MoE always renormalize (their configs have no key for it)
-            "norm_topk_prob": bool(config.get("norm_topk_prob", False))
+            # Qwen3.5-MoE and Qwen3-VL-MoE always renormalize (their configs have no key for it), Qwen3-Next
+            # unless its config says otherwise
+            "norm_topk_prob": bool(config.get("norm_topk_prob", model_type == "qwen3_next"))
             if qwen_moe and model_type not in ("qwen3_5_moe_text", "qwen3_vl_moe_text") else True,
             "shared_expert_intermediate_size": int(config.get("shared_expert_intermediate_size") or 0)
-            if model_type in ("qwen2_moe", "qwen3_5_moe_text")
+            if model_type in ("qwen2_moe", "qwen3_5_moe_text", "qwen3_next")
             else granite4.pop("shared_expert_intermediate_size", 0),
         } | _sigmoid_moe(config, ff)
         return LlamaConfig(
@@ -823,18 +836,26 @@ def _refuse_linear_biases(config: dict) -> None:
 
 
 def _qwen35(config: dict) -> dict:
-    """Qwen3.5's LlamaConfig fields: which layers run the gated DeltaNet (layer_types "linear_attention"),
-    its sizes, and the attention layers' output gate."""
-    if config.get("model_type") not in ("qwen3_5_text", "qwen3_5_moe_text"):
+    """Qwen3.5's and Qwen3-Next's LlamaConfig fields: which layers run the gated DeltaNet (layer_types
+    "linear_attention"), its sizes, and the attention layers' output gate; Qwen3-Next's dense layers among
+    its experts' (mlp_only_layers, and the layers decoder_sparse_step skips) with intermediate_size."""
+    model_type = config.get("model_type")
+    if model_type not in ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next"):
         return {}
     if config.get("attention_bias"):
-        raise UnsupportedArchitectureError("Qwen3.5 models with attention biases are not supported yet")
+        raise UnsupportedArchitectureError(f"{model_type} models with attention biases are not supported yet")
     n = int(config["num_hidden_layers"])
     types = config.get("layer_types")
     if types is None:
         every = int(config.get("full_attention_interval") or 4)
         types = ["linear_attention" if (i + 1) % every else "full_attention" for i in range(n)]
-    return {
+    dense = {}
+    if model_type == "qwen3_next" and int(config.get("num_experts") or 0):
+        step, only = int(config.get("decoder_sparse_step") or 1), set(config.get("mlp_only_layers") or ())
+        layers = tuple(i for i in range(n) if i in only or (i + 1) % step)
+        if layers:
+            dense = {"dense_layers": layers, "dense_intermediate_size": int(config["intermediate_size"])}
+    return dense | {
         "layer_types": tuple(types),
         "delta": DeltaShape(
             k_heads=int(config.get("linear_num_key_heads", 16)),

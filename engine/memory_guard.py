@@ -94,9 +94,9 @@ class MemoryEstimate:
         return self.total_bytes <= self.available_bytes * HEADROOM
 
 
-# GGUF architectures with recurrent layers (a fixed state per sequence, no keys and values): Qwen3.5's
-# DeltaNet, Granite 4.0-H's and Nemotron-H's Mamba-2
-_RECURRENT_ARCHS = frozenset({"qwen35", "qwen35moe", "granitehybrid", "nemotron_h"})
+# GGUF architectures with recurrent layers (a fixed state per sequence, no keys and values): Qwen3.5's and
+# Qwen3-Next's DeltaNet, Granite 4.0-H's and Nemotron-H's Mamba-2
+_RECURRENT_ARCHS = frozenset({"qwen35", "qwen35moe", "qwen3next", "granitehybrid", "nemotron_h"})
 
 
 def kv_shape_from_gguf(metadata: dict[str, Any], path: str = "model") -> KVShape:

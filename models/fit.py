@@ -212,6 +212,10 @@ def kv_bytes_per_token_config(config: Mapping[str, Any]) -> int:
         if cfg.get("model_type") == "gemma4_text":
             return 2 * sum(_gemma4_kv_widths_config(cfg)) * KV_BYTES
         types = list(cfg.get("layer_types") or cfg.get("layers_block_type") or [])
+        if cfg.get("model_type") == "qwen3_next" and not types:  # its published configs: the interval only
+            every = int(cfg.get("full_attention_interval") or 4)
+            types = ["linear_attention" if (i + 1) % every else "full_attention"
+                     for i in range(int(cfg["num_hidden_layers"]))]
         if cfg.get("model_type") == "nemotron_h" and not types:  # its older configs' block pattern
             kinds = {"*": "attention", "M": "mamba", "-": "mlp", "E": "moe"}
             types = [kinds.get(c, c) for c in cfg.get("hybrid_override_pattern", "")]
@@ -226,8 +230,8 @@ def kv_bytes_per_token_config(config: Mapping[str, Any]) -> int:
         if cfg.get("model_type") in ("lfm2", "lfm2_moe"):
             n_conv = types.count("conv") if types else n_layer - len(cfg.get("full_attn_idxs") or [])
         conv_bytes = n_conv * int(cfg["hidden_size"]) * KV_BYTES
-        # Qwen3.5's DeltaNet and Mamba-2 layers (Granite 4.0-H, Nemotron-H) keep a fixed state, no keys and
-        # values; nor do Nemotron-H's MLP blocks
+        # Qwen3.5's and Qwen3-Next's DeltaNet and Mamba-2 layers (Granite 4.0-H, Nemotron-H) keep a fixed
+        # state, no keys and values; nor do Nemotron-H's MLP blocks
         attending = n_layer - n_conv - sum(t in ("linear_attention", "mamba", "mlp", "moe") for t in types)
     except (KeyError, TypeError, ValueError, ZeroDivisionError) as e:
         raise ModelFormatError("config.json", f"cannot size the KV cache from it ({e!r})") from None

@@ -279,6 +279,19 @@ FAMILIES = {
         torch.bfloat16,
         False,
     ),
+    # Qwen3-Next (Qwen3-Next-80B-A3B's layout): Qwen3.5-MoE's layers with the DeltaNet's input projections
+    # fused per key head (in_proj_qkvz: q, k, then its value heads' v and z; in_proj_ba: b, then a), plain
+    # RoPE on a quarter of each head, and here a dense MLP in layer 1 (mlp_only_layers)
+    "qwen3_next": (
+        transformers.Qwen3NextConfig,
+        dict(tie_word_embeddings=False, num_hidden_layers=4, head_dim=16, linear_key_head_dim=8,
+             linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4, pad_token_id=0,
+             rope_parameters=dict(rope_type="default", rope_theta=10000000.0, partial_rotary_factor=0.25),
+             num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
+             shared_expert_intermediate_size=64, mlp_only_layers=[1]),
+        torch.bfloat16,
+        False,
+    ),
     # LFM2: gated short convolutions (kernel 3) in place of attention in three layers of four, per-head q/k
     # norms; the FFN length adjusted as LFM2's config asks (2/3 of 96, rounded up to a multiple of 32)
     "lfm2": (

@@ -7,6 +7,11 @@ exp(g) with g = -exp(A_log) * softplus(a + dt_bias), then takes the delta rule's
 S += k (beta (v - S^T k))^T with beta = sigmoid(b), and the output is S^T q. The outputs are RMS-normed per
 head (weight `norm`), multiplied by SiLU(z) and projected by out_proj.
 
+Qwen3-Next's layers are the same operator with fused input projections, as its checkpoints keep them:
+in_proj_qkvz gives per key head its q, its k, then its value heads' v and z; in_proj_ba per key head its value
+heads' b, then their a. llama.cpp's qwen3next GGUFs split the first into Qwen3.5's attn_qkv and attn_gate
+(its older files keep it whole, as ssm_in) and keep ssm_ba fused; both keep the value heads grouped.
+
 The state after the last token is all a sequence needs: RecurrentKVCache keeps it (and the convolution's
 last taps - 1 inputs) at the cache's end, not per position.
 """
@@ -25,18 +30,23 @@ from engine.weights import Weight
 
 @dataclass
 class DeltaNet:
-    in_qkv: Weight  # (2 * key_dim + value_dim, hidden): q, k, v rows
-    in_z: Weight  # (value_dim, hidden): the output gate
-    in_b: Weight  # (v_heads, hidden): write strength, sigmoid(b)
-    in_a: Weight  # (v_heads, hidden): decay, with dt_bias and neg_a
+    in_qkv: Weight | None  # (2 * key_dim + value_dim, hidden): q, k, v rows; None: in in_qkvz
+    in_z: Weight | None  # (value_dim, hidden): the output gate; None: in in_qkvz
+    in_b: Weight | None  # (v_heads, hidden): write strength, sigmoid(b); None: in in_ba
+    in_a: Weight | None  # (v_heads, hidden): decay, with dt_bias and neg_a; None: in in_ba
     conv: np.ndarray  # (2 * key_dim + value_dim, taps) float32
     dt_bias: np.ndarray  # (v_heads,)
     neg_a: np.ndarray  # (v_heads,) = -exp(A_log)
     norm: np.ndarray  # (head_v_dim,)
     out_proj: Weight  # (hidden, value_dim)
+    # Qwen3-Next's fused projections (split_qkvz, split_ba give the parts): (2 * key_dim + 2 * value_dim,
+    # hidden) and (2 * v_heads, hidden); None where the parts are separate tensors
+    in_qkvz: Weight | None = None
+    in_ba: Weight | None = None
 
     def weights(self) -> list[Weight]:
-        return [self.in_qkv, self.in_z, self.in_b, self.in_a, self.out_proj]
+        inputs = (self.in_qkvz, self.in_ba, self.in_qkv, self.in_z, self.in_b, self.in_a)
+        return [w for w in inputs if w is not None] + [self.out_proj]
 
 
 @dataclass(frozen=True)
@@ -71,18 +81,51 @@ class DeltaShape:
 
 
 def load_deltanet(weights, p: str, d: int, shape: DeltaShape) -> DeltaNet:
-    """Layer prefix p's DeltaNet (llama.cpp's qwen35 names: attn_qkv, attn_gate, ssm_*)."""
+    """Layer prefix p's DeltaNet (llama.cpp's qwen35 names: attn_qkv, attn_gate, ssm_*; its qwen3next ones
+    add ssm_ba, and ssm_in in its older files: Qwen3-Next's fused projections)."""
+
+    def matrix(name: str, rows: int) -> Weight | None:
+        return weights.matrix(p + name, rows, d) if weights.has(p + name) else None
+
+    qkvz = matrix("ssm_in.weight", shape.conv_dim + shape.value_dim)
+    ba = matrix("ssm_ba.weight", 2 * shape.v_heads)
     return DeltaNet(
-        in_qkv=weights.matrix(p + "attn_qkv.weight", shape.conv_dim, d),
-        in_z=weights.matrix(p + "attn_gate.weight", shape.value_dim, d),
-        in_b=weights.matrix(p + "ssm_beta.weight", shape.v_heads, d),
-        in_a=weights.matrix(p + "ssm_alpha.weight", shape.v_heads, d),
+        in_qkv=None if qkvz is not None else weights.matrix(p + "attn_qkv.weight", shape.conv_dim, d),
+        in_z=None if qkvz is not None else weights.matrix(p + "attn_gate.weight", shape.value_dim, d),
+        in_b=None if ba is not None else weights.matrix(p + "ssm_beta.weight", shape.v_heads, d),
+        in_a=None if ba is not None else weights.matrix(p + "ssm_alpha.weight", shape.v_heads, d),
         conv=weights.floats(p + "ssm_conv1d.weight", (shape.conv_dim, shape.taps)),
         dt_bias=weights.vector(p + "ssm_dt.bias", shape.v_heads),
         neg_a=weights.vector(p + "ssm_a", shape.v_heads),
         norm=weights.vector(p + "ssm_norm.weight", shape.head_v),
         out_proj=weights.matrix(p + "ssm_out.weight", d, shape.value_dim),
+        in_qkvz=qkvz,
+        in_ba=ba,
     )
+
+
+def _per_key_head(x: np.ndarray, shape: DeltaShape, sizes: tuple[int, ...], axis: int) -> list[np.ndarray]:
+    """x's rows along `axis` as blocks per key head of the given part sizes -> each part gathered over the key
+    heads in order (rows along the same axis)."""
+    x = np.moveaxis(x, axis, -1)
+    lead = x.shape[:-1]
+    parts = np.split(x.reshape(*lead, shape.k_heads, sum(sizes)), np.cumsum(sizes)[:-1], axis=-1)
+    return [np.ascontiguousarray(np.moveaxis(part.reshape(*lead, -1), -1, axis)) for part in parts]
+
+
+def split_qkvz(x: np.ndarray, shape: DeltaShape, axis: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """Qwen3-Next's fused in_proj_qkvz rows (weights: axis 0; outputs: axis -1) -> (q|k|v, z) as Qwen3.5's
+    in_proj_qkv and in_proj_z order them (the value heads grouped by key head, as they were)."""
+    rv = shape.v_heads // shape.k_heads * shape.head_v
+    q, k, v, z = _per_key_head(x, shape, (shape.head_k, shape.head_k, rv, rv), axis)
+    return np.concatenate([q, k, v], axis=axis), z
+
+
+def split_ba(x: np.ndarray, shape: DeltaShape, axis: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """Qwen3-Next's fused in_proj_ba rows (per key head its value heads' b, then their a) -> (b, a)."""
+    rep = shape.v_heads // shape.k_heads
+    b, a = _per_key_head(x, shape, (rep, rep), axis)
+    return b, a
 
 
 def tile_value_heads(x: np.ndarray, shape: DeltaShape, per_head: int, axis: int = 0) -> np.ndarray:
@@ -95,15 +138,18 @@ def tile_value_heads(x: np.ndarray, shape: DeltaShape, per_head: int, axis: int 
     return np.ascontiguousarray(np.moveaxis(x, 0, axis))
 
 
-def project(net: DeltaNet, h: np.ndarray) -> tuple[np.ndarray, ...]:
+def project(net: DeltaNet, h: np.ndarray, shape: DeltaShape) -> tuple[np.ndarray, ...]:
     """The input projections of h (n, hidden): (qkv, z, b, a), rows per token."""
-    n = len(h)
-    out = []
-    for w in (net.in_qkv, net.in_z, net.in_b, net.in_a):
-        y = np.empty((n, w.rows), np.float32)
+
+    def run(w: Weight) -> np.ndarray:
+        y = np.empty((len(h), w.rows), np.float32)
         ops.linear(y, w, h)
-        out.append(y)
-    return tuple(out)
+        return y
+
+    fused_qkvz, fused_ba = net.in_qkvz is not None, net.in_ba is not None
+    qkv_z = split_qkvz(run(net.in_qkvz), shape, -1) if fused_qkvz else (run(net.in_qkv), run(net.in_z))
+    b_a = split_ba(run(net.in_ba), shape, -1) if fused_ba else (run(net.in_b), run(net.in_a))
+    return (*qkv_z, *b_a)
 
 
 def mix(

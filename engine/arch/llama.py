@@ -10,10 +10,11 @@ EXAONE 4 norms only the branch outputs too, and with a window rotates only in th
 is a llama with QKV biases; Ministral 3 scales its queries up past the original context (Llama 4's
 temperature tuning); LFM2 replaces attention with a gated short convolution (engine/arch/shortconv.py)
 in most layers and norms q and k per head; Qwen3.5 replaces it with a gated DeltaNet (engine/arch/deltanet.py)
-in three layers of four and gates the output of the others. Qwen3-VL (llama.cpp's qwen3vl and qwen3vlmoe) is
-Qwen3 or Qwen3-MoE whose image rows take M-RoPE positions and, after the first layers, its vision tower's
-deepstack sets (engine/vision/qwen35.py); Qwen2-VL's and Qwen2.5-VL's language model (llama.cpp's qwen2vl)
-is Qwen2 whose rotary pairs turn by M-RoPE positions once a vision tower sets `mrope`.
+in three layers of four and gates the output of the others, as Qwen3-Next does (its DeltaNet's projections
+fused per key head, dense FFNs in some layers of its mixture of experts). Qwen3-VL (llama.cpp's qwen3vl and
+qwen3vlmoe) is Qwen3 or Qwen3-MoE whose image rows take M-RoPE positions and, after the first layers, its
+vision tower's deepstack sets (engine/vision/qwen35.py); Qwen2-VL's and Qwen2.5-VL's language model
+(llama.cpp's qwen2vl) is Qwen2 whose rotary pairs turn by M-RoPE positions once a vision tower sets `mrope`.
 Mixture of experts: Mixtral, Qwen3-MoE, Qwen2-MoE (with a gated shared expert) and gpt-oss (attention
 sinks, biases on every linear, a sliding window on every other layer and a clamped SwiGLU in its experts).
 """
@@ -40,7 +41,7 @@ from engine.weights import Weight
 # these families keep HF's half-split ("NeoX") layout instead.
 _NEOX_ROPE = frozenset(
     {"qwen2", "qwen2moe", "qwen3", "qwen3moe", "phi3", "gpt-oss", "olmo2", "glm4moe", "exaone4", "seed_oss",
-     "lfm2", "lfm2moe", "qwen35", "qwen35moe", "qwen3vl", "qwen3vlmoe",
+     "lfm2", "lfm2moe", "qwen35", "qwen35moe", "qwen3next", "qwen3vl", "qwen3vlmoe",
      "qwen2vl"}
 )
 # GGUF architectures that may carry attention.sliding_window (Mistral v0.1 as "llama", gpt-oss, OLMo 3;
@@ -50,7 +51,7 @@ _WINDOWED = frozenset({"llama", "gpt-oss", "olmo2"})
 # architectures whose GGUFs give KV heads per layer, 0 in the layers without attention (LFM2's convolution
 # layers, Granite 4.0-H's Mamba-2 ones)
 _KV_PER_LAYER = frozenset({"lfm2", "lfm2moe", "granitehybrid"})
-_MOE_ONLY = frozenset({"qwen2moe", "qwen3moe", "gpt-oss", "qwen35moe", "qwen3vlmoe"})
+_MOE_ONLY = frozenset({"qwen2moe", "qwen3moe", "gpt-oss", "qwen35moe", "qwen3next", "qwen3vlmoe"})
 
 
 @dataclass
@@ -83,9 +84,11 @@ class LlamaConfig:
     # chosen experts' weights are multiplied by expert_weights_scale
     expert_gating: str = "softmax"
     expert_weights_scale: float = 1.0
-    # the first layers keep a dense FFN of dense_intermediate_size (GLM-4.5's first_k_dense_replace)
+    # the first layers keep a dense FFN of dense_intermediate_size (GLM-4.5's first_k_dense_replace), and so
+    # do the layers in dense_layers (Qwen3-Next's mlp_only_layers and those its decoder_sparse_step skips)
     first_dense_layers: int = 0
     dense_intermediate_size: int = 0
+    dense_layers: tuple[int, ...] = ()
     # the experts' activation: "silu" (silu(gate) * up) or "swiglu_oai" (gpt-oss: gate clamped above and up
     # both ways at swiglu_limit, then gate * sigmoid(swiglu_alpha gate) * (up + 1))
     expert_act: str = "silu"
@@ -206,8 +209,8 @@ class LlamaConfig:
         return self.architecture == "olmo2"
 
     def has_experts(self, layer: int) -> bool:
-        """Layer `layer` runs a mixture of experts (not one of the leading dense layers)."""
-        return bool(self.num_experts) and layer >= self.first_dense_layers
+        """Layer `layer` runs a mixture of experts (not one of the leading or other dense layers)."""
+        return bool(self.num_experts) and layer >= self.first_dense_layers and layer not in self.dense_layers
 
     def uses_rope(self, layer: int) -> bool:
         """Whether layer `layer` rotates q and k (False in SmolLM3's NoPE layers)."""
@@ -265,6 +268,8 @@ class LlamaConfig:
         shared_ff = int(key("expert_shared_feed_forward_length", 0))
         shared_ff = shared_ff or ff * int(key("expert_shared_count", 0))
         leading_dense = int(key("leading_dense_block_count", 0)) if experts else 0
+        # Hearth's key for Qwen3-Next's dense layers among the experts' (llama.cpp's qwen3next has none)
+        dense_layers = tuple(int(i) for i in key("mlp_only_layers", ())) if experts else ()
         temperature = float(key("attention.temperature_scale", 0.0))
         qwen35 = _qwen35_from_gguf(arch, key, n_layers) | _granitehybrid_from_gguf(arch, key, n_layers)
         return cls(
@@ -293,7 +298,8 @@ class LlamaConfig:
             expert_gating="sigmoid" if int(key("expert_gating_func", 1)) == 2 else "softmax",
             expert_weights_scale=float(key("expert_weights_scale", 1.0)),
             first_dense_layers=leading_dense,
-            dense_intermediate_size=dense_ff if leading_dense else 0,
+            dense_intermediate_size=dense_ff if leading_dense or dense_layers else 0,
+            dense_layers=dense_layers,
             expert_act="swiglu_oai" if gpt_oss else "silu",
             # llama.cpp fixes gpt-oss's 1.702 and 7.0; Hearth's converter writes other values under these keys
             swiglu_alpha=float(key("expert_swiglu_alpha", 1.702)),
@@ -328,9 +334,10 @@ class LlamaConfig:
 
 
 def _qwen35_from_gguf(arch: str, key, n_layers: int) -> dict:
-    """llama.cpp's qwen35 keys as LlamaConfig fields: DeltaNet layers but every full_attention_interval-th,
-    their sizes (ssm.*; value heads in llama.cpp's tiled order), gated attention."""
-    if arch not in ("qwen35", "qwen35moe"):
+    """llama.cpp's qwen35 and qwen3next keys as LlamaConfig fields: DeltaNet layers but every
+    full_attention_interval-th, their sizes (ssm.*; value heads in llama.cpp's tiled order for qwen35, grouped
+    by key head as HF keeps them for qwen3next), gated attention."""
+    if arch not in ("qwen35", "qwen35moe", "qwen3next"):
         return {}
     every = int(key("full_attention_interval", 4))
     v_heads = int(key("ssm.time_step_rank"))
@@ -342,7 +349,7 @@ def _qwen35_from_gguf(arch: str, key, n_layers: int) -> dict:
             head_k=int(key("ssm.state_size")),
             head_v=int(key("ssm.inner_size")) // v_heads,
             taps=int(key("ssm.conv_kernel")),
-            tiled=True,
+            tiled=arch != "qwen3next",
         ),
         "attn_output_gate": True,
     }
@@ -440,7 +447,7 @@ def _ffn_weights(weights, p: str, ff: int, d: int) -> tuple[Weight, Weight]:
 @register(
     "llama", "mistral", "mistral3", "smollm3", "granite", "glm4", "olmo2", "ernie4_5", "qwen2", "qwen2moe",
     "qwen3", "qwen3moe", "glm4moe", "exaone4", "seed_oss", "phi3", "gpt-oss", "lfm2", "lfm2moe", "qwen35",
-    "qwen35moe", "granitehybrid", "qwen3vl", "qwen3vlmoe", "qwen2vl",
+    "qwen35moe", "qwen3next", "granitehybrid", "qwen3vl", "qwen3vlmoe", "qwen2vl",
 )
 class LlamaModel(Decoder):
     """A Llama-family decoder over weights that stay in their file format."""
@@ -486,7 +493,7 @@ class LlamaModel(Decoder):
             moe = None
             if cfg.has_experts(i):
                 moe = load_moe(weights, p, cfg.num_experts, ff, d, cfg.shared_expert_intermediate_size)
-            layer_ff = (cfg.dense_intermediate_size or ff) if cfg.first_dense_layers > i else ff
+            layer_ff = ff if not cfg.num_experts or moe is not None else cfg.dense_intermediate_size or ff
             # llama.cpp's gpt-oss names the pre-FFN norm post_attention_norm; its sinks may lack ".weight".
             # Beside an ffn_norm (GLM-4), post_attention_norm norms the attention output
             attn_norm, ffn_norm = "attn_norm.weight", "ffn_norm.weight"
@@ -738,7 +745,8 @@ class LlamaModel(Decoder):
                 s.h *= c
                 ops.linear(s.o, layer.conv.out_proj, s.h)
             elif layer.delta is not None:  # Qwen3.5: out_proj(gated norm(delta rule(conv(q|k|v))))
-                ops.linear(s.o, layer.delta.out_proj, delta_mix(i, *deltanet.project(layer.delta, s.h)))
+                projections = deltanet.project(layer.delta, s.h, cfg.delta)
+                ops.linear(s.o, layer.delta.out_proj, delta_mix(i, *projections))
             elif layer.mamba is not None:  # Granite 4.0-H: out_proj(gated norm(scan(conv(x|B|C))))
                 ops.linear(s.o, layer.mamba.out_proj, delta_mix(i, *mamba2.project(layer.mamba, s.h)))
             else:

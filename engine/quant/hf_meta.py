@@ -166,8 +166,8 @@ def _hparams(arch: str, config: dict, cfg) -> dict[str, Any]:
         md[f"{a}.expert_count"] = cfg.num_experts
         md[f"{a}.expert_used_count"] = cfg.num_experts_per_tok
         md[f"{a}.expert_weights_norm"] = bool(cfg.norm_topk_prob)
-        if arch in ("qwen2moe", "qwen3moe", "gpt-oss", "glm4moe", "lfm2moe", "qwen35moe", "granitehybrid",
-                    "qwen3vlmoe"):
+        if arch in ("qwen2moe", "qwen3moe", "gpt-oss", "glm4moe", "lfm2moe", "qwen35moe", "qwen3next",
+                    "granitehybrid", "qwen3vlmoe"):
             md[f"{a}.expert_feed_forward_length"] = cfg.intermediate_size
             md[f"{a}.feed_forward_length"] = int(config.get("intermediate_size") or cfg.intermediate_size)
         if cfg.expert_gating == "sigmoid":  # llama.cpp's keys: sigmoid gating, scale, dense layers
@@ -191,13 +191,14 @@ def _hparams(arch: str, config: dict, cfg) -> dict[str, Any]:
             )
         md[f"{a}.attention.temperature_scale"] = float(cfg.attn_temperature_beta)
         md[f"{a}.rope.scaling.yarn_log_multiplier"] = float(cfg.rope_scaling.mscale_all_dim or 1.0)
-    if arch in ("qwen35", "qwen35moe"):  # llama.cpp's keys: the DeltaNet's sizes, every n-th layer attending
+    # llama.cpp's qwen35 / qwen3next keys: the DeltaNet's sizes, every n-th layer attending
+    if arch in ("qwen35", "qwen35moe", "qwen3next"):
         shape = cfg.delta
         every = next((e for e in range(2, cfg.num_hidden_layers + 1)
                       if tuple(cfg.layer_types) == qwen35_layer_types(cfg.num_hidden_layers, e)), 0)
         if not every:
             raise ModelFormatError(
-                "config.json", f"layers {cfg.layer_types} cannot be written to a qwen35 GGUF"
+                "config.json", f"layers {cfg.layer_types} cannot be written to a {arch} GGUF"
             )
         md[f"{a}.full_attention_interval"] = every
         md[f"{a}.ssm.conv_kernel"] = shape.taps
@@ -205,7 +206,10 @@ def _hparams(arch: str, config: dict, cfg) -> dict[str, Any]:
         md[f"{a}.ssm.group_count"] = shape.k_heads
         md[f"{a}.ssm.time_step_rank"] = shape.v_heads
         md[f"{a}.ssm.inner_size"] = shape.value_dim
-        md.update(_mrope_sections(a, config, [11, 11, 10]))
+        if arch != "qwen3next":  # Qwen3-Next turns plain RoPE
+            md.update(_mrope_sections(a, config, [11, 11, 10]))
+    if getattr(cfg, "dense_layers", ()):  # Hearth's key (llama.cpp's qwen3next has every layer's FFN experts)
+        md[f"{a}.mlp_only_layers"] = [int(i) for i in cfg.dense_layers]
     if arch in ("qwen3vl", "qwen3vlmoe"):  # llama.cpp's keys: M-RoPE's 4 sections, the deepstack sets' count
         md.update(_mrope_sections(a, config, [24, 20, 20]))
         md[f"{a}.n_deepstack_layers"] = cfg.deepstack_layers

@@ -34,8 +34,8 @@ MAMBA_ARCHS = frozenset({"granitehybrid", "nemotron_h"})
 GEMMA_NORM_OFFSET = frozenset({"gemma3", "gemma2"})
 SUPPORTED_ARCHS = frozenset(
     {"llama", "mistral3", "smollm3", "granite", "glm4", "olmo2", "ernie4_5", "qwen2", "qwen2moe", "qwen3",
-     "qwen3moe", "glm4moe", "exaone4", "seed_oss", "lfm2", "lfm2moe", "qwen35", "qwen35moe", "gemma3",
-     "gemma2", "gemma4", "gpt-oss", "granitehybrid", "nemotron_h", "qwen3vl", "qwen3vlmoe",
+     "qwen3moe", "glm4moe", "exaone4", "seed_oss", "lfm2", "lfm2moe", "qwen35", "qwen35moe", "qwen3next",
+     "gemma3", "gemma2", "gemma4", "gpt-oss", "granitehybrid", "nemotron_h", "qwen3vl", "qwen3vlmoe",
      "qwen2vl"}
 )
 _F32, _BF16, _Q4_1 = 0, 30, 3
@@ -224,8 +224,8 @@ def _hf_source(folder: Path) -> SourceModel:
             x = permute_qk(x, n_head)
         elif arch in PERMUTED_QK and name.endswith("attn_k.weight"):
             x = permute_qk(x, n_kv)
-        if arch in ("qwen35", "qwen35moe"):
-            x = _qwen35_layout(name, x, cfg.delta)
+        if arch in ("qwen35", "qwen35moe", "qwen3next"):
+            x = _qwen35_layout(name, x, cfg.delta, tiled=arch != "qwen3next")
         if arch in MAMBA_ARCHS:  # llama.cpp's Mamba-2 shapes, A_log as -exp(A_log)
             x = x.reshape(shape_of(name))
             if name.endswith(".ssm_a"):
@@ -241,6 +241,9 @@ def _hf_source(folder: Path) -> SourceModel:
         return quantized[name][0] if name in quantized else FLOAT_DTYPES[st.tensors[names_map[name]].dtype]
 
     singles = {n for n in set(names_map) | set(quantized) if not _EXPERT_NAME.fullmatch(n)}
+    if arch == "qwen3next":  # its in_proj_qkvz as llama.cpp's converter writes it: attn_qkv and attn_gate
+        fused |= _split_qkvz(singles, cfg, load_one, type_of)
+        singles = {n for n in singles if not n.endswith(".ssm_in.weight")}
     order = sorted(singles | set(stacks) | set(fused), key=_tensor_order)
     return SourceModel(
         path=folder,
@@ -269,15 +272,18 @@ _FUSED_GATE_UP = frozenset({"phi3", "glm4"})
 _UNGATED = frozenset({"nemotron_h"})
 
 
-def _qwen35_layout(name: str, x: np.ndarray, shape) -> np.ndarray:
+def _qwen35_layout(name: str, x: np.ndarray, shape, tiled: bool = True) -> np.ndarray:
     """A Qwen3.5 tensor as llama.cpp's qwen35 GGUF stores it: norms as 1 + w (not the DeltaNet's gated norm),
-    A_log as -exp(A_log), and everything indexed by value head in tiled order (engine.arch.deltanet)."""
+    A_log as -exp(A_log), and everything indexed by value head in tiled order (engine.arch.deltanet); a
+    Qwen3-Next one as its qwen3next GGUF does (tiled False: the value heads stay grouped)."""
     from engine.arch.deltanet import tile_value_heads
 
     if name.endswith("norm.weight") and not name.endswith("ssm_norm.weight"):
         return x + np.float32(1.0)
     if name.endswith(".ssm_a"):
         x = -np.exp(x)
+    if not tiled:
+        return x
     kd = 2 * shape.key_dim
     if name.endswith((".ssm_a", "ssm_dt.bias", "ssm_beta.weight", "ssm_alpha.weight")):
         return tile_value_heads(x, shape, 1)
@@ -288,6 +294,21 @@ def _qwen35_layout(name: str, x: np.ndarray, shape) -> np.ndarray:
     if name.endswith(("attn_qkv.weight", "ssm_conv1d.weight")):  # q and k rows stay; v rows are tiled
         return np.concatenate([x[:kd], tile_value_heads(x[kd:], shape, shape.head_v)])
     return x
+
+
+def _split_qkvz(names, cfg, load_one, type_of) -> dict[str, tuple[tuple[int, ...], int, Any]]:
+    """Qwen3-Next's fused ssm_in (in_proj_qkvz) among `names` as the attn_qkv and attn_gate llama.cpp's
+    qwen3next converter writes (engine.arch.deltanet.split_qkvz): name -> (shape, source type, float32
+    loader)."""
+    from engine.arch.deltanet import split_qkvz
+
+    shape, out = cfg.delta, {}
+    for name in [n for n in names if n.endswith(".ssm_in.weight")]:
+        prefix = name[: -len("ssm_in.weight")]
+        for i, (part, rows) in enumerate((("attn_qkv", shape.conv_dim), ("attn_gate", shape.value_dim))):
+            load = functools.partial(lambda n, i: split_qkvz(load_one(n), shape)[i], name, i)
+            out[f"{prefix}{part}.weight"] = ((rows, cfg.hidden_size), type_of(name), load)
+    return out
 
 
 def _split_gate_up(st, names_map: dict[str, str], arch: str) -> dict[str, tuple[tuple[int, ...], int, Any]]:

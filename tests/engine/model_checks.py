@@ -12,9 +12,10 @@ from engine.quant.gguf_writer import GGUFWriter
 from models.formats.gguf import open_gguf
 
 
-def rewrite_gguf(src: Path, dst: Path, rename=None, metadata=None, drop_keys=()) -> Path:
+def rewrite_gguf(src: Path, dst: Path, rename=None, metadata=None, drop_keys=(), extra=None) -> Path:
     """Copy GGUF src to dst with each tensor under the names rename(name) gives (a name or a tuple of
-    names: copies), metadata updated by `metadata` and without the keys in drop_keys. Returns dst."""
+    names: copies; an empty tuple drops it), metadata updated by `metadata` and without the keys in drop_keys,
+    plus the tensors in `extra` (name -> (ggml type, shape, raw bytes)). Returns dst."""
     g = open_gguf(src)
     md = {k: v for k, v in g.metadata.items() if k != "general.alignment" and k not in drop_keys}
     md.update(metadata or {})
@@ -25,6 +26,9 @@ def rewrite_gguf(src: Path, dst: Path, rename=None, metadata=None, drop_keys=())
             specs.append((n, t.ggml_type, tuple(t.shape)))
             data[n] = np.ascontiguousarray(t.raw()).reshape(-1)
     g.close()
+    for n, (ggml_type, shape, raw) in (extra or {}).items():
+        specs.append((n, ggml_type, tuple(shape)))
+        data[n] = np.ascontiguousarray(raw).reshape(-1).view(np.uint8)
     with open(dst, "wb") as fh:
         w = GGUFWriter(fh, md, specs)
         w.write_header()
@@ -32,6 +36,37 @@ def rewrite_gguf(src: Path, dst: Path, rename=None, metadata=None, drop_keys=())
             w.write_tensor(n, data[n])
         w.finish()
     return dst
+
+
+def block_fp8_twins(src: Path, dst: Path, is_linear) -> tuple[Path, Path]:
+    """Hugging Face folder src written twice under dst: dst/"fp8" with the tensors is_linear(name) picks in
+    block-wise FP8 (weight_scale_inv per 128 x 128, as Qwen3's and DeepSeek-V3's FP8 checkpoints keep them),
+    dst/"dense" with those weights decoded to float32 (the reference decoder); the rest float32 in both.
+    Returns (fp8 folder, dense folder)."""
+    import shutil
+
+    from engine.quant.fp8 import dequantize_fp8_blocks, quantize_fp8_blocks
+    from models.formats.safetensors import open_safetensors
+    from tests.engine.test_fpquant import _write_st
+
+    st = open_safetensors(src / "model.safetensors")
+    fp8, dense = {}, {}
+    for name, t in st.tensors.items():
+        a = np.array(st.array(name))
+        x = (a.astype(np.uint32) << 16).view(np.float32) if t.dtype == "BF16" else a.astype(np.float32)
+        if is_linear(name):
+            codes, scale = quantize_fp8_blocks(x)
+            fp8[name] = ("F8_E4M3", x.shape, codes.tobytes())
+            fp8[name[: -len("weight")] + "weight_scale_inv"] = ("F32", scale.shape, scale.tobytes())
+            x = dequantize_fp8_blocks(codes, scale)
+        else:
+            fp8[name] = ("F32", x.shape, x.tobytes())
+        dense[name] = ("F32", x.shape, np.ascontiguousarray(x, np.float32).tobytes())
+    st.close()
+    for folder, tensors in (("fp8", fp8), ("dense", dense)):
+        shutil.copytree(src, dst / folder, ignore=shutil.ignore_patterns("*.safetensors"))
+        _write_st(dst / folder / "model.safetensors", tensors)
+    return dst / "fp8", dst / "dense"
 
 
 def chunked_logits(model, tokens, sizes) -> np.ndarray:

@@ -158,32 +158,11 @@ def test_moe_models_have_no_fused_draft_step_and_no_safetensors_export(ggufs, tm
 def test_block_fp8_experts_load_from_safetensors(tmp_path):
     """A Qwen3-MoE folder stored as Qwen3-30B-A3B-FP8 is (block-wise FP8 linears, experts included)
     gives the logits of the same folder with those weights decoded to float32 (the reference decoder)."""
-    import shutil
-
     from engine.backends.cpu.fpquant import FP8_E4M3_BLOCK
-    from engine.quant.fp8 import dequantize_fp8_blocks, quantize_fp8_blocks
-    from models.formats.safetensors import open_safetensors
-    from tests.engine.test_fpquant import _write_st
+    from tests.engine.model_checks import block_fp8_twins
 
     src = TINY / "qwen3moe"
-    st = open_safetensors(src / "model.safetensors")
-    fp8, dense = {}, {}
-    for name, t in st.tensors.items():
-        a = np.array(st.array(name))
-        x = (a.astype(np.uint32) << 16).view(np.float32) if t.dtype == "BF16" else a.astype(np.float32)
-        linear = ".layers." in name and name.endswith("proj.weight")
-        if linear:
-            codes, scale = quantize_fp8_blocks(x)
-            fp8[name] = ("F8_E4M3", x.shape, codes.tobytes())
-            fp8[name[: -len("weight")] + "weight_scale_inv"] = ("F32", scale.shape, scale.tobytes())
-            x = dequantize_fp8_blocks(codes, scale)
-        else:
-            fp8[name] = ("F32", x.shape, x.tobytes())
-        dense[name] = ("F32", x.shape, np.ascontiguousarray(x, np.float32).tobytes())
-    st.close()
-    for folder, tensors in (("fp8", fp8), ("dense", dense)):
-        shutil.copytree(src, tmp_path / folder, ignore=shutil.ignore_patterns("*.safetensors"))
-        _write_st(tmp_path / folder / "model.safetensors", tensors)
+    block_fp8_twins(src, tmp_path, lambda name: ".layers." in name and name.endswith("proj.weight"))
     # the Hub's Qwen3-MoE configs (transformers 4) name the expert count num_experts
     config = json.loads((src / "config.json").read_text())
     config["num_experts"] = config.pop("num_local_experts")

@@ -364,8 +364,8 @@ class CudaDecoder:
             )
         if any(lay.conv is not None or lay.delta is not None or lay.mamba is not None for lay in layers):
             raise UnsupportedCudaModelError(
-                "short-convolution layers (LFM2), gated DeltaNet layers (Qwen3.5) and Mamba-2 layers "
-                "(Granite 4.0-H) have no CUDA kernels yet; use --device cpu"
+                "short-convolution layers (LFM2), gated DeltaNet layers (Qwen3.5, Qwen3-Next) and Mamba-2 "
+                "layers (Granite 4.0-H) have no CUDA kernels yet; use --device cpu"
             )
         if any(layer.post_attn_norm is not None or layer.post_ffn_norm is not None for layer in layers):
             raise UnsupportedCudaModelError(
