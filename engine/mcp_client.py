@@ -2,7 +2,7 @@
 
 Servers are configured in `mcp.json` in Hearth's config dir, in the format Claude Desktop and LM Studio use:
 
-    {"mcpServers": {"files": {"command": "npx", "args": ["-y", "@modelcontextprotocol/server-filesystem", "/tmp"],
+    {"mcpServers": {"files": {"command": "npx", "args": ["-y", "@modelcontextprotocol/server-filesystem"],
                               "env": {"KEY": "value"}},
                     "web": {"url": "http://127.0.0.1:8000/mcp"}}}
 
@@ -10,7 +10,7 @@ A server with "command" is started as a subprocess and spoken to over its stdin/
 reached over streamable HTTP. The protocol is the official `mcp` SDK's.
 
 `ToolHost` runs every server of a session on one asyncio loop in its own daemon thread, so neither the GUI's
-event loop nor the terminal chat ever waits on a server except where it asks to (`start`, `call(...).result()`).
+event loop nor the terminal chat waits on a server except where it asks to (`start`, `call(...).result()`).
 Each server lives in one task that holds its transport and session open until `close`; a server that fails
 to start, or dies, is reported as a ToolServerError with the tail of its stderr, never a hang.
 """
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import json
 import os
 import tempfile
@@ -163,7 +164,7 @@ def _result_text(result) -> str:
 
 def _unwrap(exc: BaseException) -> BaseException:
     """The first real error inside (nested) exception groups, as anyio task groups raise them."""
-    while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
+    while isinstance(getattr(exc, "exceptions", None), tuple) and exc.exceptions:  # an ExceptionGroup
         exc = exc.exceptions[0]
     return exc
 
@@ -179,7 +180,8 @@ class _Server:
         self.stopping: asyncio.Event | None = None
         self.task: asyncio.Task | None = None
         self.error: ToolServerError | None = None
-        self.stderr_file = tempfile.TemporaryFile("w+", encoding="utf-8", errors="replace")
+        # the server's stderr goes to a real file (a subprocess needs a descriptor); closed by ToolHost.close
+        self.stderr_file = tempfile.TemporaryFile("w+", encoding="utf-8", errors="replace")  # noqa: SIM115
 
     def stderr_tail(self) -> str:
         try:
@@ -254,10 +256,8 @@ class ToolHost:
         if self._closed:
             return
         self._closed = True
-        try:
+        with contextlib.suppress(concurrent.futures.TimeoutError, RuntimeError):
             asyncio.run_coroutine_threadsafe(self._stop_all(), self._loop).result(timeout=timeout)
-        except (concurrent.futures.TimeoutError, RuntimeError):
-            pass
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=timeout)
         for s in self._servers.values():
@@ -339,7 +339,8 @@ class ToolHost:
 
     def _server_of(self, name: str) -> _Server:
         for server in self._servers.values():
-            if server.session is not None and server.error is None and any(t.name == name for t in server.tools):
+            up = server.session is not None and server.error is None
+            if up and any(t.name == name for t in server.tools):
                 return server
         for server in self._servers.values():
             if any(t.name == name for t in server.tools):

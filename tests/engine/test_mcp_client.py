@@ -111,7 +111,8 @@ def test_a_server_that_cannot_start_reports_its_stderr():
         errors = h.start()
         assert time.monotonic() - t0 < 20
     assert isinstance(errors["broken"], ToolServerError)
-    assert "failed to start" in str(errors["broken"]) and "missing API key HEARTH_TEST_KEY" in str(errors["broken"])
+    broken = str(errors["broken"])
+    assert "failed to start" in broken and "missing API key HEARTH_TEST_KEY" in broken
     assert "command 'no-such-program-hearth' was not found" in str(errors["gone"])
 
 
@@ -168,7 +169,8 @@ def test_streamable_http_server():
             except OSError:
                 time.sleep(0.1)
         url = f"http://127.0.0.1:{port}/mcp"
-        with ToolHost([ServerConfig("web", url=url), ServerConfig("down", url="http://127.0.0.1:9/mcp")]) as h:
+        down = ServerConfig("down", url="http://127.0.0.1:9/mcp")
+        with ToolHost([ServerConfig("web", url=url), down]) as h:
             errors = h.start()
             assert errors["web"] is None and "failed to start" in str(errors["down"])
             assert h.call("add", {"a": 4, "b": 5}).result(timeout=20).text == "9.0"
