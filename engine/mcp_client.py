@@ -71,6 +71,7 @@ class ServerConfig:
     env: dict[str, str] = field(default_factory=dict)
     url: str = ""
     cwd: str | None = None
+    disabled: bool = False  # "disabled": true in mcp.json (as Cline writes it): listed, not started
 
     @property
     def transport(self) -> str:
@@ -111,6 +112,7 @@ def load_config(path: Path | None = None) -> dict[str, ServerConfig]:
             env={str(k): str(v) for k, v in env.items()},
             url=url or "",
             cwd=entry.get("cwd") if isinstance(entry.get("cwd"), str) else None,
+            disabled=entry.get("disabled") is True,
         )
     return out
 

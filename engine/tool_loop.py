@@ -99,9 +99,13 @@ class ToolSession:
         if outcome.decision == DENY:
             outcome.result, outcome.is_error = DECLINED, True
         else:
+            future = self.host.call(outcome.call.name, outcome.call.arguments, timeout)
             try:
-                result = self.host.call(outcome.call.name, outcome.call.arguments, timeout).result()
+                result = future.result()
                 outcome.result, outcome.is_error = result.text, result.is_error
+            except KeyboardInterrupt:  # the terminal's Ctrl-C stops the call, not just the wait
+                future.cancel()
+                raise
             except (ToolCallError, ToolServerError) as e:
                 outcome.result, outcome.is_error = f"Error: {e}", True
         outcome.done = True
