@@ -55,6 +55,7 @@ def scripted(engine, monkeypatch):
         return real(conversation, params, **kwargs)
 
     monkeypatch.setattr(engine.client, "generate", generate)
+    assert engine.model.tool_format == ""  # the worker's word: SmolLM2's own template takes no tools
     monkeypatch.setattr(engine.model, "tool_format", "hermes")
     return replies, asked
 
@@ -240,3 +241,20 @@ def test_settings_lists_servers_with_switches_and_tools(qtbot, engine, monkeypat
     dialog = w.open_settings()
     assert dialog.edit_mcp_json() == config_path() and opened[0].toLocalFile() == str(config_path())
     dialog.reject()
+
+
+def test_a_model_whose_template_takes_no_tools_replies_without_them(qtbot, engine, monkeypatch):
+    calls = []
+    real = engine.client.generate
+
+    def spy(conversation, params=None, **kwargs):
+        calls.append(kwargs)
+        return real(conversation, params, **kwargs)
+
+    monkeypatch.setattr(engine.client, "generate", spy)
+    w, _ = window(qtbot, engine)
+    with qtbot.waitSignal(w.controller.messageDone, timeout=60000):
+        w.composer.setPlainText("Hi")
+        qtbot.keyClick(w.composer, Qt.Key.Key_Return)
+    assert "takes no tools" in w.view.notice_label.text()
+    assert "tools" not in (calls[0].get("template_vars") or {})
