@@ -400,7 +400,8 @@ class ChatView(QScrollArea):
             last = i == len(items) - 1
             is_reply = w.message.role == "assistant"
             w.regenerate_button.setVisible(last and is_reply and not busy)
-            w.continue_button.setVisible(last and is_reply and not busy and bool(w.message.content))
+            can_continue = bool(w.message.content) and not w.message.tool_calls
+            w.continue_button.setVisible(last and is_reply and not busy and can_continue)
             w.edit_button.setVisible(w.message.role == "user" and not busy)
 
     @Slot(int)

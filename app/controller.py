@@ -305,6 +305,8 @@ class ChatController(QObject):
         msgs = self.messages()
         if self.busy or not msgs or msgs[-1].role != "assistant" or self.bridge.model is None:
             return False
+        if msgs[-1].tool_calls:  # its calls ended it: the next reply, not more of this one (Regenerate, Send)
+            return False
         self._start_reply(resume=msgs[-1])
         return True
 

@@ -360,6 +360,7 @@ class MainWindow(QMainWindow):
         c.messageDone.connect(self.view.finish)
         c.busyChanged.connect(self._on_busy)
         c.busyChanged.connect(self._apply_engine_settings)
+        c.busyChanged.connect(self.restart_tools)
         c.replyEvent.connect(self._on_reply_event)
         c.notice.connect(self.view.show_notice)
         self._bridge_slots = [
@@ -646,12 +647,13 @@ class MainWindow(QMainWindow):
             self._tools_dirty = True  # one restart for the dialog's several changes
             QTimer.singleShot(0, self.restart_tools)
 
-    @Slot()
-    def restart_tools(self) -> None:
-        """Start the enabled MCP servers again (mcp.json or the Tools settings changed)."""
+    def restart_tools(self, *_args) -> None:
+        """Start the enabled MCP servers again after the Tools settings changed; waits for the reply (and the
+        tool calls) in progress, whose servers must not go away under them."""
+        if not self._tools_dirty or self._closing or self.controller.busy:
+            return
         self._tools_dirty = False
-        if not self._closing:
-            self.tools.restart()
+        self.tools.restart()
 
     @Slot()
     def _on_tools_state(self) -> None:

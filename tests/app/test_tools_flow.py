@@ -180,6 +180,7 @@ def test_stop_while_a_call_waits_for_consent(qtbot, engine, scripted):
     call = store.messages(w.controller.chat.id)[1].tool_calls[0]
     assert call["decision"] == "" and not call["done"]  # never ran
     assert not cards(w)[0].allow_once.isVisible()
+    assert not w.controller.continue_reply()  # a reply its calls ended is not continued
 
 
 def test_a_tool_that_times_out_gives_the_model_an_error(qtbot, engine, scripted):
@@ -235,7 +236,6 @@ def test_settings_lists_servers_with_switches_and_tools(qtbot, engine, monkeypat
     server.setCheckState(0, Qt.CheckState.Unchecked)
     dialog.accept()
     assert json.loads(w.settings.get("mcp_disabled")) == ["test"]
-    w.restart_tools()
     qtbot.waitUntil(lambda: not w.tools.starting and w.tools.host is None, timeout=15000)
     assert w.tools.tools() == []
     dialog = w.open_settings()
@@ -258,3 +258,24 @@ def test_a_model_whose_template_takes_no_tools_replies_without_them(qtbot, engin
         qtbot.keyClick(w.composer, Qt.Key.Key_Return)
     assert "takes no tools" in w.view.notice_label.text()
     assert "tools" not in (calls[0].get("template_vars") or {})
+
+
+def test_an_earlier_turns_calls_survive_edit_and_resend(qtbot, engine, scripted):
+    replies, asked = scripted
+    replies.append(tool_call("add", a=2, b=3))
+    w, store = window(qtbot, engine)
+    send(qtbot, w, "What is 2+3?")
+    with qtbot.waitSignal(w.controller.busyChanged, timeout=60000):
+        qtbot.mouseClick(cards(w)[0].allow_once, Qt.MouseButton.LeftButton)
+    with qtbot.waitSignal(w.controller.messageDone, timeout=60000):
+        w.composer.setPlainText("And 3+4?")
+        qtbot.keyClick(w.composer, Qt.Key.Key_Return)
+    second_user = store.messages(w.controller.chat.id)[3]
+    with qtbot.waitSignal(w.controller.messageDone, timeout=60000):
+        w.controller.edit_and_resend(second_user.id, "And 4+4?")
+    msgs = store.messages(w.controller.chat.id)
+    assert [m.role for m in msgs] == ["user", "assistant", "assistant", "user", "assistant"]
+    assert msgs[3].content == "And 4+4?" and msgs[1].tool_calls[0]["result"] == "5.0"
+    roles = [m["role"] for m in asked[-1]["messages"]]
+    assert roles == ["user", "assistant", "tool", "assistant", "user"]  # the round goes to the model again
+    assert len(cards(w)) == 1 and cards(w)[0].status.text() == "Done."
