@@ -111,7 +111,8 @@ class ToolManager(QObject):
             old.close()
         host = None
         if chosen:
-            host = ToolHost(chosen, call_timeout=float(self.settings.get("tool_timeout_s")))
+            limit = float(self.settings.get("tool_timeout_s"))
+            host = ToolHost(chosen, call_timeout=limit, on_change=self.stateChanged.emit)  # a server died
             host.start()
         with self._lock:
             if generation != self._generation:  # a later restart won: this host is not wanted

@@ -24,7 +24,7 @@ import json
 import os
 import tempfile
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -33,6 +33,7 @@ from models.errors import HearthError
 from models.paths import config_dir
 
 START_TIMEOUT_S = 30.0
+WATCH_S = 5.0  # an idle server is pinged this often, so one that died is reported without waiting for a call
 CALL_TIMEOUT_S = 120.0
 CONNECTION_CLOSED = -32000  # JSON-RPC code the SDK gives pending requests when the server's stream ends
 STDERR_TAIL = 2000  # characters of a failed server's stderr shown with its error
@@ -209,6 +210,8 @@ class ToolHost:
         servers: the configs to run (load_config's values, filtered to the enabled ones).
         start_timeout: seconds a server may take to start and list its tools.
         call_timeout: default seconds a tool call may take.
+        on_change: told (on the host's thread) when a server that was running dies.
+        watch_s: how often an idle server is pinged to notice that.
     """
 
     def __init__(
@@ -216,10 +219,14 @@ class ToolHost:
         servers: Iterable[ServerConfig],
         start_timeout: float = START_TIMEOUT_S,
         call_timeout: float = CALL_TIMEOUT_S,
+        on_change: Callable[[], None] = lambda: None,
+        watch_s: float = WATCH_S,
     ):
         self._servers = {c.name: _Server(c) for c in servers}
         self.start_timeout = start_timeout
         self.call_timeout = call_timeout
+        self.on_change = on_change  # called (on the host's thread) when a running server dies
+        self.watch_s = watch_s
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="hearth-mcp", daemon=True)
         self._thread.start()
@@ -308,7 +315,7 @@ class ToolHost:
                 server.session = session
                 if not server.ready.done():
                     server.ready.set_result(None)
-                await server.stopping.wait()
+                await self._watch(server, session)
         except asyncio.CancelledError:
             if server.error is None:
                 server.error = server.failed("was stopped")
@@ -326,6 +333,25 @@ class ToolHost:
             server.session = None
             if not server.ready.done():
                 server.ready.set_result(None)
+
+    async def _watch(self, server: _Server, session) -> None:
+        """Wait for close; meanwhile ping the server every watch_s so one that died while idle is reported
+        (on_change) before anyone calls it."""
+        while not server.stopping.is_set():
+            try:
+                await asyncio.wait_for(server.stopping.wait(), self.watch_s)
+                return
+            except asyncio.TimeoutError:
+                pass
+            try:
+                await asyncio.wait_for(session.send_ping(), self.watch_s)
+            except asyncio.TimeoutError:
+                continue  # busy, not dead: a call in flight may hold it
+            except Exception:  # noqa: BLE001 - whatever the transport says, the server is gone
+                await asyncio.sleep(0.2)  # its last stderr lines
+                server.error = server.failed("exited")
+                self.on_change()
+                return
 
     def _transport(self, server: _Server):
         c = server.config
@@ -371,6 +397,7 @@ class ToolHost:
                 await asyncio.sleep(0.2)  # the dying process's last stderr lines
                 if server.error is None:
                     server.error = server.failed(f"died during a call to '{name}'")
+                    self.on_change()
                 server.stopping.set()  # its task closes the transport and reaps the process
                 raise server.error from e
             raise ToolCallError(f"the tool '{name}' failed: {e}") from e

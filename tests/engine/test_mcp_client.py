@@ -177,3 +177,26 @@ def test_streamable_http_server():
     finally:
         proc.terminate()
         proc.wait(10)
+
+
+def test_a_server_that_dies_while_idle_is_reported_without_a_call():
+    import signal
+    import threading
+
+    died = threading.Event()
+    with ToolHost([stdio()], watch_s=0.3, on_change=died.set) as h:
+        assert h.start() == {"test": None}
+        pid = int(float(h.call("pid", {}).result(timeout=20).text))
+        os.kill(pid, signal.SIGKILL)
+        assert died.wait(10), "on_change was not called"
+        assert "Tool server 'test': exited" in str(h.errors()["test"])
+        assert h.tools() == []
+        with pytest.raises(ToolServerError, match="exited"):
+            h.call("add", {"a": 1, "b": 1}).result(timeout=5)
+
+
+def test_a_long_call_is_not_taken_for_a_dead_server():
+    with ToolHost([stdio()], watch_s=0.2) as h:
+        assert h.start() == {"test": None}
+        assert h.call("sleep", {"seconds": 1.5}).result(timeout=20).text == "slept 1.5"
+        assert h.errors() == {}
