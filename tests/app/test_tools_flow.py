@@ -279,3 +279,14 @@ def test_an_earlier_turns_calls_survive_edit_and_resend(qtbot, engine, scripted)
     roles = [m["role"] for m in asked[-1]["messages"]]
     assert roles == ["user", "assistant", "tool", "assistant", "user"]  # the round goes to the model again
     assert len(cards(w)) == 1 and cards(w)[0].status.text() == "Done."
+
+
+def test_a_server_that_dies_is_shown_with_its_stderr(qtbot, engine):
+    import os
+    import signal
+
+    w, _ = window(qtbot, engine)
+    pid = int(float(w.tools.host.call("pid", {}).result(timeout=20).text))
+    os.kill(pid, signal.SIGKILL)
+    qtbot.waitUntil(lambda: "Tool server 'test': exited" in w.view.notice_label.text(), timeout=20000)
+    assert not w.tools.active
