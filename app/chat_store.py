@@ -5,6 +5,10 @@ a list of migrations applied in order, so a database written by an older Hearth 
 The app stores a user message when it is sent and the assistant's reply while it streams (at least
 once a second) and when it ends, so a killed app loses at most the last second of a reply.
 
+An assistant message that called tools keeps the calls with it (`tool_calls`: a JSON list of
+engine.tool_loop.CallOutcome dicts: id, name, arguments, the user's decision, the result), so a reply of
+several rounds is stored as one assistant message per round, each with its calls and their results.
+
 A message's images (the encoded files as attached, with their MIME type, in order) live in their own
 table, written in the same transaction as the message and removed with it.
 
@@ -32,7 +36,7 @@ from models.library import use_wal
 from models.paths import data_dir
 
 EXPORT_FORMAT = "hearth-chat"
-EXPORT_VERSION = 2  # 2: messages may carry "images"; an export without images is still written as 1
+EXPORT_VERSION = 3  # 2: messages may carry "images"; 3: "tool_calls". Written as the oldest that holds it
 ROLES = ("system", "user", "assistant")
 STATES = ("done", "streaming", "stopped", "error")
 _INSERT_MESSAGE = (
@@ -103,7 +107,12 @@ def _v3(db: sqlite3.Connection) -> None:
     )
 
 
-MIGRATIONS: list[Callable[[sqlite3.Connection], None]] = [_v1, _v2, _v3]
+def _v4(db: sqlite3.Connection) -> None:
+    # tool use (MCP): an assistant message's tool calls with the user's decisions and the results
+    db.execute("ALTER TABLE messages ADD COLUMN tool_calls TEXT NOT NULL DEFAULT '[]'")
+
+
+MIGRATIONS: list[Callable[[sqlite3.Connection], None]] = [_v1, _v2, _v3, _v4]
 SCHEMA_VERSION = len(MIGRATIONS)
 
 
@@ -132,6 +141,7 @@ class Message:
     updated_at: float = 0.0
     stats: dict = field(default_factory=dict)
     images: list[MessageImage] = field(default_factory=list)
+    tool_calls: list[dict] = field(default_factory=list)  # engine.tool_loop.CallOutcome.to_dict() each
 
 
 @dataclass
@@ -320,6 +330,7 @@ class ChatStore:
             created_at=row["created_at"],
             updated_at=row["updated_at"],
             stats=json.loads(row["stats"] or "{}"),
+            tool_calls=json.loads(row["tool_calls"] or "[]"),
         )
 
     def messages(self, chat_id: str) -> list[Message]:
@@ -384,9 +395,14 @@ class ChatStore:
         )
 
     def update_message(
-        self, message_id: int, content: str | None = None, state: str | None = None, stats: dict | None = None
+        self,
+        message_id: int,
+        content: str | None = None,
+        state: str | None = None,
+        stats: dict | None = None,
+        tool_calls: list[dict] | None = None,
     ) -> None:
-        """Replace a message's text, state and/or figures (committed before this returns)."""
+        """Replace a message's text, state, figures and/or tool calls (committed before this returns)."""
         if state is not None and state not in STATES:
             raise ValueError(f"state must be one of {STATES}")
         sets, args = ["updated_at = ?"], [time.time()]
@@ -397,6 +413,9 @@ class ChatStore:
         if stats is not None:
             sets.append("stats = ?")
             args.append(json.dumps(stats))
+        if tool_calls is not None:
+            sets.append("tool_calls = ?")
+            args.append(json.dumps(tool_calls))
         self.db.execute(f"UPDATE messages SET {', '.join(sets)} WHERE id = ?", (*args, message_id))
 
     def delete_from(self, chat_id: str, position: int) -> None:
@@ -423,10 +442,17 @@ class ChatStore:
                 out["images"] = [
                     {"mime": im.mime, "data": base64.b64encode(im.data).decode("ascii")} for im in m.images
                 ]
+            if m.tool_calls:
+                out["tool_calls"] = m.tool_calls
             messages.append(out)
+        version = 1
+        if any("images" in m for m in messages):
+            version = 2
+        if any("tool_calls" in m for m in messages):
+            version = 3
         return {
             "format": EXPORT_FORMAT,
-            "version": EXPORT_VERSION if any("images" in m for m in messages) else 1,
+            "version": version,
             "title": chat.title,
             "created_at": chat.created_at,
             "system_prompt": chat.system_prompt,
@@ -456,6 +482,7 @@ class ChatStore:
                 out += [split.answer, ""]
             else:
                 out += [m.content, ""]
+            out += _markdown_tool_calls(m.tool_calls)
         return "\n".join(out).rstrip() + "\n"
 
     def import_json(self, data: Any) -> Chat:
@@ -478,6 +505,11 @@ class ChatStore:
             if m["role"] == "system" and not system:
                 system = m["content"]
                 continue
+            calls = m.get("tool_calls", [])
+            if not isinstance(calls, list) or not all(
+                isinstance(c, dict) and isinstance(c.get("name"), str) for c in calls
+            ):
+                raise ChatStoreError(f'message {i + 1}: "tool_calls" must be a list of {{"name": ...}}')
             messages.append(m)
             images.append(_imported_images(i, m.get("images")))
         overrides = data.get("overrides") if isinstance(data.get("overrides"), dict) else {}
@@ -501,8 +533,30 @@ class ChatStore:
                         json.dumps(m.get("stats") if isinstance(m.get("stats"), dict) else {}),
                     ),
                 )
+                if m.get("tool_calls"):
+                    calls = json.dumps(m["tool_calls"])
+                    self.db.execute("UPDATE messages SET tool_calls = ? WHERE id = ?", (calls, cur.lastrowid))
                 self._insert_images(cur.lastrowid, ims)
         return chat
+
+
+def _markdown_tool_calls(calls: list[dict]) -> list[str]:
+    """Markdown lines for a message's tool calls: name and arguments, the decision, the result folded."""
+    out = []
+    for c in calls:
+        args = json.dumps(c.get("arguments") or {}, indent=2, ensure_ascii=False)
+        out += [f"**Tool call: `{c.get('name')}`**", "", "```json", args, "```", ""]
+        decision = c.get("decision") or "not decided"
+        if decision == "deny":
+            out += ["*Declined by the user.*", ""]
+            continue
+        if not c.get("done"):
+            out += [f"*Stopped before it ran ({decision}).*", ""]
+            continue
+        label = "Error" if c.get("is_error") else "Result"
+        result = str(c.get("result", ""))
+        out += [f"<details><summary>{label}</summary>", "", "```", result, "```", "", "</details>", ""]
+    return out
 
 
 def _imported_images(i: int, items: Any) -> list[MessageImage]:

@@ -31,6 +31,7 @@ from app.qt import (
     Signal,
     Slot,
 )
+from app.tool_card import ToolCallCard
 from engine.reasoning import Reasoning, split_reasoning, starts_opening
 
 ROLE_NAMES = {"user": "You", "assistant": "Assistant", "system": "System"}
@@ -71,9 +72,11 @@ class MessageWidget(QFrame):
 
     Signals:
         editRequested(message_id: int, text: str): the user edited this message and pressed Resend.
+        toolDecision(message_id: int, call_id: str, decision: str): a tool call card's button was pressed.
     """
 
     editRequested = Signal(int, str)
+    toolDecision = Signal(int, str, str)
 
     def __init__(self, message: Message, dark: bool = False, parent=None):
         super().__init__(parent)
@@ -114,8 +117,25 @@ class MessageWidget(QFrame):
         self.body.setAccessibleName(f"{ROLE_NAMES.get(message.role, message.role)} message")
         layout.addWidget(self.body)
         self.editor: QPlainTextEdit | None = None
+        self.tool_cards: dict[str, ToolCallCard] = {}
         self.set_text(message.content, immediate=True)
         self.set_state(message.state)
+        if message.tool_calls:
+            self.set_tool_calls(message.tool_calls, waiting=False)
+
+    def set_tool_calls(self, calls: list[dict], waiting: bool) -> None:
+        """Show the reply's tool calls as cards (added below its text, updated in place)."""
+        self.message.tool_calls = calls
+        for call in calls:
+            card = self.tool_cards.get(str(call.get("id")))
+            if card is None:
+                card = ToolCallCard(self.message.id, call, waiting, self)
+                card.decided.connect(self.toolDecision)
+                self.tool_cards[card.call_id] = card
+                self.layout().addWidget(card)
+                card.setVisible(True)  # now, not when the layout gets to it (a card of a shown message)
+            else:
+                card.update_call(call, waiting)
 
     def _button(self, text: str, accessible: str) -> QToolButton:
         b = QToolButton(self)
@@ -271,9 +291,11 @@ class ChatView(QScrollArea):
         regenerateRequested()
         continueRequested()
         imagesDropped(items: list): images or image files dropped on the conversation (for the composer)
+        toolDecision(message_id: int, call_id: str, decision: str): Allow once / Always allow / Deny
     """
 
     editRequested = Signal(int, str)
+    toolDecision = Signal(int, str, str)
     regenerateRequested = Signal()
     continueRequested = Signal()
     imagesDropped = Signal(list)
@@ -333,6 +355,7 @@ class ChatView(QScrollArea):
     def add_message(self, message: Message, update: bool = True) -> MessageWidget:
         w = MessageWidget(message, self.dark, self._inner)
         w.editRequested.connect(self.editRequested)
+        w.toolDecision.connect(self.toolDecision)
         w.regenerate_button.clicked.connect(self.regenerateRequested)
         w.continue_button.clicked.connect(self.continueRequested)
         self._column.insertWidget(self._column.count() - 1, w)
@@ -346,6 +369,14 @@ class ChatView(QScrollArea):
         w = self.widgets.get(message_id)
         if w is not None:
             w.set_text(text)
+
+    @Slot(object, bool)
+    def show_tool_calls(self, message: Message, waiting: bool) -> None:
+        """A reply's tool calls changed (controller.toolCallsChanged)."""
+        w = self.widgets.get(message.id)
+        if w is not None:
+            w.set_tool_calls(message.tool_calls, waiting)
+            self._follow = True
 
     def finish(self, message: Message) -> None:
         w = self.widgets.get(message.id)
@@ -369,7 +400,8 @@ class ChatView(QScrollArea):
             last = i == len(items) - 1
             is_reply = w.message.role == "assistant"
             w.regenerate_button.setVisible(last and is_reply and not busy)
-            w.continue_button.setVisible(last and is_reply and not busy and bool(w.message.content))
+            can_continue = bool(w.message.content) and not w.message.tool_calls
+            w.continue_button.setVisible(last and is_reply and not busy and can_continue)
             w.edit_button.setVisible(w.message.role == "user" and not busy)
 
     @Slot(int)

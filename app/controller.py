@@ -7,6 +7,12 @@ listens to the signals; the controller keeps the SQLite store in step with what 
   every FLUSH_S while it streams and written with its final state and figures when it ends;
 - a reply that fails keeps what had arrived and says why (state "error" or "stopped").
 
+Tools (MCP, app.tools): when they are on and the model's template takes tools, the prompt lists them; a
+reply holding tool calls ends its message with the calls stored on it (each waiting for the user's
+Allow once / Always allow / Deny unless its tool is always allowed), allowed calls run off the GUI thread,
+and once every call has its result the next reply starts by itself, up to the tool_max_rounds setting.
+Stop cancels calls waiting or running; the calls keep what came of them.
+
 A message with images goes to the engine as a list of parts, its images first and then its text (as
 Gemma 3's examples order them); a message without images stays a string.
 """
@@ -20,8 +26,12 @@ from app.chat_store import Chat, ChatStore, Message, MessageImage
 from app.engine_bridge import EngineBridge
 from app.qt import QObject, QTimer, Signal, Slot
 from app.settings import SAMPLING_KEYS, Settings
+from engine import tool_loop
 from engine.client import ChatEvent
 from engine.generate import GenerationParams
+from engine.reasoning import split_reasoning
+from engine.tool_loop import ALLOW_ALWAYS, CANCELLED, DECLINED, DENY, CallOutcome
+from engine.tools import parse_tool_calls
 
 SPEC_KEYS = (
     "speculation",
@@ -125,6 +135,8 @@ class ChatController(QObject):
         busyChanged(busy: bool): a reply started or ended.
         replyEvent(event: ChatEvent): the latest engine event of the reply (for the status bar).
         notice(text: str): something to tell the user in the chat (engine crash, errors).
+        toolCallsChanged(message: Message, waiting: bool): a message's tool calls changed (new, decided, ran,
+            stopped); waiting: they are under way (calls without a decision ask for one).
     """
 
     chatsChanged = Signal()
@@ -135,9 +147,15 @@ class ChatController(QObject):
     busyChanged = Signal(bool)
     replyEvent = Signal(object)
     notice = Signal(str)
+    toolCallsChanged = Signal(object, bool)
 
     def __init__(
-        self, store: ChatStore, bridge: EngineBridge, settings: Settings, parent: QObject | None = None
+        self,
+        store: ChatStore,
+        bridge: EngineBridge,
+        settings: Settings,
+        parent: QObject | None = None,
+        tools=None,
     ):
         super().__init__(parent)
         self.store = store
@@ -157,6 +175,14 @@ class ChatController(QObject):
         bridge.progress.connect(self._on_progress)
         bridge.finished.connect(self._on_finished)
         bridge.failed.connect(self._on_failed)
+        # tool use: the app's ToolManager (None: no tools), the message whose calls are under way
+        self.tools = tools
+        self._tool_message: Message | None = None
+        self._outcomes: list[CallOutcome] = []
+        self._futures: dict[str, object] = {}
+        self._advancing = False
+        if tools is not None:
+            tools.callDone.connect(self._on_call_done)
 
     # ---- chats
     def new_chat(self) -> Chat:
@@ -237,6 +263,9 @@ class ChatController(QObject):
         self.messageAdded.emit(msg)
         self.chatsChanged.emit()
         self._start_reply()
+        if self.tools is not None and self.tools.active and not self.bridge.model.tool_format:
+            name = self.bridge.model.name
+            self.notice.emit(f"{name}'s chat template takes no tools: it replies without them.")
         return True
 
     def regenerate(self) -> bool:
@@ -245,7 +274,10 @@ class ChatController(QObject):
         if self.busy or not msgs or self.bridge.model is None:
             return False
         if msgs[-1].role == "assistant":
-            self.store.delete_from(self.chat.id, msgs[-1].position)
+            first = len(msgs) - 1  # the turn's first reply: a reply that called tools is followed by more
+            while first > 0 and msgs[first - 1].role == "assistant" and msgs[first - 1].tool_calls:
+                first -= 1
+            self.store.delete_from(self.chat.id, msgs[first].position)
             self.chatOpened.emit(self.chat.id)
         if not self.messages() or self.messages()[-1].role != "user":
             return False
@@ -273,12 +305,16 @@ class ChatController(QObject):
         msgs = self.messages()
         if self.busy or not msgs or msgs[-1].role != "assistant" or self.bridge.model is None:
             return False
+        if msgs[-1].tool_calls:  # its calls ended it: the next reply, not more of this one (Regenerate, Send)
+            return False
         self._start_reply(resume=msgs[-1])
         return True
 
     def stop(self) -> None:
-        """Stop the reply in progress (what arrived is kept)."""
-        if self.busy:
+        """Stop the reply in progress (what arrived is kept), or the tool calls waiting or running."""
+        if self._tool_message is not None:
+            self._stop_tools()
+        elif self.busy:
             self.bridge.cancel()
 
     def _conversation(self, resume: Message | None) -> tuple[list[dict], int]:
@@ -291,6 +327,9 @@ class ChatController(QObject):
         vision = self.bridge.model is None or self.bridge.model.vision
         left_out = 0
         for m in self.messages():
+            if m.role == "assistant" and m.tool_calls:
+                conv += tool_loop.history_messages(m.content, m.tool_calls)
+                continue
             if m.state == "error" and not m.content or (m.role == "assistant" and not m.content):
                 continue
             if m.images and not vision:
@@ -331,10 +370,116 @@ class ChatController(QObject):
         except ValueError as e:
             self.notice.emit(str(e))
             speculation = None
+        variables = template_vars(self.settings)
+        if self._tools_on():
+            variables["tools"] = [t.schema() for t in self.tools.tools()]
         self.bridge.generate(
             self._turn, conversation, params, self.chat.id, self.settings.get("context_policy"), speculation,
-            template_vars=template_vars(self.settings),
+            template_vars=variables,
         )
+
+    # ---- tools
+    def _tools_on(self) -> bool:
+        """Tools go with this reply: they are on, servers are up, and the model's template takes tools."""
+        model = self.bridge.model
+        return self.tools is not None and self.tools.active and bool(model and model.tool_format)
+
+    def _take_calls(self, reply: Message) -> bool:
+        """When the finished `reply` holds tool calls: store them on it (its text without them), show them,
+        run the always-allowed ones and wait for the user's decision on the rest. False when it holds none."""
+        if not self._tools_on() or self._text.strip() == "":
+            return False
+        split = split_reasoning(self._text)
+        rest, calls = parse_tool_calls(split.answer, self.bridge.model.tool_format)
+        if not calls:
+            return False
+        head = self._text[: len(self._text) - len(split.answer)] if split.thinking is not None else ""
+        self._text = head + rest
+        self._tool_message = reply
+        self._outcomes = [CallOutcome(c) for c in calls]
+        self._futures = {}
+        for outcome in self._outcomes:
+            if outcome.call.name in self.tools.always:
+                outcome.decision = ALLOW_ALWAYS
+        return True
+
+    def decide(self, message_id: int, call_id: str, decision: str) -> None:
+        """The user's answer to a tool call's card: tool_loop.ALLOW_ONCE, ALLOW_ALWAYS or DENY."""
+        if self._tool_message is None or self._tool_message.id != message_id:
+            return
+        outcome = next((o for o in self._outcomes if o.call.id == call_id), None)
+        if outcome is None or outcome.decision:
+            return
+        outcome.decision = decision
+        if decision == ALLOW_ALWAYS:
+            self.tools.always.add(outcome.call.name)
+            for other in self._outcomes:  # the same tool's other calls of this reply go too
+                if other.call.name == outcome.call.name and not other.decision:
+                    other.decision = ALLOW_ALWAYS
+        self._advance_tools()
+
+    def _advance_tools(self) -> None:
+        """Run what is allowed and not yet running, answer denials, store, and go on once all are done."""
+        if self._advancing:  # a call that failed at once reports while it is being started
+            return
+        self._advancing = True
+        try:
+            for outcome in self._outcomes:
+                if outcome.done or outcome.call.id in self._futures or not outcome.decision:
+                    continue
+                if outcome.decision == DENY:
+                    outcome.result, outcome.is_error, outcome.done = DECLINED, True, True
+                else:
+                    self._futures[outcome.call.id] = self.tools.call(outcome)
+        finally:
+            self._advancing = False
+        self._save_tools()
+        if all(o.done for o in self._outcomes):
+            self._tools_finished()
+
+    def _save_tools(self, waiting: bool = True) -> None:
+        message = self._tool_message
+        message.tool_calls = [o.to_dict() for o in self._outcomes]
+        self.store.update_message(message.id, tool_calls=message.tool_calls)
+        self.toolCallsChanged.emit(message, waiting)
+
+    @Slot(object)
+    def _on_call_done(self, outcome: CallOutcome) -> None:
+        if self._tool_message is None or outcome not in self._outcomes:
+            return
+        if not self._advancing:
+            self._advance_tools()
+
+    def _tools_finished(self) -> None:
+        """Every call of the reply has its result: the next reply starts, unless the rounds are used up."""
+        self._tool_message, self._outcomes, self._futures = None, [], {}
+        msgs = self.messages()
+        rounds = 0
+        for m in reversed(msgs):
+            if m.role != "assistant" or not m.tool_calls:
+                break
+            rounds += 1
+        limit = int(self.settings.get("tool_max_rounds"))
+        if rounds >= limit:
+            self._set_busy(False)
+            self.notice.emit(tool_loop.rounds_notice(limit))
+            return
+        self._start_reply()
+
+    def _stop_tools(self) -> None:
+        """Stop: calls running are cancelled, undecided ones dropped; the reply ends "stopped"."""
+        message = self._tool_message
+        for future in self._futures.values():
+            future.cancel()
+        for outcome in self._outcomes:
+            if not outcome.done:
+                outcome.result, outcome.is_error = CANCELLED, True
+        self._save_tools(waiting=False)
+        self._tool_message, self._outcomes, self._futures = None, [], {}
+        message.state = "stopped"
+        self.store.update_message(message.id, state="stopped")
+        self.messageDone.emit(message)
+        self._set_busy(False)
 
     def _set_busy(self, busy: bool) -> None:
         if busy != self.busy:
@@ -369,11 +514,17 @@ class ChatController(QObject):
             return None
         stats = event_stats(event or self._last_event)
         stats["finish_reason"] = event.finish_reason if event else state
+        calls = state == "done" and self._take_calls(reply)
+        if calls:
+            stats["finish_reason"] = "tool_calls"
         self.store.update_message(reply.id, content=self._text, state=state, stats=stats)
         self._flushed_text = self._text
         reply.content, reply.state, reply.stats, reply.updated_at = self._text, state, stats, time.time()
-        self._set_busy(False)
+        if not calls:
+            self._set_busy(False)
         self.messageDone.emit(reply)
+        if calls:
+            self._advance_tools()  # shows the cards; runs the always-allowed calls
         return reply
 
     @Slot(int, object)

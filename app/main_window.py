@@ -147,7 +147,10 @@ class MainWindow(QMainWindow):
         self.store = store
         self._owns_bridge = bridge is None
         self.bridge = bridge or EngineBridge(threads=settings.get("threads") or None, parent=self)
-        self.controller = ChatController(store, self.bridge, settings, self)
+        from app.tools import ToolManager
+
+        self.tools = ToolManager(settings, self)  # MCP servers (Settings > Tools); none run with tools off
+        self.controller = ChatController(store, self.bridge, settings, self, tools=self.tools)
         self.model_info: ModelInfo | None = None
         self.last_event: ChatEvent | None = None
         self.library_window = None
@@ -158,6 +161,7 @@ class MainWindow(QMainWindow):
         self._closing = False
         self._send_when_checked = False  # Send was pressed while attached images were still being checked
         self._engine_dirty = False
+        self._tools_dirty = False
         self.cuda_ok, self.cuda_reason = cuda_status()
         self._device_notice = ""  # the worker's reason when a CUDA load fell back to the CPU
         self._owns_downloads = downloads is None
@@ -176,6 +180,8 @@ class MainWindow(QMainWindow):
         self._status_timer.timeout.connect(self.bridge.poll_status)
         self._status_timer.start()
         self._unsubscribe = settings.subscribe(self._on_setting)
+        if settings.get("tools_enabled"):
+            self.tools.restart()  # in the background: servers start while the model loads
         from app import quant_info
 
         QTimer.singleShot(3000, quant_info.prefetch)  # the format list, for settings and Convert
@@ -344,6 +350,9 @@ class MainWindow(QMainWindow):
         self.view.editRequested.connect(c.edit_and_resend)
         self.view.regenerateRequested.connect(c.regenerate)
         self.view.continueRequested.connect(c.continue_reply)
+        self.view.toolDecision.connect(c.decide)
+        c.toolCallsChanged.connect(self.view.show_tool_calls)
+        self.tools.stateChanged.connect(self._on_tools_state)
         c.chatsChanged.connect(self.refresh_chats)
         c.chatOpened.connect(self._on_chat_opened)
         c.messageAdded.connect(self._on_message_added)
@@ -351,6 +360,7 @@ class MainWindow(QMainWindow):
         c.messageDone.connect(self.view.finish)
         c.busyChanged.connect(self._on_busy)
         c.busyChanged.connect(self._apply_engine_settings)
+        c.busyChanged.connect(self.restart_tools)
         c.replyEvent.connect(self._on_reply_event)
         c.notice.connect(self.view.show_notice)
         self._bridge_slots = [
@@ -633,6 +643,30 @@ class MainWindow(QMainWindow):
             QTimer.singleShot(0, self._show_device)
         if key in ("device", "n_ctx"):
             QTimer.singleShot(0, self._refresh_fit)
+        if key in ("tools_enabled", "mcp_disabled", "tool_timeout_s") and not self._tools_dirty:
+            self._tools_dirty = True  # one restart for the dialog's several changes
+            QTimer.singleShot(0, self.restart_tools)
+
+    def restart_tools(self, *_args) -> None:
+        """Start the enabled MCP servers again after the Tools settings changed; waits for the reply (and the
+        tool calls) in progress, whose servers must not go away under them."""
+        if not self._tools_dirty or self._closing or self.controller.busy:
+            return
+        self._tools_dirty = False
+        self.tools.restart()
+
+    @Slot()
+    def _on_tools_state(self) -> None:
+        """Servers started: tell what failed (with its stderr), never silently."""
+        if self._closing:
+            return
+        errors = self.tools.errors()
+        if errors and self.settings.get("tools_enabled"):
+            self.view.show_notice("Tools: " + "\n".join(errors.values()))
+        names = ", ".join(t.name for t in self.tools.tools())
+        self.statusBar().showMessage(f"Tools: {names}" if names else "No tools are running", 8000)
+        if self.settings_dialog is not None and hasattr(self.settings_dialog, "refresh_servers"):
+            self.settings_dialog.refresh_servers()
 
     @Slot()
     def _refresh_fit(self) -> None:
@@ -769,6 +803,7 @@ class MainWindow(QMainWindow):
             cuda_available=self.cuda_ok,
             cuda_reason=self.cuda_reason,
             model_path=self.model_info.path if self.model_info is not None else None,
+            tools=self.tools,
         )
         dialog.open()
         self.settings_dialog = dialog
@@ -835,6 +870,7 @@ class MainWindow(QMainWindow):
             self.library_window.shutdown()
             self.library_window.close()
         self.server.shutdown()
+        self.tools.shutdown()  # the MCP servers' processes end with the app
         if self._owns_downloads:
             self.downloads.close(timeout=5.0)
         if self._owns_bridge:

@@ -97,6 +97,8 @@ from PySide6.QtWidgets import (  # noqa: F401 - re-exported
     QTabWidget,
     QTextBrowser,
     QToolButton,
+    QTreeWidget,
+    QTreeWidgetItem,
     QVBoxLayout,
     QWidget,
 )

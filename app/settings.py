@@ -144,6 +144,28 @@ class Schema:
     serve_port: int = _opt(
         8080, "Server port", "TCP port of the local API server.", "Server", min=1, max=65535
     )
+    # -- tool use: MCP servers of mcp.json (the dialog's Tools tab lists them with their own toggles)
+    tools_enabled: bool = _opt(
+        False,
+        "Use tools (MCP)",
+        "Offer the tools of the MCP servers in mcp.json to models whose chat template takes tools. Each call "
+        "asks first (Allow once, Always allow for this tool, Deny).",
+        "Tools",
+    )
+    tool_timeout_s: int = _opt(
+        120, "Tool call time limit (s)", "A tool call that takes longer is stopped.", "Tools", min=1, max=3600
+    )
+    tool_max_rounds: int = _opt(
+        8,
+        "Tool rounds per message",
+        "Rounds of tool calls the model may make for one message before Hearth stops and asks you.",
+        "Tools",
+        min=1,
+        max=100,
+    )
+    mcp_disabled: str = _opt(
+        "[]", "", "mcp.json servers switched off (a JSON list of names): the Tools tab.", "", hidden=True
+    )
     # -- internal state, not shown in the dialog
     first_run_done: bool = _opt(False, "", "", "", hidden=True)
 

@@ -2,12 +2,14 @@
 
 Choices become combo boxes, ints/floats spin boxes with the schema's limits, bools check boxes, folders
 and files a line edit with a Browse button; the quantization field is a picker showing bits per weight,
-the estimated size for the current model and a plain-language hint. OK validates everything through
-Settings.update (one write); Cancel changes nothing.
+the estimated size for the current model and a plain-language hint. The Tools tab adds the MCP servers of
+mcp.json, each with its own switch and, once running, its tools (or why it is not running), and an
+"Edit mcp.json…" button. OK validates everything through Settings.update (one write); Cancel changes nothing.
 """
 
 from __future__ import annotations
 
+import json
 import threading
 from pathlib import Path
 from typing import Any
@@ -16,6 +18,7 @@ from app import quant_info
 from app.qt import (
     QCheckBox,
     QComboBox,
+    QDesktopServices,
     QDialog,
     QDialogButtonBox,
     QDoubleSpinBox,
@@ -27,7 +30,11 @@ from app.qt import (
     QObject,
     QPushButton,
     QSpinBox,
+    Qt,
     QTabWidget,
+    QTreeWidget,
+    QTreeWidgetItem,
+    QUrl,
     QVBoxLayout,
     QWidget,
     Signal,
@@ -51,8 +58,10 @@ class SettingsDialog(QDialog):
         cuda_available: bool = False,
         cuda_reason: str = "",
         model_path: str | None = None,
+        tools=None,
     ):
         super().__init__(parent)
+        self.tools = tools  # app.tools.ToolManager: the servers' state for the Tools tab (None: not shown)
         self.model_path = model_path
         self.draft_suggestions: QComboBox | None = None  # filled with draft_candidates(model_path)
         self._relay = _Relay()
@@ -93,6 +102,9 @@ class SettingsDialog(QDialog):
                 self.device_note.setWordWrap(True)
                 self.device_note.setAccessibleName("Why CUDA is unavailable")
                 forms[section].addRow("", self.device_note)
+        self.servers: QTreeWidget | None = None
+        if "Tools" in forms:
+            self._build_servers(forms["Tools"])
         buttons = QDialogButtonBox(
             QDialogButtonBox.StandardButton.Ok
             | QDialogButtonBox.StandardButton.Cancel
@@ -105,6 +117,88 @@ class SettingsDialog(QDialog):
         layout.addWidget(tabs)
         layout.addWidget(self.error_label)
         layout.addWidget(buttons)
+
+    def _build_servers(self, form: QFormLayout) -> None:
+        """The MCP servers of mcp.json: a switch each, their tools (or errors) below, and Edit mcp.json…"""
+        self.servers = QTreeWidget()
+        self.servers.setHeaderLabels(["MCP server / tool", "Details"])
+        self.servers.setAccessibleName("MCP servers")
+        self.servers.setMinimumHeight(160)
+        form.addRow(self.servers)
+        row = QWidget()
+        h = QHBoxLayout(row)
+        h.setContentsMargins(0, 0, 0, 0)
+        self.edit_mcp_button = QPushButton("Edit mcp.json…")
+        self.edit_mcp_button.setAccessibleName("Edit mcp.json")
+        self.edit_mcp_button.setToolTip("Open mcp.json (Claude Desktop's format) in your editor")
+        self.edit_mcp_button.clicked.connect(self.edit_mcp_json)
+        reload = QPushButton("Reload")
+        reload.setAccessibleName("Read mcp.json again")
+        reload.clicked.connect(self.refresh_servers)
+        h.addWidget(self.edit_mcp_button)
+        h.addWidget(reload)
+        h.addStretch(1)
+        form.addRow(row)
+        try:
+            self._disabled = set(json.loads(self.settings.get("mcp_disabled") or "[]"))
+        except ValueError:
+            self._disabled = set()
+        self.refresh_servers()
+
+    @Slot()
+    def refresh_servers(self) -> None:
+        """Fill the server list from mcp.json and the running servers' tools and errors."""
+        from engine.mcp_client import MCPConfigError, config_path, load_config
+
+        if self.servers is None:
+            return
+        self._disabled = self._all_disabled()  # keep the switches the user changed in this dialog
+        self.servers.clear()
+        try:
+            configs = load_config(config_path())
+        except MCPConfigError as e:
+            QTreeWidgetItem(self.servers, ["mcp.json", str(e)])
+            return
+        if not configs:
+            QTreeWidgetItem(self.servers, ["(no servers)", f"add them to {config_path()}"])
+            return
+        running = {}
+        errors = {}
+        if self.tools is not None:
+            for t in self.tools.tools():
+                running.setdefault(t.server, []).append(t)
+            errors = self.tools.errors()
+        for name, c in configs.items():
+            where = c.url or " ".join([c.command, *c.args])
+            item = QTreeWidgetItem(self.servers, [name, where])
+            item.setFlags(item.flags() | Qt.ItemFlag.ItemIsUserCheckable)
+            off = name in self._disabled
+            item.setCheckState(0, Qt.CheckState.Unchecked if off else Qt.CheckState.Checked)
+            item.setData(0, Qt.ItemDataRole.UserRole, name)
+            for t in running.get(name, []):
+                QTreeWidgetItem(item, [t.name, t.description.splitlines()[0] if t.description else ""])
+            if name in errors:
+                QTreeWidgetItem(item, ["(not running)", errors[name]])
+            item.setExpanded(True)
+
+    def disabled_servers(self) -> list[str]:
+        """The servers whose switch is off."""
+        out = []
+        for i in range(self.servers.topLevelItemCount() if self.servers is not None else 0):
+            item = self.servers.topLevelItem(i)
+            name = item.data(0, Qt.ItemDataRole.UserRole)
+            if name and item.checkState(0) == Qt.CheckState.Unchecked:
+                out.append(name)
+        return out
+
+    @Slot()
+    def edit_mcp_json(self) -> Path:
+        """Open mcp.json in the system's editor (an empty one is created first)."""
+        from engine.mcp_client import write_default_config
+
+        path = write_default_config()
+        QDesktopServices.openUrl(QUrl.fromLocalFile(str(path)))
+        return path
 
     def _editor(self, key: str, meta: dict, value: Any, cuda: bool) -> tuple[QWidget, QWidget]:
         kind = type(default(key))
@@ -241,7 +335,15 @@ class SettingsDialog(QDialog):
                 out[key] = w.value()
             else:
                 out[key] = w.text()
+        if self.servers is not None:
+            out["mcp_disabled"] = json.dumps(sorted(self._all_disabled()))
         return out
+
+    def _all_disabled(self) -> set[str]:
+        """The switched-off servers: those of the list, and earlier ones no longer in mcp.json."""
+        listed = {self.servers.topLevelItem(i).data(0, Qt.ItemDataRole.UserRole)
+                  for i in range(self.servers.topLevelItemCount())}
+        return (self._disabled - listed) | set(self.disabled_servers())
 
     @Slot()
     def restore_defaults(self) -> None:

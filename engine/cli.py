@@ -102,6 +102,14 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(chat)
     _add_sampling_args(chat, 1024)
     chat.add_argument("--system", default=None, help="system prompt")
+    chat.add_argument(
+        "--mcp",
+        action="store_true",
+        help="use the tools of the MCP servers in mcp.json (Hearth's config dir); asks before each call",
+    )
+    chat.add_argument(
+        "--mcp-config", default=None, metavar="FILE", help="an mcp.json elsewhere; implies --mcp"
+    )
     add_device_args(chat)
 
     tok = sub.add_parser("tokenize", help="print the token ids of a text")

@@ -180,6 +180,7 @@ class ModelInfo:
     warnings: list[str] = field(default_factory=list)
     device: str = "cpu"  # where it runs: "cpu", "cuda:0", "cuda:0 (12/28 layers)"
     vision: bool = False  # it reads images in messages (engine.vision)
+    tool_format: str = ""  # how its chat template has it call tools (engine.tools.tool_format); "": no tools
 
 
 @dataclass

@@ -69,7 +69,7 @@ def _context(lm: LoadedModel, requested: int) -> int:
     return min(requested, lm.context_length)
 
 
-def _chat_prompt(lm: LoadedModel, messages: list[dict]) -> list[int]:
+def _chat_prompt(lm: LoadedModel, messages: list[dict], template_vars: dict | None = None) -> list[int]:
     """Prompt ids for a conversation, in the model's chat template.
 
     A model without a template (a base checkpoint) gets its family's fallback template from
@@ -85,7 +85,7 @@ def _chat_prompt(lm: LoadedModel, messages: list[dict]) -> list[int]:
         for done in lm.vision.read(data):
             print(f"\rreading image {n + 1}/{len(pending)}: {done:4.0%}", end="", file=sys.stderr, flush=True)
         print(file=sys.stderr)
-    text = lm.template.render(template_messages, add_generation_prompt=True)
+    text = lm.template.render(template_messages, add_generation_prompt=True, **(template_vars or {}))
     # the template writes BOS itself when the model wants it; encode its special tokens as such
     return encode_with_images(lm, text, images)
 
@@ -151,6 +151,58 @@ def cmd_run(args) -> int:
     return 0
 
 
+def _ask_tool(call) -> str:
+    """The terminal's consent for a tool call: y (once), a (always, this tool), n (deny)."""
+    from engine.tool_loop import ALLOW_ALWAYS, ALLOW_ONCE, DENY, describe
+
+    print(f"\n[tool call] {describe(call)}", file=sys.stderr)
+    while True:
+        try:
+            answer = input("Run it? [y]es / [n]o / [a]lways for this tool: ").strip().lower()
+        except EOFError:
+            return DENY
+        if answer in ("y", "yes"):
+            return ALLOW_ONCE
+        if answer in ("a", "always"):
+            return ALLOW_ALWAYS
+        if answer in ("n", "no"):
+            return DENY
+
+
+def _show_result(outcome) -> None:
+    text = outcome.result
+    if len(text) > 800:
+        text = text[:800] + f" ... ({len(outcome.result)} characters)"
+    label = "declined" if outcome.decision == "deny" else ("error" if outcome.is_error else "result")
+    print(f"[tool {label}] {text}", file=sys.stderr)
+
+
+def _tool_session(args, lm: LoadedModel):
+    """The chat's ToolSession when --mcp asks for one: mcp.json's servers started, their errors and tools
+    told on stderr. None without --mcp."""
+    from engine import tools
+    from engine.mcp_client import ToolHost, config_path, load_config
+    from engine.tool_loop import ToolSession
+
+    if not (args.mcp or args.mcp_config):
+        return None
+    path = Path(args.mcp_config) if args.mcp_config else config_path()
+    servers = [c for c in load_config(path).values() if not c.disabled]
+    if not servers:
+        print(f"hearth: no MCP servers in {path} (add some under \"mcpServers\"); chatting without tools",
+              file=sys.stderr)
+    host = ToolHost(servers)
+    for error in host.start().values():
+        if error is not None:
+            print(f"hearth: {error}", file=sys.stderr)
+    fmt = tools.tool_format(lm.template.source if lm.template is not None else None)
+    if fmt is None and servers:
+        print(f"hearth: {lm.name}'s chat template takes no tools; chatting without them", file=sys.stderr)
+    elif host.tools():
+        print(f"tools: {', '.join(t.name for t in host.tools())}", file=sys.stderr)
+    return ToolSession(host, fmt)
+
+
 def cmd_chat(args) -> int:
     lm = _load(args)
     params = _params(args)
@@ -161,12 +213,44 @@ def cmd_chat(args) -> int:
     pending: list[bytes] = []  # images for the next message (/image)
     if lm.template is None:
         _chat_prompt(lm, messages)  # pick the fallback template now, so its notice precedes the prompt
+    session = _tool_session(args, lm)
+    try:
+        return _chat_loop(lm, params, n_ctx, cache, system, messages, pending, session)
+    finally:
+        if session is not None:
+            session.host.close()
+
+
+def _chat_loop(lm, params, n_ctx, cache, system, messages, pending, session) -> int:
+    from engine.tool_loop import run_tool_loop
+
     print(
         f"{lm.name} ready (context {n_ctx}, on {getattr(lm.model, 'placement', 'cpu')}). "
         "/reset clears the chat, /exit or Ctrl-D quits."
         + (" /image FILE adds an image to your next message." if lm.vision is not None else ""),
         file=sys.stderr,
     )
+    last = None
+
+    def reply(conversation: list[dict], template_vars: dict) -> str:
+        nonlocal last
+        ids = _chat_prompt(lm, conversation, template_vars)
+        respelled = reuse_held_tokens(lm.tokenizer, ids, cache.tokens)  # the cache's own tokens
+        ids = respelled if len(respelled) < n_ctx else ids
+        # a reply inside a thinking block the template opened shows (and keeps) its opening tag
+        text = [stored_opening(opens_reasoning(lm.tokenizer.decode(ids[-8:])))]
+        print("".join(text), end="", flush=True)
+        try:
+            for event in generate(lm.model, lm.tokenizer, ids, cache, params):
+                text.append(event.text)
+                print(event.text, end="", flush=True)
+                last = event
+        except KeyboardInterrupt:
+            conversation.append({"role": "assistant", "content": "".join(text)})
+            raise
+        print()
+        return "".join(text)
+
     while True:
         try:
             line = input(">>> ")
@@ -178,8 +262,8 @@ def cmd_chat(args) -> int:
         if line.strip() in ("/exit", "/quit", "/bye"):
             return 0
         if line.strip() == "/reset":
-            messages = list(system)
-            pending = []
+            messages[:] = list(system)
+            pending.clear()
             print("(chat cleared)", file=sys.stderr)
             continue
         if line.strip().startswith("/image"):
@@ -195,29 +279,22 @@ def cmd_chat(args) -> int:
                 print(f"hearth: {e}", file=sys.stderr)
             continue
         messages.append(_user_message(line, pending))
-        pending = []
+        pending.clear()
+        mark = len(messages)
         try:
-            ids = _chat_prompt(lm, messages)
-            respelled = reuse_held_tokens(lm.tokenizer, ids, cache.tokens)  # the cache's own tokens
-            ids = respelled if len(respelled) < n_ctx else ids
-            # a reply inside a thinking block the template opened shows (and keeps) its opening tag
-            reply = [stored_opening(opens_reasoning(lm.tokenizer.decode(ids[-8:])))]
-            print("".join(reply), end="", flush=True)
-            last = None
-            for event in generate(lm.model, lm.tokenizer, ids, cache, params):
-                reply.append(event.text)
-                print(event.text, end="", flush=True)
-                last = event
+            if session is not None and session.active:
+                _, notice = run_tool_loop(messages, reply, session, _ask_tool, _show_result)
+                if notice:
+                    print(f"hearth: {notice}", file=sys.stderr)
+            else:
+                messages.append({"role": "assistant", "content": reply(messages, {})})
         except KeyboardInterrupt:
             print("\n(stopped)", file=sys.stderr)
-            messages.append({"role": "assistant", "content": "".join(reply)})
             continue
         except HearthError as e:
-            messages.pop()
+            del messages[mark - 1 :]
             print(f"\nhearth: {e}", file=sys.stderr)
             continue
-        messages.append({"role": "assistant", "content": "".join(reply)})
-        print()
         print(
             f"[{last.generated_tokens} tokens; {last.cached_tokens}/{last.prompt_tokens} prompt reused; "
             f"TTFT {last.ttft_s:.2f}s; {last.generation_tps:.1f} tok/s; context {cache.offset}/{n_ctx}]",

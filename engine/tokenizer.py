@@ -35,6 +35,8 @@ TOKEN_USER_DEFINED = 4
 TOKEN_UNUSED = 5
 TOKEN_BYTE = 6
 
+# control tokens that open a tool call (Mistral, Llama 3.1) or wrap one (Hermes, Qwen): kept in chat text
+TOOL_CALL_MARKERS = ("[TOOL_CALLS]", "[ARGS]", "[CALL_ID]", "<|python_tag|>", "<tool_call>", "</tool_call>")
 # Texts of control tokens that end a turn in the chat formats we know of.
 _END_OF_TURN_TEXTS = (
     "<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "<end_of_turn>", "<|endoftext|>", "<turn|>",  # Gemma 4
@@ -608,6 +610,8 @@ class Tokenizer:
             if piece_type == TOKEN_CONTROL:
                 controls.setdefault(piece, i)
         self.harmony = harmony_ids(controls)
+        # control tokens that mark a tool call (engine.tools): a chat reply keeps them, so its calls are found
+        self._kept_controls = frozenset(controls[t] for t in TOOL_CALL_MARKERS if t in controls)
         if self.harmony is not None:
             self.eot_ids = harmony_stop_ids(self.eot_ids, self.harmony)
         self.add_bos = add_bos
@@ -834,7 +838,8 @@ class Tokenizer:
         """
         kind = self._types[self._check_id(token_id)]
         if kind in self._split_types:
-            raw = b"" if skip_special and kind == TOKEN_CONTROL else self.token_bytes(token_id)
+            skip = skip_special and kind == TOKEN_CONTROL and token_id not in self._kept_controls
+            raw = b"" if skip else self.token_bytes(token_id)
             return raw, self.add_space_prefix
         raw = self.token_bytes(token_id)
         if strip_space and kind == TOKEN_NORMAL and raw[:1] == b" ":

@@ -46,6 +46,7 @@ from engine.spec_chat import DraftSlot, prime, proposer_for, spec_fields
 from engine.speculative import speculative_generate
 from engine.templates import ensure_chat_template
 from engine.token_reuse import best_reuse
+from engine.tools import tool_format
 from engine.vision import encode_with_images, message_images, prepare_messages
 from engine.vision.tokens import chunk_end, safe_prefix
 from models.formats.gguf import open_gguf
@@ -187,6 +188,7 @@ class ChatRunner:
             warnings=list(est.warnings) if est else [],
             device=getattr(self.lm.model, "placement", "cpu"),
             vision=self.lm.vision is not None,
+            tool_format=tool_format(self.lm.template.source if self.lm.template is not None else None) or "",
         )
 
     def status(self) -> dict:

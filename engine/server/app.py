@@ -27,6 +27,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from engine import tools
 from engine.chat_template import TemplateError
 from engine.errors import ImageInputError, ImagesBusyError
 from engine.reasoning import ReasoningStream, opens_reasoning, split_reasoning, strip_reasoning
@@ -200,6 +201,7 @@ class _Api:
         self.names = [config.model_name, *[a for a in config.aliases if a and a != config.model_name]]
         self.created = protocol.now()
         source = getattr(lm.template, "source", "") or ""
+        self.tool_format = tools.tool_format(source)  # the call format the template teaches (None: try each)
         self.template_has_tools = "tools" in source
         self._vision_lock = threading.Lock()  # one image encoding at a time (the model's image table)
 
@@ -438,7 +440,7 @@ class _Api:
                 message = {"role": "assistant", "content": text, "reasoning_content": thinking}
         reason = protocol.finish(last.finish_reason)
         if req.tools:
-            rest, calls = protocol.parse_tool_calls(text)
+            rest, calls = protocol.parse_tool_calls(text, self.tool_format)
             if calls:
                 message = {**message, "content": rest or None, "tool_calls": calls}
                 reason = "tool_calls"
@@ -523,7 +525,7 @@ class _Api:
                 if d.finish_reason is not None:
                     reason = protocol.finish(d.finish_reason)
                     if buffer_tools:
-                        rest, calls = protocol.parse_tool_calls("".join(held))
+                        rest, calls = protocol.parse_tool_calls("".join(held), self.tool_format)
                         if calls:
                             reason = "tool_calls"
                             yield choice(

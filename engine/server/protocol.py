@@ -12,12 +12,12 @@ from __future__ import annotations
 import base64
 import binascii
 import json
-import re
 import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine import tools
 from engine.server.errors import APIError, invalid
 
 MAX_STOP = 4
@@ -379,31 +379,12 @@ def parse_completion(body: Any, n_ctx: int) -> CompletionRequest:
 
 # --- tool calls in the reply ------------------------------------------------------------------
 
-_TOOL_CALL = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.S)
-
-
-def parse_tool_calls(text: str) -> tuple[str, list[dict]]:
-    """Split `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks (Hermes/Qwen format, what
-    tool-capable chat templates teach) out of a reply. Returns (remaining text, OpenAI tool_calls)."""
-    calls = []
-    for m in _TOOL_CALL.finditer(text):
-        try:
-            obj = json.loads(m.group(1))
-        except ValueError:
-            continue
-        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-            continue
-        args = obj.get("arguments", obj.get("parameters", {}))
-        calls.append(
-            {
-                "id": f"call_{uuid.uuid4().hex[:24]}",
-                "type": "function",
-                "function": {"name": obj["name"], "arguments": json.dumps(args, ensure_ascii=False)},
-            }
-        )
-    if not calls:
-        return text, []
-    return _TOOL_CALL.sub("", text).strip(), calls
+def parse_tool_calls(text: str, fmt: str | None = None) -> tuple[str, list[dict]]:
+    """Split the tool calls out of a reply (engine.tools: Hermes/Qwen `<tool_call>` blocks, gpt-oss's as its
+    decoder writes them, Mistral `[TOOL_CALLS]`, Llama 3.1 JSON). fmt: the model template's
+    engine.tools.tool_format, None to try each. Returns (remaining text, OpenAI tool_calls)."""
+    rest, calls = tools.parse_tool_calls(text, fmt)
+    return rest, [c.openai() for c in calls]
 
 
 # --- bodies ------------------------------------------------------------------------------------

@@ -147,7 +147,7 @@ def test_migrates_a_version_2_database_to_images(tmp_path):
     assert "message_images" not in tables
     db.close()
     s = ChatStore(path)
-    assert s.schema_version == SCHEMA_VERSION == 3
+    assert s.schema_version == SCHEMA_VERSION == 4
     tables = {r[0] for r in s.db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
     assert "message_images" in tables
     msgs = s.messages("c")
@@ -226,3 +226,56 @@ def test_import_rejects_broken_images(store, images, match):
     with pytest.raises(ChatStoreError, match=match):
         store.import_json({"messages": [{"role": "user", "content": "x", "images": images}]})
     assert len(store.list_chats()) == before
+
+
+CALLS = [
+    {"id": "abc123XYZ", "name": "add", "arguments": {"a": 2, "b": 3}, "decision": "once", "result": "5.0",
+     "is_error": False, "done": True},
+    {"id": "def456UVW", "name": "rm", "arguments": {"path": "/"}, "decision": "deny",
+     "result": "The user declined to run this tool call.", "is_error": True, "done": True},
+]
+
+
+def test_migrates_a_version_3_database_to_tool_calls(tmp_path):
+    """A database as Hearth with images (schema 3) wrote it, with an image, opens with tool calls."""
+    path = tmp_path / "v3.sqlite3"
+    db = sqlite3.connect(path, isolation_level=None)
+    db.execute("CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)")
+    for step in MIGRATIONS[:3]:
+        step(db)
+    db.execute("INSERT INTO meta VALUES ('schema_version', '3')")
+    db.execute("INSERT INTO chats (id, title, created_at, updated_at) VALUES ('c', 'Before tools', 1, 1)")
+    db.execute(
+        "INSERT INTO messages (chat_id, position, role, content, created_at, updated_at, stats) "
+        "VALUES ('c', 0, 'user', 'look', 1, 1, '{}'), ('c', 1, 'assistant', 'a cat', 2, 2, '{}')"
+    )
+    db.execute("INSERT INTO message_images VALUES (1, 0, 'image/png', ?)", (PNG.data,))
+    columns = {r[1] for r in db.execute("PRAGMA table_info(messages)")}
+    assert "tool_calls" not in columns
+    db.close()
+    s = ChatStore(path)
+    assert s.schema_version == SCHEMA_VERSION == 4
+    msgs = s.messages("c")
+    assert [(m.content, m.images, m.tool_calls) for m in msgs] == [("look", [PNG], []), ("a cat", [], [])]
+    reply = s.add_message("c", "assistant", "Let me add.")
+    s.update_message(reply.id, tool_calls=CALLS)
+    s.close()
+    assert ChatStore(path).messages("c")[-1].tool_calls == CALLS
+
+
+def test_tool_calls_survive_export_and_import(store):
+    chat = store.create_chat("Tools")
+    store.add_message(chat.id, "user", "2+3?")
+    m = store.add_message(chat.id, "assistant", "Let me add.")
+    store.update_message(m.id, tool_calls=CALLS)
+    store.add_message(chat.id, "assistant", "It is 5.")
+    data = store.export_json(chat.id)
+    assert data["version"] == 3 and data["messages"][1]["tool_calls"] == CALLS
+    assert "tool_calls" not in data["messages"][2]
+    again = store.import_json(json.loads(json.dumps(data)))
+    assert [m.tool_calls for m in store.messages(again.id)] == [[], CALLS, []]
+    md = store.export_markdown(chat.id)
+    assert "**Tool call: `add`**" in md and '"a": 2' in md and "<details><summary>Result</summary>" in md
+    assert "*Declined by the user.*" in md
+    with pytest.raises(ChatStoreError, match='"tool_calls" must be a list'):
+        store.import_json({"messages": [{"role": "assistant", "content": "x", "tool_calls": [1]}]})

@@ -282,3 +282,20 @@ def test_inconsistent_metadata_is_a_typed_error():
         Tokenizer.from_gguf_metadata(synthetic_metadata(**{"tokenizer.ggml.eos_token_id": 9999}))
     with pytest.raises(TokenizerError, match="no tokenizer"):
         Tokenizer.from_gguf_metadata({})
+
+
+def test_tool_call_markers_survive_skip_special():
+    """Mistral's [TOOL_CALLS]/[ARGS] and Llama's <|python_tag|> are control tokens; a chat reply keeps them,
+    so engine.tools finds the calls (other control tokens are still dropped)."""
+    markers = ["[TOOL_CALLS]", "[ARGS]", "<|python_tag|>"]
+    tokens = [*_byte_alphabet(), "<s>", "</s>", "<|eot_id|>", *markers]
+    types = np.asarray([TOKEN_NORMAL] * 256 + [TOKEN_CONTROL] * 6, dtype=np.int32)
+    tok = Tokenizer.from_gguf_metadata(
+        synthetic_metadata(**{"tokenizer.ggml.tokens": tokens, "tokenizer.ggml.token_type": types})
+    )
+    ids = tok.encode('<s>[TOOL_CALLS]add[ARGS]{"a": 1}</s>')
+    assert tok.decode(ids, skip_special=True) == '[TOOL_CALLS]add[ARGS]{"a": 1}'
+    stream = StreamDecoder(tok, skip_special=True)
+    assert "".join(stream.push(i) for i in tok.encode("<|python_tag|>{}<|eot_id|>")) + stream.flush() == (
+        "<|python_tag|>{}"
+    )
