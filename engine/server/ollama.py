@@ -499,7 +499,7 @@ class _Reply:
             thinking, text = thinking + t, text + a
         calls = None
         if self.tools:
-            text, found = protocol.parse_tool_calls(text)
+            text, found = protocol.parse_tool_calls(text, self.api.tool_format)
             calls = tool_calls(found) or None
         return {**self._body(text, thinking, calls), **self._closing(deltas[-1])}
 
@@ -520,7 +520,7 @@ class _Reply:
                 if d.finish_reason is not None:
                     calls = None
                     if self.tools:
-                        text, found = protocol.parse_tool_calls("".join(held))
+                        text, found = protocol.parse_tool_calls("".join(held), self.api.tool_format)
                         calls = tool_calls(found) or None
                         if text or calls:
                             yield _line({**self._body(text, calls=calls), "done": False})
