@@ -92,8 +92,8 @@ def _reply(tools: bool, split: bool = True) -> api._Reply:
     tool = {"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}}}
     parsed = api.parse_chat({"model": "m", "messages": HI, **({"tools": [tool]} if tools else {})}, 512)
     params = type("P", (), {"prompt_ids": [5, 6]})()
-    return api._Reply(type("A", (), {"tok": _Tok(), "tool_format": None})(), parsed, params, split, False, "message",
-                      {"model": "m"}, 0.0, context=False)
+    server = type("A", (), {"tok": _Tok(), "tool_format": None})()
+    return api._Reply(server, parsed, params, split, False, "message", {"model": "m"}, 0.0, context=False)
 
 
 DELTAS = [
