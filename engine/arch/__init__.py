@@ -11,7 +11,10 @@ import importlib
 from engine.errors import UnsupportedArchitectureError
 
 _REGISTRY: dict[str, type] = {}
-_BUILTIN_MODULES = ("engine.arch.llama", "engine.arch.gemma3", "engine.arch.gemma4", "engine.arch.nemotron_h")
+_BUILTIN_MODULES = (
+    "engine.arch.llama", "engine.arch.gemma3", "engine.arch.gemma4", "engine.arch.nemotron_h",
+    "engine.arch.deepseek2",
+)
 
 
 def register(*names: str):
