@@ -45,6 +45,9 @@ _FAMILY_PRE = {
     "seed-coder": "seed-coder",
     "starcoder": "smollm",
     "falcon": "falcon",
+    "deepseek-llm": "deepseek-llm",
+    "deepseek-v3": "deepseek-v3",
+    "deepseek-coder": "deepseek-coder",
 }
 
 

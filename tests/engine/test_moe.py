@@ -356,7 +356,6 @@ def test_glm45_moe_in_gguf_with_llama_cpps_keys_and_nextn_layers(tmp_path):
     2.5, beside an ungated shared expert) as a glm4moe GGUF: llama.cpp's keys; block_count that counts a
     next-token-prediction layer (nextn_predict_layers), whose tensors are not run; the pre-FFN norm under
     llama.cpp's name post_attention_norm (or ffn_norm). Group-limited routing (DeepSeek-V3) is refused."""
-    from engine.errors import UnsupportedArchitectureError
     from tests.engine.model_checks import rewrite_gguf
 
     golden = _golden("glm4moe")
