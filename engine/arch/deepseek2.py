@@ -84,10 +84,12 @@ class DeepSeek2Config(LlamaConfig):
         scaling = rope_scaling_from_gguf(metadata, "deepseek2")
         log_mul = float(key("rope.scaling.yarn_log_multiplier", 0.0))
         if scaling.kind == "yarn":
-            # llama.cpp cancels YaRN's factor on cos and sin (mscale = mscale_all_dim in DeepSeek's configs)
+            # llama.cpp cancels YaRN's factor on cos and sin (mscale = mscale_all_dim in DeepSeek's configs);
+            # Hearth's converter writes the factor as attn_factor
+            factor = 1.0 if scaling.attention_factor is None else scaling.attention_factor
             scaling = RopeScaling(
                 "yarn", scaling.factor, original_max_position=scaling.original_max_position,
-                beta_fast=scaling.beta_fast, beta_slow=scaling.beta_slow, attention_factor=1.0,
+                beta_fast=scaling.beta_fast, beta_slow=scaling.beta_slow, attention_factor=factor,
             )
         elif scaling.kind != "none":
             raise UnsupportedArchitectureError(
