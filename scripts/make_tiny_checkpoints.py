@@ -229,15 +229,15 @@ FAMILIES = {
         False,
     ),
     # DeepSeek-V2-Lite's layout: multi-head latent attention without a q LoRA (plain q_proj), YaRN with
-    # DeepSeek's mscale and mscale_all_dim, a dense first layer, then 8 routed experts in 4 groups (the best
-    # 2 groups by their top expert, softmax scores, 2 experts a token, not renormalized, times 1.5) beside a
-    # shared expert
+    # DeepSeek's mscale and mscale_all_dim, a dense first layer, then 8 routed experts in 4 groups (softmax
+    # scores, 2 experts a token from the one group with the best expert, not renormalized, times 1.5; with
+    # as many groups as experts a token the limit would change nothing) beside a shared expert
     "deepseek_v2": (
         transformers.DeepseekV2Config,
         dict(tie_word_embeddings=False, num_hidden_layers=3, num_key_value_heads=4, q_lora_rank=None,
              kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12, n_routed_experts=8,
              num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=32, first_k_dense_replace=1,
-             topk_method="group_limited_greedy", n_group=4, topk_group=2, routed_scaling_factor=1.5,
+             topk_method="group_limited_greedy", n_group=4, topk_group=1, routed_scaling_factor=1.5,
              norm_topk_prob=False, pad_token_id=0,
              rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0,
                                   original_max_position_embeddings=64, beta_fast=32.0, beta_slow=1.0,
