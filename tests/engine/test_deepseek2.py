@@ -290,3 +290,59 @@ def test_llama_cpps_older_files_with_one_kv_b(ggufs, tmp_path):
     ref = np.array(golden["logits"])
     np.testing.assert_allclose(m.forward(golden["tokens"], m.new_cache(64), all_logits=True), ref,
                                atol=_tol(ref))
+
+
+def _write_st(path: Path, tensors: dict[str, tuple[str, tuple, bytes]]) -> None:
+    header, off = {}, 0
+    for name, (dtype, shape, data) in tensors.items():
+        header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [off, off + len(data)]}
+        off += len(data)
+    blob = json.dumps(header).encode()
+    path.write_bytes(len(blob).to_bytes(8, "little") + blob + b"".join(d for _, _, d in tensors.values()))
+
+
+def test_block_fp8_folder_runs_as_its_decoded_weights(tmp_path):
+    """DeepSeek-V3's FP8 release layout (F8_E4M3 linears with a weight_scale_inv per 128 x 128 block),
+    kv_b_proj included: the same logits as a folder holding the decoded values as F32, also once converted
+    to a GGUF."""
+    import shutil
+
+    from engine.quant.fp8 import dequantize_fp8_blocks, quantize_fp8_blocks
+    from engine.weights import float32_of
+    from models.formats.safetensors import open_safetensors_repo
+
+    src = TINY / "deepseek_v3"
+    st = open_safetensors_repo(src)
+    fp8, plain = {}, {}
+    for name, info in st.tensors.items():
+        x = float32_of(st.array(name), info.dtype == "BF16")
+        linear = name.startswith("model.layers.") and x.ndim == 2 and not name.endswith("mlp.gate.weight")
+        if linear:
+            codes, scale = quantize_fp8_blocks(x)
+            fp8[name] = ("F8_E4M3", x.shape, codes.tobytes())
+            fp8[name + "_scale_inv"] = ("F32", scale.shape, scale.tobytes())
+            x = dequantize_fp8_blocks(codes, scale)
+        else:
+            fp8[name] = ("F32", x.shape, np.ascontiguousarray(x).tobytes())
+        plain[name] = ("F32", x.shape, np.ascontiguousarray(x, np.float32).tobytes())
+    st.close()
+    config = json.loads((src / "config.json").read_text())
+    quantization = {"quant_method": "fp8", "weight_block_size": [128, 128], "fmt": "e4m3"}
+    for folder, tensors, extra in (
+        (tmp_path / "fp8", fp8, {"quantization_config": quantization}),
+        (tmp_path / "decoded", plain, {}),
+    ):
+        folder.mkdir()
+        for f in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+            shutil.copy(src / f, folder / f)
+        (folder / "config.json").write_text(json.dumps(config | extra))
+        _write_st(folder / "model.safetensors", tensors)
+    tokens = _golden("deepseek_v3")["tokens"]
+    got = load_model(tmp_path / "fp8").model
+    assert got.layers[1].mla.v_b.ggml_type == 1003  # FP8_E4M3_BLOCK, computed on as stored
+    want = load_model(tmp_path / "decoded").model
+    ref = want.forward(tokens, want.new_cache(64), all_logits=True)
+    np.testing.assert_allclose(got.forward(tokens, got.new_cache(64), all_logits=True), ref, atol=_tol(ref))
+    gguf = load_model(convert(tmp_path / "fp8", "F16", tmp_path / "fp8.gguf").output).model
+    np.testing.assert_allclose(gguf.forward(tokens, gguf.new_cache(64), all_logits=True), ref,
+                               atol=30 * _tol(ref))  # F16 rounding of the decoded values (measured 15)
