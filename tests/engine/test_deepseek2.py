@@ -346,3 +346,20 @@ def test_block_fp8_folder_runs_as_its_decoded_weights(tmp_path):
     gguf = load_model(convert(tmp_path / "fp8", "F16", tmp_path / "fp8.gguf").output).model
     np.testing.assert_allclose(gguf.forward(tokens, gguf.new_cache(64), all_logits=True), ref,
                                atol=30 * _tol(ref))  # F16 rounding of the decoded values (measured 15)
+
+
+def test_requantizing_a_gguf_and_what_is_declined(ggufs, tmp_path):
+    """A deepseek2 GGUF re-quantizes (Q4_K_M: attn_k_b's 16-wide rows fall back to a type that takes them);
+    AWQ and the FP8 safetensors export decline it with a typed error."""
+    from engine.errors import ModelFormatError, UnsupportedArchitectureError
+
+    out = convert(ggufs["deepseek_v3", "F16"], "Q4_K_M", tmp_path / "v3.Q4_K_M.gguf").output
+    m = load_model(out).model
+    golden = _golden("deepseek_v3")
+    ref = np.array(golden["logits"])
+    logits = m.forward(golden["tokens"], m.new_cache(64), all_logits=True)
+    assert np.abs(logits - ref).max() < 0.8 * np.abs(ref).max()  # 4-bit weights on a tiny random model
+    with pytest.raises(UnsupportedArchitectureError, match="latent attention"):
+        convert(TINY / "deepseek_v3", "awq", tmp_path / "awq")
+    with pytest.raises(ModelFormatError, match="deepseek2"):
+        convert(TINY / "deepseek_v3", "fp8", tmp_path / "fp8")
