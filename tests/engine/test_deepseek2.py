@@ -363,3 +363,55 @@ def test_requantizing_a_gguf_and_what_is_declined(ggufs, tmp_path):
         convert(TINY / "deepseek_v3", "awq", tmp_path / "awq")
     with pytest.raises(ModelFormatError, match="deepseek2"):
         convert(TINY / "deepseek_v3", "fp8", tmp_path / "fp8")
+
+
+def test_the_server_engine_batches_and_reuses_latent_caches(models):
+    """`hearth serve`'s engine: three greedy requests decode in shared steps over latent caches, then a
+    request extending the first prompt reuses what the engine kept of it; each reply is the one a lone
+    greedy run gives."""
+    import threading
+
+    from engine.server.scheduler import Engine, SeqParams
+
+    lm = models["deepseek_v3"]
+    m, ends = lm.model, sorted(lm.tokenizer.eot_ids)
+    engine = Engine(m, lm.tokenizer, n_ctx=64, max_seqs=4, prefix_cache_bytes=1 << 20)
+
+    def run(prompts):
+        replies = [[] for _ in prompts]
+        done = [threading.Event() for _ in prompts]
+        for i, ids in enumerate(prompts):
+            def emit(delta, i=i):
+                replies[i].append(delta)
+                if delta.finish_reason or delta.error:
+                    done[i].set()
+
+            engine.submit(SeqParams(prompt_ids=ids, max_tokens=6, temperature=0.0, ignore_eos=True), emit)
+        assert all(ev.wait(120) for ev in done)
+        return replies
+
+    def alone(ids):
+        cache, out = m.new_cache(64), []
+        step = m.forward(ids, cache)
+        for _ in range(6):  # greedy; never end-of-turn tokens (ignore_eos) nor the padded vocabulary rows
+            row = step[-1].copy()
+            row[ends] = -np.inf
+            row[lm.tokenizer.vocab_size :] = -np.inf
+            out.append(int(np.argmax(row)))
+            step = m.forward([out[-1]], cache)
+        return out
+
+    prompts = [[5, 17, 42, 8, 3], [99, 3, 250, 77, 1], [8, 9, 10, 11]]
+    engine.start()
+    try:
+        first = run(prompts)
+        seen = engine.max_batch_seen
+        again = prompts[0] + [7, 12]
+        (second,) = run([again])
+    finally:
+        engine.stop()
+    assert seen >= 2
+    for ids, deltas in zip([*prompts, again], [*first, second], strict=True):
+        assert deltas[-1].error is None
+        assert [d.token for d in deltas if d.token is not None] == alone(ids)
+    assert second[-1].cached_tokens >= len(prompts[0])
