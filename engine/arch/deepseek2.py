@@ -36,10 +36,10 @@ from engine.errors import UnsupportedArchitectureError
 from engine.kv_cache import KVCache, LatentKVCache
 from engine.rope import (
     RopeScaling,
-    _yarn_mscale,
     rope_attention_factor,
     rope_inv_freq,
     rope_scaling_from_gguf,
+    yarn_mscale,
 )
 from engine.weights import Weight
 
@@ -214,6 +214,8 @@ class MLA:
 
 @dataclass
 class MLALayer(LlamaLayer):
+    """A LlamaLayer (norms, FFN or experts, wo) whose attention is `mla` (wq, wk, wv stay None)."""
+
     mla: MLA | None = None
 
 
@@ -221,15 +223,13 @@ def _transposed_heads(w: Weight, heads: int, first: int, rows: int, per_head: in
     """Rows first..first+rows of each head's per_head-row block of w, transposed per head: a
     (heads * w.cols, rows) weight (llama.cpp's attn_k_b from kv_b_proj). Float types keep their type; a
     quantized legacy attn_kv_b is dequantized to float32 (its key rows only)."""
-    if w.ggml_type in (F32, F16, BF16):
-        item = np.float32 if w.ggml_type == F32 else np.uint16
-        values = w.raw.view(item).reshape(heads, per_head, w.cols)
+    if w.ggml_type in (F32, F16, BF16):  # the stored elements, moved (F16 and BF16 as their 16 bits)
+        values = w.raw.view(np.float32 if w.ggml_type == F32 else np.uint16).reshape(heads, per_head, w.cols)
         ggml_type = w.ggml_type
     else:
         values = np.empty((w.rows, w.cols), np.float32)
         ops.get_rows(values, w, np.arange(w.rows))
-        values = values.reshape(heads, per_head, w.cols)
-        item, ggml_type = np.float32, F32
+        values, ggml_type = values.reshape(heads, per_head, w.cols), F32
     t = np.ascontiguousarray(values[:, first : first + rows, :].transpose(0, 2, 1))
     return Weight(ggml_type, t.reshape(heads * w.cols, rows).view(np.uint8), heads * w.cols, rows)
 
@@ -317,7 +317,7 @@ class DeepSeek2Model(LlamaModel):
         # YaRN's factor on cos and sin scales the rotated dims (rope_mscale); DeepSeek's mscale_all_dim the
         # softmax
         self.rope_mscale = np.float32(rope_attention_factor(cfg.rope_scaling))
-        all_dim = _yarn_mscale(cfg.rope_scaling.factor, cfg.mscale_all_dim) if cfg.mscale_all_dim else 1.0
+        all_dim = yarn_mscale(cfg.rope_scaling.factor, cfg.mscale_all_dim) if cfg.mscale_all_dim else 1.0
         self.scale = np.float32(all_dim * all_dim / np.sqrt(cfg.qk_head_dim))
         self._decode = Scratch(cfg, 1)
         self._logits = np.empty((1, cfg.vocab_size), np.float32)
