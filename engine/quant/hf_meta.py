@@ -157,8 +157,9 @@ def _deepseek2_hparams(cfg) -> dict[str, Any]:
         f"{a}.expert_feed_forward_length": cfg.intermediate_size,
         f"{a}.expert_shared_count": cfg.shared_expert_intermediate_size // cfg.intermediate_size,
     }
-    if cfg.q_lora_rank:
-        md[f"{a}.attention.q_lora_rank"] = cfg.q_lora_rank
+    # written as 0 without a q LoRA too: llama.cpp requires the key unless the layer count is V2-Lite's (27),
+    # and takes attn_q for 0
+    md[f"{a}.attention.q_lora_rank"] = cfg.q_lora_rank
     if cfg.num_experts:
         md |= {
             f"{a}.expert_count": cfg.num_experts,

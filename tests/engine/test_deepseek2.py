@@ -208,7 +208,7 @@ def test_gguf_layout_is_llama_cpps(ggufs):
     assert kv_shape_from_gguf(md).kv_bytes_per_token == 3 * 40 * 4
     g.close()
     v2 = open_gguf(ggufs["deepseek_v2", "F16"]).metadata
-    assert "deepseek2.attention.q_lora_rank" not in v2 and v2["deepseek2.expert_gating_func"] == 1
+    assert v2["deepseek2.attention.q_lora_rank"] == 0 and v2["deepseek2.expert_gating_func"] == 1
     assert v2["deepseek2.rope.scaling.yarn_log_multiplier"] == pytest.approx(0.0707)
 
 
