@@ -430,6 +430,10 @@ def metadata_from_hf(folder: Path, config: dict, cfg) -> dict[str, Any]:
     tok_config = read_json(tok_path) if tok_path.exists() else {}
     md = {"general.type": "model", "general.name": folder.name, **_hparams(cfg.architecture, config, cfg)}
     md.update(_tokenizer_metadata(folder, tok_config, cfg.architecture))
+    if config.get("model_type") == "glm4_moe_lite" and md.get("tokenizer.ggml.pre") == "llama-bpe":
+        # GLM-4.7-Flash: llama.cpp's converter (_set_vocab_glm) names GLM's Llama-3 split glm4 (merges
+        # applied, no BOS)
+        md["tokenizer.ggml.pre"] = "glm4"
     template = chat_template_source(folder, tok_config)
     if template:
         md["tokenizer.chat_template"] = template

@@ -415,3 +415,21 @@ def test_the_server_engine_batches_and_reuses_latent_caches(models):
         assert deltas[-1].error is None
         assert [d.token for d in deltas if d.token is not None] == alone(ids)
     assert second[-1].cached_tokens >= len(prompts[0])
+
+
+def test_glm_flash_tokenizer_is_named_glm4_in_a_gguf(tmp_path):
+    """GLM-4.7-Flash's tokenizer.json splits as Llama 3 does; llama.cpp's converter names it glm4 (merges
+    applied, no BOS), and so does Hearth's."""
+    import shutil
+
+    from engine.tokenizer import _LLAMA3
+
+    folder = tmp_path / "glm"
+    shutil.copytree(TINY / "glm4_moe_lite", folder)
+    spec = json.loads((folder / "tokenizer.json").read_text())
+    spec["pre_tokenizer"] = {"type": "Sequence", "pretokenizers": [
+        {"type": "Split", "pattern": {"Regex": _LLAMA3}, "behavior": "Isolated", "invert": False},
+        {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False}]}
+    (folder / "tokenizer.json").write_text(json.dumps(spec))
+    out = convert(folder, "F16", tmp_path / "glm.gguf").output
+    assert open_gguf(out).metadata["tokenizer.ggml.pre"] == "glm4"
