@@ -27,7 +27,12 @@ from engine.loader import load_model
 from engine.memory_guard import kv_shape_from_gguf
 from engine.prefix_cache import PrefixCache
 from models.formats.gguf import open_gguf
-from tests.engine.model_checks import check_batched_decode, chunked_logits, rewrite_gguf
+from tests.engine.model_checks import (
+    check_batched_decode,
+    check_speculation_keeps_greedy,
+    chunked_logits,
+    rewrite_gguf,
+)
 
 TINY = Path(__file__).resolve().parents[1] / "fixtures" / "tiny"
 FAMILIES = ("deepseek_v2", "deepseek_v3", "glm4_moe_lite")
@@ -112,6 +117,15 @@ def test_trim_then_other_tokens_is_exact(models):
     got = m.forward(other, cache, all_logits=True)
     want = m.forward(tokens[:10] + other, m.new_cache(32), all_logits=True)[10:]
     np.testing.assert_allclose(got, want, atol=1e-5)
+
+
+def test_speculation_with_rejections_keeps_greedy_output(models):
+    """Prompt lookup drafts continuations of a repeated prompt; rejected drafts are trimmed off the latent
+    cache and the reply stays the plain greedy one."""
+    lm = models["deepseek_v2"]
+    tokens = _golden("deepseek_v2")["tokens"]
+    events = check_speculation_keeps_greedy(lm.model, lm.tokenizer, tokens[:6] * 3)
+    assert events[-1].drafted_tokens > events[-1].accepted_tokens  # some drafts were rejected
 
 
 def test_restored_prefix_continues_exactly(models):
