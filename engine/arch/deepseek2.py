@@ -262,6 +262,24 @@ def load_mla(weights, p: str, cfg: DeepSeek2Config) -> MLA:
     )
 
 
+class MLABuffers:
+    """Activation buffers of the latent attention for n rows, allocated once per scratch (the decode step's
+    are reused; see Scratch)."""
+
+    def __init__(self, cfg: DeepSeek2Config, n: int):
+        f32, heads, r = np.float32, cfg.num_attention_heads, cfg.kv_lora_rank
+        self.q = np.empty((n, heads * cfg.qk_head_dim), f32)
+        self.qa = np.empty((n, cfg.q_lora_rank), f32)
+        self.latent = np.empty((n, r), f32)
+        self.q_pe = np.empty((n, heads, cfg.qk_rope_head_dim), f32)
+        self.k_pe = np.empty((n, 1, cfg.qk_rope_head_dim), f32)
+        self.q_nope = np.empty((n, heads, cfg.qk_nope_head_dim), f32)
+        self.q_lat = np.empty((n, heads, r), f32)
+        self.o_lat = np.empty((n, heads, r), f32)
+        self.values = np.empty((n, heads, cfg.v_head_dim), f32)
+        self.k_starts = np.arange(heads, dtype=np.int64) * r  # head h's rows of attn_k_b
+
+
 def _per_head(out: np.ndarray, w: Weight, x: np.ndarray, starts: np.ndarray, rows: int) -> None:
     """out (n, heads, rows) = per head h the rows starts[h].. of w @ x[:, h] (x (n, heads, w.cols)): one
     gathered pass for one token over a block-quantized w, a linear per head otherwise."""
@@ -334,48 +352,51 @@ class DeepSeek2Model(LlamaModel):
         """A latent cache for n_ctx positions: kv_lora_rank + qk_rope_head_dim values per layer and token."""
         return LatentKVCache(self.cfg.num_hidden_layers, self.cfg.head_dim, n_ctx, dtype)
 
+    def _buffers(self, s: Scratch) -> MLABuffers:
+        """The latent attention's buffers for s's rows, kept on s (decode steps reuse theirs)."""
+        if getattr(s, "mla", None) is None:
+            s.mla = MLABuffers(self.cfg, len(s.h))
+        return s.mla
+
     def _attention(self, s: Scratch, i: int, layer: MLALayer, attend, inv_freq) -> None:
         """Layer i's latent attention: s.h, the normed input, -> s.o (see the module docstring)."""
-        cfg, m, capture = self.cfg, layer.mla, self.capture
+        cfg, m, capture, b = self.cfg, layer.mla, self.capture, self._buffers(s)
         n, heads = len(s.h), cfg.num_attention_heads
         r, nope, rope, v = cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
         if capture is not None:
             capture(i, "attn_q", s.h)
-        q = np.empty((n, heads * (nope + rope)), np.float32)
         if m.wq_a is not None:  # the q LoRA: down, RMSNorm, up
-            qa = np.empty((n, cfg.q_lora_rank), np.float32)
-            ops.linear(qa, m.wq_a, s.h)
-            ops.rmsnorm(qa, qa, m.q_a_norm, cfg.rms_norm_eps)
-            ops.linear(q, m.wq_b, qa)
+            ops.linear(b.qa, m.wq_a, s.h)
+            ops.rmsnorm(b.qa, b.qa, m.q_a_norm, cfg.rms_norm_eps)
+            ops.linear(b.q, m.wq_b, b.qa)
         else:
-            ops.linear(q, m.wq, s.h)
-        q3 = q.reshape(n, heads, nope + rope)
+            ops.linear(b.q, m.wq, s.h)
+        q3 = b.q.reshape(n, heads, nope + rope)
         kv = s.k  # (n, r + rope): the latent, then the shared rotated key part
         ops.linear(kv, m.wkv_a, s.h)
-        latent = np.ascontiguousarray(kv[:, :r])
-        ops.rmsnorm(latent, latent, m.kv_a_norm, cfg.rms_norm_eps)
-        q_pe = np.ascontiguousarray(q3[:, :, nope:])
-        k_pe = np.ascontiguousarray(kv[:, r:]).reshape(n, 1, rope)
-        ops.rope(q_pe, s.positions, inv_freq, rope, cfg.rope_neox)
-        ops.rope(k_pe, s.positions, inv_freq, rope, cfg.rope_neox)
+        b.latent[:] = kv[:, :r]
+        ops.rmsnorm(b.latent, b.latent, m.kv_a_norm, cfg.rms_norm_eps)
+        b.q_pe[:] = q3[:, :, nope:]
+        b.k_pe[:, 0] = kv[:, r:]
+        ops.rope(b.q_pe, s.positions, inv_freq, rope, cfg.rope_neox)
+        ops.rope(b.k_pe, s.positions, inv_freq, rope, cfg.rope_neox)
         if self.rope_mscale != 1:
-            q_pe *= self.rope_mscale
-            k_pe *= self.rope_mscale
+            b.q_pe *= self.rope_mscale
+            b.k_pe *= self.rope_mscale
         # the absorbed queries (n, heads, r + rope): W_k[h]^T q_nope, then q_pe
+        b.q_nope[:] = q3[:, :, :nope]
+        _per_head(b.q_lat, m.k_b, b.q_nope, b.k_starts, r)
         qa3 = s.q.reshape(n, heads, r + rope)
-        q_lat = np.empty((n, heads, r), np.float32)
-        _per_head(q_lat, m.k_b, q3[:, :, :nope], np.arange(heads, dtype=np.int64) * r, r)
-        qa3[:, :, :r] = q_lat
-        qa3[:, :, r:] = q_pe
-        kv[:, :r] = latent
-        kv[:, r:] = k_pe[:, 0]
+        qa3[:, :, :r] = b.q_lat
+        qa3[:, :, r:] = b.q_pe
+        kv[:, :r] = b.latent
+        kv[:, r:] = b.k_pe[:, 0]
         rows = kv.reshape(n, 1, r + rope)
         out3 = s.attn.reshape(n, heads, r + rope)
         attend(i, out3, qa3, rows, rows)
-        values = np.empty((n, heads, v), np.float32)
-        _per_head(values, m.v_b, out3[:, :, :r], m.v_starts, v)
-        values = values.reshape(n, heads * v)
+        b.o_lat[:] = out3[:, :, :r]
+        _per_head(b.values, m.v_b, b.o_lat, m.v_starts, v)
+        values = b.values.reshape(n, heads * v)
         if capture is not None:
             capture(i, "attn_output", values)
         ops.linear(s.o, layer.wo, values)
-
