@@ -172,7 +172,7 @@ def test_group_limited_routing():
 @pytest.mark.parametrize("family", FAMILIES)
 def test_mutations_miss_the_golden(models, family, monkeypatch):
     """What the golden logits pin down: the RoPE pairs (adjacent, not half-split), routed_scaling_factor, the
-    group limit of the routing."""
+    group limit of the routing, V2's YaRN mscale_all_dim in the softmax scale."""
     m = models[family].model
     golden = _golden(family)
     ref = np.array(golden["logits"])
@@ -189,6 +189,10 @@ def test_mutations_miss_the_golden(models, family, monkeypatch):
     monkeypatch.undo()
     if m.cfg.expert_groups > 1:
         monkeypatch.setattr(m.cfg, "expert_groups_used", 0)
+        assert err() > 100 * _tol(ref)
+        monkeypatch.undo()
+    if m.cfg.mscale_all_dim:
+        monkeypatch.setattr(m, "scale", np.float32(1 / np.sqrt(m.cfg.qk_head_dim)))
         assert err() > 100 * _tol(ref)
 
 
