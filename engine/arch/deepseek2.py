@@ -23,7 +23,7 @@ norm_topk_prob, times routed_scaling_factor, beside n_shared_experts ungated sha
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -58,6 +58,8 @@ class DeepSeek2Config(LlamaConfig):
     v_head_dim: int = 128
     # YaRN's mscale_all_dim: the softmax scale is multiplied by mscale(factor, mscale_all_dim) squared (0: no)
     mscale_all_dim: float = 0.0
+    # derived: a head's query/key width (qk_nope_head_dim + qk_rope_head_dim)
+    qk_head_dim: int = field(init=False)
 
     def __post_init__(self):
         self.head_dim = self.kv_lora_rank + self.qk_rope_head_dim
