@@ -146,6 +146,11 @@ class DeepSeek2Config(LlamaConfig):
                 raise UnsupportedArchitectureError(
                     f"mlp_layer_types {kinds} are not supported (dense layers must come first)"
                 )
+        if int(config.get("moe_layer_freq") or 1) != 1:
+            raise UnsupportedArchitectureError(
+                f"{model_type} with moe_layer_freq {config['moe_layer_freq']} (dense layers between the "
+                "sparse ones) is not supported yet"
+            )
         if config.get("attention_bias") or config.get("mlp_bias"):
             raise UnsupportedArchitectureError(
                 f"{model_type} models with linear biases (attention_bias, mlp_bias) are not supported yet"

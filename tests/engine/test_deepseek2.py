@@ -451,3 +451,22 @@ def test_glm_flash_tokenizer_is_named_glm4_in_a_gguf(tmp_path):
     (folder / "tokenizer.json").write_text(json.dumps(spec))
     out = convert(folder, "F16", tmp_path / "glm.gguf").output
     assert open_gguf(out).metadata["tokenizer.ggml.pre"] == "glm4"
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    ({"moe_layer_freq": 2}, "moe_layer_freq"),
+    ({"attention_bias": True}, "linear biases"),
+    ({"topk_method": "sinkhorn"}, "sinkhorn"),
+    ({"mlp_layer_types": ["sparse", "dense", "sparse"]}, "dense layers must come first"),
+])
+def test_configs_hearth_cannot_run_are_refused_by_name(tmp_path, change, message):
+    import shutil
+
+    from engine.errors import UnsupportedArchitectureError
+
+    folder = tmp_path / "m"
+    shutil.copytree(TINY / "glm4_moe_lite", folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps(config | change))
+    with pytest.raises(UnsupportedArchitectureError, match=message):
+        load_model(folder)
