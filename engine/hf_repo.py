@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 from tokenizers import Tokenizer as HFTokenizer
 
+from engine.arch.deepseek2 import DeepSeek2Config
 from engine.arch.deltanet import DeltaShape
 from engine.arch.gemma3 import Gemma3Config
 from engine.arch.gemma4 import Gemma4Config
@@ -74,6 +75,9 @@ _FAMILIES = {
     "qwen3_vl_moe_text": "qwen3vlmoe",  # Qwen3-VL-30B-A3B, 235B-A22B: Qwen3-MoE with M-RoPE and deepstack
     "glm4_moe": "glm4moe",  # GLM-4.5 / 4.6 / 4.7 (MoE)
     "gpt_oss": "gpt-oss",
+    "deepseek_v2": "deepseek2",  # DeepSeek-V2(-Lite): multi-head latent attention (engine/arch/deepseek2.py)
+    "deepseek_v3": "deepseek2",  # DeepSeek-V3's architecture (Moonlight-16B-A3B)
+    "glm4_moe_lite": "deepseek2",  # GLM-4.7-Flash
 }
 
 # HF per-layer name -> GGUF per-layer name
@@ -228,7 +232,19 @@ _NEMOTRON_H_LAYER_NAMES = {
     "mixer.up_proj.weight": "ffn_up.weight",
     "mixer.down_proj.weight": "ffn_down.weight",
 }
+# DeepSeek-V2/V3, GLM-4.7-Flash: multi-head latent attention (llama.cpp's deepseek2 names; kv_b_proj stays
+# whole, engine/arch/deepseek2.py splits it)
+_DEEPSEEK2_LAYER_NAMES = {
+    **_LAYER_NAMES,
+    "self_attn.q_a_proj.weight": "attn_q_a.weight",
+    "self_attn.q_a_layernorm.weight": "attn_q_a_norm.weight",
+    "self_attn.q_b_proj.weight": "attn_q_b.weight",
+    "self_attn.kv_a_proj_with_mqa.weight": "attn_kv_a_mqa.weight",
+    "self_attn.kv_a_layernorm.weight": "attn_kv_a_norm.weight",
+    "self_attn.kv_b_proj.weight": "attn_kv_b.weight",
+}
 _ARCH_LAYER_NAMES = {
+    "deepseek2": _DEEPSEEK2_LAYER_NAMES,
     "gemma4": _GEMMA4_LAYER_NAMES,
     "nemotron_h": _NEMOTRON_H_LAYER_NAMES,
     "granitehybrid": _GRANITE_HYBRID_LAYER_NAMES,
@@ -656,6 +672,11 @@ def config_from_hf(folder: Path, config: dict):
             f"{folder}: model_type {model_type!r} is not supported from safetensors yet "
             f"(supported: {', '.join(sorted(_FAMILIES))})"
         )
+    if arch == "deepseek2":
+        try:
+            return DeepSeek2Config.from_hf(config, *_rope_scaling(config))
+        except (KeyError, TypeError, ValueError) as e:
+            raise ModelFormatError(folder / "config.json", f"missing or invalid hyper-parameter ({e})") from e
     if arch in (*_GEMMA, "gemma4", "nemotron_h"):
         try:
             if arch == "nemotron_h":
@@ -754,8 +775,8 @@ def _deepstack_layers(config: dict) -> int:
 
 def _sigmoid_moe(config: dict, expert_ff: int) -> dict:
     """GLM-4.5's and LFM2-MoE's mixtures of experts (LlamaConfig fields): sigmoid routing scaled by
-    routed_scaling_factor; GLM-4.5's n_shared_experts ungated shared experts and first_k_dense_replace
-    leading dense layers, LFM2-MoE's num_dense_layers."""
+    routed_scaling_factor; GLM-4.5's n_shared_experts ungated shared experts, first_k_dense_replace
+    leading dense layers and group-limited routing (n_group, topk_group), LFM2-MoE's num_dense_layers."""
     if config.get("model_type") == "lfm2_moe":
         return {
             "expert_gating": "sigmoid",
@@ -766,12 +787,9 @@ def _sigmoid_moe(config: dict, expert_ff: int) -> dict:
         }
     if config.get("model_type") != "glm4_moe":
         return {}
-    groups, top_groups = int(config.get("n_group") or 1), int(config.get("topk_group") or 1)
-    if top_groups < groups:
-        raise UnsupportedArchitectureError(
-            f"group-limited expert routing (n_group {groups}, topk_group {top_groups}) is not supported yet"
-        )
     return {
+        "expert_groups": int(config.get("n_group") or 1),
+        "expert_groups_used": int(config.get("topk_group") or 0),
         "expert_gating": "sigmoid",
         "expert_weights_scale": float(config.get("routed_scaling_factor", 1.0)),
         "norm_topk_prob": bool(config.get("norm_topk_prob", True)),

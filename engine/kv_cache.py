@@ -290,3 +290,49 @@ class GroupedKVCache(KVCache):
     @property
     def state(self):
         return self.groups, self.tokens
+
+
+class LatentKVCache(KVCache):
+    """The cache of multi-head latent attention (DeepSeek-V2/V3, GLM-4.7-Flash): per layer and position one
+    row of the compressed key-value latent (kv_lora_rank) and the rotated key part every head shares
+    (qk_rope_head_dim), as llama.cpp's MLA keeps it.
+
+    Each head's keys and values are that row times its slice of kv_b_proj, so the architecture folds the
+    projection into the queries and the output (engine/arch/deepseek2.py) and attends over the rows as one
+    key-value head whose values are the keys themselves: `k` is (n_layers, 1, n_ctx, width) and `v` is the
+    same array, stored once. Trim, prefixes and stored prefixes work as for the base class.
+    """
+
+    def __init__(self, n_layers: int, width: int, n_ctx: int, dtype=np.float32):
+        dtype = np.dtype(dtype)
+        if dtype not in KV_DTYPES:
+            raise ValueError(f"KV cache dtype must be float32 or float16, got {dtype}")
+        self.n_ctx = n_ctx
+        self.dtype = dtype
+        self.k = lazy_zeros((n_layers, 1, n_ctx, width), dtype)
+        self.v = self.k
+        self._tokens = []
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.k.nbytes)
+
+    @property
+    def bytes_per_token(self) -> int:
+        n_layers, _, _, width = self.k.shape
+        return n_layers * width * self.dtype.itemsize
+
+    def update_and_fetch(self, layer: int, k: np.ndarray, v: np.ndarray | None = None):
+        """Store the rows k (n_tok, 1, width) at positions offset.. of `layer` (v, the same rows, is not
+        stored again). Returns that layer's (1, n_ctx, width) rows twice: keys and values."""
+        pos = self.offset
+        self.k[layer, 0, pos : pos + k.shape[0], :] = k[:, 0, :]
+        return self.k[layer], self.k[layer]
+
+    def read(self, lo: int, hi: int) -> tuple[np.ndarray, ...]:
+        """A copy of the rows of positions lo..hi, (n_layers, 1, hi - lo, width)."""
+        return (np.array(self.k[:, :, lo:hi, :]),)
+
+    def write(self, lo: int, k: np.ndarray) -> None:
+        """Store the rows `read` returns at positions lo.."""
+        self.k[:, :, lo : lo + k.shape[2], :] = k

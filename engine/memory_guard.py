@@ -57,6 +57,9 @@ class KVShape:
     # n_kv_heads * head_dim of each layer keeping keys and values, when they differ (Gemma 4: windowed and
     # global layers apart, shared-KV layers keep none); empty: n_kv_heads * head_dim on every attending layer
     kv_widths: tuple[int, ...] = ()
+    # arrays per attending layer: keys and values (2), or one row serving as both (1: multi-head latent
+    # attention's cache, engine.kv_cache.LatentKVCache)
+    kv_copies: int = 2
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -67,7 +70,7 @@ class KVShape:
         """Bytes of keys and values per token with `itemsize`-byte elements (4: float32, 2: float16)."""
         attending = self.n_layers - self.conv_layers - self.recurrent_layers
         widths = sum(self.kv_widths) if self.kv_widths else attending * self.n_kv_heads * self.head_dim
-        attention = 2 * widths
+        attention = self.kv_copies * widths
         return (attention + self.conv_layers * self.hidden_size) * int(itemsize)
 
 
@@ -97,6 +100,8 @@ class MemoryEstimate:
 # GGUF architectures with recurrent layers (a fixed state per sequence, no keys and values): Qwen3.5's and
 # Qwen3-Next's DeltaNet, Granite 4.0-H's and Nemotron-H's Mamba-2
 _RECURRENT_ARCHS = frozenset({"qwen35", "qwen35moe", "qwen3next", "granitehybrid", "nemotron_h"})
+# GGUF architectures whose cache shape only their config knows (deepseek2: the latent row of MLA)
+_CONFIG_SHAPED_ARCHS = frozenset({"deepseek2"})
 
 
 def kv_shape_from_gguf(metadata: dict[str, Any], path: str = "model") -> KVShape:
@@ -106,7 +111,7 @@ def kv_shape_from_gguf(metadata: dict[str, Any], path: str = "model") -> KVShape
         ModelFormatError: the keys the estimate needs are missing or not integers.
     """
     arch = metadata.get("general.architecture")
-    if arch in _RECURRENT_ARCHS:  # their layers and fixed state as the architecture's config reads them
+    if arch in _RECURRENT_ARCHS or arch in _CONFIG_SHAPED_ARCHS:  # the shape the architecture's config reads
         from engine.arch import model_class
 
         try:
@@ -144,8 +149,10 @@ def kv_shape_from_config(cfg) -> KVShape:
         shape = getattr(cfg, "delta", None) or cfg.mamba
         state = (1 + RecurrentKVCache.MAX_SNAPSHOTS) * recurrent * shape.state_floats * 4
     widths = tuple(getattr(cfg, "kv_widths", ()))
+    copies = 1 if getattr(cfg, "mla", False) else 2  # one latent row per layer and token
     return KVShape(
-        layers, kv_heads, cfg.head_dim, cfg.hidden_size, trained, conv_layers, recurrent, state, widths
+        layers, kv_heads, cfg.head_dim, cfg.hidden_size, trained, conv_layers, recurrent, state, widths,
+        copies,
     )
 
 

@@ -41,6 +41,12 @@ def _yarn_mscale(factor: float, m: float = 1.0) -> float:
     return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
 
 
+def yarn_mscale(factor: float, m: float = 1.0) -> float:
+    """YaRN's magnitude scale for a context `factor` times the original: 0.1 m ln(factor) + 1 (1 when
+    factor <= 1); DeepSeek squares it with m = mscale_all_dim into the softmax scale."""
+    return _yarn_mscale(factor, m)
+
+
 def rope_attention_factor(scaling: RopeScaling) -> float:
     """What a scaling scheme multiplies cos and sin by (so q.k by its square): YaRN's and LongRoPE's;
     1 otherwise."""

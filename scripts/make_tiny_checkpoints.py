@@ -229,6 +229,47 @@ FAMILIES = {
         torch.bfloat16,
         False,
     ),
+    # DeepSeek-V2-Lite's layout: multi-head latent attention without a q LoRA (plain q_proj), YaRN with
+    # DeepSeek's mscale and mscale_all_dim, a dense first layer, then 8 routed experts in 4 groups (softmax
+    # scores, 2 experts a token from the one group with the best expert, not renormalized, times 1.5; with
+    # as many groups as experts a token the limit would change nothing) beside a shared expert
+    "deepseek_v2": (
+        transformers.DeepseekV2Config,
+        dict(tie_word_embeddings=False, num_hidden_layers=3, num_key_value_heads=4, q_lora_rank=None,
+             kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12, n_routed_experts=8,
+             num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=32, first_k_dense_replace=1,
+             topk_method="group_limited_greedy", n_group=4, topk_group=1, routed_scaling_factor=1.5,
+             norm_topk_prob=False, pad_token_id=0,
+             rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0,
+                                  original_max_position_embeddings=64, beta_fast=32.0, beta_slow=1.0,
+                                  mscale=0.707, mscale_all_dim=0.707)),
+        torch.bfloat16,
+        False,
+    ),
+    # DeepSeek-V3's layout (Moonlight): q LoRA with its norm, interleaved RoPE pairs, a dense first layer,
+    # then sigmoid routing over 8 experts with a choice bias, limited to the best 2 of 4 groups (by the sum of
+    # each group's top two), renormalized and scaled by 2.5, beside a shared expert
+    "deepseek_v3": (
+        transformers.DeepseekV3Config,
+        dict(tie_word_embeddings=False, num_hidden_layers=3, num_key_value_heads=4, q_lora_rank=24,
+             kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=8,
+             num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=32, first_k_dense_replace=1,
+             n_group=4, topk_group=2, routed_scaling_factor=2.5, norm_topk_prob=True, pad_token_id=0,
+             rope_interleave=True),
+        torch.bfloat16,
+        False,
+    ),
+    # GLM-4.7-Flash's layout (glm4_moe_lite): DeepSeek-V3's with values wider than the keys' unrotated part,
+    # one expert group, 2 shared experts
+    "glm4_moe_lite": (
+        transformers.Glm4MoeLiteConfig,
+        dict(tie_word_embeddings=False, num_hidden_layers=3, num_key_value_heads=4, q_lora_rank=24,
+             kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=24, n_routed_experts=4,
+             num_experts_per_tok=2, n_shared_experts=2, moe_intermediate_size=32, n_group=1, topk_group=1,
+             routed_scaling_factor=1.8, norm_topk_prob=True, pad_token_id=0, rope_interleave=True),
+        torch.bfloat16,
+        False,
+    ),
     # EXAONE 4: norms of the branch outputs only, per-head q/k norms, a window of 4 on three layers of four,
     # RoPE only in those
     "exaone4": (

@@ -84,6 +84,10 @@ class LlamaConfig:
     # chosen experts' weights are multiplied by expert_weights_scale
     expert_gating: str = "softmax"
     expert_weights_scale: float = 1.0
+    # group-limited routing (DeepSeek's n_group / topk_group): the experts in expert_groups equal groups, a
+    # token choosing among its expert_groups_used best groups only (moe.route; 0: no limit)
+    expert_groups: int = 1
+    expert_groups_used: int = 0
     # the first layers keep a dense FFN of dense_intermediate_size (GLM-4.5's first_k_dense_replace), and so
     # do the layers in dense_layers (Qwen3-Next's mlp_only_layers and those its decoder_sparse_step skips)
     first_dense_layers: int = 0
@@ -297,6 +301,8 @@ class LlamaConfig:
             # llama.cpp's expert_gating_func: 1 softmax, 2 sigmoid
             expert_gating="sigmoid" if int(key("expert_gating_func", 1)) == 2 else "softmax",
             expert_weights_scale=float(key("expert_weights_scale", 1.0)),
+            expert_groups=int(key("expert_group_count", 1)),
+            expert_groups_used=int(key("expert_group_used_count", 0)),
             first_dense_layers=leading_dense,
             dense_intermediate_size=dense_ff if leading_dense or dense_layers else 0,
             dense_layers=dense_layers,

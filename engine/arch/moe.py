@@ -1,5 +1,5 @@
-"""Mixture-of-experts feed-forward blocks (Mixtral, Qwen2-MoE, Qwen3-MoE, gpt-oss, GLM-4.5): a router picks k
-experts per token.
+"""Mixture-of-experts feed-forward blocks (Mixtral, Qwen2-MoE, Qwen3-MoE, gpt-oss, GLM-4.5, DeepSeek-V2/V3,
+GLM-4.7-Flash): a router picks k experts per token.
 
 out[t] = sum over the k experts e with the largest router logits of w[t, e] * down_e(silu(gate_e h) * up_e h)
 with w = softmax over all experts' logits, taken at the chosen ones and (norm_topk_prob) renormalized to
@@ -8,7 +8,8 @@ gpt-oss adds a bias to the router and to each expert's three matrices, and its o
 (LlamaConfig.expert_act). Qwen2-MoE adds a shared expert every token runs, a dense SwiGLU FFN whose output
 is scaled by sigmoid(shared_gate . h) and added to the routed experts' sum. GLM-4.5 routes by sigmoid
 scores instead of a softmax: the k largest of score + a per-expert bias are chosen, weighted by their scores
-(renormalized) times a constant, and its shared expert is ungated.
+(renormalized) times a constant, and its shared expert is ungated. DeepSeek-V2 routes by softmax and
+DeepSeek-V3 (and GLM-4.7-Flash) as GLM-4.5, both optionally among the best groups of experts only (route).
 
 Each expert is an ordinary weight matrix (a row block of the file's (experts, rows, cols) tensor, still
 in its quantized format), so every weight type the engine computes with works here. Tokens are grouped by
@@ -120,25 +121,37 @@ def _shared_gate(weights, name: str, d: int) -> np.ndarray:
 
 def route(
     logits: np.ndarray, k: int, normalize: bool, sigmoid: bool = False, bias: np.ndarray | None = None,
-    scale: float = 1.0,
+    scale: float = 1.0, groups: int = 1, groups_used: int = 0,
 ) -> tuple[np.ndarray, np.ndarray]:
     """(experts (n, k) int64, weights (n, k) float32) from router logits (n, experts).
 
     Softmax routing: the k largest logits of each token (ties: the lower index first) and their softmax
     probabilities (renormalized over the k when `normalize`). Sigmoid routing (GLM-4.5, DeepSeek-V3): the
     k largest of sigmoid(logit) + bias, weighted by their sigmoid scores (renormalized when `normalize`).
-    Either way the weights are then multiplied by `scale`."""
+    Either way the weights are then multiplied by `scale`.
+
+    Group-limited routing (DeepSeek's n_group / topk_group): the experts come in `groups` equal groups and
+    only the `groups_used` best groups of a token are chosen from: by their largest probability under a
+    softmax (DeepSeek-V2's group_limited_greedy), by the sum of their two largest biased scores under a
+    sigmoid (DeepSeek-V3's noaux_tc), as transformers computes them; 0 or `groups` used: no limit."""
+    limited = groups > 1 and 0 < groups_used < groups
+    if limited and logits.shape[1] % groups:
+        raise ValueError(f"{logits.shape[1]} experts do not split into {groups} groups")
     if sigmoid:
         scores = _sigmoid(logits)
         choice = scores if bias is None else scores + bias
+        if limited:
+            choice = _limit_groups(choice, groups, groups_used, top2=True, fill=-np.inf)
         top = np.argsort(-choice, axis=1, kind="stable")[:, :k]
         w = np.take_along_axis(scores, top, axis=1)
         if normalize:
             w = w / (w.sum(axis=1, keepdims=True) + np.float32(1e-20))
     else:
-        top = np.argsort(-logits, axis=1, kind="stable")[:, :k]
         z = logits - logits.max(axis=1, keepdims=True)
         p = np.exp(z, dtype=np.float32)
+        # the k largest logits are the k largest probabilities; a group limit zeroes the groups left out
+        choice = _limit_groups(p, groups, groups_used, top2=False, fill=0.0) if limited else logits
+        top = np.argsort(-choice, axis=1, kind="stable")[:, :k]
         chosen = np.take_along_axis(p, top, axis=1)
         total = chosen.sum(axis=1, keepdims=True) if normalize else p.sum(axis=1, keepdims=True)
         w = chosen / total
@@ -147,9 +160,22 @@ def route(
     return top, w.astype(np.float32)
 
 
+def _limit_groups(choice: np.ndarray, groups: int, used: int, top2: bool, fill: float) -> np.ndarray:
+    """choice (n, experts) with the experts outside each token's `used` best groups set to `fill`; a group's
+    score is its largest entry, or (top2) the sum of its two largest."""
+    n, n_experts = choice.shape
+    grouped = choice.reshape(n, groups, n_experts // groups)
+    best = np.sort(grouped, axis=2)[:, :, -2:].sum(axis=2) if top2 else grouped.max(axis=2)
+    keep = np.argsort(-best, axis=1, kind="stable")[:, :used]
+    mask = np.zeros((n, groups), bool)
+    np.put_along_axis(mask, keep, True, axis=1)
+    return np.where(np.repeat(mask, n_experts // groups, axis=1), choice, np.float32(fill))
+
+
 def moe_forward(out: np.ndarray, h: np.ndarray, moe: MoE, cfg, router_h: np.ndarray | None = None) -> None:
     """out (n, hidden) = the MoE block applied to the normed hidden states h (n, hidden); cfg: a
-    LlamaConfig (num_experts_per_tok, norm_topk_prob, expert_gating, expert_weights_scale, expert_act) or
+    LlamaConfig (num_experts_per_tok, norm_topk_prob, expert_gating, expert_weights_scale, expert_groups,
+    expert_groups_used, expert_act) or
     Gemma4Config; router_h: what the router reads when it is not h (Gemma 4: its own norm of the residual)."""
     n = h.shape[0]
     logits = np.empty((n, len(moe.gate)), np.float32)
@@ -157,7 +183,8 @@ def moe_forward(out: np.ndarray, h: np.ndarray, moe: MoE, cfg, router_h: np.ndar
     if moe.router_bias is not None:
         logits += moe.router_bias
     experts, w = route(logits, cfg.num_experts_per_tok, cfg.norm_topk_prob, cfg.expert_gating == "sigmoid",
-                       moe.score_bias, cfg.expert_weights_scale)
+                       moe.score_bias, cfg.expert_weights_scale, getattr(cfg, "expert_groups", 1),
+                       getattr(cfg, "expert_groups_used", 0))
     if moe.expert_scale is not None:
         w = w * moe.expert_scale[experts]
     if n == 1 and moe.stacks is not None:

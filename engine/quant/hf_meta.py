@@ -45,6 +45,9 @@ _FAMILY_PRE = {
     "seed-coder": "seed-coder",
     "starcoder": "smollm",
     "falcon": "falcon",
+    "deepseek-llm": "deepseek-llm",
+    "deepseek-v3": "deepseek-v3",
+    "deepseek-coder": "deepseek-coder",
 }
 
 
@@ -119,7 +122,73 @@ def _nemotron_h_hparams(cfg) -> dict[str, Any]:
     }
 
 
+def _deepseek2_hparams(cfg) -> dict[str, Any]:
+    """llama.cpp's deepseek2 keys (convert_hf_to_gguf.py's DeepseekV2Model): MLA run as one key-value head of
+    the latent (key_length kv_lora_rank + qk_rope_head_dim, value_length kv_lora_rank) with the per-head
+    sizes in the _mla keys; the MoE keys of its graph; YaRN with mscale_all_dim as yarn_log_multiplier
+    0.1 * mscale_all_dim."""
+    if cfg.rope_neox:
+        raise ModelFormatError(
+            "config.json",
+            "rope_interleave false (half-split RoPE) cannot be written to a deepseek2 GGUF, whose RoPE turns "
+            "adjacent pairs; run the folder as it is",
+        )
+    a = "deepseek2"
+    rope, r = cfg.qk_rope_head_dim, cfg.kv_lora_rank
+    dense = cfg.first_dense_layers if cfg.num_experts else cfg.num_hidden_layers
+    md: dict[str, Any] = {
+        "general.architecture": a,
+        f"{a}.block_count": cfg.num_hidden_layers,
+        f"{a}.context_length": cfg.max_position_embeddings,
+        f"{a}.embedding_length": cfg.hidden_size,
+        f"{a}.feed_forward_length": cfg.dense_intermediate_size or cfg.intermediate_size,
+        f"{a}.vocab_size": cfg.vocab_size,
+        f"{a}.attention.head_count": cfg.num_attention_heads,
+        f"{a}.attention.head_count_kv": 1,
+        f"{a}.attention.layer_norm_rms_epsilon": float(cfg.rms_norm_eps),
+        f"{a}.rope.freq_base": float(cfg.rope_theta),
+        f"{a}.rope.dimension_count": rope,
+        f"{a}.attention.kv_lora_rank": r,
+        f"{a}.attention.key_length": r + rope,
+        f"{a}.attention.value_length": r,
+        f"{a}.attention.key_length_mla": cfg.qk_nope_head_dim + rope,
+        f"{a}.attention.value_length_mla": cfg.v_head_dim,
+        f"{a}.leading_dense_block_count": dense,
+        f"{a}.expert_feed_forward_length": cfg.intermediate_size,
+        f"{a}.expert_shared_count": cfg.shared_expert_intermediate_size // cfg.intermediate_size,
+    }
+    # written as 0 without a q LoRA too: llama.cpp requires the key unless the layer count is V2-Lite's (27),
+    # and takes attn_q for 0
+    md[f"{a}.attention.q_lora_rank"] = cfg.q_lora_rank
+    if cfg.num_experts:
+        md |= {
+            f"{a}.expert_count": cfg.num_experts,
+            f"{a}.expert_used_count": cfg.num_experts_per_tok,
+            f"{a}.expert_weights_scale": float(cfg.expert_weights_scale),
+            f"{a}.expert_weights_norm": bool(cfg.norm_topk_prob),
+            f"{a}.expert_gating_func": 2 if cfg.expert_gating == "sigmoid" else 1,
+            f"{a}.expert_group_count": cfg.expert_groups,
+            f"{a}.expert_group_used_count": cfg.expert_groups_used or cfg.expert_groups,
+        }
+    scaling = cfg.rope_scaling
+    if scaling.kind == "yarn":
+        md |= {
+            f"{a}.rope.scaling.type": "yarn",
+            f"{a}.rope.scaling.factor": float(scaling.factor),
+            f"{a}.rope.scaling.original_context_length": int(scaling.original_max_position),
+            f"{a}.rope.scaling.yarn_beta_fast": float(scaling.beta_fast),
+            f"{a}.rope.scaling.yarn_beta_slow": float(scaling.beta_slow),
+            f"{a}.rope.scaling.attn_factor": float(rope_attention_factor(scaling)),
+            f"{a}.rope.scaling.yarn_log_multiplier": 0.1 * float(cfg.mscale_all_dim),
+        }
+    elif scaling.kind not in ("none", "default", ""):
+        raise ModelFormatError("config.json", f"RoPE scaling {scaling.kind!r} cannot be written to deepseek2")
+    return md
+
+
 def _hparams(arch: str, config: dict, cfg) -> dict[str, Any]:
+    if arch == "deepseek2":
+        return _deepseek2_hparams(cfg)
     if arch == "gemma4":
         return _gemma4_hparams(cfg)
     if arch == "nemotron_h":
@@ -378,6 +447,10 @@ def metadata_from_hf(folder: Path, config: dict, cfg) -> dict[str, Any]:
     tok_config = read_json(tok_path) if tok_path.exists() else {}
     md = {"general.type": "model", "general.name": folder.name, **_hparams(cfg.architecture, config, cfg)}
     md.update(_tokenizer_metadata(folder, tok_config, cfg.architecture))
+    if config.get("model_type") == "glm4_moe_lite" and md.get("tokenizer.ggml.pre") == "llama-bpe":
+        # GLM-4.7-Flash: llama.cpp's converter (_set_vocab_glm) names GLM's Llama-3 split glm4 (merges
+        # applied, no BOS)
+        md["tokenizer.ggml.pre"] = "glm4"
     template = chat_template_source(folder, tok_config)
     if template:
         md["tokenizer.chat_template"] = template

@@ -36,7 +36,8 @@ SUPPORTED_ARCHS = frozenset(
     {"llama", "mistral3", "smollm3", "granite", "glm4", "olmo2", "ernie4_5", "qwen2", "qwen2moe", "qwen3",
      "qwen3moe", "glm4moe", "exaone4", "seed_oss", "lfm2", "lfm2moe", "qwen35", "qwen35moe", "qwen3next",
      "gemma3", "gemma2", "gemma4", "gpt-oss", "granitehybrid", "nemotron_h", "qwen3vl", "qwen3vlmoe",
-     "qwen2vl"}
+     "qwen2vl",
+     "deepseek2"}
 )
 _F32, _BF16, _Q4_1 = 0, 30, 3
 
@@ -199,6 +200,8 @@ def _hf_source(folder: Path) -> SourceModel:
     fused |= _split_gate_up(st, names_map, arch)
     if arch == "gemma4":
         fused |= _gemma4_rope_freqs(cfg)
+    if arch == "deepseek2":
+        fused |= _split_kv_b(weights, st, names_map, quantized, cfg)
 
     def load_one(name: str) -> np.ndarray:
         if name in quantized:
@@ -338,6 +341,33 @@ def _split_gate_up(st, names_map: dict[str, str], arch: str) -> dict[str, tuple[
         for part, lo in ((gate, 0), (up, rows)):
             load = functools.partial(_rows, st, hf_name, lo, rows, axis)
             out[part] = (shape, FLOAT_DTYPES[info.dtype], load)
+    return out
+
+
+def _split_kv_b(weights, st, names_map: dict[str, str], quantized: dict, cfg):
+    """MLA's kv_b_proj (per head its key rows, then its value rows) as llama.cpp's deepseek2 GGUF keeps it
+    (convert_hf_to_gguf.py's DeepseekV2Model): attn_k_b, each head's key rows transposed, (heads, r, nope),
+    and attn_v_b, (heads, v, r): name -> (shape, source type, float32 loader). Takes attn_kv_b out of
+    names_map (and quantized: an FP8 kv_b_proj is decoded first)."""
+    heads, nope, v, r = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
+    out = {}
+    for name in [n for n in names_map if n.endswith(".attn_kv_b.weight")]:
+        hf_name = names_map.pop(name)
+        if name in quantized:
+            source_type = quantized.pop(name)[0]
+            whole = functools.partial(_dequantized, weights, name, heads * (nope + v), r)
+        else:
+            source_type = FLOAT_DTYPES[st.tensors[hf_name].dtype]
+            whole = functools.partial(_rows, st, hf_name, 0, heads * (nope + v))
+
+        def k_b(whole=whole):
+            return np.ascontiguousarray(whole().reshape(heads, nope + v, r)[:, :nope].transpose(0, 2, 1))
+
+        def v_b(whole=whole):
+            return np.ascontiguousarray(whole().reshape(heads, nope + v, r)[:, nope:])
+
+        out[name.replace("attn_kv_b", "attn_k_b")] = ((heads, r, nope), source_type, k_b)
+        out[name.replace("attn_kv_b", "attn_v_b")] = ((heads, v, r), source_type, v_b)
     return out
 
 

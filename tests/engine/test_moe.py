@@ -335,7 +335,6 @@ def test_glm45_moe_in_gguf_with_llama_cpps_keys_and_nextn_layers(tmp_path):
     2.5, beside an ungated shared expert) as a glm4moe GGUF: llama.cpp's keys; block_count that counts a
     next-token-prediction layer (nextn_predict_layers), whose tensors are not run; the pre-FFN norm under
     llama.cpp's name post_attention_norm (or ffn_norm). Group-limited routing (DeepSeek-V3) is refused."""
-    from engine.errors import UnsupportedArchitectureError
     from tests.engine.model_checks import rewrite_gguf
 
     golden = _golden("glm4moe")
@@ -370,8 +369,8 @@ def test_glm45_moe_in_gguf_with_llama_cpps_keys_and_nextn_layers(tmp_path):
 
     shutil.copytree(TINY / "glm4moe", tmp_path / "grouped")
     (tmp_path / "grouped" / "config.json").write_text(json.dumps(config | {"n_group": 2, "topk_group": 1}))
-    with pytest.raises(UnsupportedArchitectureError, match="group-limited"):
-        load_model(tmp_path / "grouped")
+    grouped = load_model(tmp_path / "grouped").model.cfg  # group-limited routing (moe.route)
+    assert (grouped.expert_groups, grouped.expert_groups_used) == (2, 1)
 
 
 def test_sigmoid_routing_chooses_by_biased_score_and_weighs_by_score():

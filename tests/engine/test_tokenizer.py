@@ -206,6 +206,9 @@ EXPECTED_PIECES = {
     "tekken": ["I", "'M", " ", "1", "2", "3", "4", "5", " abc", "\n\n", " ", " x"],
     "seed-coder": ["I", "'M", " ", "1", "2", "3", "4", "5", " abc", "\n\n", " ", " x"],
     "exaone4": ["I", "'", "M", " 12345", " abc", "\n\n ", " x"],
+    "deepseek-llm": ["I", "'", "M", " ", "12345", " abc", "\n", "\n", " ", " x"],
+    "deepseek-v3": ["I", "'M", " ", "123", "45", " abc", "\n\n", " ", " x"],
+    "deepseek-coder": ["I", "'", "M", " ", "1", "2", "3", "4", "5", " abc", "\n", "\n", " ", " x"],
 }
 
 
@@ -239,6 +242,26 @@ def test_tekken_splits_case_runs_and_keeps_no_contractions():
         {"type": "Split", "pattern": {"Regex": _TEKKEN}, "behavior": "Isolated", "invert": False},
         {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False}]}}
     assert _pre_name(spec) == "tekken"
+
+
+def test_deepseek_pre_tokenizers_split_scripts_and_round_trip_through_conversion():
+    """DeepSeek LLM's letter class ends where Greek extended letters do (U+1F7D: NFC would fold it into
+    U+03CE), CJK runs split from Latin ones; DeepSeek-V3 keeps a punctuation mark on the word after it and
+    digits in threes. Conversion names a folder with DeepSeek's patterns by them."""
+    from engine.quant.hf_meta import _pre_name
+    from engine.tokenizer import _DEEPSEEK_LLM, _DEEPSEEK_V3
+
+    llm = Tokenizer.from_gguf_metadata(synthetic_metadata("deepseek-llm"))
+    assert llm.pre_tokenize("\u1f70\u1f7d 你好abc") == ["\u1f70\u1f7d", " ", "你好", "abc"]
+    v3 = Tokenizer.from_gguf_metadata(synthetic_metadata("deepseek-v3"))
+    assert v3.pre_tokenize("x.y 1234567 日本語") == ["x", ".y", " ", "123", "456", "7", " ", "日本語"]
+    for name, patterns in (("deepseek-llm", _DEEPSEEK_LLM), ("deepseek-v3", _DEEPSEEK_V3)):
+        splits = [{"type": "Split", "pattern": {"Regex": p}, "behavior": "Isolated", "invert": False}
+                  for p in patterns]
+        spec = {"pre_tokenizer": {"type": "Sequence", "pretokenizers": [
+            *splits,
+            {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False}]}}
+        assert _pre_name(spec) == name
 
 
 def test_merges_apply():

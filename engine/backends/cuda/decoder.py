@@ -340,6 +340,11 @@ class CudaDecoder:
         if int_dot is None:
             int_dot = os.environ.get("HEARTH_CUDA_MATVEC", "").strip().lower() != "float"
         self.int_dot = bool(int_dot)
+        if getattr(model, "mla", False):
+            raise UnsupportedCudaModelError(
+                "multi-head latent attention (DeepSeek-V2/V3, GLM-4.7-Flash) has no CUDA kernels yet; "
+                "use --device cpu"
+            )
         if not isinstance(model, (LlamaModel, Gemma3Model)):
             raise UnsupportedCudaModelError(
                 f"the CUDA backend runs llama and gemma3 models, not {type(model).__name__}"
