@@ -146,10 +146,14 @@ def test_always_allow_runs_later_calls_of_that_tool_without_asking(qtbot, engine
     w, store = window(qtbot, engine)
     send(qtbot, w, "add twice")
     [card] = cards(w)
-    with qtbot.waitSignal(w.controller.busyChanged, timeout=60000):
-        qtbot.mouseClick(card.allow_always, Qt.MouseButton.LeftButton)
+    qtbot.mouseClick(card.allow_always, Qt.MouseButton.LeftButton)
+
+    def results() -> list[str]:  # the rounds' results, as stored (busy may toggle between the rounds)
+        msgs = store.messages(w.controller.chat.id)
+        return [m.tool_calls[0]["result"] for m in msgs[1:] if m.tool_calls]
+
+    qtbot.waitUntil(lambda: results() == ["2.0", "4.0"] and not w.controller.busy, timeout=60000)
     msgs = store.messages(w.controller.chat.id)
-    assert [m.tool_calls[0]["result"] for m in msgs[1:3]] == ["2.0", "4.0"]
     assert msgs[2].tool_calls[0]["decision"] == "always"  # not asked
     assert w.tools.always == {"add"}
 
