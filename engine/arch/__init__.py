@@ -11,8 +11,8 @@ import importlib
 from engine.errors import UnsupportedArchitectureError
 
 _REGISTRY: dict[str, type] = {}
-_BUILTIN_MODULES = ("engine.arch.llama", "engine.arch.gemma3", "engine.arch.gemma4", "engine.arch.nemotron_h",
-                    "engine.arch.bert")
+_BUILTIN_MODULES = ("engine.arch.llama", "engine.arch.gemma3", "engine.arch.gemma4", "engine.arch.gemma3n",
+                    "engine.arch.nemotron_h", "engine.arch.bert")
 
 
 def register(*names: str):
