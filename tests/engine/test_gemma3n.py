@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import threading
 import struct
 from pathlib import Path
 
@@ -241,3 +242,46 @@ def test_gguf_in_llama_cpps_gemma3n_layout(lm, tmp_path):
     q8.forward(TOKENS[:-1], cache)
     step = q8.forward(TOKENS[-1:], cache)[0]
     np.testing.assert_allclose(step, q8.forward(TOKENS, q8.new_cache(32), all_logits=True)[-1], atol=1e-4)
+
+
+def test_serve_batches_concurrent_requests_and_reuses_a_turn(lm):
+    """`hearth serve`'s engine over the model: concurrent requests share decode steps (forward_batch) and each
+    reply is the one it gets alone; a second turn reuses the first's cache."""
+    import openai
+
+    from engine.server.scheduler import Engine
+    from tests.engine.server_harness import LiveServer
+
+    engine = Engine(lm.model, lm.tokenizer, n_ctx=128, max_seqs=4, prefill_chunk=8, prefix_cache_bytes=1 << 20)
+    engine.start()
+    server = LiveServer(engine, lm)
+    try:
+        client = openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0, timeout=120)
+
+        def ask(prompt: str, cached: list | None = None) -> str:
+            reply = client.completions.create(model="smol", prompt=prompt, max_tokens=8, temperature=0,
+                                              extra_body={"ignore_eos": True})
+            if cached is not None:
+                cached.append(reply.usage.prompt_tokens_details.cached_tokens)
+            return reply.choices[0].text
+
+        prompts = ["hello there", "a b c d e f g", "the window is"]
+        alone = [ask(p) for p in prompts]
+        results: dict[int, str] = {}
+        engine.max_batch_seen = 0
+        threads = [threading.Thread(target=lambda i=i: results.__setitem__(i, ask(prompts[i])))
+                   for i in range(len(prompts))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert engine.max_batch_seen >= 2
+        assert [results[i] for i in range(len(prompts))] == alone
+        turn = prompts[1] + alone[1] + " h i j"
+        cached: list[int] = []
+        reply = ask(turn, cached)
+        assert ask(turn, cached) == reply  # from the stored prefix, as the first run
+        assert cached[1] > len(lm.tokenizer.encode(prompts[1])) and cached[1] > cached[0]
+    finally:
+        server.close()
+        engine.stop()
