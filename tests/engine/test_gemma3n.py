@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import json
 import shutil
-import threading
 import struct
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -252,7 +252,8 @@ def test_serve_batches_concurrent_requests_and_reuses_a_turn(lm):
     from engine.server.scheduler import Engine
     from tests.engine.server_harness import LiveServer
 
-    engine = Engine(lm.model, lm.tokenizer, n_ctx=128, max_seqs=4, prefill_chunk=8, prefix_cache_bytes=1 << 20)
+    engine = Engine(lm.model, lm.tokenizer, n_ctx=128, max_seqs=4, prefill_chunk=8,
+                    prefix_cache_bytes=1 << 20)
     engine.start()
     server = LiveServer(engine, lm)
     try:
