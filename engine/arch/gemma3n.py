@@ -79,8 +79,8 @@ class Gemma3nConfig(Gemma4Config):
 
     @classmethod
     def from_gguf(cls, metadata: dict, vocab_size: int) -> Gemma3nConfig:
-        """Config from llama.cpp's `gemma3n.*` keys (its Gemma3NModel converter). Its per-layer embedding
-        table has vocab_size rows (the converter pads it), and the sparsity comes as normal quantiles.
+        """Config from llama.cpp's `gemma3n.*` keys (its Gemma3NModel converter); the sparsity comes as normal
+        quantiles. The per-layer table's rows and LAuReL's rank are the tensors' (Gemma3nModel reads them).
 
         Raises:
             KeyError: a required key is missing. ValueError: values are inconsistent.
@@ -159,8 +159,10 @@ class Gemma3nModel(Gemma4Model):
     def __init__(self, cfg: Gemma3nConfig, weights):
         """Args: cfg; weights: a weight source with matrix, vector, floats, experts and has by GGUF name."""
         self.blocks = []
-        if not cfg.laurel_rank:  # a GGUF's config: the rank is its LAuReL matrices' (GGUFWeights.shape)
+        if not cfg.laurel_rank:  # a GGUF's config: what its metadata does not give, from its tensors' shapes
             cfg.laurel_rank = weights.shape("blk.0.laurel_l.weight")[0]
+            # llama.cpp's converter pads the table to the vocabulary (zero rows) since mid-2025, not before
+            cfg.vocab_size_per_layer_input = weights.shape("per_layer_token_embd.weight")[0]
         super().__init__(cfg, weights)
         d, a = cfg.hidden_size, cfg.altup_num_inputs
         # the extra streams' projections in and out: llama.cpp stacks them (A - 1, hidden, hidden)
