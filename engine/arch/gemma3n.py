@@ -161,7 +161,7 @@ class Gemma3nModel(Gemma4Model):
         self.blocks = []
         if not cfg.laurel_rank:  # a GGUF's config: what its metadata does not give, from its tensors' shapes
             cfg.laurel_rank = weights.shape("blk.0.laurel_l.weight")[0]
-            # llama.cpp's converter pads the table to the vocabulary (zero rows) since mid-2025, not before
+            # llama.cpp's newer converter pads the table to the vocabulary (zero rows), its older one did not
             cfg.vocab_size_per_layer_input = weights.shape("per_layer_token_embd.weight")[0]
         super().__init__(cfg, weights)
         d, a = cfg.hidden_size, cfg.altup_num_inputs

@@ -23,7 +23,12 @@ import pytest
 from engine.kv_cache import GroupedKVCache
 from engine.loader import load_model
 from engine.prefix_cache import PrefixCache
-from tests.engine.model_checks import check_batched_decode, check_speculation_keeps_greedy, chunked_logits
+from tests.engine.model_checks import (
+    check_batched_decode,
+    check_speculation_keeps_greedy,
+    chunked_logits,
+    rewrite_gguf,
+)
 
 TINY = Path(__file__).resolve().parents[1] / "fixtures" / "tiny"
 GOLDEN = json.loads((TINY / "gemma3n" / "golden.json").read_text())
@@ -231,6 +236,13 @@ def test_gguf_in_llama_cpps_gemma3n_layout(lm, tmp_path):
     g.close()
     m = load_model(out).model
     assert m.cfg.laurel_rank == 8 and m.cfg.kv_sources == lm.model.cfg.kv_sources
+    np.testing.assert_allclose(m.forward(TOKENS, m.new_cache(32), all_logits=True), REF, atol=TOL)
+    # llama.cpp's older converter kept the table at vocab_size_per_layer_input rows: the same logits
+    name = "per_layer_token_embd.weight"
+    old = rewrite_gguf(out, tmp_path / "old.gguf", rename=lambda n: () if n == name else n,
+                       extra={name: (1, (300, 48), table[:300].astype(np.float16))})
+    m = load_model(old).model
+    assert m.cfg.vocab_size_per_layer_input == 300
     np.testing.assert_allclose(m.forward(TOKENS, m.new_cache(32), all_logits=True), REF, atol=TOL)
     q8_file = convert(TINY / "gemma3n", "Q8_0", tmp_path / "q8.gguf").output
     g = open_gguf(q8_file)
