@@ -17,6 +17,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from engine.arch.deepseek2 import DeepSeek2Config
 from engine.arch.deltanet import DeltaShape
 from engine.arch.gemma3 import Gemma3Config
+from engine.arch.gemma3n import Gemma3nConfig
 from engine.arch.gemma4 import Gemma4Config
 from engine.arch.llama import LlamaConfig, gpt_oss_layer_types, smollm3_rope_layers, windowed_rope_layers
 from engine.arch.mamba2 import MambaShape
@@ -68,6 +69,7 @@ _FAMILIES = {
     "gemma3_text": "gemma3",
     "gemma2": "gemma2",
     "gemma4_text": "gemma4",
+    "gemma3n_text": "gemma3n",  # Gemma 3n's language model (E2B, E4B)
     "nemotron_h": "nemotron_h",  # dense Nemotron-H (Mamba-2, attention and MLP blocks)
     "mixtral": "llama",  # llama.cpp's name for Mixtral too: a llama with experts
     "qwen2_moe": "qwen2moe",
@@ -195,6 +197,20 @@ _GEMMA4_LAYER_NAMES = {
     "post_feedforward_layernorm_1.weight": "post_ffw_norm_1.weight",
     "post_feedforward_layernorm_2.weight": "post_ffw_norm_2.weight",
 }
+# Gemma 3n: Gemma 4's names (no layer scalar, experts) plus AltUp's and LAuReL's (llama.cpp's gemma3n names)
+_GEMMA3N_LAYER_NAMES = {
+    **_GEMMA4_LAYER_NAMES,
+    "altup.correct_output_scale": "altup_correct_scale.weight",
+    "altup.correction_coefs.weight": "altup_correct_coef.weight",
+    "altup.prediction_coefs.weight": "altup_predict_coef.weight",
+    "altup.modality_router.weight": "altup_router.weight",
+    "altup.router_norm.weight": "altup_router_norm.weight",
+    "laurel.linear_left.weight": "laurel_l.weight",
+    "laurel.linear_right.weight": "laurel_r.weight",
+    "laurel.post_laurel_norm.weight": "laurel_post_norm.weight",
+}
+# Gemma 3n's AltUp stream projections, one HF tensor per extra stream: GGUF's stacked tensor's name, entry .k
+_ALTUP_PROJ_RE = re.compile(r"model\.altup_(unembed_)?projections\.(\d+)\.weight")
 # Granite 4.0-H: its Mamba-2 layers (llama.cpp's granitehybrid names); A_log is read as -exp(A_log) (ssm_a)
 _GRANITE_HYBRID_LAYER_NAMES = {
     **_LAYER_NAMES,
@@ -246,6 +262,7 @@ _DEEPSEEK2_LAYER_NAMES = {
 _ARCH_LAYER_NAMES = {
     "deepseek2": _DEEPSEEK2_LAYER_NAMES,
     "gemma4": _GEMMA4_LAYER_NAMES,
+    "gemma3n": _GEMMA3N_LAYER_NAMES,
     "nemotron_h": _NEMOTRON_H_LAYER_NAMES,
     "granitehybrid": _GRANITE_HYBRID_LAYER_NAMES,
     "qwen35": _QWEN35_LAYER_NAMES,
@@ -459,6 +476,8 @@ def _gguf_name(hf_name: str, layer_names: dict[str, str]) -> str | None:
     hf_name = _language_name(hf_name)
     if hf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[hf_name]
+    if a := _ALTUP_PROJ_RE.fullmatch(hf_name):
+        return f"altup_{'unembd_' if a.group(1) else ''}proj.weight.{a.group(2)}"
     m = _LAYER_RE.fullmatch(hf_name)
     if m and m.group(2) in layer_names:
         return f"blk.{m.group(1)}.{layer_names[m.group(2)]}"
@@ -614,6 +633,45 @@ def _gemma4_config(config: dict) -> Gemma4Config:
     )
 
 
+def _gemma3n_config(config: dict) -> Gemma3nConfig:
+    """Gemma3nTextConfig's fields (intermediate_size: one length or one per layer)."""
+    params = config.get("rope_parameters") or {}
+    full_rope, local_rope = params.get("full_attention") or {}, params.get("sliding_attention") or {}
+    for kind, rope in (("full_attention", full_rope), ("sliding_attention", local_rope)):
+        if (rope.get("rope_type") or "default") != "default":
+            kind_name = rope.get("rope_type")
+            raise UnsupportedArchitectureError(f"Gemma 3n {kind} RoPE {kind_name!r} is not supported")
+    n = int(config["num_hidden_layers"])
+    ff = config["intermediate_size"]
+    ff = [int(v) for v in ff] if isinstance(ff, list) else [int(ff)] * n
+    heads = int(config["num_attention_heads"])
+    return Gemma3nConfig(
+        hidden_size=int(config["hidden_size"]),
+        intermediate_size=ff[0],
+        intermediate_sizes=ff,
+        num_hidden_layers=n,
+        num_attention_heads=heads,
+        num_key_value_heads=int(config.get("num_key_value_heads") or heads),
+        vocab_size=int(config["vocab_size"]),
+        head_dim=int(config.get("head_dim", 256)),
+        rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+        rope_theta=float(full_rope.get("rope_theta", config.get("rope_theta", 1_000_000.0))),
+        rope_local_base_freq=float(local_rope.get("rope_theta", 10_000.0)),
+        sliding_window=int(config.get("sliding_window") or 512),
+        layer_types=config.get("layer_types"),
+        max_position_embeddings=int(config.get("max_position_embeddings", 32_768)),
+        final_logit_softcapping=config.get("final_logit_softcapping"),
+        num_kv_shared_layers=int(config.get("num_kv_shared_layers", 15)),
+        hidden_size_per_layer_input=int(config.get("hidden_size_per_layer_input", 256)),
+        vocab_size_per_layer_input=int(config.get("vocab_size_per_layer_input", 262_144)),
+        altup_num_inputs=int(config.get("altup_num_inputs", 4)),
+        altup_active_idx=int(config.get("altup_active_idx", 0)),
+        altup_correct_scale=bool(config.get("altup_correct_scale", True)),
+        laurel_rank=int(config.get("laurel_rank", 64)),
+        activation_sparsity_pattern=config.get("activation_sparsity_pattern"),
+    )
+
+
 _NEMOTRON_KINDS = {"M": "mamba", "*": "attention", "-": "mlp", "E": "moe", "linear_attention": "mamba",
                    "full_attention": "attention", "mamba": "mamba", "attention": "attention", "mlp": "mlp",
                    "moe": "moe"}
@@ -677,10 +735,12 @@ def config_from_hf(folder: Path, config: dict):
             return DeepSeek2Config.from_hf(config, *_rope_scaling(config))
         except (KeyError, TypeError, ValueError) as e:
             raise ModelFormatError(folder / "config.json", f"missing or invalid hyper-parameter ({e})") from e
-    if arch in (*_GEMMA, "gemma4", "nemotron_h"):
+    if arch in (*_GEMMA, "gemma4", "gemma3n", "nemotron_h"):
         try:
             if arch == "nemotron_h":
                 return _nemotron_h_config(config)
+            if arch == "gemma3n":
+                return _gemma3n_config(config)
             return _gemma4_config(config) if arch == "gemma4" else _gemma3_config(config, arch)
         except (KeyError, TypeError, ValueError) as e:
             raise ModelFormatError(folder / "config.json", f"missing or invalid hyper-parameter ({e})") from e

@@ -32,6 +32,14 @@ class GGUFWeights:
     def has(self, name: str) -> bool:
         return name in self.gguf.tensors
 
+    def shape(self, name: str) -> tuple[int, ...]:
+        """A tensor's shape, for sizes the metadata does not give (Gemma 3n's LAuReL rank). Raises
+        MissingTensorError when the file lacks it."""
+        info = self.gguf.tensors.get(name)
+        if info is None:
+            raise MissingTensorError(self.gguf.path, f"tensor {name!r} is missing; the file is incomplete")
+        return tuple(int(n) for n in info.shape)
+
     def _info(self, name: str, shape: tuple[int, ...]):
         info = self.gguf.tensors.get(name)
         if info is None:

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from models.errors import HearthError, ModelFormatError
-from models.fit import gemma4_kv_widths_gguf
+from models.fit import SHARED_KV_ARCHS, gemma4_kv_widths_gguf
 
 FIXED_OVERHEAD = 300 << 20  # Python, numpy/Numba runtime, tokenizer, chat template
 HEADROOM = 0.9  # use at most this share of the available memory
@@ -133,7 +133,7 @@ def kv_shape_from_gguf(metadata: dict[str, Any], path: str = "model") -> KVShape
         trained = int(metadata.get(f"{arch}.context_length", 0))
     except (KeyError, TypeError, ValueError, ZeroDivisionError) as e:
         raise ModelFormatError(path, f"metadata lacks the {arch} hyper-parameters ({e})") from e
-    widths = tuple(gemma4_kv_widths_gguf(metadata)) if arch == "gemma4" else ()
+    widths = tuple(gemma4_kv_widths_gguf(metadata)) if arch in SHARED_KV_ARCHS else ()
     return KVShape(layers, kv_heads, head_dim, hidden, trained, conv_layers, kv_widths=widths)
 
 

@@ -138,7 +138,7 @@ def kv_bytes_per_token(metadata: Mapping[str, Any]) -> int:
     n_head = _per_layer(need("attention.head_count"), n_layer)
     kv = metadata.get(f"{arch}.attention.head_count_kv")
     n_head_kv = _per_layer(kv, n_layer) if kv is not None else n_head
-    if arch == "gemma4":
+    if arch in SHARED_KV_ARCHS:
         return 2 * sum(gemma4_kv_widths_gguf(metadata)) * KV_BYTES
     key_len = metadata.get(f"{arch}.attention.key_length")
     if key_len is None:
@@ -166,32 +166,43 @@ def gemma4_kv_widths(windowed: list[bool], kv_heads: list[int], head_dim: int, g
     return [h * (head_dim if w else global_head_dim) for w, h in zip(windowed[:keep], kv_heads[:keep])]
 
 
+# architectures whose last layers reuse earlier layers' keys and values (llama.cpp's shared_kv_layers)
+SHARED_KV_ARCHS = ("gemma4", "gemma3n")
+
+
 def gemma4_kv_widths_gguf(metadata: Mapping[str, Any]) -> list[int]:
-    """gemma4_kv_widths from llama.cpp's gemma4 keys. Raises ModelFormatError when they are missing."""
-    a = "gemma4"
+    """gemma4_kv_widths from llama.cpp's gemma4 keys, or its gemma3n ones (one head size: key_length). Raises
+    ModelFormatError when they are missing."""
+    a = metadata.get("general.architecture")
     try:
         n = int(metadata[f"{a}.block_count"])
         windowed = [bool(f) for f in metadata[f"{a}.attention.sliding_window_pattern"]]
         kv = metadata.get(f"{a}.attention.head_count_kv", metadata[f"{a}.attention.head_count"])
         shared = int(metadata.get(f"{a}.attention.shared_kv_layers", 0))
+        global_hd = int(metadata[f"{a}.attention.key_length"])
         return gemma4_kv_widths(
-            windowed, _per_layer(kv, n), int(metadata[f"{a}.attention.key_length_swa"]),
-            int(metadata[f"{a}.attention.key_length"]), shared,
+            windowed, _per_layer(kv, n), int(metadata.get(f"{a}.attention.key_length_swa", global_hd)),
+            global_hd, shared,
         )
     except (KeyError, TypeError, ValueError) as e:
-        raise ModelFormatError("<gemma4 metadata>", f"cannot size the KV cache ({e!r})") from None
+        raise ModelFormatError(f"<{a} metadata>", f"cannot size the KV cache ({e!r})") from None
 
 
 def _gemma4_kv_widths_config(cfg: Mapping[str, Any]) -> list[int]:
-    """gemma4_kv_widths from a gemma4_text config.json."""
+    """gemma4_kv_widths from a gemma4_text config.json, or a gemma3n_text one (one head shape on every layer;
+    transformers' default of 15 shared-KV layers)."""
     n = int(cfg["num_hidden_layers"])
     types = cfg.get("layer_types") or ["full_attention" if (i + 1) % 5 == 0 else "sliding" for i in range(n)]
     windowed = [t != "full_attention" for t in types]
-    global_hd, global_kv = gemma4_global_shape({**cfg, "layer_types": types})
     kv = int(cfg.get("num_key_value_heads") or cfg["num_attention_heads"])
+    head_dim = int(cfg.get("head_dim", 256))
+    if cfg.get("model_type") == "gemma3n_text":
+        global_hd, global_kv, shared = head_dim, kv, int(cfg.get("num_kv_shared_layers", 15))
+    else:
+        global_hd, global_kv = gemma4_global_shape({**cfg, "layer_types": types})
+        shared = int(cfg.get("num_kv_shared_layers") or 0)
     heads = [kv if w else global_kv for w in windowed]
-    return gemma4_kv_widths(windowed, heads, int(cfg.get("head_dim", 256)), global_hd,
-                            int(cfg.get("num_kv_shared_layers") or 0))
+    return gemma4_kv_widths(windowed, heads, head_dim, global_hd, shared)
 
 
 def _per_layer(value: Any, n_layer: int) -> list[int]:
@@ -209,7 +220,7 @@ def kv_bytes_per_token_config(config: Mapping[str, Any]) -> int:
     cfg = language_config(config)
     cfg = cfg.get("text_config") or cfg  # other multimodal layouts: their text_config as it is
     try:
-        if cfg.get("model_type") == "gemma4_text":
+        if cfg.get("model_type") in ("gemma4_text", "gemma3n_text"):
             return 2 * sum(_gemma4_kv_widths_config(cfg)) * KV_BYTES
         types = list(cfg.get("layer_types") or cfg.get("layers_block_type") or [])
         if cfg.get("model_type") == "qwen3_next" and not types:  # its published configs: the interval only

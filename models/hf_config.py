@@ -13,6 +13,7 @@ from typing import Any
 _MULTIMODAL = {
     "gemma3": "gemma3_text",
     "gemma4": "gemma4_text",
+    "gemma3n": "gemma3n_text",
     "mistral3": "mistral",
     "qwen3_5": "qwen3_5_text",
     "qwen3_5_moe": "qwen3_5_moe_text",

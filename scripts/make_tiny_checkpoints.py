@@ -397,6 +397,19 @@ FAMILIES = {
         torch.bfloat16,
         False,
     ),
+    # Gemma 3n, E2B-style: 4 AltUp streams, LAuReL, per-layer embeddings over a table shorter than the
+    # vocabulary (ids past it take row 0's), the first 2 layers' gate activations sparsified, the last 2
+    # layers reusing the last earlier windowed and global layers' keys and values, logit capping
+    "gemma3n": (
+        transformers.Gemma3nTextConfig,
+        dict(head_dim=16, sliding_window=4, final_logit_softcapping=30.0, pad_token_id=0, num_hidden_layers=6,
+             hidden_size_per_layer_input=8, vocab_size_per_layer_input=300, laurel_rank=8,
+             num_kv_shared_layers=2, activation_sparsity_pattern=[0.95, 0.95, 0.0, 0.0, 0.0, 0.0],
+             layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention",
+                          "sliding_attention", "full_attention"]),
+        torch.bfloat16,
+        False,
+    ),
     # Gemma 4, 26B-A4B-style: a dense MLP and 4 routed experts side by side in every layer; the global layers'
     # values are their keys (attention_k_eq_v) with fewer KV heads
     "gemma4-moe": (
@@ -656,6 +669,8 @@ def write_family(name: str, out: Path) -> None:
                 p.normal_(0.0, 0.1)
             if "experts" in pname and p.dim() == 3:  # gpt-oss: (experts, cols, rows), rounded per row
                 p.copy_(mxfp4_round(p.transpose(1, 2)).transpose(1, 2))
+            if pname.endswith("correct_output_scale"):  # Gemma 3n's AltUp output scale: zero at init
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
             if pname.endswith("sinks"):
                 p.copy_(torch.linspace(-1.0, 2.0, p.numel()))
         for bname, b in model.named_buffers():  # GLM-4.5's, LFM2-MoE's routing bias: a buffer, zero at init

@@ -237,6 +237,19 @@ class Gemma4Layer:
     pl_gate: Weight | None = None
     pl_proj: Weight | None = None
     pl_norm: np.ndarray | None = None
+    # Gemma 3n's activation sparsity: the gate rows' cut-off in standard deviations above their mean
+    # (gaussian_top_k); None: dense
+    sparsity_std: np.float32 | None = None
+
+
+def gaussian_top_k(gate: np.ndarray, std_multiplier: np.float32) -> None:
+    """gate (n, ff) in place: relu(gate - (mean + std_multiplier * std)) per row (population std), which keeps
+    about the top share of a normally distributed row that the multiplier's quantile leaves (HF's
+    Gemma3nTextMLP._gaussian_topk)."""
+    mean = gate.mean(axis=-1, keepdims=True, dtype=np.float32)
+    std = gate.std(axis=-1, keepdims=True, dtype=np.float32)
+    gate -= mean + std * std_multiplier
+    np.maximum(gate, np.float32(0.0), out=gate)
 
 
 class _Scratch:
@@ -482,46 +495,57 @@ class Gemma4Model(Decoder):
             self.images.embed(s.x, ids)
         if cfg.hidden_size_per_layer_input:
             self._per_layer_inputs(s, tokens)
-        heads = cfg.num_attention_heads
         for i, layer in enumerate(self.layers):
             if i == cfg.first_shared_layer and last_only and s.n > 1:
-                last = self._decode
-                last.x[0] = s.x[-1]
-                last.positions[0] = s.positions[-1]
-                if s.per_layer is not None:
-                    last.per_layer[0] = s.per_layer[-1]
-                s = last
-            n, hd = s.n, layer.head_dim
-            q = s.q[hd]
+                s = self._last_row(s)
             ops.rmsnorm(s.h, s.x, layer.attn_norm, eps)
-            ops.linear(q, layer.wq, s.h)
-            q_rows = q.reshape(n * heads, hd)
-            ops.rmsnorm(q_rows, q_rows, layer.q_norm, eps)
-            q3 = q.reshape(n, heads, hd)
-            ops.rope(q3, s.positions, layer.inv_freq, layer.n_rot, True)
-            k3 = v3 = None
-            if layer.wk is not None:
-                k, v = s.k[layer.kv_heads, hd], s.v[layer.kv_heads, hd]
-                ops.linear(k, layer.wk, s.h)
-                if layer.wv is None:  # the values are the keys' projection, before the keys' norm and RoPE
-                    v[:] = k
-                else:
-                    ops.linear(v, layer.wv, s.h)
-                k_rows, v_rows = k.reshape(-1, hd), v.reshape(-1, hd)
-                ops.rmsnorm(k_rows, k_rows, layer.k_norm, eps)
-                ops.rmsnorm(v_rows, v_rows, self.ones[hd], eps)
-                k3, v3 = k.reshape(n, layer.kv_heads, hd), v.reshape(n, layer.kv_heads, hd)
-                ops.rope(k3, s.positions, layer.inv_freq, layer.n_rot, True)
-            attn = s.attn[hd]
-            attend(layer, i, s, attn.reshape(n, heads, hd), q3, k3, v3)
-            ops.linear(s.o, layer.wo, attn)
+            self._attention(s, layer, i, attend)
             ops.rmsnorm(s.h, s.o, layer.post_attn_norm, eps)
             s.x += s.h
             self._ffn(s, layer)
             if layer.pl_gate is not None:
-                self._add_per_layer_input(s, layer, i)
+                self._per_layer_branch(s, layer, i, s.x)
+                s.x += s.h
             s.x *= layer.scalar
         return s
+
+    def _last_row(self, s: _Scratch) -> _Scratch:
+        """The one-row scratch holding s's last row (its residual stream, position, per-layer inputs)."""
+        last = self._decode
+        last.x[0] = s.x[-1]
+        last.positions[0] = s.positions[-1]
+        if s.per_layer is not None:
+            last.per_layer[0] = s.per_layer[-1]
+        return last
+
+    def _attention(self, s: _Scratch, layer: Gemma4Layer, i: int, attend) -> None:
+        """s.o = the attention block's output (before its norm) for the normed input s.h: q/k norms, values
+        RMS-normed without a weight, RoPE, attend (see _layers), the output projection."""
+        eps = self.cfg.rms_norm_eps
+        heads = self.cfg.num_attention_heads
+        n, hd = s.n, layer.head_dim
+        q = s.q[hd]
+        ops.linear(q, layer.wq, s.h)
+        q_rows = q.reshape(n * heads, hd)
+        ops.rmsnorm(q_rows, q_rows, layer.q_norm, eps)
+        q3 = q.reshape(n, heads, hd)
+        ops.rope(q3, s.positions, layer.inv_freq, layer.n_rot, True)
+        k3 = v3 = None
+        if layer.wk is not None:
+            k, v = s.k[layer.kv_heads, hd], s.v[layer.kv_heads, hd]
+            ops.linear(k, layer.wk, s.h)
+            if layer.wv is None:  # the values are the keys' projection, before the keys' norm and RoPE
+                v[:] = k
+            else:
+                ops.linear(v, layer.wv, s.h)
+            k_rows, v_rows = k.reshape(-1, hd), v.reshape(-1, hd)
+            ops.rmsnorm(k_rows, k_rows, layer.k_norm, eps)
+            ops.rmsnorm(v_rows, v_rows, self.ones[hd], eps)
+            k3, v3 = k.reshape(n, layer.kv_heads, hd), v.reshape(n, layer.kv_heads, hd)
+            ops.rope(k3, s.positions, layer.inv_freq, layer.n_rot, True)
+        attn = s.attn[hd]
+        attend(layer, i, s, attn.reshape(n, heads, hd), q3, k3, v3)
+        ops.linear(s.o, layer.wo, attn)
 
     def _ffn(self, s: _Scratch, layer: Gemma4Layer) -> None:
         """s.x += the normed output of the GeGLU MLP (plus, beside it, the routed experts')."""
@@ -530,6 +554,8 @@ class Gemma4Model(Decoder):
         gate, up = s.gate[ff], s.up[ff]
         ops.rmsnorm(s.h, s.x, layer.ffn_norm, eps)
         ops.linear(gate, layer.w_gate, s.h)
+        if layer.sparsity_std is not None:
+            gaussian_top_k(gate, layer.sparsity_std)
         ops.linear(up, layer.w_up, s.h)
         ops.gelu_tanh_mul(gate, gate, up)
         ops.linear(s.o, layer.w_down, gate)
@@ -543,12 +569,11 @@ class Gemma4Model(Decoder):
         ops.rmsnorm(s.h, s.o, layer.post_ffn_norm, eps)
         s.x += s.h
 
-    def _add_per_layer_input(self, s: _Scratch, layer: Gemma4Layer, i: int) -> None:
-        """s.x += norm(proj(gelu(gate x) * this layer's per-layer input))."""
+    def _per_layer_branch(self, s: _Scratch, layer: Gemma4Layer, i: int, x: np.ndarray) -> None:
+        """s.h = norm(proj(gelu(gate x) * this layer's per-layer input)) for x (n, hidden)."""
         p = self.cfg.hidden_size_per_layer_input
         s.pl_input[:] = s.per_layer[:, i * p : (i + 1) * p]
-        ops.linear(s.pl_gate, layer.pl_gate, s.x)
+        ops.linear(s.pl_gate, layer.pl_gate, x)
         ops.gelu_tanh_mul(s.pl_gate, s.pl_gate, s.pl_input)
         ops.linear(s.o, layer.pl_proj, s.pl_gate)
         ops.rmsnorm(s.h, s.o, layer.pl_norm, self.cfg.rms_norm_eps)
-        s.x += s.h

@@ -388,6 +388,11 @@ def pick_group(source: SourceModel, group: int | None = None) -> int:
             f"{source.path}: AWQ does not cover multi-head latent attention (DeepSeek-V2/V3, GLM-4.7-Flash) "
             "yet; pick a GGUF format instead"
         )
+    if source.architecture == "gemma3n":
+        raise UnsupportedArchitectureError(
+            f"{source.path}: AWQ does not cover Gemma 3n (its AltUp streams, LAuReL blocks, shared-KV layers "
+            "and per-layer embeddings) yet; pick a GGUF format instead"
+        )
     if "blk.0.attn_norm.weight" not in source.shapes:
         raise UnsupportedArchitectureError(
             f"{source.path}: AWQ folds its scales into the norms before q/k/v and gate/up, which this model "

@@ -88,6 +88,38 @@ def _gemma4_hparams(cfg) -> dict[str, Any]:
     return md
 
 
+def _gemma3n_hparams(cfg) -> dict[str, Any]:
+    """llama.cpp's gemma3n keys (its Gemma3NModel converter): Gemma 3's, FFN lengths per layer, the window
+    flags, AltUp's inputs, per-layer embeddings, shared-KV layers and the sparsity's cut-offs as standard
+    normal quantiles (-inf on dense layers). The windowed layers' RoPE base is written too (llama.cpp's
+    converter leaves it out and takes 10000)."""
+    a = "gemma3n"
+    return {
+        "general.architecture": a,
+        f"{a}.block_count": cfg.num_hidden_layers,
+        f"{a}.context_length": cfg.max_position_embeddings,
+        f"{a}.embedding_length": cfg.hidden_size,
+        f"{a}.feed_forward_length": [int(ff) for ff in cfg.intermediate_sizes],
+        f"{a}.attention.head_count": cfg.num_attention_heads,
+        f"{a}.attention.head_count_kv": cfg.num_key_value_heads,
+        f"{a}.attention.key_length": cfg.head_dim,
+        f"{a}.attention.value_length": cfg.head_dim,
+        f"{a}.attention.layer_norm_rms_epsilon": float(cfg.rms_norm_eps),
+        f"{a}.attention.sliding_window": cfg.sliding_window,
+        f"{a}.attention.sliding_window_pattern": np.array([not cfg.is_global(i)
+                                                            for i in range(cfg.num_hidden_layers)]),
+        f"{a}.attention.shared_kv_layers": cfg.num_kv_shared_layers,
+        f"{a}.rope.freq_base": float(cfg.rope_theta),
+        f"{a}.rope.freq_base_swa": float(cfg.rope_local_base_freq),
+        f"{a}.embedding_length_per_layer_input": cfg.hidden_size_per_layer_input,
+        f"{a}.altup.active_idx": cfg.altup_active_idx,
+        f"{a}.altup.num_inputs": cfg.altup_num_inputs,
+        f"{a}.activation_sparsity_scale": np.array(cfg.sparsity_stds, np.float32),
+        **({f"{a}.final_logit_softcapping": float(cfg.final_logit_softcapping)}
+           if cfg.final_logit_softcapping else {}),
+    }
+
+
 def _mamba_hparams(a: str, shape) -> dict[str, Any]:
     """llama.cpp's ssm.* keys for Mamba-2 layers (granitehybrid, nemotron_h)."""
     if (shape.dt_min, shape.dt_max) != (0.0, float("inf")):
@@ -191,6 +223,8 @@ def _hparams(arch: str, config: dict, cfg) -> dict[str, Any]:
         return _deepseek2_hparams(cfg)
     if arch == "gemma4":
         return _gemma4_hparams(cfg)
+    if arch == "gemma3n":
+        return _gemma3n_hparams(cfg)
     if arch == "nemotron_h":
         return _nemotron_h_hparams(cfg)
     a = arch

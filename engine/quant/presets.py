@@ -66,18 +66,23 @@ def use_more_bits(i_layer: int, n_layers: int) -> bool:
     return i_layer < n_layers // 8 or i_layer >= 7 * n_layers // 8 or (i_layer - n_layers // 8) % 3 == 2
 
 
+# Gemma 3n's AltUp routers and coefficients: (4, hidden), (16, 4), (4, 4), read as floats
+_ALTUP_FLOAT = ("altup_router.weight", "altup_predict_coef.weight", "altup_correct_coef.weight")
+
+
 def is_quantizable(name: str, shape: tuple[int, ...]) -> bool:
     """Matrices ending in "weight" except norms, mixture-of-experts routers (ffn_gate_inp, kept F32
     as llama.cpp keeps them: small, and a rounded router logit can change which experts run), shared
     expert gates (ffn_gate_inp_shexp: one row, which llama.cpp's quantizer counts as 1-D) and LFM2's and
-    Qwen3.5's convolution kernels (a few taps a row, F32 in llama.cpp's files too); everything else is
-    stored as F32."""
+    Qwen3.5's convolution kernels (a few taps a row, F32 in llama.cpp's files too) and Gemma 3n's AltUp
+    routers and coefficients (A = 4 columns or rows, read as floats); everything else is stored as F32."""
     return (
         len(shape) >= 2
         and shape[-2] > 1
         and name.endswith("weight")
         and "_norm.weight" not in name
         and not name.endswith(("ffn_gate_inp.weight", "shortconv.conv.weight", "ssm_conv1d.weight"))
+        and not name.endswith(_ALTUP_FLOAT)
     )
 
 

@@ -35,9 +35,8 @@ GEMMA_NORM_OFFSET = frozenset({"gemma3", "gemma2"})
 SUPPORTED_ARCHS = frozenset(
     {"llama", "mistral3", "smollm3", "granite", "glm4", "olmo2", "ernie4_5", "qwen2", "qwen2moe", "qwen3",
      "qwen3moe", "glm4moe", "exaone4", "seed_oss", "lfm2", "lfm2moe", "qwen35", "qwen35moe", "qwen3next",
-     "gemma3", "gemma2", "gemma4", "gpt-oss", "granitehybrid", "nemotron_h", "qwen3vl", "qwen3vlmoe",
-     "qwen2vl",
-     "deepseek2"}
+     "gemma3", "gemma2", "gemma4", "gemma3n", "gpt-oss", "granitehybrid", "nemotron_h", "qwen3vl",
+     "qwen3vlmoe", "qwen2vl", "deepseek2"}
 )
 _F32, _BF16, _Q4_1 = 0, 30, 3
 
@@ -202,6 +201,8 @@ def _hf_source(folder: Path) -> SourceModel:
         fused |= _gemma4_rope_freqs(cfg)
     if arch == "deepseek2":
         fused |= _split_kv_b(weights, st, names_map, quantized, cfg)
+    if arch == "gemma3n":
+        fused |= _gemma3n_per_layer_table(st, names_map, cfg)
 
     def load_one(name: str) -> np.ndarray:
         if name in quantized:
@@ -266,7 +267,8 @@ def _layer_of(gguf_name: str) -> int:
     return int(gguf_name.split(".", 2)[1]) if gguf_name.startswith("blk.") else -1
 
 
-_EXPERT_NAME = re.compile(r"blk\.\d+\.ffn_\w+_exps\.weight\.\d+")  # HFWeights' name of one expert
+# HFWeights' name of one expert (or of one of Gemma 3n's AltUp stream projections, stacked the same way)
+_EXPERT_NAME = re.compile(r"(?:blk\.\d+\.ffn_\w+_exps|altup_(?:unembd_)?proj)\.weight\.\d+")
 
 
 # GGUF architectures whose files keep gate and up fused in one ffn_up (llama.cpp's Phi-3 and GLM-4)
@@ -387,6 +389,24 @@ def _mamba_shape(name: str, shape: tuple[int, ...], mamba) -> tuple[int, ...]:
     if name.endswith("ssm_norm.weight"):
         return mamba.groups, mamba.d_inner // mamba.groups
     return shape
+
+
+def _gemma3n_per_layer_table(
+    st, names_map: dict[str, str], cfg
+) -> dict[str, tuple[tuple[int, ...], int, Any]]:
+    """Gemma 3n's per-layer embedding table grown to the vocabulary, as llama.cpp's gemma3n GGUF keeps it
+    (vocab_size rows; its converter pads the audio and image ids' rows with zeros). The rows added here are
+    copies of row 0, the row transformers reads for every id past the table, so the file keeps its logits."""
+    name = "per_layer_token_embd.weight"
+    hf_name = names_map.pop(name)
+    info = st.tensors[hf_name]
+    rows = cfg.vocab_size
+
+    def load() -> np.ndarray:
+        table = float32_of(st.array(hf_name), info.dtype == "BF16")
+        return np.concatenate([table, np.repeat(table[:1], rows - len(table), axis=0)])
+
+    return {name: ((rows, info.shape[1]), FLOAT_DTYPES[info.dtype], load)}
 
 
 def _gemma4_rope_freqs(cfg) -> dict[str, tuple[tuple[int, ...], int, Any]]:

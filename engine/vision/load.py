@@ -189,6 +189,9 @@ def hf_vision(
     """The vision tower of a Gemma 3, Gemma 4, Mistral 3, Qwen3.5 (dense or MoE), Qwen3-VL (dense or MoE),
     Qwen2.5-VL or Qwen2-VL multimodal folder (None: no vision config or no tower tensors)."""
     vision = config.get("vision_config")
+    if config.get("model_type") == "gemma3n" and isinstance(vision, dict):
+        raise ModelFormatError(folder / "config.json", "Hearth runs Gemma 3n's language model only, not its "
+                               "vision and audio towers: it reads text")
     if config.get("model_type") not in VISION_MODEL_TYPES or not isinstance(vision, dict):
         return None
     if config["model_type"] == "gemma4":
