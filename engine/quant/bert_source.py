@@ -11,12 +11,12 @@ and the special ids: bos = [CLS], eos = sep = [SEP], unk, pad, mask.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
 
 from engine.errors import ModelFormatError
+from engine.quant.hf_meta import read_vocab
 from engine.tokenizer import TOKEN_CONTROL, TOKEN_NORMAL
 from engine.weights import FLOAT_DTYPES, float32_of
 
@@ -24,23 +24,8 @@ _POOLING_TYPES = {"mean": 1, "cls": 2, "last": 3}
 
 
 def _vocab_metadata(folder: Path, tok_config: dict) -> dict:
-    path = folder / "tokenizer.json"
-    try:
-        spec = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise ModelFormatError(path, "missing; conversion needs the fast tokenizer file") from None
-    model = spec.get("model") or {}
-    if model.get("type") != "WordPiece":
-        raise ModelFormatError(
-            path, f"a BERT folder's tokenizer must be WordPiece, not {model.get('type')!r}"
-        )
-    vocab: dict[str, int] = dict(model.get("vocab") or {})
-    for added in spec.get("added_tokens", []):
-        vocab.setdefault(added["content"], added["id"])
-    n = max(vocab.values()) + 1
-    tokens = [f"[PAD{i}]" for i in range(n)]
-    for text, i in vocab.items():
-        tokens[i] = text
+    spec, _, vocab, tokens = read_vocab(folder, "WordPiece")
+    n = len(tokens)
     types = np.full(n, TOKEN_NORMAL, np.int32)
     for added in spec.get("added_tokens", []):
         if added.get("special"):

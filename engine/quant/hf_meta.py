@@ -396,22 +396,35 @@ def _pre_name(spec: dict) -> str:
     )
 
 
-def _tokenizer_metadata(folder: Path, tok_config: dict, arch: str = "") -> dict[str, Any]:
+def read_vocab(folder: Path, kind: str) -> tuple[dict, dict, dict[str, int], list[str]]:
+    """A folder's tokenizer.json of model type `kind` ("BPE", "WordPiece"): (the file, its model, token ->
+    id with the added tokens, the tokens by id; ids nothing names become "[PAD<i>]").
+
+    Raises:
+        ModelFormatError: no tokenizer.json, or one of another model type.
+    """
     path = folder / "tokenizer.json"
     try:
         spec = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise ModelFormatError(path, "missing; conversion needs the fast tokenizer file") from None
     model = spec.get("model") or {}
-    if model.get("type") != "BPE":
-        raise ModelFormatError(path, f"tokenizer model {model.get('type')!r} cannot be converted (BPE only)")
+    if model.get("type") != kind:
+        raise ModelFormatError(
+            path, f"tokenizer model {model.get('type')!r} cannot be converted here ({kind} only)"
+        )
     vocab: dict[str, int] = dict(model.get("vocab") or {})
     for added in spec.get("added_tokens", []):
         vocab.setdefault(added["content"], added["id"])
-    n = max(vocab.values()) + 1
-    tokens = [f"[PAD{i}]" for i in range(n)]
+    tokens = [f"[PAD{i}]" for i in range(max(vocab.values()) + 1)]
     for text, i in vocab.items():
         tokens[i] = text
+    return spec, model, vocab, tokens
+
+
+def _tokenizer_metadata(folder: Path, tok_config: dict, arch: str = "") -> dict[str, Any]:
+    spec, model, vocab, tokens = read_vocab(folder, "BPE")
+    n = len(tokens)
     merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
     spm = bool(model.get("byte_fallback"))
     types = np.full(n, TOKEN_NORMAL, np.int32)

@@ -100,7 +100,7 @@ class Qwen25Vision(Qwen35Vision):
 
     def __init__(self, shape: Qwen25VisionShape, weights, source: Path):
         self._setup(shape, weights, source)
-        d, ff, m = shape.hidden, shape.ff, shape.merge
+        d, ff = shape.hidden, shape.ff
 
         def norm(name: str) -> tuple[np.ndarray, np.ndarray | None]:
             bias = None if shape.gated else weights.vector(name + ".bias", d)  # Qwen2-VL's LayerNorms
@@ -133,12 +133,7 @@ class Qwen25Vision(Qwen35Vision):
                     down_b=weights.vector(b + "ffn_down.bias", d),
                 )
             )
-        wide = d * m * m
-        self.merge_norm = norm("v.post_ln")
-        self.merge_fc1 = weights.matrix("mm.0.weight", wide, wide)
-        self.merge_fc1_b = weights.vector("mm.0.bias", wide)
-        self.merge_fc2 = weights.matrix("mm.2.weight", shape.text_hidden, wide)
-        self.merge_fc2_b = weights.vector("mm.2.bias", shape.text_hidden)
+        self._load_merger(weights, norm)
 
     def steps(self, pixels: np.ndarray):
         """encode as a generator that yields the blocks done after each; returns the merged rows, in the
@@ -166,7 +161,7 @@ class Qwen25Vision(Qwen35Vision):
                     ops.silu_mul(up, linear(block.gate, h, block.gate_b), up)
                 x += linear(block.down, up, block.down_b)
             yield i + 1
-        self._norm(h, x, self.merge_norm)
+        self._norm(h, x, self.merge_ln)
         merged = self._merge(h)
         out = np.empty_like(merged)
         out[order] = merged  # back to the grid's order

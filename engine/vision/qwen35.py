@@ -177,7 +177,7 @@ class Qwen35Vision(VisionTower):
 
     def __init__(self, shape: Qwen35VisionShape, weights, source: Path):
         self._setup(shape, weights, source)
-        d, ff, m = shape.hidden, shape.ff, shape.merge
+        d, ff = shape.hidden, shape.ff
         side = math.isqrt(shape.positions)
         if side * side != shape.positions:
             raise ModelFormatError(source, f"num_position_embeddings {shape.positions} is not a square")
@@ -205,12 +205,7 @@ class Qwen35Vision(VisionTower):
                     fc2_b=weights.vector(b + "ffn_down.bias", d),
                 )
             )
-        wide = d * m * m
-        self.merge_ln = norm("v.post_ln")
-        self.merge_fc1 = weights.matrix("mm.0.weight", wide, wide)
-        self.merge_fc1_b = weights.vector("mm.0.bias", wide)
-        self.merge_fc2 = weights.matrix("mm.2.weight", shape.text_hidden, wide)
-        self.merge_fc2_b = weights.vector("mm.2.bias", shape.text_hidden)
+        wide = self._load_merger(weights, norm)
         self.deepstack = []  # per deepstack merger: (norm over the wide row, fc1, fc1 bias, fc2, fc2 bias)
         for block in shape.deepstack:
             b = f"v.deepstack.{block}."
@@ -239,6 +234,18 @@ class Qwen35Vision(VisionTower):
         quarter = shape.head_dim // 2  # frequencies per axis: half of the head's pairs
         self.inv_freq = 1.0 / shape.rope_theta ** (np.arange(0, quarter, 2, dtype=np.float64) / quarter)
         self._grids: dict[str, tuple[int, int]] = {}  # image digest -> merged (rows, columns)
+
+    def _load_merger(self, weights, norm) -> int:
+        """The patch merger (llama.cpp's v.post_ln, mm.0, mm.2): its norm over a patch, then a two-layer MLP
+        over the merge x merge patches' concatenation (wide) into the language model's rows. Returns wide."""
+        shape = self.shape
+        wide = shape.hidden * shape.merge * shape.merge
+        self.merge_ln = norm("v.post_ln")
+        self.merge_fc1 = weights.matrix("mm.0.weight", wide, wide)
+        self.merge_fc1_b = weights.vector("mm.0.bias", wide)
+        self.merge_fc2 = weights.matrix("mm.2.weight", shape.text_hidden, wide)
+        self.merge_fc2_b = weights.vector("mm.2.bias", shape.text_hidden)
+        return wide
 
     def attach(self, model) -> None:
         """As VisionTower.attach, with a table that knows each image's grid, and M-RoPE's sections (the
