@@ -31,7 +31,9 @@ from starlette.responses import JSONResponse, Response
 
 from engine import embed
 from engine.errors import EmbeddingInputError, EmbeddingUnsupportedError
+from engine.server import ollama
 from engine.server.errors import APIError, invalid
+from engine.server.protocol import is_int
 
 MAX_INPUTS = 2048  # OpenAI's limit on inputs per request
 
@@ -50,10 +52,6 @@ class EmbedRequest:
     field: str = "input"
 
 
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
 def _model(body: Any) -> str:
     if not isinstance(body, dict):
         raise invalid("the request body must be a JSON object")
@@ -65,7 +63,7 @@ def _model(body: Any) -> str:
 
 def _dims(body: dict) -> int | None:
     dims = body.get("dimensions")
-    if dims is not None and (not _is_int(dims) or dims < 1):
+    if dims is not None and (not is_int(dims) or dims < 1):
         raise invalid(f"'dimensions' must be a positive integer, got {dims!r}", "dimensions")
     return dims
 
@@ -87,12 +85,12 @@ def parse_openai(body: Any) -> EmbedRequest:
     x = body.get("input")
     if isinstance(x, str):
         req.texts = [x]
-    elif isinstance(x, list) and x and all(_is_int(t) for t in x):
+    elif isinstance(x, list) and x and all(is_int(t) for t in x):
         req.ids = [list(x)]
     elif isinstance(x, list) and all(isinstance(t, str) for t in x):
         _count(len(x), "input")
         req.texts = list(x)
-    elif isinstance(x, list) and all(isinstance(t, list) and all(_is_int(i) for i in t) for t in x):
+    elif isinstance(x, list) and all(isinstance(t, list) and all(is_int(i) for i in t) for t in x):
         _count(len(x), "input")
         req.ids = [list(t) for t in x]
     else:
@@ -214,7 +212,7 @@ class EmbeddingRoutes:
     async def ollama_embed(self, request: Request) -> Response:
         started = time.monotonic()
         req = parse_ollama(await self.api._json(request))
-        self._ollama_model(req.model)
+        ollama.check_model(self.api, req.model)
         vectors, counts = await self.compute(req)
         return JSONResponse({
             "model": req.model,
@@ -226,15 +224,12 @@ class EmbeddingRoutes:
 
     async def ollama_embeddings(self, request: Request) -> Response:
         req = parse_ollama_legacy(await self.api._json(request))
-        self._ollama_model(req.model)
+        ollama.check_model(self.api, req.model)
         if not req.texts[0]:
             return JSONResponse({"embedding": []})  # as Ollama answers an empty prompt
         vectors, _ = await self.compute(req)
         return JSONResponse({"embedding": vectors[0].tolist()})
 
-    def _ollama_model(self, name: str) -> None:
-        """Ollama clients add the default tag (":latest") to names that have none."""
-        self.api.check_model(name.removesuffix(":latest") if name not in self.api.names else name)
 
 
 def refuse_generation(lm, model_name: str) -> None:

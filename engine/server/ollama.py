@@ -23,6 +23,7 @@ context.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import time
 from collections.abc import AsyncIterator
@@ -83,7 +84,7 @@ def _common(body: dict) -> tuple[dict, bool, bool | str | None]:
             openai[field] = DEFAULTS[name]
     predict = options.get("num_predict")
     if predict is not None:
-        if not protocol._is_int(predict) or predict == 0 or predict < -2:
+        if not protocol.is_int(predict) or predict == 0 or predict < -2:
             raise invalid(
                 "'options.num_predict' must be a positive number of tokens, -1 (no limit) or -2 (fill the "
                 f"context), got {predict!r}",
@@ -211,7 +212,7 @@ def parse_generate(body: Any, n_ctx: int) -> OllamaRequest:
     if not isinstance(raw, bool):
         raise invalid("'raw' must be true or false", "raw")
     context = body.get("context")
-    if context is not None and not (isinstance(context, list) and all(protocol._is_int(t) for t in context)):
+    if context is not None and not (isinstance(context, list) and all(protocol.is_int(t) for t in context)):
         raise invalid("'context' must be the list of token ids an earlier reply returned", "context")
     images = _images(body.get("images"), "images")
     if not prompt and not images:
@@ -237,7 +238,8 @@ def created_at() -> str:
 
 
 def done_reason(delta: Delta) -> str:
-    return {"context": "length", "cancelled": "stop"}.get(delta.finish_reason, delta.finish_reason or "stop")
+    """The engine's finish reason as Ollama names it (as OpenAI does: protocol.finish)."""
+    return protocol.finish(delta.finish_reason) or "stop"
 
 
 def counts(last: Delta, started: float) -> dict:
@@ -264,6 +266,12 @@ def tool_calls(calls: list[dict]) -> list[dict]:
             args = {}
         out.append({"function": {"name": fn["name"], "arguments": args}})
     return out
+
+
+def check_model(api, name: str) -> None:
+    """api.check_model (the OpenAI routes' handler object) for a name an Ollama client sends: those clients
+    add the default tag (":latest") to names that have none."""
+    api.check_model(name.removesuffix(":latest") if name not in api.names else name)
 
 
 def error_body(e: APIError) -> dict:
@@ -361,7 +369,8 @@ class OllamaRoutes:
         self.check_model(name)
         lm = self.api.lm
         cfg = lm.model.cfg
-        details = await run_in_threadpool(self._details)
+        entry = await run_in_threadpool(self._entry)
+        details = entry["details"]
         arch = details["family"] or "llama"
         info = {
             "general.architecture": arch,
@@ -378,7 +387,7 @@ class OllamaRoutes:
             "details": details,
             "model_info": {k: v for k, v in info.items() if v is not None},
             "capabilities": self.capabilities(),
-            "modified_at": (await run_in_threadpool(self._entry))["modified_at"],
+            "modified_at": entry["modified_at"],
         })
 
     async def unsupported(self, request: Request) -> Response:
@@ -388,8 +397,7 @@ class OllamaRoutes:
         raise APIError(501, f"/api/{what} is not supported by hearth serve: {hint}", "not_implemented")
 
     def check_model(self, name: str) -> None:
-        """Ollama clients add the default tag (":latest") to names that have none."""
-        self.api.check_model(name.removesuffix(":latest") if name not in self.api.names else name)
+        check_model(self.api, name)
 
     # --- generation ---
 
@@ -538,6 +546,4 @@ def _size_label(params: int) -> str:
 def _digest(lm, stat) -> str:
     """A stable id of the served file (path, size, time), hex like Ollama's digests, without reading
     gigabytes to hash them."""
-    import hashlib
-
     return hashlib.sha256(f"{lm.path}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()

@@ -62,7 +62,7 @@ class CompletionRequest(Common):
     prompt: str | list[int] = ""
 
 
-def _is_int(v) -> bool:
+def is_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
@@ -93,7 +93,7 @@ def _common(body: Any, n_ctx: int, max_tokens_names: tuple[str, ...]) -> dict:
         v = body.get(name)
         if v is None:
             continue
-        if not _is_int(v) or v < 1:
+        if not is_int(v) or v < 1:
             raise invalid(f"'{name}' must be a positive integer, got {v!r}", name)
         if v > n_ctx:
             raise invalid(
@@ -103,10 +103,10 @@ def _common(body: Any, n_ctx: int, max_tokens_names: tuple[str, ...]) -> dict:
             )
         max_tokens = v
     n = body.get("n")
-    if n is not None and (not _is_int(n) or n != 1):
+    if n is not None and (not is_int(n) or n != 1):
         raise invalid("only n=1 is supported", "n")
     seed = body.get("seed")
-    if seed is not None and (not _is_int(seed) or not -(2**63) <= seed < 2**64):
+    if seed is not None and (not is_int(seed) or not -(2**63) <= seed < 2**64):
         raise invalid("'seed' must be an integer", "seed")
     if seed is not None and seed < 0:
         seed = seed % 2**64
@@ -134,7 +134,7 @@ def _common(body: Any, n_ctx: int, max_tokens_names: tuple[str, ...]) -> dict:
     for name in ("presence_penalty", "frequency_penalty"):
         _number(body, name, 0.0, -2.0, 2.0)  # accepted for compatibility; not applied
     top_k = body.get("top_k")
-    if top_k is not None and (not _is_int(top_k) or top_k < 0):
+    if top_k is not None and (not is_int(top_k) or top_k < 0):
         raise invalid(f"'top_k' must be an integer >= 0 (0: off), got {top_k!r}", "top_k")
     min_p = _number(body, "min_p", 0.0, 0.0, 1.0)
     if min_p == 1.0:
@@ -276,7 +276,7 @@ def parse_chat(body: Any, n_ctx: int) -> ChatRequest:
     if logprobs is not None and not isinstance(logprobs, bool):
         raise invalid("'logprobs' must be true or false", "logprobs")
     top = body.get("top_logprobs")
-    if top is not None and (not _is_int(top) or not 0 <= top <= MAX_TOP_LOGPROBS):
+    if top is not None and (not is_int(top) or not 0 <= top <= MAX_TOP_LOGPROBS):
         raise invalid(f"'top_logprobs' must be an integer in [0, {MAX_TOP_LOGPROBS}]", "top_logprobs")
     if top and not logprobs:
         raise invalid("'top_logprobs' needs 'logprobs': true", "top_logprobs")
@@ -363,7 +363,7 @@ def parse_completion(body: Any, n_ctx: int) -> CompletionRequest:
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
         prompt = prompt[0]
     if isinstance(prompt, list):
-        if not prompt or not all(_is_int(t) for t in prompt):
+        if not prompt or not all(is_int(t) for t in prompt):
             raise invalid("'prompt' must be a string or a non-empty list of token ids (one prompt)", "prompt")
     elif not isinstance(prompt, str) or not prompt:
         raise invalid("'prompt' must be a non-empty string (one prompt per request)", "prompt")
@@ -371,7 +371,7 @@ def parse_completion(body: Any, n_ctx: int) -> CompletionRequest:
         if body.get(name) not in (None, ok):
             raise invalid(f"'{name}' is not supported by this server", name)
     logprobs = body.get("logprobs")
-    if logprobs is not None and (not _is_int(logprobs) or not 0 <= logprobs <= 5):
+    if logprobs is not None and (not is_int(logprobs) or not 0 <= logprobs <= 5):
         raise invalid("'logprobs' must be an integer in [0, 5]", "logprobs")
     fields["logprobs"] = logprobs
     return CompletionRequest(**fields, prompt=prompt)
