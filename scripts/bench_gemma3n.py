@@ -15,16 +15,15 @@ row: the file gets smaller, not what a token computes.
 from __future__ import annotations
 
 import argparse
-import json
-import shutil
 import sys
 from pathlib import Path
 
 import numpy as np
-from safetensors.numpy import save_file
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from random_folder import ShardedFolder  # noqa: E402 - scripts/random_folder.py
 
 from engine.convert import convert  # noqa: E402
 
@@ -78,20 +77,11 @@ def write_folder(folder: Path, layers: int, pl_vocab: int, seed: int = 0) -> Non
              layer_types=[("sliding_attention", "full_attention")[(i + 1) % 5 == 0] for i in range(layers)],
              model_type="gemma3n_text", architectures=["Gemma3nForCausalLM"], bos_token_id=2,
              eos_token_id=1)
-    shutil.rmtree(folder, ignore_errors=True)
-    folder.mkdir(parents=True)
-    (folder / "config.json").write_text(json.dumps(c, indent=1))
-    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
-        shutil.copy(TINY / name, folder / name)
+    shards = ShardedFolder(folder, c, TINY)
     d, n_pl = c["hidden_size"], layers * c["hidden_size_per_layer_input"]
-    index = {}
-
-    def write(file: str, tensors: dict[str, np.ndarray]) -> None:  # a shard at a time: memory stays small
-        save_file(tensors, str(folder / file))
-        index.update(dict.fromkeys(tensors, file))
 
     for i in range(layers):
-        write(f"model-{i:05d}.safetensors", layer_tensors(rng, i, c, i >= layers - shared))
+        shards.write(f"model-{i:05d}.safetensors", layer_tensors(rng, i, c, i >= layers - shared))
 
     def w(*shape: int) -> np.ndarray:
         return (rng.standard_normal(shape, np.float32) * 0.02).astype(np.float16)
@@ -104,8 +94,8 @@ def write_folder(folder: Path, layers: int, pl_vocab: int, seed: int = 0) -> Non
     for k in range(c["altup_num_inputs"] - 1):
         globals_ |= {f"model.altup_projections.{k}.weight": w(d, d),
                      f"model.altup_unembed_projections.{k}.weight": w(d, d)}
-    write("model-globals.safetensors", globals_)
-    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": index}))
+    shards.write("model-globals.safetensors", globals_)
+    shards.close()
 
 
 def main() -> int:

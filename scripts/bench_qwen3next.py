@@ -15,16 +15,15 @@ scale it down to fit a small machine; what a token reads per layer is the real m
 from __future__ import annotations
 
 import argparse
-import json
-import shutil
 import sys
 from pathlib import Path
 
 import numpy as np
-from safetensors.numpy import save_file
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from random_folder import ShardedFolder  # noqa: E402 - scripts/random_folder.py
 
 from engine.convert import convert  # noqa: E402
 
@@ -85,24 +84,15 @@ def write_folder(folder: Path, layers: int, experts: int, seed: int = 0) -> None
     rng = np.random.default_rng(seed)
     c = dict(SHAPE, num_hidden_layers=layers, num_experts=experts, model_type="qwen3_next",
              architectures=["Qwen3NextForCausalLM"], bos_token_id=1, eos_token_id=2)
-    shutil.rmtree(folder, ignore_errors=True)
-    folder.mkdir(parents=True)
-    (folder / "config.json").write_text(json.dumps(c, indent=1))
-    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
-        shutil.copy(TINY / name, folder / name)
+    shards = ShardedFolder(folder, c, TINY)
     d, vocab = c["hidden_size"], c["vocab_size"]
-    index = {}
-
-    def write(file: str, tensors: dict[str, np.ndarray]) -> None:  # a shard at a time: memory stays small
-        save_file(tensors, str(folder / file))
-        index.update(dict.fromkeys(tensors, file))
 
     for i in range(layers):
-        write(f"model-{i:05d}.safetensors", layer_tensors(rng, i, c))
+        shards.write(f"model-{i:05d}.safetensors", layer_tensors(rng, i, c))
     embed = {k: (rng.standard_normal((vocab, d), np.float32) * 0.02).astype(np.float16)
              for k in ("model.embed_tokens.weight", "lm_head.weight")}
-    write("model-globals.safetensors", embed | {"model.norm.weight": np.zeros(d, np.float16)})
-    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": index}))
+    shards.write("model-globals.safetensors", embed | {"model.norm.weight": np.zeros(d, np.float16)})
+    shards.close()
 
 
 def main() -> int:
