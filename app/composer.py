@@ -15,6 +15,7 @@ fires when the last check is done. The main window's Send waits for that (app.ma
 from __future__ import annotations
 
 import contextlib
+import functools
 from pathlib import Path
 
 from app.chat_store import MessageImage
@@ -35,7 +36,6 @@ from app.qt import (
     QLabel,
     QObject,
     QPlainTextEdit,
-    QRunnable,
     Qt,
     QThreadPool,
     QToolButton,
@@ -128,24 +128,20 @@ def check_image(item: QImage | str, dpr: float) -> tuple[MessageImage, QImage]:
     return image, thumbnail_image(image.data, THUMB_SIDE, dpr)
 
 
-class _Check(QRunnable):
-    """One offered item's check, run by the composer's thread pool."""
-
-    def __init__(self, token: int, item: QImage | str, dpr: float, relay: _CheckRelay):
-        super().__init__()
-        self.token, self.item, self.dpr, self.relay = token, item, dpr, relay
-
-    def run(self) -> None:
-        image = picture = None
-        problem = ""
-        try:
-            image, picture = check_image(self.item, self.dpr)
-        except AttachmentError as e:
-            problem = str(e)
-        except Exception as e:  # noqa: BLE001 - the box waits for every answer: never leave it without one
-            problem = f"{self.item if isinstance(self.item, str) else 'the image'} could not be read ({e!r})"
-        with contextlib.suppress(RuntimeError):  # the composer is gone (its window closed meanwhile)
-            self.relay.done.emit(self.token, image, picture, problem)
+def _run_check(token: int, item: QImage | str, dpr: float, relay: _CheckRelay) -> None:
+    """One offered item's check, on the composer's pool thread; its answer goes back through `relay`. Started
+    as a plain callable, so PySide owns the runnable that wraps it (a Python QRunnable subclass, auto-deleted
+    by the pool on its thread while Python also holds its wrapper, is a known way to crash PySide)."""
+    image = picture = None
+    problem = ""
+    try:
+        image, picture = check_image(item, dpr)
+    except AttachmentError as e:
+        problem = str(e)
+    except Exception as e:  # noqa: BLE001 - the box waits for every answer: never leave it without one
+        problem = f"{item if isinstance(item, str) else 'the image'} could not be read ({e!r})"
+    with contextlib.suppress(RuntimeError):  # the composer is gone (its window closed meanwhile)
+        relay.done.emit(token, image, picture, problem)
 
 
 class _Offer:
@@ -249,7 +245,7 @@ class ComposerBox(QWidget):
             self._next_token += 1
             placeholder = self._insert(_Thumb(None, self.strip))
             self._pending[token] = (placeholder, offer)
-            self._pool.start(_Check(token, item, dpr, self._relay))
+            self._pool.start(functools.partial(_run_check, token, item, dpr, self._relay))
         self._relabel()
 
     @Slot(int, object, object, str)
