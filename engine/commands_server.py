@@ -1,9 +1,11 @@
-"""`hearth serve`: the local OpenAI-compatible HTTP server (engine.server) on one model.
+"""`hearth serve`: the local OpenAI- and Ollama-compatible HTTP server (engine.server).
 
-Loads the model the way the chat runtime does (engine.worker.ChatRunner.load: resolve, memory check,
-chat template, kernel warm-up), starts the engine thread, binds the port, and prints its ready line
+Loads the -m model the way the chat runtime does (engine.worker.ChatRunner.load: resolve, memory check,
+chat template, kernel warm-up), starts its engine thread, binds the port, and prints its ready line
 (`Hearth is serving MODEL at http://HOST:PORT/v1`) once connections are accepted; the app's Serve
-toggle waits for that line. SIGTERM or Ctrl+C stops it cleanly ("stopped" is its last line).
+toggle waits for that line. The library's other models are served too, each loaded the same way on its
+first request and unloaded after --keep-alive idle (engine.server.pool); --no-library serves only -m.
+SIGTERM or Ctrl+C stops it cleanly ("stopped" is its last line).
 """
 
 from __future__ import annotations
@@ -18,10 +20,27 @@ DEFAULT_PORT = 8080
 
 def add_serve_parser(sub) -> None:
     p = sub.add_parser(
-        "serve", help="serve a model over an OpenAI-compatible HTTP API (/v1/chat/completions)"
+        "serve",
+        help="serve the library's models over OpenAI's (/v1) and Ollama's (/api) HTTP APIs, loading each "
+        "on its first request",
     )
     p.add_argument(
-        "-m", "--model", default="smollm2-135m-instruct", help="model file path or starter model name"
+        "-m", "--model", default="smollm2-135m-instruct",
+        help="the model loaded at start and kept loaded: a file path or starter model name",
+    )
+    p.add_argument(
+        "--no-library", action="store_true",
+        help="serve only the -m model (by default every model in Hearth's library is served too)",
+    )
+    p.add_argument(
+        "--max-models", type=int, default=3,
+        help="models loaded at once at most (default 3); the least recently used idle one makes room",
+    )
+    p.add_argument(
+        "--keep-alive", default="5m",
+        help="how long a model loaded on demand stays after its last request (default 5m; seconds or a "
+        "duration such as 30s, 1h; -1: until the server stops); requests may set their own (Ollama's "
+        "keep_alive, LM Studio's ttl)",
     )
     p.add_argument(
         "--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)"
@@ -96,12 +115,10 @@ def _bind(host: str, port: int) -> socket.socket:
 def cmd_serve(args) -> int:
     import uvicorn
 
-    from engine.client import KV_DTYPES, LoadOptions
     from engine.server.app import ServerConfig, create_app, ready_line
-    from engine.server.constraints import ll_tokenizer
     from engine.server.errors import ServeError
-    from engine.server.scheduler import Engine
-    from engine.worker import ChatRunner
+    from engine.server.metrics import ServerMetrics
+    from engine.server.pool import ModelPool, library_catalog
 
     for name, value, low in (
         ("--max-seqs", args.max_seqs, 1),
@@ -117,6 +134,9 @@ def cmd_serve(args) -> int:
         raise ServeError("--request-timeout must be > 0")
     if args.gpu_layers is not None and args.gpu_layers < 0:
         raise ServeError("--gpu-layers must be at least 0")
+    if args.max_models < 1:
+        raise ServeError("--max-models must be at least 1")
+    keep_alive = _keep_alive(args.keep_alive)
     from engine.backends.cuda.device import parse_device
 
     parse_device(args.device)  # DeviceSpecError says what a device name looks like
@@ -125,53 +145,42 @@ def cmd_serve(args) -> int:
     sock = _bind(args.host, args.port)
 
     print(f"loading {args.model}", flush=True)
-    runner = ChatRunner.load(
-        args.model,
-        LoadOptions(
-            n_ctx=args.ctx,
-            threads=args.threads,
-            prefix_cache_mb=args.prefix_cache_mb,
-            batch_size=args.prefill_chunk,
-            device=args.device,
-            gpu_layers=args.gpu_layers,
-            kv_dtype=args.kv_dtype,
+    metrics = ServerMetrics()
+    pool = ModelPool(
+        load=lambda entry, available: load_served(
+            str(entry.path), args, metrics, available=available, name=entry.id, aliases=entry.aliases
         ),
-        progress=lambda p: print(f"warning: {p.message}", flush=True) if p.stage == "warning" else None,
+        catalog=None if args.no_library else library_catalog,
+        max_loaded=args.max_models,
+        keep_alive_s=keep_alive,
+        wait_s=args.request_timeout,
+        metrics=metrics,
+        precheck=_precheck,
     )
-    lm = runner.lm
-    name = args.name or lm.path.stem
-    engine = Engine(
-        lm.model,
-        lm.tokenizer,
-        n_ctx=args.ctx,
-        max_seqs=args.max_seqs,
-        prefill_chunk=args.prefill_chunk,
-        prefix_cache_bytes=runner.store.max_bytes if runner.store else 0,
-        kv_dtype=KV_DTYPES[args.kv_dtype],
-    )
-    del runner  # its live cache and prefix store are not used: the engine has its own
-    # compile/warm the batched decode path and build the grammar vocabulary before the ready line
-    if not getattr(lm.model, "encoder_only", False):  # an encoder has no decode path (ChatRunner warmed it)
-        warm = [lm.model.new_cache(8, engine.kv_dtype) for _ in range(2)]
-        for c in warm:
-            lm.model.forward([0], c)
-        lm.model.forward_batch([0, 0], warm)
-        ll_tokenizer(lm.tokenizer, engine.n_vocab)
-        del warm
-    _check_gpu_room(lm.model, args, engine.kv_dtype)
-    config = ServerConfig(
-        model_name=name,
-        host=args.host,
-        port=sock.getsockname()[1],
-        api_key=args.api_key,
-        allowed_hosts=list(args.allow_host),
-        # the name the model was asked for (a starter name such as smollm2-135m-instruct) is accepted too
-        aliases=[lm.name, lm.path.name, *([args.model] if "/" not in args.model else [])],
-        request_timeout_s=args.request_timeout,
-        reasoning_format=args.reasoning_format,
-    )
-    app = create_app(config, engine, lm)
-    engine.start()
+    pool.log = lambda line: print(line, flush=True)
+    try:
+        first = load_served(args.model, args, metrics, pinned=True)
+        pool.add(first)
+        lm = first.lm
+        config = ServerConfig(
+            model_name=first.id,
+            host=args.host,
+            port=sock.getsockname()[1],
+            api_key=args.api_key,
+            allowed_hosts=list(args.allow_host),
+            aliases=first.names[1:],
+            request_timeout_s=args.request_timeout,
+            reasoning_format=args.reasoning_format,
+        )
+        app = create_app(config, pool=pool)
+    except BaseException:
+        pool.close()
+        sock.close()
+        raise
+    if not args.no_library:
+        others = [e.id for e in pool.catalog() if e.path.resolve() != lm.path.resolve()]
+        if others:
+            print(f"also serving on request: {', '.join(others)}", flush=True)
 
     class _Server(uvicorn.Server):
         async def startup(self, sockets=None):
@@ -193,10 +202,91 @@ def cmd_serve(args) -> int:
     try:
         server.run(sockets=[sock])
     finally:
-        engine.stop()
+        pool.close()
         sock.close()
         print("stopped", flush=True)
     return 0 if server.started else 1
+
+
+def _keep_alive(text: str) -> float:
+    from engine.server.errors import APIError, ServeError
+    from engine.server.pool import parse_duration
+
+    try:
+        value = parse_duration(text, "--keep-alive")
+    except APIError as e:
+        raise ServeError(e.message) from e
+    return value if value is not None else 300.0
+
+
+def _precheck(entry) -> None:
+    """Read a library model's header (GGUF) or config (folder) before a loaded model makes room for it."""
+    from engine.worker import _model_shape
+
+    _model_shape(entry.path)
+
+
+def load_served(spec: str, args, metrics, available: int | None = None, name: str | None = None,
+                aliases: tuple[str, ...] = (), pinned: bool = False):
+    """Load `spec` for serving (ChatRunner.load, planning with `available` bytes of RAM), with its engine
+    warmed up and started: an engine.server.pool.Served.
+
+    Raises:
+        The load's errors (ModelNotFoundError, InsufficientMemoryError, ...), ServeError (no GPU room).
+    """
+    import time
+
+    from engine.client import KV_DTYPES, LoadOptions
+    from engine.server.constraints import ll_tokenizer
+    from engine.server.pool import Served
+    from engine.server.scheduler import Engine
+    from engine.worker import ChatRunner
+
+    t0 = time.monotonic()
+    runner = ChatRunner.load(
+        spec,
+        LoadOptions(
+            n_ctx=args.ctx,
+            threads=args.threads,
+            prefix_cache_mb=args.prefix_cache_mb,
+            batch_size=args.prefill_chunk,
+            device=args.device,
+            gpu_layers=args.gpu_layers,
+            kv_dtype=args.kv_dtype,
+        ),
+        progress=lambda p: print(f"warning: {p.message}", flush=True) if p.stage == "warning" else None,
+        available=available,
+    )
+    lm = runner.lm
+    engine = Engine(
+        lm.model,
+        lm.tokenizer,
+        n_ctx=args.ctx,
+        max_seqs=args.max_seqs,
+        prefill_chunk=args.prefill_chunk,
+        prefix_cache_bytes=runner.store.max_bytes if runner.store else 0,
+        kv_dtype=KV_DTYPES[args.kv_dtype],
+        metrics=metrics,
+    )
+    del runner  # its live cache and prefix store are not used: the engine has its own
+    # compile/warm the batched decode path and build the grammar vocabulary before serving
+    if not getattr(lm.model, "encoder_only", False):  # an encoder has no decode path (ChatRunner warmed it)
+        warm = [lm.model.new_cache(8, engine.kv_dtype) for _ in range(2)]
+        for c in warm:
+            lm.model.forward([0], c)
+        lm.model.forward_batch([0, 0], warm)
+        ll_tokenizer(lm.tokenizer, engine.n_vocab)
+        del warm
+    _check_gpu_room(lm.model, args, engine.kv_dtype)
+    model_id = name or args.name or lm.path.stem
+    names = [model_id]
+    if name is None:  # the -m model: the name it was asked for (a starter name) is accepted too
+        names += [lm.name, lm.path.name, *([spec] if "/" not in spec else [])]
+    names += list(aliases)
+    names = list(dict.fromkeys(n for n in names if n))
+    engine.start()
+    return Served(model_id, names, lm.path, engine, lm, weights_bytes=lm.file_size, pinned=pinned,
+                  load_s=time.monotonic() - t0)
 
 
 def _check_gpu_room(model, args, kv_dtype) -> None:

@@ -12,11 +12,13 @@ asyncio queue. A client that goes away cancels its generation at the next step.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import hmac
 import ipaddress
 import json
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
@@ -32,13 +34,16 @@ from engine.chat_template import TemplateError
 from engine.errors import ImageInputError, ImagesBusyError
 from engine.reasoning import ReasoningStream, opens_reasoning, split_reasoning, strip_reasoning
 from engine.server import ollama, protocol
+from engine.server import pool as pool_mod
 from engine.server.constraints import grammar_for
 from engine.server.embeddings import EmbeddingRoutes, refuse_generation
 from engine.server.errors import APIError, ServeError, invalid
 from engine.server.metrics import CONTENT_TYPE, ServerMetrics
+from engine.server.pool import ModelPool, Served
 from engine.server.scheduler import Delta, Engine, SeqParams
 from engine.tokenizer import TokenizerError
 from engine.vision import encode_with_images, prepare_messages
+from models.errors import HearthError
 
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
 
@@ -189,6 +194,37 @@ def _sse(obj: dict) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
+_BODY = "hearth.body"  # where a request's parsed body is kept: the router reads it, then its model's handler
+
+
+async def read_json(request: Request, limit: int) -> object:
+    """The request's JSON body (at most `limit` bytes), parsed once and kept on the request.
+
+    Raises:
+        APIError: 413 over the limit, 400 empty, not JSON, or a client gone before sending it.
+    """
+    if _BODY in request.scope:
+        return request.scope[_BODY]
+    chunks, size = [], 0
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise APIError(413, f"the request body is over {limit >> 20} MiB", code="request_too_large")
+            chunks.append(chunk)
+    except ClientDisconnect as e:
+        raise APIError(400, "the client went away before sending the body") from e
+    raw = b"".join(chunks)
+    if not raw:
+        raise invalid("the request body is empty; send a JSON object")
+    try:
+        body = json.loads(raw)
+    except (ValueError, RecursionError) as e:
+        raise invalid(f"the request body is not valid JSON: {e}") from e
+    request.scope[_BODY] = body
+    return body
+
+
 class _Api:
     """Route handlers over one engine and model."""
 
@@ -205,53 +241,25 @@ class _Api:
         self.template_has_tools = "tools" in source
         self._vision_lock = threading.Lock()  # one image encoding at a time (the model's image table)
 
-    # --- small routes ---
-
-    async def health(self, request: Request) -> Response:
-        ok = self.engine.alive
-        body = {
-            "status": "ok" if ok else "engine stopped",
-            "model": self.config.model_name,
-            "running": self.engine.running,
-        }
-        return JSONResponse(body, status_code=200 if ok else 503)
-
-    async def models(self, request: Request) -> Response:
+    def model_object(self) -> dict:
+        """This model's GET /v1/models entry."""
         vision = getattr(self.lm, "vision", None) is not None
         spec = getattr(self.lm, "embedding", None)
-        return JSONResponse(protocol.model_list(
-            self.names[:1], self.created, vision=vision, embedding=spec is not None and spec.dedicated,
+        return protocol.model_object(
+            self.names[0], self.created, vision=vision, embedding=spec is not None and spec.dedicated,
             completion=spec is None or not spec.encoder_only,
-        ))
-
-    async def metrics_text(self, request: Request) -> Response:
-        return Response(self.metrics.render(), media_type=CONTENT_TYPE)
+        )
 
     # --- helpers ---
 
     async def _json(self, request: Request) -> object:
-        limit = self.config.max_body_bytes
-        chunks, size = [], 0
-        try:
-            async for chunk in request.stream():
-                size += len(chunk)
-                if size > limit:
-                    raise APIError(
-                        413, f"the request body is over {limit >> 20} MiB", code="request_too_large"
-                    )
-                chunks.append(chunk)
-        except ClientDisconnect as e:
-            raise APIError(400, "the client went away before sending the body") from e
-        raw = b"".join(chunks)
-        if not raw:
-            raise invalid("the request body is empty; send a JSON object")
-        try:
-            return json.loads(raw)
-        except (ValueError, RecursionError) as e:
-            raise invalid(f"the request body is not valid JSON: {e}") from e
+        return await read_json(request, self.config.max_body_bytes)
 
     def check_model(self, model: str) -> None:
-        if model not in self.names:
+        """Raise the 404 for a name this model does not answer to (any case; Ollama's default tag
+        ":latest" may be added, as Ollama's clients and users do)."""
+        names = {n.casefold() for n in self.names}
+        if model.casefold() not in names and model.casefold().removesuffix(":latest") not in names:
             raise APIError(
                 404,
                 f"the model {model!r} does not exist on this server; it serves {self.names[0]!r} "
@@ -655,34 +663,231 @@ async def _unexpected(request: Request, exc: Exception) -> Response:
     return _error_response(error, request.url.path)
 
 
-def create_app(config: ServerConfig, engine: Engine, lm) -> Starlette:
-    """The ASGI application serving `lm` through `engine` (whose thread the caller starts and stops).
+@dataclass
+class _Handlers:
+    """One loaded model's route handlers."""
+
+    api: _Api
+    ollama: ollama.OllamaRoutes
+    embed: EmbeddingRoutes
+
+
+def attach(served: Served, config: ServerConfig) -> None:
+    """Give a loaded model its route handlers (ModelPool.prepare)."""
+    names = served.names or [served.id]
+    own = dataclasses.replace(config, model_name=names[0], aliases=names[1:])
+    api = _Api(served.engine, served.lm, own, served.engine.metrics)
+    api.names = served.names  # one list: names the pool learns later (a library entry's) count too
+    served.handlers = _Handlers(api, ollama.OllamaRoutes(api), EmbeddingRoutes(api))
+
+
+class _Leased:
+    """A route's response, sent; then the model's lease goes back (however the sending ended)."""
+
+    def __init__(self, response: Response, release: Callable[[], None]):
+        self.response = response
+        self.release = release
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await self.response(scope, receive, send)
+        finally:
+            self.release()
+
+
+class _Router:
+    """The routes that name a model: each request gets its model from the pool (loaded if need be, with a
+    lease so it is not unloaded under it) and goes to that model's handlers. Also the routes about all
+    models: /v1/models, /api/tags, /api/ps, /health."""
+
+    def __init__(self, pool: ModelPool, config: ServerConfig, metrics: ServerMetrics):
+        self.pool = pool
+        self.config = config
+        self.metrics = metrics
+
+    async def _dispatch(self, request: Request, pick: Callable[[_Handlers], Callable], *,
+                        keys: tuple[str, ...] = ("model",), keep_alive: str = "ttl",
+                        ollama_names: bool = False) -> Response:
+        body = await read_json(request, self.config.max_body_bytes)
+        fields = body if isinstance(body, dict) else {}
+        name = next((v for k in keys if isinstance(v := fields.get(k), str) and v), None)
+        ka = pool_mod.parse_duration(fields.get(keep_alive), keep_alive)
+        if ollama_names and ka == 0 and _no_prompt(request.url.path, fields) and name is not None:
+            return await self._unload(request, name)
+        served, load_s = await run_in_threadpool(self._acquire, name, ollama_names)
+        request.scope[ollama.LOAD_S] = load_s
+        try:
+            response = await pick(served.handlers)(request)
+        except BaseException:
+            self.pool.release(served, ka)
+            raise
+        return _Leased(response, functools.partial(self.pool.release, served, ka))
+
+    def _acquire(self, name: str | None, ollama_names: bool) -> tuple[Served, float]:
+        if name is None:  # the handler says what is missing; the default model's handler answers
+            default = self.pool.default
+            if default is None:
+                raise invalid("'model' is required", "model")
+            name = default.id
+        try:
+            try:
+                return self.pool.acquire(name)
+            except pool_mod.ModelNotServedError:
+                if ollama_names and name.endswith(":latest"):  # Ollama clients add the default tag
+                    return self.pool.acquire(name.removesuffix(":latest"))
+                raise
+        except APIError:
+            raise
+        except (HearthError, MemoryError, OSError) as e:  # the load failed: say which model and why
+            raise APIError(500, f"cannot load the model {name!r}: {e}", "server_error", "model",
+                           "model_load_failed") from e
+
+    async def _unload(self, request: Request, name: str) -> Response:
+        """Ollama's unload idiom: no prompt and keep_alive 0."""
+        await run_in_threadpool(self.pool.unload, name.removesuffix(":latest") if not any(
+            s.answers(name) for s in self.pool.loaded()) else name)
+        key = "message" if request.url.path == "/api/chat" else "response"
+        body = {"model": name, "created_at": ollama.created_at(), "done": True, "done_reason": "unload"}
+        body[key] = {"role": "assistant", "content": ""} if key == "message" else ""
+        return JSONResponse(body)
+
+    # --- per-model routes ---
+
+    async def chat(self, request: Request) -> Response:
+        return await self._dispatch(request, lambda h: h.api.chat)
+
+    async def completions(self, request: Request) -> Response:
+        return await self._dispatch(request, lambda h: h.api.completions)
+
+    async def embeddings(self, request: Request) -> Response:
+        return await self._dispatch(request, lambda h: h.embed.openai)
+
+    async def ollama_chat(self, request: Request) -> Response:
+        return await self._dispatch(request, lambda h: h.ollama.chat, keep_alive="keep_alive",
+                                    ollama_names=True)
+
+    async def ollama_generate(self, request: Request) -> Response:
+        return await self._dispatch(request, lambda h: h.ollama.generate, keep_alive="keep_alive",
+                                    ollama_names=True)
+
+    async def ollama_embed(self, request: Request) -> Response:
+        return await self._dispatch(request, lambda h: h.embed.ollama_embed, keep_alive="keep_alive",
+                                    ollama_names=True)
+
+    async def ollama_embeddings(self, request: Request) -> Response:
+        return await self._dispatch(request, lambda h: h.embed.ollama_embeddings, keep_alive="keep_alive",
+                                    ollama_names=True)
+
+    async def ollama_show(self, request: Request) -> Response:
+        return await self._dispatch(request, lambda h: h.ollama.show, keys=("model", "name"),
+                                    keep_alive="keep_alive", ollama_names=True)
+
+    # --- about all models ---
+
+    async def health(self, request: Request) -> Response:
+        loaded = self.pool.loaded()
+        ok = all(s.engine.alive for s in loaded)
+        default = self.pool.default
+        body = {
+            "status": "ok" if ok else "engine stopped",
+            "model": default.id if default is not None else None,
+            "loaded": [s.id for s in loaded],
+            "running": sum(s.engine.running for s in loaded),
+        }
+        return JSONResponse(body, status_code=200 if ok else 503)
+
+    async def metrics_text(self, request: Request) -> Response:
+        return Response(self.metrics.render(), media_type=CONTENT_TYPE)
+
+    async def models(self, request: Request) -> Response:
+        listing = await run_in_threadpool(self.pool.listing)
+        data = []
+        for _, served, entry in listing:
+            handlers = served.handlers if served is not None else None
+            if handlers is not None:
+                data.append(handlers.api.model_object())
+            elif entry is not None:
+                data.append(pool_mod.catalog_model_object(entry))
+        return JSONResponse({"object": "list", "data": data})
+
+    async def tags(self, request: Request) -> Response:
+        def entries() -> list[dict]:
+            out = []
+            for _, served, entry in self.pool.listing():
+                handlers = served.handlers if served is not None else None
+                if handlers is not None:
+                    out.append(handlers.ollama.entry())
+                elif entry is not None:
+                    out.append(ollama.catalog_tag(entry))
+            return out
+
+        return JSONResponse({"models": await run_in_threadpool(entries)})
+
+    async def ps(self, request: Request) -> Response:
+        def entries() -> list[dict]:
+            out = []
+            for s in self.pool.loaded():
+                handlers = s.handlers
+                if handlers is None:
+                    continue
+                entry = handlers.ollama.entry()
+                entry.pop("modified_at")
+                until = (time.time() + s.expires_at - time.monotonic()) if s.expires_at is not None else None
+                entry.update(expires_at=ollama.timestamp(until), size_vram=0, context_length=s.engine.n_ctx)
+                out.append(entry)
+            return out
+
+        return JSONResponse({"models": await run_in_threadpool(entries)})
+
+
+def _no_prompt(path: str, body: dict) -> bool:
+    """An Ollama load/unload request: /api/generate without a prompt, /api/chat without messages."""
+    if path == "/api/generate":
+        return not body.get("prompt")
+    if path == "/api/chat":
+        return not body.get("messages")
+    return False
+
+
+def create_app(
+    config: ServerConfig, engine: Engine | None = None, lm=None, pool: ModelPool | None = None
+) -> Starlette:
+    """The ASGI application serving the pool's models (engine.server.pool), or just `lm` through `engine`.
 
     Args:
-        config: exposure settings.
-        engine: the running engine (engine.server.scheduler.Engine) over lm's model and tokenizer.
-        lm: the engine.loader.LoadedModel (tokenizer, chat template).
+        config: exposure settings (model_name and aliases name `lm`; a pool's models have their own).
+        engine: the running engine (engine.server.scheduler.Engine) over lm's model and tokenizer (its
+            thread the caller starts and stops), when there is no pool.
+        lm: the engine.loader.LoadedModel (tokenizer, chat template), when there is no pool.
+        pool: the loaded and loadable models (their engines the pool stops).
     """
-    api = _Api(engine, lm, config, engine.metrics)
-    oll = ollama.OllamaRoutes(api)
-    emb = EmbeddingRoutes(api)
+    if pool is None:
+        if engine is None or lm is None:
+            raise ValueError("create_app needs a pool, or an engine and its model")
+        pool = ModelPool(metrics=engine.metrics)
+        names = [config.model_name, *[a for a in config.aliases if a and a != config.model_name]]
+        pool.add(Served(config.model_name, names, lm.path, engine, lm, pinned=True))
+    pool.set_prepare(functools.partial(attach, config=config))
+    metrics = pool.metrics
+    router = _Router(pool, config, metrics)
+    oll = ollama.OllamaRoutes(None)
     routes = [
-        Route("/health", api.health, methods=["GET"]),
-        Route("/metrics", api.metrics_text, methods=["GET"]),
-        Route("/v1/models", api.models, methods=["GET"]),
-        Route("/v1/chat/completions", api.chat, methods=["POST"]),
-        Route("/v1/completions", api.completions, methods=["POST"]),
-        Route("/v1/embeddings", emb.openai, methods=["POST"]),
+        Route("/health", router.health, methods=["GET"]),
+        Route("/metrics", router.metrics_text, methods=["GET"]),
+        Route("/v1/models", router.models, methods=["GET"]),
+        Route("/v1/chat/completions", router.chat, methods=["POST"]),
+        Route("/v1/completions", router.completions, methods=["POST"]),
+        Route("/v1/embeddings", router.embeddings, methods=["POST"]),
         # Ollama's native API (engine.server.ollama)
         Route("/", oll.root, methods=["GET", "HEAD"]),
         Route("/api/version", oll.version, methods=["GET"]),
-        Route("/api/tags", oll.tags, methods=["GET"]),
-        Route("/api/ps", oll.ps, methods=["GET"]),
-        Route("/api/show", oll.show, methods=["POST"]),
-        Route("/api/chat", oll.chat, methods=["POST"]),
-        Route("/api/generate", oll.generate, methods=["POST"]),
-        Route("/api/embed", emb.ollama_embed, methods=["POST"]),
-        Route("/api/embeddings", emb.ollama_embeddings, methods=["POST"]),
+        Route("/api/tags", router.tags, methods=["GET"]),
+        Route("/api/ps", router.ps, methods=["GET"]),
+        Route("/api/show", router.ollama_show, methods=["POST"]),
+        Route("/api/chat", router.ollama_chat, methods=["POST"]),
+        Route("/api/generate", router.ollama_generate, methods=["POST"]),
+        Route("/api/embed", router.ollama_embed, methods=["POST"]),
+        Route("/api/embeddings", router.ollama_embeddings, methods=["POST"]),
         *(Route(f"/api/{name}", oll.unsupported, methods=["POST", "DELETE"])
           for name in ("pull", "push", "create", "copy", "delete")),
     ]
@@ -690,8 +895,8 @@ def create_app(config: ServerConfig, engine: Engine, lm) -> Starlette:
         routes=routes,
         exception_handlers={APIError: _api_error, HTTPException: _http_error, Exception: _unexpected},
     )
-    app.add_middleware(_Guard, config=config, metrics=engine.metrics)
-    app.state.api = api
+    app.add_middleware(_Guard, config=config, metrics=metrics)
+    app.state.pool = pool
     return app
 
 

@@ -212,19 +212,19 @@ class EmbeddingRoutes:
     async def ollama_embed(self, request: Request) -> Response:
         started = time.monotonic()
         req = parse_ollama(await self.api._json(request))
-        ollama.check_model(self.api, req.model)
+        self.api.check_model(req.model)
         vectors, counts = await self.compute(req)
         return JSONResponse({
             "model": req.model,
             "embeddings": [v.tolist() for v in vectors],
             "total_duration": int((time.monotonic() - started) * 1e9),
-            "load_duration": 0,  # loaded when the server started
+            "load_duration": int(request.scope.get(ollama.LOAD_S, 0.0) * 1e9),
             "prompt_eval_count": sum(counts),
         })
 
     async def ollama_embeddings(self, request: Request) -> Response:
         req = parse_ollama_legacy(await self.api._json(request))
-        ollama.check_model(self.api, req.model)
+        self.api.check_model(req.model)
         if not req.texts[0]:
             return JSONResponse({"embedding": []})  # as Ollama answers an empty prompt
         vectors, _ = await self.compute(req)

@@ -140,12 +140,32 @@ class ServerMetrics:
         )
         self.running = Gauge("hearth_running_sequences", "sequences being prefilled or decoded")
         self.waiting = Gauge("hearth_waiting_requests", "requests queued for a free sequence slot")
+        self.loaded = Gauge("hearth_loaded_models", "models loaded (each with its own engine)")
+        self._load: dict[int, tuple[int, int]] = {}  # per engine: (running, waiting)
+        self._load_lock = threading.Lock()
+
+    def report_load(self, engine: object, running: int, waiting: int) -> None:
+        """One engine's running and waiting sequences; the gauges show the sum over the loaded models."""
+        with self._load_lock:
+            self._load[id(engine)] = (running, waiting)
+            self._set_load()
+
+    def forget(self, engine: object) -> None:
+        """An engine stopped (its model was unloaded)."""
+        with self._load_lock:
+            self._load.pop(id(engine), None)
+            self._set_load()
+
+    def _set_load(self) -> None:
+        self.running.set(sum(r for r, _ in self._load.values()))
+        self.waiting.set(sum(w for _, w in self._load.values()))
 
     def render(self) -> str:
         lines: list[str] = []
         for metric in (
             self.requests, self.prompt_tokens, self.cached_tokens, self.generated_tokens, self.finished,
             self.ttft, self.decode_tps, self.batch_size, self.running, self.waiting,
+            self.loaded,
         ):
             lines += metric.render()
         return "\n".join(lines) + "\n"

@@ -234,7 +234,40 @@ def parse_generate(body: Any, n_ctx: int) -> OllamaRequest:
 
 def created_at() -> str:
     """Now, as Ollama writes it (RFC 3339, UTC)."""
-    return datetime.now(timezone.utc).isoformat(timespec="microseconds").replace("+00:00", "Z")
+    return timestamp(time.time())
+
+
+def timestamp(when: float | None) -> str:
+    """A Unix time as Ollama writes times (RFC 3339, UTC); None: never (a model kept loaded for good)."""
+    if when is None:
+        return "2999-12-31T23:59:59Z"
+    text = datetime.fromtimestamp(when, timezone.utc).isoformat(timespec="microseconds")
+    return text.replace("+00:00", "Z")
+
+
+def catalog_tag(entry) -> dict:
+    """The /api/tags entry of a library model not loaded (engine.server.pool.CatalogEntry), from what the
+    library knows of it: no load needed."""
+    e = entry.entry
+    stat = entry.path.stat()
+    arch = (getattr(e, "architecture", None) or "") if e is not None else ""
+    params = getattr(e, "params", None) or 0
+    fmt = getattr(e, "format", None) or ("gguf" if entry.path.suffix == ".gguf" else "safetensors")
+    return {
+        "name": entry.id,
+        "model": entry.id,
+        "modified_at": timestamp(stat.st_mtime),
+        "size": getattr(e, "size", None) or stat.st_size,
+        "digest": _digest(entry.path, stat),
+        "details": {
+            "parent_model": "",
+            "format": fmt,
+            "family": arch,
+            "families": [arch] if arch else None,
+            "parameter_size": _size_label(params) if params else "",
+            "quantization_level": getattr(e, "quant", None) or "",
+        },
+    }
 
 
 def done_reason(delta: Delta) -> str:
@@ -242,12 +275,16 @@ def done_reason(delta: Delta) -> str:
     return protocol.finish(delta.finish_reason) or "stop"
 
 
-def counts(last: Delta, started: float) -> dict:
-    """Ollama's closing figures: token counts and durations in nanoseconds."""
+LOAD_S = "hearth.load_s"  # request scope key: seconds this request waited for its model's load
+
+
+def counts(last: Delta, started: float, load_s: float = 0.0) -> dict:
+    """Ollama's closing figures: token counts and durations in nanoseconds (load_s: the model's load,
+    when this request started it)."""
     decode_ns = int((last.generated_tokens - 1) / last.decode_tps * 1e9) if last.decode_tps else 0
     return {
         "total_duration": int((time.monotonic() - started) * 1e9),
-        "load_duration": 0,  # the model was loaded when the server started
+        "load_duration": int(load_s * 1e9),
         "prompt_eval_count": last.prompt_tokens,
         "prompt_eval_duration": int(last.ttft_s * 1e9),
         "eval_count": last.generated_tokens,
@@ -266,12 +303,6 @@ def tool_calls(calls: list[dict]) -> list[dict]:
             args = {}
         out.append({"function": {"name": fn["name"], "arguments": args}})
     return out
-
-
-def check_model(api, name: str) -> None:
-    """api.check_model (the OpenAI routes' handler object) for a name an Ollama client sends: those clients
-    add the default tag (":latest") to names that have none."""
-    api.check_model(name.removesuffix(":latest") if name not in api.names else name)
 
 
 def error_body(e: APIError) -> dict:
@@ -316,7 +347,8 @@ class OllamaRoutes:
             "quantization_level": (facts.quant or "") if facts else "",
         }
 
-    def _entry(self) -> dict:
+    def entry(self) -> dict:
+        """This model's /api/tags entry."""
         facts = self._model_facts()
         lm = self.api.lm
         stat = lm.path.stat()
@@ -324,11 +356,9 @@ class OllamaRoutes:
         return {
             "name": name,
             "model": name,
-            "modified_at": datetime.fromtimestamp(stat.st_mtime, timezone.utc).isoformat().replace(
-                "+00:00", "Z"
-            ),
+            "modified_at": timestamp(stat.st_mtime),
             "size": facts.size if facts else lm.file_size,
-            "digest": _digest(lm, stat),
+            "digest": _digest(lm.path, stat),
             "details": self._details(),
         }
 
@@ -352,15 +382,6 @@ class OllamaRoutes:
     async def version(self, request: Request) -> Response:
         return JSONResponse({"version": API_VERSION})
 
-    async def tags(self, request: Request) -> Response:
-        return JSONResponse({"models": [await run_in_threadpool(self._entry)]})
-
-    async def ps(self, request: Request) -> Response:
-        entry = await run_in_threadpool(self._entry)
-        entry.pop("modified_at")
-        entry.update(expires_at="2999-12-31T23:59:59Z", size_vram=0, context_length=self.api.engine.n_ctx)
-        return JSONResponse({"models": [entry]})
-
     async def show(self, request: Request) -> Response:
         body = _object(await self.api._json(request))
         name = body.get("model", body.get("name"))
@@ -369,7 +390,7 @@ class OllamaRoutes:
         self.check_model(name)
         lm = self.api.lm
         cfg = lm.model.cfg
-        entry = await run_in_threadpool(self._entry)
+        entry = await run_in_threadpool(self.entry)
         details = entry["details"]
         arch = details["family"] or "llama"
         info = {
@@ -392,12 +413,12 @@ class OllamaRoutes:
 
     async def unsupported(self, request: Request) -> Response:
         what = request.url.path.removeprefix("/api/")
-        hint = ("it serves the one model it was started with; manage models in Hearth's library "
-                "(hearth pull / hearth list) and start `hearth serve -m MODEL`")
+        hint = ("it serves the models in Hearth's library (GET /api/tags), loading each on its first "
+                "request; add models with `hearth pull` or the app's library")
         raise APIError(501, f"/api/{what} is not supported by hearth serve: {hint}", "not_implemented")
 
     def check_model(self, name: str) -> None:
-        check_model(self.api, name)
+        self.api.check_model(name)
 
     # --- generation ---
 
@@ -425,6 +446,7 @@ class OllamaRoutes:
         images = any(isinstance(m.get("content"), list) for m in req.messages)
         reply = _Reply(self.api, parsed, params, split, opened, key, head, started,
                        context=key == "response" and not images)
+        reply.load_s = request.scope.get(LOAD_S, 0.0)
         job, q = await self.api._submit(params)
         if parsed.stream:
             return StreamingResponse(reply.stream(job, q), media_type=NDJSON)
@@ -469,6 +491,7 @@ class _Reply:
         self.thinking = ReasoningStream(opened) if split else None
         self.tools = bool(parsed.chat.tools)
         self.tokens: list[int] = []
+        self.load_s = 0.0
 
     def _body(self, text: str, thinking: str = "", calls: list[dict] | None = None) -> dict:
         if self.key == "message":
@@ -495,7 +518,7 @@ class _Reply:
         return thinking, text
 
     def _closing(self, last: Delta) -> dict:
-        out = {"done": True, "done_reason": done_reason(last), **counts(last, self.started)}
+        out = {"done": True, "done_reason": done_reason(last), **counts(last, self.started, self.load_s)}
         if self.prompt_ids is not None:
             out["context"] = self.prompt_ids + self.tokens
         return out
@@ -543,7 +566,7 @@ def _size_label(params: int) -> str:
     return f"{params / 1e9:.1f}B" if params >= 1e9 else f"{round(params / 1e6)}M"
 
 
-def _digest(lm, stat) -> str:
+def _digest(path, stat) -> str:
     """A stable id of the served file (path, size, time), hex like Ollama's digests, without reading
     gigabytes to hash them."""
-    return hashlib.sha256(f"{lm.path}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()
+    return hashlib.sha256(f"{path}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()

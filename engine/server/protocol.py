@@ -408,17 +408,18 @@ def finish(reason: str | None) -> str | None:
     return {"context": "length", "cancelled": "stop"}.get(reason, reason)
 
 
-def model_list(
-    names: list[str], created: int, vision: bool = False, embedding: bool = False, completion: bool = True
+def model_object(
+    name: str, created: int, vision: bool = False, embedding: bool = False, completion: bool = True
 ) -> dict:
-    """GET /v1/models: OpenAI's model objects, with llama.cpp's `capabilities` ("multimodal": the model
-    reads images in chat messages; "embedding": an embedding model, for /v1/embeddings; no "completion"
-    for one that cannot generate, a BERT encoder)."""
+    """One GET /v1/models entry: OpenAI's model object, with llama.cpp's `capabilities` ("multimodal": the
+    model reads images in chat messages; "embedding": an embedding model, for /v1/embeddings; no
+    "completion" for one that cannot generate, a BERT encoder)."""
     capabilities = ["completion"] if completion else []
     capabilities += ["multimodal"] if vision else []
     capabilities += ["embedding"] if embedding else []
-    model = {"object": "model", "created": created, "owned_by": "hearth", "capabilities": capabilities}
-    return {"object": "list", "data": [{"id": n, **model} for n in names]}
+    return {
+        "id": name, "object": "model", "created": created, "owned_by": "hearth", "capabilities": capabilities
+    }
 
 
 def now() -> int:

@@ -260,8 +260,7 @@ class Engine:
                 error = _engine_failed(e)
                 for seq in self._prefilling + self._decoding:
                     self._finish(seq, error=error)
-            self.metrics.running.set(self.running)
-            self.metrics.waiting.set(len(self._waiting) + self._inbox.qsize())
+            self.metrics.report_load(self, self.running, len(self._waiting) + self._inbox.qsize())
         for seq in self._waiting + self._prefilling + self._decoding:
             self._finish(seq, "cancelled")
         while True:  # calls queued while stopping: their callers must not wait forever

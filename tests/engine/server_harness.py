@@ -12,15 +12,18 @@ from engine.server.app import ServerConfig, create_app
 
 
 class LiveServer:
-    """One uvicorn server over an existing engine; `url` is its /v1 base."""
+    """One uvicorn server over an existing engine (or a pool of models); `url` is its /v1 base."""
 
-    def __init__(self, engine, lm, **config):
+    def __init__(self, engine=None, lm=None, pool=None, **config):
         self.sock = socket.socket()
         self.sock.bind(("127.0.0.1", 0))
         self.sock.listen(64)
         self.port = self.sock.getsockname()[1]
-        self.config = ServerConfig(model_name="smol", port=self.port, aliases=[lm.name], **config)
-        self.app = create_app(self.config, engine, lm)
+        if pool is None:
+            self.config = ServerConfig(model_name="smol", port=self.port, aliases=[lm.name], **config)
+        else:  # a pool of models (engine.server.pool): its first model names the server
+            self.config = ServerConfig(model_name=pool.default.id, port=self.port, **config)
+        self.app = create_app(self.config, engine, lm, pool=pool)
         self.server = uvicorn.Server(uvicorn.Config(self.app, log_level="warning", lifespan="off"))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
         self.thread.start()

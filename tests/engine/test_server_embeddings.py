@@ -206,8 +206,8 @@ def test_hearth_serve_starts_with_a_bert_gguf(tmp_path, monkeypatch, capsys):
     assert main(["convert", str(TINY / "bert-embed"), "--to", "Q8_0", "-o", str(gguf)]) == 0
     seen = []
 
-    def record(config, engine, lm):
-        seen.append((config, lm))
+    def record(config, engine=None, lm=None, pool=None):
+        seen.append((config, pool.loaded()[0].lm))
         raise ServeError("stopped by the test before serving")
 
     monkeypatch.setattr(app, "create_app", record)

@@ -302,12 +302,14 @@ def test_the_name_a_model_was_served_by_is_accepted(smollm2_path, monkeypatch, c
 
     seen = []
 
-    def record(config, engine, lm):
-        seen.append(config)
+    def record(config, engine=None, lm=None, pool=None):
+        seen.append((config, pool.loaded()))
         raise ServeError("stopped by the test before serving")
 
     monkeypatch.setattr(app, "create_app", record)
     assert main(["serve", "-m", "smollm2-135m-instruct", "--port", "0", "--ctx", "64"]) == 1
     assert "stopped by the test" in capsys.readouterr().err
-    (config,) = seen
+    ((config, [served]),) = seen
+    assert served.answers("smollm2-135m-instruct") and served.answers(smollm2_path.stem)
+    assert not served.engine.alive  # the failed start stopped the model's engine
     assert config.model_name == smollm2_path.stem and "smollm2-135m-instruct" in config.aliases
