@@ -13,8 +13,6 @@ import threading
 import time
 from pathlib import Path
 
-from models.errors import HearthError
-
 
 def _mib(n: int | None) -> str:
     return "?" if n is None else f"{n / 2**20:,.1f} MiB"
@@ -61,132 +59,39 @@ class _ProgressLine:
 
 
 def cmd_pull(args) -> int:
-    from models import downloads, fit, hub, library
-    from models.starter import STARTERS, ensure_starter
-
-    lib = library.Library()
-    if args.spec in STARTERS:
-        path = ensure_starter(args.spec)
-        lib.register_starters()
-        print(path)
-        return 0
-    repo_id, _, selector = args.spec.partition(":")
-    hub.check_repo_id(repo_id)
-    details = hub.repo_details(repo_id, revision=args.revision, with_card=False)
-    files = hub.pick_files(details, selector or None)
-    revision = details.commit or args.revision or "main"
-    total = sum(f.size or 0 for f in files)
-    quant = hub.quant_from_name(files[0].path)
-    if files[0].path.endswith(".gguf") and not hub.is_mmproj(files[0].path):
-        print(fit.fit_for_remote(total, args.ctx, quant).summary(), file=sys.stderr)
-
-    wanted, done_paths = [], []
-    for f in files:
-        known = lib.find(repo_id, f.path, f.sha256)
-        cached = None if known else library.hf_cached_file(repo_id, f.path, f.sha256)
-        here = None
-        if hub.is_mmproj(f.path):  # a tower is never indexed: its file is the record that it is here
-            here = downloads.target_path(downloads.DownloadJob(repo_id, f.path))
-        if known:
-            done_paths.append((f, known.path, known.source))
-        elif cached:
-            print(f"{f.path}: already in the Hugging Face cache, not downloading it again", file=sys.stderr)
-            done_paths.append((f, str(cached), "hf-cache"))
-        elif here is not None and here.is_file() and here.stat().st_size == f.size:
-            done_paths.append((f, str(here), "download"))
-        else:
-            wanted.append(f)
-    tower = _vision_tower(repo_id, details, files[0], revision, done_paths)
-    jobs = [
-        downloads.DownloadJob(
-            repo_id, f.path, revision=revision, size=f.size, sha256=f.sha256, blob_id=f.blob_id
-        )
-        for f in wanted
-    ]
-    # the model and its tower must fit together, before either starts (raises DiskSpaceError)
-    downloads.check_free_space(jobs + ([tower] if tower else []))
+    from models.pull import PullInterrupted, pull
 
     progress = _ProgressLine()
-    manager = downloads.DownloadManager(parallel=args.parallel, on_progress=progress)
-    jobs = [manager.add(job) for job in jobs]
-    if tower is not None:
-        tower = manager.add(tower)
+    note = lambda line: print(line, file=sys.stderr)  # noqa: E731
     try:
-        manager.wait([j.id for j in jobs] + ([tower.id] if tower else []))
-    except KeyboardInterrupt:
-        manager.close()
-        print("\npaused; run the same command again to resume", file=sys.stderr)
+        pulled = pull(args.spec, revision=args.revision, parallel=args.parallel, ctx=args.ctx, note=note,
+                      on_progress=progress)
+    except PullInterrupted:
+        if progress.state:
+            print(file=sys.stderr)
+        print("paused; run the same command again to resume", file=sys.stderr)
         return 130
-    manager.close()
-    if jobs or tower:
+    if progress.state:
         print(file=sys.stderr)
-    failed = [j for j in jobs + ([tower] if tower else []) if j.state != "done"]
-    if any(j is not tower for j in failed):
-        raise HearthError("; ".join(j.error or f"{j.filename}: {j.state}" for j in failed))
-    by_path = {f.path: f for f in files}
-    done_paths += [(by_path[j.filename], j.path, "download") for j in jobs]
-
-    # index what a loader opens: each GGUF (first split part), or the folder of a safetensors set; a vision
-    # tower is no model of its own
-    entries, towers = [], []
-    for f, path, source in done_paths:
-        if hub.is_mmproj(f.path):
-            towers.append(path)
-        elif f.path.endswith(".gguf") and not library.is_later_split_part(Path(f.path)):
-            entries.append(
-                lib.add(path, repo=repo_id, revision=revision, file=f.path, sha256=f.sha256, source=source)
-            )
-    if not entries and not towers and done_paths:
-        _, path, source = done_paths[0]
-        entries.append(lib.add(Path(path).parent, repo=repo_id, revision=revision, source=source))
-    for e in entries:
+    for e in pulled.entries:
         print(e.path)
-    for path in towers:
+    for path in pulled.towers:
         print(path)
         print(
             f"{Path(path).name} is a vision tower: a GGUF model in its folder reads images with it",
             file=sys.stderr,
         )
+    tower = pulled.tower
     if tower is not None and tower.state == "done":
         print(f"vision tower: {tower.path}", file=sys.stderr)
     elif tower is not None:
         print(
-            f"hearth: the vision tower failed: {tower.error or tower.state}. {files[0].path} is downloaded "
-            "and works for text; run the same command again to fetch its vision tower",
+            f"hearth: the vision tower failed: {tower.error or tower.state}. {pulled.model_file} is "
+            "downloaded and works for text; run the same command again to fetch its vision tower",
             file=sys.stderr,
         )
         return 1
     return 0
-
-
-def _vision_tower(repo_id: str, details, model, revision: str, done_paths: list):
-    """The download of the vision tower (mmproj) that goes beside the pulled GGUF model, or None (see
-    models.downloads.vision_tower: a tower whose projector Hearth does not run is skipped, with a note); a
-    model already used from elsewhere (the Hugging Face cache) only gets a note, as Hearth downloads into its
-    library folder alone."""
-    from models import downloads, hub
-
-    job = downloads.vision_tower(repo_id, details.files, model.path, revision, read_header=False).job
-    if job is None:
-        return None
-    at = next((Path(p) for f, p, _ in done_paths if f is model), None)
-    if at is not None and at.parent != downloads.target_path(job).parent:
-        if not hub.mmprojs_in(at.parent):
-            print(
-                f"note: {model.path} is used from {at.parent}; to read images, put its vision tower "
-                f"{job.filename} from {repo_id} in that folder",
-                file=sys.stderr,
-            )
-        return None
-    choice = downloads.vision_tower(repo_id, details.files, model.path, revision)  # reads its header
-    if choice.job is None:
-        print(choice.note or f"{job.filename}: not fetched", file=sys.stderr)
-        return None
-    print(
-        f"{job.filename}: the model's vision tower (for images), {_mib(job.size)}, goes beside it",
-        file=sys.stderr,
-    )
-    return choice.job
 
 
 def _print_drafts(target: str, as_json: bool) -> int:

@@ -38,6 +38,7 @@ from engine.server import pool as pool_mod
 from engine.server.constraints import grammar_for
 from engine.server.embeddings import EmbeddingRoutes, refuse_generation
 from engine.server.errors import APIError, ServeError, invalid
+from engine.server.manage import ManageRoutes
 from engine.server.metrics import CONTENT_TYPE, ServerMetrics
 from engine.server.pool import ModelPool, Served
 from engine.server.scheduler import Delta, Engine, SeqParams
@@ -179,7 +180,8 @@ class _Guard:
 
 _ENDPOINTS = {
     "/v1/models", "/v1/chat/completions", "/v1/completions", "/health", "/metrics",
-    "/api/chat", "/api/generate", "/api/tags", "/api/show", "/api/ps", "/api/version",
+    "/api/chat", "/api/generate", "/api/tags", "/api/show", "/api/ps", "/api/version", "/api/pull",
+    "/api/delete",
     "/v1/embeddings", "/api/embed", "/api/embeddings",
 }
 
@@ -889,8 +891,15 @@ def create_app(
         Route("/api/embed", router.ollama_embed, methods=["POST"]),
         Route("/api/embeddings", router.ollama_embeddings, methods=["POST"]),
         *(Route(f"/api/{name}", oll.unsupported, methods=["POST", "DELETE"])
-          for name in ("pull", "push", "create", "copy", "delete")),
+          for name in ("push", "create", "copy")),
     ]
+    if pool.serves_library:  # pulls and deletes change the library this server serves
+        manage = ManageRoutes(pool, functools.partial(read_json, limit=config.max_body_bytes))
+        routes += [Route("/api/pull", manage.pull, methods=["POST"]),
+                   Route("/api/delete", manage.delete, methods=["DELETE"])]
+    else:
+        routes += [Route(f"/api/{name}", oll.unsupported, methods=["POST", "DELETE"])
+                   for name in ("pull", "delete")]
     app = Starlette(
         routes=routes,
         exception_handlers={APIError: _api_error, HTTPException: _http_error, Exception: _unexpected},

@@ -112,8 +112,11 @@ def library_catalog() -> list[CatalogEntry]:
         if model_id.casefold() in taken:
             model_id = f"{model_id}-{e.id}"
         taken.add(model_id.casefold())
-        # the stem answers too when a starter name is the id (`hearth serve -m` names a model by its stem)
-        aliases = tuple(dict.fromkeys(a for a in (stem, e.name, str(path)) if a != model_id))
+        # the stem answers too when a starter name is the id (`hearth serve -m` names a model by its stem);
+        # a Hub model also answers to the name Ollama's Hub integration pulls it by, hf.co/REPO:QUANT
+        hub = [f"hf.co/{e.repo}:{e.quant}", f"{e.repo}:{e.quant}"] if e.repo and e.quant else []
+        hub += [f"hf.co/{e.repo}"] if e.repo else []
+        aliases = tuple(dict.fromkeys(a for a in (stem, e.name, str(path), *hub) if a != model_id))
         out.append(CatalogEntry(model_id, path, aliases, e))
     out.reverse()  # most recently used first, as `hearth ls` lists them
     return out
@@ -353,6 +356,24 @@ class ModelPool:
             self._start_reaper()
         self._reap_once()
         return True
+
+    def unload_now(self, path: Path) -> bool:
+        """Unload the model loaded from `path` if it is idle (its file is about to go). Returns False when
+        it is busy (it stays), True when it was unloaded or not loaded."""
+        with self._cv:
+            served = next((s for s in self._served if _key(s.path) == _key(path)), None)
+            if served is None:
+                return True
+            if not served.idle:
+                return False
+            self._served.remove(served)
+            self._stop(served)
+            return True
+
+    @property
+    def serves_library(self) -> bool:
+        """Whether models come from a catalog (the library), not only those added."""
+        return self._catalog_fn is not None
 
     def close(self) -> None:
         """Stop every engine (the server is stopping)."""

@@ -9,6 +9,7 @@ OpenAI's and Ollama's clients.
 
 from __future__ import annotations
 
+import json
 import math
 import threading
 import time
@@ -409,3 +410,106 @@ def test_a_model_that_fails_to_load_says_which_and_why(server, pool, oai):
         body = e.value.body
         assert body["code"] == "model_load_failed" and "'broken'" in body["message"]
     assert [s.id for s in pool.loaded()] == loaded and not pool._loading
+
+
+# --- Ollama's /api/pull and /api/delete against the loopback Hub ----------------------------------
+
+
+@pytest.fixture
+def hub(monkeypatch, tmp_path):
+    from tests.models.hubserver import HubServer, isolate_hf
+    from tests.models.test_library import write_gguf
+
+    s = HubServer()
+    isolate_hf(monkeypatch, tmp_path, s)
+    q4 = write_gguf(tmp_path / "src" / "Tiny-Q4_K_M.gguf").read_bytes()
+    q8 = write_gguf(tmp_path / "src" / "Tiny-Q8_0.gguf", n_layer=3).read_bytes()
+    s.add_repo("org/Tiny-GGUF", {"Tiny-Q4_K_M.gguf": q4, "Tiny-Q8_0.gguf": q8}, tags=("gguf",))
+    s.add_repo("org/gated-GGUF", {"m-Q4_0.gguf": q4}, gated=True, tags=("gguf",))
+    yield s
+    s.close()
+
+
+@pytest.fixture
+def library_server(hub, smollm2_path):
+    from engine.cli import build_parser
+    from engine.commands_server import load_served
+
+    args = build_parser().parse_args(["serve", "--ctx", "128", "--max-seqs", "1", "--prefix-cache-mb", "0"])
+    pool = ModelPool(lambda e, a: pytest.fail("no load expected"), library_catalog)
+    pool.add(load_served(str(smollm2_path), args, pool.metrics, pinned=True))
+    s = LiveServer(pool=pool)
+    yield s, pool
+    s.close()
+    pool.close()
+
+
+@pytest.mark.slow
+def test_pull_and_delete_through_ollamas_client(library_server, hub):
+    from models.paths import models_dir
+
+    server, pool = library_server
+    client = ollama.Client(host=f"http://127.0.0.1:{server.port}", timeout=120)
+    lines = list(client.pull("hf.co/org/Tiny-GGUF:Q8_0", stream=True))
+    statuses = [p.status for p in lines]
+    assert statuses[0] == "pulling manifest" and statuses[-1] == "success"
+    file_lines = [p for p in lines if p.status == "pulling Tiny-Q8_0.gguf"]
+    assert file_lines and file_lines[-1].completed == file_lines[-1].total > 0
+    path = models_dir() / "hub" / "org" / "Tiny-GGUF" / "Tiny-Q8_0.gguf"
+    assert path.is_file()
+    assert "Tiny-Q8_0" in [m.model for m in client.list().models]
+    entry = next(e for e in pool.catalog() if e.id == "Tiny-Q8_0")
+    assert entry.answers("hf.co/org/Tiny-GGUF:Q8_0") and entry.answers("HF.CO/org/tiny-gguf:q8_0")
+
+    cdn = len([e for e in hub.log if e["path"].startswith("/cdn/")])
+    assert client.pull("hf.co/org/Tiny-GGUF:Q8_0").status == "success"  # pulled already: nothing fetched
+    assert len([e for e in hub.log if e["path"].startswith("/cdn/")]) == cdn
+
+    assert client.delete("hf.co/org/Tiny-GGUF:Q8_0").status == "success"
+    assert not path.exists() and "Tiny-Q8_0" not in [m.model for m in client.list().models]
+    with pytest.raises(ollama.ResponseError) as e:
+        client.delete("hf.co/org/Tiny-GGUF:Q8_0")
+    assert e.value.status_code == 404
+
+
+@pytest.mark.slow
+def test_pull_errors_say_what_to_do(library_server, hub):
+    server, _ = library_server
+    url = f"http://127.0.0.1:{server.port}/api/pull"
+    r = httpx.post(url, json={"model": "llama3.2", "stream": False}, timeout=60)
+    assert r.status_code == 400 and "hf.co/ORG/REPO" in r.json()["error"]
+    r = httpx.post(url, json={"model": "hf.co/org/Tiny-GGUF:Q2_K", "stream": False}, timeout=60)
+    assert r.status_code == 404 and "offers: Q4_K_M, Q8_0" in r.json()["error"]
+    r = httpx.post(url, json={"model": "hf.co/org/gated-GGUF", "stream": False}, timeout=60)
+    assert r.status_code == 403 and "login" in r.json()["error"]
+    # streamed: the error is the stream's last line, as Ollama writes it
+    r = httpx.post(url, json={"model": "hf.co/org/Tiny-GGUF:Q2_K"}, timeout=60)
+    lines = [json.loads(x) for x in r.text.splitlines()]
+    assert lines[0] == {"status": "pulling manifest"} and "offers" in lines[-1]["error"]
+    r = httpx.post(url, json={"model": "hf.co/org/Tiny-GGUF", "stream": "yes"}, timeout=60)
+    assert r.status_code == 400
+    r = httpx.request("DELETE", f"http://127.0.0.1:{server.port}/api/delete", json={}, timeout=60)
+    assert r.status_code == 400
+
+
+def test_hub_names():
+    from engine.server.manage import hub_spec
+
+    assert hub_spec("hf.co/bartowski/Llama-3.2-1B-Instruct-GGUF:Q4_K_M") == (
+        "bartowski/Llama-3.2-1B-Instruct-GGUF:Q4_K_M")
+    assert hub_spec("huggingface.co/org/repo:latest") == "org/repo"
+    assert hub_spec("org/repo:model.gguf") == "org/repo:model.gguf"
+    assert hub_spec("smollm2-135m-instruct:latest") == "smollm2-135m-instruct"
+    for bad in ("llama3.2", "qwen3:8b", "hf.co/justone", "hf.co//x"):
+        with pytest.raises(APIError) as e:
+            hub_spec(bad)
+        assert e.value.status == 400
+
+
+def test_a_busy_model_is_not_deleted_under_its_requests():
+    pool = ModelPool(Loader(), catalog("a"))
+    a, _ = pool.acquire("a")
+    assert not pool.unload_now(a.path) and pool.loaded() == [a]
+    pool.release(a)
+    assert pool.unload_now(a.path) and pool.loaded() == []
+    assert pool.unload_now(Path("/models/none.gguf"))
