@@ -385,3 +385,18 @@ def test_stop_while_a_call_is_being_written_keeps_what_arrived(qtbot, engine, sc
     assert not reply.tool_calls and not cards(w) and mw.pending_card is None
     assert mw.body.plain_text().startswith("Sure. <tool_call> {\"name\": \"add\"")  # (Markdown joins lines)
     assert mw.continue_button.isVisible()  # Continue goes on writing the call
+
+
+def test_thinking_streams_beside_a_call_being_written(qtbot, engine, scripted):
+    """The thinking block shows as it comes (a marker inside it is thinking); the answer is gated."""
+    replies, _ = scripted
+    replies.append(["<think>", "\nI need <tool_call> add", ".\n</think>", "\n\nOk.", "\n<tool_call>",
+                    '{"name": "add", "arguments": {"a": 1, "b": 1}}', "</tool_call>"])
+    w, store = window(qtbot, engine)
+    seen = watch_reply(qtbot, w)
+    send(qtbot, w, "add")
+    assert "Ok." in [text for text, _ in seen] and not any(m in text for text, _ in seen for m in MARKUP)
+    reply = store.messages(w.controller.chat.id)[1]
+    mw = w.view.widgets[reply.id]
+    assert mw.thinking_label.text() == "I need <tool_call> add." and mw.body.plain_text() == "Ok."
+    assert [c.call_id for c in cards(w)] == [reply.tool_calls[0]["id"]] and mw.pending_card is None
