@@ -211,3 +211,35 @@ def test_thinking_streams_and_only_the_answer_is_gated(opened):
         tail, calls = gate.finish()
         assert thinking.strip() == "I could use <tool_call> here."
         assert shown + tail == "Let me add." and calls[0].arguments == {"a": 1}
+
+
+def test_a_harmony_reply_streams_token_by_token_with_its_call_held():
+    """gpt-oss: engine.harmony's decoder writes the analysis as a <think> block and a message to
+    functions.NAME as a <tool_call> block, piece by piece as tokens come; the gate holds that block."""
+    from engine.harmony import reply_decoder
+    from engine.loader import load_model
+    from tests.engine.test_gpt_oss import TINY
+
+    tok = load_model(TINY / "gpt-oss").tokenizer
+    reply = (
+        "<|channel|>analysis<|message|>Need the weather.<|end|>"
+        "<|start|>assistant<|channel|>commentary<|message|>Checking.<|end|>"
+        "<|start|>assistant<|channel|>commentary to=functions.get_weather json"
+        '<|message|>{"city": "Paris"}<|call|>'
+    )
+    decoder = reply_decoder(tok, [], text_start=True)
+    split, gate = ReasoningStream(), tools.ToolCallStream(tools.tool_format(template("gpt-oss").source))
+    thinking, pieces = "", []
+    for i in [*tok.encode(reply), None]:
+        if i in tok.eot_ids:
+            continue
+        t, a = split.feed(decoder.push(i) if i is not None else decoder.flush())
+        if i is None:
+            t2, a2 = split.flush()
+            t, a = t + t2, a + a2
+        thinking += t
+        pieces.append(gate.feed(a))
+    tail, calls = gate.finish()
+    assert thinking.strip() == "Need the weather."
+    assert "".join(pieces) + tail == "Checking." and not any("{" in p for p in pieces)
+    assert [(c.name, c.arguments) for c in calls] == [("get_weather", {"city": "Paris"})]
