@@ -139,13 +139,15 @@ class MessageWidget(QFrame):
             else:
                 card.update_call(call, waiting)
 
-    def set_pending_call(self, pending: bool) -> None:
+    def set_pending_call(self, pending: bool, name: str = "") -> None:
         """Show (or take away) the "Preparing a tool call…" placeholder below the reply's text."""
         if pending and self.pending_card is None:
             self.pending_card = PendingCallCard(self)
             self.layout().addWidget(self.pending_card)
             self.pending_card.setVisible(True)
-        elif not pending and self.pending_card is not None:
+        if pending:
+            self.pending_card.set_name(name)
+        elif self.pending_card is not None:
             self.pending_card.setParent(None)
             self.pending_card.deleteLater()
             self.pending_card = None
@@ -391,12 +393,12 @@ class ChatView(QScrollArea):
             w.set_tool_calls(message.tool_calls, waiting)
             self._follow = True
 
-    @Slot(int, bool)
-    def show_pending_call(self, message_id: int, pending: bool) -> None:
+    @Slot(int, bool, str)
+    def show_pending_call(self, message_id: int, pending: bool, name: str) -> None:
         """The streaming reply started (or stopped) writing a tool call (controller.toolCallPending)."""
         w = self.widgets.get(message_id)
         if w is not None:
-            w.set_pending_call(pending)
+            w.set_pending_call(pending, name)
 
     def finish(self, message: Message) -> None:
         w = self.widgets.get(message.id)

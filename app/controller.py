@@ -145,8 +145,9 @@ class ChatController(QObject):
         notice(text: str): something to tell the user in the chat (engine crash, errors).
         toolCallsChanged(message: Message, waiting: bool): a message's tool calls changed (new, decided, ran,
             stopped); waiting: they are under way (calls without a decision ask for one).
-        toolCallPending(message_id: int, pending: bool): the streaming reply started writing a tool call (its
-            text is held back), or no longer is (the reply ended, or it was no call after all).
+        toolCallPending(message_id: int, pending: bool, name: str): the streaming reply started writing a tool
+            call (its text is held back; name: the tool, once it has arrived, else ""), or no longer is (the
+            reply ended, or it was no call after all).
     """
 
     chatsChanged = Signal()
@@ -158,7 +159,7 @@ class ChatController(QObject):
     replyEvent = Signal(object)
     notice = Signal(str)
     toolCallsChanged = Signal(object, bool)
-    toolCallPending = Signal(int, bool)
+    toolCallPending = Signal(int, bool, str)
 
     def __init__(
         self,
@@ -198,7 +199,7 @@ class ChatController(QObject):
         self._answer_len = 0  # characters of self._text that are the answer fed to the gate
         self._shown = ""  # what the gate let through
         self._displayed = ""
-        self._pending_call = False
+        self._pending_call: tuple[bool, str] = (False, "")
         if tools is not None:
             tools.callDone.connect(self._on_call_done)
 
@@ -378,7 +379,7 @@ class ChatController(QObject):
         tools_on = self._tools_on()
         self._gate = ToolCallStream(self.bridge.model.tool_format) if tools_on else None
         self._thinking = ReasoningStream() if tools_on else None  # a stored reply spells its block out
-        self._answer_len, self._shown, self._pending_call = 0, "", False
+        self._answer_len, self._shown, self._pending_call = 0, "", (False, "")
         self._displayed = self._display(self._text)  # a continued reply's text so far
         if left_out:  # after the reply's message is shown, which clears older notices
             self.notice.emit(
@@ -525,13 +526,13 @@ class ChatController(QObject):
         _, answer = self._thinking.feed(delta)
         self._answer_len += len(answer)  # the answer is the end of the text (engine.reasoning passes it on)
         self._shown += self._gate.feed(answer)
-        self._set_pending(self._gate.pending)
+        self._set_pending(self._gate.pending, self._gate.pending_name)
         return self._text[: len(self._text) - self._answer_len] + self._shown
 
-    def _set_pending(self, pending: bool) -> None:
-        if pending != self._pending_call and self._reply is not None:
-            self._pending_call = pending
-            self.toolCallPending.emit(self._reply.id, pending)
+    def _set_pending(self, pending: bool, name: str = "") -> None:
+        if (pending, name) != self._pending_call and self._reply is not None:
+            self._pending_call = (pending, name)
+            self.toolCallPending.emit(self._reply.id, pending, name)
 
     @Slot(int, str, object)
     def _on_chunk(self, turn: int, text: str, event: ChatEvent) -> None:

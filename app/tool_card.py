@@ -133,8 +133,8 @@ class ToolCallCard(QFrame):
 
 
 class PendingCallCard(QFrame):
-    """A tool call the streaming reply is writing: "Preparing a tool call…" until the reply ends and the
-    call's own card (ToolCallCard) replaces it."""
+    """A tool call the streaming reply is writing: "Preparing a tool call…" (with the tool's name once it
+    has arrived) until the reply ends and the call's own card (ToolCallCard) replaces it."""
 
     def __init__(self, parent=None):
         super().__init__(parent)
@@ -144,5 +144,11 @@ class PendingCallCard(QFrame):
         layout = QVBoxLayout(self)
         layout.setContentsMargins(8, 4, 8, 4)
         self.status = QLabel("Preparing a tool call…")
+        self.status.setTextFormat(Qt.TextFormat.PlainText)
         self.status.setAccessibleName("Tool call status")
         layout.addWidget(self.status)
+
+    def set_name(self, name: str) -> None:
+        text = f"Preparing a tool call: {name}…" if name else "Preparing a tool call…"
+        if self.status.text() != text:
+            self.status.setText(text)

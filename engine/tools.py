@@ -253,6 +253,15 @@ class ToolCallStream:
             return self._pending.lstrip().startswith(("{", PYTHON_TAG))
         return self._state in ("block", "held")
 
+    @property
+    def pending_name(self) -> str:
+        """The tool the call being written is for, once its name has arrived ("" until then, or when no
+        call is pending)."""
+        if not self.pending:
+            return ""
+        m = _PENDING_NAME.search(self._pending)
+        return (m.group(1) or m.group(2)) if m else ""
+
     def feed(self, delta: str) -> str:
         """Take the next piece of the reply; returns the text to show now ("" while it is held)."""
         self._parts.append(delta)
@@ -318,6 +327,12 @@ class ToolCallStream:
         tail = rest[n:]
         self._shown.append(tail)
         return tail, calls
+
+
+# a call's name as it arrives: its JSON's "name", or Mistral's name before [ARGS] / [CALL_ID]
+_PENDING_NAME = re.compile(
+    r'"name"\s*:\s*"([^"\\]{1,100})"|\[TOOL_CALLS\]\s*([^\s\[\]{}"]{1,100})\s*\[(?:ARGS|CALL_ID)\]'
+)
 
 
 def _partial_suffix(text: str, marker: str) -> int:

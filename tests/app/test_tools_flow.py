@@ -319,17 +319,18 @@ def test_a_server_that_dies_is_shown_with_its_stderr(qtbot, engine):
     assert not w.tools.active
 
 
-def watch_reply(qtbot, w) -> list[tuple[str, bool]]:
+def watch_reply(qtbot, w) -> list[tuple[str, str]]:
     """What the streaming reply's bubble shows, every few milliseconds and on every text change: (its
-    rendered text, whether the "Preparing a tool call…" placeholder is there)."""
-    seen: list[tuple[str, bool]] = []
+    rendered text, the "Preparing a tool call…" placeholder's text or "" when there is none)."""
+    seen: list[tuple[str, str]] = []
 
     def look(*_):
         widgets = [mw for mw in w.view.widgets.values() if mw.message.role == "assistant"]
         if widgets and widgets[-1].message.state == "streaming":
             mw = widgets[-1]
             mw.body.render_pending()
-            seen.append((mw.body.plain_text(), mw.pending_card is not None and mw.pending_card.isVisible()))
+            card = mw.pending_card
+            seen.append((mw.body.plain_text(), card.status.text() if card and card.isVisible() else ""))
 
     timer = QTimer(w)
     timer.setInterval(5)
@@ -350,13 +351,14 @@ def test_a_streaming_call_never_shows_its_markup(qtbot, engine, scripted):
     w, store = window(qtbot, engine)
     seen = watch_reply(qtbot, w)
     pending = []
-    w.controller.toolCallPending.connect(lambda message_id, p: pending.append(p))
+    w.controller.toolCallPending.connect(lambda message_id, p, name: pending.append((p, name)))
     send(qtbot, w, "What is 2+3?")
     assert seen and not any(m in text for text, _ in seen for m in MARKUP), seen
     assert "Let me add" in [text for text, _ in seen]  # the text streamed before the call
     held = [text for text, card in seen if card]
     assert held and set(held) == {"Let me add them."}  # the placeholder, under the text, while the call came
-    assert pending == [True, False]
+    assert pending == [(True, "add"), (False, "")]  # the name came with the call's first piece
+    assert {card for _, card in seen} == {"", "Preparing a tool call: add…"}
     reply = store.messages(w.controller.chat.id)[1]
     mw = w.view.widgets[reply.id]
     assert mw.pending_card is None and [c.call_id for c in cards(w)] == [reply.tool_calls[0]["id"]]
@@ -375,7 +377,7 @@ def test_stop_while_a_call_is_being_written_keeps_what_arrived(qtbot, engine, sc
     mw = list(w.view.widgets.values())[-1]
     qtbot.waitUntil(lambda: mw.pending_card is not None, timeout=10000)
     qtbot.wait(int(PIECE_S * 1000 * 5))  # a few pieces of the call
-    assert seen[-1] == ("Sure.", True)
+    assert seen[-1] == ("Sure.", "Preparing a tool call: add…")
     with qtbot.waitSignal(w.controller.busyChanged, timeout=5000):
         qtbot.mouseClick(w.stop_button, Qt.MouseButton.LeftButton)
     assert not any(m in text for text, _ in seen for m in MARKUP)

@@ -243,3 +243,19 @@ def test_a_harmony_reply_streams_token_by_token_with_its_call_held():
     assert thinking.strip() == "Need the weather."
     assert "".join(pieces) + tail == "Checking." and not any("{" in p for p in pieces)
     assert [(c.name, c.arguments) for c in calls] == [("get_weather", {"city": "Paris"})]
+
+
+def test_the_pending_calls_name_is_known_once_it_arrives():
+    gate = tools.ToolCallStream(tools.HERMES)
+    gate.feed('Hi <tool_call>\n{"na')
+    assert gate.pending and gate.pending_name == ""
+    gate.feed('me": "get_weather", "arguments": {')
+    assert gate.pending_name == "get_weather"
+    gate = tools.ToolCallStream(tools.MISTRAL)
+    gate.feed("[TOOL_CALLS]add[CALL_ID]")
+    assert gate.pending_name == "add"
+    gate = tools.ToolCallStream(tools.LLAMA3)
+    gate.feed('{"name": "now", "parameters"')
+    assert gate.pending_name == "now"
+    gate.feed(": 3} no")
+    assert not gate.pending and gate.pending_name == ""
