@@ -31,7 +31,7 @@ from app.qt import (
     Signal,
     Slot,
 )
-from app.tool_card import ToolCallCard
+from app.tool_card import PendingCallCard, ToolCallCard
 from engine.reasoning import Reasoning, split_reasoning, starts_opening
 
 ROLE_NAMES = {"user": "You", "assistant": "Assistant", "system": "System"}
@@ -118,6 +118,7 @@ class MessageWidget(QFrame):
         layout.addWidget(self.body)
         self.editor: QPlainTextEdit | None = None
         self.tool_cards: dict[str, ToolCallCard] = {}
+        self.pending_card: PendingCallCard | None = None  # a call the streaming reply is writing
         self.set_text(message.content, immediate=True)
         self.set_state(message.state)
         if message.tool_calls:
@@ -126,6 +127,7 @@ class MessageWidget(QFrame):
     def set_tool_calls(self, calls: list[dict], waiting: bool) -> None:
         """Show the reply's tool calls as cards (added below its text, updated in place)."""
         self.message.tool_calls = calls
+        self.set_pending_call(False)
         for call in calls:
             card = self.tool_cards.get(str(call.get("id")))
             if card is None:
@@ -136,6 +138,19 @@ class MessageWidget(QFrame):
                 card.setVisible(True)  # now, not when the layout gets to it (a card of a shown message)
             else:
                 card.update_call(call, waiting)
+
+    def set_pending_call(self, pending: bool, name: str = "") -> None:
+        """Show (or take away) the "Preparing a tool call…" placeholder below the reply's text."""
+        if pending and self.pending_card is None:
+            self.pending_card = PendingCallCard(self)
+            self.layout().addWidget(self.pending_card)
+            self.pending_card.setVisible(True)
+        if pending:
+            self.pending_card.set_name(name)
+        elif self.pending_card is not None:
+            self.pending_card.setParent(None)
+            self.pending_card.deleteLater()
+            self.pending_card = None
 
     def _button(self, text: str, accessible: str) -> QToolButton:
         b = QToolButton(self)
@@ -378,9 +393,17 @@ class ChatView(QScrollArea):
             w.set_tool_calls(message.tool_calls, waiting)
             self._follow = True
 
+    @Slot(int, bool, str)
+    def show_pending_call(self, message_id: int, pending: bool, name: str) -> None:
+        """The streaming reply started (or stopped) writing a tool call (controller.toolCallPending)."""
+        w = self.widgets.get(message_id)
+        if w is not None:
+            w.set_pending_call(pending, name)
+
     def finish(self, message: Message) -> None:
         w = self.widgets.get(message.id)
         if w is not None:
+            w.set_pending_call(False)
             w.set_state(message.state)  # first: a finished reply shows all its text
             w.set_text(message.content, immediate=True)
         self._update_actions()

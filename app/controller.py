@@ -13,6 +13,13 @@ Allow once / Always allow / Deny unless its tool is always allowed), allowed cal
 and once every call has its result the next reply starts by itself, up to the tool_max_rounds setting.
 Stop cancels calls waiting or running; the calls keep what came of them.
 
+While such a reply streams, the view gets its text through engine.tools.ToolCallStream (after
+engine.reasoning has split the thinking off): call markup never shows; from the moment a call starts,
+toolCallPending says so (the view shows a placeholder card) until the reply ends and the real cards come.
+The store always gets the raw text (a crash keeps what the model wrote). Stop while a call is being written
+keeps what arrived, the call's unfinished markup included: the reply ends "stopped" with that text shown as
+it is (no call runs; Continue goes on writing it).
+
 A message with images goes to the engine as a list of parts, its images first and then its text (as
 Gemma 3's examples order them); a message without images stays a string.
 """
@@ -29,9 +36,9 @@ from app.settings import SAMPLING_KEYS, Settings
 from engine import tool_loop
 from engine.client import ChatEvent
 from engine.generate import GenerationParams
-from engine.reasoning import split_reasoning
+from engine.reasoning import ReasoningStream, split_reasoning
 from engine.tool_loop import ALLOW_ALWAYS, CANCELLED, DECLINED, DENY, CallOutcome
-from engine.tools import parse_tool_calls
+from engine.tools import ToolCallStream, parse_tool_calls
 
 SPEC_KEYS = (
     "speculation",
@@ -130,13 +137,17 @@ class ChatController(QObject):
         chatsChanged(): the chat list changed (new, renamed, deleted, reordered).
         chatOpened(chat_id: str): the current chat changed; the view reloads its messages.
         messageAdded(message: Message): a message was appended to the current chat.
-        messageText(message_id: int, text: str): the streaming message's whole text so far.
+        messageText(message_id: int, text: str): the streaming message's whole text so far (with tools,
+            without the markup of the calls it is writing).
         messageDone(message: Message): a reply ended (state done, stopped or error).
         busyChanged(busy: bool): a reply started or ended.
         replyEvent(event: ChatEvent): the latest engine event of the reply (for the status bar).
         notice(text: str): something to tell the user in the chat (engine crash, errors).
         toolCallsChanged(message: Message, waiting: bool): a message's tool calls changed (new, decided, ran,
             stopped); waiting: they are under way (calls without a decision ask for one).
+        toolCallPending(message_id: int, pending: bool, name: str): the streaming reply started writing a tool
+            call (its text is held back; name: the tool, once it has arrived, else ""), or no longer is (the
+            reply ended, or it was no call after all).
     """
 
     chatsChanged = Signal()
@@ -148,6 +159,7 @@ class ChatController(QObject):
     replyEvent = Signal(object)
     notice = Signal(str)
     toolCallsChanged = Signal(object, bool)
+    toolCallPending = Signal(int, bool, str)
 
     def __init__(
         self,
@@ -181,6 +193,13 @@ class ChatController(QObject):
         self._outcomes: list[CallOutcome] = []
         self._futures: dict[str, object] = {}
         self._advancing = False
+        # the streaming reply's text as shown, with tools: its answer through a tool-call gate
+        self._gate: ToolCallStream | None = None
+        self._thinking: ReasoningStream | None = None
+        self._answer_len = 0  # characters of self._text that are the answer fed to the gate
+        self._shown = ""  # what the gate let through
+        self._displayed = ""
+        self._pending_call: tuple[bool, str] = (False, "")
         if tools is not None:
             tools.callDone.connect(self._on_call_done)
 
@@ -357,6 +376,11 @@ class ChatController(QObject):
             self.store.update_message(resume.id, state="streaming")
         self._flushed_text = self._text
         self._last_event = None
+        tools_on = self._tools_on()
+        self._gate = ToolCallStream(self.bridge.model.tool_format) if tools_on else None
+        self._thinking = ReasoningStream() if tools_on else None  # a stored reply spells its block out
+        self._answer_len, self._shown, self._pending_call = 0, "", (False, "")
+        self._displayed = self._display(self._text)  # a continued reply's text so far
         if left_out:  # after the reply's message is shown, which clears older notices
             self.notice.emit(
                 f"{self.bridge.model.name} does not read images: the chat's {left_out} image(s) are left "
@@ -371,7 +395,7 @@ class ChatController(QObject):
             self.notice.emit(str(e))
             speculation = None
         variables = template_vars(self.settings)
-        if self._tools_on():
+        if tools_on:
             variables["tools"] = [t.schema() for t in self.tools.tools()]
         self.bridge.generate(
             self._turn, conversation, params, self.chat.id, self.settings.get("context_policy"), speculation,
@@ -493,13 +517,33 @@ class ChatController(QObject):
             self.store.update_message(self._reply.id, content=self._text)
             self._flushed_text = self._text
 
+    def _display(self, delta: str) -> str:
+        """The streaming reply's text as the view shows it, after `delta` (already in self._text) arrived:
+        without tools, all of it; with tools, its thinking as it is and its answer as far as the gate lets
+        it through (no call markup). Tells toolCallPending when a call starts or turns out to be none."""
+        if self._gate is None:
+            return self._text
+        _, answer = self._thinking.feed(delta)
+        self._answer_len += len(answer)  # the answer is the end of the text (engine.reasoning passes it on)
+        self._shown += self._gate.feed(answer)
+        self._set_pending(self._gate.pending, self._gate.pending_name)
+        return self._text[: len(self._text) - self._answer_len] + self._shown
+
+    def _set_pending(self, pending: bool, name: str = "") -> None:
+        if (pending, name) != self._pending_call and self._reply is not None:
+            self._pending_call = (pending, name)
+            self.toolCallPending.emit(self._reply.id, pending, name)
+
     @Slot(int, str, object)
     def _on_chunk(self, turn: int, text: str, event: ChatEvent) -> None:
         if turn != self._turn or self._reply is None:
             return
         self._text += text
         self._last_event = event
-        self.messageText.emit(self._reply.id, self._text)
+        shown = self._display(text)
+        if shown != self._displayed:  # a call being written changes nothing on screen
+            self._displayed = shown
+            self.messageText.emit(self._reply.id, shown)
         self.replyEvent.emit(event)
 
     @Slot(int, object)
@@ -509,6 +553,8 @@ class ChatController(QObject):
 
     def _end(self, state: str, event: ChatEvent | None) -> Message | None:
         self._flush_timer.stop()
+        self._set_pending(False)  # the placeholder goes: the real cards (or the text, stopped) replace it
+        self._gate = self._thinking = None
         reply, self._reply = self._reply, None
         if reply is None:
             return None

@@ -352,6 +352,7 @@ class MainWindow(QMainWindow):
         self.view.continueRequested.connect(c.continue_reply)
         self.view.toolDecision.connect(c.decide)
         c.toolCallsChanged.connect(self.view.show_tool_calls)
+        c.toolCallPending.connect(self.view.show_pending_call)
         self.tools.stateChanged.connect(self._on_tools_state)
         c.chatsChanged.connect(self.refresh_chats)
         c.chatOpened.connect(self._on_chat_opened)

@@ -1,6 +1,7 @@
 """A tool call in the conversation: the tool's name, its arguments as formatted JSON, the user's choice
 (Allow once / Always allow for this tool / Deny) while it waits, then what came of it (the result,
-collapsed until asked for).
+collapsed until asked for). While the model is still writing a call, a placeholder in the same style
+(`PendingCallCard`) stands where its card will be.
 """
 
 from __future__ import annotations
@@ -129,3 +130,25 @@ class ToolCallCard(QFrame):
     def _on_result_toggled(self, shown: bool) -> None:
         self.result_button.setArrowType(Qt.ArrowType.DownArrow if shown else Qt.ArrowType.RightArrow)
         self.result.setVisible(shown)
+
+
+class PendingCallCard(QFrame):
+    """A tool call the streaming reply is writing: "Preparing a tool call…" (with the tool's name once it
+    has arrived) until the reply ends and the call's own card (ToolCallCard) replaces it."""
+
+    def __init__(self, parent=None):
+        super().__init__(parent)
+        self.setObjectName("tool-call")
+        self.setFrameShape(QFrame.Shape.StyledPanel)
+        self.setAccessibleName("Tool call being prepared")
+        layout = QVBoxLayout(self)
+        layout.setContentsMargins(8, 4, 8, 4)
+        self.status = QLabel("Preparing a tool call…")
+        self.status.setTextFormat(Qt.TextFormat.PlainText)
+        self.status.setAccessibleName("Tool call status")
+        layout.addWidget(self.status)
+
+    def set_name(self, name: str) -> None:
+        text = f"Preparing a tool call: {name}…" if name else "Preparing a tool call…"
+        if self.status.text() != text:
+            self.status.setText(text)

@@ -126,13 +126,18 @@ def _call(obj, id_: object = None) -> ToolCall | None:
 _HERMES = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.S)
 
 
+def _hermes_call(body: str) -> ToolCall | None:
+    """The call a `<tool_call>` block's body holds, or None when its JSON is no call."""
+    try:
+        return _call(json.loads(body))
+    except ValueError:
+        return None
+
+
 def _hermes(text: str) -> tuple[str, list[ToolCall]]:
     calls, kept, last = [], [], 0
     for m in _HERMES.finditer(text):
-        try:
-            call = _call(json.loads(m.group(1)))
-        except ValueError:
-            call = None
+        call = _hermes_call(m.group(1))
         if call is None:
             continue
         calls.append(call)
@@ -201,6 +206,169 @@ def _llama3(text: str) -> tuple[str, list[ToolCall]]:
         while pos < len(body) and body[pos] in " \t\r\n;":
             pos += 1
     return "", calls
+
+
+# --- streaming: the reply's text without its calls, as it arrives -------------------------------------------
+
+HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
+MISTRAL_MARK, PYTHON_TAG = "[TOOL_CALLS]", "<|python_tag|>"
+
+
+class ToolCallStream:
+    """A reply's text as it streams, with its tool calls held back: the gate between the model and a screen
+    (or an API client) that must never show call markup.
+
+    `feed(delta)` returns the text that is safe to show now. Text that may be the start of a call marker
+    (a "<tool_" at the end of a delta) is held until the next delta shows what it is; from a marker on,
+    the call is held (a Hermes block until its `</tool_call>`: one whose JSON does not parse is shown as
+    text, as parse_tool_calls leaves it; after Mistral's `[TOOL_CALLS]`, everything). A reply that starts
+    with `{` or `<|python_tag|>` (Llama 3.1's bare JSON call; any format when fmt is None) is held until it
+    is clearly no call. Whitespace at the end of what was shown is held too, since a reply that makes calls
+    is stripped. `finish()` parses the whole reply (parse_tool_calls, so the calls are exactly the
+    non-streamed reply's) and returns the text still to show with the calls.
+
+    Everything shown, `finish()`'s text included, is parse_tool_calls' `rest` of the whole reply, with one
+    exception: whitespace at the very start of a reply that goes on with text is shown with that text, so a
+    reply "\n Sure. <tool_call>..." shows "\n Sure." where `rest` is "Sure.".
+
+    Args:
+        fmt: the model's tool_format; None for any format (the API server, as parse_tool_calls).
+    """
+
+    def __init__(self, fmt: str | None = None):
+        self.fmt = fmt
+        self._parts: list[str] = []  # everything fed
+        self._shown: list[str] = []  # everything returned
+        self._pending = ""  # fed, not yet shown or dropped
+        self._ws = ""  # whitespace after the last text shown
+        self._called = False  # a call has been taken out (a Hermes block that parsed)
+        self._state = "start" if fmt in (LLAMA3, None) else "text"
+        markers = {HERMES: (HERMES_OPEN,), HARMONY: (HERMES_OPEN,), MISTRAL: (MISTRAL_MARK,), LLAMA3: ()}
+        self._markers = markers.get(fmt, (HERMES_OPEN, MISTRAL_MARK))
+
+    @property
+    def pending(self) -> bool:
+        """Text is held because a call may be under way (a marker arrived, or a bare JSON reply began)."""
+        if self._state == "start":
+            return self._pending.lstrip().startswith(("{", PYTHON_TAG))
+        return self._state in ("block", "held")
+
+    @property
+    def pending_name(self) -> str:
+        """The tool the call being written is for, once its name has arrived ("" until then, or when no
+        call is pending)."""
+        if not self.pending:
+            return ""
+        m = _PENDING_NAME.search(self._pending)
+        return (m.group(1) or m.group(2)) if m else ""
+
+    def feed(self, delta: str) -> str:
+        """Take the next piece of the reply; returns the text to show now ("" while it is held)."""
+        self._parts.append(delta)
+        self._pending += delta
+        out = []
+        while True:
+            text = self._pending
+            if self._state == "start":  # is the reply one bare JSON call (Llama 3.1)?
+                verdict = _bare_json(text.lstrip())
+                if verdict != "no":
+                    return "".join(out)
+                self._state = "text"
+            elif self._state == "text":
+                found = [(i, m) for m in self._markers if (i := text.find(m)) >= 0]
+                if found:
+                    at, marker = min(found)
+                    out.append(self._show(text[:at]))
+                    self._pending = text[at:]
+                    self._state = "block" if marker == HERMES_OPEN else "held"
+                    continue
+                keep = max((_partial_suffix(text, m) for m in self._markers), default=0)
+                out.append(self._show(text[: len(text) - keep]))
+                self._pending = text[len(text) - keep :]
+                return "".join(out)
+            elif self._state == "block":  # a Hermes block: complete, it is a call or text
+                end = text.find(HERMES_CLOSE, len(HERMES_OPEN))
+                if end < 0:
+                    return "".join(out)
+                block = text[: end + len(HERMES_CLOSE)]
+                self._pending, self._state = text[len(block) :], "text"
+                if _hermes_call(_HERMES.match(block).group(1)) is not None:
+                    self._called = True
+                    self._markers = (HERMES_OPEN,)  # a Hermes call found: no other format counts
+                    continue
+                mark = block.find(MISTRAL_MARK) if MISTRAL_MARK in self._markers else -1
+                if mark >= 0:  # not a Hermes call, but maybe Mistral's (fmt None): held from its marker
+                    self._pending, self._state = text[mark:], "held"
+                    block = block[:mark]
+                out.append(self._show(block))
+            else:  # "held": a call is under way; the rest is known at the end
+                return "".join(out)
+
+    def _show(self, text: str) -> str:
+        """Text certain to be in the reply's rest; its trailing whitespace is held."""
+        text = self._ws + text
+        if self._called and not self._shown:
+            text = text.lstrip()  # a reply with calls is stripped
+        core = text.rstrip()
+        self._ws = text[len(core) :]
+        if core:
+            self._shown.append(core)
+        return core
+
+    def finish(self) -> tuple[str, list[ToolCall]]:
+        """The reply is complete: (the text not shown yet, the calls), as parse_tool_calls finds them."""
+        rest, calls = parse_tool_calls("".join(self._parts), self.fmt)
+        shown = "".join(self._shown)
+        if not rest.startswith(shown):
+            shown = shown.lstrip()  # the one exception (see the class): whitespace shown at the start
+        n = 0
+        while n < min(len(shown), len(rest)) and shown[n] == rest[n]:
+            n += 1
+        tail = rest[n:]
+        self._shown.append(tail)
+        return tail, calls
+
+
+# a call's name as it arrives: its JSON's "name", or Mistral's name before [ARGS] / [CALL_ID]
+_PENDING_NAME = re.compile(
+    r'"name"\s*:\s*"([^"\\]{1,100})"|\[TOOL_CALLS\]\s*([^\s\[\]{}"]{1,100})\s*\[(?:ARGS|CALL_ID)\]'
+)
+
+
+def _partial_suffix(text: str, marker: str) -> int:
+    """Length of the longest end of `text` that is a proper beginning of `marker`."""
+    for n in range(min(len(marker) - 1, len(text)), 0, -1):
+        if marker.startswith(text[-n:]):
+            return n
+    return 0
+
+
+def _bare_json(body: str) -> str:
+    """Whether a reply beginning `body` (no leading whitespace) is Llama 3.1's bare JSON calls, as _llama3
+    reads it: "no", "maybe" (more text will tell) or "call" (calls so far; text after them would undo it)."""
+    if body.startswith(PYTHON_TAG):
+        body = body[len(PYTHON_TAG) :].lstrip()
+    elif PYTHON_TAG.startswith(body):
+        return "maybe"
+    if not body:
+        return "maybe"
+    pos = 0
+    while True:
+        if body[pos] != "{":
+            return "no"
+        inner = body[pos + 1 :].lstrip()
+        if inner and inner[0] not in '"}':  # no JSON object goes on like this
+            return "no"
+        try:
+            obj, pos = _DECODER.raw_decode(body, pos)
+        except ValueError:
+            return "maybe"  # not complete yet (or broken: the end tells)
+        if ("parameters" not in obj and "arguments" not in obj) or _call(obj) is None:
+            return "no"
+        while pos < len(body) and body[pos] in " \t\r\n;":
+            pos += 1
+        if not body[pos:].strip():
+            return "call"
 
 
 # --- results back into the conversation ----------------------------------------------------------------

@@ -508,8 +508,9 @@ class _Api:
                 }
             )
 
-        buffer_tools = bool(req.tools)  # tool calls are only known once the reply is complete
-        held: list[str] = []
+        # with tools the content streams through a gate that holds the calls' markup back; the calls go out
+        # as tool_calls deltas once the reply is complete (they parse as the non-streamed reply's do)
+        gate = tools.ToolCallStream(self.tool_format) if req.tools else None
         try:
             yield choice({"role": "assistant", "content": ""})
             while True:
@@ -525,27 +526,23 @@ class _Api:
                         reasoning, text = reasoning + rest[0], text + rest[1]
                     if reasoning:
                         yield choice({"reasoning_content": reasoning})
-                if buffer_tools:
-                    held.append(text)
-                elif text or (
+                if gate is not None:
+                    text = gate.feed(text)
+                if text or (
                     req.logprobs is not None and d.token is not None and d.token not in self.tok.eot_ids
                 ):
                     lp = {"content": [self._token_logprobs(d)]} if req.logprobs is not None else None
                     yield choice({"content": text}, logprobs=lp)
                 if d.finish_reason is not None:
                     reason = protocol.finish(d.finish_reason)
-                    if buffer_tools:
-                        rest, calls = protocol.parse_tool_calls("".join(held), self.tool_format)
+                    if gate is not None:
+                        rest, calls = gate.finish()
+                        if rest:
+                            yield choice({"content": rest})
+                        for i, call in enumerate(calls):  # one delta per call, whole, as OpenAI's stream ends
+                            yield choice({"tool_calls": [{"index": i, **call.openai()}]})
                         if calls:
                             reason = "tool_calls"
-                            yield choice(
-                                {
-                                    "content": rest or None,
-                                    "tool_calls": [{"index": i, **c} for i, c in enumerate(calls)],
-                                }
-                            )
-                        elif rest:
-                            yield choice({"content": rest})
                     yield choice({}, reason)
                     if req.include_usage:
                         yield _usage_chunk(chunk, d)

@@ -39,6 +39,7 @@ from engine.reasoning import ReasoningStream
 from engine.server import protocol
 from engine.server.errors import APIError, invalid
 from engine.server.scheduler import Delta, SeqParams
+from engine.tools import ToolCallStream
 
 # the Ollama release whose API these routes follow (clients read /api/version to pick features)
 API_VERSION = "0.12.0"
@@ -535,7 +536,9 @@ class _Reply:
         return {**self._body(text, thinking, calls), **self._closing(deltas[-1])}
 
     async def stream(self, job, q: asyncio.Queue) -> AsyncIterator[str]:
-        held: list[str] = []
+        # with tools the content streams through a gate that holds the calls' markup back; the calls come,
+        # as Ollama sends them, in a message's tool_calls (arguments as objects) once the reply is complete
+        gate = ToolCallStream(self.api.tool_format) if self.tools else None
         try:
             while True:
                 d = await q.get()
@@ -543,16 +546,14 @@ class _Reply:
                     yield _line(error_body(d.error))
                     break
                 thinking, text = self._split(d, d.text)
-                if self.tools:  # tool calls are only known once the reply is complete
-                    held.append(text)
-                    text = ""
+                if gate is not None:
+                    text = gate.feed(text)
                 if thinking or text:
                     yield _line({**self._body(text, thinking), "done": False})
                 if d.finish_reason is not None:
-                    calls = None
-                    if self.tools:
-                        text, found = protocol.parse_tool_calls("".join(held), self.api.tool_format)
-                        calls = tool_calls(found) or None
+                    if gate is not None:
+                        text, found = gate.finish()
+                        calls = tool_calls([c.openai() for c in found]) or None
                         if text or calls:
                             yield _line({**self._body(text, calls=calls), "done": False})
                     yield _line({**self._body(""), **self._closing(d)})

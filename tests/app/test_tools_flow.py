@@ -3,21 +3,24 @@
 
 Scripted part: SmolLM2-135M never chooses to call a tool, so the reply that calls one is scripted (the
 Qwen/Hermes-format `<tool_call>` block a tool-using model writes, with the model info saying its template
-takes tools); every other reply, including the one after the tool results, comes from the real worker
-with the real conversation (assistant turn with tool_calls, "tool" messages).
+takes tools; whole, or in pieces that stream as tokens would, which Stop ends); every other reply, including
+the one after the tool results, comes from the real worker with the real conversation (assistant turn with
+tool_calls, "tool" messages).
 """
 
 from __future__ import annotations
 
 import json
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
 
 from app.chat_store import ChatStore
 from app.main_window import MainWindow
-from app.qt import Qt
+from app.qt import Qt, QTimer
 from app.settings import Settings
 from app.tool_card import ToolCallCard
 from engine.client import ChatEvent
@@ -27,6 +30,7 @@ from engine.tool_loop import CANCELLED, DECLINED
 pytestmark = pytest.mark.gui
 
 SERVER = str(Path(__file__).parents[1] / "engine" / "mcp_test_server.py")
+PIECE_S = 0.08  # a streamed scripted reply's pieces come this far apart (each its own chunk on screen)
 
 
 def tool_call(name: str, **arguments) -> str:
@@ -42,19 +46,38 @@ def write_mcp_json(**servers) -> None:
 @pytest.fixture
 def scripted(engine, monkeypatch):
     """Replies scripted in order (then the real worker); the model's template said to take tools.
-    Yields the list of scripted replies to fill and the conversations every reply was asked for."""
-    replies: list[str] = []
+    Yields the list of scripted replies to fill (a text, or a list of pieces that stream PIECE_S apart until
+    the user stops them) and the conversations every reply was asked for."""
+    replies: list[str | list[str]] = []
     asked: list[dict] = []
-    real = engine.client.generate
+    real, real_cancel = engine.client.generate, engine.client.cancel
+    cancelled = threading.Event()
+
+    def streamed(pieces: list[str]):
+        cancelled.clear()
+        for n, piece in enumerate(pieces):
+            time.sleep(PIECE_S)
+            if cancelled.is_set():
+                yield ChatEvent(finish_reason="cancelled", generated_tokens=n)
+                return
+            yield ChatEvent(text=piece, token=1)
+        yield ChatEvent(finish_reason="stop", generated_tokens=len(pieces))
 
     def generate(conversation, params=None, **kwargs):
         asked.append({"messages": [dict(m) for m in conversation], **kwargs})
         if replies:
             text = replies.pop(0)
+            if isinstance(text, list):
+                return streamed(text)
             return iter([ChatEvent(text=text, token=1), ChatEvent(finish_reason="stop", generated_tokens=9)])
         return real(conversation, params, **kwargs)
 
+    def cancel():
+        cancelled.set()
+        real_cancel()
+
     monkeypatch.setattr(engine.client, "generate", generate)
+    monkeypatch.setattr(engine.client, "cancel", cancel)
     assert engine.model.tool_format == ""  # the worker's word: SmolLM2's own template takes no tools
     monkeypatch.setattr(engine.model, "tool_format", "hermes")
     return replies, asked
@@ -294,3 +317,88 @@ def test_a_server_that_dies_is_shown_with_its_stderr(qtbot, engine):
     os.kill(pid, signal.SIGKILL)
     qtbot.waitUntil(lambda: "Tool server 'test': exited" in w.view.notice_label.text(), timeout=20000)
     assert not w.tools.active
+
+
+def watch_reply(qtbot, w) -> list[tuple[str, str]]:
+    """What the streaming reply's bubble shows, every few milliseconds and on every text change: (its
+    rendered text, the "Preparing a tool call…" placeholder's text or "" when there is none)."""
+    seen: list[tuple[str, str]] = []
+
+    def look(*_):
+        widgets = [mw for mw in w.view.widgets.values() if mw.message.role == "assistant"]
+        if widgets and widgets[-1].message.state == "streaming":
+            mw = widgets[-1]
+            mw.body.render_pending()
+            card = mw.pending_card
+            seen.append((mw.body.plain_text(), card.status.text() if card and card.isVisible() else ""))
+
+    timer = QTimer(w)
+    timer.setInterval(5)
+    timer.timeout.connect(look)
+    timer.start()
+    w.controller.messageText.connect(look)  # after the view's own slot: the text just set
+    return seen
+
+
+CALL_PIECES = ["Let me ", "add", " them.", "\n<tool_", 'call>\n{"name": "add", ', '"arguments": {"a": 2, ',
+               '"b": 3}}\n</tool', "_call>"]
+MARKUP = ("<tool", "{", "}", "call>", '"name"')
+
+
+def test_a_streaming_call_never_shows_its_markup(qtbot, engine, scripted):
+    replies, _ = scripted
+    replies.append(CALL_PIECES)
+    w, store = window(qtbot, engine)
+    seen = watch_reply(qtbot, w)
+    pending = []
+    w.controller.toolCallPending.connect(lambda message_id, p, name: pending.append((p, name)))
+    send(qtbot, w, "What is 2+3?")
+    assert seen and not any(m in text for text, _ in seen for m in MARKUP), seen
+    assert "Let me add" in [text for text, _ in seen]  # the text streamed before the call
+    held = [text for text, card in seen if card]
+    assert held and set(held) == {"Let me add them."}  # the placeholder, under the text, while the call came
+    assert pending == [(True, "add"), (False, "")]  # the name came with the call's first piece
+    assert {card for _, card in seen} == {"", "Preparing a tool call: add…"}
+    reply = store.messages(w.controller.chat.id)[1]
+    mw = w.view.widgets[reply.id]
+    assert mw.pending_card is None and [c.call_id for c in cards(w)] == [reply.tool_calls[0]["id"]]
+    assert reply.content == "Let me add them." and mw.body.plain_text() == "Let me add them."
+    assert json.loads(cards(w)[0].arguments.toPlainText()) == {"a": 2, "b": 3}
+
+
+def test_stop_while_a_call_is_being_written_keeps_what_arrived(qtbot, engine, scripted):
+    replies, _ = scripted
+    pieces = ["Sure.", "\n<tool_call>\n", '{"name": "add", "arguments": {'] + ['"a": 1, '] * 100
+    replies.append(pieces)
+    w, store = window(qtbot, engine)
+    seen = watch_reply(qtbot, w)
+    w.composer.setPlainText("add")
+    qtbot.keyClick(w.composer, Qt.Key.Key_Return)
+    mw = list(w.view.widgets.values())[-1]
+    qtbot.waitUntil(lambda: mw.pending_card is not None, timeout=10000)
+    qtbot.wait(int(PIECE_S * 1000 * 5))  # a few pieces of the call
+    assert seen[-1] == ("Sure.", "Preparing a tool call: add…")
+    with qtbot.waitSignal(w.controller.busyChanged, timeout=5000):
+        qtbot.mouseClick(w.stop_button, Qt.MouseButton.LeftButton)
+    assert not any(m in text for text, _ in seen for m in MARKUP)
+    reply = store.messages(w.controller.chat.id)[1]
+    # what arrived is kept as the model wrote it, unfinished call and all, and shown so: no call runs
+    assert reply.state == "stopped" and reply.content.startswith('Sure.\n<tool_call>\n{"name": "add"')
+    assert not reply.tool_calls and not cards(w) and mw.pending_card is None
+    assert mw.body.plain_text().startswith("Sure. <tool_call> {\"name\": \"add\"")  # (Markdown joins lines)
+    assert mw.continue_button.isVisible()  # Continue goes on writing the call
+
+
+def test_thinking_streams_beside_a_call_being_written(qtbot, engine, scripted):
+    """The thinking block shows as it comes (a marker inside it is thinking); the answer is gated."""
+    replies, _ = scripted
+    replies.append(["<think>", "\nI need <tool_call> add", ".\n</think>", "\n\nOk.", "\n<tool_call>",
+                    '{"name": "add", "arguments": {"a": 1, "b": 1}}', "</tool_call>"])
+    w, store = window(qtbot, engine)
+    seen = watch_reply(qtbot, w)
+    send(qtbot, w, "add")
+    assert "Ok." in [text for text, _ in seen] and not any(m in text for text, _ in seen for m in MARKUP)
+    reply = store.messages(w.controller.chat.id)[1]
+    mw = w.view.widgets[reply.id]
+    assert mw.thinking_label.text() == "I need <tool_call> add." and mw.body.plain_text() == "Ok."
+    assert [c.call_id for c in cards(w)] == [reply.tool_calls[0]["id"]] and mw.pending_card is None
