@@ -148,7 +148,8 @@ def cmd_serve(args) -> int:
     metrics = ServerMetrics()
     pool = ModelPool(
         load=lambda entry, available: load_served(
-            str(entry.path), args, metrics, available=available, name=entry.id, aliases=entry.aliases
+            str(entry.path), args, metrics, available=available, name=entry.id, aliases=entry.aliases,
+            compute_lock=pool.compute_lock,
         ),
         catalog=None if args.no_library else library_catalog,
         max_loaded=args.max_models,
@@ -159,7 +160,7 @@ def cmd_serve(args) -> int:
     )
     pool.log = lambda line: print(line, flush=True)
     try:
-        first = load_served(args.model, args, metrics, pinned=True)
+        first = load_served(args.model, args, metrics, pinned=True, compute_lock=pool.compute_lock)
         pool.add(first)
         lm = first.lm
         config = ServerConfig(
@@ -227,9 +228,11 @@ def _precheck(entry) -> None:
 
 
 def load_served(spec: str, args, metrics, available: int | None = None, name: str | None = None,
-                aliases: tuple[str, ...] = (), pinned: bool = False):
+                aliases: tuple[str, ...] = (), pinned: bool = False, compute_lock=None):
     """Load `spec` for serving (ChatRunner.load, planning with `available` bytes of RAM), with its engine
     warmed up and started: an engine.server.pool.Served.
+
+    compute_lock: the server's lock its engines take turns at (engine.server.pool.ModelPool.compute_lock).
 
     Raises:
         The load's errors (ModelNotFoundError, InsufficientMemoryError, ...), ServeError (no GPU room).
@@ -267,6 +270,7 @@ def load_served(spec: str, args, metrics, available: int | None = None, name: st
         prefix_cache_bytes=runner.store.max_bytes if runner.store else 0,
         kv_dtype=KV_DTYPES[args.kv_dtype],
         metrics=metrics,
+        compute_lock=compute_lock,
     )
     del runner  # its live cache and prefix store are not used: the engine has its own
     # compile/warm the batched decode path and build the grammar vocabulary before serving

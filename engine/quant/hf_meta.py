@@ -486,6 +486,9 @@ def _tokenizer_metadata(folder: Path, tok_config: dict, arch: str = "") -> dict[
     return md
 
 
+_GLM_TYPES = ("glm4", "glm4_moe", "glm4_moe_lite")
+
+
 def metadata_from_hf(folder: Path, config: dict, cfg) -> dict[str, Any]:
     """GGUF metadata for a Hugging Face folder: hyper-parameters, tokenizer.ggml.*, chat template."""
     from engine.hf_repo import chat_template_source, read_json
@@ -494,9 +497,9 @@ def metadata_from_hf(folder: Path, config: dict, cfg) -> dict[str, Any]:
     tok_config = read_json(tok_path) if tok_path.exists() else {}
     md = {"general.type": "model", "general.name": folder.name, **_hparams(cfg.architecture, config, cfg)}
     md.update(_tokenizer_metadata(folder, tok_config, cfg.architecture))
-    if config.get("model_type") == "glm4_moe_lite" and md.get("tokenizer.ggml.pre") == "llama-bpe":
-        # GLM-4.7-Flash: llama.cpp's converter (_set_vocab_glm) names GLM's Llama-3 split glm4 (merges
-        # applied, no BOS)
+    if config.get("model_type") in _GLM_TYPES and md.get("tokenizer.ggml.pre") == "llama-bpe":
+        # GLM-4-0414, GLM-4.5/4.6/4.7, GLM-4.7-Flash: llama.cpp's converter names GLM's Llama-3 split glm4
+        # (merges applied, no BOS)
         md["tokenizer.ggml.pre"] = "glm4"
     template = chat_template_source(folder, tok_config)
     if template:

@@ -92,6 +92,40 @@ class ModelNotServedError(APIError):
         super().__init__(404, message, "invalid_request_error", "model", "model_not_found")
 
 
+class FairLock:
+    """A lock handed out in arrival order: the loaded models' engines take turns at computing (a plain lock
+    lets the thread that just released it take it again at once, starving the others)."""
+
+    def __init__(self):
+        self._cv = threading.Condition()
+        self._next = 0
+        self._serving = 0
+
+    def __enter__(self):
+        with self._cv:
+            ticket = self._next
+            self._next += 1
+            while ticket != self._serving:
+                self._cv.wait()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        with self._cv:
+            self._serving += 1
+            self._cv.notify_all()
+
+
+def _kernels_exclusive() -> bool:
+    """Whether Numba's parallel kernels must never run on two threads at once: its fallback threading layer
+    (workqueue, where neither OpenMP nor TBB is found) aborts the process when they do."""
+    import numba
+
+    try:
+        return numba.threading_layer() == "workqueue"
+    except ValueError:  # no parallel kernel has run yet: the layer is not chosen
+        return True
+
+
 def library_catalog() -> list[CatalogEntry]:
     """The present models of Hearth's library (starters included), with unique ids."""
     from models.library import Library
@@ -171,6 +205,8 @@ class ModelPool:
         self._available = available
         self.metrics = metrics or ServerMetrics()
         self._precheck = precheck
+        # the engines' compute steps take turns (engine.server.scheduler.Engine's compute_lock)
+        self.compute_lock = FairLock()
         self._served: list[Served] = []
         self._loading: dict[str, CatalogEntry] = {}
         self._catalog: list[CatalogEntry] = []
@@ -391,8 +427,13 @@ class ModelPool:
             with self._cv:
                 held = sum(s.weights_bytes for s in self._served)
             available = max(0, int(self._available()) - held)
+            # a load runs kernels (its warm-up): beside other models' steps only where that is safe
+            exclusive = contextlib.nullcontext()
+            if self._served and _kernels_exclusive():
+                exclusive = self.compute_lock
             try:
-                return self._load(entry, available)
+                with exclusive:
+                    return self._load(entry, available)
             except memory_guard.InsufficientMemoryError:
                 with self._cv:
                     if self._evict_one():

@@ -150,6 +150,9 @@ class Engine:
         prefill_chunk: prompt tokens per prefill pass.
         prefix_cache_bytes: budget of the shared prefix store (0: none).
         metrics: where figures are counted.
+        compute_lock: held for each iteration's work (calls, admission, prefill and decode steps); engines
+            of one server share one, so models never compute at once (they would share the CPU's cores
+            anyway, and Numba's fallback threading layer, workqueue, aborts on concurrent parallel calls).
     """
 
     def __init__(
@@ -162,8 +165,10 @@ class Engine:
         prefix_cache_bytes: int = 256 << 20,
         metrics: ServerMetrics | None = None,
         kv_dtype=np.float32,
+        compute_lock=None,
     ):
         self.model = model
+        self._compute = compute_lock or threading.Lock()
         self.tokenizer = tokenizer
         self.n_ctx = n_ctx
         self.max_seqs = max_seqs
@@ -241,25 +246,10 @@ class Engine:
         while not self._stop.is_set():
             idle = not (self._waiting or self._prefilling or self._decoding)
             self._drain_inbox(block=idle)
-            calls, self._calls = self._calls, []
-            for call in calls:
-                call.run()
-            try:
-                self._admit()
-                self._reap()
-                if self._prefilling:
-                    seq = self._prefilling[0]
-                    try:
-                        self._prefill_step(seq)
-                    except Exception as e:  # noqa: BLE001 - one prompt's failure is its own (an image dropped)
-                        self._finish(seq, error=_engine_failed(e))
-                self._reap()
-                if self._decoding:
-                    self._decode_step()
-            except Exception as e:  # noqa: BLE001 - a failed step fails its requests, not the server
-                error = _engine_failed(e)
-                for seq in self._prefilling + self._decoding:
-                    self._finish(seq, error=error)
+            if self._stop.is_set():  # stopping: not worth waiting for the compute lock
+                break
+            with self._compute:
+                self._iterate()
             self.metrics.report_load(self, self.running, len(self._waiting) + self._inbox.qsize())
         for seq in self._waiting + self._prefilling + self._decoding:
             self._finish(seq, "cancelled")
@@ -272,6 +262,29 @@ class Engine:
                 item.future.cancel()
         for call in self._calls:
             call.future.cancel()
+
+    def _iterate(self) -> None:
+        """One iteration's work: queued calls, admission, a prefill chunk, a decode step (under the compute
+        lock)."""
+        calls, self._calls = self._calls, []
+        for call in calls:
+            call.run()
+        try:
+            self._admit()
+            self._reap()
+            if self._prefilling:
+                seq = self._prefilling[0]
+                try:
+                    self._prefill_step(seq)
+                except Exception as e:  # noqa: BLE001 - one prompt's failure is its own (an image dropped)
+                    self._finish(seq, error=_engine_failed(e))
+            self._reap()
+            if self._decoding:
+                self._decode_step()
+        except Exception as e:  # noqa: BLE001 - a failed step fails its requests, not the server
+            error = _engine_failed(e)
+            for seq in self._prefilling + self._decoding:
+                self._finish(seq, error=error)
 
     def _drain_inbox(self, block: bool) -> None:
         try:

@@ -435,15 +435,16 @@ def test_the_server_engine_batches_and_reuses_latent_caches(models):
     assert second[-1].cached_tokens >= len(prompts[0])
 
 
-def test_glm_flash_tokenizer_is_named_glm4_in_a_gguf(tmp_path):
-    """GLM-4.7-Flash's tokenizer.json splits as Llama 3 does; llama.cpp's converter names it glm4 (merges
-    applied, no BOS), and so does Hearth's."""
+@pytest.mark.parametrize("family", ["glm4_moe_lite", "glm4", "glm4moe"])
+def test_glm_tokenizers_are_named_glm4_in_a_gguf(tmp_path, family):
+    """GLM-4.7-Flash's, GLM-4-0414's and GLM-4.5's tokenizer.json split as Llama 3 does; llama.cpp's converter
+    names that glm4 (merges applied, no BOS), and so does Hearth's."""
     import shutil
 
     from engine.tokenizer import _LLAMA3
 
     folder = tmp_path / "glm"
-    shutil.copytree(TINY / "glm4_moe_lite", folder)
+    shutil.copytree(TINY / family, folder)
     spec = json.loads((folder / "tokenizer.json").read_text())
     spec["pre_tokenizer"] = {"type": "Sequence", "pretokenizers": [
         {"type": "Split", "pattern": {"Regex": _LLAMA3}, "behavior": "Isolated", "invert": False},

@@ -513,3 +513,55 @@ def test_a_busy_model_is_not_deleted_under_its_requests():
     pool.release(a)
     assert pool.unload_now(a.path) and pool.loaded() == []
     assert pool.unload_now(Path("/models/none.gguf"))
+
+
+def test_engines_sharing_a_compute_lock_take_turns_and_never_overlap():
+    # two models' engines in one server: their steps never run at once (Numba's workqueue layer would
+    # abort), and neither starves the other
+    from engine.loader import load_model
+    from engine.server.pool import FairLock
+    from engine.server.scheduler import Engine, SeqParams
+
+    tiny = Path(__file__).parents[1] / "fixtures" / "tiny" / "llama"
+    lock = FairLock()
+    inside, overlaps, steps = [0], [0], {0: [], 1: []}
+    engines = []
+    for k in range(2):
+        lm = load_model(tiny)
+        real = lm.model.forward_batch
+
+        def forward_batch(*a, _real=real, _k=k, **kw):
+            inside[0] += 1
+            overlaps[0] += inside[0] > 1
+            steps[_k].append(time.monotonic())
+            time.sleep(0.002)  # a step long enough that an overlap would be seen
+            try:
+                return _real(*a, **kw)
+            finally:
+                inside[0] -= 1
+
+        lm.model.forward_batch = forward_batch
+        engines.append(Engine(lm.model, lm.tokenizer, n_ctx=128, max_seqs=2, prefix_cache_bytes=0,
+                              compute_lock=lock))
+    for e in engines:
+        e.start()
+    done = []
+    try:
+        jobs = []
+        for e in engines:
+            for _ in range(2):
+                params = SeqParams(prompt_ids=[1, 2, 3], max_tokens=40, temperature=0.0, ignore_eos=True)
+                jobs.append(e.submit(params, lambda d: done.append(d) if d.finish_reason else None))
+        deadline = time.monotonic() + 60
+        while len(done) < 4 and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        for e in engines:
+            e.stop()
+    assert len(done) == 4 and all(d.error is None for d in done)
+    assert overlaps[0] == 0 and len(steps[0]) >= 30 and len(steps[1]) >= 30
+    # taking turns: while both decode, neither runs many steps in a row
+    merged = sorted([(t, 0) for t in steps[0]] + [(t, 1) for t in steps[1]])
+    both = [k for t, k in merged if max(steps[0][0], steps[1][0]) <= t <= min(steps[0][-1], steps[1][-1])]
+    longest = max(len(list(g)) for _, g in __import__("itertools").groupby(both))
+    assert longest <= 3

@@ -124,7 +124,7 @@ def test_openai_stream_shows_the_text_at_once_and_the_call_at_the_end(server, sc
     assert json.loads(calls[0].function.arguments) == {"a": 2, "b": 3} and len(calls[0].id) == 9
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
     # the tools were in the prompt, through the template
-    assert '"name": "add"' in server.app.state.api.tok.decode(scripted.prompts[-1])
+    assert '"name": "add"' in server.app.state.pool.default.handlers.api.tok.decode(scripted.prompts[-1])
 
 
 def test_openai_client_assembles_the_streamed_call_like_the_whole_reply(server, scripted):
@@ -188,7 +188,7 @@ def test_a_client_that_leaves_during_a_held_call_cancels_it(server, scripted):
     scripted.pieces = ["Ok.", "\n<tool_call>\n"] + ['{"name": "add", '] * 100  # 5 s of a call
     client = openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0, timeout=120)
     stream = client.chat.completions.create(model="smol", messages=HI, tools=[ADD], stream=True)
-    engine = server.app.state.api.engine
+    engine = server.app.state.pool.default.handlers.api.engine
     for chunk in stream:
         if chunk.choices and chunk.choices[0].delta.content:
             break
