@@ -235,8 +235,8 @@ class MainWindow(QMainWindow):
         ok, why = serve_available() if self.server.command is None else (True, "")
         self.serve_button.setEnabled(ok)
         self.serve_button.setToolTip(
-            why or "Run a local API server (hearth serve) for the loaded model: OpenAI's API at /v1, "
-            "Ollama's at /api"
+            why or "Run a local API server (hearth serve): OpenAI's API at /v1, Ollama's at /api. The loaded "
+            "model is kept loaded; the library's other models load when a request names them"
         )
         self.serve_label = QLabel("")
         self.serve_label.setAccessibleName("Server address")

@@ -705,8 +705,7 @@ class _Router:
         self.metrics = metrics
 
     async def _dispatch(self, request: Request, pick: Callable[[_Handlers], Callable], *,
-                        keys: tuple[str, ...] = ("model",), keep_alive: str = "ttl",
-                        ollama_names: bool = False) -> Response:
+                        keys: tuple[str, ...], keep_alive: str, ollama_names: bool) -> Response:
         body = await read_json(request, self.config.max_body_bytes)
         fields = body if isinstance(body, dict) else {}
         name = next((v for k in keys if isinstance(v := fields.get(k), str) and v), None)
@@ -752,34 +751,16 @@ class _Router:
 
     # --- per-model routes ---
 
-    async def chat(self, request: Request) -> Response:
-        return await self._dispatch(request, lambda h: h.api.chat)
+    def handler(self, pick: Callable[[_Handlers], Callable], ollama_api: bool = False,
+                keys: tuple[str, ...] = ("model",)) -> Callable:
+        """The route handler that sends a request to its model's `pick(handlers)`: an Ollama route takes
+        `keep_alive` and ":latest" names, an OpenAI route LM Studio's `ttl`."""
 
-    async def completions(self, request: Request) -> Response:
-        return await self._dispatch(request, lambda h: h.api.completions)
+        async def route(request: Request) -> Response:
+            return await self._dispatch(request, pick, keys=keys, ollama_names=ollama_api,
+                                        keep_alive="keep_alive" if ollama_api else "ttl")
 
-    async def embeddings(self, request: Request) -> Response:
-        return await self._dispatch(request, lambda h: h.embed.openai)
-
-    async def ollama_chat(self, request: Request) -> Response:
-        return await self._dispatch(request, lambda h: h.ollama.chat, keep_alive="keep_alive",
-                                    ollama_names=True)
-
-    async def ollama_generate(self, request: Request) -> Response:
-        return await self._dispatch(request, lambda h: h.ollama.generate, keep_alive="keep_alive",
-                                    ollama_names=True)
-
-    async def ollama_embed(self, request: Request) -> Response:
-        return await self._dispatch(request, lambda h: h.embed.ollama_embed, keep_alive="keep_alive",
-                                    ollama_names=True)
-
-    async def ollama_embeddings(self, request: Request) -> Response:
-        return await self._dispatch(request, lambda h: h.embed.ollama_embeddings, keep_alive="keep_alive",
-                                    ollama_names=True)
-
-    async def ollama_show(self, request: Request) -> Response:
-        return await self._dispatch(request, lambda h: h.ollama.show, keys=("model", "name"),
-                                    keep_alive="keep_alive", ollama_names=True)
+        return route
 
     # --- about all models ---
 
@@ -874,19 +855,20 @@ def create_app(
         Route("/health", router.health, methods=["GET"]),
         Route("/metrics", router.metrics_text, methods=["GET"]),
         Route("/v1/models", router.models, methods=["GET"]),
-        Route("/v1/chat/completions", router.chat, methods=["POST"]),
-        Route("/v1/completions", router.completions, methods=["POST"]),
-        Route("/v1/embeddings", router.embeddings, methods=["POST"]),
+        Route("/v1/chat/completions", router.handler(lambda h: h.api.chat), methods=["POST"]),
+        Route("/v1/completions", router.handler(lambda h: h.api.completions), methods=["POST"]),
+        Route("/v1/embeddings", router.handler(lambda h: h.embed.openai), methods=["POST"]),
         # Ollama's native API (engine.server.ollama)
         Route("/", oll.root, methods=["GET", "HEAD"]),
         Route("/api/version", oll.version, methods=["GET"]),
         Route("/api/tags", router.tags, methods=["GET"]),
         Route("/api/ps", router.ps, methods=["GET"]),
-        Route("/api/show", router.ollama_show, methods=["POST"]),
-        Route("/api/chat", router.ollama_chat, methods=["POST"]),
-        Route("/api/generate", router.ollama_generate, methods=["POST"]),
-        Route("/api/embed", router.ollama_embed, methods=["POST"]),
-        Route("/api/embeddings", router.ollama_embeddings, methods=["POST"]),
+        Route("/api/show", router.handler(lambda h: h.ollama.show, True, ("model", "name")),
+              methods=["POST"]),
+        Route("/api/chat", router.handler(lambda h: h.ollama.chat, True), methods=["POST"]),
+        Route("/api/generate", router.handler(lambda h: h.ollama.generate, True), methods=["POST"]),
+        Route("/api/embed", router.handler(lambda h: h.embed.ollama_embed, True), methods=["POST"]),
+        Route("/api/embeddings", router.handler(lambda h: h.embed.ollama_embeddings, True), methods=["POST"]),
         *(Route(f"/api/{name}", oll.unsupported, methods=["POST", "DELETE"])
           for name in ("push", "create", "copy")),
     ]

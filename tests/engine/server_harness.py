@@ -34,6 +34,18 @@ class LiveServer:
             time.sleep(0.02)
         self.url = f"http://127.0.0.1:{self.port}/v1"
 
+    def openai(self, timeout: float = 120):
+        """An official OpenAI client for this server (no retries)."""
+        import openai
+
+        return openai.OpenAI(base_url=self.url, api_key="unused", max_retries=0, timeout=timeout)
+
+    def ollama(self, timeout: float = 120):
+        """Ollama's official client for this server."""
+        import ollama
+
+        return ollama.Client(host=f"http://127.0.0.1:{self.port}", timeout=timeout)
+
     def close(self) -> None:
         self.server.should_exit = True
         self.thread.join(10)

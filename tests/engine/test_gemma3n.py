@@ -259,7 +259,6 @@ def test_gguf_in_llama_cpps_gemma3n_layout(lm, tmp_path):
 def test_serve_batches_concurrent_requests_and_reuses_a_turn(lm):
     """`hearth serve`'s engine over the model: concurrent requests share decode steps (forward_batch) and each
     reply is the one it gets alone; a second turn reuses the first's cache."""
-    import openai
 
     from engine.server.scheduler import Engine
     from tests.engine.server_harness import LiveServer
@@ -269,7 +268,7 @@ def test_serve_batches_concurrent_requests_and_reuses_a_turn(lm):
     engine.start()
     server = LiveServer(engine, lm)
     try:
-        client = openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0, timeout=120)
+        client = server.openai(120)
 
         def ask(prompt: str, cached: list | None = None) -> str:
             reply = client.completions.create(model="smol", prompt=prompt, max_tokens=8, temperature=0,

@@ -48,7 +48,7 @@ def server(engine, lm):
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0, timeout=120)
+    return server.openai(120)
 
 
 HI = [{"role": "user", "content": "Name three colours."}]
@@ -137,7 +137,7 @@ def test_thinking_goes_to_reasoning_content(client, server, engine, lm, monkeypa
     # --reasoning-format none: the reply's text, as the model wrote it, in content
     raw = LiveServer(engine, lm, reasoning_format="none")
     try:
-        plain = openai.OpenAI(base_url=raw.url, api_key="unused", max_retries=0, timeout=120)
+        plain = raw.openai(120)
         message = plain.chat.completions.create(**kw).choices[0].message
         assert message.content == thinking and "reasoning_content" not in (message.model_extra or {})
     finally:

@@ -53,12 +53,12 @@ def bert_server():
 
 @pytest.fixture(scope="module")
 def oai(bert_server):
-    return openai.OpenAI(base_url=bert_server.url, api_key="unused", max_retries=0, timeout=60)
+    return bert_server.openai(60)
 
 
 @pytest.fixture(scope="module")
 def oll(bert_server):
-    return ollama.Client(host=f"http://127.0.0.1:{bert_server.port}", timeout=60)
+    return bert_server.ollama(60)
 
 
 def post(server, path: str, body) -> tuple[int, dict]:
@@ -167,8 +167,8 @@ def test_a_decoder_embedding_model_embeds_while_it_chats():
     g = golden("qwen3-embed")
     lm, engine, server = serve(TINY / "qwen3-embed")
     try:
-        oai = openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0, timeout=120)
-        oll = ollama.Client(host=f"http://127.0.0.1:{server.port}", timeout=120)
+        oai = server.openai(120)
+        oll = server.ollama(120)
         assert set(oai.models.list().data[0].capabilities) == {"completion", "embedding"}
         assert "embedding" in oll.show("smol").capabilities
         replies = []

@@ -313,12 +313,12 @@ def server(pool):
 
 @pytest.fixture(scope="module")
 def oai(server):
-    return openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0, timeout=300)
+    return server.openai(300)
 
 
 @pytest.fixture(scope="module")
 def client(server):
-    return ollama.Client(host=f"http://127.0.0.1:{server.port}", timeout=300)
+    return server.ollama(300)
 
 
 def _greedy(oai, model: str, n: int = 12) -> str:
@@ -417,15 +417,9 @@ def test_a_model_that_fails_to_load_says_which_and_why(server, pool, oai):
 
 @pytest.fixture
 def hub(monkeypatch, tmp_path):
-    from tests.models.hubserver import HubServer, isolate_hf
-    from tests.models.test_library import write_gguf
+    from tests.models.test_library_cli import tiny_gguf_hub
 
-    s = HubServer()
-    isolate_hf(monkeypatch, tmp_path, s)
-    q4 = write_gguf(tmp_path / "src" / "Tiny-Q4_K_M.gguf").read_bytes()
-    q8 = write_gguf(tmp_path / "src" / "Tiny-Q8_0.gguf", n_layer=3).read_bytes()
-    s.add_repo("org/Tiny-GGUF", {"Tiny-Q4_K_M.gguf": q4, "Tiny-Q8_0.gguf": q8}, tags=("gguf",))
-    s.add_repo("org/gated-GGUF", {"m-Q4_0.gguf": q4}, gated=True, tags=("gguf",))
+    s = tiny_gguf_hub(monkeypatch, tmp_path)
     yield s
     s.close()
 
@@ -449,7 +443,7 @@ def test_pull_and_delete_through_ollamas_client(library_server, hub):
     from models.paths import models_dir
 
     server, pool = library_server
-    client = ollama.Client(host=f"http://127.0.0.1:{server.port}", timeout=120)
+    client = server.ollama(120)
     lines = list(client.pull("hf.co/org/Tiny-GGUF:Q8_0", stream=True))
     statuses = [p.status for p in lines]
     assert statuses[0] == "pulling manifest" and statuses[-1] == "success"

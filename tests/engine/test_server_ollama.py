@@ -15,7 +15,6 @@ from pathlib import Path
 
 import jsonschema
 import ollama
-import openai
 import pytest
 
 from engine.server import ollama as api
@@ -155,12 +154,12 @@ def server(lm):
 
 @pytest.fixture(scope="module")
 def client(server):
-    return ollama.Client(host=f"http://127.0.0.1:{server.port}", timeout=120)
+    return server.ollama(120)
 
 
 @pytest.fixture(scope="module")
 def oai(server):
-    return openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0, timeout=120)
+    return server.openai(120)
 
 
 @pytest.mark.slow
@@ -274,13 +273,13 @@ def test_images_through_ollamas_client(tmp_path):
     engine.start()
     server = LiveServer(engine, lm)
     try:
-        client = ollama.Client(host=f"http://127.0.0.1:{server.port}", timeout=120)
+        client = server.ollama(120)
         assert "vision" in client.show("smol").capabilities
         picture = tmp_path / "photo.png"
         picture.write_bytes(png(seed=5))
         reply = client.chat(model="smol", options={"temperature": 0, "num_predict": 4},
                             messages=[{"role": "user", "content": "What is this?", "images": [picture]}])
-        oai = openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0, timeout=120)
+        oai = server.openai(120)
         url = "data:image/png;base64," + base64.b64encode(png(seed=5)).decode()
         same = oai.chat.completions.create(model="smol", max_tokens=4, temperature=0, messages=[
             {"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},

@@ -14,8 +14,6 @@ import dataclasses
 import json
 import time
 
-import ollama
-import openai
 import pytest
 
 from engine.chat_template import ChatTemplate
@@ -108,7 +106,7 @@ def scripted(script):
 
 def test_openai_stream_shows_the_text_at_once_and_the_call_at_the_end(server, scripted):
     scripted.pieces = PIECES
-    client = openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0, timeout=120)
+    client = server.openai(120)
     chunks, content_at = [], []
     stream = client.chat.completions.create(model="smol", messages=HI, tools=[ADD], stream=True)
     for chunk in stream:
@@ -129,7 +127,7 @@ def test_openai_stream_shows_the_text_at_once_and_the_call_at_the_end(server, sc
 
 def test_openai_client_assembles_the_streamed_call_like_the_whole_reply(server, scripted):
     scripted.pieces = PIECES
-    client = openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0, timeout=120)
+    client = server.openai(120)
     with client.chat.completions.stream(model="smol", messages=HI, tools=[ADD]) as stream:
         for _ in stream:
             pass
@@ -144,7 +142,7 @@ def test_openai_client_assembles_the_streamed_call_like_the_whole_reply(server, 
 
 def test_a_false_alarm_is_released_as_text(server, scripted):
     scripted.pieces = ["Use the <tool_", "box", " first."]
-    client = openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0, timeout=120)
+    client = server.openai(120)
     chunks = list(client.chat.completions.create(model="smol", messages=HI, tools=[ADD], stream=True))
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == "Use the <tool_box first."
@@ -154,7 +152,7 @@ def test_a_false_alarm_is_released_as_text(server, scripted):
 
 def test_a_real_reply_with_tools_streams_token_by_token(server):
     """No script: SmolLM2's own reply, tools offered, streams as without tools."""
-    client = openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0, timeout=120)
+    client = server.openai(120)
     kwargs = {"model": "smol", "messages": HI, "max_tokens": 8, "temperature": 0}
     plain = client.chat.completions.create(**kwargs).choices[0].message.content
     chunks = list(client.chat.completions.create(**kwargs, tools=[ADD], stream=True))
@@ -165,7 +163,7 @@ def test_a_real_reply_with_tools_streams_token_by_token(server):
 
 def test_ollama_stream_shows_the_text_and_sends_the_calls_in_a_message(server, scripted):
     scripted.pieces = PIECES
-    client = ollama.Client(host=f"http://127.0.0.1:{server.port}", timeout=120)
+    client = server.ollama(120)
     parts, at = [], []
     for part in client.chat(model="smol", messages=HI, tools=[ADD], stream=True):
         parts.append(part)
@@ -186,7 +184,7 @@ def test_ollama_stream_shows_the_text_and_sends_the_calls_in_a_message(server, s
 
 def test_a_client_that_leaves_during_a_held_call_cancels_it(server, scripted):
     scripted.pieces = ["Ok.", "\n<tool_call>\n"] + ['{"name": "add", '] * 100  # 5 s of a call
-    client = openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0, timeout=120)
+    client = server.openai(120)
     stream = client.chat.completions.create(model="smol", messages=HI, tools=[ADD], stream=True)
     engine = server.app.state.pool.default.handlers.api.engine
     for chunk in stream:

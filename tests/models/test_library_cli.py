@@ -14,14 +14,20 @@ from tests.models.hubserver import HubServer, isolate_hf, mmproj_bytes
 from tests.models.test_library import write_gguf
 
 
-@pytest.fixture
-def server(monkeypatch, tmp_path):
+def tiny_gguf_hub(monkeypatch, tmp_path) -> HubServer:
+    """A loopback Hub (HF_ENDPOINT set to it) with org/Tiny-GGUF (Q4_K_M and Q8_0) and a gated repo."""
     s = HubServer()
     isolate_hf(monkeypatch, tmp_path, s)
     q4 = write_gguf(tmp_path / "src" / "Tiny-Q4_K_M.gguf").read_bytes()
     q8 = write_gguf(tmp_path / "src" / "Tiny-Q8_0.gguf", n_layer=3).read_bytes()
     s.add_repo("org/Tiny-GGUF", {"Tiny-Q4_K_M.gguf": q4, "Tiny-Q8_0.gguf": q8}, tags=("gguf",), downloads=9)
     s.add_repo("org/gated-GGUF", {"m-Q4_0.gguf": q4}, gated=True, tags=("gguf",))
+    return s
+
+
+@pytest.fixture
+def server(monkeypatch, tmp_path):
+    s = tiny_gguf_hub(monkeypatch, tmp_path)
     yield s
     s.close()
 
