@@ -33,7 +33,7 @@ from engine import tools
 from engine.chat_template import TemplateError
 from engine.errors import ImageInputError, ImagesBusyError
 from engine.reasoning import ReasoningStream, opens_reasoning, split_reasoning, strip_reasoning
-from engine.server import ollama, protocol
+from engine.server import anthropic, ollama, protocol
 from engine.server import pool as pool_mod
 from engine.server.constraints import grammar_for
 from engine.server.embeddings import EmbeddingRoutes, refuse_generation
@@ -155,9 +155,10 @@ class _Guard:
         if self.config.api_key and scope.get("path", "") != "/health":
             auth = headers.get("authorization", "")
             scheme, _, token = auth.partition(" ")
-            if scheme.lower() != "bearer" or not hmac.compare_digest(
-                token.strip().encode("utf-8", "replace"), self.config.api_key.encode()
-            ):
+            if scheme.lower() != "bearer":  # Anthropic's SDKs send the key as x-api-key
+                token = headers.get("x-api-key", "")
+            given = token.strip().encode("utf-8", "replace")
+            if not hmac.compare_digest(given, self.config.api_key.encode()):
                 return APIError(
                     401,
                     "missing or wrong API key: send 'Authorization: Bearer KEY' with the key given to "
@@ -182,12 +183,14 @@ _ENDPOINTS = {
     "/v1/models", "/v1/chat/completions", "/v1/completions", "/health", "/metrics",
     "/api/chat", "/api/generate", "/api/tags", "/api/show", "/api/ps", "/api/version", "/api/pull",
     "/api/delete",
-    "/v1/embeddings", "/api/embed", "/api/embeddings",
+    "/v1/embeddings", "/api/embed", "/api/embeddings", "/v1/messages", "/v1/messages/count_tokens",
 }
 
 
 def _error_response(e: APIError, path: str = "") -> JSONResponse:
     """The error's body as the API at `path` writes errors: Ollama's under /api/, OpenAI's elsewhere."""
+    if path.startswith("/v1/messages"):
+        return JSONResponse(anthropic.error_body(e), status_code=e.status)
     body = ollama.error_body(e) if path.startswith("/api/") else e.body()
     return JSONResponse(body, status_code=e.status)
 
@@ -669,6 +672,7 @@ class _Handlers:
     api: _Api
     ollama: ollama.OllamaRoutes
     embed: EmbeddingRoutes
+    anthropic: anthropic.AnthropicRoutes
 
 
 def attach(served: Served, config: ServerConfig) -> None:
@@ -677,7 +681,8 @@ def attach(served: Served, config: ServerConfig) -> None:
     own = dataclasses.replace(config, model_name=names[0], aliases=names[1:])
     api = _Api(served.engine, served.lm, own, served.engine.metrics)
     api.names = served.names  # one list: names the pool learns later (a library entry's) count too
-    served.handlers = _Handlers(api, ollama.OllamaRoutes(api), EmbeddingRoutes(api))
+    served.handlers = _Handlers(api, ollama.OllamaRoutes(api), EmbeddingRoutes(api),
+                                anthropic.AnthropicRoutes(api))
 
 
 class _Leased:
@@ -858,6 +863,10 @@ def create_app(
         Route("/v1/chat/completions", router.handler(lambda h: h.api.chat), methods=["POST"]),
         Route("/v1/completions", router.handler(lambda h: h.api.completions), methods=["POST"]),
         Route("/v1/embeddings", router.handler(lambda h: h.embed.openai), methods=["POST"]),
+        # Anthropic's Messages API (engine.server.anthropic)
+        Route("/v1/messages", router.handler(lambda h: h.anthropic.messages), methods=["POST"]),
+        Route("/v1/messages/count_tokens", router.handler(lambda h: h.anthropic.count_tokens),
+              methods=["POST"]),
         # Ollama's native API (engine.server.ollama)
         Route("/", oll.root, methods=["GET", "HEAD"]),
         Route("/api/version", oll.version, methods=["GET"]),

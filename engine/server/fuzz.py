@@ -142,6 +142,26 @@ _BAD_OLLAMA_EMBEDDINGS = {
     "prompt": [None, 5, [], {}, ["a"]],
     "options": ["x", 5, []],
 }
+_BAD_MESSAGES = {
+    "model": [None, 5, "", "no-such-model"],
+    "max_tokens": [None, 0, -1, "4", 1.5, 10**9],
+    "messages": [
+        "hi", [], [{}], [None], [{"role": "system", "content": "x"}], [{"role": "user", "content": 5}],
+        [{"role": "user", "content": [5]}], [{"role": "user", "content": [{"type": "document"}]}],
+        [{"role": "user", "content": [{"type": "image", "source": {"type": "url", "url": "http://x"}}]}],
+        [{"role": "user", "content": [{"type": "image", "source": {"type": "base64", "data": 5}}]}],
+        [{"role": "user", "content": [{"type": "tool_use", "name": "f", "input": {}}]}],
+        [{"role": "assistant", "content": [{"type": "tool_use", "name": 5}]}],
+        [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "x", "content": [5]}]}],
+    ],
+    "system": [5, [5], [{"type": "image"}]],
+    "stop_sequences": ["x", [5]],
+    "tools": ["t", [5], [{"description": "no name"}], [{"type": "web_search_20250305", "name": "web"}]],
+    "tool_choice": ["auto", {"type": "sometimes"}],
+    "thinking": ["on", {"type": "maybe"}],
+    "output_config": [{"format": "json"}, {"format": {"type": "json_schema"}}],
+    "stream": ["yes", 1],
+}
 _RAW = [
     b"",
     b"{",
@@ -192,6 +212,10 @@ def cases(n: int, model: str, seed: int = 0, port: int = 0) -> list[Case]:
             _mutate(rng, body, _BAD_OLLAMA_CHAT if chat else _BAD_GENERATE)
             path = "/api/chat" if chat else "/api/generate"
             out.append(Case("POST", path, json.dumps(body).encode(), host))
+        elif kind < 0.18:  # Anthropic's Messages API
+            body = {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+            _mutate(rng, body, _BAD_MESSAGES)
+            out.append(Case("POST", "/v1/messages", json.dumps(body).encode(), host))
         elif kind < 0.45:
             body = {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
             _mutate(rng, body, _BAD_CHAT)
@@ -201,7 +225,8 @@ def cases(n: int, model: str, seed: int = 0, port: int = 0) -> list[Case]:
             _mutate(rng, body, _BAD_COMPLETION)
             out.append(Case("POST", "/v1/completions", json.dumps(body).encode(), host))
         elif kind < 0.8:
-            path = rng.choice(["/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/api/embed"])
+            path = rng.choice(["/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/api/embed",
+                               "/v1/messages"])
             out.append(Case("POST", path, rng.choice(_RAW), host))
         elif kind < 0.86:
             path = rng.choice(["/v1/chat/completions", "/v1/completions", "/v1/models", "/health"])
