@@ -157,8 +157,8 @@ def check_model(lm) -> EmbeddingSpec:
         arch = lm.metadata.get("general.architecture", "?")
         raise EmbeddingUnsupportedError(
             f"{lm.name} ({arch}) cannot give embeddings in this version of Hearth: embeddings come from "
-            "BERT encoders and the Llama / Qwen family of decoders on the CPU (load it with --device cpu "
-            "if it runs on a GPU)"
+            "encoders (BERT, XLM-RoBERTa, nomic-bert, ModernBERT) and the Llama / Qwen family of decoders on "
+            "the CPU (load it with --device cpu if it runs on a GPU)"
         )
     if lm.embedding is None:  # a LoadedModel put together elsewhere: read its pooling now
         lm.embedding = embedding_spec(lm.path, lm.metadata, lm.model)

@@ -303,15 +303,23 @@ _GGUF_EXPERTS_RE = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)_exps\.(weight|bia
 
 
 # the encoder families (embedding models): config.json model_type -> architecture
-ENCODER_TYPES = {"bert": "bert", "nomic_bert": "nomic-bert", "xlm-roberta": "bert", "xlm_roberta": "bert"}
+ENCODER_TYPES = {
+    "bert": "bert", "nomic_bert": "nomic-bert", "xlm-roberta": "bert", "xlm_roberta": "bert",
+    "modernbert": "modern-bert",
+}
 
 
 def encoder_family(arch: str):
-    """(config class, hf_names) of an encoder architecture (engine/arch/bert.py, nomic_bert.py)."""
+    """(config class, hf_names) of an encoder architecture (engine/arch/bert.py, nomic_bert.py,
+    modernbert.py)."""
     if arch == "nomic-bert":
         from engine.arch.nomic_bert import NomicBertConfig, hf_names
 
         return NomicBertConfig, hf_names
+    if arch == "modern-bert":
+        from engine.arch.modernbert import ModernBertConfig, hf_names
+
+        return ModernBertConfig, hf_names
     from engine.arch.bert import BertConfig, hf_names
 
     return BertConfig, hf_names

@@ -169,8 +169,8 @@ def gemma4_kv_widths(windowed: list[bool], kv_heads: list[int], head_dim: int, g
 
 
 # encoders (embedding models) keep no keys and values: GGUF architectures, config.json model types
-ENCODER_ARCHS = frozenset({"bert", "nomic-bert"})
-ENCODER_MODEL_TYPES = frozenset({"bert", "nomic_bert", "xlm-roberta", "xlm_roberta"})
+ENCODER_ARCHS = frozenset({"bert", "nomic-bert", "modern-bert"})
+ENCODER_MODEL_TYPES = frozenset({"bert", "nomic_bert", "xlm-roberta", "xlm_roberta", "modernbert"})
 
 
 # architectures whose last layers reuse earlier layers' keys and values (llama.cpp's shared_kv_layers)

@@ -1054,7 +1054,7 @@ def _randomize_encoder(model) -> None:
         for pname, p in model.named_parameters():
             if p.dim() > 1:
                 p.normal_(0.0, 0.3)
-            elif "LayerNorm.weight" in pname or "layernorm.weight" in pname:
+            elif "norm.weight" in pname.lower():
                 p.copy_(1.0 + 0.1 * torch.randn_like(p))
             else:
                 p.normal_(0.0, 0.1)
@@ -1180,6 +1180,46 @@ def write_xlmr_embed(out: Path) -> None:
     print(f"wrote {folder}")
 
 
+def write_modernbert_embed(out: Path) -> None:
+    """modernbert-embed: a 3-layer ModernBertModel (hidden 32, 4 heads, GeGLU FFN 48, layer 0 global, layers 1
+    and 2 windowed to 4 tokens either side, rotary bases 160000 / 10000) with a byte-level BPE tokenizer.json
+    ([CLS] $A [SEP]) and modernbert-embed-base's sentence-transformers files (mean pooling, Normalize)."""
+    from tokenizers import processors
+
+    tok = tiny_tokenizer()
+    tok.add_special_tokens(["[CLS]", "[SEP]", "[PAD]"])
+    cls_id, sep_id, pad_id = (tok.token_to_id(t) for t in ("[CLS]", "[SEP]", "[PAD]"))
+    tok.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1",
+        special_tokens=[("[CLS]", cls_id), ("[SEP]", sep_id)],
+    )
+    torch.manual_seed(7373)
+    config = transformers.ModernBertConfig(
+        vocab_size=tok.get_vocab_size(), hidden_size=32, intermediate_size=48, num_hidden_layers=3,
+        num_attention_heads=4, max_position_embeddings=512, norm_eps=1e-5, local_attention=8,
+        global_attn_every_n_layers=3, hidden_activation="gelu", pad_token_id=pad_id, bos_token_id=cls_id,
+        eos_token_id=sep_id, cls_token_id=cls_id, sep_token_id=sep_id,
+        rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 160000.0},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}},
+    )
+    config._attn_implementation = "eager"
+    model = transformers.ModernBertModel(config).eval()
+    _randomize_encoder(model)
+    folder = out / "modernbert-embed"
+    shutil.rmtree(folder, ignore_errors=True)
+    model.save_pretrained(folder, safe_serialization=True)
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "cls_token": "[CLS]", "sep_token": "[SEP]", "pad_token": "[PAD]", "model_max_length": 512,
+    }, indent=2))
+    _sentence_transformers_files(folder, "pooling_mode_mean_tokens", 32, max_seq_length=512)
+    texts = [*EMBED_TEXTS, "the window of a local layer is shorter than this text"]
+    golden = _embed_golden(model, tok, texts)
+    (folder / "embedding_golden.json").write_text(json.dumps({**golden, "family": "modernbert",
+                                                             "pooling": "mean"}))
+    print(f"wrote {folder}")
+
+
 def write_bert_embed(out: Path) -> None:
     """bert-embed: a 2-layer BertModel (hidden 32, 4 heads) with a WordPiece tokenizer.json and the
     sentence-transformers files of a bge-style model (CLS pooling, Normalize, max_seq_length 24)."""
@@ -1272,7 +1312,8 @@ def write_qwen3_embed(out: Path) -> None:
 
 
 EMBEDDING_FAMILIES = {"bert-embed": write_bert_embed, "qwen3-embed": write_qwen3_embed,
-                      "nomic-embed": write_nomic_embed, "xlmr-embed": write_xlmr_embed}
+                      "nomic-embed": write_nomic_embed, "xlmr-embed": write_xlmr_embed,
+                      "modernbert-embed": write_modernbert_embed}
 
 
 def main() -> int:

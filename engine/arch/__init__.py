@@ -14,6 +14,7 @@ _REGISTRY: dict[str, type] = {}
 _BUILTIN_MODULES = (
     "engine.arch.llama", "engine.arch.gemma3", "engine.arch.gemma4", "engine.arch.gemma3n",
     "engine.arch.nemotron_h", "engine.arch.deepseek2", "engine.arch.bert", "engine.arch.nomic_bert",
+    "engine.arch.modernbert",
 )
 
 

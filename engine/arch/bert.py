@@ -1,13 +1,15 @@
-"""BERT-family encoders (all-MiniLM, bge-*-en-v1.5, mxbai-embed-large, snowflake-arctic-embed): embedding
-models only.
+"""BERT-family encoders (all-MiniLM, bge-*-en-v1.5, mxbai-embed-large, snowflake-arctic-embed; XLM-RoBERTa:
+bge-m3, multilingual-e5): embedding models only.
 
 Bidirectional self-attention over the whole input, learned absolute position and token-type embeddings
 added to the word embeddings, post-LN blocks (LayerNorm after each residual add) and an erf GELU FFN, as
 transformers' BertModel. Tensor names are llama.cpp's `bert` GGUF names (gguf-py constants/tensor_mapping:
 token_embd, position_embd, token_types, token_embd_norm, blk.N.attn_q/k/v, attn_output, attn_output_norm,
 ffn_up, ffn_down, layer_output_norm, each with a bias); a Hugging Face folder's BertModel names are mapped
-to them (hf_names). The model has no logits and no KV cache: `hidden_states` is its one entry point, and
-`forward` (chat) raises EmbeddingOnlyModelError.
+to them (hf_names). XLM-RoBERTa is the same network with positions counted from padding_idx + 1 in a
+folder (position_offset; llama.cpp's converter drops those rows, so a GGUF counts from 0) and one token type.
+The model has no logits and no KV cache: `hidden_states` (engine/arch/encoder.py) is its one entry point,
+and `forward` (chat) raises EmbeddingOnlyModelError.
 """
 
 from __future__ import annotations

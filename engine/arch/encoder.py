@@ -29,10 +29,13 @@ def segments(lengths: list[int]) -> tuple[np.ndarray, np.ndarray]:
 QUERY_BLOCK = 256
 
 
-def attend_segments(q: np.ndarray, k: np.ndarray, v: np.ndarray, starts: np.ndarray) -> np.ndarray:
+def attend_segments(
+    q: np.ndarray, k: np.ndarray, v: np.ndarray, starts: np.ndarray, window: int = 0
+) -> np.ndarray:
     """Bidirectional attention of each sequence over its own rows: q, k, v (heads, N, head_dim) ->
     (N, heads * head_dim), scores scaled by head_dim^-0.5; all heads of a block of queries in one batched
-    matmul (a short sentence's twelve per-head products cost more in calls than in arithmetic)."""
+    matmul (a short sentence's twelve per-head products cost more in calls than in arithmetic). window > 0:
+    each query sees only the keys at most `window` positions away, either side (ModernBERT's local layers)."""
     heads, n, hd = q.shape
     scale = np.float32(hd**-0.5)
     q, k, v = np.ascontiguousarray(q), np.ascontiguousarray(k), np.ascontiguousarray(v)
@@ -42,9 +45,16 @@ def attend_segments(q: np.ndarray, k: np.ndarray, v: np.ndarray, starts: np.ndar
         for q0 in range(a, b, QUERY_BLOCK):
             q1 = min(q0 + QUERY_BLOCK, b)
             scores = np.matmul(q[:, q0:q1], keys)  # (heads, q1 - q0, b - a)
+            if window and b - a > window + 1:
+                far = np.abs(np.arange(q0 - a, q1 - a)[:, None] - np.arange(b - a)[None, :]) > window
+                scores[:, far] = _MASKED
             softmax_fast(scores.reshape(-1, b - a), scale)
             out[q0:q1] = np.matmul(scores, values).transpose(1, 0, 2)
     return out.reshape(n, heads * hd)
+
+
+# a masked score: far below any real one, finite (softmax_fast's exp clamps it to a weight of ~1e-38)
+_MASKED = np.float32(-1e30)
 
 
 class Encoder:

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-from engine.errors import ModelFormatError
+from engine.errors import ModelFormatError, UnsupportedArchitectureError
 from engine.quant.hf_meta import read_vocab
 from engine.tokenizer import TOKEN_CONTROL, TOKEN_NORMAL, TOKEN_UNKNOWN, TOKEN_UNUSED, TOKEN_USER_DEFINED
 from engine.weights import FLOAT_DTYPES, float32_of
@@ -146,6 +146,10 @@ def bert_source(folder: Path, config: dict):
     from models.formats.safetensors import open_safetensors_repo
 
     arch = ENCODER_TYPES[config["model_type"]]
+    if arch == "modern-bert":
+        raise UnsupportedArchitectureError(
+            f"{folder}: ModernBERT models cannot be converted yet (Hearth runs their folder as it is)"
+        )
     config_class, hf_names = encoder_family(arch)
     try:
         cfg = config_class.from_hf(config)
