@@ -5,10 +5,11 @@
 Models: a randomly initialised BERT of bge-small-en-v1.5's shape (12 layers, hidden 384, 12 heads, FFN 1536,
 30522-token vocabulary, 512 positions; written here with numpy as a Hugging Face folder, F32, and converted
 to a Q8_0 GGUF by `hearth convert`), and the tiny test fixtures bert-embed, nomic-embed, xlmr-embed,
-modernbert-embed and qwen3-embed. The texts are short sentences and paragraphs of a RAG corpus's kind; tokens are counted as each
-model's tokenizer gives them (the bge-shaped model borrows the tiny fixture's WordPiece vocabulary, so its
-words split into more pieces than bge's would: the token figures are what matter there). An encoder embeds
-all 16 texts in one pass (engine.embed.batches), so a run's figures are a batched pass's.
+modernbert-embed and qwen3-embed. The texts are short sentences and paragraphs of a RAG corpus's kind;
+tokens are counted as each model's tokenizer gives them (the bge-shaped model borrows the tiny fixture's
+WordPiece vocabulary, so its words split into more pieces than bge's would: the token figures are what matter
+there). An encoder embeds all 16 texts in one pass (engine.embed.batches), so a run's figures are a batched
+pass's.
 """
 
 from __future__ import annotations
