@@ -21,8 +21,9 @@ from tokenizers import Tokenizer as HFTokenizer
 from engine.tokenizer import TOKEN_CONTROL, TOKEN_UNKNOWN, TOKEN_USER_DEFINED, TokenizerError
 
 
-def unigram_tokenizer(metadata: Mapping[str, Any], tokens: Sequence[str], types: Sequence[int],
-                      unk_id: int | None) -> HFTokenizer:
+def unigram_tokenizer(
+    metadata: Mapping[str, Any], tokens: Sequence[str], types: Sequence[int], unk_id: int | None
+) -> HFTokenizer:
     """The Hugging Face unigram tokenizer of a `t5` GGUF vocabulary.
 
     Raises:
@@ -48,8 +49,11 @@ def unigram_tokenizer(metadata: Mapping[str, Any], tokens: Sequence[str], types:
     metaspace = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme=scheme)
     hf.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.WhitespaceSplit(), metaspace])
     hf.decoder = decoders.Metaspace(replacement="\u2581", prepend_scheme=scheme)
-    hf.add_special_tokens([
-        AddedToken(tokens[i], special=k != TOKEN_USER_DEFINED, normalized=False)
-        for i, k in enumerate(types) if k in (TOKEN_CONTROL, TOKEN_UNKNOWN, TOKEN_USER_DEFINED)
-    ])
+    hf.add_special_tokens(
+        [
+            AddedToken(tokens[i], special=k != TOKEN_USER_DEFINED, normalized=False)
+            for i, k in enumerate(types)
+            if k in (TOKEN_CONTROL, TOKEN_UNKNOWN, TOKEN_USER_DEFINED)
+        ]
+    )
     return hf

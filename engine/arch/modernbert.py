@@ -82,8 +82,10 @@ class ModernBertConfig:
             types = ["sliding_attention" if i % every else "full_attention" for i in range(n)]
         rope = config.get("rope_parameters") or {}
         thetas = {}
-        for kind, old, default in (("full_attention", "global_rope_theta", 160_000.0),
-                                   ("sliding_attention", "local_rope_theta", 10_000.0)):
+        for kind, old, default in (
+            ("full_attention", "global_rope_theta", 160_000.0),
+            ("sliding_attention", "local_rope_theta", 10_000.0),
+        ):
             params = rope.get(kind) or {}
             if params.get("rope_type", "default") != "default":
                 raise ValueError(f"{kind} rope_type {params['rope_type']!r} (only the default rotary)")
@@ -160,15 +162,17 @@ class ModernBertModel(Encoder):
         self.layers = []
         for i in range(cfg.num_hidden_layers):
             p = f"blk.{i}."
-            self.layers.append(ModernBertLayer(
-                attn_norm=weights.vector(p + "attn_norm.weight", d) if i else None,
-                wqkv=weights.matrix(p + "attn_qkv.weight", 3 * d, d),
-                wo=weights.matrix(p + "attn_output.weight", d, d),
-                ffn_norm=weights.vector(p + "ffn_norm.weight", d),
-                w_in=weights.matrix(p + "ffn_up.weight", 2 * ff, d),
-                w_out=weights.matrix(p + "ffn_down.weight", d, ff),
-                sliding=cfg.sliding[i],
-            ))
+            self.layers.append(
+                ModernBertLayer(
+                    attn_norm=weights.vector(p + "attn_norm.weight", d) if i else None,
+                    wqkv=weights.matrix(p + "attn_qkv.weight", 3 * d, d),
+                    wo=weights.matrix(p + "attn_output.weight", d, d),
+                    ffn_norm=weights.vector(p + "ffn_norm.weight", d),
+                    w_in=weights.matrix(p + "ffn_up.weight", 2 * ff, d),
+                    w_out=weights.matrix(p + "ffn_down.weight", d, ff),
+                    sliding=cfg.sliding[i],
+                )
+            )
         matrices = [self.token_embd]
         for lay in self.layers:
             matrices += [lay.wqkv, lay.wo, lay.w_in, lay.w_out]
