@@ -6,6 +6,9 @@ L2-normalised unless --no-normalize; --dims keeps the first N components (Matryo
 normalises again; --truncate cuts inputs longer than the model takes instead of failing; --prompt applies
 one of a sentence-transformers model's named prompts (Qwen3-Embedding's "query"). --bench times the
 inputs instead (texts/s, tokens/s) and prints one summary line (JSON with --json).
+
+Task prefixes are the caller's: nomic-embed-text wants "search_query: " before a query and
+"search_document: " before a passage (EPILOG says so in --help).
 """
 
 from __future__ import annotations
@@ -15,11 +18,22 @@ import json
 import sys
 import time
 
+EPILOG = """\
+Task prefixes: some models want the task written before each text, and Hearth adds nothing itself.
+nomic-embed-text (v1, v1.5): "search_query: " before a question, "search_document: " before each passage
+you search (also "clustering: ", "classification: "), e.g.
+  hearth embed -m nomic-embed-text-v1.5.Q8_0.gguf "search_query: what is a hearth?"
+Models whose sentence-transformers files name prompts (Qwen3-Embedding's "query") take --prompt NAME.
+"""
+
 
 def add_embed_parser(sub) -> None:
     p = sub.add_parser(
         "embed",
         help="print embedding vectors of texts (arguments or stdin lines) as JSON arrays, one per line",
+        description="Print embedding vectors of texts (arguments or stdin lines) as JSON arrays, one a line.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("-m", "--model", required=True, help="model file, Hugging Face folder or starter name")
     p.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (default: all cores)")

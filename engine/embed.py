@@ -27,6 +27,9 @@ import numpy as np
 from engine.errors import EmbeddingInputError, EmbeddingUnsupportedError
 
 POOLINGS = ("mean", "cls", "last")
+# the most tokens an encoder embeds in one pass (its inputs' rows laid end to end: engine/arch/encoder.py);
+# past a few hundred rows BLAS gains little more, and activations stay a few MB for a 1024-wide model
+BATCH_TOKENS = 2048
 _ST_MODES = {
     "pooling_mode_cls_token": "cls", "pooling_mode_mean_tokens": "mean", "pooling_mode_lasttoken": "last"
 }
@@ -154,8 +157,8 @@ def check_model(lm) -> EmbeddingSpec:
         arch = lm.metadata.get("general.architecture", "?")
         raise EmbeddingUnsupportedError(
             f"{lm.name} ({arch}) cannot give embeddings in this version of Hearth: embeddings come from "
-            "BERT encoders and the Llama / Qwen family of decoders on the CPU (load it with --device cpu "
-            "if it runs on a GPU)"
+            "encoders (BERT, XLM-RoBERTa, nomic-bert, ModernBERT) and the Llama / Qwen family of decoders on "
+            "the CPU (load it with --device cpu if it runs on a GPU)"
         )
     if lm.embedding is None:  # a LoadedModel put together elsewhere: read its pooling now
         lm.embedding = embedding_spec(lm.path, lm.metadata, lm.model)
@@ -221,6 +224,32 @@ def embed_one(lm, ids: list[int], *, normalize: bool = True, dims: int | None = 
     return finish_vector(pool(hidden, spec.pooling), normalize, dims)
 
 
+def batches(inputs: list[list[int]], budget: int = BATCH_TOKENS) -> list[list[list[int]]]:
+    """inputs cut, in order, into groups of at most `budget` tokens (an input longer than that alone; budget
+    0: one input per group)."""
+    groups: list[list[list[int]]] = []
+    total = budget
+    for ids in inputs:
+        if total + len(ids) > budget:
+            groups.append([])
+            total = 0
+        groups[-1].append(ids)
+        total += len(ids)
+    return groups
+
+
+def embed_many(lm, inputs: list[list[int]], *, normalize: bool = True,
+               dims: int | None = None) -> list[np.ndarray]:
+    """embed_one of each tokenized input; an encoder runs them all in one pass (hidden_states_batch: its
+    linears over every input's rows at once), a decoder one at a time. Callers keep a pass's size in bounds
+    with `batches`."""
+    spec = check_model(lm)
+    run_batch = getattr(lm.model, "hidden_states_batch", None)
+    if run_batch is None:
+        return [embed_one(lm, ids, normalize=normalize, dims=dims) for ids in inputs]
+    return [finish_vector(pool(h, spec.pooling), normalize, dims) for h in run_batch(inputs)]
+
+
 def check_dims(lm, dims: int | None, field_name: str = "dimensions") -> None:
     """dims must be None or 1..hidden_size. Raises EmbeddingInputError."""
     size = int(lm.model.cfg.hidden_size)
@@ -258,6 +287,6 @@ def embed_texts(lm, texts: list[str], *, normalize: bool = True, dims: int | Non
         )
     prompt = spec.prompts.get(name, "") if name is not None else ""
     ids = tokenize(lm, texts, limit=context_limit(lm, n_ctx), truncate=truncate, prompt=prompt)
-    rows = [embed_one(lm, x, normalize=normalize, dims=dims) for x in ids]
+    rows = [v for group in batches(ids) for v in embed_many(lm, group, normalize=normalize, dims=dims)]
     width = dims or int(lm.model.cfg.hidden_size)
     return (np.stack(rows) if rows else np.empty((0, width), np.float32)), [len(x) for x in ids]

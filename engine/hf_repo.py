@@ -29,6 +29,7 @@ from engine.tokenizer import (
     TOKEN_BYTE,
     TOKEN_CONTROL,
     TOKEN_NORMAL,
+    TOKEN_UNKNOWN,
     TOKEN_USER_DEFINED,
     Tokenizer,
     UnsupportedTokenizer,
@@ -301,6 +302,29 @@ _FUSED_EXPERTS_RE = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(?:gate_up|
 _GGUF_EXPERTS_RE = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)_exps\.(weight|bias)")
 
 
+# the encoder families (embedding models): config.json model_type -> architecture
+ENCODER_TYPES = {
+    "bert": "bert", "nomic_bert": "nomic-bert", "xlm-roberta": "bert", "xlm_roberta": "bert",
+    "modernbert": "modern-bert",
+}
+
+
+def encoder_family(arch: str):
+    """(config class, hf_names) of an encoder architecture (engine/arch/bert.py, nomic_bert.py,
+    modernbert.py)."""
+    if arch == "nomic-bert":
+        from engine.arch.nomic_bert import NomicBertConfig, hf_names
+
+        return NomicBertConfig, hf_names
+    if arch == "modern-bert":
+        from engine.arch.modernbert import ModernBertConfig, hf_names
+
+        return ModernBertConfig, hf_names
+    from engine.arch.bert import BertConfig, hf_names
+
+    return BertConfig, hf_names
+
+
 def is_hf_repo(path: Path) -> bool:
     return path.is_dir() and (path / "config.json").is_file()
 
@@ -331,10 +355,8 @@ class HFWeights:
         if arch == "granitehybrid" and any(".block_sparse_moe." in t for t in st.tensors):
             layer_names = _GRANITE_HYBRID_MOE_LAYER_NAMES
         self.names = {g: hf for hf in st.tensors if (g := _gguf_name(hf, layer_names))}
-        if arch == "bert":  # an encoder's own names (engine/arch/bert.py)
-            from engine.arch.bert import hf_names
-
-            self.names = hf_names(st.tensors)
+        if arch in ENCODER_TYPES.values():  # an encoder's own names (engine/arch/bert.py, nomic_bert.py)
+            self.names = encoder_family(arch)[1](st.tensors)
         # AutoAWQ linears (prefix + qweight/qzeros/scales) run as Q4_1: engine/quant/awq_pack.py
         self.awq = {
             g: hf[: -len("qweight")]
@@ -714,11 +736,10 @@ def _nemotron_h_config(config: dict) -> NemotronHConfig:
 def config_from_hf(folder: Path, config: dict):
     """The architecture config for a config.json (a multimodal folder's: its language model's). Raises
     UnsupportedArchitectureError for other families."""
-    if config.get("model_type") == "bert":  # an encoder (embeddings only): engine/arch/bert.py
-        from engine.arch.bert import BertConfig
-
+    if config.get("model_type") in ENCODER_TYPES:  # an encoder (embeddings only): engine/arch/bert.py, ...
+        config_class, _ = encoder_family(ENCODER_TYPES[config["model_type"]])
         try:
-            return BertConfig.from_hf(config)
+            return config_class.from_hf(config)
         except (KeyError, TypeError, ValueError) as e:
             raise ModelFormatError(folder / "config.json", f"missing or invalid hyper-parameter ({e})") from e
     deepstack = _deepstack_layers(config)
@@ -1086,6 +1107,12 @@ def tokenizer_from_hf(folder: Path, tok_config: dict, gen_config: dict) -> Token
     if kind == "bert":  # [CLS] text [SEP] (the tokenizer.json post-processor adds them: encode_embedding)
         bos = _token_id(tok_config.get("cls_token", "[CLS]"), vocab)
         eos = _token_id(tok_config.get("sep_token", "[SEP]"), vocab)
+    if kind == "t5":  # XLM-RoBERTa's <s> text </s>, likewise
+        bos = _token_id(tok_config.get("cls_token", "<s>"), vocab)
+        eos = _token_id(tok_config.get("sep_token", "</s>"), vocab)
+        unk = _token_id(tok_config.get("unk_token", "<unk>"), vocab)
+        if unk is not None:
+            types[unk] = TOKEN_UNKNOWN
     gen_eos = gen_config.get("eos_token_id")
     eot = {eos} if eos is not None else set()
     eot.update(gen_eos if isinstance(gen_eos, list) else [gen_eos] if isinstance(gen_eos, int) else [])
@@ -1120,6 +1147,8 @@ def _tokenizer_kind(path: Path, spec: dict) -> tuple[str, bool]:
         return "gpt2", False
     if (spec.get("model") or {}).get("type") == "WordPiece":  # BERT encoders
         return "bert", False
+    if (spec.get("model") or {}).get("type") == "Unigram":  # SentencePiece unigram (XLM-RoBERTa encoders)
+        return "t5", True
     parts = [decoder, *decoder.get("decoders", [])]
     if any(p.get("type") == "ByteFallback" for p in parts) or (spec.get("model") or {}).get("byte_fallback"):
         normalizer = spec.get("normalizer") or {}

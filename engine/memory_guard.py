@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from models.errors import HearthError, ModelFormatError
-from models.fit import SHARED_KV_ARCHS, gemma4_kv_widths_gguf
+from models.fit import ENCODER_ARCHS, SHARED_KV_ARCHS, gemma4_kv_widths_gguf
 
 FIXED_OVERHEAD = 300 << 20  # Python, numpy/Numba runtime, tokenizer, chat template
 HEADROOM = 0.9  # use at most this share of the available memory
@@ -134,12 +134,16 @@ def kv_shape_from_gguf(metadata: dict[str, Any], path: str = "model") -> KVShape
     except (KeyError, TypeError, ValueError, ZeroDivisionError) as e:
         raise ModelFormatError(path, f"metadata lacks the {arch} hyper-parameters ({e})") from e
     widths = tuple(gemma4_kv_widths_gguf(metadata)) if arch in SHARED_KV_ARCHS else ()
+    if arch in ENCODER_ARCHS:
+        kv_heads = 0
     return KVShape(layers, kv_heads, head_dim, hidden, trained, conv_layers, kv_widths=widths)
 
 
 def kv_shape_from_config(cfg) -> KVShape:
     """The same from an architecture config (engine.arch: a Hugging Face folder's config.json, read)."""
     layers, kv_heads, trained = cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.max_position_embeddings
+    if getattr(cfg, "architecture", None) in ENCODER_ARCHS:
+        kv_heads = 0
     conv_layers = getattr(cfg, "n_conv_layers", 0)
     recurrent = getattr(cfg, "n_recurrent_layers", 0)
     state = 0

@@ -8,7 +8,8 @@ Two kinds are supported: byte-level BPE (`tokenizer.ggml.model == "gpt2"`: GPT-2
 SmolLM) and SentencePiece BPE (`"llama"`: Llama 2, Mistral, Gemma, whose merges are derived from
 the token scores; `"gemma4"`: Gemma 4, the same with its merges stored) and WordPiece (`"bert"`: BERT
 encoders, whose vocabulary llama.cpp stores with a U+2581 "phantom space" before word-initial pieces and
-"##" stripped from the others); other kinds raise `UnsupportedTokenizer`.
+"##" stripped from the others) and SentencePiece unigram (`"t5"`: XLM-RoBERTa encoders;
+engine/tokenizer_ugm.py); other kinds raise `UnsupportedTokenizer`.
 """
 
 from __future__ import annotations
@@ -683,10 +684,11 @@ class Tokenizer:
         kind = metadata.get("tokenizer.ggml.model")
         if kind is None:
             raise TokenizerError("the model has no tokenizer (metadata tokenizer.ggml.model is missing)")
-        if kind not in ("gpt2", "llama", "gemma4", "bert"):
+        if kind not in ("gpt2", "llama", "gemma4", "bert", "t5"):
             raise UnsupportedTokenizer(
                 f"tokenizer model {kind!r} is not supported yet (only byte-level BPE, 'gpt2', "
-                "SentencePiece BPE, 'llama' and 'gemma4', and WordPiece, 'bert', are)"
+                "SentencePiece BPE, 'llama' and 'gemma4', WordPiece, 'bert', and SentencePiece unigram, "
+                "'t5', are)"
             )
         gemma4 = kind == "gemma4"
         if gemma4:  # SentencePiece-style BPE ranked by its stored merges, no space prefix by default
@@ -725,6 +727,18 @@ class Tokenizer:
                 _wordpiece(tokens, types, unk_id), tokens, types, bos_id=bos_id, eos_id=eos_id, unk_id=unk_id,
                 pad_id=_optional_id(metadata, "tokenizer.ggml.padding_token_id", n_vocab), eot_ids=(),
                 add_bos=bos_id is not None, add_eos=eos_id is not None, pre="bert", kind="bert",
+            )
+        if kind == "t5":  # SentencePiece unigram (XLM-RoBERTa encoders): <s> text </s> as the metadata asks
+            from engine.tokenizer_ugm import unigram_tokenizer
+
+            return cls(
+                unigram_tokenizer(metadata, tokens, types, unk_id), tokens, types, bos_id=bos_id,
+                eos_id=eos_id, unk_id=unk_id,
+                pad_id=_optional_id(metadata, "tokenizer.ggml.padding_token_id", n_vocab), eot_ids=(),
+                add_bos=bool(metadata.get("tokenizer.ggml.add_bos_token", False)),
+                add_eos=bool(metadata.get("tokenizer.ggml.add_eos_token", False)), pre="t5", kind="t5",
+                add_space_prefix=bool(metadata.get("tokenizer.ggml.add_space_prefix", True)),
+                split_types=_SPM_SPLIT_TYPES,
             )
         if kind == "gpt2":
             if merge_pairs is None:
@@ -818,8 +832,8 @@ class Tokenizer:
             if kind == TOKEN_NORMAL:
                 text = text[2:] if text.startswith("##") else " " + text.removeprefix(_SPM_SPACE)
             raw = text.encode("utf-8", "surrogateescape")
-        elif kind in (TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNKNOWN) or self.kind == "llama":
-            if self.kind == "llama" and kind in (TOKEN_NORMAL, TOKEN_UNUSED):
+        elif kind in (TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNKNOWN) or self.kind in ("llama", "t5"):
+            if self.kind in ("llama", "t5") and kind in (TOKEN_NORMAL, TOKEN_UNUSED):
                 text = text.replace(_SPM_SPACE, " ")  # special tokens match the raw text, so stay raw
             # Invalid UTF-8 in the file arrives as lone surrogates; surrogateescape restores the bytes.
             raw = text.encode("utf-8", "surrogateescape")

@@ -118,7 +118,7 @@ def _verdict(needed: int, available: int, total: int) -> str:
 
 
 def kv_bytes_per_token(metadata: Mapping[str, Any]) -> int:
-    """KV cache bytes one token takes (all layers, float32 K and V) from GGUF metadata.
+    """KV cache bytes one token takes (all layers, float32 K and V) from GGUF metadata; 0 for an encoder.
 
     Uses {arch}.block_count, .attention.head_count_kv (scalar or per layer; default head_count),
     .attention.key_length / .value_length (default embedding_length / head_count).
@@ -127,6 +127,8 @@ def kv_bytes_per_token(metadata: Mapping[str, Any]) -> int:
         ModelFormatError: a needed key is missing or nonsensical.
     """
     arch = metadata.get("general.architecture")
+    if arch in ENCODER_ARCHS:
+        return 0
 
     def need(key: str) -> Any:
         value = metadata.get(f"{arch}.{key}")
@@ -164,6 +166,11 @@ def gemma4_kv_widths(windowed: list[bool], kv_heads: list[int], head_dim: int, g
     (which attend over earlier layers'), windowed layers' heads head_dim wide, global ones global_head_dim."""
     keep = len(windowed) - int(shared)
     return [h * (head_dim if w else global_head_dim) for w, h in zip(windowed[:keep], kv_heads[:keep])]
+
+
+# encoders (embedding models) keep no keys and values: GGUF architectures, config.json model types
+ENCODER_ARCHS = frozenset({"bert", "nomic-bert", "modern-bert"})
+ENCODER_MODEL_TYPES = frozenset({"bert", "nomic_bert", "xlm-roberta", "xlm_roberta", "modernbert"})
 
 
 # architectures whose last layers reuse earlier layers' keys and values (llama.cpp's shared_kv_layers)
@@ -216,9 +223,12 @@ def _per_layer(value: Any, n_layer: int) -> list[int]:
 
 
 def kv_bytes_per_token_config(config: Mapping[str, Any]) -> int:
-    """The same from a Hugging Face config.json (num_hidden_layers, num_key_value_heads, head_dim)."""
+    """The same from a Hugging Face config.json (num_hidden_layers, num_key_value_heads, head_dim); 0 for an
+    encoder."""
     cfg = language_config(config)
     cfg = cfg.get("text_config") or cfg  # other multimodal layouts: their text_config as it is
+    if cfg.get("model_type") in ENCODER_MODEL_TYPES:
+        return 0
     try:
         if cfg.get("model_type") in ("gemma4_text", "gemma3n_text"):
             return 2 * sum(_gemma4_kv_widths_config(cfg)) * KV_BYTES

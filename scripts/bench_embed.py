@@ -4,10 +4,12 @@
 
 Models: a randomly initialised BERT of bge-small-en-v1.5's shape (12 layers, hidden 384, 12 heads, FFN 1536,
 30522-token vocabulary, 512 positions; written here with numpy as a Hugging Face folder, F32, and converted
-to a Q8_0 GGUF by `hearth convert`), and the tiny test fixtures bert-embed and qwen3-embed. The texts are
-short sentences and paragraphs of a RAG corpus's kind; tokens are counted as each model's tokenizer gives
-them (the bge-shaped model borrows the tiny fixture's WordPiece vocabulary, so its words split into more
-pieces than bge's would: the token figures are what matter there).
+to a Q8_0 GGUF by `hearth convert`), and the tiny test fixtures bert-embed, nomic-embed, xlmr-embed,
+modernbert-embed and qwen3-embed. The texts are short sentences and paragraphs of a RAG corpus's kind;
+tokens are counted as each model's tokenizer gives them (the bge-shaped model borrows the tiny fixture's
+WordPiece vocabulary, so its words split into more pieces than bge's would: the token figures are what matter
+there). An encoder embeds all 16 texts in one pass (engine.embed.batches), so a run's figures are a batched
+pass's.
 """
 
 from __future__ import annotations
@@ -102,7 +104,8 @@ def main() -> int:
         folder = bge_small_folder(Path(tmp) / "bge-small-random")
         gguf = Path(tmp) / "bge-small-random-Q8_0.gguf"
         convert(folder, "Q8_0", gguf)
-        for path in (folder, gguf, TINY / "bert-embed", TINY / "qwen3-embed"):
+        fixtures = ("bert-embed", "nomic-embed", "xlmr-embed", "modernbert-embed", "qwen3-embed")
+        for path in (folder, gguf, *(TINY / name for name in fixtures)):
             print(json.dumps({**bench(path, args.repeat), "threads": args.threads}), flush=True)
     return 0
 

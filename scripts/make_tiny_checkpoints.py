@@ -1019,12 +1019,11 @@ def _embed_golden(model, tok: Tokenizer, texts: list[str], prompt: str = "") -> 
     return out
 
 
-def write_bert_embed(out: Path) -> None:
-    """bert-embed: a 2-layer BertModel (hidden 32, 4 heads) with a WordPiece tokenizer.json and the
-    sentence-transformers files of a bge-style model (CLS pooling, Normalize, max_seq_length 24)."""
+def _wordpiece_tokenizer() -> tuple[Tokenizer, dict[str, int]]:
+    """A BERT WordPiece tokenizer.json (lower-casing BertNormalizer, [CLS] $A [SEP]) over a small vocabulary
+    of letters, word pieces and BERT_WORDS."""
     from tokenizers import normalizers, processors
 
-    torch.manual_seed(4242)
     vocab = {t: i for i, t in enumerate(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"])}
     for t in [*".,!?'", *"abcdefghijklmnopqrstuvwxyz", *("##" + c for c in "abcdefghijklmnopqrstuvwxyz"),
               *BERT_WORDS]:
@@ -1038,29 +1037,206 @@ def write_bert_embed(out: Path) -> None:
     )
     tok.decoder = decoders.WordPiece()
     tok.add_special_tokens(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"])
+    return tok, vocab
+
+
+def _bert_tokenizer_config(max_length: int) -> dict:
+    return {
+        "tokenizer_class": "BertTokenizer", "do_lower_case": True, "model_max_length": max_length,
+        "cls_token": "[CLS]",
+        "sep_token": "[SEP]", "unk_token": "[UNK]", "pad_token": "[PAD]", "mask_token": "[MASK]",
+    }
+
+
+def _randomize_encoder(model) -> None:
+    """Weights far from transformers' init (0.02 normal, unit norms), so that a wrong layer shows."""
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 0.3)
+            elif "norm.weight" in pname.lower():
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            else:
+                p.normal_(0.0, 0.1)
+
+
+NOMIC_TEXTS = [*EMBED_TEXTS, "search_query: what is the world?",
+               "search_document: the cat sat on the mat, and a cat is on a mat; hello world of embeddings."]
+
+
+def write_nomic_embed(out: Path) -> None:
+    """nomic-embed: a 2-layer transformers NomicBertModel (hidden 32, 4 heads of 8, SwiGLU FFN 64, rotary base
+    1000) with bert-embed's WordPiece tokenizer, a vocabulary padded past the tokenizer's (as nomic's 30528
+    rows for 30522 tokens) and nomic-embed-text-v1.5's sentence-transformers files (mean pooling, Normalize,
+    max_seq_length 8192)."""
+    torch.manual_seed(5151)
+    tok, vocab = _wordpiece_tokenizer()
+    config = transformers.NomicBertConfig(
+        vocab_size=len(vocab) + 6, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, max_position_embeddings=2048, type_vocab_size=2, layer_norm_eps=1e-12,
+        hidden_act="silu", rope_parameters={"rope_type": "default", "rope_theta": 1000.0},
+    )
+    model = transformers.NomicBertModel(config).eval()
+    _randomize_encoder(model)
+    folder = out / "nomic-embed"
+    shutil.rmtree(folder, ignore_errors=True)
+    model.save_pretrained(folder, safe_serialization=True)
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps(_bert_tokenizer_config(8192), indent=2))
+    _sentence_transformers_files(folder, "pooling_mode_mean_tokens", 32, max_seq_length=8192)
+    golden = _embed_golden(model, tok, NOMIC_TEXTS)
+    (folder / "embedding_golden.json").write_text(json.dumps({**golden, "family": "nomic_bert",
+                                                             "pooling": "mean"}))
+    print(f"wrote {folder}")
+
+
+XLMR_CORPUS = """The quick brown fox jumps over the lazy dog. What is the capital of France? Paris is.
+Le renard brun rapide saute par-dessus le chien paresseux. Ça va très bien, merci! Où est la gare?
+Der schnelle braune Fuchs springt über den faulen Hund. Straße, Mädchen, Größe, schön.
+El rápido zorro marrón salta sobre el perro perezoso. ¿Dónde está la biblioteca? Mañana.
+Быстрая коричневая лиса прыгает через ленивую собаку. Привет, мир!
+敏捷的棕色狐狸跳过了懒狗。你好，世界。日本語のテキストです。東京は大きい。
+Η γρήγορη καφέ αλεπού. Γειά σου κόσμε. مرحبا بالعالم. नमस्ते दुनिया।
+query: how much protein should a female eat? passage: As a general guideline, eat 46 grams a day.
+"""
+XLMR_TEXTS = ["query: what is the capital of France?", "passage: Paris is the capital of France.",
+              "Straße und Mädchen", "你好，世界。", "Привет, мир!", "ﬁne ＡＢＣ １２３", "a"]
+
+
+def _protobuf_fields(buf: bytes):
+    """(field number, value) of a protobuf message's wire format: enough to read a SentencePiece model's
+    normalizer_spec.precompiled_charsmap without the protobuf package."""
+    def varint(i: int) -> tuple[int, int]:
+        out = shift = 0
+        while True:
+            b = buf[i]
+            i += 1
+            out |= (b & 0x7F) << shift
+            shift += 7
+            if b < 0x80:
+                return out, i
+
+    i = 0
+    while i < len(buf):
+        key, i = varint(i)
+        wire = key & 7
+        if wire == 0:
+            value, i = varint(i)
+        elif wire == 2:
+            n, i = varint(i)
+            value, i = buf[i : i + n], i + n
+        else:
+            size = {1: 8, 5: 4}[wire]
+            value, i = buf[i : i + size], i + size
+        yield key >> 3, value
+
+
+def _xlmr_tokenizer(folder: Path):
+    """An XLM-RoBERTa tokenizer (SentencePiece unigram with the nmt_nfkc normalization table, fairseq's id
+    layout: <s> <pad> </s> <unk>, the pieces, <mask>) trained on XLMR_CORPUS, saved by transformers'
+    XLMRobertaTokenizer as tokenizer.json."""
+    import io
+
+    import sentencepiece as spm
+
+    proto = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(XLMR_CORPUS.splitlines() * 20), model_writer=proto, vocab_size=400,
+        model_type="unigram", normalization_rule_name="nmt_nfkc", character_coverage=1.0, pad_id=-1,
+        bos_id=-1, eos_id=-1, unk_id=0, hard_vocab_limit=False, minloglevel=2,
+    )
+    raw = proto.getvalue()
+    normalizer = next(v for n, v in _protobuf_fields(raw) if n == 3)
+    charsmap = next(v for n, v in _protobuf_fields(normalizer) if n == 2)
+    sp = spm.SentencePieceProcessor(model_proto=raw)
+    vocab = [("<s>", 0.0), ("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0)]
+    vocab += [(sp.id_to_piece(i), sp.get_score(i)) for i in range(1, sp.get_piece_size())]
+    vocab.append(("<mask>", 0.0))
+    tok = transformers.XLMRobertaTokenizer(vocab=vocab, _spm_precompiled_charsmap=charsmap)
+    tok.save_pretrained(str(folder))
+    return Tokenizer.from_file(str(folder / "tokenizer.json")), len(vocab)
+
+
+def write_xlmr_embed(out: Path) -> None:
+    """xlmr-embed: a 2-layer XLMRobertaModel (hidden 32, 4 heads, positions from pad_token_id + 1, one token
+    type) with a SentencePiece unigram tokenizer.json, laid out as bge-m3 (CLS pooling, Normalize)."""
+    folder = out / "xlmr-embed"
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir(parents=True)
+    tok, n_vocab = _xlmr_tokenizer(folder)
+    torch.manual_seed(6262)
+    config = transformers.XLMRobertaConfig(
+        vocab_size=n_vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        max_position_embeddings=64 + 2, type_vocab_size=1, layer_norm_eps=1e-5, hidden_act="gelu",
+        pad_token_id=1, bos_token_id=0, eos_token_id=2,
+    )
+    model = transformers.XLMRobertaModel(config, add_pooling_layer=False).eval()
+    _randomize_encoder(model)
+    model.save_pretrained(folder, safe_serialization=True)
+    _sentence_transformers_files(folder, "pooling_mode_cls_token", 32, max_seq_length=64)
+    golden = _embed_golden(model, tok, XLMR_TEXTS)
+    (folder / "embedding_golden.json").write_text(json.dumps({**golden, "family": "xlm_roberta",
+                                                             "pooling": "cls"}))
+    print(f"wrote {folder}")
+
+
+def write_modernbert_embed(out: Path) -> None:
+    """modernbert-embed: a 3-layer ModernBertModel (hidden 32, 4 heads, GeGLU FFN 48, layer 0 global, layers 1
+    and 2 windowed to 4 tokens either side, rotary bases 160000 / 10000) with a byte-level BPE tokenizer.json
+    ([CLS] $A [SEP]) and modernbert-embed-base's sentence-transformers files (mean pooling, Normalize)."""
+    from tokenizers import processors
+
+    tok = tiny_tokenizer()
+    tok.add_special_tokens(["[CLS]", "[SEP]", "[PAD]"])
+    cls_id, sep_id, pad_id = (tok.token_to_id(t) for t in ("[CLS]", "[SEP]", "[PAD]"))
+    tok.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1",
+        special_tokens=[("[CLS]", cls_id), ("[SEP]", sep_id)],
+    )
+    torch.manual_seed(7373)
+    config = transformers.ModernBertConfig(
+        vocab_size=tok.get_vocab_size(), hidden_size=32, intermediate_size=48, num_hidden_layers=3,
+        num_attention_heads=4, max_position_embeddings=512, norm_eps=1e-5, local_attention=8,
+        global_attn_every_n_layers=3, hidden_activation="gelu", pad_token_id=pad_id, bos_token_id=cls_id,
+        eos_token_id=sep_id, cls_token_id=cls_id, sep_token_id=sep_id,
+        rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 160000.0},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}},
+    )
+    config._attn_implementation = "eager"
+    model = transformers.ModernBertModel(config).eval()
+    _randomize_encoder(model)
+    folder = out / "modernbert-embed"
+    shutil.rmtree(folder, ignore_errors=True)
+    model.save_pretrained(folder, safe_serialization=True)
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "cls_token": "[CLS]", "sep_token": "[SEP]", "pad_token": "[PAD]", "model_max_length": 512,
+    }, indent=2))
+    _sentence_transformers_files(folder, "pooling_mode_mean_tokens", 32, max_seq_length=512)
+    texts = [*EMBED_TEXTS, "the window of a local layer is shorter than this text"]
+    golden = _embed_golden(model, tok, texts)
+    (folder / "embedding_golden.json").write_text(json.dumps({**golden, "family": "modernbert",
+                                                             "pooling": "mean"}))
+    print(f"wrote {folder}")
+
+
+def write_bert_embed(out: Path) -> None:
+    """bert-embed: a 2-layer BertModel (hidden 32, 4 heads) with a WordPiece tokenizer.json and the
+    sentence-transformers files of a bge-style model (CLS pooling, Normalize, max_seq_length 24)."""
+    torch.manual_seed(4242)
+    tok, vocab = _wordpiece_tokenizer()
     config = transformers.BertConfig(
         vocab_size=len(vocab), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
         num_attention_heads=4,
         max_position_embeddings=64, type_vocab_size=2, layer_norm_eps=1e-12, hidden_act="gelu",
     )
     model = transformers.BertModel(config).eval()
-    with torch.no_grad():
-        for pname, p in model.named_parameters():
-            if p.dim() > 1:
-                p.normal_(0.0, 0.3)
-            elif "LayerNorm.weight" in pname:
-                p.copy_(1.0 + 0.1 * torch.randn_like(p))
-            else:
-                p.normal_(0.0, 0.1)
+    _randomize_encoder(model)
     folder = out / "bert-embed"
     shutil.rmtree(folder, ignore_errors=True)
     model.save_pretrained(folder, safe_serialization=True)
     tok.save(str(folder / "tokenizer.json"))
-    (folder / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "BertTokenizer", "do_lower_case": True, "model_max_length": 24,
-        "cls_token": "[CLS]",
-        "sep_token": "[SEP]", "unk_token": "[UNK]", "pad_token": "[PAD]", "mask_token": "[MASK]",
-    }, indent=2))
+    (folder / "tokenizer_config.json").write_text(json.dumps(_bert_tokenizer_config(24), indent=2))
     _sentence_transformers_files(folder, "pooling_mode_cls_token", 32, max_seq_length=24)
     golden = _embed_golden(model, tok, EMBED_TEXTS)
     golden["long_ids"] = tok.encode(" ".join(["hello world"] * 20)).ids  # past max_seq_length
@@ -1135,7 +1311,9 @@ def write_qwen3_embed(out: Path) -> None:
     print(f"wrote {folder}")
 
 
-EMBEDDING_FAMILIES = {"bert-embed": write_bert_embed, "qwen3-embed": write_qwen3_embed}
+EMBEDDING_FAMILIES = {"bert-embed": write_bert_embed, "qwen3-embed": write_qwen3_embed,
+                      "nomic-embed": write_nomic_embed, "xlmr-embed": write_xlmr_embed,
+                      "modernbert-embed": write_modernbert_embed}
 
 
 def main() -> int:

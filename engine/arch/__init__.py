@@ -13,7 +13,8 @@ from engine.errors import UnsupportedArchitectureError
 _REGISTRY: dict[str, type] = {}
 _BUILTIN_MODULES = (
     "engine.arch.llama", "engine.arch.gemma3", "engine.arch.gemma4", "engine.arch.gemma3n",
-    "engine.arch.nemotron_h", "engine.arch.deepseek2", "engine.arch.bert",
+    "engine.arch.nemotron_h", "engine.arch.deepseek2", "engine.arch.bert", "engine.arch.nomic_bert",
+    "engine.arch.modernbert",
 )
 
 

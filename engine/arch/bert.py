@@ -1,13 +1,15 @@
-"""BERT-family encoders (all-MiniLM, bge-*-en-v1.5, mxbai-embed-large, snowflake-arctic-embed): embedding
-models only.
+"""BERT-family encoders (all-MiniLM, bge-*-en-v1.5, mxbai-embed-large, snowflake-arctic-embed; XLM-RoBERTa:
+bge-m3, multilingual-e5): embedding models only.
 
 Bidirectional self-attention over the whole input, learned absolute position and token-type embeddings
 added to the word embeddings, post-LN blocks (LayerNorm after each residual add) and an erf GELU FFN, as
 transformers' BertModel. Tensor names are llama.cpp's `bert` GGUF names (gguf-py constants/tensor_mapping:
 token_embd, position_embd, token_types, token_embd_norm, blk.N.attn_q/k/v, attn_output, attn_output_norm,
 ffn_up, ffn_down, layer_output_norm, each with a bias); a Hugging Face folder's BertModel names are mapped
-to them (hf_names). The model has no logits and no KV cache: `hidden_states` is its one entry point, and
-`forward` (chat) raises EmbeddingOnlyModelError.
+to them (hf_names). XLM-RoBERTa is the same network with positions counted from padding_idx + 1 in a
+folder (position_offset; llama.cpp's converter drops those rows, so a GGUF counts from 0) and one token type.
+The model has no logits and no KV cache: `hidden_states` (engine/arch/encoder.py) is its one entry point,
+and `forward` (chat) raises EmbeddingOnlyModelError.
 """
 
 from __future__ import annotations
@@ -19,11 +21,10 @@ import numpy as np
 
 from engine.arch import register
 from engine.arch.base import gguf_key
+from engine.arch.encoder import Encoder, attend_segments
 from engine.backends import cpu as ops
-from engine.backends.cpu.ops import gelu_erf
-from engine.errors import EmbeddingOnlyModelError
-from engine.kv_cache import KVCache
-from engine.vision.tower import attend_all, layernorm, linear
+from engine.backends.cpu.ops import gelu_erf_fast
+from engine.vision.tower import layernorm, linear
 
 # llama.cpp's pooling types ({arch}.pooling_type; gguf-py PoolingType)
 POOLING_NAMES = {0: "none", 1: "mean", 2: "cls", 3: "last", 4: "rank"}
@@ -45,6 +46,9 @@ class BertConfig:
     # sentence-transformers files decide, engine.embed)
     pooling: str | None = None
     architecture: str = "bert"
+    # RoBERTa / XLM-RoBERTa folders: the position embedding rows before padding_idx + 1 are never used (their
+    # positions count from there); llama.cpp's converter drops them, so a GGUF's offset is 0
+    position_offset: int = 0
     # derived in __post_init__ (the memory estimate reads these as it does a decoder's)
     head_dim: int = field(init=False)
     num_key_value_heads: int = field(init=False)
@@ -84,15 +88,20 @@ class BertConfig:
         position = config.get("position_embedding_type", "absolute")
         if position != "absolute":
             raise ValueError(f"position_embedding_type {position!r} (only 'absolute' is supported)")
+        # XLM-RoBERTa (bge-m3, multilingual-e5): positions from pad_token_id + 1 (transformers'
+        # create_position_ids_from_input_ids on an unpadded input)
+        roberta = config.get("model_type") in ("xlm-roberta", "xlm_roberta")
+        offset = int(config.get("pad_token_id", 1)) + 1 if roberta else 0
         return cls(
             hidden_size=int(config["hidden_size"]),
             intermediate_size=int(config["intermediate_size"]),
             num_hidden_layers=int(config["num_hidden_layers"]),
             num_attention_heads=int(config["num_attention_heads"]),
             vocab_size=int(config["vocab_size"]),
-            max_position_embeddings=int(config.get("max_position_embeddings", 512)),
+            max_position_embeddings=int(config.get("max_position_embeddings", 512)) - offset,
             type_vocab_size=int(config.get("type_vocab_size", 2)),
             layer_norm_eps=float(config.get("layer_norm_eps", 1e-12)),
+            position_offset=offset,
         )
 
 
@@ -118,10 +127,11 @@ _HF_LAYER_RE = re.compile(r"encoder\.layer\.(\d+)\.(.+)\.(weight|bias)")
 
 
 def hf_names(hf_tensors) -> dict[str, str]:
-    """GGUF name -> Hugging Face name for a BertModel's tensors (the pooler and MLM heads left out)."""
+    """GGUF name -> Hugging Face name for a BertModel's or XLMRobertaModel's tensors (the pooler and MLM heads
+    left out)."""
     out = {}
     for hf in hf_tensors:
-        name = hf.removeprefix("bert.")
+        name = hf.removeprefix("bert.").removeprefix("roberta.")
         # transformers 4 wrote LayerNorm's parameters as gamma/beta in old checkpoints
         name = name.replace("LayerNorm.gamma", "LayerNorm.weight").replace("LayerNorm.beta", "LayerNorm.bias")
         if name in _HF_GLOBAL:
@@ -152,19 +162,21 @@ class BertLayer:
 
 
 @register("bert")
-class BertModel:
+class BertModel(Encoder):
     """A BERT encoder over weights that stay in their file format; `hidden_states` gives its output rows."""
 
     config_class = BertConfig
-    encoder_only = True  # no logits, no generation: engine.embed and the server check this
-    images = None
+    family = "a BERT encoder"
 
     def __init__(self, cfg: BertConfig, weights):
         """Args: cfg; weights: a weight source with matrix(name, rows, cols), vector(name, n), has(name)."""
         self.cfg = cfg
         d, ff = cfg.hidden_size, cfg.intermediate_size
         self.token_embd = weights.matrix("token_embd.weight", cfg.vocab_size, d)
-        self.position_embd = weights.matrix("position_embd.weight", cfg.max_position_embeddings, d)
+        positions, offset = cfg.max_position_embeddings, cfg.position_offset
+        self.position_embd = weights.matrix("position_embd.weight", positions + offset, d)
+        if offset:
+            self.position_embd = self.position_embd.row_block(offset, offset + positions)
         self.token_types = weights.matrix("token_types.weight", cfg.type_vocab_size, d)
         self.embd_norm = (
             weights.vector("token_embd_norm.weight", d), weights.vector("token_embd_norm.bias", d)
@@ -196,28 +208,13 @@ class BertModel:
                                         if not isinstance(w, np.ndarray)]
         self._small_max = ops.small_batch_limit(matrices)
 
-    def hidden_states(self, tokens) -> np.ndarray:
-        """The last layer's output (n, hidden_size) float32 for one sequence of token ids (n,), token type
-        0 and positions 0..n-1 (a single-segment input, as sentence-transformers encodes one).
-
-        Raises:
-            ValueError: more tokens than the model's position embeddings.
-        """
-        cfg = self.cfg
-        ids = np.asarray(tokens, dtype=np.int64).reshape(-1)
-        n = len(ids)
-        if not 0 < n <= cfg.max_position_embeddings:
-            raise ValueError(f"{n} tokens for a BERT encoder of {cfg.max_position_embeddings} positions")
-        with ops.batch_phase(n, self._small_max):  # the threading policy of a decoder's prefill
-            return self._hidden(ids)
-
-    def _hidden(self, ids: np.ndarray) -> np.ndarray:
+    def _hidden(self, ids: np.ndarray, starts: np.ndarray, positions: np.ndarray) -> np.ndarray:
         cfg = self.cfg
         n, d = len(ids), cfg.hidden_size
         x = np.empty((n, d), np.float32)
         rows = np.empty((n, d), np.float32)
         ops.get_rows(x, self.token_embd, ids)
-        ops.get_rows(rows, self.position_embd, np.arange(n, dtype=np.int64))
+        ops.get_rows(rows, self.position_embd, positions)
         x += rows
         ops.get_rows(rows[:1], self.token_types, np.zeros(1, np.int64))
         x += rows[:1]
@@ -228,23 +225,10 @@ class BertModel:
             q = linear(layer.wq, x, layer.bq).reshape(n, heads, hd).transpose(1, 0, 2)
             k = linear(layer.wk, x, layer.bk).reshape(n, heads, hd).transpose(1, 0, 2)
             v = linear(layer.wv, x, layer.bv).reshape(n, heads, hd).transpose(1, 0, 2)
-            x += linear(layer.wo, attend_all(q, k, v), layer.bo)  # every row sees every row
+            x += linear(layer.wo, attend_segments(q, k, v, starts), layer.bo)  # rows see their own sequence
             layernorm(x, x, layer.attn_norm_w, layer.attn_norm_b, eps)
             h = linear(layer.w_up, x, layer.b_up)
-            gelu_erf(h)
+            gelu_erf_fast(h)
             x += linear(layer.w_down, h, layer.b_down)
             layernorm(x, x, layer.out_norm_w, layer.out_norm_b, eps)
         return x
-
-    def new_cache(self, n_ctx: int, dtype=np.float32) -> KVCache:
-        """An empty cache without layers: an encoder keeps no state between calls (the chat runner holds
-        one per model all the same)."""
-        return KVCache(0, 1, self.cfg.head_dim, n_ctx, dtype)
-
-    def _refuse(self, *args, **kwargs):
-        raise EmbeddingOnlyModelError(
-            "this is an embedding model (a BERT encoder): it computes embeddings and cannot chat or "
-            "generate text; use `hearth embed`, POST /v1/embeddings or /api/embed, or load a chat model"
-        )
-
-    forward = forward_from = forward_batch = forward_batch_from = _refuse

@@ -397,8 +397,8 @@ def _pre_name(spec: dict) -> str:
 
 
 def read_vocab(folder: Path, kind: str) -> tuple[dict, dict, dict[str, int], list[str]]:
-    """A folder's tokenizer.json of model type `kind` ("BPE", "WordPiece"): (the file, its model, token ->
-    id with the added tokens, the tokens by id; ids nothing names become "[PAD<i>]").
+    """A folder's tokenizer.json of model type `kind` ("BPE", "WordPiece", "Unigram"): (the file, its model,
+    token -> id with the added tokens, the tokens by id; ids nothing names become "[PAD<i>]").
 
     Raises:
         ModelFormatError: no tokenizer.json, or one of another model type.
@@ -413,7 +413,11 @@ def read_vocab(folder: Path, kind: str) -> tuple[dict, dict, dict[str, int], lis
         raise ModelFormatError(
             path, f"tokenizer model {model.get('type')!r} cannot be converted here ({kind} only)"
         )
-    vocab: dict[str, int] = dict(model.get("vocab") or {})
+    pieces = model.get("vocab") or {}
+    if isinstance(pieces, list):  # Unigram: [piece, score] by id
+        vocab: dict[str, int] = {piece: i for i, (piece, _) in enumerate(pieces)}
+    else:
+        vocab = dict(pieces)
     for added in spec.get("added_tokens", []):
         vocab.setdefault(added["content"], added["id"])
     tokens = [f"[PAD{i}]" for i in range(max(vocab.values()) + 1)]

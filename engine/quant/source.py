@@ -142,6 +142,7 @@ def _gguf_source(path: Path) -> SourceModel:
 
 def _hf_source(folder: Path) -> SourceModel:
     from engine.hf_repo import (
+        ENCODER_TYPES,
         HFWeights,
         config_from_hf,
         conv_kernel_2d,
@@ -153,7 +154,7 @@ def _hf_source(folder: Path) -> SourceModel:
     from models.formats.safetensors import open_safetensors_repo
 
     config = read_json(folder / "config.json")
-    if config.get("model_type") == "bert":  # an encoder: llama.cpp's bert layout (quant/bert_source.py)
+    if config.get("model_type") in ENCODER_TYPES:  # an encoder: quant/bert_source.py
         from engine.quant.bert_source import bert_source
 
         return bert_source(folder, config)

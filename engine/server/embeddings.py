@@ -171,7 +171,7 @@ class EmbeddingRoutes:
             APIError: 400 for a model that gives no embeddings or an unusable input (the field named).
         """
         try:
-            embed.check_model(self.lm)
+            spec = embed.check_model(self.lm)
             embed.check_dims(self.lm, req.dims)
             limit = embed.context_limit(self.lm, self.api.engine.n_ctx)
             ids = await run_in_threadpool(self._token_ids, req, limit)
@@ -180,9 +180,11 @@ class EmbeddingRoutes:
         except EmbeddingInputError as e:
             raise invalid(str(e), e.field, e.code) from e
         vectors = []
-        for x in ids:  # one engine call per input: replies being decoded go on between them
-            job = functools.partial(embed.embed_one, self.lm, x, normalize=req.normalize, dims=req.dims)
-            vectors.append(await asyncio.wrap_future(self.api.engine.call(job)))
+        # one engine call per batch (an encoder's inputs together, a decoder's one by one): replies being
+        # decoded go on between them
+        for group in embed.batches(ids, embed.BATCH_TOKENS if spec.encoder_only else 0):
+            job = functools.partial(embed.embed_many, self.lm, group, normalize=req.normalize, dims=req.dims)
+            vectors += await asyncio.wrap_future(self.api.engine.call(job))
         self.api.metrics.prompt_tokens.inc(sum(map(len, ids)))
         return vectors, [len(x) for x in ids]
 

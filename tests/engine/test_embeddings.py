@@ -25,6 +25,21 @@ BERT, QWEN3 = TINY / "bert-embed", TINY / "qwen3-embed"
 TOL = 2e-5  # float32 sums in another order than PyTorch's
 
 
+def causal_attention(attend_segments):
+    """A mutation of engine.arch.encoder.attend_segments: each query sees only the keys up to its own."""
+
+    def causal(q, k, v, starts):
+        heads, n, hd = q.shape
+        out = np.empty((n, heads * hd), np.float32)
+        for i in range(n):
+            a = starts[starts <= i].max()
+            out[i] = attend_segments(q[:, a : i + 1], k[:, a : i + 1], v[:, a : i + 1],
+                                     np.array([0, i + 1 - a]))[-1]
+        return out
+
+    return causal
+
+
 def golden(folder: Path) -> dict:
     return json.loads((folder / "embedding_golden.json").read_text())
 
@@ -75,17 +90,9 @@ def test_pooling_and_attention_mutations_miss_the_golden(bert, monkeypatch):
     hidden = bert.model.hidden_states(ids)
     assert np.abs(embed.pool(hidden, "mean") - g["cls"][0]).max() > 0.1
     from engine.arch import bert as bert_arch
+    from engine.arch.encoder import attend_segments
 
-    real = bert_arch.attend_all
-
-    def causal(q, k, v):
-        heads, n, hd = q.shape
-        out = np.empty((n, heads * hd), np.float32)
-        for i in range(n):
-            out[i] = real(q[:, i : i + 1], k[:, : i + 1], v[:, : i + 1])[0]
-        return out
-
-    monkeypatch.setattr(bert_arch, "attend_all", causal)
+    monkeypatch.setattr(bert_arch, "attend_segments", causal_attention(attend_segments))
     assert np.abs(embed.pool(bert.model.hidden_states(ids), "cls") - g["cls"][0]).max() > 0.1
 
 

@@ -290,9 +290,9 @@ def test_unknown_pre_is_a_typed_error():
 
 def test_unknown_tokenizer_model_is_a_typed_error():
     # SentencePiece ("llama") is covered in test_tokenizer_spm.py; other kinds are refused clearly.
-    # (WordPiece, "bert", is covered in test_embeddings.py)
-    with pytest.raises(UnsupportedTokenizer, match="'t5'") as info:
-        Tokenizer.from_gguf_metadata(synthetic_metadata(**{"tokenizer.ggml.model": "t5"}))
+    # (WordPiece, "bert", is covered in test_embeddings.py, unigram, "t5", in test_embeddings_xlmr.py)
+    with pytest.raises(UnsupportedTokenizer, match="'rwkv'") as info:
+        Tokenizer.from_gguf_metadata(synthetic_metadata(**{"tokenizer.ggml.model": "rwkv"}))
     assert isinstance(info.value, HearthError)
 
 

@@ -398,6 +398,26 @@ def gelu_erf(x):
 
 
 @njit(**_KW)
+def gelu_erf_fast(x):
+    # x (n, m) f32 in place: gelu_erf with erf from Abramowitz & Stegun 7.1.26 (|error| <= 1.5e-7, so the
+    # GELU is within ~1e-6 of the exact one for |x| < 8) over fast_exp, in arithmetic LLVM vectorizes:
+    # math.erf is a scalar libm call (~8 ns an element, a third of a BERT pass on 2 threads); this ~1 ns
+    n, m = x.shape
+    one, half = np.float32(1.0), np.float32(0.5)
+    for r in range(n):
+        for j in range(m):
+            v = x[r, j]
+            a = abs(v) * np.float32(0.7071067811865476)
+            t = one / (one + np.float32(0.3275911) * a)
+            p = np.float32(1.061405429) * t - np.float32(1.453152027)
+            p = p * t + np.float32(1.421413741)
+            p = p * t - np.float32(0.284496736)
+            p = p * t + np.float32(0.254829592)
+            erf = one - p * t * fast_exp(-a * a)
+            x[r, j] = half * v * (one + (erf if v >= 0 else -erf))
+
+
+@njit(**_KW)
 def softmax_fast(x, scale):
     # x (n, m) f32 raw scores; in place: the softmax of scale * x over each row (scale > 0), by fast_exp.
     # Probabilities below float32's smallest normal become 0: a product with denormals runs ~40x slower in
