@@ -15,6 +15,11 @@ Stop cancels calls waiting or running; the calls keep what came of them.
 
 A message with images goes to the engine as a list of parts, its images first and then its text (as
 Gemma 3's examples order them); a message without images stays a string.
+
+Documents (engine.documents, attached in the composer) are stored with their user message; every reply
+writes the chat's documents into the prompt (engine.document_context.with_documents): whole when they all
+fit the context beside the conversation and the reply, else the chunks that best match the latest
+question. What went in is kept in the reply's stats as "sources" and shown under it.
 """
 
 from __future__ import annotations
@@ -28,6 +33,8 @@ from app.qt import QObject, QTimer, Signal, Slot
 from app.settings import SAMPLING_KEYS, Settings
 from engine import tool_loop
 from engine.client import ChatEvent
+from engine.document_context import document_budget, estimate_tokens, with_documents
+from engine.documents import Document
 from engine.generate import GenerationParams
 from engine.reasoning import split_reasoning
 from engine.tool_loop import ALLOW_ALWAYS, CANCELLED, DECLINED, DENY, CallOutcome
@@ -105,12 +112,26 @@ def message_content(message: Message) -> str | list[dict]:
     return parts
 
 
-def chat_title(text: str, images: list[MessageImage]) -> str:
-    """A new chat's title: the first message's first words; "Image" for a message of images only."""
+def chat_title(text: str, images: list[MessageImage], documents: list[Document] | None = None) -> str:
+    """A new chat's title: the first message's first words; else the first document's name, or "Image"
+    for a message of images only."""
     title = " ".join(text.split())[:TITLE_CHARS]
-    if title or not images:
+    if title:
+        return title
+    if documents:
+        return documents[0].name[:TITLE_CHARS]
+    if not images:
         return title
     return "Image" if len(images) == 1 else f"{len(images)} images"
+
+
+def _content_tokens(content) -> int:
+    """A message's estimated tokens (its text; an image's tokens are the engine's business)."""
+    if isinstance(content, str):
+        return estimate_tokens(content)
+    if isinstance(content, list):
+        return sum(estimate_tokens(p.get("text", "")) for p in content if isinstance(p, dict))
+    return 0
 
 
 def event_stats(event: ChatEvent | None) -> dict:
@@ -168,6 +189,7 @@ class ChatController(QObject):
         self._text = ""
         self._flushed_text = ""
         self._last_event: ChatEvent | None = None
+        self._sources: list[dict] = []  # what of the chat's documents the reply in progress got
         self._flush_timer = QTimer(self)
         self._flush_timer.setInterval(int(FLUSH_S * 1000))
         self._flush_timer.timeout.connect(self.flush)
@@ -235,12 +257,15 @@ class ChatController(QObject):
         return self.store.messages(self.chat.id) if self.chat else []
 
     # ---- turns
-    def send(self, text: str, images: list[MessageImage] | None = None) -> bool:
-        """Store the user's message (text, images or both) and request a reply. False if not sent (empty,
+    def send(
+        self, text: str, images: list[MessageImage] | None = None, documents: list[Document] | None = None
+    ) -> bool:
+        """Store the user's message (text, images, documents) and request a reply. False if not sent (empty,
         busy, no model, or images for a model that reads none: the notice says so)."""
         text = text.strip()
         images = list(images or [])
-        if not (text or images) or self.busy:
+        documents = list(documents or [])
+        if not (text or images or documents) or self.busy:
             return False
         if self.bridge.model is None:
             self.notice.emit("No model is loaded yet: pick one above (or wait for the load to finish).")
@@ -255,9 +280,9 @@ class ChatController(QObject):
             self.new_chat()
         assert self.chat is not None
         first = not self.store.messages(self.chat.id)
-        msg = self.store.add_message(self.chat.id, "user", text, images=images)
+        msg = self.store.add_message(self.chat.id, "user", text, images=images, documents=documents)
         if first:
-            title = chat_title(text, images)
+            title = chat_title(text, images, documents)
             self.store.update_chat(self.chat.id, title=title)
             self.chat.title = title
         self.messageAdded.emit(msg)
@@ -292,10 +317,10 @@ class ChatController(QObject):
         target = next((m for m in msgs if m.id == message_id), None)
         if self.busy or target is None or target.role != "user" or self.bridge.model is None:
             return False
-        if not (text or target.images):
+        if not (text or target.images or target.documents):
             return False
         self.store.delete_from(self.chat.id, target.position)
-        self.store.add_message(self.chat.id, "user", text, images=target.images)
+        self.store.add_message(self.chat.id, "user", text, images=target.images, documents=target.documents)
         self.chatOpened.emit(self.chat.id)
         self._start_reply()
         return True
@@ -318,8 +343,10 @@ class ChatController(QObject):
             self.bridge.cancel()
 
     def _conversation(self, resume: Message | None) -> tuple[list[dict], int]:
-        """The messages for the engine, and how many of the chat's images were left out of them."""
-        conv = []
+        """The messages for the engine, and how many of the chat's images were left out of them. The
+        chat's documents are written in (with_documents); self._sources says what of them went in."""
+        conv: list[dict] = []
+        docs: list[list[Document]] = []  # per entry of conv
         if self.chat and self.chat.system_prompt.strip():
             conv.append({"role": "system", "content": self.chat.system_prompt})
         # earlier images in a chat now on a model that reads none are left out, with a notice, so the chat
@@ -327,6 +354,7 @@ class ChatController(QObject):
         vision = self.bridge.model is None or self.bridge.model.vision
         left_out = 0
         for m in self.messages():
+            docs += [[]] * (len(conv) - len(docs))
             if m.role == "assistant" and m.tool_calls:
                 conv += tool_loop.history_messages(m.content, m.tool_calls)
                 continue
@@ -334,21 +362,39 @@ class ChatController(QObject):
                 continue
             if m.images and not vision:
                 left_out += len(m.images)
-                if not m.content:
+                if not (m.content or m.documents):
                     continue
                 conv.append({"role": m.role, "content": m.content})
-                continue
-            conv.append({"role": m.role, "content": message_content(m)})
+            else:
+                conv.append({"role": m.role, "content": message_content(m)})
+            docs.append(list(m.documents))
+        docs += [[]] * (len(conv) - len(docs))
+        self._sources = []
+        if any(docs):
+            conv, selection = with_documents(conv, docs, self._document_budget(conv))
+            self._sources = selection.sources()
         if resume is not None and conv and conv[-1]["role"] == "assistant":
             conv[-1]["continue"] = True
         return conv, left_out
+
+    def _document_budget(self, conv: list[dict]) -> int:
+        """Tokens the chat's documents may take in this reply's prompt (estimated: the tokenizer is in the
+        engine's process)."""
+        assert self.chat is not None
+        n_ctx = self.bridge.model.n_ctx if self.bridge.model else 4096
+        params = sampling_params(self.settings, self.chat.overrides)
+        other = sum(_content_tokens(m.get("content")) + 8 for m in conv)  # 8: a turn's template tokens
+        return document_budget(n_ctx, params.max_tokens, other)
 
     def _start_reply(self, resume: Message | None = None) -> None:
         assert self.chat is not None
         conversation, left_out = self._conversation(resume)
         self._turn += 1
         if resume is None:
-            self._reply = self.store.add_message(self.chat.id, "assistant", "", state="streaming")
+            stats = {"sources": self._sources} if self._sources else None
+            self._reply = self.store.add_message(
+                self.chat.id, "assistant", "", state="streaming", stats=stats
+            )
             self._text = ""
             self.messageAdded.emit(self._reply)
         else:
@@ -514,6 +560,9 @@ class ChatController(QObject):
             return None
         stats = event_stats(event or self._last_event)
         stats["finish_reason"] = event.finish_reason if event else state
+        sources = self._sources or reply.stats.get("sources")
+        if sources:
+            stats["sources"] = sources
         calls = state == "done" and self._take_calls(reply)
         if calls:
             stats["finish_reason"] = "tool_calls"
