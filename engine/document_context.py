@@ -19,8 +19,8 @@ The prompt format (the user's turn; see documents_block):
 
     <the user's question>
 
-Parts are "whole document", or "chunk N of M" with ", page P" for a PDF. A text that itself holds
-"</document" is written with "</ document" so it cannot close the block early.
+Parts are "whole document", or "chunk N of M" with ", page P" (or ", pages P-Q") for a PDF. A text that
+itself holds "</document" is written with "</ document" so it cannot close the block early.
 """
 
 from __future__ import annotations
@@ -57,7 +57,8 @@ def estimate_tokens(text: str) -> int:
 @dataclass(frozen=True)
 class Chunk:
     """A piece of one document: doc (index in the list given), index (0-based) of count, its text,
-    where it starts in the document's text, its page (PDF, 1-based; None otherwise) and its tokens."""
+    where it starts in the document's text, its pages (PDF, 1-based, first and last; None otherwise) and
+    its tokens."""
 
     doc: int
     index: int
@@ -66,10 +67,15 @@ class Chunk:
     start: int
     page: int | None
     tokens: int
+    last_page: int | None = None
 
     def label(self) -> str:
         where = f"chunk {self.index + 1} of {self.count}"
-        return where if self.page is None else f"{where}, page {self.page}"
+        if self.page is None:
+            return where
+        if self.last_page is None or self.last_page == self.page:
+            return f"{where}, page {self.page}"
+        return f"{where}, pages {self.page}-{self.last_page}"
 
 
 def _spans(text: str, pattern: str, start: int, end: int) -> list[tuple[int, int]]:
@@ -157,10 +163,14 @@ def document_chunks(docs: Sequence[Document], max_tokens: int, count: CountFn | 
     for d, doc in enumerate(docs):
         spans = chunk_text(doc.text, max_tokens, count=count)
         for k, (start, end, tokens) in enumerate(spans):
-            page = None
+            page = last = None
             if doc.page_starts:
-                page = sum(1 for s in doc.page_starts if s <= start) or 1
-            out.append(Chunk(d, k, len(spans), doc.text[start:end].strip(), start, page, tokens))
+                text = doc.text[start:end]
+                first_char = start + len(text) - len(text.lstrip())
+                last_char = start + len(text.rstrip()) - 1
+                page = sum(1 for s in doc.page_starts if s <= first_char) or 1
+                last = sum(1 for s in doc.page_starts if s <= last_char) or 1
+            out.append(Chunk(d, k, len(spans), doc.text[start:end].strip(), start, page, tokens, last))
     return out
 
 

@@ -339,6 +339,7 @@ _BLOCK = {
     "article", "header", "footer", "nav", "aside", "main", "blockquote", "pre", "hr", "dt", "dd", "dl",
     "figure", "figcaption", "title", "form", "details", "summary",
 }
+_LINES = {"li", "tr", "dt", "dd", "br"}  # one line each, no blank line between them
 
 
 class _HtmlText(HTMLParser):
@@ -367,8 +368,8 @@ class _HtmlText(HTMLParser):
             self.skip = max(0, self.skip - 1)
         elif tag == "title":
             self._in_title = False
-        elif tag in _BLOCK:
-            self.parts.append("\n")
+        elif tag in _BLOCK and tag not in _LINES:
+            self.parts.append("\n")  # with the next block's own newline: a blank line between paragraphs
         if tag == "pre":
             self.pre = max(0, self.pre - 1)
 
