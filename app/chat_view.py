@@ -318,7 +318,8 @@ class ChatView(QScrollArea):
         editRequested(message_id: int, text: str)
         regenerateRequested()
         continueRequested()
-        imagesDropped(items: list): images or image files dropped on the conversation (for the composer)
+        imagesDropped(items: list): images or files (images, documents) dropped on the conversation (for the
+            composer)
         toolDecision(message_id: int, call_id: str, decision: str): Allow once / Always allow / Deny
     """
 
@@ -405,6 +406,13 @@ class ChatView(QScrollArea):
         if w is not None:
             w.set_tool_calls(message.tool_calls, waiting)
             self._follow = True
+
+    @Slot(object)
+    def show_sources(self, message: Message) -> None:
+        """The streaming reply's Sources line (controller.sourcesChanged)."""
+        w = self.widgets.get(message.id)
+        if w is not None:
+            w.set_sources(message.stats.get("sources") or [])
 
     def finish(self, message: Message) -> None:
         w = self.widgets.get(message.id)

@@ -1,9 +1,9 @@
 """The composer: the message editor, the images and documents waiting to go with the message, and Attach.
 
-Images come from the Attach image button (a file dialog), a paste (an image, or files copied in a file
-manager) or files dropped on the composer. They wait as thumbnails above the editor, each removable, and
-go with the next message. Only a model that reads images (ModelInfo.vision) takes them: otherwise the
-button is disabled and says why, and a pasted or dropped image is refused with a note, never dropped
+Images come from the Attach button (a file dialog), a paste (an image, or files copied in a file manager)
+or files dropped on the composer. They wait as thumbnails above the editor, each removable, and go with the
+next message. Only a model that reads images (ModelInfo.vision) takes them: otherwise the button's tip says
+so (the button stays on for documents), and a pasted or dropped image is refused with a note, never dropped
 silently. A refused file (not an image, over 20 MB) is named in the note; the typed text stays.
 
 Each offered image is checked (read, decoded whole, a paste encoded as PNG, its thumbnail made) in a worker
@@ -81,7 +81,8 @@ class Composer(QPlainTextEdit):
 
     Signals:
         submitted(): Enter was pressed.
-        imagesOffered(items: list): images (QImage) or file paths (str) pasted or dropped, in order.
+        imagesOffered(items: list): images (QImage) or file paths (str: images and documents) pasted or
+            dropped, in order.
     """
 
     submitted = Signal()

@@ -19,11 +19,14 @@ Gemma 3's examples order them); a message without images stays a string.
 Documents (engine.documents, attached in the composer) are stored with their user message; every reply
 writes the chat's documents into the prompt (engine.document_context.with_documents): whole when they all
 fit the context beside the conversation and the reply, else the chunks that best match the latest
-question. What went in is kept in the reply's stats as "sources" and shown under it.
+question. That choice runs in the bridge's thread (a `prepare` step: chunking and ranking a long document
+takes a while); what went in comes back as `prepared`, is kept in the reply's stats as "sources" and shown
+under it.
 """
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import asdict
 
@@ -125,6 +128,12 @@ def chat_title(text: str, images: list[MessageImage], documents: list[Document] 
     return "Image" if len(images) == 1 else f"{len(images)} images"
 
 
+def _add_documents(documents: list[list[Document]], budget: int, conversation: list[dict]):
+    """The conversation with its documents written in, and the sources it got (a bridge `prepare` step)."""
+    conversation, selection = with_documents(conversation, documents, budget)
+    return conversation, selection.sources()
+
+
 def _content_tokens(content) -> int:
     """A message's estimated tokens (its text; an image's tokens are the engine's business)."""
     if isinstance(content, str):
@@ -158,6 +167,7 @@ class ChatController(QObject):
         notice(text: str): something to tell the user in the chat (engine crash, errors).
         toolCallsChanged(message: Message, waiting: bool): a message's tool calls changed (new, decided, ran,
             stopped); waiting: they are under way (calls without a decision ask for one).
+        sourcesChanged(message: Message): the streaming reply's documents were chosen (stats["sources"]).
     """
 
     chatsChanged = Signal()
@@ -169,6 +179,7 @@ class ChatController(QObject):
     replyEvent = Signal(object)
     notice = Signal(str)
     toolCallsChanged = Signal(object, bool)
+    sourcesChanged = Signal(object)
 
     def __init__(
         self,
@@ -197,6 +208,7 @@ class ChatController(QObject):
         bridge.progress.connect(self._on_progress)
         bridge.finished.connect(self._on_finished)
         bridge.failed.connect(self._on_failed)
+        bridge.prepared.connect(self._on_prepared)
         # tool use: the app's ToolManager (None: no tools), the message whose calls are under way
         self.tools = tools
         self._tool_message: Message | None = None
@@ -342,9 +354,9 @@ class ChatController(QObject):
         elif self.busy:
             self.bridge.cancel()
 
-    def _conversation(self, resume: Message | None) -> tuple[list[dict], int]:
-        """The messages for the engine, and how many of the chat's images were left out of them. The
-        chat's documents are written in (with_documents); self._sources says what of them went in."""
+    def _conversation(self, resume: Message | None) -> tuple[list[dict], int, list[list[Document]]]:
+        """The messages for the engine, how many of the chat's images were left out of them, and the
+        documents of each message (written in later, off the GUI thread: _add_documents)."""
         conv: list[dict] = []
         docs: list[list[Document]] = []  # per entry of conv
         if self.chat and self.chat.system_prompt.strip():
@@ -369,13 +381,9 @@ class ChatController(QObject):
                 conv.append({"role": m.role, "content": message_content(m)})
             docs.append(list(m.documents))
         docs += [[]] * (len(conv) - len(docs))
-        self._sources = []
-        if any(docs):
-            conv, selection = with_documents(conv, docs, self._document_budget(conv))
-            self._sources = selection.sources()
         if resume is not None and conv and conv[-1]["role"] == "assistant":
             conv[-1]["continue"] = True
-        return conv, left_out
+        return conv, left_out, docs
 
     def _document_budget(self, conv: list[dict]) -> int:
         """Tokens the chat's documents may take in this reply's prompt (estimated: the tokenizer is in the
@@ -388,13 +396,14 @@ class ChatController(QObject):
 
     def _start_reply(self, resume: Message | None = None) -> None:
         assert self.chat is not None
-        conversation, left_out = self._conversation(resume)
+        conversation, left_out, docs = self._conversation(resume)
         self._turn += 1
+        self._sources = []
+        prepare = None
+        if any(docs):  # chunking and ranking a long document takes a while: in the bridge's thread
+            prepare = functools.partial(_add_documents, docs, self._document_budget(conversation))
         if resume is None:
-            stats = {"sources": self._sources} if self._sources else None
-            self._reply = self.store.add_message(
-                self.chat.id, "assistant", "", state="streaming", stats=stats
-            )
+            self._reply = self.store.add_message(self.chat.id, "assistant", "", state="streaming")
             self._text = ""
             self.messageAdded.emit(self._reply)
         else:
@@ -421,7 +430,7 @@ class ChatController(QObject):
             variables["tools"] = [t.schema() for t in self.tools.tools()]
         self.bridge.generate(
             self._turn, conversation, params, self.chat.id, self.settings.get("context_policy"), speculation,
-            template_vars=variables,
+            template_vars=variables, prepare=prepare,
         )
 
     # ---- tools
@@ -547,6 +556,16 @@ class ChatController(QObject):
         self._last_event = event
         self.messageText.emit(self._reply.id, self._text)
         self.replyEvent.emit(event)
+
+    @Slot(int, object)
+    def _on_prepared(self, turn: int, sources: list[dict]) -> None:
+        """The reply's documents were chosen: kept with it (and written now, should the app die) and shown."""
+        if turn != self._turn or self._reply is None:
+            return
+        self._sources = sources
+        self._reply.stats = {**self._reply.stats, "sources": sources}
+        self.store.update_message(self._reply.id, stats=self._reply.stats)
+        self.sourcesChanged.emit(self._reply)
 
     @Slot(int, object)
     def _on_progress(self, turn: int, event: ChatEvent) -> None:

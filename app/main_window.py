@@ -358,6 +358,7 @@ class MainWindow(QMainWindow):
         c.messageAdded.connect(self._on_message_added)
         c.messageText.connect(self.view.set_text)
         c.messageDone.connect(self.view.finish)
+        c.sourcesChanged.connect(self.view.show_sources)
         c.busyChanged.connect(self._on_busy)
         c.busyChanged.connect(self._apply_engine_settings)
         c.busyChanged.connect(self.restart_tools)

@@ -49,8 +49,10 @@ _STOPWORDS = frozenset(_STOPWORD_TEXT.split())
 
 
 def estimate_tokens(text: str) -> int:
-    """Tokens of `text` without a tokenizer: a character count / 3 (English BPE runs about 4)."""
-    return (len(text) + 2) // 3
+    """Tokens of `text` without a tokenizer: ASCII characters / 3 (English BPE runs about 4) plus one a
+    character for the rest (CJK, accents: a BPE often spends a token or more on each)."""
+    ascii_chars = len(text.encode("ascii", "ignore"))
+    return (ascii_chars + 2) // 3 + len(text) - ascii_chars
 
 
 # ---- chunks

@@ -106,6 +106,16 @@ def test_attach_documents_and_the_prompt_holds_them_whole(qtbot, engine, replies
         return real(path)
 
     monkeypatch.setattr(composer, "read_document", read)
+    import app.controller as controller
+
+    chosen_in = []
+    real_with = controller.with_documents
+
+    def with_documents(*args, **kwargs):
+        chosen_in.append(threading.current_thread())
+        return real_with(*args, **kwargs)
+
+    monkeypatch.setattr(controller, "with_documents", with_documents)
     w, store = _window(qtbot, engine)
     box = w.composer_box
     assert not engine.model.vision and w.attach_button.isEnabled(), "documents go with any model"
@@ -149,6 +159,7 @@ def test_attach_documents_and_the_prompt_holds_them_whole(qtbot, engine, replies
     assert "The wifi password is swordfish." in text and "Revenue grew nine percent." in text
     assert text.endswith("</documents>\n\nWhat is the wifi password?")
     assert box.documents == [] and not box.doc_strip.isVisible() and w.composer.toPlainText() == ""
+    assert chosen_in and threading.main_thread() not in chosen_in, "documents chosen off the GUI thread"
 
     user, reply = store.messages(w.controller.chat.id)
     assert [d.name for d in user.documents] == ["notes.txt", "report.pdf"] and user.content.startswith("What")

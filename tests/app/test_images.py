@@ -1,4 +1,4 @@
-"""Images in chats: the composer's Attach image (button, paste, drop) following the model's vision, files
+"""Images in chats: the composer's Attach (button, paste, drop) following the model's vision, files
 refused with a message, the message parts the engine gets, thumbnails in the conversation and after a
 restart. The real window and store (HEARTH_HOME in a temp dir) over the engine with SmolLM2 loaded; the
 tests that send swap the client's generate for a recording stand-in, since SmolLM2 reads no images."""
