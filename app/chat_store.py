@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from engine.document_context import sources_text
 from engine.documents import Document
 from engine.reasoning import split_reasoning
 from models.errors import HearthError
@@ -549,6 +550,8 @@ class ChatStore:
                 out += [split.answer, ""]
             else:
                 out += [m.content, ""]
+            if m.stats.get("sources"):
+                out += [f"*Sources: {sources_text(m.stats['sources'])}*", ""]
             out += _markdown_tool_calls(m.tool_calls)
         return "\n".join(out).rstrip() + "\n"
 

@@ -260,3 +260,32 @@ def test_smollm2_reads_an_attached_document(qtbot, engine, files, monkeypatch):
     assert w.view.widgets[reply.id].sources_label.toolTip() == "notes.txt (whole document)"
     w.close()
     store.close()
+
+
+def test_a_message_of_documents_alone_waits_for_the_reading(qtbot, engine, replies, files, monkeypatch):
+    gate = threading.Event()
+    real = composer.read_document
+
+    def read(path):
+        assert gate.wait(20), "never released"
+        return real(path)
+
+    monkeypatch.setattr(composer, "read_document", read)
+    w, store = _window(qtbot, engine)
+    box = w.composer_box
+    box.offer([str(files["notes"]), str(files["report"])])
+    assert box.checking and box.documents == []
+    assert [c.label.text() for c in box._chips(pending=True)] == ["Reading notes.txt…", "Reading report.pdf…"]
+    box._chips(pending=True)[1].remove_button.click()  # removed while being read: its answer is dropped
+    w.send()  # nothing typed: the documents alone, once read
+    assert replies == [] and "Sending when" in w.statusBar().currentMessage()
+    with qtbot.waitSignal(w.controller.messageDone, timeout=20000):
+        gate.set()
+    (turn,) = replies[-1]
+    assert turn["content"].startswith("<documents>") and turn["content"].endswith("</documents>")
+    assert "swordfish" in turn["content"] and "Quarterly" not in turn["content"]
+    assert w.controller.chat.title == "notes.txt"
+    user = store.messages(w.controller.chat.id)[0]
+    assert user.content == "" and w.view.widgets[user.id].body.isHidden(), "no empty text box"
+    w.close()
+    store.close()

@@ -82,13 +82,16 @@ def test_documents_keep_their_order_and_go_with_their_message(store):
 def test_exports_carry_the_documents_and_import_brings_them_back(store):
     chat = store.create_chat("With documents")
     store.add_message(chat.id, "user", "What do they say?", documents=[REPORT, NOTES])
-    store.add_message(chat.id, "assistant", "Milk.", stats={"sources": [{"name": "notes.md", "whole": True}]})
+    sources = [{"name": "notes.md", "whole": True}, {"name": "report.pdf", "chunks": [2], "of": 3}]
+    store.add_message(chat.id, "assistant", "Milk.", stats={"sources": sources})
     data = store.export_json(chat.id)
     assert data["version"] == 4
     assert [d["name"] for d in data["messages"][0]["documents"]] == ["report.pdf", "notes.md"]
     assert "documents" not in data["messages"][1]
     md = store.export_markdown(chat.id)
     assert "[document: report.pdf, 2 KB, 2 pages]" in md and "[document: notes.md, 18 bytes]" in md
+    assert "Milk.\n\n*Sources: notes.md (whole document); report.pdf (chunk 2 of 3)*" in md
+    assert data["messages"][1]["stats"]["sources"] == sources
     copy = store.import_json(json.loads(json.dumps(data)))
     assert store.messages(copy.id)[0].documents == [REPORT, NOTES]
     with pytest.raises(ChatStoreError, match='document 1: needs "name" and "text"'):
