@@ -235,6 +235,7 @@ class Part:
     text: str
     doc: int
     chunk: int | None = None  # the chunk's index; None for a whole document
+    of: int = 0  # the document's chunk count (0 for a whole document)
 
 
 @dataclass
@@ -254,7 +255,7 @@ class Selection:
             entry = out.setdefault(p.doc, {"name": p.name, "whole": p.chunk is None, "chunks": []})
             if p.chunk is not None:
                 entry["chunks"].append(p.chunk + 1)
-                entry["of"] = int(p.label.split(" of ")[1].split(",")[0])
+                entry["of"] = p.of
         return list(out.values())
 
 
@@ -295,9 +296,8 @@ def select(docs: Sequence[Document], question: str, budget: int, count: CountFn 
             room -= cost
         if room < MIN_CHUNK_TOKENS + PART_OVERHEAD:
             break
-    chosen.sort()
-    parts = [Part(docs[chunks[i].doc].name, chunks[i].label(), chunks[i].text, chunks[i].doc, chunks[i].index)
-             for i in chosen]
+    picked = [chunks[i] for i in sorted(chosen)]
+    parts = [Part(docs[c.doc].name, c.label(), c.text, c.doc, c.index, c.count) for c in picked]
     return Selection("retrieval", parts, budget - room)
 
 
