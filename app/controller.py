@@ -19,9 +19,9 @@ Gemma 3's examples order them); a message without images stays a string.
 Documents (engine.documents, attached in the composer) are stored with their user message; every reply
 writes the chat's documents into the prompt (engine.document_context.with_documents): whole when they all
 fit the context beside the conversation and the reply, else the chunks that best match the latest
-question. That choice runs in the bridge's thread (a `prepare` step: chunking and ranking a long document
-takes a while); what went in comes back as `prepared`, is kept in the reply's stats as "sources" and shown
-under it.
+question, counted in the model's own tokenizer. That choice runs in the bridge's thread (a `prepare` step:
+counting, chunking and ranking a long document take a while); what went in comes back as `prepared`, is
+kept in the reply's stats as "sources" and shown under it.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from app.qt import QObject, QTimer, Signal, Slot
 from app.settings import SAMPLING_KEYS, Settings
 from engine import tool_loop
 from engine.client import ChatEvent
-from engine.document_context import document_budget, estimate_tokens, with_documents
+from engine.document_context import document_budget, estimate_tokens, model_token_counter, with_documents
 from engine.documents import Document
 from engine.generate import GenerationParams
 from engine.reasoning import split_reasoning
@@ -128,18 +128,25 @@ def chat_title(text: str, images: list[MessageImage], documents: list[Document] 
     return "Image" if len(images) == 1 else f"{len(images)} images"
 
 
-def _add_documents(documents: list[list[Document]], budget: int, conversation: list[dict]):
-    """The conversation with its documents written in, and the sources it got (a bridge `prepare` step)."""
-    conversation, selection = with_documents(conversation, documents, budget)
+def _add_documents(
+    documents: list[list[Document]], n_ctx: int, max_tokens: int, model_path: str, conversation: list[dict]
+):
+    """The conversation with its documents written in, and the sources it got (a bridge `prepare` step).
+    Tokens are counted with the model's tokenizer (read from its file here), else estimated."""
+    count = model_token_counter(model_path) if model_path else None
+    other = sum(_content_tokens(m.get("content"), count) + 8 for m in conversation)  # 8: a turn's template
+    budget = document_budget(n_ctx, max_tokens, other)
+    conversation, selection = with_documents(conversation, documents, budget, count)
     return conversation, selection.sources()
 
 
-def _content_tokens(content) -> int:
-    """A message's estimated tokens (its text; an image's tokens are the engine's business)."""
+def _content_tokens(content, count=None) -> int:
+    """A message's tokens (its text; an image's tokens are the engine's business)."""
+    count = count or estimate_tokens
     if isinstance(content, str):
-        return estimate_tokens(content)
+        return count(content)
     if isinstance(content, list):
-        return sum(estimate_tokens(p.get("text", "")) for p in content if isinstance(p, dict))
+        return sum(count(p.get("text", "")) for p in content if isinstance(p, dict))
     return 0
 
 
@@ -385,23 +392,18 @@ class ChatController(QObject):
             conv[-1]["continue"] = True
         return conv, left_out, docs
 
-    def _document_budget(self, conv: list[dict]) -> int:
-        """Tokens the chat's documents may take in this reply's prompt (estimated: the tokenizer is in the
-        engine's process)."""
-        assert self.chat is not None
-        n_ctx = self.bridge.model.n_ctx if self.bridge.model else 4096
-        params = sampling_params(self.settings, self.chat.overrides)
-        other = sum(_content_tokens(m.get("content")) + 8 for m in conv)  # 8: a turn's template tokens
-        return document_budget(n_ctx, params.max_tokens, other)
 
     def _start_reply(self, resume: Message | None = None) -> None:
         assert self.chat is not None
         conversation, left_out, docs = self._conversation(resume)
         self._turn += 1
         self._sources = []
+        params = sampling_params(self.settings, self.chat.overrides)
         prepare = None
-        if any(docs):  # chunking and ranking a long document takes a while: in the bridge's thread
-            prepare = functools.partial(_add_documents, docs, self._document_budget(conversation))
+        if any(docs):  # counting, chunking and ranking a long document take a while: in the bridge's thread
+            model = self.bridge.model
+            n_ctx, path = (model.n_ctx, model.path) if model else (4096, "")
+            prepare = functools.partial(_add_documents, docs, n_ctx, params.max_tokens, path)
         if resume is None:
             self._reply = self.store.add_message(self.chat.id, "assistant", "", state="streaming")
             self._text = ""
@@ -419,7 +421,6 @@ class ChatController(QObject):
             )
         self._set_busy(True)
         self._flush_timer.start()
-        params = sampling_params(self.settings, self.chat.overrides)
         try:
             speculation = speculation_options(self.settings)
         except ValueError as e:

@@ -25,11 +25,13 @@ itself holds "</document" is written with "</ document" so it cannot close the b
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 from engine.documents import Document
 
@@ -53,6 +55,27 @@ def estimate_tokens(text: str) -> int:
     character for the rest (CJK, accents: a BPE often spends a token or more on each)."""
     ascii_chars = len(text.encode("ascii", "ignore"))
     return (ascii_chars + 2) // 3 + len(text) - ascii_chars
+
+
+@functools.lru_cache(maxsize=2)
+def model_token_counter(path: str) -> CountFn | None:
+    """text -> tokens in the model's own tokenizer, read from its GGUF file or its folder's tokenizer.json
+    (for a process that has not loaded the model, such as the app's); None when it cannot be read (callers
+    then estimate). Kept for the last two models asked about."""
+    try:
+        p = Path(path)
+        if p.is_dir():
+            from tokenizers import Tokenizer as HFTokenizer
+
+            hf = HFTokenizer.from_file(str(p / "tokenizer.json"))
+            return lambda text: len(hf.encode(text, add_special_tokens=False).ids)
+        from engine.tokenizer import Tokenizer
+        from models.formats.gguf import open_gguf
+
+        tokenizer = Tokenizer.from_gguf_metadata(open_gguf(p).metadata)
+        return lambda text: len(tokenizer.encode(text))
+    except Exception:  # noqa: BLE001 - any failure only means estimates
+        return None
 
 
 # ---- chunks

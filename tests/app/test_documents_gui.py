@@ -116,6 +116,14 @@ def test_attach_documents_and_the_prompt_holds_them_whole(qtbot, engine, replies
         return real_with(*args, **kwargs)
 
     monkeypatch.setattr(controller, "with_documents", with_documents)
+    counters = []
+    real_counter = controller.model_token_counter
+
+    def counter(path):
+        counters.append((path, real_counter(path)))
+        return counters[-1][1]
+
+    monkeypatch.setattr(controller, "model_token_counter", counter)
     w, store = _window(qtbot, engine)
     box = w.composer_box
     assert not engine.model.vision and w.attach_button.isEnabled(), "documents go with any model"
@@ -160,6 +168,7 @@ def test_attach_documents_and_the_prompt_holds_them_whole(qtbot, engine, replies
     assert text.endswith("</documents>\n\nWhat is the wifi password?")
     assert box.documents == [] and not box.doc_strip.isVisible() and w.composer.toPlainText() == ""
     assert chosen_in and threading.main_thread() not in chosen_in, "documents chosen off the GUI thread"
+    assert counters and counters[0][0] == engine.model.path and counters[0][1] is not None, "SmolLM2's tokens"
 
     user, reply = store.messages(w.controller.chat.id)
     assert [d.name for d in user.documents] == ["notes.txt", "report.pdf"] and user.content.startswith("What")

@@ -343,3 +343,15 @@ def test_document_budget_leaves_room_for_the_reply_and_the_conversation():
     assert document_budget(4096, 512, 1000) == 4096 - 512 - 32 - 1000
     assert document_budget(4096, 4096, 0) == 4096 - 1024 - 32, "the reply's reserve is at most a quarter"
     assert document_budget(1024, 100, 5000) == (1024 - 100 - 32) // 3, "old turns go before documents"
+
+
+def test_model_token_counter_reads_the_models_tokenizer(smollm2_path, tmp_path):
+    from engine.document_context import model_token_counter
+    from engine.tokenizer import Tokenizer
+    from models.formats.gguf import open_gguf
+
+    count = model_token_counter(str(smollm2_path))
+    text = "The vault's launch code is 7741. Only the night porter knows it."
+    reference = Tokenizer.from_gguf_metadata(open_gguf(smollm2_path).metadata)
+    assert count is not None and count(text) == len(reference.encode(text)) > 5
+    assert model_token_counter(str(tmp_path / "missing.gguf")) is None, "then the caller estimates"
