@@ -10,7 +10,9 @@ engine.tool_loop.CallOutcome dicts: id, name, arguments, the user's decision, th
 several rounds is stored as one assistant message per round, each with its calls and their results.
 
 A message's images (the encoded files as attached, with their MIME type, in order) live in their own
-table, written in the same transaction as the message and removed with it.
+table, written in the same transaction as the message and removed with it. So do its documents (schema
+5): each one's file name, size, page count and extracted text (engine.documents), not the file, which is
+all a later reply, a regeneration or an edit needs (engine.document_context chooses what of them goes in).
 
 Deleting a chat only marks it (so it can be undone); marked chats are purged on the next start.
 Qt-free: the window layer calls it; tests use it directly.
@@ -30,13 +32,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from engine.document_context import sources_text
+from engine.documents import Document
 from engine.reasoning import split_reasoning
 from models.errors import HearthError
 from models.library import use_wal
 from models.paths import data_dir
 
 EXPORT_FORMAT = "hearth-chat"
-EXPORT_VERSION = 3  # 2: messages may carry "images"; 3: "tool_calls". Written as the oldest that holds it
+# 2: messages may carry "images"; 3: "tool_calls"; 4: "documents". Written as the oldest that holds it
+EXPORT_VERSION = 4
 ROLES = ("system", "user", "assistant")
 STATES = ("done", "streaming", "stopped", "error")
 _INSERT_MESSAGE = (
@@ -112,7 +117,27 @@ def _v4(db: sqlite3.Connection) -> None:
     db.execute("ALTER TABLE messages ADD COLUMN tool_calls TEXT NOT NULL DEFAULT '[]'")
 
 
-MIGRATIONS: list[Callable[[sqlite3.Connection], None]] = [_v1, _v2, _v3, _v4]
+def _v5(db: sqlite3.Connection) -> None:
+    # documents attached to messages: their names and extracted text (the file itself is not kept)
+    _run_script(
+        db,
+        """
+        CREATE TABLE message_documents (
+            message_id INTEGER NOT NULL REFERENCES messages(id) ON DELETE CASCADE,
+            idx INTEGER NOT NULL,
+            name TEXT NOT NULL,
+            size INTEGER NOT NULL,
+            pages INTEGER,
+            kind TEXT NOT NULL DEFAULT 'text',
+            page_starts TEXT NOT NULL DEFAULT '[]',
+            text TEXT NOT NULL,
+            PRIMARY KEY (message_id, idx)
+        )
+        """,
+    )
+
+
+MIGRATIONS: list[Callable[[sqlite3.Connection], None]] = [_v1, _v2, _v3, _v4, _v5]
 SCHEMA_VERSION = len(MIGRATIONS)
 
 
@@ -129,7 +154,8 @@ class MessageImage:
 
 @dataclass
 class Message:
-    """One message of a chat; `images` come before its text, as they were sent."""
+    """One message of a chat; `images` come before its text, as they were sent; `documents` (a user
+    message's attached files, engine.documents.Document) go before its text in the prompt."""
 
     id: int
     chat_id: str
@@ -142,6 +168,7 @@ class Message:
     stats: dict = field(default_factory=dict)
     images: list[MessageImage] = field(default_factory=list)
     tool_calls: list[dict] = field(default_factory=list)  # engine.tool_loop.CallOutcome.to_dict() each
+    documents: list[Document] = field(default_factory=list)
 
 
 @dataclass
@@ -313,6 +340,7 @@ class ChatStore:
             ids = [r[0] for r in self.db.execute("SELECT id FROM chats WHERE deleted_at IS NOT NULL")]
             for chat_id in ids:
                 self._delete_images(chat_id, 0)
+                self._delete_documents(chat_id, 0)
                 self.db.execute("DELETE FROM messages WHERE chat_id = ?", (chat_id,))
                 self.db.execute("DELETE FROM chats WHERE id = ?", (chat_id,))
         return len(ids)
@@ -346,6 +374,15 @@ class ChatStore:
             (chat_id,),
         ):
             by_id[r[0]].images.append(MessageImage(bytes(r[2]), r[1]))
+        for r in self.db.execute(
+            "SELECT d.* FROM message_documents d JOIN messages m ON m.id = d.message_id "
+            "WHERE m.chat_id = ? ORDER BY d.message_id, d.idx",
+            (chat_id,),
+        ):
+            by_id[r["message_id"]].documents.append(
+                Document(r["name"], r["text"], r["size"], r["pages"], r["kind"],
+                         page_starts=json.loads(r["page_starts"] or "[]"))
+            )
         return out
 
     def add_message(
@@ -357,8 +394,9 @@ class ChatStore:
         stats: dict | None = None,
         created_at: float | None = None,
         images: list[MessageImage] | None = None,
+        documents: list[Document] | None = None,
     ) -> Message:
-        """Append a message and its images, in order (committed before this returns)."""
+        """Append a message, its images and documents, in order (committed before this returns)."""
         if role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}")
         if state not in STATES:
@@ -366,6 +404,7 @@ class ChatStore:
         now = time.time()
         created = created_at or now
         images = list(images or [])
+        documents = list(documents or [])
         with self._tx():
             row = self.db.execute(
                 "SELECT COALESCE(MAX(position), -1) + 1 FROM messages WHERE chat_id = ?", (chat_id,)
@@ -375,9 +414,28 @@ class ChatStore:
                 (chat_id, row[0], role, content, state, created, now, json.dumps(stats or {})),
             )
             self._insert_images(cur.lastrowid, images)
+            self._insert_documents(cur.lastrowid, documents)
             self.db.execute("UPDATE chats SET updated_at = ? WHERE id = ?", (now, chat_id))
         return Message(
-            cur.lastrowid, chat_id, row[0], role, content, state, created, now, dict(stats or {}), images
+            cur.lastrowid, chat_id, row[0], role, content, state, created, now, dict(stats or {}), images,
+            documents=documents,
+        )
+
+    def _insert_documents(self, message_id: int, documents: list[Document]) -> None:
+        self.db.executemany(
+            "INSERT INTO message_documents (message_id, idx, name, size, pages, kind, page_starts, text) "
+            "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+            [
+                (message_id, i, d.name, d.size, d.pages, d.kind, json.dumps(d.page_starts), d.text)
+                for i, d in enumerate(documents)
+            ],
+        )
+
+    def _delete_documents(self, chat_id: str, position: int) -> None:
+        self.db.execute(
+            "DELETE FROM message_documents WHERE message_id IN "
+            "(SELECT id FROM messages WHERE chat_id = ? AND position >= ?)",
+            (chat_id, position),
         )
 
     def _insert_images(self, message_id: int, images: list[MessageImage]) -> None:
@@ -422,6 +480,7 @@ class ChatStore:
         """Remove the messages at `position` and after, with their images (edit-and-resend, regenerate)."""
         with self._tx():
             self._delete_images(chat_id, position)
+            self._delete_documents(chat_id, position)
             self.db.execute("DELETE FROM messages WHERE chat_id = ? AND position >= ?", (chat_id, position))
 
     # ---- export / import
@@ -444,12 +503,20 @@ class ChatStore:
                 ]
             if m.tool_calls:
                 out["tool_calls"] = m.tool_calls
+            if m.documents:
+                out["documents"] = [
+                    {"name": d.name, "size": d.size, "pages": d.pages, "kind": d.kind,
+                     "page_starts": d.page_starts, "text": d.text}
+                    for d in m.documents
+                ]
             messages.append(out)
         version = 1
         if any("images" in m for m in messages):
             version = 2
         if any("tool_calls" in m for m in messages):
             version = 3
+        if any("documents" in m for m in messages):
+            version = 4
         return {
             "format": EXPORT_FORMAT,
             "version": version,
@@ -473,7 +540,8 @@ class ChatStore:
             out += [f"## {m.role.capitalize()}", ""]
             # the bytes stay out of the Markdown (the JSON export keeps them)
             out += [f"[image: {len(im.data):,} bytes, {im.mime}]" for im in m.images]
-            if m.images:
+            out += [f"[document: {describe_document(d)}]" for d in m.documents]
+            if m.images or m.documents:
                 out.append("")
             split = split_reasoning(m.content) if m.role == "assistant" else None
             if split is not None and split.thinking is not None:
@@ -482,6 +550,8 @@ class ChatStore:
                 out += [split.answer, ""]
             else:
                 out += [m.content, ""]
+            if m.stats.get("sources"):
+                out += [f"*Sources: {sources_text(m.stats['sources'])}*", ""]
             out += _markdown_tool_calls(m.tool_calls)
         return "\n".join(out).rstrip() + "\n"
 
@@ -497,7 +567,7 @@ class ChatStore:
             raise ChatStoreError(f"not a Hearth chat export (format {data.get('format')!r})")
         if int(data.get("version", EXPORT_VERSION)) > EXPORT_VERSION:
             raise ChatStoreError("this chat was exported by a newer Hearth; update Hearth to import it")
-        messages, images = [], []
+        messages, images, documents = [], [], []
         system = data.get("system_prompt") or ""
         for i, m in enumerate(data["messages"]):
             if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content"), str):
@@ -512,12 +582,13 @@ class ChatStore:
                 raise ChatStoreError(f'message {i + 1}: "tool_calls" must be a list of {{"name": ...}}')
             messages.append(m)
             images.append(_imported_images(i, m.get("images")))
+            documents.append(_imported_documents(i, m.get("documents")))
         overrides = data.get("overrides") if isinstance(data.get("overrides"), dict) else {}
         title = str(data.get("title") or "Imported chat")
         with self._tx():
             chat = self.create_chat(title, str(system), overrides, data.get("model"))
             now = time.time()
-            for pos, (m, ims) in enumerate(zip(messages, images, strict=True)):
+            for pos, (m, ims, docs) in enumerate(zip(messages, images, documents, strict=True)):
                 state = m.get("state") if m.get("state") in STATES else "done"
                 state = "stopped" if state == "streaming" else state
                 cur = self.db.execute(
@@ -537,6 +608,7 @@ class ChatStore:
                     calls = json.dumps(m["tool_calls"])
                     self.db.execute("UPDATE messages SET tool_calls = ? WHERE id = ?", (calls, cur.lastrowid))
                 self._insert_images(cur.lastrowid, ims)
+                self._insert_documents(cur.lastrowid, docs)
         return chat
 
 
@@ -577,4 +649,32 @@ def _imported_images(i: int, items: Any) -> list[MessageImage]:
             out.append(MessageImage(base64.b64decode(item["data"], validate=True), mime))
         except (binascii.Error, ValueError):
             raise ChatStoreError(f"message {i + 1}, image {j + 1}: its data is not base64") from None
+    return out
+
+
+def describe_document(doc: Document) -> str:
+    """A document's name with its size and pages: "report.pdf, 120 KB, 3 pages"."""
+    size = f"{doc.size / 1024:,.0f} KB" if doc.size >= 1024 else f"{doc.size} bytes"
+    pages = f", {doc.pages} page{'s' if doc.pages != 1 else ''}" if doc.pages else ""
+    return f"{doc.name}, {size}{pages}"
+
+
+def _imported_documents(i: int, items: Any) -> list[Document]:
+    """The documents of message `i` of an import ({"name", "text", "size", "pages"} each)."""
+    if items is None:
+        return []
+    if not isinstance(items, list):
+        raise ChatStoreError(f'message {i + 1}: "documents" must be a list')
+    out = []
+    for j, item in enumerate(items):
+        ok = isinstance(item, dict) and isinstance(item.get("name"), str)
+        if not (ok and isinstance(item.get("text"), str)):
+            raise ChatStoreError(f'message {i + 1}, document {j + 1}: needs "name" and "text"')
+        pages = item.get("pages")
+        starts = item.get("page_starts")
+        out.append(Document(
+            item["name"], item["text"], int(item.get("size") or len(item["text"].encode())),
+            pages if isinstance(pages, int) else None, str(item.get("kind") or "text"),
+            page_starts=[int(x) for x in starts] if isinstance(starts, list) else [],
+        ))
     return out

@@ -1,15 +1,19 @@
 """The conversation column: one MessageWidget per message, in a scroll area that follows the stream.
 
-Each message shows its role, its images (thumbnails: click one to see it whole), its Markdown
+Each message shows its role, its images (thumbnails: click one to see it whole), its documents (name,
+size, pages), its Markdown
 (app.markdown_view) and buttons: Copy for every message, Edit for the user's, Regenerate and Continue
 for the last reply. A reply that starts with a reasoning block (engine.reasoning) shows its thinking in
 a collapsed section above the answer. The view never talks to the store or the engine: it emits signals
-the window forwards to the controller.
+the window forwards to the controller. A reply that read documents says which under it ("Sources:", the
+file names and the chunks it got, or "whole document").
 """
 
 from __future__ import annotations
 
-from app.chat_store import Message, MessageImage
+from html import escape
+
+from app.chat_store import Message, MessageImage, describe_document
 from app.images import image_size, offered_items, thumbnail
 from app.markdown_view import MarkdownView
 from app.qt import (
@@ -32,6 +36,7 @@ from app.qt import (
     Slot,
 )
 from app.tool_card import PendingCallCard, ToolCallCard
+from engine.document_context import sources_text
 from engine.reasoning import Reasoning, split_reasoning, starts_opening
 
 ROLE_NAMES = {"user": "You", "assistant": "Assistant", "system": "System"}
@@ -107,6 +112,14 @@ class MessageWidget(QFrame):
         self.image_buttons: list[QToolButton] = []
         if message.images:
             self._build_images(layout)
+        self.documents_label: QLabel | None = None
+        if message.documents:
+            self.documents_label = QLabel(
+                " · ".join(f"\N{PAGE FACING UP} {describe_document(d)}" for d in message.documents), self
+            )
+            self.documents_label.setAccessibleName("Attached documents")
+            self.documents_label.setWordWrap(True)
+            layout.addWidget(self.documents_label)
         self.viewer: ImageViewer | None = None
         self.thinking_section: QWidget | None = None
         if message.role == "assistant":
@@ -116,6 +129,13 @@ class MessageWidget(QFrame):
         self.body = MarkdownView(self, dark)
         self.body.setAccessibleName(f"{ROLE_NAMES.get(message.role, message.role)} message")
         layout.addWidget(self.body)
+        self.sources_label = QLabel("", self)
+        self.sources_label.setAccessibleName("Sources")
+        self.sources_label.setWordWrap(True)
+        self.sources_label.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+        self.sources_label.hide()
+        layout.addWidget(self.sources_label)
+        self.set_sources(message.stats.get("sources") or [])
         self.editor: QPlainTextEdit | None = None
         self.tool_cards: dict[str, ToolCallCard] = {}
         self.pending_card: PendingCallCard | None = None  # a call the streaming reply is writing
@@ -151,6 +171,13 @@ class MessageWidget(QFrame):
             self.pending_card.setParent(None)
             self.pending_card.deleteLater()
             self.pending_card = None
+
+    def set_sources(self, sources: list[dict]) -> None:
+        """Show which documents (and chunks of them) the reply read; [] hides the line."""
+        text = sources_text(sources)
+        self.sources_label.setText(f"<small>Sources: {escape(text)}</small>" if text else "")
+        self.sources_label.setToolTip(text)
+        self.sources_label.setVisible(bool(text))
 
     def _button(self, text: str, accessible: str) -> QToolButton:
         b = QToolButton(self)
@@ -228,8 +255,8 @@ class MessageWidget(QFrame):
                 text = ""  # "<thi" may be a thinking block arriving in pieces: show it once it is one
             if self.body.isHidden() == bool(text or split.thinking is None):
                 self.body.setVisible(bool(text or split.thinking is None))  # no empty box while thinking
-        elif self.message.images and self.editor is None:
-            self.body.setVisible(bool(text))  # images alone: no empty text box under them
+        elif (self.message.images or self.message.documents) and self.editor is None:
+            self.body.setVisible(bool(text))  # attachments alone: no empty text box under them
         self.body.set_markdown_text(text, immediate=immediate)
 
     def _show_thinking(self, split: Reasoning) -> None:
@@ -295,7 +322,8 @@ class MessageWidget(QFrame):
             self.editor.deleteLater()
             self._edit_row.deleteLater()
             self.editor = None
-            self.body.setVisible(bool(self.message.content) or not self.message.images)
+            attached = self.message.images or self.message.documents
+            self.body.setVisible(bool(self.message.content) or not attached)
 
 
 class ChatView(QScrollArea):
@@ -305,7 +333,8 @@ class ChatView(QScrollArea):
         editRequested(message_id: int, text: str)
         regenerateRequested()
         continueRequested()
-        imagesDropped(items: list): images or image files dropped on the conversation (for the composer)
+        imagesDropped(items: list): images or files (images, documents) dropped on the conversation (for the
+            composer)
         toolDecision(message_id: int, call_id: str, decision: str): Allow once / Always allow / Deny
     """
 
@@ -400,11 +429,19 @@ class ChatView(QScrollArea):
         if w is not None:
             w.set_pending_call(pending, name)
 
+    @Slot(object)
+    def show_sources(self, message: Message) -> None:
+        """The streaming reply's Sources line (controller.sourcesChanged)."""
+        w = self.widgets.get(message.id)
+        if w is not None:
+            w.set_sources(message.stats.get("sources") or [])
+
     def finish(self, message: Message) -> None:
         w = self.widgets.get(message.id)
         if w is not None:
             w.set_pending_call(False)
             w.set_state(message.state)  # first: a finished reply shows all its text
+            w.set_sources(message.stats.get("sources") or [])
             w.set_text(message.content, immediate=True)
         self._update_actions()
 

@@ -1,15 +1,20 @@
-"""The composer: the message editor, the images waiting to go with the message, and Attach image.
+"""The composer: the message editor, the images and documents waiting to go with the message, and Attach.
 
-Images come from the Attach image button (a file dialog), a paste (an image, or files copied in a file
-manager) or files dropped on the composer. They wait as thumbnails above the editor, each removable, and
-go with the next message. Only a model that reads images (ModelInfo.vision) takes them: otherwise the
-button is disabled and says why, and a pasted or dropped image is refused with a note, never dropped
+Images come from the Attach button (a file dialog), a paste (an image, or files copied in a file manager)
+or files dropped on the composer. They wait as thumbnails above the editor, each removable, and go with the
+next message. Only a model that reads images (ModelInfo.vision) takes them: otherwise the button's tip says
+so (the button stays on for documents), and a pasted or dropped image is refused with a note, never dropped
 silently. A refused file (not an image, over 20 MB) is named in the note; the typed text stays.
 
 Each offered image is checked (read, decoded whole, a paste encoded as PNG, its thumbnail made) in a worker
 thread of the box's own QThreadPool, one at a time so they keep their order; the GUI thread never decodes an
 attachment. Meanwhile a placeholder ("…") holds its place in the strip, `checking` is true, and `checked`
 fires when the last check is done. The main window's Send waits for that (app.main_window).
+
+Documents (PDF, Word .docx, HTML, text and source files: engine.documents) come the same ways, whatever the
+model: an offered file whose suffix is not an image's is read as a document, in the same worker thread, and
+waits as a chip (name, size, pages) in a row of its own, removable like an image. A file that cannot be read
+is named in the note with what to do; a document read with a guessed encoding says so there too.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ import contextlib
 import functools
 from pathlib import Path
 
-from app.chat_store import MessageImage
+from app.chat_store import MessageImage, describe_document
 from app.images import (
     FILE_FILTER,
     AttachmentError,
@@ -44,10 +49,30 @@ from app.qt import (
     Signal,
     Slot,
 )
+from engine.documents import DOCUMENT_SUFFIXES, Document, DocumentError, read_document
 
 THUMB_SIDE = 56
 NO_VISION = "The loaded model does not read images: load a vision model (such as Gemma 3 4B) to attach them."
-ATTACH_TIP = "Attach images (PNG, JPEG, WebP, GIF, BMP; up to 20 MB each). You can also paste or drop them."
+ATTACH_TIP = (
+    "Attach documents (PDF, Word .docx, HTML, text, source code; up to 50 MB each) and images (PNG, JPEG, "
+    "WebP, GIF, BMP; up to 20 MB each). You can also paste or drop them."
+)
+ATTACH_TIP_NO_VISION = (
+    "Attach documents (PDF, Word .docx, HTML, text, source code; up to 50 MB each). You can also paste or "
+    "drop them. Images need a vision model (such as Gemma 3 4B)."
+)
+IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".webp", ".gif", ".bmp", ".tif", ".tiff", ".ico", ".heic", ".avif"}
+_DOC_PATTERNS = " ".join(sorted(f"*{s}" for s in DOCUMENT_SUFFIXES))
+DOCUMENT_FILTER = f"Documents ({_DOC_PATTERNS})"
+FILE_FILTER_ALL = (
+    f"Documents and images ({_DOC_PATTERNS} *.png *.jpg *.jpeg *.webp *.gif *.bmp *.tif *.tiff);;"
+    f"{DOCUMENT_FILTER};;{FILE_FILTER}"
+)
+
+
+def is_image_item(item) -> bool:
+    """Whether an offered item goes the image way: a pasted picture, or a file with an image's suffix."""
+    return not isinstance(item, str) or Path(item).suffix.lower() in IMAGE_SUFFIXES
 
 
 class Composer(QPlainTextEdit):
@@ -56,7 +81,8 @@ class Composer(QPlainTextEdit):
 
     Signals:
         submitted(): Enter was pressed.
-        imagesOffered(items: list): images (QImage) or file paths (str) pasted or dropped, in order.
+        imagesOffered(items: list): images (QImage) or file paths (str: images and documents) pasted or
+            dropped, in order.
     """
 
     submitted = Signal()
@@ -111,11 +137,36 @@ class _Thumb(QFrame):
         row.addWidget(self.remove_button, 0, Qt.AlignmentFlag.AlignTop)
 
 
+class _DocChip(QFrame):
+    """A pending document: its name, size and pages, and a × that removes it. Without a document, a
+    placeholder for one still being read."""
+
+    def __init__(self, document: Document | None, parent=None, name: str = ""):
+        super().__init__(parent)
+        self.document = document
+        self.setFrameShape(QFrame.Shape.StyledPanel)
+        row = QHBoxLayout(self)
+        row.setContentsMargins(4, 1, 2, 1)
+        row.setSpacing(2)
+        if document is None:
+            self.label = QLabel(f"Reading {name}…", self)
+            self.label.setToolTip("Reading the text of this document…")
+        else:
+            self.label = QLabel(f"\N{PAGE FACING UP} {describe_document(document)}", self)
+            self.label.setToolTip(f"{len(document.text):,} characters of text")
+        self.remove_button = QToolButton(self)
+        self.remove_button.setText("×")
+        self.remove_button.setAutoRaise(True)
+        self.remove_button.setToolTip("Remove this document")
+        row.addWidget(self.label)
+        row.addWidget(self.remove_button)
+
+
 class _CheckRelay(QObject):
     """Carries a check's result from the worker thread to the GUI thread (a queued connection).
 
     Signals:
-        done(token: int, image: MessageImage | None, picture: QImage | None, problem: str)
+        done(token: int, item: MessageImage | Document | None, picture: QImage | None, problem: str)
     """
 
     done = Signal(int, object, object, str)
@@ -126,6 +177,19 @@ def check_image(item: QImage | str, dpr: float) -> tuple[MessageImage, QImage]:
     composer's worker thread does. Raises AttachmentError."""
     image = image_from_qimage(item) if isinstance(item, QImage) else image_from_file(item)
     return image, thumbnail_image(image.data, THUMB_SIDE, dpr)
+
+
+def _run_read(token: int, path: str, relay: _CheckRelay) -> None:
+    """One offered document's reading, on the composer's pool thread (as _run_check)."""
+    doc, problem = None, ""
+    try:
+        doc = read_document(path)
+    except DocumentError as e:
+        problem = str(e)
+    except Exception as e:  # noqa: BLE001 - the box waits for every answer: never leave it without one
+        problem = f"{Path(path).name} could not be read ({e!r})"
+    with contextlib.suppress(RuntimeError):
+        relay.done.emit(token, doc, None, problem)
 
 
 def _run_check(token: int, item: QImage | str, dpr: float, relay: _CheckRelay) -> None:
@@ -150,15 +214,16 @@ class _Offer:
     def __init__(self, n: int):
         self.left = n
         self.problems: list[str] = []
+        self.notices: list[str] = []  # read, but with something to know (a guessed encoding)
 
 
 class ComposerBox(QWidget):
-    """The editor with its pending images, a note line for refused attachments, and Attach image.
+    """The editor with its pending images and documents, a note line for refused attachments, and Attach.
 
     Signals:
         notice(text: str): an attachment was refused (why); also shown in the box's note line.
-        checked(refused: bool): the last image check running is done; refused says whether an image offered
-            since the box was last idle was refused (its note says which and why).
+        checked(refused: bool): the last check running (image or document) is done; refused says whether an
+            attachment offered since the box was last idle was refused (its note says which and why).
     """
 
     notice = Signal(str)
@@ -175,6 +240,7 @@ class ComposerBox(QWidget):
         self._pending: dict[int, tuple[_Thumb, _Offer]] = {}  # token -> (placeholder, its offer)
         self._refused = False
         self.images: list[MessageImage] = []
+        self.documents: list[Document] = []
         self.vision = False
         self.folder = str(Path.home())
         layout = QVBoxLayout(self)
@@ -190,18 +256,24 @@ class ComposerBox(QWidget):
         self._strip_row.setContentsMargins(0, 0, 0, 0)
         self._strip_row.addStretch(1)
         self.strip.hide()
+        self.doc_strip = QWidget(self)
+        self.doc_strip.setAccessibleName("Documents to send")
+        self._doc_row = QHBoxLayout(self.doc_strip)
+        self._doc_row.setContentsMargins(0, 0, 0, 0)
+        self._doc_row.addStretch(1)
+        self.doc_strip.hide()
         self.editor = Composer(self)
         self.editor.setAccessibleName("Message")
         self.editor.setPlaceholderText("Write a message. Enter sends, Shift+Enter adds a line.")
         self.editor.setMaximumHeight(140)
         self.attach_button = QToolButton(self)
-        self.attach_button.setText("Attach image…")
-        self.attach_button.setAccessibleName("Attach image")
+        self.attach_button.setText("Attach…")
+        self.attach_button.setAccessibleName("Attach documents or images")
         self.attach_button.setAutoRaise(True)
         tools = QHBoxLayout()
         tools.addWidget(self.attach_button)
         tools.addStretch(1)
-        for w in (self.note, self.strip, self.editor):
+        for w in (self.note, self.strip, self.doc_strip, self.editor):
             layout.addWidget(w)
         layout.addLayout(tools)
         self.setAcceptDrops(True)  # files dropped beside the editor (on the strip, the tool row) count too
@@ -210,42 +282,52 @@ class ComposerBox(QWidget):
         self.set_vision(False)
 
     def set_vision(self, on: bool) -> None:
-        """Whether the loaded model reads images: enables Attach image and paste/drop of images."""
+        """Whether the loaded model reads images (documents go with any model)."""
         self.vision = bool(on)
-        self.attach_button.setEnabled(self.vision)
-        self.attach_button.setToolTip(ATTACH_TIP if self.vision else NO_VISION)
+        self.attach_button.setToolTip(ATTACH_TIP if self.vision else ATTACH_TIP_NO_VISION)
 
     @Slot()
     def choose_images(self) -> None:
-        """Pick image files in a dialog and attach them."""
-        paths, _ = QFileDialog.getOpenFileNames(self, "Attach images", self.folder, FILE_FILTER)
+        """Pick documents and image files in a dialog and attach them."""
+        filters = FILE_FILTER_ALL if self.vision else f"{DOCUMENT_FILTER};;All files (*)"
+        paths, _ = QFileDialog.getOpenFileNames(self, "Attach documents or images", self.folder, filters)
         if paths:
             self.folder = str(Path(paths[0]).parent)
             self.offer(paths)
 
     @property
     def checking(self) -> bool:
-        """Whether offered images are still being checked (they are not in `images` yet)."""
+        """Whether offered images or documents are still being checked (not in `images`/`documents` yet)."""
         return bool(self._pending)
 
     @Slot(object)
     def offer(self, items: list) -> None:
-        """Attach images (QImage) and image files (paths), in order, each checked in a worker thread; a
-        placeholder holds its place meanwhile. What cannot be attached is named in the note once the offer's
-        checks are done (all of it at once while the model reads no images)."""
-        if not self.vision:
-            self.show_note(NO_VISION)
-            return
+        """Attach images (QImage), image files and documents (paths), in order, each checked in a worker
+        thread; a placeholder holds its place meanwhile. What cannot be attached is named in the note once
+        the offer's checks are done (images at once while the model reads none)."""
         if not items:
             return
+        refuse_images = not self.vision and any(is_image_item(item) for item in items)
+        if refuse_images:
+            items = [item for item in items if not is_image_item(item)]
+            if not items:
+                self.show_note(NO_VISION)
+                return
         offer = _Offer(len(items))
+        if refuse_images:  # said with the documents' refusals, once they are read
+            offer.problems.append(NO_VISION)
+            self._refused = True
         dpr = self.devicePixelRatioF()
         for item in items:
             token = self._next_token
             self._next_token += 1
-            placeholder = self._insert(_Thumb(None, self.strip))
+            if is_image_item(item):
+                placeholder = self._insert(_Thumb(None, self.strip))
+                self._pool.start(functools.partial(_run_check, token, item, dpr, self._relay))
+            else:
+                placeholder = self._insert_doc(_DocChip(None, self.doc_strip, Path(item).name))
+                self._pool.start(functools.partial(_run_read, token, item, self._relay))
             self._pending[token] = (placeholder, offer)
-            self._pool.start(functools.partial(_run_check, token, item, dpr, self._relay))
         self._relabel()
 
     @Slot(int, object, object, str)
@@ -254,7 +336,14 @@ class ComposerBox(QWidget):
         if entry is None:
             return  # removed, or the message went, while it was being checked
         placeholder, offer = entry
-        if image is not None:
+        if isinstance(image, Document):
+            chip = _DocChip(image, self.doc_strip)
+            chip.remove_button.clicked.connect(self._on_remove)
+            self._doc_row.insertWidget(self._doc_row.indexOf(placeholder), chip)
+            self.documents.append(image)  # in the order offered, as images
+            if image.notice:
+                offer.notices.append(image.notice)
+        elif image is not None:
             thumb = _Thumb(image, self.strip, picture)
             thumb.remove_button.clicked.connect(self._on_remove)
             self._strip_row.insertWidget(self._strip_row.indexOf(placeholder), thumb)
@@ -270,7 +359,7 @@ class ComposerBox(QWidget):
         self._drop(placeholder)
         offer.left -= 1
         if not offer.left:
-            self.show_note(" ".join(offer.problems))
+            self.show_note(" ".join(offer.problems + offer.notices))
         self._relabel()
         if not self._pending:
             refused, self._refused = self._refused, False
@@ -286,16 +375,23 @@ class ComposerBox(QWidget):
     def _insert(self, thumb: _Thumb, before_pending: bool = False) -> _Thumb:
         thumb.remove_button.clicked.connect(self._on_remove)
         at = self._strip_row.count() - 1  # before the stretch
-        if before_pending and self._pending:
-            at = min(self._strip_row.indexOf(p) for p, _ in self._pending.values())
+        if before_pending and self._placeholders():
+            at = min(self._strip_row.indexOf(p) for p in self._placeholders())
         self._strip_row.insertWidget(at, thumb)
         self.strip.show()
         return thumb
 
-    def _drop(self, thumb: _Thumb) -> None:
+    def _insert_doc(self, chip: _DocChip) -> _DocChip:
+        chip.remove_button.clicked.connect(self._on_remove)
+        self._doc_row.insertWidget(self._doc_row.count() - 1, chip)
+        self.doc_strip.show()
+        return chip
+
+    def _drop(self, thumb: _Thumb | _DocChip) -> None:
         thumb.setParent(None)
         thumb.deleteLater()
-        self.strip.setVisible(bool(self.images or self._pending))
+        self.strip.setVisible(bool(self._thumbs() or self._placeholders()))
+        self.doc_strip.setVisible(bool(self._chips(pending=None)))
 
     def remove(self, index: int) -> None:
         """Drop the pending image at `index`."""
@@ -304,12 +400,23 @@ class ComposerBox(QWidget):
         self._drop(thumb)
         self._relabel()
 
+    def remove_document(self, index: int) -> None:
+        """Drop the pending document at `index`."""
+        chip = self._chips()[index]
+        del self.documents[index]
+        self._drop(chip)
+        self._relabel()
+
     @Slot()
     def _on_remove(self) -> None:
         button = self.sender()
         for i, thumb in enumerate(self._thumbs()):
             if thumb.remove_button is button:
                 self.remove(i)
+                return
+        for i, chip in enumerate(self._chips()):
+            if chip.remove_button is button:
+                self.remove_document(i)
                 return
         for token, (placeholder, offer) in list(self._pending.items()):
             if placeholder.remove_button is button:  # still being checked: its answer will be ignored
@@ -326,6 +433,12 @@ class ComposerBox(QWidget):
         items = (self._strip_row.itemAt(i).widget() for i in range(self._strip_row.count()))
         return [w for w in items if isinstance(w, _Thumb) and w.image is None]
 
+    def _chips(self, pending: bool | None = False) -> list[_DocChip]:
+        """The document chips in order: read ones (pending False), placeholders (True) or all (None)."""
+        items = (self._doc_row.itemAt(i).widget() for i in range(self._doc_row.count()))
+        chips = [w for w in items if isinstance(w, _DocChip)]
+        return chips if pending is None else [c for c in chips if (c.document is None) == pending]
+
     def _relabel(self) -> None:
         for i, thumb in enumerate(self._thumbs()):
             thumb.remove_button.setAccessibleName(f"Remove image {i + 1}")
@@ -333,6 +446,11 @@ class ComposerBox(QWidget):
         for i, thumb in enumerate(self._placeholders()):
             thumb.remove_button.setAccessibleName(f"Remove image being checked {i + 1}")
             thumb.picture.setAccessibleName(f"Image being checked {i + 1}")
+        for i, chip in enumerate(self._chips()):
+            chip.remove_button.setAccessibleName(f"Remove document {i + 1} ({chip.document.name})")
+            chip.label.setAccessibleName(f"Document {i + 1} to send")
+        for i, chip in enumerate(self._chips(pending=True)):
+            chip.remove_button.setAccessibleName(f"Remove document being read {i + 1}")
 
     def show_note(self, text: str) -> None:
         """Show why something was not attached ("" hides the note); notice carries it to the status bar."""
@@ -342,22 +460,25 @@ class ComposerBox(QWidget):
             self.notice.emit(text)
 
     def clear(self) -> None:
-        """Empty the editor and the pending images (the message went); checks still running are forgotten."""
+        """Empty the editor and the pending images and documents (the message went); checks still running are
+        forgotten."""
         self.editor.clear()
-        for thumb in self._thumbs() + self._placeholders():
+        for thumb in self._thumbs() + self._placeholders() + self._chips(pending=None):
             thumb.setParent(None)
             thumb.deleteLater()
         self.images = []
+        self.documents = []
         was_checking = bool(self._pending)
         self._pending.clear()
         self.strip.hide()
+        self.doc_strip.hide()
         self.show_note("")
         if was_checking:
             self._refused = False
             self.checked.emit(False)
 
     def shutdown(self) -> None:
-        """Drop the image checks not started yet (the window is closing): only a running one is waited for."""
+        """Drop the checks not started yet (the window is closing): only a running one is waited for."""
         self._pool.clear()
         self._pending.clear()
 

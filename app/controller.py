@@ -22,10 +22,18 @@ it is (no call runs; Continue goes on writing it).
 
 A message with images goes to the engine as a list of parts, its images first and then its text (as
 Gemma 3's examples order them); a message without images stays a string.
+
+Documents (engine.documents, attached in the composer) are stored with their user message; every reply
+writes the chat's documents into the prompt (engine.document_context.with_documents): whole when they all
+fit the context beside the conversation and the reply, else the chunks that best match the latest
+question, counted in the model's own tokenizer. That choice runs in the bridge's thread (a `prepare` step:
+counting, chunking and ranking a long document take a while); what went in comes back as `prepared`, is
+kept in the reply's stats as "sources" and shown under it.
 """
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import asdict
 
@@ -35,6 +43,8 @@ from app.qt import QObject, QTimer, Signal, Slot
 from app.settings import SAMPLING_KEYS, Settings
 from engine import tool_loop
 from engine.client import ChatEvent
+from engine.document_context import document_budget, estimate_tokens, model_token_counter, with_documents
+from engine.documents import Document
 from engine.generate import GenerationParams
 from engine.reasoning import ReasoningStream, split_reasoning
 from engine.tool_loop import ALLOW_ALWAYS, CANCELLED, DECLINED, DENY, CallOutcome
@@ -112,12 +122,39 @@ def message_content(message: Message) -> str | list[dict]:
     return parts
 
 
-def chat_title(text: str, images: list[MessageImage]) -> str:
-    """A new chat's title: the first message's first words; "Image" for a message of images only."""
+def chat_title(text: str, images: list[MessageImage], documents: list[Document] | None = None) -> str:
+    """A new chat's title: the first message's first words; else the first document's name, or "Image"
+    for a message of images only."""
     title = " ".join(text.split())[:TITLE_CHARS]
-    if title or not images:
+    if title:
+        return title
+    if documents:
+        return documents[0].name[:TITLE_CHARS]
+    if not images:
         return title
     return "Image" if len(images) == 1 else f"{len(images)} images"
+
+
+def _add_documents(
+    documents: list[list[Document]], n_ctx: int, max_tokens: int, model_path: str, conversation: list[dict]
+):
+    """The conversation with its documents written in, and the sources it got (a bridge `prepare` step).
+    Tokens are counted with the model's tokenizer (read from its file here), else estimated."""
+    count = model_token_counter(model_path) if model_path else None
+    other = sum(_content_tokens(m.get("content"), count) + 8 for m in conversation)  # 8: a turn's template
+    budget = document_budget(n_ctx, max_tokens, other)
+    conversation, selection = with_documents(conversation, documents, budget, count)
+    return conversation, selection.sources()
+
+
+def _content_tokens(content, count=None) -> int:
+    """A message's tokens (its text; an image's tokens are the engine's business)."""
+    count = count or estimate_tokens
+    if isinstance(content, str):
+        return count(content)
+    if isinstance(content, list):
+        return sum(count(p.get("text", "")) for p in content if isinstance(p, dict))
+    return 0
 
 
 def event_stats(event: ChatEvent | None) -> dict:
@@ -148,6 +185,7 @@ class ChatController(QObject):
         toolCallPending(message_id: int, pending: bool, name: str): the streaming reply started writing a tool
             call (its text is held back; name: the tool, once it has arrived, else ""), or no longer is (the
             reply ended, or it was no call after all).
+        sourcesChanged(message: Message): the streaming reply's documents were chosen (stats["sources"]).
     """
 
     chatsChanged = Signal()
@@ -160,6 +198,7 @@ class ChatController(QObject):
     notice = Signal(str)
     toolCallsChanged = Signal(object, bool)
     toolCallPending = Signal(int, bool, str)
+    sourcesChanged = Signal(object)
 
     def __init__(
         self,
@@ -180,6 +219,7 @@ class ChatController(QObject):
         self._text = ""
         self._flushed_text = ""
         self._last_event: ChatEvent | None = None
+        self._sources: list[dict] = []  # what of the chat's documents the reply in progress got
         self._flush_timer = QTimer(self)
         self._flush_timer.setInterval(int(FLUSH_S * 1000))
         self._flush_timer.timeout.connect(self.flush)
@@ -187,6 +227,7 @@ class ChatController(QObject):
         bridge.progress.connect(self._on_progress)
         bridge.finished.connect(self._on_finished)
         bridge.failed.connect(self._on_failed)
+        bridge.prepared.connect(self._on_prepared)
         # tool use: the app's ToolManager (None: no tools), the message whose calls are under way
         self.tools = tools
         self._tool_message: Message | None = None
@@ -254,12 +295,15 @@ class ChatController(QObject):
         return self.store.messages(self.chat.id) if self.chat else []
 
     # ---- turns
-    def send(self, text: str, images: list[MessageImage] | None = None) -> bool:
-        """Store the user's message (text, images or both) and request a reply. False if not sent (empty,
+    def send(
+        self, text: str, images: list[MessageImage] | None = None, documents: list[Document] | None = None
+    ) -> bool:
+        """Store the user's message (text, images, documents) and request a reply. False if not sent (empty,
         busy, no model, or images for a model that reads none: the notice says so)."""
         text = text.strip()
         images = list(images or [])
-        if not (text or images) or self.busy:
+        documents = list(documents or [])
+        if not (text or images or documents) or self.busy:
             return False
         if self.bridge.model is None:
             self.notice.emit("No model is loaded yet: pick one above (or wait for the load to finish).")
@@ -274,9 +318,9 @@ class ChatController(QObject):
             self.new_chat()
         assert self.chat is not None
         first = not self.store.messages(self.chat.id)
-        msg = self.store.add_message(self.chat.id, "user", text, images=images)
+        msg = self.store.add_message(self.chat.id, "user", text, images=images, documents=documents)
         if first:
-            title = chat_title(text, images)
+            title = chat_title(text, images, documents)
             self.store.update_chat(self.chat.id, title=title)
             self.chat.title = title
         self.messageAdded.emit(msg)
@@ -311,10 +355,10 @@ class ChatController(QObject):
         target = next((m for m in msgs if m.id == message_id), None)
         if self.busy or target is None or target.role != "user" or self.bridge.model is None:
             return False
-        if not (text or target.images):
+        if not (text or target.images or target.documents):
             return False
         self.store.delete_from(self.chat.id, target.position)
-        self.store.add_message(self.chat.id, "user", text, images=target.images)
+        self.store.add_message(self.chat.id, "user", text, images=target.images, documents=target.documents)
         self.chatOpened.emit(self.chat.id)
         self._start_reply()
         return True
@@ -336,9 +380,11 @@ class ChatController(QObject):
         elif self.busy:
             self.bridge.cancel()
 
-    def _conversation(self, resume: Message | None) -> tuple[list[dict], int]:
-        """The messages for the engine, and how many of the chat's images were left out of them."""
-        conv = []
+    def _conversation(self, resume: Message | None) -> tuple[list[dict], int, list[list[Document]]]:
+        """The messages for the engine, how many of the chat's images were left out of them, and the
+        documents of each message (written in later, off the GUI thread: _add_documents)."""
+        conv: list[dict] = []
+        docs: list[list[Document]] = []  # per entry of conv
         if self.chat and self.chat.system_prompt.strip():
             conv.append({"role": "system", "content": self.chat.system_prompt})
         # earlier images in a chat now on a model that reads none are left out, with a notice, so the chat
@@ -346,6 +392,7 @@ class ChatController(QObject):
         vision = self.bridge.model is None or self.bridge.model.vision
         left_out = 0
         for m in self.messages():
+            docs += [[]] * (len(conv) - len(docs))
             if m.role == "assistant" and m.tool_calls:
                 conv += tool_loop.history_messages(m.content, m.tool_calls)
                 continue
@@ -353,19 +400,29 @@ class ChatController(QObject):
                 continue
             if m.images and not vision:
                 left_out += len(m.images)
-                if not m.content:
+                if not (m.content or m.documents):
                     continue
                 conv.append({"role": m.role, "content": m.content})
-                continue
-            conv.append({"role": m.role, "content": message_content(m)})
+            else:
+                conv.append({"role": m.role, "content": message_content(m)})
+            docs.append(list(m.documents))
+        docs += [[]] * (len(conv) - len(docs))
         if resume is not None and conv and conv[-1]["role"] == "assistant":
             conv[-1]["continue"] = True
-        return conv, left_out
+        return conv, left_out, docs
+
 
     def _start_reply(self, resume: Message | None = None) -> None:
         assert self.chat is not None
-        conversation, left_out = self._conversation(resume)
+        conversation, left_out, docs = self._conversation(resume)
         self._turn += 1
+        self._sources = []
+        params = sampling_params(self.settings, self.chat.overrides)
+        prepare = None
+        if any(docs):  # counting, chunking and ranking a long document take a while: in the bridge's thread
+            model = self.bridge.model
+            n_ctx, path = (model.n_ctx, model.path) if model else (4096, "")
+            prepare = functools.partial(_add_documents, docs, n_ctx, params.max_tokens, path)
         if resume is None:
             self._reply = self.store.add_message(self.chat.id, "assistant", "", state="streaming")
             self._text = ""
@@ -388,7 +445,6 @@ class ChatController(QObject):
             )
         self._set_busy(True)
         self._flush_timer.start()
-        params = sampling_params(self.settings, self.chat.overrides)
         try:
             speculation = speculation_options(self.settings)
         except ValueError as e:
@@ -399,7 +455,7 @@ class ChatController(QObject):
             variables["tools"] = [t.schema() for t in self.tools.tools()]
         self.bridge.generate(
             self._turn, conversation, params, self.chat.id, self.settings.get("context_policy"), speculation,
-            template_vars=variables,
+            template_vars=variables, prepare=prepare,
         )
 
     # ---- tools
@@ -547,6 +603,16 @@ class ChatController(QObject):
         self.replyEvent.emit(event)
 
     @Slot(int, object)
+    def _on_prepared(self, turn: int, sources: list[dict]) -> None:
+        """The reply's documents were chosen: kept with it (and written now, should the app die) and shown."""
+        if turn != self._turn or self._reply is None:
+            return
+        self._sources = sources
+        self._reply.stats = {**self._reply.stats, "sources": sources}
+        self.store.update_message(self._reply.id, stats=self._reply.stats)
+        self.sourcesChanged.emit(self._reply)
+
+    @Slot(int, object)
     def _on_progress(self, turn: int, event: ChatEvent) -> None:
         if turn == self._turn:
             self.replyEvent.emit(event)
@@ -560,6 +626,9 @@ class ChatController(QObject):
             return None
         stats = event_stats(event or self._last_event)
         stats["finish_reason"] = event.finish_reason if event else state
+        sources = self._sources or reply.stats.get("sources")
+        if sources:
+            stats["sources"] = sources
         calls = state == "done" and self._take_calls(reply)
         if calls:
             stats["finish_reason"] = "tool_calls"

@@ -42,6 +42,7 @@ class EngineBridge(QObject):
         failed(turn: int, message: str, crashed: bool): the reply failed; crashed: the worker died.
         restarting(): the worker is being restarted after a crash.
         restarted(ok: bool, message: str): the restart ended.
+        prepared(turn: int, info: object): what a reply's `prepare` step said (before its first chunk).
         statusReady(status: EngineStatus): an answer to poll_status().
     """
 
@@ -55,6 +56,7 @@ class EngineBridge(QObject):
     restarting = Signal()
     restarted = Signal(bool, str)
     statusReady = Signal(object)
+    prepared = Signal(int, object)
 
     def __init__(self, threads: int | None = None, parent: QObject | None = None):
         super().__init__(parent)
@@ -119,9 +121,12 @@ class EngineBridge(QObject):
         context_policy: str = "truncate-middle",
         speculation=None,
         template_vars: dict | None = None,
+        prepare=None,
     ) -> None:
         """Stream a reply; `turn` tags every signal of it. `speculation`: engine SpeculationOptions;
-        `template_vars`: further chat template variables (enable_thinking)."""
+        `template_vars`: further chat template variables (enable_thinking); `prepare`: conversation ->
+        (conversation, info), run in the call's thread before the request (work too slow for the GUI
+        thread, such as choosing what of a chat's documents goes in), its info sent as `prepared`."""
         self.generating = True
         self._spawn(
             self._generate,
@@ -132,15 +137,19 @@ class EngineBridge(QObject):
             context_policy,
             speculation,
             template_vars,
+            prepare,
         )
 
     def _generate(
-        self, turn, conversation, params, chat_id, policy, speculation=None, template_vars=None
+        self, turn, conversation, params, chat_id, policy, speculation=None, template_vars=None, prepare=None
     ) -> None:
         pending: list[str] = []
         last_emit = 0.0
         last: ChatEvent | None = None
         try:
+            if prepare is not None:
+                conversation, info = prepare(conversation)
+                self._emit(self.prepared, turn, info)
             extra = {"speculation": speculation} if speculation is not None else {}
             if template_vars:
                 extra["template_vars"] = template_vars

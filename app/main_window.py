@@ -359,6 +359,7 @@ class MainWindow(QMainWindow):
         c.messageAdded.connect(self._on_message_added)
         c.messageText.connect(self.view.set_text)
         c.messageDone.connect(self.view.finish)
+        c.sourcesChanged.connect(self.view.show_sources)
         c.busyChanged.connect(self._on_busy)
         c.busyChanged.connect(self._apply_engine_settings)
         c.busyChanged.connect(self.restart_tools)
@@ -513,14 +514,15 @@ class MainWindow(QMainWindow):
     # ---- sending
     @Slot()
     def send(self) -> None:
-        """Send the composer's text and images. While an attached image is still being checked (in a worker
-        thread), the message waits for it and goes when the checks are done; if one of them is refused, it
-        does not go, so the note can say why first."""
-        if self.composer_box.checking:
+        """Send the composer's text, images and documents. While an attachment is still being checked (in a
+        worker thread), the message waits for it and goes when the checks are done; if one of them is
+        refused, it does not go, so the note can say why first."""
+        box = self.composer_box
+        if box.checking:
             self._send_when_checked = True
-            self.statusBar().showMessage("Sending when the attached images are checked…", 8000)
+            self.statusBar().showMessage("Sending when the attached images and documents are checked…", 8000)
             return
-        if self.controller.send(self.composer.toPlainText(), self.composer_box.images):
+        if self.controller.send(self.composer.toPlainText(), box.images, box.documents):
             self.composer_box.clear()
 
     @Slot(bool)
@@ -530,7 +532,7 @@ class MainWindow(QMainWindow):
         self._send_when_checked = False
         if refused:
             self.statusBar().showMessage(
-                "Not sent: an attached image was refused (see the note above the message); "
+                "Not sent: an attachment was refused (see the note above the message); "
                 "send again to go without it", 8000
             )
             return

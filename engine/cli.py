@@ -103,6 +103,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling_args(chat, 1024)
     chat.add_argument("--system", default=None, help="system prompt")
     chat.add_argument(
+        "--doc", action="append", default=[], metavar="FILE",
+        help="a document (PDF, .docx, HTML, text, source code) the chat is about; repeatable. Whole when it "
+        "fits the context, else the parts that best match each question",
+    )
+    chat.add_argument(
         "--mcp",
         action="store_true",
         help="use the tools of the MCP servers in mcp.json (Hearth's config dir); asks before each call",

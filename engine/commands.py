@@ -8,6 +8,8 @@ import time
 from pathlib import Path
 
 from engine.backends import cpu
+from engine.document_context import document_budget, sources_text, with_documents
+from engine.documents import Document, read_document
 from engine.errors import HearthError, ImageInputError
 from engine.generate import GenerationParams, generate, prefill
 from engine.loader import LoadedModel, load_model
@@ -211,30 +213,58 @@ def cmd_chat(args) -> int:
     system = [{"role": "system", "content": args.system}] if args.system else []
     messages = list(system)
     pending: list[bytes] = []  # images for the next message (/image)
+    docs = [_read_doc(path) for path in getattr(args, "doc", None) or []]  # for the first message (--doc)
     if lm.template is None:
         _chat_prompt(lm, messages)  # pick the fallback template now, so its notice precedes the prompt
     session = _tool_session(args, lm)
     try:
-        return _chat_loop(lm, params, n_ctx, cache, system, messages, pending, session)
+        return _chat_loop(lm, params, n_ctx, cache, system, messages, pending, session, docs)
     finally:
         if session is not None:
             session.host.close()
 
 
-def _chat_loop(lm, params, n_ctx, cache, system, messages, pending, session) -> int:
+def _read_doc(path: str) -> Document:
+    """A document for the chat (--doc, /doc), said on stderr; DocumentError says what is wrong."""
+    doc = read_document(Path(path).expanduser())
+    pages = f", {doc.pages} pages" if doc.pages else ""
+    print(f"(document {doc.name}: {len(doc.text):,} characters{pages})", file=sys.stderr)
+    if doc.notice:
+        print(f"hearth: {doc.notice}", file=sys.stderr)
+    return doc
+
+
+def _chat_loop(lm, params, n_ctx, cache, system, messages, pending, session, docs=None) -> int:
     from engine.tool_loop import run_tool_loop
 
     print(
         f"{lm.name} ready (context {n_ctx}, on {getattr(lm.model, 'placement', 'cpu')}). "
-        "/reset clears the chat, /exit or Ctrl-D quits."
+        "/reset clears the chat, /exit or Ctrl-D quits. /doc FILE adds a document to your next message."
         + (" /image FILE adds an image to your next message." if lm.vision is not None else ""),
         file=sys.stderr,
     )
     last = None
+    docs = list(docs or [])  # documents for the next message
+    attached: dict[int, list[Document]] = {}  # index in messages of a user message -> its documents
+
+    def count(text: str) -> int:
+        return len(lm.tokenizer.encode(text))
+
+    def with_docs(conversation: list[dict], template_vars: dict) -> list[dict]:
+        """The conversation with the chat's documents written in (as the app does: whole when they fit,
+        else the chunks that best match the latest message); says on stderr what went in."""
+        if not attached:
+            return conversation
+        per = [attached.get(i, []) for i in range(len(conversation))]
+        other = len(_chat_prompt(lm, conversation, template_vars))
+        out, selection = with_documents(conversation, per, document_budget(n_ctx, params.max_tokens, other),
+                                        count)
+        print(f"[sources: {sources_text(selection.sources())}]", file=sys.stderr)
+        return out
 
     def reply(conversation: list[dict], template_vars: dict) -> str:
         nonlocal last
-        ids = _chat_prompt(lm, conversation, template_vars)
+        ids = _chat_prompt(lm, with_docs(conversation, template_vars), template_vars)
         respelled = reuse_held_tokens(lm.tokenizer, ids, cache.tokens)  # the cache's own tokens
         ids = respelled if len(respelled) < n_ctx else ids
         # a reply inside a thinking block the template opened shows (and keeps) its opening tag
@@ -264,7 +294,19 @@ def _chat_loop(lm, params, n_ctx, cache, system, messages, pending, session) -> 
         if line.strip() == "/reset":
             messages[:] = list(system)
             pending.clear()
+            docs.clear()
+            attached.clear()
             print("(chat cleared)", file=sys.stderr)
+            continue
+        if line.strip().startswith("/doc"):
+            path = line.strip()[len("/doc"):].strip()
+            try:
+                if not path:
+                    raise HearthError("give a file: /doc PATH")
+                docs.append(_read_doc(path))
+                print(f"({len(docs)} document(s) go with your next message)", file=sys.stderr)
+            except HearthError as e:
+                print(f"hearth: {e}", file=sys.stderr)
             continue
         if line.strip().startswith("/image"):
             path = line.strip()[len("/image"):].strip()
@@ -278,6 +320,9 @@ def _chat_loop(lm, params, n_ctx, cache, system, messages, pending, session) -> 
             except HearthError as e:
                 print(f"hearth: {e}", file=sys.stderr)
             continue
+        if docs:
+            attached[len(messages)] = list(docs)
+            docs.clear()
         messages.append(_user_message(line, pending))
         pending.clear()
         mark = len(messages)
@@ -293,6 +338,7 @@ def _chat_loop(lm, params, n_ctx, cache, system, messages, pending, session) -> 
             continue
         except HearthError as e:
             del messages[mark - 1 :]
+            docs[:0] = attached.pop(mark - 1, [])  # they go with the next message instead
             print(f"\nhearth: {e}", file=sys.stderr)
             continue
         print(

@@ -147,7 +147,7 @@ def test_migrates_a_version_2_database_to_images(tmp_path):
     assert "message_images" not in tables
     db.close()
     s = ChatStore(path)
-    assert s.schema_version == SCHEMA_VERSION == 4
+    assert s.schema_version == SCHEMA_VERSION == 5
     tables = {r[0] for r in s.db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
     assert "message_images" in tables
     msgs = s.messages("c")
@@ -254,7 +254,7 @@ def test_migrates_a_version_3_database_to_tool_calls(tmp_path):
     assert "tool_calls" not in columns
     db.close()
     s = ChatStore(path)
-    assert s.schema_version == SCHEMA_VERSION == 4
+    assert s.schema_version == SCHEMA_VERSION == 5
     msgs = s.messages("c")
     assert [(m.content, m.images, m.tool_calls) for m in msgs] == [("look", [PNG], []), ("a cat", [], [])]
     reply = s.add_message("c", "assistant", "Let me add.")

@@ -1,4 +1,4 @@
-"""Images in chats: the composer's Attach image (button, paste, drop) following the model's vision, files
+"""Images in chats: the composer's Attach (button, paste, drop) following the model's vision, files
 refused with a message, the message parts the engine gets, thumbnails in the conversation and after a
 restart. The real window and store (HEARTH_HOME in a temp dir) over the engine with SmolLM2 loaded; the
 tests that send swap the client's generate for a recording stand-in, since SmolLM2 reads no images."""
@@ -100,8 +100,9 @@ def files(tmp_path):
 def test_attach_follows_the_models_vision(qtbot, engine, files):
     w, store = _window(qtbot, engine)
     box = w.composer_box
-    assert not engine.model.vision and not w.attach_button.isEnabled()
-    assert "does not read images" in w.attach_button.toolTip()
+    # Attach stays on for documents; the tooltip says images need a vision model
+    assert not engine.model.vision and w.attach_button.isEnabled()
+    assert "Images need a vision model" in w.attach_button.toolTip()
     w.composer.setPlainText("What is this?")
     QApplication.clipboard().setImage(QImage(str(files["wide"])))
     w.composer.paste()
@@ -116,9 +117,9 @@ def test_attach_follows_the_models_vision(qtbot, engine, files):
     _checked(qtbot, box)
     assert len(box.images) == 1 and not box.note.isVisible()
 
-    # the model changes to one without vision: the button goes grey, and Enter sends nothing yet
+    # the model changes to one without vision: the tooltip says so, and Enter sends nothing yet
     engine.loaded.emit(replace(seeing, vision=False))
-    assert not w.attach_button.isEnabled()
+    assert "Images need a vision model" in w.attach_button.toolTip()
     before = len(store.list_chats())
     qtbot.keyClick(w.composer, Qt.Key.Key_Return)
     assert "does not read images" in w.view.notice_label.text()
@@ -368,7 +369,7 @@ def test_images_are_checked_off_the_gui_thread_and_send_waits_for_them(
 
     qtbot.keyClick(w.composer, Qt.Key.Key_Return)  # Send while the images are being checked: it waits
     assert replies == [] and not w.controller.busy and w.composer.toPlainText() == "What is this?"
-    assert "Sending when the attached images are checked" in w.statusBar().currentMessage()
+    assert "Sending when the attached images and documents are checked" in w.statusBar().currentMessage()
     with qtbot.waitSignal(w.controller.messageDone, timeout=20000):
         gate.set()
     wide, photo = files["wide"].read_bytes(), files["photo"].read_bytes()

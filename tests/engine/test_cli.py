@@ -175,3 +175,42 @@ def test_bench_times_a_prompt_with_an_image(capsys):
     assert out["image_ttft_s"] >= out["image_s"] > 0 and out["image_prefill_s"] > 0
     assert main(["bench", "-m", str(tiny / "gemma3"), "-p", "8", "-g", "4", "--image", image]) != 0
     assert "does not read images" in capsys.readouterr().err
+
+
+def test_chat_with_a_document(monkeypatch, capsys, smollm2_path, tmp_path):
+    import engine.commands as commands
+
+    notes = tmp_path / "notes.txt"
+    notes.write_text("Meeting notes. The wifi password is swordfish.\n")
+    more = tmp_path / "more.md"
+    more.write_text("# More\n\nThe printer is on the second floor.\n")
+    prompts: list[list[dict]] = []
+    real = commands._chat_prompt
+
+    def chat_prompt(lm, messages, template_vars=None):
+        prompts.append([dict(m) for m in messages])
+        return real(lm, messages, template_vars)
+
+    monkeypatch.setattr(commands, "_chat_prompt", chat_prompt)
+    lines = iter(["What is the wifi password?", f"/doc {more}", "/doc", "Where is the printer?", "/exit"])
+    monkeypatch.setattr("builtins.input", lambda prompt="": next(lines))
+    argv = ["chat", "-m", str(smollm2_path), "--temperature", "0", "-n", "8", "--doc", str(notes)]
+    assert main(argv) == 0
+    err = capsys.readouterr().err
+    assert "(document notes.txt: 47 characters)" in err and "[sources: notes.txt (whole document)]" in err
+    assert "give a file: /doc PATH" in err
+    assert "[sources: notes.txt (whole document); more.md (whole document)]" in err
+    asked = [p for p in prompts if p and p[-1]["role"] == "user" and "<documents>" in p[-1]["content"]]
+    first = asked[0][-1]["content"]
+    assert first.startswith('<documents>\n<document name="notes.txt" part="whole document">\n')
+    assert first.endswith("swordfish.\n</document>\n</documents>\n\nWhat is the wifi password?")
+    last = prompts[-1]
+    assert "swordfish" in last[0]["content"] and "second floor" in last[-1]["content"]
+
+
+def test_chat_doc_errors_are_clear(capsys, smollm2_path, tmp_path):
+    scan = tmp_path / "data.bin"
+    scan.write_bytes(b"\x00\x01\x02" * 100)
+    assert main(["chat", "-m", str(smollm2_path), "--doc", str(scan)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("hearth: data.bin is not a document Hearth can read") and "Traceback" not in err
