@@ -38,8 +38,8 @@ from engine.server.metrics import ServerMetrics
 from engine.server.scheduler import Engine
 
 # architectures (GGUF general.architecture, or a folder's model_type) of encoders: embeddings only
-ENCODER_ARCHITECTURES = ("bert", "nomic-bert", "nomic_bert", "jina-bert-v2", "xlm_roberta", "modernbert",
-                         "modern-bert", "neo-bert")
+ENCODER_ARCHITECTURES = ("bert", "nomic-bert", "nomic_bert", "xlm-roberta", "xlm_roberta", "modernbert",
+                         "modern-bert")
 
 
 @dataclass(frozen=True)
