@@ -41,6 +41,11 @@ class KVCache:
 
     # every position's state can be read and written back (engine.prefix_cache stores prefixes of it)
     partial_states = True
+    # None, or what a model derives from the token history and keeps with it (engine.vision.qwen35.MRopeTrack:
+    # the M-RoPE offset of the text after images): told of every advance and trim, so that a pass never
+    # rescans the history. Its methods: advance(tokens, start) (tokens[start:] joined) and trim(n) (the
+    # first n positions stay).
+    track = None
 
     def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, n_ctx: int, dtype=np.float32):
         dtype = np.dtype(dtype)
@@ -86,14 +91,23 @@ class KVCache:
 
     def advance(self, tokens) -> None:
         """Record that `tokens` now occupy the next positions (call after every layer was updated)."""
+        start = len(self._tokens)
         self._tokens.extend(int(t) for t in tokens)
+        if self.track is not None:
+            self.track.advance(self._tokens, start)
 
     def trim(self, n: int) -> int:
         """Forget the last n positions (speculation rollback, regenerate). Returns how many were dropped."""
         n = max(0, min(n, self.offset))
         if n:
-            del self._tokens[self.offset - n :]
+            self._truncate(self.offset - n)
         return n
+
+    def _truncate(self, n: int) -> None:
+        """Keep the first n tokens of the history (and the track's state for them)."""
+        del self._tokens[n:]
+        if self.track is not None:
+            self.track.trim(n)
 
     def common_prefix(self, tokens) -> int:
         """Length of the longest common prefix between the cached tokens and `tokens`."""
@@ -227,7 +241,7 @@ class RecurrentKVCache(KVCache):
             self.conv_state[:] = 0.0
         for p in [p for p in self._snapshots if p > pos]:
             del self._snapshots[p]
-        del self._tokens[pos:]
+        self._truncate(pos)
         return end - pos
 
 
