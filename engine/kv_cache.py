@@ -205,6 +205,7 @@ class RecurrentKVCache(KVCache):
         self.recurrent = np.zeros((n_rec, *state_shape), np.float32)
         self.conv_state = np.zeros((n_rec, *conv_shape), np.float32)
         self._snapshots: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        self._spare: list[tuple[np.ndarray, np.ndarray]] = []  # dropped snapshots' arrays, for the next
 
     @property
     def state_nbytes(self) -> int:
@@ -216,13 +217,24 @@ class RecurrentKVCache(KVCache):
         return super().nbytes + self.state_nbytes
 
     def snapshot(self) -> None:
-        """Keep the state at the current end (the latest MAX_SNAPSHOTS positions are kept)."""
+        """Keep the state at the current end (the latest MAX_SNAPSHOTS positions are kept).
+
+        The new copy goes into the arrays of the snapshot it replaces (the oldest, at capacity) or of one a
+        trim dropped: never more than MAX_SNAPSHOTS copies (a fresh copy before dropping the oldest made
+        MAX_SNAPSHOTS + 1, one state over state_nbytes and the memory guard's estimate, 72 MiB for
+        Qwen3-Next-80B), and no fresh allocation, whose pages fault in one by one, per prompt chunk."""
         pos = self.offset
         if pos == 0 or pos in self._snapshots:
             return
-        self._snapshots[pos] = (self.recurrent.copy(), self.conv_state.copy())
-        while len(self._snapshots) > self.MAX_SNAPSHOTS:
-            del self._snapshots[min(self._snapshots)]
+        if len(self._snapshots) >= self.MAX_SNAPSHOTS:
+            state, conv = self._snapshots.pop(min(self._snapshots))
+        elif self._spare:
+            state, conv = self._spare.pop()
+        else:
+            state, conv = np.empty_like(self.recurrent), np.empty_like(self.conv_state)
+        np.copyto(state, self.recurrent)
+        np.copyto(conv, self.conv_state)
+        self._snapshots[pos] = (state, conv)
 
     def trim(self, n: int) -> int:
         """Forget at least the last n positions: back to the latest snapshot at or before offset - n.
@@ -240,7 +252,7 @@ class RecurrentKVCache(KVCache):
             self.recurrent[:] = 0.0
             self.conv_state[:] = 0.0
         for p in [p for p in self._snapshots if p > pos]:
-            del self._snapshots[p]
+            self._spare.append(self._snapshots.pop(p))
         self._truncate(pos)
         return end - pos
 
