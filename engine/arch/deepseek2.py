@@ -466,11 +466,14 @@ class DeepSeek2Model(LlamaModel):
         ctx = rows[0, : pos0 + n]  # (ctx, r + rope) as the cache holds them (float16 widened below)
         latent = np.ascontiguousarray(ctx[:, :r], np.float32)
         w_k, w_v = _kv_b_float(m, heads, r, nope, v)
-        keys = np.empty((heads, pos0 + n, nope + rope), np.float32)
-        keys[:, :, :nope] = np.matmul(latent, w_k)  # (heads, ctx, nope)
-        keys[:, :, nope:] = ctx[:, r:]
-        values = np.matmul(latent, w_v)  # (heads, ctx, v)
         queries = np.empty((n, heads, nope + rope), np.float32)
         queries[:, :, :nope] = q3[:, :, :nope]
         queries[:, :, nope:] = b.q_pe
-        ops.attention(b.values, queries, keys, values, pos0, self.scale)
+        # one head at a time: only its keys and values (ctx rows each) are alive, no larger than a block of
+        # the absorbed form's scores (every head decompressed at once: 1.3 GiB at 32k tokens on V2-Lite)
+        keys = np.empty((1, pos0 + n, nope + rope), np.float32)
+        keys[0, :, nope:] = ctx[:, r:]  # the rotated part every head shares
+        for h in range(heads):
+            np.matmul(latent, w_k[h], out=keys[0, :, :nope])
+            values = np.matmul(latent, w_v[h])[None]  # (1, ctx, v)
+            ops.attention(b.values[:, h : h + 1], queries[:, h : h + 1], keys, values, pos0, self.scale)
