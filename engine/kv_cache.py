@@ -41,6 +41,11 @@ class KVCache:
 
     # every position's state can be read and written back (engine.prefix_cache stores prefixes of it)
     partial_states = True
+    # None, or what a model derives from the token history and keeps with it (engine.vision.qwen35.MRopeTrack:
+    # the M-RoPE offset of the text after images): told of every advance and trim, so that a pass never
+    # rescans the history. Its methods: advance(tokens, start) (tokens[start:] joined) and trim(n) (the
+    # first n positions stay).
+    track = None
 
     def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, n_ctx: int, dtype=np.float32):
         dtype = np.dtype(dtype)
@@ -86,14 +91,23 @@ class KVCache:
 
     def advance(self, tokens) -> None:
         """Record that `tokens` now occupy the next positions (call after every layer was updated)."""
+        start = len(self._tokens)
         self._tokens.extend(int(t) for t in tokens)
+        if self.track is not None:
+            self.track.advance(self._tokens, start)
 
     def trim(self, n: int) -> int:
         """Forget the last n positions (speculation rollback, regenerate). Returns how many were dropped."""
         n = max(0, min(n, self.offset))
         if n:
-            del self._tokens[self.offset - n :]
+            self._truncate(self.offset - n)
         return n
+
+    def _truncate(self, n: int) -> None:
+        """Keep the first n tokens of the history (and the track's state for them)."""
+        del self._tokens[n:]
+        if self.track is not None:
+            self.track.trim(n)
 
     def common_prefix(self, tokens) -> int:
         """Length of the longest common prefix between the cached tokens and `tokens`."""
@@ -191,6 +205,7 @@ class RecurrentKVCache(KVCache):
         self.recurrent = np.zeros((n_rec, *state_shape), np.float32)
         self.conv_state = np.zeros((n_rec, *conv_shape), np.float32)
         self._snapshots: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        self._spare: list[tuple[np.ndarray, np.ndarray]] = []  # dropped snapshots' arrays, for the next
 
     @property
     def state_nbytes(self) -> int:
@@ -202,13 +217,24 @@ class RecurrentKVCache(KVCache):
         return super().nbytes + self.state_nbytes
 
     def snapshot(self) -> None:
-        """Keep the state at the current end (the latest MAX_SNAPSHOTS positions are kept)."""
+        """Keep the state at the current end (the latest MAX_SNAPSHOTS positions are kept).
+
+        The new copy goes into the arrays of the snapshot it replaces (the oldest, at capacity) or of one a
+        trim dropped: never more than MAX_SNAPSHOTS copies (a fresh copy before dropping the oldest made
+        MAX_SNAPSHOTS + 1, one state over state_nbytes and the memory guard's estimate, 72 MiB for
+        Qwen3-Next-80B), and no fresh allocation, whose pages fault in one by one, per prompt chunk."""
         pos = self.offset
         if pos == 0 or pos in self._snapshots:
             return
-        self._snapshots[pos] = (self.recurrent.copy(), self.conv_state.copy())
-        while len(self._snapshots) > self.MAX_SNAPSHOTS:
-            del self._snapshots[min(self._snapshots)]
+        if len(self._snapshots) >= self.MAX_SNAPSHOTS:
+            state, conv = self._snapshots.pop(min(self._snapshots))
+        elif self._spare:
+            state, conv = self._spare.pop()
+        else:
+            state, conv = np.empty_like(self.recurrent), np.empty_like(self.conv_state)
+        np.copyto(state, self.recurrent)
+        np.copyto(conv, self.conv_state)
+        self._snapshots[pos] = (state, conv)
 
     def trim(self, n: int) -> int:
         """Forget at least the last n positions: back to the latest snapshot at or before offset - n.
@@ -226,8 +252,8 @@ class RecurrentKVCache(KVCache):
             self.recurrent[:] = 0.0
             self.conv_state[:] = 0.0
         for p in [p for p in self._snapshots if p > pos]:
-            del self._snapshots[p]
-        del self._tokens[pos:]
+            self._spare.append(self._snapshots.pop(p))
+        self._truncate(pos)
         return end - pos
 
 

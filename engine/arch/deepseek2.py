@@ -300,6 +300,18 @@ def _per_head(out: np.ndarray, w: Weight, x: np.ndarray, starts: np.ndarray, row
         out[:, h] = y
 
 
+def _kv_b_float(m: MLA, heads: int, r: int, nope: int, v: int) -> tuple[np.ndarray, np.ndarray]:
+    """kv_b_proj's key and value halves dequantized to float32, as right operands of the latent rows:
+    W_k[h]^T (heads, r, nope) and W_v[h]^T (heads, r, v). Made per pass rather than kept, so the weights stay
+    the file's pages: 3 ms a layer on V2-Lite's sizes (Q5_0 / Q4_K, 1 thread) beside the ~150 ms of the
+    layer's attention over a 512-token pass."""
+    w_k = np.empty((heads * r, nope), np.float32)
+    ops.get_rows(w_k, m.k_b, np.arange(heads * r))
+    w_v = np.empty((heads * v, r), np.float32)
+    ops.get_rows(w_v, m.v_b, (m.v_starts[:, None] + np.arange(v)).reshape(-1))
+    return w_k.reshape(heads, r, nope), w_v.reshape(heads, v, r).transpose(0, 2, 1)
+
+
 @register("deepseek2")
 class DeepSeek2Model(LlamaModel):
     """DeepSeek-V2/V3 and GLM-4.7-Flash: LlamaModel's layer loop (norms, residuals, the MoE FFN, batched
@@ -307,6 +319,15 @@ class DeepSeek2Model(LlamaModel):
 
     config_class = DeepSeek2Config
     mla = True
+    # Single-sequence passes of at least this many tokens (prefill chunks) attend decompressed
+    # (_decompressed); shorter ones (decode, speculative verify passes, short prompts) and batched decode
+    # absorbed. One layer's attention branch (projections included) of a DeepSeek-V2-Lite-shaped Q4_K_M
+    # model, 1 thread, absorbed / decompressed time, median of 5 alternated runs
+    # (scripts/bench_mla_attention.py), for n tokens after P cached ones: n 512: 1.52 (P 0), 1.38 (512),
+    # 1.24 (2048), 1.39 (4096); n 256: 1.12, 1.12, 1.14, 1.11; n 128: 0.88, 0.94, 0.80, 0.77; n 64: 0.98,
+    # 0.56, 0.61, 0.46. Decompressing costs every cached row heads x (nope + v) x r multiply-adds a pass,
+    # so short passes over a long cache lose.
+    decompress_min_tokens = 256
 
     def __init__(self, cfg: DeepSeek2Config, weights):
         """Args: cfg; weights: a weight source (has/matrix/vector/experts; expert_stack for split k_b/v_b)."""
@@ -346,6 +367,7 @@ class DeepSeek2Model(LlamaModel):
         self.scale = np.float32(all_dim * all_dim / np.sqrt(cfg.qk_head_dim))
         self._decode = Scratch(cfg, 1)
         self._logits = np.empty((1, cfg.vocab_size), np.float32)
+        self._pass = None  # (cache, first layer) of a single-sequence pass (_run), for _decompressed
 
     @functools.cached_property
     def small_batch_max(self) -> int:
@@ -364,6 +386,14 @@ class DeepSeek2Model(LlamaModel):
         if getattr(s, "mla", None) is None:
             s.mla = MLABuffers(self.cfg, len(s.h))
         return s.mla
+
+    def _run(self, tokens: np.ndarray, cache: KVCache, first: int = 0, hidden=None) -> Scratch:
+        """LlamaModel._run, with the pass's cache at hand for the decompressed attention of long passes."""
+        self._pass = (cache, first) if len(tokens) >= self.decompress_min_tokens else None
+        try:
+            return super()._run(tokens, cache, first, hidden)
+        finally:
+            self._pass = None
 
     def _attention(self, s: Scratch, i: int, layer: MLALayer, attend, inv_freq) -> None:
         """Layer i's latent attention: s.h, the normed input, -> s.o (see the module docstring)."""
@@ -390,20 +420,61 @@ class DeepSeek2Model(LlamaModel):
         if self.rope_mscale != 1:
             b.q_pe *= self.rope_mscale
             b.k_pe *= self.rope_mscale
+        kv[:, :r] = b.latent  # the rows the cache keeps
+        kv[:, r:] = b.k_pe[:, 0]
+        if self._pass is not None:
+            self._decompressed(i, m, q3, b, kv)
+        else:
+            self._absorbed(i, m, q3, b, kv, s, attend)
+        values = b.values.reshape(n, heads * v)
+        if capture is not None:
+            capture(i, "attn_output", values)
+        ops.linear(s.o, layer.wo, values)
+
+    def _absorbed(self, i: int, m: MLA, q3: np.ndarray, b: MLABuffers, kv: np.ndarray, s: Scratch,
+                  attend) -> None:
+        """Attention over the latent rows as one key-value head: q3 (n, heads, nope + rope) with b.q_pe
+        rotated, kv (n, r + rope) the pass's latent rows -> b.values (n, heads, v_head_dim)."""
+        cfg = self.cfg
+        n, heads = len(kv), cfg.num_attention_heads
+        r, nope, rope, v = cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
         # the absorbed queries (n, heads, r + rope): W_k[h]^T q_nope, then q_pe
         b.q_nope[:] = q3[:, :, :nope]
         _per_head(b.q_lat, m.k_b, b.q_nope, b.k_starts, r)
         qa3 = s.q.reshape(n, heads, r + rope)
         qa3[:, :, :r] = b.q_lat
         qa3[:, :, r:] = b.q_pe
-        kv[:, :r] = b.latent
-        kv[:, r:] = b.k_pe[:, 0]
         rows = kv.reshape(n, 1, r + rope)
         out3 = s.attn.reshape(n, heads, r + rope)
         attend(i, out3, qa3, rows, rows)
         b.o_lat[:] = out3[:, :, :r]
         _per_head(b.values, m.v_b, b.o_lat, m.v_starts, v)
-        values = b.values.reshape(n, heads * v)
-        if capture is not None:
-            capture(i, "attn_output", values)
-        ops.linear(s.o, layer.wo, values)
+
+    def _decompressed(self, i: int, m: MLA, q3: np.ndarray, b: MLABuffers, kv: np.ndarray) -> None:
+        """Ordinary attention with per-head keys and values decompressed from the latent rows (the pass's,
+        stored first, and the cached ones before them): q3 (n, heads, nope + rope) with b.q_pe rotated,
+        kv (n, r + rope) -> b.values (n, heads, v_head_dim).
+
+        kv_b_proj turns each of the ctx rows into heads x (nope + v) numbers once per pass, where the
+        absorbed form has every (query, key) pair of a head go through r + rope key and r value dims instead
+        of nope + rope and v: on a long pass (prefill) this is the cheaper one (decompress_min_tokens)."""
+        cfg = self.cfg
+        n, heads = len(kv), cfg.num_attention_heads
+        r, nope, rope, v = cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+        cache, first = self._pass
+        pos0 = cache.offset
+        rows, _ = cache.update_and_fetch(cfg.cache_slot(i, first), kv.reshape(n, 1, r + rope))
+        ctx = rows[0, : pos0 + n]  # (ctx, r + rope) as the cache holds them (float16 widened below)
+        latent = np.ascontiguousarray(ctx[:, :r], np.float32)
+        w_k, w_v = _kv_b_float(m, heads, r, nope, v)
+        queries = np.empty((n, heads, nope + rope), np.float32)
+        queries[:, :, :nope] = q3[:, :, :nope]
+        queries[:, :, nope:] = b.q_pe
+        # one head at a time: only its keys and values (ctx rows each) are alive, no larger than a block of
+        # the absorbed form's scores (every head decompressed at once: 1.3 GiB at 32k tokens on V2-Lite)
+        keys = np.empty((1, pos0 + n, nope + rope), np.float32)
+        keys[0, :, nope:] = ctx[:, r:]  # the rotated part every head shares
+        for h in range(heads):
+            np.matmul(latent, w_k[h], out=keys[0, :, :nope])
+            values = np.matmul(latent, w_v[h])[None]  # (1, ctx, v)
+            ops.attention(b.values[:, h : h + 1], queries[:, h : h + 1], keys, values, pos0, self.scale)

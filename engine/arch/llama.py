@@ -664,7 +664,7 @@ class LlamaModel(Decoder):
         image's rows); None where one position per row serves."""
         if self.mrope is None or not self.images.any_held():
             return None
-        axes = self.images.positions(cache.tokens, tokens)
+        axes = self.images.cache_positions(cache, tokens)
         s.positions[:] = axes[0]
         return axes if (axes[1:] != axes[0]).any() else None
 
@@ -680,7 +680,7 @@ class LlamaModel(Decoder):
         for b, cache in enumerate(caches):
             s.positions[b] = cache.offset
             if self.mrope is not None and self.images.any_held():  # decoded text: the three axes agree
-                s.positions[b] = self.images.positions(cache.tokens, tokens[b : b + 1])[0, 0]
+                s.positions[b] = self.images.cache_positions(cache, tokens[b : b + 1])[0, 0]
 
         def attend(i, attn3, q3, k3, v3):
             # each sequence attends over its own cache, at its own index

@@ -32,6 +32,7 @@ text only the three agree with the index. Qwen2.5-VL's windowed tower (engine.vi
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -132,36 +133,103 @@ class Qwen35ImageTable(ImageTable):
         return self._next > 0
 
     def positions(self, held: Sequence[int], ids: np.ndarray) -> np.ndarray:
-        """(3, n) int64 (t, h, w) positions of a pass's ids that follow the `held` ids (the cache's tokens).
+        """(3, n) int64 (t, h, w) positions of a pass's ids that follow the `held` ids (the cache's tokens),
+        from a scan of the whole sequence (cache_positions gives the same from a cache's MRopeTrack).
 
         Raises:
             KeyError: an image id of an image this table never held.
         """
         seq = np.concatenate([np.asarray(held, np.int64), np.asarray(ids, np.int64)])
-        index = np.arange(len(seq), dtype=np.int64)
+        return self._positions(seq, 0, 0)[:, len(held) :]
+
+    def cache_positions(self, cache, ids: np.ndarray) -> np.ndarray:
+        """positions(cache.tokens, ids) at a cost that does not grow with the cache's history: from the
+        MRopeTrack the cache keeps (KVCache.track), made by one scan of its tokens the first time.
+
+        Raises:
+            KeyError: an image id of an image this table never held.
+        """
+        track = cache.track
+        if not isinstance(track, MRopeTrack) or track.table is not self:
+            track = MRopeTrack(self)
+            track.advance(cache.tokens, 0)
+            cache.track = track
+        start = cache.offset
+        return self._positions(np.asarray(ids, np.int64), start, track.offset(start))
+
+    def _positions(self, seq: np.ndarray, start: int, delta: int) -> np.ndarray:
+        """(3, len(seq)) positions of the ids seq at indices start.. of a sequence whose images before
+        `start` moved the text by delta (an image cut at `start` continues: its rows' ids say which)."""
+        index = np.arange(start, start + len(seq), dtype=np.int64)
         out = np.broadcast_to(index, (3, len(seq))).copy()
         where = np.flatnonzero(seq >= self.base)
-        if not len(where):
-            return out[:, len(held) :]
+        if not len(where):  # text only (a decode step): the offset of the images before it
+            out += delta
+            return out
+        ends, contrib = self._image_ends(seq)
+        shifts = np.zeros(len(seq), np.int64)
+        shifts[ends] = contrib
+        shift = delta + np.cumsum(shifts) - shifts  # over the images that ended before each index
+        out += shift
         slot, row = np.divmod(seq[where] - self.base, STRIDE)
-        cols = np.empty_like(row)
-        contrib = np.zeros(len(seq), np.int64)
+        cols = np.array([self.grids[int(s)][1] for s in slot], np.int64)
+        first = index[where] - row + shift[where]  # P of each image row's image
+        out[0, where] = first
+        out[1, where] = first + row // cols
+        out[2, where] = first + row % cols
+        return out
+
+    def _image_ends(self, seq: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Where in seq images end (their last rows' places) and what each moves the text after it by:
+        max(rows, columns) - rows * columns of its merged grid.
+
+        Raises:
+            KeyError: an image id of an image this table never held.
+        """
+        where = np.flatnonzero(seq >= self.base)
+        slot, row = np.divmod(seq[where] - self.base, STRIDE)
         for s in np.unique(slot):
-            grid = self.grids.get(int(s))
-            if grid is None:
+            if int(s) not in self.grids:
                 raise KeyError(f"image {int(s)} is no longer held; encode the prompt again")
-            gh, gw = grid
-            mine = slot == s
-            cols[mine] = gw
-            last = mine & (row == gh * gw - 1)
-            contrib[where[last]] = max(gh, gw) - gh * gw
-        delta = np.cumsum(contrib) - contrib  # over the images that ended before each index
-        out += delta
-        start = where - row + delta[where]  # P of each image row's image
-        out[0, where] = start
-        out[1, where] = start + row // cols
-        out[2, where] = start + row % cols
-        return out[:, len(held) :]
+        grids = np.array([self.grids[int(s)] for s in slot], np.int64).reshape(-1, 2)
+        gh, gw = grids[:, 0], grids[:, 1]
+        last = row == gh * gw - 1
+        return where[last], (np.maximum(gh, gw) - gh * gw)[last]
+
+
+class MRopeTrack:
+    """The M-RoPE offset of a cache's text (KVCache.track), kept as its tokens come and go: text at index i
+    sits at i + the sum, over the images that ended before i, of max(rows, columns) - rows * columns.
+
+    ends[k] is the index just past the k-th image's last row, totals[k] the offset after it; an advance adds
+    the new tokens' images, a trim drops those that no longer end inside the history. A pass's positions
+    then cost O(pass) (Qwen35ImageTable.cache_positions), where a scan of the history made every decode step
+    O(context)."""
+
+    def __init__(self, table: Qwen35ImageTable):
+        self.table = table
+        self.ends: list[int] = []
+        self.totals: list[int] = []
+
+    def offset(self, index: int) -> int:
+        """The offset of the text at `index`: the images that ended before it moved it by this much."""
+        k = bisect.bisect_right(self.ends, index)
+        return self.totals[k - 1] if k else 0
+
+    def advance(self, tokens: Sequence[int], start: int) -> None:
+        """tokens[start:] joined the history (tokens: the whole history, a list or array)."""
+        ends, contrib = self.table._image_ends(np.asarray(tokens[start:], np.int64))
+        total = self.totals[-1] if self.totals else 0
+        for end, c in zip(ends.tolist(), contrib.tolist(), strict=True):
+            total += c
+            self.ends.append(start + end + 1)
+            self.totals.append(total)
+
+    def trim(self, n: int) -> None:
+        """Only the first n tokens stay."""
+        while self.ends and self.ends[-1] > n:
+            self.ends.pop()
+            self.totals.pop()
 
 
 class Qwen35Vision(VisionTower):

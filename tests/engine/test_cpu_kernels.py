@@ -230,7 +230,7 @@ def test_rope(neox, n_rot):
 def attention_reference(q, k_cache, v_cache, pos0, scale):
     n_tok, n_heads, hd = q.shape
     group = n_heads // k_cache.shape[0]
-    out = np.zeros(q.shape)
+    out = np.zeros((n_tok, n_heads, v_cache.shape[2]))
     for t in range(n_tok):
         for h in range(n_heads):
             k = k_cache[h // group, : pos0 + t + 1].astype(np.float64)
@@ -255,6 +255,26 @@ def test_attention_gqa_causal(n_tok, pos0):
     cpu.attention(out, q, k_cache, v_cache, pos0, 1 / math.sqrt(hd))
     np.testing.assert_allclose(out, attention_reference(q, k_cache, v_cache, pos0, 1 / math.sqrt(hd)),
                                rtol=1e-4, atol=1e-5)
+
+
+# decompressed latent attention (engine/arch/deepseek2.py): values narrower than the keys, any pass size (3
+# queries take the BLAS path too); 300 queries over one query head a kv head go in blocks of 256
+@pytest.mark.parametrize("n_tok,pos0,n_kv,dtype", [
+    (3, 0, 4, np.float32), (20, 7, 2, np.float32), (300, 11, 4, np.float32), (40, 5, 4, np.float16),
+])
+def test_attention_with_values_of_another_width(n_tok, pos0, n_kv, dtype):
+    rng = np.random.default_rng(4)
+    n_heads, hd, v_dim, max_ctx = 4, 24, 16, 320
+    q = rng.standard_normal((n_tok, n_heads, hd)).astype(np.float32)
+    k_cache = rng.standard_normal((n_kv, max_ctx, hd)).astype(dtype)
+    v_cache = rng.standard_normal((n_kv, max_ctx, v_dim)).astype(dtype)
+    k_cache[:, pos0 + n_tok :] = 1e4
+    out = np.full((n_tok, n_heads, v_dim), np.nan, np.float32)
+    cpu.attention(out, q, k_cache, v_cache, pos0, 1 / math.sqrt(hd))
+    ref = attention_reference(q, k_cache, v_cache, pos0, 1 / math.sqrt(hd))
+    np.testing.assert_allclose(out, ref, rtol=1e-4, atol=2e-5)
+    with pytest.raises(ValueError, match="do not fit"):
+        cpu.attention(np.empty((n_tok, n_heads, hd), np.float32), q, k_cache, v_cache, pos0, 1.0)
 
 
 def windowed_attention_reference(q, k_cache, v_cache, pos0, scale, window, softcap=None, sinks=None):

@@ -155,6 +155,72 @@ def test_batched_decode_matches_one_sequence_at_a_time(models, family):
     check_batched_decode(models[family].model, ([5, 17, 42], [99, 3, 250, 77, 1], [8]), (8, 120, 33))
 
 
+def _count_decompressed(monkeypatch) -> list[int]:
+    """Patch DeepSeek2Model._decompressed to record each call's pass size; returns the list it appends to."""
+    calls, decompressed = [], DeepSeek2Model._decompressed
+
+    def spy(self, i, m, q3, b, kv):
+        calls.append(len(kv))
+        return decompressed(self, i, m, q3, b, kv)
+
+    monkeypatch.setattr(DeepSeek2Model, "_decompressed", spy)
+    return calls
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_decompressed_prefill_matches_the_absorbed_form(models, family, dtype, monkeypatch):
+    """Chunks of at least decompress_min_tokens attend with per-head keys and values decompressed from the
+    latent rows (the chunk's and the cached ones), shorter ones absorbed: the logits of a chunked prefill
+    are the all-absorbed ones and the golden, and the cache keeps the same rows."""
+    m, tokens = models[family].model, _golden(family)["tokens"]
+    ref = np.array(_golden(family)["logits"])
+    sizes = (5, 1, 2, 7, 1)  # a 5 and a 7 after 8 cached rows go decompressed at 4
+
+    def run(threshold):
+        monkeypatch.setattr(m, "decompress_min_tokens", threshold)
+        cache = m.new_cache(len(tokens) + 1, dtype)
+        rows, start = [], 0
+        for size in sizes:
+            rows.append(m.forward(tokens[start : start + size], cache, all_logits=True))
+            start += size
+        return np.concatenate(rows), cache
+
+    calls = _count_decompressed(monkeypatch)
+    absorbed, absorbed_cache = run(10**9)
+    assert calls == []
+    mixed, mixed_cache = run(4)
+    layers = m.cfg.num_hidden_layers
+    assert calls == [5] * layers + [7] * layers
+    tol = _tol(ref) if dtype == np.float32 else 2e-2 * np.abs(ref).max()
+    np.testing.assert_allclose(mixed, absorbed, atol=1e-5 if dtype == np.float32 else 1e-3)
+    np.testing.assert_allclose(mixed, ref, atol=tol)
+    # the first layer's rows come before any attention; the later ones from inputs that differ in rounding
+    held = slice(0, len(tokens))
+    np.testing.assert_array_equal(mixed_cache.k[0, :, held], absorbed_cache.k[0, :, held])
+    np.testing.assert_allclose(mixed_cache.k[:, :, held].astype(np.float32),
+                               absorbed_cache.k[:, :, held].astype(np.float32), atol=2e-3)
+
+
+def test_long_passes_take_the_decompressed_form_and_decode_the_absorbed_one(models, monkeypatch):
+    """The default dispatch: a pass of decompress_min_tokens tokens decompresses; one
+    token less, a decode step and a batched decode step do not."""
+    m = models["deepseek_v3"].model
+    calls = _count_decompressed(monkeypatch)
+    n = DeepSeek2Model.decompress_min_tokens
+    tokens = list(np.random.default_rng(1).integers(3, m.cfg.vocab_size, n + 1))
+    cache = m.new_cache(n + 4)
+    m.forward(tokens[: n - 1], cache)
+    assert calls == []
+    m.forward(tokens[n - 1 :], cache)
+    m.forward([5], cache)
+    other = m.new_cache(n + 4)
+    m.forward(tokens[:n], other)
+    assert calls == [n] * m.cfg.num_hidden_layers
+    m.forward_batch([7, 8], [cache, other])
+    assert calls == [n] * m.cfg.num_hidden_layers
+
+
 def test_group_limited_routing():
     """DeepSeek-V2's groups score by their best probability, V3's by the sum of their two best biased scores;
     experts outside the chosen groups are never picked, however high their own score."""

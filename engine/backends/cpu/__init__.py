@@ -284,10 +284,12 @@ def attention(
     """Causal multi-head attention over one layer's KV cache (GQA aware).
 
     Args:
-        out: float32 (n_tok, n_heads, head_dim), written.
+        out: float32 (n_tok, n_heads, v_dim), written.
         q: float32 (n_tok, n_heads, head_dim); query i sits at position pos0 + i.
-        k_cache, v_cache: float32 or float16 (n_kv_heads, max_ctx, head_dim) holding positions
-            [0, pos0 + n_tok); both of one dtype. Scores and sums are float32 either way.
+        k_cache, v_cache: float32 or float16 (n_kv_heads, max_ctx, head_dim) and (n_kv_heads, max_ctx,
+            v_dim) holding positions [0, pos0 + n_tok); both of one dtype. Scores and sums are float32
+            either way. Values of another width than the keys (v_dim != head_dim: decompressed latent
+            attention, engine/arch/deepseek2.py) take the BLAS path whatever the pass's size.
         pos0: position of the first query.
         scale: multiplies q.k (usually head_dim ** -0.5); positive.
         window: None, or a sliding window: the query at position p sees only keys [p - window + 1, p].
@@ -305,9 +307,17 @@ def attention(
             f"attention: {n_heads} heads over {k_cache.shape[0]} kv heads, positions up to {pos0 + n_tok} "
             f"in a cache of {k_cache.shape[1]}"
         )
-    if k_cache.dtype == np.float16 and (v_cache.dtype != np.float16 or v_cache.shape != k_cache.shape):
+    if k_cache.dtype == np.float16 and (
+        v_cache.dtype != np.float16 or v_cache.shape[:2] != k_cache.shape[:2]
+    ):
         raise ValueError(
             f"attention: v_cache {v_cache.dtype} {v_cache.shape} does not match the float16 k_cache"
+        )
+    wide = v_cache.shape[2] != q.shape[2]  # values of another width: the BLAS path only
+    if out.shape != (n_tok, n_heads, v_cache.shape[2]) or k_cache.shape[2] != q.shape[2]:
+        raise ValueError(
+            f"attention: q {q.shape}, k_cache {k_cache.shape}, v_cache {v_cache.shape} and out {out.shape} "
+            "do not fit"
         )
     if window is not None and window < 1:
         raise ValueError(f"attention: window must be positive, got {window}")
@@ -328,7 +338,7 @@ def attention(
         if key_ends.shape != (n_tok,) or (key_ends < own).any() or (key_ends > pos0 + n_tok).any():
             raise ValueError(f"attention: key_ends must be ({n_tok},) between each query's position + 1 and "
                              f"{pos0 + n_tok}")
-    if n_tok > _small_batch_max() or key_ends is not None:
+    if n_tok > _small_batch_max() or key_ends is not None or wide:
         ends = _NO_ENDS if key_ends is None else key_ends
         _attention_blas(
             out, q, k_cache, v_cache, int(pos0), np.float32(scale), window or 0, softcap, sinks, ends
@@ -372,7 +382,12 @@ def _attention_kernel(out, q, k_cache, v_cache, pos0: int, scale: float, cap: fl
 
 # _attention_blas's queries per block: a block multiplies only the keys its queries see (the causal
 # triangle's blocks, and the window's band), so at 512 tokens it computes about 56% of the full square.
-# Small enough for the softmax's scores to stay in L2 (64 x 4 heads x 2048 keys: 2 MiB).
+# Small enough for the softmax's scores to stay in L2 (64 x 4 heads x 2048 keys: 2 MiB). A kv head with
+# fewer than 4 query heads takes 4 // rep times as many queries a block, so that a block keeps about 256
+# score rows: each block reads its kv head's keys and values once, and 64 rows a product left them
+# re-read 4x as often. 16 heads of 192 (DeepSeek-V2-Lite decompressed, rep 1), 512 queries after 1536 and
+# 4096 cached keys, 1 thread, ms, blocks of 64 / 128 / 256 queries: 149 / 126 / 110 and 354 / 300 / 263
+# (rerun: 177 / 145 / 130, 415 / 334 / 286); heads of 128 alike (108 / 101 / 83 after 1536).
 _ATTENTION_QUERY_BLOCK = 64
 
 
@@ -385,7 +400,7 @@ def _attention_blas(
     when asked, the masked softmax in place (ops.causal_softmax), then P V. Float16 caches are widened to
     float32 over the keys in use."""
     n_tok, n_heads, head_dim = q.shape
-    n_kv = k_cache.shape[0]
+    n_kv, v_dim = k_cache.shape[0], v_cache.shape[2]
     rep = n_heads // n_kv
     base = 0 if window == 0 else max(0, pos0 - window + 1)  # the first key any query sees
     ctx = pos0 + n_tok
@@ -394,8 +409,9 @@ def _attention_blas(
         v_cache = v_cache[:, base:ctx].astype(np.float32)
     else:
         k_cache, v_cache = k_cache[:, base:ctx], v_cache[:, base:ctx]
-    for i0 in range(0, n_tok, _ATTENTION_QUERY_BLOCK):
-        i1 = min(i0 + _ATTENTION_QUERY_BLOCK, n_tok)
+    block = _ATTENTION_QUERY_BLOCK * max(1, 4 // rep)
+    for i0 in range(0, n_tok, block):
+        i1 = min(i0 + block, n_tok)
         key0 = base if window == 0 else max(base, pos0 + i0 - window + 1)  # the block's first key
         block_ends = ends[i0:i1] if len(ends) else ends
         last = int(block_ends.max()) if len(ends) else pos0 + i1
@@ -412,7 +428,7 @@ def _attention_blas(
                 scores *= np.float32(softcap)
                 ops.causal_softmax(scores, rep, pos0 + i0, key0, window, np.float32(1.0), group_sinks,
                                    block_ends)
-            out[i0:i1, heads] = (scores @ v_cache[g, keys]).reshape(i1 - i0, rep, head_dim)
+            out[i0:i1, heads] = (scores @ v_cache[g, keys]).reshape(i1 - i0, rep, v_dim)
 
 
 def _flat(a: np.ndarray, name: str) -> np.ndarray:
