@@ -7,7 +7,9 @@ names the result. The CLI writes under a temporary name next to OUT and renames 
 
 Cancel sends SIGINT: the CLI's KeyboardInterrupt path deletes its temporary file. If the process has
 to be killed instead (it did not stop in time, or on platforms without SIGINT), the job deletes the
-temporary file itself (`.OUT.part-PID`, the CLI's naming). Either way nothing partial is left.
+temporary file itself (`.OUT.part-PID`, the CLI's naming). Either way nothing partial is left. A cancel
+that lands after the CLI renamed its file to OUT (the conversion had just finished) deletes OUT too, when
+it was not there before the job started: a cancelled job leaves nothing, whenever the cancel came.
 """
 
 from __future__ import annotations
@@ -106,6 +108,7 @@ class ConversionJob(QObject):
         self._stdout = b""
         self._errors: list[str] = []
         self._t0 = 0.0
+        self._output_existed = True  # set at start: a cancel deletes only an output this job made
         self._indexed.connect(self._finish)
 
     @property
@@ -130,6 +133,7 @@ class ConversionJob(QObject):
         self.proc.finished.connect(self._on_finished)
         self.proc.errorOccurred.connect(self._on_error)
         self._t0 = time.monotonic()
+        self._output_existed = self.output.exists()
         self.proc.start(argv[0], argv[1:])
         self.pid = int(self.proc.processId() or 0)
 
@@ -193,6 +197,11 @@ class ConversionJob(QObject):
         self._cleanup()
         wall = time.monotonic() - self._t0
         if self._cancelled:
+            if not self._output_existed and self.output.exists():  # finished just before the cancel
+                if self.output.is_dir():
+                    shutil.rmtree(self.output, ignore_errors=True)
+                else:
+                    self.output.unlink(missing_ok=True)
             self._done(ConversionResult("cancelled", seconds=wall))
             return
         if code != 0:

@@ -104,6 +104,27 @@ def test_cancel_and_close_mid_conversion_leave_nothing_behind(qtbot, library_win
         os.kill(pid, 0)
 
 
+def test_a_cancel_that_lands_after_the_rename_leaves_nothing(qtbot, tmp_path, smollm2_path):
+    # the CLI renamed its file to OUT (it had just finished) when Cancel's SIGINT came: the job, cancelled,
+    # deletes OUT; an OUT that was there before the job is never touched
+    from app.conversion import ConversionJob
+
+    target = tmp_path / "out.gguf"
+    job = ConversionJob(smollm2_path, "Q8_0", target)
+    job.start()
+    assert job.proc.waitForFinished(120000)  # the conversion ran to its end ...
+    qtbot.waitUntil(lambda: job.result is not None, timeout=60000)
+    assert job.result.state == "done" and target.exists()
+    job.result, job._cancelled = None, True  # ... and the cancel is seen at the finish
+    job._output_existed = False
+    job._on_finished(0, None)
+    assert job.result.state == "cancelled" and not target.exists()
+    target.write_bytes(b"kept")
+    job.result, job._output_existed = None, True
+    job._on_finished(0, None)
+    assert job.result.state == "cancelled" and target.read_bytes() == b"kept"
+
+
 def test_a_bad_source_is_reported(qtbot, tmp_path):
     junk = tmp_path / "junk.gguf"
     junk.write_bytes(b"not a gguf at all" * 10)
