@@ -16,6 +16,23 @@ from engine.errors import EmbeddingOnlyModelError
 from engine.kv_cache import KVCache
 
 
+def hf_tensor_names(hf_tensors, prefixes: tuple[str, ...], global_names: dict[str, str],
+                    layer_names: dict[str, str], layer_re) -> dict[str, str]:
+    """GGUF name -> Hugging Face name of an encoder folder's tensors: after `prefixes` are taken off, a
+    name in `global_names`, or one `layer_re` splits into (layer index, part) with the part in
+    `layer_names`; other tensors (heads the encoder does not use) are left out."""
+    out = {}
+    for hf in hf_tensors:
+        name = hf
+        for prefix in prefixes:
+            name = name.removeprefix(prefix)
+        if name in global_names:
+            out[global_names[name]] = hf
+        elif (m := layer_re.fullmatch(name)) and m.group(2) in layer_names:
+            out[f"blk.{m.group(1)}.{layer_names[m.group(2)]}"] = hf
+    return out
+
+
 def segments(lengths: list[int]) -> tuple[np.ndarray, np.ndarray]:
     """(starts (B + 1,), positions (N,)): where each sequence's rows begin (and the end), and each row's
     position within its own sequence (0..n-1)."""

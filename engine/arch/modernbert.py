@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from engine.arch import register
-from engine.arch.encoder import Encoder, attend_segments
+from engine.arch.encoder import Encoder, attend_segments, hf_tensor_names
 from engine.backends import cpu as ops
 from engine.backends.cpu.ops import gelu_erf_fast
 from engine.vision.tower import layernorm, linear
@@ -123,14 +123,7 @@ _HF_LAYER_RE = re.compile(r"layers\.(\d+)\.(.+)")
 
 def hf_names(hf_tensors) -> dict[str, str]:
     """GGUF name -> Hugging Face name for a ModernBertModel's tensors (MLM head left out)."""
-    out = {}
-    for hf in hf_tensors:
-        name = hf.removeprefix("model.")
-        if name in _HF_GLOBAL:
-            out[_HF_GLOBAL[name]] = hf
-        elif (m := _HF_LAYER_RE.fullmatch(name)) and m.group(2) in _HF_LAYER:
-            out[f"blk.{m.group(1)}.{_HF_LAYER[m.group(2)]}"] = hf
-    return out
+    return hf_tensor_names(hf_tensors, ("model.",), _HF_GLOBAL, _HF_LAYER, _HF_LAYER_RE)
 
 
 @dataclass

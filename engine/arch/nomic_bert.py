@@ -24,7 +24,7 @@ import numpy as np
 from engine.arch import register
 from engine.arch.base import gguf_key
 from engine.arch.bert import POOLING_NAMES
-from engine.arch.encoder import Encoder, attend_segments
+from engine.arch.encoder import Encoder, attend_segments, hf_tensor_names
 from engine.backends import cpu as ops
 from engine.vision.tower import layernorm, linear
 
@@ -175,14 +175,8 @@ _HF_LAYER_RE = re.compile(r"(?:encoder\.)?layers\.(\d+)\.(.+)")
 
 def hf_names(hf_tensors) -> dict[str, str]:
     """GGUF name -> Hugging Face name for a nomic_bert folder's tensors (MLM heads left out)."""
-    out = {}
-    for hf in hf_tensors:
-        name = hf.removeprefix("nomic_bert.").removeprefix("bert.").removeprefix("model.")
-        if name in _HF_GLOBAL:
-            out[_HF_GLOBAL[name]] = hf
-        elif (m := _HF_LAYER_RE.fullmatch(name)) and m.group(2) in _HF_LAYER:
-            out[f"blk.{m.group(1)}.{_HF_LAYER[m.group(2)]}"] = hf
-    return out
+    prefixes = ("nomic_bert.", "bert.", "model.")
+    return hf_tensor_names(hf_tensors, prefixes, _HF_GLOBAL, _HF_LAYER, _HF_LAYER_RE)
 
 
 @dataclass

@@ -35,6 +35,15 @@ from engine.weights import FLOAT_DTYPES, float32_of
 _POOLING_TYPES = {"mean": 1, "cls": 2, "last": 3}
 
 
+
+def _special_id(tok_config: dict, vocab: dict, key: str, default: str) -> int | None:
+    """The id of a special token tokenizer_config.json names under `key` (a string or an AddedToken
+    object), or of `default` when it names none; None when the vocabulary lacks it."""
+    v = tok_config.get(key, default)
+    if isinstance(v, dict):
+        v = v.get("content")
+    return vocab.get(v) if isinstance(v, str) else None
+
 def _vocab_metadata(folder: Path, tok_config: dict, n_rows: int) -> dict:
     spec, _, vocab, tokens = read_vocab(folder, "WordPiece")
     types = np.full(max(len(tokens), n_rows), TOKEN_NORMAL, np.int32)
@@ -50,10 +59,7 @@ def _vocab_metadata(folder: Path, tok_config: dict, n_rows: int) -> dict:
         return t[2:] if t.startswith("##") else "\u2581" + t
 
     def tid(key: str, default: str) -> int | None:
-        v = tok_config.get(key, default)
-        if isinstance(v, dict):
-            v = v.get("content")
-        return vocab.get(v) if isinstance(v, str) else None
+        return _special_id(tok_config, vocab, key, default)
 
     md = {
         "tokenizer.ggml.model": "bert",
@@ -102,10 +108,7 @@ def _unigram_vocab_metadata(folder: Path, tok_config: dict, n_rows: int) -> dict
                  for p in [pre, *pre.get("pretokenizers", [])])
 
     def tid(key: str, default: str) -> int | None:
-        v = tok_config.get(key, default)
-        if isinstance(v, dict):
-            v = v.get("content")
-        return vocab.get(v) if isinstance(v, str) else None
+        return _special_id(tok_config, vocab, key, default)
 
     md = {
         "tokenizer.ggml.model": "t5",
