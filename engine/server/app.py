@@ -767,6 +767,18 @@ class _Router:
 
         return route
 
+    async def ollama_show(self, request: Request) -> Response:
+        """/api/show: a loaded model's from its handlers, a library model's from its file (no load)."""
+        body = await read_json(request, self.config.max_body_bytes)
+        fields = body if isinstance(body, dict) else {}
+        name = next((v for k in ("model", "name") if isinstance(v := fields.get(k), str) and v), None)
+        if name is not None:
+            served, entry = await run_in_threadpool(self.pool.find, name)
+            if served is None and entry is not None:
+                return JSONResponse(await run_in_threadpool(ollama.show_unloaded, entry))
+        return await self._dispatch(request, lambda h: h.ollama.show, keys=("model", "name"),
+                                    keep_alive="keep_alive", ollama_names=True)
+
     # --- about all models ---
 
     async def health(self, request: Request) -> Response:
@@ -872,8 +884,7 @@ def create_app(
         Route("/api/version", oll.version, methods=["GET"]),
         Route("/api/tags", router.tags, methods=["GET"]),
         Route("/api/ps", router.ps, methods=["GET"]),
-        Route("/api/show", router.handler(lambda h: h.ollama.show, True, ("model", "name")),
-              methods=["POST"]),
+        Route("/api/show", router.ollama_show, methods=["POST"]),
         Route("/api/chat", router.handler(lambda h: h.ollama.chat, True), methods=["POST"]),
         Route("/api/generate", router.handler(lambda h: h.ollama.generate, True), methods=["POST"]),
         Route("/api/embed", router.handler(lambda h: h.embed.ollama_embed, True), methods=["POST"]),

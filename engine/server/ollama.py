@@ -40,6 +40,7 @@ from engine.server import protocol
 from engine.server.errors import APIError, invalid
 from engine.server.scheduler import Delta, SeqParams
 from engine.tools import ToolCallStream
+from models.errors import HearthError
 
 # the Ollama release whose API these routes follow (clients read /api/version to pick features)
 API_VERSION = "0.12.0"
@@ -250,6 +251,13 @@ def catalog_tag(entry) -> dict:
     """The /api/tags entry of a library model not loaded (engine.server.pool.CatalogEntry), from what the
     library knows of it: no load needed."""
     e = entry.entry
+    if e is None:  # a model given by path, not from the library: its header says the same
+        from models.library import inspect_model
+
+        try:
+            e = inspect_model(entry.path)
+        except (HearthError, OSError):
+            e = None
     stat = entry.path.stat()
     arch = (getattr(e, "architecture", None) or "") if e is not None else ""
     params = getattr(e, "params", None) or 0
@@ -365,17 +373,12 @@ class OllamaRoutes:
 
     def capabilities(self) -> list[str]:
         spec = getattr(self.api.lm, "embedding", None)
-        if spec is not None and spec.encoder_only:
-            return ["embedding"]
-        out = ["completion", "embedding"] if spec is not None and spec.dedicated else ["completion"]
-        if getattr(self.api.lm, "vision", None) is not None:
-            out.append("vision")
-        if self.api.template_has_tools:
-            out.append("tools")
-        source = getattr(self.api.lm.template, "source", "") or ""
-        if "enable_thinking" in source or "<think>" in source or "reasoning_effort" in source:
-            out.append("thinking")
-        return out
+        return capabilities(
+            getattr(self.api.lm.template, "source", "") or "",
+            vision=getattr(self.api.lm, "vision", None) is not None,
+            encoder=spec is not None and spec.encoder_only,
+            embeds=spec is not None and spec.dedicated,
+        )
 
     async def root(self, request: Request) -> Response:
         return PlainTextResponse("Hearth is running (Ollama's API at /api, OpenAI's at /v1)")
@@ -392,25 +395,11 @@ class OllamaRoutes:
         lm = self.api.lm
         cfg = lm.model.cfg
         entry = await run_in_threadpool(self.entry)
-        details = entry["details"]
-        arch = details["family"] or "llama"
-        info = {
-            "general.architecture": arch,
-            "general.name": lm.name,
-            f"{arch}.context_length": lm.context_length,
-            f"{arch}.embedding_length": getattr(cfg, "hidden_size", None),
-            f"{arch}.block_count": getattr(cfg, "num_layers", getattr(cfg, "num_hidden_layers", None)),
-        }
-        return JSONResponse({
-            "license": str(lm.metadata.get("general.license") or ""),
-            "modelfile": f"# served by Hearth\nFROM {lm.path}\n",
-            "parameters": "\n".join(f"{k} {v}" for k, v in DEFAULTS.items()),
-            "template": getattr(lm.template, "source", "") or "",
-            "details": details,
-            "model_info": {k: v for k, v in info.items() if v is not None},
-            "capabilities": self.capabilities(),
-            "modified_at": entry["modified_at"],
-        })
+        return JSONResponse(_show(
+            lm.path, entry, lm.name, str(lm.metadata.get("general.license") or ""),
+            getattr(lm.template, "source", "") or "", lm.context_length, getattr(cfg, "hidden_size", None),
+            getattr(cfg, "num_layers", getattr(cfg, "num_hidden_layers", None)), self.capabilities(),
+        ))
 
     async def unsupported(self, request: Request) -> Response:
         what = request.url.path.removeprefix("/api/")
@@ -560,6 +549,85 @@ class _Reply:
                     break
         finally:
             job.cancel()  # the client went away (or the reply ended: then a no-op)
+
+
+def capabilities(template: str, vision: bool, encoder: bool, embeds: bool) -> list[str]:
+    """Ollama's capability names of a model: an encoder only embeds; a chat model completes, and may also
+    embed (a dedicated embedding model), read images, call tools (its template takes them) and think."""
+    if encoder:
+        return ["embedding"]
+    out = ["completion", "embedding"] if embeds else ["completion"]
+    if vision:
+        out.append("vision")
+    if "tools" in template:
+        out.append("tools")
+    if "enable_thinking" in template or "<think>" in template or "reasoning_effort" in template:
+        out.append("thinking")
+    return out
+
+
+def _show(path, tag: dict, name: str, license: str, template: str, context: int | None,
+          width: int | None, layers: int | None, caps: list[str]) -> dict:
+    """An /api/show body."""
+    arch = tag["details"]["family"] or "llama"
+    info = {
+        "general.architecture": arch,
+        "general.name": name,
+        f"{arch}.context_length": context,
+        f"{arch}.embedding_length": width,
+        f"{arch}.block_count": layers,
+    }
+    return {
+        "license": license,
+        "modelfile": f"# served by Hearth\nFROM {path}\n",
+        "parameters": "\n".join(f"{k} {v}" for k, v in DEFAULTS.items()),
+        "template": template,
+        "details": tag["details"],
+        "model_info": {k: v for k, v in info.items() if v is not None},
+        "capabilities": caps,
+        "modified_at": tag["modified_at"],
+    }
+
+
+def show_unloaded(entry) -> dict:
+    """/api/show of a library model that is not loaded (engine.server.pool.CatalogEntry), from its GGUF
+    header or its folder's config and template: no load, as Ollama reads the file.
+
+    Raises:
+        APIError (500): the file cannot be read.
+    """
+    from engine.server.pool import ENCODER_ARCHITECTURES
+
+    tag = catalog_tag(entry)
+    path = entry.path
+    try:
+        if path.is_dir():
+            from engine.hf_repo import chat_template_source, read_json
+
+            config = read_json(path / "config.json")
+            tok_path = path / "tokenizer_config.json"
+            template = chat_template_source(path, read_json(tok_path) if tok_path.is_file() else {}) or ""
+            arch = str(config.get("model_type") or "")
+            text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+            name, license = path.name, ""
+            context = text.get("max_position_embeddings")
+            width, layers = text.get("hidden_size"), text.get("num_hidden_layers")
+        else:
+            from models.formats.gguf import open_gguf
+
+            with open_gguf(path) as g:
+                md = dict(g.metadata)
+            arch = str(md.get("general.architecture") or "")
+            template = str(md.get("tokenizer.chat_template") or "")
+            name, license = str(md.get("general.name") or path.stem), str(md.get("general.license") or "")
+            context, width, layers = (md.get(f"{arch}.{k}") for k in
+                                      ("context_length", "embedding_length", "block_count"))
+    except (HearthError, OSError, ValueError) as e:
+        raise APIError(500, f"cannot read {entry.id}: {e}", "server_error", "model") from e
+    encoder = arch.lower() in ENCODER_ARCHITECTURES
+    reads_images = bool(entry.entry is not None and entry.entry.reads_images)
+    caps = capabilities(template, vision=reads_images, encoder=encoder, embeds=False)
+    return _show(path, tag, name, license, template, context, width, layers, caps)
 
 
 def _size_label(params: int) -> str:

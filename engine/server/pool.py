@@ -296,6 +296,14 @@ class ModelPool:
                 return (same, None) if same is not None else (None, entry)
         return None, None
 
+    def find(self, name: str) -> tuple[Served | None, CatalogEntry | None]:
+        """The loaded model answering `name` (or `name` without Ollama's ":latest"), else the library
+        entry that would be loaded; (None, None) when nothing answers. Loads nothing."""
+        found = self._resolve(name)
+        if found == (None, None) and name.endswith(":latest"):
+            found = self._resolve(name.removesuffix(":latest"))
+        return found
+
     def not_served(self, name: str) -> ModelNotServedError:
         if self._catalog_fn is None:
             names = ", ".join(repr(s.id) for s in self.loaded())

@@ -335,6 +335,7 @@ def test_models_are_listed_loaded_on_request_and_swapped(server, pool, oai, clie
     assert [t.model for t in tags] == [smol, "gemma-3-270m", "broken"]
     assert tags[1].size == pool.catalog()[0].path.stat().st_size
     assert [m.model for m in client.ps().models] == [smol]
+    loaded_show = client.show("smollm2-135m-instruct")
     before = _greedy(oai, "smollm2-135m-instruct")
 
     # Gemma on request: loaded, and SmolLM2 (idle) unloaded for it (one model at a time here)
@@ -361,6 +362,18 @@ def test_models_are_listed_loaded_on_request_and_swapped(server, pool, oai, clie
         time.sleep(0.1)
     assert client.ps().models == []
     assert {m.id for m in oai.models.list().data} == {"gemma-3-270m", "smollm2-135m-instruct", "broken"}
+    # /api/show of models not loaded reads their files: nothing loads
+    loads = pool.loads
+    shown = client.show("smollm2-135m-instruct:latest")
+    assert shown.template == loaded_show.template and shown.capabilities == loaded_show.capabilities
+    assert shown.details == loaded_show.details and shown.modelinfo == loaded_show.modelinfo
+    gemma = client.show("gemma-3-270m")
+    assert gemma.capabilities == ["completion"] and gemma.details.family == "gemma3"
+    assert gemma.modelinfo["gemma3.context_length"] == 32768 and gemma.details.quantization_level == "Q4_K_M"
+    with pytest.raises(ollama.ResponseError) as e:
+        client.show("broken")
+    assert e.value.status_code == 500 and "broken" in e.value.error
+    assert pool.loads == loads and client.ps().models == []
     health = httpx.get(f"http://127.0.0.1:{server.port}/health").json()
     assert health["status"] == "ok" and health["loaded"] == []
 
