@@ -8,6 +8,7 @@ and relays call results to the GUI thread as signals. The consent rules live in 
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import json
 import threading
 
@@ -112,7 +113,7 @@ class ToolManager(QObject):
         host = None
         if chosen:
             limit = float(self.settings.get("tool_timeout_s"))
-            host = ToolHost(chosen, call_timeout=limit, on_change=self.stateChanged.emit)  # a server died
+            host = ToolHost(chosen, call_timeout=limit, on_change=self._changed)  # a server died
             host.start()
         with self._lock:
             if generation != self._generation:  # a later restart won: this host is not wanted
@@ -125,7 +126,13 @@ class ToolManager(QObject):
         if stale is not None:
             stale.close()
             return
-        self.stateChanged.emit()
+        self._changed()
+
+    def _changed(self) -> None:
+        """stateChanged, from any thread; nothing when the manager is gone (the window closed while the
+        servers were starting: Qt deleted the signal's source)."""
+        with contextlib.suppress(RuntimeError):
+            self.stateChanged.emit()
 
     def call(self, outcome: CallOutcome) -> concurrent.futures.Future:
         """Run an allowed call; callDone(outcome) follows on the GUI thread. Cancel the future to stop it."""
