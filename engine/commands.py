@@ -224,6 +224,22 @@ def cmd_chat(args) -> int:
             session.host.close()
 
 
+
+def _queue_file(line: str, command: str, read, queue: list, what: str, error: type,
+                refusal: str | None = None) -> None:
+    """`/doc PATH` or `/image PATH` in `hearth chat`: read the file into `queue` (it goes with the next
+    message) and say how many wait, or print why not (refusal: the command cannot be used at all)."""
+    path = line.strip()[len(command):].strip()
+    try:
+        if refusal:
+            raise error(refusal)
+        if not path:
+            raise error(f"give a file: {command} PATH")
+        queue.append(read(path))
+        print(f"({len(queue)} {what} go with your next message)", file=sys.stderr)
+    except HearthError as e:
+        print(f"hearth: {e}", file=sys.stderr)
+
 def _read_doc(path: str) -> Document:
     """A document for the chat (--doc, /doc), said on stderr; DocumentError says what is wrong."""
     doc = read_document(Path(path).expanduser())
@@ -299,26 +315,11 @@ def _chat_loop(lm, params, n_ctx, cache, system, messages, pending, session, doc
             print("(chat cleared)", file=sys.stderr)
             continue
         if line.strip().startswith("/doc"):
-            path = line.strip()[len("/doc"):].strip()
-            try:
-                if not path:
-                    raise HearthError("give a file: /doc PATH")
-                docs.append(_read_doc(path))
-                print(f"({len(docs)} document(s) go with your next message)", file=sys.stderr)
-            except HearthError as e:
-                print(f"hearth: {e}", file=sys.stderr)
+            _queue_file(line, "/doc", _read_doc, docs, "document(s)", HearthError)
             continue
         if line.strip().startswith("/image"):
-            path = line.strip()[len("/image"):].strip()
-            try:
-                if lm.vision is None:
-                    raise ImageInputError(f"{lm.name} does not read images")
-                if not path:
-                    raise ImageInputError("give a file: /image PATH")
-                pending.append(_read_image(path))
-                print(f"({len(pending)} image(s) go with your next message)", file=sys.stderr)
-            except HearthError as e:
-                print(f"hearth: {e}", file=sys.stderr)
+            refusal = f"{lm.name} does not read images" if lm.vision is None else None
+            _queue_file(line, "/image", _read_image, pending, "image(s)", ImageInputError, refusal)
             continue
         if docs:
             attached[len(messages)] = list(docs)
