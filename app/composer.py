@@ -6,10 +6,11 @@ next message. Only a model that reads images (ModelInfo.vision) takes them: othe
 so (the button stays on for documents), and a pasted or dropped image is refused with a note, never dropped
 silently. A refused file (not an image, over 20 MB) is named in the note; the typed text stays.
 
-Each offered image is checked (read, decoded whole, a paste encoded as PNG, its thumbnail made) in a worker
-thread of the box's own QThreadPool, one at a time so they keep their order; the GUI thread never decodes an
-attachment. Meanwhile a placeholder ("…") holds its place in the strip, `checking` is true, and `checked`
-fires when the last check is done. The main window's Send waits for that (app.main_window).
+Each offered image is checked (read, decoded whole, a paste encoded as PNG, its thumbnail made) with Pillow
+in a worker thread of the box's own QThreadPool, one at a time so they keep their order; the GUI thread never
+decodes an attachment, and the worker touches no Qt object (app.images says why). Meanwhile a placeholder
+("…") holds its place in the strip, `checking` is true, and `checked` fires when the last check is done.
+The main window's Send waits for that (app.main_window).
 
 Documents (PDF, Word .docx, HTML, text and source files: engine.documents) come the same ways, whatever the
 model: an offered file whose suffix is not an image's is read as a document, in the same worker thread, and
@@ -27,11 +28,13 @@ from app.chat_store import MessageImage, describe_document
 from app.images import (
     FILE_FILTER,
     AttachmentError,
+    Pixels,
     image_from_file,
-    image_from_qimage,
+    image_from_pixels,
     offered_items,
+    pixels_of,
     pixmap_of,
-    thumbnail_image,
+    thumbnail_pixels,
 )
 from app.qt import (
     QFileDialog,
@@ -81,8 +84,8 @@ class Composer(QPlainTextEdit):
 
     Signals:
         submitted(): Enter was pressed.
-        imagesOffered(items: list): images (QImage) or file paths (str: images and documents) pasted or
-            dropped, in order.
+        imagesOffered(items: list): images (Pixels: a paste's, copied out) or file paths (str: images and
+            documents) pasted or dropped, in order.
     """
 
     submitted = Signal()
@@ -111,8 +114,8 @@ class _Thumb(QFrame):
     """A pending image: its thumbnail and a × that removes it. Without an image, a placeholder for one whose
     check is still running."""
 
-    def __init__(self, image: MessageImage | None, parent=None, picture: QImage | None = None):
-        # picture: the image's thumbnail_image at THUMB_SIDE (required with an image)
+    def __init__(self, image: MessageImage | None, parent=None, picture: Pixels | None = None):
+        # picture: the image's thumbnail_pixels at THUMB_SIDE (None: shown without a picture)
         super().__init__(parent)
         self.image = image
         self.setFrameShape(QFrame.Shape.StyledPanel)
@@ -126,7 +129,7 @@ class _Thumb(QFrame):
             self.picture.setAlignment(Qt.AlignmentFlag.AlignCenter)
             self.picture.setToolTip("Checking this image…")
         else:
-            # `picture` (thumbnail_image) was made in the check's worker thread: here it is only wrapped
+            # `picture` (thumbnail_pixels) was made in the check's worker thread: here it becomes a pixmap
             self.picture.setPixmap(pixmap_of(picture, self.devicePixelRatioF()))
             self.picture.setToolTip(f"{image.mime}, {len(image.data) / 1024:,.0f} KB")
         self.remove_button = QToolButton(self)
@@ -166,17 +169,21 @@ class _CheckRelay(QObject):
     """Carries a check's result from the worker thread to the GUI thread (a queued connection).
 
     Signals:
-        done(token: int, item: MessageImage | Document | None, picture: QImage | None, problem: str)
+        done(token: int, item: MessageImage | Document | None, picture: Pixels | None, problem: str)
     """
 
     done = Signal(int, object, object, str)
 
 
-def check_image(item: QImage | str, dpr: float) -> tuple[MessageImage, QImage]:
-    """Read and check one offered item (a pasted image or a file path) and make its thumbnail; the work the
-    composer's worker thread does. Raises AttachmentError."""
-    image = image_from_qimage(item) if isinstance(item, QImage) else image_from_file(item)
-    return image, thumbnail_image(image.data, THUMB_SIDE, dpr)
+def check_image(item: Pixels | str, dpr: float) -> tuple[MessageImage, Pixels | None]:
+    """Read and check one offered item (a pasted image's pixels or a file path) and make its thumbnail; the
+    work the composer's worker thread does, with no Qt object (app.images says why).
+
+    Raises:
+        AttachmentError: the item cannot be attached (the message says why).
+    """
+    image = image_from_pixels(item) if isinstance(item, Pixels) else image_from_file(item)
+    return image, thumbnail_pixels(image.data, THUMB_SIDE, dpr)
 
 
 def _run_read(token: int, path: str, relay: _CheckRelay) -> None:
@@ -192,7 +199,7 @@ def _run_read(token: int, path: str, relay: _CheckRelay) -> None:
         relay.done.emit(token, doc, None, problem)
 
 
-def _run_check(token: int, item: QImage | str, dpr: float, relay: _CheckRelay) -> None:
+def _run_check(token: int, item: Pixels | str, dpr: float, relay: _CheckRelay) -> None:
     """One offered item's check, on the composer's pool thread; its answer goes back through `relay`. Started
     as a plain callable, so PySide owns the runnable that wraps it (a Python QRunnable subclass, auto-deleted
     by the pool on its thread while Python also holds its wrapper, is a known way to crash PySide)."""
@@ -302,11 +309,13 @@ class ComposerBox(QWidget):
 
     @Slot(object)
     def offer(self, items: list) -> None:
-        """Attach images (QImage), image files and documents (paths), in order, each checked in a worker
-        thread; a placeholder holds its place meanwhile. What cannot be attached is named in the note once
-        the offer's checks are done (images at once while the model reads none)."""
+        """Attach images (Pixels or QImage), image files and documents (paths), in order, each checked in a
+        worker thread; a placeholder holds its place meanwhile. What cannot be attached is named in the note
+        once the offer's checks are done (images at once while the model reads none)."""
         if not items:
             return
+        # a QImage's pixels are copied out here: no Qt object goes to the worker thread
+        items = [pixels_of(item) if isinstance(item, QImage) else item for item in items]
         refuse_images = not self.vision and any(is_image_item(item) for item in items)
         if refuse_images:
             items = [item for item in items if not is_image_item(item)]
@@ -368,7 +377,7 @@ class ComposerBox(QWidget):
     def add(self, image: MessageImage) -> None:
         """Add one image that is checked already (decoded by the caller), before those being checked."""
         self.images.append(image)
-        picture = thumbnail_image(image.data, THUMB_SIDE, self.devicePixelRatioF())
+        picture = thumbnail_pixels(image.data, THUMB_SIDE, self.devicePixelRatioF())
         self._insert(_Thumb(image, self.strip, picture), before_pending=True)
         self._relabel()
 

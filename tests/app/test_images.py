@@ -5,6 +5,7 @@ tests that send swap the client's generate for a recording stand-in, since SmolL
 
 from __future__ import annotations
 
+import io
 import pickle
 from dataclasses import replace
 
@@ -418,3 +419,79 @@ def test_a_refused_image_stops_a_waiting_send_and_a_removed_check_is_ignored(
     assert box.images == [] and not box._thumbs()
     w.close()
     store.close()
+
+
+def _jpeg_turned(width: int, height: int, orientation: int) -> bytes:
+    """A JPEG stored width × height whose EXIF says to turn it (orientation 6: a phone held upright)."""
+    from PIL import Image
+
+    exif = Image.Exif()
+    exif[274] = orientation
+    buf = io.BytesIO()
+    Image.new("RGB", (width, height), "red").save(buf, "JPEG", exif=exif.tobytes())
+    return buf.getvalue()
+
+
+def test_image_checks_make_no_qt_call(qapp, files):
+    """The composer's worker-thread check reads, converts and thumbnails with Pillow alone: a Qt call from a
+    Python thread holds the GIL, and one taking Qt's internal locks (an image reader's) deadlocked against
+    the GUI thread destroying a widget."""
+    import sys
+
+    from app.composer import check_image
+    from app.images import pixels_of
+
+    pasted = QImage(40, 20, QImage.Format.Format_ARGB32)
+    pasted.fill(QColor(0, 0, 255, 128))
+    items = [str(files["wide"]), str(files["photo"]), str(files["scan"]), pixels_of(pasted)]
+    qt_calls: list[str] = []
+
+    def profile(frame, event, arg):
+        if event == "c_call":
+            owner = getattr(arg, "__self__", None)
+            module = type(owner).__module__ if owner is not None else getattr(arg, "__module__", "")
+            if str(module).startswith(("PySide6", "shiboken6")):
+                qt_calls.append(getattr(arg, "__qualname__", repr(arg)))
+
+    results = []
+    sys.setprofile(profile)
+    try:
+        for item in items:
+            results.append(check_image(item, 1.0))
+    finally:
+        sys.setprofile(None)
+    assert qt_calls == []
+    assert [image.mime for image, _ in results] == ["image/png", "image/jpeg", "image/png", "image/png"]
+    assert [(p.width, p.height) for _, p in results] == [(56, 28), (42, 56), (30, 30), (40, 20)]
+    back = QImage.fromData(results[3][0].data)
+    assert back.size() == QSize(40, 20) and back.pixelColor(3, 3).alpha() == 128, "the paste keeps its alpha"
+
+
+def test_a_turned_photo_is_kept_as_is_and_shown_upright(qapp):
+    from app.images import image_from_bytes, image_size, thumbnail_pixels
+
+    data = _jpeg_turned(120, 60, 6)
+    assert image_from_bytes(data) == MessageImage(data, "image/jpeg"), "the file's own bytes go"
+    assert image_size(data) == QSize(60, 120)
+    pixels = thumbnail_pixels(data, 30)
+    assert (pixels.width, pixels.height) == (15, 30)
+
+
+@pytest.mark.filterwarnings("ignore::PIL.Image.DecompressionBombWarning")  # app.images silences it at import
+def test_broken_and_oversized_images_are_refused_with_what_to_do(qapp, files):
+    from PIL import Image
+
+    from app.images import AttachmentError, image_from_bytes, image_size, thumbnail, thumbnail_pixels
+
+    whole = files["wide"].read_bytes()
+    with pytest.raises(AttachmentError, match="cut.png is not an image Hearth can read"):
+        image_from_bytes(whole[: len(whole) - 40], "cut.png")
+    with pytest.raises(AttachmentError, match=r"notes.txt is not an image Hearth can read \(PNG, JPEG"):
+        image_from_bytes(b"plain words", "notes.txt")
+    buf = io.BytesIO()
+    Image.new("1", (12000, 9000)).save(buf, "PNG")  # 108 M pixels in a small file
+    huge = buf.getvalue()
+    with pytest.raises(AttachmentError, match="12000×9000 pixels, too large to read; scale it down"):
+        image_from_bytes(huge, "huge.png")
+    assert thumbnail_pixels(huge, 64) is None and thumbnail(b"plain words", 64).isNull()
+    assert not image_size(b"plain words").isValid()
