@@ -86,11 +86,13 @@ def prefill(model, cache: KVCache, ids: Sequence[int], chunk: int = 512) -> tupl
 
 
 class _StopMatcher:
-    """Holds back text that might be the start of a stop string; reports a completed match."""
+    """Holds back text that might be the start of a stop string; reports a completed match. `matched`: the
+    stop string that ended the text (the one starting first; of those, the shortest), else None."""
 
     def __init__(self, stops: Sequence[str]):
         self.stops = [s for s in stops if s]
         self.pending = ""
+        self.matched: str | None = None
 
     def feed(self, text: str) -> tuple[str, bool]:
         """Returns (text safe to emit, whether a stop string was completed)."""
@@ -98,9 +100,10 @@ class _StopMatcher:
         if not self.stops:
             out, self.pending = self.pending, ""
             return out, False
-        hits = [i for i in (self.pending.find(s) for s in self.stops) if i >= 0]
+        hits = [(i, len(s), s) for s in self.stops if (i := self.pending.find(s)) >= 0]
         if hits:
-            out = self.pending[: min(hits)]
+            at, _, self.matched = min(hits)
+            out = self.pending[:at]
             self.pending = ""
             return out, True
         hold = 0

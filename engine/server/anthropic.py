@@ -13,7 +13,8 @@ Python and TypeScript SDKs) talk to a local model through it, as they do to Olla
   ignored. (Anthropic's current SDKs no longer send temperature/top_p/top_k; sent anyway, they apply.)
 - Replies are a message of content blocks: the model's thinking block (engine.reasoning) as a `thinking`
   block, its text as `text`, its tool calls (engine.tools) as `tool_use` blocks with `input` objects;
-  `stop_reason` end_turn / max_tokens / tool_use; `usage` with input, output and cache-read tokens.
+  `stop_reason` end_turn / max_tokens / tool_use / stop_sequence (with `stop_sequence`, the string that
+  matched); `usage` with input, output and cache-read tokens.
 - Streams are Anthropic's server-sent events: message_start, content_block_start / _delta (text_delta,
   thinking_delta, input_json_delta) / _stop per block, message_delta (stop_reason, output tokens),
   message_stop; a tool call's markup never streams (engine.tools.ToolCallStream).
@@ -43,6 +44,16 @@ _ERROR_TYPES = {
     404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error",
 }
 _STOP = {"stop": "end_turn", "length": "max_tokens", "cancelled": "end_turn"}
+
+
+def _stop_reason(last: Delta, calls: list) -> tuple[str, str | None]:
+    """The message's stop_reason and stop_sequence: tool_use, stop_sequence (with the string that
+    matched), max_tokens or end_turn."""
+    if calls:
+        return "tool_use", None
+    if last.finish_reason == "stop" and last.stop_sequence is not None:
+        return "stop_sequence", last.stop_sequence
+    return _STOP.get(last.finish_reason or "stop", "end_turn"), None
 
 
 def error_body(e: APIError) -> dict:
@@ -278,8 +289,8 @@ class _Reply:
             content.append({"type": "text", "text": text})
         content += [{"type": "tool_use", "id": c.id, "name": c.name, "input": c.arguments} for c in calls]
         last = deltas[-1]
-        reason = "tool_use" if calls else _STOP.get(last.finish_reason or "stop", "end_turn")
-        return {**self.head, "content": content, "stop_reason": reason, "stop_sequence": None,
+        reason, sequence = _stop_reason(last, calls)
+        return {**self.head, "content": content, "stop_reason": reason, "stop_sequence": sequence,
                 "usage": _usage(last)}
 
     async def stream(self, job, q: asyncio.Queue) -> AsyncIterator[str]:
@@ -333,9 +344,9 @@ class _Reply:
                                   "partial_json": json.dumps(call.arguments, ensure_ascii=False)}})
                 if open_kind:
                     yield _sse("content_block_stop", {"type": "content_block_stop", "index": index})
-                reason = "tool_use" if calls else _STOP.get(d.finish_reason, "end_turn")
+                reason, sequence = _stop_reason(d, calls)
                 yield _sse("message_delta", {"type": "message_delta",
-                                             "delta": {"stop_reason": reason, "stop_sequence": None},
+                                             "delta": {"stop_reason": reason, "stop_sequence": sequence},
                                              "usage": _usage(d)})
                 yield _sse("message_stop", {"type": "message_stop"})
                 return

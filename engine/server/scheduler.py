@@ -84,6 +84,7 @@ class Delta:
     logprob: float | None = None
     top_logprobs: list[tuple[int, float]] = field(default_factory=list)
     finish_reason: str | None = None
+    stop_sequence: str | None = None  # the request's stop string that ended the reply (finish_reason "stop")
     error: APIError | None = None
     prompt_tokens: int = 0
     cached_tokens: int = 0
@@ -461,6 +462,7 @@ class Engine:
             if finish is not None and not stopped:
                 tail, stopped = seq.matcher.feed(seq.decoder.flush())
                 delta.text += tail if stopped else tail + seq.matcher.flush()
+            delta.stop_sequence = seq.matcher.matched
         seq.pending = token
         if finish is None:
             self._send(seq, delta)

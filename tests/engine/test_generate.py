@@ -113,7 +113,16 @@ def test_stop_matcher_holds_back_partial_matches():
     assert m.feed("e") == ("", False)
     assert m.feed("x more") == ("</ex more", False)
     assert m.feed("done</end> trailing") == ("done", True)
+    assert m.matched == "</end>"
     assert _StopMatcher([]).feed("abc") == ("abc", False)
+
+
+def test_stop_matcher_names_the_stop_that_ended_the_text():
+    m = _StopMatcher(["world", "lo w", "lo"])
+    assert m.feed("hello world") == ("hel", True)
+    assert m.matched == "lo", "the match starting first; of those, the shortest"
+    m = _StopMatcher(["x"])
+    assert m.feed("abc") == ("abc", False) and m.matched is None
 
 
 def test_invalid_params():

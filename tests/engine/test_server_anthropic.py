@@ -172,3 +172,23 @@ def test_the_api_key_may_come_as_x_api_key(engine, lm):
         assert e.value.body["error"]["type"] == "authentication_error"
     finally:
         s.close()
+
+
+def test_a_stop_sequence_is_named_in_the_reply(claude):
+    greedy = {"temperature": 0}
+    free = claude.messages.create(model="smol", max_tokens=16, extra_body=greedy, messages=HI)
+    text = free.content[0].text
+    words = text.split()
+    assert len(words) >= 3, text
+    stop = words[2]  # a string the greedy reply holds: the reply ends before it, naming it
+    stops = ["never said zq", stop]
+    msg = claude.messages.create(model="smol", max_tokens=16, extra_body=greedy, messages=HI,
+                                 stop_sequences=stops)
+    assert msg.stop_reason == "stop_sequence" and msg.stop_sequence == stop
+    assert msg.content[0].text == text[: text.index(stop)]
+    with claude.messages.stream(model="smol", max_tokens=16, extra_body=greedy, messages=HI,
+                                stop_sequences=stops) as stream:
+        streamed = stream.get_final_message()
+    assert streamed.stop_reason == "stop_sequence" and streamed.stop_sequence == stop
+    assert streamed.content[0].text == msg.content[0].text
+    assert free.stop_sequence is None and free.stop_reason in ("end_turn", "max_tokens")
