@@ -214,3 +214,42 @@ def test_chat_doc_errors_are_clear(capsys, smollm2_path, tmp_path):
     assert main(["chat", "-m", str(smollm2_path), "--doc", str(scan)]) == 1
     err = capsys.readouterr().err
     assert err.startswith("hearth: data.bin is not a document Hearth can read") and "Traceback" not in err
+
+
+def test_chat_image_command(monkeypatch, capsys, tmp_path):
+    """`/image FILE` in `hearth chat` queues the file for the next message (the tiny Gemma 3 with a vision
+    tower); a missing path or file says so and the chat goes on; a text model refuses the command."""
+    import engine.commands as commands
+
+    tiny = Path(__file__).resolve().parents[1] / "fixtures" / "tiny"
+    picture = tiny / "gemma3-vision" / "image0.png"
+    prompts: list[list[dict]] = []
+    real = commands._chat_prompt
+
+    def chat_prompt(lm, messages, template_vars=None):
+        prompts.append([dict(m) for m in messages])
+        return real(lm, messages, template_vars)
+
+    monkeypatch.setattr(commands, "_chat_prompt", chat_prompt)
+    missing = tmp_path / "gone.png"
+    lines = iter(["/image", f"/image {missing}", f"/image {picture}", "What is this?", "And now?", "/exit"])
+    monkeypatch.setattr("builtins.input", lambda prompt="": next(lines))
+    argv = ["chat", "-m", str(tiny / "gemma3-vision"), "--temperature", "0", "-n", "3", "--ctx", "256"]
+    assert main(argv) == 0
+    err = capsys.readouterr().err
+    assert "/image FILE adds an image to your next message" in err
+    assert "give a file: /image PATH" in err
+    assert f"{missing}: cannot read the image" in err
+    assert "(1 image(s) go with your next message)" in err
+    asked = [p[-1] for p in prompts if p[-1]["role"] == "user"]
+    assert asked[0]["content"] == [
+        {"type": "image", "image": picture.read_bytes()},
+        {"type": "text", "text": "What is this?"},
+    ]
+    assert asked[-1]["content"] == "And now?", "the image went with one message only"
+
+    lines = iter([f"/image {picture}", "/exit"])
+    monkeypatch.setattr("builtins.input", lambda prompt="": next(lines))
+    assert main(["chat", "-m", str(tiny / "gemma3"), "-n", "2"]) == 0
+    err = capsys.readouterr().err
+    assert "does not read images" in err and "/image FILE" not in err
