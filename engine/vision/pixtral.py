@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from engine.backends import cpu as ops
-from engine.backends.cpu.ops import gelu_erf
+from engine.backends.cpu.ops import gelu_erf_fast
 from engine.errors import ImageInputError, ModelFormatError
 from engine.vision.tower import (
     CLIP_MEAN,
@@ -156,7 +156,7 @@ class PixtralVision(VisionTower):
                 if shape.act == "silu":
                     ops.silu_mul(gate, gate, up)
                 else:
-                    gelu_erf(gate)
+                    gelu_erf_fast(gate)
                     gate *= up
                 x += linear(layer.down, gate)
             yield i + 1
@@ -176,7 +176,7 @@ class PixtralVision(VisionTower):
         merged = x.reshape(gh // m, m, gw // m, m, d).transpose(0, 2, 4, 1, 3).reshape(-1, d * m * m)
         y = linear(self.merger, np.ascontiguousarray(merged))
         y = linear(self.linear_1, y, self.bias_1)
-        gelu_erf(y)
+        gelu_erf_fast(y)
         return linear(self.linear_2, y, self.bias_2)
 
     def _remember(self, digest: str, pixels: np.ndarray) -> None:

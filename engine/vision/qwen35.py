@@ -41,7 +41,7 @@ from pathlib import Path
 import numpy as np
 
 from engine.backends import cpu as ops
-from engine.backends.cpu.ops import gelu_erf
+from engine.backends.cpu.ops import gelu_erf_fast
 from engine.errors import ImageInputError, ModelFormatError
 from engine.vision.tokens import STRIDE, ImageTable
 from engine.vision.tower import (
@@ -421,7 +421,7 @@ class Qwen35Vision(VisionTower):
     def _project(wide: np.ndarray, fc1, fc1_b, fc2, fc2_b) -> np.ndarray:
         """A merger's linear -> exact GELU -> linear over normed squares (rows, d * m * m) -> (rows, text)."""
         y = linear(fc1, wide, fc1_b)
-        gelu_erf(y)
+        gelu_erf_fast(y)
         return linear(fc2, y, fc2_b)
 
     def _positions(self, rows: np.ndarray, cols: np.ndarray, gh: int, gw: int) -> np.ndarray:

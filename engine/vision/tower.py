@@ -118,23 +118,26 @@ def rmsnorm(out: np.ndarray, x: np.ndarray, w: np.ndarray | None, eps: float) ->
         out *= w
 
 
+def _rows(x: np.ndarray) -> np.ndarray:
+    """A C-contiguous float32 array as a 2-D view of its rows (the CPU kernels' in-place shape)."""
+    if x.dtype != np.float32 or not x.flags.c_contiguous:
+        raise ValueError("an activation works in place on a C-contiguous float32 array")
+    return x.reshape(-1, x.shape[-1])
+
+
 def gelu_tanh(x: np.ndarray) -> np.ndarray:
     """GELU with the tanh approximation (PyTorch's gelu(approximate='tanh')), in place."""
-    t = x * x
-    t *= np.float32(0.044715)
-    t += np.float32(1.0)
-    t *= x
-    t *= np.float32(np.sqrt(2.0 / np.pi))
-    np.tanh(t, out=t)
-    t += np.float32(1.0)
-    x *= t
-    x *= np.float32(0.5)
+    from engine.backends.cpu.ops import gelu_tanh_fast
+
+    gelu_tanh_fast(_rows(x))
     return x
 
 
 def gelu_quick(x: np.ndarray) -> np.ndarray:
     """GELU's sigmoid approximation x * sigmoid(1.702 x) (transformers' quick_gelu), in place."""
-    x *= 1.0 / (1.0 + np.exp(np.float32(-1.702) * x))
+    from engine.backends.cpu.ops import gelu_quick_fast
+
+    gelu_quick_fast(_rows(x))
     return x
 
 

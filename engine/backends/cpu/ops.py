@@ -354,6 +354,28 @@ def gelu_tanh_mul(out, gate, up):
 
 
 @njit(**_KW)
+def gelu_tanh_fast(x):
+    # x (n, m) f32 in place: GELU's tanh approximation (PyTorch's gelu(approximate='tanh')) computed as
+    # gelu_tanh_mul does, g * sigmoid(2 c (g + 0.044715 g^3)) with fast_exp
+    c2 = np.float32(2.0 * math.sqrt(2.0 / math.pi))
+    n, m = x.shape
+    for r in range(n):
+        for j in range(m):
+            g = x[r, j]
+            x[r, j] = g / (np.float32(1.0) + fast_exp(-c2 * (g + np.float32(0.044715) * g * g * g)))
+
+
+@njit(**_KW)
+def gelu_quick_fast(x):
+    # x (n, m) f32 in place: GELU's sigmoid approximation x * sigmoid(1.702 x) (transformers' quick_gelu)
+    n, m = x.shape
+    for r in range(n):
+        for j in range(m):
+            g = x[r, j]
+            x[r, j] = g / (np.float32(1.0) + fast_exp(np.float32(-1.702) * g))
+
+
+@njit(**_KW)
 def causal_softmax(scores, rep, p0, key0, window, scale, sinks, ends):
     # scores (n * rep, m) f32: row r holds query (r // rep)'s raw q.k over the keys at positions
     # key0 .. key0 + m - 1; that query sits at position p0 + r // rep and sees positions
@@ -388,20 +410,11 @@ def causal_softmax(scores, rep, p0, key0, window, scale, sinks, ends):
 
 
 @njit(**_KW)
-def gelu_erf(x):
-    # x (n, m) f32 in place: the exact GELU, x / 2 (1 + erf(x / sqrt 2)) (PyTorch's default gelu)
-    n, m = x.shape
-    for r in range(n):
-        for j in range(m):
-            v = x[r, j]
-            x[r, j] = np.float32(0.5) * v * (np.float32(1.0) + math.erf(v * np.float32(0.7071067811865476)))
-
-
-@njit(**_KW)
 def gelu_erf_fast(x):
-    # x (n, m) f32 in place: gelu_erf with erf from Abramowitz & Stegun 7.1.26 (|error| <= 1.5e-7, so the
-    # GELU is within ~1e-6 of the exact one for |x| < 8) over fast_exp, in arithmetic LLVM vectorizes:
-    # math.erf is a scalar libm call (~8 ns an element, a third of a BERT pass on 2 threads); this ~1 ns
+    # x (n, m) f32 in place: the exact GELU x / 2 (1 + erf(x / sqrt 2)) (PyTorch's default gelu), with erf
+    # from Abramowitz & Stegun 7.1.26 (|error| <= 1.5e-7, so the GELU is within ~1e-6 of the exact one for
+    # |x| < 8) over fast_exp, in arithmetic LLVM vectorizes: math.erf is a scalar libm call (~8 ns an
+    # element, a third of a BERT pass on 2 threads); this ~1 ns
     n, m = x.shape
     one, half = np.float32(1.0), np.float32(0.5)
     for r in range(n):
