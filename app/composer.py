@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import threading
 from pathlib import Path
 
 from app.chat_store import MessageImage, describe_document
@@ -186,11 +187,12 @@ def check_image(item: Pixels | str, dpr: float) -> tuple[MessageImage, Pixels | 
     return image, thumbnail_pixels(image.data, THUMB_SIDE, dpr)
 
 
-def _run_read(token: int, path: str, relay: _CheckRelay) -> None:
-    """One offered document's reading, on the composer's pool thread (as _run_check)."""
+def _run_read(token: int, path: str, relay: _CheckRelay, stop: threading.Event) -> None:
+    """One offered document's reading, on the composer's pool thread (as _run_check); `stop` set ends a
+    PDF's reading at its next page (the window is closing)."""
     doc, problem = None, ""
     try:
-        doc = read_document(path)
+        doc = read_document(path, stop.is_set)
     except DocumentError as e:
         problem = str(e)
     except Exception as e:  # noqa: BLE001 - the box waits for every answer: never leave it without one
@@ -241,6 +243,7 @@ class ComposerBox(QWidget):
         # created first, so it is destroyed (waiting for a running check) before the relay it reports to
         self._pool = QThreadPool(self)
         self._pool.setMaxThreadCount(1)  # one at a time: results come back in the order offered
+        self._stop = threading.Event()  # set when the window closes: a long PDF's reading ends at a page
         self._relay = _CheckRelay(self)
         self._relay.done.connect(self._on_checked)
         self._next_token = 0
@@ -335,7 +338,7 @@ class ComposerBox(QWidget):
                 self._pool.start(functools.partial(_run_check, token, item, dpr, self._relay))
             else:
                 placeholder = self._insert_doc(_DocChip(None, self.doc_strip, Path(item).name))
-                self._pool.start(functools.partial(_run_read, token, item, self._relay))
+                self._pool.start(functools.partial(_run_read, token, item, self._relay, self._stop))
             self._pending[token] = (placeholder, offer)
         self._relabel()
 
@@ -487,7 +490,9 @@ class ComposerBox(QWidget):
             self.checked.emit(False)
 
     def shutdown(self) -> None:
-        """Drop the checks not started yet (the window is closing): only a running one is waited for."""
+        """The window is closing: drop the checks not started yet, and stop a document being read at its
+        next page (a running image check, under a second, is waited for)."""
+        self._stop.set()
         self._pool.clear()
         self._pending.clear()
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import io
 import re
 import zipfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from html.parser import HTMLParser
 from pathlib import Path
@@ -61,6 +62,10 @@ _CONVERT_HINTS = {
 
 class DocumentError(HearthError):
     """A file cannot be attached as a document (the message names it and says what to do)."""
+
+
+class DocumentReadStopped(DocumentError):
+    """The reading was stopped by its caller (the window closed, the attachment was removed)."""
 
 
 class UnsupportedDocumentError(DocumentError):
@@ -109,8 +114,9 @@ class Document:
         return f"Document({self.name!r}, {len(self.text)} chars, {self.size} bytes, pages={self.pages})"
 
 
-def read_document(path: str | Path) -> Document:
-    """Read a file's text.
+def read_document(path: str | Path, stopped: Callable[[], bool] | None = None) -> Document:
+    """Read a file's text. `stopped`: asked between a PDF's pages; true ends the reading (the caller no
+    longer wants it), raising DocumentReadStopped.
 
     Raises:
         DocumentError: a subclass that says what is wrong (see the module docstring).
@@ -122,11 +128,12 @@ def read_document(path: str | Path) -> Document:
         data = path.read_bytes()
     except OSError as e:
         raise UnreadableDocumentError(f"{path.name} cannot be read ({e.strerror or e})") from None
-    return document_from_bytes(data, path.name)
+    return document_from_bytes(data, path.name, stopped)
 
 
-def document_from_bytes(data: bytes, name: str) -> Document:
-    """A document from a file's bytes; `name` (the file name) picks the reader by its suffix.
+def document_from_bytes(data: bytes, name: str, stopped: Callable[[], bool] | None = None) -> Document:
+    """A document from a file's bytes; `name` (the file name) picks the reader by its suffix; `stopped`: as
+    read_document.
 
     Raises:
         DocumentError: as read_document.
@@ -134,7 +141,7 @@ def document_from_bytes(data: bytes, name: str) -> Document:
     _check_size(name, len(data))
     suffix = Path(name).suffix.lower()
     if suffix in PDF_SUFFIXES or data.startswith(b"%PDF-"):
-        doc = _read_pdf(data, name)
+        doc = _read_pdf(data, name, stopped)
     elif suffix in DOCX_SUFFIXES:
         doc = _read_docx(data, name)
     elif suffix in HTML_SUFFIXES:
@@ -224,7 +231,7 @@ def _newlines(text: str) -> str:
 
 
 # ---- PDF
-def _read_pdf(data: bytes, name: str) -> Document:
+def _read_pdf(data: bytes, name: str, stopped: Callable[[], bool] | None = None) -> Document:
     try:
         from pypdf import PdfReader
         from pypdf.errors import DependencyError, FileNotDecryptedError, PdfReadError
@@ -243,7 +250,9 @@ def _read_pdf(data: bytes, name: str) -> Document:
                     "unprotected copy, then attach that"
                 )
         pages = []
-        for page in reader.pages:
+        for page in reader.pages:  # a page can take a second or more: the caller may stop between them
+            if stopped is not None and stopped():
+                raise DocumentReadStopped(f"the reading of {name} was stopped")
             pages.append(_newlines(page.extract_text() or "").strip())
     except DocumentError:
         raise

@@ -101,9 +101,9 @@ def test_attach_documents_and_the_prompt_holds_them_whole(qtbot, engine, replies
     threads = []
     real = composer.read_document
 
-    def read(path):
+    def read(path, stopped=None):
         threads.append(threading.current_thread())
-        return real(path)
+        return real(path, stopped)
 
     monkeypatch.setattr(composer, "read_document", read)
     import app.controller as controller
@@ -275,9 +275,9 @@ def test_a_message_of_documents_alone_waits_for_the_reading(qtbot, engine, repli
     gate = threading.Event()
     real = composer.read_document
 
-    def read(path):
+    def read(path, stopped=None):
         assert gate.wait(20), "never released"
-        return real(path)
+        return real(path, stopped)
 
     monkeypatch.setattr(composer, "read_document", read)
     w, store = _window(qtbot, engine)
@@ -297,4 +297,31 @@ def test_a_message_of_documents_alone_waits_for_the_reading(qtbot, engine, repli
     user = store.messages(w.controller.chat.id)[0]
     assert user.content == "" and w.view.widgets[user.id].body.isHidden(), "no empty text box"
     w.close()
+    store.close()
+
+
+def test_closing_the_window_stops_a_long_pdf_being_read(qtbot, engine, tmp_path, monkeypatch):
+    """The window closes without waiting for a long PDF's reading: it stops at the next page, and nothing
+    is attached."""
+    from pypdf import PageObject
+
+    long = tmp_path / "long.pdf"
+    long.write_bytes(make_pdf([f"Page {i}: minutes of the meeting." for i in range(40)]))
+    started, read = threading.Event(), []
+    real = PageObject.extract_text
+
+    def slow(page, *args, **kwargs):  # a page of a big scan-heavy PDF takes a while
+        read.append(1)
+        started.set()
+        threading.Event().wait(0.2)
+        return real(page, *args, **kwargs)
+
+    monkeypatch.setattr(PageObject, "extract_text", slow)
+    w, store = _window(qtbot, engine)
+    box = w.composer_box
+    box.offer([str(long)])
+    assert started.wait(10)
+    w.close()
+    assert box._pool.waitForDone(5000), "the reading ended"
+    assert len(read) < 5 and box.documents == [], f"{len(read)} of 40 pages read after the close"
     store.close()

@@ -88,6 +88,21 @@ def _p(text: str) -> str:
 
 
 # ---- extraction
+def test_a_pdf_reading_stops_between_pages_when_asked(tmp_path):
+    path = tmp_path / "long.pdf"
+    path.write_bytes(make_pdf([f"Page {i} of the annual report." for i in range(1, 6)]))
+    asked: list[int] = []
+
+    def stopped() -> bool:  # the caller gives up once two pages are read
+        asked.append(1)
+        return len(asked) > 2
+
+    with pytest.raises(D.DocumentReadStopped, match="the reading of long.pdf was stopped"):
+        read_document(path, stopped)
+    assert len(asked) == 3, "asked before every page, and nothing read after the stop"
+    assert read_document(path, lambda: False).pages == 5
+
+
 def test_pdf_text_per_page(tmp_path):
     path = tmp_path / "report.pdf"
     path.write_bytes(make_pdf(["Revenue grew nine percent.", "The CEO is Ada Lovelace."]))
