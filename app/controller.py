@@ -523,11 +523,12 @@ class ChatController(QObject):
         self.store.update_message(message.id, tool_calls=message.tool_calls)
         self.toolCallsChanged.emit(message, waiting)
 
-    @Slot(object)
-    def _on_call_done(self, outcome: CallOutcome) -> None:
-        if self._tool_message is None or outcome not in self._outcomes:
-            return
-        if not self._advancing:
+    @Slot(object, str, bool)
+    def _on_call_done(self, outcome: CallOutcome, result: str, is_error: bool) -> None:
+        if self._tool_message is None or outcome not in self._outcomes or outcome.done:
+            return  # stopped meanwhile (the outcome says cancelled), or from a reply that is over
+        outcome.result, outcome.is_error, outcome.done = result, is_error, True
+        if not self._advancing:  # else (a call that failed at once) _advance_tools goes on after its loop
             self._advance_tools()
 
     def _tools_finished(self) -> None:

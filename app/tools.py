@@ -41,11 +41,13 @@ class ToolManager(QObject):
 
     Signals:
         stateChanged(): servers started or stopped (tools(), errors() changed).
-        callDone(outcome: CallOutcome): a call ended (result or error set), on the GUI thread.
+        callDone(outcome: CallOutcome, result: str, is_error: bool): a call ended with this result (or
+            error text), on the GUI thread; the receiver writes it into the outcome there (the call's
+            thread never touches an outcome the GUI thread reads).
     """
 
     stateChanged = Signal()
-    callDone = Signal(object)
+    callDone = Signal(object, str, bool)
 
     def __init__(self, settings: Settings, parent: QObject | None = None):
         super().__init__(parent)
@@ -135,7 +137,8 @@ class ToolManager(QObject):
             self.stateChanged.emit()
 
     def call(self, outcome: CallOutcome) -> concurrent.futures.Future:
-        """Run an allowed call; callDone(outcome) follows on the GUI thread. Cancel the future to stop it."""
+        """Run an allowed call; callDone(outcome, result, is_error) follows on the GUI thread. Cancel the
+        future to stop it."""
         host = self.host
         if host is None:
             future: concurrent.futures.Future = concurrent.futures.Future()
@@ -151,13 +154,13 @@ class ToolManager(QObject):
             return  # Stop: the controller has marked the call already
         try:
             result = future.result()
-            outcome.result, outcome.is_error = result.text, result.is_error
+            text, is_error = result.text, result.is_error
         except (ToolCallError, ToolServerError) as e:
-            outcome.result, outcome.is_error = f"Error: {e}", True
+            text, is_error = f"Error: {e}", True
         except Exception as e:  # noqa: BLE001 - the model and the user read what went wrong
-            outcome.result, outcome.is_error = f"Error: {type(e).__name__}: {e}", True
-        outcome.done = True
-        self.callDone.emit(outcome)  # from the loop's thread: queued to the receivers' (GUI) thread
+            text, is_error = f"Error: {type(e).__name__}: {e}", True
+        # from the loop's thread: queued to the receivers' (GUI) thread, which writes the outcome
+        self.callDone.emit(outcome, text, is_error)
 
     def shutdown(self) -> None:
         """Stop every server (on quit); waits a few seconds at most."""

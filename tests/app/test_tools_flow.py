@@ -175,7 +175,11 @@ def test_always_allow_runs_later_calls_of_that_tool_without_asking(qtbot, engine
         msgs = store.messages(w.controller.chat.id)
         return [m.tool_calls[0]["result"] for m in msgs[1:] if m.tool_calls]
 
-    qtbot.waitUntil(lambda: results() == ["2.0", "4.0"] and not w.controller.busy, timeout=60000)
+    try:
+        qtbot.waitUntil(lambda: results() == ["2.0", "4.0"] and not w.controller.busy, timeout=60000)
+    except qtbot.TimeoutError:  # say where it stood
+        msgs = [(m.role, m.state, m.content[:60], m.tool_calls) for m in store.messages(w.controller.chat.id)]
+        pytest.fail(f"results {results()}, busy {w.controller.busy}, messages {msgs}")
     msgs = store.messages(w.controller.chat.id)
     assert msgs[2].tool_calls[0]["decision"] == "always"  # not asked
     assert w.tools.always == {"add"}
