@@ -406,3 +406,35 @@ def test_thinking_streams_beside_a_call_being_written(qtbot, engine, scripted):
     mw = w.view.widgets[reply.id]
     assert mw.thinking_label.text() == "I need <tool_call> add." and mw.body.plain_text() == "Ok."
     assert [c.call_id for c in cards(w)] == [reply.tool_calls[0]["id"]] and mw.pending_card is None
+
+
+def test_a_call_result_is_written_on_the_gui_thread(qtbot):
+    """The MCP loop's thread only reports a call's result; the outcome the GUI thread reads and saves is
+    written there (a write from the loop's thread raced the controller's save of the round)."""
+    import concurrent.futures
+
+    from app.tools import ToolManager
+    from engine.mcp_client import ToolResult
+    from engine.tool_loop import CallOutcome
+    from engine.tools import ToolCall
+
+    class Host:
+        def __init__(self):
+            self.future = concurrent.futures.Future()
+
+        def call(self, name, arguments, limit):
+            return self.future
+
+    manager = ToolManager(Settings())
+    manager.host = host = Host()
+    outcome = CallOutcome(ToolCall("add", {"a": 1, "b": 1}), decision="once")
+    seen = []
+    manager.callDone.connect(lambda o, text, error: seen.append((threading.current_thread(), o, text, error)))
+    manager.call(outcome)
+    loop = threading.Thread(target=host.future.set_result, args=(ToolResult("2.0"),))
+    loop.start()
+    loop.join()
+    assert (outcome.result, outcome.done) == ("", False), "the loop's thread left the outcome alone"
+    qtbot.waitUntil(lambda: bool(seen), timeout=5000)
+    assert seen == [(threading.main_thread(), outcome, "2.0", False)]
+    manager.host = None
