@@ -34,12 +34,14 @@ BOOL_PARAMS = ("numa", "low_vram", "f16_kv", "logits_all", "vocab_only", "use_mm
                "embedding_only", "penalize_newline")
 APPLIED = ("temperature", "top_k", "top_p", "min_p", "seed", "stop", "num_predict")
 COMMANDS = ("from", "parameter", "template", "system", "adapter", "message", "license")
-ROLES = ("system", "user", "assistant", "tool")
+ROLES = ("system", "user", "assistant")
 _NAME = re.compile(r"^(?:[A-Za-z0-9][A-Za-z0-9_.-]{0,79}/){0,2}[A-Za-z0-9][A-Za-z0-9_.-]{0,79}"
                    r"(?::[A-Za-z0-9_][A-Za-z0-9_.-]{0,79})?$")
 _GO_ACTION = re.compile(r"\{\{-?\s*(?:[.$]|(?:if|range|with|else|end|template|block|define)\b)")
-NO_BLOBS = ("Hearth does not take uploaded model files (Ollama's `files` and /api/blobs): write FROM with a "
-            "model this server has (GET /api/tags) or the path of a GGUF file on the server's machine")
+NO_BLOBS = ("Hearth does not take uploaded model files (Ollama's `files` and /api/blobs; the ollama CLI "
+            "uploads a FROM that is a file): add the file to the library (hearth import PATH, or /api/pull), "
+            "then write FROM with its name as GET /api/tags lists it, or post the Modelfile's text as "
+            "/api/create's `modelfile` with FROM the file's path on the server's machine")
 
 
 def model_name(name: Any, what: str = "model") -> str:

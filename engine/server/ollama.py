@@ -657,7 +657,10 @@ def show_preset(entry, base) -> dict:
         modified_at=catalog_tag(entry)["modified_at"],
     )
     if p.template:
+        caps = body["capabilities"]
         body["template"] = p.template
+        body["capabilities"] = capabilities(p.template, vision="vision" in caps,
+                                            encoder=caps == ["embedding"], embeds=False)
     if p.license:
         body["license"] = p.license
     if p.messages:

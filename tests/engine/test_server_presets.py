@@ -294,6 +294,13 @@ def test_create_with_ollamas_client_and_stop_strings(live, served):
     assert client.create(model="cutter", from_=base, parameters={"temperature": 0, "num_predict": 3}).status \
         == "success"
     assert client.chat(model="cutter", messages=HI).eval_count <= 3
+    # a Jinja TEMPLATE renders the prompt in place of the model's
+    jinja = "{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}[assistant] "
+    client.create(model="plain", from_=base, template=jinja, system="Be brief.",
+                  parameters={"num_predict": 2})
+    prompt = served.lm.tokenizer.decode(client.generate(model="plain", prompt="Hi").context)
+    assert "[system] Be brief.\n[user] Hi\n[assistant]" in prompt and "<|im_start|>" not in prompt
+    assert client.show("plain").template == jinja
     # the OpenAI route takes the preset's parameters as defaults too
     oai = server.openai(120)
     reply = oai.chat.completions.create(model="cutter", messages=HI)
