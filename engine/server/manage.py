@@ -242,21 +242,24 @@ class ManageRoutes:
         if not isinstance(source, str) or not source.strip():
             raise invalid("'from' is required: name a model this server has (GET /api/tags) or the path of a "
                           "GGUF file on the server's machine", "from")
-        base_path, base_id, inherited = self._base(source.strip())
+        self._claim(name, replace=True)
         params = modelfile.parameters(fields.get("parameters"))
         system = fields.get("system")
         if system is not None and not isinstance(system, str):
             raise invalid("'system' must be a string", "system")
+        template = modelfile.template(fields.get("template"))
+        chat = modelfile.messages(fields.get("messages"))
+        license = modelfile.license_text(fields.get("license"))
+        base_path, base_id, inherited = self._base(source.strip())  # last: it may index a file
         preset = Preset(
             name=name,
             base=str(base_path),
             system=system if system is not None else inherited.system,
-            template=modelfile.template(fields.get("template")) or inherited.template,
+            template=template or inherited.template,
             parameters={**inherited.parameters, **params},
-            messages=modelfile.messages(fields.get("messages")) or list(inherited.messages),
-            license=modelfile.license_text(fields.get("license")) or inherited.license,
+            messages=chat or list(inherited.messages),
+            license=license or inherited.license,
         )
-        self._claim(name, replace=True)
         lines = [{"status": f"using existing layer sha256:{_layer(base_id, str(base_path))}"}]
         for part in ("template", "system", "parameters", "messages", "license"):
             value = getattr(preset, part)

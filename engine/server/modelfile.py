@@ -22,7 +22,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from engine.server.errors import invalid
+from engine.server.errors import APIError, invalid
 
 # Ollama's options (api.Options and api.Runner) by type; the ones Hearth applies are APPLIED, the others are
 # kept and shown but, as in a request's options, ignored
@@ -189,8 +189,8 @@ def parameters(spec: Any) -> dict:
     try:  # the ranges a request's options are held to
         ollama.parse_chat({"model": "preset", "options": {k: v for k, v in out.items() if k in APPLIED},
                            "messages": [{"role": "user", "content": "x"}]}, 1 << 30)
-    except Exception as e:
-        message = getattr(e, "message", str(e)).replace("'options.", "'")
+    except APIError as e:
+        message = e.message.replace("'options.", "'")
         raise invalid(f"bad parameter: {message}", "parameters") from e
     return out
 
@@ -283,6 +283,7 @@ def conversation(preset, chat: list[dict]) -> list[dict]:
     return [*system, *(dict(m) for m in preset.messages), *chat[lead:]]
 
 
+_EMBEDDINGS = ("/api/embed", "/api/embeddings", "/v1/embeddings")  # no sampling there
 _OPENAI = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p", "seed": "seed",
            "stop": "stop", "num_predict": "max_tokens"}
 _ANTHROPIC = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "stop": "stop_sequences"}
@@ -291,7 +292,7 @@ _ANTHROPIC = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", 
 def apply_parameters(path: str, body: Any, params: dict) -> None:
     """Put a preset's parameters into a request body (in place) where the request sets none: Ollama's
     `options`, the OpenAI and Anthropic routes' own fields."""
-    if not params or not isinstance(body, dict):
+    if not params or not isinstance(body, dict) or path in _EMBEDDINGS:
         return
     if path.startswith("/api/"):
         options = body.get("options")

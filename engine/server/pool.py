@@ -289,14 +289,15 @@ class ModelPool:
     def preset(self, name: str) -> CatalogEntry | None:
         """The catalog entry of the preset answering `name` (or `name` without ":latest"); None when no preset
         does, or a loaded model answers the name."""
-        for n in dict.fromkeys((name, name.removesuffix(":latest"))):
-            with self._cv:
-                if self._find_loaded(n) is not None:
-                    return None
-            for refresh in (False, True):
-                entry = next((e for e in self.catalog(refresh) if e.answers(n)), None)
-                if entry is not None:
-                    return entry if entry.preset is not None else None
+        names = list(dict.fromkeys((name, name.removesuffix(":latest"))))
+        with self._cv:
+            if any(self._find_loaded(n) is not None for n in names):
+                return None
+        for refresh in (False, True):  # the catalog is read again only when nothing answers
+            catalog = self.catalog(refresh)
+            entry = next((e for n in names for e in catalog if e.answers(n)), None)
+            if entry is not None:
+                return entry if entry.preset is not None else None
         return None
 
     def base_of(self, preset: CatalogEntry) -> CatalogEntry | None:
