@@ -146,6 +146,8 @@ def parameter_value(name: str, value: Any) -> Any:
         if not all(isinstance(v, str) and v for v in values):
             raise invalid(f"parameter 'stop' takes strings, got {value!r}", where)
         return list(values)
+    if isinstance(value, list) and len(value) == 1:  # a client that sends a Modelfile's lines as they were
+        value = value[0]
     if name in INT_PARAMS:
         if isinstance(value, str):
             with contextlib.suppress(ValueError):

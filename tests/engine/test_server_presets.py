@@ -72,8 +72,8 @@ def test_bad_modelfiles_are_400s_that_say_what_to_write(text, says):
 
 
 def test_parameters_are_typed_and_held_to_a_requests_ranges():
-    assert parameters({"temperature": "0.5", "top_k": 3.0, "stop": "x", "use_mmap": "true"}) == {
-        "temperature": 0.5, "top_k": 3, "stop": ["x"], "use_mmap": True}
+    given = {"temperature": "0.5", "top_k": 3.0, "stop": "x", "use_mmap": "true", "seed": ["7"]}
+    assert parameters(given) == {"temperature": 0.5, "top_k": 3, "stop": ["x"], "use_mmap": True, "seed": 7}
     for bad, says in (({"temperature": 9}, "[0.0, 2.0]"), ({"stop": ["a", "b", "c", "d", "e"]}, "at most 4"),
                       ({"num_predict": 0}, "num_predict"), ({"nope": 1}, "unknown parameter")):
         with pytest.raises(APIError) as e:
