@@ -179,7 +179,8 @@ def cmd_serve(args) -> int:
         sock.close()
         raise
     if not args.no_library:
-        others = [e.id for e in pool.catalog() if e.path.resolve() != lm.path.resolve()]
+        here = lm.path.resolve()
+        others = [e.id for e in pool.catalog() if e.preset is not None or e.path.resolve() != here]
         if others:
             print(f"also serving on request: {', '.join(others)}", flush=True)
 

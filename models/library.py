@@ -6,6 +6,10 @@ Rows come from four sources: "download" (fetched by models.downloads into the li
 "starter" (the starter models of models.starter). Each row records what the file itself says
 (format, architecture, parameter count, context length, quantization), read from its header.
 
+Presets (Ollama's `create`/`cp`: a name over a model of the library with its own system prompt,
+sampling parameters, chat template and opening messages) live in the `presets` table beside the models;
+they copy no file. The table is created when a library from before presets is opened.
+
 Partial downloads (`*.hearth-partial`) and hidden files are never indexed, nor are vision towers
 (llama.cpp's mmproj GGUFs, architecture "clip"): they belong to the model in their folder, which the
 engine loads them with, and are deleted with the last model of that folder that Hearth downloaded.
@@ -24,7 +28,7 @@ import sqlite3
 import threading
 import time
 from collections import Counter
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from models.downloads import PARTIAL_SUFFIX, drop_orphan_towers
@@ -57,6 +61,16 @@ CREATE TABLE IF NOT EXISTS models (
     used_at TEXT
 );
 CREATE INDEX IF NOT EXISTS models_repo_file ON models (repo, file);
+CREATE TABLE IF NOT EXISTS presets (
+    name TEXT PRIMARY KEY COLLATE NOCASE,
+    base TEXT NOT NULL,
+    system TEXT,
+    template TEXT,
+    parameters TEXT NOT NULL DEFAULT '{}',
+    messages TEXT NOT NULL DEFAULT '[]',
+    license TEXT,
+    created_at TEXT NOT NULL
+);
 """
 
 
@@ -116,6 +130,22 @@ class ModelEntry:
         if self.repo and self.file:
             return f"{self.repo}:{self.file}"
         return Path(self.path).name
+
+
+@dataclass(frozen=True, eq=False)
+class Preset:
+    """A named preset over a library model (Ollama's created model): the base model's path and what it
+    sets. parameters: Ollama's option names with typed values (stop: a list); messages: {role, content}
+    dicts that open every conversation."""
+
+    name: str
+    base: str
+    system: str | None = None
+    template: str | None = None
+    parameters: dict = field(default_factory=dict)
+    messages: list = field(default_factory=list)
+    license: str | None = None
+    created_at: str = ""
 
 
 @dataclass(frozen=True)
@@ -419,6 +449,35 @@ class Library:
         """Record that a model was just loaded (sorts recently used models first)."""
         with self._lock, self._connect() as db:
             db.execute("UPDATE models SET used_at = ? WHERE path = ?", (_now(), str(Path(path).absolute())))
+
+    # ---- presets
+    def save_preset(self, preset: Preset) -> Preset:
+        """Store a preset, replacing one of the same name (any case). Returns it with its time set."""
+        preset = Preset(**{**{f.name: getattr(preset, f.name) for f in fields(Preset)}, "created_at": _now()})
+        with self._lock, self._connect() as db:
+            db.execute("DELETE FROM presets WHERE name = ?", (preset.name,))
+            db.execute(
+                "INSERT INTO presets (name, base, system, template, parameters, messages, license, "
+                "created_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                (preset.name, preset.base, preset.system, preset.template, json.dumps(preset.parameters),
+                 json.dumps(preset.messages), preset.license, preset.created_at),
+            )
+        return preset
+
+    def presets(self) -> list[Preset]:
+        """Every preset, oldest first."""
+        with self._connect() as db:
+            rows = db.execute("SELECT * FROM presets ORDER BY created_at, name").fetchall()
+        return [
+            Preset(r["name"], r["base"], r["system"], r["template"], json.loads(r["parameters"] or "{}"),
+                   json.loads(r["messages"] or "[]"), r["license"], r["created_at"])
+            for r in rows
+        ]
+
+    def remove_preset(self, name: str) -> bool:
+        """Remove the preset `name` (any case); its base model stays. Returns whether there was one."""
+        with self._lock, self._connect() as db:
+            return db.execute("DELETE FROM presets WHERE name = ?", (name,)).rowcount > 0
 
     # ---- reading
     def entries(self) -> list[ModelEntry]:

@@ -33,7 +33,7 @@ from engine import tools
 from engine.chat_template import TemplateError
 from engine.errors import ImageInputError, ImagesBusyError
 from engine.reasoning import ReasoningStream, opens_reasoning, split_reasoning, strip_reasoning
-from engine.server import anthropic, ollama, protocol
+from engine.server import anthropic, modelfile, ollama, protocol
 from engine.server import pool as pool_mod
 from engine.server.constraints import grammar_for
 from engine.server.embeddings import EmbeddingRoutes, refuse_generation
@@ -182,7 +182,7 @@ class _Guard:
 _ENDPOINTS = {
     "/v1/models", "/v1/chat/completions", "/v1/completions", "/health", "/metrics",
     "/api/chat", "/api/generate", "/api/tags", "/api/show", "/api/ps", "/api/version", "/api/pull",
-    "/api/delete",
+    "/api/delete", "/api/create", "/api/copy",
     "/v1/embeddings", "/api/embed", "/api/embeddings", "/v1/messages", "/v1/messages/count_tokens",
 }
 
@@ -231,9 +231,11 @@ async def read_json(request: Request, limit: int) -> object:
 
 
 class _Api:
-    """Route handlers over one engine and model."""
+    """Route handlers over one engine and model; with a preset (models.library.Preset), over the preset's
+    template (a ChatTemplate; default the model's) and conversation (engine.server.modelfile)."""
 
-    def __init__(self, engine: Engine, lm, config: ServerConfig, metrics: ServerMetrics):
+    def __init__(self, engine: Engine, lm, config: ServerConfig, metrics: ServerMetrics, template=None,
+                 preset=None):
         self.engine = engine
         self.lm = lm
         self.tok = lm.tokenizer
@@ -241,10 +243,17 @@ class _Api:
         self.metrics = metrics
         self.names = [config.model_name, *[a for a in config.aliases if a and a != config.model_name]]
         self.created = protocol.now()
-        source = getattr(lm.template, "source", "") or ""
+        self._template = template
+        self.preset = preset
+        source = getattr(self.template, "source", "") or ""
         self.tool_format = tools.tool_format(source)  # the call format the template teaches (None: try each)
         self.template_has_tools = "tools" in source
         self._vision_lock = threading.Lock()  # one image encoding at a time (the model's image table)
+
+    @property
+    def template(self):
+        """The chat template requests are rendered with: the preset's, else the model's."""
+        return self._template or self.lm.template
 
     def model_object(self) -> dict:
         """This model's GET /v1/models entry."""
@@ -301,8 +310,10 @@ class _Api:
                 raise invalid(f"{self.config.model_name}'s chat template does not support tools", "tools")
             extra["tools"] = req.tools
         messages = strip_reasoning(req.messages)  # earlier replies' thinking stays out of the context
+        if self.preset is not None:
+            messages = modelfile.conversation(self.preset, messages)
         messages, images = prepare_messages(self.lm, messages)
-        text = self.lm.template.render(messages, add_generation_prompt=True, **req.template_vars, **extra)
+        text = self.template.render(messages, add_generation_prompt=True, **req.template_vars, **extra)
         if not images:
             return encode_with_images(self.lm, text, images), None
         table = self.lm.vision.images
@@ -685,6 +696,28 @@ def attach(served: Served, config: ServerConfig) -> None:
                                 anthropic.AnthropicRoutes(api))
 
 
+def preset_handlers(served: Served, preset, config: ServerConfig) -> _Handlers:
+    """The route handlers of a preset (models.library.Preset) over its base model's engine, made once per
+    version of the preset and kept with the loaded model."""
+    key = (preset.name.casefold(), preset.created_at, id(config))
+    handlers = served.variants.get(key)
+    if handlers is None:
+        from engine.chat_template import ChatTemplate
+
+        base = served.lm.template
+        template = None
+        if preset.template:
+            template = ChatTemplate(preset.template, getattr(base, "bos_token", None),
+                                    getattr(base, "eos_token", None))
+        own = dataclasses.replace(config, model_name=preset.name, aliases=[])
+        api = _Api(served.engine, served.lm, own, served.engine.metrics, template=template, preset=preset)
+        handlers = _Handlers(api, ollama.OllamaRoutes(api), EmbeddingRoutes(api),
+                             anthropic.AnthropicRoutes(api))
+        served.variants = {k: v for k, v in served.variants.items() if k[0] != key[0]}
+        served.variants[key] = handlers
+    return handlers
+
+
 class _Leased:
     """A route's response, sent; then the model's lease goes back (however the sending ended)."""
 
@@ -715,12 +748,18 @@ class _Router:
         fields = body if isinstance(body, dict) else {}
         name = next((v for k in keys if isinstance(v := fields.get(k), str) and v), None)
         ka = pool_mod.parse_duration(fields.get(keep_alive), keep_alive)
+        preset = await run_in_threadpool(self.pool.preset, name) if name is not None else None
         if ollama_names and ka == 0 and _no_prompt(request.url.path, fields) and name is not None:
-            return await self._unload(request, name)
+            return await self._unload(request, name if preset is None else preset.base)
+        if preset is not None:  # its parameters are the request's defaults
+            modelfile.apply_parameters(request.url.path, body, preset.preset.parameters)
         served, load_s = await run_in_threadpool(self._acquire, name, ollama_names)
         request.scope[ollama.LOAD_S] = load_s
         try:
-            response = await pick(served.handlers)(request)
+            handlers = served.handlers
+            if preset is not None:
+                handlers = preset_handlers(served, preset.preset, self.config)
+            response = await pick(handlers)(request)
         except BaseException:
             self.pool.release(served, ka)
             raise
@@ -773,6 +812,10 @@ class _Router:
         fields = body if isinstance(body, dict) else {}
         name = next((v for k in ("model", "name") if isinstance(v := fields.get(k), str) and v), None)
         if name is not None:
+            preset = await run_in_threadpool(self.pool.preset, name)
+            if preset is not None:
+                shown = await run_in_threadpool(lambda: ollama.show_preset(preset, self.pool.base_of(preset)))
+                return JSONResponse(shown)
             served, entry = await run_in_threadpool(self.pool.find, name)
             if served is None and entry is not None:
                 return JSONResponse(await run_in_threadpool(ollama.show_unloaded, entry))
@@ -889,16 +932,18 @@ def create_app(
         Route("/api/generate", router.handler(lambda h: h.ollama.generate, True), methods=["POST"]),
         Route("/api/embed", router.handler(lambda h: h.embed.ollama_embed, True), methods=["POST"]),
         Route("/api/embeddings", router.handler(lambda h: h.embed.ollama_embeddings, True), methods=["POST"]),
-        *(Route(f"/api/{name}", oll.unsupported, methods=["POST", "DELETE"])
-          for name in ("push", "create", "copy")),
+        Route("/api/push", oll.unsupported, methods=["POST", "DELETE"]),
     ]
-    if pool.serves_library:  # pulls and deletes change the library this server serves
+    if pool.serves_library:  # pulls, deletes and created models change the library this server serves
         manage = ManageRoutes(pool, functools.partial(read_json, limit=config.max_body_bytes))
         routes += [Route("/api/pull", manage.pull, methods=["POST"]),
-                   Route("/api/delete", manage.delete, methods=["DELETE"])]
+                   Route("/api/delete", manage.delete, methods=["DELETE"]),
+                   Route("/api/create", manage.create, methods=["POST"]),
+                   Route("/api/copy", manage.copy, methods=["POST"]),
+                   Route("/api/blobs/{digest}", manage.blobs, methods=["HEAD", "POST"])]
     else:
         routes += [Route(f"/api/{name}", oll.unsupported, methods=["POST", "DELETE"])
-                   for name in ("pull", "delete")]
+                   for name in ("pull", "delete", "create", "copy")]
     app = Starlette(
         routes=routes,
         exception_handlers={APIError: _api_error, HTTPException: _http_error, Exception: _unexpected},

@@ -9,8 +9,8 @@ libraries, scripts that post to /api/chat), so `hearth serve` answers it too:
   `context`. The closing object carries Ollama's counts and durations (nanoseconds).
 - GET /api/tags, /api/ps, /api/version, POST /api/show: the one model this server runs.
 - POST /api/embed and the legacy /api/embeddings: engine.server.embeddings.
-- The model-management routes (pull, push, create, copy, delete) answer 501 with what to do instead: a
-  server runs the model it was started with.
+- The model-management routes are engine.server.manage's: pull and delete, create and copy (presets:
+  engine.server.modelfile); push answers 501, as all of them do on a server started with --no-library.
 
 Requests become engine.server.protocol's ChatRequest (so one validation, one template path and one
 scheduler serve both APIs); errors are Ollama's `{"error": "..."}` bodies with the same statuses.
@@ -259,17 +259,24 @@ def catalog_tag(entry) -> dict:
         except (HearthError, OSError):
             e = None
     stat = entry.path.stat()
+    preset = getattr(entry, "preset", None)
     arch = (getattr(e, "architecture", None) or "") if e is not None else ""
     params = getattr(e, "params", None) or 0
     fmt = getattr(e, "format", None) or ("gguf" if entry.path.suffix == ".gguf" else "safetensors")
+    digest = _digest(entry.path, stat)
+    modified = timestamp(stat.st_mtime)
+    if preset is not None:  # its own digest and time; its base's file
+        text = json.dumps([digest, preset.system, preset.template, preset.parameters, preset.messages])
+        digest = hashlib.sha256(text.encode()).hexdigest()
+        modified = preset.created_at.replace("+00:00", "Z")
     return {
         "name": entry.id,
         "model": entry.id,
-        "modified_at": timestamp(stat.st_mtime),
+        "modified_at": modified,
         "size": getattr(e, "size", None) or stat.st_size,
-        "digest": _digest(entry.path, stat),
+        "digest": digest,
         "details": {
-            "parent_model": "",
+            "parent_model": getattr(entry, "base", "") if preset is not None else "",
             "format": fmt,
             "family": arch,
             "families": [arch] if arch else None,
@@ -628,6 +635,37 @@ def show_unloaded(entry) -> dict:
     reads_images = bool(entry.entry is not None and entry.entry.reads_images)
     caps = capabilities(template, vision=reads_images, encoder=encoder, embeds=False)
     return _show(path, tag, name, license, template, context, width, layers, caps)
+
+
+def show_preset(entry, base) -> dict:
+    """/api/show of a preset (engine.server.pool.CatalogEntry with .preset) from its base model's file (base:
+    the base's entry), with what the preset sets: its parameters, template, system prompt, messages,
+    license and Modelfile, as Ollama shows a created model.
+
+    Raises:
+        APIError (500): the base's file cannot be read.
+    """
+    from engine.server import modelfile
+
+    p = entry.preset
+    body = show_unloaded(base or entry)
+    body.update(
+        parameters=modelfile.parameters_text(p.parameters),
+        system=p.system or "",
+        modelfile=modelfile.modelfile_text(p, entry.base, entry.path),
+        details=catalog_tag(entry)["details"],
+        modified_at=catalog_tag(entry)["modified_at"],
+    )
+    if p.template:
+        caps = body["capabilities"]
+        body["template"] = p.template
+        body["capabilities"] = capabilities(p.template, vision="vision" in caps,
+                                            encoder=caps == ["embedding"], embeds=False)
+    if p.license:
+        body["license"] = p.license
+    if p.messages:
+        body["messages"] = p.messages
+    return body
 
 
 def _size_label(params: int) -> str:

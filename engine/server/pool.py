@@ -15,6 +15,8 @@ editor plugin's setting) and expect the server to load it then. So, besides the 
   request). With every loaded model busy, the load waits for one to finish, for up to `wait_s`.
   The memory check plans with what the OS reports available less the weights of the models already
   loaded: their mapped pages count as "available" to the OS, but taking them would page them out.
+- A preset (Ollama's created model, engine.server.modelfile) is listed under its own name and served on
+  its base model's engine: a request for it loads the base (once, under the base's id) or uses it loaded.
 - A model is kept `keep_alive_s` after its last request ends (Ollama's keep_alive, LM Studio's ttl; per
   request, or the server's default), then unloaded. The -m model is kept until the server stops, unless
   a request sets a keep-alive for it.
@@ -45,12 +47,15 @@ ENCODER_ARCHITECTURES = ("bert", "nomic-bert", "nomic_bert", "xlm-roberta", "xlm
 @dataclass(frozen=True)
 class CatalogEntry:
     """A model the server may load: its id, the other names it answers to, its file and what the library
-    knows of it (models.library.ModelEntry; None for a model given by path)."""
+    knows of it (models.library.ModelEntry; None for a model given by path). A preset's entry has its base
+    model's path and entry, the preset (models.library.Preset) and the base's id."""
 
     id: str
     path: Path
     aliases: tuple[str, ...] = ()
     entry: object | None = None
+    preset: object | None = None
+    base: str = ""
 
     def answers(self, name: str) -> bool:
         folded = name.casefold()
@@ -71,6 +76,7 @@ class Served:
     pinned: bool = False  # kept until the server stops (unless a request sets a keep-alive)
     load_s: float = 0.0
     handlers: object = None
+    variants: dict = field(default_factory=dict)  # presets' route handlers over this engine, by preset
     leases: int = 0
     expires_at: float | None = None  # monotonic time it is unloaded at when idle; None: never
     unloading: bool = False  # asked to go (Ollama's keep_alive 0): it goes once idle
@@ -153,6 +159,12 @@ def library_catalog() -> list[CatalogEntry]:
         aliases = tuple(dict.fromkeys(a for a in (stem, e.name, str(path), *hub) if a != model_id))
         out.append(CatalogEntry(model_id, path, aliases, e))
     out.reverse()  # most recently used first, as `hearth ls` lists them
+    by_path = {_key(e.path): e for e in out}
+    for p in lib.presets():  # a preset whose base is gone, or whose name a model took since, is not served
+        base = by_path.get(_key(Path(p.base)))
+        if base is not None and p.name.casefold() not in taken and not any(e.answers(p.name) for e in out):
+            taken.add(p.name.casefold())
+            out.append(CatalogEntry(p.name, base.path, (), base.entry, preset=p, base=base.id))
     return out
 
 
@@ -266,12 +278,32 @@ class ModelPool:
         paths = {_key(s.path) for s in loaded}
         ids = {s.id.casefold() for s in loaded}
         for e in self.catalog():
-            if _key(e.path) not in paths and e.id.casefold() not in ids:
+            if e.preset is not None or (_key(e.path) not in paths and e.id.casefold() not in ids):
                 out.append((e.id, None, e))
         return out
 
     def _entry_of(self, served: Served) -> CatalogEntry | None:
-        return next((e for e in self.catalog() if _key(e.path) == _key(served.path)), None)
+        key = _key(served.path)
+        return next((e for e in self.catalog() if e.preset is None and _key(e.path) == key), None)
+
+    def preset(self, name: str) -> CatalogEntry | None:
+        """The catalog entry of the preset answering `name` (or `name` without ":latest"); None when no preset
+        does, or a loaded model answers the name."""
+        names = list(dict.fromkeys((name, name.removesuffix(":latest"))))
+        with self._cv:
+            if any(self._find_loaded(n) is not None for n in names):
+                return None
+        for refresh in (False, True):  # the catalog is read again only when nothing answers
+            catalog = self.catalog(refresh)
+            entry = next((e for n in names for e in catalog if e.answers(n)), None)
+            if entry is not None:
+                return entry if entry.preset is not None else None
+        return None
+
+    def base_of(self, preset: CatalogEntry) -> CatalogEntry | None:
+        """The catalog entry of a preset's base model."""
+        return next((e for e in self.catalog() if e.preset is None and _key(e.path) == _key(preset.path)),
+                    None)
 
     def _find_loaded(self, name: str) -> Served | None:
         for s in self._served:
@@ -288,6 +320,8 @@ class ModelPool:
             if served is not None:
                 return served, None
             entry = next((e for e in self.catalog(refresh) if e.answers(name)), None)
+            if entry is not None and entry.preset is not None:  # a preset runs on its base's engine
+                entry = self.base_of(entry) or CatalogEntry(entry.base, entry.path, (), entry.entry)
             if entry is not None:
                 with self._cv:  # the -m model may be this entry under another name: it answers to it too
                     same = next((s for s in self._served if _key(s.path) == _key(entry.path)), None)
@@ -481,6 +515,7 @@ class ModelPool:
         served.engine.stop()
         self.metrics.forget(served.engine)
         served.handlers = None
+        served.variants = {}
         served.lm = None
         self._changed()
         with contextlib.suppress(Exception):
