@@ -98,3 +98,16 @@ def test_a_reply_goes_on_untouched_while_a_question_is_embedded(client, smollm2_
     np.testing.assert_allclose(vectors[0], _in_process(BERT, ["during a reply"]), rtol=1e-5, atol=1e-6)
     client.unload("smol")
     assert client.status().embedding_model is not None, "unloading the chat model keeps the embedder"
+
+
+def test_an_embedding_model_that_does_not_fit_is_refused_before_loading():
+    from engine.embedder import Embedder
+
+    embedder = Embedder()
+    with pytest.raises(EmbeddingModelError, match="needs about .* MiB are free beside the chat model"):
+        embedder.embed(BERT, ["x"], available=64 << 20)
+    assert embedder.status() is None
+    assert embedder.embed(BERT, ["x"]).shape == (1, 32) and embedder.status()["name"] == "bert-embed"
+    assert embedder.nbytes > (BERT / "model.safetensors").stat().st_size
+    embedder.drop()
+    assert embedder.status() is None and embedder.nbytes == 0
