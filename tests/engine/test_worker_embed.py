@@ -111,3 +111,27 @@ def test_an_embedding_model_that_does_not_fit_is_refused_before_loading():
     assert embedder.nbytes > (BERT / "model.safetensors").stat().st_size
     embedder.drop()
     assert embedder.status() is None and embedder.nbytes == 0
+
+
+def test_search_tasks_get_the_models_own_prompts(tmp_path):
+    import json
+
+    from engine.embed import task_prompt
+    from engine.loader import load_model
+
+    qwen = load_model(TINY / "qwen3-embed")  # sentence-transformers prompts: "query", and "document" empty
+    assert task_prompt(qwen, "query") == "Instruct: find the answer\nQuery:"
+    assert task_prompt(qwen, "document") == ""
+    nomic = load_model(NOMIC)  # none named: nomic-bert's own task prefixes
+    assert task_prompt(nomic, "query") == "search_query: "
+    assert task_prompt(nomic, "document") == "search_document: "
+    assert task_prompt(load_model(BERT), "query") == "", "no guessing for a model that names none"
+    e5 = tmp_path / "e5-style"
+    shutil.copytree(BERT, e5)
+    (e5 / "config_sentence_transformers.json").write_text(
+        json.dumps({"prompts": {"query": "query: ", "passage": "passage: "}})
+    )
+    e5_lm = load_model(e5)
+    assert (task_prompt(e5_lm, "query"), task_prompt(e5_lm, "document")) == ("query: ", "passage: ")
+    with pytest.raises(ValueError):
+        task_prompt(e5_lm, "cluster")
