@@ -39,6 +39,7 @@ from __future__ import annotations
 import functools
 import time
 from dataclasses import asdict
+from pathlib import Path
 
 from app.chat_store import Chat, ChatStore, Message, MessageImage
 from app.engine_bridge import EngineBridge
@@ -165,8 +166,6 @@ def search_model(choice: str) -> tuple[str, str] | None:
 
 def model_display_name(path: str) -> str:
     """A model's short name: its file name without .gguf, or its folder's name."""
-    from pathlib import Path
-
     return Path(path).name.removesuffix(".gguf")
 
 

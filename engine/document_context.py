@@ -432,7 +432,7 @@ def select(
         return Selection("whole", parts, need)
     chunks = document_chunks(docs, chunk_size(budget), count)
     ranked, notice = _rank([c.text for c in chunks], question, embed)
-    used = embed is not None and not notice and question.strip()
+    used = embed is not None and not notice and bool(question.strip())
     ranked_by = f"keywords and {embed_name}" if used else "keywords"
     room, chosen = budget - BLOCK_OVERHEAD, []
     for i in ranked:
