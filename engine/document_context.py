@@ -54,6 +54,7 @@ SEMANTIC_TOP = 6  # chunks that share no keyword with the question get in only a
 CHUNK_VECTORS_BYTES = 64 << 20  # the chunk vector cache's bound (about 20000 vectors of 768 floats)
 CHUNK_TOKENS = 384  # most a chunk holds (less when the budget is small, see chunk_size)
 MIN_CHUNK_TOKENS = 48
+CHUNK_STEPS = (CHUNK_TOKENS, 256, 192, 128, 96, 64, MIN_CHUNK_TOKENS)  # chunk sizes to rank by embeddings
 OVERLAP = 0.125  # share of a chunk repeated at the start of the next
 BLOCK_OVERHEAD = 16  # tokens of the <documents> wrapper
 PART_OVERHEAD = 20  # tokens of one <document ...> ... </document> label
@@ -196,6 +197,13 @@ def chunk_size(budget: int) -> int:
     """Chunk length for a prompt budget: CHUNK_TOKENS, less when the budget is small, so that at least
     three chunks (from different places) fit."""
     return max(MIN_CHUNK_TOKENS, min(CHUNK_TOKENS, budget // 3 - PART_OVERHEAD))
+
+
+def stable_chunk_size(budget: int) -> int:
+    """chunk_size(budget) rounded down to one of a few steps (CHUNK_STEPS): the budget shrinks a little as a
+    chat grows, and chunks cut the same way keep their cached vectors from one question to the next."""
+    size = chunk_size(budget)
+    return next((s for s in CHUNK_STEPS if s <= size), MIN_CHUNK_TOKENS)
 
 
 def document_chunks(docs: Sequence[Document], max_tokens: int, count: CountFn | None = None) -> list[Chunk]:
@@ -419,9 +427,10 @@ def select(
             when none does (an empty message, a question in other words), the documents' first chunks.
         budget: tokens the documents may take in the prompt.
         count: text -> tokens (the model's tokenizer); default estimate_tokens.
-        embed: an embedding model (EmbedFn; wrap it in cached_embed): chunks are ranked by BM25 and by
-            similarity, fused (RRF); the chunks that share a word with the question and the SEMANTIC_TOP
-            closest are the candidates. None: BM25 alone. A failure falls back to BM25 (Selection.notice).
+        embed: an embedding model (EmbedFn; wrap it in cached_embed): chunks (of stable_chunk_size, so
+            that they keep their cached vectors as the chat grows) are ranked by BM25 and by similarity,
+            fused (RRF); the chunks that share a word with the question and the SEMANTIC_TOP closest are
+            the candidates. None: BM25 alone. A failure falls back to BM25 (Selection.notice).
         embed_name: the embedding model's name, for Selection.ranked_by.
     """
     if not docs:
@@ -430,7 +439,8 @@ def select(
     if need <= budget:
         parts = [Part(d.name, "whole document", d.text, i) for i, d in enumerate(docs)]
         return Selection("whole", parts, need)
-    chunks = document_chunks(docs, chunk_size(budget), count)
+    size = chunk_size(budget) if embed is None else stable_chunk_size(budget)
+    chunks = document_chunks(docs, size, count)
     ranked, notice = _rank([c.text for c in chunks], question, embed)
     used = embed is not None and not notice and bool(question.strip())
     ranked_by = f"keywords and {embed_name}" if used else "keywords"
