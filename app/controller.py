@@ -28,7 +28,10 @@ writes the chat's documents into the prompt (engine.document_context.with_docume
 fit the context beside the conversation and the reply, else the chunks that best match the latest
 question, counted in the model's own tokenizer. That choice runs in the bridge's thread (a `prepare` step:
 counting, chunking and ranking a long document take a while); what went in comes back as `prepared`, is
-kept in the reply's stats as "sources" and shown under it.
+kept in the reply's stats as "sources" and shown under it. Chunks are ranked by keywords and, when the
+document_search setting finds an embedding model (search_model), by meaning too: the worker embeds them
+(EngineClient.embed) and their vectors are cached in this process. Should that fail, the chunks are ranked
+by keywords and the status bar says why (statusMessage); the reply goes on.
 """
 
 from __future__ import annotations
@@ -36,14 +39,21 @@ from __future__ import annotations
 import functools
 import time
 from dataclasses import asdict
+from pathlib import Path
 
 from app.chat_store import Chat, ChatStore, Message, MessageImage
 from app.engine_bridge import EngineBridge
 from app.qt import QObject, QTimer, Signal, Slot
-from app.settings import SAMPLING_KEYS, Settings
+from app.settings import SAMPLING_KEYS, SEARCH_AUTO, SEARCH_KEYWORDS, Settings
 from engine import tool_loop
 from engine.client import ChatEvent
-from engine.document_context import document_budget, estimate_tokens, model_token_counter, with_documents
+from engine.document_context import (
+    cached_embed,
+    document_budget,
+    estimate_tokens,
+    model_token_counter,
+    with_documents,
+)
 from engine.documents import Document
 from engine.generate import GenerationParams
 from engine.reasoning import ReasoningStream, split_reasoning
@@ -135,16 +145,57 @@ def chat_title(text: str, images: list[MessageImage], documents: list[Document] 
     return "Image" if len(images) == 1 else f"{len(images)} images"
 
 
+def search_model(choice: str) -> tuple[str, str] | None:
+    """The embedding model the document_search setting names, as (path, display name); None for keywords
+    only. "auto": the first embedding model present in the library (None when there is none); otherwise the
+    path itself (a missing one fails when it is used, and the reply falls back to keywords with a notice)."""
+    if choice == SEARCH_KEYWORDS or not choice.strip():
+        return None
+    if choice == SEARCH_AUTO:
+        from models.library import Library
+
+        try:
+            found = Library().embedding_models()
+        except Exception:  # noqa: BLE001 - an unreadable library only means keywords
+            return None
+        if not found:
+            return None
+        choice = found[0].path
+    return choice, model_display_name(choice)
+
+
+def model_display_name(path: str) -> str:
+    """A model's short name: its file name without .gguf, or its folder's name."""
+    return Path(path).name.removesuffix(".gguf")
+
+
 def _add_documents(
-    documents: list[list[Document]], n_ctx: int, max_tokens: int, model_path: str, conversation: list[dict]
+    documents: list[list[Document]],
+    n_ctx: int,
+    max_tokens: int,
+    model_path: str,
+    conversation: list[dict],
+    search: str = SEARCH_KEYWORDS,
+    client=None,
 ):
-    """The conversation with its documents written in, and the sources it got (a bridge `prepare` step).
-    Tokens are counted with the model's tokenizer (read from its file here), else estimated."""
+    """The conversation with its documents written in, and what the reply shows of them (a bridge `prepare`
+    step): {"sources": Selection.sources(), "notice": why the search model was not used, or ""}.
+    Tokens are counted with the model's tokenizer (read from its file here), else estimated; chunks are
+    ranked with the `search` setting's embedding model through `client` (engine.client.EngineClient)."""
     count = model_token_counter(model_path) if model_path else None
     other = sum(_content_tokens(m.get("content"), count) + 8 for m in conversation)  # 8: a turn's template
     budget = document_budget(n_ctx, max_tokens, other)
-    conversation, selection = with_documents(conversation, documents, budget, count)
-    return conversation, selection.sources()
+    embed, name = None, ""
+    found = search_model(search) if client is not None else None
+    if found is not None:
+        path, name = found
+
+        def embed_remote(texts, task):
+            return client.embed(path, texts, task=task, truncate=True)
+
+        embed = cached_embed(embed_remote, path)
+    conversation, selection = with_documents(conversation, documents, budget, count, embed, name)
+    return conversation, {"sources": selection.sources(), "notice": selection.notice}
 
 
 def _content_tokens(content, count=None) -> int:
@@ -186,6 +237,8 @@ class ChatController(QObject):
             call (its text is held back; name: the tool, once it has arrived, else ""), or no longer is (the
             reply ended, or it was no call after all).
         sourcesChanged(message: Message): the streaming reply's documents were chosen (stats["sources"]).
+        statusMessage(text: str): a passing note for the status bar (the document search fell back to
+            keywords).
     """
 
     chatsChanged = Signal()
@@ -199,6 +252,7 @@ class ChatController(QObject):
     toolCallsChanged = Signal(object, bool)
     toolCallPending = Signal(int, bool, str)
     sourcesChanged = Signal(object)
+    statusMessage = Signal(str)
 
     def __init__(
         self,
@@ -422,7 +476,10 @@ class ChatController(QObject):
         if any(docs):  # counting, chunking and ranking a long document take a while: in the bridge's thread
             model = self.bridge.model
             n_ctx, path = (model.n_ctx, model.path) if model else (4096, "")
-            prepare = functools.partial(_add_documents, docs, n_ctx, params.max_tokens, path)
+            prepare = functools.partial(
+                _add_documents, docs, n_ctx, params.max_tokens, path,
+                search=self.settings.get("document_search"), client=self.bridge.client,
+            )
         if resume is None:
             self._reply = self.store.add_message(self.chat.id, "assistant", "", state="streaming")
             self._text = ""
@@ -604,10 +661,13 @@ class ChatController(QObject):
         self.replyEvent.emit(event)
 
     @Slot(int, object)
-    def _on_prepared(self, turn: int, sources: list[dict]) -> None:
+    def _on_prepared(self, turn: int, info: dict) -> None:
         """The reply's documents were chosen: kept with it (and written now, should the app die) and shown."""
         if turn != self._turn or self._reply is None:
             return
+        sources = info["sources"]
+        if info.get("notice"):
+            self.statusMessage.emit(info["notice"][:1].upper() + info["notice"][1:])
         self._sources = sources
         self._reply.stats = {**self._reply.stats, "sources": sources}
         self.store.update_message(self._reply.id, stats=self._reply.stats)

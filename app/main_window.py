@@ -365,6 +365,7 @@ class MainWindow(QMainWindow):
         c.busyChanged.connect(self.restart_tools)
         c.replyEvent.connect(self._on_reply_event)
         c.notice.connect(self.view.show_notice)
+        c.statusMessage.connect(self._on_status_message)
         self._bridge_slots = [
             (b.loadProgress, self._on_load_progress),
             (b.loaded, self._on_loaded),
@@ -541,6 +542,10 @@ class MainWindow(QMainWindow):
     @Slot(str)
     def _on_composer_notice(self, text: str) -> None:
         self.statusBar().showMessage(text, 8000)
+
+    @Slot(str)
+    def _on_status_message(self, text: str) -> None:
+        self.statusBar().showMessage(text, 15000)
 
     @Slot(bool)
     def _on_busy(self, busy: bool) -> None:

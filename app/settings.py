@@ -94,6 +94,15 @@ class Schema:
         "Model",
         choices=("truncate-middle", "rolling-window", "stop"),
     )
+    document_search: str = _opt(
+        "auto",
+        "Document search model",
+        "How the parts of long documents that answer a question are found: by keywords and an embedding "
+        "model's sense of meaning (Automatic: the first embedding model in the library; or the one chosen), "
+        "or by keywords only.",
+        "Model",
+        kind="embedding_model",
+    )
     # -- sampling defaults (a chat can override them)
     temperature: float = _opt(
         0.7, "Temperature", "0 always picks the likeliest word.", "Sampling", min=0.0, max=2.0
@@ -219,6 +228,10 @@ def validate(key: str, value: Any) -> Any:
     if choices and out not in choices:
         raise SettingsError(f"{label}: {out!r} is not one of {', '.join(choices)}")
     return out
+
+
+# document_search values besides a model's path
+SEARCH_AUTO, SEARCH_KEYWORDS = "auto", "keywords"
 
 
 def cuda_status() -> tuple[bool, str]:

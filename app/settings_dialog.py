@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from app import quant_info
+from app.controller import model_display_name
 from app.qt import (
     QCheckBox,
     QComboBox,
@@ -40,7 +41,7 @@ from app.qt import (
     Signal,
     Slot,
 )
-from app.settings import SCHEMA, Settings, SettingsError, default
+from app.settings import SCHEMA, SEARCH_AUTO, SEARCH_KEYWORDS, Settings, SettingsError, default
 
 
 class _Relay(QObject):
@@ -202,6 +203,9 @@ class SettingsDialog(QDialog):
 
     def _editor(self, key: str, meta: dict, value: Any, cuda: bool) -> tuple[QWidget, QWidget]:
         kind = type(default(key))
+        if meta.get("kind") == "embedding_model":
+            box = self._search_box(str(value))
+            return box, box
         if meta.get("kind") == "quant":
             box = QComboBox()
             for c in quant_info.choices():
@@ -262,6 +266,25 @@ class SettingsDialog(QDialog):
                 h.addWidget(self._draft_box(line))
             return line, row
         return line, line
+
+    def _search_box(self, value: str) -> QComboBox:
+        """Automatic, Keywords only, and the library's embedding models (and the saved one, should it no
+        longer be in the library)."""
+        from models.library import Library
+
+        box = QComboBox()
+        box.addItem("Automatic (the library's first embedding model)", SEARCH_AUTO)
+        box.addItem("Keywords only", SEARCH_KEYWORDS)
+        try:
+            found = Library().embedding_models()
+        except Exception:  # noqa: BLE001 - an unreadable library lists none
+            found = []
+        for entry in found:
+            box.addItem(f"{model_display_name(entry.path)} · {entry.size / 2**20:,.0f} MiB", entry.path)
+        if box.findData(value) < 0:
+            box.addItem(f"{model_display_name(value)} (not in the library)", value)
+        box.setCurrentIndex(box.findData(value))
+        return box
 
     def _draft_box(self, line: QLineEdit) -> QComboBox:
         """Local models that can draft for the loaded one, smallest first; picking one fills `line`."""

@@ -108,6 +108,11 @@ def build_parser() -> argparse.ArgumentParser:
         "fits the context, else the parts that best match each question",
     )
     chat.add_argument(
+        "--embed-model", default=None, metavar="MODEL",
+        help="an embedding model (file or folder) that finds the parts of long documents by "
+        "meaning as well as keywords (default: the library's first embedding model; 'none': keywords only)",
+    )
+    chat.add_argument(
         "--mcp",
         action="store_true",
         help="use the tools of the MCP servers in mcp.json (Hearth's config dir); asks before each call",

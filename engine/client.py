@@ -7,8 +7,10 @@ caller already received stay valid, and the next call (or restart()) starts a fr
 reloads the models that were loaded.
 
 Protocol (tuples over one multiprocessing Pipe):
-    client -> worker: (op, req_id, payload) with op in load, generate, unload, status, cancel, shutdown
-    worker -> client: (kind, req_id, payload) with kind in progress, loaded, event, done, status, error
+    client -> worker: (op, req_id, payload) with op in load, generate, embed, unload, status, cancel,
+        shutdown
+    worker -> client: (kind, req_id, payload) with kind in progress, loaded, event, embedded, done, status,
+        error
 A receiver thread in the client routes worker messages into one queue per request.
 """
 
@@ -237,6 +239,7 @@ class EngineStatus:
     rss_mb: float
     busy: bool
     models: list[dict]
+    embedding_model: dict | None = None  # the embedder kept loaded ({"path", "name", "bytes"}), if any
 
 
 def _worker_entry(conn, threads: int | None) -> None:
@@ -596,7 +599,7 @@ class EngineClient:
                 q.put((_CANCELLED, None))  # wakes a stream blocked waiting for the next event
 
     def unload(self, model: str | None = None) -> None:
-        """Unload one model (by key) or, with None, all of them."""
+        """Unload one model (by key) or, with None, all of them (the embedding model too)."""
         req_id, q = self._request("unload", model)
         try:
             self._get(q)
@@ -606,6 +609,51 @@ class EngineClient:
             self._loaded.clear()
         else:
             self._loaded.pop(model, None)
+
+    def embed(
+        self,
+        model_path: str | Path,
+        texts: Sequence[str],
+        prompt_name: str | None = None,
+        *,
+        task: str | None = None,
+        truncate: bool = False,
+        timeout: float = 600.0,
+    ) -> np.ndarray:
+        """Embeddings of texts with an embedding model, which the worker loads on first use and keeps
+        beside the chat models (one at a time: asking for another replaces it; unload() drops it).
+
+        Served on the worker's own embedding thread: a reply being written goes on untouched.
+
+        Args:
+            model_path: the embedding model's file or folder (or a starter name).
+            texts: the inputs.
+            prompt_name: one of the model's sentence-transformers prompts (None: its default, if any).
+            task: "query" or "document": the model's prompt for that search task (engine.embed.task_prompt)
+                when prompt_name is None.
+            truncate: cut inputs longer than the model takes instead of refusing them.
+            timeout: seconds to wait for the vectors.
+
+        Returns:
+            (len(texts), dims) float32, one unit vector a row.
+
+        Raises:
+            EmbeddingModelError: the model is missing, broken, gives no embeddings, does not fit in memory,
+                or did not answer in time. EmbeddingInputError, WorkerDiedError.
+        """
+        from engine.errors import EmbeddingModelError
+
+        payload = {"model": str(model_path), "texts": [str(t) for t in texts], "prompt_name": prompt_name,
+                   "task": task, "truncate": truncate}
+        req_id, q = self._request("embed", payload)
+        try:
+            return self._get(q, timeout=timeout)[1]
+        except queue.Empty:
+            raise EmbeddingModelError(
+                f"the embedding model {model_path} did not answer within {timeout:.0f} s", str(model_path)
+            ) from None
+        finally:
+            self._queues.pop(req_id, None)
 
     def status(self, timeout: float = 5.0) -> EngineStatus:
         """Memory, loaded models and their context use; answered even while a reply is generated."""

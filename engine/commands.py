@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 
 from engine.backends import cpu
-from engine.document_context import document_budget, sources_text, with_documents
+from engine.document_context import cached_embed, document_budget, sources_text, with_documents
 from engine.documents import Document, read_document
 from engine.errors import HearthError, ImageInputError
 from engine.generate import GenerationParams, generate, prefill
@@ -218,7 +218,8 @@ def cmd_chat(args) -> int:
         _chat_prompt(lm, messages)  # pick the fallback template now, so its notice precedes the prompt
     session = _tool_session(args, lm)
     try:
-        return _chat_loop(lm, params, n_ctx, cache, system, messages, pending, session, docs)
+        return _chat_loop(lm, params, n_ctx, cache, system, messages, pending, session, docs,
+                          getattr(args, "embed_model", None))
     finally:
         if session is not None:
             session.host.close()
@@ -250,7 +251,34 @@ def _read_doc(path: str) -> Document:
     return doc
 
 
-def _chat_loop(lm, params, n_ctx, cache, system, messages, pending, session, docs=None) -> int:
+def _document_search(choice: str | None):
+    """(embed, name) for ranking document chunks (engine.document_context.select) with --embed-model: a
+    model's path or name, "none" for keywords only, or (None) the library's first embedding model, as the
+    app's Automatic. (None, "") for keywords."""
+    if choice in ("none", "keywords"):
+        return None, ""
+    if not choice:
+        from models.library import Library
+
+        try:
+            found = Library().embedding_models()
+        except Exception:  # noqa: BLE001 - an unreadable library only means keywords
+            found = []
+        if not found:
+            return None, ""
+        choice = found[0].path
+    from engine.embedder import Embedder
+
+    embedder = Embedder()  # loaded on the first question that needs it, kept for the chat
+
+    def embed(texts, task):
+        return embedder.embed(choice, texts, task=task, truncate=True)
+
+    return cached_embed(embed, str(choice)), Path(choice).name.removesuffix(".gguf")
+
+
+def _chat_loop(lm, params, n_ctx, cache, system, messages, pending, session, docs=None,
+               embed_model: str | None = None) -> int:
     from engine.tool_loop import run_tool_loop
 
     print(
@@ -263,6 +291,8 @@ def _chat_loop(lm, params, n_ctx, cache, system, messages, pending, session, doc
     docs = list(docs or [])  # documents for the next message
     attached: dict[int, list[Document]] = {}  # index in messages of a user message -> its documents
 
+    search: list = []  # (embed, name), found when documents first need ranking
+
     def count(text: str) -> int:
         return len(lm.tokenizer.encode(text))
 
@@ -273,8 +303,12 @@ def _chat_loop(lm, params, n_ctx, cache, system, messages, pending, session, doc
             return conversation
         per = [attached.get(i, []) for i in range(len(conversation))]
         other = len(_chat_prompt(lm, conversation, template_vars))
+        if not search:
+            search.extend(_document_search(embed_model))
         out, selection = with_documents(conversation, per, document_budget(n_ctx, params.max_tokens, other),
-                                        count)
+                                        count, *search)
+        if selection.notice:
+            print(f"hearth: {selection.notice}", file=sys.stderr)
         print(f"[sources: {sources_text(selection.sources())}]", file=sys.stderr)
         return out
 

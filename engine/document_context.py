@@ -6,6 +6,13 @@ are ranked by BM25 against the user's question, and the best ones that fit go in
 order. Token counts come from the model's tokenizer when the caller has one (`count`), else from
 estimate_tokens (characters / 3, on the safe side for English prose).
 
+With an embedding model (`embed`: texts and a task, "query" or "document", -> unit vectors; the task picks
+the model's own prompts) the chunks are ranked by BM25 and by cosine similarity to the question, the two
+rankings fused by reciprocal rank (k = RRF_K): an exact keyword match still counts, and a chunk that
+answers in other words gets in too. A chunk's vector is computed once per embedding model (cached_embed,
+a bounded cache keyed by model and text), so a follow-up question embeds only itself. Should embedding
+fail, the chunks are ranked by keywords and the selection says why (Selection.notice).
+
 The prompt format (the user's turn; see documents_block):
 
     <documents>
@@ -26,18 +33,28 @@ itself holds "</document" is written with "</ document" so it cannot close the b
 from __future__ import annotations
 
 import functools
+import hashlib
 import math
 import re
-from collections import Counter
+import threading
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 from engine.documents import Document
 
 CountFn = Callable[[str], int]
+# (texts, task "query" or "document") -> (len(texts), dims) float32 unit vectors
+EmbedFn = Callable[[Sequence[str], str], np.ndarray]
+RRF_K = 60  # reciprocal rank fusion's constant (Cormack et al.): a rank r adds 1 / (RRF_K + r)
+SEMANTIC_TOP = 6  # chunks that share no keyword with the question get in only among the closest this many
+CHUNK_VECTORS_BYTES = 64 << 20  # the chunk vector cache's bound (about 20000 vectors of 768 floats)
 CHUNK_TOKENS = 384  # most a chunk holds (less when the budget is small, see chunk_size)
 MIN_CHUNK_TOKENS = 48
+CHUNK_STEPS = (CHUNK_TOKENS, 256, 192, 128, 96, 64, MIN_CHUNK_TOKENS)  # chunk sizes to rank by embeddings
 OVERLAP = 0.125  # share of a chunk repeated at the start of the next
 BLOCK_OVERHEAD = 16  # tokens of the <documents> wrapper
 PART_OVERHEAD = 20  # tokens of one <document ...> ... </document> label
@@ -182,6 +199,13 @@ def chunk_size(budget: int) -> int:
     return max(MIN_CHUNK_TOKENS, min(CHUNK_TOKENS, budget // 3 - PART_OVERHEAD))
 
 
+def stable_chunk_size(budget: int) -> int:
+    """chunk_size(budget) rounded down to one of a few steps (CHUNK_STEPS): the budget shrinks a little as a
+    chat grows, and chunks cut the same way keep their cached vectors from one question to the next."""
+    size = chunk_size(budget)
+    return next((s for s in CHUNK_STEPS if s <= size), MIN_CHUNK_TOKENS)
+
+
 def document_chunks(docs: Sequence[Document], max_tokens: int, count: CountFn | None = None) -> list[Chunk]:
     """Every document's chunks, documents in order."""
     out = []
@@ -248,6 +272,99 @@ class BM25:
         return out
 
 
+# ---- embeddings
+class VectorCache:
+    """Vectors by key, least recently used out past max_bytes. Thread-safe (the app prepares replies on
+    the bridge's threads)."""
+
+    def __init__(self, max_bytes: int = CHUNK_VECTORS_BYTES):
+        self.max_bytes = max_bytes
+        self.nbytes = 0
+        self._items: OrderedDict[tuple, np.ndarray] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def get(self, key: tuple) -> np.ndarray | None:
+        with self._lock:
+            v = self._items.get(key)
+            if v is not None:
+                self._items.move_to_end(key)
+            return v
+
+    def put(self, key: tuple, vector: np.ndarray) -> None:
+        with self._lock:
+            old = self._items.pop(key, None)
+            self.nbytes -= old.nbytes if old is not None else 0
+            self._items[key] = vector
+            self.nbytes += vector.nbytes
+            while self.nbytes > self.max_bytes and len(self._items) > 1:
+                _, dropped = self._items.popitem(last=False)
+                self.nbytes -= dropped.nbytes
+
+    def clear(self) -> None:
+        with self._lock:
+            self._items.clear()
+            self.nbytes = 0
+
+
+CHUNK_VECTORS = VectorCache()  # the process's chunk vectors (the app's, the CLI's)
+
+
+def cached_embed(embed: EmbedFn, model_key: str, cache: VectorCache | None = None) -> EmbedFn:
+    """`embed` with its "document" vectors kept in `cache` (default CHUNK_VECTORS) under (model_key, the
+    text's hash): only texts not seen before with this model are embedded. Queries are not kept."""
+    cache = CHUNK_VECTORS if cache is None else cache
+
+    def run(texts: Sequence[str], task: str) -> np.ndarray:
+        if task != "document":
+            return embed(texts, task)
+        keys = [(model_key, hashlib.sha256(t.encode("utf-8")).hexdigest()) for t in texts]
+        rows = [cache.get(k) for k in keys]
+        missing = [i for i, v in enumerate(rows) if v is None]
+        if missing:
+            new = np.asarray(embed([texts[i] for i in missing], "document"), dtype=np.float32)
+            for i, v in zip(missing, new, strict=True):
+                rows[i] = v
+                cache.put(keys[i], v)
+        return np.stack(rows) if rows else np.empty((0, 0), np.float32)
+
+    return run
+
+
+def fuse_ranks(*rankings: Sequence[int], k: int = RRF_K) -> dict[int, float]:
+    """Reciprocal rank fusion: each ranking (ids, best first) gives the id at rank r (1-based) 1 / (k + r);
+    an id's score is its sum over the rankings that hold it."""
+    out: dict[int, float] = {}
+    for ranking in rankings:
+        for r, i in enumerate(ranking, start=1):
+            out[i] = out.get(i, 0.0) + 1.0 / (k + r)
+    return out
+
+
+def _rank(texts: Sequence[str], question: str, embed: EmbedFn | None) -> tuple[list[int], str]:
+    """Chunk indices best first (only those worth sending), and the notice of a failed embedding ("")."""
+    scores = BM25(texts).scores(question)
+    # best first; ties (a question with no words in common) fall back to document order
+    keyword = sorted(range(len(texts)), key=lambda i: (-scores[i], i))
+    if any(scores):  # chunks that share no word with the question are noise once some do
+        keyword = [i for i in keyword if scores[i] > 0]
+    if embed is None or not question.strip():
+        return keyword, ""
+    try:
+        vectors = np.asarray(embed(texts, "document"), dtype=np.float32)
+        query = np.asarray(embed([question], "query"), dtype=np.float32)[0]
+    except Exception as e:  # noqa: BLE001 - a failed search falls back to keywords; the reply goes on
+        return keyword, f"document search by meaning failed ({e}); chunks were ranked by keywords"
+    similarity = vectors @ query
+    semantic = sorted(range(len(texts)), key=lambda i: (-float(similarity[i]), i))
+    matched = [i for i in keyword if scores[i] > 0]
+    fused = fuse_ranks(matched, semantic)
+    candidates = set(matched) | set(semantic[:SEMANTIC_TOP])
+    return sorted(candidates, key=lambda i: (-fused.get(i, 0.0), i)), ""
+
+
 # ---- what goes in
 @dataclass
 class Part:
@@ -269,16 +386,21 @@ class Selection:
     mode: str
     parts: list[Part]
     tokens: int
+    ranked_by: str = ""  # retrieval: "keywords", or "keywords and <embedding model>"
+    notice: str = ""  # why an embedding model that was asked for was not used ("" when it was)
 
     def sources(self) -> list[dict]:
         """What the reply shows under it: per document its name and what went in, in order
-        ([{"name", "whole": bool, "chunks": [1-based numbers], "of": chunk count}])."""
+        ([{"name", "whole": bool, "chunks": [1-based numbers], "of": chunk count, "ranked_by"}]; the last
+        two for chunks only)."""
         out: dict[int, dict] = {}
         for p in self.parts:
             entry = out.setdefault(p.doc, {"name": p.name, "whole": p.chunk is None, "chunks": []})
             if p.chunk is not None:
                 entry["chunks"].append(p.chunk + 1)
                 entry["of"] = p.of
+                if self.ranked_by:
+                    entry["ranked_by"] = self.ranked_by
         return list(out.values())
 
 
@@ -288,16 +410,28 @@ def whole_tokens(docs: Sequence[Document], count: CountFn | None = None) -> int:
     return BLOCK_OVERHEAD + sum(count(d.text) + PART_OVERHEAD for d in docs)
 
 
-def select(docs: Sequence[Document], question: str, budget: int, count: CountFn | None = None) -> Selection:
-    """Whole documents if they all fit `budget` tokens, else the chunks BM25 ranks best for `question`
-    that fit, in document order.
+def select(
+    docs: Sequence[Document],
+    question: str,
+    budget: int,
+    count: CountFn | None = None,
+    embed: EmbedFn | None = None,
+    embed_name: str = "embeddings",
+) -> Selection:
+    """Whole documents if they all fit `budget` tokens, else the chunks ranked best for `question` that
+    fit, in document order.
 
     Args:
         docs: the chat's documents, in the order they were attached.
-        question: the message being answered. Only chunks sharing a word with it go in; when none does
-            (an empty message, a question in other words), the documents' first chunks.
+        question: the message being answered. Without `embed`, only chunks sharing a word with it go in;
+            when none does (an empty message, a question in other words), the documents' first chunks.
         budget: tokens the documents may take in the prompt.
         count: text -> tokens (the model's tokenizer); default estimate_tokens.
+        embed: an embedding model (EmbedFn; wrap it in cached_embed): chunks (of stable_chunk_size, so
+            that they keep their cached vectors as the chat grows) are ranked by BM25 and by similarity,
+            fused (RRF); the chunks that share a word with the question and the SEMANTIC_TOP closest are
+            the candidates. None: BM25 alone. A failure falls back to BM25 (Selection.notice).
+        embed_name: the embedding model's name, for Selection.ranked_by.
     """
     if not docs:
         return Selection("whole", [], 0)
@@ -305,12 +439,11 @@ def select(docs: Sequence[Document], question: str, budget: int, count: CountFn 
     if need <= budget:
         parts = [Part(d.name, "whole document", d.text, i) for i, d in enumerate(docs)]
         return Selection("whole", parts, need)
-    chunks = document_chunks(docs, chunk_size(budget), count)
-    scores = BM25([c.text for c in chunks]).scores(question)
-    # best first; ties (a question with no words in common) fall back to document order
-    ranked = sorted(range(len(chunks)), key=lambda i: (-scores[i], i))
-    if any(scores):  # chunks that share no word with the question are noise once some do
-        ranked = [i for i in ranked if scores[i] > 0]
+    size = chunk_size(budget) if embed is None else stable_chunk_size(budget)
+    chunks = document_chunks(docs, size, count)
+    ranked, notice = _rank([c.text for c in chunks], question, embed)
+    used = embed is not None and not notice and bool(question.strip())
+    ranked_by = f"keywords and {embed_name}" if used else "keywords"
     room, chosen = budget - BLOCK_OVERHEAD, []
     for i in ranked:
         cost = chunks[i].tokens + PART_OVERHEAD
@@ -321,7 +454,7 @@ def select(docs: Sequence[Document], question: str, budget: int, count: CountFn 
             break
     picked = [chunks[i] for i in sorted(chosen)]
     parts = [Part(docs[c.doc].name, c.label(), c.text, c.doc, c.index, c.count) for c in picked]
-    return Selection("retrieval", parts, budget - room)
+    return Selection("retrieval", parts, budget - room, ranked_by, notice)
 
 
 def documents_block(selection: Selection) -> str:
@@ -347,8 +480,9 @@ def user_turn(question: str, selection: Selection) -> str:
 
 
 def sources_text(sources: Sequence[dict]) -> str:
-    """The Sources line under a reply: "report.pdf (whole document); notes.md (chunks 2, 5 of 12)"."""
-    items = []
+    """The Sources line under a reply: "report.pdf (whole document); notes.md (chunks 2, 5 of 12)", and how
+    chunks were ranked when the sources say (" · ranked by keywords and nomic-embed-text")."""
+    items, ranked_by = [], ""
     for s in sources:
         if s.get("whole"):
             items.append(f"{s['name']} (whole document)")
@@ -356,7 +490,8 @@ def sources_text(sources: Sequence[dict]) -> str:
             n = s.get("chunks", [])
             word = "chunk" if len(n) == 1 else "chunks"
             items.append(f"{s['name']} ({word} {', '.join(map(str, n))} of {s.get('of', '?')})")
-    return "; ".join(items)
+            ranked_by = ranked_by or s.get("ranked_by", "")
+    return "; ".join(items) + (f" · ranked by {ranked_by}" if ranked_by else "")
 
 
 def document_budget(n_ctx: int, max_tokens: int, other_tokens: int) -> int:
@@ -373,6 +508,8 @@ def with_documents(
     documents: Sequence[Sequence[Document]],
     budget: int,
     count: CountFn | None = None,
+    embed: EmbedFn | None = None,
+    embed_name: str = "embeddings",
 ) -> tuple[list[dict], Selection]:
     """The conversation with its documents written into the user turns.
 
@@ -386,6 +523,7 @@ def with_documents(
         documents: per message of `conversation`, the documents attached to it ([] for most).
         budget: tokens the documents may take (document_budget).
         count: text -> tokens (the model's tokenizer); default estimate_tokens.
+        embed, embed_name: an embedding model to rank chunks with (see select).
 
     Returns:
         the new messages, and the selection over all documents in order (for the Sources line).
@@ -395,7 +533,7 @@ def with_documents(
     if not flat:
         return out, Selection("whole", [], 0)
     last_user = max((i for i, m in enumerate(out) if m.get("role") == "user"), default=len(out) - 1)
-    selection = select(flat, _text_of(out[last_user].get("content", "")), budget, count)
+    selection = select(flat, _text_of(out[last_user].get("content", "")), budget, count, embed, embed_name)
     if selection.mode == "whole":
         at = 0
         for i, docs in enumerate(documents):

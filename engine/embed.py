@@ -30,6 +30,11 @@ POOLINGS = ("mean", "cls", "last")
 # the most tokens an encoder embeds in one pass (its inputs' rows laid end to end: engine/arch/encoder.py);
 # past a few hundred rows BLAS gains little more, and activations stay a few MB for a 1024-wide model
 BATCH_TOKENS = 2048
+# the prompts a family's model card asks for, used when the model names none itself (sentence-transformers'
+# prompts win): nomic-embed-text v1/v1.5 (arch nomic-bert) wants its task written before each text
+FAMILY_TASK_PROMPTS = {"nomic-bert": {"query": "search_query: ", "document": "search_document: "}}
+# sentence-transformers prompt names that mean a task: e5-style configs call a document a "passage"
+TASK_PROMPT_NAMES = {"query": ("query",), "document": ("document", "passage")}
 _ST_MODES = {
     "pooling_mode_cls_token": "cls", "pooling_mode_mean_tokens": "mean", "pooling_mode_lasttoken": "last"
 }
@@ -260,9 +265,29 @@ def check_dims(lm, dims: int | None, field_name: str = "dimensions") -> None:
         )
 
 
+def task_prompt(lm, task: str) -> str:
+    """The text a model wants before an input of a search `task` ("query" or "document"): its
+    sentence-transformers prompt of that name ("passage" for a document too, as e5-style configs name it),
+    else its family's (FAMILY_TASK_PROMPTS: nomic-bert's "search_query: "), else "" (no guessing for a
+    model that names none).
+
+    Raises:
+        ValueError: an unknown task.
+    """
+    if task not in TASK_PROMPT_NAMES:
+        raise ValueError(f"task must be one of {', '.join(TASK_PROMPT_NAMES)}, got {task!r}")
+    spec = check_model(lm)
+    for name in TASK_PROMPT_NAMES[task]:
+        if name in spec.prompts:
+            return spec.prompts[name]
+    if spec.prompts:  # the model names its prompts, and none for this task: it wants none
+        return ""
+    return FAMILY_TASK_PROMPTS.get(lm.metadata.get("general.architecture"), {}).get(task, "")
+
+
 def embed_texts(lm, texts: list[str], *, normalize: bool = True, dims: int | None = None,
                 truncate: bool = False, prompt_name: str | None = None,
-                n_ctx: int | None = None) -> tuple[np.ndarray, list[int]]:
+                n_ctx: int | None = None, task: str | None = None) -> tuple[np.ndarray, list[int]]:
     """Embeddings of texts, one row each, and each input's token count.
 
     Args:
@@ -273,6 +298,8 @@ def embed_texts(lm, texts: list[str], *, normalize: bool = True, dims: int | Non
         truncate: cut inputs longer than the model takes instead of refusing them.
         prompt_name: one of the model's sentence-transformers prompts (None: its default, if any).
         n_ctx: a context cap for decoders (the model's trained context otherwise).
+        task: "query" or "document": the model's prompt for that search task (task_prompt) when no
+            prompt_name is given.
 
     Raises:
         EmbeddingInputError, EmbeddingUnsupportedError.
@@ -286,6 +313,8 @@ def embed_texts(lm, texts: list[str], *, normalize: bool = True, dims: int | Non
             f"no prompt named {name!r} (this model has: {known})", "invalid_value", "prompt"
         )
     prompt = spec.prompts.get(name, "") if name is not None else ""
+    if task is not None and prompt_name is None:
+        prompt = task_prompt(lm, task)
     ids = tokenize(lm, texts, limit=context_limit(lm, n_ctx), truncate=truncate, prompt=prompt)
     rows = [v for group in batches(ids) for v in embed_many(lm, group, normalize=normalize, dims=dims)]
     width = dims or int(lm.model.cfg.hidden_size)

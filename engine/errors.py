@@ -7,6 +7,7 @@ from models.errors import HearthError, ModelFormatError
 __all__ = [
     "ContextOverflowError",
     "EmbeddingInputError",
+    "EmbeddingModelError",
     "EmbeddingOnlyModelError",
     "EmbeddingUnsupportedError",
     "HearthError",
@@ -67,4 +68,18 @@ class EmbeddingInputError(HearthError):
     def __init__(self, message: str, code: str = "invalid_input", field: str = "input"):
         self.code = code
         self.field = field
+        super().__init__(message)
+
+
+class EmbeddingModelError(HearthError):
+    """An embedding model the worker was asked to embed with cannot be used: missing, unreadable, not an
+    embedding model, or too big for the memory left beside the chat model (the message says which; the app
+    then ranks documents by keywords alone).
+
+    Attributes:
+        path: the model asked for.
+    """
+
+    def __init__(self, message: str, path: str = ""):
+        self.path = path
         super().__init__(message)

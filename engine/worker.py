@@ -2,7 +2,9 @@
 
 Generation runs in the worker's main thread; a listener thread reads the pipe so that `cancel`
 (a flag checked between prefill batches and between tokens) and `status` are served while a reply
-is being computed. See engine.client for the message protocol.
+is being computed, and `embed` requests go to a thread of their own (engine.embedder: the one embedding
+model, beside the chat models), so a document search does not wait behind a reply nor touch its model.
+See engine.client for the message protocol.
 
 ChatRunner is the per-model chat engine (also used in process by `hearth bench --chat`): it fits
 the conversation to the context (engine.context_policy), spells a re-tokenized earlier reply as the
@@ -20,6 +22,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
+from contextlib import nullcontext
 from dataclasses import replace
 from pathlib import Path
 
@@ -36,6 +39,7 @@ from engine.client import (
     error_payload,
 )
 from engine.context_policy import DEFAULT_POLICY, ChatContext, fit_conversation
+from engine.embedder import Embedder
 from engine.generate import GenerationParams, generate, prefill
 from engine.harmony import continuation
 from engine.loader import LoadedModel, load_model
@@ -457,6 +461,12 @@ def serve(conn) -> None:
     loading = threading.Event()  # a load request is running
     busy = threading.Event()
     runners: dict[str, ChatRunner] = {}
+    embedder = Embedder()
+    embeds: queue.Queue = queue.Queue()
+    kernels_lock = threading.Lock()  # held by a request's compute when Numba's kernels must not overlap
+
+    def kernels():
+        return kernels_lock if cpu.kernels_exclusive() else nullcontext()
 
     def send(kind: str, req_id: int, payload) -> None:
         with send_lock:
@@ -468,7 +478,26 @@ def serve(conn) -> None:
             rss_mb=rss_mb(),
             busy=busy.is_set(),
             models=[r.status() for r in list(runners.values())],
+            embedding_model=embedder.status(),
         )
+
+    def run_embeds() -> None:
+        while (item := embeds.get()) is not None:
+            req_id, payload = item
+            try:
+                with kernels():
+                    vectors = embedder.embed(
+                        payload["model"], payload["texts"], prompt_name=payload.get("prompt_name"),
+                        task=payload.get("task"), truncate=payload.get("truncate", False),
+                    )
+                send("embedded", req_id, vectors)
+            except (EOFError, OSError, BrokenPipeError):
+                return  # the client is gone
+            except Exception as e:  # noqa: BLE001 - every failure goes back to the caller as a typed error
+                try:
+                    send("error", req_id, error_payload(e))
+                except (OSError, BrokenPipeError):
+                    return
 
     def listen() -> None:
         while True:
@@ -478,6 +507,8 @@ def serve(conn) -> None:
                 op, req_id, payload = "shutdown", 0, None
             if op == "cancel":
                 cancelled.update(payload)
+            elif op == "embed":
+                embeds.put((req_id, payload))
             elif op == "status":
                 try:
                     send("status", req_id, status())
@@ -494,6 +525,7 @@ def serve(conn) -> None:
                 return
 
     threading.Thread(target=listen, name="hearth-listener", daemon=True).start()
+    threading.Thread(target=run_embeds, name="hearth-embedder", daemon=True).start()
     while True:
         op, req_id, payload = inbox.get()
         if op == "shutdown":
@@ -503,9 +535,13 @@ def serve(conn) -> None:
             if op == "load":
                 loading.set()
                 try:
-                    runner = ChatRunner.load(
-                        payload["model"], payload["options"], lambda p, r=req_id: send("progress", r, p)
-                    )
+                    with kernels():
+                        # the embedding model's memory is taken (its weights may not be resident yet)
+                        available = memory_guard.available_bytes() - embedder.nbytes
+                        runner = ChatRunner.load(
+                            payload["model"], payload["options"], lambda p, r=req_id: send("progress", r, p),
+                            available=max(available, 0),
+                        )
                 finally:
                     loading.clear()
                 old = runners.pop(runner.key, None)
@@ -525,11 +561,13 @@ def serve(conn) -> None:
                     speculation=payload.get("speculation"),
                     template_vars=payload.get("template_vars"),
                 )
-                for event in stream:
-                    send("event", req_id, event)
+                with kernels():
+                    for event in stream:
+                        send("event", req_id, event)
             elif op == "unload":
                 if payload is None:
                     runners.clear()
+                    embedder.drop()
                 elif runners.pop(payload, None) is None:
                     raise NoModelLoadedError(f"no model named {payload!r} is loaded")
                 gc.collect()
@@ -544,6 +582,7 @@ def serve(conn) -> None:
         finally:
             cancelled.discard(req_id)
             busy.clear()
+    embeds.put(None)
     conn.close()
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
+import functools
 import json
 import math
 import os
@@ -125,6 +126,11 @@ class ModelEntry:
                 and isinstance(config.get("vision_config"), dict))
 
     @property
+    def embedding(self) -> bool:
+        """Whether it is an embedding model (is_embedding_model), the kind documents are searched with."""
+        return self.exists and is_embedding_model(self.path)
+
+    @property
     def name(self) -> str:
         """A short display name: repo/file for Hub models, else the file name."""
         if self.repo and self.file:
@@ -158,6 +164,41 @@ class ModelFacts:
     architecture: str | None
     params: int | None
     context_length: int | None
+
+
+def is_embedding_model(path: str | Path) -> bool:
+    """Whether a model says it is an embedding model: an encoder (BERT, nomic-bert, XLM-R, ModernBERT), a
+    GGUF with a pooling type (Qwen3-Embedding's), or a folder whose sentence-transformers modules.json has a
+    Pooling module. Read from the file's header or the folder's configs; False for what cannot be read."""
+    path = Path(path)
+    try:
+        stat = path.stat()
+    except OSError:
+        return False
+    return _is_embedding_model(str(path), stat.st_mtime_ns, stat.st_size)
+
+
+@functools.lru_cache(maxsize=256)
+def _is_embedding_model(path: str, mtime_ns: int, size: int) -> bool:
+    from models.fit import ENCODER_ARCHS, ENCODER_MODEL_TYPES
+
+    p = Path(path)
+    try:
+        if p.is_dir():
+            config = json.loads((p / "config.json").read_text(encoding="utf-8"))
+            if isinstance(config, dict) and config.get("model_type") in ENCODER_MODEL_TYPES:
+                return True
+            modules = json.loads((p / "modules.json").read_text(encoding="utf-8"))
+            return isinstance(modules, list) and any(
+                isinstance(m, dict) and str(m.get("type", "")).endswith("models.Pooling") for m in modules
+            )
+        if p.suffix.lower() != ".gguf":
+            return False
+        with open_gguf(p) as g:
+            arch = g.get("general.architecture")
+            return arch in ENCODER_ARCHS or g.get(f"{arch}.pooling_type") is not None
+    except (OSError, ValueError, HearthError):
+        return False
 
 
 def _now() -> str:
@@ -489,6 +530,10 @@ class Library:
                 (_VISION_TOWER,),
             ).fetchall()
         return [self._row(r) for r in rows]
+
+    def embedding_models(self) -> list[ModelEntry]:
+        """The present embedding models (ModelEntry.embedding), in entries() order."""
+        return [e for e in self.entries() if e.embedding]
 
     def get(self, key: int | str) -> ModelEntry:
         """One entry by id, path or display name (repo:file).

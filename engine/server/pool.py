@@ -122,14 +122,10 @@ class FairLock:
 
 
 def _kernels_exclusive() -> bool:
-    """Whether Numba's parallel kernels must never run on two threads at once: its fallback threading layer
-    (workqueue, where neither OpenMP nor TBB is found) aborts the process when they do."""
-    import numba
+    """Whether Numba's parallel kernels must never run on two threads at once (cpu.kernels_exclusive)."""
+    from engine.backends import cpu
 
-    try:
-        return numba.threading_layer() == "workqueue"
-    except ValueError:  # no parallel kernel has run yet: the layer is not chosen
-        return True
+    return cpu.kernels_exclusive()
 
 
 def library_catalog() -> list[CatalogEntry]:

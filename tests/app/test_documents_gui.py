@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pickle
 import threading
+from pathlib import Path
 
 import pytest
 
@@ -324,4 +325,67 @@ def test_closing_the_window_stops_a_long_pdf_being_read(qtbot, engine, tmp_path,
     w.close()
     assert box._pool.waitForDone(5000), "the reading ended"
     assert len(read) < 5 and box.documents == [], f"{len(read)} of 40 pages read after the close"
+
+
+BERT = Path(__file__).resolve().parents[1] / "fixtures" / "tiny" / "bert-embed"
+
+
+def test_chunks_are_ranked_with_the_chosen_embedding_model(qtbot, engine, replies, files, monkeypatch):
+    """The setting names the tiny BERT: the worker embeds the chunks and the question (the chunks once: a
+    follow-up embeds only itself), and the Sources line says the chunks were ranked with it."""
+    asked: list[tuple[str, list[str], str | None]] = []
+    real = engine.client.embed
+
+    def embed(model_path, texts, prompt_name=None, **kw):
+        asked.append((str(model_path), list(texts), kw.get("task")))
+        return real(model_path, texts, prompt_name, **kw)
+
+    monkeypatch.setattr(engine.client, "embed", embed)
+    w, store = _window(qtbot, engine)
+    w.settings.set("document_search", str(BERT))
+    w.composer_box.offer([str(files["essay"])])
+    _checked(qtbot, w.composer_box)
+    w.composer.setPlainText("What is the vault launch code?")
+    with qtbot.waitSignal(w.controller.messageDone, timeout=60000):
+        w.send()
+    (turn,) = replies[-1]
+    assert "7741" in turn["content"], "the keyword match still gets in"
+    assert [(path, task) for path, _, task in asked] == [(str(BERT), "document"), (str(BERT), "query")]
+    assert len(asked[0][1]) > 5 and asked[1][1] == ["What is the vault launch code?"]
+    reply = store.messages(w.controller.chat.id)[1]
+    (source,) = reply.stats["sources"]
+    assert source["ranked_by"] == "keywords and bert-embed"
+    label = w.view.widgets[reply.id].sources_label
+    assert label.toolTip().startswith("essay.txt (chunk")
+    assert label.toolTip().endswith(" · ranked by keywords and bert-embed")
+    assert "ranked by keywords and bert-embed" in label.text()
+    assert engine.client.status().embedding_model["name"] == "bert-embed", "kept loaded beside SmolLM2"
+
+    asked.clear()
+    with qtbot.waitSignal(w.controller.messageDone, timeout=60000):
+        w.composer.setPlainText("Who knows the launch code?")
+        w.send()
+    assert [task for _, _, task in asked] == ["query"], "the chunks' vectors were kept"
+    w.close()
+    store.close()
+
+
+def test_a_broken_search_model_falls_back_to_keywords_with_a_notice(qtbot, engine, replies, files, tmp_path):
+    broken = tmp_path / "broken-embed.gguf"
+    broken.write_bytes(b"GGUF" + b"\0" * 64)
+    w, store = _window(qtbot, engine)
+    w.settings.set("document_search", str(broken))
+    w.composer_box.offer([str(files["essay"])])
+    _checked(qtbot, w.composer_box)
+    w.composer.setPlainText("What is the vault launch code?")
+    with qtbot.waitSignal(w.controller.messageDone, timeout=60000) as done:
+        w.send()
+    assert done.args[0].state == "done", "the message is answered all the same"
+    (turn,) = replies[-1]
+    assert "7741" in turn["content"]
+    message = w.statusBar().currentMessage()
+    assert "broken-embed.gguf could not be loaded" in message and "ranked by keywords" in message
+    label = w.view.widgets[done.args[0].id].sources_label
+    assert label.toolTip().endswith(" · ranked by keywords")
+    w.close()
     store.close()

@@ -93,3 +93,38 @@ def test_settings_offer_the_library_drafts_for_the_loaded_model(
     none = SettingsDialog(Settings(), model_path=str(smollm2_path))  # nothing in the library is smaller
     qtbot.addWidget(none)
     qtbot.waitUntil(lambda: "no compatible" in none.draft_suggestions.itemText(0), timeout=30000)
+
+
+@pytest.mark.gui
+def test_document_search_offers_the_library_embedding_models(qtbot, smollm2_path, monkeypatch, tmp_path):
+    from pathlib import Path
+
+    from app.controller import search_model
+    from app.settings_dialog import SettingsDialog
+    from models.library import Library
+
+    monkeypatch.setenv("HEARTH_HOME", str(tmp_path))
+    bert = Path(__file__).resolve().parents[1] / "fixtures" / "tiny" / "bert-embed"
+    Library().import_path(smollm2_path)  # a chat model: not offered
+    assert search_model("auto") is None and search_model("keywords") is None, "no embedding model yet"
+    (entry,) = Library().import_path(bert)
+    assert entry.embedding and not Library().get(str(smollm2_path)).embedding
+    assert search_model("auto") == (str(bert), "bert-embed")
+    assert search_model("/elsewhere/e5.gguf") == ("/elsewhere/e5.gguf", "e5")
+
+    s = Settings()
+    assert s.get("document_search") == "auto"
+    dialog = SettingsDialog(s)
+    qtbot.addWidget(dialog)
+    box = dialog.editors["document_search"]
+    assert [box.itemData(i) for i in range(box.count())] == ["auto", "keywords", str(bert)]
+    assert box.currentData() == "auto" and "bert-embed" in box.itemText(2)
+    box.setCurrentIndex(2)
+    dialog.accept()
+    assert Settings().get("document_search") == str(bert)
+    s.set("document_search", "/gone/model.gguf")  # a saved model no longer in the library stays shown
+    again = SettingsDialog(s)
+    qtbot.addWidget(again)
+    assert again.editors["document_search"].currentData() == "/gone/model.gguf"
+    again.restore_defaults()
+    assert again.editors["document_search"].currentData() == "auto"

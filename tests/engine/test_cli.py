@@ -208,6 +208,29 @@ def test_chat_with_a_document(monkeypatch, capsys, smollm2_path, tmp_path):
     assert "swordfish" in last[0]["content"] and "second floor" in last[-1]["content"]
 
 
+def test_chat_ranks_a_long_document_with_an_embedding_model(monkeypatch, capsys, smollm2_path, tmp_path):
+    """--embed-model (else the library's first embedding model) ranks the chunks with keywords and meaning;
+    a broken one falls back to keywords and says why."""
+    from models.library import Library
+    from tests.engine.test_documents import _essay
+
+    bert = Path(__file__).resolve().parents[1] / "fixtures" / "tiny" / "bert-embed"
+    essay = tmp_path / "essay.txt"
+    essay.write_text(_essay())
+    broken = tmp_path / "broken.gguf"
+    broken.write_bytes(b"GGUF" + b"\0" * 64)
+    base = ["chat", "-m", str(smollm2_path), "-n", "2", "--ctx", "512", "--doc", str(essay)]
+    Library().import_path(bert)
+    for flag, ranked in (([], "keywords and bert-embed"), (["--embed-model", str(broken)], "keywords")):
+        lines = iter(["What is the vault launch code?", "/exit"])
+        monkeypatch.setattr("builtins.input", lambda prompt="", it=lines: next(it))
+        assert main(base + flag) == 0
+        err = capsys.readouterr().err
+        (sources,) = [line for line in err.splitlines() if line.startswith("[sources: essay.txt (chunk")]
+        assert sources.endswith(f" · ranked by {ranked}]"), (flag, sources)
+        assert ("broken.gguf could not be loaded" in err) == bool(flag), err
+
+
 def test_chat_doc_errors_are_clear(capsys, smollm2_path, tmp_path):
     scan = tmp_path / "data.bin"
     scan.write_bytes(b"\x00\x01\x02" * 100)

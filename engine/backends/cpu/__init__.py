@@ -531,6 +531,15 @@ def batch_phase(n_tok: int, small_max: int = SMALL_BATCH_MAX):
             numba.set_num_threads(n)
 
 
+def kernels_exclusive() -> bool:
+    """Whether Numba's parallel kernels must never run on two threads at once: its fallback threading layer
+    (workqueue, where neither OpenMP nor TBB is found) aborts the process when they do."""
+    try:
+        return numba.threading_layer() == "workqueue"
+    except ValueError:  # no parallel kernel has run yet: the layer is not chosen
+        return True
+
+
 def get_threads() -> int:
     """The number of Numba threads kernels launched from the calling thread use."""
     return numba.get_num_threads()
