@@ -187,8 +187,8 @@ def _add_library_parsers(sub) -> None:
         help="list the local models that can draft for MODEL (same tokenizer, smaller), smallest first",
     )
 
-    rm = sub.add_parser("rm", help="remove a model from the library (and files Hearth downloaded)")
-    rm.add_argument("model", help="id, path or REPO:FILE as `hearth ls` shows")
+    rm = sub.add_parser("rm", help="remove a model (and files Hearth downloaded) or a preset")
+    rm.add_argument("model", help="id, path or REPO:FILE as `hearth ls` shows, or a preset's name")
     rm.add_argument("--delete-files", action="store_true", help="also delete files imported in place")
 
     imp = sub.add_parser("import", help="add a model file or folder to the library (indexed in place)")

@@ -126,6 +126,7 @@ def cmd_ls(args) -> int:
     if args.drafts_for:
         return _print_drafts(args.drafts_for, args.json)
     entries = lib.entries()
+    presets = lib.presets()
     pending = []
     with contextlib.suppress(OSError, ValueError):
         pending = json.loads(downloads.state_path().read_text()).get("jobs", [])
@@ -135,6 +136,7 @@ def cmd_ls(args) -> int:
                 dict(e.__dict__, exists=e.exists, vision_towers=[str(p) for p in e.vision_towers])
                 for e in entries
             ],
+            "presets": [dict(p.__dict__) for p in presets],
             "downloads": pending,
             "starters": {n: str(starter_path(n)) if starter_path(n).is_file() else None for n in STARTERS},
         }
@@ -148,6 +150,12 @@ def cmd_ls(args) -> int:
             f"{e.id:>4}  {e.name}  {e.format} {e.quant or ''}  {_mib(e.size)}  {e.architecture or ''} "
             f"{ctx}  [{e.source}]{vision}{missing}"
         )
+    for p in presets:  # Ollama's created models (`hearth serve`'s /api/create and /api/copy)
+        what = ", ".join(x for x in ("system prompt" if p.system else "", "template" if p.template else "",
+                                     f"{len(p.parameters)} parameter(s)" if p.parameters else "",
+                                     f"{len(p.messages)} message(s)" if p.messages else "") if x)
+        missing = "" if Path(p.base).exists() else "  (its model is missing)"
+        print(f"   -  {p.name}  preset of {Path(p.base).name}{': ' + what if what else ''}{missing}")
     for n, m in STARTERS.items():
         if not starter_path(n).is_file():
             print(f"   -  {n}  (starter, not downloaded: `hearth pull {n}`) {m.description}")
@@ -161,9 +169,17 @@ def cmd_ls(args) -> int:
 
 
 def cmd_rm(args) -> int:
+    from models.errors import ModelNotFoundError
     from models.library import Library
 
-    entry = Library().remove(args.model, delete_files=True if args.delete_files else None)
+    lib = Library()
+    try:
+        entry = lib.remove(args.model, delete_files=True if args.delete_files else None)
+    except ModelNotFoundError:
+        if not lib.remove_preset(str(args.model).removesuffix(":latest")):
+            raise
+        print(f"removed the preset {args.model} (its model stays)")
+        return 0
     print(f"removed {entry.name}")
     return 0
 

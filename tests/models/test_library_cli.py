@@ -214,3 +214,25 @@ def test_pull_checks_the_free_space_of_the_model_and_its_tower_together(server, 
     assert f"the model needs {model / 2**20:,.1f} MiB and its vision tower {tower / 2**20:,.1f} MiB" in err
     assert f"has {free / 2**20:,.1f} MiB free" in err and "free space" in err
     assert not _folder().exists(), "nothing started"
+
+
+def test_ls_shows_presets_and_rm_removes_one_leaving_its_model(tmp_path, capsys):
+    """Presets (made by `hearth serve`'s /api/create or /api/copy) are listed by `hearth ls` and removed by
+    `hearth rm NAME`; their model stays."""
+    from models.library import Library, Preset
+
+    lib = Library()
+    (entry,) = lib.import_path(write_gguf(tmp_path / "Tiny-Q8_0.gguf"))
+    preset = Preset("pirate", entry.path, system="Talk like a pirate.", parameters={"temperature": 0.0})
+    lib.save_preset(preset)
+    assert main(["ls", "--no-scan"]) == 0
+    out = capsys.readouterr().out
+    assert "pirate  preset of Tiny-Q8_0.gguf: system prompt, 1 parameter(s)" in out
+    assert main(["ls", "--no-scan", "--json"]) == 0
+    listed = json.loads(capsys.readouterr().out)
+    assert [p["name"] for p in listed["presets"]] == ["pirate"]
+    assert main(["rm", "pirate:latest"]) == 0
+    assert "removed the preset pirate:latest (its model stays)" in capsys.readouterr().out
+    assert lib.presets() == [] and Path(entry.path).is_file() and lib.get(entry.id)
+    assert main(["rm", "pirate"]) == 1
+    assert "'pirate' is not in the library" in capsys.readouterr().err
