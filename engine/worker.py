@@ -472,6 +472,14 @@ def serve(conn) -> None:
         with send_lock:
             conn.send((kind, req_id, payload))
 
+    def send_error(req_id: int, e: Exception) -> bool:
+        """Send a request's failure back as a typed error; False when the client is gone."""
+        try:
+            send("error", req_id, error_payload(e))
+            return True
+        except (OSError, BrokenPipeError):
+            return False
+
     def status() -> EngineStatus:
         return EngineStatus(
             pid=os.getpid(),
@@ -494,9 +502,7 @@ def serve(conn) -> None:
             except (EOFError, OSError, BrokenPipeError):
                 return  # the client is gone
             except Exception as e:  # noqa: BLE001 - every failure goes back to the caller as a typed error
-                try:
-                    send("error", req_id, error_payload(e))
-                except (OSError, BrokenPipeError):
+                if not send_error(req_id, e):
                     return
 
     def listen() -> None:
@@ -575,9 +581,7 @@ def serve(conn) -> None:
         except (EOFError, OSError, BrokenPipeError):
             break  # the client is gone
         except Exception as e:  # noqa: BLE001 - every failure goes back to the caller as a typed error
-            try:
-                send("error", req_id, error_payload(e))
-            except (OSError, BrokenPipeError):
+            if not send_error(req_id, e):
                 break
         finally:
             cancelled.discard(req_id)

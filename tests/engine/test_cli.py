@@ -177,21 +177,27 @@ def test_bench_times_a_prompt_with_an_image(capsys):
     assert "does not read images" in capsys.readouterr().err
 
 
-def test_chat_with_a_document(monkeypatch, capsys, smollm2_path, tmp_path):
+@pytest.fixture
+def prompts(monkeypatch) -> list[list[dict]]:
+    """The messages every reply of `hearth chat` was asked for (recorded as the prompt is made)."""
     import engine.commands as commands
 
+    seen: list[list[dict]] = []
+    real = commands._chat_prompt
+
+    def chat_prompt(lm, messages, template_vars=None):
+        seen.append([dict(m) for m in messages])
+        return real(lm, messages, template_vars)
+
+    monkeypatch.setattr(commands, "_chat_prompt", chat_prompt)
+    return seen
+
+
+def test_chat_with_a_document(monkeypatch, capsys, smollm2_path, tmp_path, prompts):
     notes = tmp_path / "notes.txt"
     notes.write_text("Meeting notes. The wifi password is swordfish.\n")
     more = tmp_path / "more.md"
     more.write_text("# More\n\nThe printer is on the second floor.\n")
-    prompts: list[list[dict]] = []
-    real = commands._chat_prompt
-
-    def chat_prompt(lm, messages, template_vars=None):
-        prompts.append([dict(m) for m in messages])
-        return real(lm, messages, template_vars)
-
-    monkeypatch.setattr(commands, "_chat_prompt", chat_prompt)
     lines = iter(["What is the wifi password?", f"/doc {more}", "/doc", "Where is the printer?", "/exit"])
     monkeypatch.setattr("builtins.input", lambda prompt="": next(lines))
     argv = ["chat", "-m", str(smollm2_path), "--temperature", "0", "-n", "8", "--doc", str(notes)]
@@ -239,21 +245,11 @@ def test_chat_doc_errors_are_clear(capsys, smollm2_path, tmp_path):
     assert err.startswith("hearth: data.bin is not a document Hearth can read") and "Traceback" not in err
 
 
-def test_chat_image_command(monkeypatch, capsys, tmp_path):
+def test_chat_image_command(monkeypatch, capsys, tmp_path, prompts):
     """`/image FILE` in `hearth chat` queues the file for the next message (the tiny Gemma 3 with a vision
     tower); a missing path or file says so and the chat goes on; a text model refuses the command."""
-    import engine.commands as commands
-
     tiny = Path(__file__).resolve().parents[1] / "fixtures" / "tiny"
     picture = tiny / "gemma3-vision" / "image0.png"
-    prompts: list[list[dict]] = []
-    real = commands._chat_prompt
-
-    def chat_prompt(lm, messages, template_vars=None):
-        prompts.append([dict(m) for m in messages])
-        return real(lm, messages, template_vars)
-
-    monkeypatch.setattr(commands, "_chat_prompt", chat_prompt)
     missing = tmp_path / "gone.png"
     lines = iter(["/image", f"/image {missing}", f"/image {picture}", "What is this?", "And now?", "/exit"])
     monkeypatch.setattr("builtins.input", lambda prompt="": next(lines))
