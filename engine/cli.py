@@ -58,15 +58,23 @@ def add_device_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+# sampling options not given on the command line: a preset's value (-m PRESET), else these
+SAMPLING_DEFAULTS = {"temperature": 0.7, "top_k": 40, "top_p": 0.95, "min_p": 0.05, "repeat_penalty": 1.0}
+
+
 def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
-    p.add_argument("-n", "--max-tokens", type=int, default=max_tokens)
-    p.add_argument("--temperature", "--temp", type=float, default=0.7, help="0 = greedy")
-    p.add_argument("--top-k", type=int, default=40)
-    p.add_argument("--top-p", type=float, default=0.95)
-    p.add_argument("--min-p", type=float, default=0.05)
-    p.add_argument("--repeat-penalty", type=float, default=1.0)
+    # None: not given (a preset's parameter, else the default, applies: engine.commands._params)
+    d = SAMPLING_DEFAULTS
+    p.add_argument("-n", "--max-tokens", type=int, default=None, help=f"default {max_tokens}")
+    p.set_defaults(max_tokens_default=max_tokens)
+    p.add_argument("--temperature", "--temp", type=float, default=None,
+                   help=f"0 = greedy (default {d['temperature']})")
+    p.add_argument("--top-k", type=int, default=None, help=f"default {d['top_k']}")
+    p.add_argument("--top-p", type=float, default=None, help=f"default {d['top_p']}")
+    p.add_argument("--min-p", type=float, default=None, help=f"default {d['min_p']}")
+    p.add_argument("--repeat-penalty", type=float, default=None, help=f"default {d['repeat_penalty']}")
     p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -34,8 +34,24 @@ def _download_progress(stage: str, done: int, total: int) -> None:
     print(f"\rfetching {stage}: {percent:3d}%", end=end, file=sys.stderr, flush=True)
 
 
+def _preset(spec: str):
+    """The library preset (Ollama's created model, `hearth ls` lists them) that `spec` names, else None: a
+    file, folder or starter of that name comes first."""
+    from models.library import Library
+    from models.starter import STARTERS
+
+    if spec in STARTERS or Path(spec).expanduser().exists():
+        return None
+    try:
+        return Library().find_preset(spec)
+    except (HearthError, OSError):
+        return None
+
+
 def _load(args) -> LoadedModel:
-    path = resolve_model(args.model, progress=_download_progress)
+    """The model -m names (a preset: its base model, with the preset's template; `args.preset` is set)."""
+    preset = args.preset = _preset(args.model)
+    path = resolve_model(preset.base if preset else args.model, progress=_download_progress)
     if getattr(args, "threads", None):
         cpu.set_threads(args.threads)
     lm = load_model(path)
@@ -46,23 +62,52 @@ def _load(args) -> LoadedModel:
             lm, args.device, n_ctx=getattr(args, "ctx", 4096), progress=upload_progress,
             gpu_layers=getattr(args, "gpu_layers", None),
         )
+    if preset is not None and preset.template:
+        from engine.chat_template import ChatTemplate
+
+        base = lm.template
+        lm.template = ChatTemplate(preset.template, getattr(base, "bos_token", None),
+                                   getattr(base, "eos_token", None))
     return lm
 
 
 def _params(args) -> GenerationParams:
+    """The sampling options given, else the preset's (-m PRESET: Ollama's parameter names), else the
+    defaults (engine.cli.SAMPLING_DEFAULTS)."""
+    from engine.cli import SAMPLING_DEFAULTS
+
+    preset = getattr(args, "preset", None)
+    given = preset.parameters if preset is not None else {}
+
+    def pick(name: str, key: str | None = None):
+        value = getattr(args, name)
+        return value if value is not None else given.get(key or name, SAMPLING_DEFAULTS.get(name))
+
+    max_tokens = args.max_tokens
+    if max_tokens is None:
+        n = given.get("num_predict", 0)
+        max_tokens = n if isinstance(n, int) and n > 0 else args.max_tokens_default
     try:
         return GenerationParams(
-            max_tokens=args.max_tokens,
-            temperature=args.temperature,
-            top_k=args.top_k,
-            top_p=args.top_p,
-            min_p=args.min_p,
-            repetition_penalty=args.repeat_penalty,
-            seed=args.seed,
-            stop=tuple(args.stop),
+            max_tokens=max_tokens,
+            temperature=pick("temperature"),
+            top_k=pick("top_k"),
+            top_p=pick("top_p"),
+            min_p=pick("min_p"),
+            repetition_penalty=pick("repeat_penalty"),
+            seed=pick("seed"),
+            stop=tuple(args.stop if args.stop is not None else given.get("stop", ())),
         )
     except ValueError as e:
         raise HearthError(f"invalid sampling option: {e}") from e
+
+
+def _opening(args) -> list[dict]:
+    """A chat's first messages: --system (else a preset's system prompt), then a preset's messages."""
+    preset = getattr(args, "preset", None)
+    system = args.system or (preset.system if preset is not None else None)
+    opening = [{"role": "system", "content": system}] if system else []
+    return opening + ([dict(m) for m in preset.messages] if preset is not None else [])
 
 
 def _context(lm: LoadedModel, requested: int) -> int:
@@ -113,9 +158,7 @@ def cmd_run(args) -> int:
     params = _params(args)
     if args.chat or args.image:
         images = [_read_image(path) for path in args.image]
-        messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
-            _user_message(args.prompt, images)
-        ]
+        messages = _opening(args) + [_user_message(args.prompt, images)]
         ids = _chat_prompt(lm, messages)
     else:
         ids = lm.tokenizer.encode(args.prompt, add_special=True)
@@ -210,7 +253,7 @@ def cmd_chat(args) -> int:
     params = _params(args)
     n_ctx = _context(lm, args.ctx)
     cache = lm.model.new_cache(n_ctx)
-    system = [{"role": "system", "content": args.system}] if args.system else []
+    system = _opening(args)  # what /reset goes back to
     messages = list(system)
     pending: list[bytes] = []  # images for the next message (/image)
     docs = [_read_doc(path) for path in getattr(args, "doc", None) or []]  # for the first message (--doc)

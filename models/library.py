@@ -515,6 +515,11 @@ class Library:
             for r in rows
         ]
 
+    def find_preset(self, name: str) -> Preset | None:
+        """The preset called `name` (any case; a ':latest' tag is ignored), else None."""
+        name = name.removesuffix(":latest").casefold()
+        return next((p for p in self.presets() if p.name.casefold() == name), None)
+
     def remove_preset(self, name: str) -> bool:
         """Remove the preset `name` (any case); its base model stays. Returns whether there was one."""
         with self._lock, self._connect() as db:

@@ -272,3 +272,34 @@ def test_chat_image_command(monkeypatch, capsys, tmp_path, prompts):
     assert main(["chat", "-m", str(tiny / "gemma3"), "-n", "2"]) == 0
     err = capsys.readouterr().err
     assert "does not read images" in err and "/image FILE" not in err
+
+
+def test_chat_and_run_with_a_preset(monkeypatch, capsys, smollm2_path, prompts):
+    """`-m PRESET` (a preset made by `hearth serve`'s /api/create) runs its base model with its system
+    prompt, opening messages and parameters; options given on the command line win."""
+    from models.library import Library, Preset
+
+    Library().save_preset(Preset(
+        "terse", str(smollm2_path), system="Answer in one word.",
+        messages=[{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."}],
+        parameters={"temperature": 0.0, "num_predict": 3, "stop": ["zzz"]},
+    ))
+    lines = iter(["What colour is the sky?", "/exit"])
+    monkeypatch.setattr("builtins.input", lambda prompt="": next(lines))
+    assert main(["chat", "-m", "Terse:latest"]) == 0
+    assert prompts[-1] == [
+        {"role": "system", "content": "Answer in one word."},
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello."},
+        {"role": "user", "content": "What colour is the sky?"},
+    ]
+    capsys.readouterr()
+    argv = ["run", "-m", "terse", "--chat", "--json", "What colour is the sky?"]
+    assert main(argv) == 0
+    first = json.loads(capsys.readouterr().out)
+    assert len(first["ids"]) == 3 and first["finish_reason"] == "length", "num_predict"
+    assert main(argv) == 0
+    assert json.loads(capsys.readouterr().out)["text"] == first["text"], "temperature 0: greedy"
+    assert main([*argv[:-1], "-n", "5", "--system", "Be brief.", argv[-1]]) == 0
+    assert len(json.loads(capsys.readouterr().out)["ids"]) == 5, "a given option wins"
+    assert prompts[-1][0] == {"role": "system", "content": "Be brief."}
