@@ -268,7 +268,7 @@ class RecurrentKVCache(KVCache):
     def mix(self, slot: int, run, rows) -> np.ndarray:
         """Recurrent layer `slot` over a pass's rows: run(rows, conv_state, state) -> (n, width) outputs,
         with rows a sequence of arrays of one row per token, from and into the layer's states. In a pass that
-        keeps its end - 1 (start_pass) the last row runs apart, after that state is copied."""
+        keeps its end - 1 (start_pass) the rows but the last run first and the state they leave is copied."""
         conv, state = self.conv_state[slot], self.recurrent[slot]
         if self._keep is None or self._keep[0] != self.offset + len(rows[0]) - 1:
             return run(rows, conv, state)
