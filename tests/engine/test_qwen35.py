@@ -92,6 +92,32 @@ def test_regenerate_and_edits_reuse_the_snapshots_they_need(lm):
     check_recurrent_regenerate_and_edit_reuse(lm.model, lm.tokenizer, TOL)
 
 
+def test_chat_runner_regenerates_one_token_and_edits_from_the_turns_start():
+    """Through the worker's chunked prefill (batches of 8 tokens): a regenerate computes the prompt's last
+    token only, and an edit of a second message that took many passes restarts where that turn began."""
+    from engine.client import LoadOptions
+    from engine.worker import ChatRunner
+
+    runner = ChatRunner.load(TINY / "qwen3_5", LoadOptions(n_ctx=512, batch_size=8, prefix_cache_mb=0))
+    params = GenerationParams(max_tokens=5, temperature=0.0)
+
+    def chat(messages):
+        events = list(runner.chat(messages, params))
+        return "".join(e.text for e in events), events[-1]
+
+    first = [{"role": "user", "content": "the cat"}]
+    reply, turn1 = chat(first)
+    again, regenerated = chat(first)
+    assert again == reply and regenerated.cached_tokens == turn1.prompt_tokens - 1
+    history = [*first, {"role": "assistant", "content": reply}]
+    turn2 = chat([*history, {"role": "user", "content": "a dog " * 30}])[1]
+    # the tiny tokenizer does not spell the reply back: the turn starts a token before the first prompt's end
+    assert turn2.cached_tokens >= turn1.prompt_tokens - 1
+    assert turn2.prompt_tokens - turn2.cached_tokens > 6 * 8  # in more passes than MAX_SNAPSHOTS
+    edited = chat([*history, {"role": "user", "content": "a bird"}])[1]
+    assert edited.cached_tokens == turn2.cached_tokens
+
+
 def test_batched_decode_matches_one_sequence_at_a_time(lm):
     check_batched_decode(lm.model, ([5, 17, 42], [99, 3, 250, 77, 1], [8]), (8, 120, 33))
 
