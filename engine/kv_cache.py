@@ -186,12 +186,20 @@ class RecurrentKVCache(KVCache):
     The attention layers' keys and values are the base class's (layer index: the attention layers counted
     in order). Each recurrent layer's state, `recurrent` (n_rec, *state_shape), and its convolution's last
     inputs, `conv_state` (n_rec, *conv_shape), float32, hold for the cache's end only: a trim cannot step
-    back token by token.
-    The model calls `snapshot` before and after every multi-token pass (a prompt, a chunk of one: the end of
-    a prompt is where the next turn's prompt, respelling the reply, parts from the cache); trim(n) returns to
-    the latest snapshot at or before offset - n (the start when there is none) and drops what follows, so it
-    may drop more than n: callers continue from `offset`. Stored prefixes (engine.prefix_cache) are not kept
-    for it (`partial_states` False).
+    back token by token, it returns to a snapshot.
+
+    A multi-token pass (a prompt, a chunk of one) keeps two: the state at its start (`start_pass`), and the
+    state one token before its end (`mix` runs the recurrent layers' last row apart; `end_pass` stores it).
+    That one is where a regenerate of the same prompt restarts (prefill recomputes the prompt's last token
+    for its logits) and where the next turn's prompt, respelling the reply, parts from the cache, one token
+    early. A pass that continues the previous one (the next chunk of a prompt) keeps no start: the previous
+    pass's end - 1 is one token back, and becomes a snapshot inside a prompt. At MAX_SNAPSHOTS a new one
+    takes the arrays of the oldest inside a prompt, else of the oldest: a prompt of many chunks does not
+    push out the turn boundaries before it.
+
+    trim(n) returns to the latest snapshot at or before offset - n (the start when there is none) and drops
+    what follows, so it may drop more than n: callers continue from `offset`. Stored prefixes
+    (engine.prefix_cache) are not kept for it (`partial_states` False).
     """
 
     partial_states = False
@@ -205,7 +213,11 @@ class RecurrentKVCache(KVCache):
         self.recurrent = np.zeros((n_rec, *state_shape), np.float32)
         self.conv_state = np.zeros((n_rec, *conv_shape), np.float32)
         self._snapshots: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        self._inside: set[int] = set()  # snapshots inside a prompt (a pass continued from them): first to go
         self._spare: list[tuple[np.ndarray, np.ndarray]] = []  # dropped snapshots' arrays, for the next
+        # the running pass's end - 1: (position, state and conv arrays being filled layer by layer), or None
+        self._keep: tuple[int, np.ndarray, np.ndarray] | None = None
+        self._pass_end = -1  # where the last multi-token pass ended (-1 after a trim)
 
     @property
     def state_nbytes(self) -> int:
@@ -216,25 +228,62 @@ class RecurrentKVCache(KVCache):
     def nbytes(self) -> int:
         return super().nbytes + self.state_nbytes
 
-    def snapshot(self) -> None:
-        """Keep the state at the current end (the latest MAX_SNAPSHOTS positions are kept).
+    def _slot(self) -> tuple[np.ndarray, np.ndarray]:
+        """Arrays for a new snapshot: at capacity the ones of the snapshot to go, else a dropped one's, else
+        fresh. Never more than MAX_SNAPSHOTS copies (the pass's end - 1 being filled counts): a fresh copy
+        before dropping one made MAX_SNAPSHOTS + 1, one state over state_nbytes and the memory guard's
+        estimate, 72 MiB for Qwen3-Next-80B; and no fresh allocation, whose pages fault in one by one, per
+        prompt chunk."""
+        if len(self._snapshots) + (self._keep is not None) >= self.MAX_SNAPSHOTS:
+            pos = min(self._inside) if self._inside else min(self._snapshots)
+            self._inside.discard(pos)
+            return self._snapshots.pop(pos)
+        if self._spare:
+            return self._spare.pop()
+        return np.empty_like(self.recurrent), np.empty_like(self.conv_state)
 
-        The new copy goes into the arrays of the snapshot it replaces (the oldest, at capacity) or of one a
-        trim dropped: never more than MAX_SNAPSHOTS copies (a fresh copy before dropping the oldest made
-        MAX_SNAPSHOTS + 1, one state over state_nbytes and the memory guard's estimate, 72 MiB for
-        Qwen3-Next-80B), and no fresh allocation, whose pages fault in one by one, per prompt chunk."""
+    def snapshot(self) -> None:
+        """Keep the state at the current end."""
         pos = self.offset
         if pos == 0 or pos in self._snapshots:
             return
-        if len(self._snapshots) >= self.MAX_SNAPSHOTS:
-            state, conv = self._snapshots.pop(min(self._snapshots))
-        elif self._spare:
-            state, conv = self._spare.pop()
-        else:
-            state, conv = np.empty_like(self.recurrent), np.empty_like(self.conv_state)
+        state, conv = self._slot()
         np.copyto(state, self.recurrent)
         np.copyto(conv, self.conv_state)
         self._snapshots[pos] = (state, conv)
+
+    def start_pass(self, n: int) -> None:
+        """Before a pass of n > 1 tokens: keep the state at its start (or, where it continues the previous
+        pass, mark that pass's end - 1 as inside a prompt) and ready the arrays of its end - 1 (`mix`)."""
+        pos = self.offset
+        if self._keep is not None:  # a pass that failed before its end
+            self._spare.append(self._keep[1:])
+            self._keep = None
+        if pos == self._pass_end and pos - 1 in self._snapshots:
+            self._inside.add(pos - 1)
+        else:
+            self.snapshot()
+        self._keep = (pos + n - 1, *self._slot())
+
+    def mix(self, slot: int, run, rows) -> np.ndarray:
+        """Recurrent layer `slot` over a pass's rows: run(rows, conv_state, state) -> (n, width) outputs,
+        with rows a sequence of arrays of one row per token, from and into the layer's states. In a pass that
+        keeps its end - 1 (start_pass) the rows but the last run first and the state they leave is copied."""
+        conv, state = self.conv_state[slot], self.recurrent[slot]
+        if self._keep is None or self._keep[0] != self.offset + len(rows[0]) - 1:
+            return run(rows, conv, state)
+        head = run([r[:-1] for r in rows], conv, state)
+        _, states, convs = self._keep
+        np.copyto(states[slot], state)
+        np.copyto(convs[slot], conv)
+        return np.concatenate([head, run([r[-1:] for r in rows], conv, state)])
+
+    def end_pass(self) -> None:
+        """After a pass start_pass began (and its advance): store the state of its end - 1."""
+        pos, state, conv = self._keep
+        self._keep = None
+        self._snapshots[pos] = (state, conv)
+        self._pass_end = self.offset
 
     def trim(self, n: int) -> int:
         """Forget at least the last n positions: back to the latest snapshot at or before offset - n.
@@ -253,6 +302,8 @@ class RecurrentKVCache(KVCache):
             self.conv_state[:] = 0.0
         for p in [p for p in self._snapshots if p > pos]:
             self._spare.append(self._snapshots.pop(p))
+            self._inside.discard(p)
+        self._pass_end = -1
         self._truncate(pos)
         return end - pos
 

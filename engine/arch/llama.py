@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from functools import partial
 
 import numpy as np
 
@@ -646,16 +647,15 @@ class LlamaModel(Decoder):
             convolve(out, history, pos0, self.layers[i].conv.kernel)
 
         def delta_mix(i, *projections):
-            slot = cfg.cache_slot(i, first)
-            return self._recurrent_mix(i, projections, cache.conv_state[slot], cache.recurrent[slot])
+            return cache.mix(cfg.cache_slot(i, first), partial(self._recurrent_mix, i), projections)
 
         snapshots = n > 1 and not cache.partial_states
-        if snapshots:  # recurrent states to return to (RecurrentKVCache.trim): a pass's start and its end
-            cache.snapshot()
+        if snapshots:  # recurrent states to return to (RecurrentKVCache.trim): a pass's start and its end - 1
+            cache.start_pass(n)
         self._layers(s, tokens, attend, first, hidden, self.rope_freqs(cache.n_ctx), conv_mix, delta_mix)
         cache.advance(tokens)
-        if snapshots:  # the end of a prompt: where the next turn's prompt parts from the reply
-            cache.snapshot()
+        if snapshots:
+            cache.end_pass()
         return s
 
     def _mrope_axes(self, s: Scratch, cache: KVCache, tokens: np.ndarray) -> np.ndarray | None:

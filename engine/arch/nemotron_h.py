@@ -156,12 +156,12 @@ class NemotronHModel(Decoder):
         if first or hidden is not None:
             raise ValueError("Nemotron-H runs whole: its layers cannot start from another device's state")
         n = len(tokens)
-        if n > 1:  # recurrent states to return to (RecurrentKVCache.trim): a pass's start and its end
-            cache.snapshot()
+        if n > 1:  # recurrent states to return to (RecurrentKVCache.trim): a pass's start and its end - 1
+            cache.start_pass(n)
         x = self._layers(tokens, [cache], [cache.offset])
         cache.advance(tokens)
         if n > 1:
-            cache.snapshot()
+            cache.end_pass()
         if all_logits:
             return self._output(x, np.empty((n, self.cfg.vocab_size), np.float32))
         return self._output(x[n - 1 :], self._logits)
@@ -196,11 +196,11 @@ class NemotronHModel(Decoder):
             slot = cfg.slot(i)
             if layer.kind == MAMBA:
                 (proj,) = mamba2.project(layer.mamba, h)
-                inner = np.concatenate([
-                    mamba2.mix(layer.mamba, cfg.mamba, cfg.rms_norm_eps, proj[rows], c.conv_state[slot],
-                               c.recurrent[slot])
-                    for rows, c in zip(parts, caches)
-                ])
+
+                def run(rows, conv_state, state, net=layer.mamba):
+                    return mamba2.mix(net, cfg.mamba, cfg.rms_norm_eps, *rows, conv_state, state)
+
+                inner = np.concatenate([c.mix(slot, run, (proj[rows],)) for rows, c in zip(parts, caches)])
                 ops.linear(o, layer.mamba.out_proj, inner)
             elif layer.kind == ATTENTION:
                 self._attention(o, h, layer, slot, caches, offsets, parts)

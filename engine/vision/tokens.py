@@ -185,9 +185,13 @@ class ImageTable:
 
 def chunk_end(model, ids: Sequence[int], start: int, limit: int) -> int:
     """Where a prompt pass that starts at ids[start] and takes at most `limit` tokens should end: start +
-    limit (or the prompt's end), moved back to the start of an image it would cut, or, when that image
+    limit (or the prompt's end), one token earlier where it would leave the prompt's last token to a pass of
+    its own (a recurrent cache keeps the state one token before a multi-token pass's end, where a regenerate
+    restarts: RecurrentKVCache), moved back to the start of an image it would cut, or, when that image
     starts the pass, forward to its end (a bidirectional table's image is never split)."""
     end = min(len(ids), start + limit)
+    if end == len(ids) - 1 and end - start > 1:
+        end -= 1
     table = getattr(model, "images", None)
     if table is None or not table.bidirectional or end >= len(ids) or end == start:
         return end

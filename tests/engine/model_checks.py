@@ -109,17 +109,17 @@ def check_speculation_keeps_greedy(model, tokenizer, prompt) -> list:
 
 def check_recurrent_trims_and_chat_turns(model, tokenizer, tokens, ref, tol: float) -> None:
     """A model whose cache keeps recurrent states at its end (RecurrentKVCache): a trim lands on the latest
-    snapshot at or before its target (6 for 11, here) and continuing gives the reference logits ref; a second
+    snapshot at or before its target (5 for 10, here) and continuing gives the reference logits ref; a second
     chat turn reuses the whole first one and replies as a fresh cache does."""
     from engine.generate import GenerationParams, generate
 
     cache = model.new_cache(32)
     model.forward(tokens[:6], cache)
-    model.forward(tokens[6:12], cache)  # snapshots at 6 and 12
+    model.forward(tokens[6:12], cache)  # snapshots at 5 and 11: each pass's end - 1
     for t in tokens[12:]:
         model.forward([t], cache)
-    assert cache.trim(len(tokens) - 11) == len(tokens) - 6 and cache.offset == 6
-    np.testing.assert_allclose(model.forward(tokens[6:9], cache, all_logits=True), ref[6:9], atol=tol)
+    assert cache.trim(len(tokens) - 10) == len(tokens) - 5 and cache.offset == 5
+    np.testing.assert_allclose(model.forward(tokens[5:9], cache, all_logits=True), ref[5:9], atol=tol)
     params = GenerationParams(max_tokens=6, temperature=0.0)
     cache = model.new_cache(128)
     reply = [e.token for e in generate(model, tokenizer, tokens, cache, params)]
@@ -128,3 +128,51 @@ def check_recurrent_trims_and_chat_turns(model, tokenizer, tokens, ref, tol: flo
     assert second[-1].cached_tokens == len(tokens) + len(reply) - 1
     fresh = [e.token for e in generate(model, tokenizer, turn2, model.new_cache(128), params)]
     assert [e.token for e in second] == fresh
+
+
+def check_recurrent_regenerate_and_edit_reuse(model, tokenizer, tol: float) -> None:
+    """A recurrent cache keeps the states a chat returns to, through prompts of many passes (prefill_chunk 4):
+    a regenerate recomputes the prompt's last token only (from the snapshot one token before its end); after
+    a second turn of eleven passes, an edit of that turn's message restarts at the first turn's end (the
+    second turn's first pass's start) and a regenerate of the first turn recomputes one token again. Each
+    prefill's logits, and each greedy reply, are a fresh cache's."""
+    from engine.generate import GenerationParams, generate, prefill
+
+    params = GenerationParams(max_tokens=4, temperature=0.0, prefill_chunk=4)
+    cache = model.new_cache(128)
+    computed = []  # tokens of each pass into `cache`
+    advance = cache.advance
+
+    def counted(tokens) -> None:
+        computed.append(len(tokens))
+        advance(tokens)
+
+    cache.advance = counted
+
+    def reused(ids) -> int:
+        """prefill(ids): how many tokens the cache kept (and all the others computed), its logits checked"""
+        computed.clear()
+        logits, kept = prefill(model, cache, ids, params.prefill_chunk)
+        assert sum(computed) == len(ids) - kept and cache.tokens == ids
+        np.testing.assert_allclose(logits, prefill(model, model.new_cache(128), ids, 4)[0], atol=tol)
+        return kept
+
+    def reply(ids) -> list:
+        events = list(generate(model, tokenizer, ids, cache, params))
+        fresh = [e.token for e in generate(model, tokenizer, ids, model.new_cache(128), params)]
+        assert [e.token for e in events] == fresh
+        return events
+
+    turn1 = [(37 * i + 11) % 240 + 3 for i in range(9)]  # passes of 4, 3 and 2 (chunk_end)
+    reply(turn1)
+    assert reused(turn1) == len(turn1) - 1  # regenerate
+    assert computed == [1]
+    assert reply(turn1)[-1].cached_tokens == len(turn1) - 1
+    boundary = cache.tokens  # the first turn and its reply (but the last token, never fed)
+    turn2 = boundary + [(53 * i + 7) % 240 + 3 for i in range(44)]
+    reply(turn2)
+    edit = boundary + [(29 * i + 5) % 240 + 3 for i in range(6)]
+    assert edit[len(boundary)] != turn2[len(boundary)]
+    assert reused(edit) == len(boundary)
+    assert reused(turn1) == len(turn1) - 1  # the first turn regenerated, after all that
+    assert len(cache._snapshots) + len(cache._spare) <= cache.MAX_SNAPSHOTS

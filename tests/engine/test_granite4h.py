@@ -18,6 +18,7 @@ from engine.kv_cache import RecurrentKVCache
 from engine.loader import load_model
 from tests.engine.model_checks import (
     check_batched_decode,
+    check_recurrent_regenerate_and_edit_reuse,
     check_recurrent_trims_and_chat_turns,
     chunked_logits,
 )
@@ -76,6 +77,10 @@ def test_chunked_scan_matches_the_token_by_token_one():
         states.append(state)
     np.testing.assert_allclose(outs[1], outs[0], atol=1e-5 * np.abs(outs[0]).max())
     np.testing.assert_allclose(states[1], states[0], atol=1e-5 * np.abs(states[0]).max())
+
+
+def test_regenerate_and_edits_reuse_the_snapshots_they_need(lm):
+    check_recurrent_regenerate_and_edit_reuse(lm.model, lm.tokenizer, TOL)
 
 
 def test_batched_decode_matches_one_sequence_at_a_time(lm):

@@ -67,3 +67,39 @@ def test_recurrent_snapshots_stay_within_their_slots_and_return_exact_states():
     assert cache.trim(1) == 2 and (cache.recurrent == n + 1).all()
     cache.recurrent[:] = 7
     assert cache.trim(cache.offset) == 3 * (n + 1) and (cache.recurrent == 0).all() and cache.offset == 0
+
+
+def test_recurrent_passes_keep_their_end_minus_one_and_turn_boundaries_outlive_chunks():
+    """A pass keeps the state one token before its end (the recurrent layers run the last row apart) and the
+    one at its start, unless it continues the previous pass; at MAX_SNAPSHOTS the snapshots inside a prompt
+    go first, so a prompt of many chunks keeps the turn boundaries before it, within the same copies."""
+    cache = RecurrentKVCache(1, 1, 4, 256, np.float32, 2, (3,), (2,))
+    arrays = set()
+
+    def run(rows, conv_state, state):  # states that count the tokens seen
+        state += len(rows[0])
+        conv_state -= len(rows[0])
+        return np.zeros((len(rows[0]), 1), np.float32)
+
+    def forward(n: int) -> None:
+        if n > 1:
+            cache.start_pass(n)
+        for slot in range(2):
+            assert len(cache.mix(slot, run, [np.zeros((n, 5), np.float32)])) == n
+        cache.advance([0] * n)
+        if n > 1:
+            cache.end_pass()
+        arrays.update(id(a) for pair in cache._snapshots.values() for a in pair)
+
+    forward(8)  # a first prompt, then its reply
+    for _ in range(3):
+        forward(1)
+    assert sorted(cache._snapshots) == [7]
+    for _ in range(10):  # the next prompt in ten chunks: it starts at the reply's end
+        forward(4)
+    assert sorted(cache._snapshots) == [7, 11, 38, 42, 46, 50]
+    assert len(arrays) == 2 * RecurrentKVCache.MAX_SNAPSHOTS
+    for pos, (state, conv) in cache._snapshots.items():
+        assert (state == pos).all() and (conv == -pos).all()
+    assert cache.trim(cache.offset - 12) == 40 and (cache.recurrent == 11).all()  # an edit of that prompt
+    assert cache.trim(cache.offset - 9) == 4 and (cache.recurrent == 7).all()  # the first one regenerated

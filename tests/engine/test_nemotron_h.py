@@ -19,6 +19,7 @@ from engine.kv_cache import RecurrentKVCache
 from engine.loader import load_model
 from tests.engine.model_checks import (
     check_batched_decode,
+    check_recurrent_regenerate_and_edit_reuse,
     check_recurrent_trims_and_chat_turns,
     chunked_logits,
 )
@@ -47,6 +48,10 @@ def test_config_and_cache_layout(lm):
 def test_prefill_in_chunks_trims_and_chat_turns(lm):
     np.testing.assert_allclose(chunked_logits(lm.model, TOKENS, (5, 1, 2, 7, 1)), REF, atol=TOL)
     check_recurrent_trims_and_chat_turns(lm.model, lm.tokenizer, TOKENS, REF, TOL)
+
+
+def test_regenerate_and_edits_reuse_the_snapshots_they_need(lm):
+    check_recurrent_regenerate_and_edit_reuse(lm.model, lm.tokenizer, TOL)
 
 
 def test_batched_decode_matches_one_sequence_at_a_time(lm):

@@ -20,7 +20,11 @@ from engine.generate import GenerationParams, generate
 from engine.kv_cache import RecurrentKVCache
 from engine.loader import load_model
 from engine.prefix_cache import PrefixCache
-from tests.engine.model_checks import check_batched_decode, chunked_logits
+from tests.engine.model_checks import (
+    check_batched_decode,
+    check_recurrent_regenerate_and_edit_reuse,
+    chunked_logits,
+)
 
 TINY = Path(__file__).resolve().parents[1] / "fixtures" / "tiny"
 GOLDEN = json.loads((TINY / "qwen3_5" / "golden.json").read_text())
@@ -51,18 +55,20 @@ def test_prefill_in_chunks_matches_one_pass(lm):
 
 
 def test_trim_steps_back_to_a_snapshot_and_recomputes(lm):
-    """A trim lands on the latest start or end of a multi-token pass at or before the target (or on 0),
-    which may drop more than asked; continuing from offset gives the exact logits."""
+    """A trim lands on the latest snapshot at or before the target (a pass's start, or one token before its
+    end) or on 0, which may drop more than asked; continuing from offset gives the exact logits."""
     m = lm.model
     cache = m.new_cache(32)
     m.forward(TOKENS[:6], cache)
-    m.forward(TOKENS[6:12], cache)  # snapshots at 6 and 12
+    m.forward(TOKENS[6:12], cache)  # continues the first pass: snapshots at 5 and 11, none at 6
     for t in TOKENS[12:]:
         m.forward([t], cache)
-    assert cache.trim(3) == 4 and cache.offset == 12  # back to the second pass's end
-    np.testing.assert_allclose(m.forward(TOKENS[12:14], cache, all_logits=True), REF[12:14], atol=TOL)
-    assert cache.trim(5) == 8 and cache.offset == 6  # 9 lies between the snapshots 6 and 12
-    np.testing.assert_allclose(m.forward(TOKENS[6:9], cache, all_logits=True), REF[6:9], atol=TOL)
+    assert sorted(cache._snapshots) == [5, 11]
+    assert cache.trim(3) == 5 and cache.offset == 11  # back to one token before the second pass's end
+    np.testing.assert_allclose(m.forward(TOKENS[11:14], cache, all_logits=True), REF[11:14], atol=TOL)
+    assert sorted(cache._snapshots) == [5, 11, 13]  # that pass started at a snapshot: it keeps its end - 1
+    assert cache.trim(5) == 9 and cache.offset == 5  # 9 lies between the snapshots 5 and 11
+    np.testing.assert_allclose(m.forward(TOKENS[5:9], cache, all_logits=True), REF[5:9], atol=TOL)
     assert cache.trim(5) == 9 and cache.offset == 0  # before every snapshot: the empty state
     np.testing.assert_allclose(m.forward(TOKENS[:4], cache, all_logits=True), REF[:4], atol=TOL)
 
@@ -78,8 +84,38 @@ def test_chat_turns_reuse_and_regenerate_match_a_fresh_cache(lm):
     assert second[-1].cached_tokens == len(TOKENS) + len(reply) - 1  # the whole cache was reused
     fresh = [e.token for e in generate(m, tok, turn2, m.new_cache(128), params)]
     assert [e.token for e in second] == fresh
-    again = list(generate(m, tok, turn2, cache, params))  # regenerate: back to a snapshot, same reply
-    assert [e.token for e in again] == fresh and again[-1].cached_tokens < len(turn2) - 1
+    again = list(generate(m, tok, turn2, cache, params))  # regenerate: from the prompt's end - 1
+    assert [e.token for e in again] == fresh and again[-1].cached_tokens == len(turn2) - 1
+
+
+def test_regenerate_and_edits_reuse_the_snapshots_they_need(lm):
+    check_recurrent_regenerate_and_edit_reuse(lm.model, lm.tokenizer, TOL)
+
+
+def test_chat_runner_regenerates_one_token_and_edits_from_the_turns_start():
+    """Through the worker's chunked prefill (batches of 8 tokens): a regenerate computes the prompt's last
+    token only, and an edit of a second message that took many passes restarts where that turn began."""
+    from engine.client import LoadOptions
+    from engine.worker import ChatRunner
+
+    runner = ChatRunner.load(TINY / "qwen3_5", LoadOptions(n_ctx=512, batch_size=8, prefix_cache_mb=0))
+    params = GenerationParams(max_tokens=5, temperature=0.0)
+
+    def chat(messages):
+        events = list(runner.chat(messages, params))
+        return "".join(e.text for e in events), events[-1]
+
+    first = [{"role": "user", "content": "the cat"}]
+    reply, turn1 = chat(first)
+    again, regenerated = chat(first)
+    assert again == reply and regenerated.cached_tokens == turn1.prompt_tokens - 1
+    history = [*first, {"role": "assistant", "content": reply}]
+    turn2 = chat([*history, {"role": "user", "content": "a dog " * 30}])[1]
+    # the tiny tokenizer does not spell the reply back: the turn starts a token before the first prompt's end
+    assert turn2.cached_tokens >= turn1.prompt_tokens - 1
+    assert turn2.prompt_tokens - turn2.cached_tokens > 6 * 8  # in more passes than MAX_SNAPSHOTS
+    edited = chat([*history, {"role": "user", "content": "a bird"}])[1]
+    assert edited.cached_tokens == turn2.cached_tokens
 
 
 def test_batched_decode_matches_one_sequence_at_a_time(lm):

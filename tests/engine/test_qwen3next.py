@@ -25,6 +25,7 @@ from models.formats.gguf import open_gguf
 from tests.engine.model_checks import (
     block_fp8_twins,
     check_batched_decode,
+    check_recurrent_regenerate_and_edit_reuse,
     check_recurrent_trims_and_chat_turns,
     chunked_logits,
     rewrite_gguf,
@@ -91,6 +92,10 @@ def test_prefill_in_chunks_matches_one_pass(lm):
 
 def test_trims_and_chat_turns(lm):
     check_recurrent_trims_and_chat_turns(lm.model, lm.tokenizer, TOKENS, REF, TOL)
+
+
+def test_regenerate_and_edits_reuse_the_snapshots_they_need(lm):
+    check_recurrent_regenerate_and_edit_reuse(lm.model, lm.tokenizer, TOL)
 
 
 def test_batched_decode_matches_one_sequence_at_a_time(lm):

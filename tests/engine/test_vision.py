@@ -140,6 +140,9 @@ def test_chunk_end_and_safe_prefix():
     assert chunk_end(m, ids, 0, 50) == len(ids)
     assert [safe_prefix(m, ids, n) for n in (2, 3, 5, 6, 8, 12)] == [2, 2, 2, 6, 7, 12]
     assert chunk_end(object(), ids, 0, 4) == 4  # a model without images
+    # never the prompt's last token alone (a recurrent cache keeps the state a token before a pass's end)
+    assert [chunk_end(object(), ids, s, 4) for s in (4, 7, 10)] == [8, 10, 12]
+    assert chunk_end(object(), ids, 10, 1) == 11
     m.images.bidirectional = False  # causal image rows (Mistral 3): any cut will do
     assert chunk_end(m, ids, 0, 4) == 4 and safe_prefix(m, ids, 3) == 3
 
