@@ -542,6 +542,46 @@ def test_ernie45_moe_gguf_round_trip_with_llama_cpps_keys(tmp_path, monkeypatch)
     monkeypatch.setattr(moe_module, "route", route_)
 
 
+def test_ernie45_moe_folders_in_f32_f16_and_block_fp8(tmp_path):
+    """The fixture (BF16) written in F32 and in F16 gives transformers' logits; with its layers' linears in
+    block-wise FP8 (experts and shared experts included; the router and its bias stay F32) it gives the
+    logits of the same folder with those weights decoded to float32."""
+    import shutil
+
+    from engine.backends.cpu.fpquant import FP8_E4M3_BLOCK
+    from models.formats.safetensors import open_safetensors
+    from tests.engine.model_checks import block_fp8_twins
+    from tests.engine.test_fpquant import _write_st
+
+    src = TINY / "ernie4_5_moe"
+    golden = _golden("ernie4_5_moe")
+    ref = np.array(golden["logits"])
+    st = open_safetensors(src / "model.safetensors")
+    bf16 = {name: np.array(st.array(name)) for name in st.tensors}
+    st.close()
+    for dtype, np_type in (("F32", np.float32), ("F16", np.float16)):
+        folder = tmp_path / dtype
+        shutil.copytree(src, folder, ignore=shutil.ignore_patterns("*.safetensors"))
+        tensors = {}
+        for name, a in bf16.items():
+            x = (a.astype(np.uint32) << 16).view(np.float32).astype(np_type)
+            tensors[name] = (dtype, x.shape, x.tobytes())
+        _write_st(folder / "model.safetensors", tensors)
+        m = load_model(folder).model
+        assert m.layers[1].moe.gate[0].ggml_type == (0 if dtype == "F32" else 1)
+        logits = m.forward(golden["tokens"], m.new_cache(32), all_logits=True)
+        assert np.abs(logits - ref).max() < 1e-4 * np.abs(ref).max(), dtype
+    block_fp8_twins(src, tmp_path, lambda name: ".layers." in name and name.endswith("proj.weight"))
+    config = json.loads((src / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}
+    (tmp_path / "fp8" / "config.json").write_text(json.dumps(config))
+    got, want = (load_model(tmp_path / f).model for f in ("fp8", "dense"))
+    assert got.layers[1].moe.down[5].ggml_type == got.layers[3].moe.shared[2].ggml_type == FP8_E4M3_BLOCK
+    a = got.forward(golden["tokens"], got.new_cache(32), all_logits=True)
+    b = want.forward(golden["tokens"], want.new_cache(32), all_logits=True)
+    assert np.abs(a - b).max() < 1e-4 * np.abs(b).max()
+
+
 def test_ernie45_moe_batched_decode_matches_one_sequence_at_a_time():
     """The server's batched step on ERNIE 4.5 MoE (dense layers of their own FFN length between the expert
     layers): each sequence's logits as its own decode step gives them."""
