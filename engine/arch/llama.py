@@ -90,8 +90,9 @@ class LlamaConfig:
     # token choosing among its expert_groups_used best groups only (moe.route; 0: no limit)
     expert_groups: int = 1
     expert_groups_used: int = 0
-    # the first layers keep a dense FFN of dense_intermediate_size (GLM-4.5's first_k_dense_replace), and so
-    # do the layers in dense_layers (Qwen3-Next's mlp_only_layers and those its decoder_sparse_step skips)
+    # the first layers keep a dense FFN of dense_intermediate_size (GLM-4.5's first_k_dense_replace, ERNIE 4.5
+    # MoE's moe_layer_start_index), and so do the layers in dense_layers (Qwen3-Next's mlp_only_layers and
+    # those its decoder_sparse_step skips; those ERNIE 4.5 MoE's moe_layer_interval and end index leave out)
     first_dense_layers: int = 0
     dense_intermediate_size: int = 0
     dense_layers: tuple[int, ...] = ()
