@@ -50,6 +50,7 @@ _FAMILIES = {
     "olmo2": "olmo2",
     "olmo3": "olmo2",  # llama.cpp's name for OLMo 3 too: OLMo 2 with sliding-window layers
     "ernie4_5": "ernie4_5",
+    "ernie4_5_moe": "ernie4_5-moe",  # ERNIE-4.5-21B-A3B, 300B-A47B (text): llama.cpp's ernie4_5-moe
     "exaone4": "exaone4",
     "seed_oss": "seed_oss",
     "lfm2": "lfm2",
@@ -117,6 +118,7 @@ _LAYER_NAMES = {
     "mlp.shared_experts.up_proj.weight": "ffn_up_shexp.weight",
     "mlp.shared_experts.down_proj.weight": "ffn_down_shexp.weight",
     "mlp.gate.e_score_correction_bias": "exp_probs_b.bias",  # GLM-4.5's routing bias
+    "mlp.moe_statics.e_score_correction_bias": "exp_probs_b.bias",  # ERNIE 4.5 MoE's, (1, experts)
     "shared_mlp.input_linear.weight": "ffn_up.weight",  # Granite 4.0: gate rows then up rows, as Phi-3's
     "shared_mlp.output_linear.weight": "ffn_down.weight",
 }
@@ -777,25 +779,28 @@ def config_from_hf(folder: Path, config: dict):
     granite4 = _granite4(config)
     arch = granite4.pop("architecture", arch)  # Granite 4.0-H: llama.cpp's granitehybrid
     qwen35 = _qwen35(config)
-    experts = config.get("num_experts") or config.get("num_local_experts") or config.get("n_routed_experts")
-    experts = int(experts or 0)
-    sparse_steps = config.get("mlp_only_layers") or int(config.get("decoder_sparse_step") or 1) != 1
-    if experts and sparse_steps and model_type != "qwen3_next":
-        raise UnsupportedArchitectureError(
-            f"{folder}: mixture-of-experts models with dense layers between the sparse ones "
-            "(mlp_only_layers / decoder_sparse_step) are not supported yet"
-        )
     try:
+        ernie = _ernie4_5_moe(config)
+        experts = ernie.pop("num_experts", 0) or config.get("num_experts") or config.get("num_local_experts")
+        experts = int(experts or config.get("n_routed_experts") or 0)
+        sparse_steps = config.get("mlp_only_layers") or int(config.get("decoder_sparse_step") or 1) != 1
+        if experts and sparse_steps and model_type != "qwen3_next":
+            raise UnsupportedArchitectureError(
+                f"{folder}: mixture-of-experts models with dense layers between the sparse ones "
+                "(mlp_only_layers / decoder_sparse_step) are not supported yet"
+            )
         heads = int(config["num_attention_heads"])
         hidden = int(config["hidden_size"])
         head_dim = int(config.get("head_dim") or hidden // heads)
         qwen_moe = model_type in ("qwen2_moe", "qwen3_moe", "qwen3_5_moe_text", "qwen3_vl_moe_text",
                                   "qwen3_next")
         # the experts' FFN length (GLM-4.5's intermediate_size is its dense layers')
-        expert_sized = qwen_moe or (experts and model_type in ("glm4_moe", "lfm2_moe"))
+        expert_sized = qwen_moe or (experts and model_type in ("glm4_moe", "lfm2_moe", "ernie4_5_moe"))
         # LFM2 sizes its FFN from block_ff_dim (_lfm2)
         ff_key = "moe_intermediate_size" if expert_sized else "intermediate_size"
-        ff = lfm2.pop("intermediate_size", 0) or granite4.pop("intermediate_size", 0) or int(config[ff_key])
+        ff = (lfm2.pop("intermediate_size", 0) or granite4.pop("intermediate_size", 0)
+              or ernie.pop("intermediate_size", 0) or int(config[ff_key]))
+        top_k = ernie.pop("num_experts_per_tok", 0)
         # Mixtral always renormalizes the chosen experts' weights (gpt-oss's softmax over the chosen
         # logits is the same numbers); Qwen2/3-MoE say so in their configs; GLM-4.5 routes its own way
         moe = {
@@ -806,7 +811,7 @@ def config_from_hf(folder: Path, config: dict):
             "shared_expert_intermediate_size": int(config.get("shared_expert_intermediate_size") or 0)
             if model_type in ("qwen2_moe", "qwen3_5_moe_text", "qwen3_next")
             else granite4.pop("shared_expert_intermediate_size", 0),
-        } | _sigmoid_moe(config, ff)
+        } | _sigmoid_moe(config, ff) | ernie
         return LlamaConfig(
             hidden_size=hidden,
             intermediate_size=ff,
@@ -821,11 +826,11 @@ def config_from_hf(folder: Path, config: dict):
             rotary_dim=int(head_dim * rotary),
             # HF checkpoints keep q/k in the half-split layout (rotate_half); only llama.cpp's
             # converter permutes them for adjacent-pair RoPE. GLM-4 and ERNIE 4.5 rotate adjacent pairs.
-            rope_neox=model_type not in ("glm4", "ernie4_5"),
+            rope_neox=model_type not in ("glm4", "ernie4_5", "ernie4_5_moe"),
             rope_scaling=scaling,
             architecture=arch,
             num_experts=experts,
-            num_experts_per_tok=int(config["num_experts_per_tok"]) if experts else 0,
+            num_experts_per_tok=int(top_k or config["num_experts_per_tok"]) if experts else 0,
             **moe,
             expert_act="swiglu_oai" if model_type == "gpt_oss" else "silu",
             swiglu_alpha=float(config.get("swiglu_alpha", 1.702)),
@@ -877,6 +882,34 @@ def _sigmoid_moe(config: dict, expert_ff: int) -> dict:
         "shared_expert_intermediate_size": expert_ff * int(config.get("n_shared_experts") or 0),
         "first_dense_layers": int(config.get("first_k_dense_replace") or 0),
         "dense_intermediate_size": int(config["intermediate_size"]),
+    }
+
+
+def _ernie4_5_moe(config: dict) -> dict:
+    """ERNIE 4.5 MoE's LlamaConfig fields (with num_experts, num_experts_per_tok and the experts'
+    intermediate_size, which the caller takes out), transformers' defaults where the config leaves a key out:
+    moe_num_experts routed experts, moe_k a token, softmax probabilities plus a choice bias, renormalized
+    (moe.route), beside moe_num_shared_experts shared experts of moe_intermediate_size each, one ungated
+    SwiGLU; experts in layers moe_layer_start_index to moe_layer_end_index (-1: the last) whose number + 1
+    is a multiple of moe_layer_interval, dense FFNs of intermediate_size in the others."""
+    if config.get("model_type") != "ernie4_5_moe":
+        return {}
+    n = int(config["num_hidden_layers"])
+    start = int(config.get("moe_layer_start_index", 1))
+    end = int(config.get("moe_layer_end_index", -1))
+    end = n - 1 if end == -1 else end
+    every = int(config.get("moe_layer_interval") or 1)
+    experts = {i for i in range(n) if (i + 1) % every == 0 and start <= i <= end}
+    ff = int(config.get("moe_intermediate_size", 1536))
+    return {
+        "num_experts": int(config.get("moe_num_experts", 64)),
+        "num_experts_per_tok": int(config.get("moe_k", 6)),
+        "intermediate_size": ff,
+        "norm_topk_prob": True,
+        "shared_expert_intermediate_size": ff * int(config.get("moe_num_shared_experts", 2)),
+        "first_dense_layers": start,
+        "dense_layers": tuple(i for i in range(start, n) if i not in experts),
+        "dense_intermediate_size": int(config.get("intermediate_size", 12288)),
     }
 
 

@@ -207,6 +207,19 @@ FAMILIES = {
     "ernie4_5": (
         transformers.Ernie4_5Config, dict(tie_word_embeddings=True, head_dim=16), torch.bfloat16, False
     ),
+    # ERNIE 4.5 MoE (ERNIE-4.5-21B-A3B's layout): adjacent-pair RoPE on whole heads, a dense first layer
+    # (moe_layer_start_index), then experts every other layer (moe_layer_interval 2: layers 1 and 3, layer 2
+    # dense); 6 routed experts, 3 a token, chosen by softmax probability plus a per-expert bias
+    # (moe_statics.e_score_correction_bias, a parameter: random like the weights) and weighted by the
+    # probability alone, renormalized; beside 2 shared experts (one SwiGLU of 2 x 32)
+    "ernie4_5_moe": (
+        transformers.Ernie4_5_MoeConfig,
+        dict(tie_word_embeddings=True, num_hidden_layers=4, moe_num_experts=6, moe_k=3,
+             moe_intermediate_size=32, moe_num_shared_experts=2, moe_layer_start_index=1,
+             moe_layer_interval=2, pad_token_id=0),
+        torch.bfloat16,
+        False,
+    ),
     # OLMo 3: a window of 4 on three layers of four, YaRN on the full layer only (the windowed ones unscaled)
     "olmo3": (
         transformers.Olmo3Config,

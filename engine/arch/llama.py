@@ -16,7 +16,9 @@ qwen3vlmoe) is Qwen3 or Qwen3-MoE whose image rows take M-RoPE positions and, af
 vision tower's deepstack sets (engine/vision/qwen35.py); Qwen2-VL's and Qwen2.5-VL's language model
 (llama.cpp's qwen2vl) is Qwen2 whose rotary pairs turn by M-RoPE positions once a vision tower sets `mrope`.
 Mixture of experts: Mixtral, Qwen3-MoE, Qwen2-MoE (with a gated shared expert) and gpt-oss (attention
-sinks, biases on every linear, a sliding window on every other layer and a clamped SwiGLU in its experts).
+sinks, biases on every linear, a sliding window on every other layer and a clamped SwiGLU in its experts);
+ERNIE 4.5 MoE is ERNIE 4.5 with experts chosen by biased softmax probabilities beside ungated shared
+experts, in every moe_layer_interval-th layer past the dense leading ones.
 """
 
 from __future__ import annotations
@@ -89,8 +91,9 @@ class LlamaConfig:
     # token choosing among its expert_groups_used best groups only (moe.route; 0: no limit)
     expert_groups: int = 1
     expert_groups_used: int = 0
-    # the first layers keep a dense FFN of dense_intermediate_size (GLM-4.5's first_k_dense_replace), and so
-    # do the layers in dense_layers (Qwen3-Next's mlp_only_layers and those its decoder_sparse_step skips)
+    # the first layers keep a dense FFN of dense_intermediate_size (GLM-4.5's first_k_dense_replace, ERNIE 4.5
+    # MoE's moe_layer_start_index), and so do the layers in dense_layers (Qwen3-Next's mlp_only_layers and
+    # those its decoder_sparse_step skips; those ERNIE 4.5 MoE's moe_layer_interval and end index leave out)
     first_dense_layers: int = 0
     dense_intermediate_size: int = 0
     dense_layers: tuple[int, ...] = ()
@@ -272,9 +275,18 @@ class LlamaConfig:
         # a shared expert: its own length (Qwen2-MoE), or a count of expert-sized ones (GLM-4.5)
         shared_ff = int(key("expert_shared_feed_forward_length", 0))
         shared_ff = shared_ff or ff * int(key("expert_shared_count", 0))
+        if arch == "ernie4_5-moe" and int(key("expert_shared_count", 0)):
+            # ERNIE 4.5 MoE's shared experts are one FFN of count x the experts' length (transformers'
+            # moe_num_shared_experts); llama.cpp's converter writes intermediate_size // num_key_value_heads
+            # as its length, which only the released shapes make equal
+            shared_ff = ff * int(key("expert_shared_count"))
         leading_dense = int(key("leading_dense_block_count", 0)) if experts else 0
         # Hearth's key for Qwen3-Next's dense layers among the experts' (llama.cpp's qwen3next has none)
         dense_layers = tuple(int(i) for i in key("mlp_only_layers", ())) if experts else ()
+        if experts and arch == "ernie4_5-moe":  # llama.cpp's: experts in every step-th layer past the leading
+            step = int(key("interleave_moe_layer_step", 1))
+            skipped = {i for i in range(leading_dense, n_layers) if (i + 1) % step}
+            dense_layers = tuple(sorted(skipped | set(dense_layers)))
         temperature = float(key("attention.temperature_scale", 0.0))
         qwen35 = _qwen35_from_gguf(arch, key, n_layers) | _granitehybrid_from_gguf(arch, key, n_layers)
         return cls(
@@ -452,9 +464,9 @@ def _ffn_weights(weights, p: str, ff: int, d: int) -> tuple[Weight, Weight]:
 
 
 @register(
-    "llama", "mistral", "mistral3", "smollm3", "granite", "glm4", "olmo2", "ernie4_5", "qwen2", "qwen2moe",
-    "qwen3", "qwen3moe", "glm4moe", "exaone4", "seed_oss", "phi3", "gpt-oss", "lfm2", "lfm2moe", "qwen35",
-    "qwen35moe", "qwen3next", "granitehybrid", "qwen3vl", "qwen3vlmoe", "qwen2vl",
+    "llama", "mistral", "mistral3", "smollm3", "granite", "glm4", "olmo2", "ernie4_5", "ernie4_5-moe",
+    "qwen2", "qwen2moe", "qwen3", "qwen3moe", "glm4moe", "exaone4", "seed_oss", "phi3", "gpt-oss", "lfm2",
+    "lfm2moe", "qwen35", "qwen35moe", "qwen3next", "granitehybrid", "qwen3vl", "qwen3vlmoe", "qwen2vl",
 )
 class LlamaModel(Decoder):
     """A Llama-family decoder over weights that stay in their file format."""

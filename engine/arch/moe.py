@@ -1,5 +1,5 @@
 """Mixture-of-experts feed-forward blocks (Mixtral, Qwen2-MoE, Qwen3-MoE, gpt-oss, GLM-4.5, DeepSeek-V2/V3,
-GLM-4.7-Flash): a router picks k experts per token.
+GLM-4.7-Flash, ERNIE 4.5 MoE): a router picks k experts per token.
 
 out[t] = sum over the k experts e with the largest router logits of w[t, e] * down_e(silu(gate_e h) * up_e h)
 with w = softmax over all experts' logits, taken at the chosen ones and (norm_topk_prob) renormalized to
@@ -10,6 +10,8 @@ is scaled by sigmoid(shared_gate . h) and added to the routed experts' sum. GLM-
 scores instead of a softmax: the k largest of score + a per-expert bias are chosen, weighted by their scores
 (renormalized) times a constant, and its shared expert is ungated. DeepSeek-V2 routes by softmax and
 DeepSeek-V3 (and GLM-4.7-Flash) as GLM-4.5, both optionally among the best groups of experts only (route).
+ERNIE 4.5 MoE routes by softmax with a per-expert bias added to the probabilities for the choice only (its
+moe_statics.e_score_correction_bias), renormalizes, and adds ungated shared experts.
 
 Each expert is an ordinary weight matrix (a row block of the file's (experts, rows, cols) tensor, still
 in its quantized format), so every weight type the engine computes with works here. Tokens are grouped by
@@ -50,8 +52,8 @@ class MoE:
     # gate's weight vector (hidden,); None: none
     shared: tuple[Weight, Weight, Weight] | None = None
     shared_gate: np.ndarray | None = None  # None with a shared expert: ungated (GLM-4.5)
-    # sigmoid routing's per-expert bias added to the scores for the choice only (GLM-4.5's
-    # e_score_correction_bias), (experts,); None: none
+    # a per-expert bias added to the scores for the choice only (GLM-4.5's e_score_correction_bias, to the
+    # sigmoid scores; ERNIE 4.5 MoE's, to the softmax probabilities), (experts,); None: none
     score_bias: np.ndarray | None = None
     # Gemma 4's per-expert multiplier of the routing weights (router.per_expert_scale), (experts,); None: none
     expert_scale: np.ndarray | None = None
@@ -91,7 +93,7 @@ def load_moe(weights, p: str, n_experts: int, ff: int, d: int, shared_ff: int = 
         up=experts["up"],
         down=weights.experts(p + "ffn_down_exps.weight", n_experts, d, ff),
         router_bias=bias("ffn_gate_inp.bias", (n_experts,)),
-        score_bias=bias("exp_probs_b.bias", (n_experts,)),
+        score_bias=_expert_vector(weights, p + "exp_probs_b.bias", n_experts),
         **{f"{k}_bias": bias(f"ffn_{k}_exps.bias", (n_experts, s[0])) for k, s in shapes.items()},
         gate_up_stacked=weights.has(merged),
     )
@@ -110,6 +112,17 @@ def load_moe(weights, p: str, n_experts: int, ff: int, d: int, shared_ff: int = 
     return moe
 
 
+def _expert_vector(weights, name: str, n_experts: int) -> np.ndarray | None:
+    """A per-expert vector (n_experts,) of tensor `name`, None when absent; ERNIE 4.5 MoE's folders keep its
+    choice bias as (1, experts), and so may a GGUF that did not squeeze it."""
+    if not weights.has(name):
+        return None
+    try:
+        return weights.floats(name, (n_experts,))
+    except MissingTensorError:  # a shape mismatch: the other layout
+        return weights.floats(name, (1, n_experts)).reshape(n_experts)
+
+
 def _shared_gate(weights, name: str, d: int) -> np.ndarray:
     """The shared expert's gate vector (d,) of tensor `name` (present): HF's (1, hidden) Linear, which GGUFs
     keep as (1, d) or (d,)."""
@@ -119,6 +132,11 @@ def _shared_gate(weights, name: str, d: int) -> np.ndarray:
         return weights.floats(name, (d,))
 
 
+# ERNIE 4.5 MoE's moe_norm_min (its config's default, which GGUF has no key for): the least sum its chosen
+# experts' probabilities are divided by
+_NORM_MIN = 1e-12
+
+
 def route(
     logits: np.ndarray, k: int, normalize: bool, sigmoid: bool = False, bias: np.ndarray | None = None,
     scale: float = 1.0, groups: int = 1, groups_used: int = 0,
@@ -126,9 +144,10 @@ def route(
     """(experts (n, k) int64, weights (n, k) float32) from router logits (n, experts).
 
     Softmax routing: the k largest logits of each token (ties: the lower index first) and their softmax
-    probabilities (renormalized over the k when `normalize`). Sigmoid routing (GLM-4.5, DeepSeek-V3): the
-    k largest of sigmoid(logit) + bias, weighted by their sigmoid scores (renormalized when `normalize`).
-    Either way the weights are then multiplied by `scale`.
+    probabilities (renormalized over the k when `normalize`); with a bias (ERNIE 4.5 MoE) the k largest of
+    probability + bias, weighted by their probabilities, renormalized by a sum held at least _NORM_MIN.
+    Sigmoid routing (GLM-4.5, DeepSeek-V3): the k largest of sigmoid(logit) + bias, weighted by their sigmoid
+    scores (renormalized when `normalize`). Either way the weights are then multiplied by `scale`.
 
     Group-limited routing (DeepSeek's n_group / topk_group): the experts come in `groups` equal groups and
     only the `groups_used` best groups of a token are chosen from: by their largest probability under a
@@ -146,6 +165,16 @@ def route(
         w = np.take_along_axis(scores, top, axis=1)
         if normalize:
             w = w / (w.sum(axis=1, keepdims=True) + np.float32(1e-20))
+    elif bias is not None:
+        if limited:
+            raise ValueError("group-limited softmax routing with a choice bias is not supported")
+        z = logits - logits.max(axis=1, keepdims=True)
+        p = np.exp(z, dtype=np.float32)
+        p /= p.sum(axis=1, keepdims=True)
+        top = np.argsort(-(p + bias), axis=1, kind="stable")[:, :k]
+        w = np.take_along_axis(p, top, axis=1)
+        if normalize:  # transformers' Ernie4_5_MoeTopKRouter: the sum clamped at moe_norm_min
+            w = w / np.maximum(w.sum(axis=1, keepdims=True), np.float32(_NORM_MIN))
     else:
         z = logits - logits.max(axis=1, keepdims=True)
         p = np.exp(z, dtype=np.float32)

@@ -270,7 +270,7 @@ def _hparams(arch: str, config: dict, cfg) -> dict[str, Any]:
         md[f"{a}.expert_used_count"] = cfg.num_experts_per_tok
         md[f"{a}.expert_weights_norm"] = bool(cfg.norm_topk_prob)
         if arch in ("qwen2moe", "qwen3moe", "gpt-oss", "glm4moe", "lfm2moe", "qwen35moe", "qwen3next",
-                    "granitehybrid", "qwen3vlmoe"):
+                    "granitehybrid", "qwen3vlmoe", "ernie4_5-moe"):
             md[f"{a}.expert_feed_forward_length"] = cfg.intermediate_size
             md[f"{a}.feed_forward_length"] = int(config.get("intermediate_size") or cfg.intermediate_size)
         if cfg.expert_gating == "sigmoid":  # llama.cpp's keys: sigmoid gating, scale, dense layers
@@ -282,6 +282,8 @@ def _hparams(arch: str, config: dict, cfg) -> dict[str, Any]:
             md[f"{a}.nextn_predict_layers"] = 0
         elif cfg.shared_expert_intermediate_size:  # Qwen2-MoE (llama.cpp's key)
             md[f"{a}.expert_shared_feed_forward_length"] = cfg.shared_expert_intermediate_size
+        if arch == "ernie4_5-moe":
+            md.update(_ernie4_5_moe_keys(config, cfg))
         if arch == "gpt-oss":  # Hearth's keys (llama.cpp fixes 1.702 and 7.0)
             md[f"{a}.expert_swiglu_alpha"] = float(cfg.swiglu_alpha)
             md[f"{a}.expert_swiglu_limit"] = float(cfg.swiglu_limit)
@@ -311,7 +313,8 @@ def _hparams(arch: str, config: dict, cfg) -> dict[str, Any]:
         md[f"{a}.ssm.inner_size"] = shape.value_dim
         if arch != "qwen3next":  # Qwen3-Next turns plain RoPE
             md.update(_mrope_sections(a, config, [11, 11, 10]))
-    if getattr(cfg, "dense_layers", ()):  # Hearth's key (llama.cpp's qwen3next has every layer's FFN experts)
+    if getattr(cfg, "dense_layers", ()) and arch != "ernie4_5-moe":
+        # Hearth's key (llama.cpp's qwen3next has every layer's FFN experts)
         md[f"{a}.mlp_only_layers"] = [int(i) for i in cfg.dense_layers]
     if arch in ("qwen3vl", "qwen3vlmoe"):  # llama.cpp's keys: M-RoPE's 4 sections, the deepstack sets' count
         md.update(_mrope_sections(a, config, [24, 20, 20]))
@@ -368,6 +371,26 @@ def _hparams(arch: str, config: dict, cfg) -> dict[str, Any]:
         md[f"{a}.rope.scaling.yarn_beta_fast"] = float(scaling.beta_fast)
         md[f"{a}.rope.scaling.yarn_beta_slow"] = float(scaling.beta_slow)
         md[f"{a}.rope.scaling.attn_factor"] = float(rope_attention_factor(scaling))
+    return md
+
+
+def _ernie4_5_moe_keys(config: dict, cfg) -> dict[str, Any]:
+    """llama.cpp's ernie4_5-moe keys (its Ernie4_5MoeModel converter): the leading dense layers, the step of
+    the expert layers after them, the shared experts' count and their whole FFN length (llama.cpp's converter
+    writes intermediate_size // num_key_value_heads there, the same number in the released models); the dense
+    layers that rule leaves out (a moe_layer_end_index short of the last layer) under Hearth's
+    mlp_only_layers."""
+    a = "ernie4_5-moe"
+    n, lead = cfg.num_hidden_layers, cfg.first_dense_layers
+    step = int(config.get("moe_layer_interval") or 1)
+    implied = {i for i in range(lead, n) if (i + 1) % step}
+    md: dict[str, Any] = {
+        f"{a}.leading_dense_block_count": lead,
+        f"{a}.interleave_moe_layer_step": step,
+        f"{a}.expert_shared_count": cfg.shared_expert_intermediate_size // cfg.intermediate_size,
+    }
+    if extra := sorted(set(cfg.dense_layers) - implied):
+        md[f"{a}.mlp_only_layers"] = [int(i) for i in extra]
     return md
 
 

@@ -33,10 +33,10 @@ PERMUTED_QK = frozenset({"llama", "mistral3", "smollm3", "granite", "granitehybr
 MAMBA_ARCHS = frozenset({"granitehybrid", "nemotron_h"})
 GEMMA_NORM_OFFSET = frozenset({"gemma3", "gemma2"})
 SUPPORTED_ARCHS = frozenset(
-    {"llama", "mistral3", "smollm3", "granite", "glm4", "olmo2", "ernie4_5", "qwen2", "qwen2moe", "qwen3",
-     "qwen3moe", "glm4moe", "exaone4", "seed_oss", "lfm2", "lfm2moe", "qwen35", "qwen35moe", "qwen3next",
-     "gemma3", "gemma2", "gemma4", "gemma3n", "gpt-oss", "granitehybrid", "nemotron_h", "qwen3vl",
-     "qwen3vlmoe", "qwen2vl", "deepseek2"}
+    {"llama", "mistral3", "smollm3", "granite", "glm4", "olmo2", "ernie4_5", "ernie4_5-moe", "qwen2",
+     "qwen2moe", "qwen3", "qwen3moe", "glm4moe", "exaone4", "seed_oss", "lfm2", "lfm2moe", "qwen35",
+     "qwen35moe", "qwen3next", "gemma3", "gemma2", "gemma4", "gemma3n", "gpt-oss", "granitehybrid",
+     "nemotron_h", "qwen3vl", "qwen3vlmoe", "qwen2vl", "deepseek2"}
 )
 _F32, _BF16, _Q4_1 = 0, 30, 3
 
@@ -219,6 +219,8 @@ def _hf_source(folder: Path) -> SourceModel:
         if name in quantized:
             return quantized[name][1]
         shape = conv_kernel_shape(name, st.tensors[names_map[name]].shape)
+        if name.endswith("exp_probs_b.bias"):  # ERNIE 4.5 MoE's (1, experts), squeezed as llama.cpp writes it
+            return shape[-1:]
         return _mamba_shape(name, shape, cfg.mamba) if arch in MAMBA_ARCHS else shape
 
     def load(name: str) -> np.ndarray:
@@ -237,6 +239,8 @@ def _hf_source(folder: Path) -> SourceModel:
                 x = -np.exp(x)
         if arch in GEMMA_NORM_OFFSET and name.endswith("norm.weight"):
             x = x + np.float32(1.0)
+        if name.endswith("exp_probs_b.bias"):
+            x = x.reshape(shape_of(name))
         return np.ascontiguousarray(x)
 
     def type_of(name: str) -> int:

@@ -36,7 +36,7 @@ def test_every_family_has_a_fixture():
     moe = {"qwen2moe", "qwen3moe", "qwen3_5_moe", "qwen3_next", "glm4moe", "lfm2moe", "mixtral", "gpt-oss"}
     moe |= {"gpt-oss-bf16"}
     moe |= {"gemma4-moe", "granite4-h-moe"}
-    moe |= {"deepseek_v2", "deepseek_v3", "glm4_moe_lite"}
+    moe |= {"deepseek_v2", "deepseek_v3", "glm4_moe_lite", "ernie4_5_moe"}
     assert dense | moe <= set(FAMILIES)
 
 
@@ -136,7 +136,7 @@ def test_unsupported_family(tmp_path):
     config = json.loads((folder / "config.json").read_text())
     config["model_type"] = "mamba"
     (folder / "config.json").write_text(json.dumps(config))
-    match = "mamba.*supported: deepseek_v2, deepseek_v3, ernie4_5, exaone4, gemma2, gemma3_text, "
+    match = "mamba.*supported: deepseek_v2, deepseek_v3, ernie4_5, ernie4_5_moe, exaone4, gemma2, gemma3_text"
     with pytest.raises(UnsupportedArchitectureError, match=match):
         load_model(folder)
 

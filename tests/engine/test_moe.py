@@ -388,3 +388,203 @@ def test_glm45_batched_decode_matches_one_sequence_at_a_time():
     from tests.engine.model_checks import check_batched_decode
 
     check_batched_decode(load_model(TINY / "glm4moe").model, ([5, 17, 42], [99, 3, 250, 77]), (8, 120))
+
+
+def test_softmax_routing_with_a_choice_bias_weighs_by_probability():
+    """ERNIE 4.5 MoE: the k largest of softmax probability + bias are chosen, weighted by their probabilities
+    alone, renormalized (the sum held at least moe_norm_min)."""
+    logits = np.array([[0.0, 2.0, 1.0, -1.0]], np.float32)
+    bias = np.array([0.0, 0.0, -0.5, 0.9], np.float32)
+    p = np.exp(logits[0]) / np.exp(logits[0]).sum()
+    experts, w = route(logits, 2, normalize=True, bias=bias)
+    np.testing.assert_array_equal(experts, [[3, 1]])  # expert 3 by its bias, expert 2 left out by its own
+    np.testing.assert_allclose(w[0], p[[3, 1]] / p[[3, 1]].sum(), rtol=1e-6)
+    _, raw = route(logits, 2, normalize=False, bias=bias)
+    np.testing.assert_allclose(raw[0], p[[3, 1]], rtol=1e-6)
+    tiny = np.array([[-60.0, -60.0, 60.0, -60.0]], np.float32)  # chosen probabilities that sum to ~0
+    _, w = route(tiny, 2, normalize=True, bias=np.array([1.0, 1.0, -2.0, 0.0], np.float32))
+    assert np.isfinite(w).all() and w.max() < 1e-20
+    with pytest.raises(ValueError, match="group-limited"):
+        route(logits, 2, normalize=True, bias=bias, groups=2, groups_used=1)
+
+
+def test_ernie45_moe_layers_experts_and_shared_experts_from_its_config():
+    """The fixture (ERNIE-4.5-21B-A3B's layout, scaled down): a dense first layer (moe_layer_start_index 1),
+    experts every other layer after it (moe_layer_interval 2: layers 1 and 3), 6 experts, 3 a token, their
+    choice bias read from moe_statics (1, experts), and 2 shared experts of 32 as one ungated SwiGLU of 64.
+    moe_layer_end_index short of the last layer leaves the layers after it dense (in a GGUF: Hearth's
+    mlp_only_layers beside llama.cpp's keys); keys a config leaves out take transformers' defaults (start 1,
+    interval 1, end the last layer)."""
+    m = load_model(TINY / "ernie4_5_moe").model
+    cfg = m.cfg
+    assert (cfg.architecture, cfg.rope_neox) == ("ernie4_5-moe", False)
+    assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.intermediate_size) == (6, 3, 32)
+    assert (cfg.dense_intermediate_size, cfg.shared_expert_intermediate_size) == (96, 64)
+    assert [layer.moe is not None for layer in m.layers] == [False, True, False, True]
+    assert m.layers[2].w_gate.rows == 96 and m.layers[1].moe.shared_gate is None
+    assert m.layers[1].moe.shared[0].rows == 64 and m.layers[1].moe.score_bias.shape == (6,)
+    assert m.layers[1].moe.score_bias.any()
+    from engine.arch.llama import LlamaConfig
+    from engine.hf_repo import config_from_hf
+    from engine.quant.hf_meta import metadata_from_hf
+
+    config = json.loads((TINY / "ernie4_5_moe" / "config.json").read_text())
+    cut = config_from_hf(TINY / "ernie4_5_moe", config | {"moe_layer_end_index": 2})
+    assert [cut.has_experts(i) for i in range(4)] == [False, True, False, False]
+    # in a GGUF: llama.cpp's keys imply layer 2 dense, Hearth's mlp_only_layers adds layer 3
+    md = metadata_from_hf(TINY / "ernie4_5_moe", config, cut)
+    assert md["ernie4_5-moe.mlp_only_layers"] == [3] and md["ernie4_5-moe.interleave_moe_layer_step"] == 2
+    back = LlamaConfig.from_gguf(md, 320)
+    assert [back.has_experts(i) for i in range(4)] == [False, True, False, False]
+    assert (back.dense_intermediate_size, back.shared_expert_intermediate_size) == (96, 64)
+    for key in ("moe_layer_start_index", "moe_layer_end_index", "moe_layer_interval"):
+        del config[key]
+    defaults = config_from_hf(TINY / "ernie4_5_moe", config)
+    assert [defaults.has_experts(i) for i in range(4)] == [False, True, True, True]
+
+
+def test_ernie45_moe_golden_needs_the_choice_bias_and_shared_experts():
+    """The fixture's golden tells the routing apart: without the choice bias, with it in the weights too, or
+    without the shared experts, the logits leave transformers' by far more than the golden test allows."""
+    import engine.arch.moe as moe_module
+
+    golden = _golden("ernie4_5_moe")
+    ref = np.array(golden["logits"])
+
+    def error(model) -> float:
+        return np.abs(model.forward(golden["tokens"], model.new_cache(32), all_logits=True) - ref).max()
+
+    tolerance = 1e-4 * np.abs(ref).max()
+    assert error(load_model(TINY / "ernie4_5_moe").model) < tolerance
+    m = load_model(TINY / "ernie4_5_moe").model
+    for layer in m.layers[1::2]:
+        layer.moe.score_bias = None
+    assert error(m) > 100 * tolerance
+    m = load_model(TINY / "ernie4_5_moe").model
+    for layer in m.layers[1::2]:
+        layer.moe.shared = None
+    assert error(m) > 100 * tolerance
+    route_ = moe_module.route
+
+    def biased_weights(logits, k, normalize, sigmoid, bias, *rest):
+        top, _ = route_(logits, k, normalize, sigmoid, bias, *rest)
+        p = np.exp(logits - logits.max(axis=1, keepdims=True))
+        w = np.take_along_axis(p / p.sum(axis=1, keepdims=True) + bias, top, axis=1)
+        return top, (w / w.sum(axis=1, keepdims=True)).astype(np.float32)
+
+    m = load_model(TINY / "ernie4_5_moe").model
+    moe_module.route = biased_weights
+    try:
+        assert error(m) > 100 * tolerance
+    finally:
+        moe_module.route = route_
+
+
+def test_ernie45_moe_gguf_round_trip_with_llama_cpps_keys(tmp_path, monkeypatch):
+    """`hearth convert` writes llama.cpp's ernie4_5-moe layout (its keys for the leading dense layers, the
+    expert layers' step and the shared experts; the choice bias squeezed to (experts,) as its converter does)
+    and the F32 file gives transformers' logits and greedy tokens; a Q8_0 file, with the F32 file's routing
+    replayed, stays within Q8_0's error. A file as llama.cpp's converter writes it (the shared experts'
+    length as intermediate_size // num_key_value_heads, 48 here) with the bias unsqueezed loads the same
+    model."""
+    import engine.arch.moe as moe_module
+    from tests.engine.model_checks import rewrite_gguf
+
+    golden = _golden("ernie4_5_moe")
+    ref = np.array(golden["logits"])
+    scale = np.abs(ref).max()
+    out = convert(TINY / "ernie4_5_moe", "F32", tmp_path / "e.gguf").output
+    g = open_gguf(out)
+    md, a = dict(g.metadata), "ernie4_5-moe"
+    assert g.architecture == a
+    assert (md[f"{a}.expert_count"], md[f"{a}.expert_used_count"]) == (6, 3)
+    assert (md[f"{a}.leading_dense_block_count"], md[f"{a}.interleave_moe_layer_step"]) == (1, 2)
+    assert (md[f"{a}.feed_forward_length"], md[f"{a}.expert_feed_forward_length"]) == (96, 32)
+    assert (md[f"{a}.expert_shared_count"], md[f"{a}.expert_shared_feed_forward_length"]) == (2, 64)
+    assert f"{a}.mlp_only_layers" not in md and f"{a}.expert_gating_func" not in md
+    t = g.tensors
+    assert "blk.0.ffn_gate.weight" in t and "blk.2.ffn_down.weight" in t and "blk.3.ffn_up_exps.weight" in t
+    assert tuple(t["blk.1.ffn_gate_exps.weight"].shape) == (6, 32, 64)
+    assert tuple(t["blk.3.ffn_down_shexp.weight"].shape) == (64, 64)
+    assert tuple(t["blk.1.exp_probs_b.bias"].shape) == (6,) and "output.weight" not in t  # tied
+    g.close()
+    routes = []
+    route_ = moe_module.route
+    monkeypatch.setattr(moe_module, "route", lambda *args: routes.append(route_(*args)) or routes[-1])
+    m = load_model(out).model
+    logits = m.forward(golden["tokens"], m.new_cache(64), all_logits=True)
+    assert np.abs(logits - ref).max() < 1e-4 * scale and len(routes) == 2
+    monkeypatch.setattr(moe_module, "route", route_)
+    cache = m.new_cache(64)
+    step, tokens = m.forward(golden["tokens"], cache), []
+    for _ in golden["greedy"]:
+        tokens.append(int(np.argmax(step[-1])))
+        step = m.forward([tokens[-1]], cache)
+    assert tokens == golden["greedy"]
+    # llama.cpp's converter's file: its shared length, the bias as (1, experts)
+    bias = {}
+    for i in (1, 3):
+        raw = open_gguf(out).tensors[f"blk.{i}.exp_probs_b.bias"].raw()
+        bias[f"blk.{i}.exp_probs_b.bias"] = (0, (1, 6), np.array(raw))
+    llama_cpp = rewrite_gguf(out, tmp_path / "llama-cpp.gguf", lambda n: () if "exp_probs_b" in n else n,
+                             {f"{a}.expert_shared_feed_forward_length": 48}, extra=bias)
+    other = load_model(llama_cpp).model
+    same = other.forward(golden["tokens"], other.new_cache(64), all_logits=True)
+    np.testing.assert_array_equal(same, logits)
+    # Q8_0, routed as the F32 file routes
+    replay = iter(routes)
+    monkeypatch.setattr(moe_module, "route", lambda *args: next(replay))
+    q8 = load_model(convert(TINY / "ernie4_5_moe", "Q8_0", tmp_path / "q8.gguf").output).model
+    assert q8.layers[1].moe.gate[0].ggml_type == 8  # Q8_0
+    err = np.abs(q8.forward(golden["tokens"], q8.new_cache(64), all_logits=True) - ref).max(axis=1) / scale
+    assert next(replay, None) is None
+    assert np.median(err) < 3e-2 and err.max() < 8e-2, err  # Q8_0 embeddings (tied) and linears
+    monkeypatch.setattr(moe_module, "route", route_)
+
+
+def test_ernie45_moe_folders_in_f32_f16_and_block_fp8(tmp_path):
+    """The fixture (BF16) written in F32 and in F16 gives transformers' logits; with its layers' linears in
+    block-wise FP8 (experts and shared experts included; the router and its bias stay F32) it gives the
+    logits of the same folder with those weights decoded to float32."""
+    import shutil
+
+    from engine.backends.cpu.fpquant import FP8_E4M3_BLOCK
+    from models.formats.safetensors import open_safetensors
+    from tests.engine.model_checks import block_fp8_twins
+    from tests.engine.test_fpquant import _write_st
+
+    src = TINY / "ernie4_5_moe"
+    golden = _golden("ernie4_5_moe")
+    ref = np.array(golden["logits"])
+    st = open_safetensors(src / "model.safetensors")
+    bf16 = {name: np.array(st.array(name)) for name in st.tensors}
+    st.close()
+    for dtype, np_type in (("F32", np.float32), ("F16", np.float16)):
+        folder = tmp_path / dtype
+        shutil.copytree(src, folder, ignore=shutil.ignore_patterns("*.safetensors"))
+        tensors = {}
+        for name, a in bf16.items():
+            x = (a.astype(np.uint32) << 16).view(np.float32).astype(np_type)
+            tensors[name] = (dtype, x.shape, x.tobytes())
+        _write_st(folder / "model.safetensors", tensors)
+        m = load_model(folder).model
+        assert m.layers[1].moe.gate[0].ggml_type == (0 if dtype == "F32" else 1)
+        logits = m.forward(golden["tokens"], m.new_cache(32), all_logits=True)
+        assert np.abs(logits - ref).max() < 1e-4 * np.abs(ref).max(), dtype
+    block_fp8_twins(src, tmp_path, lambda name: ".layers." in name and name.endswith("proj.weight"))
+    config = json.loads((src / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}
+    (tmp_path / "fp8" / "config.json").write_text(json.dumps(config))
+    got, want = (load_model(tmp_path / f).model for f in ("fp8", "dense"))
+    assert got.layers[1].moe.down[5].ggml_type == got.layers[3].moe.shared[2].ggml_type == FP8_E4M3_BLOCK
+    a = got.forward(golden["tokens"], got.new_cache(32), all_logits=True)
+    b = want.forward(golden["tokens"], want.new_cache(32), all_logits=True)
+    assert np.abs(a - b).max() < 1e-4 * np.abs(b).max()
+
+
+def test_ernie45_moe_batched_decode_matches_one_sequence_at_a_time():
+    """The server's batched step on ERNIE 4.5 MoE (dense layers of their own FFN length between the expert
+    layers): each sequence's logits as its own decode step gives them."""
+    from tests.engine.model_checks import check_batched_decode
+
+    check_batched_decode(load_model(TINY / "ernie4_5_moe").model, ([5, 17, 42], [99, 3, 250, 77]), (8, 120))

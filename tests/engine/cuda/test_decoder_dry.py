@@ -270,7 +270,8 @@ def test_layers_without_rope_granite_constants_and_branch_norms_stay_on_the_cpu(
     for family, message in (("lfm2", "LFM2"), ("ministral3", "Ministral 3"), ("qwen3_5", "DeltaNet"),
                             ("granite4-h", "Mamba-2"), ("gemma4", "not Gemma4Model"),
                             ("gemma3n", "not Gemma3nModel"), ("nemotron_h", "not NemotronHModel"),
-                            ("qwen3_next", "mixture-of-experts"), ("deepseek_v3", "latent attention")):
+                            ("qwen3_next", "mixture-of-experts"), ("ernie4_5_moe", "mixture-of-experts"),
+                            ("deepseek_v3", "latent attention")):
         with pytest.raises(fake.decoder.UnsupportedCudaModelError, match=message):
             fake.decoder.CudaDecoder(load_model(tiny / family).model, n_ctx=64)
 
