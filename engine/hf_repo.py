@@ -1128,7 +1128,8 @@ def tokenizer_from_hf(folder: Path, tok_config: dict, gen_config: dict) -> Token
     gen_eos = gen_config.get("eos_token_id")
     eot = {eos} if eos is not None else set()
     eot.update(gen_eos if isinstance(gen_eos, list) else [gen_eos] if isinstance(gen_eos, int) else [])
-    for text in ("<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "<end_of_turn>", "<|endoftext|>", "<|end|>"):
+    for text in ("<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "<end_of_turn>", "<|endoftext|>", "<|end|>",
+                 "<|END_OF_TURN_TOKEN|>"):
         if text in vocab and types[vocab[text]] == TOKEN_CONTROL:
             eot.add(vocab[text])
     return Tokenizer(
