@@ -776,10 +776,6 @@ def config_from_hf(folder: Path, config: dict):
     )
     theta, scaling = _rope_scaling(config)
     _refuse_linear_biases(config)
-    if model_type == "cohere" and config.get("use_qk_norm"):
-        raise UnsupportedArchitectureError(
-            "Command R models with q/k norms (use_qk_norm: Command R+) are not supported yet"
-        )
     lfm2 = _lfm2(config)
     granite4 = _granite4(config)
     arch = granite4.pop("architecture", arch)  # Granite 4.0-H: llama.cpp's granitehybrid

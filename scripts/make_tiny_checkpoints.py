@@ -289,10 +289,12 @@ FAMILIES = {
         torch.bfloat16,
         False,
     ),
-    # Command R: Cohere's parallel block with RoPE (adjacent pairs) in every layer, no window
+    # Command R(+): Cohere's parallel block with RoPE (adjacent pairs) in every layer, no window; Command R+'s
+    # LayerNorm of q and k per head with weights per head
     "cohere": (
         transformers.CohereConfig,
-        dict(tie_word_embeddings=True, logit_scale=0.125, layer_norm_eps=1e-5, pad_token_id=0),
+        dict(tie_word_embeddings=True, logit_scale=0.125, layer_norm_eps=1e-5, use_qk_norm=True,
+             pad_token_id=0),
         torch.float16,
         False,
     ),
@@ -684,6 +686,8 @@ def write_family(name: str, out: Path) -> None:
                 p.copy_(1.0 + 0.1 * torch.randn_like(p))
             else:  # biases
                 p.normal_(0.0, 0.1)
+            if pname.endswith(("q_norm.weight", "k_norm.weight")) and p.dim() == 2:  # Command R+'s, per head
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
             if "experts" in pname and p.dim() == 3:  # gpt-oss: (experts, cols, rows), rounded per row
                 p.copy_(mxfp4_round(p.transpose(1, 2)).transpose(1, 2))
             if pname.endswith("correct_output_scale"):  # Gemma 3n's AltUp output scale: zero at init

@@ -17,8 +17,8 @@ vision tower's deepstack sets (engine/vision/qwen35.py); Qwen2-VL's and Qwen2.5-
 (llama.cpp's qwen2vl) is Qwen2 whose rotary pairs turn by M-RoPE positions once a vision tower sets `mrope`.
 Cohere's Command R (llama.cpp's command-r) and Command R7B / Command A (cohere2) run attention and FFN side
 by side from one LayerNorm (mean subtracted, no bias), both added to the residual stream, rotate adjacent
-pairs and multiply their logits by logit_scale; cohere2 adds a window on three layers of four, which alone
-rotate (EXAONE 4's switches).
+pairs and multiply their logits by logit_scale (Command R+ LayerNorms q and k per head, with weights per
+head); cohere2 adds a window on three layers of four, which alone rotate (EXAONE 4's switches).
 Mixture of experts: Mixtral, Qwen3-MoE, Qwen2-MoE (with a gated shared expert) and gpt-oss (attention sinks,
 biases on every linear, a sliding window on every other layer and a clamped SwiGLU in its experts).
 """
@@ -530,6 +530,14 @@ class LlamaModel(Decoder):
             elif not weights.has(p + ffn_norm):
                 ffn_norm, post_attn = post_attn, ""
             qk_norm = (q, kv) if cfg.qk_norm_full else (cfg.head_dim, cfg.head_dim)
+            if cfg.parallel_block and weights.has(p + "attn_q_norm.weight"):
+                # Command R+: a LayerNorm per head, with weights per head ((heads, head_dim), flattened)
+                heads, kv_heads, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+                q_norm = weights.floats(p + "attn_q_norm.weight", (heads, hd)).reshape(q)
+                k_norm = weights.floats(p + "attn_k_norm.weight", (kv_heads, hd)).reshape(kv)
+            else:
+                q_norm = optional("attn_q_norm.weight", qk_norm[0])
+                k_norm = optional("attn_k_norm.weight", qk_norm[1])
             sinks = next((s for s in ("attn_sinks.weight", "attn_sinks") if weights.has(p + s)), None)
             w_gate, w_up = _ffn_weights(weights, p, layer_ff, d) if moe is None else (None, None)
             self.layers.append(
@@ -546,8 +554,8 @@ class LlamaModel(Decoder):
                     bq=optional("attn_q.bias", q),
                     bk=optional("attn_k.bias", kv),
                     bv=optional("attn_v.bias", kv),
-                    q_norm=optional("attn_q_norm.weight", qk_norm[0]),
-                    k_norm=optional("attn_k_norm.weight", qk_norm[1]),
+                    q_norm=q_norm,
+                    k_norm=k_norm,
                     moe=moe,
                     bo=optional("attn_output.bias", d),
                     sinks=None if sinks is None else weights.vector(p + sinks, cfg.num_attention_heads),
@@ -589,6 +597,7 @@ class LlamaModel(Decoder):
             self._plain_rope = (plain, np.float32(base))
         self._decode = Scratch(cfg, 1)
         self._logits = np.empty((1, cfg.vocab_size), np.float32)
+        self._ones_head = np.ones(cfg.head_dim, np.float32)  # Command R+'s per-head norms' unit weights
 
     def new_cache(self, n_ctx: int, dtype=np.float32) -> KVCache:
         """An empty cache for n_ctx positions: with LFM2's convolution layers one that keeps their inputs,
@@ -853,10 +862,16 @@ class LlamaModel(Decoder):
             s.k += layer.bk
         if layer.bv is not None:
             s.v += layer.bv
-        if layer.q_norm is not None:  # per head, or over the whole row (OLMo 2)
+        if layer.q_norm is not None and cfg.parallel_block:
+            # Command R+: a LayerNorm of each head (a row of (n * heads, hd)), then weights per head
+            for x, norm in ((s.q, layer.q_norm), (s.k, layer.k_norm)):
+                rows = x.reshape(-1, hd)
+                ops.layernorm(rows, rows, self._ones_head, cfg.rms_norm_eps)
+                x *= norm
+        elif layer.q_norm is not None:  # per head, or over the whole row (OLMo 2)
             rows_q = s.q.reshape(-1, len(layer.q_norm))
             ops.rmsnorm(rows_q, rows_q, layer.q_norm, cfg.rms_norm_eps)
-        if layer.k_norm is not None:
+        if layer.k_norm is not None and not cfg.parallel_block:
             rows_k = s.k.reshape(-1, len(layer.k_norm))
             ops.rmsnorm(rows_k, rows_k, layer.k_norm, cfg.rms_norm_eps)
         if cfg.uses_rope(i):

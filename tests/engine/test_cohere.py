@@ -2,8 +2,9 @@
 
 The fixtures (tests/fixtures/tiny/cohere2, cohere) come from scripts/make_tiny_checkpoints.py: cohere2 has
 four layers, a window of 4 on the first three (shorter than the golden's 16 tokens) which alone rotate, and a
-logit_scale of 0.25; both split digits one by one before their byte-level BPE (llama.cpp's command-r
-pre-tokenizer). test_hf_repo.py's golden test runs the folders themselves; here the GGUF side.
+logit_scale of 0.25; cohere norms q and k per head (Command R+'s use_qk_norm). Both split digits one by one
+before their byte-level BPE (llama.cpp's command-r pre-tokenizer). test_hf_repo.py's golden test runs the
+folders themselves; here the GGUF side.
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ import numpy as np
 import pytest
 
 from engine.convert import convert
-from engine.errors import UnsupportedArchitectureError
 from engine.loader import load_model
 from models.formats.gguf import open_gguf
 
@@ -135,13 +135,14 @@ def test_cohere2_quantized_gguf_stays_close(tmp_path):
     assert (logits.argmax(1) == ref.argmax(1)).mean() >= 0.8
 
 
-def test_command_r_qk_norms_are_refused(tmp_path):
-    folder = tmp_path / "rplus"
-    shutil.copytree(TINY / "cohere", folder)
-    config = json.loads((folder / "config.json").read_text())
-    (folder / "config.json").write_text(json.dumps(config | {"use_qk_norm": True}))
-    with pytest.raises(UnsupportedArchitectureError, match="use_qk_norm"):
-        load_model(folder)
+def test_command_r_plus_norms_q_and_k_per_head_with_weights_per_head(tmp_path):
+    """The cohere fixture has Command R+'s use_qk_norm: a LayerNorm of each head of q and k, with weights of
+    (heads, head_dim), kept 2-D and F32 in the GGUF (llama.cpp's attn_q_norm / attn_k_norm), even at Q8_0."""
+    m = load_model(TINY / "cohere").model
+    assert m.layers[0].q_norm.shape == (m.cfg.q_dim,) and m.layers[0].k_norm.shape == (m.cfg.kv_dim,)
+    out = convert(TINY / "cohere", "Q8_0", tmp_path / "q8.gguf").output
+    info = open_gguf(out).tensors["blk.0.attn_q_norm.weight"]
+    assert info.type_name == "F32" and info.shape == (4, 16)  # numpy order: (heads, head_dim)
 
 
 def test_fused_draft_step_declines_cohere(tmp_path):
