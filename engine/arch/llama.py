@@ -70,7 +70,7 @@ class LlamaConfig:
     num_attention_heads: int
     num_key_value_heads: int
     vocab_size: int
-    rms_norm_eps: float = 1e-5
+    rms_norm_eps: float = 1e-5  # every norm's epsilon (Cohere's LayerNorms': its layer_norm_eps)
     rope_theta: float = 10000.0
     max_position_embeddings: int = 4096
     head_dim: int = 0  # 0: hidden_size // num_attention_heads
