@@ -52,6 +52,8 @@ _FAMILIES = {
     "ernie4_5": "ernie4_5",
     "ernie4_5_moe": "ernie4_5-moe",  # ERNIE-4.5-21B-A3B, 300B-A47B (text): llama.cpp's ernie4_5-moe
     "exaone4": "exaone4",
+    "cohere": "command-r",  # Command R (llama.cpp's name)
+    "cohere2": "cohere2",  # Command R7B, Command A
     "seed_oss": "seed_oss",
     "lfm2": "lfm2",
     "lfm2_moe": "lfm2moe",  # LFM2-8B-A1B
@@ -279,6 +281,7 @@ _ARCH_LAYER_NAMES = {
     "glm4moe": _POST_ATTN_FFN_NORM,
 }
 _QWEN35_ARCHS = ("qwen35", "qwen35moe", "qwen3next")  # gated DeltaNet beside gated attention
+_COHERE = ("cohere", "cohere2")  # model types: LayerNorm, parallel blocks, adjacent RoPE pairs, logit_scale
 _GLOBAL_NAMES = {
     "model.embed_tokens.weight": "token_embd.weight",
     "model.norm.weight": "output_norm.weight",
@@ -819,14 +822,16 @@ def config_from_hf(folder: Path, config: dict):
             num_attention_heads=heads,
             num_key_value_heads=int(config.get("num_key_value_heads") or heads),
             vocab_size=int(config["vocab_size"]),
-            rms_norm_eps=float(lfm2.pop("rms_norm_eps", config.get("rms_norm_eps", 1e-5))),
+            rms_norm_eps=float(lfm2.pop("rms_norm_eps", config.get(
+                "layer_norm_eps" if model_type in _COHERE else "rms_norm_eps", 1e-5))),
             rope_theta=theta,
             max_position_embeddings=int(config.get("max_position_embeddings", 4096)),
             head_dim=head_dim,
             rotary_dim=int(head_dim * rotary),
             # HF checkpoints keep q/k in the half-split layout (rotate_half); only llama.cpp's
-            # converter permutes them for adjacent-pair RoPE. GLM-4 and ERNIE 4.5 rotate adjacent pairs.
-            rope_neox=model_type not in ("glm4", "ernie4_5", "ernie4_5_moe"),
+            # converter permutes them for adjacent-pair RoPE. GLM-4, ERNIE 4.5 and Cohere rotate adjacent
+            # pairs.
+            rope_neox=model_type not in ("glm4", "ernie4_5", "ernie4_5_moe", *_COHERE),
             rope_scaling=scaling,
             architecture=arch,
             num_experts=experts,
@@ -839,6 +844,7 @@ def config_from_hf(folder: Path, config: dict):
             rope_layers=granite4.pop("rope_layers", None) or _rope_layers(config),
             window_rope_unscaled=model_type == "olmo3",
             **_granite_constants(config),
+            logit_scale=float(config.get("logit_scale") or 1.0) if model_type in _COHERE else 1.0,
             **_attn_temperature(config),
             **lfm2,
             **granite4,
@@ -1064,7 +1070,7 @@ def _rope_layers(config: dict) -> tuple[bool, ...] | None:
     """SmolLM3's per-layer RoPE flags (no_rope_layers: 1 rotates, 0 does not; by default every
     no_rope_layer_interval-th layer does not); EXAONE 4 with a window rotates in the windowed layers only;
     None for the other families."""
-    if config.get("model_type") == "exaone4":
+    if config.get("model_type") in ("exaone4", "cohere2"):
         types = _sliding_window(config).get("layer_types")
         return None if types is None else windowed_rope_layers(types)
     if config.get("model_type") != "smollm3":
@@ -1083,7 +1089,7 @@ def _sliding_window(config: dict) -> dict:
     model_type = config.get("model_type")
     window = int(config.get("sliding_window") or 0)
     if config.get("use_sliding_window") is False or (
-        model_type not in ("mistral", "mixtral", "gpt_oss", "olmo3", "exaone4")
+        model_type not in ("mistral", "mixtral", "gpt_oss", "olmo3", "exaone4", "cohere2")
         and not config.get("use_sliding_window")
     ):
         window = 0
@@ -1091,7 +1097,9 @@ def _sliding_window(config: dict) -> dict:
         return {}
     types = config.get("layer_types")
     pattern = config.get("sliding_window_pattern")  # EXAONE 4 configs without layer_types: 4, or "LLLG"
-    if types is None and model_type == "exaone4" and pattern:
+    if model_type == "cohere2":  # transformers' default for Command R7B / A: the fourth layers attend fully
+        pattern = pattern or 4
+    if types is None and model_type in ("exaone4", "cohere2") and pattern:
         n = int(config["num_hidden_layers"])
         if isinstance(pattern, str):
             local = [pattern[i % len(pattern)] == "L" for i in range(n)]
@@ -1149,7 +1157,8 @@ def tokenizer_from_hf(folder: Path, tok_config: dict, gen_config: dict) -> Token
     gen_eos = gen_config.get("eos_token_id")
     eot = {eos} if eos is not None else set()
     eot.update(gen_eos if isinstance(gen_eos, list) else [gen_eos] if isinstance(gen_eos, int) else [])
-    for text in ("<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "<end_of_turn>", "<|endoftext|>", "<|end|>"):
+    for text in ("<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "<end_of_turn>", "<|endoftext|>", "<|end|>",
+                 "<|END_OF_TURN_TOKEN|>"):
         if text in vocab and types[vocab[text]] == TOKEN_CONTROL:
             eot.add(vocab[text])
     return Tokenizer(

@@ -41,6 +41,7 @@ TOOL_CALL_MARKERS = ("[TOOL_CALLS]", "[ARGS]", "[CALL_ID]", "<|python_tag|>", "<
 # Texts of control tokens that end a turn in the chat formats we know of.
 _END_OF_TURN_TEXTS = (
     "<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "<end_of_turn>", "<|endoftext|>", "<turn|>",  # Gemma 4
+    "<|END_OF_TURN_TOKEN|>",  # Cohere's Command R, R7B, A
 )
 
 

@@ -292,6 +292,25 @@ FAMILIES = {
         torch.bfloat16,
         False,
     ),
+    # Command R7B / Command A: attention and FFN side by side from one LayerNorm (no bias), a window of 4 on
+    # three layers of four which alone rotate (adjacent pairs), logits times logit_scale, tied embeddings;
+    # digits split one by one before the byte-level BPE (llama.cpp's command-r pre-tokenizer)
+    "cohere2": (
+        transformers.Cohere2Config,
+        dict(tie_word_embeddings=True, num_hidden_layers=4, sliding_window=4, logit_scale=0.25,
+             layer_norm_eps=1e-5, pad_token_id=0),
+        torch.bfloat16,
+        False,
+    ),
+    # Command R(+): Cohere's parallel block with RoPE (adjacent pairs) in every layer, no window; Command R+'s
+    # LayerNorm of q and k per head with weights per head
+    "cohere": (
+        transformers.CohereConfig,
+        dict(tie_word_embeddings=True, logit_scale=0.125, layer_norm_eps=1e-5, use_qk_norm=True,
+             pad_token_id=0),
+        torch.float16,
+        False,
+    ),
     # Seed-OSS: a llama with QKV biases (and an output bias the releases leave off: here on, to test it)
     "seed_oss": (
         transformers.SeedOssConfig,
@@ -680,6 +699,8 @@ def write_family(name: str, out: Path) -> None:
                 p.copy_(1.0 + 0.1 * torch.randn_like(p))
             else:  # biases
                 p.normal_(0.0, 0.1)
+            if pname.endswith(("q_norm.weight", "k_norm.weight")) and p.dim() == 2:  # Command R+'s, per head
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
             if "experts" in pname and p.dim() == 3:  # gpt-oss: (experts, cols, rows), rounded per row
                 p.copy_(mxfp4_round(p.transpose(1, 2)).transpose(1, 2))
             if pname.endswith("correct_output_scale"):  # Gemma 3n's AltUp output scale: zero at init
@@ -704,6 +725,11 @@ def write_family(name: str, out: Path) -> None:
     shutil.rmtree(folder, ignore_errors=True)
     model.save_pretrained(folder, safe_serialization=True, max_shard_size="60KB" if shard else "1GB")
     tok = tiny_tokenizer()
+    if name in ("cohere", "cohere2"):  # Cohere's split: each digit on its own, then GPT-2's
+        tok.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+        ])
     harmony = name.startswith("gpt-oss")
     if harmony:
         tok.add_special_tokens(HARMONY_SPECIALS)

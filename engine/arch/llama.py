@@ -15,6 +15,10 @@ fused per key head, dense FFNs in some layers of its mixture of experts). Qwen3-
 qwen3vlmoe) is Qwen3 or Qwen3-MoE whose image rows take M-RoPE positions and, after the first layers, its
 vision tower's deepstack sets (engine/vision/qwen35.py); Qwen2-VL's and Qwen2.5-VL's language model
 (llama.cpp's qwen2vl) is Qwen2 whose rotary pairs turn by M-RoPE positions once a vision tower sets `mrope`.
+Cohere's Command R (llama.cpp's command-r) and Command R7B / Command A (cohere2) run attention and FFN side
+by side from one LayerNorm (mean subtracted, no bias), both added to the residual stream, rotate adjacent
+pairs and multiply their logits by logit_scale (Command R+ LayerNorms q and k per head, with weights per
+head); cohere2 adds a window on three layers of four, which alone rotate (EXAONE 4's switches).
 Mixture of experts: Mixtral, Qwen3-MoE, Qwen2-MoE (with a gated shared expert) and gpt-oss (attention
 sinks, biases on every linear, a sliding window on every other layer and a clamped SwiGLU in its experts);
 ERNIE 4.5 MoE is ERNIE 4.5 with experts chosen by biased softmax probabilities beside ungated shared
@@ -49,7 +53,9 @@ _NEOX_ROPE = frozenset(
 )
 # GGUF architectures that may carry attention.sliding_window (Mistral v0.1 as "llama", gpt-oss, OLMo 3;
 # EXAONE 4's, with its default, is read on its own)
-_WINDOWED = frozenset({"llama", "gpt-oss", "olmo2"})
+_WINDOWED = frozenset({"llama", "gpt-oss", "olmo2", "cohere2"})
+# Cohere's GGUF architectures: parallel blocks under a LayerNorm (LlamaConfig.parallel_block)
+COHERE_ARCHS = frozenset({"command-r", "cohere2"})
 # every FFN is experts: no dense feed_forward_length needed in the GGUF
 # architectures whose GGUFs give KV heads per layer, 0 in the layers without attention (LFM2's convolution
 # layers, Granite 4.0-H's Mamba-2 ones)
@@ -67,7 +73,7 @@ class LlamaConfig:
     num_attention_heads: int
     num_key_value_heads: int
     vocab_size: int
-    rms_norm_eps: float = 1e-5
+    rms_norm_eps: float = 1e-5  # every norm's epsilon (Cohere's LayerNorms': its layer_norm_eps)
     rope_theta: float = 10000.0
     max_position_embeddings: int = 4096
     head_dim: int = 0  # 0: hidden_size // num_attention_heads
@@ -130,6 +136,8 @@ class LlamaConfig:
     residual_multiplier: float = 1.0
     attention_multiplier: float = 0.0
     logits_scaling: float = 1.0
+    # Cohere's logits are multiplied by logit_scale
+    logit_scale: float = 1.0
     # Qwen3-VL (llama.cpp's qwen3vl / qwen3vlmoe: Qwen3 / Qwen3-MoE with M-RoPE): how many deepstack sets its
     # vision tower adds to the image rows after the first layers (llama.cpp's n_deepstack_layers), which a
     # tower beside it must give; 0 for other models
@@ -212,6 +220,12 @@ class LlamaConfig:
         return self.architecture in ("olmo2", "exaone4")
 
     @property
+    def parallel_block(self) -> bool:
+        """Cohere (Command R, R7B, A): one LayerNorm (mean subtracted, weight only; the final norm too) feeds
+        attention and the FFN side by side, both added to the residual stream."""
+        return self.architecture in COHERE_ARCHS
+
+    @property
     def qk_norm_full(self) -> bool:
         """OLMo 2: q/k norms over the whole projections (not per head)."""
         return self.architecture == "olmo2"
@@ -265,7 +279,8 @@ class LlamaConfig:
         if arch == "exaone4":
             default = 4096 if n_layers == 64 else 0
             exaone_window = int(metadata.get("exaone4.attention.sliding_window", default))
-        every_fourth_full = olmo or exaone_window > 0
+        cohere2 = arch == "cohere2"  # llama.cpp's swa pattern 4: RoPE only in the windowed layers
+        every_fourth_full = olmo or exaone_window > 0 or cohere2
         window = int(key("attention.sliding_window", 0)) if arch in _WINDOWED else 0
         experts = int(metadata.get(f"{arch}.expert_count", 0))
         ff = int(key("feed_forward_length", 0)) if arch in _MOE_ONLY else int(key("feed_forward_length"))
@@ -296,7 +311,9 @@ class LlamaConfig:
             num_attention_heads=n_heads,
             num_key_value_heads=int(kv_heads),
             vocab_size=vocab_size,
-            rms_norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-5)),
+            # Cohere's LayerNorms keep their epsilon under llama.cpp's layer_norm_epsilon
+            rms_norm_eps=float(key("attention.layer_norm_epsilon" if arch in COHERE_ARCHS
+                                   else "attention.layer_norm_rms_epsilon", 1e-5)),
             rope_theta=float(key("rope.freq_base", 10000.0)),
             max_position_embeddings=int(key("context_length", 4096)),
             head_dim=head_dim,
@@ -337,13 +354,15 @@ class LlamaConfig:
             rope_layers=(
                 qwen35.pop("rope_layers") if "rope_layers" in qwen35
                 else smollm3_rope_layers(n_layers) if arch == "smollm3"
-                else windowed_rope_layers(olmo3_layer_types(n_layers)) if exaone_window
+                else windowed_rope_layers(olmo3_layer_types(n_layers)) if exaone_window or cohere2
                 else None
             ),
             embedding_multiplier=float(key("embedding_scale", 1.0)),
             residual_multiplier=float(key("residual_scale", 1.0)),
             attention_multiplier=float(key("attention.scale", 0.0)),
-            logits_scaling=float(key("logit_scale", 1.0)),
+            # one key, two meanings: Granite divides its logits by it, Cohere multiplies them
+            logits_scaling=1.0 if arch in COHERE_ARCHS else float(key("logit_scale", 1.0)),
+            logit_scale=float(key("logit_scale", 1.0)) if arch in COHERE_ARCHS else 1.0,
             deepstack_layers=int(key("n_deepstack_layers", 0)),
             # llama.cpp's Ministral 3: the temperature over YaRN's original context
             attn_temperature_beta=temperature,
@@ -467,6 +486,7 @@ def _ffn_weights(weights, p: str, ff: int, d: int) -> tuple[Weight, Weight]:
     "llama", "mistral", "mistral3", "smollm3", "granite", "glm4", "olmo2", "ernie4_5", "ernie4_5-moe",
     "qwen2", "qwen2moe", "qwen3", "qwen3moe", "glm4moe", "exaone4", "seed_oss", "phi3", "gpt-oss", "lfm2",
     "lfm2moe", "qwen35", "qwen35moe", "qwen3next", "granitehybrid", "qwen3vl", "qwen3vlmoe", "qwen2vl",
+    "command-r", "cohere2",
 )
 class LlamaModel(Decoder):
     """A Llama-family decoder over weights that stay in their file format."""
@@ -519,9 +539,19 @@ class LlamaModel(Decoder):
             post_attn = "post_attention_norm.weight"
             if cfg.post_norm_only:
                 attn_norm = ffn_norm = ""
+            elif cfg.parallel_block:  # Cohere: attn_norm's output feeds the FFN too
+                ffn_norm = post_attn = ""
             elif not weights.has(p + ffn_norm):
                 ffn_norm, post_attn = post_attn, ""
             qk_norm = (q, kv) if cfg.qk_norm_full else (cfg.head_dim, cfg.head_dim)
+            if cfg.parallel_block and weights.has(p + "attn_q_norm.weight"):
+                # Command R+: a LayerNorm per head, with weights per head ((heads, head_dim), flattened)
+                heads, kv_heads, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+                q_norm = weights.floats(p + "attn_q_norm.weight", (heads, hd)).reshape(q)
+                k_norm = weights.floats(p + "attn_k_norm.weight", (kv_heads, hd)).reshape(kv)
+            else:
+                q_norm = optional("attn_q_norm.weight", qk_norm[0])
+                k_norm = optional("attn_k_norm.weight", qk_norm[1])
             sinks = next((s for s in ("attn_sinks.weight", "attn_sinks") if weights.has(p + s)), None)
             w_gate, w_up = _ffn_weights(weights, p, layer_ff, d) if moe is None else (None, None)
             self.layers.append(
@@ -538,8 +568,8 @@ class LlamaModel(Decoder):
                     bq=optional("attn_q.bias", q),
                     bk=optional("attn_k.bias", kv),
                     bv=optional("attn_v.bias", kv),
-                    q_norm=optional("attn_q_norm.weight", qk_norm[0]),
-                    k_norm=optional("attn_k_norm.weight", qk_norm[1]),
+                    q_norm=q_norm,
+                    k_norm=k_norm,
                     moe=moe,
                     bo=optional("attn_output.bias", d),
                     sinks=None if sinks is None else weights.vector(p + sinks, cfg.num_attention_heads),
@@ -581,6 +611,7 @@ class LlamaModel(Decoder):
             self._plain_rope = (plain, np.float32(base))
         self._decode = Scratch(cfg, 1)
         self._logits = np.empty((1, cfg.vocab_size), np.float32)
+        self._ones_head = np.ones(cfg.head_dim, np.float32)  # Command R+'s per-head norms' unit weights
 
     def new_cache(self, n_ctx: int, dtype=np.float32) -> KVCache:
         """An empty cache for n_ctx positions: with LFM2's convolution layers one that keeps their inputs,
@@ -617,12 +648,12 @@ class LlamaModel(Decoder):
         n = len(tokens)
         s = self._run(tokens, cache, first, hidden)
         if all_logits:
-            ops.rmsnorm(s.h, s.x, self.output_norm, cfg.rms_norm_eps)
+            self._norm(s.h, s.x, self.output_norm)
             logits = np.empty((n, cfg.vocab_size), np.float32)
             ops.linear(logits, self.output, s.h)
             return self._scale_logits(logits)
         last = s.h[n - 1 : n]
-        ops.rmsnorm(last, s.x[n - 1 : n], self.output_norm, cfg.rms_norm_eps)
+        self._norm(last, s.x[n - 1 : n], self.output_norm)
         ops.linear(self._logits, self.output, last)
         return self._scale_logits(self._logits)
 
@@ -635,7 +666,7 @@ class LlamaModel(Decoder):
         with ops.batch_phase(len(tokens), self.small_batch_max):
             s = self._run(tokens, cache)
             out = np.empty((len(tokens), self.cfg.hidden_size), np.float32)
-            ops.rmsnorm(out, s.x, self.output_norm, self.cfg.rms_norm_eps)
+            self._norm(out, s.x, self.output_norm)
         return out
 
     def _run(self, tokens: np.ndarray, cache: KVCache, first: int = 0, hidden=None) -> Scratch:
@@ -683,7 +714,19 @@ class LlamaModel(Decoder):
     def _scale_logits(self, logits: np.ndarray) -> np.ndarray:
         if self.cfg.logits_scaling != 1.0:  # Granite divides its logits
             logits /= np.float32(self.cfg.logits_scaling)
+        if self.cfg.logit_scale != 1.0:  # Cohere multiplies them
+            logits *= np.float32(self.cfg.logit_scale)
         return logits
+
+    def _norm(self, out: np.ndarray, x: np.ndarray, norm: np.ndarray | None) -> None:
+        """out = a branch's input or the final hidden state: x normed by `norm` (RMSNorm, or Cohere's
+        LayerNorm), or x itself where there is no norm (OLMo 2 norms outputs only)."""
+        if norm is None:
+            out[:] = x
+        elif self.cfg.parallel_block:
+            ops.layernorm(out, x, norm, self.cfg.rms_norm_eps)
+        else:
+            ops.rmsnorm(out, x, norm, self.cfg.rms_norm_eps)
 
     def _forward_batch(self, tokens: np.ndarray, caches: list[KVCache], first: int = 0, hidden=None):
         n = len(tokens)
@@ -723,7 +766,7 @@ class LlamaModel(Decoder):
         self._layers(s, tokens, attend, first, hidden, freqs, conv_mix, delta_mix)
         for b, cache in enumerate(caches):
             cache.advance(tokens[b : b + 1])
-        ops.rmsnorm(s.h, s.x, self.output_norm, self.cfg.rms_norm_eps)
+        self._norm(s.h, s.x, self.output_norm)
         ops.linear(logits, self.output, s.h)
         return self._scale_logits(logits)
 
@@ -756,7 +799,7 @@ class LlamaModel(Decoder):
             s.x[:] = hidden
         residual = np.float32(cfg.residual_multiplier)
         for i, layer in enumerate(self.layers[first:], first):
-            _pre_norm(s.h, s.x, layer.attn_norm, cfg.rms_norm_eps)
+            self._norm(s.h, s.x, layer.attn_norm)
             if layer.conv is not None:  # LFM2: out_proj(C * conv(B * x))
                 bx, c = gated_inputs(s.bcx, layer.conv, s.h)
                 conv_mix(i, s.h, bx)
@@ -772,7 +815,8 @@ class LlamaModel(Decoder):
             if layer.post_attn_norm is not None:
                 ops.rmsnorm(s.o, s.o, layer.post_attn_norm, cfg.rms_norm_eps)
             _add_residual(s.x, s.o, residual)
-            _pre_norm(s.h, s.x, layer.ffn_norm, cfg.rms_norm_eps)
+            if not cfg.parallel_block:  # Cohere's FFN takes the attention's input, still in s.h
+                self._norm(s.h, s.x, layer.ffn_norm)
             if layer.moe is not None:
                 moe_forward(s.o, s.h, layer.moe, cfg)
             else:
@@ -831,10 +875,16 @@ class LlamaModel(Decoder):
             s.k += layer.bk
         if layer.bv is not None:
             s.v += layer.bv
-        if layer.q_norm is not None:  # per head, or over the whole row (OLMo 2)
+        if layer.q_norm is not None and cfg.parallel_block:
+            # Command R+: a LayerNorm of each head (a row of (n * heads, hd)), then weights per head
+            for x, norm in ((s.q, layer.q_norm), (s.k, layer.k_norm)):
+                rows = x.reshape(-1, hd)
+                ops.layernorm(rows, rows, self._ones_head, cfg.rms_norm_eps)
+                x *= norm
+        elif layer.q_norm is not None:  # per head, or over the whole row (OLMo 2)
             rows_q = s.q.reshape(-1, len(layer.q_norm))
             ops.rmsnorm(rows_q, rows_q, layer.q_norm, cfg.rms_norm_eps)
-        if layer.k_norm is not None:
+        if layer.k_norm is not None and not cfg.parallel_block:
             rows_k = s.k.reshape(-1, len(layer.k_norm))
             ops.rmsnorm(rows_k, rows_k, layer.k_norm, cfg.rms_norm_eps)
         if cfg.uses_rope(i):
@@ -861,14 +911,6 @@ class LlamaModel(Decoder):
         ops.linear(s.o, layer.wo, s.attn)
         if layer.bo is not None:
             s.o += layer.bo
-
-
-def _pre_norm(out: np.ndarray, x: np.ndarray, norm: np.ndarray | None, eps: float) -> None:
-    """out = the branch input: RMSNorm of the residual stream x, or x itself (OLMo 2 norms outputs only)."""
-    if norm is None:
-        out[:] = x
-    else:
-        ops.rmsnorm(out, x, norm, eps)
 
 
 def _add_residual(x: np.ndarray, branch: np.ndarray, scale: np.float32) -> None:

@@ -99,6 +99,9 @@ class _FloatWeights:
     def vector(self, name: str, n: int) -> np.ndarray:
         return np.ascontiguousarray(self.source.tensor(name).reshape(n), np.float32)
 
+    def floats(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
+        return np.ascontiguousarray(self.source.tensor(name).reshape(shape), np.float32)
+
 
 def float_model(source: SourceModel):
     """The source as a runnable float architecture instance (for calibration and tests)."""

@@ -20,7 +20,13 @@ from typing import Any
 import numpy as np
 
 from engine.arch.gemma3 import SLIDING, pattern_layer_types
-from engine.arch.llama import gpt_oss_layer_types, olmo3_layer_types, qwen35_layer_types, smollm3_rope_layers
+from engine.arch.llama import (
+    COHERE_ARCHS,
+    gpt_oss_layer_types,
+    olmo3_layer_types,
+    qwen35_layer_types,
+    smollm3_rope_layers,
+)
 from engine.errors import ModelFormatError
 from engine.rope import rope_attention_factor
 from engine.tokenizer import (
@@ -239,6 +245,10 @@ def _hparams(arch: str, config: dict, cfg) -> dict[str, Any]:
         f"{a}.rope.freq_base": float(cfg.rope_theta),
         f"{a}.attention.layer_norm_rms_epsilon": float(cfg.rms_norm_eps),
     }
+    if arch in COHERE_ARCHS:  # llama.cpp's keys: a LayerNorm's epsilon, the logits' multiplier
+        del md[f"{a}.attention.layer_norm_rms_epsilon"]
+        md[f"{a}.attention.layer_norm_epsilon"] = float(cfg.rms_norm_eps)
+        md[f"{a}.logit_scale"] = float(cfg.logit_scale)
     if arch in ("gemma3", "gemma2"):
         # GGUF has no key for the score scale: readers take head_dim, or hidden / heads on the 27B models
         wide = cfg.num_hidden_layers == (46 if arch == "gemma2" else 62)
@@ -339,7 +349,7 @@ def _hparams(arch: str, config: dict, cfg) -> dict[str, Any]:
         md[f"{a}.attention.scale"] = float(cfg.attention_multiplier)
         md[f"{a}.logit_scale"] = float(cfg.logits_scaling)
     rope_layers = getattr(cfg, "rope_layers", None)
-    if arch == "exaone4":  # implied by the window, as llama.cpp reads it
+    if arch in ("exaone4", "cohere2"):  # implied by the window, as llama.cpp reads it
         rope_layers = None
     if arch == "granitehybrid" and rope_layers is not None and not any(rope_layers):  # rope.scaling.finetuned
         rope_layers = None
@@ -352,7 +362,7 @@ def _hparams(arch: str, config: dict, cfg) -> dict[str, Any]:
         # for a "llama" (Mistral v0.1), the even ones for gpt-oss (llama.cpp's pattern)
         n = cfg.num_hidden_layers
         implied = {"llama": None, "gpt-oss": gpt_oss_layer_types(n), "olmo2": olmo3_layer_types(n),
-                   "exaone4": olmo3_layer_types(n)}
+                   "exaone4": olmo3_layer_types(n), "cohere2": olmo3_layer_types(n)}
         if arch not in implied or cfg.layer_types != implied[arch]:
             raise ModelFormatError(
                 "config.json",
@@ -528,6 +538,8 @@ def metadata_from_hf(folder: Path, config: dict, cfg) -> dict[str, Any]:
         # GLM-4-0414, GLM-4.5/4.6/4.7, GLM-4.7-Flash: llama.cpp's converter names GLM's Llama-3 split glm4
         # (merges applied, no BOS)
         md["tokenizer.ggml.pre"] = "glm4"
+    if cfg.architecture in COHERE_ARCHS and md.get("tokenizer.ggml.pre") == "smollm":
+        md["tokenizer.ggml.pre"] = "command-r"  # llama.cpp's name for Cohere's split (the same regexes)
     template = chat_template_source(folder, tok_config)
     if template:
         md["tokenizer.chat_template"] = template

@@ -36,7 +36,8 @@ SUPPORTED_ARCHS = frozenset(
     {"llama", "mistral3", "smollm3", "granite", "glm4", "olmo2", "ernie4_5", "ernie4_5-moe", "qwen2",
      "qwen2moe", "qwen3", "qwen3moe", "glm4moe", "exaone4", "seed_oss", "lfm2", "lfm2moe", "qwen35",
      "qwen35moe", "qwen3next", "gemma3", "gemma2", "gemma4", "gemma3n", "gpt-oss", "granitehybrid",
-     "nemotron_h", "qwen3vl", "qwen3vlmoe", "qwen2vl", "deepseek2"}
+     "nemotron_h", "qwen3vl", "qwen3vlmoe", "qwen2vl", "deepseek2", "command-r",
+     "cohere2"}
 )
 _F32, _BF16, _Q4_1 = 0, 30, 3
 

@@ -199,6 +199,18 @@ def test_rmsnorm():
     np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-6)
 
 
+def test_layernorm_without_bias_in_place():
+    """Cohere's LayerNorm: mean subtracted, weight only; out may be x (offset rows: the mean matters)."""
+    rng = np.random.default_rng(2)
+    x = (rng.standard_normal((3, 48)) + 5.0).astype(np.float32)
+    weight = rng.standard_normal(48).astype(np.float32)
+    x64 = x.astype(np.float64)
+    centered = x64 - x64.mean(axis=1, keepdims=True)
+    ref = centered / np.sqrt(np.mean(centered**2, axis=1, keepdims=True) + 1e-5) * weight
+    cpu.layernorm(x, x, weight, 1e-5)
+    np.testing.assert_allclose(x, ref, rtol=1e-4, atol=1e-5)
+
+
 def rope_reference(x, positions, inv_freq, n_rot, neox):
     out = x.astype(np.float64).copy()
     half = n_rot // 2

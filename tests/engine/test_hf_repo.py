@@ -32,6 +32,7 @@ def test_every_family_has_a_fixture():
     dense |= {"granite4-h", "nemotron_h"}
     dense |= {"qwen3", "qwen3_5"}
     dense |= {"phi3", "ernie4_5", "olmo3", "exaone4", "seed_oss", "lfm2", "ministral3"}
+    dense |= {"cohere", "cohere2"}
     dense |= {"gemma2", "gemma3", "gemma3-mm", "ministral3-mm", "gemma4", "gemma4-mm", "gemma3n"}
     moe = {"qwen2moe", "qwen3moe", "qwen3_5_moe", "qwen3_next", "glm4moe", "lfm2moe", "mixtral", "gpt-oss"}
     moe |= {"gpt-oss-bf16"}
@@ -136,7 +137,7 @@ def test_unsupported_family(tmp_path):
     config = json.loads((folder / "config.json").read_text())
     config["model_type"] = "mamba"
     (folder / "config.json").write_text(json.dumps(config))
-    match = "mamba.*supported: deepseek_v2, deepseek_v3, ernie4_5, ernie4_5_moe, exaone4, gemma2, gemma3_text"
+    match = "mamba.*supported: cohere, cohere2, deepseek_v2, deepseek_v3, ernie4_5, ernie4_5_moe, exaone4, "
     with pytest.raises(UnsupportedArchitectureError, match=match):
         load_model(folder)
 

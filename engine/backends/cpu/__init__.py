@@ -256,6 +256,12 @@ def rmsnorm(out: np.ndarray, x: np.ndarray, weight: np.ndarray, eps: float) -> N
     ops.rmsnorm(out, x, weight, np.float32(eps))
 
 
+def layernorm(out: np.ndarray, x: np.ndarray, weight: np.ndarray, eps: float) -> None:
+    """out = (x - mean) / sqrt(var + eps) * weight over the last axis, without bias (Cohere's LayerNorm);
+    x, out (n_tok, dim), weight (dim,)."""
+    ops.layernorm(out, x, weight, np.float32(eps))
+
+
 def rope(x: np.ndarray, positions: np.ndarray, inv_freq: np.ndarray, n_rot: int, neox: bool) -> None:
     """Rotary embedding in place on x (n_tok, n_heads, head_dim), first n_rot dims of each head.
 

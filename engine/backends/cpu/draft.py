@@ -373,6 +373,8 @@ class DraftForward:
             return None
         if getattr(cfg, "scaled", False) or cfg.attn_temperature_beta:  # Granite's, Ministral 3's scales
             return None
+        if cfg.parallel_block or cfg.logit_scale != 1.0:  # Cohere's LayerNorm, parallel blocks, logit scale
+            return None
         if cfg.hidden_size % QK or cfg.q_dim % QK or cfg.intermediate_size % QK or cfg.kv_dim % 16:
             return None
         mats = []

@@ -63,6 +63,25 @@ def rmsnorm(out, x, weight, eps):
 
 
 @njit(**_KW)
+def layernorm(out, x, weight, eps):
+    # x, out (n_tok, dim) f32; weight (dim,) f32; out = (x - mean(x)) / sqrt(var(x) + eps) * weight, no bias
+    # (Cohere's norms); out may be x
+    n, dim = x.shape
+    for t in range(n):
+        mean = np.float32(0.0)
+        for j in range(dim):
+            mean += x[t, j]
+        mean /= np.float32(dim)
+        ss = np.float32(0.0)
+        for j in range(dim):
+            c = x[t, j] - mean
+            ss += c * c
+        inv = np.float32(1.0) / np.sqrt(ss / np.float32(dim) + np.float32(eps))
+        for j in range(dim):
+            out[t, j] = (x[t, j] - mean) * inv * weight[j]
+
+
+@njit(**_KW)
 def rope(x, positions, inv_freq, n_rot, neox):
     # x (n_tok, n_heads, head_dim) f32, rotated in place; positions (n_tok,) int; inv_freq (n_rot/2,) f32.
     # neox=False pairs (2i, 2i+1); neox=True pairs (i, i + n_rot/2). Dims >= n_rot are left as they are.

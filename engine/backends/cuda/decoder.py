@@ -372,6 +372,11 @@ class CudaDecoder:
                 "short-convolution layers (LFM2), gated DeltaNet layers (Qwen3.5, Qwen3-Next) and Mamba-2 "
                 "layers (Granite 4.0-H) have no CUDA kernels yet; use --device cpu"
             )
+        if not self.gemma and (cfg.parallel_block or cfg.logit_scale != 1.0):
+            raise UnsupportedCudaModelError(
+                "Cohere's LayerNorm and parallel blocks (Command R, Command R7B / Command A) have no CUDA "
+                "kernels yet; use --device cpu"
+            )
         if any(layer.post_attn_norm is not None or layer.post_ffn_norm is not None for layer in layers):
             raise UnsupportedCudaModelError(
                 "norms of the attention and FFN outputs (GLM-4) have no CUDA kernels yet; use --device cpu"

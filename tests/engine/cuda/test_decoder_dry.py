@@ -250,8 +250,9 @@ CUPY_MODULES = (
 
 def test_layers_without_rope_granite_constants_and_branch_norms_stay_on_the_cpu(fake, tmp_path):
     """SmolLM3's NoPE layers, Granite's multipliers, GLM-4's norms of the branch outputs, LFM2's
-    convolutions, Ministral 3's query temperature, Qwen3.5's DeltaNet, Mamba-2, Gemma 4 and DeepSeek's latent
-    attention have no CUDA path: a typed error, which placement turns into the CPU fallback."""
+    convolutions, Ministral 3's query temperature, Qwen3.5's DeltaNet, Mamba-2, Gemma 4, DeepSeek's latent
+    attention and Cohere's parallel LayerNorm blocks have no CUDA path: a typed error, which placement turns
+    into the CPU fallback."""
     model = _model(tmp_path, "llama")
     model.cfg.rope_layers = (True,) * (model.cfg.num_hidden_layers - 1) + (False,)
     with pytest.raises(fake.decoder.UnsupportedCudaModelError, match="without RoPE"):
@@ -271,7 +272,8 @@ def test_layers_without_rope_granite_constants_and_branch_norms_stay_on_the_cpu(
                             ("granite4-h", "Mamba-2"), ("gemma4", "not Gemma4Model"),
                             ("gemma3n", "not Gemma3nModel"), ("nemotron_h", "not NemotronHModel"),
                             ("qwen3_next", "mixture-of-experts"), ("ernie4_5_moe", "mixture-of-experts"),
-                            ("deepseek_v3", "latent attention")):
+                            ("deepseek_v3", "latent attention"), ("cohere2", "Cohere's LayerNorm"),
+                            ("cohere", "Cohere's LayerNorm")):
         with pytest.raises(fake.decoder.UnsupportedCudaModelError, match=message):
             fake.decoder.CudaDecoder(load_model(tiny / family).model, n_ctx=64)
 

@@ -92,11 +92,15 @@ def test_place_model_gpu_layers(fake, tmp_path):
     assert lm.model.placement == "cuda:0" and not lm.model.head_only
 
 
-@pytest.mark.parametrize("family", ["qwen3moe", "ernie4_5_moe"])
 @pytest.mark.parametrize("gpu_layers", [None, 1])
-def test_a_model_without_cuda_kernels_stays_on_the_cpu_with_a_notice(fake, gpu_layers, family):
-    """A mixture-of-experts model (no CUDA kernels yet: Qwen3-MoE, ERNIE 4.5 MoE) asked onto the GPU, wholly
-    or in part, runs on the CPU; the notice says why (the app shows it as a load warning)."""
+@pytest.mark.parametrize(
+    "family, reason",
+    [("qwen3moe", "mixture-of-experts"), ("ernie4_5_moe", "mixture-of-experts"),
+     ("cohere2", "Cohere's LayerNorm")],
+)
+def test_a_model_without_cuda_kernels_stays_on_the_cpu_with_a_notice(fake, gpu_layers, family, reason):
+    """A mixture-of-experts model (Qwen3-MoE, ERNIE 4.5 MoE) or Command R7B (no CUDA kernels yet) asked onto
+    the GPU, wholly or in part, runs on the CPU; the notice says why (the app shows it as a load warning)."""
     from pathlib import Path
 
     from engine.backends.cuda.placement import place_model
@@ -105,7 +109,7 @@ def test_a_model_without_cuda_kernels_stays_on_the_cpu_with_a_notice(fake, gpu_l
     cpu_model, notices = lm.model, []
     choice = place_model(lm, "cuda", n_ctx=32, notify=notices.append, gpu_layers=gpu_layers)
     assert choice.device.kind == "cpu" and lm.model is cpu_model
-    assert notices == [choice.notice] and "mixture-of-experts" in choice.notice
+    assert notices == [choice.notice] and reason in choice.notice
     assert choice.notice.endswith("running on the CPU instead") and "--device cpu" not in choice.notice
 
 
