@@ -69,6 +69,16 @@ def block_fp8_twins(src: Path, dst: Path, is_linear) -> tuple[Path, Path]:
     return dst / "fp8", dst / "dense"
 
 
+def greedy_tokens(model, prompt, n: int, n_ctx: int = 64) -> list[int]:
+    """n greedy tokens after `prompt`, decoded one step at a time through a fresh KV cache."""
+    cache = model.new_cache(n_ctx)
+    step, tokens = model.forward(prompt, cache), []
+    for _ in range(n):
+        tokens.append(int(np.argmax(step[-1])))
+        step = model.forward([tokens[-1]], cache)
+    return tokens
+
+
 def chunked_logits(model, tokens, sizes) -> np.ndarray:
     """All logits of `tokens` run through one cache in passes of the given sizes."""
     cache = model.new_cache(len(tokens) + 1)

@@ -19,6 +19,7 @@ import pytest
 from engine.convert import convert
 from engine.loader import load_model
 from models.formats.gguf import open_gguf
+from tests.engine.model_checks import greedy_tokens
 
 TINY = Path(__file__).resolve().parents[1] / "fixtures" / "tiny"
 
@@ -32,13 +33,7 @@ def _check_logits(model, golden: dict, atol_share: float = 1e-4) -> None:
     ref = np.array(golden["logits"])
     logits = model.forward(golden["tokens"], model.new_cache(64), all_logits=True)
     np.testing.assert_allclose(logits, ref, atol=atol_share * np.abs(ref).max())
-    cache = model.new_cache(64)
-    step = model.forward(golden["tokens"], cache)
-    tokens = []
-    for _ in golden["greedy"]:
-        tokens.append(int(np.argmax(step[-1])))
-        step = model.forward([tokens[-1]], cache)
-    assert tokens == golden["greedy"]
+    assert greedy_tokens(model, golden["tokens"], len(golden["greedy"])) == golden["greedy"]
 
 
 def test_cohere2_folder_reads_transformers_config():

@@ -31,6 +31,7 @@ from tests.engine.model_checks import (
     check_batched_decode,
     check_speculation_keeps_greedy,
     chunked_logits,
+    greedy_tokens,
     rewrite_gguf,
 )
 
@@ -316,12 +317,7 @@ def test_gguf_models_give_transformers_logits(ggufs, family, monkeypatch):
     logits = m.forward(golden["tokens"], m.new_cache(64), all_logits=True)
     monkeypatch.setattr(moe_module, "route", route_f16)
     assert np.abs(logits - ref).max() < 1e-4 * scale
-    cache = m.new_cache(64)
-    step, greedy = m.forward(golden["tokens"], cache), []
-    for _ in golden["greedy"]:
-        greedy.append(int(np.argmax(step[-1])))
-        step = m.forward([greedy[-1]], cache)
-    assert greedy == golden["greedy"]
+    assert greedy_tokens(m, golden["tokens"], len(golden["greedy"])) == golden["greedy"]
     m = load_model(ggufs[family, "Q8_0"]).model
     replay = iter(routes)
     monkeypatch.setattr(moe_module, "route", lambda *args, it=replay: next(it))

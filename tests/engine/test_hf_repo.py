@@ -18,6 +18,7 @@ from engine.errors import MissingTensorError, ModelFormatError, UnsupportedArchi
 from engine.generate import GenerationParams, generate
 from engine.loader import load_model
 from models.resolve import resolve_model
+from tests.engine.model_checks import greedy_tokens
 
 TINY = Path(__file__).resolve().parents[1] / "fixtures" / "tiny"
 FAMILIES = sorted(p.name for p in TINY.iterdir() if (p / "golden.json").is_file())
@@ -51,13 +52,7 @@ def test_logits_and_greedy_match_transformers(family):
     assert np.array_equal(logits.argmax(1), ref.argmax(1))
     # greedy through the decode path (one token per step through the KV cache); the reference
     # samples from all embedding rows, including those past the tiny tokenizer's vocabulary
-    cache = lm.model.new_cache(64)
-    step = lm.model.forward(golden["tokens"], cache)
-    tokens = []
-    for _ in golden["greedy"]:
-        tokens.append(int(np.argmax(step[-1])))
-        step = lm.model.forward([tokens[-1]], cache)
-    assert tokens == golden["greedy"]
+    assert greedy_tokens(lm.model, golden["tokens"], len(golden["greedy"])) == golden["greedy"]
 
 
 def test_padded_vocabulary_rows_are_never_sampled():
@@ -311,12 +306,7 @@ def test_gemma2_converts_to_a_llama_cpp_style_gguf(tmp_path):
     ref = np.array(golden["logits"])
     logits = m.forward(golden["tokens"], m.new_cache(64), all_logits=True)
     assert np.abs(logits - ref).max() < 1e-4 * max(1.0, np.abs(ref).max())
-    cache = m.new_cache(64)
-    step, tokens = m.forward(golden["tokens"], cache), []
-    for _ in golden["greedy"]:
-        tokens.append(int(np.argmax(step[-1])))
-        step = m.forward([tokens[-1]], cache)
-    assert tokens == golden["greedy"]
+    assert greedy_tokens(m, golden["tokens"], len(golden["greedy"])) == golden["greedy"]
 
 
 def test_longrope_past_the_original_context_and_from_gguf(tmp_path):

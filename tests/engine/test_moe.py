@@ -18,6 +18,7 @@ from engine.convert import convert
 from engine.errors import ModelFormatError
 from engine.loader import load_model
 from models.formats.gguf import open_gguf
+from tests.engine.model_checks import greedy_tokens
 
 TINY = Path(__file__).resolve().parents[1] / "fixtures" / "tiny"
 FAMILIES = {"qwen3moe": "qwen3moe", "qwen2moe": "qwen2moe", "mixtral": "llama"}  # fixture -> GGUF arch
@@ -119,12 +120,8 @@ def test_gguf_models_give_transformers_logits(ggufs, family, monkeypatch):
         assert len(routes) == m.cfg.num_hidden_layers
         assert np.abs(logits - ref).max() / scale < 1e-4
         assert np.array_equal(logits.argmax(1), ref.argmax(1))
-        cache = m.new_cache(64)  # greedy, one token a step through the KV cache
-        step, tokens = m.forward(golden["tokens"], cache), []
-        for _ in golden["greedy"]:
-            tokens.append(int(np.argmax(step[-1])))
-            step = m.forward([tokens[-1]], cache)
-        assert tokens == golden["greedy"]
+        # greedy, one token a step through the KV cache
+        assert greedy_tokens(m, golden["tokens"], len(golden["greedy"])) == golden["greedy"]
 
 
 def test_decode_runs_only_the_chosen_experts(ggufs, monkeypatch):
@@ -515,12 +512,7 @@ def test_ernie45_moe_gguf_round_trip_with_llama_cpps_keys(tmp_path, monkeypatch)
     logits = m.forward(golden["tokens"], m.new_cache(64), all_logits=True)
     assert np.abs(logits - ref).max() < 1e-4 * scale and len(routes) == 2
     monkeypatch.setattr(moe_module, "route", route_)
-    cache = m.new_cache(64)
-    step, tokens = m.forward(golden["tokens"], cache), []
-    for _ in golden["greedy"]:
-        tokens.append(int(np.argmax(step[-1])))
-        step = m.forward([tokens[-1]], cache)
-    assert tokens == golden["greedy"]
+    assert greedy_tokens(m, golden["tokens"], len(golden["greedy"])) == golden["greedy"]
     # llama.cpp's converter's file: its shared length, the bias as (1, experts)
     bias = {}
     for i in (1, 3):
