@@ -13,9 +13,7 @@ from pathlib import Path
 import pytest
 
 import app.composer as composer
-from app.chat_store import ChatStore
 from app.composer import NO_VISION
-from app.main_window import MainWindow
 from app.qt import (
     QApplication,
     QDragEnterEvent,
@@ -26,8 +24,8 @@ from app.qt import (
     Qt,
     QUrl,
 )
-from app.settings import Settings
 from engine.client import ChatEvent
+from tests.app.windows import open_window, wait_checked
 from tests.engine.test_documents import make_pdf
 
 pytestmark = pytest.mark.gui
@@ -35,18 +33,8 @@ pytestmark = pytest.mark.gui
 ANSWER = "The vault's launch code is 7741. Only the night porter knows it."
 
 
-def _window(qtbot, engine, max_tokens: int = 12):
-    s = Settings()
-    s.update({"temperature": 0.0, "max_tokens": max_tokens})
-    store = ChatStore()
-    w = MainWindow(s, store, bridge=engine, model="")
-    qtbot.addWidget(w)
-    w.show()
-    return w, store
-
-
-def _checked(qtbot, box) -> None:
-    qtbot.waitUntil(lambda: not box.checking, timeout=10000)
+_window = open_window
+_checked = wait_checked
 
 
 @pytest.fixture

@@ -11,10 +11,9 @@ from dataclasses import replace
 
 import pytest
 
-from app.chat_store import ChatStore, MessageImage
+from app.chat_store import MessageImage
 from app.chat_view import IMAGE_SIDE
 from app.composer import NO_VISION
-from app.main_window import MainWindow
 from app.qt import (
     QApplication,
     QBuffer,
@@ -30,8 +29,8 @@ from app.qt import (
     Qt,
     QUrl,
 )
-from app.settings import Settings
 from engine.client import ChatEvent
+from tests.app.windows import open_window, wait_checked
 
 pytestmark = pytest.mark.gui
 
@@ -45,19 +44,8 @@ def _encoded(width: int, height: int, color: str, fmt: str = "PNG") -> bytes:
     return bytes(buf.data())
 
 
-def _window(qtbot, engine):
-    s = Settings()
-    s.update({"temperature": 0.0, "max_tokens": 12})
-    store = ChatStore()
-    w = MainWindow(s, store, bridge=engine, model="")
-    qtbot.addWidget(w)
-    w.show()
-    return w, store
-
-
-def _checked(qtbot, box) -> None:
-    """Wait for the composer's image checks (they run in its worker thread)."""
-    qtbot.waitUntil(lambda: not box.checking, timeout=10000)
+_window = open_window
+_checked = wait_checked
 
 
 @pytest.fixture

@@ -12,22 +12,15 @@ import time
 import pytest
 
 from app.chat_store import ChatStore
-from app.main_window import MainWindow
 from app.markdown_view import MarkdownView, fences, split_stable
 from app.qt import QApplication, Qt, QVBoxLayout, QWidget
 from app.settings import Settings
+from tests.app.windows import open_window
 
 pytestmark = pytest.mark.gui
 
 
-def _window(qtbot, engine, **settings):
-    s = Settings()
-    s.update({"temperature": 0.0, "max_tokens": 12, **settings})
-    store = ChatStore()
-    w = MainWindow(s, store, bridge=engine, model="")
-    qtbot.addWidget(w)
-    w.show()
-    return w, store
+_window = open_window
 
 
 def _send(qtbot, w, text, timeout=60000):

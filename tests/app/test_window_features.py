@@ -12,12 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from app.chat_store import ChatStore
-from app.main_window import MainWindow
 from app.qt import QApplication, Qt
-from app.settings import Settings
 from models.downloads import DownloadJob, state_path
 from models.library import Library
+from tests.app.windows import open_window
 from tests.models.hubserver import HubServer, isolate_hf
 
 pytestmark = pytest.mark.gui
@@ -25,13 +23,7 @@ FAKE_SERVE = [sys.executable, str(Path(__file__).with_name("fake_serve.py"))]
 
 
 def _window(qtbot, engine=None, model="", **settings):
-    s = Settings()
-    s.update({"temperature": 0.0, "max_tokens": 12, **settings})
-    store = ChatStore()
-    w = MainWindow(s, store, bridge=engine, model=model, serve_command=FAKE_SERVE)
-    qtbot.addWidget(w)
-    w.show()
-    return w, store
+    return open_window(qtbot, engine, model, serve_command=FAKE_SERVE, **settings)
 
 
 def _free_port() -> int:

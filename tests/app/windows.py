@@ -1,0 +1,26 @@
+"""The real main window for GUI tests: over a test's engine bridge, with a fresh chat store (HEARTH_HOME is a
+temp dir), shown; greedy replies of 12 tokens unless the settings given say otherwise."""
+
+from __future__ import annotations
+
+from app.chat_store import ChatStore
+from app.main_window import MainWindow
+from app.settings import Settings
+
+
+def open_window(qtbot, engine=None, model: str = "", serve_command=None, **settings):
+    """(window, store). engine: an EngineBridge (None: the window makes its own); serve_command: the API
+    server's command line (the window's default when None)."""
+    s = Settings()
+    s.update({"temperature": 0.0, "max_tokens": 12, **settings})
+    store = ChatStore()
+    extra = {} if serve_command is None else {"serve_command": serve_command}
+    w = MainWindow(s, store, bridge=engine, model=model, **extra)
+    qtbot.addWidget(w)
+    w.show()
+    return w, store
+
+
+def wait_checked(qtbot, box) -> None:
+    """Wait for the composer's attachment checks (they run in its worker thread)."""
+    qtbot.waitUntil(lambda: not box.checking, timeout=10000)
