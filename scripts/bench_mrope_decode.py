@@ -13,7 +13,7 @@ prefilled, text tokens fill the cache up to each context length, then `steps` gr
 from __future__ import annotations
 
 import argparse
-import json
+import sys
 import time
 from pathlib import Path
 
@@ -22,22 +22,12 @@ import numpy as np
 from engine.backends import cpu as ops
 from engine.generate import prefill
 from engine.loader import load_model
-from engine.vision import encode_with_images, prepare_messages
 
-TINY = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "tiny" / "qwen3_5-vision"
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from tests.engine.test_vision_mrope import golden_prompt  # noqa: E402
 
-
-def _prompt(lm, folder: Path) -> list[int]:
-    golden = json.loads((folder / "golden_vision.json").read_text())
-    images = iter((folder / n).read_bytes() for n in golden["images"])
-    messages = [dict(m) for m in golden["messages"]]
-    messages[-1]["content"] = [
-        {"type": "image", "image": next(images)} if part["type"] == "image" else part
-        for part in messages[-1]["content"]
-    ]
-    template_messages, data = prepare_messages(lm, messages)
-    text = lm.template.render(template_messages, add_generation_prompt=True)
-    return list(encode_with_images(lm, text, data))
+TINY = ROOT / "tests" / "fixtures" / "tiny" / "qwen3_5-vision"
 
 
 def _lookup(model, cache) -> None:
@@ -60,7 +50,7 @@ def main() -> None:
     folder = Path(args.folder)
     lm = load_model(folder)
     model = lm.model
-    ids = _prompt(lm, folder)
+    ids = golden_prompt(lm, folder)
     rng = np.random.default_rng(0)
     for n_ctx in (int(v) for v in args.context.split(",")):
         fill = rng.integers(10, 200, max(0, n_ctx - len(ids))).tolist()

@@ -24,8 +24,7 @@ from app.qt import (
     Qt,
     QUrl,
 )
-from engine.client import ChatEvent
-from tests.app.windows import open_window, wait_checked
+from tests.app.windows import open_window, record_replies, wait_checked
 from tests.engine.test_documents import make_pdf
 
 pytestmark = pytest.mark.gui
@@ -40,15 +39,7 @@ _checked = wait_checked
 @pytest.fixture
 def replies(engine, monkeypatch):
     """The conversations sent to the engine (as the worker gets them); each is answered "Noted."."""
-    calls: list[list[dict]] = []
-
-    def generate(conversation, params=None, **_kwargs):
-        calls.append(pickle.loads(pickle.dumps(conversation)))
-        yield ChatEvent(text="Noted.", token=1, generated_tokens=1)
-        yield ChatEvent(finish_reason="stop", generated_tokens=1)
-
-    monkeypatch.setattr(engine.client, "generate", generate)
-    return calls
+    return record_replies(engine, monkeypatch, "Noted.")
 
 
 @pytest.fixture

@@ -6,7 +6,6 @@ tests that send swap the client's generate for a recording stand-in, since SmolL
 from __future__ import annotations
 
 import io
-import pickle
 from dataclasses import replace
 
 import pytest
@@ -29,8 +28,7 @@ from app.qt import (
     Qt,
     QUrl,
 )
-from engine.client import ChatEvent
-from tests.app.windows import open_window, wait_checked
+from tests.app.windows import open_window, record_replies, wait_checked
 
 pytestmark = pytest.mark.gui
 
@@ -59,15 +57,7 @@ def vision(engine, monkeypatch):
 @pytest.fixture
 def replies(engine, monkeypatch):
     """The conversations sent to the engine; each is answered "A red box."."""
-    calls: list[list[dict]] = []
-
-    def generate(conversation, params=None, **_kwargs):
-        calls.append(pickle.loads(pickle.dumps(conversation)))  # as the worker gets it, over its pipe
-        yield ChatEvent(text="A red box.", token=1, generated_tokens=1)
-        yield ChatEvent(finish_reason="stop", generated_tokens=1)
-
-    monkeypatch.setattr(engine.client, "generate", generate)
-    return calls
+    return record_replies(engine, monkeypatch, "A red box.")
 
 
 @pytest.fixture

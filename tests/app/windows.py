@@ -3,9 +3,12 @@ temp dir), shown; greedy replies of 12 tokens unless the settings given say othe
 
 from __future__ import annotations
 
+import pickle
+
 from app.chat_store import ChatStore
 from app.main_window import MainWindow
 from app.settings import Settings
+from engine.client import ChatEvent
 
 
 def open_window(qtbot, engine=None, model: str = "", serve_command=None, **settings):
@@ -24,3 +27,17 @@ def open_window(qtbot, engine=None, model: str = "", serve_command=None, **setti
 def wait_checked(qtbot, box) -> None:
     """Wait for the composer's attachment checks (they run in its worker thread)."""
     qtbot.waitUntil(lambda: not box.checking, timeout=10000)
+
+
+def record_replies(engine, monkeypatch, answer: str) -> list[list[dict]]:
+    """Swap the engine's generate for a stand-in that records each conversation as the worker would get it
+    (through its pipe) and answers `answer`; returns the recorded conversations."""
+    calls: list[list[dict]] = []
+
+    def generate(conversation, params=None, **_kwargs):
+        calls.append(pickle.loads(pickle.dumps(conversation)))
+        yield ChatEvent(text=answer, token=1, generated_tokens=1)
+        yield ChatEvent(finish_reason="stop", generated_tokens=1)
+
+    monkeypatch.setattr(engine.client, "generate", generate)
+    return calls

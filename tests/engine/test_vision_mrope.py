@@ -22,9 +22,8 @@ TINY = Path(__file__).resolve().parents[1] / "fixtures" / "tiny"
 FOLDERS = {"qwen3_5": TINY / "qwen3_5-vision", "qwen3_vl": TINY / "qwen3_vl-vision"}
 
 
-def _load(name: str):
-    """The model of FOLDERS[name] and its golden prompt's ids (two images of 4 x 6 and 7 x 4 rows)."""
-    folder = FOLDERS[name]
+def golden_prompt(lm, folder: Path) -> list[int]:
+    """The ids of a vision fixture's golden prompt (its golden_vision.json messages with their images)."""
     golden = json.loads((folder / "golden_vision.json").read_text())
     images = iter((folder / n).read_bytes() for n in golden["images"])
     messages = [dict(m) for m in golden["messages"]]
@@ -32,10 +31,15 @@ def _load(name: str):
         {"type": "image", "image": next(images)} if part["type"] == "image" else part
         for part in messages[-1]["content"]
     ]
-    lm = load_model(folder)
     template_messages, data = prepare_messages(lm, messages)
-    ids = encode_with_images(lm, lm.template.render(template_messages, add_generation_prompt=True), data)
-    return lm.model, list(ids)
+    text = lm.template.render(template_messages, add_generation_prompt=True)
+    return list(encode_with_images(lm, text, data))
+
+
+def _load(name: str):
+    """The model of FOLDERS[name] and its golden prompt's ids (two images of 4 x 6 and 7 x 4 rows)."""
+    lm = load_model(FOLDERS[name])
+    return lm.model, golden_prompt(lm, FOLDERS[name])
 
 
 @pytest.fixture(scope="module")
