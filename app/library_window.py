@@ -49,10 +49,18 @@ from models.errors import HearthError
 
 
 class _Relay(QObject):
+    """Carries the window's background threads' results to the GUI thread (queued connections)."""
+
     searched = Signal(object, str)  # list[RepoSummary] | None, error
     variants = Signal(str, object, str)  # repo, list[_FileRow], error
     local = Signal(object)  # list[(ModelEntry, reads images: bool)]
     planned = Signal(object, object, str)  # model jobs, their vision tower job or None, error
+
+    def send(self, name: str, *args) -> None:
+        """Emit signal `name` from a background thread; nothing when the window closed meanwhile (Qt deleted
+        the relay: its thread's result has nobody to go to)."""
+        with contextlib.suppress(RuntimeError):
+            getattr(self, name).emit(*args)
 
 
 @dataclass(frozen=True)
@@ -156,9 +164,9 @@ class LibraryWindow(QWidget):
             from models.hub import search
 
             try:
-                self.relay.searched.emit(search(text, fmt="gguf"), "")
+                self.relay.send("searched", search(text, fmt="gguf"), "")
             except HearthError as e:
-                self.relay.searched.emit(None, str(e))
+                self.relay.send("searched", None, str(e))
 
         threading.Thread(target=run, daemon=True).start()
 
@@ -215,9 +223,9 @@ class LibraryWindow(QWidget):
                         elif tower is not None:
                             text += f"  ·  reads images (+ vision tower, {_mib(tower.size or 0)})"
                     rows.append(_FileRow(repo, details.commit, v, text, details.files))
-                self.relay.variants.emit(repo, rows, "")
+                self.relay.send("variants", repo, rows, "")
             except HearthError as e:
-                self.relay.variants.emit(repo, [], str(e))
+                self.relay.send("variants", repo, [], str(e))
 
         threading.Thread(target=run, daemon=True).start()
 
@@ -257,9 +265,9 @@ class LibraryWindow(QWidget):
                 jobs[0].note = choice.note
                 check_free_space(jobs + ([choice.job] if choice.job else []), root)
             except HearthError as e:
-                self.relay.planned.emit(jobs, None, str(e))
+                self.relay.send("planned", jobs, None, str(e))
                 return
-            self.relay.planned.emit(jobs, choice.job, "")
+            self.relay.send("planned", jobs, choice.job, "")
 
         threading.Thread(target=run, daemon=True, name="hearth-download-plan").start()
 
@@ -373,7 +381,7 @@ class LibraryWindow(QWidget):
                 entries = [(e, e.reads_images) for e in lib.entries() if e.exists]
             except HearthError:
                 entries = []
-            self.relay.local.emit(entries)
+            self.relay.send("local", entries)
 
         threading.Thread(target=run, daemon=True, name="hearth-library").start()
 
