@@ -36,7 +36,6 @@ by keywords and the status bar says why (statusMessage); the reply goes on.
 
 from __future__ import annotations
 
-import functools
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -44,7 +43,7 @@ from pathlib import Path
 from app.chat_store import Chat, ChatStore, Message, MessageImage
 from app.engine_bridge import EngineBridge
 from app.qt import QObject, QTimer, Signal, Slot
-from app.settings import SAMPLING_KEYS, SEARCH_AUTO, SEARCH_KEYWORDS, Settings
+from app.settings import SAMPLING_KEYS, SEARCH_AUTO, SEARCH_KEYWORDS, Settings, clean_overrides
 from engine import tool_loop
 from engine.client import ChatEvent
 from engine.document_context import (
@@ -69,6 +68,7 @@ SPEC_KEYS = (
     "speedup_estimate",
     "draft_k",
 )
+EMBED_BATCH = 32  # document chunks a search-model request embeds (a progress step: Stop ends it between two)
 FLUSH_S = 0.5  # the store is at most this far behind the screen while a reply streams
 TITLE_CHARS = 48
 STATS_KEYS = (
@@ -95,6 +95,7 @@ def sampling_params(settings: Settings, overrides: dict | None = None) -> Genera
         min_p=float(values["min_p"]),
         repetition_penalty=float(values["repetition_penalty"]),
         seed=overrides.get("seed") if overrides else None,
+        stop=tuple((overrides or {}).get("stop") or ()),
     )
 
 
@@ -177,11 +178,14 @@ def _add_documents(
     conversation: list[dict],
     search: str = SEARCH_KEYWORDS,
     client=None,
+    report=None,
 ):
     """The conversation with its documents written in, and what the reply shows of them (a bridge `prepare`
     step): {"sources": Selection.sources(), "notice": why the search model was not used, or ""}.
     Tokens are counted with the model's tokenizer (read from its file here), else estimated; chunks are
-    ranked with the `search` setting's embedding model through `client` (engine.client.EngineClient)."""
+    ranked with the `search` setting's embedding model through `client` (engine.client.EngineClient), the
+    chunks not embedded before EMBED_BATCH at a time with report(done, total) between batches (the bridge's:
+    it raises once the reply is stopped, which ends the embedding, the batches done kept)."""
     count = model_token_counter(model_path) if model_path else None
     other = sum(_content_tokens(m.get("content"), count) + 8 for m in conversation)  # 8: a turn's template
     budget = document_budget(n_ctx, max_tokens, other)
@@ -193,7 +197,7 @@ def _add_documents(
         def embed_remote(texts, task):
             return client.embed(path, texts, task=task, truncate=True)
 
-        embed = cached_embed(embed_remote, path)
+        embed = cached_embed(embed_remote, path, batch=EMBED_BATCH, report=report)
     conversation, selection = with_documents(conversation, documents, budget, count, embed, name)
     return conversation, {"sources": selection.sources(), "notice": selection.notice}
 
@@ -282,6 +286,7 @@ class ChatController(QObject):
         bridge.finished.connect(self._on_finished)
         bridge.failed.connect(self._on_failed)
         bridge.prepared.connect(self._on_prepared)
+        bridge.preparing.connect(self._on_preparing)
         # tool use: the app's ToolManager (None: no tools), the message whose calls are under way
         self.tools = tools
         self._tool_message: Message | None = None
@@ -341,9 +346,22 @@ class ChatController(QObject):
         if self.chat is None:
             self.new_chat()
         assert self.chat is not None
-        clean = {k: v for k, v in overrides.items() if k in SAMPLING_KEYS or k == "seed"}
+        clean = clean_overrides(overrides)
         self.store.update_chat(self.chat.id, system_prompt=system_prompt, overrides=clean)
         self.chat.system_prompt, self.chat.overrides = system_prompt, clean
+
+    def start_preset_chat(self, system_prompt: str, overrides: dict, opening: list[dict]) -> Chat:
+        """A chat set up by a preset: the current chat when it has no messages yet, else a new one, with the
+        preset's system prompt, overrides and opening messages ({role, content}: the conversation the preset
+        starts every chat with, stored as the chat's first messages)."""
+        if self.chat is None or self.messages() or self.busy:
+            self.new_chat()
+        assert self.chat is not None
+        self.set_chat_options(system_prompt, overrides)
+        for m in opening:
+            self.store.add_message(self.chat.id, m["role"], m["content"])
+        self.open_chat(self.chat.id)
+        return self.chat
 
     def messages(self) -> list[Message]:
         return self.store.messages(self.chat.id) if self.chat else []
@@ -476,10 +494,11 @@ class ChatController(QObject):
         if any(docs):  # counting, chunking and ranking a long document take a while: in the bridge's thread
             model = self.bridge.model
             n_ctx, path = (model.n_ctx, model.path) if model else (4096, "")
-            prepare = functools.partial(
-                _add_documents, docs, n_ctx, params.max_tokens, path,
-                search=self.settings.get("document_search"), client=self.bridge.client,
-            )
+            search, client = self.settings.get("document_search"), self.bridge.client
+
+            def prepare(conversation, report):
+                return _add_documents(docs, n_ctx, params.max_tokens, path, conversation, search=search,
+                                      client=client, report=report)
         if resume is None:
             self._reply = self.store.add_message(self.chat.id, "assistant", "", state="streaming")
             self._text = ""
@@ -672,6 +691,12 @@ class ChatController(QObject):
         self._reply.stats = {**self._reply.stats, "sources": sources}
         self.store.update_message(self._reply.id, stats=self._reply.stats)
         self.sourcesChanged.emit(self._reply)
+
+    @Slot(int, int, int)
+    def _on_preparing(self, turn: int, done: int, total: int) -> None:
+        """The document search model reads the chat's documents (the first question about a long one)."""
+        if turn == self._turn and self._reply is not None:
+            self.statusMessage.emit(f"Reading the documents for the search: {done} of {total} parts")
 
     @Slot(int, object)
     def _on_progress(self, turn: int, event: ChatEvent) -> None:

@@ -10,6 +10,7 @@ floods the event loop. After the worker dies mid-reply the bridge reports it and
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 import time
 from collections.abc import Sequence
@@ -29,6 +30,10 @@ from models.errors import HearthError
 STREAM_BATCH_S = 0.03
 
 
+class PrepareStopped(Exception):
+    """Raised by a prepare step's progress report once the reply was stopped."""
+
+
 class EngineBridge(QObject):
     """The GUI's handle on the engine.
 
@@ -43,6 +48,7 @@ class EngineBridge(QObject):
         restarting(): the worker is being restarted after a crash.
         restarted(ok: bool, message: str): the restart ended.
         prepared(turn: int, info: object): what a reply's `prepare` step said (before its first chunk).
+        preparing(turn: int, done: int, total: int): how far a reply's `prepare` step is (its own units).
         statusReady(status: EngineStatus): an answer to poll_status().
     """
 
@@ -57,6 +63,7 @@ class EngineBridge(QObject):
     restarted = Signal(bool, str)
     statusReady = Signal(object)
     prepared = Signal(int, object)
+    preparing = Signal(int, int, int)
 
     def __init__(self, threads: int | None = None, parent: QObject | None = None):
         super().__init__(parent)
@@ -66,6 +73,7 @@ class EngineBridge(QObject):
         self._status_busy = threading.Lock()
         self.generating = False
         self.model: ModelInfo | None = None
+        self._stopping = threading.Event()  # cancel() during a reply's prepare step
 
     def _spawn(self, target, *args) -> None:
         if self._closing:
@@ -124,10 +132,13 @@ class EngineBridge(QObject):
         prepare=None,
     ) -> None:
         """Stream a reply; `turn` tags every signal of it. `speculation`: engine SpeculationOptions;
-        `template_vars`: further chat template variables (enable_thinking); `prepare`: conversation ->
-        (conversation, info), run in the call's thread before the request (work too slow for the GUI
-        thread, such as choosing what of a chat's documents goes in), its info sent as `prepared`."""
+        `template_vars`: further chat template variables (enable_thinking); `prepare`: (conversation,
+        report) -> (conversation, info), run in the call's thread before the request (work too slow for the
+        GUI thread, such as choosing what of a chat's documents goes in), its info sent as `prepared`;
+        report(done, total) sends its progress as `preparing` and raises PrepareStopped once cancel() was
+        called (the reply then ends cancelled without reaching the engine)."""
         self.generating = True
+        self._stopping.clear()
         self._spawn(
             self._generate,
             turn,
@@ -148,7 +159,15 @@ class EngineBridge(QObject):
         last: ChatEvent | None = None
         try:
             if prepare is not None:
-                conversation, info = prepare(conversation)
+                try:
+                    conversation, info = prepare(conversation, functools.partial(self._report, turn))
+                except Exception:
+                    if not self._stopping.is_set():
+                        raise
+                if self._stopping.is_set():  # Stop came while preparing: nothing goes to the engine
+                    self.generating = False
+                    self._emit(self.finished, turn, ChatEvent(finish_reason="cancelled"))
+                    return
                 self._emit(self.prepared, turn, info)
             extra = {"speculation": speculation} if speculation is not None else {}
             if template_vars:
@@ -156,7 +175,11 @@ class EngineBridge(QObject):
             stream = self.client.generate(
                 conversation, params, chat_id=chat_id, context_policy=policy, **extra
             )
+            late = True  # a Stop that came before the request was out: cancelled at the first event
             for event in stream:
+                if late and self._stopping.is_set():
+                    self.client.cancel()
+                late = False
                 last = event
                 if event.text:
                     pending.append(event.text)
@@ -199,8 +222,15 @@ class EngineBridge(QObject):
             self._emit(self.loaded, info)
         self._emit(self.restarted, True, "")
 
+    def _report(self, turn: int, done: int, total: int) -> None:
+        """A prepare step's progress (its thread)."""
+        self._emit(self.preparing, turn, done, total)
+        if self._stopping.is_set():
+            raise PrepareStopped("the reply was stopped")
+
     def cancel(self) -> None:
         """Stop the reply in progress (returns at once; `finished` follows with finish_reason cancelled)."""
+        self._stopping.set()
         self.client.cancel()
 
     # ---- status

@@ -16,6 +16,7 @@ import json
 import threading
 from pathlib import Path
 
+from app.chat_options import ChatOptionsDialog
 from app.chat_store import ChatStore, ChatStoreError, Message
 from app.chat_view import ChatView
 from app.composer import ComposerBox
@@ -25,11 +26,7 @@ from app.engine_bridge import EngineBridge
 from app.qt import (
     QAction,
     QComboBox,
-    QDialog,
-    QDialogButtonBox,
-    QDoubleSpinBox,
     QFileDialog,
-    QFormLayout,
     QHBoxLayout,
     QInputDialog,
     QKeySequence,
@@ -41,11 +38,9 @@ from app.qt import (
     QMenu,
     QMessageBox,
     QObject,
-    QPlainTextEdit,
     QProgressBar,
     QPushButton,
     QShortcut,
-    QSpinBox,
     QSplitter,
     Qt,
     QTimer,
@@ -55,67 +50,22 @@ from app.qt import (
     Slot,
 )
 from app.serve import ServeController, serve_available
-from app.settings import ENGINE_KEYS, Settings, cuda_status
+from app.settings import ENGINE_KEYS, Settings, cuda_status, preset_overrides
 from engine.client import ChatEvent, EngineStatus, LoadOptions, ModelInfo
+from models.library import Library
 from models.starter import STARTERS, starter_path
 from models.version import VERSION
 
 STATUS_POLL_MS = 2000
 CONTEXT_WARN = 0.85  # warn when the context is this full
 UNDO_MS = 10000
+PRESET_ITEM = "preset:"  # the model picker's data for a preset: this, then its name
 
 
 class _Relay(QObject):
     """Carries results of plain threads to the GUI thread."""
 
     fit = Signal(str, str)
-
-
-class ChatOptionsDialog(QDialog):
-    """Per-chat system prompt and sampling overrides (empty fields follow the settings)."""
-
-    def __init__(self, system_prompt: str, overrides: dict, settings: Settings, parent=None):
-        super().__init__(parent)
-        self.setWindowTitle("Chat options")
-        form = QFormLayout(self)
-        self.system = QPlainTextEdit(system_prompt)
-        self.system.setAccessibleName("System prompt")
-        form.addRow("System prompt", self.system)
-        self.temperature = QDoubleSpinBox()
-        self.temperature.setRange(-0.01, 2.0)
-        self.temperature.setSingleStep(0.05)
-        self.temperature.setSpecialValueText(f"default ({settings.get('temperature')})")
-        self.temperature.setValue(overrides.get("temperature", -0.01))
-        self.temperature.setAccessibleName("Temperature for this chat")
-        form.addRow("Temperature", self.temperature)
-        self.max_tokens = QSpinBox()
-        self.max_tokens.setRange(0, 32768)
-        self.max_tokens.setSpecialValueText(f"default ({settings.get('max_tokens')})")
-        self.max_tokens.setValue(overrides.get("max_tokens", 0))
-        self.max_tokens.setAccessibleName("Reply length limit for this chat")
-        form.addRow("Reply length limit", self.max_tokens)
-        self.seed = QSpinBox()
-        self.seed.setRange(-1, 2**31 - 1)
-        self.seed.setSpecialValueText("random")
-        self.seed.setValue(overrides.get("seed", -1) if overrides.get("seed") is not None else -1)
-        self.seed.setAccessibleName("Sampling seed for this chat")
-        form.addRow("Seed", self.seed)
-        buttons = QDialogButtonBox(
-            QDialogButtonBox.StandardButton.Ok | QDialogButtonBox.StandardButton.Cancel
-        )
-        buttons.accepted.connect(self.accept)
-        buttons.rejected.connect(self.reject)
-        form.addRow(buttons)
-
-    def result_values(self) -> tuple[str, dict]:
-        overrides: dict = {}
-        if self.temperature.value() >= 0:
-            overrides["temperature"] = round(self.temperature.value(), 2)
-        if self.max_tokens.value() > 0:
-            overrides["max_tokens"] = self.max_tokens.value()
-        if self.seed.value() >= 0:
-            overrides["seed"] = self.seed.value()
-        return self.system.toPlainText(), overrides
 
 
 class MainWindow(QMainWindow):
@@ -506,11 +456,14 @@ class MainWindow(QMainWindow):
 
     def chat_options(self) -> None:
         chat = self.controller.chat
+        model = self.model_info.path if self.model_info else None
         dialog = ChatOptionsDialog(
-            chat.system_prompt if chat else "", chat.overrides if chat else {}, self.settings, self
+            chat.system_prompt if chat else "", chat.overrides if chat else {}, self.settings, self, model
         )
         if dialog.exec():
             self.controller.set_chat_options(*dialog.result_values())
+        if dialog.saved:  # the picker lists the presets saved there
+            self.refresh_models()
 
     # ---- sending
     @Slot()
@@ -590,19 +543,24 @@ class MainWindow(QMainWindow):
 
     # ---- models
     def refresh_models(self) -> None:
-        """Fill the picker: starter models, then the library's local models."""
+        """Fill the picker: starter models, then the library's local models, then its presets (whose
+        model is here)."""
         self.model_box.blockSignals(True)
         current = self.model_box.currentData()
         self.model_box.clear()
+        self._preset_bases: dict[str, str] = {}
         for name, starter in STARTERS.items():
             here = starter_path(name).is_file()
             self.model_box.addItem(f"{starter.description}{'' if here else ' (download)'}", name)
         try:
-            from models.library import Library
-
-            for entry in Library().entries():
+            lib = Library()
+            for entry in lib.entries():
                 if entry.format == "gguf" and entry.source != "starter" and entry.exists:
                     self.model_box.addItem(entry.name, entry.path)
+            for p in lib.presets():
+                if Path(p.base).exists():
+                    self._preset_bases[PRESET_ITEM + p.name] = p.base
+                    self.model_box.addItem(f"{p.name} (preset of {Path(p.base).name})", PRESET_ITEM + p.name)
         except Exception:  # noqa: BLE001 - an unreadable library must not stop the window
             pass
         if current is not None and self.model_box.findData(current) >= 0:
@@ -612,8 +570,33 @@ class MainWindow(QMainWindow):
     @Slot(int)
     def _on_model_picked(self, index: int) -> None:
         spec = self.model_box.itemData(index)
-        if spec and (not self.model_info or spec not in (self.model_info.path, self.model_info.key)):
+        if isinstance(spec, str) and spec.startswith(PRESET_ITEM):
+            self.apply_preset(spec.removeprefix(PRESET_ITEM))
+        elif spec and (not self.model_info or spec not in (self.model_info.path, self.model_info.key)):
             self.load_model(spec)
+
+    def apply_preset(self, name: str) -> None:
+        """Open a chat set up by the preset `name` (the current one while it is empty, else a new one): its
+        system prompt, sampling options and opening messages; its model is loaded unless it is already."""
+        try:
+            preset = Library().find_preset(name)
+        except Exception as e:  # noqa: BLE001 - an unreadable library: say so, change nothing
+            QMessageBox.warning(self, "Preset", f"The library cannot be read: {e}")
+            return
+        if preset is None or not Path(preset.base).exists():
+            gone = "is gone" if preset is None else f"has lost its model file {preset.base}"
+            self.statusBar().showMessage(f"The preset {name} {gone}.", 8000)
+            self.refresh_models()
+            return
+        self.controller.start_preset_chat(preset.system or "", preset_overrides(preset), preset.messages)
+        if preset.template:
+            self.view.show_notice(
+                f"{preset.name} has its own chat template, which hearth serve and hearth chat use; the app "
+                "uses the model's."
+            )
+        if not self.model_info or Path(self.model_info.path) != Path(preset.base):
+            self.load_model(preset.base)
+        self.model_box.setCurrentIndex(self.model_box.findData(PRESET_ITEM + preset.name))
 
     def load_model(self, spec: str) -> None:
         """Load a model (starter name or path) with the settings' options; progress shows in the top bar."""
@@ -680,6 +663,7 @@ class MainWindow(QMainWindow):
     def _refresh_fit(self) -> None:
         """The fit label again for the picked model (its verdict depends on the context and the device)."""
         spec = self.model_box.currentData()
+        spec = self._preset_bases.get(spec, spec)  # a preset: its model's
         if spec and not self._closing:
             self._estimate_fit(spec)
 

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from models.errors import HearthError
+from models.library import preset_sampling
 from models.paths import config_dir
 
 SETTINGS_VERSION = 1
@@ -183,6 +184,28 @@ SCHEMA = {f.name: f for f in fields(Schema)}
 # settings the loaded model is reloaded for when they change
 ENGINE_KEYS = ("n_ctx", "kv_dtype", "prefix_cache_mb", "threads", "device", "gpu_layers")
 SAMPLING_KEYS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "max_tokens")
+
+# the overrides a chat keeps: the sampling settings', a seed and stop sequences
+CHAT_KEYS = SAMPLING_KEYS + ("seed", "stop")
+
+
+def clean_overrides(overrides: dict) -> dict:
+    """A chat's overrides: the sampling settings' keys, seed and stop (a list of strings), unset ones
+    dropped."""
+    out = {k: v for k, v in overrides.items() if k in CHAT_KEYS and v is not None}
+    if "stop" in out:
+        out["stop"] = [s for s in out["stop"] if isinstance(s, str) and s]
+        if not out["stop"]:
+            del out["stop"]
+    return out
+
+
+def preset_overrides(preset) -> dict:
+    """A preset's parameters as a chat's overrides (what Hearth does not apply, e.g. num_ctx, left out)."""
+    values = preset_sampling(preset.parameters)
+    if "stop" in values:
+        values["stop"] = list(values["stop"])
+    return clean_overrides(values)
 
 
 def default(key: str) -> Any:

@@ -20,6 +20,8 @@ from engine.token_reuse import reuse_held_tokens
 from engine.vision import encode_with_images, prepare_messages
 from models.resolve import resolve_model
 
+EMBED_BATCH = 32  # document chunks embedded at a time (`hearth chat --doc`'s progress steps)
+
 _shown: dict[str, int] = {}
 
 
@@ -75,9 +77,10 @@ def _params(args) -> GenerationParams:
     """The sampling options given, else the preset's (-m PRESET: Ollama's parameter names), else the
     defaults (engine.cli.SAMPLING_DEFAULTS)."""
     from engine.cli import SAMPLING_DEFAULTS
+    from models.library import preset_sampling
 
     preset = getattr(args, "preset", None)
-    given = preset.parameters if preset is not None else {}
+    given = preset_sampling(preset.parameters) if preset is not None else {}
 
     def pick(name: str, key: str | None = None):
         value = getattr(args, name)
@@ -85,8 +88,7 @@ def _params(args) -> GenerationParams:
 
     max_tokens = args.max_tokens
     if max_tokens is None:
-        n = given.get("num_predict", 0)
-        max_tokens = n if isinstance(n, int) and n > 0 else args.max_tokens_default
+        max_tokens = given.get("max_tokens", args.max_tokens_default)
     try:
         return GenerationParams(
             max_tokens=max_tokens,
@@ -94,7 +96,7 @@ def _params(args) -> GenerationParams:
             top_k=pick("top_k"),
             top_p=pick("top_p"),
             min_p=pick("min_p"),
-            repetition_penalty=pick("repeat_penalty"),
+            repetition_penalty=pick("repeat_penalty", "repetition_penalty"),
             seed=pick("seed"),
             stop=tuple(args.stop if args.stop is not None else given.get("stop", ())),
         )
@@ -317,7 +319,14 @@ def _document_search(choice: str | None):
     def embed(texts, task):
         return embedder.embed(choice, texts, task=task, truncate=True)
 
-    return cached_embed(embed, str(choice)), Path(choice).name.removesuffix(".gguf")
+    def report(done: int, total: int) -> None:  # a long document's first question takes a while
+        if total > EMBED_BATCH:
+            end = "\n" if done == total else ""
+            print(f"\rreading the document for the search: {done}/{total} parts", end=end, file=sys.stderr,
+                  flush=True)
+
+    name = Path(choice).name.removesuffix(".gguf")
+    return cached_embed(embed, str(choice), batch=EMBED_BATCH, report=report), name
 
 
 def _chat_loop(lm, params, n_ctx, cache, system, messages, pending, session, docs=None,

@@ -312,9 +312,14 @@ class VectorCache:
 CHUNK_VECTORS = VectorCache()  # the process's chunk vectors (the app's, the CLI's)
 
 
-def cached_embed(embed: EmbedFn, model_key: str, cache: VectorCache | None = None) -> EmbedFn:
+def cached_embed(
+    embed: EmbedFn, model_key: str, cache: VectorCache | None = None, batch: int = 0,
+    report: Callable[[int, int], None] | None = None,
+) -> EmbedFn:
     """`embed` with its "document" vectors kept in `cache` (default CHUNK_VECTORS) under (model_key, the
-    text's hash): only texts not seen before with this model are embedded. Queries are not kept."""
+    text's hash): only texts not seen before with this model are embedded, `batch` at a time when given
+    (each batch's vectors kept as they come), with report(done, total) before each batch and at the end.
+    A report that raises ends the embedding there, the batches done kept. Queries are not kept."""
     cache = CHUNK_VECTORS if cache is None else cache
 
     def run(texts: Sequence[str], task: str) -> np.ndarray:
@@ -323,11 +328,17 @@ def cached_embed(embed: EmbedFn, model_key: str, cache: VectorCache | None = Non
         keys = [(model_key, hashlib.sha256(t.encode("utf-8")).hexdigest()) for t in texts]
         rows = [cache.get(k) for k in keys]
         missing = [i for i, v in enumerate(rows) if v is None]
-        if missing:
-            new = np.asarray(embed([texts[i] for i in missing], "document"), dtype=np.float32)
-            for i, v in zip(missing, new, strict=True):
+        step = batch or max(1, len(missing))
+        for start in range(0, len(missing), step):
+            if report is not None:
+                report(start, len(missing))
+            part = missing[start : start + step]
+            new = np.asarray(embed([texts[i] for i in part], "document"), dtype=np.float32)
+            for i, v in zip(part, new, strict=True):
                 rows[i] = v
                 cache.put(keys[i], v)
+        if missing and report is not None:
+            report(len(missing), len(missing))
         return np.stack(rows) if rows else np.empty((0, 0), np.float32)
 
     return run

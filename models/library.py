@@ -154,6 +154,42 @@ class Preset:
     created_at: str = ""
 
 
+# a preset's name: what Ollama takes as a model name (letters, digits, '_', '-' and '.', up to two
+# 'namespace/' parts, an optional ':tag')
+PRESET_NAME = re.compile(r"^(?:[A-Za-z0-9][A-Za-z0-9_.-]{0,79}/){0,2}[A-Za-z0-9][A-Za-z0-9_.-]{0,79}"
+                         r"(?::[A-Za-z0-9_][A-Za-z0-9_.-]{0,79})?$")
+
+# Ollama's parameter names and Hearth's sampling options (GenerationParams, the app's chat overrides)
+_SAMPLING_NAMES = {"temperature": "temperature", "top_k": "top_k", "top_p": "top_p", "min_p": "min_p",
+                   "repeat_penalty": "repetition_penalty", "seed": "seed", "stop": "stop"}
+
+
+def preset_sampling(parameters: dict) -> dict:
+    """A preset's parameters (Ollama's names) as Hearth's sampling options: temperature, top_k, top_p,
+    min_p, repetition_penalty, seed, stop (a tuple) and max_tokens (num_predict when positive: Ollama's -1
+    and -2 mean no limit and fill the context). Parameters Hearth does not apply (num_ctx, mirostat...) are
+    left out."""
+    out = {ours: parameters[theirs] for theirs, ours in _SAMPLING_NAMES.items() if theirs in parameters}
+    if "stop" in out:
+        out["stop"] = tuple(out["stop"])
+    n = parameters.get("num_predict")
+    if isinstance(n, int) and n > 0:
+        out["max_tokens"] = n
+    return out
+
+
+def preset_parameters(sampling: dict) -> dict:
+    """Hearth's sampling options (preset_sampling's names; None or an empty stop list: unset) as a preset's
+    Ollama parameters."""
+    names = {ours: theirs for theirs, ours in _SAMPLING_NAMES.items()} | {"max_tokens": "num_predict"}
+    out = {names[k]: v for k, v in sampling.items() if k in names and v is not None}
+    if "stop" in out:
+        out["stop"] = list(out["stop"])
+        if not out["stop"]:
+            del out["stop"]
+    return out
+
+
 @dataclass(frozen=True)
 class ModelFacts:
     """What a model file says about itself."""

@@ -1,4 +1,5 @@
-"""Screenshots of each window (main window with a sample chat, library, Convert, settings) for the README.
+"""Screenshots of each window (main window with a sample chat, library, Convert, chat options, settings) for
+the README.
 
 Runs under Xvfb when `xvfb-run` is installed (`apt-get install xvfb`; real X11 rendering), else on
 Qt's offscreen platform. No engine is started: the chat shown is a stored sample conversation; the
@@ -80,6 +81,19 @@ def shoot(out: Path) -> None:
         settle(lambda: convert.table.rowCount() > 0, 60.0)
         convert.grab().save(str(out / "convert.png"))
         convert.close()
+    from app.chat_options import ChatOptionsDialog
+    from models.library import Preset
+
+    pirate = {"temperature": 0.9, "top_k": 50, "stop": ["Captain:"]}
+    if starter.is_file():  # a preset over the starter, listed by the dialog's Preset box
+        Library().save_preset(Preset("pirate", str(starter), "You are a pirate. Answer like one.",
+                                     parameters=pirate))
+    options = ChatOptionsDialog("You are a pirate. Answer like one.", pirate, settings, w,
+                                model_path=str(starter) if starter.is_file() else None)
+    options.show()
+    settle()
+    options.grab().save(str(out / "chat-options.png"))
+    options.close()
     dialog = SettingsDialog(settings, w, cuda_available=w.cuda_ok, cuda_reason=w.cuda_reason)
     dialog.show()
     settle()

@@ -870,11 +870,15 @@ class _Router:
                 handlers = s.handlers
                 if handlers is None:
                     continue
-                entry = handlers.ollama.entry()
-                entry.pop("modified_at")
                 until = (time.time() + s.expires_at - time.monotonic()) if s.expires_at is not None else None
-                entry.update(expires_at=ollama.timestamp(until), size_vram=0, context_length=s.engine.n_ctx)
-                out.append(entry)
+                # the model, then the presets served on it (by their names, as Ollama lists a created model)
+                presets = [self.pool.preset(name) for name, _created, _config in s.variants]
+                tags = [handlers.ollama.entry()] + [ollama.catalog_tag(p) for p in presets if p is not None]
+                for entry in tags:
+                    entry.pop("modified_at")
+                    entry.update(expires_at=ollama.timestamp(until), size_vram=0,
+                                 context_length=s.engine.n_ctx)
+                out += tags
             return out
 
         return JSONResponse({"models": await run_in_threadpool(entries)})

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.server.errors import APIError, invalid
+from models.library import PRESET_NAME
 
 # Ollama's options (api.Options and api.Runner) by type; the ones Hearth applies are APPLIED, the others are
 # kept and shown but, as in a request's options, ignored
@@ -35,8 +36,6 @@ BOOL_PARAMS = ("numa", "low_vram", "f16_kv", "logits_all", "vocab_only", "use_mm
 APPLIED = ("temperature", "top_k", "top_p", "min_p", "seed", "stop", "num_predict")
 COMMANDS = ("from", "parameter", "template", "system", "adapter", "message", "license")
 ROLES = ("system", "user", "assistant")
-_NAME = re.compile(r"^(?:[A-Za-z0-9][A-Za-z0-9_.-]{0,79}/){0,2}[A-Za-z0-9][A-Za-z0-9_.-]{0,79}"
-                   r"(?::[A-Za-z0-9_][A-Za-z0-9_.-]{0,79})?$")
 _GO_ACTION = re.compile(r"\{\{-?\s*(?:[.$]|(?:if|range|with|else|end|template|block|define)\b)")
 NO_BLOBS = ("Hearth does not take uploaded model files (Ollama's `files` and /api/blobs; the ollama CLI "
             "uploads a FROM that is a file): add the file to the library (hearth import PATH, or /api/pull), "
@@ -50,7 +49,7 @@ def model_name(name: Any, what: str = "model") -> str:
     Raises:
         APIError (400): not a name Ollama would take.
     """
-    if not isinstance(name, str) or not _NAME.match(name.strip()):
+    if not isinstance(name, str) or not PRESET_NAME.match(name.strip()):
         raise invalid(
             f"{what} {name!r} is invalid: a model name is letters, digits, '_', '-' and '.', optionally "
             "with a ':tag' (for example mybot or mybot:v2)", what,

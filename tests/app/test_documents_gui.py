@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pickle
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -366,5 +367,52 @@ def test_a_broken_search_model_falls_back_to_keywords_with_a_notice(qtbot, engin
     assert "broken-embed.gguf could not be loaded" in message and "ranked by keywords" in message
     label = w.view.widgets[done.args[0].id].sources_label
     assert label.toolTip().endswith(" · ranked by keywords")
+    w.close()
+    store.close()
+
+
+def test_stop_while_the_search_model_reads_the_documents(qtbot, engine, replies, files, monkeypatch):
+    """The search model embeds a long document's chunks a few at a time, the status bar counting them; Stop
+    in the middle ends the reading and the reply, and nothing reaches the engine. The next question embeds
+    only the chunks left (the read ones are kept) and is answered."""
+    import app.controller as controller
+    import engine.document_context as document_context
+
+    monkeypatch.setattr(controller, "EMBED_BATCH", 2)
+    monkeypatch.setattr(document_context, "CHUNK_VECTORS", document_context.VectorCache())  # none read yet
+    batches: list[int] = []
+    real = engine.client.embed
+
+    def embed(model_path, texts, prompt_name=None, **kw):
+        if kw.get("task") == "document":
+            batches.append(len(texts))
+            time.sleep(0.2)  # a slow model: time for Stop to come between two batches
+        return real(model_path, texts, prompt_name, **kw)
+
+    monkeypatch.setattr(engine.client, "embed", embed)
+    w, store = _window(qtbot, engine)
+    w.settings.set("document_search", str(BERT))
+    w.composer_box.offer([str(files["essay"])])
+    _checked(qtbot, w.composer_box)
+    w.composer.setPlainText("What is the vault launch code?")
+    seen: list[tuple[int, int]] = []
+    w.bridge.preparing.connect(lambda _turn, done, total: seen.append((done, total)))
+    w.send()
+    qtbot.waitUntil(lambda: len(seen) >= 3, timeout=60000)
+    assert w.statusBar().currentMessage().startswith("Reading the documents for the search: ")
+    total = seen[0][1]
+    assert total > 6 and [d for d, _ in seen[:3]] == [0, 2, 4]
+    with qtbot.waitSignal(w.controller.messageDone, timeout=30000) as done:
+        w.controller.stop()
+    assert done.args[0].state == "stopped" and replies == [], "nothing went to the engine"
+    read = sum(batches)
+    assert read < total, "Stop ended the reading"
+
+    batches.clear()
+    with qtbot.waitSignal(w.controller.messageDone, timeout=60000) as done:
+        w.composer.setPlainText("Who knows the launch code?")
+        w.send()
+    assert done.args[0].state == "done" and len(replies) == 1
+    assert sum(batches) == total - read, "the chunks read before the Stop were kept"
     w.close()
     store.close()

@@ -29,13 +29,16 @@ def wait_checked(qtbot, box) -> None:
     qtbot.waitUntil(lambda: not box.checking, timeout=10000)
 
 
-def record_replies(engine, monkeypatch, answer: str) -> list[list[dict]]:
+def record_replies(engine, monkeypatch, answer: str, params: list | None = None) -> list[list[dict]]:
     """Swap the engine's generate for a stand-in that records each conversation as the worker would get it
-    (through its pipe) and answers `answer`; returns the recorded conversations."""
+    (through its pipe) and answers `answer`; returns the recorded conversations (and appends each reply's
+    GenerationParams to `params` when given)."""
     calls: list[list[dict]] = []
 
-    def generate(conversation, params=None, **_kwargs):
+    def generate(conversation, params_=None, **_kwargs):
         calls.append(pickle.loads(pickle.dumps(conversation)))
+        if params is not None:
+            params.append(params_)
         yield ChatEvent(text=answer, token=1, generated_tokens=1)
         yield ChatEvent(finish_reason="stop", generated_tokens=1)
 

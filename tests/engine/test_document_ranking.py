@@ -147,6 +147,29 @@ def test_chunk_vectors_are_cached_per_model_so_a_follow_up_embeds_only_its_quest
     assert len(small) == 10 and small.nbytes <= small.max_bytes
 
 
+def test_chunks_are_embedded_in_batches_with_progress_and_a_stop_keeps_the_batches_done():
+    docs, model, cache = _docs(), Counting(), VectorCache()
+    seen: list[tuple[int, int]] = []
+
+    def report(done: int, total: int) -> None:
+        seen.append((done, total))
+        if len(seen) == 3:  # the user stops after two batches
+            raise RuntimeError("stopped")
+
+    embed = cached_embed(model, "m", cache, batch=16, report=report)
+    stopped = select(docs, QUESTION, BUDGET, _count, embed=embed)
+    assert seen == [(0, 40), (16, 40), (32, 40)] and len(cache) == 32
+    assert "failed (stopped)" in stopped.notice  # what was asked for came by keywords
+    model.calls.clear()
+    seen.clear()
+    whole = select(docs, QUESTION, BUDGET, _count, embed=embed)
+    assert [len(texts) for task, texts in model.calls if task == "document"] == [8], "only the rest"
+    assert seen == [(0, 8), (8, 8)] and PAY in _texts(whole)
+    # the same vectors as one call gives: the batches change nothing
+    one = select(docs, QUESTION, BUDGET, _count, embed=cached_embed(Counting(), "m", VectorCache()))
+    assert _texts(one) == _texts(whole)
+
+
 def test_a_failed_embedding_falls_back_to_keywords_with_a_notice():
     def broken(texts, task):
         raise EmbeddingModelError("the embedding model gone.gguf cannot be used: no such file", "gone.gguf")

@@ -256,6 +256,10 @@ def test_create_from_a_modelfile_chat_show_copy_delete(live, served, smollm2_pat
     assert client.copy("pirate", "pirate2").status == "success"
     g2 = client.generate(model="pirate2", prompt="Where is the treasure?")
     assert g2.response == g.response
+    # /api/ps: the loaded model, and the presets served on it under their own names
+    running = {m.model: m for m in client.ps().models}
+    assert set(running) == {base, "pirate", "pirate2"}
+    assert running["pirate2"].details.parent_model == base and running["pirate2"].context_length
     # a copy of the base model: its plain self under another name
     assert client.copy(base, "smol").status == "success"
     greedy = {"temperature": 0, "num_predict": 4}
@@ -266,6 +270,7 @@ def test_create_from_a_modelfile_chat_show_copy_delete(live, served, smollm2_pat
     assert client.delete("pirate").status == "success"
     names = [t.model for t in client.list().models]
     assert "pirate" not in names and "pirate2" in names and base in names
+    assert {m.model for m in client.ps().models} == {base, "pirate2", "smol"}  # smol: the base's copy, used
     assert [s.id for s in pool.loaded()] == [base] and smollm2_path.is_file()
     with pytest.raises(ollama.ResponseError) as e:
         client.chat(model="pirate", messages=HI)
