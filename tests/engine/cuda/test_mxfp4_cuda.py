@@ -33,7 +33,8 @@ def test_int_dot_matvec_stacks_mxfp4_with_other_types_on_host_threads(fake, simt
     STATE.simt = simt
     cp, ops = fake.cp, fake.ops
     cols = 288
-    parts = [gpu_tests._weight(t, rows, cols, seed) for t, rows, seed in ((MXFP4, 19, 1), (8, 5, 2), (20, 8, 3))]
+    stack = ((MXFP4, 19, 1), (8, 5, 2), (20, 8, 3))  # (type, rows, seed)
+    parts = [gpu_tests._weight(t, rows, cols, seed) for t, rows, seed in stack]
     dense = np.concatenate([d for _, d in parts])
     ws = [ops.upload(w) for w, _ in parts]
     rng = np.random.default_rng(4)
