@@ -4,13 +4,12 @@ Conventions as the CPU backend's: output first, float32 activations, weights kep
 encoding on the GPU (`GpuWeight`). Shapes are given on every array argument.
 
 Weight formats: the GGUF types of `TYPES` (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K..Q6_K,
-IQ4_NL, IQ4_XS)
-and the safetensors formats of `hearth convert --to fp8 / fp8:block / nvfp4` (layouts in
-engine/backends/cpu/fpquant.py): FP8_E4M3 (E4M3 codes, float32 scale per row), FP8_E4M3_BLOCK (E4M3
-codes, float32 scale per row and 128 columns) and NVFP4 (E2M1 codes, E4M3 scale per 16 elements,
-float32 global scale). Their scales travel beside the codes
-(GpuWeight.scales, .global_scale); on sm_89+ (Ada, Hopper) the kernels widen E4M3 with the hardware
-conversion, elsewhere by bit moves.
+IQ4_NL, IQ4_XS, MXFP4) and the safetensors formats of `hearth convert --to fp8 / fp8:block / nvfp4`
+(layouts in engine/backends/cpu/fpquant.py): FP8_E4M3 (E4M3 codes, float32 scale per row),
+FP8_E4M3_BLOCK (E4M3 codes, float32 scale per row and 128 columns) and NVFP4 (E2M1 codes, E4M3 scale
+per 16 elements, float32 global scale). Their scales travel beside the codes (GpuWeight.scales,
+.global_scale); on sm_89+ (Ada, Hopper) the kernels widen E4M3 with the hardware conversion, elsewhere
+by bit moves.
 """
 
 from __future__ import annotations
@@ -32,7 +31,7 @@ from engine.weights import Weight
 from models.formats.ggml_types import type_name
 
 F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 = 0, 1, 2, 3, 6, 7, 8
-Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS, BF16 = 10, 11, 12, 13, 14, 20, 23, 30
+Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS, BF16, MXFP4 = 10, 11, 12, 13, 14, 20, 23, 30, 39
 
 # ggml type -> (kernel suffix, elements per block, bytes per block)
 TYPES = {
@@ -51,6 +50,7 @@ TYPES = {
     Q6_K: ("q6_k", 256, 210),
     IQ4_NL: ("iq4_nl", 32, 18),
     IQ4_XS: ("iq4_xs", 256, 136),
+    MXFP4: ("mxfp4", 32, 17),
     # codes only: the scales are arrays of their own (GpuWeight.scales)
     FP8_E4M3: ("fp8", 1, 1),
     FP8_E4M3_BLOCK: ("fp8b", 1, 1),
@@ -58,7 +58,7 @@ TYPES = {
 }
 SUPPORTED_TYPES = frozenset(TYPES)
 # dequant_qb (step.cu) and matvec_qb's dp4a dot products (row_dot): every GGUF block type
-BLOCK_TYPES = frozenset({Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS})
+BLOCK_TYPES = frozenset({Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS, MXFP4})
 INT_DOT_TYPES = BLOCK_TYPES
 _FLOAT_TYPES = (F32, F16, BF16)
 _FP_TYPES = fpquant.FP_TYPES
@@ -102,7 +102,7 @@ class UnsupportedCudaWeightType(ValueError):
 def check_type(ggml_type: int, cols: int) -> None:
     """Raise UnsupportedCudaWeightType unless the kernels handle this type at this width."""
     if ggml_type not in TYPES:
-        name = fpquant.TYPE_NAMES.get(ggml_type) or type_name(ggml_type)  # "MXFP4", "FP8_E4M3", "type 99"
+        name = fpquant.TYPE_NAMES.get(ggml_type) or type_name(ggml_type)  # "IQ2_XXS", "FP8_E4M3", "type 99"
         raise UnsupportedCudaWeightType(f"{name} has no CUDA kernel")
     block = TYPES[ggml_type][1]
     if ggml_type in _FLOAT_TYPES and cols % 8:

@@ -12,7 +12,7 @@ from engine.backends.cuda import kernels
 from tests.engine.cuda.conftest import nvrtc_or_skip
 
 TYPES = ["f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k"]
-TYPES += ["iq4_nl", "iq4_xs"]
+TYPES += ["iq4_nl", "iq4_xs", "mxfp4"]
 TYPES += ["fp8", "fp8b", "nvfp4"]
 HW_E4M3 = "cvt.rn.f16x2.e4m3x2"
 OPS = [
@@ -43,7 +43,7 @@ def test_quant_kernels_compile_for_every_type(ptx):
     for t in TYPES:
         assert f"matvec_{t}" in entries, t
         # the GGUF block types share one dequantization kernel (stacked weights of mixed types)
-        assert (f"dequant_{t}" in entries) != t.startswith(("q", "iq")), t
+        assert (f"dequant_{t}" in entries) != t.startswith(("q", "iq", "mxfp4")), t
     assert {"dequant_qb", "matvec_qb"} <= entries
     assert ".target sm_90" in ptx
 

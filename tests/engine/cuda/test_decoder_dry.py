@@ -650,8 +650,9 @@ def _opt_in(*values):
     return [pytest.param(v, marks=mark) for v in values]
 
 
-# CI: one type per kernel macro shape (32-element blocks, 256-element K-quant blocks, float loads)
-@pytest.mark.parametrize("t", [2, 12, 1, 23, *_opt_in(0, 30, 8, 3, 6, 7, 10, 11, 13, 14, 20)])
+# CI: one type per kernel macro shape (32-element blocks, 256-element K-quant blocks, float loads), and MXFP4
+# (17-byte blocks: every byte alignment)
+@pytest.mark.parametrize("t", [2, 12, 1, 23, 39, *_opt_in(0, 30, 8, 3, 6, 7, 10, 11, 13, 14, 20)])
 def test_matvec_and_dequant_kernels_on_host_threads(fake, simt, t):
     """tests/engine/cuda/test_kernels_gpu.py's per-type parity check, its kernels run on host threads."""
     from tests.engine.cuda import test_kernels_gpu as gpu_tests
@@ -660,7 +661,7 @@ def test_matvec_and_dequant_kernels_on_host_threads(fake, simt, t):
     gpu_tests.test_matvec_and_dequant_match_cpu(0, t)
 
 
-@pytest.mark.parametrize("t", [12, 13, 11, 8, 6, 20, *_opt_in(14, 10, 2, 3, 7, 23)])
+@pytest.mark.parametrize("t", [12, 13, 11, 8, 6, 20, 39, *_opt_in(14, 10, 2, 3, 7, 23)])
 def test_int_dot_matvec_on_host_threads(fake, simt, t):
     """The graph path's integer-dot matvec (matvec_qb, step.cu's row_dot) on host threads: every prologue,
     accumulate, and one launch over stacked weights of different types."""

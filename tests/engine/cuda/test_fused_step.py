@@ -99,6 +99,8 @@ SPECS = {
     "f32": dict(matrix_type=T.F32, layers=1),
     "q5_0": dict(matrix_type=T.Q5_0, layers=1),  # the fifth bits spread into dp4a's bytes
     "q5_1": dict(matrix_type=T.Q5_1, layers=1),
+    # every matrix MXFP4, the embedding too (its row through dec_unit); 17-byte blocks at every alignment
+    "mxfp4": dict(matrix_type=T.MXFP4, layers=1),
     # 256-wide rows for the K-quants; head_dim 64
     "q4_k": dict(matrix_type=T.Q4_K, hidden=256, ffn=512, heads=4, kv_heads=2, layers=1),
     "q5_k": dict(matrix_type=T.Q5_K, hidden=256, ffn=512, heads=4, kv_heads=2, layers=1),

@@ -13,6 +13,7 @@ import ctypes
 import shutil
 import subprocess
 
+import gguf
 import numpy as np
 import pytest
 
@@ -53,6 +54,7 @@ QUANT = {
     "q4_k": (12, 256, 144),
     "q5_k": (13, 256, 176),
     "q6_k": (14, 256, 210),
+    "mxfp4": (39, 32, 17),
 }
 FLOAT = {"f16": (1, 8, 2), "bf16": (30, 8, 2), "f32": (0, 4, 4)}
 
@@ -190,3 +192,22 @@ def test_nvfp4_decoder_every_code_and_quantized_rows(lib):
     # the host decoder multiplies the block scale and E2M1 value first (exact), the reference the
     # block and global scale first: one rounding apart
     np.testing.assert_allclose(_nvfp4(lib, packed, scales, float(g)), ref, rtol=2e-7, atol=0)
+
+
+def test_mxfp4_decoder_every_code_and_extreme_scales(lib):
+    """Every byte of codes (both nibbles: all 16 E2M1 values) under every E8M0 exponent: 0 and 1 (the
+    denormal scales 2^-128, 2^-127 of ggml_e8m0_to_fp32_half), 254 and 255 (2^126, 2^127: 12 times that
+    is inf, as on the CPU), and all-zero blocks: bit for bit the CPU's dequantization (and gguf's)."""
+    codes = np.tile(np.arange(256, dtype=np.uint8).reshape(16, 16), (16, 1))  # each byte in 16 blocks
+    exps = np.arange(256, dtype=np.uint8)[:, None]  # block i: exponent i
+    zero = np.hstack([np.array([[0], [1], [127], [255]], np.uint8), np.zeros((4, 16), np.uint8)])
+    raw = np.concatenate([np.hstack([exps, codes]), zero]).reshape(-1, 4 * 17)  # rows of 128 elements
+    ref = dequantize(39, raw, 128).reshape(-1)
+    with np.errstate(over="ignore"):
+        oracle = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType.MXFP4).reshape(-1)
+    np.testing.assert_array_equal(ref, oracle)
+    assert (ref == 0).any() and (np.abs(ref[ref != 0]) < 2**-126).any() and np.isinf(ref).any()
+    np.testing.assert_array_equal(_call(lib, "mxfp4", raw, raw.size // 17, ref.size), ref)
+    raw = np.random.default_rng(1003).integers(0, 256, (7, 8 * 17), dtype=np.uint8)  # random exponents
+    ref = dequantize(39, raw, 256).reshape(-1)
+    np.testing.assert_array_equal(_call(lib, "mxfp4", raw, 7 * 8, ref.size), ref)

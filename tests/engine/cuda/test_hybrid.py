@@ -114,16 +114,18 @@ def test_a_model_without_cuda_kernels_stays_on_the_cpu_with_a_notice(fake, gpu_l
 
 
 def test_a_weight_type_without_cuda_kernels_stays_on_the_cpu_with_its_name(fake, tmp_path):
-    """MXFP4 matrices (gpt-oss's type; CPU kernels only) in a model the CUDA backend otherwise runs."""
+    """A matrix of a type without CUDA kernels (IQ2_XXS's type id on Q8_0 bytes: the check looks at the
+    type alone) in a model the CUDA backend otherwise runs."""
     from engine.backends.cuda.placement import place_model
+    from engine.weights import Weight
 
-    path = tmp_path / "mxfp4.gguf"
-    write_tiny_gguf(path, TinySpec(matrix_type=T.MXFP4))
-    lm = load_model(path)
+    lm = _lm(tmp_path)
+    w = lm.model.layers[1].w_down
+    lm.model.layers[1].w_down = Weight(16, w.raw[:, :66], w.rows, w.cols)
     cpu_model, notices = lm.model, []
     choice = place_model(lm, "cuda", n_ctx=32, notify=notices.append)
     assert choice.device.kind == "cpu" and lm.model is cpu_model
-    assert notices == ["MXFP4 has no CUDA kernel; running on the CPU instead"]
+    assert notices == ["IQ2_XXS has no CUDA kernel; running on the CPU instead"]
 
 
 def test_hybrid_cache_read_write_round_trip(fake, tmp_path):

@@ -19,7 +19,7 @@ pytestmark = pytest.mark.cuda
 
 # ggml id (or safetensors format id: FP8_E4M3, NVFP4, FP8_E4M3_BLOCK) -> elements per block
 TYPES = {0: 1, 1: 1, 30: 1, 8: 32, 2: 32, 3: 32, 6: 32, 7: 32, 10: 256, 11: 256, 12: 256, 13: 256, 14: 256}
-TYPES |= {20: 32, 23: 256}  # IQ4_NL, IQ4_XS
+TYPES |= {20: 32, 23: 256, 39: 32}  # IQ4_NL, IQ4_XS, MXFP4
 TYPES |= {FP8_E4M3: 1, NVFP4: 16, FP8_E4M3_BLOCK: 1}
 
 
@@ -36,7 +36,8 @@ def _weight(t: int, rows: int, cols: int, seed: int) -> tuple[Weight, np.ndarray
     if t == NVFP4:
         packed, scales, g = quantize_nvfp4(m)
         return Weight(t, packed, rows, cols, scales, float(g)), dequantize_nvfp4(packed, scales, g)
-    if t in (20, 23):  # IQ4_NL / IQ4_XS: no encoder; random blocks (test_cpu_kernels), gguf's decoding
+    if t in (20, 23, 39):  # IQ4_NL / IQ4_XS: no encoder; MXFP4: every code and exponents down to 2^-128
+        # (random blocks, test_cpu_kernels), gguf's decoding
         from tests.engine.test_cpu_kernels import make_weight
 
         return make_weight(gguf.GGMLQuantizationType(t), rows, cols, rng)
@@ -86,7 +87,7 @@ def test_matvec_and_dequant_match_cpu(gpu, t):
 
 # FP8 / NVFP4: each stacked weight brings its own row / block and global scales
 @pytest.mark.parametrize("int_dot", [True, False])
-@pytest.mark.parametrize("t", [10, 11, 12, 13, 14, 20, 23, 8, 6, 7, 1, FP8_E4M3, NVFP4, FP8_E4M3_BLOCK])
+@pytest.mark.parametrize("t", [10, 11, 12, 13, 14, 20, 23, 39, 8, 6, 7, 1, FP8_E4M3, NVFP4, FP8_E4M3_BLOCK])
 def test_stacked_matvec_prologues_and_accumulate(gpu, t, int_dot):
     import cupy as cp
 
@@ -170,7 +171,7 @@ def test_matvec_batch_matches_one_vector_at_a_time(gpu):
 
 
 # float kernels: F16, BF16, F32, FP8 (both), NVFP4, and block types' float dot products (int_dot=False)
-FLOAT_BATCH_TYPES = (1, 30, 0, FP8_E4M3, NVFP4, FP8_E4M3_BLOCK, 8, 12)
+FLOAT_BATCH_TYPES = (1, 30, 0, FP8_E4M3, NVFP4, FP8_E4M3_BLOCK, 8, 12, 39)
 
 
 @pytest.mark.parametrize("t", FLOAT_BATCH_TYPES)

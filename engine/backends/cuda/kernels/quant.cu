@@ -59,6 +59,20 @@ __device__ __forceinline__ void ld32n_2(const uchar* p, uint* out, int extra = 0
         cur = next;
     }
 }
+// N consecutive u32 at any address p (MXFP4's 17-byte blocks): the aligned words holding bytes of
+// [p, p + 4N), funnel-shifted (N + 1 loads, N when p is 4-byte aligned); reads nothing outside them.
+template <int N>
+__device__ __forceinline__ void ld32n_1(const uchar* p, uint* out) {
+    int s = (int)((unsigned long long)p & 3ULL) * 8;
+    const uint* w = (const uint*)((unsigned long long)p & ~3ULL);
+    uint cur = w[0];
+#pragma unroll
+    for (int i = 0; i < N; i++) {
+        uint next = i + 1 < N || s ? w[i + 1] : 0u;
+        out[i] = funnel_r(cur, next, s);
+        cur = next;
+    }
+}
 __device__ __forceinline__ void dec_q5_0(const uchar* b, int s, float* v) {
     float d = ldh(b);
     uint qh = ld32_2(b + 2);
@@ -187,17 +201,26 @@ __device__ __forceinline__ void dec_q6_k(const uchar* b, int s, float* v) {
 #define IQ4_T1 0xF6EADDCFu  //  -49  -35 -22 -10
 #define IQ4_T2 0x26190D01u  //    1   13  25  38
 #define IQ4_T3 0x71594535u  //   53   69  89 113
-__device__ __forceinline__ float iq4_value(int i) {
-    uint w = i < 8 ? (i < 4 ? IQ4_T0 : IQ4_T1) : (i < 12 ? IQ4_T2 : IQ4_T3);
+// MXFP4's E2M1 values doubled, so that they are integers (gguf's MXFP4.kvalues), the same way
+#define MXFP4_T0 0x03020100u  //  0  1  2   3
+#define MXFP4_T1 0x0C080604u  //  4  6  8  12
+#define MXFP4_T2 0xFDFEFF00u  //  0 -1 -2  -3
+#define MXFP4_T3 0xF4F8FAFCu  // -4 -6 -8 -12
+// value i of a 16-entry int8 table held as four words t0..t3
+__device__ __forceinline__ float lut4_value(int i, uint t0, uint t1, uint t2, uint t3) {
+    uint w = i < 8 ? (i < 4 ? t0 : t1) : (i < 12 ? t2 : t3);
     return (float)(signed char)(w >> (8 * (i & 3)));
 }
-// sixteen indices (bytes j: element j low, element j + 16 high) -> 32 values d * kvalue
-__device__ __forceinline__ void dec_iq4(const uchar* q, float d, float* v) {
+// sixteen indices (bytes j: element j low, element j + 16 high) -> 32 values d * table value
+__device__ __forceinline__ void dec_lut4(const uchar* q, float d, uint t0, uint t1, uint t2, uint t3, float* v) {
 #pragma unroll
     for (int j = 0; j < 16; j++) {
-        v[j] = d * iq4_value(q[j] & 15);
-        v[j + 16] = d * iq4_value(q[j] >> 4);
+        v[j] = d * lut4_value(q[j] & 15, t0, t1, t2, t3);
+        v[j + 16] = d * lut4_value(q[j] >> 4, t0, t1, t2, t3);
     }
+}
+__device__ __forceinline__ void dec_iq4(const uchar* q, float d, float* v) {
+    dec_lut4(q, d, IQ4_T0, IQ4_T1, IQ4_T2, IQ4_T3, v);
 }
 // IQ4_NL: f16 d | 16 qs
 __device__ __forceinline__ void dec_iq4_nl(const uchar* b, int s, float* v) { dec_iq4(b + 2, ldh(b), v); }
@@ -210,6 +233,17 @@ __device__ __forceinline__ void dec_iq4_xs(const uchar* b, int s, float* v) {
     uint h = (uint)b[2] | ((uint)b[3] << 8);
     uint l = (uint)b[4] | ((uint)b[5] << 8) | ((uint)b[6] << 16) | ((uint)b[7] << 24);
     dec_iq4(b + 8 + 16 * s, ldh(b) * (float)iq4xs_scale(h, l, s), v);
+}
+
+// MXFP4: u8 e (E8M0) | 16 qs (IQ4_NL's nibbles); value 2^(e-127) E2M1 = 2^(e-128) times the doubled
+// value. 2^(e-128) as ggml_e8m0_to_fp32_half: the bits (e - 1) << 23, or the denormals 2^-128, 2^-127
+// for e = 0, 1 (ggml writes all-zero blocks with e = 0); NVRTC_OPTIONS has no --use_fast_math, so
+// they are not flushed.
+__device__ __forceinline__ float e8m0_half(uint e) {
+    return __uint_as_float(e < 2 ? 0x00200000u << e : (e - 1) << 23);
+}
+__device__ __forceinline__ void dec_mxfp4(const uchar* b, int s, float* v) {
+    dec_lut4(b + 1, e8m0_half(b[0]), MXFP4_T0, MXFP4_T1, MXFP4_T2, MXFP4_T3, v);
 }
 
 // FP8 E4M3 and NVFP4, the safetensors formats (layouts as engine/backends/cpu/fpquant.py gives them):
@@ -438,6 +472,7 @@ QMATVEC(q5_k, 176, 8)
 QMATVEC(q6_k, 210, 8)
 QMATVEC(iq4_nl, 18, 1)
 QMATVEC(iq4_xs, 136, 8)
+QMATVEC(mxfp4, 17, 1)
 
 // Float types: 8 elements (F16/BF16) or 4 (F32) per 128-bit load, lanes on consecutive loads; B vectors
 // as QMATVEC's. Rows must be 16-byte aligned (cols a multiple of 8, weights in their own allocation:

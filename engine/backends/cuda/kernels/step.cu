@@ -79,6 +79,7 @@ __device__ __forceinline__ void prefetch_l1(const uchar* p) {}
 #define T_IQ4_NL 20
 #define T_IQ4_XS 23
 #define T_BF16 30
+#define T_MXFP4 39
 
 __device__ __forceinline__ long long row_bytes_of(int t, int cols) {
     switch (t) {
@@ -95,6 +96,7 @@ __device__ __forceinline__ long long row_bytes_of(int t, int cols) {
         case T_Q5_K: return (cols / 256) * 176LL;
         case T_IQ4_NL: return (cols / 32) * 18LL;
         case T_IQ4_XS: return (cols / 256) * 136LL;
+        case T_MXFP4: return (cols / 32) * 17LL;
         default: return (cols / 256) * 210LL;  // Q6_K
     }
 }
@@ -192,16 +194,23 @@ __device__ __forceinline__ float k4_pair_sums(uint4 h, int j, int da, int db, XV
     float dots = sa * xd(xa, ua) * (float)da + sb * xd(xb, ua + 1) * (float)db;
     return k4_d(h) * dots - k4_dmin(h) * (ma * xs(xa, ua) + mb * xs(xb, ua + 1));
 }
-// The codebook values (int8) of the eight IQ4 indices in w (byte j: element j low, j + 16 high): *lo
-// those of the low nibbles (elements j .. j + 3 of the word's four bytes), *hi those of the high ones.
-// byte_perm picks by the low 3 bits of each selector nibble, from (IQ4_T0, IQ4_T1) and (IQ4_T2,
-// IQ4_T3); bit 3 of the index then picks one of the two (+4 in the selector of a third byte_perm).
-__device__ __forceinline__ void iq4_lookup(uint w, uint* lo, uint* hi) {
+// The table values (int8) of the eight 4-bit indices in w (byte j: element j low, j + 16 high) in a
+// 16-entry table held as four words t0..t3 (IQ4_T*, MXFP4_T*): *lo those of the low nibbles (elements
+// j .. j + 3 of the word's four bytes), *hi those of the high ones. byte_perm picks by the low 3 bits of
+// each selector nibble, from (t0, t1) and (t2, t3); bit 3 of the index then picks one of the two (+4 in
+// the selector of a third byte_perm).
+__device__ __forceinline__ void lut4_lookup(uint w, uint t0, uint t1, uint t2, uint t3, uint* lo, uint* hi) {
     uint sel = 0x32103210u | ((w & 0x88888888u) >> 1);
-    uint a = byte_perm(byte_perm(IQ4_T0, IQ4_T1, w), byte_perm(IQ4_T2, IQ4_T3, w), sel);  // j, j+16, j+1, j+17
-    uint c = byte_perm(byte_perm(IQ4_T0, IQ4_T1, w >> 16), byte_perm(IQ4_T2, IQ4_T3, w >> 16), sel >> 16);
+    uint a = byte_perm(byte_perm(t0, t1, w), byte_perm(t2, t3, w), sel);  // j, j+16, j+1, j+17
+    uint c = byte_perm(byte_perm(t0, t1, w >> 16), byte_perm(t2, t3, w >> 16), sel >> 16);
     *lo = byte_perm(a, c, 0x6420u);
     *hi = byte_perm(a, c, 0x7531u);
+}
+__device__ __forceinline__ void iq4_lookup(uint w, uint* lo, uint* hi) {
+    lut4_lookup(w, IQ4_T0, IQ4_T1, IQ4_T2, IQ4_T3, lo, hi);
+}
+__device__ __forceinline__ void mxfp4_lookup(uint w, uint* lo, uint* hi) {
+    lut4_lookup(w, MXFP4_T0, MXFP4_T1, MXFP4_T2, MXFP4_T3, lo, hi);
 }
 
 // This lane's part of row . x (the caller sums the warp). Each case's loop takes its pieces (units, or
@@ -436,6 +445,16 @@ __device__ float row_dot(int type, const uchar* __restrict__ row, const XIn& xin
                 for (int k = 0; k < 4; k++) iq4_lookup(w[k], &q[k], &q[k + 4]);
                 float d = h2f((ushort)(h.x & 0xffffu)) * (float)iq4xs_scale(h.x >> 16, h.y, s);
                 acc = fmaf(d * xd(x, u), (float)dot8(q, x, u), acc);
+            }
+            break;
+        case T_MXFP4:
+            for (int u = lane + first; u < units; u += step) {  // u8 e (E8M0) | 16 qs (IQ4_NL's nibbles)
+                const uchar* b = row + 17LL * u;
+                uint w[4], q[8];
+                ld32n_1<4>(b + 1, w);
+#pragma unroll
+                for (int k = 0; k < 4; k++) mxfp4_lookup(w[k], &q[k], &q[k + 4]);
+                acc = fmaf(e8m0_half(b[0]) * xd(x, u), (float)dot8(q, x, u), acc);
             }
             break;
         case T_F32:
@@ -937,6 +956,7 @@ __device__ __forceinline__ void dec_unit(int type, const uchar* row, int u, floa
         case T_Q5_K: dec_q5_k(row + 176LL * (u / 8), u % 8, v); break;
         case T_IQ4_NL: dec_iq4_nl(row + 18LL * u, 0, v); break;
         case T_IQ4_XS: dec_iq4_xs(row + 136LL * (u / 8), u % 8, v); break;
+        case T_MXFP4: dec_mxfp4(row + 17LL * u, 0, v); break;
         default: dec_q6_k(row + 210LL * (u / 8), u % 8, v); break;
     }
 }
