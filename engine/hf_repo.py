@@ -1121,6 +1121,35 @@ def _token_id(value, vocab: dict[str, int]) -> int | None:
     return vocab.get(value) if isinstance(value, str) else None
 
 
+def hf_vocab(path: Path, hf: HFTokenizer, spec: dict) -> dict[str, int]:
+    """token -> id of a tokenizer.json, added tokens included, as the `tokenizers` library (and so
+    transformers) encodes them.
+
+    The library does not keep an added token's "id" from the file: it gives it the model vocabulary's id
+    of the same text, or else the next id after the model vocabulary and the added tokens before it. A file
+    whose added tokens sit below model vocabulary ids that no model entry fills thus has one id for two
+    tokens, and text encoded with it cannot be decoded.
+
+    Raises:
+        ModelFormatError: two tokens have the same id.
+    """
+    vocab = hf.get_vocab(with_added_tokens=True)
+    if len(set(vocab.values())) == len(vocab):
+        return vocab
+    by_id: dict[int, list[str]] = {}
+    for text, i in vocab.items():
+        by_id.setdefault(i, []).append(text)
+    i, texts = next((i, t) for i, t in sorted(by_id.items()) if len(t) > 1)
+    declared = {a["content"]: a.get("id") for a in spec.get("added_tokens", [])}
+    moved = [f"{t!r} (id {declared[t]} in the file)" for t in texts if t in declared and declared[t] != i]
+    raise ModelFormatError(
+        path,
+        f"tokens {', '.join(map(repr, texts))} all get id {i}: the tokenizers library ignores an added "
+        f"token's id and numbers it after the model vocabulary, which moves {', '.join(moved) or 'one'} onto "
+        "a model token; add the added tokens' texts to model.vocab at their ids, or give them ids after it",
+    )
+
+
 def tokenizer_from_hf(folder: Path, tok_config: dict, gen_config: dict) -> Tokenizer:
     """Our Tokenizer over the repo's own tokenizer.json (the reference tokenizer, used as is)."""
     path = folder / "tokenizer.json"
@@ -1132,7 +1161,7 @@ def tokenizer_from_hf(folder: Path, tok_config: dict, gen_config: dict) -> Token
         raise ModelFormatError(path, f"cannot be read ({e})") from e
     spec = json.loads(path.read_text(encoding="utf-8"))
     kind, add_space_prefix = _tokenizer_kind(path, spec)
-    vocab = hf.get_vocab(with_added_tokens=True)
+    vocab = hf_vocab(path, hf, spec)
     tokens = [""] * (max(vocab.values()) + 1)
     for text, i in vocab.items():
         tokens[i] = text
@@ -1142,7 +1171,7 @@ def tokenizer_from_hf(folder: Path, tok_config: dict, gen_config: dict) -> Token
             if _BYTE_PIECE.fullmatch(text):
                 types[i] = TOKEN_BYTE
     for added in spec.get("added_tokens", []):
-        types[added["id"]] = TOKEN_CONTROL if added.get("special") else TOKEN_USER_DEFINED
+        types[vocab[added["content"]]] = TOKEN_CONTROL if added.get("special") else TOKEN_USER_DEFINED
     bos = _token_id(tok_config.get("bos_token"), vocab)
     eos = _token_id(tok_config.get("eos_token"), vocab)
     if kind == "bert":  # [CLS] text [SEP] (the tokenizer.json post-processor adds them: encode_embedding)

@@ -51,7 +51,7 @@ def _vocab_metadata(folder: Path, tok_config: dict, n_rows: int) -> dict:
     tokens += [f"[PAD{i}]" for i in range(len(tokens), n_rows)]
     for added in spec.get("added_tokens", []):
         if added.get("special"):
-            types[added["id"]] = TOKEN_CONTROL
+            types[vocab[added["content"]]] = TOKEN_CONTROL
 
     def phantom(t: str, kind: int) -> str:
         if kind == TOKEN_CONTROL:
@@ -94,7 +94,7 @@ def _unigram_vocab_metadata(folder: Path, tok_config: dict, n_rows: int) -> dict
     for i, (piece, score) in enumerate(pieces):
         tokens[i], scores[i], types[i] = piece, score, TOKEN_NORMAL
     for added in spec.get("added_tokens", []):
-        types[added["id"]] = TOKEN_CONTROL if added.get("special") else TOKEN_USER_DEFINED
+        types[vocab[added["content"]]] = TOKEN_CONTROL if added.get("special") else TOKEN_USER_DEFINED
     unk = model.get("unk_id")
     if unk is not None:
         types[unk] = TOKEN_UNKNOWN

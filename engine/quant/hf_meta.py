@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from tokenizers import Tokenizer as HFTokenizer
 
 from engine.arch.gemma3 import SLIDING, pattern_layer_types
 from engine.arch.llama import (
@@ -436,6 +437,8 @@ def read_vocab(folder: Path, kind: str) -> tuple[dict, dict, dict[str, int], lis
     Raises:
         ModelFormatError: no tokenizer.json, or one of another model type.
     """
+    from engine.hf_repo import hf_vocab
+
     path = folder / "tokenizer.json"
     try:
         spec = json.loads(path.read_text(encoding="utf-8"))
@@ -446,13 +449,12 @@ def read_vocab(folder: Path, kind: str) -> tuple[dict, dict, dict[str, int], lis
         raise ModelFormatError(
             path, f"tokenizer model {model.get('type')!r} cannot be converted here ({kind} only)"
         )
-    pieces = model.get("vocab") or {}
-    if isinstance(pieces, list):  # Unigram: [piece, score] by id
-        vocab: dict[str, int] = {piece: i for i, (piece, _) in enumerate(pieces)}
-    else:
-        vocab = dict(pieces)
-    for added in spec.get("added_tokens", []):
-        vocab.setdefault(added["content"], added["id"])
+    try:
+        hf = HFTokenizer.from_file(str(path))
+    except Exception as e:  # the Rust side reports malformed files as generic exceptions
+        raise ModelFormatError(path, f"cannot be read ({e})") from e
+    # the ids the folder's own tokenizer encodes with, which the GGUF must keep (not the file's added ids)
+    vocab = hf_vocab(path, hf, spec)
     tokens = [f"[PAD{i}]" for i in range(max(vocab.values()) + 1)]
     for text, i in vocab.items():
         tokens[i] = text
@@ -470,7 +472,7 @@ def _tokenizer_metadata(folder: Path, tok_config: dict, arch: str = "") -> dict[
             if _BYTE_PIECE.fullmatch(t):
                 types[i] = TOKEN_BYTE
     for added in spec.get("added_tokens", []):
-        types[added["id"]] = TOKEN_CONTROL if added.get("special") else TOKEN_USER_DEFINED
+        types[vocab[added["content"]]] = TOKEN_CONTROL if added.get("special") else TOKEN_USER_DEFINED
 
     def tid(key):
         v = tok_config.get(key)
