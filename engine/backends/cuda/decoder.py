@@ -21,6 +21,11 @@ Batched decode (the server): forward_batch runs the same step over B sequences a
 CUDA graph per batch of caches. Integer-dot weights are read once for up to ops.MAX_BATCH of them; RoPE,
 attention and float-kernel matvecs run per sequence inside the step.
 
+Mixture-of-experts layers (llama family, experts of GGUF block types): the router's matvec, moe_route
+(the chosen experts and weights stay on the GPU, so the graph picks them as it runs), matvec_qb_experts
+for the chosen experts' gate|up and down, moe_combine for their weighted sum and the shared expert; their
+prefill groups the tokens by expert on the host (_moe_prefill).
+
 Partial offload: with n_layers below the model's layer count the decoder runs the embedding and the
 first n_layers layers only and hands the residual stream to the CPU model (engine.backends.cuda.hybrid).
 """
@@ -102,17 +107,78 @@ LAYER_WEIGHTS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
 PREFILL_STACKS = (("wq", "wk", "wv"), ("wo",), ("w_gate", "w_up"), ("w_down",))  # a GEMM each in prefill
 
 
+def _moe_weights(moe) -> list:
+    """A MoE block's weights as they go to the GPU: the router, each expert matrix (uploaded into one
+    merged tensor per kind: _upload_experts) and the shared expert's three."""
+    return [moe.router, *moe.gate, *moe.up, *moe.down, *(moe.shared or ())]
+
+
 def _weights_of(model, n_layers: int | None = None) -> list:
-    """The distinct weights on the GPU: embedding, the first n_layers layers' matrices (all: None) and
-    the output projection when every layer is there."""
+    """The distinct weights on the GPU: embedding, the first n_layers layers' matrices (all: None), their
+    experts, and the output projection when every layer is there."""
     seen, out = set(), []
     n = len(model.layers) if n_layers is None else n_layers
     heads = [model.token_embd] + ([model.output] if n >= len(model.layers) else [])
-    for w in heads + [getattr(layer, a) for layer in model.layers[:n] for a in LAYER_WEIGHTS]:
-        if id(w) not in seen:
+    layers = [getattr(layer, a) for layer in model.layers[:n] for a in LAYER_WEIGHTS]
+    moes = [getattr(layer, "moe", None) for layer in model.layers[:n]]
+    experts = [w for moe in moes if moe is not None for w in _moe_weights(moe)]
+    for w in heads + layers + experts:
+        if w is not None and id(w) not in seen:
             seen.add(id(w))
             out.append(w)
     return out
+
+
+def ffn_width(model) -> int:
+    """The widest dense FFN of the model's layers (a MoE model's dense layers may be wider than its
+    experts, cfg.intermediate_size), at least cfg.intermediate_size: the width of the decode step's and
+    prefill's FFN buffers."""
+    widths = [layer.w_gate.rows for layer in model.layers if getattr(layer, "w_gate", None) is not None]
+    return max([model.cfg.intermediate_size, *widths])
+
+
+def moe_dims(model) -> tuple:
+    """(experts, chosen a token, expert ff, shared expert ff (0: none)) when some layer has experts, else
+    None."""
+    moes = [layer.moe for layer in model.layers if getattr(layer, "moe", None) is not None]
+    if not moes:
+        return None
+    cfg, m = model.cfg, moes[0]
+    shared_ff = 0 if m.shared is None else m.shared[0].rows
+    return (cfg.num_experts, cfg.num_experts_per_tok, m.gate[0].rows, shared_ff)
+
+
+def _moe_refusal(model) -> str | None:
+    """Why the CUDA kernels cannot run this model's mixture-of-experts layers (None: they can, or there
+    are none): the experts run on matvec_qb's integer dot products (every GGUF block type), routed by
+    softmax or sigmoid scores with an optional choice bias, with SwiGLU experts and an optional shared
+    expert."""
+    cfg = model.cfg
+    for layer in model.layers:
+        moe = getattr(layer, "moe", None)
+        if moe is None:
+            continue
+        types = {w.ggml_type for w in [*moe.gate, *moe.up, *moe.down]}
+        float_types = sorted(types - ops.INT_DOT_TYPES)
+        if float_types:
+            from models.formats.ggml_types import type_name
+
+            return (f"mixture-of-experts layers with {type_name(float_types[0])} experts have no CUDA "
+                    "kernels yet (the experts take GGUF block types such as Q4_K or Q8_0: use a quantized "
+                    "GGUF)")
+        if any(len({w.ggml_type for w in ws}) > 1 for ws in (moe.gate, moe.up, moe.down)):
+            return "mixture-of-experts layers whose experts differ in weight type have no CUDA kernels"
+        biases = (moe.router_bias, moe.gate_bias, moe.up_bias, moe.down_bias, moe.expert_scale)
+        if any(b is not None for b in biases) or cfg.expert_act != "silu":
+            return ("mixture-of-experts layers with expert biases or gpt-oss's / Gemma's expert activation "
+                    "have no CUDA kernels yet")
+        groups, used = getattr(cfg, "expert_groups", 1), getattr(cfg, "expert_groups_used", 0)
+        if groups > 1 and 0 < used < groups:
+            return "mixture-of-experts layers with group-limited routing (DeepSeek) have no CUDA kernels yet"
+        if cfg.num_experts > ops.MOE_MAX_EXPERTS or not 1 <= cfg.num_experts_per_tok <= 32:
+            return (f"mixture-of-experts layers of {cfg.num_experts} experts, {cfg.num_experts_per_tok} a "
+                    f"token, have no CUDA kernels (up to {ops.MOE_MAX_EXPERTS} experts and 32 a token)")
+    return None
 
 
 def estimate_vram(
@@ -134,18 +200,20 @@ def estimate_vram(
         * cfg.head_dim
         * np.dtype(kv_dtype).itemsize
     )
-    acts = (
-        4
-        * prefill_tokens
-        * (3 * cfg.hidden_size + 2 * cfg.q_dim + 2 * cfg.kv_dim + 3 * cfg.intermediate_size)
-    )
+    ff = ffn_width(model)
+    acts = 4 * prefill_tokens * (3 * cfg.hidden_size + 2 * cfg.q_dim + 2 * cfg.kv_dim + 3 * ff)
+    moe = moe_dims(model)
+    if moe is not None:  # router logits, routing, the experts' outputs by slot, the shared expert's rows
+        E, k, eff, sff = moe
+        acts += 4 * prefill_tokens * (E + 2 * k + k * cfg.hidden_size + 3 * eff + 3 * sff + 1)
     # prefill attention: scores (and probabilities), q and the output regrouped by KV head
     attn_parts = ops.ATTN_GEMM_BYTES + 8 * prefill_tokens * cfg.q_dim
     tile = 2 * PREFILL_TILE_ELEMS + (4 * cfg.vocab_size * 2 if n == cfg.num_hidden_layers else 0)
     # decode steps: a sequence's rows (activations, logits) and attention partials, for one sequence
     # and the kept batched steps of up to SERVE_ROWS sequences each
     vocab = cfg.vocab_size if n == cfg.num_hidden_layers else 0
-    row = 4 * (2 * cfg.hidden_size + 2 * cfg.q_dim + 2 * cfg.kv_dim + 2 * cfg.intermediate_size + vocab)
+    row = 4 * (2 * cfg.hidden_size + 2 * cfg.q_dim + 2 * cfg.kv_dim + 2 * ff + vocab)
+    row += _Step.moe_row_bytes(cfg.hidden_size, moe)
     row += 4 * cfg.num_attention_heads * ops.attention_splits(n_ctx)[1] * (cfg.head_dim + 2)
     steps = row * (1 + BATCH_GRAPHS * SERVE_ROWS)
     # captured prefills keep their buffers (one prefill's, up to PREFILL_GRAPH_MAX tokens) for each kept one
@@ -186,10 +254,13 @@ class _Step:
     """The buffers of a decode step over B sequences (B rows each, allocated once) and its captured
     graphs (by greedy flag), for one list of caches; held by weak references, checked by `holds`."""
 
-    def __init__(self, cfg, caches: list, head_only: bool):
+    def __init__(self, cfg, caches: list, head_only: bool, ff: int | None = None, moe: tuple | None = None):
+        """ff: the widest dense FFN (ffn_width; None: cfg.intermediate_size); moe: moe_dims (None: no
+        experts), for the MoE rows below."""
         f32 = cp.float32
         B = len(caches)
-        d, q, kv, ff = cfg.hidden_size, cfg.q_dim, cfg.kv_dim, cfg.intermediate_size
+        d, q, kv = cfg.hidden_size, cfg.q_dim, cfg.kv_dim
+        ff = cfg.intermediate_size if ff is None else ff
         self.refs = [weakref.ref(c) for c in caches]
         self.x = cp.empty((B, d), f32)
         self.o = cp.empty((B, d), f32)
@@ -218,15 +289,37 @@ class _Step:
                 cp.asarray(np.array([[c.k[i].data.ptr, c.v[i].data.ptr, c.n_ctx] for c in caches], np.uint64))
                 for i in range(caches[0].k.shape[0])
             ]
+        # the MoE layers' rows: router logits, the chosen experts (B x k slots) and their weights, each
+        # slot's gate|up and output, the shared expert's gate|up, output and gate logit
+        self.moe = moe
+        if moe is not None:
+            E, k, eff, sff = moe
+            self.router = cp.empty((B, E), f32)
+            self.expert_ids = cp.zeros((B, k), cp.int32)
+            self.expert_w = cp.empty((B, k), f32)
+            self.expert_gu = cp.empty((B * k, 2 * eff), f32)
+            self.expert_y = cp.empty((B, k, d), f32)
+            self.shared_gu = cp.empty((B, 2 * sff), f32) if sff else None
+            self.shared_y = cp.empty((B, d), f32) if sff else None
+            self.shared_gate = cp.empty((B, 1), f32) if sff else None
         self.graphs: dict[bool, object] = {}
 
     @staticmethod
-    def row_bytes(cfg, head_only: bool) -> int:
+    def row_bytes(cfg, head_only: bool, ff: int | None = None, moe: tuple | None = None) -> int:
         """Bytes of one sequence's rows of the buffers above (the attention partials aside)."""
-        d, q, kv, ff = cfg.hidden_size, cfg.q_dim, cfg.kv_dim, cfg.intermediate_size
+        d, q, kv = cfg.hidden_size, cfg.q_dim, cfg.kv_dim
+        ff = cfg.intermediate_size if ff is None else ff
         floats = 2 * d + 2 * q + 2 * kv + 2 * ff + (0 if head_only else cfg.vocab_size)
         words = ops.records_width(d) + ops.records_width(ff) + ops.records_width(q) + 2  # + ids, pos
-        return 4 * (floats + words)
+        return 4 * (floats + words) + _Step.moe_row_bytes(d, moe)
+
+    @staticmethod
+    def moe_row_bytes(d: int, moe: tuple | None) -> int:
+        """Bytes of one sequence's MoE rows (none without experts)."""
+        if moe is None:
+            return 0
+        E, k, eff, sff = moe
+        return 4 * (E + 2 * k + k * 2 * eff + k * d + 2 * sff + d + 1)
 
     def holds(self, caches: list) -> bool:
         return len(caches) == len(self.refs) and all(r() is c for r, c in zip(self.refs, caches))
@@ -358,10 +451,11 @@ class CudaDecoder:
             )
         # LongRoPE's factors are chosen for the context planned here (llama.cpp's choice)
         self.rope_n_ctx = int(n_ctx)
-        if getattr(cfg, "num_experts", 0):
-            raise UnsupportedCudaModelError(
-                "mixture-of-experts models (Mixtral, Qwen3-MoE) have no CUDA kernels yet; use --device cpu"
-            )
+        refusal = _moe_refusal(model) if getattr(cfg, "num_experts", 0) else None
+        if refusal is not None:
+            raise UnsupportedCudaModelError(f"{refusal}; use --device cpu")
+        self.moe = moe_dims(model)  # (experts, k, expert ff, shared ff), or None: no experts
+        self.ff = ffn_width(model)
         layers = [] if self.gemma else model.layers
         if getattr(cfg, "attn_temperature_beta", 0.0):
             raise UnsupportedCudaModelError(
@@ -454,7 +548,8 @@ class CudaDecoder:
         self._batches: collections.OrderedDict = collections.OrderedDict()
         # prefills at position 0, captured per cache and padded prompt length (_prefill_replay); a cache's
         # first prefill runs launch by launch (and loads the kernels and sets cuBLAS up, outside a capture)
-        self.prefill_graphs = prefill_graphs_enabled()
+        # (not for MoE models: their prefill reads the routing on the host)
+        self.prefill_graphs = prefill_graphs_enabled() and self.moe is None
         self._prefill_graphs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self.prefill_graph_error: str | None = None  # why captured prefills were given up, if they were
         # a decode step's matvecs and attention as programmatic dependent launches (ops.dependent_launches)
@@ -490,6 +585,8 @@ class CudaDecoder:
         uploaded: dict[int, ops.GpuWeight] = {}
 
         def up(w):
+            if w is None:  # a MoE layer's dense FFN
+                return None
             if id(w) not in uploaded:
                 uploaded[id(w)] = ops.upload(w, tick)
             return uploaded[id(w)]
@@ -521,6 +618,7 @@ class CudaDecoder:
                 "post_ffn_norm": vec(getattr(layer, "post_ffn_norm", None)),
                 "inv_freq": vec(layer.inv_freq if self.gemma else model.rope_freqs(self.rope_n_ctx)),
                 "window": model.cfg.sliding_window if self.gemma and layer.sliding else 0,
+                "moe": self._upload_moe(layer.moe, up, tick, vec) if getattr(layer, "moe", None) else None,
             }
             # the q|k|v biases as one vector over the stacked projection (zeros where one is missing)
             biases = [getattr(layer, b, None) for b in ("bq", "bk", "bv")]
@@ -540,10 +638,45 @@ class CudaDecoder:
         self.weight_bytes = total
         # what one decode step reads: every layer matrix and the output projection in full, one
         # embedding row (the whole embedding only when it is the tied output matrix)
-        layer_bytes = sum(g[k].nbytes for g in self.layers for k in LAYER_WEIGHTS)
+        layer_bytes = sum(g[k].nbytes for g in self.layers for k in LAYER_WEIGHTS if g[k] is not None)
+        # a MoE layer reads its router, the k chosen experts and the shared expert
+        for g in self.layers:
+            m = g["moe"]
+            if m is not None:
+                chosen = self.cfg.num_experts_per_tok * m["experts"].nbytes // m["experts"].n_experts
+                layer_bytes += m["router"].nbytes + chosen + sum(w.nbytes for w in m["shared"] or ())
         embd_row = 0 if self.token_embd is self.output else self.token_embd.nbytes // self.token_embd.rows
         output = 0 if self.output is None else self.output.nbytes
         self.decode_weight_bytes = layer_bytes + output + embd_row
+
+    def _upload_moe(self, moe, up, tick, vec) -> dict:
+        """A MoE block on the GPU: its router (GpuWeight), its experts merged per kind (ops.GpuExperts: each
+        kind's experts one after another in one allocation, as a GGUF's merged tensors are), the shared
+        expert's three matrices and its gate as a one-row float32 weight (None: none or ungated), and the
+        choice bias."""
+        n = len(moe.gate)
+
+        def merged(ws) -> ops.GpuWeight:
+            w0 = ws[0]
+            raw = cp.empty((n * w0.rows, w0.raw.shape[1]), cp.uint8)
+            for e, w in enumerate(ws):
+                raw[e * w0.rows : (e + 1) * w0.rows].set(np.ascontiguousarray(w.raw))
+                tick(w.nbytes)
+            return ops.GpuWeight(w0.ggml_type, raw, n * w0.rows, w0.cols)
+
+        gate, up_w = merged(moe.gate), merged(moe.up)
+        experts = ops.GpuExperts(gate, up_w, merged(moe.down), n, moe.gate[0].rows)
+        shared_gate = None
+        if moe.shared_gate is not None:
+            g = cp.asarray(np.ascontiguousarray(moe.shared_gate, np.float32).reshape(1, -1))
+            shared_gate = ops.GpuWeight(ops.F32, g.view(cp.uint8), 1, g.shape[1])
+        return {
+            "router": up(moe.router),
+            "experts": experts,
+            "shared": None if moe.shared is None else [up(w) for w in moe.shared],
+            "shared_gate": shared_gate,
+            "score_bias": None if moe.score_bias is None else vec(moe.score_bias),
+        }
 
     @property
     def placement(self) -> str:
@@ -566,7 +699,8 @@ class CudaDecoder:
         kv = 2 * self.n_layers * cfg.num_key_value_heads * n_ctx * cfg.head_dim * np.dtype(dtype).itemsize
         splits = ops.attention_splits(n_ctx)[1]
         partials = 4 * cfg.num_attention_heads * splits * (cfg.head_dim + 2)
-        return int(kv + 2 * (partials + _Step.row_bytes(cfg, self.head_only)) + 24 * self.n_layers)
+        rows = _Step.row_bytes(cfg, self.head_only, self.ff, self.moe)
+        return int(kv + 2 * (partials + rows) + 24 * self.n_layers)
 
     def caches_that_fit(self, n_ctx: int, dtype=np.float16) -> int:
         """How many more sequences of n_ctx positions (cache_bytes each) the GPU's memory holds now: its
@@ -776,7 +910,7 @@ class CudaDecoder:
         decoder, or with greedy the step (its ids hold the argmax)."""
         step = self._steps.get(cache)
         if step is None:
-            step = self._steps[cache] = _Step(self.cfg, [cache], self.head_only)
+            step = self._steps[cache] = _Step(self.cfg, [cache], self.head_only, self.ff, self.moe)
         result = step if greedy else step.x if self.head_only else step.logits
         if self.fused is not None:  # token and position travel as launch arguments
             self.fused.launch(step, cache, token, greedy)
@@ -799,7 +933,7 @@ class CudaDecoder:
         key = tuple(map(id, caches))
         step = self._batches.get(key)
         if step is None or not step.holds(caches):
-            step = self._batches[key] = _Step(self.cfg, caches, self.head_only)
+            step = self._batches[key] = _Step(self.cfg, caches, self.head_only, self.ff, self.moe)
         self._batches.move_to_end(key)
         while len(self._batches) > BATCH_GRAPHS:
             self._batches.popitem(last=False)
@@ -892,6 +1026,9 @@ class CudaDecoder:
                 post_norm(L["post_attn_norm"], L["ffn_norm"], p["gu"])
             else:
                 mv(s.x, [L["wo"]], **wo_in, accumulate=True, emit=x_emit(L["ffn_norm"], p["gu"]))
+            if L["moe"] is not None:  # the experts instead of the FFN (llama family), their sum added into x
+                self._moe_step(s, L, mv)
+                continue
             gu_emit = ops.Emit(glu, None, s.act_rec, s.counts) if p["down"] else None
             mv(s.gu, [L["w_gate"], L["w_up"]], **normed(L["ffn_norm"], p["gu"]), emit=gu_emit)
             down_in = dict(x=s.act_rec, prologue=4) if p["down"] else dict(x=s.gu, cols_x2=True, prologue=act)
@@ -910,6 +1047,34 @@ class CudaDecoder:
         if greedy:
             ops.argmax(s.ids, s.logits, s.argmax_parts)
 
+    def _moe_step(self, s: _Step, L: dict, mv) -> None:
+        """A MoE layer's FFN in the decode step over the B rows of s, added into s.x: the router's logits,
+        the routing (moe_route: ids and weights stay on the GPU, so the captured step picks its experts as it
+        runs), the chosen experts' gate|up and down (one matvec_qb_experts launch each for the B x k slots),
+        the shared expert, and their weighted sum (moe_combine)."""
+        cfg, m = self.cfg, L["moe"]
+        B, d = s.x.shape
+        k = self.moe[1]
+        normed = dict(x=s.x, norm=L["ffn_norm"], prologue=1)
+        mv(s.router, [m["router"]], **normed)
+        sigmoid = cfg.expert_gating == "sigmoid"
+        where = (k, sigmoid, cfg.norm_topk_prob, cfg.expert_weights_scale, m["score_bias"])
+        ops.moe_route(s.expert_ids, s.expert_w, s.router, *where)
+        ids, eps = s.expert_ids.reshape(-1), cfg.rms_norm_eps
+        experts = m["experts"]
+        ops.matvec_experts(s.expert_gu, experts, "gate_up", s.x, ids, k, L["ffn_norm"], eps, prologue=1)
+        ops.matvec_experts(s.expert_y.reshape(B * k, d), experts, "down", s.expert_gu, ids, 1, prologue=2)
+        ys = sg = None
+        if m["shared"] is not None:
+            gate, up, down = m["shared"]
+            mv(s.shared_gu, [gate, up], **normed)
+            mv(s.shared_y, [down], x=s.shared_gu, cols_x2=True, prologue=2)
+            ys = s.shared_y
+            if m["shared_gate"] is not None:
+                mv(s.shared_gate, [m["shared_gate"]], **normed)
+                sg = s.shared_gate
+        ops.moe_combine(s.x, s.expert_y, s.expert_w, ys, sg)
+
     @property
     def batchable(self) -> bool:
         """Whether forward_batch reads every weight row once for the batch (ops.matvec_batch, as often
@@ -920,7 +1085,8 @@ class CudaDecoder:
 
     def _stacks(self) -> list[list[ops.GpuWeight]]:
         """The layers' stacked projections (PREFILL_STACKS: q|k|v, wo, gate|up, down), layer by layer."""
-        return [[L[k] for k in names] for L in self.layers for names in PREFILL_STACKS]
+        stacks = [[L[k] for k in names] for L in self.layers for names in PREFILL_STACKS]
+        return [ws for ws in stacks if ws[0] is not None]  # a MoE layer's FFN is its experts
 
     def _int_dot_all(self, ws) -> bool:
         """Whether every weight of ws takes integer dot products here (matvec_qb)."""
@@ -939,6 +1105,11 @@ class CudaDecoder:
 
         plan, writer = [], False  # writer: the kernel adding into x last can write its records
         for L in self.layers:
+            if L["moe"] is not None:  # moe_combine adds into x last and writes no records
+                plan.append({"qkv": writer and qb(L["wq"], L["wk"], L["wv"]), "wo": qb(L["wo"]) and
+                             self.cfg.head_dim % 32 == 0, "gu": False, "down": False})
+                writer = False
+                continue
             wo, gu = qb(L["wo"]), qb(L["w_gate"], L["w_up"])
             plan.append({
                 "qkv": writer and qb(L["wq"], L["wk"], L["wv"]),
@@ -1021,6 +1192,51 @@ class CudaDecoder:
         pos = cp.asarray(np.array([cache.offset], np.int32))
         return self._prefill_kernels(ids, pos, cache, all_logits)
 
+    def _moe_prefill(self, x, h_in, L: dict) -> None:
+        """A MoE layer's FFN over the n prompt rows of x (n, hidden), added into x; h_in (n, hidden) is
+        scratch in the GEMMs' dtype. The router's GEMM and the routing run on the GPU; the chosen experts
+        then come to the host (one synchronisation a layer, so a MoE model's prefill is not captured), the
+        tokens are grouped by expert as the CPU groups them, and each chosen expert multiplies its tokens'
+        rows: gate|up, the activation and down, through tiles dequantized from its rows of the merged
+        tensors. Each output row lands in its (token, slot) place and moe_combine adds the weighted sum and
+        the shared expert into x."""
+        cfg, m, f32, dt = self.cfg, L["moe"], cp.float32, self.prefill_dtype
+        n, d = x.shape
+        E, k, eff, sff = self.moe
+        ops.rmsnorm(h_in, x, L["ffn_norm"], cfg.rms_norm_eps)
+        logits = cp.empty((n, E), f32)
+        self._linear(logits, [m["router"]], h_in)
+        ids, wts = cp.empty((n, k), cp.int32), cp.empty((n, k), f32)
+        sigmoid = cfg.expert_gating == "sigmoid"
+        where = (k, sigmoid, cfg.norm_topk_prob, cfg.expert_weights_scale, m["score_bias"])
+        ops.moe_route(ids, wts, logits, *where)
+        chosen = cp.asnumpy(ids, stream=self.stream).reshape(-1)  # slot t * k + j: token t's j-th expert
+        y = cp.zeros((n * k, d), f32)
+        experts = m["experts"]
+        for e in np.unique(chosen).tolist():
+            slots = np.flatnonzero(chosen == e)
+            rows = h_in[cp.asarray((slots // k).astype(np.int32))]  # (m, hidden) the tokens routed to e
+            gu = cp.empty((len(slots), 2 * eff), f32)
+            self._linear(gu, [experts.expert("gate", e), experts.expert("up", e)], rows)
+            act = cp.empty((len(slots), eff), dt)
+            ops.glu(act, gu, False)
+            out = cp.empty((len(slots), d), f32)
+            self._linear(out, [experts.expert("down", e)], act)
+            y[cp.asarray(slots.astype(np.int32))] = out
+        ys = sg = None
+        if m["shared"] is not None:
+            gate, up, down = m["shared"]
+            gu = cp.empty((n, 2 * sff), f32)
+            self._linear(gu, [gate, up], h_in)
+            act = cp.empty((n, sff), dt)
+            ops.glu(act, gu, False)
+            ys = cp.empty((n, d), f32)
+            self._linear(ys, [down], act)
+            if m["shared_gate"] is not None:
+                sg = cp.empty((n, 1), f32)
+                self._linear(sg, [m["shared_gate"]], h_in)
+        ops.moe_combine(x, y.reshape(n, k, d), wts, ys, sg)
+
     def _prefill_replay(self, tokens: np.ndarray, cache: CudaKVCache, size: int, graphs) -> cp.ndarray:
         """The prefill of a prompt at position 0 as one CUDA graph launch: a prefill launches about 17
         kernels and cuBLAS calls a layer, and on the H200 issuing them took the host longer than the GPU
@@ -1062,7 +1278,7 @@ class CudaDecoder:
         n = int(ids.shape[0])
         f32, dt = cp.float32, self.prefill_dtype
         H, hd = cfg.num_attention_heads, cfg.head_dim
-        d, ff = cfg.hidden_size, cfg.intermediate_size
+        d, ff = cfg.hidden_size, self.ff
         pos0 = cache.offset
         x = cp.empty((n, d), f32)
         ops.dequant(x, self.token_embd, ids=ids, scale=self.embed_scale)
@@ -1092,6 +1308,9 @@ class CudaDecoder:
                 ops.rmsnorm(x, o, L["post_attn_norm"], eps, accumulate=True)
             else:
                 self._linear(x, [L["wo"]], attn, accumulate=True)  # the residual add in the GEMM
+            if L["moe"] is not None:
+                self._moe_prefill(x, h_in, L)
+                continue
             ops.rmsnorm(h_in, x, L["ffn_norm"], eps)
             self._linear(gu, [L["w_gate"], L["w_up"]], h_in)
             ops.glu(act_in, gu, self.gemma)

@@ -56,6 +56,8 @@ def decode_kind(kind: str | None) -> str:
 def unsupported_reason(dec) -> str | None:
     """Why the fused step cannot run this CudaDecoder's model (None when it can)."""
     cfg = dec.cfg
+    if dec.moe is not None:
+        return "mixture-of-experts layers"
     if cfg.head_dim > MAX_HD:
         return f"head_dim {cfg.head_dim} > {MAX_HD}"
     weights = [L[m] for L in dec.layers for m in _MATS] + [dec.token_embd]

@@ -1043,3 +1043,92 @@ def gemm_batched(c, a, b, trans_b: bool = False) -> None:
                 raise
             _gemm_ex_failed.append(f"{type(e).__name__}: {e}")
     c[...] = cp.matmul(a, b.transpose(0, 2, 1) if trans_b else b)
+
+
+# ---- mixture-of-experts -------------------------------------------------------------------------
+MOE_MAX_EXPERTS = 512  # ops.cu's MOE_MAX_EXPERTS: moe_route holds 16 router logits a lane
+
+
+@dataclass(frozen=True)
+class GpuExperts:
+    """A layer's experts on the GPU: the merged gate, up and down tensors (experts * rows, cols) of
+    BLOCK_TYPES, each expert a block of consecutive rows (ff for gate and up, hidden for down)."""
+
+    gate: GpuWeight
+    up: GpuWeight
+    down: GpuWeight
+    n_experts: int
+    ff: int
+
+    def rows_of(self, w: GpuWeight) -> int:
+        """Rows an expert has in the merged tensor w."""
+        return w.rows // self.n_experts
+
+    def expert(self, which: str, e: int) -> GpuWeight:
+        """Expert e's gate, up or down matrix as a GpuWeight view (rows ff, ff, hidden)."""
+        w = getattr(self, which)
+        rows = self.rows_of(w)
+        return GpuWeight(w.ggml_type, w.raw[e * rows : (e + 1) * rows], rows, w.cols)
+
+    @property
+    def nbytes(self) -> int:
+        return self.gate.nbytes + self.up.nbytes + self.down.nbytes
+
+
+def _row_bytes(w: GpuWeight) -> int:
+    return w.cols // TYPES[w.ggml_type][1] * TYPES[w.ggml_type][2]
+
+
+def moe_route(ids, wts, logits, k: int, sigmoid: bool, normalize: bool, scale: float, bias=None) -> None:
+    """ids (n, k) int32, wts (n, k) float32 = the k experts each of n tokens is routed to and their weights,
+    from router logits (n, E) float32 (moe.route's rules: softmax or sigmoid gating, `bias` (E,) added for
+    the choice only, `normalize` over the chosen, times `scale`)."""
+    n, E = logits.shape
+    if E > MOE_MAX_EXPERTS or not 1 <= k <= min(E, 32):
+        raise ValueError(f"moe_route takes up to {MOE_MAX_EXPERTS} experts and 1..32 of them a token")
+    grid = (max(1, min(n, GRID_Y_MAX)),)
+    args = (ids, wts, logits, NULL if bias is None else bias, _i32(n), _i32(E), _i32(k), _i32(sigmoid),
+            _i32(normalize), _f32(scale))
+    kernel("moe_route", cp.cuda.Device().id)(grid, (32,), args)
+
+
+def matvec_experts(out, experts: GpuExperts, which: str, x, ids, group: int, norm=None, eps: float = 0.0,
+                   prologue: int = 0) -> None:
+    """For each slot s of ids (S,) int32 (B tokens x k experts, on the GPU): out[s] (S, R) = expert
+    ids[s]'s `which` matrices ("gate_up": its gate then up rows, R = 2 ff; "down": R = hidden) @
+    act(x[s // group]), with integer dot products (matvec_qb's body). x: (S / group, cols) rows, the
+    hidden states for prologue 1 (norm: the FFN norm's weight; group k) or each slot's [gate | up] rows
+    (S, 2 ff) for prologue 2 (silu(gate) * up; group 1)."""
+    S = int(ids.size)
+    if which == "gate_up":
+        w0, w1 = experts.gate, experts.up
+        rows0 = rows1 = experts.ff
+    else:
+        w0, w1, rows0, rows1 = experts.down, None, experts.rows_of(experts.down), 0
+    cols = w0.cols
+    per0 = experts.rows_of(w0) * _row_bytes(w0)
+    per1 = 0 if w1 is None else experts.rows_of(w1) * _row_bytes(w1)
+    raw1 = NULL if w1 is None else w1.raw
+    ldx = x.strides[0] // 4
+    shared = 4 * records_width(cols)
+    blocks = -(-(rows0 + rows1) // (MATVEC_THREADS // 32))
+    grid = (max(1, min(blocks, -(-_sm_count() * MATVEC_BLOCKS_PER_SM // S))), S)
+    args = (
+        out, np.int64(out.strides[0] // 4), w0.raw, raw1, np.int64(per0), np.int64(per1),
+        _i32(w0.ggml_type), _i32(w0.ggml_type if w1 is None else w1.ggml_type), _i32(rows0), _i32(rows1),
+        _i32(_row_bytes(w0)), _i32(0 if w1 is None else _row_bytes(w1)), _i32(cols), x, np.int64(ldx),
+        _i32(group), np.int64(cols if prologue == 2 else 0), NULL if norm is None else norm, _f32(eps),
+        _i32(prologue), ids,
+    )
+    k = kernel("matvec_qb_experts", cp.cuda.Device().id)
+    allow_shared(k, shared)
+    k(grid, (MATVEC_THREADS,), args, shared_mem=shared)
+
+
+def moe_combine(x, y, wts, ys=None, sg=None) -> None:
+    """x (n, d) += sum over j of wts[t, j] * y[t, j] for each token t (y (n, k, d), wts (n, k)), plus the
+    shared expert's ys (n, d) times sigmoid(sg[t]) (sg (n,); None: ungated); all float32 on the GPU."""
+    n, k, d = y.shape
+    grid = (-(-d // 256), max(1, min(n, GRID_Y_MAX)))
+    args = (x, y, wts, NULL if ys is None else ys, NULL if sg is None else sg, _i32(k), _i32(d), np.int64(n))
+    kernel("moe_combine", cp.cuda.Device().id)(grid, (256,), args)

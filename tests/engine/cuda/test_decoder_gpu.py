@@ -385,3 +385,13 @@ def test_server_engine_batches_on_the_gpu(gpu, tmp_path, gpu_layers):
     place_model(lm, "cuda", n_ctx=128, gpu_layers=gpu_layers)
     got = replies(lm)
     assert all(got) and [g[:3] for g in got] == [w[:3] for w in want]
+
+
+@pytest.mark.parametrize("arch, shared", [("qwen3moe", False), ("qwen2moe", True), ("llama", False)])
+def test_moe_models_match_the_cpu(tmp_path, arch, shared):
+    """Tiny MoE GGUFs (Qwen3-MoE, Qwen2-MoE with its shared expert, Mixtral-style llama; Q8_0 | Q4_0 experts):
+    prefill, graph and plain decode steps and 16 greedy tokens as on the CPU."""
+    from tests.engine.cuda.test_moe_cuda import write_tiny_moe_gguf
+
+    model = load_model(write_tiny_moe_gguf(tmp_path / f"{arch}.gguf", arch, shared)).model
+    _check(model, PROMPT)

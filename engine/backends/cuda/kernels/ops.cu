@@ -745,3 +745,102 @@ extern "C" __global__ void __launch_bounds__(256) sample_topk(int* __restrict__ 
     }
     token[0] = pick;
 }
+
+// ---- mixture-of-experts routing and combination (engine/arch/moe.py's route and sum) ----------------
+#define MOE_MAX_EXPERTS 512  // 16 router logits a lane
+#define MOE_NEG_INF __uint_as_float(0xff800000u)
+// Routing of n tokens (one warp a token, blockIdx.x grid-strided) among E <= MOE_MAX_EXPERTS experts from
+// their router logits (n, E): ids (n, k) int32 the k chosen, wts (n, k) float32 their weights. Softmax
+// gating (sigmoid 0): the k largest logits, or the k largest of probability + bias (ERNIE 4.5 MoE),
+// weighed by their probabilities (normalize: over the k chosen; without a bias, the sum then taken over the
+// chosen, as moe.route divides the chosen exp by their sum; with a bias clamped at 1e-12). Sigmoid gating
+// (GLM-4.5): the k largest of sigmoid + bias, weighed by their sigmoid scores (normalize: over the k, + 1e-20).
+// Ties go to the lower index, as moe.route's stable argsort. Weights times scale.
+extern "C" __global__ void __launch_bounds__(32) moe_route(int* __restrict__ ids, float* __restrict__ wts,
+                                                          const float* __restrict__ logits,
+                                                          const float* __restrict__ bias, int n, int E, int k,
+                                                          int sigmoid, int normalize, float scale) {
+    int lane = threadIdx.x;
+    for (int t = blockIdx.x; t < n; t += gridDim.x) {
+        const float* lg = logits + (long long)t * E;
+        float p[MOE_MAX_EXPERTS / 32], c[MOE_MAX_EXPERTS / 32];
+        float mx = MOE_NEG_INF;
+#pragma unroll
+        for (int i = 0; i < MOE_MAX_EXPERTS / 32; i++) {
+            int e = lane + 32 * i;
+            p[i] = e < E ? lg[e] : MOE_NEG_INF;
+            mx = fmaxf(mx, p[i]);
+        }
+        mx = warp_max(mx);
+        float sum = 0.f;
+#pragma unroll
+        for (int i = 0; i < MOE_MAX_EXPERTS / 32; i++) {
+            int e = lane + 32 * i;
+            float logit = p[i];
+            if (sigmoid) p[i] = e < E ? 1.f / (1.f + expf(-logit)) : 0.f;
+            else p[i] = e < E ? expf(logit - mx) : 0.f;
+            sum += p[i];
+            // the choice: the logit itself (softmax, no bias: the same order as the probabilities)
+            c[i] = e >= E ? MOE_NEG_INF : (bias ? p[i] + bias[e] : (sigmoid ? p[i] : logit));
+        }
+        sum = warp_sum(sum);
+        if (!sigmoid) {  // probabilities, before any bias is added for the choice
+#pragma unroll
+            for (int i = 0; i < MOE_MAX_EXPERTS / 32; i++) {
+                int e = lane + 32 * i;
+                p[i] /= sum;
+                if (bias && e < E) c[i] = p[i] + bias[e];
+            }
+        }
+        float chosen = 0.f, w_lane = 0.f;  // lane j < k keeps the j-th pick's weight
+        int id_lane = 0;
+        for (int j = 0; j < k; j++) {
+            float bv = MOE_NEG_INF;
+            int bi = 0x7fffffff;
+#pragma unroll
+            for (int i = 0; i < MOE_MAX_EXPERTS / 32; i++) {
+                int e = lane + 32 * i;
+                if (e < E && better(c[i], e, bv, bi)) bv = c[i], bi = e;
+            }
+            for (int off = 16; off; off >>= 1) {
+                float ov = __shfl_xor_sync(0xffffffffu, bv, off);
+                int oi = __shfl_xor_sync(0xffffffffu, bi, off);
+                if (better(ov, oi, bv, bi)) bv = ov, bi = oi;
+            }
+            float w = 0.f;
+#pragma unroll
+            for (int i = 0; i < MOE_MAX_EXPERTS / 32; i++) {
+                if (lane + 32 * i == bi) {
+                    w = p[i];
+                    c[i] = MOE_NEG_INF;
+                }
+            }
+            w = warp_sum(w);  // the owner's probability or score, to every lane
+            chosen += w;
+            if (lane == j) w_lane = w, id_lane = bi;
+        }
+        float div = 1.f;
+        if (normalize) div = sigmoid ? chosen + 1e-20f : (bias ? fmaxf(chosen, 1e-12f) : chosen);
+        if (lane < k) {
+            ids[(long long)t * k + lane] = id_lane;
+            wts[(long long)t * k + lane] = w_lane / div * scale;
+        }
+    }
+}
+
+// x (n, d) += for each token t the weighted sum of its k experts' outputs y (n, k, d) (weights wts (n, k)),
+// plus the shared expert's output ys (n, d) where given, times sigmoid(sg[t]) where its gate sg (n,) is
+// given. Grid (ceil(d / blockDim.x), tokens grid-strided by gridDim.y).
+extern "C" __global__ void moe_combine(float* __restrict__ x, const float* __restrict__ y,
+                                       const float* __restrict__ wts, const float* __restrict__ ys,
+                                       const float* __restrict__ sg, int k, int d, long long n) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= d) return;
+    for (long long t = blockIdx.y; t < n; t += gridDim.y) {
+        const float* yt = y + t * k * d + i;
+        float acc = 0.f;
+        for (int j = 0; j < k; j++) acc += wts[t * k + j] * yt[(long long)j * d];
+        if (ys) acc += (sg ? 1.f / (1.f + expf(-sg[t])) : 1.f) * ys[t * d + i];
+        x[t * d + i] += acc;
+    }
+}

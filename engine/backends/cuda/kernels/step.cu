@@ -760,6 +760,27 @@ extern "C" __global__ void __launch_bounds__(256, 4) matvec_qb_split MATVEC_QB_P
     matvec_qb_body<true> MATVEC_QB_ARGS;
 }
 
+// Mixture-of-experts matvecs: slot s = blockIdx.y (of B tokens x k chosen experts) runs matvec_qb's one-
+// vector body over expert ids[s]'s rows of the merged expert tensors: w0 (and w1: gate then up, rows0 and
+// rows1 rows) start e0 (e1) bytes per expert apart, so the expert's rows start at w0 + ids[s] * e0 (a
+// merged gate|up tensor: w1 = w0 + its gate rows' bytes). Its input is x + (s / group) * ldx (group k: a
+// token's k slots read its one hidden state, prologue 1; group 1: each slot its own, e.g. its gate|up
+// rows with prologue 2 and x2 = x + x2_off), its output out + s * ostep. The body reads blockIdx.x and
+// gridDim.x only, so the slots are independent launches in one, and the expert ids stay in device memory
+// (a captured decode step picks its experts as it runs).
+extern "C" __global__ void __launch_bounds__(256, 4) matvec_qb_experts(
+    float* __restrict__ out, long long ostep, const uchar* __restrict__ w0, const uchar* __restrict__ w1,
+    long long e0, long long e1, int t0, int t1, int rows0, int rows1, int b0, int b1, int cols,
+    const float* __restrict__ x, long long ldx, int group, long long x2_off, const float* __restrict__ nw,
+    float eps, int prologue, const int* __restrict__ ids) {
+    int s = blockIdx.y;
+    long long e = ids[s];
+    const float* xs = x + (long long)(s / group) * ldx;
+    matvec_qb_body<false>(out + (long long)s * ostep, 0, w0 + e * e0, w1 ? w1 + e * e1 : w1, nullptr, t0, t1, t0,
+                          rows0, w1 ? rows1 : 0, 0, b0, b1, 0, cols, xs, prologue == 2 ? xs + x2_off : nullptr,
+                          0, nw, eps, prologue, 0, 1, 0, nullptr, nullptr, nullptr, 1);
+}
+
 // ---- the grid barrier ------------------------------------------------------------------------
 // sync[0]: arrivals, sync[1]: generation, status[1]: set when a wait timed out
 __device__ __forceinline__ void grid_sync(uint* sync, uint* gen, int* status) {
