@@ -70,6 +70,17 @@ def make_weights(spec: TinySpec) -> dict[str, np.ndarray]:
     return {k: v.astype(np.float32) for k, v in w.items()}
 
 
+def write_byte_tokenizer(writer: gguf.GGUFWriter) -> None:
+    """The tiny models' byte-level BPE vocabulary (_byte_vocab) as GGUF tokenizer keys."""
+    writer.add_string("tokenizer.ggml.model", "gpt2")
+    writer.add_string("tokenizer.ggml.pre", "gpt2")
+    writer.add_array("tokenizer.ggml.tokens", _byte_vocab())
+    writer.add_array("tokenizer.ggml.token_type", [1] * 257 + [3])
+    writer.add_array("tokenizer.ggml.merges", ["Ġ t"])
+    writer.add_uint32("tokenizer.ggml.bos_token_id", 257)
+    writer.add_uint32("tokenizer.ggml.eos_token_id", 257)
+
+
 def write_tiny_gguf(path: Path, spec: TinySpec) -> dict[str, np.ndarray]:
     """Write the tiny model; returns the weights as stored (dequantized), for the reference."""
     weights = make_weights(spec)
@@ -83,14 +94,7 @@ def write_tiny_gguf(path: Path, spec: TinySpec) -> dict[str, np.ndarray]:
     writer.add_uint32(f"{a}.attention.head_count_kv", spec.kv_heads)
     writer.add_float32(f"{a}.rope.freq_base", spec.theta)
     writer.add_float32(f"{a}.attention.layer_norm_rms_epsilon", spec.eps)
-    tokens = _byte_vocab()
-    writer.add_string("tokenizer.ggml.model", "gpt2")
-    writer.add_string("tokenizer.ggml.pre", "gpt2")
-    writer.add_array("tokenizer.ggml.tokens", tokens)
-    writer.add_array("tokenizer.ggml.token_type", [1] * 257 + [3])
-    writer.add_array("tokenizer.ggml.merges", ["Ġ t"])
-    writer.add_uint32("tokenizer.ggml.bos_token_id", 257)
-    writer.add_uint32("tokenizer.ggml.eos_token_id", 257)
+    write_byte_tokenizer(writer)
     stored = {}
     for name, value in weights.items():
         if name in spec.omit:

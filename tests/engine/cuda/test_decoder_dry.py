@@ -502,6 +502,36 @@ def _rel(a, b) -> float:
     return float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
 
 
+def check_decoder_against_cpu(fake, model, dec, prompt: list[int]) -> list[str]:
+    """dec (a CudaDecoder over model, float32 prefill) against the CPU model on host threads: prefill
+    logits, two graph decode steps (the capture, then a replay), the GPU argmax, a batched step of this
+    sequence and a second one at another position, and partial offload (layer 0 on the GPU), each within
+    1e-3. Returns the launches of the two decode steps."""
+    cpu_cache, cache = model.new_cache(32), dec.new_cache(32, np.float32)
+    ref = model.forward(prompt, cpu_cache, all_logits=True)
+    assert _rel(dec.forward(prompt, cache, all_logits=True), ref) < 1e-3
+    token = int(np.argmax(ref[-1]))
+    fake.launches.clear()
+    for _ in range(2):
+        ref_step = model.forward([token], cpu_cache)
+        assert _rel(dec.forward([token], cache), ref_step) < 1e-3
+        token = int(np.argmax(ref_step[-1]))
+    steps = list(fake.launches)
+    assert dec.greedy_step(token, cache) == int(np.argmax(model.forward([token], cpu_cache)[-1]))
+    other_cpu, other = model.new_cache(32), dec.new_cache(32, np.float32)
+    model.forward([4, 5], other_cpu)
+    dec.forward([4, 5], other)
+    ref_batch = model.forward_batch([7, 8], [cpu_cache, other_cpu]).copy()
+    assert _rel(dec.forward_batch([7, 8], [cache, other]), ref_batch) < 1e-3
+    hyb = fake.hybrid.HybridDecoder(model, 1, n_ctx=32, prefill_dtype="float32")
+    cpu_cache, cache = model.new_cache(32), hyb.new_cache(32, np.float32)
+    ref = model.forward(prompt, cpu_cache)
+    assert _rel(hyb.forward(prompt, cache), ref) < 1e-3
+    token = int(np.argmax(ref[-1]))
+    assert _rel(hyb.forward([token], cache), model.forward([token], cpu_cache)) < 1e-3
+    return steps
+
+
 # One host thread per CUDA thread is slow on a 2-core CI machine: CI runs a one-layer llama and a two-layer
 # Gemma 3 case; HEARTH_CUDA_SIMT=1 runs every family with a longer prompt (about 4 minutes there).
 FULL_SIMT = bool(os.environ.get("HEARTH_CUDA_SIMT"))

@@ -12,8 +12,16 @@ import numpy as np
 import pytest
 
 from engine.arch.moe import route
-from tests.engine.cuda.test_decoder_dry import FULL_SIMT, STATE, _rel, fake, ptx_params, simt  # noqa: F401
-from tests.engine.tiny_models import T, TinySpec, _byte_vocab, make_weights
+from tests.engine.cuda.test_decoder_dry import (  # noqa: F401 - fixtures
+    FULL_SIMT,
+    STATE,
+    _rel,
+    check_decoder_against_cpu,
+    fake,
+    ptx_params,
+    simt,
+)
+from tests.engine.tiny_models import T, TinySpec, make_weights, write_byte_tokenizer
 
 EXPERTS, USED, EXPERT_FF, SHARED_FF = 4, 2, 64, 32
 
@@ -49,14 +57,7 @@ def write_tiny_moe_gguf(path, arch: str = "qwen3moe", shared: bool = False, laye
         writer.add_uint32(f"{arch}.expert_shared_feed_forward_length", SHARED_FF)
     writer.add_float32(f"{arch}.rope.freq_base", spec.theta)
     writer.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", spec.eps)
-    tokens = _byte_vocab()
-    writer.add_string("tokenizer.ggml.model", "gpt2")
-    writer.add_string("tokenizer.ggml.pre", "gpt2")
-    writer.add_array("tokenizer.ggml.tokens", tokens)
-    writer.add_array("tokenizer.ggml.token_type", [1] * 257 + [3])
-    writer.add_array("tokenizer.ggml.merges", ["Ġ t"])
-    writer.add_uint32("tokenizer.ggml.bos_token_id", 257)
-    writer.add_uint32("tokenizer.ggml.eos_token_id", 257)
+    write_byte_tokenizer(writer)
     kinds = dict(zip(("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"), types))
     for name, value in weights.items():
         value = value.astype(np.float32)
@@ -159,29 +160,8 @@ def test_moe_decoder_computes_the_cpu_models_logits_on_host_threads(fake, simt, 
     dec = fake.decoder.CudaDecoder(model, n_ctx=32, prefill_dtype="float32")
     assert dec.moe == (EXPERTS, USED, EXPERT_FF, SHARED_FF if shared else 0)
     assert dec.decode_path == "graphs" and not dec.prefill_graphs
-    prompt = [1, 2, 3, 40, 41]
-    cpu_cache, cache = model.new_cache(32), dec.new_cache(32, np.float32)
-    ref = model.forward(prompt, cpu_cache, all_logits=True)
-    assert _rel(dec.forward(prompt, cache, all_logits=True), ref) < 1e-3
-    token = int(np.argmax(ref[-1]))
-    fake.launches.clear()
-    for _ in range(2):  # the graph's capture, then a replay
-        ref_step = model.forward([token], cpu_cache)
-        assert _rel(dec.forward([token], cache), ref_step) < 1e-3
-        token = int(np.argmax(ref_step[-1]))
-    assert {"moe_route", "matvec_qb_experts", "moe_combine"} <= set(fake.launches)
-    assert dec.greedy_step(token, cache) == int(np.argmax(model.forward([token], cpu_cache)[-1]))
-    other_cpu, other = model.new_cache(32), dec.new_cache(32, np.float32)
-    model.forward([4, 5], other_cpu)
-    dec.forward([4, 5], other)
-    ref_batch = model.forward_batch([7, 8], [cpu_cache, other_cpu]).copy()
-    assert _rel(dec.forward_batch([7, 8], [cache, other]), ref_batch) < 1e-3
-    hyb = fake.hybrid.HybridDecoder(model, 1, n_ctx=32, prefill_dtype="float32")
-    cpu_cache, cache = model.new_cache(32), hyb.new_cache(32, np.float32)
-    ref = model.forward(prompt, cpu_cache)
-    assert _rel(hyb.forward(prompt, cache), ref) < 1e-3
-    token = int(np.argmax(ref[-1]))
-    assert _rel(hyb.forward([token], cache), model.forward([token], cpu_cache)) < 1e-3
+    steps = check_decoder_against_cpu(fake, model, dec, [1, 2, 3, 40, 41])
+    assert {"moe_route", "matvec_qb_experts", "moe_combine"} <= set(steps)
 
 
 def test_moe_vram_estimate_and_decode_bytes_count_the_experts(fake, tmp_path):

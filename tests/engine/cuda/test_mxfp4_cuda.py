@@ -12,7 +12,14 @@ from __future__ import annotations
 
 import numpy as np
 
-from tests.engine.cuda.test_decoder_dry import STATE, _rel, fake, ptx_params, simt  # noqa: F401 - fixtures
+from tests.engine.cuda.test_decoder_dry import (  # noqa: F401 - fixtures
+    STATE,
+    _rel,
+    check_decoder_against_cpu,
+    fake,
+    ptx_params,
+    simt,
+)
 from tests.engine.tiny_models import T, TinySpec, write_tiny_gguf
 
 MXFP4 = 39
@@ -99,28 +106,5 @@ def test_decoder_with_mxfp4_ffn_matrices_computes_the_cpu_models_logits_on_host_
     assert dec.batchable and dec.decode_path == "graphs"
     plan, _ = dec._handoff_plan()
     assert all(p["gu"] and p["down"] for p in plan)  # records into and out of the MXFP4 stacks
-    prompt = [1, 2, 3]
-    cpu_cache, cache = model.new_cache(32), dec.new_cache(32, np.float32)
-    ref = model.forward(prompt, cpu_cache, all_logits=True)
-    assert _rel(dec.forward(prompt, cache, all_logits=True), ref) < 1e-3
-    token = int(np.argmax(ref[-1]))
-    fake.launches.clear()
-    for _ in range(2):  # the graph's capture, then a replay
-        ref_step = model.forward([token], cpu_cache)
-        assert _rel(dec.forward([token], cache), ref_step) < 1e-3
-        token = int(np.argmax(ref_step[-1]))
-    assert {n for n in fake.launches if n.startswith("matvec")} == {"matvec_qb"}
-    assert dec.greedy_step(token, cache) == int(np.argmax(model.forward([token], cpu_cache)[-1]))
-    # a batched step: this sequence and a second one at another position
-    other_cpu, other = model.new_cache(32), dec.new_cache(32, np.float32)
-    model.forward([4, 5], other_cpu)
-    dec.forward([4, 5], other)
-    ref_batch = model.forward_batch([7, 8], [cpu_cache, other_cpu]).copy()
-    assert _rel(dec.forward_batch([7, 8], [cache, other]), ref_batch) < 1e-3
-    # partial offload: layer 0 (its MXFP4 FFN) on the GPU, layer 1 on the CPU
-    hyb = fake.hybrid.HybridDecoder(model, 1, n_ctx=32, prefill_dtype="float32")
-    cpu_cache, cache = model.new_cache(32), hyb.new_cache(32, np.float32)
-    ref = model.forward(prompt, cpu_cache)
-    assert _rel(hyb.forward(prompt, cache), ref) < 1e-3
-    token = int(np.argmax(ref[-1]))
-    assert _rel(hyb.forward([token], cache), model.forward([token], cpu_cache)) < 1e-3
+    steps = check_decoder_against_cpu(fake, model, dec, [1, 2, 3])
+    assert {n for n in steps if n.startswith("matvec")} == {"matvec_qb"}
