@@ -388,7 +388,7 @@ def test_server_engine_batches_on_the_gpu(gpu, tmp_path, gpu_layers):
 
 
 @pytest.mark.parametrize("arch, shared", [("qwen3moe", False), ("qwen2moe", True), ("llama", False)])
-def test_moe_models_match_the_cpu(tmp_path, arch, shared):
+def test_moe_models_match_the_cpu(gpu, tmp_path, arch, shared):
     """Tiny MoE GGUFs (Qwen3-MoE, Qwen2-MoE with its shared expert, Mixtral-style llama; Q8_0 | Q4_0 experts):
     prefill, graph and plain decode steps and 16 greedy tokens as on the CPU."""
     from tests.engine.cuda.test_moe_cuda import write_tiny_moe_gguf
