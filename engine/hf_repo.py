@@ -1121,6 +1121,18 @@ def _token_id(value, vocab: dict[str, int]) -> int | None:
     return vocab.get(value) if isinstance(value, str) else None
 
 
+def load_hf_tokenizer(path: Path) -> HFTokenizer:
+    """The `tokenizers` library's Tokenizer of the tokenizer.json at path.
+
+    Raises:
+        ModelFormatError: the library cannot read it.
+    """
+    try:
+        return HFTokenizer.from_file(str(path))
+    except Exception as e:  # the Rust side reports malformed files as generic exceptions
+        raise ModelFormatError(path, f"cannot be read ({e})") from e
+
+
 def hf_vocab(path: Path, hf: HFTokenizer, spec: dict) -> dict[str, int]:
     """token -> id of a tokenizer.json, added tokens included, as the `tokenizers` library (and so
     transformers) encodes them.
@@ -1155,10 +1167,7 @@ def tokenizer_from_hf(folder: Path, tok_config: dict, gen_config: dict) -> Token
     path = folder / "tokenizer.json"
     if not path.is_file():
         raise ModelFormatError(path, "missing; Hearth needs the fast tokenizer file (tokenizer.json)")
-    try:
-        hf = HFTokenizer.from_file(str(path))
-    except Exception as e:  # the Rust side reports malformed files as generic exceptions
-        raise ModelFormatError(path, f"cannot be read ({e})") from e
+    hf = load_hf_tokenizer(path)
     spec = json.loads(path.read_text(encoding="utf-8"))
     kind, add_space_prefix = _tokenizer_kind(path, spec)
     vocab = hf_vocab(path, hf, spec)

@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from tokenizers import Tokenizer as HFTokenizer
 
 from engine.arch.gemma3 import SLIDING, pattern_layer_types
 from engine.arch.llama import (
@@ -437,7 +436,7 @@ def read_vocab(folder: Path, kind: str) -> tuple[dict, dict, dict[str, int], lis
     Raises:
         ModelFormatError: no tokenizer.json, or one of another model type.
     """
-    from engine.hf_repo import hf_vocab
+    from engine.hf_repo import hf_vocab, load_hf_tokenizer
 
     path = folder / "tokenizer.json"
     try:
@@ -449,10 +448,7 @@ def read_vocab(folder: Path, kind: str) -> tuple[dict, dict, dict[str, int], lis
         raise ModelFormatError(
             path, f"tokenizer model {model.get('type')!r} cannot be converted here ({kind} only)"
         )
-    try:
-        hf = HFTokenizer.from_file(str(path))
-    except Exception as e:  # the Rust side reports malformed files as generic exceptions
-        raise ModelFormatError(path, f"cannot be read ({e})") from e
+    hf = load_hf_tokenizer(path)
     # the ids the folder's own tokenizer encodes with, which the GGUF must keep (not the file's added ids)
     vocab = hf_vocab(path, hf, spec)
     tokens = [f"[PAD{i}]" for i in range(max(vocab.values()) + 1)]

@@ -109,7 +109,7 @@ PREFILL_STACKS = (("wq", "wk", "wv"), ("wo",), ("w_gate", "w_up"), ("w_down",)) 
 
 def _moe_weights(moe) -> list:
     """A MoE block's weights as they go to the GPU: the router, each expert matrix (uploaded into one
-    merged tensor per kind: _upload_experts) and the shared expert's three."""
+    merged tensor per kind: CudaDecoder._upload_moe) and the shared expert's three."""
     return [moe.router, *moe.gate, *moe.up, *moe.down, *(moe.shared or ())]
 
 
@@ -154,6 +154,14 @@ def _moe_refusal(model) -> str | None:
     softmax or sigmoid scores with an optional choice bias, with SwiGLU experts and an optional shared
     expert."""
     cfg = model.cfg
+    if cfg.expert_act != "silu":
+        return "mixture-of-experts layers with gpt-oss's / Gemma's expert activation have no CUDA kernels yet"
+    groups, used = getattr(cfg, "expert_groups", 1), getattr(cfg, "expert_groups_used", 0)
+    if groups > 1 and 0 < used < groups:
+        return "mixture-of-experts layers with group-limited routing (DeepSeek) have no CUDA kernels yet"
+    if cfg.num_experts > ops.MOE_MAX_EXPERTS or not 1 <= cfg.num_experts_per_tok <= 32:
+        return (f"mixture-of-experts layers of {cfg.num_experts} experts, {cfg.num_experts_per_tok} a "
+                f"token, have no CUDA kernels (up to {ops.MOE_MAX_EXPERTS} experts and 32 a token)")
     for layer in model.layers:
         moe = getattr(layer, "moe", None)
         if moe is None:
@@ -169,15 +177,8 @@ def _moe_refusal(model) -> str | None:
         if any(len({w.ggml_type for w in ws}) > 1 for ws in (moe.gate, moe.up, moe.down)):
             return "mixture-of-experts layers whose experts differ in weight type have no CUDA kernels"
         biases = (moe.router_bias, moe.gate_bias, moe.up_bias, moe.down_bias, moe.expert_scale)
-        if any(b is not None for b in biases) or cfg.expert_act != "silu":
-            return ("mixture-of-experts layers with expert biases or gpt-oss's / Gemma's expert activation "
-                    "have no CUDA kernels yet")
-        groups, used = getattr(cfg, "expert_groups", 1), getattr(cfg, "expert_groups_used", 0)
-        if groups > 1 and 0 < used < groups:
-            return "mixture-of-experts layers with group-limited routing (DeepSeek) have no CUDA kernels yet"
-        if cfg.num_experts > ops.MOE_MAX_EXPERTS or not 1 <= cfg.num_experts_per_tok <= 32:
-            return (f"mixture-of-experts layers of {cfg.num_experts} experts, {cfg.num_experts_per_tok} a "
-                    f"token, have no CUDA kernels (up to {ops.MOE_MAX_EXPERTS} experts and 32 a token)")
+        if any(b is not None for b in biases):
+            return "mixture-of-experts layers with expert biases or scales (gpt-oss) have no CUDA kernels yet"
     return None
 
 
@@ -291,7 +292,6 @@ class _Step:
             ]
         # the MoE layers' rows: router logits, the chosen experts (B x k slots) and their weights, each
         # slot's gate|up and output, the shared expert's gate|up, output and gate logit
-        self.moe = moe
         if moe is not None:
             E, k, eff, sff = moe
             self.router = cp.empty((B, E), f32)
@@ -1057,9 +1057,7 @@ class CudaDecoder:
         k = self.moe[1]
         normed = dict(x=s.x, norm=L["ffn_norm"], prologue=1)
         mv(s.router, [m["router"]], **normed)
-        sigmoid = cfg.expert_gating == "sigmoid"
-        where = (k, sigmoid, cfg.norm_topk_prob, cfg.expert_weights_scale, m["score_bias"])
-        ops.moe_route(s.expert_ids, s.expert_w, s.router, *where)
+        self._route(s.expert_ids, s.expert_w, s.router, m)
         ids, eps = s.expert_ids.reshape(-1), cfg.rms_norm_eps
         experts = m["experts"]
         ops.matvec_experts(s.expert_gu, experts, "gate_up", s.x, ids, k, L["ffn_norm"], eps, prologue=1)
@@ -1105,19 +1103,15 @@ class CudaDecoder:
 
         plan, writer = [], False  # writer: the kernel adding into x last can write its records
         for L in self.layers:
-            if L["moe"] is not None:  # moe_combine adds into x last and writes no records
-                plan.append({"qkv": writer and qb(L["wq"], L["wk"], L["wv"]), "wo": qb(L["wo"]) and
-                             self.cfg.head_dim % 32 == 0, "gu": False, "down": False})
-                writer = False
-                continue
-            wo, gu = qb(L["wo"]), qb(L["w_gate"], L["w_up"])
+            dense = L["moe"] is None  # a MoE layer's FFN (moe_combine adds into x last) takes and writes none
+            wo, gu = qb(L["wo"]), dense and qb(L["w_gate"], L["w_up"])
             plan.append({
                 "qkv": writer and qb(L["wq"], L["wk"], L["wv"]),
                 "wo": wo and self.cfg.head_dim % 32 == 0,
                 "gu": gu and (self.gemma or wo),
                 "down": gu and qb(L["w_down"]),
             })
-            writer = self.gemma or qb(L["w_down"])
+            writer = dense and (self.gemma or qb(L["w_down"]))
         return plan, not self.head_only and writer and qb(self.output)
 
     # ---- prefill ----------------------------------------------------------------------------
@@ -1200,42 +1194,47 @@ class CudaDecoder:
         rows: gate|up, the activation and down, through tiles dequantized from its rows of the merged
         tensors. Each output row lands in its (token, slot) place and moe_combine adds the weighted sum and
         the shared expert into x."""
-        cfg, m, f32, dt = self.cfg, L["moe"], cp.float32, self.prefill_dtype
+        cfg, m, f32 = self.cfg, L["moe"], cp.float32
         n, d = x.shape
-        E, k, eff, sff = self.moe
+        E, k = self.moe[:2]
         ops.rmsnorm(h_in, x, L["ffn_norm"], cfg.rms_norm_eps)
         logits = cp.empty((n, E), f32)
         self._linear(logits, [m["router"]], h_in)
         ids, wts = cp.empty((n, k), cp.int32), cp.empty((n, k), f32)
-        sigmoid = cfg.expert_gating == "sigmoid"
-        where = (k, sigmoid, cfg.norm_topk_prob, cfg.expert_weights_scale, m["score_bias"])
-        ops.moe_route(ids, wts, logits, *where)
+        self._route(ids, wts, logits, m)
         chosen = cp.asnumpy(ids, stream=self.stream).reshape(-1)  # slot t * k + j: token t's j-th expert
         y = cp.zeros((n * k, d), f32)
         experts = m["experts"]
         for e in np.unique(chosen).tolist():
             slots = np.flatnonzero(chosen == e)
             rows = h_in[cp.asarray((slots // k).astype(np.int32))]  # (m, hidden) the tokens routed to e
-            gu = cp.empty((len(slots), 2 * eff), f32)
-            self._linear(gu, [experts.expert("gate", e), experts.expert("up", e)], rows)
-            act = cp.empty((len(slots), eff), dt)
-            ops.glu(act, gu, False)
-            out = cp.empty((len(slots), d), f32)
-            self._linear(out, [experts.expert("down", e)], act)
-            y[cp.asarray(slots.astype(np.int32))] = out
+            ffn = [experts.expert(which, e) for which in ("gate", "up", "down")]
+            y[cp.asarray(slots.astype(np.int32))] = self._swiglu_prefill(rows, *ffn)
         ys = sg = None
         if m["shared"] is not None:
-            gate, up, down = m["shared"]
-            gu = cp.empty((n, 2 * sff), f32)
-            self._linear(gu, [gate, up], h_in)
-            act = cp.empty((n, sff), dt)
-            ops.glu(act, gu, False)
-            ys = cp.empty((n, d), f32)
-            self._linear(ys, [down], act)
+            ys = self._swiglu_prefill(h_in, *m["shared"])
             if m["shared_gate"] is not None:
                 sg = cp.empty((n, 1), f32)
                 self._linear(sg, [m["shared_gate"]], h_in)
         ops.moe_combine(x, y.reshape(n, k, d), wts, ys, sg)
+
+    def _swiglu_prefill(self, h, gate, up, down):
+        """down(silu(gate h) * up h), float32 (m, hidden), for the rows h (m, hidden) in the GEMMs' dtype."""
+        m, ff = h.shape[0], gate.rows
+        gu = cp.empty((m, 2 * ff), cp.float32)
+        self._linear(gu, [gate, up], h)
+        act = cp.empty((m, ff), self.prefill_dtype)
+        ops.glu(act, gu, False)
+        out = cp.empty((m, down.rows), cp.float32)
+        self._linear(out, [down], act)
+        return out
+
+    def _route(self, ids, wts, logits, m: dict) -> None:
+        """ids (n, k), wts (n, k) = moe_route of router logits (n, experts) by the model's routing rules."""
+        cfg = self.cfg
+        sigmoid = cfg.expert_gating == "sigmoid"
+        ops.moe_route(ids, wts, logits, self.moe[1], sigmoid, cfg.norm_topk_prob, cfg.expert_weights_scale,
+                      m["score_bias"])
 
     def _prefill_replay(self, tokens: np.ndarray, cache: CudaKVCache, size: int, graphs) -> cp.ndarray:
         """The prefill of a prompt at position 0 as one CUDA graph launch: a prefill launches about 17

@@ -409,6 +409,11 @@ def _check_emit(emit: Emit, ws, n: int) -> int:
     return width
 
 
+def _row_bytes(w: GpuWeight) -> int:
+    """Bytes of one of w's rows of blocks."""
+    return w.cols // TYPES[w.ggml_type][1] * TYPES[w.ggml_type][2]
+
+
 def _launch_matvec_qb(
     out, ldo: int, ws, x, x2, ldx: int, norm, eps, prologue, accumulate, n: int, emit: Emit | None = None
 ) -> None:
@@ -420,7 +425,7 @@ def _launch_matvec_qb(
     rows = [w.rows for w in ws] + [0] * pad
     weights = [w.raw for w in ws] + [NULL] * pad
     kinds = [_i32(w.ggml_type) for w in ws] + [_i32(ws[0].ggml_type)] * pad
-    row_bytes = [cols // TYPES[w.ggml_type][1] * TYPES[w.ggml_type][2] for w in ws] + [0] * pad
+    row_bytes = [_row_bytes(w) for w in ws] + [0] * pad
     # every block quantizes the whole input, 8 elements a thread at a time: even the down projection's
     # 8192 take a block of 256 threads 4 rounds of independent loads, so its rows spread over as many
     # blocks as the other matrices' (1024-thread blocks, one per SM, left half the H200's SMs idle)
@@ -1075,10 +1080,6 @@ class GpuExperts:
         return self.gate.nbytes + self.up.nbytes + self.down.nbytes
 
 
-def _row_bytes(w: GpuWeight) -> int:
-    return w.cols // TYPES[w.ggml_type][1] * TYPES[w.ggml_type][2]
-
-
 def moe_route(ids, wts, logits, k: int, sigmoid: bool, normalize: bool, scale: float, bias=None) -> None:
     """ids (n, k) int32, wts (n, k) float32 = the k experts each of n tokens is routed to and their weights,
     from router logits (n, E) float32 (moe.route's rules: softmax or sigmoid gating, `bias` (E,) added for
@@ -1110,7 +1111,7 @@ def matvec_experts(out, experts: GpuExperts, which: str, x, ids, group: int, nor
     per1 = 0 if w1 is None else experts.rows_of(w1) * _row_bytes(w1)
     raw1 = NULL if w1 is None else w1.raw
     ldx = x.strides[0] // 4
-    shared = 4 * records_width(cols)
+    shared = matvec_shared(w0)
     blocks = -(-(rows0 + rows1) // (MATVEC_THREADS // 32))
     grid = (max(1, min(blocks, -(-_sm_count() * MATVEC_BLOCKS_PER_SM // S))), S)
     args = (
