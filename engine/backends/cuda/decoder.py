@@ -151,11 +151,11 @@ def moe_dims(model) -> tuple:
 def _moe_refusal(model) -> str | None:
     """Why the CUDA kernels cannot run this model's mixture-of-experts layers (None: they can, or there
     are none): the experts run on matvec_qb's integer dot products (every GGUF block type), routed by
-    softmax or sigmoid scores with an optional choice bias, with SwiGLU experts and an optional shared
-    expert."""
+    softmax or sigmoid scores with an optional router bias and choice bias, with SwiGLU or gpt-oss's
+    clamped SwiGLU experts (biases allowed) and an optional shared expert."""
     cfg = model.cfg
-    if cfg.expert_act != "silu":
-        return "mixture-of-experts layers with gpt-oss's / Gemma's expert activation have no CUDA kernels yet"
+    if cfg.expert_act not in ("silu", "swiglu_oai"):
+        return f"mixture-of-experts layers with {cfg.expert_act} experts have no CUDA kernels yet"
     groups, used = getattr(cfg, "expert_groups", 1), getattr(cfg, "expert_groups_used", 0)
     if groups > 1 and 0 < used < groups:
         return "mixture-of-experts layers with group-limited routing (DeepSeek) have no CUDA kernels yet"
@@ -176,9 +176,10 @@ def _moe_refusal(model) -> str | None:
                     "GGUF)")
         if any(len({w.ggml_type for w in ws}) > 1 for ws in (moe.gate, moe.up, moe.down)):
             return "mixture-of-experts layers whose experts differ in weight type have no CUDA kernels"
-        biases = (moe.router_bias, moe.gate_bias, moe.up_bias, moe.down_bias, moe.expert_scale)
-        if any(b is not None for b in biases):
-            return "mixture-of-experts layers with expert biases or scales (gpt-oss) have no CUDA kernels yet"
+        if moe.expert_scale is not None:
+            return "mixture-of-experts layers with per-expert scales (Gemma 4) have no CUDA kernels yet"
+        if (moe.gate_bias is None) != (moe.up_bias is None):
+            return "mixture-of-experts layers with only one of gate and up biases have no CUDA kernels"
     return None
 
 
@@ -298,6 +299,7 @@ class _Step:
             self.expert_ids = cp.zeros((B, k), cp.int32)
             self.expert_w = cp.empty((B, k), f32)
             self.expert_gu = cp.empty((B * k, 2 * eff), f32)
+            self.expert_act = cp.empty((B * k, eff), f32)  # the activation, where the prologue cannot take it
             self.expert_y = cp.empty((B, k, d), f32)
             self.shared_gu = cp.empty((B, 2 * sff), f32) if sff else None
             self.shared_y = cp.empty((B, d), f32) if sff else None
@@ -319,7 +321,7 @@ class _Step:
         if moe is None:
             return 0
         E, k, eff, sff = moe
-        return 4 * (E + 2 * k + k * 2 * eff + k * d + 2 * sff + d + 1)
+        return 4 * (E + 2 * k + k * 3 * eff + k * d + 2 * sff + d + 1)
 
     def holds(self, caches: list) -> bool:
         return len(caches) == len(self.refs) and all(r() is c for r, c in zip(self.refs, caches))
@@ -408,7 +410,7 @@ class CudaDecoder:
             products; None: False when $HEARTH_CUDA_MATVEC is "float", else True.
 
     Raises:
-        UnsupportedCudaModelError: a weight type without CUDA kernel, or Gemma's attention soft-capping.
+        UnsupportedCudaModelError: a weight type or layer kind without CUDA kernels.
         CudaOutOfMemoryError: the estimate exceeds the GPU's free memory.
         ValueError: an unknown decode_kernel or prefill_weights.
     """
@@ -475,13 +477,6 @@ class CudaDecoder:
             raise UnsupportedCudaModelError(
                 "norms of the attention and FFN outputs (GLM-4) have no CUDA kernels yet; use --device cpu"
             )
-        if any(layer.sinks is not None or layer.bo is not None for layer in layers) or (
-            layers and cfg.sliding_window
-        ):
-            raise UnsupportedCudaModelError(
-                "sliding-window attention, attention sinks and attention output biases in llama-family "
-                "models have no CUDA kernels yet; use --device cpu"
-            )
         if getattr(cfg, "scaled", False):
             raise UnsupportedCudaModelError(
                 "Granite's embedding, residual and logit multipliers have no CUDA kernels yet; "
@@ -490,10 +485,6 @@ class CudaDecoder:
         if not all(getattr(cfg, "rope_layers", None) or ()):
             raise UnsupportedCudaModelError(
                 "layers without RoPE (SmolLM3) have no CUDA kernels yet; use --device cpu"
-            )
-        if self.gemma and cfg.attn_logit_softcapping is not None:
-            raise UnsupportedCudaModelError(
-                "attention logit soft-capping has no CUDA kernel; use --device cpu"
             )
         if cfg.head_dim % 8 or cfg.head_dim > 512:  # attn_decode reads cache rows in 16-byte pieces
             raise UnsupportedCudaModelError(
@@ -598,7 +589,8 @@ class CudaDecoder:
         self.output = None if self.head_only else up(model.output)
         self.output_norm = None if self.head_only else vec(model.output_norm)
         self.layers = []
-        for layer in model.layers[: self.n_layers]:
+        cfg = model.cfg
+        for i, layer in enumerate(model.layers[: self.n_layers]):
             g = {
                 "attn_norm": vec(layer.attn_norm),
                 "ffn_norm": vec(layer.ffn_norm),
@@ -616,8 +608,13 @@ class CudaDecoder:
                 "bv": vec(getattr(layer, "bv", None)),
                 "post_attn_norm": vec(getattr(layer, "post_attn_norm", None)),
                 "post_ffn_norm": vec(getattr(layer, "post_ffn_norm", None)),
-                "inv_freq": vec(layer.inv_freq if self.gemma else model.rope_freqs(self.rope_n_ctx)),
-                "window": model.cfg.sliding_window if self.gemma and layer.sliding else 0,
+                "inv_freq": vec(self._layer_freqs(model, i)),
+                # keys a query sees: the last `window` positions (0: all); Gemma's sliding layers, llama's
+                # windowed ones (Mistral v0.1: all; gpt-oss, OLMo 3: some)
+                "window": (cfg.sliding_window * layer.sliding) if self.gemma else (cfg.window(i) or 0),
+                "scale": float(model.scale if self.gemma else model._scale_of(i)),
+                "sinks": None if self.gemma else vec(layer.sinks),  # gpt-oss's sink logits (H,)
+                "bo": None if self.gemma else vec(layer.bo),  # the output projection's bias (gpt-oss)
                 "moe": self._upload_moe(layer.moe, up, tick, vec) if getattr(layer, "moe", None) else None,
             }
             # the q|k|v biases as one vector over the stacked projection (zeros where one is missing)
@@ -630,6 +627,8 @@ class CudaDecoder:
                 g["bqkv"] = vec(np.concatenate(parts))
             self.layers.append(g)
         self.scale = float(model.scale)
+        # Gemma 2's attention soft-capping (0: none)
+        self.softcap = float(getattr(cfg, "attn_logit_softcapping", None) or 0.0) if self.gemma else 0.0
         self.embed_scale = float(model.embed_scale) if self.gemma else 1.0
         self.n_rot = self.cfg.head_dim if self.gemma else self.cfg.rotary_dim
         self.neox = True if self.gemma else bool(self.cfg.rope_neox)
@@ -649,11 +648,19 @@ class CudaDecoder:
         output = 0 if self.output is None else self.output.nbytes
         self.decode_weight_bytes = layer_bytes + output + embd_row
 
+    def _layer_freqs(self, model, i: int) -> np.ndarray:
+        """Layer i's RoPE frequencies: Gemma's per layer; llama's for the planned context, or plain RoPE's
+        on OLMo 3's windowed layers (LlamaModel._plain)."""
+        if self.gemma:
+            return model.layers[i].inv_freq
+        return model._plain_rope[0] if model._plain(i) else model.rope_freqs(self.rope_n_ctx)
+
     def _upload_moe(self, moe, up, tick, vec) -> dict:
         """A MoE block on the GPU: its router (GpuWeight), its experts merged per kind (ops.GpuExperts: each
         kind's experts one after another in one allocation, as a GGUF's merged tensors are), the shared
         expert's three matrices and its gate as a one-row float32 weight (None: none or ungated), and the
-        choice bias."""
+        choice bias; gpt-oss's router bias (experts,), its experts' [gate | up] biases (experts, 2 ff) and
+        down biases (experts, hidden), None where the model has none."""
         n = len(moe.gate)
 
         def merged(ws) -> ops.GpuWeight:
@@ -676,6 +683,9 @@ class CudaDecoder:
             "shared": None if moe.shared is None else [up(w) for w in moe.shared],
             "shared_gate": shared_gate,
             "score_bias": None if moe.score_bias is None else vec(moe.score_bias),
+            "router_bias": vec(moe.router_bias),
+            "gu_bias": None if moe.gate_bias is None else vec(np.hstack([moe.gate_bias, moe.up_bias])),
+            "down_bias": vec(moe.down_bias),
         }
 
     @property
@@ -1011,14 +1021,15 @@ class CudaDecoder:
                 ops.add_inplace(s.qkv, L["bqkv"])  # one bias over the B rows
             rope = (L["inv_freq"], self.n_rot, self.neox, eps, L["q_norm"], L["k_norm"])
             attn_rec = s.attn_rec if p["wo"] else None  # attention's output as records for wo
+            extra = dict(softcap=self.softcap, sinks=L["sinks"])
             if s.kv_tables is not None:  # RoPE, cache writes, attention: the batch's in one launch
                 kv, keys = [(c.k[i], c.v[i]) for c in caches], (s.n_keys, L["window"], s.batch_parts)
-                where = (s.kv_tables[i], s.pos, rope, self.scale)
-                ops.attention_batch(s.attn, s.qkv, H, kv, *where, *keys, attn_rec)
+                where = (s.kv_tables[i], s.pos, rope, L["scale"])
+                ops.attention_batch(s.attn, s.qkv, H, kv, *where, *keys, attn_rec, **extra)
             for b, c in enumerate(caches if s.kv_tables is None else []):  # each sequence its own
                 kv, pos, keys = (c.k[i], c.v[i]), s.pos[b : b + 1], (c.n_ctx, L["window"], s.parts[b])
                 rec = None if attn_rec is None else attn_rec[b]
-                ops.attention(s.attn[b], s.qkv[b], H, *kv, pos, rope, self.scale, *keys, records=rec)
+                ops.attention(s.attn[b], s.qkv[b], H, *kv, pos, rope, L["scale"], *keys, records=rec, **extra)
             act = 3 if self.gemma else 2
             wo_in = dict(x=s.attn) if attn_rec is None else dict(x=attn_rec, prologue=4)
             if self.gemma:
@@ -1026,6 +1037,8 @@ class CudaDecoder:
                 post_norm(L["post_attn_norm"], L["ffn_norm"], p["gu"])
             else:
                 mv(s.x, [L["wo"]], **wo_in, accumulate=True, emit=x_emit(L["ffn_norm"], p["gu"]))
+                if L["bo"] is not None:  # (the plan hands gate|up no records from wo then)
+                    ops.add_inplace(s.x, L["bo"])
             if L["moe"] is not None:  # the experts instead of the FFN (llama family), their sum added into x
                 self._moe_step(s, L, mv)
                 continue
@@ -1057,11 +1070,18 @@ class CudaDecoder:
         k = self.moe[1]
         normed = dict(x=s.x, norm=L["ffn_norm"], prologue=1)
         mv(s.router, [m["router"]], **normed)
+        if m["router_bias"] is not None:
+            ops.add_inplace(s.router, m["router_bias"])
         self._route(s.expert_ids, s.expert_w, s.router, m)
         ids, eps = s.expert_ids.reshape(-1), cfg.rms_norm_eps
         experts = m["experts"]
         ops.matvec_experts(s.expert_gu, experts, "gate_up", s.x, ids, k, L["ffn_norm"], eps, prologue=1)
-        ops.matvec_experts(s.expert_y.reshape(B * k, d), experts, "down", s.expert_gu, ids, 1, prologue=2)
+        y = s.expert_y.reshape(B * k, d)
+        if self._plain_experts(m):  # silu(gate) * up in the down matvecs' prologue
+            ops.matvec_experts(y, experts, "down", s.expert_gu, ids, 1, prologue=2)
+        else:  # biases first, or gpt-oss's activation: the activation into rows of its own
+            ops.glu(s.expert_act, s.expert_gu, ids=ids, **self._expert_glu(m))
+            ops.matvec_experts(y, experts, "down", s.expert_act, ids, 1, prologue=0)
         ys = sg = None
         if m["shared"] is not None:
             gate, up, down = m["shared"]
@@ -1071,7 +1091,22 @@ class CudaDecoder:
             if m["shared_gate"] is not None:
                 mv(s.shared_gate, [m["shared_gate"]], **normed)
                 sg = s.shared_gate
-        ops.moe_combine(s.x, s.expert_y, s.expert_w, ys, sg)
+        ops.moe_combine(s.x, s.expert_y, s.expert_w, ys, sg, *self._down_bias(m, s.expert_ids))
+
+    def _plain_experts(self, m: dict) -> bool:
+        """Whether a MoE block's experts are plain SwiGLU ones (no gate/up biases)."""
+        return m["gu_bias"] is None and self.cfg.expert_act == "silu"
+
+    def _expert_glu(self, m: dict) -> dict:
+        """ops.glu's mode, bias (rows by expert) and oai arguments for the experts of MoE block m."""
+        cfg = self.cfg
+        if cfg.expert_act == "swiglu_oai":
+            return dict(mode=ops.GLU_OAI, bias=m["gu_bias"], oai=(cfg.swiglu_alpha, cfg.swiglu_limit))
+        return dict(mode=ops.GLU_SILU, bias=m["gu_bias"])
+
+    def _down_bias(self, m: dict, ids) -> tuple:
+        """moe_combine's (down_bias, ids): the experts' down biases and the chosen ids, or (None, None)."""
+        return (None, None) if m["down_bias"] is None else (m["down_bias"], ids)
 
     @property
     def batchable(self) -> bool:
@@ -1108,7 +1143,7 @@ class CudaDecoder:
             plan.append({
                 "qkv": writer and qb(L["wq"], L["wk"], L["wv"]),
                 "wo": wo and self.cfg.head_dim % 32 == 0,
-                "gu": gu and (self.gemma or wo),
+                "gu": gu and (self.gemma or (wo and L["bo"] is None)),  # wo's bias is added after it
                 "down": gu and qb(L["w_down"]),
             })
             writer = dense and (self.gemma or qb(L["w_down"]))
@@ -1200,6 +1235,8 @@ class CudaDecoder:
         ops.rmsnorm(h_in, x, L["ffn_norm"], cfg.rms_norm_eps)
         logits = cp.empty((n, E), f32)
         self._linear(logits, [m["router"]], h_in)
+        if m["router_bias"] is not None:
+            ops.add_inplace(logits, m["router_bias"])
         ids, wts = cp.empty((n, k), cp.int32), cp.empty((n, k), f32)
         self._route(ids, wts, logits, m)
         chosen = cp.asnumpy(ids, stream=self.stream).reshape(-1)  # slot t * k + j: token t's j-th expert
@@ -1209,22 +1246,26 @@ class CudaDecoder:
             slots = np.flatnonzero(chosen == e)
             rows = h_in[cp.asarray((slots // k).astype(np.int32))]  # (m, hidden) the tokens routed to e
             ffn = [experts.expert(which, e) for which in ("gate", "up", "down")]
-            y[cp.asarray(slots.astype(np.int32))] = self._swiglu_prefill(rows, *ffn)
+            glu = self._expert_glu(m)
+            if glu["bias"] is not None:  # expert e's row
+                glu["bias"] = glu["bias"][e]
+            y[cp.asarray(slots.astype(np.int32))] = self._swiglu_prefill(rows, *ffn, glu)
         ys = sg = None
         if m["shared"] is not None:
             ys = self._swiglu_prefill(h_in, *m["shared"])
             if m["shared_gate"] is not None:
                 sg = cp.empty((n, 1), f32)
                 self._linear(sg, [m["shared_gate"]], h_in)
-        ops.moe_combine(x, y.reshape(n, k, d), wts, ys, sg)
+        ops.moe_combine(x, y.reshape(n, k, d), wts, ys, sg, *self._down_bias(m, ids))
 
-    def _swiglu_prefill(self, h, gate, up, down):
-        """down(silu(gate h) * up h), float32 (m, hidden), for the rows h (m, hidden) in the GEMMs' dtype."""
+    def _swiglu_prefill(self, h, gate, up, down, glu: dict | None = None):
+        """down(silu(gate h) * up h), float32 (m, hidden), for the rows h (m, hidden) in the GEMMs' dtype;
+        glu: ops.glu's mode, bias and oai arguments instead of plain SwiGLU's (gpt-oss's experts)."""
         m, ff = h.shape[0], gate.rows
         gu = cp.empty((m, 2 * ff), cp.float32)
         self._linear(gu, [gate, up], h)
         act = cp.empty((m, ff), self.prefill_dtype)
-        ops.glu(act, gu, False)
+        ops.glu(act, gu, **(glu or dict(mode=ops.GLU_SILU)))
         out = cp.empty((m, down.rows), cp.float32)
         self._linear(out, [down], act)
         return out
@@ -1300,19 +1341,21 @@ class CudaDecoder:
             rope = (L["inv_freq"], self.n_rot, self.neox, eps, L["q_norm"], L["k_norm"])
             ops.rope_store(qg, qkv, H, cache.k[i], cache.v[i], pos, *rope)
             attn3 = attn.reshape(n, H, hd)
-            window = L["window"]
-            ops.attention_prefill(attn3, qg, cache.k[i], cache.v[i], pos0, self.scale, window, self.flash)
+            where = (pos0, L["scale"], L["window"], self.flash)
+            ops.attention_prefill(attn3, qg, cache.k[i], cache.v[i], *where, self.softcap, L["sinks"])
             if self.gemma:
                 self._linear(o, [L["wo"]], attn)
                 ops.rmsnorm(x, o, L["post_attn_norm"], eps, accumulate=True)
             else:
                 self._linear(x, [L["wo"]], attn, accumulate=True)  # the residual add in the GEMM
+                if L["bo"] is not None:
+                    ops.add_inplace(x, L["bo"])
             if L["moe"] is not None:
                 self._moe_prefill(x, h_in, L)
                 continue
             ops.rmsnorm(h_in, x, L["ffn_norm"], eps)
             self._linear(gu, [L["w_gate"], L["w_up"]], h_in)
-            ops.glu(act_in, gu, self.gemma)
+            ops.glu(act_in, gu, ops.GLU_GELU if self.gemma else ops.GLU_SILU)
             if self.gemma:
                 self._linear(o, [L["w_down"]], act_in)
                 ops.rmsnorm(x, o, L["post_ffn_norm"], eps, accumulate=True)

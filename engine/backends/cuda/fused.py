@@ -58,6 +58,12 @@ def unsupported_reason(dec) -> str | None:
     cfg = dec.cfg
     if dec.moe is not None:
         return "mixture-of-experts layers"
+    if any(L["sinks"] is not None or L["bo"] is not None for L in dec.layers):
+        return "attention sinks or output biases (gpt-oss)"
+    if dec.softcap:
+        return "attention soft-capping (Gemma 2)"
+    if len({L["scale"] for L in dec.layers}) > 1:
+        return "attention scales that differ between layers (OLMo 3)"
     if cfg.head_dim > MAX_HD:
         return f"head_dim {cfg.head_dim} > {MAX_HD}"
     weights = [L[m] for L in dec.layers for m in _MATS] + [dec.token_embd]

@@ -582,6 +582,8 @@ def attention(
     window: int = 0,
     parts: tuple | None = None,
     records: cp.ndarray | None = None,
+    softcap: float = 0.0,
+    sinks: cp.ndarray | None = None,
 ) -> None:
     """Decode attention of one token, one launch (attn_decode): out (H * hd,) float32 = attention of the
     query in qkv ((H + 2 KV) hd,) rows [q | k | v] at position pos[0] (device int32) over one layer's
@@ -594,22 +596,26 @@ def attention(
     preallocated (acc (H*S*hd,) float32, ml (H*S*2,) float32, count (H,) uint32 zeros) from
     attention_parts; the kernel leaves count zeroed for the next call. records: uint32
     (records_width(H * hd),): out's activation records too, for the output projection's matvec
-    (prologue 4; hd a multiple of 32).
+    (prologue 4; hd a multiple of 32). softcap > 0: scores softcap * tanh(scale q.k / softcap) (Gemma 2).
+    sinks: float32 (H,) attention-sink logits (gpt-oss), each joining its head's softmax (None: none).
     """
     if records is not None:
         records = records.reshape(1, -1)
-    _attn_decode(out, qkv, H, k_cache, v_cache, pos, rope, scale, n_keys_max, window, parts, records)
+    _attn_decode(out, qkv, H, k_cache, v_cache, pos, rope, scale, n_keys_max, window, parts, records,
+                 softcap=softcap, sinks=sinks)
 
 
 def attention_batch(
     out, qkv, H: int, caches: list[tuple], table, pos, rope: tuple, scale: float, n_keys_max: int,
-    window: int = 0, parts: tuple | None = None, records: cp.ndarray | None = None,
+    window: int = 0, parts: tuple | None = None, records: cp.ndarray | None = None, softcap: float = 0.0,
+    sinks: cp.ndarray | None = None,
 ) -> None:
     """attention for B sequences in one launch: out (B, H * hd) row b = attention of qkv's row b at
     position pos[b] over caches[b] = (k_cache, v_cache) of one layer (one dtype and head layout, any
     n_ctx), whose device table (B, 3) uint64 holds (k pointer, v pointer, n_ctx) per sequence (kept by
     the caller: a captured step's launch holds its address). n_keys_max: at least every cache's size.
-    parts: attention_parts(H, hd, n_keys_max, B). records: (B, records_width(H * hd)) or None."""
+    parts: attention_parts(H, hd, n_keys_max, B). records: (B, records_width(H * hd)) or None. softcap,
+    sinks: as attention's."""
     k0 = caches[0][0]
     B = len(caches)
     for k, v in caches:
@@ -621,11 +627,13 @@ def attention_batch(
     if table.dtype != cp.uint64 or table.shape != (B, 3) or out.shape[0] != B or qkv.shape[0] != B:
         raise ValueError("attention_batch: table (B, 3) uint64 and B rows of out and qkv")
     batch = (table, np.int64(out.strides[0] // 4), np.int64(qkv.strides[0] // 4))
-    _attn_decode(out, qkv, H, k0, caches[0][1], pos, rope, scale, n_keys_max, window, parts, records, batch)
+    _attn_decode(out, qkv, H, k0, caches[0][1], pos, rope, scale, n_keys_max, window, parts, records, batch,
+                 softcap, sinks)
 
 
 def _attn_decode(
-    out, qkv, H, k_cache, v_cache, pos, rope, scale, n_keys_max, window, parts, records, batch=None
+    out, qkv, H, k_cache, v_cache, pos, rope, scale, n_keys_max, window, parts, records, batch=None,
+    softcap: float = 0.0, sinks=None,
 ) -> None:
     """attn_decode over one sequence (batch None) or batch = (table, ldo, ldq) (grid z: the sequences)."""
     KV, n_ctx, hd = k_cache.shape
@@ -639,6 +647,7 @@ def _attn_decode(
     if count.size < B * H:
         raise ValueError(f"attention's parts hold {count.size // H} sequences, not {B}")
     inv_freq, n_rot, neox, eps, q_norm, k_norm = rope
+    _check_sinks(sinks, H)
     tail = (NULL, np.int64(0), np.int64(0)) if batch is None else batch
     _launch(
         kernel("attn_decode", cp.cuda.Device().id),
@@ -669,8 +678,15 @@ def _attn_decode(
             _i32(k_cache.dtype == cp.float16),
             NULL if records is None else records,
             *tail,
+            _f32(softcap),
+            NULL if sinks is None else sinks,
         ),
     )
+
+
+def _check_sinks(sinks, H: int) -> None:
+    if sinks is not None and (sinks.dtype != cp.float32 or sinks.shape != (H,)):
+        raise ValueError(f"attention: sinks must be float32 ({H},), got {sinks.dtype} {sinks.shape}")
 
 
 def attention_splits(n_keys_max: int) -> tuple[int, int]:
@@ -743,7 +759,8 @@ def attention_prefill_flash(out, qg, k_cache, v_cache, pos0: int, scale: float, 
 
 
 def attention_prefill(
-    out, qg, k_cache, v_cache, pos0: int, scale: float, window: int = 0, flash: bool = False
+    out, qg, k_cache, v_cache, pos0: int, scale: float, window: int = 0, flash: bool = False,
+    softcap: float = 0.0, sinks=None,
 ) -> None:
     """out (n, H, hd) float32 or float16 (the output projection's GEMM input) = causal attention of the
     queries qg (KV, n * rep, hd), grouped as rope_store writes them (query head g * rep + r of token t
@@ -755,11 +772,13 @@ def attention_prefill(
 
     KV heads go in batches and queries in chunks so that the scores (and their float16 probabilities)
     stay under ATTN_GEMM_BYTES (beyond one query per batch, which always runs). flash: where
-    flash_applies, attention_prefill_flash instead (one launch, no scores in memory).
+    flash_applies, attention_prefill_flash instead (one launch, no scores in memory; not with softcap or
+    sinks, which the softmax applies as attention's).
     """
     n, H = out.shape[0], out.shape[1]
     KV, n_ctx, hd = k_cache.shape
-    if flash and flash_applies(k_cache.dtype, hd):
+    _check_sinks(sinks, H)
+    if flash and flash_applies(k_cache.dtype, hd) and not softcap and sinks is None:
         attention_prefill_flash(out, qg, k_cache, v_cache, pos0, scale, window)
         return
     rep, T = H // KV, pos0 + n
@@ -785,21 +804,32 @@ def attention_prefill(
             probs = cp.empty(scores.shape, cp.float16) if half else scores
             keys = (_i32(k1 - k0), _i32(c1 - c0), _i32(rep), _i32(pos0 + c0), _i32(k0))
             p16 = probs if half else NULL
-            softmax((scores.size // (k1 - k0),), (256,), (scores, p16, *keys, _f32(scale), _i32(window)))
+            sink = NULL if sinks is None else sinks[g0 * rep :]  # from the batch's first KV head's heads
+            args = (scores, p16, *keys, _f32(scale), _i32(window), _f32(softcap), sink)
+            softmax((scores.size // (k1 - k0),), (256,), args)
             gemm_batched(og[g0:g1, rows], probs, v[:, k0:k1])
     heads = (_i32(n), _i32(H), _i32(KV), _i32(hd), _i32(out.dtype == cp.float16))
     grid = (-(-(H * hd) // 256), max(1, min(n, GRID_Y_MAX)))  # a token's elements, tokens grid-strided
     kernel("ungroup_heads", dev)(grid, (256,), (out, og, *heads))
 
 
-def glu(out, gu, gelu: bool) -> None:
-    """out (n, ff) = silu(gate) * up (SwiGLU) or gelu_tanh(gate) * up (GeGLU) of gu (n, 2 ff) float32,
-    each row [gate | up]; out float32 or float16."""
+GLU_SILU, GLU_GELU, GLU_OAI = 0, 1, 2  # glu's modes
+
+
+def glu(out, gu, mode: int, bias=None, ids=None, oai: tuple = (0.0, 0.0)) -> None:
+    """out (n, ff) = silu(gate) * up (GLU_SILU, SwiGLU), gelu_tanh(gate) * up (GLU_GELU, GeGLU) or gpt-oss's
+    clamped SwiGLU (GLU_OAI, oai = (alpha, limit): engine.backends.cpu.swiglu_oai_mul) of gu (n, 2 ff)
+    float32, each row [gate | up]; out float32 or float16. bias: float32 [gate | up] bias rows (., 2 ff)
+    added first, row ids[t] (int32 (n,) on the GPU) for row t, or bias's one row for all rows (ids None)."""
     ff = out.shape[-1]
     n = out.size // ff
     half = _i32(out.dtype == cp.float16)
+    if bias is not None and (bias.dtype != cp.float32 or bias.shape[-1] != 2 * ff):
+        raise ValueError(f"glu: bias rows must be float32 of {2 * ff}, got {bias.dtype} {bias.shape}")
     grid = (-(-ff // (4 * 256)), max(1, min(n, GRID_Y_MAX)))  # 4 elements a thread; tokens grid-strided
-    kernel("glu", cp.cuda.Device().id)(grid, (256,), (out, gu, _i32(ff), np.int64(n), _i32(gelu), half))
+    args = (out, gu, _i32(ff), np.int64(n), _i32(mode), half, NULL if bias is None else bias,
+            NULL if ids is None else ids, _f32(oai[0]), _f32(oai[1]))
+    kernel("glu", cp.cuda.Device().id)(grid, (256,), args)
 
 
 def add_inplace(x, y) -> None:
@@ -1126,10 +1156,15 @@ def matvec_experts(out, experts: GpuExperts, which: str, x, ids, group: int, nor
     k(grid, (MATVEC_THREADS,), args, shared_mem=shared)
 
 
-def moe_combine(x, y, wts, ys=None, sg=None) -> None:
+def moe_combine(x, y, wts, ys=None, sg=None, down_bias=None, ids=None) -> None:
     """x (n, d) += sum over j of wts[t, j] * y[t, j] for each token t (y (n, k, d), wts (n, k)), plus the
-    shared expert's ys (n, d) times sigmoid(sg[t]) (sg (n,); None: ungated); all float32 on the GPU."""
+    shared expert's ys (n, d) times sigmoid(sg[t]) (sg (n,); None: ungated); all float32 on the GPU.
+    down_bias (experts, d), with the chosen ids (n, k) int32: row ids[t, j] added to y[t, j] first
+    (gpt-oss's experts' down biases)."""
     n, k, d = y.shape
+    if (down_bias is None) != (ids is None):
+        raise ValueError("moe_combine: down_bias and ids come together")
     grid = (-(-d // 256), max(1, min(n, GRID_Y_MAX)))
-    args = (x, y, wts, NULL if ys is None else ys, NULL if sg is None else sg, _i32(k), _i32(d), np.int64(n))
+    args = (x, y, wts, NULL if ys is None else ys, NULL if sg is None else sg, _i32(k), _i32(d), np.int64(n),
+            NULL if down_bias is None else down_bias, NULL if ids is None else ids)
     kernel("moe_combine", cp.cuda.Device().id)(grid, (256,), args)

@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests.engine.cuda.test_kernels_gpu import ATTENTION_CASES
 from tests.engine.tiny_gemma3 import TinyGemmaSpec, write_tiny_gemma3
 from tests.engine.tiny_models import T, TinySpec, write_tiny_gguf
 
@@ -840,15 +841,16 @@ def test_step_matvecs_over_a_batch_on_host_threads(fake, simt, int_dot):
 
 
 @pytest.mark.parametrize("kv_dtype", [np.float32, np.float16])
-@pytest.mark.parametrize("neox,window,qk_norm", [(False, 0, False), (True, 0, True), (True, 5, True)])
-def test_rope_and_decode_attention_on_host_threads(fake, simt, kv_dtype, neox, window, qk_norm):
+@pytest.mark.parametrize("neox,window,qk_norm,cap,sinks", ATTENTION_CASES)
+def test_rope_and_decode_attention_on_host_threads(fake, simt, kv_dtype, neox, window, qk_norm, cap, sinks):
     """test_kernels_gpu's RoPE + cache write (prefill's rope_store over 3 tokens, then attention_prefill
     over its grouped queries) and one-launch decode attention (the same 3 tokens one at a time, 10 splits,
-    the last block of a head combining them) against the CPU kernels, on host threads."""
+    the last block of a head combining them) against the CPU kernels, on host threads; Gemma 2's
+    soft-capped scores and gpt-oss's sinks included."""
     from tests.engine.cuda import test_kernels_gpu as gpu_tests
 
     STATE.simt = simt
-    gpu_tests.test_rope_store_and_attention_match_cpu(0, kv_dtype, neox, window, qk_norm)
+    gpu_tests.test_rope_store_and_attention_match_cpu(0, kv_dtype, neox, window, qk_norm, cap, sinks)
     assert fake.launches.count("attn_decode") == 3
 
 
@@ -876,18 +878,20 @@ def test_argmax_over_blocks_on_host_threads(fake, simt):
 
 
 @pytest.mark.parametrize("kv_dtype", [np.float16, np.float32])
-@pytest.mark.parametrize("window", [0, 5])
-def test_prefill_attention_gemms_on_host_threads(fake, simt, monkeypatch, window, kv_dtype):
+@pytest.mark.parametrize("window,cap,with_sinks", [(0, 0.0, False), (5, 0.0, False), (5, 1.5, True)])
+def test_prefill_attention_gemms_on_host_threads(fake, simt, monkeypatch, window, cap, with_sinks, kv_dtype):
     """ops.attention_prefill (batched GEMMs around the masked-softmax kernel) against a numpy reference:
     GQA, queries after earlier cached tokens, a sliding window, and a GEMM budget so small that KV heads
     go one batch at a time and queries in chunks (and ungroup_heads' grid strides over the tokens).
     Float16 caches take float16 queries, float16 probabilities and give a float16 output (the output
     projection's input), through cublasGemmStridedBatchedEx; float32 ones are float32 throughout
-    (cublasSgemmStridedBatched). Both read the caches in place."""
+    (cublasSgemmStridedBatched). Both read the caches in place. Gemma 2's soft-capped scores and gpt-oss's
+    sink logits (each head its own, also when KV heads go one batch at a time) join the softmax."""
     STATE.simt = simt
     rng = np.random.default_rng(7)
     n, H, KV, hd, n_ctx, pos0 = 6, 4, 2, 16, 32, 5
     rep = H // KV
+    sinks = rng.normal(0.5, 1.0, H).astype(np.float32) if with_sinks else None
     q = rng.normal(size=(n, H, hd)).astype(np.float32)
     k = rng.normal(size=(KV, n_ctx, hd)).astype(kv_dtype)
     v = rng.normal(size=(KV, n_ctx, hd)).astype(kv_dtype)
@@ -899,8 +903,12 @@ def test_prefill_attention_gemms_on_host_threads(fake, simt, monkeypatch, window
         for h in range(H):
             g = h // rep
             s = k[g, lo : pos + 1].astype(np.float64) @ q[t, h] * scale
-            p = np.exp(s - s.max())
-            want[t, h] = (p / p.sum()) @ v[g, lo : pos + 1]
+            if cap:
+                s = cap * np.tanh(s / cap)
+            top = s.max() if sinks is None else max(s.max(), sinks[h])
+            p = np.exp(s - top)
+            total = p.sum() + (0.0 if sinks is None else np.exp(sinks[h] - top))
+            want[t, h] = (p / total) @ v[g, lo : pos + 1]
     qg = np.ascontiguousarray(q.reshape(n, KV, rep, hd).transpose(1, 0, 2, 3)).reshape(KV, n * rep, hd)
     tol = 1e-5 if kv_dtype == np.float32 else 4e-3  # float16 queries, probabilities and output
     per_score = 6 if kv_dtype == np.float16 else 4
@@ -916,7 +924,8 @@ def test_prefill_attention_gemms_on_host_threads(fake, simt, monkeypatch, window
         out = fake.cp.zeros((n, H, hd), kv_dtype)
         gq = fake.cp.asarray(qg.astype(kv_dtype))
         args = gq, fake.cp.asarray(k), fake.cp.asarray(v), pos0, scale, window
-        fake.ops.attention_prefill(out, *args)
+        gsinks = None if sinks is None else fake.cp.asarray(sinks)
+        fake.ops.attention_prefill(out, *args, softcap=cap, sinks=gsinks)
         assert np.max(np.abs(out.astype(np.float64) - want)) < tol
     assert fake.launches.count("softmax_causal") == 1 + 2 * 3  # then 2 KV heads x 3 chunks of 2 queries
     assert fake.launches.count("ungroup_heads") == 2
@@ -980,7 +989,7 @@ def test_norm_and_activation_write_float16_gemm_inputs_on_host_threads(fake, sim
     for ff, dtype in ((50, np.float16), (64, np.float16), (50, np.float32), (1100, np.float32)):
         gate, up = rng.normal(size=(2, 5, ff)).astype(np.float32)
         act = fake.cp.zeros((5, ff), dtype)
-        fake.ops.glu(act, fake.cp.asarray(np.concatenate([gate, up], axis=1)), gelu=False)
+        fake.ops.glu(act, fake.cp.asarray(np.concatenate([gate, up], axis=1)), fake.ops.GLU_SILU)
         want = gate / (1 + np.exp(-gate)) * up
         tol = 1e-3 if dtype == np.float16 else 1e-5
         np.testing.assert_allclose(act.astype(np.float32), want, rtol=tol, atol=tol / 10)

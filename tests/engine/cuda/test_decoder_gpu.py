@@ -395,3 +395,14 @@ def test_moe_models_match_the_cpu(gpu, tmp_path, arch, shared):
 
     model = load_model(write_tiny_moe_gguf(tmp_path / f"{arch}.gguf", arch, shared)).model
     _check(model, PROMPT)
+
+
+@pytest.mark.parametrize("family", ["gpt-oss", "gemma2", "mistral-swa"])
+def test_attention_and_expert_variants_match_the_cpu(gpu, family):
+    """The tiny checkpoints of gpt-oss (sinks, windows, biases, MXFP4 experts with the clamped SwiGLU),
+    Gemma 2 (soft-capping) and Mistral v0.1 (a window on every layer): prefill, graph and plain decode steps
+    and 16 greedy tokens as on the CPU."""
+    from pathlib import Path
+
+    tiny = Path(__file__).resolve().parents[2] / "fixtures" / "tiny"
+    _check(load_model(tiny / family).model, PROMPT)

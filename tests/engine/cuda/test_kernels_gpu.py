@@ -379,9 +379,14 @@ def test_rmsnorm(gpu, add_one):
     np.testing.assert_allclose(acc.get(), ref + 1, rtol=1e-5, atol=1e-6)
 
 
+# (neox, window, qk_norm, soft-cap, sinks): plain, Qwen3's norms, a window, Gemma 2's cap, gpt-oss's sinks
+ATTENTION_CASES = [(False, 0, False, 0.0, False), (True, 0, True, 0.0, False), (True, 5, True, 0.0, False),
+                   (False, 0, False, 2.5, True), (True, 5, False, 0.0, True)]
+
+
 @pytest.mark.parametrize("kv_dtype", [np.float32, np.float16])
-@pytest.mark.parametrize("neox,window,qk_norm", [(False, 0, False), (True, 0, True), (True, 5, True)])
-def test_rope_store_and_attention_match_cpu(gpu, kv_dtype, neox, window, qk_norm):
+@pytest.mark.parametrize("neox,window,qk_norm,cap,with_sinks", ATTENTION_CASES)
+def test_rope_store_and_attention_match_cpu(gpu, kv_dtype, neox, window, qk_norm, cap=0.0, with_sinks=False):
     import cupy as cp
 
     from engine.backends.cuda import ops
@@ -399,6 +404,9 @@ def test_rope_store_and_attention_match_cpu(gpu, kv_dtype, neox, window, qk_norm
     inv = rope_inv_freq(hd, 10000.0)
     qn = rng.standard_normal(hd).astype(np.float32) if qk_norm else None
     kn = rng.standard_normal(hd).astype(np.float32) if qk_norm else None
+    sinks = rng.normal(1.0, 1.0, H).astype(np.float32) if with_sinks else None
+    gsinks = None if sinks is None else cp.asarray(sinks)
+    extra = dict(softcap=cap, sinks=gsinks)
     # CPU reference: per-head norm, RoPE, cache write, attention (window through cache views)
     qr, kr = q.copy(), k.copy()
     if qk_norm:
@@ -415,7 +423,8 @@ def test_rope_store_and_attention_match_cpu(gpu, kv_dtype, neox, window, qk_norm
     for i in range(n):
         p = pos0 + i
         start = max(0, p - window + 1) if window else 0
-        cpu.attention(ref[i : i + 1], qr[i : i + 1], kref[:, start:], vref[:, start:], p - start, scale)
+        cpu.attention(ref[i : i + 1], qr[i : i + 1], kref[:, start:], vref[:, start:], p - start, scale,
+                      softcap=cap or None, sinks=sinks)
     # the rows as the stacked q|k|v projection leaves them
     gqkv = cp.asarray(np.concatenate([q.reshape(n, -1), k.reshape(n, -1), v.reshape(n, -1)], axis=1))
     gkc, gvc = cp.asarray(kc), cp.asarray(vc)
@@ -445,7 +454,7 @@ def test_rope_store_and_attention_match_cpu(gpu, kv_dtype, neox, window, qk_norm
     np.testing.assert_array_equal(gvc.get(), vref)
     # prefill attention over the grouped queries and the caches rope_store wrote
     out = cp.empty((n, H, hd), cp.float32)
-    ops.attention_prefill(out, gq, gkc, gvc, pos0, scale, window)
+    ops.attention_prefill(out, gq, gkc, gvc, pos0, scale, window, **extra)
     np.testing.assert_allclose(out.get(), ref, rtol=1e-4, atol=10 * tol)
     # decode: the same tokens one at a time, RoPE + cache write + split-K attention in one launch each,
     # over 10 splits of 64 keys (with the window only the last holds visible keys; the last block of a head
@@ -459,7 +468,8 @@ def test_rope_store_and_attention_match_cpu(gpu, kv_dtype, neox, window, qk_norm
         out = cp.empty(H * hd, cp.float32)
         at = cp.asarray(np.array([pos0 + i], np.int32))
         rec = records[0] if i == n - 1 else None  # the last token's output as records too
-        ops.attention(out, cp.asarray(rows[i]), H, gkc, gvc, at, rope, scale, n_ctx, window, parts, rec)
+        keys = (n_ctx, window, parts, rec)
+        ops.attention(out, cp.asarray(rows[i]), H, gkc, gvc, at, rope, scale, *keys, **extra)
         np.testing.assert_allclose(out.get().reshape(H, hd), ref[i], rtol=1e-4, atol=10 * tol)
         assert not parts[2].get().any()  # the last block of each head reset its counter
     # the output projection over the records (prologue 4) is its product with out quantized in its blocks

@@ -184,7 +184,8 @@ def test_moe_vram_estimate_and_decode_bytes_count_the_experts(fake, tmp_path):
 
 
 def test_moe_models_the_kernels_do_not_take_stay_on_the_cpu(fake, tmp_path):
-    """Float experts (a folder's BF16), expert biases and group-limited routing are refused, saying why."""
+    """Float experts (a folder's BF16), per-expert scales and group-limited routing are refused, saying
+    why."""
     from pathlib import Path
 
     from engine.loader import load_model
@@ -197,6 +198,6 @@ def test_moe_models_the_kernels_do_not_take_stay_on_the_cpu(fake, tmp_path):
     with pytest.raises(fake.decoder.UnsupportedCudaModelError, match="group-limited"):
         fake.decoder.CudaDecoder(model, n_ctx=32)
     model.cfg.expert_groups = 1
-    model.layers[1].moe.down_bias = np.zeros((EXPERTS, 64), np.float32)
-    with pytest.raises(fake.decoder.UnsupportedCudaModelError, match="expert biases"):
+    model.layers[1].moe.expert_scale = np.ones(EXPERTS, np.float32)
+    with pytest.raises(fake.decoder.UnsupportedCudaModelError, match="per-expert scales"):
         fake.decoder.CudaDecoder(model, n_ctx=32)

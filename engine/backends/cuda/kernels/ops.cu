@@ -127,11 +127,12 @@ __device__ __forceinline__ float kv_round(float x) { return N == 8 ? h2f(f2h(x))
 // row, so a warp's load covers 4 whole rows. Keys go 64 at a time (4 rounds of the 16 slots), each
 // lane's 4 pieces loaded before the first is used, so a split of 64 keys waits on memory once for its
 // scores and once for its values. Rows past k1 - 1 are read as row k1 - 1 (in the cache) and left out.
+// A score is scale q.k, or cap tanh(scale q.k / cap) with cap > 0 (Gemma 2's soft-capping).
 // N: cache elements per 16-byte piece (8 float16, 4 float32).
 template <int N>
 __device__ void attend_split(float* sc, float (*vsum)[512], const float* sq, const float* sk, const void* kc,
                              const void* vc, const float* vnew, long long base, int hd, int k0, int k1, int pos,
-                             float scale, float* red, float* m_out, float* l_out) {
+                             float scale, float cap, float* red, float* m_out, float* l_out) {
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, gl = lane & 7;
     int slot = (warp << 2) | (lane >> 3), pieces = hd / N;
     for (int key0 = k0 + slot; key0 - slot < k1; key0 += 64) {
@@ -160,7 +161,7 @@ __device__ void attend_split(float* sc, float (*vsum)[512], const float* sq, con
             t += __shfl_xor_sync(0xffffffffu, t, 2);
             t += __shfl_xor_sync(0xffffffffu, t, 4);
             int key = key0 + 16 * r;
-            if (gl == 0 && key < k1) sc[key - k0] = t * scale;
+            if (gl == 0 && key < k1) sc[key - k0] = cap > 0.f ? cap * tanhf(t * (scale / cap)) : t * scale;
         }
     }
     __syncthreads();
@@ -230,7 +231,8 @@ __device__ void attend_split(float* sc, float (*vsum)[512], const float* sq, con
 // A batch of sequences in one launch (table not null; grid (H, S, B)): sequence z = blockIdx.z takes its
 // caches and their n_ctx from table[3 z ..] (k, v, n_ctx), its rows out + z ldo and qkv + z ldq, its
 // position pos_p[z], its scratch acc + z H S hd, ml + 2 z H S, count + z H, and its records (xr) the
-// (H hd / 32) z-th; the caches share one dtype.
+// (H hd / 32) z-th; the caches share one dtype. cap > 0: soft-capped scores (attend_split). sinks (H,)
+// (not null; gpt-oss): head h's sink logit joins its softmax's denominator (a key whose value is 0).
 // The cache is read in 16-byte pieces (attend_split), so rows must be 16-byte aligned (hd a multiple
 // of 8). 128 threads; chunk <= ATTN_MAX_CHUNK; hd <= 512; S <= ATTN_MAX_CHUNK / 2 (the combine keeps
 // each split's pair in sc: caches up to 8M positions).
@@ -240,7 +242,8 @@ extern "C" __global__ void __launch_bounds__(128) attn_decode(
     const float* __restrict__ qkv, void* __restrict__ kc, void* __restrict__ vc, const int* __restrict__ pos_p,
     const float* __restrict__ inv_freq, const float* __restrict__ qn, const float* __restrict__ kn, int H, int KV,
     int hd, int n_ctx, int n_rot, int neox, float eps, float scale, int window, int chunk, int kv_half,
-    uint* __restrict__ xr, const unsigned long long* __restrict__ table, long long ldo, long long ldq) {
+    uint* __restrict__ xr, const unsigned long long* __restrict__ table, long long ldo, long long ldq,
+    float cap, const float* __restrict__ sinks) {
     __shared__ float red[32];
     __shared__ float sq[512];
     __shared__ float sk[512];
@@ -283,8 +286,8 @@ extern "C" __global__ void __launch_bounds__(128) attn_decode(
     }
     long long base = (long long)g * n_ctx;  // the KV head's first row
     float m, l;
-    if (kv_half) attend_split<8>(sc, vsum, sq, sk, kc, vc, vnew, base, hd, k0, k1, pos, scale, red, &m, &l);
-    else attend_split<4>(sc, vsum, sq, sk, kc, vc, vnew, base, hd, k0, k1, pos, scale, red, &m, &l);
+    if (kv_half) attend_split<8>(sc, vsum, sq, sk, kc, vc, vnew, base, hd, k0, k1, pos, scale, cap, red, &m, &l);
+    else attend_split<4>(sc, vsum, sq, sk, kc, vc, vnew, base, hd, k0, k1, pos, scale, cap, red, &m, &l);
     for (int j = threadIdx.x; j < hd; j += blockDim.x) acc[part * hd + j] = vsum[0][j];
     if (threadIdx.x == 0) {
         ml[2 * part] = m;
@@ -312,6 +315,7 @@ extern "C" __global__ void __launch_bounds__(128) attn_decode(
         if (li > 0.f) M = fmaxf(M, mi);
     }
     M = block_max(M, red);
+    if (sinks != nullptr) M = fmaxf(M, sinks[h]);
     float L = 0.f;
     for (int i = threadIdx.x; i < n_s; i += blockDim.x) {  // a thread rereads only its own splits' pairs
         float li = sc[2 * i + 1], w = li > 0.f ? expf(sc[2 * i] - M) : 0.f;
@@ -319,6 +323,7 @@ extern "C" __global__ void __launch_bounds__(128) attn_decode(
         L += li * w;
     }
     L = block_sum(L, red);  // its leading __syncthreads also publishes the weights
+    if (sinks != nullptr) L += expf(sinks[h] - M);
     float inv = 1.f / L;
     const float* hacc = acc + ((long long)h * S + s_lo) * hd;
     for (int j0 = 0; j0 < hd; j0 += blockDim.x) {
@@ -358,22 +363,36 @@ extern "C" __global__ void ungroup_heads(void* __restrict__ out, const float* __
 // pos_first + g % nq; column j is the key at position key0 + j. Keys [start, pos] count
 // (start = pos - window + 1 with a sliding window, else 0), the rest become 0. One block per row.
 // p16 (rows, T) float16, when not null, takes the probabilities instead (the float16 GEMM's operand).
+// cap > 0: scores cap tanh(scale s / cap) (Gemma 2). sinks (not null; gpt-oss): the sink logits of the
+// query heads of the rows' first KV head onwards (row group g's KV head is the g / nq-th from there, a
+// row's query head g / nq * rep + its place in the group), each joining its rows' denominators.
+__device__ __forceinline__ float capped(float v, float scale, float cap) {
+    return cap > 0.f ? cap * tanhf(v * (scale / cap)) : v * scale;
+}
 extern "C" __global__ void softmax_causal(float* __restrict__ s, ushort* __restrict__ p16, int T, int nq, int rep,
-                                          int pos_first, int key0, float scale, int window) {
+                                          int pos_first, int key0, float scale, int window, float cap,
+                                          const float* __restrict__ sinks) {
     __shared__ float red[32];
     int pos = pos_first + (int)((blockIdx.x / rep) % nq) - key0;  // in columns
     int start = (window > 0 ? max(0, pos + key0 - window + 1) : 0) - key0;
     float* r = s + (long long)blockIdx.x * T;
     float m = -3.0e38f;
-    for (int j = max(start, 0) + threadIdx.x; j <= pos; j += blockDim.x) m = fmaxf(m, r[j] * scale);
+    for (int j = max(start, 0) + threadIdx.x; j <= pos; j += blockDim.x) m = fmaxf(m, capped(r[j], scale, cap));
     m = block_max(m, red);
+    float sink = 0.f;
+    if (sinks != nullptr) {
+        sink = sinks[blockIdx.x / (rep * nq) * rep + blockIdx.x % rep];
+        m = fmaxf(m, sink);
+    }
     float l = 0.f;
     for (int j = threadIdx.x; j < T; j += blockDim.x) {
-        float e = j >= start && j <= pos ? expf(r[j] * scale - m) : 0.f;
+        float e = j >= start && j <= pos ? expf(capped(r[j], scale, cap) - m) : 0.f;
         r[j] = e;
         l += e;
     }
-    float inv = 1.f / block_sum(l, red);
+    l = block_sum(l, red);
+    if (sinks != nullptr) l += expf(sink - m);
+    float inv = 1.f / l;
     if (p16 != nullptr) {
         ushort* p = p16 + (long long)blockIdx.x * T;
         for (int j = threadIdx.x; j < T; j += blockDim.x) p[j] = f2h(r[j] * inv);
@@ -383,12 +402,20 @@ extern "C" __global__ void softmax_causal(float* __restrict__ s, ushort* __restr
 }
 
 // Gated activation of rows stacked as gu (n, 2, ff) [gate | up] -> out (n, ff), float32 or float16
-// (half_out: a prefill GEMM's input): silu(gate) * up (mode 0, SwiGLU) or gelu_tanh(gate) * up (mode 1,
-// GeGLU). Grid (ceil(ff / 4 / blockDim.x), tokens grid-strided by gridDim.y): a thread takes 4
-// consecutive elements of a row, in 16-byte loads when ff % 4 == 0 (the rows are then 16-byte aligned),
-// and no 64-bit division per element.
+// (half_out: a prefill GEMM's input): silu(gate) * up (mode 0, SwiGLU), gelu_tanh(gate) * up (mode 1,
+// GeGLU) or gpt-oss's clamped SwiGLU (mode 2: g = min(gate, limit), u = clamp(up, -limit, limit),
+// g sigmoid(alpha g) (u + 1)). bias (not null; gpt-oss's experts): a [gate | up] bias row (2 ff) added
+// first, row ids[t] of bias for row t (ids null: bias's first row for all). Grid (ceil(ff / 4 /
+// blockDim.x), tokens grid-strided by gridDim.y): a thread takes 4 consecutive elements of a row, in
+// 16-byte loads when ff % 4 == 0 (the rows are then 16-byte aligned), and no 64-bit division per element.
+__device__ __forceinline__ float swiglu_oai(float g, float u, float alpha, float limit) {
+    g = fminf(g, limit);
+    u = fminf(fmaxf(u, -limit), limit);
+    return g / (1.f + expf(-alpha * g)) * (u + 1.f);
+}
 extern "C" __global__ void glu(void* __restrict__ out, const float* __restrict__ gu, int ff, long long n,
-                               int mode, int half_out) {
+                               int mode, int half_out, const float* __restrict__ bias, const int* __restrict__ ids,
+                               float alpha, float limit) {
     int j = 4 * (blockIdx.x * blockDim.x + threadIdx.x);
     if (j >= ff) return;
     bool vec = (ff & 3) == 0;
@@ -405,8 +432,16 @@ extern "C" __global__ void glu(void* __restrict__ out, const float* __restrict__
                 uv[i] = j + i < ff ? g[ff + i] : 0.f;
             }
         }
+        if (bias != nullptr) {
+            const float* b = bias + (ids ? (long long)ids[t] : 0LL) * 2 * ff + j;
+            for (int i = 0; i < 4 && j + i < ff; i++) {
+                gv[i] += b[i];
+                uv[i] += b[ff + i];
+            }
+        }
 #pragma unroll
-        for (int i = 0; i < 4; i++) v[i] = (mode ? gelu_tanh(gv[i]) : silu(gv[i])) * uv[i];
+        for (int i = 0; i < 4; i++)
+            v[i] = mode == 2 ? swiglu_oai(gv[i], uv[i], alpha, limit) : (mode ? gelu_tanh(gv[i]) : silu(gv[i])) * uv[i];
         long long o = t * ff + j;
         if (vec && half_out) {
             uint2 h = {(uint)f2h(v[0]) | ((uint)f2h(v[1]) << 16), (uint)f2h(v[2]) | ((uint)f2h(v[3]) << 16)};
@@ -830,16 +865,21 @@ extern "C" __global__ void __launch_bounds__(32) moe_route(int* __restrict__ ids
 
 // x (n, d) += for each token t the weighted sum of its k experts' outputs y (n, k, d) (weights wts (n, k)),
 // plus the shared expert's output ys (n, d) where given, times sigmoid(sg[t]) where its gate sg (n,) is
-// given. Grid (ceil(d / blockDim.x), tokens grid-strided by gridDim.y).
+// given. yb (not null; gpt-oss): the experts' down biases (experts, d), row ids[t k + j] added to y[t, j].
+// Grid (ceil(d / blockDim.x), tokens grid-strided by gridDim.y).
 extern "C" __global__ void moe_combine(float* __restrict__ x, const float* __restrict__ y,
                                        const float* __restrict__ wts, const float* __restrict__ ys,
-                                       const float* __restrict__ sg, int k, int d, long long n) {
+                                       const float* __restrict__ sg, int k, int d, long long n,
+                                       const float* __restrict__ yb, const int* __restrict__ ids) {
     int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= d) return;
     for (long long t = blockIdx.y; t < n; t += gridDim.y) {
         const float* yt = y + t * k * d + i;
         float acc = 0.f;
-        for (int j = 0; j < k; j++) acc += wts[t * k + j] * yt[(long long)j * d];
+        for (int j = 0; j < k; j++) {
+            float b = yb ? yb[(long long)ids[t * k + j] * d + i] : 0.f;
+            acc += wts[t * k + j] * (yt[(long long)j * d] + b);
+        }
         if (ys) acc += (sg ? 1.f / (1.f + expf(-sg[t])) : 1.f) * ys[t * d + i];
         x[t * d + i] += acc;
     }
