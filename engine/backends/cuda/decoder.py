@@ -473,18 +473,21 @@ class CudaDecoder:
                 "Cohere's LayerNorm and parallel blocks (Command R, Command R7B / Command A) have no CUDA "
                 "kernels yet; use --device cpu"
             )
-        if any(layer.post_attn_norm is not None or layer.post_ffn_norm is not None for layer in layers):
+        if any(layer.q_norm is not None and len(layer.q_norm) != cfg.head_dim for layer in layers):
             raise UnsupportedCudaModelError(
-                "norms of the attention and FFN outputs (GLM-4) have no CUDA kernels yet; use --device cpu"
-            )
-        if getattr(cfg, "scaled", False):
-            raise UnsupportedCudaModelError(
-                "Granite's embedding, residual and logit multipliers have no CUDA kernels yet; "
+                "q/k norms over the whole projection (OLMo 2, OLMo 3) have no CUDA kernels yet; "
                 "use --device cpu"
             )
-        if not all(getattr(cfg, "rope_layers", None) or ()):
+        post_normed = any(lay.post_attn_norm is not None or lay.post_ffn_norm is not None for lay in layers)
+        if post_normed and cfg.residual_multiplier != 1.0:
             raise UnsupportedCudaModelError(
-                "layers without RoPE (SmolLM3) have no CUDA kernels yet; use --device cpu"
+                "a residual multiplier with norms of the branch outputs has no CUDA kernels; use --device cpu"
+            )
+        if any(layer.moe is not None and (layer.ffn_norm is None or layer.post_ffn_norm is not None)
+               for layer in layers) or (getattr(cfg, "num_experts", 0) and cfg.residual_multiplier != 1.0):
+            raise UnsupportedCudaModelError(
+                "mixture-of-experts layers without an FFN norm, with an output norm or a residual multiplier "
+                "(Granite MoE) have no CUDA kernels yet; use --device cpu"
             )
         if cfg.head_dim % 8 or cfg.head_dim > 512:  # attn_decode reads cache rows in 16-byte pieces
             raise UnsupportedCudaModelError(
@@ -587,7 +590,9 @@ class CudaDecoder:
 
         self.token_embd = up(model.token_embd)
         self.output = None if self.head_only else up(model.output)
-        self.output_norm = None if self.head_only else vec(model.output_norm)
+        # Granite divides its logits: folded into the final norm's weight (the output matvec is linear in it)
+        logits_scaling = 1.0 if self.gemma else float(model.cfg.logits_scaling)
+        self.output_norm = None if self.head_only else vec(model.output_norm / np.float32(logits_scaling))
         self.layers = []
         cfg = model.cfg
         for i, layer in enumerate(model.layers[: self.n_layers]):
@@ -629,8 +634,12 @@ class CudaDecoder:
         self.scale = float(model.scale)
         # Gemma 2's attention soft-capping (0: none)
         self.softcap = float(getattr(cfg, "attn_logit_softcapping", None) or 0.0) if self.gemma else 0.0
-        self.embed_scale = float(model.embed_scale) if self.gemma else 1.0
+        self.embed_scale = float(model.embed_scale if self.gemma else cfg.embedding_multiplier)
+        # Granite's residual multiplier: each branch's output scaled before it joins x
+        self.residual = 1.0 if self.gemma else float(cfg.residual_multiplier)
         self.n_rot = self.cfg.head_dim if self.gemma else self.cfg.rotary_dim
+        for i, g in enumerate(self.layers):  # SmolLM3's and EXAONE 4's layers without RoPE: none rotated
+            g["n_rot"] = self.n_rot if self.gemma or cfg.uses_rope(i) else 0
         self.neox = True if self.gemma else bool(self.cfg.rope_neox)
         biggest = max(w.cols for w in uploaded.values())
         self._tile = cp.empty(max(PREFILL_TILE_ELEMS, biggest * 8), self.prefill_dtype)
@@ -1007,11 +1016,26 @@ class CudaDecoder:
         def x_emit(norm, handed: bool):  # the residual stream's records for the matvec of the next norm
             return ops.Emit(ops.EMIT_NORM, norm, s.x_rec, s.counts) if handed else None
 
-        def normed(norm, handed: bool):  # a matvec's RMSNorm'd input: records handed to it, or x
-            return dict(x=s.x_rec, prologue=5) if handed else dict(x=s.x, norm=norm, prologue=1)
+        def normed(norm, handed: bool):  # a matvec's RMSNorm'd input: records handed to it, or x (normed)
+            if handed:
+                return dict(x=s.x_rec, prologue=5)
+            return dict(x=s.x) if norm is None else dict(x=s.x, norm=norm, prologue=1)
 
-        def post_norm(w, norm, handed: bool):  # Gemma: x += rmsnorm(o) * w, and x's records for `norm`
-            ops.rmsnorm(s.x, s.o, w, eps, accumulate=True, emit=x_emit(norm, handed))
+        def branch(w, inp: dict, post, bias, norm, handed: bool):
+            """x += the branch's output W act(inp) (+ bias; RMSNorm'd by `post` where given: Gemma's and
+            GLM-4's output norms; times Granite's residual multiplier), and x's records for `norm`."""
+            if post is None and self.residual == 1.0:  # the residual add in the matvec
+                mv(s.x, [w], **inp, accumulate=True, emit=x_emit(norm, handed))
+                if bias is not None:  # (the plan hands the next matvec no records then)
+                    ops.add_inplace(s.x, bias)
+                return
+            mv(s.o, [w], **inp)
+            if bias is not None:
+                ops.add_inplace(s.o, bias)
+            if post is None:  # (the plan hands no records past a scaled branch)
+                ops.add_inplace(s.x, s.o, self.residual)
+            else:
+                ops.rmsnorm(s.x, s.o, post, eps, accumulate=True, emit=x_emit(norm, handed))
 
         norms = [L["attn_norm"] for L in self.layers[1:]] + [self.output_norm]
         for i, L in enumerate(self.layers):
@@ -1019,7 +1043,7 @@ class CudaDecoder:
             mv(s.qkv, [L["wq"], L["wk"], L["wv"]], **normed(L["attn_norm"], p["qkv"]))
             if L["bqkv"] is not None:
                 ops.add_inplace(s.qkv, L["bqkv"])  # one bias over the B rows
-            rope = (L["inv_freq"], self.n_rot, self.neox, eps, L["q_norm"], L["k_norm"])
+            rope = (L["inv_freq"], L["n_rot"], self.neox, eps, L["q_norm"], L["k_norm"])
             attn_rec = s.attn_rec if p["wo"] else None  # attention's output as records for wo
             extra = dict(softcap=self.softcap, sinks=L["sinks"])
             if s.kv_tables is not None:  # RoPE, cache writes, attention: the batch's in one launch
@@ -1032,13 +1056,7 @@ class CudaDecoder:
                 ops.attention(s.attn[b], s.qkv[b], H, *kv, pos, rope, L["scale"], *keys, records=rec, **extra)
             act = 3 if self.gemma else 2
             wo_in = dict(x=s.attn) if attn_rec is None else dict(x=attn_rec, prologue=4)
-            if self.gemma:
-                mv(s.o, [L["wo"]], **wo_in)
-                post_norm(L["post_attn_norm"], L["ffn_norm"], p["gu"])
-            else:
-                mv(s.x, [L["wo"]], **wo_in, accumulate=True, emit=x_emit(L["ffn_norm"], p["gu"]))
-                if L["bo"] is not None:  # (the plan hands gate|up no records from wo then)
-                    ops.add_inplace(s.x, L["bo"])
+            branch(L["wo"], wo_in, L["post_attn_norm"], L["bo"], L["ffn_norm"], p["gu"])
             if L["moe"] is not None:  # the experts instead of the FFN (llama family), their sum added into x
                 self._moe_step(s, L, mv)
                 continue
@@ -1046,11 +1064,7 @@ class CudaDecoder:
             mv(s.gu, [L["w_gate"], L["w_up"]], **normed(L["ffn_norm"], p["gu"]), emit=gu_emit)
             down_in = dict(x=s.act_rec, prologue=4) if p["down"] else dict(x=s.gu, cols_x2=True, prologue=act)
             to_next = plan[i + 1]["qkv"] if i + 1 < len(self.layers) else head_handed
-            if self.gemma:
-                mv(s.o, [L["w_down"]], **down_in)
-                post_norm(L["post_ffn_norm"], norms[i], to_next)
-            else:
-                mv(s.x, [L["w_down"]], **down_in, accumulate=True, emit=x_emit(norms[i], to_next))
+            branch(L["w_down"], down_in, L["post_ffn_norm"], None, norms[i], to_next)
         if self.head_only:
             return
         mv(s.logits, [self.output], **normed(self.output_norm, head_handed))
@@ -1136,17 +1150,22 @@ class CudaDecoder:
         def qb(*ws) -> bool:
             return self.handoff and self._int_dot_all(ws)
 
+        def writes(L, post: str, w, bias=None) -> bool:  # whether a branch's last kernel writes x's records
+            if L[post] is not None:  # its output norm (Gemma, GLM-4)
+                return True
+            return self.residual == 1.0 and bias is None and qb(w)  # the matvec adding into x
+
         plan, writer = [], False  # writer: the kernel adding into x last can write its records
         for L in self.layers:
             dense = L["moe"] is None  # a MoE layer's FFN (moe_combine adds into x last) takes and writes none
             wo, gu = qb(L["wo"]), dense and qb(L["w_gate"], L["w_up"])
             plan.append({
-                "qkv": writer and qb(L["wq"], L["wk"], L["wv"]),
+                "qkv": writer and L["attn_norm"] is not None and qb(L["wq"], L["wk"], L["wv"]),
                 "wo": wo and self.cfg.head_dim % 32 == 0,
-                "gu": gu and (self.gemma or (wo and L["bo"] is None)),  # wo's bias is added after it
+                "gu": gu and L["ffn_norm"] is not None and writes(L, "post_attn_norm", L["wo"], L["bo"]),
                 "down": gu and qb(L["w_down"]),
             })
-            writer = dense and (self.gemma or qb(L["w_down"]))
+            writer = dense and writes(L, "post_ffn_norm", L["w_down"])
         return plan, not self.head_only and writer and qb(self.output)
 
     # ---- prefill ----------------------------------------------------------------------------
@@ -1333,34 +1352,44 @@ class CudaDecoder:
         h_in = cp.empty((n, d), dt)
         act_in = cp.empty((n, ff), dt)
 
+        def normed(norm) -> None:  # h_in = rmsnorm(x) * norm, or x itself (EXAONE 4 norms outputs only)
+            if norm is None:
+                h_in[...] = x
+            else:
+                ops.rmsnorm(h_in, x, norm, eps)
+
+        def branch(w, inp, post, bias) -> None:  # x += W inp (+ bias), normed or scaled (as _step_launches)
+            if post is None and self.residual == 1.0:
+                self._linear(x, [w], inp, accumulate=True)  # the residual add in the GEMM
+                if bias is not None:
+                    ops.add_inplace(x, bias)
+                return
+            self._linear(o, [w], inp)
+            if bias is not None:
+                ops.add_inplace(o, bias)
+            if post is None:
+                ops.add_inplace(x, o, self.residual)
+            else:
+                ops.rmsnorm(x, o, post, eps, accumulate=True)
+
         for i, L in enumerate(self.layers):
-            ops.rmsnorm(h_in, x, L["attn_norm"], eps)
+            normed(L["attn_norm"])
             self._linear(qkv, [L["wq"], L["wk"], L["wv"]], h_in)
             if L["bqkv"] is not None:
                 ops.add_inplace(qkv, L["bqkv"])
-            rope = (L["inv_freq"], self.n_rot, self.neox, eps, L["q_norm"], L["k_norm"])
+            rope = (L["inv_freq"], L["n_rot"], self.neox, eps, L["q_norm"], L["k_norm"])
             ops.rope_store(qg, qkv, H, cache.k[i], cache.v[i], pos, *rope)
             attn3 = attn.reshape(n, H, hd)
             where = (pos0, L["scale"], L["window"], self.flash)
             ops.attention_prefill(attn3, qg, cache.k[i], cache.v[i], *where, self.softcap, L["sinks"])
-            if self.gemma:
-                self._linear(o, [L["wo"]], attn)
-                ops.rmsnorm(x, o, L["post_attn_norm"], eps, accumulate=True)
-            else:
-                self._linear(x, [L["wo"]], attn, accumulate=True)  # the residual add in the GEMM
-                if L["bo"] is not None:
-                    ops.add_inplace(x, L["bo"])
+            branch(L["wo"], attn, L["post_attn_norm"], L["bo"])
             if L["moe"] is not None:
                 self._moe_prefill(x, h_in, L)
                 continue
-            ops.rmsnorm(h_in, x, L["ffn_norm"], eps)
+            normed(L["ffn_norm"])
             self._linear(gu, [L["w_gate"], L["w_up"]], h_in)
             ops.glu(act_in, gu, ops.GLU_GELU if self.gemma else ops.GLU_SILU)
-            if self.gemma:
-                self._linear(o, [L["w_down"]], act_in)
-                ops.rmsnorm(x, o, L["post_ffn_norm"], eps, accumulate=True)
-            else:
-                self._linear(x, [L["w_down"]], act_in, accumulate=True)
+            branch(L["w_down"], act_in, L["post_ffn_norm"], None)
         if self.head_only:
             return x
         cap = getattr(cfg, "final_logit_softcapping", None)

@@ -64,6 +64,15 @@ def unsupported_reason(dec) -> str | None:
         return "attention soft-capping (Gemma 2)"
     if len({L["scale"] for L in dec.layers}) > 1:
         return "attention scales that differ between layers (OLMo 3)"
+    if any(L["n_rot"] != dec.n_rot for L in dec.layers):
+        return "layers without RoPE (SmolLM3, EXAONE 4)"
+    if dec.residual != 1.0:
+        return "a residual multiplier (Granite)"
+    if any(L["attn_norm"] is None or L["ffn_norm"] is None for L in dec.layers):
+        return "branches without input norms (EXAONE 4)"
+    if not dec.gemma and any(L["post_attn_norm"] is not None or L["post_ffn_norm"] is not None
+                             for L in dec.layers):
+        return "norms of the branch outputs (GLM-4)"
     if cfg.head_dim > MAX_HD:
         return f"head_dim {cfg.head_dim} > {MAX_HD}"
     weights = [L[m] for L in dec.layers for m in _MATS] + [dec.token_embd]

@@ -832,9 +832,10 @@ def glu(out, gu, mode: int, bias=None, ids=None, oai: tuple = (0.0, 0.0)) -> Non
     kernel("glu", cp.cuda.Device().id)(grid, (256,), args)
 
 
-def add_inplace(x, y) -> None:
-    """x += y, y (m,) repeated over x (.., m) (a bias added to every row)."""
-    kernel("add_inplace", cp.cuda.Device().id)(*_grid1(x.size), (x, y, np.int64(x.size), np.int64(y.size)))
+def add_inplace(x, y, scale: float = 1.0) -> None:
+    """x += scale * y, y (m,) repeated over x (.., m) (a bias added to every row), or y of x's shape."""
+    args = (x, y, np.int64(x.size), np.int64(y.size), _f32(scale))
+    kernel("add_inplace", cp.cuda.Device().id)(*_grid1(x.size), args)
 
 
 def softcap(x, cap: float) -> None:

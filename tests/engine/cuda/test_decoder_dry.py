@@ -249,27 +249,21 @@ CUPY_MODULES = (
 )
 
 
-def test_layers_without_rope_granite_constants_and_branch_norms_stay_on_the_cpu(fake, tmp_path):
-    """SmolLM3's NoPE layers, Granite's multipliers, GLM-4's norms of the branch outputs, LFM2's
+def test_layer_kinds_without_cuda_kernels_stay_on_the_cpu(fake, tmp_path):
+    """OLMo 2's q/k norms over the whole projection, a residual multiplier with branch-output norms, LFM2's
     convolutions, Ministral 3's query temperature, Qwen3.5's DeltaNet, Mamba-2, Gemma 4, DeepSeek's latent
     attention and Cohere's parallel LayerNorm blocks have no CUDA path: a typed error, which placement turns
     into the CPU fallback."""
     model = _model(tmp_path, "llama")
-    model.cfg.rope_layers = (True,) * (model.cfg.num_hidden_layers - 1) + (False,)
-    with pytest.raises(fake.decoder.UnsupportedCudaModelError, match="without RoPE"):
-        fake.decoder.CudaDecoder(model, n_ctx=64)
-    model.cfg.rope_layers = None
-    model.cfg.logits_scaling = 4.0  # Granite's multipliers
-    with pytest.raises(fake.decoder.UnsupportedCudaModelError, match="Granite"):
-        fake.decoder.CudaDecoder(model, n_ctx=64)
-    model.cfg.logits_scaling = 1.0
+    model.cfg.residual_multiplier = 0.5
     model.layers[0].post_ffn_norm = model.layers[0].ffn_norm  # GLM-4's norm of the FFN output
-    with pytest.raises(fake.decoder.UnsupportedCudaModelError, match="GLM-4"):
+    with pytest.raises(fake.decoder.UnsupportedCudaModelError, match="residual multiplier"):
         fake.decoder.CudaDecoder(model, n_ctx=64)
     from engine.loader import load_model
 
     tiny = Path(__file__).resolve().parents[2] / "fixtures" / "tiny"
-    for family, message in (("lfm2", "LFM2"), ("ministral3", "Ministral 3"), ("qwen3_5", "DeltaNet"),
+    for family, message in (("olmo2", "whole projection"), ("olmo3", "whole projection"),
+                            ("lfm2", "LFM2"), ("ministral3", "Ministral 3"), ("qwen3_5", "DeltaNet"),
                             ("granite4-h", "Mamba-2"), ("gemma4", "not Gemma4Model"),
                             ("gemma3n", "not Gemma3nModel"), ("nemotron_h", "not NemotronHModel"),
                             ("qwen3_next", "mixture-of-experts"), ("ernie4_5_moe", "mixture-of-experts"),

@@ -2,8 +2,10 @@
 tests/fixtures/tiny (whose golden logits come from transformers) through the whole CUDA decoder, its kernels
 on host threads (tests/engine/cuda/simt.py, over test_decoder_dry's stand-in CuPy), against the CPU model:
 gpt-oss (attention sinks, a sliding window on every other layer, biases on every linear, YaRN, MXFP4
-experts with biases and the clamped SwiGLU), Gemma 2 (soft-capped attention and logits) and Mistral's
-sliding window on every layer.
+experts with biases and the clamped SwiGLU), Gemma 2 (soft-capped attention and logits), Mistral's sliding
+window on every layer, EXAONE 4 (no input norms, norms of the branch outputs, windowed layers with RoPE and
+full ones without), GLM-4 (input and output norms, partial RoPE), Granite (embedding, residual and logit
+multipliers) and SmolLM3 (every fourth layer without RoPE).
 """
 # ruff: noqa: F811 - the stand-in CuPy fixtures are imported from test_decoder_dry
 
@@ -44,23 +46,39 @@ def test_gpt_oss_on_the_gpu_computes_the_cpu_models_logits_on_host_threads(fake,
     assert fake.fused.unsupported_reason(dec) == "mixture-of-experts layers"
 
 
+# what sets each family apart on the GPU, and why the fused step declines it
+NO_ROPE = "layers without RoPE (SmolLM3, EXAONE 4)"
+FAMILIES = {
+    "gemma2": (lambda dec: dec.softcap > 0, "attention soft-capping (Gemma 2)"),
+    "exaone4": (lambda dec: dec.layers[0]["attn_norm"] is None and _rotated(dec) == [16, 16, 16, 0]
+                and [L["window"] for L in dec.layers] == [4, 4, 4, 0], NO_ROPE),
+    "granite": (lambda dec: (dec.residual, dec.embed_scale) == (0.3, 6.0), "a residual multiplier (Granite)"),
+    "mistral-swa": (lambda dec: all(L["window"] == 4 for L in dec.layers), None),
+    "glm4": (lambda dec: dec.layers[0]["post_ffn_norm"] is not None and dec.n_rot < 16,
+             "norms of the branch outputs (GLM-4)"),
+    "smollm3": (lambda dec: _rotated(dec) == [16, 16, 16, 0], NO_ROPE),
+}
+
+
+def _rotated(dec) -> list[int]:
+    return [L["n_rot"] for L in dec.layers]
+
+
 @pytest.mark.parametrize(
-    "family", ["gemma2"] + [
+    "family", ["gemma2", "exaone4", "granite"] + [  # CI; the others with HEARTH_CUDA_SIMT=1
         pytest.param(f, marks=pytest.mark.skipif(not FULL_SIMT, reason="set HEARTH_CUDA_SIMT=1"))
-        for f in ("mistral-swa",)
+        for f in ("mistral-swa", "glm4", "smollm3")
     ],
 )
-def test_attention_variants_compute_the_cpu_models_logits_on_host_threads(fake, simt, family):
-    """Gemma 2's soft-capped attention scores (and final logits) and Mistral v0.1's window on every layer
-    through the whole decoder against the CPU model."""
+def test_family_computes_the_cpu_models_logits_on_host_threads(fake, simt, family):
+    """Each family's tiny checkpoint through the whole decoder (prefill, graph steps, the GPU argmax, a
+    batch, partial offload) against the CPU model."""
     from engine.loader import load_model
 
     STATE.simt = simt
     model = load_model(TINY / family).model
     dec = fake.decoder.CudaDecoder(model, n_ctx=32, prefill_dtype="float32")
-    if family == "gemma2":
-        assert dec.softcap == model.cfg.attn_logit_softcapping > 0
-        assert fake.fused.unsupported_reason(dec) == "attention soft-capping (Gemma 2)"
-    else:
-        assert all(L["window"] == model.cfg.sliding_window > 0 for L in dec.layers)
+    sets_apart, fused_reason = FAMILIES[family]
+    assert sets_apart(dec)
+    assert fake.fused.unsupported_reason(dec) == fused_reason
     check_decoder_against_cpu(fake, model, dec, PROMPT)

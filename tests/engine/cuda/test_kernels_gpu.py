@@ -386,7 +386,7 @@ ATTENTION_CASES = [(False, 0, False, 0.0, False), (True, 0, True, 0.0, False), (
 
 @pytest.mark.parametrize("kv_dtype", [np.float32, np.float16])
 @pytest.mark.parametrize("neox,window,qk_norm,cap,with_sinks", ATTENTION_CASES)
-def test_rope_store_and_attention_match_cpu(gpu, kv_dtype, neox, window, qk_norm, cap=0.0, with_sinks=False):
+def test_rope_store_and_attention_match_cpu(gpu, kv_dtype, neox, window, qk_norm, cap, with_sinks):
     import cupy as cp
 
     from engine.backends.cuda import ops

@@ -457,10 +457,12 @@ extern "C" __global__ void glu(void* __restrict__ out, const float* __restrict__
     }
 }
 
-// x (n,) += y repeated: x[i] += y[i % m] (a bias over the rows of a batch)
-extern "C" __global__ void add_inplace(float* __restrict__ x, const float* __restrict__ y, long long n, long long m) {
+// x (n,) += scale * y repeated: x[i] += scale y[i % m] (a bias over the rows of a batch; Granite's scaled
+// residual branch)
+extern "C" __global__ void add_inplace(float* __restrict__ x, const float* __restrict__ y, long long n, long long m,
+                                       float scale) {
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i < n) x[i] += y[i % m];
+    if (i < n) x[i] += scale * y[i % m];
 }
 // logits (n,) <- cap * tanh(logits / cap)
 extern "C" __global__ void softcap(float* __restrict__ x, float cap, long long n) {
