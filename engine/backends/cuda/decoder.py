@@ -473,11 +473,6 @@ class CudaDecoder:
                 "Cohere's LayerNorm and parallel blocks (Command R, Command R7B / Command A) have no CUDA "
                 "kernels yet; use --device cpu"
             )
-        if any(layer.q_norm is not None and len(layer.q_norm) != cfg.head_dim for layer in layers):
-            raise UnsupportedCudaModelError(
-                "q/k norms over the whole projection (OLMo 2, OLMo 3) have no CUDA kernels yet; "
-                "use --device cpu"
-            )
         post_normed = any(lay.post_attn_norm is not None or lay.post_ffn_norm is not None for lay in layers)
         if post_normed and cfg.residual_multiplier != 1.0:
             raise UnsupportedCudaModelError(
@@ -606,8 +601,9 @@ class CudaDecoder:
                 "w_gate": up(layer.w_gate),
                 "w_up": up(layer.w_up),
                 "w_down": up(layer.w_down),
-                "q_norm": vec(getattr(layer, "q_norm", None)),
-                "k_norm": vec(getattr(layer, "k_norm", None)),
+                # per-head q/k norms (Qwen3, Gemma: in the RoPE kernels), or over the whole projection
+                # (OLMo 2: qk_rows, their own launches)
+                **self._qk_norms(layer, vec),
                 "bq": vec(getattr(layer, "bq", None)),
                 "bk": vec(getattr(layer, "bk", None)),
                 "bv": vec(getattr(layer, "bv", None)),
@@ -656,6 +652,14 @@ class CudaDecoder:
         embd_row = 0 if self.token_embd is self.output else self.token_embd.nbytes // self.token_embd.rows
         output = 0 if self.output is None else self.output.nbytes
         self.decode_weight_bytes = layer_bytes + output + embd_row
+
+    def _qk_norms(self, layer, vec) -> dict:
+        """A layer's q_norm and k_norm (per head, or None) and qk_rows: (q, k) norm weights over the whole
+        q and k projections (OLMo 2), or None."""
+        q, k = getattr(layer, "q_norm", None), getattr(layer, "k_norm", None)
+        if q is not None and len(q) != self.cfg.head_dim:
+            return {"q_norm": None, "k_norm": None, "qk_rows": (vec(q), vec(k))}
+        return {"q_norm": vec(q), "k_norm": vec(k), "qk_rows": None}
 
     def _layer_freqs(self, model, i: int) -> np.ndarray:
         """Layer i's RoPE frequencies: Gemma's per layer; llama's for the planned context, or plain RoPE's
@@ -1043,6 +1047,7 @@ class CudaDecoder:
             mv(s.qkv, [L["wq"], L["wk"], L["wv"]], **normed(L["attn_norm"], p["qkv"]))
             if L["bqkv"] is not None:
                 ops.add_inplace(s.qkv, L["bqkv"])  # one bias over the B rows
+            self._qk_rows(s.qkv, L)
             rope = (L["inv_freq"], L["n_rot"], self.neox, eps, L["q_norm"], L["k_norm"])
             attn_rec = s.attn_rec if p["wo"] else None  # attention's output as records for wo
             extra = dict(softcap=self.softcap, sinks=L["sinks"])
@@ -1073,6 +1078,14 @@ class CudaDecoder:
             ops.softcap(s.logits, cap)
         if greedy:
             ops.argmax(s.ids, s.logits, s.argmax_parts)
+
+    def _qk_rows(self, qkv, L: dict) -> None:
+        """OLMo 2's q and k norms over the whole projections, in place on the q|k|v rows (n, q + 2 kv)."""
+        if L["qk_rows"] is None:
+            return
+        q, kv, eps = self.cfg.q_dim, self.cfg.kv_dim, self.cfg.rms_norm_eps
+        for part, w in zip((qkv[:, :q], qkv[:, q : q + kv]), L["qk_rows"]):
+            ops.rmsnorm(part, part, w, eps)
 
     def _moe_step(self, s: _Step, L: dict, mv) -> None:
         """A MoE layer's FFN in the decode step over the B rows of s, added into s.x: the router's logits,
@@ -1377,6 +1390,7 @@ class CudaDecoder:
             self._linear(qkv, [L["wq"], L["wk"], L["wv"]], h_in)
             if L["bqkv"] is not None:
                 ops.add_inplace(qkv, L["bqkv"])
+            self._qk_rows(qkv, L)
             rope = (L["inv_freq"], L["n_rot"], self.neox, eps, L["q_norm"], L["k_norm"])
             ops.rope_store(qg, qkv, H, cache.k[i], cache.v[i], pos, *rope)
             attn3 = attn.reshape(n, H, hd)

@@ -69,7 +69,9 @@ def unsupported_reason(dec) -> str | None:
     if dec.residual != 1.0:
         return "a residual multiplier (Granite)"
     if any(L["attn_norm"] is None or L["ffn_norm"] is None for L in dec.layers):
-        return "branches without input norms (EXAONE 4)"
+        return "branches without input norms (EXAONE 4, OLMo 2)"
+    if any(L["qk_rows"] is not None for L in dec.layers):
+        return "q/k norms over the whole projection (OLMo 2)"
     if not dec.gemma and any(L["post_attn_norm"] is not None or L["post_ffn_norm"] is not None
                              for L in dec.layers):
         return "norms of the branch outputs (GLM-4)"

@@ -508,9 +508,11 @@ def rmsnorm(
     """out (n, dim) (= or +=) rmsnorm(x (n, dim)) * (w or 1 + w); a float16 out gets the values rounded
     (no accumulate then). emit: an EMIT_NORM Emit (float32 out, dim a multiple of 32): out's rows also
     leave as the records of out * emit.norm for the next matvec (prologue 5), emit.records row i for
-    row i (emit.counts unused)."""
+    row i (emit.counts unused). x and out may be column slices of wider rows (out may be x: in place)."""
     n, dim = x.shape
     half = out.dtype == cp.float16
+    if out.shape != x.shape or x.strides[1] != 4 or out.strides[1] != out.itemsize:
+        raise ValueError("rmsnorm takes float32 x and an out of its shape, rows contiguous")
     if half and accumulate:
         raise ValueError("rmsnorm accumulates into float32 only")
     if emit is not None:
@@ -518,6 +520,7 @@ def rmsnorm(
             raise ValueError("rmsnorm emits EMIT_NORM records of a float32 out")
         _check_records(emit.records, n, dim, "rmsnorm's records")
     tail = (NULL, NULL) if emit is None else (emit.norm, emit.records)
+    tail += (np.int64(x.strides[0] // 4), np.int64(out.strides[0] // out.itemsize))
     kernel("rmsnorm", cp.cuda.Device().id)(
         (n,), (256,), (out, x, w, _i32(dim), _f32(eps), _i32(add_one), _i32(accumulate), _i32(half), *tail)
     )

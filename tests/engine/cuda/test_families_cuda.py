@@ -5,7 +5,8 @@ gpt-oss (attention sinks, a sliding window on every other layer, biases on every
 experts with biases and the clamped SwiGLU), Gemma 2 (soft-capped attention and logits), Mistral's sliding
 window on every layer, EXAONE 4 (no input norms, norms of the branch outputs, windowed layers with RoPE and
 full ones without), GLM-4 (input and output norms, partial RoPE), Granite (embedding, residual and logit
-multipliers) and SmolLM3 (every fourth layer without RoPE).
+multipliers), SmolLM3 (every fourth layer without RoPE), OLMo 2 (q/k norms over the whole projections,
+output norms only) and OLMo 3 (OLMo 2 with windowed layers on plain RoPE, the full ones on YaRN).
 """
 # ruff: noqa: F811 - the stand-in CuPy fixtures are imported from test_decoder_dry
 
@@ -48,15 +49,19 @@ def test_gpt_oss_on_the_gpu_computes_the_cpu_models_logits_on_host_threads(fake,
 
 # what sets each family apart on the GPU, and why the fused step declines it
 NO_ROPE = "layers without RoPE (SmolLM3, EXAONE 4)"
+NO_INPUT_NORMS = "branches without input norms (EXAONE 4, OLMo 2)"
 FAMILIES = {
     "gemma2": (lambda dec: dec.softcap > 0, "attention soft-capping (Gemma 2)"),
     "exaone4": (lambda dec: dec.layers[0]["attn_norm"] is None and _rotated(dec) == [16, 16, 16, 0]
-                and [L["window"] for L in dec.layers] == [4, 4, 4, 0], NO_ROPE),
+                and _windows(dec) == [4, 4, 4, 0], NO_ROPE),
     "granite": (lambda dec: (dec.residual, dec.embed_scale) == (0.3, 6.0), "a residual multiplier (Granite)"),
     "mistral-swa": (lambda dec: all(L["window"] == 4 for L in dec.layers), None),
     "glm4": (lambda dec: dec.layers[0]["post_ffn_norm"] is not None and dec.n_rot < 16,
              "norms of the branch outputs (GLM-4)"),
     "smollm3": (lambda dec: _rotated(dec) == [16, 16, 16, 0], NO_ROPE),
+    "olmo2": (lambda dec: dec.layers[0]["qk_rows"] is not None, NO_INPUT_NORMS),
+    "olmo3": (lambda dec: len({L["scale"] for L in dec.layers}) == 2 and _windows(dec) == [4, 4, 4, 0],
+              "attention scales that differ between layers (OLMo 3)"),
 }
 
 
@@ -64,10 +69,14 @@ def _rotated(dec) -> list[int]:
     return [L["n_rot"] for L in dec.layers]
 
 
+def _windows(dec) -> list[int]:
+    return [L["window"] for L in dec.layers]
+
+
 @pytest.mark.parametrize(
-    "family", ["gemma2", "exaone4", "granite"] + [  # CI; the others with HEARTH_CUDA_SIMT=1
+    "family", ["gemma2", "exaone4", "granite", "olmo3"] + [  # CI; the others with HEARTH_CUDA_SIMT=1
         pytest.param(f, marks=pytest.mark.skipif(not FULL_SIMT, reason="set HEARTH_CUDA_SIMT=1"))
-        for f in ("mistral-swa", "glm4", "smollm3")
+        for f in ("mistral-swa", "glm4", "smollm3", "olmo2")
     ],
 )
 def test_family_computes_the_cpu_models_logits_on_host_threads(fake, simt, family):

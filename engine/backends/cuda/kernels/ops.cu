@@ -7,14 +7,15 @@
 // half_out: out is float16 (a prefill GEMM's input), written directly. recs (not null; float32 out,
 // dim a multiple of 32): row i of out also leaves as the activation records of out * enw at
 // recs + i * XREC * rec_units(dim / 32) (ops.records_width; quantize_unit_normed), for the next
-// matvec's RMSNorm (its prologue 5).
-extern "C" __global__ void rmsnorm(void* __restrict__ out, const float* __restrict__ x,
-                                   const float* __restrict__ w, int dim, float eps, int add_one,
-                                   int accumulate, int half_out, const float* __restrict__ enw,
-                                   uint* __restrict__ recs) {
+// matvec's RMSNorm (its prologue 5). Rows lie ldx (x) and ldo (out) elements apart (dim: packed rows; more:
+// a part of each row, e.g. the queries of q|k|v rows for OLMo 2's norm over the whole projection).
+extern "C" __global__ void rmsnorm(void* __restrict__ out, const float* x, const float* __restrict__ w, int dim,
+                                   float eps, int add_one, int accumulate, int half_out,
+                                   const float* __restrict__ enw, uint* __restrict__ recs, long long ldx,
+                                   long long ldo) {
     __shared__ float red[32];
-    const float* xr = x + (long long)blockIdx.x * dim;
-    long long o = (long long)blockIdx.x * dim;
+    const float* xr = x + (long long)blockIdx.x * ldx;
+    long long o = (long long)blockIdx.x * ldo;
     float ss = 0.f;
     for (int j = threadIdx.x; j < dim; j += blockDim.x) ss += xr[j] * xr[j];
     ss = block_sum(ss, red);
