@@ -446,11 +446,6 @@ class CudaDecoder:
             )
         self.gemma = isinstance(model, Gemma3Model)
         cfg = self.cfg = model.cfg
-        if getattr(model, "rope_mscale", 1.0) != 1.0:
-            raise UnsupportedCudaModelError(
-                "partial rotary embeddings with a LongRoPE/YaRN attention factor (Phi-4-mini) have no CUDA "
-                "kernel yet; use --device cpu"
-            )
         # LongRoPE's factors are chosen for the context planned here (llama.cpp's choice)
         self.rope_n_ctx = int(n_ctx)
         refusal = _moe_refusal(model) if getattr(cfg, "num_experts", 0) else None
@@ -459,10 +454,6 @@ class CudaDecoder:
         self.moe = moe_dims(model)  # (experts, k, expert ff, shared ff), or None: no experts
         self.ff = ffn_width(model)
         layers = [] if self.gemma else model.layers
-        if getattr(cfg, "attn_temperature_beta", 0.0):
-            raise UnsupportedCudaModelError(
-                "Ministral 3's attention temperature has no CUDA kernel yet; use --device cpu"
-            )
         if any(lay.conv is not None or lay.delta is not None or lay.mamba is not None for lay in layers):
             raise UnsupportedCudaModelError(
                 "short-convolution layers (LFM2), gated DeltaNet layers (Qwen3.5, Qwen3-Next) and Mamba-2 "
@@ -634,6 +625,13 @@ class CudaDecoder:
         # Granite's residual multiplier: each branch's output scaled before it joins x
         self.residual = 1.0 if self.gemma else float(cfg.residual_multiplier)
         self.n_rot = self.cfg.head_dim if self.gemma else self.cfg.rotary_dim
+        # ops.rope_store's mscale (Phi-4-mini's attention factor on its rotated dims) and temperature
+        # (Ministral 3's queries, sharpened with the distance from the start)
+        self.rope_scales = ops.NO_ROPE_SCALES
+        if not self.gemma:
+            beta = float(cfg.attn_temperature_beta)
+            temperature = (beta, int(cfg.attn_temperature_length)) if beta else ops.NO_ROPE_SCALES[1]
+            self.rope_scales = (float(model.rope_mscale), temperature)
         for i, g in enumerate(self.layers):  # SmolLM3's and EXAONE 4's layers without RoPE: none rotated
             g["n_rot"] = self.n_rot if self.gemma or cfg.uses_rope(i) else 0
         self.neox = True if self.gemma else bool(self.cfg.rope_neox)
@@ -1048,7 +1046,7 @@ class CudaDecoder:
             if L["bqkv"] is not None:
                 ops.add_inplace(s.qkv, L["bqkv"])  # one bias over the B rows
             self._qk_rows(s.qkv, L)
-            rope = (L["inv_freq"], L["n_rot"], self.neox, eps, L["q_norm"], L["k_norm"])
+            rope = (L["inv_freq"], L["n_rot"], self.neox, eps, L["q_norm"], L["k_norm"], *self.rope_scales)
             attn_rec = s.attn_rec if p["wo"] else None  # attention's output as records for wo
             extra = dict(softcap=self.softcap, sinks=L["sinks"])
             if s.kv_tables is not None:  # RoPE, cache writes, attention: the batch's in one launch
@@ -1391,7 +1389,7 @@ class CudaDecoder:
             if L["bqkv"] is not None:
                 ops.add_inplace(qkv, L["bqkv"])
             self._qk_rows(qkv, L)
-            rope = (L["inv_freq"], L["n_rot"], self.neox, eps, L["q_norm"], L["k_norm"])
+            rope = (L["inv_freq"], L["n_rot"], self.neox, eps, L["q_norm"], L["k_norm"], *self.rope_scales)
             ops.rope_store(qg, qkv, H, cache.k[i], cache.v[i], pos, *rope)
             attn3 = attn.reshape(n, H, hd)
             where = (pos0, L["scale"], L["window"], self.flash)

@@ -66,6 +66,8 @@ def unsupported_reason(dec) -> str | None:
         return "attention scales that differ between layers (OLMo 3)"
     if any(L["n_rot"] != dec.n_rot for L in dec.layers):
         return "layers without RoPE (SmolLM3, EXAONE 4)"
+    if dec.rope_scales != ops.NO_ROPE_SCALES:
+        return "a partly rotated head's RoPE attention factor (Phi-4-mini) or query temperature (Ministral 3)"
     if dec.residual != 1.0:
         return "a residual multiplier (Granite)"
     if any(L["attn_norm"] is None or L["ffn_norm"] is None for L in dec.layers):

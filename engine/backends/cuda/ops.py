@@ -539,11 +539,15 @@ def rope_store(
     eps: float = 0.0,
     q_norm=None,
     k_norm=None,
+    mscale: float = 1.0,
+    temperature: tuple = (0.0, 1),
 ) -> None:
     """Prefill: RoPE the q part of qkv (n, (H + 2 KV) hd), rows [q (H, hd) | k (KV, hd) | v (KV, hd)],
     into qg (KV, n * rep, hd) float32, grouped by KV head and token-major (attention_prefill's input),
     and write rotated k and v into one layer's caches (KV, n_ctx, hd) at positions pos[0]..; per-head
-    q/k RMSNorm first when q_norm/k_norm are given."""
+    q/k RMSNorm first when q_norm/k_norm are given. mscale: the rotated dims of q and k times it after
+    RoPE (Phi-4-mini's attention factor); temperature (beta, length): each query times
+    1 + beta log(1 + floor(position / length)) (Ministral 3; beta 0: none)."""
     KV, n_ctx, hd = k_cache.shape
     n = qkv.size // ((H + 2 * KV) * hd)
     threads = max(32, min(256, -(-hd // 2 // 32) * 32))
@@ -568,8 +572,20 @@ def rope_store(
             _f32(eps),
             _i32(k_cache.dtype == cp.float16),
             _i32(qg.dtype == cp.float16),
+            *_rope_scales(mscale, temperature),
         ),
     )
+
+
+NO_ROPE_SCALES = (1.0, (0.0, 1))  # rope_store's mscale and temperature where a model has neither
+
+
+def _rope_scales(mscale: float, temperature: tuple) -> tuple:
+    """The kernels' (mscale, beta, length) arguments."""
+    beta, length = temperature
+    if beta and length < 1:
+        raise ValueError(f"the attention temperature needs a length >= 1, got {length}")
+    return _f32(mscale), _f32(beta), _i32(max(1, int(length)))
 
 
 def attention(
@@ -594,7 +610,8 @@ def attention(
     per-head q/k RMSNorm) as rope_store, split-K over the keys, the partials combined by the last
     block of each head.
 
-    rope: (inv_freq, n_rot, neox, eps, q_norm, k_norm). n_keys_max: an upper bound on the positions
+    rope: (inv_freq, n_rot, neox, eps, q_norm, k_norm), optionally followed by rope_store's mscale and
+    temperature (both for the query, mscale for the new key too). n_keys_max: an upper bound on the positions
     seen (sets the number of splits; a captured decode step passes the cache size). parts: optional
     preallocated (acc (H*S*hd,) float32, ml (H*S*2,) float32, count (H,) uint32 zeros) from
     attention_parts; the kernel leaves count zeroed for the next call. records: uint32
@@ -649,7 +666,7 @@ def _attn_decode(
     acc, ml, count = parts if parts is not None else attention_parts(H, hd, n_keys_max, B)
     if count.size < B * H:
         raise ValueError(f"attention's parts hold {count.size // H} sequences, not {B}")
-    inv_freq, n_rot, neox, eps, q_norm, k_norm = rope
+    inv_freq, n_rot, neox, eps, q_norm, k_norm, *scales = rope
     _check_sinks(sinks, H)
     tail = (NULL, np.int64(0), np.int64(0)) if batch is None else batch
     _launch(
@@ -683,6 +700,7 @@ def _attn_decode(
             *tail,
             _f32(softcap),
             NULL if sinks is None else sinks,
+            *_rope_scales(*(scales or NO_ROPE_SCALES)),
         ),
     )
 

@@ -6,7 +6,9 @@ experts with biases and the clamped SwiGLU), Gemma 2 (soft-capped attention and 
 window on every layer, EXAONE 4 (no input norms, norms of the branch outputs, windowed layers with RoPE and
 full ones without), GLM-4 (input and output norms, partial RoPE), Granite (embedding, residual and logit
 multipliers), SmolLM3 (every fourth layer without RoPE), OLMo 2 (q/k norms over the whole projections,
-output norms only) and OLMo 3 (OLMo 2 with windowed layers on plain RoPE, the full ones on YaRN).
+output norms only), OLMo 3 (OLMo 2 with windowed layers on plain RoPE, the full ones on YaRN), Ministral 3
+(queries sharpened past its original context) and Phi-4-mini's LongRoPE (a partly rotated head whose
+rotated dims take the attention factor).
 """
 # ruff: noqa: F811 - the stand-in CuPy fixtures are imported from test_decoder_dry
 
@@ -50,6 +52,7 @@ def test_gpt_oss_on_the_gpu_computes_the_cpu_models_logits_on_host_threads(fake,
 # what sets each family apart on the GPU, and why the fused step declines it
 NO_ROPE = "layers without RoPE (SmolLM3, EXAONE 4)"
 NO_INPUT_NORMS = "branches without input norms (EXAONE 4, OLMo 2)"
+ROPE_SCALES = "a partly rotated head's RoPE attention factor (Phi-4-mini) or query temperature (Ministral 3)"
 FAMILIES = {
     "gemma2": (lambda dec: dec.softcap > 0, "attention soft-capping (Gemma 2)"),
     "exaone4": (lambda dec: dec.layers[0]["attn_norm"] is None and _rotated(dec) == [16, 16, 16, 0]
@@ -62,6 +65,8 @@ FAMILIES = {
     "olmo2": (lambda dec: dec.layers[0]["qk_rows"] is not None, NO_INPUT_NORMS),
     "olmo3": (lambda dec: len({L["scale"] for L in dec.layers}) == 2 and _windows(dec) == [4, 4, 4, 0],
               "attention scales that differ between layers (OLMo 3)"),
+    "ministral3": (lambda dec: dec.rope_scales[1] == (0.5, 4), ROPE_SCALES),
+    "phi3-longrope": (lambda dec: dec.rope_scales[0] > 1.0 and dec.n_rot == 12, ROPE_SCALES),
 }
 
 
@@ -74,9 +79,9 @@ def _windows(dec) -> list[int]:
 
 
 @pytest.mark.parametrize(
-    "family", ["gemma2", "exaone4", "granite", "olmo3"] + [  # CI; the others with HEARTH_CUDA_SIMT=1
+    "family", ["gemma2", "exaone4", "granite", "olmo3", "ministral3"] + [  # CI; the rest: HEARTH_CUDA_SIMT=1
         pytest.param(f, marks=pytest.mark.skipif(not FULL_SIMT, reason="set HEARTH_CUDA_SIMT=1"))
-        for f in ("mistral-swa", "glm4", "smollm3", "olmo2")
+        for f in ("mistral-swa", "glm4", "smollm3", "olmo2", "phi3-longrope")
     ],
 )
 def test_family_computes_the_cpu_models_logits_on_host_threads(fake, simt, family):

@@ -36,10 +36,11 @@ extern "C" __global__ void rmsnorm(void* __restrict__ out, const float* x, const
 }
 
 // row (hd,) in shared memory = src (hd,), RMSNorm'd by nw (may be null), rotated by RoPE at pos on the
-// first n_rot dims (neox: pairs (i, i + n_rot/2), else (2i, 2i+1)). Block-wide, ends synchronised;
-// blockDim.x >= hd / 2.
+// first n_rot dims (neox: pairs (i, i + n_rot/2), else (2i, 2i+1)), the rotated dims then times mscale
+// (Phi-4-mini's attention factor of a partly rotated head) and every dim times tscale (a query's
+// temperature: attn_temperature). Block-wide, ends synchronised; blockDim.x >= hd / 2.
 __device__ void norm_rope(float* row, const float* src, const float* nw, int pos, const float* inv_freq, int hd,
-                          int n_rot, int neox, float eps, float* red) {
+                          int n_rot, int neox, float eps, float* red, float mscale = 1.f, float tscale = 1.f) {
     for (int j = threadIdx.x; j < hd; j += blockDim.x) row[j] = src[j];
     if (nw) {
         float ss = 0.f;
@@ -59,7 +60,16 @@ __device__ void norm_rope(float* row, const float* src, const float* nw, int pos
         row[ia] = a * cs - b * sn;
         row[ib] = a * sn + b * cs;
     }
+    if (mscale != 1.f || tscale != 1.f) {
+        __syncthreads();
+        for (int j = threadIdx.x; j < hd; j += blockDim.x) row[j] *= (j < n_rot ? mscale : 1.f) * tscale;
+    }
     __syncthreads();
+}
+
+// Ministral 3's query temperature at position pos: 1 + beta log(1 + floor(pos / len)) (beta 0: 1)
+__device__ __forceinline__ float attn_temperature(int pos, float beta, int len) {
+    return beta == 0.f ? 1.f : 1.f + beta * log1pf((float)(pos / len));
 }
 
 // k, v (hd,) into both caches at element offset o, float32 or float16 (kv_half). Block-wide.
@@ -86,7 +96,8 @@ extern "C" __global__ void rope_store(void* __restrict__ qg, const float* __rest
                                       void* __restrict__ vc, const int* __restrict__ pos_base,
                                       const float* __restrict__ inv_freq, const float* __restrict__ qn,
                                       const float* __restrict__ kn, int H, int KV, int hd, int n_rot, int neox,
-                                      int n_ctx, float eps, int kv_half, int q_half) {
+                                      int n_ctx, float eps, int kv_half, int q_half, float mscale, float beta,
+                                      int tlen) {
     __shared__ float red[32];
     __shared__ float row[512];
     int t = blockIdx.y, h = blockIdx.x, n = gridDim.y, rep = H / KV;
@@ -94,7 +105,8 @@ extern "C" __global__ void rope_store(void* __restrict__ qg, const float* __rest
     bool is_q = h < H;
     int kh = h - H;
     const float* src = qkv + (long long)t * (H + 2 * KV) * hd + (long long)h * hd;  // q head h, or k head h - H
-    norm_rope(row, src, is_q ? qn : kn, pos, inv_freq, hd, n_rot, neox, eps, red);
+    float tscale = is_q ? attn_temperature(pos, beta, tlen) : 1.f;
+    norm_rope(row, src, is_q ? qn : kn, pos, inv_freq, hd, n_rot, neox, eps, red, mscale, tscale);
     if (is_q) {
         long long dst = (((long long)(h / rep) * n + t) * rep + h % rep) * hd;
         for (int j = threadIdx.x; j < hd; j += blockDim.x) {
@@ -244,7 +256,7 @@ extern "C" __global__ void __launch_bounds__(128) attn_decode(
     const float* __restrict__ inv_freq, const float* __restrict__ qn, const float* __restrict__ kn, int H, int KV,
     int hd, int n_ctx, int n_rot, int neox, float eps, float scale, int window, int chunk, int kv_half,
     uint* __restrict__ xr, const unsigned long long* __restrict__ table, long long ldo, long long ldq,
-    float cap, const float* __restrict__ sinks) {
+    float cap, const float* __restrict__ sinks, float mscale, float beta, int tlen) {
     __shared__ float red[32];
     __shared__ float sq[512];
     __shared__ float sk[512];
@@ -276,10 +288,11 @@ extern "C" __global__ void __launch_bounds__(128) attn_decode(
     if (k0 >= k1) return;  // the same for the whole block
     int g = h / (H / KV);
     const float* vnew = qkv + (long long)(H + KV + g) * hd;
-    norm_rope(sq, qkv + (long long)h * hd, qn, pos, inv_freq, hd, n_rot, neox, eps, red);
+    float tscale = attn_temperature(pos, beta, tlen);
+    norm_rope(sq, qkv + (long long)h * hd, qn, pos, inv_freq, hd, n_rot, neox, eps, red, mscale, tscale);
     bool holds_pos = k1 == pos + 1;
     if (holds_pos) {
-        norm_rope(sk, qkv + (long long)(H + g) * hd, kn, pos, inv_freq, hd, n_rot, neox, eps, red);
+        norm_rope(sk, qkv + (long long)(H + g) * hd, kn, pos, inv_freq, hd, n_rot, neox, eps, red, mscale);
         if (kv_half)  // as the cache holds it (each thread its own elements, as store_kv)
             for (int j = threadIdx.x; j < hd; j += blockDim.x) sk[j] = h2f(f2h(sk[j]));
         if (h % (H / KV) == 0) store_kv(kc, vc, ((long long)g * n_ctx + pos) * hd, sk, vnew, hd, kv_half);
