@@ -266,6 +266,7 @@ class _Step:
         self.refs = [weakref.ref(c) for c in caches]
         self.x = cp.empty((B, d), f32)
         self.o = cp.empty((B, d), f32)
+        self.h = cp.empty((B, d), f32)  # a LayerNorm'd x (Cohere)
         self.qkv = cp.empty((B, q + 2 * kv), f32)
         self.attn = cp.empty((B, q), f32)
         self.gu = cp.empty((B, 2 * ff), f32)
@@ -311,7 +312,7 @@ class _Step:
         """Bytes of one sequence's rows of the buffers above (the attention partials aside)."""
         d, q, kv = cfg.hidden_size, cfg.q_dim, cfg.kv_dim
         ff = cfg.intermediate_size if ff is None else ff
-        floats = 2 * d + 2 * q + 2 * kv + 2 * ff + (0 if head_only else cfg.vocab_size)
+        floats = 3 * d + 2 * q + 2 * kv + 2 * ff + (0 if head_only else cfg.vocab_size)
         words = ops.records_width(d) + ops.records_width(ff) + ops.records_width(q) + 2  # + ids, pos
         return 4 * (floats + words) + _Step.moe_row_bytes(d, moe)
 
@@ -459,9 +460,11 @@ class CudaDecoder:
                 "short-convolution layers (LFM2), gated DeltaNet layers (Qwen3.5, Qwen3-Next) and Mamba-2 "
                 "layers (Granite 4.0-H) have no CUDA kernels yet; use --device cpu"
             )
-        if not self.gemma and (cfg.parallel_block or cfg.logit_scale != 1.0):
+        if not self.gemma and cfg.parallel_block and any(
+            lay.q_norm is not None or lay.moe is not None for lay in layers
+        ):
             raise UnsupportedCudaModelError(
-                "Cohere's LayerNorm and parallel blocks (Command R, Command R7B / Command A) have no CUDA "
+                "Command R+'s per-head LayerNorms of q and k (and parallel blocks with experts) have no CUDA "
                 "kernels yet; use --device cpu"
             )
         post_normed = any(lay.post_attn_norm is not None or lay.post_ffn_norm is not None for lay in layers)
@@ -576,9 +579,10 @@ class CudaDecoder:
 
         self.token_embd = up(model.token_embd)
         self.output = None if self.head_only else up(model.output)
-        # Granite divides its logits: folded into the final norm's weight (the output matvec is linear in it)
-        logits_scaling = 1.0 if self.gemma else float(model.cfg.logits_scaling)
-        self.output_norm = None if self.head_only else vec(model.output_norm / np.float32(logits_scaling))
+        # Granite divides its logits and Cohere multiplies them: folded into the final norm's weight (the
+        # output matvec is linear in it)
+        logit_mul = 1.0 if self.gemma else float(model.cfg.logit_scale) / float(model.cfg.logits_scaling)
+        self.output_norm = None if self.head_only else vec(model.output_norm * np.float32(logit_mul))
         self.layers = []
         cfg = model.cfg
         for i, layer in enumerate(model.layers[: self.n_layers]):
@@ -624,6 +628,8 @@ class CudaDecoder:
         self.embed_scale = float(model.embed_scale if self.gemma else cfg.embedding_multiplier)
         # Granite's residual multiplier: each branch's output scaled before it joins x
         self.residual = 1.0 if self.gemma else float(cfg.residual_multiplier)
+        # Cohere: attention and the FFN side by side from one LayerNorm (no bias), the final norm one too
+        self.parallel = not self.gemma and bool(cfg.parallel_block)
         self.n_rot = self.cfg.head_dim if self.gemma else self.cfg.rotary_dim
         # ops.rope_store's mscale (Phi-4-mini's attention factor on its rotated dims) and temperature
         # (Ministral 3's queries, sharpened with the distance from the start)
@@ -1039,10 +1045,18 @@ class CudaDecoder:
             else:
                 ops.rmsnorm(s.x, s.o, post, eps, accumulate=True, emit=x_emit(norm, handed))
 
+        def layernorm(norm) -> dict:  # Cohere: s.h = LayerNorm(x) * norm, the matvecs' input
+            ops.rmsnorm(s.h, s.x, norm, eps, center=True)
+            return dict(x=s.h)
+
+        glu_emit = functools.partial(ops.Emit, glu, None, s.act_rec, s.counts)
         norms = [L["attn_norm"] for L in self.layers[1:]] + [self.output_norm]
         for i, L in enumerate(self.layers):
             p = plan[i]
-            mv(s.qkv, [L["wq"], L["wk"], L["wv"]], **normed(L["attn_norm"], p["qkv"]))
+            qkv_in = layernorm(L["attn_norm"]) if self.parallel else normed(L["attn_norm"], p["qkv"])
+            mv(s.qkv, [L["wq"], L["wk"], L["wv"]], **qkv_in)
+            if self.parallel:  # the FFN's gate|up from the same input, before attention's output joins x
+                mv(s.gu, [L["w_gate"], L["w_up"]], **qkv_in, emit=glu_emit() if p["down"] else None)
             if L["bqkv"] is not None:
                 ops.add_inplace(s.qkv, L["bqkv"])  # one bias over the B rows
             self._qk_rows(s.qkv, L)
@@ -1063,14 +1077,16 @@ class CudaDecoder:
             if L["moe"] is not None:  # the experts instead of the FFN (llama family), their sum added into x
                 self._moe_step(s, L, mv)
                 continue
-            gu_emit = ops.Emit(glu, None, s.act_rec, s.counts) if p["down"] else None
-            mv(s.gu, [L["w_gate"], L["w_up"]], **normed(L["ffn_norm"], p["gu"]), emit=gu_emit)
+            if not self.parallel:
+                gu_emit = glu_emit() if p["down"] else None
+                mv(s.gu, [L["w_gate"], L["w_up"]], **normed(L["ffn_norm"], p["gu"]), emit=gu_emit)
             down_in = dict(x=s.act_rec, prologue=4) if p["down"] else dict(x=s.gu, cols_x2=True, prologue=act)
             to_next = plan[i + 1]["qkv"] if i + 1 < len(self.layers) else head_handed
             branch(L["w_down"], down_in, L["post_ffn_norm"], None, norms[i], to_next)
         if self.head_only:
             return
-        mv(s.logits, [self.output], **normed(self.output_norm, head_handed))
+        head_in = layernorm(self.output_norm) if self.parallel else normed(self.output_norm, head_handed)
+        mv(s.logits, [self.output], **head_in)
         cap = getattr(cfg, "final_logit_softcapping", None)
         if cap is not None:
             ops.softcap(s.logits, cap)
@@ -1166,18 +1182,21 @@ class CudaDecoder:
                 return True
             return self.residual == 1.0 and bias is None and qb(w)  # the matvec adding into x
 
+        def takes_rms(norm) -> bool:  # whether a matvec's input is x RMSNorm'd (x's records can stand for it)
+            return norm is not None and not self.parallel
+
         plan, writer = [], False  # writer: the kernel adding into x last can write its records
         for L in self.layers:
             dense = L["moe"] is None  # a MoE layer's FFN (moe_combine adds into x last) takes and writes none
             wo, gu = qb(L["wo"]), dense and qb(L["w_gate"], L["w_up"])
             plan.append({
-                "qkv": writer and L["attn_norm"] is not None and qb(L["wq"], L["wk"], L["wv"]),
+                "qkv": writer and takes_rms(L["attn_norm"]) and qb(L["wq"], L["wk"], L["wv"]),
                 "wo": wo and self.cfg.head_dim % 32 == 0,
-                "gu": gu and L["ffn_norm"] is not None and writes(L, "post_attn_norm", L["wo"], L["bo"]),
+                "gu": gu and takes_rms(L["ffn_norm"]) and writes(L, "post_attn_norm", L["wo"], L["bo"]),
                 "down": gu and qb(L["w_down"]),
             })
             writer = dense and writes(L, "post_ffn_norm", L["w_down"])
-        return plan, not self.head_only and writer and qb(self.output)
+        return plan, not self.head_only and not self.parallel and writer and qb(self.output)
 
     # ---- prefill ----------------------------------------------------------------------------
     def _keep_prefill_weights(self, mode: str, reserve: int) -> None:
@@ -1363,11 +1382,11 @@ class CudaDecoder:
         h_in = cp.empty((n, d), dt)
         act_in = cp.empty((n, ff), dt)
 
-        def normed(norm) -> None:  # h_in = rmsnorm(x) * norm, or x itself (EXAONE 4 norms outputs only)
+        def normed(norm) -> None:  # h_in = rmsnorm(x) * norm (Cohere: LayerNorm), or x itself (EXAONE 4)
             if norm is None:
                 h_in[...] = x
             else:
-                ops.rmsnorm(h_in, x, norm, eps)
+                ops.rmsnorm(h_in, x, norm, eps, center=self.parallel)
 
         def branch(w, inp, post, bias) -> None:  # x += W inp (+ bias), normed or scaled (as _step_launches)
             if post is None and self.residual == 1.0:
@@ -1386,6 +1405,8 @@ class CudaDecoder:
         for i, L in enumerate(self.layers):
             normed(L["attn_norm"])
             self._linear(qkv, [L["wq"], L["wk"], L["wv"]], h_in)
+            if self.parallel:  # Cohere: the FFN's input too, taken before attention's output joins x
+                self._linear(gu, [L["w_gate"], L["w_up"]], h_in)
             if L["bqkv"] is not None:
                 ops.add_inplace(qkv, L["bqkv"])
             self._qk_rows(qkv, L)
@@ -1398,15 +1419,16 @@ class CudaDecoder:
             if L["moe"] is not None:
                 self._moe_prefill(x, h_in, L)
                 continue
-            normed(L["ffn_norm"])
-            self._linear(gu, [L["w_gate"], L["w_up"]], h_in)
+            if not self.parallel:
+                normed(L["ffn_norm"])
+                self._linear(gu, [L["w_gate"], L["w_up"]], h_in)
             ops.glu(act_in, gu, ops.GLU_GELU if self.gemma else ops.GLU_SILU)
             branch(L["w_down"], act_in, L["post_ffn_norm"], None)
         if self.head_only:
             return x
         cap = getattr(cfg, "final_logit_softcapping", None)
         if all_logits:
-            ops.rmsnorm(h_in, x, self.output_norm, eps)
+            normed(self.output_norm)
             logits = cp.empty((n, cfg.vocab_size), f32)
             self._linear(logits, [self.output], h_in)
         else:
@@ -1417,7 +1439,11 @@ class CudaDecoder:
                 row = cp.empty((1, d), f32)
                 ops.dequant(row, ops.GpuWeight(ops.F32, x.view(cp.uint8), n, d), ids=last)
                 row = row[0]
-            ops.matvec(logits[0], [self.output], row, norm=norm, eps=eps, prologue=1, int_dot=dot)
+            if self.parallel:  # LayerNorm'd first
+                ops.rmsnorm(o[:1], row.reshape(1, d), norm, eps, center=True)
+                ops.matvec(logits[0], [self.output], o[0], int_dot=dot)
+            else:
+                ops.matvec(logits[0], [self.output], row, norm=norm, eps=eps, prologue=1, int_dot=dot)
         if cap is not None:
             ops.softcap(logits, cap)
         return logits

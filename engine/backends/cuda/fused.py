@@ -58,6 +58,8 @@ def unsupported_reason(dec) -> str | None:
     cfg = dec.cfg
     if dec.moe is not None:
         return "mixture-of-experts layers"
+    if dec.parallel:
+        return "Cohere's parallel blocks"
     if any(L["sinks"] is not None or L["bo"] is not None for L in dec.layers):
         return "attention sinks or output biases (gpt-oss)"
     if dec.softcap:

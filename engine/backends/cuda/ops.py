@@ -503,9 +503,11 @@ def _grid1(n: int, threads: int = 256) -> tuple[tuple[int], tuple[int]]:
 
 
 def rmsnorm(
-    out, x, w, eps: float, add_one: bool = False, accumulate: bool = False, emit: Emit | None = None
+    out, x, w, eps: float, add_one: bool = False, accumulate: bool = False, emit: Emit | None = None,
+    center: bool = False,
 ) -> None:
-    """out (n, dim) (= or +=) rmsnorm(x (n, dim)) * (w or 1 + w); a float16 out gets the values rounded
+    """out (n, dim) (= or +=) rmsnorm(x (n, dim)) * (w or 1 + w), or with center a LayerNorm without bias
+    ((x - mean) / sqrt(var + eps) * w: Cohere's); a float16 out gets the values rounded
     (no accumulate then). emit: an EMIT_NORM Emit (float32 out, dim a multiple of 32): out's rows also
     leave as the records of out * emit.norm for the next matvec (prologue 5), emit.records row i for
     row i (emit.counts unused). x and out may be column slices of wider rows (out may be x: in place)."""
@@ -520,7 +522,7 @@ def rmsnorm(
             raise ValueError("rmsnorm emits EMIT_NORM records of a float32 out")
         _check_records(emit.records, n, dim, "rmsnorm's records")
     tail = (NULL, NULL) if emit is None else (emit.norm, emit.records)
-    tail += (np.int64(x.strides[0] // 4), np.int64(out.strides[0] // out.itemsize))
+    tail += (np.int64(x.strides[0] // 4), np.int64(out.strides[0] // out.itemsize), _i32(center))
     kernel("rmsnorm", cp.cuda.Device().id)(
         (n,), (256,), (out, x, w, _i32(dim), _f32(eps), _i32(add_one), _i32(accumulate), _i32(half), *tail)
     )

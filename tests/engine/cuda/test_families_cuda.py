@@ -7,8 +7,9 @@ window on every layer, EXAONE 4 (no input norms, norms of the branch outputs, wi
 full ones without), GLM-4 (input and output norms, partial RoPE), Granite (embedding, residual and logit
 multipliers), SmolLM3 (every fourth layer without RoPE), OLMo 2 (q/k norms over the whole projections,
 output norms only), OLMo 3 (OLMo 2 with windowed layers on plain RoPE, the full ones on YaRN), Ministral 3
-(queries sharpened past its original context) and Phi-4-mini's LongRoPE (a partly rotated head whose
-rotated dims take the attention factor).
+(queries sharpened past its original context), Phi-4-mini's LongRoPE (a partly rotated head whose
+rotated dims take the attention factor) and Command R7B / Command A (attention and the FFN side by side
+from one LayerNorm, scaled logits, windowed layers that alone rotate).
 """
 # ruff: noqa: F811 - the stand-in CuPy fixtures are imported from test_decoder_dry
 
@@ -51,22 +52,25 @@ def test_gpt_oss_on_the_gpu_computes_the_cpu_models_logits_on_host_threads(fake,
 
 # what sets each family apart on the GPU, and why the fused step declines it
 NO_ROPE = "layers without RoPE (SmolLM3, EXAONE 4)"
+WINDOWED_ROPE = [16, 16, 16, 0]  # three windowed layers that rotate, a full one that does not
 NO_INPUT_NORMS = "branches without input norms (EXAONE 4, OLMo 2)"
 ROPE_SCALES = "a partly rotated head's RoPE attention factor (Phi-4-mini) or query temperature (Ministral 3)"
 FAMILIES = {
     "gemma2": (lambda dec: dec.softcap > 0, "attention soft-capping (Gemma 2)"),
-    "exaone4": (lambda dec: dec.layers[0]["attn_norm"] is None and _rotated(dec) == [16, 16, 16, 0]
+    "exaone4": (lambda dec: dec.layers[0]["attn_norm"] is None and _rotated(dec) == WINDOWED_ROPE
                 and _windows(dec) == [4, 4, 4, 0], NO_ROPE),
     "granite": (lambda dec: (dec.residual, dec.embed_scale) == (0.3, 6.0), "a residual multiplier (Granite)"),
     "mistral-swa": (lambda dec: all(L["window"] == 4 for L in dec.layers), None),
     "glm4": (lambda dec: dec.layers[0]["post_ffn_norm"] is not None and dec.n_rot < 16,
              "norms of the branch outputs (GLM-4)"),
-    "smollm3": (lambda dec: _rotated(dec) == [16, 16, 16, 0], NO_ROPE),
+    "smollm3": (lambda dec: _rotated(dec) == WINDOWED_ROPE, NO_ROPE),
     "olmo2": (lambda dec: dec.layers[0]["qk_rows"] is not None, NO_INPUT_NORMS),
     "olmo3": (lambda dec: len({L["scale"] for L in dec.layers}) == 2 and _windows(dec) == [4, 4, 4, 0],
               "attention scales that differ between layers (OLMo 3)"),
     "ministral3": (lambda dec: dec.rope_scales[1] == (0.5, 4), ROPE_SCALES),
     "phi3-longrope": (lambda dec: dec.rope_scales[0] > 1.0 and dec.n_rot == 12, ROPE_SCALES),
+    "cohere2": (lambda dec: dec.parallel and _windows(dec) == [4, 4, 4, 0] and _rotated(dec) == WINDOWED_ROPE,
+                "Cohere's parallel blocks"),
 }
 
 
@@ -79,7 +83,7 @@ def _windows(dec) -> list[int]:
 
 
 @pytest.mark.parametrize(
-    "family", ["gemma2", "exaone4", "granite", "olmo3", "ministral3"] + [  # CI; the rest: HEARTH_CUDA_SIMT=1
+    "family", ["gemma2", "exaone4", "granite", "olmo3", "ministral3", "cohere2"] + [  # CI; the rest: SIMT=1
         pytest.param(f, marks=pytest.mark.skipif(not FULL_SIMT, reason="set HEARTH_CUDA_SIMT=1"))
         for f in ("mistral-swa", "glm4", "smollm3", "olmo2", "phi3-longrope")
     ],

@@ -9,22 +9,28 @@
 // recs + i * XREC * rec_units(dim / 32) (ops.records_width; quantize_unit_normed), for the next
 // matvec's RMSNorm (its prologue 5). Rows lie ldx (x) and ldo (out) elements apart (dim: packed rows; more:
 // a part of each row, e.g. the queries of q|k|v rows for OLMo 2's norm over the whole projection).
+// center: a LayerNorm without bias instead (Cohere): (x - mean(x)) / sqrt(var(x) + eps) * w.
 extern "C" __global__ void rmsnorm(void* __restrict__ out, const float* x, const float* __restrict__ w, int dim,
                                    float eps, int add_one, int accumulate, int half_out,
                                    const float* __restrict__ enw, uint* __restrict__ recs, long long ldx,
-                                   long long ldo) {
+                                   long long ldo, int center) {
     __shared__ float red[32];
     const float* xr = x + (long long)blockIdx.x * ldx;
     long long o = (long long)blockIdx.x * ldo;
+    float mean = 0.f;
+    if (center) {
+        for (int j = threadIdx.x; j < dim; j += blockDim.x) mean += xr[j];
+        mean = block_sum(mean, red) / (float)dim;
+    }
     float ss = 0.f;
-    for (int j = threadIdx.x; j < dim; j += blockDim.x) ss += xr[j] * xr[j];
+    for (int j = threadIdx.x; j < dim; j += blockDim.x) ss += (xr[j] - mean) * (xr[j] - mean);
     ss = block_sum(ss, red);
     float inv = rsqrtf(ss / (float)dim + eps);
     XIn rec;
     rec.q = recs == nullptr ? nullptr : recs + (long long)blockIdx.x * XREC * rec_units(dim >> 5);
     for (int j = threadIdx.x; j < dim; j += blockDim.x) {  // warp-uniform trips when dim % 32 == 0
         float g = add_one ? 1.f + w[j] : w[j];
-        float v = xr[j] * inv * g;
+        float v = (xr[j] - mean) * inv * g;
         if (half_out) {
             ((ushort*)out)[o + j] = f2h(v);
             continue;
