@@ -1384,7 +1384,7 @@ class CudaDecoder:
 
         def normed(norm) -> None:  # h_in = rmsnorm(x) * norm (Cohere: LayerNorm), or x itself (EXAONE 4)
             if norm is None:
-                h_in[...] = x
+                ops.convert(h_in, x)
             else:
                 ops.rmsnorm(h_in, x, norm, eps, center=self.parallel)
 

@@ -861,6 +861,14 @@ def add_inplace(x, y, scale: float = 1.0) -> None:
     kernel("add_inplace", cp.cuda.Device().id)(*_grid1(x.size), args)
 
 
+def convert(out, x) -> None:
+    """out = x (float32, contiguous) in out's dtype, float32 or float16, of x's size."""
+    if out.size != x.size or out.dtype not in (cp.float32, cp.float16) or x.dtype != cp.float32:
+        raise ValueError("convert takes float32 x and a float32 or float16 out of its size")
+    half = _i32(out.dtype == cp.float16)
+    kernel("convert", cp.cuda.Device().id)(*_grid1(x.size), (out, x, np.int64(x.size), half))
+
+
 def softcap(x, cap: float) -> None:
     kernel("softcap", cp.cuda.Device().id)(*_grid1(x.size), (x, _f32(cap), np.int64(x.size)))
 

@@ -23,6 +23,7 @@ OPS = [
     "glu",
     "add_inplace",
     "softcap",
+    "convert",
     "bump",
     "argmax",
     "sample_topk",

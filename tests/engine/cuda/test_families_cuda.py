@@ -17,11 +17,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from tests.engine.cuda.test_decoder_dry import (  # noqa: F401 - fixtures
     FULL_SIMT,
     STATE,
+    _rel,
     check_decoder_against_cpu,
     fake,
     ptx_params,
@@ -100,3 +102,24 @@ def test_family_computes_the_cpu_models_logits_on_host_threads(fake, simt, famil
     assert sets_apart(dec)
     assert fake.fused.unsupported_reason(dec) == fused_reason
     check_decoder_against_cpu(fake, model, dec, PROMPT)
+
+
+def test_captured_prefill_of_a_model_without_input_norms_on_host_threads(fake, simt, monkeypatch):
+    """OLMo 2's prefill (the residual stream converted to the GEMMs' input without a norm, q/k norms over
+    the whole projections in place, output norms) captured as a CUDA graph for a new chat's prompt and
+    replayed for the next one: the CPU model's logits each time."""
+    from engine.loader import load_model
+
+    STATE.simt = simt
+    monkeypatch.delenv("HEARTH_CUDA_PREFILL_GRAPHS", raising=False)
+    model = load_model(TINY / "olmo2").model
+    dec = fake.decoder.CudaDecoder(model, n_ctx=64, prefill_dtype="float32")
+    cache = dec.new_cache(64, np.float32)
+    captures = fake.cp.cuda.Stream.captures
+    for prompt, captured in (([1, 2, 3], 0), ([4, 5, 6, 7, 8], 2), ([9, 3, 7], 0)):  # begin + end: 2
+        cache.trim(cache.offset)  # a new chat
+        before = len(captures)
+        got = dec.forward(prompt, cache)[-1]
+        assert _rel(got, model.forward(prompt, model.new_cache(64))[-1]) < 1e-3
+        assert len(captures) - before == captured, dec.prefill_graph_error
+    assert "convert" in fake.launches

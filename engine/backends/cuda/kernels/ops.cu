@@ -484,6 +484,13 @@ extern "C" __global__ void add_inplace(float* __restrict__ x, const float* __res
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) x[i] += scale * y[i % m];
 }
+// out (n,) = x as float32, or float16 (half_out: a prefill GEMM's input from a branch without an input norm)
+extern "C" __global__ void convert(void* __restrict__ out, const float* __restrict__ x, long long n, int half_out) {
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    if (half_out) ((ushort*)out)[i] = f2h(x[i]);
+    else ((float*)out)[i] = x[i];
+}
 // logits (n,) <- cap * tanh(logits / cap)
 extern "C" __global__ void softcap(float* __restrict__ x, float cap, long long n) {
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
