@@ -204,14 +204,18 @@ class RecurrentKVCache(KVCache):
 
     partial_states = False
     MAX_SNAPSHOTS = 6
+    xp = np  # the states' array module (the CUDA backend's cache: CuPy)
 
     def __init__(
         self, n_layers: int, n_kv_heads: int, head_dim: int, n_ctx: int, dtype, n_rec: int,
         state_shape: tuple[int, ...], conv_shape: tuple[int, ...],
     ):
         super().__init__(n_layers, n_kv_heads, head_dim, n_ctx, dtype)
-        self.recurrent = np.zeros((n_rec, *state_shape), np.float32)
-        self.conv_state = np.zeros((n_rec, *conv_shape), np.float32)
+        self._init_states(n_rec, state_shape, conv_shape)
+
+    def _init_states(self, n_rec: int, state_shape: tuple[int, ...], conv_shape: tuple[int, ...]) -> None:
+        self.recurrent = self.xp.zeros((n_rec, *state_shape), np.float32)
+        self.conv_state = self.xp.zeros((n_rec, *conv_shape), np.float32)
         self._snapshots: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         self._inside: set[int] = set()  # snapshots inside a prompt (a pass continued from them): first to go
         self._spare: list[tuple[np.ndarray, np.ndarray]] = []  # dropped snapshots' arrays, for the next
@@ -240,7 +244,7 @@ class RecurrentKVCache(KVCache):
             return self._snapshots.pop(pos)
         if self._spare:
             return self._spare.pop()
-        return np.empty_like(self.recurrent), np.empty_like(self.conv_state)
+        return self.xp.empty_like(self.recurrent), self.xp.empty_like(self.conv_state)
 
     def snapshot(self) -> None:
         """Keep the state at the current end."""
@@ -248,8 +252,8 @@ class RecurrentKVCache(KVCache):
         if pos == 0 or pos in self._snapshots:
             return
         state, conv = self._slot()
-        np.copyto(state, self.recurrent)
-        np.copyto(conv, self.conv_state)
+        self.xp.copyto(state, self.recurrent)
+        self.xp.copyto(conv, self.conv_state)
         self._snapshots[pos] = (state, conv)
 
     def start_pass(self, n: int) -> None:
@@ -274,9 +278,9 @@ class RecurrentKVCache(KVCache):
             return run(rows, conv, state)
         head = run([r[:-1] for r in rows], conv, state)
         _, states, convs = self._keep
-        np.copyto(states[slot], state)
-        np.copyto(convs[slot], conv)
-        return np.concatenate([head, run([r[-1:] for r in rows], conv, state)])
+        self.xp.copyto(states[slot], state)
+        self.xp.copyto(convs[slot], conv)
+        return self.xp.concatenate([head, run([r[-1:] for r in rows], conv, state)])
 
     def end_pass(self) -> None:
         """After a pass start_pass began (and its advance): store the state of its end - 1."""

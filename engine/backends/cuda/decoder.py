@@ -46,7 +46,7 @@ from engine.arch.gemma3 import Gemma3Model
 from engine.arch.llama import LlamaModel
 from engine.backends.cuda import fused, ops
 from engine.backends.cuda.device import CudaMemoryExhaustedError, CudaOutOfMemoryError
-from engine.kv_cache import KVCache
+from engine.kv_cache import KVCache, RecurrentKVCache
 from engine.sampling import draw
 from models.errors import HearthError
 
@@ -103,6 +103,23 @@ class CudaKVCache(KVCache):
         return cp.asnumpy(self.k), cp.asnumpy(self.v), self.tokens
 
 
+class CudaRecurrentKVCache(RecurrentKVCache, CudaKVCache):
+    """A CudaKVCache of the attention layers beside the recurrent layers' states on the GPU (Qwen3.5's
+    DeltaNet): RecurrentKVCache's snapshots and trims, its copies on the decoder's stream."""
+
+    xp = cp
+
+    def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, n_ctx: int, dtype, stream, n_rec: int,
+                 state_shape: tuple[int, ...], conv_shape: tuple[int, ...]):
+        CudaKVCache.__init__(self, n_layers, n_kv_heads, head_dim, n_ctx, dtype, stream)
+        with self.stream:
+            self._init_states(n_rec, state_shape, conv_shape)
+
+    def trim(self, n: int) -> int:
+        with self.stream:
+            return super().trim(n)
+
+
 LAYER_WEIGHTS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
 PREFILL_STACKS = (("wq", "wk", "wv"), ("wo",), ("w_gate", "w_up"), ("w_down",))  # a GEMM each in prefill
 
@@ -122,7 +139,8 @@ def _weights_of(model, n_layers: int | None = None) -> list:
     layers = [getattr(layer, a) for layer in model.layers[:n] for a in LAYER_WEIGHTS]
     moes = [getattr(layer, "moe", None) for layer in model.layers[:n]]
     experts = [w for moe in moes if moe is not None for w in _moe_weights(moe)]
-    for w in heads + layers + experts:
+    deltas = [w for layer in model.layers[:n] if getattr(layer, "delta", None) for w in layer.delta.weights()]
+    for w in heads + layers + experts + deltas:
         if w is not None and id(w) not in seen:
             seen.add(id(w))
             out.append(w)
@@ -183,6 +201,27 @@ def _moe_refusal(model) -> str | None:
     return None
 
 
+def _delta_refusal(model, n_layers: int | None) -> str | None:
+    """Why the CUDA kernels cannot run this model's DeltaNet layers (None: they can, or there are none)."""
+    deltas = [layer.delta for layer in model.layers if getattr(layer, "delta", None) is not None]
+    if not deltas:
+        return None
+    shape = model.cfg.delta
+    if any(d.in_qkvz is not None for d in deltas):
+        return ("DeltaNet layers with Qwen3-Next's fused ssm_in projection (older qwen3next GGUFs) have no "
+                "CUDA kernels (a newer conversion splits it)")
+    if shape.taps > ops.DELTA_MAX_TAPS or max(shape.head_k, shape.head_v) > ops.DELTA_MAX_HEAD:
+        heads = f"{shape.head_k}/{shape.head_v}"
+        return f"DeltaNet layers of {shape.taps} taps and heads {heads} have no CUDA kernels"
+    if n_layers is not None and n_layers < len(model.layers):
+        return "partial offload (--gpu-layers) of models with DeltaNet layers is not supported yet"
+    if any(getattr(layer, b, None) is not None for layer in model.layers for b in ("bq", "bk", "bv")) and (
+        model.cfg.attn_output_gate
+    ):
+        return "gated attention with q/k/v biases has no CUDA kernels"
+    return None
+
+
 def estimate_vram(
     model, n_ctx: int, kv_dtype=np.float16, prefill_tokens: int = 512, n_layers: int | None = None
 ) -> int:
@@ -194,16 +233,21 @@ def estimate_vram(
     n = cfg.num_hidden_layers if n_layers is None else min(n_layers, cfg.num_hidden_layers)
     weights = sum(w.nbytes for w in _weights_of(model, n))
     norms = 4 * cfg.hidden_size * (4 * n + 1)
+    n_rec = sum(getattr(layer, "delta", None) is not None for layer in model.layers[:n])
+    shape = getattr(cfg, "delta", None) if n_rec else None
+    states = 4 * (1 + RecurrentKVCache.MAX_SNAPSHOTS) * n_rec * shape.state_floats if shape else 0
     kv = (
         2
-        * n
+        * (n - n_rec)
         * cfg.num_key_value_heads
         * n_ctx
         * cfg.head_dim
         * np.dtype(kv_dtype).itemsize
     )
     ff = ffn_width(model)
-    acts = 4 * prefill_tokens * (3 * cfg.hidden_size + 2 * cfg.q_dim + 2 * cfg.kv_dim + 3 * ff)
+    q_rows = 2 * cfg.q_dim if getattr(cfg, "attn_output_gate", False) else cfg.q_dim  # Qwen3.5: + its gates
+    extra = q_rows - cfg.q_dim + _delta_row_floats(shape)
+    acts = 4 * prefill_tokens * (3 * cfg.hidden_size + 2 * cfg.q_dim + 2 * cfg.kv_dim + 3 * ff + extra)
     moe = moe_dims(model)
     if moe is not None:  # router logits, routing, the experts' outputs by slot, the shared expert's rows
         E, k, eff, sff = moe
@@ -214,14 +258,22 @@ def estimate_vram(
     # decode steps: a sequence's rows (activations, logits) and attention partials, for one sequence
     # and the kept batched steps of up to SERVE_ROWS sequences each
     vocab = cfg.vocab_size if n == cfg.num_hidden_layers else 0
-    row = 4 * (2 * cfg.hidden_size + 2 * cfg.q_dim + 2 * cfg.kv_dim + 2 * ff + vocab)
+    row = 4 * (3 * cfg.hidden_size + 2 * cfg.q_dim + 2 * cfg.kv_dim + 2 * ff + vocab + extra)
     row += _Step.moe_row_bytes(cfg.hidden_size, moe)
     row += 4 * cfg.num_attention_heads * ops.attention_splits(n_ctx)[1] * (cfg.head_dim + 2)
     steps = row * (1 + BATCH_GRAPHS * SERVE_ROWS)
     # captured prefills keep their buffers (one prefill's, up to PREFILL_GRAPH_MAX tokens) for each kept one
     graphs = PREFILL_GRAPHS * (acts + attn_parts) * min(PREFILL_GRAPH_MAX, n_ctx) // max(1, prefill_tokens)
     graphs = graphs if prefill_graphs_enabled() else 0
-    return int(weights + norms + kv + acts + attn_parts + tile + steps + graphs + MARGIN_BYTES)
+    return int(weights + norms + kv + states + acts + attn_parts + tile + steps + graphs + MARGIN_BYTES)
+
+
+def _delta_row_floats(shape) -> int:
+    """float32 values a token's DeltaNet rows take (a deltanet.DeltaShape; None: 0): its q|k|v|z projection,
+    b and a, the convolution's output and the rule's."""
+    if shape is None:
+        return 0
+    return 2 * shape.conv_dim + 2 * shape.value_dim + 2 * shape.v_heads
 
 
 def _check_shared(model, n_layers: int, int_dot: bool) -> None:
@@ -256,9 +308,11 @@ class _Step:
     """The buffers of a decode step over B sequences (B rows each, allocated once) and its captured
     graphs (by greedy flag), for one list of caches; held by weak references, checked by `holds`."""
 
-    def __init__(self, cfg, caches: list, head_only: bool, ff: int | None = None, moe: tuple | None = None):
+    def __init__(self, cfg, caches: list, head_only: bool, ff: int | None = None, moe: tuple | None = None,
+                 delta=None, q_rows: int | None = None):
         """ff: the widest dense FFN (ffn_width; None: cfg.intermediate_size); moe: moe_dims (None: no
-        experts), for the MoE rows below."""
+        experts), for the MoE rows below; delta: the DeltaNet layers' deltanet.DeltaShape (None: none);
+        q_rows: the q projection's rows (Qwen3.5's gated attention: 2 q_dim; None: q_dim)."""
         f32 = cp.float32
         B = len(caches)
         d, q, kv = cfg.hidden_size, cfg.q_dim, cfg.kv_dim
@@ -267,7 +321,12 @@ class _Step:
         self.x = cp.empty((B, d), f32)
         self.o = cp.empty((B, d), f32)
         self.h = cp.empty((B, d), f32)  # a LayerNorm'd x (Cohere)
-        self.qkv = cp.empty((B, q + 2 * kv), f32)
+        self.qkv = cp.empty((B, (q_rows or q) + 2 * kv), f32)
+        if delta is not None:  # DeltaNet rows: q|k|v|z projection, b|a, the convolution's, the rule's output
+            self.dproj = cp.empty((B, delta.conv_dim + delta.value_dim), f32)
+            self.dba = cp.empty((B, 2 * delta.v_heads), f32)
+            self.dconv = cp.empty((B, delta.conv_dim), f32)
+            self.dout = cp.empty((B, delta.value_dim), f32)
         self.attn = cp.empty((B, q), f32)
         self.gu = cp.empty((B, 2 * ff), f32)
         self.logits = None if head_only else cp.empty((B, cfg.vocab_size), f32)
@@ -308,11 +367,13 @@ class _Step:
         self.graphs: dict[bool, object] = {}
 
     @staticmethod
-    def row_bytes(cfg, head_only: bool, ff: int | None = None, moe: tuple | None = None) -> int:
+    def row_bytes(cfg, head_only: bool, ff: int | None = None, moe: tuple | None = None, delta=None,
+                  q_rows: int | None = None) -> int:
         """Bytes of one sequence's rows of the buffers above (the attention partials aside)."""
         d, q, kv = cfg.hidden_size, cfg.q_dim, cfg.kv_dim
         ff = cfg.intermediate_size if ff is None else ff
-        floats = 3 * d + 2 * q + 2 * kv + 2 * ff + (0 if head_only else cfg.vocab_size)
+        floats = 3 * d + q + (q_rows or q) + 2 * kv + 2 * ff + (0 if head_only else cfg.vocab_size)
+        floats += _delta_row_floats(delta)
         words = ops.records_width(d) + ops.records_width(ff) + ops.records_width(q) + 2  # + ids, pos
         return 4 * (floats + words) + _Step.moe_row_bytes(d, moe)
 
@@ -455,11 +516,20 @@ class CudaDecoder:
         self.moe = moe_dims(model)  # (experts, k, expert ff, shared ff), or None: no experts
         self.ff = ffn_width(model)
         layers = [] if self.gemma else model.layers
-        if any(lay.conv is not None or lay.delta is not None or lay.mamba is not None for lay in layers):
+        if any(lay.conv is not None or lay.mamba is not None for lay in layers):
             raise UnsupportedCudaModelError(
-                "short-convolution layers (LFM2), gated DeltaNet layers (Qwen3.5, Qwen3-Next) and Mamba-2 "
-                "layers (Granite 4.0-H) have no CUDA kernels yet; use --device cpu"
+                "short-convolution layers (LFM2) and Mamba-2 layers (Granite 4.0-H) have no CUDA kernels "
+                "yet; use --device cpu"
             )
+        refusal = _delta_refusal(model, n_layers)
+        if refusal is not None:
+            raise UnsupportedCudaModelError(f"{refusal}; use --device cpu")
+        deltas = [lay.delta for lay in layers if lay.delta is not None]
+        self.delta = cfg.delta if deltas else None  # the DeltaNet layers' shape (Qwen3.5, Qwen3-Next)
+        self.n_rec = len(deltas)
+        self.n_attn = len(model.layers) - self.n_rec if n_layers is None else int(n_layers)
+        self.gated = not self.gemma and bool(cfg.attn_output_gate)  # Qwen3.5's gated attention
+        self.q_rows = 2 * cfg.q_dim if self.gated else cfg.q_dim
         if not self.gemma and cfg.parallel_block and any(
             lay.q_norm is not None or lay.moe is not None for lay in layers
         ):
@@ -531,8 +601,9 @@ class CudaDecoder:
         self._batches: collections.OrderedDict = collections.OrderedDict()
         # prefills at position 0, captured per cache and padded prompt length (_prefill_replay); a cache's
         # first prefill runs launch by launch (and loads the kernels and sets cuBLAS up, outside a capture)
-        # (not for MoE models: their prefill reads the routing on the host)
-        self.prefill_graphs = prefill_graphs_enabled() and self.moe is None
+        # (not for MoE models: their prefill reads the routing on the host; nor DeltaNet ones: theirs keeps
+        # snapshots of the states, which the host arranges)
+        self.prefill_graphs = prefill_graphs_enabled() and self.moe is None and self.delta is None
         self._prefill_graphs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self.prefill_graph_error: str | None = None  # why captured prefills were given up, if they were
         # a decode step's matvecs and attention as programmatic dependent launches (ops.dependent_launches)
@@ -612,6 +683,9 @@ class CudaDecoder:
                 "sinks": None if self.gemma else vec(layer.sinks),  # gpt-oss's sink logits (H,)
                 "bo": None if self.gemma else vec(layer.bo),  # the output projection's bias (gpt-oss)
                 "moe": self._upload_moe(layer.moe, up, tick, vec) if getattr(layer, "moe", None) else None,
+                # the layer's index among the cache's layers of its kind (attention, or DeltaNet states)
+                "slot": i if self.gemma else cfg.cache_slot(i),
+                "delta": self._upload_delta(layer.delta, up, vec) if getattr(layer, "delta", None) else None,
             }
             # the q|k|v biases as one vector over the stacked projection (zeros where one is missing)
             biases = [getattr(layer, b, None) for b in ("bq", "bk", "bv")]
@@ -647,6 +721,8 @@ class CudaDecoder:
         # what one decode step reads: every layer matrix and the output projection in full, one
         # embedding row (the whole embedding only when it is the tied output matrix)
         layer_bytes = sum(g[k].nbytes for g in self.layers for k in LAYER_WEIGHTS if g[k] is not None)
+        deltas = [g["delta"] for g in self.layers if g["delta"] is not None]
+        layer_bytes += sum(w.nbytes for D in deltas for w in [*D["proj"], *D["ba"], D["out"]])
         # a MoE layer reads its router, the k chosen experts and the shared expert
         for g in self.layers:
             m = g["moe"]
@@ -671,6 +747,23 @@ class CudaDecoder:
         if self.gemma:
             return model.layers[i].inv_freq
         return model._plain_rope[0] if model._plain(i) else model.rope_freqs(self.rope_n_ctx)
+
+    @staticmethod
+    def _upload_delta(net, up, vec) -> dict:
+        """A DeltaNet layer on the GPU: the stacked q|k|v and z projections, b|a (or Qwen3-Next's fused
+        in_proj_ba), the convolution's weights (channels, taps), dt_bias, -exp(A_log), the gated norm's
+        weight and out_proj."""
+        fused = net.in_ba is not None
+        return {
+            "proj": [up(net.in_qkv), up(net.in_z)],
+            "ba": [up(net.in_ba)] if fused else [up(net.in_b), up(net.in_a)],
+            "ba_fused": fused,
+            "conv": vec(net.conv),
+            "dt_bias": vec(net.dt_bias),
+            "neg_a": vec(net.neg_a),
+            "norm": vec(net.norm),
+            "out": up(net.out_proj),
+        }
 
     def _upload_moe(self, moe, up, tick, vec) -> dict:
         """A MoE block on the GPU: its router (GpuWeight), its experts merged per kind (ops.GpuExperts: each
@@ -716,17 +809,24 @@ class CudaDecoder:
         # zeroed on the decoder's stream (a non-blocking stream does not wait for the default one)
         with self._on_gpu(f"allocating a KV cache of {n_ctx} positions"):
             kv_heads, hd = cfg.num_key_value_heads, cfg.head_dim
-            return CudaKVCache(self.n_layers, kv_heads, hd, n_ctx, dtype, self.stream)
+            if self.delta is None:
+                return CudaKVCache(self.n_layers, kv_heads, hd, n_ctx, dtype, self.stream)
+            shape = self.delta
+            state, conv = (shape.v_heads, shape.head_k, shape.head_v), (shape.taps - 1, shape.conv_dim)
+            return CudaRecurrentKVCache(self.n_attn, kv_heads, hd, n_ctx, dtype, self.stream, self.n_rec,
+                                        state, conv)
 
     def cache_bytes(self, n_ctx: int, dtype=np.float16) -> int:
         """GPU bytes one more sequence of n_ctx positions takes: its KV cache (this decoder's layers), and
         its rows of a decode step of its own and of a batch's (_Step: activations, logits, the hand-off's
         records, attention partials, its entry in the batch's tables)."""
         cfg = self.cfg
-        kv = 2 * self.n_layers * cfg.num_key_value_heads * n_ctx * cfg.head_dim * np.dtype(dtype).itemsize
+        kv = 2 * self.n_attn * cfg.num_key_value_heads * n_ctx * cfg.head_dim * np.dtype(dtype).itemsize
+        if self.delta is not None:  # the recurrent states and their snapshots
+            kv += 4 * (1 + RecurrentKVCache.MAX_SNAPSHOTS) * self.n_rec * self.delta.state_floats
         splits = ops.attention_splits(n_ctx)[1]
         partials = 4 * cfg.num_attention_heads * splits * (cfg.head_dim + 2)
-        rows = _Step.row_bytes(cfg, self.head_only, self.ff, self.moe)
+        rows = _Step.row_bytes(cfg, self.head_only, self.ff, self.moe, self.delta, self.q_rows)
         return int(kv + 2 * (partials + rows) + 24 * self.n_layers)
 
     def caches_that_fit(self, n_ctx: int, dtype=np.float16) -> int:
@@ -754,14 +854,20 @@ class CudaDecoder:
         tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
         cache.check_room(len(tokens))
         what = "decoding" if len(tokens) == 1 else f"prefilling {len(tokens)} tokens"
+        # a recurrent cache keeps the states of a pass's start and end - 1 (RecurrentKVCache.start_pass)
+        snapshots = len(tokens) > 1 and not cache.partial_states
         with self._on_gpu(what):
             if len(tokens) == 1 and (self.head_only or not all_logits):
                 out = self._decode(int(tokens[0]), cache, greedy=False)
                 out = cp.asnumpy(out, stream=self.stream).reshape(1, -1)
             else:
+                if snapshots:
+                    cache.start_pass(len(tokens))
                 out = cp.asnumpy(self._prefill(tokens, cache, all_logits), stream=self.stream)
             self.stream.synchronize()
         cache.advance(tokens)
+        if snapshots:
+            cache.end_pass()
         return out
 
     def forward_batch(self, tokens, caches: list[CudaKVCache]) -> np.ndarray:
@@ -937,7 +1043,7 @@ class CudaDecoder:
         decoder, or with greedy the step (its ids hold the argmax)."""
         step = self._steps.get(cache)
         if step is None:
-            step = self._steps[cache] = _Step(self.cfg, [cache], self.head_only, self.ff, self.moe)
+            step = self._steps[cache] = self._new_step([cache])
         result = step if greedy else step.x if self.head_only else step.logits
         if self.fused is not None:  # token and position travel as launch arguments
             self.fused.launch(step, cache, token, greedy)
@@ -960,11 +1066,14 @@ class CudaDecoder:
         key = tuple(map(id, caches))
         step = self._batches.get(key)
         if step is None or not step.holds(caches):
-            step = self._batches[key] = _Step(self.cfg, caches, self.head_only, self.ff, self.moe)
+            step = self._batches[key] = self._new_step(caches)
         self._batches.move_to_end(key)
         while len(self._batches) > BATCH_GRAPHS:
             self._batches.popitem(last=False)
         return step
+
+    def _new_step(self, caches: list) -> _Step:
+        return _Step(self.cfg, caches, self.head_only, self.ff, self.moe, self.delta, self.q_rows)
 
     def _replay(self, step: _Step, caches: list, tokens: list[int], greedy: bool) -> None:
         """Token ids and positions to device memory, then the step: its graph (captured on first use,
@@ -990,8 +1099,15 @@ class CudaDecoder:
         graph.launch(self.stream)
 
     def _capture_step(self, step: _Step, caches: list, ids, pos, greedy: bool):
-        """A warm-up run of the step (it loads every kernel), then its capture (kept in step.graphs)."""
+        """A warm-up run of the step (it loads every kernel), then its capture (kept in step.graphs). The
+        warm-up advances recurrent states (DeltaNet layers), unlike keys and values written again at the
+        same place: they are put back before the capture, so the graph's launch takes the step once."""
+        kept = [(c.recurrent.copy(), c.conv_state.copy()) if isinstance(c, RecurrentKVCache) else None
+                for c in caches]
         self._step_kernels(step, caches, greedy)
+        for c, states in zip(caches, kept):
+            if states is not None:
+                c.recurrent[...], c.conv_state[...] = states
         step.ids.set(ids, stream=self.stream)
         step.pos.set(pos, stream=self.stream)
         self.stream.begin_capture()
@@ -1011,7 +1127,6 @@ class CudaDecoder:
     def _step_launches(self, s: _Step, caches: list, greedy: bool) -> None:
         cfg = self.cfg
         eps = cfg.rms_norm_eps
-        H = cfg.num_attention_heads
         mv = functools.partial(_matvecs, int_dot=self.int_dot, eps=eps)  # eps: the RMSNorm prologues
         ops.dequant(s.x, self.token_embd, ids=s.ids, scale=self.embed_scale)
         # with the hand-off, a matvec whose input another kernel wrote reads that one's records (ops.Emit):
@@ -1052,28 +1167,23 @@ class CudaDecoder:
         glu_emit = functools.partial(ops.Emit, glu, None, s.act_rec, s.counts)
         norms = [L["attn_norm"] for L in self.layers[1:]] + [self.output_norm]
         for i, L in enumerate(self.layers):
-            p = plan[i]
+            p, D, j = plan[i], L["delta"], L["slot"]
             qkv_in = layernorm(L["attn_norm"]) if self.parallel else normed(L["attn_norm"], p["qkv"])
-            mv(s.qkv, [L["wq"], L["wk"], L["wv"]], **qkv_in)
+            if D is not None:  # DeltaNet: each sequence through its own states (CudaRecurrentKVCache.mix)
+                mv(s.dproj, D["proj"], **qkv_in)
+                mv(s.dba, D["ba"], **qkv_in)
+                for b, c in enumerate(caches):
+                    rows = [s.dproj[b : b + 1], s.dba[b : b + 1]]
+                    bufs = dict(out=s.dout[b : b + 1], conv=s.dconv[b : b + 1])
+                    c.mix(j, functools.partial(self._delta_mix, D, **bufs), rows)
+                branch(D["out"], dict(x=s.dout), L["post_attn_norm"], None, L["ffn_norm"], p["gu"])
+            else:
+                mv(s.qkv, [L["wq"], L["wk"], L["wv"]], **qkv_in)
             if self.parallel:  # the FFN's gate|up from the same input, before attention's output joins x
                 mv(s.gu, [L["w_gate"], L["w_up"]], **qkv_in, emit=glu_emit() if p["down"] else None)
-            if L["bqkv"] is not None:
-                ops.add_inplace(s.qkv, L["bqkv"])  # one bias over the B rows
-            self._qk_rows(s.qkv, L)
-            rope = (L["inv_freq"], L["n_rot"], self.neox, eps, L["q_norm"], L["k_norm"], *self.rope_scales)
-            attn_rec = s.attn_rec if p["wo"] else None  # attention's output as records for wo
-            extra = dict(softcap=self.softcap, sinks=L["sinks"])
-            if s.kv_tables is not None:  # RoPE, cache writes, attention: the batch's in one launch
-                kv, keys = [(c.k[i], c.v[i]) for c in caches], (s.n_keys, L["window"], s.batch_parts)
-                where = (s.kv_tables[i], s.pos, rope, L["scale"])
-                ops.attention_batch(s.attn, s.qkv, H, kv, *where, *keys, attn_rec, **extra)
-            for b, c in enumerate(caches if s.kv_tables is None else []):  # each sequence its own
-                kv, pos, keys = (c.k[i], c.v[i]), s.pos[b : b + 1], (c.n_ctx, L["window"], s.parts[b])
-                rec = None if attn_rec is None else attn_rec[b]
-                ops.attention(s.attn[b], s.qkv[b], H, *kv, pos, rope, L["scale"], *keys, records=rec, **extra)
+            if D is None:
+                self._attention_step(s, L, caches, p, branch)
             act = 3 if self.gemma else 2
-            wo_in = dict(x=s.attn) if attn_rec is None else dict(x=attn_rec, prologue=4)
-            branch(L["wo"], wo_in, L["post_attn_norm"], L["bo"], L["ffn_norm"], p["gu"])
             if L["moe"] is not None:  # the experts instead of the FFN (llama family), their sum added into x
                 self._moe_step(s, L, mv)
                 continue
@@ -1092,6 +1202,45 @@ class CudaDecoder:
             ops.softcap(s.logits, cap)
         if greedy:
             ops.argmax(s.ids, s.logits, s.argmax_parts)
+
+    def _attention_step(self, s: _Step, L: dict, caches: list, p: dict, branch) -> None:
+        """An attention layer's branch in the decode step over the B rows of s, from its q|k|v rows: biases,
+        q/k norms, RoPE, the cache writes and attention (the batch's in one launch where the caches allow),
+        then wo's output added into x (branch: _step_launches')."""
+        cfg, j = self.cfg, L["slot"]
+        if L["bqkv"] is not None:
+            ops.add_inplace(s.qkv, L["bqkv"])  # one bias over the B rows
+        self._qk_rows(s.qkv, L)
+        rope = (L["inv_freq"], L["n_rot"], self.neox, cfg.rms_norm_eps, L["q_norm"], L["k_norm"])
+        rope += self.rope_scales
+        attn_rec = s.attn_rec if p["wo"] else None  # attention's output as records for wo
+        extra = dict(softcap=self.softcap, sinks=L["sinks"], gated=self.gated)
+        H = cfg.num_attention_heads
+        if s.kv_tables is not None:  # RoPE, cache writes, attention: the batch's in one launch
+            kv, keys = [(c.k[j], c.v[j]) for c in caches], (s.n_keys, L["window"], s.batch_parts)
+            where = (s.kv_tables[j], s.pos, rope, L["scale"])
+            ops.attention_batch(s.attn, s.qkv, H, kv, *where, *keys, attn_rec, **extra)
+        for b, c in enumerate(caches if s.kv_tables is None else []):  # each sequence its own
+            kv, pos, keys = (c.k[j], c.v[j]), s.pos[b : b + 1], (c.n_ctx, L["window"], s.parts[b])
+            rec = None if attn_rec is None else attn_rec[b]
+            ops.attention(s.attn[b], s.qkv[b], H, *kv, pos, rope, L["scale"], *keys, records=rec, **extra)
+        wo_in = dict(x=s.attn) if attn_rec is None else dict(x=attn_rec, prologue=4)
+        branch(L["wo"], wo_in, L["post_attn_norm"], L["bo"], L["ffn_norm"], p["gu"])
+
+    def _delta_mix(self, D: dict, rows, conv_state, state, out=None, conv=None):
+        """A DeltaNet layer over one sequence's rows [q|k|v|z projections (n, C + value_dim),
+        b|a (n, 2 v_heads)] from and into its conv_state and state (CudaRecurrentKVCache.mix's run): the
+        convolution, then the gated delta rule and its gated norm into out (n, value_dim) (and conv, the
+        convolution's rows: a decode step's buffers; None: new arrays)."""
+        shape, eps = self.delta, self.cfg.rms_norm_eps
+        proj, ba = rows
+        n, C = proj.shape[0], shape.conv_dim
+        conv = cp.empty((n, C), cp.float32) if conv is None else conv
+        out = cp.empty((n, shape.value_dim), cp.float32) if out is None else out
+        ops.delta_conv(conv, proj, conv_state, D["conv"])
+        weights = (D["dt_bias"], D["neg_a"], D["norm"])
+        ops.delta_rule(out, conv, proj, C, ba, state, *weights, shape, D["ba_fused"], eps)
+        return out
 
     def _qk_rows(self, qkv, L: dict) -> None:
         """OLMo 2's q and k norms over the whole projections, in place on the q|k|v rows (n, q + 2 kv)."""
@@ -1158,8 +1307,13 @@ class CudaDecoder:
         return all(len({_kernel_of(w, self.int_dot) for w in ws}) == 1 for ws in stacks)
 
     def _stacks(self) -> list[list[ops.GpuWeight]]:
-        """The layers' stacked projections (PREFILL_STACKS: q|k|v, wo, gate|up, down), layer by layer."""
-        stacks = [[L[k] for k in names] for L in self.layers for names in PREFILL_STACKS]
+        """The layers' stacked projections (PREFILL_STACKS: q|k|v, wo, gate|up, down; a DeltaNet layer's
+        q|k|v|z, b|a and out_proj instead of attention's), layer by layer."""
+        stacks = []
+        for L in self.layers:
+            D = L["delta"]
+            stacks += [[L[k] for k in names] for names in PREFILL_STACKS]
+            stacks += [] if D is None else [D["proj"], D["ba"], [D["out"]]]
         return [ws for ws in stacks if ws[0] is not None]  # a MoE layer's FFN is its experts
 
     def _int_dot_all(self, ws) -> bool:
@@ -1188,11 +1342,14 @@ class CudaDecoder:
         plan, writer = [], False  # writer: the kernel adding into x last can write its records
         for L in self.layers:
             dense = L["moe"] is None  # a MoE layer's FFN (moe_combine adds into x last) takes and writes none
-            wo, gu = qb(L["wo"]), dense and qb(L["w_gate"], L["w_up"])
+            D = L["delta"]  # a DeltaNet layer: its projections read what q|k|v would, out_proj writes as wo
+            inputs = [L["wq"], L["wk"], L["wv"]] if D is None else [*D["proj"], *D["ba"]]
+            out = L["wo"] if D is None else D["out"]
+            wo, gu = qb(out), dense and qb(L["w_gate"], L["w_up"])
             plan.append({
-                "qkv": writer and takes_rms(L["attn_norm"]) and qb(L["wq"], L["wk"], L["wv"]),
-                "wo": wo and self.cfg.head_dim % 32 == 0,
-                "gu": gu and takes_rms(L["ffn_norm"]) and writes(L, "post_attn_norm", L["wo"], L["bo"]),
+                "qkv": writer and takes_rms(L["attn_norm"]) and qb(*inputs),
+                "wo": D is None and wo and self.cfg.head_dim % 32 == 0,
+                "gu": gu and takes_rms(L["ffn_norm"]) and writes(L, "post_attn_norm", out, L["bo"]),
                 "down": gu and qb(L["w_down"]),
             })
             writer = dense and writes(L, "post_ffn_norm", L["w_down"])
@@ -1372,7 +1529,7 @@ class CudaDecoder:
         x = cp.empty((n, d), f32)
         ops.dequant(x, self.token_embd, ids=ids, scale=self.embed_scale)
         o = cp.empty((n, d), f32)
-        qkv = cp.empty((n, cfg.q_dim + 2 * cfg.kv_dim), f32)  # one GEMM for q|k|v
+        qkv = cp.empty((n, self.q_rows + 2 * cfg.kv_dim), f32)  # one GEMM for q|k|v
         KV = cfg.num_key_value_heads
         # rotated queries grouped by KV head, in the cache's dtype (attention's GEMMs take both)
         qg = cp.empty((KV, n * (H // KV), hd), cache.k[0].dtype)
@@ -1402,20 +1559,38 @@ class CudaDecoder:
             else:
                 ops.rmsnorm(x, o, post, eps, accumulate=True)
 
-        for i, L in enumerate(self.layers):
+        for L in self.layers:
+            D, j = L["delta"], L["slot"]
             normed(L["attn_norm"])
-            self._linear(qkv, [L["wq"], L["wk"], L["wv"]], h_in)
+            if D is not None:  # DeltaNet: the projections, then the cache's states (two runs: see mix)
+                shape = self.delta
+                proj = cp.empty((n, shape.conv_dim + shape.value_dim), f32)
+                self._linear(proj, D["proj"], h_in)
+                ba = cp.empty((n, 2 * shape.v_heads), f32)
+                self._linear(ba, D["ba"], h_in)
+                y = cache.mix(j, functools.partial(self._delta_mix, D), [proj, ba])
+                if dt != f32:  # out_proj's GEMM input
+                    y16 = cp.empty(y.shape, dt)
+                    ops.convert(y16, y)
+                    y = y16
+                branch(D["out"], y, L["post_attn_norm"], None)
+            else:
+                self._linear(qkv, [L["wq"], L["wk"], L["wv"]], h_in)
             if self.parallel:  # Cohere: the FFN's input too, taken before attention's output joins x
                 self._linear(gu, [L["w_gate"], L["w_up"]], h_in)
-            if L["bqkv"] is not None:
-                ops.add_inplace(qkv, L["bqkv"])
-            self._qk_rows(qkv, L)
-            rope = (L["inv_freq"], L["n_rot"], self.neox, eps, L["q_norm"], L["k_norm"], *self.rope_scales)
-            ops.rope_store(qg, qkv, H, cache.k[i], cache.v[i], pos, *rope)
-            attn3 = attn.reshape(n, H, hd)
-            where = (pos0, L["scale"], L["window"], self.flash)
-            ops.attention_prefill(attn3, qg, cache.k[i], cache.v[i], *where, self.softcap, L["sinks"])
-            branch(L["wo"], attn, L["post_attn_norm"], L["bo"])
+            if D is None:
+                if L["bqkv"] is not None:
+                    ops.add_inplace(qkv, L["bqkv"])
+                self._qk_rows(qkv, L)
+                rope = (L["inv_freq"], L["n_rot"], self.neox, eps, L["q_norm"], L["k_norm"])
+                rope += self.rope_scales
+                ops.rope_store(qg, qkv, H, cache.k[j], cache.v[j], pos, *rope, gated=self.gated)
+                attn3 = attn.reshape(n, H, hd)
+                where = (pos0, L["scale"], L["window"], self.flash)
+                ops.attention_prefill(attn3, qg, cache.k[j], cache.v[j], *where, self.softcap, L["sinks"])
+                if self.gated:
+                    ops.gate_heads(attn, qkv, H, hd)
+                branch(L["wo"], attn, L["post_attn_norm"], L["bo"])
             if L["moe"] is not None:
                 self._moe_prefill(x, h_in, L)
                 continue

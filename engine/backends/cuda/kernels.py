@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 _DIR = Path(__file__).with_name("kernels")
-SOURCES = ("quant.cu", "ops.cu", "flash.cu", "step.cu")  # step.cu uses quant.cu's decoders
+SOURCES = ("quant.cu", "ops.cu", "recurrent.cu", "flash.cu", "step.cu")  # step.cu uses quant.cu's decoders
 NVRTC_OPTIONS = ("--std=c++17", "-default-device")
 
 

@@ -543,15 +543,17 @@ def rope_store(
     k_norm=None,
     mscale: float = 1.0,
     temperature: tuple = (0.0, 1),
+    gated: bool = False,
 ) -> None:
     """Prefill: RoPE the q part of qkv (n, (H + 2 KV) hd), rows [q (H, hd) | k (KV, hd) | v (KV, hd)],
     into qg (KV, n * rep, hd) float32, grouped by KV head and token-major (attention_prefill's input),
     and write rotated k and v into one layer's caches (KV, n_ctx, hd) at positions pos[0]..; per-head
     q/k RMSNorm first when q_norm/k_norm are given. mscale: the rotated dims of q and k times it after
     RoPE (Phi-4-mini's attention factor); temperature (beta, length): each query times
-    1 + beta log(1 + floor(position / length)) (Ministral 3; beta 0: none)."""
+    1 + beta log(1 + floor(position / length)) (Ministral 3; beta 0: none). gated: qkv's q part holds per
+    head its query then its output gate (H, 2, hd) (Qwen3.5; gate_heads applies them)."""
     KV, n_ctx, hd = k_cache.shape
-    n = qkv.size // ((H + 2 * KV) * hd)
+    n = qkv.size // (((2 if gated else 1) * H + 2 * KV) * hd)
     threads = max(32, min(256, -(-hd // 2 // 32) * 32))
     kernel("rope_store", cp.cuda.Device().id)(
         (H + KV, n),
@@ -575,8 +577,19 @@ def rope_store(
             _i32(k_cache.dtype == cp.float16),
             _i32(qg.dtype == cp.float16),
             *_rope_scales(mscale, temperature),
+            _i32(gated),
         ),
     )
+
+
+def gate_heads(attn, qkv, H: int, hd: int) -> None:
+    """attn (n, H hd) float32 or float16 *= sigmoid of each head's output gate in the gated q part of the
+    q|k|v rows qkv (n, .) float32 (rope_store's gated layout; Qwen3.5's prefill)."""
+    n = attn.shape[0]
+    args = (attn, qkv, np.int64(qkv.strides[0] // 4), _i32(H), _i32(hd), np.int64(n),
+            _i32(attn.dtype == cp.float16))
+    blocks = max(1, min(-(-(n * H * hd) // 256), 65535))
+    kernel("gate_heads", cp.cuda.Device().id)((blocks,), (256,), args)
 
 
 NO_ROPE_SCALES = (1.0, (0.0, 1))  # rope_store's mscale and temperature where a model has neither
@@ -605,6 +618,7 @@ def attention(
     records: cp.ndarray | None = None,
     softcap: float = 0.0,
     sinks: cp.ndarray | None = None,
+    gated: bool = False,
 ) -> None:
     """Decode attention of one token, one launch (attn_decode): out (H * hd,) float32 = attention of the
     query in qkv ((H + 2 KV) hd,) rows [q | k | v] at position pos[0] (device int32) over one layer's
@@ -620,24 +634,25 @@ def attention(
     (records_width(H * hd),): out's activation records too, for the output projection's matvec
     (prologue 4; hd a multiple of 32). softcap > 0: scores softcap * tanh(scale q.k / softcap) (Gemma 2).
     sinks: float32 (H,) attention-sink logits (gpt-oss), each joining its head's softmax (None: none).
+    gated: qkv's q part as rope_store's gated one; each head's output times sigmoid of its gate (Qwen3.5).
     """
     if records is not None:
         records = records.reshape(1, -1)
     _attn_decode(out, qkv, H, k_cache, v_cache, pos, rope, scale, n_keys_max, window, parts, records,
-                 softcap=softcap, sinks=sinks)
+                 softcap=softcap, sinks=sinks, gated=gated)
 
 
 def attention_batch(
     out, qkv, H: int, caches: list[tuple], table, pos, rope: tuple, scale: float, n_keys_max: int,
     window: int = 0, parts: tuple | None = None, records: cp.ndarray | None = None, softcap: float = 0.0,
-    sinks: cp.ndarray | None = None,
+    sinks: cp.ndarray | None = None, gated: bool = False,
 ) -> None:
     """attention for B sequences in one launch: out (B, H * hd) row b = attention of qkv's row b at
     position pos[b] over caches[b] = (k_cache, v_cache) of one layer (one dtype and head layout, any
     n_ctx), whose device table (B, 3) uint64 holds (k pointer, v pointer, n_ctx) per sequence (kept by
     the caller: a captured step's launch holds its address). n_keys_max: at least every cache's size.
     parts: attention_parts(H, hd, n_keys_max, B). records: (B, records_width(H * hd)) or None. softcap,
-    sinks: as attention's."""
+    sinks, gated: as attention's."""
     k0 = caches[0][0]
     B = len(caches)
     for k, v in caches:
@@ -650,12 +665,12 @@ def attention_batch(
         raise ValueError("attention_batch: table (B, 3) uint64 and B rows of out and qkv")
     batch = (table, np.int64(out.strides[0] // 4), np.int64(qkv.strides[0] // 4))
     _attn_decode(out, qkv, H, k0, caches[0][1], pos, rope, scale, n_keys_max, window, parts, records, batch,
-                 softcap, sinks)
+                 softcap, sinks, gated)
 
 
 def _attn_decode(
     out, qkv, H, k_cache, v_cache, pos, rope, scale, n_keys_max, window, parts, records, batch=None,
-    softcap: float = 0.0, sinks=None,
+    softcap: float = 0.0, sinks=None, gated: bool = False,
 ) -> None:
     """attn_decode over one sequence (batch None) or batch = (table, ldo, ldq) (grid z: the sequences)."""
     KV, n_ctx, hd = k_cache.shape
@@ -703,6 +718,7 @@ def _attn_decode(
             _f32(softcap),
             NULL if sinks is None else sinks,
             *_rope_scales(*(scales or NO_ROPE_SCALES)),
+            _i32(gated),
         ),
     )
 
@@ -1200,3 +1216,38 @@ def moe_combine(x, y, wts, ys=None, sg=None, down_bias=None, ids=None) -> None:
     args = (x, y, wts, NULL if ys is None else ys, NULL if sg is None else sg, _i32(k), _i32(d), np.int64(n),
             NULL if down_bias is None else down_bias, NULL if ids is None else ids)
     kernel("moe_combine", cp.cuda.Device().id)(grid, (256,), args)
+
+
+DELTA_MAX_TAPS, DELTA_MAX_HEAD = 9, 512  # recurrent.cu's limits
+
+
+def delta_conv(out, x, conv_state, w) -> None:
+    """out (n, C) = SiLU(causal depthwise convolution) of x (n, >= C) float32 (row-strided: the first C
+    columns of q|k|v|z rows) after the rows of conv_state (taps - 1, C), which then holds the last taps - 1
+    inputs; w (C, taps) float32 (Qwen3.5's DeltaNet convolution, deltanet.mix)."""
+    n, C = out.shape
+    taps = w.shape[1]
+    if not 1 <= taps <= DELTA_MAX_TAPS or conv_state.shape != (taps - 1, C) or w.shape[0] != C:
+        raise ValueError(f"delta_conv: {C} channels of up to {DELTA_MAX_TAPS} taps, its state (taps - 1, C)")
+    if x.shape[0] != n or x.shape[1] < C or x.strides[1] != 4:
+        raise ValueError("delta_conv: x rows hold the C channels first")
+    args = (out, x, np.int64(x.strides[0] // 4), conv_state, w, _i32(C), _i32(taps), _i32(n))
+    kernel("delta_conv", cp.cuda.Device().id)(*_grid1(C), args)
+
+
+def delta_rule(out, conv, proj, zoff: int, ba, state, dt_bias, neg_a, norm, shape, ba_fused: bool,
+               eps: float) -> None:
+    """out (n, v_heads hv) = the gated delta rule of delta_conv's rows conv (n, C) from and into one layer's
+    state (v_heads, hk, hv), RMS-normed per head by norm (hv,) and gated by SiLU(z), z the columns zoff..
+    of proj's rows (n, .); ba (n, 2 v_heads): b and a ([b | a], or per key head with ba_fused); dt_bias,
+    neg_a (v_heads,); shape: the layer's deltanet.DeltaShape."""
+    n = out.shape[0]
+    kh, vh, hk, hv = shape.k_heads, shape.v_heads, shape.head_k, shape.head_v
+    if max(hk, hv) > DELTA_MAX_HEAD or state.shape != (vh, hk, hv) or out.shape != (n, vh * hv):
+        raise ValueError(f"delta_rule: heads up to {DELTA_MAX_HEAD} wide, a state ({vh}, {hk}, {hv})")
+    if conv.shape != (n, shape.conv_dim) or ba.shape != (n, 2 * vh) or proj.shape[1] < zoff + vh * hv:
+        raise ValueError("delta_rule: conv (n, conv_dim), ba (n, 2 v_heads) and z inside proj's rows")
+    threads = -(-hv // 32) * 32
+    args = (out, conv, proj, np.int64(proj.strides[0] // 4), np.int64(zoff), ba, state, dt_bias, neg_a, norm,
+            _i32(kh), _i32(vh), _i32(hk), _i32(hv), _i32(shape.tiled), _i32(ba_fused), _f32(eps), _i32(n))
+    kernel("delta_rule", cp.cuda.Device().id)((vh,), (threads,), args)

@@ -159,6 +159,9 @@ def _fake_cupy():
     cp.asnumpy = lambda a, stream=None: np.array(a)
     cp.matmul = lambda a, b: _wrap(np.matmul(a, b))
     cp.stack = lambda arrays: _wrap(np.stack(arrays))
+    cp.concatenate = lambda arrays, axis=0: _wrap(np.concatenate(arrays, axis=axis))
+    cp.empty_like = lambda a: _wrap(np.zeros_like(a))
+    cp.copyto = np.copyto
     pool = types.SimpleNamespace(free_all_blocks=lambda: None, used_bytes=lambda: 0, free_bytes=lambda: 0)
     cp.get_default_memory_pool = lambda: pool
 
@@ -496,11 +499,12 @@ def _rel(a, b) -> float:
     return float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
 
 
-def check_decoder_against_cpu(fake, model, dec, prompt: list[int]) -> list[str]:
+def check_decoder_against_cpu(fake, model, dec, prompt: list[int], offload: bool = True) -> list[str]:
     """dec (a CudaDecoder over model, float32 prefill) against the CPU model on host threads: prefill
     logits, two graph decode steps (the capture, then a replay), the GPU argmax, a batched step of this
-    sequence and a second one at another position, and partial offload (layer 0 on the GPU), each within
-    1e-3. Returns the launches of the two decode steps."""
+    sequence and a second one at another position, and partial offload (layer 0 on the GPU; offload
+    False: refused, as for models with recurrent layers), each within 1e-3. Returns the launches of the
+    two decode steps."""
     cpu_cache, cache = model.new_cache(32), dec.new_cache(32, np.float32)
     ref = model.forward(prompt, cpu_cache, all_logits=True)
     assert _rel(dec.forward(prompt, cache, all_logits=True), ref) < 1e-3
@@ -517,6 +521,10 @@ def check_decoder_against_cpu(fake, model, dec, prompt: list[int]) -> list[str]:
     dec.forward([4, 5], other)
     ref_batch = model.forward_batch([7, 8], [cpu_cache, other_cpu]).copy()
     assert _rel(dec.forward_batch([7, 8], [cache, other]), ref_batch) < 1e-3
+    if not offload:
+        with pytest.raises(fake.decoder.UnsupportedCudaModelError, match="partial offload"):
+            fake.hybrid.HybridDecoder(model, 1, n_ctx=32, prefill_dtype="float32")
+        return steps
     hyb = fake.hybrid.HybridDecoder(model, 1, n_ctx=32, prefill_dtype="float32")
     cpu_cache, cache = model.new_cache(32), hyb.new_cache(32, np.float32)
     ref = model.forward(prompt, cpu_cache)

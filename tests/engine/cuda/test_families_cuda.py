@@ -71,6 +71,8 @@ FAMILIES = {
               "attention scales that differ between layers (OLMo 3)"),
     "ministral3": (lambda dec: dec.rope_scales[1] == (0.5, 4), ROPE_SCALES),
     "phi3-longrope": (lambda dec: dec.rope_scales[0] > 1.0 and dec.n_rot == 12, ROPE_SCALES),
+    "qwen3_5": (lambda dec: dec.delta is not None and dec.gated and (dec.n_rec, dec.n_attn) == (3, 1),
+                "DeltaNet layers and gated attention (Qwen3.5)"),
     "cohere2": (lambda dec: dec.parallel and _windows(dec) == [4, 4, 4, 0] and _rotated(dec) == WINDOWED_ROPE,
                 "Cohere's parallel blocks"),
 }
@@ -85,7 +87,7 @@ def _windows(dec) -> list[int]:
 
 
 @pytest.mark.parametrize(
-    "family", ["gemma2", "exaone4", "granite", "olmo3", "ministral3", "cohere2"] + [  # CI; the rest: SIMT=1
+    "family", ["gemma2", "exaone4", "granite", "olmo3", "ministral3", "cohere2", "qwen3_5"] + [  # CI
         pytest.param(f, marks=pytest.mark.skipif(not FULL_SIMT, reason="set HEARTH_CUDA_SIMT=1"))
         for f in ("mistral-swa", "glm4", "smollm3", "olmo2", "phi3-longrope")
     ],
@@ -101,7 +103,7 @@ def test_family_computes_the_cpu_models_logits_on_host_threads(fake, simt, famil
     sets_apart, fused_reason = FAMILIES[family]
     assert sets_apart(dec)
     assert fake.fused.unsupported_reason(dec) == fused_reason
-    check_decoder_against_cpu(fake, model, dec, PROMPT)
+    check_decoder_against_cpu(fake, model, dec, PROMPT, offload=dec.delta is None)
 
 
 def test_captured_prefill_of_a_model_without_input_norms_on_host_threads(fake, simt, monkeypatch):
@@ -123,3 +125,32 @@ def test_captured_prefill_of_a_model_without_input_norms_on_host_threads(fake, s
         assert _rel(got, model.forward(prompt, model.new_cache(64))[-1]) < 1e-3
         assert len(captures) - before == captured, dec.prefill_graph_error
     assert "convert" in fake.launches
+
+
+def test_deltanet_states_snapshot_and_trim_as_the_cpu_cache_on_host_threads(fake, simt):
+    """Qwen3.5's recurrent states on the GPU follow RecurrentKVCache's rules as the CPU cache does: a prompt
+    keeps the states of its start and its end - 1, decode steps (captured graphs) advance them, a trim (a
+    regenerate, a new turn, a new chat) returns to the latest snapshot at or before its target, and what
+    comes after gives the CPU model's logits each time."""
+    from engine.loader import load_model
+
+    STATE.simt = simt
+    model = load_model(TINY / "qwen3_5").model
+    dec = fake.decoder.CudaDecoder(model, n_ctx=32, prefill_dtype="float32")
+    cpu, gpu = model.new_cache(32), dec.new_cache(32, np.float32)
+
+    def both(tokens):
+        ref = model.forward(tokens, cpu)
+        assert _rel(dec.forward(tokens, gpu), ref) < 1e-3
+        assert gpu.offset == cpu.offset and sorted(gpu._snapshots) == sorted(cpu._snapshots)
+
+    both([1, 2, 3, 4, 5])
+    both([6])
+    both([7])
+    assert gpu.trim(3) == cpu.trim(3) == 3  # a regenerate: back to the prompt's end - 1, which stays
+    both([5, 8])
+    assert gpu.trim(gpu.offset - 2) == cpu.trim(cpu.offset - 2)  # a new turn from an earlier place
+    both([9, 10, 11])
+    both([12])
+    assert gpu.trim(gpu.offset) == cpu.trim(cpu.offset)  # a new chat
+    both([4, 5, 6])

@@ -97,20 +97,23 @@ __device__ __forceinline__ void store_kv(void* kc, void* vc, long long o, const 
 // at position pos_base[0] + t. The rotated q goes to qg (KV, n * rep, hd) grouped by KV head, token-major
 // (query head g * rep + r of token t in row t * rep + r of qg[g]: attention's GEMM operand), float32
 // or float16 (q_half: the GEMM against a float16 cache); k (rotated) and v are written to this layer's
-// cache (KV, n_ctx, hd), float32 or float16 (kv_half).
+// cache (KV, n_ctx, hd), float32 or float16 (kv_half). gated: the q part holds per head its query then its
+// output gate (H, 2, hd) (gate_heads applies the gates).
 extern "C" __global__ void rope_store(void* __restrict__ qg, const float* __restrict__ qkv, void* __restrict__ kc,
                                       void* __restrict__ vc, const int* __restrict__ pos_base,
                                       const float* __restrict__ inv_freq, const float* __restrict__ qn,
                                       const float* __restrict__ kn, int H, int KV, int hd, int n_rot, int neox,
                                       int n_ctx, float eps, int kv_half, int q_half, float mscale, float beta,
-                                      int tlen) {
+                                      int tlen, int gated) {
     __shared__ float red[32];
     __shared__ float row[512];
     int t = blockIdx.y, h = blockIdx.x, n = gridDim.y, rep = H / KV;
     int pos = pos_base[0] + t;
     bool is_q = h < H;
     int kh = h - H;
-    const float* src = qkv + (long long)t * (H + 2 * KV) * hd + (long long)h * hd;  // q head h, or k head h - H
+    long long qs = gated ? 2LL * hd : hd;  // gated (Qwen3.5): each query head's rows then its output gate's
+    const float* src = qkv + (long long)t * (H * qs + 2LL * KV * hd)
+                       + (is_q ? h * qs : H * qs + (long long)kh * hd);  // q head h, or k head h - H
     float tscale = is_q ? attn_temperature(pos, beta, tlen) : 1.f;
     norm_rope(row, src, is_q ? qn : kn, pos, inv_freq, hd, n_rot, neox, eps, red, mscale, tscale);
     if (is_q) {
@@ -250,7 +253,8 @@ __device__ void attend_split(float* sc, float (*vsum)[512], const float* sq, con
 // A batch of sequences in one launch (table not null; grid (H, S, B)): sequence z = blockIdx.z takes its
 // caches and their n_ctx from table[3 z ..] (k, v, n_ctx), its rows out + z ldo and qkv + z ldq, its
 // position pos_p[z], its scratch acc + z H S hd, ml + 2 z H S, count + z H, and its records (xr) the
-// (H hd / 32) z-th; the caches share one dtype. cap > 0: soft-capped scores (attend_split). sinks (H,)
+// (H hd / 32) z-th; the caches share one dtype. gated (Qwen3.5): q rows (H, 2, hd) as rope_store's, each
+// head's output times sigmoid of its gate. cap > 0: soft-capped scores (attend_split). sinks (H,)
 // (not null; gpt-oss): head h's sink logit joins its softmax's denominator (a key whose value is 0).
 // The cache is read in 16-byte pieces (attend_split), so rows must be 16-byte aligned (hd a multiple
 // of 8). 128 threads; chunk <= ATTN_MAX_CHUNK; hd <= 512; S <= ATTN_MAX_CHUNK / 2 (the combine keeps
@@ -262,7 +266,7 @@ extern "C" __global__ void __launch_bounds__(128) attn_decode(
     const float* __restrict__ inv_freq, const float* __restrict__ qn, const float* __restrict__ kn, int H, int KV,
     int hd, int n_ctx, int n_rot, int neox, float eps, float scale, int window, int chunk, int kv_half,
     uint* __restrict__ xr, const unsigned long long* __restrict__ table, long long ldo, long long ldq,
-    float cap, const float* __restrict__ sinks, float mscale, float beta, int tlen) {
+    float cap, const float* __restrict__ sinks, float mscale, float beta, int tlen, int gated) {
     __shared__ float red[32];
     __shared__ float sq[512];
     __shared__ float sk[512];
@@ -293,12 +297,13 @@ extern "C" __global__ void __launch_bounds__(128) attn_decode(
     int s_lo = start / chunk, s_hi = min(S - 1, pos / chunk), n_s = s_hi - s_lo + 1;
     if (k0 >= k1) return;  // the same for the whole block
     int g = h / (H / KV);
-    const float* vnew = qkv + (long long)(H + KV + g) * hd;
+    long long qs = gated ? 2LL * hd : hd;  // as rope_store's
+    const float* vnew = qkv + H * qs + (long long)(KV + g) * hd;
     float tscale = attn_temperature(pos, beta, tlen);
-    norm_rope(sq, qkv + (long long)h * hd, qn, pos, inv_freq, hd, n_rot, neox, eps, red, mscale, tscale);
+    norm_rope(sq, qkv + h * qs, qn, pos, inv_freq, hd, n_rot, neox, eps, red, mscale, tscale);
     bool holds_pos = k1 == pos + 1;
     if (holds_pos) {
-        norm_rope(sk, qkv + (long long)(H + g) * hd, kn, pos, inv_freq, hd, n_rot, neox, eps, red, mscale);
+        norm_rope(sk, qkv + H * qs + (long long)g * hd, kn, pos, inv_freq, hd, n_rot, neox, eps, red, mscale);
         if (kv_half)  // as the cache holds it (each thread its own elements, as store_kv)
             for (int j = threadIdx.x; j < hd; j += blockDim.x) sk[j] = h2f(f2h(sk[j]));
         if (h % (H / KV) == 0) store_kv(kc, vc, ((long long)g * n_ctx + pos) * hd, sk, vnew, hd, kv_half);
@@ -353,6 +358,7 @@ extern "C" __global__ void __launch_bounds__(128) attn_decode(
 #pragma unroll 8
             for (int i = 0; i < n_s; i++) a += ld_l2(hacc + (long long)i * hd + j) * sc[2 * i];
             a *= inv;
+            if (gated) a /= 1.f + expf(-qkv[h * qs + hd + j]);  // times sigmoid(its gate)
             out[(long long)h * hd + j] = a;
         }
         if (xr != nullptr && j0 + (threadIdx.x & ~31) < hd) {  // the warp's 32 elements are a unit (hd % 32 == 0)
@@ -483,6 +489,19 @@ extern "C" __global__ void add_inplace(float* __restrict__ x, const float* __res
                                        float scale) {
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) x[i] += scale * y[i % m];
+}
+// Prefill's gated attention output (Qwen3.5): attn (n, H, hd) float32 or float16 (half) times sigmoid of
+// each head's gate in the q part (H, 2, hd) of the q|k|v rows (ldq apart). Grid-strided over n H hd.
+extern "C" __global__ void gate_heads(void* __restrict__ attn, const float* __restrict__ qkv, long long ldq,
+                                      int H, int hd, long long n, int half) {
+    long long total = n * H * hd;
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (long long)gridDim.x * blockDim.x) {
+        long long t = i / ((long long)H * hd);
+        int hj = (int)(i - t * H * hd), h = hj / hd, j = hj - h * hd;
+        float g = 1.f / (1.f + expf(-qkv[t * ldq + 2LL * h * hd + hd + j]));
+        if (half) ((ushort*)attn)[i] = f2h(h2f(((ushort*)attn)[i]) * g);
+        else ((float*)attn)[i] *= g;
+    }
 }
 // out (n,) = x as float32, or float16 (half_out: a prefill GEMM's input from a branch without an input norm)
 extern "C" __global__ void convert(void* __restrict__ out, const float* __restrict__ x, long long n, int half_out) {

@@ -1,0 +1,97 @@
+// Qwen3.5's gated DeltaNet layers (engine/arch/deltanet.py): the causal convolution of their q|k|v rows and
+// the gated delta rule with its gated RMSNorm. The recurrent state and the convolution's last inputs are
+// one sequence's (its cache's), read and rewritten in place: a captured decode step replays at every
+// position.
+
+#define DELTA_MAX_TAPS 9   // the convolution's history lives in registers
+#define DELTA_MAX_HEAD 512  // head_k: q and k in shared memory; head_v: a thread a column
+
+// out (n, C) = SiLU of the causal depthwise convolution (taps per channel, weights w (C, taps)) of the rows
+// x (n, C, ldx apart) after the conv_state rows (taps - 1, C) that come before them; conv_state then holds
+// the last taps - 1 inputs. One thread a channel, its tokens in order, so it alone reads and rewrites its
+// channel of conv_state.
+extern "C" __global__ void delta_conv(float* __restrict__ out, const float* __restrict__ x, long long ldx,
+                                      float* __restrict__ conv_state, const float* __restrict__ w, int C,
+                                      int taps, int n) {
+    int c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (c >= C) return;
+    float hist[DELTA_MAX_TAPS - 1];  // oldest first
+    int h = taps - 1;
+    for (int j = 0; j < h; j++) hist[j] = conv_state[(long long)j * C + c];
+    const float* wc = w + (long long)c * taps;
+    for (int t = 0; t < n; t++) {
+        float xt = x[(long long)t * ldx + c];
+        float acc = wc[h] * xt;
+        for (int j = 0; j < h; j++) acc += wc[j] * hist[j];
+        out[(long long)t * C + c] = acc / (1.f + expf(-acc));
+        for (int j = 0; j + 1 < h; j++) hist[j] = hist[j + 1];
+        if (h > 0) hist[h - 1] = xt;
+    }
+    for (int j = 0; j < h; j++) conv_state[(long long)j * C + c] = hist[j];
+}
+
+// The gated delta rule of value head h = blockIdx.x over n tokens, from and into its state S (head_k, head_v)
+// at state + h head_k head_v. Thread j owns column j of S, so the decay, the read S^T k, the write
+// k delta^T and the read S^T q need no exchange between threads; q and k (L2-normed, q also by
+// 1/sqrt(head_k)) are shared. conv (n, C): delta_conv's rows [q (k_heads hk) | k (k_heads hk) |
+// v (v_heads hv)]; value head h reads key head h % k_heads (tiled: llama.cpp's GGUF order) or h / rep
+// (grouped, rep = v_heads / k_heads). b and a: rows ba (n, 2 v_heads), [b | a], or (ba_fused, Qwen3-Next's
+// in_proj_ba) per key head its value heads' b then their a. beta = sigmoid(b), decay
+// exp(neg_a[h] softplus(a + dt_bias[h])). out (n, v_heads hv) = RMSNorm(S^T q) * norm * SiLU(z), z the rows
+// at proj + zoff (ldp apart). blockDim.x: hv rounded up to 32.
+extern "C" __global__ void delta_rule(float* __restrict__ out, const float* __restrict__ conv,
+                                      const float* __restrict__ proj, long long ldp, long long zoff,
+                                      const float* __restrict__ ba, float* __restrict__ state,
+                                      const float* __restrict__ dt_bias, const float* __restrict__ neg_a,
+                                      const float* __restrict__ norm, int k_heads, int v_heads, int hk, int hv,
+                                      int tiled, int ba_fused, float eps, int n) {
+    __shared__ float sq[DELTA_MAX_HEAD];
+    __shared__ float sk[DELTA_MAX_HEAD];
+    __shared__ float red[32];
+    int h = blockIdx.x, rep = v_heads / k_heads, j = threadIdx.x;
+    int kh = tiled ? h % k_heads : h / rep;
+    long long C = 2LL * k_heads * hk + (long long)v_heads * hv;
+    int bi = ba_fused ? (h / rep) * 2 * rep + h % rep : h;
+    int ai = ba_fused ? bi + rep : v_heads + h;
+    float* S = state + (long long)h * hk * hv;
+    for (int t = 0; t < n; t++) {
+        const float* row = conv + t * C;
+        float qs = 0.f, ks = 0.f;
+        for (int i = threadIdx.x; i < hk; i += blockDim.x) {
+            float q = row[kh * hk + i], k = row[(long long)(k_heads + kh) * hk + i];
+            sq[i] = q;
+            sk[i] = k;
+            qs += q * q;
+            ks += k * k;
+        }
+        qs = block_sum(qs, red);  // its barriers also publish sq and sk
+        ks = block_sum(ks, red);
+        float qn = rsqrtf((float)hk) / sqrtf(qs + 1e-6f), kn = 1.f / sqrtf(ks + 1e-6f);
+        const float* bat = ba + (long long)t * 2 * v_heads;
+        float beta = 1.f / (1.f + expf(-bat[bi]));
+        float av = bat[ai] + dt_bias[h];
+        float decay = expf(neg_a[h] * (av > 20.f ? av : log1pf(expf(av))));  // softplus
+        float o = 0.f;
+        if (j < hv) {
+            float mem = 0.f;
+            for (int i = 0; i < hk; i++) {
+                float s = S[(long long)i * hv + j] * decay;
+                S[(long long)i * hv + j] = s;
+                mem += s * (sk[i] * kn);
+            }
+            float delta = (row[2LL * k_heads * hk + (long long)h * hv + j] - mem) * beta;
+            for (int i = 0; i < hk; i++) {
+                float s = S[(long long)i * hv + j] + (sk[i] * kn) * delta;
+                S[(long long)i * hv + j] = s;
+                o += s * (sq[i] * qn);
+            }
+        }
+        float ss = block_sum(j < hv ? o * o : 0.f, red);
+        if (j < hv) {
+            float z = proj[t * ldp + zoff + (long long)h * hv + j];
+            out[(long long)t * v_heads * hv + (long long)h * hv + j] =
+                o * rsqrtf(ss / (float)hv + eps) * norm[j] * (z / (1.f + expf(-z)));
+        }
+        __syncthreads();  // sq and sk are the next token's
+    }
+}
