@@ -42,6 +42,7 @@ import cupy as cp
 import numpy as np
 
 from engine.arch.base import check_batch
+from engine.arch.deltanet import split_ba, split_qkvz
 from engine.arch.gemma3 import Gemma3Model
 from engine.arch.llama import LlamaModel
 from engine.backends.cuda import fused, ops
@@ -168,7 +169,8 @@ def moe_dims(model) -> tuple:
 
 def _moe_refusal(model) -> str | None:
     """Why the CUDA kernels cannot run this model's mixture-of-experts layers (None: they can, or there
-    are none): the experts run on matvec_qb's integer dot products (every GGUF block type), routed by
+    are none): the experts run on matvec_qb's integer dot products (every GGUF block type) or the float
+    kernels' (F32/F16/BF16: Hugging Face folders), routed by
     softmax or sigmoid scores with an optional router bias and choice bias, with SwiGLU or gpt-oss's
     clamped SwiGLU experts (biases allowed) and an optional shared expert."""
     cfg = model.cfg
@@ -185,15 +187,17 @@ def _moe_refusal(model) -> str | None:
         if moe is None:
             continue
         types = {w.ggml_type for w in [*moe.gate, *moe.up, *moe.down]}
-        float_types = sorted(types - ops.INT_DOT_TYPES)
-        if float_types:
+        other = sorted(types - ops.INT_DOT_TYPES - set(ops._FLOAT_TYPES))
+        if other:
             from models.formats.ggml_types import type_name
 
-            return (f"mixture-of-experts layers with {type_name(float_types[0])} experts have no CUDA "
-                    "kernels yet (the experts take GGUF block types such as Q4_K or Q8_0: use a quantized "
-                    "GGUF)")
+            return (f"mixture-of-experts layers with {type_name(other[0])} experts have no CUDA kernels yet "
+                    "(the experts take GGUF block types such as Q4_K or Q8_0, or F32/F16/BF16)")
         if any(len({w.ggml_type for w in ws}) > 1 for ws in (moe.gate, moe.up, moe.down)):
             return "mixture-of-experts layers whose experts differ in weight type have no CUDA kernels"
+        float_gu = {moe.gate[0].ggml_type, moe.up[0].ggml_type} & set(ops._FLOAT_TYPES)
+        if float_gu and moe.gate[0].ggml_type != moe.up[0].ggml_type:
+            return "MoE layers whose float gate and up experts differ in type have no CUDA kernels"
         if moe.expert_scale is not None:
             return "mixture-of-experts layers with per-expert scales (Gemma 4) have no CUDA kernels yet"
         if (moe.gate_bias is None) != (moe.up_bias is None):
@@ -207,9 +211,9 @@ def _delta_refusal(model, n_layers: int | None) -> str | None:
     if not deltas:
         return None
     shape = model.cfg.delta
-    if any(d.in_qkvz is not None for d in deltas):
-        return ("DeltaNet layers with Qwen3-Next's fused ssm_in projection (older qwen3next GGUFs) have no "
-                "CUDA kernels (a newer conversion splits it)")
+    fused = [w for d in deltas for w in (d.in_qkvz, d.in_ba) if w is not None]
+    if any(w.ggml_type in ops._FP_TYPES for w in fused):
+        return "DeltaNet layers with Qwen3-Next's fused projections in FP8/NVFP4 have no CUDA kernels"
     if shape.taps > ops.DELTA_MAX_TAPS or max(shape.head_k, shape.head_v) > ops.DELTA_MAX_HEAD:
         heads = f"{shape.head_k}/{shape.head_v}"
         return f"DeltaNet layers of {shape.taps} taps and heads {heads} have no CUDA kernels"
@@ -748,16 +752,21 @@ class CudaDecoder:
             return model.layers[i].inv_freq
         return model._plain_rope[0] if model._plain(i) else model.rope_freqs(self.rope_n_ctx)
 
-    @staticmethod
-    def _upload_delta(net, up, vec) -> dict:
-        """A DeltaNet layer on the GPU: the stacked q|k|v and z projections, b|a (or Qwen3-Next's fused
-        in_proj_ba), the convolution's weights (channels, taps), dt_bias, -exp(A_log), the gated norm's
-        weight and out_proj."""
-        fused = net.in_ba is not None
+    def _upload_delta(self, net, up, vec) -> dict:
+        """A DeltaNet layer on the GPU: the q|k|v and z projections, b and a (Qwen3-Next's fused in_proj_qkvz
+        and in_proj_ba with their rows regrouped so: deltanet.split_qkvz / split_ba on the rows), the
+        convolution's weights (channels, taps), dt_bias, -exp(A_log), the gated norm's weight and out_proj."""
+        shape = self.cfg.delta
+
+        def split(w, splitter) -> list[ops.GpuWeight]:  # a fused weight's rows, regrouped
+            parts = splitter(np.ascontiguousarray(w.raw), shape, 0)
+            return [ops.GpuWeight(w.ggml_type, cp.asarray(p), p.shape[0], w.cols) for p in parts]
+
+        proj = split(net.in_qkvz, split_qkvz) if net.in_qkvz is not None else [up(net.in_qkv), up(net.in_z)]
+        ba = split(net.in_ba, split_ba) if net.in_ba is not None else [up(net.in_b), up(net.in_a)]
         return {
-            "proj": [up(net.in_qkv), up(net.in_z)],
-            "ba": [up(net.in_ba)] if fused else [up(net.in_b), up(net.in_a)],
-            "ba_fused": fused,
+            "proj": proj,
+            "ba": ba,
             "conv": vec(net.conv),
             "dt_bias": vec(net.dt_bias),
             "neg_a": vec(net.neg_a),
@@ -1239,7 +1248,7 @@ class CudaDecoder:
         out = cp.empty((n, shape.value_dim), cp.float32) if out is None else out
         ops.delta_conv(conv, proj, conv_state, D["conv"])
         weights = (D["dt_bias"], D["neg_a"], D["norm"])
-        ops.delta_rule(out, conv, proj, C, ba, state, *weights, shape, D["ba_fused"], eps)
+        ops.delta_rule(out, conv, proj, C, ba, state, *weights, shape, eps)
         return out
 
     def _qk_rows(self, qkv, L: dict) -> None:

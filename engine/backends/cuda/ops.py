@@ -1175,9 +1175,10 @@ def matvec_experts(out, experts: GpuExperts, which: str, x, ids, group: int, nor
                    prologue: int = 0) -> None:
     """For each slot s of ids (S,) int32 (B tokens x k experts, on the GPU): out[s] (S, R) = expert
     ids[s]'s `which` matrices ("gate_up": its gate then up rows, R = 2 ff; "down": R = hidden) @
-    act(x[s // group]), with integer dot products (matvec_qb's body). x: (S / group, cols) rows, the
+    act(x[s // group]), with integer dot products for GGUF block types (matvec_qb's body), float ones for
+    F32/F16/BF16 experts (the float kernels' body; gate and up of one type). x: (S / group, cols) rows, the
     hidden states for prologue 1 (norm: the FFN norm's weight; group k) or each slot's [gate | up] rows
-    (S, 2 ff) for prologue 2 (silu(gate) * up; group 1)."""
+    (S, 2 ff) for prologue 2 (silu(gate) * up; group 1), or activations as they are (prologue 0)."""
     S = int(ids.size)
     if which == "gate_up":
         w0, w1 = experts.gate, experts.up
@@ -1189,9 +1190,21 @@ def matvec_experts(out, experts: GpuExperts, which: str, x, ids, group: int, nor
     per1 = 0 if w1 is None else experts.rows_of(w1) * _row_bytes(w1)
     raw1 = NULL if w1 is None else w1.raw
     ldx = x.strides[0] // 4
-    shared = matvec_shared(w0)
     blocks = -(-(rows0 + rows1) // (MATVEC_THREADS // 32))
     grid = (max(1, min(blocks, -(-_sm_count() * MATVEC_BLOCKS_PER_SM // S))), S)
+    if w0.ggml_type in _FLOAT_TYPES:
+        if w1 is not None and w1.ggml_type != w0.ggml_type:
+            raise ValueError("matvec_experts: float gate and up experts of one type")
+        shared = matvec_shared(w0, int_dot=False)
+        x2_off, nw = np.int64(cols if prologue == 2 else 0), NULL if norm is None else norm
+        args = (out, np.int64(out.strides[0] // 4), w0.raw, raw1, np.int64(per0), np.int64(per1), _i32(rows0),
+                _i32(rows1), _i32(cols), x, np.int64(ldx), _i32(group), x2_off, nw, _f32(eps), _i32(prologue),
+                ids)
+        k = kernel(f"matvec_{TYPES[w0.ggml_type][0]}_experts", cp.cuda.Device().id)
+        allow_shared(k, shared)
+        k(grid, (MATVEC_THREADS,), args, shared_mem=shared)
+        return
+    shared = matvec_shared(w0)
     args = (
         out, np.int64(out.strides[0] // 4), w0.raw, raw1, np.int64(per0), np.int64(per1),
         _i32(w0.ggml_type), _i32(w0.ggml_type if w1 is None else w1.ggml_type), _i32(rows0), _i32(rows1),
@@ -1235,12 +1248,11 @@ def delta_conv(out, x, conv_state, w) -> None:
     kernel("delta_conv", cp.cuda.Device().id)(*_grid1(C), args)
 
 
-def delta_rule(out, conv, proj, zoff: int, ba, state, dt_bias, neg_a, norm, shape, ba_fused: bool,
-               eps: float) -> None:
+def delta_rule(out, conv, proj, zoff: int, ba, state, dt_bias, neg_a, norm, shape, eps: float) -> None:
     """out (n, v_heads hv) = the gated delta rule of delta_conv's rows conv (n, C) from and into one layer's
     state (v_heads, hk, hv), RMS-normed per head by norm (hv,) and gated by SiLU(z), z the columns zoff..
-    of proj's rows (n, .); ba (n, 2 v_heads): b and a ([b | a], or per key head with ba_fused); dt_bias,
-    neg_a (v_heads,); shape: the layer's deltanet.DeltaShape."""
+    of proj's rows (n, .); ba (n, 2 v_heads): [b | a]; dt_bias, neg_a (v_heads,); shape: the layer's
+    deltanet.DeltaShape."""
     n = out.shape[0]
     kh, vh, hk, hv = shape.k_heads, shape.v_heads, shape.head_k, shape.head_v
     if max(hk, hv) > DELTA_MAX_HEAD or state.shape != (vh, hk, hv) or out.shape != (n, vh * hv):
@@ -1249,5 +1261,5 @@ def delta_rule(out, conv, proj, zoff: int, ba, state, dt_bias, neg_a, norm, shap
         raise ValueError("delta_rule: conv (n, conv_dim), ba (n, 2 v_heads) and z inside proj's rows")
     threads = -(-hv // 32) * 32
     args = (out, conv, proj, np.int64(proj.strides[0] // 4), np.int64(zoff), ba, state, dt_bias, neg_a, norm,
-            _i32(kh), _i32(vh), _i32(hk), _i32(hv), _i32(shape.tiled), _i32(ba_fused), _f32(eps), _i32(n))
+            _i32(kh), _i32(vh), _i32(hk), _i32(hv), _i32(shape.tiled), _f32(eps), _i32(n))
     kernel("delta_rule", cp.cuda.Device().id)((vh,), (threads,), args)

@@ -282,6 +282,7 @@ def _host_source(extra_source: str = "") -> tuple[str, list[str]]:
     pairs = re.findall(r"^FMATVEC\((\w+),", body, re.M) + re.findall(r"^FMV_KERNELS\((\w+),", body, re.M)
     names += [f"matvec_{t}_batch" for t in pairs]
     names += [f"matvec_{t}" for t in re.findall(r"^FMV_KERNELS\((\w+),", body, re.M)]
+    names += [f"matvec_{t}_experts" for t in re.findall(r"^FMV_EXPERTS\((\w+)\)", body, re.M)]
     names = [n for n in names if not n.startswith("__")]
     entry = '{{"{n}", [](const unsigned* g, unsigned t, size_t m, const uint64_t* s, int c) '
     entry += "{{ return run({n}, g, t, m, s, c); }}}}"

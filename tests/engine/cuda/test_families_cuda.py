@@ -154,3 +154,58 @@ def test_deltanet_states_snapshot_and_trim_as_the_cpu_cache_on_host_threads(fake
     both([12])
     assert gpu.trim(gpu.offset) == cpu.trim(cpu.offset)  # a new chat
     both([4, 5, 6])
+
+
+def padded_moe_folder(family: str, dst: Path, ff: int = 64) -> Path:
+    """The tiny `family` folder in float32 with its experts' intermediate size padded with zeros to ff (a
+    multiple of 32, as the CUDA kernels take and real checkpoints have): the same model, zero rows of gate
+    and up feeding zero columns of down."""
+    import json
+    import shutil
+    import struct
+
+    from safetensors.numpy import save_file
+
+    src = TINY / family
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns("model.safetensors"))
+    raw = (src / "model.safetensors").read_bytes()
+    n = struct.unpack("<Q", raw[:8])[0]
+    header, data = json.loads(raw[8 : 8 + n]), raw[8 + n :]
+    tensors = {}
+    for name, t in header.items():
+        if name == "__metadata__":
+            continue
+        lo, hi = t["data_offsets"]
+        assert t["dtype"] == "BF16", (name, t["dtype"])
+        bits = np.frombuffer(data[lo:hi], np.uint16).astype(np.uint32) << 16
+        a = bits.view(np.float32).reshape(t["shape"])
+        if ".experts." in name:  # gate/up (ff, d): zero rows; down (d, ff): zero columns
+            down = "down_proj" in name
+            a = np.pad(a, [(0, 0), (0, ff - a.shape[1])] if down else [(0, ff - a.shape[0]), (0, 0)])
+        tensors[name] = np.ascontiguousarray(a)
+    save_file(tensors, str(dst / "model.safetensors"))
+    cfg = json.loads((src / "config.json").read_text())
+    cfg.update(moe_intermediate_size=ff, dtype="float32")
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return dst
+
+
+@pytest.mark.parametrize(
+    "family", ["qwen3_next"] + [  # CI; Qwen3.5-MoE with HEARTH_CUDA_SIMT=1
+        pytest.param("qwen3_5_moe", marks=pytest.mark.skipif(not FULL_SIMT, reason="set HEARTH_CUDA_SIMT=1"))
+    ],
+)
+def test_deltanet_moe_folder_computes_the_cpu_models_logits_on_host_threads(fake, simt, tmp_path, family):
+    """Qwen3-Next (its fused q|k|v|z and b|a projections, 4 experts beside a gated shared expert) and
+    Qwen3.5-MoE as
+    float32 Hugging Face folders (experts padded to 64): DeltaNet layers, gated attention and float experts
+    (the float kernels' expert matvecs) on the GPU against the CPU model of the same folder."""
+    from engine.loader import load_model
+
+    STATE.simt = simt
+    model = load_model(padded_moe_folder(family, tmp_path / family)).model
+    dec = fake.decoder.CudaDecoder(model, n_ctx=32, prefill_dtype="float32")
+    assert dec.delta is not None and dec.moe is not None and dec.gated
+    assert (model.layers[0].delta.in_qkvz is not None) == (family == "qwen3_next")  # fused, regrouped
+    steps = check_decoder_against_cpu(fake, model, dec, PROMPT, offload=False)
+    assert {"delta_conv", "delta_rule", "matvec_f32_experts", "moe_combine"} <= set(steps)

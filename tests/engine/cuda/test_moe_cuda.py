@@ -184,15 +184,16 @@ def test_moe_vram_estimate_and_decode_bytes_count_the_experts(fake, tmp_path):
 
 
 def test_moe_models_the_kernels_do_not_take_stay_on_the_cpu(fake, tmp_path):
-    """Float experts (a folder's BF16), per-expert scales and group-limited routing are refused, saying
-    why."""
-    from pathlib import Path
+    """Float gate and up experts of different types (or a float one beside a quantized one), per-expert
+    scales and group-limited routing are refused, saying why; float experts of one type per kind run."""
 
     from engine.loader import load_model
 
-    tiny = Path(__file__).resolve().parents[2] / "fixtures" / "tiny"
-    with pytest.raises(fake.decoder.UnsupportedCudaModelError, match="with BF16 experts"):
-        fake.decoder.CudaDecoder(load_model(tiny / "qwen3moe").model, n_ctx=32)
+    mixed = load_model(write_tiny_moe_gguf(tmp_path / "mixed.gguf", types=(T.F16, T.Q8_0, T.F16))).model
+    with pytest.raises(fake.decoder.UnsupportedCudaModelError, match="float gate and up"):
+        fake.decoder.CudaDecoder(mixed, n_ctx=32)
+    floats = load_model(write_tiny_moe_gguf(tmp_path / "f16.gguf", types=(T.F16, T.F16, T.BF16))).model
+    assert fake.decoder.CudaDecoder(floats, n_ctx=32).moe is not None  # float experts run
     model = load_model(write_tiny_moe_gguf(tmp_path / "moe.gguf")).model
     model.cfg.expert_groups, model.cfg.expert_groups_used = 2, 1
     with pytest.raises(fake.decoder.UnsupportedCudaModelError, match="group-limited"):

@@ -543,6 +543,27 @@ FMATVEC(f16, 8, 2)
 FMATVEC(bf16, 8, 2)
 FMATVEC(f32, 4, 4)
 
+// Mixture-of-experts matvecs over float experts (Hugging Face folders' BF16/F16/F32), as step.cu's
+// matvec_qb_experts: slot s = blockIdx.y runs the float kernel's one-vector body over expert ids[s]'s rows
+// of the merged tensors w0 (and w1, of the same type: gate then up), e0 (e1) bytes per expert apart, on
+// x + (s / group) ldx (prologue 2: x2 at + x2_off), into out + s ostep.
+#define FMV_EXPERTS(NAME)                                                                                 \
+    extern "C" __global__ void __launch_bounds__(256) matvec_##NAME##_experts(                           \
+        float* __restrict__ out, long long ostep, const uchar* __restrict__ w0, const uchar* __restrict__ w1, \
+        long long e0, long long e1, int rows0, int rows1, int cols, const float* __restrict__ x,          \
+        long long ldx, int group, long long x2_off, const float* __restrict__ nw, float eps, int prologue, \
+        const int* __restrict__ ids) {                                                                     \
+        int s = blockIdx.y;                                                                                \
+        long long e = ids[s];                                                                              \
+        const float* xs = x + (long long)(s / group) * ldx;                                                \
+        NAME##_rows<1>(out + (long long)s * ostep, w0 + e * e0, w1 ? w1 + e * e1 : w1, nullptr, rows0,     \
+                       w1 ? rows1 : 0, 0, cols, xs, prologue == 2 ? xs + x2_off : nullptr, nw, eps, prologue, \
+                       0, 1, 0, 0);                                                                        \
+    }
+FMV_EXPERTS(f16)
+FMV_EXPERTS(bf16)
+FMV_EXPERTS(f32)
+
 // FP8 / NVFP4 (decoders above): the quantized matvec's loop with the scales beside the codes. Stacked
 // weights each bring their own row scales (s0..s2) and, for NVFP4, their own global scale (g0..g2).
 // Row r of the stack: weight *k, local row returned

@@ -35,8 +35,7 @@ extern "C" __global__ void delta_conv(float* __restrict__ out, const float* __re
 // k delta^T and the read S^T q need no exchange between threads; q and k (L2-normed, q also by
 // 1/sqrt(head_k)) are shared. conv (n, C): delta_conv's rows [q (k_heads hk) | k (k_heads hk) |
 // v (v_heads hv)]; value head h reads key head h % k_heads (tiled: llama.cpp's GGUF order) or h / rep
-// (grouped, rep = v_heads / k_heads). b and a: rows ba (n, 2 v_heads), [b | a], or (ba_fused, Qwen3-Next's
-// in_proj_ba) per key head its value heads' b then their a. beta = sigmoid(b), decay
+// (grouped, rep = v_heads / k_heads). b and a: rows ba (n, 2 v_heads), [b | a]. beta = sigmoid(b), decay
 // exp(neg_a[h] softplus(a + dt_bias[h])). out (n, v_heads hv) = RMSNorm(S^T q) * norm * SiLU(z), z the rows
 // at proj + zoff (ldp apart). blockDim.x: hv rounded up to 32.
 extern "C" __global__ void delta_rule(float* __restrict__ out, const float* __restrict__ conv,
@@ -44,15 +43,14 @@ extern "C" __global__ void delta_rule(float* __restrict__ out, const float* __re
                                       const float* __restrict__ ba, float* __restrict__ state,
                                       const float* __restrict__ dt_bias, const float* __restrict__ neg_a,
                                       const float* __restrict__ norm, int k_heads, int v_heads, int hk, int hv,
-                                      int tiled, int ba_fused, float eps, int n) {
+                                      int tiled, float eps, int n) {
     __shared__ float sq[DELTA_MAX_HEAD];
     __shared__ float sk[DELTA_MAX_HEAD];
     __shared__ float red[32];
     int h = blockIdx.x, rep = v_heads / k_heads, j = threadIdx.x;
     int kh = tiled ? h % k_heads : h / rep;
     long long C = 2LL * k_heads * hk + (long long)v_heads * hv;
-    int bi = ba_fused ? (h / rep) * 2 * rep + h % rep : h;
-    int ai = ba_fused ? bi + rep : v_heads + h;
+    int bi = h, ai = v_heads + h;
     float* S = state + (long long)h * hk * hv;
     for (int t = 0; t < n; t++) {
         const float* row = conv + t * C;
