@@ -209,3 +209,21 @@ def test_deltanet_moe_folder_computes_the_cpu_models_logits_on_host_threads(fake
     assert (model.layers[0].delta.in_qkvz is not None) == (family == "qwen3_next")  # fused, regrouped
     steps = check_decoder_against_cpu(fake, model, dec, PROMPT, offload=False)
     assert {"delta_conv", "delta_rule", "matvec_f32_experts", "moe_combine"} <= set(steps)
+
+
+def test_qwen3_5_q8_0_gguf_computes_the_cpu_models_logits_on_host_threads(fake, simt, tmp_path):
+    """Qwen3.5 as users run it: a Q8_0 GGUF (llama.cpp's tiled value-head order, integer-dot matvecs and
+    the hand-off of activation records into and out of the DeltaNet layers' projections) against the CPU
+    model of the same file."""
+    from engine.convert import convert
+    from engine.loader import load_model
+
+    STATE.simt = simt
+    model = load_model(convert(TINY / "qwen3_5", "Q8_0", tmp_path / "q8.gguf").output).model
+    dec = fake.decoder.CudaDecoder(model, n_ctx=32, prefill_dtype="float32")
+    assert dec.delta.tiled and dec.layers[0]["delta"]["proj"][0].ggml_type == 8  # Q8_0
+    plan, _ = dec._handoff_plan()
+    assert any(p["qkv"] for p, L in zip(plan, dec.layers) if L["delta"] is not None)
+    # the CPU model's own Q8_0 decode step (int16 activations) is ~1.4e-3 from exact here: the GPU's float
+    # dot products of the dequantized weights (int_dot=False) differ from it by that much too
+    check_decoder_against_cpu(fake, model, dec, PROMPT, offload=False, tol=3e-3)
