@@ -196,7 +196,7 @@ def test_gguf_in_llama_cpps_qwen35_layout(lm, tmp_path):
 
 
 def test_what_declines_it(lm, tmp_path):
-    """No CUDA kernels (tests/engine/cuda), no fused CPU draft step, no AWQ: typed errors or None."""
+    """No fused CPU draft step, no AWQ: typed errors or None (CUDA runs it: cuda/test_families_cuda.py)."""
     from engine.backends.cpu.draft import DraftForward
     from engine.errors import UnsupportedArchitectureError
     from engine.hf_repo import config_from_hf

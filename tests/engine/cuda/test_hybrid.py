@@ -95,12 +95,11 @@ def test_place_model_gpu_layers(fake, tmp_path):
 @pytest.mark.parametrize("gpu_layers", [None, 1])
 @pytest.mark.parametrize(
     "family, reason",
-    [("qwen3moe", "mixture-of-experts"), ("ernie4_5_moe", "mixture-of-experts"),
-     ("cohere2", "Cohere's LayerNorm")],
+    [("lfm2", "short-convolution"), ("deepseek_v3", "latent attention"), ("cohere", "Command R+")],
 )
 def test_a_model_without_cuda_kernels_stays_on_the_cpu_with_a_notice(fake, gpu_layers, family, reason):
-    """A mixture-of-experts model (Qwen3-MoE, ERNIE 4.5 MoE) or Command R7B (no CUDA kernels yet) asked onto
-    the GPU, wholly or in part, runs on the CPU; the notice says why (the app shows it as a load warning)."""
+    """LFM2, DeepSeek-V3 or Command R+ (no CUDA kernels yet) asked onto the GPU, wholly or in part, runs on
+    the CPU; the notice says why (the app shows it as a load warning)."""
     from pathlib import Path
 
     from engine.backends.cuda.placement import place_model
@@ -313,7 +312,7 @@ def test_a_load_planned_for_the_gpu_that_stays_on_the_cpu_must_fit_in_ram(fake, 
     from engine.client import LoadOptions
     from engine.memory_guard import InsufficientMemoryError
 
-    folder = Path(__file__).resolve().parents[2] / "fixtures" / "tiny" / "qwen3moe"
+    folder = Path(__file__).resolve().parents[2] / "fixtures" / "tiny" / "lfm2"
     options = LoadOptions(device="cuda", n_ctx=128, batch_size=16, prefix_cache_mb=0)
     monkeypatch.setattr(worker, "gpu_layers_planned", lambda opts, n: n)  # the fake GPU takes every layer
     weights, shape = worker._model_shape(folder)
@@ -324,6 +323,6 @@ def test_a_load_planned_for_the_gpu_that_stays_on_the_cpu_must_fit_in_ram(fake, 
     warnings = []
     with pytest.raises(InsufficientMemoryError):
         worker.ChatRunner.load(folder, options, lambda p: warnings.append(p.message), available=between)
-    assert any("mixture-of-experts" in w for w in warnings)
+    assert any("short-convolution" in w for w in warnings)
     runner = worker.ChatRunner.load(folder, options, available=int(on_cpu / memory_guard.HEADROOM) + 1)
     assert runner.estimate.weights_bytes == weights  # planned for the CPU after the fallback
