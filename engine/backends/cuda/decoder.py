@@ -1457,14 +1457,13 @@ class CudaDecoder:
         chosen = cp.asnumpy(ids, stream=self.stream).reshape(-1)  # slot t * k + j: token t's j-th expert
         y = cp.zeros((n * k, d), f32)
         experts = m["experts"]
+        glu = self._expert_glu(m)
         for e in np.unique(chosen).tolist():
             slots = np.flatnonzero(chosen == e)
             rows = h_in[cp.asarray((slots // k).astype(np.int32))]  # (m, hidden) the tokens routed to e
             ffn = [experts.expert(which, e) for which in ("gate", "up", "down")]
-            glu = self._expert_glu(m)
-            if glu["bias"] is not None:  # expert e's row
-                glu["bias"] = glu["bias"][e]
-            y[cp.asarray(slots.astype(np.int32))] = self._swiglu_prefill(rows, *ffn, glu)
+            act = glu if glu["bias"] is None else {**glu, "bias": glu["bias"][e]}  # expert e's bias row
+            y[cp.asarray(slots.astype(np.int32))] = self._swiglu_prefill(rows, *ffn, act)
         ys = sg = None
         if m["shared"] is not None:
             ys = self._swiglu_prefill(h_in, *m["shared"])
