@@ -47,7 +47,7 @@ from engine.arch.gemma3 import Gemma3Model
 from engine.arch.llama import LlamaModel
 from engine.backends.cuda import fused, ops
 from engine.backends.cuda.device import CudaMemoryExhaustedError, CudaOutOfMemoryError
-from engine.kv_cache import KVCache, RecurrentKVCache
+from engine.kv_cache import KVCache, RecurrentKVCache, ShortConvKVCache
 from engine.sampling import draw
 from models.errors import HearthError
 
@@ -121,6 +121,31 @@ class CudaRecurrentKVCache(RecurrentKVCache, CudaKVCache):
             return super().trim(n)
 
 
+class CudaShortConvKVCache(ShortConvKVCache, CudaKVCache):
+    """A CudaKVCache of the attention layers beside the convolution layers' inputs at every position on the
+    GPU (LFM2): ShortConvKVCache's layout, written by the decoder's short_conv kernel, its copies on the
+    decoder's stream."""
+
+    def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, n_ctx: int, dtype, stream, n_conv: int,
+                 width: int):
+        CudaKVCache.__init__(self, n_layers, n_kv_heads, head_dim, n_ctx, dtype, stream)
+        with self.stream:
+            self.conv = cp.zeros((n_conv, 1, n_ctx, width), self.dtype)
+
+    def read(self, lo: int, hi: int) -> tuple[np.ndarray, ...]:
+        k, v = CudaKVCache.read(self, lo, hi)
+        with self.stream:
+            conv = cp.asnumpy(self.conv[:, :, lo:hi, :], stream=self.stream)
+            self.stream.synchronize()
+        return k, v, conv
+
+    def write(self, lo: int, k: np.ndarray, v: np.ndarray, conv: np.ndarray) -> None:
+        CudaKVCache.write(self, lo, k, v)
+        with self.stream:
+            self.conv[:, :, lo : lo + conv.shape[2], :] = cp.asarray(conv, self.dtype)
+            self.stream.synchronize()
+
+
 LAYER_WEIGHTS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
 PREFILL_STACKS = (("wq", "wk", "wv"), ("wo",), ("w_gate", "w_up"), ("w_down",))  # a GEMM each in prefill
 
@@ -140,8 +165,9 @@ def _weights_of(model, n_layers: int | None = None) -> list:
     layers = [getattr(layer, a) for layer in model.layers[:n] for a in LAYER_WEIGHTS]
     moes = [getattr(layer, "moe", None) for layer in model.layers[:n]]
     experts = [w for moe in moes if moe is not None for w in _moe_weights(moe)]
-    deltas = [w for layer in model.layers[:n] if getattr(layer, "delta", None) for w in layer.delta.weights()]
-    for w in heads + layers + experts + deltas:
+    mixers = [getattr(layer, kind, None) for layer in model.layers[:n] for kind in ("delta", "conv")]
+    mixed = [w for mixer in mixers if mixer is not None for w in mixer.weights()]  # DeltaNet's, LFM2's
+    for w in heads + layers + experts + mixed:
         if w is not None and id(w) not in seen:
             seen.add(id(w))
             out.append(w)
@@ -240,17 +266,13 @@ def estimate_vram(
     n_rec = sum(getattr(layer, "delta", None) is not None for layer in model.layers[:n])
     shape = getattr(cfg, "delta", None) if n_rec else None
     states = 4 * (1 + RecurrentKVCache.MAX_SNAPSHOTS) * n_rec * shape.state_floats if shape else 0
-    kv = (
-        2
-        * (n - n_rec)
-        * cfg.num_key_value_heads
-        * n_ctx
-        * cfg.head_dim
-        * np.dtype(kv_dtype).itemsize
-    )
+    n_conv = sum(getattr(layer, "conv", None) is not None for layer in model.layers[:n])
+    size = np.dtype(kv_dtype).itemsize
+    kv = 2 * (n - n_rec - n_conv) * cfg.num_key_value_heads * n_ctx * cfg.head_dim * size
+    kv += n_conv * n_ctx * cfg.hidden_size * size  # LFM2: every position's convolution input
     ff = ffn_width(model)
     q_rows = 2 * cfg.q_dim if getattr(cfg, "attn_output_gate", False) else cfg.q_dim  # Qwen3.5: + its gates
-    extra = q_rows - cfg.q_dim + _delta_row_floats(shape)
+    extra = q_rows - cfg.q_dim + _delta_row_floats(shape) + (4 * cfg.hidden_size if n_conv else 0)
     acts = 4 * prefill_tokens * (3 * cfg.hidden_size + 2 * cfg.q_dim + 2 * cfg.kv_dim + 3 * ff + extra)
     moe = moe_dims(model)
     if moe is not None:  # router logits, routing, the experts' outputs by slot, the shared expert's rows
@@ -313,10 +335,11 @@ class _Step:
     graphs (by greedy flag), for one list of caches; held by weak references, checked by `holds`."""
 
     def __init__(self, cfg, caches: list, head_only: bool, ff: int | None = None, moe: tuple | None = None,
-                 delta=None, q_rows: int | None = None):
+                 delta=None, q_rows: int | None = None, conv: bool = False):
         """ff: the widest dense FFN (ffn_width; None: cfg.intermediate_size); moe: moe_dims (None: no
         experts), for the MoE rows below; delta: the DeltaNet layers' deltanet.DeltaShape (None: none);
-        q_rows: the q projection's rows (Qwen3.5's gated attention: 2 q_dim; None: q_dim)."""
+        q_rows: the q projection's rows (Qwen3.5's gated attention: 2 q_dim; None: q_dim); conv: LFM2's
+        convolution layers' rows too."""
         f32 = cp.float32
         B = len(caches)
         d, q, kv = cfg.hidden_size, cfg.q_dim, cfg.kv_dim
@@ -331,6 +354,9 @@ class _Step:
             self.dba = cp.empty((B, 2 * delta.v_heads), f32)
             self.dconv = cp.empty((B, delta.conv_dim), f32)
             self.dout = cp.empty((B, delta.value_dim), f32)
+        if conv:  # LFM2's rows: in_proj's [B | C | x], the gated convolution's output
+            self.bcx = cp.empty((B, 3 * d), f32)
+            self.cout = cp.empty((B, d), f32)
         self.attn = cp.empty((B, q), f32)
         self.gu = cp.empty((B, 2 * ff), f32)
         self.logits = None if head_only else cp.empty((B, cfg.vocab_size), f32)
@@ -372,12 +398,12 @@ class _Step:
 
     @staticmethod
     def row_bytes(cfg, head_only: bool, ff: int | None = None, moe: tuple | None = None, delta=None,
-                  q_rows: int | None = None) -> int:
+                  q_rows: int | None = None, conv: bool = False) -> int:
         """Bytes of one sequence's rows of the buffers above (the attention partials aside)."""
         d, q, kv = cfg.hidden_size, cfg.q_dim, cfg.kv_dim
         ff = cfg.intermediate_size if ff is None else ff
         floats = 3 * d + q + (q_rows or q) + 2 * kv + 2 * ff + (0 if head_only else cfg.vocab_size)
-        floats += _delta_row_floats(delta)
+        floats += _delta_row_floats(delta) + (4 * d if conv else 0)
         words = ops.records_width(d) + ops.records_width(ff) + ops.records_width(q) + 2  # + ids, pos
         return 4 * (floats + words) + _Step.moe_row_bytes(d, moe)
 
@@ -520,10 +546,9 @@ class CudaDecoder:
         self.moe = moe_dims(model)  # (experts, k, expert ff, shared ff), or None: no experts
         self.ff = ffn_width(model)
         layers = [] if self.gemma else model.layers
-        if any(lay.conv is not None or lay.mamba is not None for lay in layers):
+        if any(lay.mamba is not None for lay in layers):
             raise UnsupportedCudaModelError(
-                "short-convolution layers (LFM2) and Mamba-2 layers (Granite 4.0-H) have no CUDA kernels "
-                "yet; use --device cpu"
+                "Mamba-2 layers (Granite 4.0-H, Nemotron-H) have no CUDA kernels yet; use --device cpu"
             )
         refusal = _delta_refusal(model, n_layers)
         if refusal is not None:
@@ -531,7 +556,13 @@ class CudaDecoder:
         deltas = [lay.delta for lay in layers if lay.delta is not None]
         self.delta = cfg.delta if deltas else None  # the DeltaNet layers' shape (Qwen3.5, Qwen3-Next)
         self.n_rec = len(deltas)
-        self.n_attn = len(model.layers) - self.n_rec if n_layers is None else int(n_layers)
+        # LFM2's convolution layers among those on the GPU (each keeps its inputs in the cache)
+        self.n_conv = sum(lay.conv is not None for lay in layers[:n_layers])
+        # caches keep convolution inputs (CudaShortConvKVCache) where the model has such layers, also on
+        # a partial offload's GPU side without one (HybridKVCache pairs them with the CPU side's)
+        self.conv_cache = not self.gemma and cfg.n_conv_layers > 0
+        n_gpu = len(model.layers) if n_layers is None else int(n_layers)
+        self.n_attn = n_gpu - self.n_rec - self.n_conv
         self.gated = not self.gemma and bool(cfg.attn_output_gate)  # Qwen3.5's gated attention
         self.q_rows = 2 * cfg.q_dim if self.gated else cfg.q_dim
         if not self.gemma and cfg.parallel_block and any(
@@ -690,6 +721,7 @@ class CudaDecoder:
                 # the layer's index among the cache's layers of its kind (attention, or DeltaNet states)
                 "slot": i if self.gemma else cfg.cache_slot(i),
                 "delta": self._upload_delta(layer.delta, up, vec) if getattr(layer, "delta", None) else None,
+                "conv": self._upload_conv(layer.conv, up, vec) if getattr(layer, "conv", None) else None,
             }
             # the q|k|v biases as one vector over the stacked projection (zeros where one is missing)
             biases = [getattr(layer, b, None) for b in ("bq", "bk", "bv")]
@@ -727,6 +759,8 @@ class CudaDecoder:
         layer_bytes = sum(g[k].nbytes for g in self.layers for k in LAYER_WEIGHTS if g[k] is not None)
         deltas = [g["delta"] for g in self.layers if g["delta"] is not None]
         layer_bytes += sum(w.nbytes for D in deltas for w in [*D["proj"], *D["ba"], D["out"]])
+        convs = [g["conv"] for g in self.layers if g["conv"] is not None]
+        layer_bytes += sum(C[k].nbytes for C in convs for k in ("in", "out"))
         # a MoE layer reads its router, the k chosen experts and the shared expert
         for g in self.layers:
             m = g["moe"]
@@ -774,6 +808,11 @@ class CudaDecoder:
             "out": up(net.out_proj),
         }
 
+    @staticmethod
+    def _upload_conv(conv, up, vec) -> dict:
+        """LFM2's convolution layer on the GPU: in_proj ([B | C | x] rows), kernel (d, taps), out_proj."""
+        return {"in": up(conv.in_proj), "kernel": vec(conv.kernel), "out": up(conv.out_proj)}
+
     def _upload_moe(self, moe, up, tick, vec) -> dict:
         """A MoE block on the GPU: its router (GpuWeight), its experts merged per kind (ops.GpuExperts: each
         kind's experts one after another in one allocation, as a GGUF's merged tensors are), the shared
@@ -818,6 +857,9 @@ class CudaDecoder:
         # zeroed on the decoder's stream (a non-blocking stream does not wait for the default one)
         with self._on_gpu(f"allocating a KV cache of {n_ctx} positions"):
             kv_heads, hd = cfg.num_key_value_heads, cfg.head_dim
+            if self.conv_cache:
+                return CudaShortConvKVCache(self.n_attn, kv_heads, hd, n_ctx, dtype, self.stream, self.n_conv,
+                                            cfg.hidden_size)
             if self.delta is None:
                 return CudaKVCache(self.n_layers, kv_heads, hd, n_ctx, dtype, self.stream)
             shape = self.delta
@@ -833,9 +875,10 @@ class CudaDecoder:
         kv = 2 * self.n_attn * cfg.num_key_value_heads * n_ctx * cfg.head_dim * np.dtype(dtype).itemsize
         if self.delta is not None:  # the recurrent states and their snapshots
             kv += 4 * (1 + RecurrentKVCache.MAX_SNAPSHOTS) * self.n_rec * self.delta.state_floats
+        kv += self.n_conv * n_ctx * cfg.hidden_size * np.dtype(dtype).itemsize  # LFM2's convolution inputs
         splits = ops.attention_splits(n_ctx)[1]
         partials = 4 * cfg.num_attention_heads * splits * (cfg.head_dim + 2)
-        rows = _Step.row_bytes(cfg, self.head_only, self.ff, self.moe, self.delta, self.q_rows)
+        rows = _Step.row_bytes(cfg, self.head_only, *self._step_shape)
         return int(kv + 2 * (partials + rows) + 24 * self.n_layers)
 
     def caches_that_fit(self, n_ctx: int, dtype=np.float16) -> int:
@@ -1081,8 +1124,13 @@ class CudaDecoder:
             self._batches.popitem(last=False)
         return step
 
+    @property
+    def _step_shape(self) -> tuple:
+        """_Step's ff, moe, delta, q_rows and conv for this model."""
+        return self.ff, self.moe, self.delta, self.q_rows, self.n_conv > 0
+
     def _new_step(self, caches: list) -> _Step:
-        return _Step(self.cfg, caches, self.head_only, self.ff, self.moe, self.delta, self.q_rows)
+        return _Step(self.cfg, caches, self.head_only, *self._step_shape)
 
     def _replay(self, step: _Step, caches: list, tokens: list[int], greedy: bool) -> None:
         """Token ids and positions to device memory, then the step: its graph (captured on first use,
@@ -1176,7 +1224,7 @@ class CudaDecoder:
         glu_emit = functools.partial(ops.Emit, glu, None, s.act_rec, s.counts)
         norms = [L["attn_norm"] for L in self.layers[1:]] + [self.output_norm]
         for i, L in enumerate(self.layers):
-            p, D, j = plan[i], L["delta"], L["slot"]
+            p, D, C, j = plan[i], L["delta"], L["conv"], L["slot"]
             qkv_in = layernorm(L["attn_norm"]) if self.parallel else normed(L["attn_norm"], p["qkv"])
             if D is not None:  # DeltaNet: each sequence through its own states (CudaRecurrentKVCache.mix)
                 mv(s.dproj, D["proj"], **qkv_in)
@@ -1186,11 +1234,17 @@ class CudaDecoder:
                     bufs = dict(out=s.dout[b : b + 1], conv=s.dconv[b : b + 1])
                     c.mix(j, functools.partial(self._delta_mix, D, **bufs), rows)
                 branch(D["out"], dict(x=s.dout), L["post_attn_norm"], None, L["ffn_norm"], p["gu"])
+            elif C is not None:  # LFM2: each sequence's convolution over its own cache's inputs
+                mv(s.bcx, [C["in"]], **qkv_in)
+                for b, c in enumerate(caches):
+                    rows = slice(b, b + 1)
+                    ops.short_conv(s.cout[rows], s.bcx[rows], c.conv[j, 0], C["kernel"], s.pos[rows])
+                branch(C["out"], dict(x=s.cout), L["post_attn_norm"], None, L["ffn_norm"], p["gu"])
             else:
                 mv(s.qkv, [L["wq"], L["wk"], L["wv"]], **qkv_in)
             if self.parallel:  # the FFN's gate|up from the same input, before attention's output joins x
                 mv(s.gu, [L["w_gate"], L["w_up"]], **qkv_in, emit=glu_emit() if p["down"] else None)
-            if D is None:
+            if D is None and C is None:
                 self._attention_step(s, L, caches, p, branch)
             act = 3 if self.gemma else 2
             if L["moe"] is not None:  # the experts instead of the FFN (llama family), their sum added into x
@@ -1317,12 +1371,14 @@ class CudaDecoder:
 
     def _stacks(self) -> list[list[ops.GpuWeight]]:
         """The layers' stacked projections (PREFILL_STACKS: q|k|v, wo, gate|up, down; a DeltaNet layer's
-        q|k|v|z, b|a and out_proj instead of attention's), layer by layer."""
+        q|k|v|z, b|a and out_proj, an LFM2 convolution layer's in_proj and out_proj instead of attention's),
+        layer by layer."""
         stacks = []
         for L in self.layers:
-            D = L["delta"]
+            D, C = L["delta"], L["conv"]
             stacks += [[L[k] for k in names] for names in PREFILL_STACKS]
             stacks += [] if D is None else [D["proj"], D["ba"], [D["out"]]]
+            stacks += [] if C is None else [[C["in"]], [C["out"]]]
         return [ws for ws in stacks if ws[0] is not None]  # a MoE layer's FFN is its experts
 
     def _int_dot_all(self, ws) -> bool:
@@ -1351,13 +1407,17 @@ class CudaDecoder:
         plan, writer = [], False  # writer: the kernel adding into x last can write its records
         for L in self.layers:
             dense = L["moe"] is None  # a MoE layer's FFN (moe_combine adds into x last) takes and writes none
-            D = L["delta"]  # a DeltaNet layer: its projections read what q|k|v would, out_proj writes as wo
-            inputs = [L["wq"], L["wk"], L["wv"]] if D is None else [*D["proj"], *D["ba"]]
-            out = L["wo"] if D is None else D["out"]
+            # a DeltaNet or convolution layer: its projections read what q|k|v would, out_proj writes as wo
+            D, C = L["delta"], L["conv"]
+            inputs, out = [L["wq"], L["wk"], L["wv"]], L["wo"]
+            if D is not None:
+                inputs, out = [*D["proj"], *D["ba"]], D["out"]
+            elif C is not None:
+                inputs, out = [C["in"]], C["out"]
             wo, gu = qb(out), dense and qb(L["w_gate"], L["w_up"])
             plan.append({
                 "qkv": writer and takes_rms(L["attn_norm"]) and qb(*inputs),
-                "wo": D is None and wo and self.cfg.head_dim % 32 == 0,
+                "wo": D is None and C is None and wo and self.cfg.head_dim % 32 == 0,
                 "gu": gu and takes_rms(L["ffn_norm"]) and writes(L, "post_attn_norm", out, L["bo"]),
                 "down": gu and qb(L["w_down"]),
             })
@@ -1540,7 +1600,7 @@ class CudaDecoder:
         qkv = cp.empty((n, self.q_rows + 2 * cfg.kv_dim), f32)  # one GEMM for q|k|v
         KV = cfg.num_key_value_heads
         # rotated queries grouped by KV head, in the cache's dtype (attention's GEMMs take both)
-        qg = cp.empty((KV, n * (H // KV), hd), cache.k[0].dtype)
+        qg = cp.empty((KV, n * (H // KV), hd), cache.k.dtype)
         attn = cp.empty((n, cfg.q_dim), dt)  # the wo GEMM's input: attention writes it in the tiles' dtype
         gu = cp.empty((n, 2 * ff), f32)  # one GEMM for gate|up
         # the GEMM inputs in the tiles' dtype: the norms and the activation write them directly
@@ -1567,8 +1627,15 @@ class CudaDecoder:
             else:
                 ops.rmsnorm(x, o, post, eps, accumulate=True)
 
+        def gemm_in(y):  # float32 rows y as a GEMM's input (the tiles' dtype)
+            if dt == f32:
+                return y
+            y16 = cp.empty(y.shape, dt)
+            ops.convert(y16, y)
+            return y16
+
         for L in self.layers:
-            D, j = L["delta"], L["slot"]
+            D, C, j = L["delta"], L["conv"], L["slot"]
             normed(L["attn_norm"])
             if D is not None:  # DeltaNet: the projections, then the cache's states (two runs: see mix)
                 shape = self.delta
@@ -1577,16 +1644,18 @@ class CudaDecoder:
                 ba = cp.empty((n, 2 * shape.v_heads), f32)
                 self._linear(ba, D["ba"], h_in)
                 y = cache.mix(j, functools.partial(self._delta_mix, D), [proj, ba])
-                if dt != f32:  # out_proj's GEMM input
-                    y16 = cp.empty(y.shape, dt)
-                    ops.convert(y16, y)
-                    y = y16
-                branch(D["out"], y, L["post_attn_norm"], None)
+                branch(D["out"], gemm_in(y), L["post_attn_norm"], None)
+            elif C is not None:  # LFM2: in_proj, the gated convolution over the cache's inputs, out_proj
+                bcx = cp.empty((n, 3 * d), f32)
+                self._linear(bcx, [C["in"]], h_in)
+                y = cp.empty((n, d), f32)
+                ops.short_conv(y, bcx, cache.conv[j, 0], C["kernel"], pos)
+                branch(C["out"], gemm_in(y), L["post_attn_norm"], None)
             else:
                 self._linear(qkv, [L["wq"], L["wk"], L["wv"]], h_in)
             if self.parallel:  # Cohere: the FFN's input too, taken before attention's output joins x
                 self._linear(gu, [L["w_gate"], L["w_up"]], h_in)
-            if D is None:
+            if D is None and C is None:
                 if L["bqkv"] is not None:
                     ops.add_inplace(qkv, L["bqkv"])
                 self._qk_rows(qkv, L)

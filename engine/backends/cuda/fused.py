@@ -60,6 +60,8 @@ def unsupported_reason(dec) -> str | None:
         return "mixture-of-experts layers"
     if dec.parallel:
         return "Cohere's parallel blocks"
+    if dec.n_conv:
+        return "short-convolution layers (LFM2)"
     if dec.delta is not None or dec.gated:
         return "DeltaNet layers and gated attention (Qwen3.5)"
     if any(L["sinks"] is not None or L["bo"] is not None for L in dec.layers):

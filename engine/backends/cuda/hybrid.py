@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from engine.backends.cuda.decoder import CudaDecoder, CudaKVCache
-from engine.kv_cache import KVCache
+from engine.kv_cache import KVCache, ShortConvKVCache
 
 
 class HybridKVCache:
@@ -55,14 +55,17 @@ class HybridKVCache:
     def common_prefix(self, tokens) -> int:
         return self.cpu.common_prefix(tokens)
 
-    def read(self, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray]:
-        (gk, gv), (ck, cv) = self.gpu.read(lo, hi), self.cpu.read(lo, hi)
-        return np.concatenate([gk, ck]), np.concatenate([gv, cv])
+    def read(self, lo: int, hi: int) -> tuple[np.ndarray, ...]:
+        """Each array of the halves' reads (keys, values, and LFM2's convolution inputs), the GPU's layers
+        first."""
+        return tuple(np.concatenate(pair) for pair in zip(self.gpu.read(lo, hi), self.cpu.read(lo, hi)))
 
-    def write(self, lo: int, k: np.ndarray, v: np.ndarray) -> None:
-        n = self.gpu.k.shape[0]
-        self.gpu.write(lo, k[:n], v[:n])
-        self.cpu.write(lo, k[n:], v[n:])
+    def write(self, lo: int, *arrays: np.ndarray) -> None:
+        firsts = [self.gpu.k.shape[0], self.gpu.v.shape[0]]
+        if len(arrays) > 2:  # LFM2's convolution inputs
+            firsts.append(self.gpu.conv.shape[0])
+        self.gpu.write(lo, *(a[:n] for a, n in zip(arrays, firsts)))
+        self.cpu.write(lo, *(a[n:] for a, n in zip(arrays, firsts)))
 
     def update_and_fetch(self, layer, k, v):
         raise NotImplementedError("HybridKVCache is written through its gpu and cpu parts")
@@ -113,7 +116,12 @@ class HybridDecoder:
     def new_cache(self, n_ctx: int, dtype=np.float32) -> HybridKVCache:
         cfg = self.cfg
         n_cpu = cfg.num_hidden_layers - self.n_gpu_layers
-        cpu = KVCache(n_cpu, cfg.num_key_value_heads, cfg.head_dim, n_ctx, dtype)
+        heads = (cfg.num_key_value_heads, cfg.head_dim, n_ctx, dtype)
+        if self.gpu.conv_cache:  # LFM2: the CPU layers' attention and convolution layers
+            n_conv = sum(map(cfg.is_conv, range(self.n_gpu_layers, cfg.num_hidden_layers)))
+            cpu = ShortConvKVCache(n_cpu - n_conv, *heads, n_conv, cfg.hidden_size)
+        else:
+            cpu = KVCache(n_cpu, *heads)
         return HybridKVCache(self.gpu.new_cache(n_ctx, dtype), cpu)
 
     def forward(self, tokens, cache: HybridKVCache, all_logits: bool = False) -> np.ndarray:

@@ -1231,6 +1231,24 @@ def moe_combine(x, y, wts, ys=None, sg=None, down_bias=None, ids=None) -> None:
     kernel("moe_combine", cp.cuda.Device().id)(grid, (256,), args)
 
 
+def short_conv(out, bcx, history, w, pos) -> None:
+    """LFM2's gated short convolution (shortconv.gated_inputs, then convolve, times C) of the rows bcx
+    (n, 3 d) [B | C | x] float32 at positions pos[0].. (pos: int32 on the GPU): B * x into the rows of
+    one layer's history (n_ctx, d), float32 or float16, then out (n, d) float32 (row-strided) = C * the
+    causal convolution by w (d, taps) float32 over the history's rows."""
+    n, d = out.shape
+    taps = w.shape[1]
+    if bcx.shape != (n, 3 * d) or not bcx.flags.c_contiguous or w.shape[0] != d or history.shape[1] != d:
+        raise ValueError("short_conv: bcx (n, 3 d) contiguous, w (d, taps), the history (n_ctx, d)")
+    if out.strides[1] != 4 or not history.flags.c_contiguous:
+        raise ValueError("short_conv: out rows of float32, a contiguous history")
+    half = history.dtype == cp.float16
+    grid = (-(-d // 256), max(1, min(n, GRID_Y_MAX)))
+    ldo = np.int64(out.strides[0] // 4)
+    args = (out, ldo, bcx, history, w, pos, _i32(d), _i32(taps), _i32(n), _i32(half))
+    kernel("short_conv", cp.cuda.Device().id)(grid, (256,), args)
+
+
 DELTA_MAX_TAPS, DELTA_MAX_HEAD = 9, 512  # recurrent.cu's limits
 
 

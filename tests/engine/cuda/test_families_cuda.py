@@ -73,6 +73,7 @@ FAMILIES = {
     "phi3-longrope": (lambda dec: dec.rope_scales[0] > 1.0 and dec.n_rot == 12, ROPE_SCALES),
     "qwen3_5": (lambda dec: dec.delta is not None and dec.gated and (dec.n_rec, dec.n_attn) == (3, 1),
                 "DeltaNet layers and gated attention (Qwen3.5)"),
+    "lfm2": (lambda dec: (dec.n_conv, dec.n_attn) == (3, 1), "short-convolution layers (LFM2)"),
     "cohere2": (lambda dec: dec.parallel and _windows(dec) == [4, 4, 4, 0] and _rotated(dec) == WINDOWED_ROPE,
                 "Cohere's parallel blocks"),
 }
@@ -87,7 +88,7 @@ def _windows(dec) -> list[int]:
 
 
 @pytest.mark.parametrize(
-    "family", ["gemma2", "exaone4", "granite", "olmo3", "ministral3", "cohere2", "qwen3_5"] + [  # CI
+    "family", ["gemma2", "exaone4", "granite", "olmo3", "ministral3", "cohere2", "qwen3_5", "lfm2"] + [  # CI
         pytest.param(f, marks=pytest.mark.skipif(not FULL_SIMT, reason="set HEARTH_CUDA_SIMT=1"))
         for f in ("mistral-swa", "glm4", "smollm3", "olmo2", "phi3-longrope")
     ],
@@ -180,7 +181,7 @@ def padded_moe_folder(family: str, dst: Path, ff: int = 64) -> Path:
         bits = np.frombuffer(data[lo:hi], np.uint16).astype(np.uint32) << 16
         a = bits.view(np.float32).reshape(t["shape"])
         if ".experts." in name:  # gate/up (ff, d): zero rows; down (d, ff): zero columns
-            down = "down_proj" in name
+            down = "down_proj" in name or name.endswith(".w2.weight")  # LFM2's w1, w3 and w2
             a = np.pad(a, [(0, 0), (0, ff - a.shape[1])] if down else [(0, ff - a.shape[0]), (0, 0)])
         tensors[name] = np.ascontiguousarray(a)
     save_file(tensors, str(dst / "model.safetensors"))
@@ -227,3 +228,53 @@ def test_qwen3_5_q8_0_gguf_computes_the_cpu_models_logits_on_host_threads(fake, 
     # the CPU model's own Q8_0 decode step (int16 activations) is ~1.4e-3 from exact here: the GPU's float
     # dot products of the dequantized weights (int_dot=False) differ from it by that much too
     check_decoder_against_cpu(fake, model, dec, PROMPT, offload=False, tol=3e-3)
+
+
+def test_lfm2_moe_folder_computes_the_cpu_models_logits_on_host_threads(fake, simt, tmp_path):
+    """LFM2-MoE (LFM2-8B-A1B's layout) as a float32 folder, experts padded to 64: convolution layers
+    beside an attention layer, a dense first FFN, then sigmoid-routed experts with a choice bias; the whole
+    decoder and partial offload (the CPU side's cache keeping its convolution layers' inputs) against the
+    CPU model."""
+    from engine.loader import load_model
+
+    STATE.simt = simt
+    model = load_model(padded_moe_folder("lfm2moe", tmp_path / "lfm2moe")).model
+    dec = fake.decoder.CudaDecoder(model, n_ctx=32, prefill_dtype="float32")
+    assert (dec.n_conv, dec.n_attn) == (3, 1) and dec.moe is not None
+    assert dec.layers[0]["moe"] is None and dec.layers[1]["moe"]["score_bias"] is not None
+    steps = check_decoder_against_cpu(fake, model, dec, PROMPT)
+    assert {"short_conv", "moe_route", "matvec_f32_experts", "moe_combine"} <= set(steps)
+
+
+def test_lfm2_q8_0_gguf_with_float16_caches_on_host_threads(fake, simt, tmp_path):
+    """LFM2 as users run it: a Q8_0 GGUF (integer-dot matvecs, the residual stream's records handed into
+    the convolution layers' in_proj) and float16 caches, so the convolution inputs are kept rounded to
+    halves, also those of the pass itself: a prompt, decode steps (captured graphs), a regenerate (a trim)
+    and a stored prefix written back, against the CPU model of the same file with its float16 cache."""
+    from engine.convert import convert
+    from engine.loader import load_model
+
+    STATE.simt = simt
+    model = load_model(convert(TINY / "lfm2", "Q8_0", tmp_path / "q8.gguf").output).model
+    dec = fake.decoder.CudaDecoder(model, n_ctx=32, prefill_dtype="float32")
+    plan, _ = dec._handoff_plan()
+    assert any(p["qkv"] for p, L in zip(plan, dec.layers) if L["conv"] is not None)
+    cpu, gpu = model.new_cache(32, np.float16), dec.new_cache(32, np.float16)
+    assert gpu.conv.dtype == np.float16 and gpu.conv.shape == cpu.conv.shape
+
+    def both(tokens, tol=3e-3):  # the CPU model's own Q8_0 path rounds activations to int16 (see Qwen3.5's)
+        ref = model.forward(tokens, cpu)
+        assert _rel(dec.forward(tokens, gpu), ref) < tol
+
+    both(PROMPT)
+    both([5])
+    both([6])
+    assert gpu.trim(2) == cpu.trim(2) == 2
+    both([9])
+    saved = gpu.read(0, gpu.offset)
+    assert [a.shape for a in saved] == [a.shape for a in cpu.read(0, cpu.offset)]
+    fresh = dec.new_cache(32, np.float16)
+    fresh.write(0, *saved)
+    fresh.advance(gpu.tokens)
+    ref = model.forward([11], cpu)
+    assert _rel(dec.forward([11], fresh), ref) < 3e-3

@@ -95,11 +95,11 @@ def test_place_model_gpu_layers(fake, tmp_path):
 @pytest.mark.parametrize("gpu_layers", [None, 1])
 @pytest.mark.parametrize(
     "family, reason",
-    [("lfm2", "short-convolution"), ("deepseek_v3", "latent attention"), ("cohere", "Command R+")],
+    [("granite4-h", "Mamba-2"), ("deepseek_v3", "latent attention"), ("cohere", "Command R+")],
 )
 def test_a_model_without_cuda_kernels_stays_on_the_cpu_with_a_notice(fake, gpu_layers, family, reason):
-    """LFM2, DeepSeek-V3 or Command R+ (no CUDA kernels yet) asked onto the GPU, wholly or in part, runs on
-    the CPU; the notice says why (the app shows it as a load warning)."""
+    """Granite 4.0-H, DeepSeek-V3 or Command R+ (no CUDA kernels yet) asked onto the GPU, wholly or in part,
+    runs on the CPU; the notice says why (the app shows it as a load warning)."""
     from pathlib import Path
 
     from engine.backends.cuda.placement import place_model
@@ -312,7 +312,7 @@ def test_a_load_planned_for_the_gpu_that_stays_on_the_cpu_must_fit_in_ram(fake, 
     from engine.client import LoadOptions
     from engine.memory_guard import InsufficientMemoryError
 
-    folder = Path(__file__).resolve().parents[2] / "fixtures" / "tiny" / "lfm2"
+    folder = Path(__file__).resolve().parents[2] / "fixtures" / "tiny" / "granite4-h"
     options = LoadOptions(device="cuda", n_ctx=128, batch_size=16, prefix_cache_mb=0)
     monkeypatch.setattr(worker, "gpu_layers_planned", lambda opts, n: n)  # the fake GPU takes every layer
     weights, shape = worker._model_shape(folder)
@@ -323,6 +323,29 @@ def test_a_load_planned_for_the_gpu_that_stays_on_the_cpu_must_fit_in_ram(fake, 
     warnings = []
     with pytest.raises(InsufficientMemoryError):
         worker.ChatRunner.load(folder, options, lambda p: warnings.append(p.message), available=between)
-    assert any("short-convolution" in w for w in warnings)
+    assert any("Mamba-2" in w for w in warnings)
     runner = worker.ChatRunner.load(folder, options, available=int(on_cpu / memory_guard.HEADROOM) + 1)
     assert runner.estimate.weights_bytes == weights  # planned for the CPU after the fallback
+
+
+def test_hybrid_cache_of_a_model_with_convolution_layers_round_trips_its_inputs(fake):
+    """LFM2 with its first layer (a convolution) on the GPU: the two halves' caches keep convolution inputs
+    (the GPU's one layer, the CPU's other two), and read / write (the prefix store's) carry them with the
+    keys and values, the GPU's layers first."""
+    from pathlib import Path
+
+    from engine.loader import load_model
+
+    model = load_model(Path(__file__).resolve().parents[2] / "fixtures" / "tiny" / "lfm2").model
+    cache = fake.hybrid.HybridDecoder(model, 1, n_ctx=16).new_cache(16)
+    assert cache.gpu.k.shape[0] == 0 and cache.gpu.conv.shape[0] == 1
+    assert cache.cpu.k.shape[0] == 1 and cache.cpu.conv.shape[0] == 2
+    rng = np.random.default_rng(0)
+    k = rng.standard_normal((1, model.cfg.num_key_value_heads, 5, model.cfg.head_dim)).astype(np.float32)
+    conv = rng.standard_normal((3, 1, 5, model.cfg.hidden_size)).astype(np.float32)
+    cache.write(2, k, -k, conv)
+    got = cache.read(2, 7)
+    for a, b in zip(got, (k, -k, conv)):
+        np.testing.assert_array_equal(a, b)
+    np.testing.assert_array_equal(np.asarray(cache.gpu.conv[0, 0, 2:7]), conv[0, 0])
+    np.testing.assert_array_equal(cache.cpu.conv[1, 0, 2:7], conv[2, 0])

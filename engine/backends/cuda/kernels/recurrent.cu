@@ -1,10 +1,50 @@
-// Qwen3.5's gated DeltaNet layers (engine/arch/deltanet.py): the causal convolution of their q|k|v rows and
-// the gated delta rule with its gated RMSNorm. The recurrent state and the convolution's last inputs are
+// LFM2's gated short convolution (engine/arch/shortconv.py), and Qwen3.5's gated DeltaNet layers
+// (engine/arch/deltanet.py): the causal convolution of their q|k|v rows and the gated delta rule with its
+// gated RMSNorm. The recurrent state and the convolution's last inputs are
 // one sequence's (its cache's), read and rewritten in place: a captured decode step replays at every
 // position.
 
 #define DELTA_MAX_TAPS 9   // the convolution's history lives in registers
 #define DELTA_MAX_HEAD 512  // head_k: q and k in shared memory; head_v: a thread a column
+
+// LFM2's convolution over the n rows bcx (n, 3d) [B | C | x] at positions p0 = pos[0]..: bx = B * x goes to
+// the row p of the layer's history (n_ctx, d), float32 or float16 (half), which keeps every position's (a
+// trim needs no state rolled back: ShortConvKVCache); out (n, d, ldo apart) = C * sum over j of w[c, j]
+// bx(p - taps + 1 + j), zero before position 0. Positions before p0 are read from the history; the pass's
+// own from bcx, rounded as the history holds them (the CPU model reads them back from its cache), so no
+// thread reads what another writes. A thread a channel (blockIdx.x) and token (blockIdx.y, strided).
+extern "C" __global__ void short_conv(float* __restrict__ out, long long ldo, const float* __restrict__ bcx,
+                                      void* __restrict__ hist, const float* __restrict__ w,
+                                      const int* __restrict__ pos, int d, int taps, int n, int half) {
+    int c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (c >= d) return;
+    int p0 = pos[0];
+    const float* wc = w + (long long)c * taps;
+    for (int t = blockIdx.y; t < n; t += gridDim.y) {
+        int p = p0 + t;
+        float acc = 0.f;
+        for (int j = 0; j < taps; j++) {
+            int q = p - taps + 1 + j;
+            if (q < 0) continue;
+            float v;
+            if (q >= p0) {
+                const float* r = bcx + 3LL * d * (q - p0);
+                v = r[c] * r[2 * d + c];
+                if (half) v = h2f(f2h(v));
+            } else {
+                long long o = (long long)q * d + c;
+                v = half ? h2f(((const ushort*)hist)[o]) : ((const float*)hist)[o];
+            }
+            acc = fmaf(wc[j], v, acc);
+        }
+        const float* r = bcx + 3LL * d * t;
+        float bx = r[c] * r[2 * d + c];
+        long long o = (long long)p * d + c;
+        if (half) ((ushort*)hist)[o] = f2h(bx);
+        else ((float*)hist)[o] = bx;
+        out[t * ldo + c] = acc * r[d + c];
+    }
+}
 
 // out (n, C) = SiLU of the causal depthwise convolution (taps per channel, weights w (C, taps)) of the rows
 // x (n, C, ldx apart) after the conv_state rows (taps - 1, C) that come before them; conv_state then holds
