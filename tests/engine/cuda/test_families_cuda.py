@@ -107,15 +107,17 @@ def test_family_computes_the_cpu_models_logits_on_host_threads(fake, simt, famil
     check_decoder_against_cpu(fake, model, dec, PROMPT, offload=dec.delta is None)
 
 
-def test_captured_prefill_of_a_model_without_input_norms_on_host_threads(fake, simt, monkeypatch):
+@pytest.mark.parametrize("family, launch", [("olmo2", "convert"), ("lfm2", "short_conv")])
+def test_captured_prefill_of_a_family_on_host_threads(fake, simt, monkeypatch, family, launch):
     """OLMo 2's prefill (the residual stream converted to the GEMMs' input without a norm, q/k norms over
-    the whole projections in place, output norms) captured as a CUDA graph for a new chat's prompt and
-    replayed for the next one: the CPU model's logits each time."""
+    the whole projections in place, output norms) and LFM2's (its convolutions reading the pass's position
+    from device memory) captured as a CUDA graph for a new chat's prompt and replayed for the next one: the
+    CPU model's logits each time."""
     from engine.loader import load_model
 
     STATE.simt = simt
     monkeypatch.delenv("HEARTH_CUDA_PREFILL_GRAPHS", raising=False)
-    model = load_model(TINY / "olmo2").model
+    model = load_model(TINY / family).model
     dec = fake.decoder.CudaDecoder(model, n_ctx=64, prefill_dtype="float32")
     cache = dec.new_cache(64, np.float32)
     captures = fake.cp.cuda.Stream.captures
@@ -125,7 +127,7 @@ def test_captured_prefill_of_a_model_without_input_norms_on_host_threads(fake, s
         got = dec.forward(prompt, cache)[-1]
         assert _rel(got, model.forward(prompt, model.new_cache(64))[-1]) < 1e-3
         assert len(captures) - before == captured, dec.prefill_graph_error
-    assert "convert" in fake.launches
+    assert launch in fake.launches
 
 
 def test_deltanet_states_snapshot_and_trim_as_the_cpu_cache_on_host_threads(fake, simt):
