@@ -565,12 +565,9 @@ class CudaDecoder:
         self.n_attn = n_gpu - self.n_rec - self.n_conv
         self.gated = not self.gemma and bool(cfg.attn_output_gate)  # Qwen3.5's gated attention
         self.q_rows = 2 * cfg.q_dim if self.gated else cfg.q_dim
-        if not self.gemma and cfg.parallel_block and any(
-            lay.q_norm is not None or lay.moe is not None for lay in layers
-        ):
+        if not self.gemma and cfg.parallel_block and any(lay.moe is not None for lay in layers):
             raise UnsupportedCudaModelError(
-                "Command R+'s per-head LayerNorms of q and k (and parallel blocks with experts) have no CUDA "
-                "kernels yet; use --device cpu"
+                "parallel blocks with mixture-of-experts layers have no CUDA kernels yet; use --device cpu"
             )
         post_normed = any(lay.post_attn_norm is not None or lay.post_ffn_norm is not None for lay in layers)
         if post_normed and cfg.residual_multiplier != 1.0:
@@ -772,12 +769,16 @@ class CudaDecoder:
         self.decode_weight_bytes = layer_bytes + output + embd_row
 
     def _qk_norms(self, layer, vec) -> dict:
-        """A layer's q_norm and k_norm (per head, or None) and qk_rows: (q, k) norm weights over the whole
-        q and k projections (OLMo 2), or None."""
+        """A layer's q_norm and k_norm (RMSNorms per head, or None), qk_rows: (q, k) RMSNorm weights over
+        the whole q and k projections (OLMo 2), and qk_heads: (q, k) weights (heads x head_dim each) of
+        LayerNorms per head (Command R+), each None where the layer has no such norms."""
         q, k = getattr(layer, "q_norm", None), getattr(layer, "k_norm", None)
-        if q is not None and len(q) != self.cfg.head_dim:
-            return {"q_norm": None, "k_norm": None, "qk_rows": (vec(q), vec(k))}
-        return {"q_norm": vec(q), "k_norm": vec(k), "qk_rows": None}
+        out = {"q_norm": None, "k_norm": None, "qk_rows": None, "qk_heads": None}
+        if q is None or len(q) == self.cfg.head_dim:
+            out.update(q_norm=vec(q), k_norm=vec(k))
+        else:
+            out["qk_heads" if getattr(self.cfg, "parallel_block", False) else "qk_rows"] = (vec(q), vec(k))
+        return out
 
     def _layer_freqs(self, model, i: int) -> np.ndarray:
         """Layer i's RoPE frequencies: Gemma's per layer; llama's for the planned context, or plain RoPE's
@@ -1306,12 +1307,17 @@ class CudaDecoder:
         return out
 
     def _qk_rows(self, qkv, L: dict) -> None:
-        """OLMo 2's q and k norms over the whole projections, in place on the q|k|v rows (n, q + 2 kv)."""
-        if L["qk_rows"] is None:
+        """OLMo 2's q and k RMSNorms over the whole projections, or Command R+'s LayerNorms of each head, in
+        place on the q|k|v rows (n, q + 2 kv)."""
+        norms = L["qk_rows"] or L["qk_heads"]
+        if norms is None:
             return
-        q, kv, eps = self.cfg.q_dim, self.cfg.kv_dim, self.cfg.rms_norm_eps
-        for part, w in zip((qkv[:, :q], qkv[:, q : q + kv]), L["qk_rows"]):
-            ops.rmsnorm(part, part, w, eps)
+        cfg = self.cfg
+        q, kv, eps = cfg.q_dim, cfg.kv_dim, cfg.rms_norm_eps
+        per_head = L["qk_heads"] is not None
+        heads = (cfg.num_attention_heads, cfg.num_key_value_heads) if per_head else (1, 1)
+        for part, w, h in zip((qkv[:, :q], qkv[:, q : q + kv]), norms, heads):
+            ops.rmsnorm(part, part, w, eps, center=per_head, heads=h)
 
     def _moe_step(self, s: _Step, L: dict, mv) -> None:
         """A MoE layer's FFN in the decode step over the B rows of s, added into s.x: the router's logits,

@@ -504,14 +504,18 @@ def _grid1(n: int, threads: int = 256) -> tuple[tuple[int], tuple[int]]:
 
 def rmsnorm(
     out, x, w, eps: float, add_one: bool = False, accumulate: bool = False, emit: Emit | None = None,
-    center: bool = False,
+    center: bool = False, heads: int = 1,
 ) -> None:
     """out (n, dim) (= or +=) rmsnorm(x (n, dim)) * (w or 1 + w), or with center a LayerNorm without bias
     ((x - mean) / sqrt(var + eps) * w: Cohere's); a float16 out gets the values rounded
     (no accumulate then). emit: an EMIT_NORM Emit (float32 out, dim a multiple of 32): out's rows also
     leave as the records of out * emit.norm for the next matvec (prologue 5), emit.records row i for
-    row i (emit.counts unused). x and out may be column slices of wider rows (out may be x: in place)."""
+    row i (emit.counts unused). x and out may be column slices of wider rows (out may be x: in place).
+    heads: each row's `heads` vectors of dim / heads normed apart, each by its part of w (dim,) (Command
+    R+'s per-head LayerNorms of q and k)."""
     n, dim = x.shape
+    if dim % heads or (heads > 1 and emit is not None):
+        raise ValueError("rmsnorm: rows of `heads` equal vectors, with no records emitted")
     half = out.dtype == cp.float16
     if out.shape != x.shape or x.strides[1] != 4 or out.strides[1] != out.itemsize:
         raise ValueError("rmsnorm takes float32 x and an out of its shape, rows contiguous")
@@ -522,9 +526,10 @@ def rmsnorm(
             raise ValueError("rmsnorm emits EMIT_NORM records of a float32 out")
         _check_records(emit.records, n, dim, "rmsnorm's records")
     tail = (NULL, NULL) if emit is None else (emit.norm, emit.records)
-    tail += (np.int64(x.strides[0] // 4), np.int64(out.strides[0] // out.itemsize), _i32(center))
+    tail += (np.int64(x.strides[0] // 4), np.int64(out.strides[0] // out.itemsize), _i32(center), _i32(heads))
     kernel("rmsnorm", cp.cuda.Device().id)(
-        (n,), (256,), (out, x, w, _i32(dim), _f32(eps), _i32(add_one), _i32(accumulate), _i32(half), *tail)
+        (n * heads,), (256,),
+        (out, x, w, _i32(dim // heads), _f32(eps), _i32(add_one), _i32(accumulate), _i32(half), *tail),
     )
 
 

@@ -256,7 +256,7 @@ CUPY_MODULES = (
 
 def test_layer_kinds_without_cuda_kernels_stay_on_the_cpu(fake, tmp_path):
     """A residual multiplier with branch-output norms, Mamba-2,
-    Gemma 4, DeepSeek's latent attention and Command R+'s per-head LayerNorms of q and k have no CUDA path:
+    Gemma 3n/4 and DeepSeek's latent attention have no CUDA path:
     a typed error, which placement turns into the CPU fallback."""
     model = _model(tmp_path, "llama")
     model.cfg.residual_multiplier = 0.5
@@ -268,7 +268,7 @@ def test_layer_kinds_without_cuda_kernels_stay_on_the_cpu(fake, tmp_path):
     tiny = Path(__file__).resolve().parents[2] / "fixtures" / "tiny"
     for family, message in (("granite4-h", "Mamba-2"), ("gemma4", "not Gemma4Model"),
                             ("gemma3n", "not Gemma3nModel"), ("nemotron_h", "not NemotronHModel"),
-                            ("deepseek_v3", "latent attention"), ("cohere", "Command R\\+")):
+                            ("deepseek_v3", "latent attention")):
         with pytest.raises(fake.decoder.UnsupportedCudaModelError, match=message):
             fake.decoder.CudaDecoder(load_model(tiny / family).model, n_ctx=64)
 

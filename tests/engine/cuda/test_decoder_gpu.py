@@ -399,13 +399,13 @@ def test_moe_models_match_the_cpu(gpu, tmp_path, arch, shared):
 
 @pytest.mark.parametrize(
     "family", ["gpt-oss", "gemma2", "mistral-swa", "exaone4", "glm4", "granite", "smollm3", "olmo2", "olmo3",
-               "ministral3", "phi3-longrope", "cohere2", "lfm2", "qwen3_5"]
+               "ministral3", "phi3-longrope", "cohere", "cohere2", "lfm2", "qwen3_5"]
 )
 def test_model_families_match_the_cpu(gpu, family):
     """The tiny checkpoints of gpt-oss (sinks, windows, biases, MXFP4 experts with the clamped SwiGLU),
     Gemma 2 (soft-capping), Mistral v0.1 (a window on every layer), EXAONE 4, GLM-4 and OLMo 2/3 (norms of
     the branch outputs, layers without RoPE, whole-projection q/k norms, per-layer RoPE), Granite (its
-    multipliers), SmolLM3 (NoPE layers), Ministral 3, Phi-4-mini's LongRoPE, Command R7B, LFM2 (short
+    multipliers), SmolLM3 (NoPE layers), Ministral 3, Phi-4-mini's LongRoPE, Command R+ and R7B, LFM2 (short
     convolutions) and Qwen3.5 (DeltaNet layers, gated attention): prefill, graph
     and plain decode steps and 16 greedy tokens as on the CPU (test_families_cuda.py checks the same on CPU
     threads)."""

@@ -74,6 +74,8 @@ FAMILIES = {
     "qwen3_5": (lambda dec: dec.delta is not None and dec.gated and (dec.n_rec, dec.n_attn) == (3, 1),
                 "DeltaNet layers and gated attention (Qwen3.5)"),
     "lfm2": (lambda dec: (dec.n_conv, dec.n_attn) == (3, 1), "short-convolution layers (LFM2)"),
+    "cohere": (lambda dec: dec.parallel and dec.layers[0]["qk_heads"] is not None,
+               "Cohere's parallel blocks"),
     "cohere2": (lambda dec: dec.parallel and _windows(dec) == [4, 4, 4, 0] and _rotated(dec) == WINDOWED_ROPE,
                 "Cohere's parallel blocks"),
 }
@@ -88,7 +90,9 @@ def _windows(dec) -> list[int]:
 
 
 @pytest.mark.parametrize(
-    "family", ["gemma2", "exaone4", "granite", "olmo3", "ministral3", "cohere2", "qwen3_5", "lfm2"] + [  # CI
+    "family", [  # CI
+        "gemma2", "exaone4", "granite", "olmo3", "ministral3", "cohere2", "qwen3_5", "lfm2", "cohere"
+    ] + [
         pytest.param(f, marks=pytest.mark.skipif(not FULL_SIMT, reason="set HEARTH_CUDA_SIMT=1"))
         for f in ("mistral-swa", "glm4", "smollm3", "olmo2", "phi3-longrope")
     ],

@@ -95,10 +95,10 @@ def test_place_model_gpu_layers(fake, tmp_path):
 @pytest.mark.parametrize("gpu_layers", [None, 1])
 @pytest.mark.parametrize(
     "family, reason",
-    [("granite4-h", "Mamba-2"), ("deepseek_v3", "latent attention"), ("cohere", "Command R+")],
+    [("granite4-h", "Mamba-2"), ("deepseek_v3", "latent attention"), ("gemma3n", "Gemma3nModel")],
 )
 def test_a_model_without_cuda_kernels_stays_on_the_cpu_with_a_notice(fake, gpu_layers, family, reason):
-    """Granite 4.0-H, DeepSeek-V3 or Command R+ (no CUDA kernels yet) asked onto the GPU, wholly or in part,
+    """Granite 4.0-H, DeepSeek-V3 or Gemma 3n (no CUDA kernels yet) asked onto the GPU, wholly or in part,
     runs on the CPU; the notice says why (the app shows it as a load warning)."""
     from pathlib import Path
 

@@ -9,14 +9,18 @@
 // recs + i * XREC * rec_units(dim / 32) (ops.records_width; quantize_unit_normed), for the next
 // matvec's RMSNorm (its prologue 5). Rows lie ldx (x) and ldo (out) elements apart (dim: packed rows; more:
 // a part of each row, e.g. the queries of q|k|v rows for OLMo 2's norm over the whole projection).
-// center: a LayerNorm without bias instead (Cohere): (x - mean(x)) / sqrt(var(x) + eps) * w.
+// center: a LayerNorm without bias instead (Cohere): (x - mean(x)) / sqrt(var(x) + eps) * w. heads: each
+// row holds that many vectors of dim one after another, normed apart (block b: vector b % heads of row
+// b / heads), w holding a row of weights for each (Command R+'s per-head q and k LayerNorms); 1 elsewhere.
 extern "C" __global__ void rmsnorm(void* __restrict__ out, const float* x, const float* __restrict__ w, int dim,
                                    float eps, int add_one, int accumulate, int half_out,
                                    const float* __restrict__ enw, uint* __restrict__ recs, long long ldx,
-                                   long long ldo, int center) {
+                                   long long ldo, int center, int heads) {
     __shared__ float red[32];
-    const float* xr = x + (long long)blockIdx.x * ldx;
-    long long o = (long long)blockIdx.x * ldo;
+    int row = blockIdx.x / heads, head = blockIdx.x % heads;
+    const float* xr = x + (long long)row * ldx + (long long)head * dim;
+    long long o = (long long)row * ldo + (long long)head * dim;
+    w += (long long)head * dim;
     float mean = 0.f;
     if (center) {
         for (int j = threadIdx.x; j < dim; j += blockDim.x) mean += xr[j];
@@ -27,7 +31,7 @@ extern "C" __global__ void rmsnorm(void* __restrict__ out, const float* x, const
     ss = block_sum(ss, red);
     float inv = rsqrtf(ss / (float)dim + eps);
     XIn rec;
-    rec.q = recs == nullptr ? nullptr : recs + (long long)blockIdx.x * XREC * rec_units(dim >> 5);
+    rec.q = recs == nullptr ? nullptr : recs + (long long)row * XREC * rec_units(dim >> 5);
     for (int j = threadIdx.x; j < dim; j += blockDim.x) {  // warp-uniform trips when dim % 32 == 0
         float g = add_one ? 1.f + w[j] : w[j];
         float v = (xr[j] - mean) * inv * g;
