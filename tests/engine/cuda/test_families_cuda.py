@@ -8,8 +8,9 @@ full ones without), GLM-4 (input and output norms, partial RoPE), Granite (embed
 multipliers), SmolLM3 (every fourth layer without RoPE), OLMo 2 (q/k norms over the whole projections,
 output norms only), OLMo 3 (OLMo 2 with windowed layers on plain RoPE, the full ones on YaRN), Ministral 3
 (queries sharpened past its original context), Phi-4-mini's LongRoPE (a partly rotated head whose
-rotated dims take the attention factor) and Command R7B / Command A (attention and the FFN side by side
-from one LayerNorm, scaled logits, windowed layers that alone rotate).
+rotated dims take the attention factor), Command R7B / Command A (attention and the FFN side by side
+from one LayerNorm, scaled logits, windowed layers that alone rotate), Command R+ (LayerNorms of each q and k
+head), Qwen3.5 / Qwen3-Next (DeltaNet layers) and LFM2 / LFM2-MoE (short convolutions).
 """
 # ruff: noqa: F811 - the stand-in CuPy fixtures are imported from test_decoder_dry
 
