@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 
 import numpy as np
@@ -102,6 +103,30 @@ class KVCache:
         if n:
             self._truncate(self.offset - n)
         return n
+
+    @contextlib.contextmanager
+    def forward_pass(self, tokens):
+        """Around a model's pass over `tokens` into this cache (at offset..): the cache advances past them
+        when it ends; should it fail part way, `rewind` makes the cache whole and nothing is advanced."""
+        try:
+            self._begin_pass(len(tokens))
+            yield
+        except BaseException:
+            self.rewind()
+            raise
+        self.advance(tokens)
+        self._finish_pass(len(tokens))
+
+    def _begin_pass(self, n: int) -> None:
+        """Before a pass of n tokens (forward_pass)."""
+
+    def _finish_pass(self, n: int) -> None:
+        """After a pass of n tokens and its advance (forward_pass)."""
+
+    def rewind(self) -> int:
+        """After a pass that failed part way: the cache whole again at or before its offset. Keys and values
+        past the offset are written again by the next pass, so nothing is dropped here; returns 0."""
+        return 0
 
     def _truncate(self, n: int) -> None:
         """Keep the first n tokens of the history (and the track's state for them)."""
@@ -289,14 +314,34 @@ class RecurrentKVCache(KVCache):
         self._snapshots[pos] = (state, conv)
         self._pass_end = self.offset
 
+    def _begin_pass(self, n: int) -> None:
+        if n > 1:
+            self.start_pass(n)
+
+    def _finish_pass(self, n: int) -> None:
+        if n > 1:
+            self.end_pass()
+
     def trim(self, n: int) -> int:
         """Forget at least the last n positions: back to the latest snapshot at or before offset - n.
         Returns how many were dropped."""
         n = max(0, min(n, self.offset))
-        if not n:
-            return 0
+        return self._back_to(self.offset - n) if n else 0
+
+    def rewind(self) -> int:
+        """After a pass that failed part way (its recurrent layers may have moved the states on, not the
+        offset): back to the latest snapshot at or before the offset, as trim goes back. Returns how many
+        positions were dropped."""
+        if self._keep is not None:
+            self._spare.append(self._keep[1:])
+            self._keep = None
+        return self._back_to(self.offset)
+
+    def _back_to(self, limit: int) -> int:
+        """The states of the latest snapshot at or before position limit (zeros: none), what follows it
+        dropped; returns how many positions were."""
         end = self.offset
-        pos = max((p for p in self._snapshots if p <= end - n), default=0)
+        pos = max((p for p in self._snapshots if p <= limit), default=0)
         if pos:
             state, conv = self._snapshots[pos]
             self.recurrent[:] = state

@@ -194,6 +194,15 @@ class LlamaConfig:
     def n_recurrent_layers(self) -> int:
         return sum(map(self.is_recurrent, range(self.num_hidden_layers)))
 
+    @property
+    def recurrent_shapes(self) -> tuple[tuple[int, ...], tuple[int, int]]:
+        """A recurrent layer's state shape (DeltaNet: per value head (head_k, head_v); Mamba-2: per head
+        (head_dim, state_size)) and its convolution's kept inputs (taps - 1, conv_dim), as
+        RecurrentKVCache holds them."""
+        shape = self.delta or self.mamba
+        state = (shape.v_heads, shape.head_k, shape.head_v) if self.delta else shape.state_dims
+        return state, (shape.taps - 1, shape.conv_dim)
+
     def cache_slot(self, layer: int, first: int = 0) -> int:
         """Layer `layer`'s index in a cache of the layers from `first` on: its place among them in the
         layers of its kind (attention, convolution or recurrent), as the cache numbers them."""
@@ -620,10 +629,8 @@ class LlamaModel(Decoder):
         n_conv, n_rec = cfg.n_conv_layers, cfg.n_recurrent_layers
         n_attn, kv_heads, d = cfg.num_hidden_layers - n_conv - n_rec, cfg.num_key_value_heads, cfg.hidden_size
         if n_rec:
-            shape = cfg.delta or cfg.mamba
-            state = (shape.v_heads, shape.head_k, shape.head_v) if cfg.delta else cfg.mamba.state_dims
-            conv = (shape.taps - 1, shape.conv_dim)
-            return RecurrentKVCache(n_attn, kv_heads, cfg.head_dim, n_ctx, dtype, n_rec, state, conv)
+            shapes = cfg.recurrent_shapes
+            return RecurrentKVCache(n_attn, kv_heads, cfg.head_dim, n_ctx, dtype, n_rec, *shapes)
         if not n_conv:
             return super().new_cache(n_ctx, dtype)
         return ShortConvKVCache(n_attn, kv_heads, cfg.head_dim, n_ctx, dtype, n_conv, d)
@@ -692,13 +699,9 @@ class LlamaModel(Decoder):
         def delta_mix(i, *projections):
             return cache.mix(cfg.cache_slot(i, first), partial(self._recurrent_mix, i), projections)
 
-        snapshots = n > 1 and not cache.partial_states
-        if snapshots:  # recurrent states to return to (RecurrentKVCache.trim): a pass's start and its end - 1
-            cache.start_pass(n)
-        self._layers(s, tokens, attend, first, hidden, self.rope_freqs(cache.n_ctx), conv_mix, delta_mix)
-        cache.advance(tokens)
-        if snapshots:
-            cache.end_pass()
+        # a recurrent cache keeps states to return to (RecurrentKVCache.trim): a pass's start and its end - 1
+        with cache.forward_pass(tokens):
+            self._layers(s, tokens, attend, first, hidden, self.rope_freqs(cache.n_ctx), conv_mix, delta_mix)
         return s
 
     def _mrope_axes(self, s: Scratch, cache: KVCache, tokens: np.ndarray) -> np.ndarray | None:

@@ -156,12 +156,9 @@ class NemotronHModel(Decoder):
         if first or hidden is not None:
             raise ValueError("Nemotron-H runs whole: its layers cannot start from another device's state")
         n = len(tokens)
-        if n > 1:  # recurrent states to return to (RecurrentKVCache.trim): a pass's start and its end - 1
-            cache.start_pass(n)
-        x = self._layers(tokens, [cache], [cache.offset])
-        cache.advance(tokens)
-        if n > 1:
-            cache.end_pass()
+        # recurrent states to return to (RecurrentKVCache.trim): a pass's start and its end - 1
+        with cache.forward_pass(tokens):
+            x = self._layers(tokens, [cache], [cache.offset])
         if all_logits:
             return self._output(x, np.empty((n, self.cfg.vocab_size), np.float32))
         return self._output(x[n - 1 :], self._logits)

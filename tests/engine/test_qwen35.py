@@ -73,6 +73,31 @@ def test_trim_steps_back_to_a_snapshot_and_recomputes(lm):
     np.testing.assert_allclose(m.forward(TOKENS[:4], cache, all_logits=True), REF[:4], atol=TOL)
 
 
+@pytest.mark.parametrize("n", [1, 4])
+def test_a_pass_that_fails_part_way_leaves_the_cache_whole(lm, monkeypatch, n):
+    """A pass (a decode step, a prompt chunk) that fails after its first DeltaNet layer moved that layer's
+    state on (out of memory, an interrupt) is not advanced, and the cache goes back to its latest snapshot:
+    continuing from its offset gives the exact logits, not ones from a half-updated state."""
+    m = lm.model
+    cache = m.new_cache(32)
+    m.forward(TOKENS[:6], cache)  # snapshots at 0 and 5
+    m.forward(TOKENS[6:8], cache)  # continues it: snapshot at 7
+    real, calls = type(m)._recurrent_mix, []
+
+    def failing(self, i, *args):
+        calls.append(i)
+        if len(calls) == 2:
+            raise MemoryError("out of memory in layer 1")
+        return real(self, i, *args)
+
+    monkeypatch.setattr(type(m), "_recurrent_mix", failing)
+    with pytest.raises(MemoryError):
+        m.forward(TOKENS[8 : 8 + n], cache)
+    monkeypatch.undo()
+    assert cache.offset == 7 and cache.tokens == TOKENS[:7] and sorted(cache._snapshots) == [5, 7]
+    np.testing.assert_allclose(m.forward(TOKENS[7 : 8 + n], cache, all_logits=True), REF[7 : 8 + n], atol=TOL)
+
+
 def test_chat_turns_reuse_and_regenerate_match_a_fresh_cache(lm):
     m, tok = lm.model, lm.tokenizer
     params = GenerationParams(max_tokens=6, temperature=0.0)

@@ -45,6 +45,7 @@ from engine.arch.base import check_batch
 from engine.arch.deltanet import split_ba, split_qkvz
 from engine.arch.gemma3 import Gemma3Model
 from engine.arch.llama import LlamaModel
+from engine.arch.mamba2 import MambaShape
 from engine.backends.cuda import fused, ops
 from engine.backends.cuda.device import CudaMemoryExhaustedError, CudaOutOfMemoryError
 from engine.kv_cache import KVCache, RecurrentKVCache, ShortConvKVCache
@@ -116,9 +117,9 @@ class CudaRecurrentKVCache(RecurrentKVCache, CudaKVCache):
         with self.stream:
             self._init_states(n_rec, state_shape, conv_shape)
 
-    def trim(self, n: int) -> int:
+    def _back_to(self, limit: int) -> int:
         with self.stream:
-            return super().trim(n)
+            return super()._back_to(limit)
 
 
 class CudaShortConvKVCache(ShortConvKVCache, CudaKVCache):
@@ -165,8 +166,9 @@ def _weights_of(model, n_layers: int | None = None) -> list:
     layers = [getattr(layer, a) for layer in model.layers[:n] for a in LAYER_WEIGHTS]
     moes = [getattr(layer, "moe", None) for layer in model.layers[:n]]
     experts = [w for moe in moes if moe is not None for w in _moe_weights(moe)]
-    mixers = [getattr(layer, kind, None) for layer in model.layers[:n] for kind in ("delta", "conv")]
-    mixed = [w for mixer in mixers if mixer is not None for w in mixer.weights()]  # DeltaNet's, LFM2's
+    kinds = ("delta", "conv", "mamba")
+    mixers = [getattr(layer, kind, None) for layer in model.layers[:n] for kind in kinds]
+    mixed = [w for mixer in mixers if mixer is not None for w in mixer.weights()]  # their mixers'
     for w in heads + layers + experts + mixed:
         if w is not None and id(w) not in seen:
             seen.add(id(w))
@@ -231,9 +233,16 @@ def _moe_refusal(model) -> str | None:
     return None
 
 
-def _delta_refusal(model, n_layers: int | None) -> str | None:
-    """Why the CUDA kernels cannot run this model's DeltaNet layers (None: they can, or there are none)."""
+def _recurrent_refusal(model) -> str | None:
+    """Why the CUDA kernels cannot run this model's DeltaNet or Mamba-2 layers (None: they can, or there are
+    none)."""
     deltas = [layer.delta for layer in model.layers if getattr(layer, "delta", None) is not None]
+    mambas = any(getattr(layer, "mamba", None) is not None for layer in model.layers)
+    if mambas:
+        m = model.cfg.mamba
+        if m.taps > ops.DELTA_MAX_TAPS or m.state_size > ops.SSM_MAX_STATE or m.heads % m.groups:
+            return (f"Mamba-2 layers of {m.taps} taps, states of {m.state_size} and {m.heads} heads in "
+                    f"{m.groups} groups have no CUDA kernels")
     if not deltas:
         return None
     shape = model.cfg.delta
@@ -243,8 +252,6 @@ def _delta_refusal(model, n_layers: int | None) -> str | None:
     if shape.taps > ops.DELTA_MAX_TAPS or max(shape.head_k, shape.head_v) > ops.DELTA_MAX_HEAD:
         heads = f"{shape.head_k}/{shape.head_v}"
         return f"DeltaNet layers of {shape.taps} taps and heads {heads} have no CUDA kernels"
-    if n_layers is not None and n_layers < len(model.layers):
-        return "partial offload (--gpu-layers) of models with DeltaNet layers is not supported yet"
     if any(getattr(layer, b, None) is not None for layer in model.layers for b in ("bq", "bk", "bv")) and (
         model.cfg.attn_output_gate
     ):
@@ -263,8 +270,8 @@ def estimate_vram(
     n = cfg.num_hidden_layers if n_layers is None else min(n_layers, cfg.num_hidden_layers)
     weights = sum(w.nbytes for w in _weights_of(model, n))
     norms = 4 * cfg.hidden_size * (4 * n + 1)
-    n_rec = sum(getattr(layer, "delta", None) is not None for layer in model.layers[:n])
-    shape = getattr(cfg, "delta", None) if n_rec else None
+    n_rec = sum(_recurrent(layer) for layer in model.layers[:n])
+    shape = (getattr(cfg, "delta", None) or getattr(cfg, "mamba", None)) if n_rec else None
     states = 4 * (1 + RecurrentKVCache.MAX_SNAPSHOTS) * n_rec * shape.state_floats if shape else 0
     n_conv = sum(getattr(layer, "conv", None) is not None for layer in model.layers[:n])
     size = np.dtype(kv_dtype).itemsize
@@ -272,7 +279,7 @@ def estimate_vram(
     kv += n_conv * n_ctx * cfg.hidden_size * size  # LFM2: every position's convolution input
     ff = ffn_width(model)
     q_rows = 2 * cfg.q_dim if getattr(cfg, "attn_output_gate", False) else cfg.q_dim  # Qwen3.5: + its gates
-    extra = q_rows - cfg.q_dim + _delta_row_floats(shape) + (4 * cfg.hidden_size if n_conv else 0)
+    extra = q_rows - cfg.q_dim + _recurrent_row_floats(shape) + (4 * cfg.hidden_size if n_conv else 0)
     acts = 4 * prefill_tokens * (3 * cfg.hidden_size + 2 * cfg.q_dim + 2 * cfg.kv_dim + 3 * ff + extra)
     moe = moe_dims(model)
     if moe is not None:  # router logits, routing, the experts' outputs by slot, the shared expert's rows
@@ -294,11 +301,19 @@ def estimate_vram(
     return int(weights + norms + kv + states + acts + attn_parts + tile + steps + graphs + MARGIN_BYTES)
 
 
-def _delta_row_floats(shape) -> int:
-    """float32 values a token's DeltaNet rows take (a deltanet.DeltaShape; None: 0): its q|k|v|z projection,
-    b and a, the convolution's output and the rule's."""
+def _recurrent(layer) -> bool:
+    """Whether a layer keeps a recurrent state (Qwen3.5's DeltaNet, Granite 4.0-H's Mamba-2)."""
+    return getattr(layer, "delta", None) is not None or getattr(layer, "mamba", None) is not None
+
+
+def _recurrent_row_floats(shape) -> int:
+    """float32 values a token's recurrent rows take (None: 0). A deltanet.DeltaShape: its q|k|v|z
+    projection, b and a, the convolution's output and the rule's; a mamba2.MambaShape: in_proj's
+    z|x|B|C|dt, the convolution's output and the scan's."""
     if shape is None:
         return 0
+    if isinstance(shape, MambaShape):
+        return shape.in_rows + shape.conv_dim + shape.d_inner
     return 2 * shape.conv_dim + 2 * shape.value_dim + 2 * shape.v_heads
 
 
@@ -335,11 +350,11 @@ class _Step:
     graphs (by greedy flag), for one list of caches; held by weak references, checked by `holds`."""
 
     def __init__(self, cfg, caches: list, head_only: bool, ff: int | None = None, moe: tuple | None = None,
-                 delta=None, q_rows: int | None = None, conv: bool = False):
+                 delta=None, q_rows: int | None = None, conv: bool = False, mamba=None):
         """ff: the widest dense FFN (ffn_width; None: cfg.intermediate_size); moe: moe_dims (None: no
         experts), for the MoE rows below; delta: the DeltaNet layers' deltanet.DeltaShape (None: none);
         q_rows: the q projection's rows (Qwen3.5's gated attention: 2 q_dim; None: q_dim); conv: LFM2's
-        convolution layers' rows too."""
+        convolution layers' rows too; mamba: the Mamba-2 layers' mamba2.MambaShape (None: none)."""
         f32 = cp.float32
         B = len(caches)
         d, q, kv = cfg.hidden_size, cfg.q_dim, cfg.kv_dim
@@ -357,6 +372,10 @@ class _Step:
         if conv:  # LFM2's rows: in_proj's [B | C | x], the gated convolution's output
             self.bcx = cp.empty((B, 3 * d), f32)
             self.cout = cp.empty((B, d), f32)
+        if mamba is not None:  # Mamba-2's rows: in_proj's z|x|B|C|dt, the convolution's, the scan's output
+            self.mproj = cp.empty((B, mamba.in_rows), f32)
+            self.mconv = cp.empty((B, mamba.conv_dim), f32)
+            self.mout = cp.empty((B, mamba.d_inner), f32)
         self.attn = cp.empty((B, q), f32)
         self.gu = cp.empty((B, 2 * ff), f32)
         self.logits = None if head_only else cp.empty((B, cfg.vocab_size), f32)
@@ -398,12 +417,12 @@ class _Step:
 
     @staticmethod
     def row_bytes(cfg, head_only: bool, ff: int | None = None, moe: tuple | None = None, delta=None,
-                  q_rows: int | None = None, conv: bool = False) -> int:
+                  q_rows: int | None = None, conv: bool = False, mamba=None) -> int:
         """Bytes of one sequence's rows of the buffers above (the attention partials aside)."""
         d, q, kv = cfg.hidden_size, cfg.q_dim, cfg.kv_dim
         ff = cfg.intermediate_size if ff is None else ff
         floats = 3 * d + q + (q_rows or q) + 2 * kv + 2 * ff + (0 if head_only else cfg.vocab_size)
-        floats += _delta_row_floats(delta) + (4 * d if conv else 0)
+        floats += _recurrent_row_floats(delta) + _recurrent_row_floats(mamba) + (4 * d if conv else 0)
         words = ops.records_width(d) + ops.records_width(ff) + ops.records_width(q) + 2  # + ids, pos
         return 4 * (floats + words) + _Step.moe_row_bytes(d, moe)
 
@@ -546,16 +565,19 @@ class CudaDecoder:
         self.moe = moe_dims(model)  # (experts, k, expert ff, shared ff), or None: no experts
         self.ff = ffn_width(model)
         layers = [] if self.gemma else model.layers
-        if any(lay.mamba is not None for lay in layers):
-            raise UnsupportedCudaModelError(
-                "Mamba-2 layers (Granite 4.0-H, Nemotron-H) have no CUDA kernels yet; use --device cpu"
-            )
-        refusal = _delta_refusal(model, n_layers)
+        refusal = _recurrent_refusal(model)
         if refusal is not None:
             raise UnsupportedCudaModelError(f"{refusal}; use --device cpu")
-        deltas = [lay.delta for lay in layers if lay.delta is not None]
-        self.delta = cfg.delta if deltas else None  # the DeltaNet layers' shape (Qwen3.5, Qwen3-Next)
-        self.n_rec = len(deltas)
+        # the recurrent layers among those on the GPU: DeltaNet's (Qwen3.5, Qwen3-Next), Mamba-2's (Granite
+        # 4.0-H), and their shapes (None: none there)
+        deltas = [lay.delta for lay in layers[:n_layers] if lay.delta is not None]
+        self.delta = cfg.delta if deltas else None
+        mambas = [lay.mamba for lay in layers[:n_layers] if lay.mamba is not None]
+        self.mamba = cfg.mamba if mambas else None
+        self.n_rec = len(deltas) + len(mambas)
+        # caches keep recurrent states (CudaRecurrentKVCache) where the model has such layers, also on a
+        # partial offload's GPU side without one (HybridKVCache trims both sides to the same snapshots)
+        self.rec_cache = not self.gemma and cfg.n_recurrent_layers > 0
         # LFM2's convolution layers among those on the GPU (each keeps its inputs in the cache)
         self.n_conv = sum(lay.conv is not None for lay in layers[:n_layers])
         # caches keep convolution inputs (CudaShortConvKVCache) where the model has such layers, also on
@@ -575,10 +597,10 @@ class CudaDecoder:
                 "a residual multiplier with norms of the branch outputs has no CUDA kernels; use --device cpu"
             )
         if any(layer.moe is not None and (layer.ffn_norm is None or layer.post_ffn_norm is not None)
-               for layer in layers) or (getattr(cfg, "num_experts", 0) and cfg.residual_multiplier != 1.0):
+               for layer in layers):
             raise UnsupportedCudaModelError(
-                "mixture-of-experts layers without an FFN norm, with an output norm or a residual multiplier "
-                "(Granite MoE) have no CUDA kernels yet; use --device cpu"
+                "mixture-of-experts layers without an FFN norm or with an output norm have no CUDA kernels "
+                "yet; use --device cpu"
             )
         if cfg.head_dim % 8 or cfg.head_dim > 512:  # attn_decode reads cache rows in 16-byte pieces
             raise UnsupportedCudaModelError(
@@ -633,9 +655,9 @@ class CudaDecoder:
         self._batches: collections.OrderedDict = collections.OrderedDict()
         # prefills at position 0, captured per cache and padded prompt length (_prefill_replay); a cache's
         # first prefill runs launch by launch (and loads the kernels and sets cuBLAS up, outside a capture)
-        # (not for MoE models: their prefill reads the routing on the host; nor DeltaNet ones: theirs keeps
-        # snapshots of the states, which the host arranges)
-        self.prefill_graphs = prefill_graphs_enabled() and self.moe is None and self.delta is None
+        # (not for MoE models: their prefill reads the routing on the host; nor recurrent ones (DeltaNet,
+        # Mamba-2): theirs keeps snapshots of the states, which the host arranges)
+        self.prefill_graphs = prefill_graphs_enabled() and self.moe is None and not self.n_rec
         self._prefill_graphs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self.prefill_graph_error: str | None = None  # why captured prefills were given up, if they were
         # a decode step's matvecs and attention as programmatic dependent launches (ops.dependent_launches)
@@ -719,6 +741,7 @@ class CudaDecoder:
                 "slot": i if self.gemma else cfg.cache_slot(i),
                 "delta": self._upload_delta(layer.delta, up, vec) if getattr(layer, "delta", None) else None,
                 "conv": self._upload_conv(layer.conv, up, vec) if getattr(layer, "conv", None) else None,
+                "mamba": self._upload_mamba(layer.mamba, up, vec) if getattr(layer, "mamba", None) else None,
             }
             # the q|k|v biases as one vector over the stacked projection (zeros where one is missing)
             biases = [getattr(layer, b, None) for b in ("bq", "bk", "bv")]
@@ -756,8 +779,8 @@ class CudaDecoder:
         layer_bytes = sum(g[k].nbytes for g in self.layers for k in LAYER_WEIGHTS if g[k] is not None)
         deltas = [g["delta"] for g in self.layers if g["delta"] is not None]
         layer_bytes += sum(w.nbytes for D in deltas for w in [*D["proj"], *D["ba"], D["out"]])
-        convs = [g["conv"] for g in self.layers if g["conv"] is not None]
-        layer_bytes += sum(C[k].nbytes for C in convs for k in ("in", "out"))
+        mixers = [g[kind] for g in self.layers for kind in ("conv", "mamba") if g[kind] is not None]
+        layer_bytes += sum(X[k].nbytes for X in mixers for k in ("in", "out"))  # LFM2's, Mamba-2's
         # a MoE layer reads its router, the k chosen experts and the shared expert
         for g in self.layers:
             m = g["moe"]
@@ -805,6 +828,21 @@ class CudaDecoder:
             "conv": vec(net.conv),
             "dt_bias": vec(net.dt_bias),
             "neg_a": vec(net.neg_a),
+            "norm": vec(net.norm),
+            "out": up(net.out_proj),
+        }
+
+    @staticmethod
+    def _upload_mamba(net, up, vec) -> dict:
+        """A Mamba-2 layer on the GPU: in_proj (z | x|B|C | dt rows), the convolution's weights (channels,
+        taps) and bias, dt_bias, -exp(A_log), the skip D, the grouped norm's weight and out_proj."""
+        return {
+            "in": up(net.in_proj),
+            "conv": vec(net.conv),
+            "conv_bias": vec(net.conv_bias),
+            "dt_bias": vec(net.dt_bias),
+            "neg_a": vec(net.neg_a),
+            "d": vec(net.d),
             "norm": vec(net.norm),
             "out": up(net.out_proj),
         }
@@ -861,12 +899,10 @@ class CudaDecoder:
             if self.conv_cache:
                 return CudaShortConvKVCache(self.n_attn, kv_heads, hd, n_ctx, dtype, self.stream, self.n_conv,
                                             cfg.hidden_size)
-            if self.delta is None:
+            if not self.rec_cache:
                 return CudaKVCache(self.n_layers, kv_heads, hd, n_ctx, dtype, self.stream)
-            shape = self.delta
-            state, conv = (shape.v_heads, shape.head_k, shape.head_v), (shape.taps - 1, shape.conv_dim)
             return CudaRecurrentKVCache(self.n_attn, kv_heads, hd, n_ctx, dtype, self.stream, self.n_rec,
-                                        state, conv)
+                                        *cfg.recurrent_shapes)
 
     def cache_bytes(self, n_ctx: int, dtype=np.float16) -> int:
         """GPU bytes one more sequence of n_ctx positions takes: its KV cache (this decoder's layers), and
@@ -874,8 +910,9 @@ class CudaDecoder:
         records, attention partials, its entry in the batch's tables)."""
         cfg = self.cfg
         kv = 2 * self.n_attn * cfg.num_key_value_heads * n_ctx * cfg.head_dim * np.dtype(dtype).itemsize
-        if self.delta is not None:  # the recurrent states and their snapshots
-            kv += 4 * (1 + RecurrentKVCache.MAX_SNAPSHOTS) * self.n_rec * self.delta.state_floats
+        if self.n_rec:  # the recurrent states and their snapshots
+            floats = (self.delta or self.mamba).state_floats
+            kv += 4 * (1 + RecurrentKVCache.MAX_SNAPSHOTS) * self.n_rec * floats
         kv += self.n_conv * n_ctx * cfg.hidden_size * np.dtype(dtype).itemsize  # LFM2's convolution inputs
         splits = ops.attention_splits(n_ctx)[1]
         partials = 4 * cfg.num_attention_heads * splits * (cfg.head_dim + 2)
@@ -908,19 +945,13 @@ class CudaDecoder:
         cache.check_room(len(tokens))
         what = "decoding" if len(tokens) == 1 else f"prefilling {len(tokens)} tokens"
         # a recurrent cache keeps the states of a pass's start and end - 1 (RecurrentKVCache.start_pass)
-        snapshots = len(tokens) > 1 and not cache.partial_states
-        with self._on_gpu(what):
+        with self._on_gpu(what), cache.forward_pass(tokens):
             if len(tokens) == 1 and (self.head_only or not all_logits):
                 out = self._decode(int(tokens[0]), cache, greedy=False)
                 out = cp.asnumpy(out, stream=self.stream).reshape(1, -1)
             else:
-                if snapshots:
-                    cache.start_pass(len(tokens))
                 out = cp.asnumpy(self._prefill(tokens, cache, all_logits), stream=self.stream)
             self.stream.synchronize()
-        cache.advance(tokens)
-        if snapshots:
-            cache.end_pass()
         return out
 
     def forward_batch(self, tokens, caches: list[CudaKVCache]) -> np.ndarray:
@@ -1127,8 +1158,8 @@ class CudaDecoder:
 
     @property
     def _step_shape(self) -> tuple:
-        """_Step's ff, moe, delta, q_rows and conv for this model."""
-        return self.ff, self.moe, self.delta, self.q_rows, self.n_conv > 0
+        """_Step's ff, moe, delta, q_rows, conv and mamba for this model."""
+        return self.ff, self.moe, self.delta, self.q_rows, self.n_conv > 0, self.mamba
 
     def _new_step(self, caches: list) -> _Step:
         return _Step(self.cfg, caches, self.head_only, *self._step_shape)
@@ -1225,7 +1256,7 @@ class CudaDecoder:
         glu_emit = functools.partial(ops.Emit, glu, None, s.act_rec, s.counts)
         norms = [L["attn_norm"] for L in self.layers[1:]] + [self.output_norm]
         for i, L in enumerate(self.layers):
-            p, D, C, j = plan[i], L["delta"], L["conv"], L["slot"]
+            p, D, C, M, j = plan[i], L["delta"], L["conv"], L["mamba"], L["slot"]
             qkv_in = layernorm(L["attn_norm"]) if self.parallel else normed(L["attn_norm"], p["qkv"])
             if D is not None:  # DeltaNet: each sequence through its own states (CudaRecurrentKVCache.mix)
                 mv(s.dproj, D["proj"], **qkv_in)
@@ -1241,11 +1272,17 @@ class CudaDecoder:
                     rows = slice(b, b + 1)
                     ops.short_conv(s.cout[rows], s.bcx[rows], c.conv[j, 0], C["kernel"], s.pos[rows])
                 branch(C["out"], dict(x=s.cout), L["post_attn_norm"], None, L["ffn_norm"], p["gu"])
+            elif M is not None:  # Mamba-2: each sequence through its own states (CudaRecurrentKVCache.mix)
+                mv(s.mproj, [M["in"]], **qkv_in)
+                for b, c in enumerate(caches):
+                    bufs = dict(out=s.mout[b : b + 1], conv=s.mconv[b : b + 1])
+                    c.mix(j, functools.partial(self._mamba_mix, M, **bufs), [s.mproj[b : b + 1]])
+                branch(M["out"], dict(x=s.mout), L["post_attn_norm"], None, L["ffn_norm"], p["gu"])
             else:
                 mv(s.qkv, [L["wq"], L["wk"], L["wv"]], **qkv_in)
             if self.parallel:  # the FFN's gate|up from the same input, before attention's output joins x
                 mv(s.gu, [L["w_gate"], L["w_up"]], **qkv_in, emit=glu_emit() if p["down"] else None)
-            if D is None and C is None:
+            if D is None and C is None and M is None:
                 self._attention_step(s, L, caches, p, branch)
             act = 3 if self.gemma else 2
             if L["moe"] is not None:  # the experts instead of the FFN (llama family), their sum added into x
@@ -1306,6 +1343,22 @@ class CudaDecoder:
         ops.delta_rule(out, conv, proj, C, ba, state, *weights, shape, eps)
         return out
 
+    def _mamba_mix(self, M: dict, rows, conv_state, state, out=None, conv=None):
+        """A Mamba-2 layer over one sequence's in_proj rows [z | x|B|C | dt (n, in_rows)] from and into its
+        conv_state and state (CudaRecurrentKVCache.mix's run): the convolution with its bias, the selective
+        scan gated by SiLU(z), then the RMSNorm of each group, into out (n, d_inner) (and conv, the
+        convolution's rows: a decode step's buffers; None: new arrays)."""
+        shape, eps = self.mamba, self.cfg.rms_norm_eps
+        (proj,) = rows
+        n, di = proj.shape[0], shape.d_inner
+        conv = cp.empty((n, shape.conv_dim), cp.float32) if conv is None else conv
+        out = cp.empty((n, di), cp.float32) if out is None else out
+        ops.delta_conv(conv, proj[:, di:], conv_state, M["conv"], M["conv_bias"])
+        weights = (M["dt_bias"], M["neg_a"], M["d"])
+        ops.ssm_scan(out, conv, proj, di + shape.conv_dim, state, *weights, shape)
+        ops.rmsnorm(out, out, M["norm"], eps, heads=shape.groups)
+        return out
+
     def _qk_rows(self, qkv, L: dict) -> None:
         """OLMo 2's q and k RMSNorms over the whole projections, or Command R+'s LayerNorms of each head, in
         place on the q|k|v rows (n, q + 2 kv)."""
@@ -1350,7 +1403,8 @@ class CudaDecoder:
             if m["shared_gate"] is not None:
                 mv(s.shared_gate, [m["shared_gate"]], **normed)
                 sg = s.shared_gate
-        ops.moe_combine(s.x, s.expert_y, s.expert_w, ys, sg, *self._down_bias(m, s.expert_ids))
+        ops.moe_combine(s.x, s.expert_y, s.expert_w, ys, sg, *self._down_bias(m, s.expert_ids),
+                        scale=self.residual)
 
     def _plain_experts(self, m: dict) -> bool:
         """Whether a MoE block's experts are plain SwiGLU ones (no gate/up biases)."""
@@ -1377,14 +1431,14 @@ class CudaDecoder:
 
     def _stacks(self) -> list[list[ops.GpuWeight]]:
         """The layers' stacked projections (PREFILL_STACKS: q|k|v, wo, gate|up, down; a DeltaNet layer's
-        q|k|v|z, b|a and out_proj, an LFM2 convolution layer's in_proj and out_proj instead of attention's),
-        layer by layer."""
+        q|k|v|z, b|a and out_proj, an LFM2 convolution layer's or a Mamba-2 layer's in_proj and out_proj
+        instead of attention's), layer by layer."""
         stacks = []
         for L in self.layers:
-            D, C = L["delta"], L["conv"]
+            D, C, M = L["delta"], L["conv"], L["mamba"]
             stacks += [[L[k] for k in names] for names in PREFILL_STACKS]
             stacks += [] if D is None else [D["proj"], D["ba"], [D["out"]]]
-            stacks += [] if C is None else [[C["in"]], [C["out"]]]
+            stacks += [[X["in"]], [X["out"]]] if (X := C or M) is not None else []
         return [ws for ws in stacks if ws[0] is not None]  # a MoE layer's FFN is its experts
 
     def _int_dot_all(self, ws) -> bool:
@@ -1413,17 +1467,18 @@ class CudaDecoder:
         plan, writer = [], False  # writer: the kernel adding into x last can write its records
         for L in self.layers:
             dense = L["moe"] is None  # a MoE layer's FFN (moe_combine adds into x last) takes and writes none
-            # a DeltaNet or convolution layer: its projections read what q|k|v would, out_proj writes as wo
-            D, C = L["delta"], L["conv"]
+            # a DeltaNet, convolution or Mamba-2 layer: its projections read what q|k|v would, out_proj
+            # writes as wo
+            D, X = L["delta"], L["conv"] or L["mamba"]
             inputs, out = [L["wq"], L["wk"], L["wv"]], L["wo"]
             if D is not None:
                 inputs, out = [*D["proj"], *D["ba"]], D["out"]
-            elif C is not None:
-                inputs, out = [C["in"]], C["out"]
+            elif X is not None:
+                inputs, out = [X["in"]], X["out"]
             wo, gu = qb(out), dense and qb(L["w_gate"], L["w_up"])
             plan.append({
                 "qkv": writer and takes_rms(L["attn_norm"]) and qb(*inputs),
-                "wo": D is None and C is None and wo and self.cfg.head_dim % 32 == 0,
+                "wo": D is None and X is None and wo and self.cfg.head_dim % 32 == 0,
                 "gu": gu and takes_rms(L["ffn_norm"]) and writes(L, "post_attn_norm", out, L["bo"]),
                 "down": gu and qb(L["w_down"]),
             })
@@ -1536,7 +1591,7 @@ class CudaDecoder:
             if m["shared_gate"] is not None:
                 sg = cp.empty((n, 1), f32)
                 self._linear(sg, [m["shared_gate"]], h_in)
-        ops.moe_combine(x, y.reshape(n, k, d), wts, ys, sg, *self._down_bias(m, ids))
+        ops.moe_combine(x, y.reshape(n, k, d), wts, ys, sg, *self._down_bias(m, ids), scale=self.residual)
 
     def _swiglu_prefill(self, h, gate, up, down, glu: dict | None = None):
         """down(silu(gate h) * up h), float32 (m, hidden), for the rows h (m, hidden) in the GEMMs' dtype;
@@ -1641,7 +1696,7 @@ class CudaDecoder:
             return y16
 
         for L in self.layers:
-            D, C, j = L["delta"], L["conv"], L["slot"]
+            D, C, M, j = L["delta"], L["conv"], L["mamba"], L["slot"]
             normed(L["attn_norm"])
             if D is not None:  # DeltaNet: the projections, then the cache's states (two runs: see mix)
                 shape = self.delta
@@ -1657,11 +1712,16 @@ class CudaDecoder:
                 y = cp.empty((n, d), f32)
                 ops.short_conv(y, bcx, cache.conv[j, 0], C["kernel"], pos)
                 branch(C["out"], gemm_in(y), L["post_attn_norm"], None)
+            elif M is not None:  # Mamba-2: in_proj, then the cache's states (two runs: see mix), out_proj
+                proj = cp.empty((n, self.mamba.in_rows), f32)
+                self._linear(proj, [M["in"]], h_in)
+                y = cache.mix(j, functools.partial(self._mamba_mix, M), [proj])
+                branch(M["out"], gemm_in(y), L["post_attn_norm"], None)
             else:
                 self._linear(qkv, [L["wq"], L["wk"], L["wv"]], h_in)
             if self.parallel:  # Cohere: the FFN's input too, taken before attention's output joins x
                 self._linear(gu, [L["w_gate"], L["w_up"]], h_in)
-            if D is None and C is None:
+            if D is None and C is None and M is None:
                 if L["bqkv"] is not None:
                     ops.add_inplace(qkv, L["bqkv"])
                 self._qk_rows(qkv, L)

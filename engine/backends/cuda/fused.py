@@ -64,6 +64,8 @@ def unsupported_reason(dec) -> str | None:
         return "short-convolution layers (LFM2)"
     if dec.delta is not None or dec.gated:
         return "DeltaNet layers and gated attention (Qwen3.5)"
+    if dec.mamba is not None:
+        return "Mamba-2 layers (Granite 4.0-H)"
     if any(L["sinks"] is not None or L["bo"] is not None for L in dec.layers):
         return "attention sinks or output biases (gpt-oss)"
     if dec.softcap:

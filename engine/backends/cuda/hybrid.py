@@ -11,18 +11,25 @@ from __future__ import annotations
 import numpy as np
 
 from engine.backends.cuda.decoder import CudaDecoder, CudaKVCache
-from engine.kv_cache import KVCache, ShortConvKVCache
+from engine.kv_cache import KVCache, RecurrentKVCache, ShortConvKVCache
 
 
 class HybridKVCache:
-    """A CudaKVCache for the GPU layers and a KVCache for the CPU layers, kept at the same tokens."""
+    """A CudaKVCache for the GPU layers and a KVCache for the CPU layers, kept at the same tokens.
 
-    partial_states = True  # as both halves' (KVCache.partial_states): every position can be read back
+    With recurrent layers (Qwen3.5's DeltaNet, Granite 4.0-H's Mamba-2) both halves are RecurrentKVCaches,
+    also a half without such a layer: each side's passes keep the same snapshots, so a trim takes both
+    back to the same one."""
 
     def __init__(self, gpu: CudaKVCache, cpu: KVCache):
         self.gpu, self.cpu = gpu, cpu
         self.n_ctx = cpu.n_ctx
         self.dtype = cpu.dtype
+
+    @property
+    def partial_states(self) -> bool:
+        """As both halves' (KVCache.partial_states): whether every position can be read back."""
+        return self.cpu.partial_states
 
     @property
     def offset(self) -> int:
@@ -49,8 +56,27 @@ class HybridKVCache:
         self.cpu.advance(tokens)
 
     def trim(self, n: int) -> int:
+        end = self.offset
         self.gpu.trim(n)
-        return self.cpu.trim(n)
+        self.cpu.trim(n)
+        self.realign()
+        return end - self.offset
+
+    def rewind(self) -> int:
+        """After a pass that failed part way: both halves whole again (KVCache.rewind), at one offset."""
+        end = self.offset
+        self.gpu.rewind()
+        self.cpu.rewind()
+        self.realign()
+        return end - self.offset
+
+    def realign(self) -> None:
+        """Both halves at the same offset again (after a pass that one side finished and the other did
+        not, or trims that went back to different snapshots): the one ahead is trimmed back to the other,
+        until they meet (a recurrent half may go back further, to a snapshot)."""
+        while self.gpu.offset != self.cpu.offset:
+            ahead, behind = sorted((self.gpu, self.cpu), key=lambda c: c.offset, reverse=True)
+            ahead.trim(ahead.offset - behind.offset)
 
     def common_prefix(self, tokens) -> int:
         return self.cpu.common_prefix(tokens)
@@ -117,9 +143,13 @@ class HybridDecoder:
         cfg = self.cfg
         n_cpu = cfg.num_hidden_layers - self.n_gpu_layers
         heads = (cfg.num_key_value_heads, cfg.head_dim, n_ctx, dtype)
+        on_cpu = range(self.n_gpu_layers, cfg.num_hidden_layers)
         if self.gpu.conv_cache:  # LFM2: the CPU layers' attention and convolution layers
-            n_conv = sum(map(cfg.is_conv, range(self.n_gpu_layers, cfg.num_hidden_layers)))
+            n_conv = sum(map(cfg.is_conv, on_cpu))
             cpu = ShortConvKVCache(n_cpu - n_conv, *heads, n_conv, cfg.hidden_size)
+        elif self.gpu.rec_cache:  # Qwen3.5, Granite 4.0-H: the CPU layers' attention and recurrent layers
+            n_rec = sum(map(cfg.is_recurrent, on_cpu))
+            cpu = RecurrentKVCache(n_cpu - n_rec, *heads, n_rec, *cfg.recurrent_shapes)
         else:
             cpu = KVCache(n_cpu, *heads)
         return HybridKVCache(self.gpu.new_cache(n_ctx, dtype), cpu)
@@ -132,7 +162,7 @@ class HybridDecoder:
         try:
             return self.cpu.forward_from(self.n_gpu_layers, hidden, tokens, cache.cpu, all_logits)
         except BaseException:
-            cache.gpu.trim(len(tokens))  # the two halves stay at the same tokens
+            cache.realign()  # the CPU half rewound itself (KVCache.forward_pass): the GPU's goes back too
             raise
 
     def forward_batch(self, tokens, caches: list[HybridKVCache]) -> np.ndarray:
@@ -142,6 +172,7 @@ class HybridDecoder:
         try:
             return self.cpu.forward_batch_from(self.n_gpu_layers, hidden, tokens, [c.cpu for c in caches])
         except BaseException:
-            for c in caches:
-                c.gpu.trim(1)
+            for c in caches:  # the CPU halves were not advanced; their states may have moved on
+                c.cpu.rewind()
+                c.realign()
             raise

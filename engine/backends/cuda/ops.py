@@ -1222,17 +1222,17 @@ def matvec_experts(out, experts: GpuExperts, which: str, x, ids, group: int, nor
     k(grid, (MATVEC_THREADS,), args, shared_mem=shared)
 
 
-def moe_combine(x, y, wts, ys=None, sg=None, down_bias=None, ids=None) -> None:
-    """x (n, d) += sum over j of wts[t, j] * y[t, j] for each token t (y (n, k, d), wts (n, k)), plus the
-    shared expert's ys (n, d) times sigmoid(sg[t]) (sg (n,); None: ungated); all float32 on the GPU.
+def moe_combine(x, y, wts, ys=None, sg=None, down_bias=None, ids=None, scale: float = 1.0) -> None:
+    """x (n, d) += scale (sum over j of wts[t, j] * y[t, j] for each token t (y (n, k, d), wts (n, k)), plus
+    the shared expert's ys (n, d) times sigmoid(sg[t]) (sg (n,); None: ungated)); all float32 on the GPU.
     down_bias (experts, d), with the chosen ids (n, k) int32: row ids[t, j] added to y[t, j] first
-    (gpt-oss's experts' down biases)."""
+    (gpt-oss's experts' down biases). scale: Granite's residual multiplier."""
     n, k, d = y.shape
     if (down_bias is None) != (ids is None):
         raise ValueError("moe_combine: down_bias and ids come together")
     grid = (-(-d // 256), max(1, min(n, GRID_Y_MAX)))
     args = (x, y, wts, NULL if ys is None else ys, NULL if sg is None else sg, _i32(k), _i32(d), np.int64(n),
-            NULL if down_bias is None else down_bias, NULL if ids is None else ids)
+            NULL if down_bias is None else down_bias, NULL if ids is None else ids, _f32(scale))
     kernel("moe_combine", cp.cuda.Device().id)(grid, (256,), args)
 
 
@@ -1254,20 +1254,24 @@ def short_conv(out, bcx, history, w, pos) -> None:
     kernel("short_conv", cp.cuda.Device().id)(grid, (256,), args)
 
 
-DELTA_MAX_TAPS, DELTA_MAX_HEAD = 9, 512  # recurrent.cu's limits
+DELTA_MAX_TAPS, DELTA_MAX_HEAD, SSM_MAX_STATE = 9, 512, 256  # recurrent.cu's limits
 
 
-def delta_conv(out, x, conv_state, w) -> None:
-    """out (n, C) = SiLU(causal depthwise convolution) of x (n, >= C) float32 (row-strided: the first C
-    columns of q|k|v|z rows) after the rows of conv_state (taps - 1, C), which then holds the last taps - 1
-    inputs; w (C, taps) float32 (Qwen3.5's DeltaNet convolution, deltanet.mix)."""
+def delta_conv(out, x, conv_state, w, bias=None) -> None:
+    """out (n, C) = SiLU(causal depthwise convolution (+ bias (C,))) of x (n, >= C) float32 (row-strided:
+    the first C columns of q|k|v|z rows, or a column slice of wider rows) after the rows of conv_state
+    (taps - 1, C), which then holds the last taps - 1 inputs; w (C, taps) float32 (Qwen3.5's DeltaNet
+    convolution, deltanet.mix; Mamba-2's with its bias, mamba2.mix)."""
     n, C = out.shape
     taps = w.shape[1]
     if not 1 <= taps <= DELTA_MAX_TAPS or conv_state.shape != (taps - 1, C) or w.shape[0] != C:
         raise ValueError(f"delta_conv: {C} channels of up to {DELTA_MAX_TAPS} taps, its state (taps - 1, C)")
     if x.shape[0] != n or x.shape[1] < C or x.strides[1] != 4:
         raise ValueError("delta_conv: x rows hold the C channels first")
-    args = (out, x, np.int64(x.strides[0] // 4), conv_state, w, _i32(C), _i32(taps), _i32(n))
+    if bias is not None and bias.shape != (C,):
+        raise ValueError("delta_conv: a bias per channel")
+    args = (out, x, np.int64(x.strides[0] // 4), conv_state, w, NULL if bias is None else bias, _i32(C),
+            _i32(taps), _i32(n))
     kernel("delta_conv", cp.cuda.Device().id)(*_grid1(C), args)
 
 
@@ -1286,3 +1290,26 @@ def delta_rule(out, conv, proj, zoff: int, ba, state, dt_bias, neg_a, norm, shap
     args = (out, conv, proj, np.int64(proj.strides[0] // 4), np.int64(zoff), ba, state, dt_bias, neg_a, norm,
             _i32(kh), _i32(vh), _i32(hk), _i32(hv), _i32(shape.tiled), _f32(eps), _i32(n))
     kernel("delta_rule", cp.cuda.Device().id)((vh,), (threads,), args)
+
+
+SSM_WARPS = 8  # ssm_scan's block: rows of a head's state, a warp each
+
+
+def ssm_scan(out, conv, proj, dt_off: int, state, dt_bias, neg_a, d, shape) -> None:
+    """out (n, d_inner) = Mamba-2's selective scan of delta_conv's rows conv (n, conv_dim) [x | B | C] from
+    and into one layer's state (heads, head_dim, state_size), plus d x, gated by SiLU(z): z the first
+    d_inner columns of proj's rows (n, .), dt the heads columns from dt_off; dt_bias, neg_a, d (heads,);
+    shape: the layer's mamba2.MambaShape (the grouped RMSNorm after it: rmsnorm with heads = groups)."""
+    n = out.shape[0]
+    heads, p, size = shape.state_dims
+    if size > SSM_MAX_STATE or state.shape != (heads, p, size) or out.shape != (n, shape.d_inner):
+        raise ValueError(f"ssm_scan: states up to {SSM_MAX_STATE} wide, a state {shape.state_dims}")
+    if conv.shape != (n, shape.conv_dim) or proj.shape[0] != n or proj.shape[1] < dt_off + heads:
+        raise ValueError("ssm_scan: conv (n, conv_dim), and z and dt inside proj's rows")
+    if proj.strides[1] != 4 or heads % shape.groups:
+        raise ValueError("ssm_scan: float32 proj rows, heads a multiple of the groups")
+    args = (out, conv, proj, np.int64(proj.strides[0] // 4), np.int64(dt_off), state, dt_bias, neg_a, d,
+            _i32(heads), _i32(p), _i32(size), _i32(shape.groups), _f32(shape.dt_min), _f32(shape.dt_max),
+            _i32(n))
+    grid = (heads, -(-p // SSM_WARPS))
+    kernel("ssm_scan", cp.cuda.Device().id)(grid, (32 * SSM_WARPS,), args)

@@ -68,8 +68,9 @@ class FakeKernel:
         for i, (a, p) in enumerate(zip(args, self.params)):
             if isinstance(a, np.ndarray):
                 assert p == "u64", f"{where}: arg {i} is an array for a .{p} parameter"
-                # rmsnorm takes rows ld apart (a column slice of wider rows), each row contiguous
-                rows = self.name == "rmsnorm" and a.ndim == 2 and a.strides[1] == a.itemsize
+                # rmsnorm and delta_conv take rows ld apart (column slices of wider rows), rows contiguous
+                sliced = self.name in ("rmsnorm", "delta_conv")
+                rows = sliced and a.ndim == 2 and a.strides[1] == a.itemsize
                 assert a.flags.c_contiguous or rows, f"{where}: arg {i} is not contiguous"
             elif isinstance(a, (np.uint64, np.int64)):
                 assert p == "u64", f"{where}: arg {i} is 64-bit for a .{p} parameter"
@@ -255,8 +256,8 @@ CUPY_MODULES = (
 
 
 def test_layer_kinds_without_cuda_kernels_stay_on_the_cpu(fake, tmp_path):
-    """A residual multiplier with branch-output norms, Mamba-2,
-    Gemma 3n/4 and DeepSeek's latent attention have no CUDA path:
+    """A residual multiplier with branch-output norms, Nemotron-H, Gemma 3n/4 and DeepSeek's latent
+    attention have no CUDA path:
     a typed error, which placement turns into the CPU fallback."""
     model = _model(tmp_path, "llama")
     model.cfg.residual_multiplier = 0.5
@@ -266,7 +267,7 @@ def test_layer_kinds_without_cuda_kernels_stay_on_the_cpu(fake, tmp_path):
     from engine.loader import load_model
 
     tiny = Path(__file__).resolve().parents[2] / "fixtures" / "tiny"
-    for family, message in (("granite4-h", "Mamba-2"), ("gemma4", "not Gemma4Model"),
+    for family, message in (("gemma4", "not Gemma4Model"),
                             ("gemma3n", "not Gemma3nModel"), ("nemotron_h", "not NemotronHModel"),
                             ("deepseek_v3", "latent attention")):
         with pytest.raises(fake.decoder.UnsupportedCudaModelError, match=message):
@@ -497,13 +498,11 @@ def _rel(a, b) -> float:
     return float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
 
 
-def check_decoder_against_cpu(fake, model, dec, prompt: list[int], offload: bool = True,
-                              tol: float = 1e-3) -> list[str]:
+def check_decoder_against_cpu(fake, model, dec, prompt: list[int], tol: float = 1e-3) -> list[str]:
     """dec (a CudaDecoder over model, float32 prefill) against the CPU model on host threads: prefill
     logits, two graph decode steps (the capture, then a replay), the GPU argmax, a batched step of this
-    sequence and a second one at another position, and partial offload (layer 0 on the GPU; offload
-    False: refused, as for models with recurrent layers), each within tol (relative). Returns the launches
-    of the two decode steps."""
+    sequence and a second one at another position, and partial offload (layer 0 on the GPU), each within
+    tol (relative). Returns the launches of the two decode steps."""
     cpu_cache, cache = model.new_cache(32), dec.new_cache(32, np.float32)
     ref = model.forward(prompt, cpu_cache, all_logits=True)
     assert _rel(dec.forward(prompt, cache, all_logits=True), ref) < tol
@@ -520,10 +519,6 @@ def check_decoder_against_cpu(fake, model, dec, prompt: list[int], offload: bool
     dec.forward([4, 5], other)
     ref_batch = model.forward_batch([7, 8], [cpu_cache, other_cpu]).copy()
     assert _rel(dec.forward_batch([7, 8], [cache, other]), ref_batch) < tol
-    if not offload:
-        with pytest.raises(fake.decoder.UnsupportedCudaModelError, match="partial offload"):
-            fake.hybrid.HybridDecoder(model, 1, n_ctx=32, prefill_dtype="float32")
-        return steps
     hyb = fake.hybrid.HybridDecoder(model, 1, n_ctx=32, prefill_dtype="float32")
     cpu_cache, cache = model.new_cache(32), hyb.new_cache(32, np.float32)
     ref = model.forward(prompt, cpu_cache)
@@ -862,6 +857,13 @@ def test_op_kernels_on_host_threads(fake, simt):
     gpu_tests.test_stacked_matvec_prologues_and_accumulate(0, 12, False)
     gpu_tests.test_rmsnorm(0, True)
     gpu_tests.test_glu_argmax_and_sampling(0)
+
+
+def test_mamba2_mixer_on_host_threads(fake, simt):
+    from tests.engine.cuda import test_kernels_gpu as gpu_tests
+
+    STATE.simt = simt
+    gpu_tests.test_mamba2_mixer(0, 0.3)
 
 
 def test_argmax_over_blocks_on_host_threads(fake, simt):

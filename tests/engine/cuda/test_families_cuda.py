@@ -10,7 +10,9 @@ output norms only), OLMo 3 (OLMo 2 with windowed layers on plain RoPE, the full 
 (queries sharpened past its original context), Phi-4-mini's LongRoPE (a partly rotated head whose
 rotated dims take the attention factor), Command R7B / Command A (attention and the FFN side by side
 from one LayerNorm, scaled logits, windowed layers that alone rotate), Command R+ (LayerNorms of each q and k
-head), Qwen3.5 / Qwen3-Next (DeltaNet layers) and LFM2 / LFM2-MoE (short convolutions).
+head), Qwen3.5 / Qwen3-Next (DeltaNet layers), LFM2 / LFM2-MoE (short convolutions) and Granite 4.0-H (Mamba-2
+layers beside attention without positions; its MoE models' experts and shared MLP under the residual
+multiplier).
 """
 # ruff: noqa: F811 - the stand-in CuPy fixtures are imported from test_decoder_dry
 
@@ -75,6 +77,10 @@ FAMILIES = {
     "qwen3_5": (lambda dec: dec.delta is not None and dec.gated and (dec.n_rec, dec.n_attn) == (3, 1),
                 "DeltaNet layers and gated attention (Qwen3.5)"),
     "lfm2": (lambda dec: (dec.n_conv, dec.n_attn) == (3, 1), "short-convolution layers (LFM2)"),
+    "granite4-h": (lambda dec: dec.mamba is not None and (dec.n_rec, dec.n_attn) == (3, 1)
+                   and _rotated(dec) == [0] * 4 and dec.residual == 0.5, "Mamba-2 layers (Granite 4.0-H)"),
+    "granite4-h-moe": (lambda dec: dec.mamba is not None and dec.moe == (4, 2, 32, 96)
+                       and dec.residual == 0.5, "mixture-of-experts layers"),
     "cohere": (lambda dec: dec.parallel and dec.layers[0]["qk_heads"] is not None,
                "Cohere's parallel blocks"),
     "cohere2": (lambda dec: dec.parallel and _windows(dec) == [4, 4, 4, 0] and _rotated(dec) == WINDOWED_ROPE,
@@ -92,7 +98,8 @@ def _windows(dec) -> list[int]:
 
 @pytest.mark.parametrize(
     "family", [  # CI
-        "gemma2", "exaone4", "granite", "olmo3", "ministral3", "cohere2", "qwen3_5", "lfm2", "cohere"
+        "gemma2", "exaone4", "granite", "olmo3", "ministral3", "cohere2", "qwen3_5", "lfm2", "cohere",
+        "granite4-h", "granite4-h-moe",
     ] + [
         pytest.param(f, marks=pytest.mark.skipif(not FULL_SIMT, reason="set HEARTH_CUDA_SIMT=1"))
         for f in ("mistral-swa", "glm4", "smollm3", "olmo2", "phi3-longrope")
@@ -109,7 +116,7 @@ def test_family_computes_the_cpu_models_logits_on_host_threads(fake, simt, famil
     sets_apart, fused_reason = FAMILIES[family]
     assert sets_apart(dec)
     assert fake.fused.unsupported_reason(dec) == fused_reason
-    check_decoder_against_cpu(fake, model, dec, PROMPT, offload=dec.delta is None)
+    check_decoder_against_cpu(fake, model, dec, PROMPT)
 
 
 @pytest.mark.parametrize("family, launch", [("olmo2", "convert"), ("lfm2", "short_conv")])
@@ -135,22 +142,56 @@ def test_captured_prefill_of_a_family_on_host_threads(fake, simt, monkeypatch, f
     assert launch in fake.launches
 
 
-def test_deltanet_states_snapshot_and_trim_as_the_cpu_cache_on_host_threads(fake, simt):
-    """Qwen3.5's recurrent states on the GPU follow RecurrentKVCache's rules as the CPU cache does: a prompt
-    keeps the states of its start and its end - 1, decode steps (captured graphs) advance them, a trim (a
-    regenerate, a new turn, a new chat) returns to the latest snapshot at or before its target, and what
-    comes after gives the CPU model's logits each time."""
+@pytest.mark.parametrize("family, gpu_layers", [("qwen3_5", None), ("granite4-h", None), ("granite4-h", 1),
+                                                ("qwen3_5", 3)])
+def test_recurrent_states_snapshot_and_trim_as_the_cpu_cache_on_host_threads(fake, simt, monkeypatch, family,
+                                                                           gpu_layers):
+    """Qwen3.5's DeltaNet and Granite 4.0-H's Mamba-2 states on the GPU, wholly or with the first layers on
+    it (partial offload; Qwen3.5's CPU half then holds attention only), follow RecurrentKVCache's rules as
+    the CPU cache does: a prompt keeps the states of its start and its end - 1, decode steps (captured
+    graphs) advance them, a trim (a regenerate, a new turn, a new chat) returns to the latest snapshot at or
+    before its target, a pass that fails part way (a prompt on the GPU; a prompt or a decode step on the
+    CPU half) leaves the cache at a snapshot, and what comes after gives the CPU model's logits each time.
+    The last prompt is long enough for the CPU's Mamba-2 to scan it in chunks (mamba2.CHUNKED_MIN_TOKENS),
+    the GPU's token by token."""
+    from engine.arch import mamba2
     from engine.loader import load_model
 
     STATE.simt = simt
-    model = load_model(TINY / "qwen3_5").model
-    dec = fake.decoder.CudaDecoder(model, n_ctx=32, prefill_dtype="float32")
+    model = load_model(TINY / family).model
+    if gpu_layers is None:
+        dec = fake.decoder.CudaDecoder(model, n_ctx=32, prefill_dtype="float32")
+        # the second recurrent layer fails, after the first moved its state on
+        fails = (dec, "_delta_mix" if dec.delta is not None else "_mamba_mix", 2)
+    else:
+        dec = fake.hybrid.HybridDecoder(model, gpu_layers, n_ctx=32, prefill_dtype="float32")
+        fails = (type(model), "_dense_ffn", 1)  # the CPU half's first layer, after the GPU's ran
     cpu, gpu = model.new_cache(32), dec.new_cache(32, np.float32)
+    halves = [gpu] if gpu_layers is None else [gpu.gpu, gpu.cpu]
 
     def both(tokens):
         ref = model.forward(tokens, cpu)
         assert _rel(dec.forward(tokens, gpu), ref) < 1e-3
-        assert gpu.offset == cpu.offset and sorted(gpu._snapshots) == sorted(cpu._snapshots)
+        assert all(h.offset == cpu.offset and sorted(h._snapshots) == sorted(cpu._snapshots) for h in halves)
+
+    def fail_in(owner, name: str, at: int, run) -> None:  # run() with owner.name failing at call `at`
+        real, calls = getattr(owner, name), []
+
+        def fail(*args, **kwargs):
+            calls.append(1)
+            if len(calls) == at:
+                raise MemoryError("out of memory")
+            return real(*args, **kwargs)
+
+        with monkeypatch.context() as m:
+            m.setattr(owner, name, fail)
+            with pytest.raises(MemoryError):
+                run()
+
+    def failing(tokens):  # the same pass failing on both: each cache back at the same snapshot
+        fail_in(*fails, lambda: dec.forward(tokens, gpu))
+        fail_in(type(model), "_recurrent_mix", 2, lambda: model.forward(tokens, cpu))
+        assert all(h.offset == cpu.offset and sorted(h._snapshots) == sorted(cpu._snapshots) for h in halves)
 
     both([1, 2, 3, 4, 5])
     both([6])
@@ -160,8 +201,14 @@ def test_deltanet_states_snapshot_and_trim_as_the_cpu_cache_on_host_threads(fake
     assert gpu.trim(gpu.offset - 2) == cpu.trim(cpu.offset - 2)  # a new turn from an earlier place
     both([9, 10, 11])
     both([12])
+    if gpu_layers is not None:  # (the GPU's decode step is a graph: it runs whole or not at all)
+        failing([13])
+    failing([13, 14, 15])
+    both([13, 14])
     assert gpu.trim(gpu.offset) == cpu.trim(cpu.offset)  # a new chat
     both([4, 5, 6])
+    assert gpu.trim(gpu.offset) == cpu.trim(cpu.offset)
+    both([(7 * t) % 300 + 3 for t in range(mamba2.CHUNKED_MIN_TOKENS + 4)])
 
 
 def padded_moe_folder(family: str, dst: Path, ff: int = 64) -> Path:
@@ -215,7 +262,7 @@ def test_deltanet_moe_folder_computes_the_cpu_models_logits_on_host_threads(fake
     dec = fake.decoder.CudaDecoder(model, n_ctx=32, prefill_dtype="float32")
     assert dec.delta is not None and dec.moe is not None and dec.gated
     assert (model.layers[0].delta.in_qkvz is not None) == (family == "qwen3_next")  # fused, regrouped
-    steps = check_decoder_against_cpu(fake, model, dec, PROMPT, offload=False)
+    steps = check_decoder_against_cpu(fake, model, dec, PROMPT)
     assert {"delta_conv", "delta_rule", "matvec_f32_experts", "moe_combine"} <= set(steps)
 
 
@@ -234,7 +281,24 @@ def test_qwen3_5_q8_0_gguf_computes_the_cpu_models_logits_on_host_threads(fake, 
     assert any(p["qkv"] for p, L in zip(plan, dec.layers) if L["delta"] is not None)
     # the CPU model's own Q8_0 decode step (int16 activations) is ~1.4e-3 from exact here: the GPU's float
     # dot products of the dequantized weights (int_dot=False) differ from it by that much too
-    check_decoder_against_cpu(fake, model, dec, PROMPT, offload=False, tol=3e-3)
+    check_decoder_against_cpu(fake, model, dec, PROMPT, tol=3e-3)
+
+
+def test_granite4_h_q8_0_gguf_computes_the_cpu_models_logits_on_host_threads(fake, simt, tmp_path):
+    """Granite 4.0-H as users run it: a Q8_0 GGUF (llama.cpp's granitehybrid names: A as -exp(A_log), the
+    norm's weight by group, the skip D as (heads, 1); integer-dot matvecs, no records handed past its scaled
+    branches) against the CPU model of the same file."""
+    from engine.convert import convert
+    from engine.loader import load_model
+
+    STATE.simt = simt
+    model = load_model(convert(TINY / "granite4-h", "Q8_0", tmp_path / "q8.gguf").output).model
+    dec = fake.decoder.CudaDecoder(model, n_ctx=32, prefill_dtype="float32")
+    assert dec.layers[0]["mamba"]["in"].ggml_type == 8  # Q8_0
+    plan, head_handed = dec._handoff_plan()
+    assert not head_handed and not any(p["qkv"] or p["gu"] for p in plan)  # the residual multiplier
+    steps = check_decoder_against_cpu(fake, model, dec, PROMPT, tol=3e-3)
+    assert {"delta_conv", "ssm_scan", "rmsnorm"} <= set(steps)
 
 
 def test_lfm2_moe_folder_computes_the_cpu_models_logits_on_host_threads(fake, simt, tmp_path):

@@ -702,3 +702,42 @@ def test_glu_argmax_and_sampling(gpu):
     assert seen <= top5 and len(seen) > 1
     ops.sample_topk(tok, cp.asarray(logits), 40, 1.0, 1e-6, 0.99)  # top_p tiny: only the best token
     assert int(tok.get()[0]) == 123
+
+
+@pytest.mark.parametrize("dt_max", [np.inf, 0.3])
+def test_mamba2_mixer(gpu, dt_max):
+    """The CUDA decoder's Mamba-2 mixer (delta_conv with its bias, ssm_scan, rmsnorm by group) against
+    mamba2.mix: a 20-token prompt (the CPU scans it in chunks, the GPU token by token), then decode steps
+    from the states it left. Head rows not a multiple of the block's 8 warps, a state of 40 (lanes with two
+    columns and lanes with one), three heads a group of B and C, dt clamped or not."""
+    import types
+
+    import cupy as cp
+
+    from engine.arch import mamba2
+    from engine.backends.cuda.decoder import CudaDecoder
+
+    rng = np.random.default_rng(11)
+    shape = mamba2.MambaShape(heads=6, head_dim=10, state_size=40, groups=2, taps=4, dt_min=0.01,
+                              dt_max=dt_max)
+    f32 = np.float32
+    net = mamba2.Mamba2(
+        in_proj=None, out_proj=None,
+        conv=(rng.standard_normal((shape.conv_dim, shape.taps)) * 0.5).astype(f32),
+        conv_bias=rng.standard_normal(shape.conv_dim).astype(f32) * 0.1,
+        dt_bias=rng.standard_normal(shape.heads).astype(f32) * 0.5,
+        neg_a=-np.exp(rng.uniform(-1, 1, shape.heads)).astype(f32),
+        d=rng.standard_normal(shape.heads).astype(f32),
+        norm=rng.uniform(0.5, 1.5, shape.d_inner).astype(f32),
+    )
+    M = {k: cp.asarray(getattr(net, k)) for k in ("conv", "conv_bias", "dt_bias", "neg_a", "d", "norm")}
+    mixer = types.SimpleNamespace(mamba=shape, cfg=types.SimpleNamespace(rms_norm_eps=1e-5))
+    conv_state = np.zeros((shape.taps - 1, shape.conv_dim), f32)
+    state = np.zeros(shape.state_dims, f32)
+    g_conv, g_state = cp.asarray(conv_state), cp.asarray(state)
+    for n in (20, 1, 1):
+        proj = rng.standard_normal((n, shape.in_rows)).astype(f32)
+        want = mamba2.mix(net, shape, 1e-5, proj, conv_state, state)
+        got = CudaDecoder._mamba_mix(mixer, M, [cp.asarray(proj)], g_conv, g_state)
+        assert _rel(got.get(), want) < 1e-4
+        assert _rel(g_state.get(), state) < 1e-4 and _rel(g_conv.get(), conv_state) == 0

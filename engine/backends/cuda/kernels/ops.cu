@@ -915,14 +915,15 @@ extern "C" __global__ void __launch_bounds__(32) moe_route(int* __restrict__ ids
     }
 }
 
-// x (n, d) += for each token t the weighted sum of its k experts' outputs y (n, k, d) (weights wts (n, k)),
-// plus the shared expert's output ys (n, d) where given, times sigmoid(sg[t]) where its gate sg (n,) is
-// given. yb (not null; gpt-oss): the experts' down biases (experts, d), row ids[t k + j] added to y[t, j].
-// Grid (ceil(d / blockDim.x), tokens grid-strided by gridDim.y).
+// x (n, d) += scale times, for each token t, the weighted sum of its k experts' outputs y (n, k, d) (weights
+// wts (n, k)), plus the shared expert's output ys (n, d) where given, times sigmoid(sg[t]) where its gate sg
+// (n,) is given. yb (not null; gpt-oss): the experts' down biases (experts, d), row ids[t k + j] added to
+// y[t, j]. scale: Granite's residual multiplier (1: none). Grid (ceil(d / blockDim.x), tokens grid-strided
+// by gridDim.y).
 extern "C" __global__ void moe_combine(float* __restrict__ x, const float* __restrict__ y,
                                        const float* __restrict__ wts, const float* __restrict__ ys,
                                        const float* __restrict__ sg, int k, int d, long long n,
-                                       const float* __restrict__ yb, const int* __restrict__ ids) {
+                                       const float* __restrict__ yb, const int* __restrict__ ids, float scale) {
     int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= d) return;
     for (long long t = blockIdx.y; t < n; t += gridDim.y) {
@@ -933,6 +934,6 @@ extern "C" __global__ void moe_combine(float* __restrict__ x, const float* __res
             acc += wts[t * k + j] * (yt[(long long)j * d] + b);
         }
         if (ys) acc += (sg ? 1.f / (1.f + expf(-sg[t])) : 1.f) * ys[t * d + i];
-        x[t * d + i] += acc;
+        x[t * d + i] += scale * acc;
     }
 }

@@ -1,11 +1,13 @@
-// LFM2's gated short convolution (engine/arch/shortconv.py), and Qwen3.5's gated DeltaNet layers
-// (engine/arch/deltanet.py): the causal convolution of their q|k|v rows and the gated delta rule with its
-// gated RMSNorm. The recurrent state and the convolution's last inputs are
+// LFM2's gated short convolution (engine/arch/shortconv.py), Qwen3.5's gated DeltaNet layers
+// (engine/arch/deltanet.py: the causal convolution of their q|k|v rows and the gated delta rule with its
+// gated RMSNorm) and Mamba-2's (engine/arch/mamba2.py: the same convolution of x|B|C, with a bias, and the
+// selective scan). The recurrent state and the convolution's last inputs are
 // one sequence's (its cache's), read and rewritten in place: a captured decode step replays at every
 // position.
 
 #define DELTA_MAX_TAPS 9   // the convolution's history lives in registers
 #define DELTA_MAX_HEAD 512  // head_k: q and k in shared memory; head_v: a thread a column
+#define SSM_MAX_STATE 256   // Mamba-2's state size: a row of the state in a warp's registers, 8 a lane
 
 // LFM2's convolution over the n rows bcx (n, 3d) [B | C | x] at positions p0 = pos[0]..: bx = B * x goes to
 // the row p of the layer's history (n_ctx, d), float32 or float16 (half), which keeps every position's (a
@@ -46,23 +48,25 @@ extern "C" __global__ void short_conv(float* __restrict__ out, long long ldo, co
     }
 }
 
-// out (n, C) = SiLU of the causal depthwise convolution (taps per channel, weights w (C, taps)) of the rows
-// x (n, C, ldx apart) after the conv_state rows (taps - 1, C) that come before them; conv_state then holds
-// the last taps - 1 inputs. One thread a channel, its tokens in order, so it alone reads and rewrites its
-// channel of conv_state.
+// out (n, C) = SiLU of the causal depthwise convolution (taps per channel, weights w (C, taps); plus
+// bias (C,) where not null: Mamba-2's) of the rows x (n, C, ldx apart) after the conv_state rows
+// (taps - 1, C) that come before them; conv_state then holds the last taps - 1 inputs. One thread a
+// channel, its tokens in order, so it alone reads and rewrites its channel of conv_state.
 extern "C" __global__ void delta_conv(float* __restrict__ out, const float* __restrict__ x, long long ldx,
-                                      float* __restrict__ conv_state, const float* __restrict__ w, int C,
-                                      int taps, int n) {
+                                      float* __restrict__ conv_state, const float* __restrict__ w,
+                                      const float* __restrict__ bias, int C, int taps, int n) {
     int c = blockIdx.x * blockDim.x + threadIdx.x;
     if (c >= C) return;
     float hist[DELTA_MAX_TAPS - 1];  // oldest first
     int h = taps - 1;
     for (int j = 0; j < h; j++) hist[j] = conv_state[(long long)j * C + c];
     const float* wc = w + (long long)c * taps;
+    float b = bias ? bias[c] : 0.f;
     for (int t = 0; t < n; t++) {
         float xt = x[(long long)t * ldx + c];
         float acc = wc[h] * xt;
         for (int j = 0; j < h; j++) acc += wc[j] * hist[j];
+        acc += b;
         out[(long long)t * C + c] = acc / (1.f + expf(-acc));
         for (int j = 0; j + 1 < h; j++) hist[j] = hist[j + 1];
         if (h > 0) hist[h - 1] = xt;
@@ -131,5 +135,63 @@ extern "C" __global__ void delta_rule(float* __restrict__ out, const float* __re
                 o * rsqrtf(ss / (float)hv + eps) * norm[j] * (z / (1.f + expf(-z)));
         }
         __syncthreads();  // sq and sk are the next token's
+    }
+}
+
+// Mamba-2's selective scan of head h = blockIdx.x over n tokens, from and into its state S (head_dim, size)
+// at state + h head_dim size. Warp w of the block takes row p = blockIdx.y * warps + w of S, its lanes the
+// columns lane, lane + 32, .. (held in registers through the tokens), so no thread reads what another
+// writes. conv (n, C): delta_conv's rows [x (heads head_dim) | B (groups size) | C (groups size)], head h
+// reading group h / (heads / groups). With dt the column dt_off + h of proj's rows (ldp apart),
+// step = clamp(softplus(dt + dt_bias[h]), dt_min, dt_max); S_p = S_p exp(step neg_a[h]) + step x_p B;
+// out (n, heads head_dim): y_p = (S_p . C + d[h] x_p) SiLU(z_p), z_p the column h head_dim + p of proj's rows
+// (the grouped RMSNorm after it is rmsnorm's, with heads = groups).
+extern "C" __global__ void ssm_scan(float* __restrict__ out, const float* __restrict__ conv,
+                                    const float* __restrict__ proj, long long ldp, long long dt_off,
+                                    float* __restrict__ state, const float* __restrict__ dt_bias,
+                                    const float* __restrict__ neg_a, const float* __restrict__ dskip, int heads,
+                                    int head_dim, int size, int groups, float dt_min, float dt_max, int n) {
+    int h = blockIdx.x, lane = threadIdx.x & 31;
+    int p = blockIdx.y * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    if (p >= head_dim) return;  // a whole warp: nothing below meets the block's other warps
+    int g = h / (heads / groups);
+    long long di = (long long)heads * head_dim, C = di + 2LL * groups * size;
+    float* S = state + ((long long)h * head_dim + p) * size;
+    float s[SSM_MAX_STATE / 32];
+#pragma unroll
+    for (int k = 0; k < SSM_MAX_STATE / 32; k++) {
+        int i = lane + 32 * k;
+        s[k] = i < size ? S[i] : 0.f;
+    }
+    float a = neg_a[h], bias = dt_bias[h], dd = dskip[h];
+    for (int t = 0; t < n; t++) {
+        const float* row = conv + t * C;
+        const float* pr = proj + t * ldp;
+        float v = pr[dt_off + h] + bias;
+        float step = fminf(fmaxf(v > 20.f ? v : log1pf(expf(v)), dt_min), dt_max);  // softplus, clamped
+        float decay = expf(step * a);
+        float x = row[(long long)h * head_dim + p];
+        float w = step * x;
+        const float* Bg = row + di + (long long)g * size;
+        const float* Cg = Bg + (long long)groups * size;
+        float acc = 0.f;
+#pragma unroll
+        for (int k = 0; k < SSM_MAX_STATE / 32; k++) {
+            int i = lane + 32 * k;
+            if (i < size) {
+                s[k] = fmaf(s[k], decay, w * Bg[i]);
+                acc = fmaf(s[k], Cg[i], acc);
+            }
+        }
+        acc = warp_sum(acc);
+        if (lane == 0) {
+            float z = pr[(long long)h * head_dim + p];
+            out[t * di + (long long)h * head_dim + p] = fmaf(dd, x, acc) * silu(z);
+        }
+    }
+#pragma unroll
+    for (int k = 0; k < SSM_MAX_STATE / 32; k++) {
+        int i = lane + 32 * k;
+        if (i < size) S[i] = s[k];
     }
 }
