@@ -62,14 +62,6 @@ class HybridKVCache:
         self.realign()
         return end - self.offset
 
-    def rewind(self) -> int:
-        """After a pass that failed part way: both halves whole again (KVCache.rewind), at one offset."""
-        end = self.offset
-        self.gpu.rewind()
-        self.cpu.rewind()
-        self.realign()
-        return end - self.offset
-
     def realign(self) -> None:
         """Both halves at the same offset again (after a pass that one side finished and the other did
         not, or trims that went back to different snapshots): the one ahead is trimmed back to the other,
