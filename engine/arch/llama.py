@@ -186,6 +186,10 @@ class LlamaConfig:
     def _kind(self, layer: int) -> str:
         return "conv" if self.is_conv(layer) else "recurrent" if self.is_recurrent(layer) else "attention"
 
+    def keeps_kv(self, layer: int) -> bool:
+        """Layer `layer` keeps keys and values in the cache (an attention layer)."""
+        return self._kind(layer) == "attention"
+
     @property
     def n_conv_layers(self) -> int:
         return sum(map(self.is_conv, range(self.num_hidden_layers)))

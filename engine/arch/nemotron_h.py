@@ -58,9 +58,19 @@ class NemotronHConfig:
         """n_kv_heads * head_dim of each layer keeping keys and values (the attention ones)."""
         return [self.num_key_value_heads * self.head_dim] * self.kinds.count(ATTENTION)
 
-    def slot(self, layer: int) -> int:
-        """The layer's index among the cache's layers of its kind."""
-        return self.kinds[:layer].count(self.kinds[layer])
+    def keeps_kv(self, layer: int) -> bool:
+        """Block `layer` keeps keys and values in the cache (an attention block)."""
+        return self.kinds[layer] == ATTENTION
+
+    def slot(self, layer: int, first: int = 0) -> int:
+        """The layer's index among the cache's layers of its kind from block `first` on."""
+        return self.kinds[first:layer].count(self.kinds[layer])
+
+    @property
+    def recurrent_shapes(self) -> tuple[tuple[int, ...], tuple[int, int]]:
+        """A Mamba-2 layer's state shape (per head (head_dim, state_size)) and its convolution's kept inputs
+        (taps - 1, conv_dim), as RecurrentKVCache holds them."""
+        return self.mamba.state_dims, (self.mamba.taps - 1, self.mamba.conv_dim)
 
     @classmethod
     def from_gguf(cls, metadata: dict, vocab_size: int) -> NemotronHConfig:
@@ -146,27 +156,24 @@ class NemotronHModel(Decoder):
 
     def new_cache(self, n_ctx: int, dtype=np.float32) -> RecurrentKVCache:
         cfg = self.cfg
-        shape = cfg.mamba
         return RecurrentKVCache(
             cfg.kinds.count(ATTENTION), cfg.num_key_value_heads, cfg.head_dim, n_ctx, dtype,
-            cfg.n_recurrent_layers, shape.state_dims, (shape.taps - 1, shape.conv_dim),
+            cfg.n_recurrent_layers, *cfg.recurrent_shapes,
         )
 
     def _forward(self, tokens, cache: RecurrentKVCache, all_logits: bool, first=0, hidden=None):
-        if first or hidden is not None:
-            raise ValueError("Nemotron-H runs whole: its layers cannot start from another device's state")
+        """As Decoder._forward; from block `first` on, starting from the residual stream `hidden`, with a
+        cache of those blocks only (partial GPU offload: engine.backends.cuda.hybrid)."""
         n = len(tokens)
         # recurrent states to return to (RecurrentKVCache.trim): a pass's start and its end - 1
         with cache.forward_pass(tokens):
-            x = self._layers(tokens, [cache], [cache.offset])
+            x = self._layers(tokens, [cache], [cache.offset], first, hidden)
         if all_logits:
             return self._output(x, np.empty((n, self.cfg.vocab_size), np.float32))
         return self._output(x[n - 1 :], self._logits)
 
     def _forward_batch(self, tokens, caches: list[RecurrentKVCache], first=0, hidden=None):
-        if first or hidden is not None:
-            raise ValueError("Nemotron-H runs whole: its layers cannot start from another device's state")
-        x = self._layers(tokens, caches, [c.offset for c in caches])
+        x = self._layers(tokens, caches, [c.offset for c in caches], first, hidden)
         for b, cache in enumerate(caches):
             cache.advance(tokens[b : b + 1])
         return self._output(x, np.empty((len(x), self.cfg.vocab_size), np.float32))
@@ -178,19 +185,24 @@ class NemotronHModel(Decoder):
         ops.linear(logits, self.output, h)
         return logits
 
-    def _layers(self, tokens, caches: list[RecurrentKVCache], offsets: list[int]) -> np.ndarray:
+    def _layers(self, tokens, caches: list[RecurrentKVCache], offsets: list[int], first: int = 0,
+                hidden=None) -> np.ndarray:
         """The residual stream after every block for tokens: all of them for one cache (a pass over a prompt
-        or a decode step), one each for several (a batched decode step)."""
+        or a decode step), one each for several (a batched decode step); from block `first` on, starting
+        from `hidden` (the residual stream entering it; None: the tokens' embeddings)."""
         cfg = self.cfg
         n, d = len(tokens), cfg.hidden_size
         x = np.empty((n, d), np.float32)
-        ops.get_rows(x, self.token_embd, np.asarray(tokens, dtype=np.int64))
+        if hidden is None:
+            ops.get_rows(x, self.token_embd, np.asarray(tokens, dtype=np.int64))
+        else:
+            x[:] = hidden
         h, o = np.empty_like(x), np.empty_like(x)
         # rows of each sequence: a single cache takes them all
         parts = [slice(0, n)] if len(caches) == 1 else [slice(b, b + 1) for b in range(n)]
-        for i, layer in enumerate(self.layers):
+        for i, layer in enumerate(self.layers[first:], first):
             ops.rmsnorm(h, x, layer.norm, cfg.rms_norm_eps)
-            slot = cfg.slot(i)
+            slot = cfg.slot(i, first)
             if layer.kind == MAMBA:
                 (proj,) = mamba2.project(layer.mamba, h)
 

@@ -46,8 +46,10 @@ from engine.arch.deltanet import split_ba, split_qkvz
 from engine.arch.gemma3 import Gemma3Model
 from engine.arch.llama import LlamaModel
 from engine.arch.mamba2 import MambaShape
+from engine.arch.nemotron_h import NemotronHModel
 from engine.backends.cuda import fused, ops
 from engine.backends.cuda.device import CudaMemoryExhaustedError, CudaOutOfMemoryError
+from engine.backends.cuda.nemotron import NemotronHBlocks
 from engine.kv_cache import KVCache, RecurrentKVCache, ShortConvKVCache
 from engine.sampling import draw
 from models.errors import HearthError
@@ -266,6 +268,7 @@ def estimate_vram(
 
     n_layers: how many layers go to the GPU (None: all of them and the output projection).
     """
+    model = cuda_view(model)
     cfg = model.cfg
     n = cfg.num_hidden_layers if n_layers is None else min(n_layers, cfg.num_hidden_layers)
     weights = sum(w.nbytes for w in _weights_of(model, n))
@@ -275,7 +278,7 @@ def estimate_vram(
     states = 4 * (1 + RecurrentKVCache.MAX_SNAPSHOTS) * n_rec * shape.state_floats if shape else 0
     n_conv = sum(getattr(layer, "conv", None) is not None for layer in model.layers[:n])
     size = np.dtype(kv_dtype).itemsize
-    kv = 2 * (n - n_rec - n_conv) * cfg.num_key_value_heads * n_ctx * cfg.head_dim * size
+    kv = 2 * _attention_layers(model, n) * cfg.num_key_value_heads * n_ctx * cfg.head_dim * size
     kv += n_conv * n_ctx * cfg.hidden_size * size  # LFM2: every position's convolution input
     ff = ffn_width(model)
     q_rows = 2 * cfg.q_dim if getattr(cfg, "attn_output_gate", False) else cfg.q_dim  # Qwen3.5: + its gates
@@ -299,6 +302,17 @@ def estimate_vram(
     graphs = PREFILL_GRAPHS * (acts + attn_parts) * min(PREFILL_GRAPH_MAX, n_ctx) // max(1, prefill_tokens)
     graphs = graphs if prefill_graphs_enabled() else 0
     return int(weights + norms + kv + states + acts + attn_parts + tile + steps + graphs + MARGIN_BYTES)
+
+
+def cuda_view(model):
+    """The model as the CUDA decoder reads it: a LlamaModel or Gemma3Model as it is, a NemotronHModel's
+    blocks as layers of one branch each (engine.backends.cuda.nemotron)."""
+    return NemotronHBlocks(model) if isinstance(model, NemotronHModel) else model
+
+
+def _attention_layers(model, n: int) -> int:
+    """How many of the first n layers keep keys and values (those with attention)."""
+    return sum(getattr(layer, "wq", None) is not None for layer in model.layers[:n])
 
 
 def _recurrent(layer) -> bool:
@@ -332,6 +346,7 @@ def _check_shared(model, n_layers: int, int_dot: bool) -> None:
 
 def layers_that_fit(model, n_ctx: int, free: int, kv_dtype=np.float16) -> int:
     """The most layers whose estimate fits in `free` bytes (the whole model counts as all layers)."""
+    model = cuda_view(model)
     n_all = model.cfg.num_hidden_layers
     if estimate_vram(model, n_ctx, kv_dtype) <= free:
         return n_all
@@ -546,14 +561,15 @@ class CudaDecoder:
         if int_dot is None:
             int_dot = os.environ.get("HEARTH_CUDA_MATVEC", "").strip().lower() != "float"
         self.int_dot = bool(int_dot)
+        model = cuda_view(model)
         if getattr(model, "mla", False):
             raise UnsupportedCudaModelError(
                 "multi-head latent attention (DeepSeek-V2/V3, GLM-4.7-Flash) has no CUDA kernels yet; "
                 "use --device cpu"
             )
-        if not isinstance(model, (LlamaModel, Gemma3Model)):
+        if not isinstance(model, (LlamaModel, Gemma3Model, NemotronHBlocks)):
             raise UnsupportedCudaModelError(
-                f"the CUDA backend runs llama and gemma3 models, not {type(model).__name__}"
+                f"the CUDA backend runs llama, gemma3 and nemotron_h models, not {type(model).__name__}"
             )
         self.gemma = isinstance(model, Gemma3Model)
         cfg = self.cfg = model.cfg
@@ -584,7 +600,8 @@ class CudaDecoder:
         # a partial offload's GPU side without one (HybridKVCache pairs them with the CPU side's)
         self.conv_cache = not self.gemma and cfg.n_conv_layers > 0
         n_gpu = len(model.layers) if n_layers is None else int(n_layers)
-        self.n_attn = n_gpu - self.n_rec - self.n_conv
+        # the layers keeping keys and values (Nemotron-H's MLP blocks keep none)
+        self.n_attn = n_gpu if self.gemma else _attention_layers(model, n_gpu)
         self.gated = not self.gemma and bool(cfg.attn_output_gate)  # Qwen3.5's gated attention
         self.q_rows = 2 * cfg.q_dim if self.gated else cfg.q_dim
         if not self.gemma and cfg.parallel_block and any(lay.moe is not None for lay in layers):
@@ -742,6 +759,10 @@ class CudaDecoder:
                 "delta": self._upload_delta(layer.delta, up, vec) if getattr(layer, "delta", None) else None,
                 "conv": self._upload_conv(layer.conv, up, vec) if getattr(layer, "conv", None) else None,
                 "mamba": self._upload_mamba(layer.mamba, up, vec) if getattr(layer, "mamba", None) else None,
+                # Nemotron-H's blocks have one branch: no mixer (an MLP block) or no FFN (ffn None), and
+                # their MLP is down(relu(up x)^2) ("relu2"; "glu": gate and up)
+                "mixer": getattr(layer, "mixer", True),
+                "ffn": getattr(layer, "ffn", "glu"),
             }
             # the q|k|v biases as one vector over the stacked projection (zeros where one is missing)
             biases = [getattr(layer, b, None) for b in ("bq", "bk", "bv")]
@@ -900,7 +921,7 @@ class CudaDecoder:
                 return CudaShortConvKVCache(self.n_attn, kv_heads, hd, n_ctx, dtype, self.stream, self.n_conv,
                                             cfg.hidden_size)
             if not self.rec_cache:
-                return CudaKVCache(self.n_layers, kv_heads, hd, n_ctx, dtype, self.stream)
+                return CudaKVCache(self.n_attn, kv_heads, hd, n_ctx, dtype, self.stream)
             return CudaRecurrentKVCache(self.n_attn, kv_heads, hd, n_ctx, dtype, self.stream, self.n_rec,
                                         *cfg.recurrent_shapes)
 
@@ -1254,46 +1275,59 @@ class CudaDecoder:
             return dict(x=s.h)
 
         glu_emit = functools.partial(ops.Emit, glu, None, s.act_rec, s.counts)
-        norms = [L["attn_norm"] for L in self.layers[1:]] + [self.output_norm]
+        # the first matvec reading x in each layer (its mixer's, or its FFN's in a layer without a mixer:
+        # Nemotron-H's MLP blocks) and in the LM head: its norm, and whether it reads x's records
+        firsts = [(L["attn_norm"], plan[i]["qkv"]) if L["mixer"] else (L["ffn_norm"], plan[i]["gu"])
+                  for i, L in enumerate(self.layers)] + [(self.output_norm, head_handed)]
         for i, L in enumerate(self.layers):
             p, D, C, M, j = plan[i], L["delta"], L["conv"], L["mamba"], L["slot"]
-            qkv_in = layernorm(L["attn_norm"]) if self.parallel else normed(L["attn_norm"], p["qkv"])
-            if D is not None:  # DeltaNet: each sequence through its own states (CudaRecurrentKVCache.mix)
-                mv(s.dproj, D["proj"], **qkv_in)
-                mv(s.dba, D["ba"], **qkv_in)
-                for b, c in enumerate(caches):
-                    rows = [s.dproj[b : b + 1], s.dba[b : b + 1]]
-                    bufs = dict(out=s.dout[b : b + 1], conv=s.dconv[b : b + 1])
-                    c.mix(j, functools.partial(self._delta_mix, D, **bufs), rows)
-                branch(D["out"], dict(x=s.dout), L["post_attn_norm"], None, L["ffn_norm"], p["gu"])
-            elif C is not None:  # LFM2: each sequence's convolution over its own cache's inputs
-                mv(s.bcx, [C["in"]], **qkv_in)
-                for b, c in enumerate(caches):
-                    rows = slice(b, b + 1)
-                    ops.short_conv(s.cout[rows], s.bcx[rows], c.conv[j, 0], C["kernel"], s.pos[rows])
-                branch(C["out"], dict(x=s.cout), L["post_attn_norm"], None, L["ffn_norm"], p["gu"])
-            elif M is not None:  # Mamba-2: each sequence through its own states (CudaRecurrentKVCache.mix)
-                mv(s.mproj, [M["in"]], **qkv_in)
-                for b, c in enumerate(caches):
-                    bufs = dict(out=s.mout[b : b + 1], conv=s.mconv[b : b + 1])
-                    c.mix(j, functools.partial(self._mamba_mix, M, **bufs), [s.mproj[b : b + 1]])
-                branch(M["out"], dict(x=s.mout), L["post_attn_norm"], None, L["ffn_norm"], p["gu"])
-            else:
-                mv(s.qkv, [L["wq"], L["wk"], L["wv"]], **qkv_in)
-            if self.parallel:  # the FFN's gate|up from the same input, before attention's output joins x
-                mv(s.gu, [L["w_gate"], L["w_up"]], **qkv_in, emit=glu_emit() if p["down"] else None)
-            if D is None and C is None and M is None:
-                self._attention_step(s, L, caches, p, branch)
-            act = 3 if self.gemma else 2
+            ffn = L["moe"] is not None or L["ffn"] is not None
+            after_mixer = (L["ffn_norm"], p["gu"]) if ffn else firsts[i + 1]  # who reads x next
+            if L["mixer"]:
+                qkv_in = layernorm(L["attn_norm"]) if self.parallel else normed(L["attn_norm"], p["qkv"])
+                if D is not None:  # DeltaNet: each sequence through its own states (CudaRecurrentKVCache.mix)
+                    mv(s.dproj, D["proj"], **qkv_in)
+                    mv(s.dba, D["ba"], **qkv_in)
+                    for b, c in enumerate(caches):
+                        rows = [s.dproj[b : b + 1], s.dba[b : b + 1]]
+                        bufs = dict(out=s.dout[b : b + 1], conv=s.dconv[b : b + 1])
+                        c.mix(j, functools.partial(self._delta_mix, D, **bufs), rows)
+                    branch(D["out"], dict(x=s.dout), L["post_attn_norm"], None, *after_mixer)
+                elif C is not None:  # LFM2: each sequence's convolution over its own cache's inputs
+                    mv(s.bcx, [C["in"]], **qkv_in)
+                    for b, c in enumerate(caches):
+                        rows = slice(b, b + 1)
+                        ops.short_conv(s.cout[rows], s.bcx[rows], c.conv[j, 0], C["kernel"], s.pos[rows])
+                    branch(C["out"], dict(x=s.cout), L["post_attn_norm"], None, *after_mixer)
+                elif M is not None:  # Mamba-2: each sequence through its own states (as DeltaNet)
+                    mv(s.mproj, [M["in"]], **qkv_in)
+                    for b, c in enumerate(caches):
+                        bufs = dict(out=s.mout[b : b + 1], conv=s.mconv[b : b + 1])
+                        c.mix(j, functools.partial(self._mamba_mix, M, **bufs), [s.mproj[b : b + 1]])
+                    branch(M["out"], dict(x=s.mout), L["post_attn_norm"], None, *after_mixer)
+                else:
+                    mv(s.qkv, [L["wq"], L["wk"], L["wv"]], **qkv_in)
+                if self.parallel:  # the FFN's gate|up from the same input, before attention's output joins x
+                    mv(s.gu, [L["w_gate"], L["w_up"]], **qkv_in, emit=glu_emit() if p["down"] else None)
+                if D is None and C is None and M is None:
+                    self._attention_step(s, L, caches, p, branch, after_mixer)
             if L["moe"] is not None:  # the experts instead of the FFN (llama family), their sum added into x
                 self._moe_step(s, L, mv)
                 continue
-            if not self.parallel:
-                gu_emit = glu_emit() if p["down"] else None
-                mv(s.gu, [L["w_gate"], L["w_up"]], **normed(L["ffn_norm"], p["gu"]), emit=gu_emit)
-            down_in = dict(x=s.act_rec, prologue=4) if p["down"] else dict(x=s.gu, cols_x2=True, prologue=act)
-            to_next = plan[i + 1]["qkv"] if i + 1 < len(self.layers) else head_handed
-            branch(L["w_down"], down_in, L["post_ffn_norm"], None, norms[i], to_next)
+            if L["ffn"] == "relu2":  # Nemotron-H: down(relu(up x)^2), up's outputs in s.gu's first columns
+                up_emit = ops.Emit(ops.EMIT_RELU2, None, s.act_rec, s.counts) if p["down"] else None
+                mv(s.gu, [L["w_up"]], **normed(L["ffn_norm"], p["gu"]), emit=up_emit)
+                down_in = dict(x=s.act_rec, prologue=4) if p["down"] else dict(x=s.gu, prologue=6)
+            elif L["ffn"] is not None:
+                if not self.parallel:
+                    gu_emit = glu_emit() if p["down"] else None
+                    mv(s.gu, [L["w_gate"], L["w_up"]], **normed(L["ffn_norm"], p["gu"]), emit=gu_emit)
+                act = 3 if self.gemma else 2
+                glu_in = dict(x=s.gu, cols_x2=True, prologue=act)
+                down_in = dict(x=s.act_rec, prologue=4) if p["down"] else glu_in
+            else:  # (Nemotron-H's mixer blocks have no FFN)
+                continue
+            branch(L["w_down"], down_in, L["post_ffn_norm"], None, *firsts[i + 1])
         if self.head_only:
             return
         head_in = layernorm(self.output_norm) if self.parallel else normed(self.output_norm, head_handed)
@@ -1304,10 +1338,11 @@ class CudaDecoder:
         if greedy:
             ops.argmax(s.ids, s.logits, s.argmax_parts)
 
-    def _attention_step(self, s: _Step, L: dict, caches: list, p: dict, branch) -> None:
+    def _attention_step(self, s: _Step, L: dict, caches: list, p: dict, branch, to: tuple) -> None:
         """An attention layer's branch in the decode step over the B rows of s, from its q|k|v rows: biases,
         q/k norms, RoPE, the cache writes and attention (the batch's in one launch where the caches allow),
-        then wo's output added into x (branch: _step_launches')."""
+        then wo's output added into x (branch: _step_launches'; to: the norm and hand-off flag of the matvec
+        reading x next)."""
         cfg, j = self.cfg, L["slot"]
         if L["bqkv"] is not None:
             ops.add_inplace(s.qkv, L["bqkv"])  # one bias over the B rows
@@ -1326,7 +1361,7 @@ class CudaDecoder:
             rec = None if attn_rec is None else attn_rec[b]
             ops.attention(s.attn[b], s.qkv[b], H, *kv, pos, rope, L["scale"], *keys, records=rec, **extra)
         wo_in = dict(x=s.attn) if attn_rec is None else dict(x=attn_rec, prologue=4)
-        branch(L["wo"], wo_in, L["post_attn_norm"], L["bo"], L["ffn_norm"], p["gu"])
+        branch(L["wo"], wo_in, L["post_attn_norm"], L["bo"], *to)
 
     def _delta_mix(self, D: dict, rows, conv_state, state, out=None, conv=None):
         """A DeltaNet layer over one sequence's rows [q|k|v|z projections (n, C + value_dim),
@@ -1436,10 +1471,10 @@ class CudaDecoder:
         stacks = []
         for L in self.layers:
             D, C, M = L["delta"], L["conv"], L["mamba"]
-            stacks += [[L[k] for k in names] for names in PREFILL_STACKS]
+            stacks += [[L[k] for k in names if L[k] is not None] for names in PREFILL_STACKS]
             stacks += [] if D is None else [D["proj"], D["ba"], [D["out"]]]
             stacks += [[X["in"]], [X["out"]]] if (X := C or M) is not None else []
-        return [ws for ws in stacks if ws[0] is not None]  # a MoE layer's FFN is its experts
+        return [ws for ws in stacks if ws]  # a MoE layer's FFN is its experts; Nemotron-H's MLP has no gate
 
     def _int_dot_all(self, ws) -> bool:
         """Whether every weight of ws takes integer dot products here (matvec_qb)."""
@@ -1451,7 +1486,9 @@ class CudaDecoder:
         where it runs matvec_qb (every matrix of its stack takes integer dot products) and its producer
         can write them: attention (head sizes that are multiples of 32) and Gemma's post-norms always
         can; llama's wo and down, and gate|up for the down projection, where they run matvec_qb
-        themselves. Layer 0's q|k|v reads the embedding. Nothing with HEARTH_CUDA_HANDOFF=0."""
+        themselves (Nemotron-H's up projection hands relu(up x)^2 on). Layer 0's q|k|v reads the embedding;
+        a layer without a mixer (Nemotron-H's MLP blocks) reads x at its FFN. Nothing with
+        HEARTH_CUDA_HANDOFF=0."""
 
         def qb(*ws) -> bool:
             return self.handoff and self._int_dot_all(ws)
@@ -1466,23 +1503,27 @@ class CudaDecoder:
 
         plan, writer = [], False  # writer: the kernel adding into x last can write its records
         for L in self.layers:
-            dense = L["moe"] is None  # a MoE layer's FFN (moe_combine adds into x last) takes and writes none
-            # a DeltaNet, convolution or Mamba-2 layer: its projections read what q|k|v would, out_proj
-            # writes as wo
-            D, X = L["delta"], L["conv"] or L["mamba"]
-            inputs, out = [L["wq"], L["wk"], L["wv"]], L["wo"]
-            if D is not None:
-                inputs, out = [*D["proj"], *D["ba"]], D["out"]
-            elif X is not None:
-                inputs, out = [X["in"]], X["out"]
-            wo, gu = qb(out), dense and qb(L["w_gate"], L["w_up"])
-            plan.append({
-                "qkv": writer and takes_rms(L["attn_norm"]) and qb(*inputs),
-                "wo": D is None and X is None and wo and self.cfg.head_dim % 32 == 0,
-                "gu": gu and takes_rms(L["ffn_norm"]) and writes(L, "post_attn_norm", out, L["bo"]),
-                "down": gu and qb(L["w_down"]),
-            })
-            writer = dense and writes(L, "post_ffn_norm", L["w_down"])
+            p = dict.fromkeys(("qkv", "wo", "gu", "down"), False)
+            if L["mixer"]:  # (Nemotron-H's MLP blocks have none)
+                # a DeltaNet, convolution or Mamba-2 layer: its projections read what q|k|v would, out_proj
+                # writes as wo
+                D, X = L["delta"], L["conv"] or L["mamba"]
+                inputs, out = [L["wq"], L["wk"], L["wv"]], L["wo"]
+                if D is not None:
+                    inputs, out = [*D["proj"], *D["ba"]], D["out"]
+                elif X is not None:
+                    inputs, out = [X["in"]], X["out"]
+                p["qkv"] = writer and takes_rms(L["attn_norm"]) and qb(*inputs)
+                p["wo"] = D is None and X is None and qb(out) and self.cfg.head_dim % 32 == 0
+                writer = writes(L, "post_attn_norm", out, L["bo"])
+            if L["moe"] is not None:  # a MoE layer's FFN (moe_combine adds into x last) takes and writes none
+                writer = False
+            elif L["ffn"] is not None:  # (Nemotron-H's mixer blocks have none)
+                gu = qb(*([L["w_up"]] if L["ffn"] == "relu2" else [L["w_gate"], L["w_up"]]))
+                p["gu"] = gu and takes_rms(L["ffn_norm"]) and writer
+                p["down"] = gu and qb(L["w_down"])
+                writer = writes(L, "post_ffn_norm", L["w_down"])
+            plan.append(p)
         return plan, not self.head_only and not self.parallel and writer and qb(self.output)
 
     # ---- prefill ----------------------------------------------------------------------------
@@ -1697,45 +1738,56 @@ class CudaDecoder:
 
         for L in self.layers:
             D, C, M, j = L["delta"], L["conv"], L["mamba"], L["slot"]
-            normed(L["attn_norm"])
-            if D is not None:  # DeltaNet: the projections, then the cache's states (two runs: see mix)
-                shape = self.delta
-                proj = cp.empty((n, shape.conv_dim + shape.value_dim), f32)
-                self._linear(proj, D["proj"], h_in)
-                ba = cp.empty((n, 2 * shape.v_heads), f32)
-                self._linear(ba, D["ba"], h_in)
-                y = cache.mix(j, functools.partial(self._delta_mix, D), [proj, ba])
-                branch(D["out"], gemm_in(y), L["post_attn_norm"], None)
-            elif C is not None:  # LFM2: in_proj, the gated convolution over the cache's inputs, out_proj
-                bcx = cp.empty((n, 3 * d), f32)
-                self._linear(bcx, [C["in"]], h_in)
-                y = cp.empty((n, d), f32)
-                ops.short_conv(y, bcx, cache.conv[j, 0], C["kernel"], pos)
-                branch(C["out"], gemm_in(y), L["post_attn_norm"], None)
-            elif M is not None:  # Mamba-2: in_proj, then the cache's states (two runs: see mix), out_proj
-                proj = cp.empty((n, self.mamba.in_rows), f32)
-                self._linear(proj, [M["in"]], h_in)
-                y = cache.mix(j, functools.partial(self._mamba_mix, M), [proj])
-                branch(M["out"], gemm_in(y), L["post_attn_norm"], None)
-            else:
-                self._linear(qkv, [L["wq"], L["wk"], L["wv"]], h_in)
-            if self.parallel:  # Cohere: the FFN's input too, taken before attention's output joins x
-                self._linear(gu, [L["w_gate"], L["w_up"]], h_in)
-            if D is None and C is None and M is None:
-                if L["bqkv"] is not None:
-                    ops.add_inplace(qkv, L["bqkv"])
-                self._qk_rows(qkv, L)
-                rope = (L["inv_freq"], L["n_rot"], self.neox, eps, L["q_norm"], L["k_norm"])
-                rope += self.rope_scales
-                ops.rope_store(qg, qkv, H, cache.k[j], cache.v[j], pos, *rope, gated=self.gated)
-                attn3 = attn.reshape(n, H, hd)
-                where = (pos0, L["scale"], L["window"], self.flash)
-                ops.attention_prefill(attn3, qg, cache.k[j], cache.v[j], *where, self.softcap, L["sinks"])
-                if self.gated:
-                    ops.gate_heads(attn, qkv, H, hd)
-                branch(L["wo"], attn, L["post_attn_norm"], L["bo"])
+            if L["mixer"]:  # (Nemotron-H's MLP blocks have none)
+                normed(L["attn_norm"])
+                if D is not None:  # DeltaNet: the projections, then the cache's states (two runs: see mix)
+                    shape = self.delta
+                    proj = cp.empty((n, shape.conv_dim + shape.value_dim), f32)
+                    self._linear(proj, D["proj"], h_in)
+                    ba = cp.empty((n, 2 * shape.v_heads), f32)
+                    self._linear(ba, D["ba"], h_in)
+                    y = cache.mix(j, functools.partial(self._delta_mix, D), [proj, ba])
+                    branch(D["out"], gemm_in(y), L["post_attn_norm"], None)
+                elif C is not None:  # LFM2: in_proj, the gated convolution over the cache's inputs, out_proj
+                    bcx = cp.empty((n, 3 * d), f32)
+                    self._linear(bcx, [C["in"]], h_in)
+                    y = cp.empty((n, d), f32)
+                    ops.short_conv(y, bcx, cache.conv[j, 0], C["kernel"], pos)
+                    branch(C["out"], gemm_in(y), L["post_attn_norm"], None)
+                elif M is not None:  # Mamba-2: in_proj, then the cache's states (two runs: see mix), out_proj
+                    proj = cp.empty((n, self.mamba.in_rows), f32)
+                    self._linear(proj, [M["in"]], h_in)
+                    y = cache.mix(j, functools.partial(self._mamba_mix, M), [proj])
+                    branch(M["out"], gemm_in(y), L["post_attn_norm"], None)
+                else:
+                    self._linear(qkv, [L["wq"], L["wk"], L["wv"]], h_in)
+                if self.parallel:  # Cohere: the FFN's input too, taken before attention's output joins x
+                    self._linear(gu, [L["w_gate"], L["w_up"]], h_in)
+                if D is None and C is None and M is None:
+                    if L["bqkv"] is not None:
+                        ops.add_inplace(qkv, L["bqkv"])
+                    self._qk_rows(qkv, L)
+                    rope = (L["inv_freq"], L["n_rot"], self.neox, eps, L["q_norm"], L["k_norm"])
+                    rope += self.rope_scales
+                    ops.rope_store(qg, qkv, H, cache.k[j], cache.v[j], pos, *rope, gated=self.gated)
+                    attn3 = attn.reshape(n, H, hd)
+                    where = (pos0, L["scale"], L["window"], self.flash)
+                    ops.attention_prefill(attn3, qg, cache.k[j], cache.v[j], *where, self.softcap, L["sinks"])
+                    if self.gated:
+                        ops.gate_heads(attn, qkv, H, hd)
+                    branch(L["wo"], attn, L["post_attn_norm"], L["bo"])
             if L["moe"] is not None:
                 self._moe_prefill(x, h_in, L)
+                continue
+            if L["ffn"] == "relu2":  # Nemotron-H: down(relu(up x)^2)
+                f = L["w_up"].rows
+                up, act = gu.reshape(-1)[: n * f].reshape(n, f), act_in.reshape(-1)[: n * f].reshape(n, f)
+                normed(L["ffn_norm"])
+                self._linear(up, [L["w_up"]], h_in)
+                ops.glu(act, up, ops.RELU2)
+                branch(L["w_down"], act, None, None)
+                continue
+            if L["ffn"] is None:  # (Nemotron-H's mixer blocks have none)
                 continue
             if not self.parallel:
                 normed(L["ffn_norm"])

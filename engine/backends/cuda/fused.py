@@ -65,7 +65,9 @@ def unsupported_reason(dec) -> str | None:
     if dec.delta is not None or dec.gated:
         return "DeltaNet layers and gated attention (Qwen3.5)"
     if dec.mamba is not None:
-        return "Mamba-2 layers (Granite 4.0-H)"
+        return "Mamba-2 layers (Granite 4.0-H, Nemotron-H)"
+    if any(not L["mixer"] or L["ffn"] != "glu" for L in dec.layers):
+        return "blocks of one branch and relu^2 MLPs (Nemotron-H)"
     if any(L["sinks"] is not None or L["bo"] is not None for L in dec.layers):
         return "attention sinks or output biases (gpt-oss)"
     if dec.softcap:

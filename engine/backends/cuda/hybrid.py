@@ -93,7 +93,7 @@ class HybridDecoder:
     """A decoder whose first n_gpu_layers layers run on the GPU and the others on the CPU.
 
     Args:
-        model: the CPU model built from the file (LlamaModel or Gemma3Model).
+        model: the CPU model built from the file (LlamaModel, Gemma3Model or NemotronHModel).
         n_gpu_layers: layers on the GPU, 1 <= n < the model's layer count.
         device, n_ctx, prefill_dtype, progress, use_graphs, decode_kernel: as CudaDecoder's.
 
@@ -139,9 +139,9 @@ class HybridDecoder:
         if self.gpu.conv_cache:  # LFM2: the CPU layers' attention and convolution layers
             n_conv = sum(map(cfg.is_conv, on_cpu))
             cpu = ShortConvKVCache(n_cpu - n_conv, *heads, n_conv, cfg.hidden_size)
-        elif self.gpu.rec_cache:  # Qwen3.5, Granite 4.0-H: the CPU layers' attention and recurrent layers
+        elif self.gpu.rec_cache:  # Qwen3.5, Granite 4.0-H, Nemotron-H: the CPU's attention, recurrent layers
             n_rec = sum(map(cfg.is_recurrent, on_cpu))
-            cpu = RecurrentKVCache(n_cpu - n_rec, *heads, n_rec, *cfg.recurrent_shapes)
+            cpu = RecurrentKVCache(sum(map(cfg.keeps_kv, on_cpu)), *heads, n_rec, *cfg.recurrent_shapes)
         else:
             cpu = KVCache(n_cpu, *heads)
         return HybridKVCache(self.gpu.new_cache(n_ctx, dtype), cpu)

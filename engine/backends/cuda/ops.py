@@ -259,7 +259,8 @@ def matvec(
             (uint32, records_width(cols)) an earlier matvec's `emit` wrote.
         norm: (cols,) RMSNorm weight for prologue 1.
         prologue: 0 x, 1 rmsnorm(x) * norm, 2 silu(x) * x2, 3 gelu_tanh(x) * x2, 4 records, 5 records
-            of x * (the norm weight) still to take RMSNorm's 1 / RMS (integer-dot weights only).
+            of x * (the norm weight) still to take RMSNorm's 1 / RMS (integer-dot weights only),
+            6 relu(x)^2 (Nemotron-H's MLP).
         int_dot: weights of INT_DOT_TYPES take integer dot products against the activation quantized
             per 32 to two int8 levels (dp4a, as the fused step and like the CPU kernels' int16); False:
             float dot products of the dequantized weights.
@@ -276,7 +277,7 @@ def matvec(
 
 
 def _check_float_kernel(ws: list[GpuWeight], prologue: int, emit) -> None:
-    if prologue >= 4 or emit is not None:
+    if prologue in RECORDS or emit is not None:
         raise ValueError("activation records (prologue 4/5, emit) need integer-dot weights")
     if any(w.ggml_type != ws[0].ggml_type for w in ws):
         raise ValueError("matvec stacks weights of one type (or of INT_DOT_TYPES with int_dot)")
@@ -358,7 +359,8 @@ def matvec_batch(
 
 
 XREC = 20  # 32-bit words of a unit's activation record (step.cu)
-EMIT_NORM, EMIT_SILU, EMIT_GELU = 1, 2, 3
+EMIT_NORM, EMIT_SILU, EMIT_GELU, EMIT_RELU2 = 1, 2, 3, 4
+RECORDS = (4, 5)  # the prologues that read records an Emit wrote
 
 
 class Emit(NamedTuple):
@@ -367,7 +369,8 @@ class Emit(NamedTuple):
     of the next matvec.
 
     mode: EMIT_NORM (a residual stream the next matvec RMS-normalises: records of out * norm, read with
-    prologue 5), EMIT_SILU / EMIT_GELU (gate|up: the GLU activation, read with prologue 4).
+    prologue 5), EMIT_SILU / EMIT_GELU (gate|up: the GLU activation, read with prologue 4), EMIT_RELU2
+    (one matrix, Nemotron-H's up projection: relu(out)^2, read with prologue 4).
     norm: the next RMSNorm's weight (EMIT_NORM). records: uint32 (B, records_width(units' elements)),
     16-byte aligned rows. counts: int32 zeros, one per output unit (left zeroed)."""
 
@@ -397,6 +400,10 @@ def _check_emit(emit: Emit, ws, n: int) -> int:
         if len(ws) != 1 or emit.norm is None:
             raise ValueError("EMIT_NORM takes one weight and the next norm's weight")
         width = ws[0].rows
+    elif emit.mode == EMIT_RELU2:
+        if len(ws) != 1:
+            raise ValueError("EMIT_RELU2 takes one weight")
+        width = ws[0].rows
     elif emit.mode in (EMIT_SILU, EMIT_GELU):
         if len(ws) != 2 or ws[0].rows != ws[1].rows:
             raise ValueError("a GLU emit takes [gate; up] of equal rows")
@@ -419,7 +426,7 @@ def _launch_matvec_qb(
 ) -> None:
     """matvec_qb over n vectors (rows ldo apart in out, ldx apart in x and x2)."""
     cols, pad = ws[0].cols, 3 - len(ws)
-    if prologue >= 4 and (x.dtype != cp.uint32 or x.shape[-1] < records_width(cols)):
+    if prologue in RECORDS and (x.dtype != cp.uint32 or x.shape[-1] < records_width(cols)):
         raise ValueError("prologue 4/5 reads uint32 activation records (records_width(cols) a vector)")
     width = 0 if emit is None else _check_emit(emit, ws, n)
     rows = [w.rows for w in ws] + [0] * pad
@@ -857,17 +864,22 @@ def attention_prefill(
     kernel("ungroup_heads", dev)(grid, (256,), (out, og, *heads))
 
 
-GLU_SILU, GLU_GELU, GLU_OAI = 0, 1, 2  # glu's modes
+GLU_SILU, GLU_GELU, GLU_OAI, RELU2 = 0, 1, 2, 3  # glu's modes (RELU2: not gated)
 
 
 def glu(out, gu, mode: int, bias=None, ids=None, oai: tuple = (0.0, 0.0)) -> None:
     """out (n, ff) = silu(gate) * up (GLU_SILU, SwiGLU), gelu_tanh(gate) * up (GLU_GELU, GeGLU) or gpt-oss's
     clamped SwiGLU (GLU_OAI, oai = (alpha, limit): engine.backends.cpu.swiglu_oai_mul) of gu (n, 2 ff)
-    float32, each row [gate | up]; out float32 or float16. bias: float32 [gate | up] bias rows (., 2 ff)
+    float32, each row [gate | up], or relu(gu)^2 of gu (n, ff) (RELU2: Nemotron-H's MLP, no bias); out
+    float32 or float16. bias: float32 [gate | up] bias rows (., 2 ff)
     added first, row ids[t] (int32 (n,) on the GPU) for row t, or bias's one row for all rows (ids None)."""
     ff = out.shape[-1]
     n = out.size // ff
     half = _i32(out.dtype == cp.float16)
+    if gu.size != (1 if mode == RELU2 else 2) * n * ff:
+        raise ValueError(f"glu: gu holds {'ff' if mode == RELU2 else '2 ff'} floats a row of out")
+    if bias is not None and mode == RELU2:
+        raise ValueError("glu: RELU2 takes no bias")
     if bias is not None and (bias.dtype != cp.float32 or bias.shape[-1] != 2 * ff):
         raise ValueError(f"glu: bias rows must be float32 of {2 * ff}, got {bias.dtype} {bias.shape}")
     grid = (-(-ff // (4 * 256)), max(1, min(n, GRID_Y_MAX)))  # 4 elements a thread; tokens grid-strided

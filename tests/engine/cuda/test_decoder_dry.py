@@ -256,8 +256,8 @@ CUPY_MODULES = (
 
 
 def test_layer_kinds_without_cuda_kernels_stay_on_the_cpu(fake, tmp_path):
-    """A residual multiplier with branch-output norms, Nemotron-H, Gemma 3n/4 and DeepSeek's latent
-    attention have no CUDA path:
+    """A residual multiplier with branch-output norms, Gemma 3n/4 and DeepSeek's latent attention have no
+    CUDA path:
     a typed error, which placement turns into the CPU fallback."""
     model = _model(tmp_path, "llama")
     model.cfg.residual_multiplier = 0.5
@@ -267,8 +267,7 @@ def test_layer_kinds_without_cuda_kernels_stay_on_the_cpu(fake, tmp_path):
     from engine.loader import load_model
 
     tiny = Path(__file__).resolve().parents[2] / "fixtures" / "tiny"
-    for family, message in (("gemma4", "not Gemma4Model"),
-                            ("gemma3n", "not Gemma3nModel"), ("nemotron_h", "not NemotronHModel"),
+    for family, message in (("gemma4", "not Gemma4Model"), ("gemma3n", "not Gemma3nModel"),
                             ("deepseek_v3", "latent attention")):
         with pytest.raises(fake.decoder.UnsupportedCudaModelError, match=message):
             fake.decoder.CudaDecoder(load_model(tiny / family).model, n_ctx=64)

@@ -399,14 +399,16 @@ def test_moe_models_match_the_cpu(gpu, tmp_path, arch, shared):
 
 @pytest.mark.parametrize(
     "family", ["gpt-oss", "gemma2", "mistral-swa", "exaone4", "glm4", "granite", "smollm3", "olmo2", "olmo3",
-               "ministral3", "phi3-longrope", "cohere", "cohere2", "lfm2", "qwen3_5", "granite4-h"]
+               "ministral3", "phi3-longrope", "cohere", "cohere2", "lfm2", "qwen3_5", "granite4-h",
+               "nemotron_h"]
 )
 def test_model_families_match_the_cpu(gpu, family):
     """The tiny checkpoints of gpt-oss (sinks, windows, biases, MXFP4 experts with the clamped SwiGLU),
     Gemma 2 (soft-capping), Mistral v0.1 (a window on every layer), EXAONE 4, GLM-4 and OLMo 2/3 (norms of
     the branch outputs, layers without RoPE, whole-projection q/k norms, per-layer RoPE), Granite (its
     multipliers), SmolLM3 (NoPE layers), Ministral 3, Phi-4-mini's LongRoPE, Command R+ and R7B, LFM2 (short
-    convolutions), Qwen3.5 (DeltaNet layers, gated attention) and Granite 4.0-H (Mamba-2 layers): prefill,
+    convolutions), Qwen3.5 (DeltaNet layers, gated attention), Granite 4.0-H (Mamba-2 layers) and Nemotron-H
+    (blocks of one branch, relu^2 MLPs): prefill,
     graph and plain decode steps and 16 greedy tokens as on the CPU (test_families_cuda.py checks the same on
     CPU threads)."""
     from pathlib import Path

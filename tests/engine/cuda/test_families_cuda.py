@@ -12,7 +12,7 @@ rotated dims take the attention factor), Command R7B / Command A (attention and 
 from one LayerNorm, scaled logits, windowed layers that alone rotate), Command R+ (LayerNorms of each q and k
 head), Qwen3.5 / Qwen3-Next (DeltaNet layers), LFM2 / LFM2-MoE (short convolutions) and Granite 4.0-H (Mamba-2
 layers beside attention without positions; its MoE models' experts and shared MLP under the residual
-multiplier).
+multiplier) and Nemotron-H (blocks of one branch each: Mamba-2, attention without positions, or a relu^2 MLP).
 """
 # ruff: noqa: F811 - the stand-in CuPy fixtures are imported from test_decoder_dry
 
@@ -59,6 +59,8 @@ def test_gpt_oss_on_the_gpu_computes_the_cpu_models_logits_on_host_threads(fake,
 NO_ROPE = "layers without RoPE (SmolLM3, EXAONE 4)"
 WINDOWED_ROPE = [16, 16, 16, 0]  # three windowed layers that rotate, a full one that does not
 NO_INPUT_NORMS = "branches without input norms (EXAONE 4, OLMo 2)"
+MAMBA = "Mamba-2 layers (Granite 4.0-H, Nemotron-H)"
+NEMOTRON_BRANCHES = [(True, None), (False, "relu2"), (True, None), (True, None), (False, "relu2")]
 ROPE_SCALES = "a partly rotated head's RoPE attention factor (Phi-4-mini) or query temperature (Ministral 3)"
 FAMILIES = {
     "gemma2": (lambda dec: dec.softcap > 0, "attention soft-capping (Gemma 2)"),
@@ -78,7 +80,10 @@ FAMILIES = {
                 "DeltaNet layers and gated attention (Qwen3.5)"),
     "lfm2": (lambda dec: (dec.n_conv, dec.n_attn) == (3, 1), "short-convolution layers (LFM2)"),
     "granite4-h": (lambda dec: dec.mamba is not None and (dec.n_rec, dec.n_attn) == (3, 1)
-                   and _rotated(dec) == [0] * 4 and dec.residual == 0.5, "Mamba-2 layers (Granite 4.0-H)"),
+                   and _rotated(dec) == [0] * 4 and dec.residual == 0.5, MAMBA),
+    # blocks M - * M -: Mamba-2 and attention blocks without an FFN, MLP blocks without a mixer
+    "nemotron_h": (lambda dec: (dec.n_rec, dec.n_attn) == (2, 1) and _branches(dec) == NEMOTRON_BRANCHES
+                   and [L["slot"] for L in dec.layers if L["mixer"]] == [0, 0, 1], MAMBA),
     "granite4-h-moe": (lambda dec: dec.mamba is not None and dec.moe == (4, 2, 32, 96)
                        and dec.residual == 0.5, "mixture-of-experts layers"),
     "cohere": (lambda dec: dec.parallel and dec.layers[0]["qk_heads"] is not None,
@@ -96,10 +101,14 @@ def _windows(dec) -> list[int]:
     return [L["window"] for L in dec.layers]
 
 
+def _branches(dec) -> list[tuple]:
+    return [(L["mixer"], L["ffn"]) for L in dec.layers]
+
+
 @pytest.mark.parametrize(
     "family", [  # CI
         "gemma2", "exaone4", "granite", "olmo3", "ministral3", "cohere2", "qwen3_5", "lfm2", "cohere",
-        "granite4-h", "granite4-h-moe",
+        "granite4-h", "granite4-h-moe", "nemotron_h",
     ] + [
         pytest.param(f, marks=pytest.mark.skipif(not FULL_SIMT, reason="set HEARTH_CUDA_SIMT=1"))
         for f in ("mistral-swa", "glm4", "smollm3", "olmo2", "phi3-longrope")
@@ -143,29 +152,32 @@ def test_captured_prefill_of_a_family_on_host_threads(fake, simt, monkeypatch, f
 
 
 @pytest.mark.parametrize("family, gpu_layers", [("qwen3_5", None), ("granite4-h", None), ("granite4-h", 1),
-                                                ("qwen3_5", 3)])
+                                                ("qwen3_5", 3), ("nemotron_h", None), ("nemotron_h", 1)])
 def test_recurrent_states_snapshot_and_trim_as_the_cpu_cache_on_host_threads(fake, simt, monkeypatch, family,
                                                                            gpu_layers):
-    """Qwen3.5's DeltaNet and Granite 4.0-H's Mamba-2 states on the GPU, wholly or with the first layers on
-    it (partial offload; Qwen3.5's CPU half then holds attention only), follow RecurrentKVCache's rules as
-    the CPU cache does: a prompt keeps the states of its start and its end - 1, decode steps (captured
-    graphs) advance them, a trim (a regenerate, a new turn, a new chat) returns to the latest snapshot at or
-    before its target, a pass that fails part way (a prompt on the GPU; a prompt or a decode step on the
-    CPU half) leaves the cache at a snapshot, and what comes after gives the CPU model's logits each time.
-    The last prompt is long enough for the CPU's Mamba-2 to scan it in chunks (mamba2.CHUNKED_MIN_TOKENS),
-    the GPU's token by token."""
-    from engine.arch import mamba2
+    """Qwen3.5's DeltaNet and Granite 4.0-H's and Nemotron-H's Mamba-2 states on the GPU, wholly or with
+    the first layers on it (partial offload; Qwen3.5's CPU half then holds attention only), follow
+    RecurrentKVCache's rules as the CPU cache does: a prompt keeps the states of its start and of its
+    end - 1, decode steps (captured graphs) advance them, a trim (a regenerate, a new turn, a new chat)
+    returns to the latest snapshot at or before its target, a pass that fails part way (a prompt on the GPU; a
+    prompt or a decode step on the CPU half) leaves the cache at a snapshot, and what comes after gives
+    the CPU model's logits each time. The last prompt is long enough for the CPU's Mamba-2 to scan it in
+    chunks (mamba2.CHUNKED_MIN_TOKENS), the GPU's token by token."""
+    from engine.arch import deltanet, mamba2
+    from engine.backends import cpu as cpu_ops
     from engine.loader import load_model
 
     STATE.simt = simt
     model = load_model(TINY / family).model
+    nemotron = family == "nemotron_h"
     if gpu_layers is None:
         dec = fake.decoder.CudaDecoder(model, n_ctx=32, prefill_dtype="float32")
         # the second recurrent layer fails, after the first moved its state on
         fails = (dec, "_delta_mix" if dec.delta is not None else "_mamba_mix", 2)
     else:
         dec = fake.hybrid.HybridDecoder(model, gpu_layers, n_ctx=32, prefill_dtype="float32")
-        fails = (type(model), "_dense_ffn", 1)  # the CPU half's first layer, after the GPU's ran
+        # the CPU half's first layer, after the GPU's ran (Nemotron-H's first CPU block is an MLP)
+        fails = (cpu_ops, "linear", 1) if nemotron else (type(model), "_dense_ffn", 1)
     cpu, gpu = model.new_cache(32), dec.new_cache(32, np.float32)
     halves = [gpu] if gpu_layers is None else [gpu.gpu, gpu.cpu]
 
@@ -190,7 +202,8 @@ def test_recurrent_states_snapshot_and_trim_as_the_cpu_cache_on_host_threads(fak
 
     def failing(tokens):  # the same pass failing on both: each cache back at the same snapshot
         fail_in(*fails, lambda: dec.forward(tokens, gpu))
-        fail_in(type(model), "_recurrent_mix", 2, lambda: model.forward(tokens, cpu))
+        mixer = deltanet if getattr(model.cfg, "delta", None) is not None else mamba2
+        fail_in(mixer, "mix", 2, lambda: model.forward(tokens, cpu))
         assert all(h.offset == cpu.offset and sorted(h._snapshots) == sorted(cpu._snapshots) for h in halves)
 
     both([1, 2, 3, 4, 5])
@@ -349,3 +362,40 @@ def test_lfm2_q8_0_gguf_with_float16_caches_on_host_threads(fake, simt, tmp_path
     fresh.advance(gpu.tokens)
     ref = model.forward([11], cpu)
     assert _rel(dec.forward([11], fresh), ref) < 3e-3
+
+
+def test_nemotron_h_q8_0_gguf_computes_the_cpu_models_logits_on_host_threads(fake, simt, monkeypatch,
+                                                                           tmp_path):
+    """Nemotron-H as users run it: a Q8_0 GGUF (llama.cpp's nemotron_h names and per-layer head and FFN
+    counts) on integer-dot matvecs, the residual stream's records handed from each block's last matvec to
+    the next block's first (a mixer's or an MLP's), the up projection handing relu(up x)^2 on to down
+    (EMIT_RELU2), against the CPU model of the same file; without the hand-off (down's integer-dot input
+    quantized from relu^2 of up's floats: prologue 6); then two GPU blocks of five (partial offload: the CPU
+    half starts at the attention block)."""
+    from engine.convert import convert
+    from engine.loader import load_model
+
+    STATE.simt = simt
+    model = load_model(convert(TINY / "nemotron_h", "Q8_0", tmp_path / "q8.gguf").output).model
+    dec = fake.decoder.CudaDecoder(model, n_ctx=32, prefill_dtype="float32")
+    assert dec.layers[1]["w_up"].ggml_type == 8 and _branches(dec) == NEMOTRON_BRANCHES  # Q8_0
+    plan, head_handed = dec._handoff_plan()
+    # block 0 reads the embedding; the others read what the block before them hands on
+    assert [p["qkv"] for p in plan] == [False, False, True, True, False]
+    assert [p["gu"] for p in plan] == [False, True, False, False, True] and head_handed
+    assert all(p["down"] == (L["ffn"] == "relu2") for p, L in zip(plan, dec.layers))
+    steps = check_decoder_against_cpu(fake, model, dec, PROMPT, tol=3e-3)
+    assert {"ssm_scan", "delta_conv", "matvec_qb"} <= set(steps)
+    monkeypatch.setenv("HEARTH_CUDA_HANDOFF", "0")
+    plain = fake.decoder.CudaDecoder(model, n_ctx=32, prefill_dtype="float32")
+    cpu_cache, cache = model.new_cache(32), plain.new_cache(32, np.float32)
+    for tokens in (PROMPT, [5]):
+        assert _rel(plain.forward(tokens, cache), model.forward(tokens, cpu_cache)) < 3e-3
+    monkeypatch.delenv("HEARTH_CUDA_HANDOFF")
+    hyb = fake.hybrid.HybridDecoder(model, 2, n_ctx=32, prefill_dtype="float32")
+    assert (hyb.gpu.n_rec, hyb.gpu.n_attn) == (1, 0)
+    cpu_cache, cache = model.new_cache(32), hyb.new_cache(32, np.float32)
+    assert (cache.cpu.k.shape[0], cache.cpu.recurrent.shape[0]) == (1, 1)
+    for tokens in (PROMPT, [5], [9]):
+        assert _rel(hyb.forward(tokens, cache), model.forward(tokens, cpu_cache)) < 3e-3
+

@@ -95,10 +95,10 @@ def test_place_model_gpu_layers(fake, tmp_path):
 @pytest.mark.parametrize("gpu_layers", [None, 1])
 @pytest.mark.parametrize(
     "family, reason",
-    [("nemotron_h", "NemotronHModel"), ("deepseek_v3", "latent attention"), ("gemma3n", "Gemma3nModel")],
+    [("gemma4", "Gemma4Model"), ("deepseek_v3", "latent attention"), ("gemma3n", "Gemma3nModel")],
 )
 def test_a_model_without_cuda_kernels_stays_on_the_cpu_with_a_notice(fake, gpu_layers, family, reason):
-    """Nemotron-H, DeepSeek-V3 or Gemma 3n (no CUDA kernels yet) asked onto the GPU, wholly or in part,
+    """Gemma 4, DeepSeek-V3 or Gemma 3n (no CUDA kernels yet) asked onto the GPU, wholly or in part,
     runs on the CPU; the notice says why (the app shows it as a load warning)."""
     from pathlib import Path
 
@@ -312,7 +312,7 @@ def test_a_load_planned_for_the_gpu_that_stays_on_the_cpu_must_fit_in_ram(fake, 
     from engine.client import LoadOptions
     from engine.memory_guard import InsufficientMemoryError
 
-    folder = Path(__file__).resolve().parents[2] / "fixtures" / "tiny" / "nemotron_h"
+    folder = Path(__file__).resolve().parents[2] / "fixtures" / "tiny" / "gemma3n"
     options = LoadOptions(device="cuda", n_ctx=128, batch_size=16, prefix_cache_mb=0)
     monkeypatch.setattr(worker, "gpu_layers_planned", lambda opts, n: n)  # the fake GPU takes every layer
     weights, shape = worker._model_shape(folder)
@@ -323,7 +323,7 @@ def test_a_load_planned_for_the_gpu_that_stays_on_the_cpu_must_fit_in_ram(fake, 
     warnings = []
     with pytest.raises(InsufficientMemoryError):
         worker.ChatRunner.load(folder, options, lambda p: warnings.append(p.message), available=between)
-    assert any("NemotronHModel" in w for w in warnings)
+    assert any("Gemma3nModel" in w for w in warnings)
     runner = worker.ChatRunner.load(folder, options, available=int(on_cpu / memory_guard.HEADROOM) + 1)
     assert runner.estimate.weights_bytes == weights  # planned for the CPU after the fallback
 

@@ -72,6 +72,10 @@ __device__ __forceinline__ float block_max(float v, float* red) {
     return warp_max(v);
 }
 __device__ __forceinline__ float silu(float g) { return g / (1.f + expf(-g)); }
+__device__ __forceinline__ float relu2(float g) {  // Nemotron-H's MLP activation: relu(g)^2
+    g = fmaxf(g, 0.f);
+    return g * g;
+}
 __device__ __forceinline__ float gelu_tanh(float g) {
     const float c = 0.7978845608028654f;  // sqrt(2/pi)
     return 0.5f * g * (1.f + tanhf(c * (g + 0.044715f * g * g * g)));

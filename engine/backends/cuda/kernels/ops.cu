@@ -434,7 +434,8 @@ extern "C" __global__ void softmax_causal(float* __restrict__ s, ushort* __restr
 // Gated activation of rows stacked as gu (n, 2, ff) [gate | up] -> out (n, ff), float32 or float16
 // (half_out: a prefill GEMM's input): silu(gate) * up (mode 0, SwiGLU), gelu_tanh(gate) * up (mode 1,
 // GeGLU) or gpt-oss's clamped SwiGLU (mode 2: g = min(gate, limit), u = clamp(up, -limit, limit),
-// g sigmoid(alpha g) (u + 1)). bias (not null; gpt-oss's experts): a [gate | up] bias row (2 ff) added
+// g sigmoid(alpha g) (u + 1)); mode 3 (Nemotron-H's MLP, not gated): relu(x)^2 of rows x (n, ff), no up half.
+// bias (not null; gpt-oss's experts): a [gate | up] bias row (2 ff) added
 // first, row ids[t] of bias for row t (ids null: bias's first row for all). Grid (ceil(ff / 4 /
 // blockDim.x), tokens grid-strided by gridDim.y): a thread takes 4 consecutive elements of a row, in
 // 16-byte loads when ff % 4 == 0 (the rows are then 16-byte aligned), and no 64-bit division per element.
@@ -450,16 +451,20 @@ extern "C" __global__ void glu(void* __restrict__ out, const float* __restrict__
     if (j >= ff) return;
     bool vec = (ff & 3) == 0;
     for (long long t = blockIdx.y; t < n; t += gridDim.y) {
-        const float* g = gu + t * 2 * ff + j;
-        float gv[4], uv[4], v[4];
+        bool gated = mode != 3;
+        const float* g = gu + t * (gated ? 2 : 1) * ff + j;
+        float gv[4], uv[4] = {0.f, 0.f, 0.f, 0.f}, v[4];
         if (vec) {
-            float4 a = *(const float4*)g, b = *(const float4*)(g + ff);
+            float4 a = *(const float4*)g;
             gv[0] = a.x, gv[1] = a.y, gv[2] = a.z, gv[3] = a.w;
-            uv[0] = b.x, uv[1] = b.y, uv[2] = b.z, uv[3] = b.w;
+            if (gated) {
+                float4 b = *(const float4*)(g + ff);
+                uv[0] = b.x, uv[1] = b.y, uv[2] = b.z, uv[3] = b.w;
+            }
         } else {
             for (int i = 0; i < 4; i++) {
                 gv[i] = j + i < ff ? g[i] : 0.f;
-                uv[i] = j + i < ff ? g[ff + i] : 0.f;
+                uv[i] = gated && j + i < ff ? g[ff + i] : 0.f;
             }
         }
         if (bias != nullptr) {
@@ -471,7 +476,9 @@ extern "C" __global__ void glu(void* __restrict__ out, const float* __restrict__
         }
 #pragma unroll
         for (int i = 0; i < 4; i++)
-            v[i] = mode == 2 ? swiglu_oai(gv[i], uv[i], alpha, limit) : (mode ? gelu_tanh(gv[i]) : silu(gv[i])) * uv[i];
+            v[i] = mode == 3   ? relu2(gv[i])
+                   : mode == 2 ? swiglu_oai(gv[i], uv[i], alpha, limit)
+                               : (mode ? gelu_tanh(gv[i]) : silu(gv[i])) * uv[i];
         long long o = t * ff + j;
         if (vec && half_out) {
             uint2 h = {(uint)f2h(v[0]) | ((uint)f2h(v[1]) << 16), (uint)f2h(v[2]) | ((uint)f2h(v[3]) << 16)};

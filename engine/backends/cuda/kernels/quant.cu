@@ -316,7 +316,8 @@ __device__ __forceinline__ void dec_nvfp4(const uchar* q, const uchar* sc, float
 }
 
 // Activations for a matvec, built in shared memory by the whole block:
-//   prologue 0: x; 1: rmsnorm(x) * nw (the layer's input norm, fused); 2: silu(x) * x2; 3: gelu_tanh(x) * x2.
+//   prologue 0: x; 1: rmsnorm(x) * nw (the layer's input norm, fused); 2: silu(x) * x2; 3: gelu_tanh(x) * x2;
+//   6: relu(x)^2 (Nemotron-H's MLP, not gated).
 // transposed: element e goes to sx[(e % 32) * units + e / 32], so the 32 lanes of a warp, each on its
 // own 32-element unit, read 32 consecutive words (no bank conflicts).
 __device__ __forceinline__ void load_x(float* sx, const float* __restrict__ x, const float* __restrict__ x2,
@@ -336,6 +337,7 @@ __device__ __forceinline__ void load_x(float* sx, const float* __restrict__ x, c
         if (prologue == 1) a = a * inv * nw[e];
         else if (prologue == 2) a = silu(a) * x2[e];
         else if (prologue == 3) a = gelu_tanh(a) * x2[e];
+        else if (prologue == 6) a = relu2(a);
         sx[transposed ? (e & 31) * units + (e >> 5) : e] = a;
     }
     __syncthreads();

@@ -492,7 +492,7 @@ __device__ __forceinline__ XIn xin_of(float* sq, int b, int cols) {
 }
 
 // Quarter k (8 elements: k % quarters of vector k / quarters) of matvec_qb's input before the prologue's
-// scale: prologue 1 gives x * nw (its RMS comes after), 2 and 3 the gated activations, 0 x. Lanes past
+// scale: prologue 1 gives x * nw (its RMS comes after), 2 and 3 the gated activations, 6 relu(x)^2, 0 x. Lanes past
 // the end (k >= n) give zeros; *ss takes the sum of the quarter's x squared (prologue 1).
 __device__ __forceinline__ void load_quarter(float* a, float* ss, const float* __restrict__ x,
                                              const float* __restrict__ x2, long long ldx,
@@ -505,7 +505,7 @@ __device__ __forceinline__ void load_quarter(float* a, float* ss, const float* _
 #pragma unroll
     for (int i = 0; i < 8; i++) {  // every load first: they are all in flight together
         v[i] = live ? xe[i] : 0.f;
-        g[i] = prologue == 1 ? nw[e0 + i] : prologue >= 2 && live ? x2[b * ldx + e0 + i] : 0.f;
+        g[i] = prologue == 1 ? nw[e0 + i] : (prologue == 2 || prologue == 3) && live ? x2[b * ldx + e0 + i] : 0.f;
     }
     float sum = 0.f;
 #pragma unroll
@@ -514,6 +514,7 @@ __device__ __forceinline__ void load_quarter(float* a, float* ss, const float* _
         if (prologue == 1) a[i] = v[i] * g[i];
         else if (prologue == 2) a[i] = silu(v[i]) * g[i];
         else if (prologue == 3) a[i] = gelu_tanh(v[i]) * g[i];
+        else if (prologue == 6) a[i] = relu2(v[i]);
         else a[i] = v[i];
     }
     *ss = sum;
@@ -621,11 +622,12 @@ __device__ void load_records(float* sq, const float* __restrict__ x, long long l
 // outputs leave as the next matvec's activation records too, each unit written once, by the block that
 // completes it: emit 1 (a residual stream, before an RMSNorm): unit u of out * enw (enw: the next norm's
 // weight), its s slot the unit's sum of out squared (the consumer's prologue 5 takes the RMS); emit 2/3
-// (gate|up, rows0 = ff gate rows then ff up rows): silu or gelu_tanh(gate) * up, complete (prologue 4).
+// (gate|up, rows0 = ff gate rows then ff up rows): silu or gelu_tanh(gate) * up, complete (prologue 4); emit 4
+// (one matrix: Nemotron-H's up projection): relu(out)^2 (prologue 4).
 // Vector b's records at xr + b * XREC * units. cnt: one counter per output unit, zero between launches
 // (the completing block resets its units').
 __device__ __forceinline__ int emit_unit_of(int emit, int rows0, int r) {
-    return (emit == 1 || r < rows0 ? r : r - rows0) >> 5;
+    return (emit == 1 || emit == 4 || r < rows0 ? r : r - rows0) >> 5;
 }
 
 // The records of unit u for the B vectors (one warp; lane = element), from outputs other blocks wrote
@@ -638,6 +640,7 @@ __device__ __forceinline__ void emit_unit(const float* out, long long ldo, int r
         XIn rec;
         rec.q = xr + (long long)b * XREC * rec_units(units);
         if (emit == 1) quantize_unit_normed(rec, u, lane, v, enw[e]);
+        else if (emit == 4) quantize_unit(rec, u, lane, relu2(v));
         else quantize_unit(rec, u, lane, (emit == 2 ? silu(v) : gelu_tanh(v)) * ld_l2(ob + rows0 + e));
     }
 }
@@ -650,7 +653,8 @@ __device__ __forceinline__ void emit_records(const float* out, long long ldo, in
                                              int* done, int per) {
     __shared__ int n_done;
     int warps = MV_WARPS, warp = threadIdx.x >> 5, base = blockIdx.x * per;
-    int units = (emit == 1 ? rows : rows0) >> 5, need = emit == 1 ? 32 : 64;
+    bool one = emit == 1 || emit == 4;  // one matrix's outputs make a unit (else gate's and up's)
+    int units = (one ? rows : rows0) >> 5, need = one ? 32 : 64;
     if (threadIdx.x == 0) n_done = 0;
     __threadfence();  // this block's outputs are visible before its counts are
     __syncthreads();
@@ -674,7 +678,7 @@ __device__ __forceinline__ void emit_records(const float* out, long long ldo, in
 // x_b = x + b * ldx (B = 1: one vector; up to MAX_BATCH: batched decode), for the types row_dot takes
 // with integer dot products (every GGUF block type), each matrix its own (t0..t2) and its bytes a row
 // (b0..b2). act as quant.cu's load_x prologue (0 x, 1 rmsnorm(x) * nw, 2 silu(x) * x2, 3 gelu_tanh(x) *
-// x2, x2_b = x2 + b * ldx), each vector quantized per 32 to two int8 levels in shared memory, as the fused step does;
+// x2, x2_b = x2 + b * ldx, 6 relu(x)^2), each vector quantized per 32 to two int8 levels in shared memory, as the fused step does;
 // or prologue 4/5: x holds the records an earlier matvec_qb emitted (ldx floats a vector; 5: RMSNorm's
 // scale still to take, nw already applied). emit (0: none) makes the outputs the next matvec's records
 // too (emit_records). Each row of W comes from DRAM once for all B (the B - 1 further reads hit L1). 256
@@ -716,7 +720,7 @@ __device__ __forceinline__ void matvec_qb_body MATVEC_QB_PARAMS {
     }
     prefetch_row_l1(cur, plane, step);
     pdl_wait();  // x, x2 and out come from the kernels before
-    if (prologue >= 4) load_records(sq, x, ldx, eps, prologue, cols, B);
+    if (prologue == 4 || prologue == 5) load_records(sq, x, ldx, eps, prologue, cols, B);
     else quantize_pieces(sq, x, x2, ldx, nw, eps, prologue, cols, B);
     // with split, every warp of the block goes round the same number of times (the block's rows are
     // base + k stride + w / split), so that a row's warps can meet at __syncthreads
