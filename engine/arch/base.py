@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import numpy as np
@@ -62,6 +63,19 @@ def check_batch(tokens, caches) -> np.ndarray:
     for cache in caches:
         cache.check_room(1)
     return tokens
+
+
+@contextlib.contextmanager
+def rewound_on_failure(caches):
+    """Around a batched decode step into `caches`: should it fail part way (out of memory, an interrupt),
+    each cache rewinds (KVCache.rewind: a recurrent one back to its latest snapshot at or before its
+    offset, whose states the step may have moved on), as a single sequence's pass does (forward_pass)."""
+    try:
+        yield
+    except BaseException:
+        for cache in caches:
+            cache.rewind()
+        raise
 
 
 class Decoder:
@@ -137,14 +151,14 @@ class Decoder:
             to keep them).
         """
         tokens = check_batch(tokens, caches)
-        with ops.batch_phase(len(tokens), self.small_batch_max):
+        with ops.batch_phase(len(tokens), self.small_batch_max), rewound_on_failure(caches):
             return self._forward_batch(tokens, list(caches))
 
     def forward_batch_from(self, first_layer: int, hidden: np.ndarray, tokens, caches: list) -> np.ndarray:
         """forward_batch for the layers from `first_layer` on, from their input hidden (B, hidden_size);
         each cache holds those layers only (see forward_from)."""
         tokens = check_batch(tokens, caches)
-        with ops.batch_phase(len(tokens), self.small_batch_max):
+        with ops.batch_phase(len(tokens), self.small_batch_max), rewound_on_failure(caches):
             return self._forward_batch(tokens, list(caches), first=first_layer, hidden=hidden)
 
     def _new_scratch(self, n: int):

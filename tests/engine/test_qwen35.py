@@ -98,6 +98,32 @@ def test_a_pass_that_fails_part_way_leaves_the_cache_whole(lm, monkeypatch, n):
     np.testing.assert_allclose(m.forward(TOKENS[7 : 8 + n], cache, all_logits=True), REF[7 : 8 + n], atol=TOL)
 
 
+def test_a_batched_step_that_fails_part_way_leaves_every_cache_whole(lm, monkeypatch):
+    """A batched decode step (the server's) that fails after its first DeltaNet layer moved both sequences'
+    states on: neither cache is advanced, each goes back to its latest snapshot, and the sequences continue
+    from there with the exact logits."""
+    m = lm.model
+    caches = [m.new_cache(32), m.new_cache(32)]
+    m.forward(TOKENS[:6], caches[0])  # snapshots at 0 and 5
+    m.forward(TOKENS[:3], caches[1])  # at 0 and 2
+    m.forward_batch([TOKENS[6], TOKENS[3]], caches)  # decode steps keep no snapshots
+    real, calls = type(m)._recurrent_mix, []
+
+    def failing(self, i, *args):
+        calls.append(i)
+        if len(calls) == 3:  # layer 1 of the first sequence, after layer 0 of both
+            raise MemoryError("out of memory in layer 1")
+        return real(self, i, *args)
+
+    monkeypatch.setattr(type(m), "_recurrent_mix", failing)
+    with pytest.raises(MemoryError):
+        m.forward_batch([TOKENS[7], TOKENS[4]], caches)
+    monkeypatch.undo()
+    assert [c.offset for c in caches] == [5, 2] and [c.tokens for c in caches] == [TOKENS[:5], TOKENS[:2]]
+    for cache, start in zip(caches, (5, 2)):
+        np.testing.assert_allclose(m.forward(TOKENS[start:9], cache, all_logits=True), REF[start:9], atol=TOL)
+
+
 def test_chat_turns_reuse_and_regenerate_match_a_fresh_cache(lm):
     m, tok = lm.model, lm.tokenizer
     params = GenerationParams(max_tokens=6, temperature=0.0)

@@ -41,7 +41,7 @@ import weakref
 import cupy as cp
 import numpy as np
 
-from engine.arch.base import check_batch
+from engine.arch.base import check_batch, rewound_on_failure
 from engine.arch.deltanet import split_ba, split_qkvz
 from engine.arch.gemma3 import Gemma3Model
 from engine.arch.llama import LlamaModel
@@ -993,7 +993,8 @@ class CudaDecoder:
 
     def _run_batch(self, tokens, caches) -> np.ndarray:
         tokens = check_batch(tokens, caches)
-        with self._on_gpu(f"decoding a batch of {len(caches)}"):
+        # a step that fails part way rewinds the caches (recurrent states it moved on: their snapshots)
+        with self._on_gpu(f"decoding a batch of {len(caches)}"), rewound_on_failure(caches):
             out = cp.asnumpy(self._decode_rows(tokens, caches), stream=self.stream)
             self.stream.synchronize()
         for t, cache in zip(tokens, caches):
@@ -1027,7 +1028,7 @@ class CudaDecoder:
         tokens = check_batch(tokens, caches)
         if len(picks) != len(caches):
             raise ValueError(f"{len(picks)} picks for {len(caches)} sequences")
-        with self._on_gpu(f"decoding a batch of {len(caches)}"):
+        with self._on_gpu(f"decoding a batch of {len(caches)}"), rewound_on_failure(caches):
             full = self._decode_rows(tokens, caches)  # (B, embedding rows) contiguous
             n = full.shape[1] if vocab is None else min(vocab, full.shape[1])
             logits = full[:, :n]
@@ -1054,7 +1055,7 @@ class CudaDecoder:
         self._need_output()
         cache.check_room(1)
         whole = (vocab is None or vocab >= self.cfg.vocab_size) and penalty is None
-        with self._on_gpu("decoding"):
+        with self._on_gpu("decoding"), cache.forward_pass([token]):  # (advanced at its end)
             step = self._decode(int(token), cache, greedy=whole)
             if not whole:  # the step's own argmax scratch (its counter is left zeroed for the graph)
                 st = self._steps[cache]
@@ -1066,7 +1067,6 @@ class CudaDecoder:
                 nxt = int(self.fused.check(step)[0])
             else:
                 nxt = int(cp.asnumpy(step.ids, stream=self.stream)[0])
-        cache.advance([token])
         return nxt
 
     def sample_step(
@@ -1087,12 +1087,11 @@ class CudaDecoder:
         with the same u. vocab, penalty: as greedy_step's."""
         self._need_output()
         cache.check_room(1)
-        with self._on_gpu("decoding"):
+        with self._on_gpu("decoding"), cache.forward_pass([token]):  # (advanced at its end)
             logits = self._decode(int(token), cache, greedy=False)
             self._penalize(logits[0], penalty)
             n = logits.shape[1] if vocab is None else min(vocab, logits.shape[1])
             nxt = self._sample_rows(logits, [0], [(temp, top_k, top_p, min_p, u)], n)[0]
-        cache.advance([token])
         return nxt
 
     def _penalize(self, row, penalty: tuple | None) -> None:

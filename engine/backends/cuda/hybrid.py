@@ -150,21 +150,20 @@ class HybridDecoder:
         """As Decoder.forward: float32 logits (n, vocab) when all_logits, else (1, vocab)."""
         tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
         cache.check_room(len(tokens))
-        hidden = self.gpu.hidden(tokens, cache.gpu)
         try:
+            hidden = self.gpu.hidden(tokens, cache.gpu)
             return self.cpu.forward_from(self.n_gpu_layers, hidden, tokens, cache.cpu, all_logits)
         except BaseException:
-            cache.realign()  # the CPU half rewound itself (KVCache.forward_pass): the GPU's goes back too
+            cache.realign()  # the half that failed rewound itself (KVCache.forward_pass): the other follows
             raise
 
     def forward_batch(self, tokens, caches: list[HybridKVCache]) -> np.ndarray:
         """As Decoder.forward_batch: the GPU layers per sequence, the CPU layers batched."""
         tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
-        hidden = self.gpu.hidden_batch(tokens, [c.gpu for c in caches])
         try:
+            hidden = self.gpu.hidden_batch(tokens, [c.gpu for c in caches])
             return self.cpu.forward_batch_from(self.n_gpu_layers, hidden, tokens, [c.cpu for c in caches])
         except BaseException:
-            for c in caches:  # the CPU halves were not advanced; their states may have moved on
-                c.cpu.rewind()
+            for c in caches:  # the half that failed rewound (rewound_on_failure): the other follows
                 c.realign()
             raise

@@ -399,3 +399,60 @@ def test_nemotron_h_q8_0_gguf_computes_the_cpu_models_logits_on_host_threads(fak
     for tokens in (PROMPT, [5], [9]):
         assert _rel(hyb.forward(tokens, cache), model.forward(tokens, cpu_cache)) < 3e-3
 
+
+@pytest.mark.parametrize("gpu_layers", [None, 1])
+def test_a_batched_step_that_fails_part_way_rewinds_recurrent_caches_on_host_threads(fake, simt, monkeypatch,
+                                                                                    gpu_layers):
+    """The server's batched decode step over two Granite 4.0-H sequences, failing in its warm-up run (the
+    first step of a new batch runs once before its capture) after the first Mamba-2 layer moved the first
+    sequence's state on: each cache (both halves of a partial offload) goes back to its latest snapshot, as
+    the CPU model's caches do under the same failure, and the sequences continue from there with the CPU
+    model's logits. So does a new chat's first decode step that fails in its capture's warm-up."""
+    from engine.arch import mamba2
+    from engine.loader import load_model
+
+    STATE.simt = simt
+    model = load_model(TINY / "granite4-h").model
+    if gpu_layers is None:
+        dec = fake.decoder.CudaDecoder(model, n_ctx=32, prefill_dtype="float32")
+        gpu_mixer = dec
+    else:
+        dec = fake.hybrid.HybridDecoder(model, gpu_layers, n_ctx=32, prefill_dtype="float32")
+        gpu_mixer = dec.gpu
+    cpu, gpu = [model.new_cache(32) for _ in range(2)], [dec.new_cache(32, np.float32) for _ in range(2)]
+    for prompt, c, g in (([1, 2, 3, 4], cpu[0], gpu[0]), ([5, 6], cpu[1], gpu[1])):
+        assert _rel(dec.forward(prompt, g), model.forward(prompt, c)) < 1e-3
+    assert _rel(dec.forward_batch([7, 8], gpu), model.forward_batch([7, 8], cpu)) < 1e-3
+
+    def fail_at(owner, name: str, at: int, run) -> None:  # run() with owner.name failing at call `at`
+        real, calls = getattr(owner, name), []
+
+        def fail(*args, **kwargs):
+            calls.append(1)
+            if len(calls) == at:
+                raise MemoryError("out of memory")
+            return real(*args, **kwargs)
+
+        with monkeypatch.context() as m:
+            m.setattr(owner, name, fail)
+            with pytest.raises(MemoryError):
+                run()
+
+    # a new batch (the second sequence first) captures a new step: its warm-up fails at the second mix
+    fail_at(gpu_mixer, "_mamba_mix", 2, lambda: dec.forward_batch([9, 10], gpu[::-1]))
+    fail_at(mamba2, "mix", 2, lambda: model.forward_batch([9, 10], cpu[::-1]))
+    halves = gpu if gpu_layers is None else [h for g in gpu for h in (g.gpu, g.cpu)]
+    refs = cpu if gpu_layers is None else [c for c in cpu for _ in range(2)]
+    assert [h.offset for h in halves] == [r.offset for r in refs] == [3, 3, 1, 1][:: 1 if gpu_layers else 2]
+    assert all(sorted(h._snapshots) == sorted(r._snapshots) for h, r in zip(halves, refs))
+    for c, g in zip(cpu, gpu):
+        tail = [11, 12, 13][: 5 - c.offset]
+        assert _rel(dec.forward(tail, g), model.forward(tail, c)) < 1e-3
+    assert _rel(dec.forward_batch([14, 15], gpu), model.forward_batch([14, 15], cpu)) < 1e-3
+    if gpu_layers is None:  # a chat's first decode step on the GPU (greedy_step, sample_step) as well
+        for pick in (lambda c: dec.greedy_step(16, c), lambda c: dec.sample_step(16, c, 0.8, 5, 0.9, 0.3)):
+            fresh, ref = dec.new_cache(32, np.float32), model.new_cache(32)
+            assert _rel(dec.forward([1, 2, 3], fresh), model.forward([1, 2, 3], ref)) < 1e-3
+            fail_at(gpu_mixer, "_mamba_mix", 2, lambda p=pick, c=fresh: p(c))  # its capture's warm-up
+            assert fresh.offset == 2 and fresh.tokens == [1, 2]  # the prompt's end - 1
+            assert _rel(dec.forward([3, 4], fresh), model.forward([4], ref)) < 1e-3
