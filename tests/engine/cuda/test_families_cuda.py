@@ -18,6 +18,7 @@ multiplier) and Nemotron-H (blocks of one branch each: Mamba-2, attention withou
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import numpy as np
@@ -151,6 +152,23 @@ def test_captured_prefill_of_a_family_on_host_threads(fake, simt, monkeypatch, f
     assert launch in fake.launches
 
 
+def fail_at_call(monkeypatch, owner, name: str, at: int, run) -> None:
+    """run(), which must raise the MemoryError owner.name raises at its call number `at` (an out-of-memory
+    part way through a pass)."""
+    real, calls = getattr(owner, name), []
+
+    def fail(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == at:
+            raise MemoryError("out of memory")
+        return real(*args, **kwargs)
+
+    with monkeypatch.context() as m:
+        m.setattr(owner, name, fail)
+        with pytest.raises(MemoryError):
+            run()
+
+
 @pytest.mark.parametrize("family, gpu_layers", [("qwen3_5", None), ("granite4-h", None), ("granite4-h", 1),
                                                 ("qwen3_5", 3), ("nemotron_h", None), ("nemotron_h", 1)])
 def test_recurrent_states_snapshot_and_trim_as_the_cpu_cache_on_host_threads(fake, simt, monkeypatch, family,
@@ -186,19 +204,7 @@ def test_recurrent_states_snapshot_and_trim_as_the_cpu_cache_on_host_threads(fak
         assert _rel(dec.forward(tokens, gpu), ref) < 1e-3
         assert all(h.offset == cpu.offset and sorted(h._snapshots) == sorted(cpu._snapshots) for h in halves)
 
-    def fail_in(owner, name: str, at: int, run) -> None:  # run() with owner.name failing at call `at`
-        real, calls = getattr(owner, name), []
-
-        def fail(*args, **kwargs):
-            calls.append(1)
-            if len(calls) == at:
-                raise MemoryError("out of memory")
-            return real(*args, **kwargs)
-
-        with monkeypatch.context() as m:
-            m.setattr(owner, name, fail)
-            with pytest.raises(MemoryError):
-                run()
+    fail_in = functools.partial(fail_at_call, monkeypatch)
 
     def failing(tokens):  # the same pass failing on both: each cache back at the same snapshot
         fail_in(*fails, lambda: dec.forward(tokens, gpu))
@@ -424,19 +430,7 @@ def test_a_batched_step_that_fails_part_way_rewinds_recurrent_caches_on_host_thr
         assert _rel(dec.forward(prompt, g), model.forward(prompt, c)) < 1e-3
     assert _rel(dec.forward_batch([7, 8], gpu), model.forward_batch([7, 8], cpu)) < 1e-3
 
-    def fail_at(owner, name: str, at: int, run) -> None:  # run() with owner.name failing at call `at`
-        real, calls = getattr(owner, name), []
-
-        def fail(*args, **kwargs):
-            calls.append(1)
-            if len(calls) == at:
-                raise MemoryError("out of memory")
-            return real(*args, **kwargs)
-
-        with monkeypatch.context() as m:
-            m.setattr(owner, name, fail)
-            with pytest.raises(MemoryError):
-                run()
+    fail_at = functools.partial(fail_at_call, monkeypatch)
 
     # a new batch (the second sequence first) captures a new step: its warm-up fails at the second mix
     fail_at(gpu_mixer, "_mamba_mix", 2, lambda: dec.forward_batch([9, 10], gpu[::-1]))
