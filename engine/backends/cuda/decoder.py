@@ -601,7 +601,7 @@ class CudaDecoder:
         self.conv_cache = not self.gemma and cfg.n_conv_layers > 0
         n_gpu = len(model.layers) if n_layers is None else int(n_layers)
         # the layers keeping keys and values (Nemotron-H's MLP blocks keep none)
-        self.n_attn = n_gpu if self.gemma else _attention_layers(model, n_gpu)
+        self.n_attn = _attention_layers(model, n_gpu)
         self.gated = not self.gemma and bool(cfg.attn_output_gate)  # Qwen3.5's gated attention
         self.q_rows = 2 * cfg.q_dim if self.gated else cfg.q_dim
         if not self.gemma and cfg.parallel_block and any(lay.moe is not None for lay in layers):
@@ -1778,21 +1778,21 @@ class CudaDecoder:
             if L["moe"] is not None:
                 self._moe_prefill(x, h_in, L)
                 continue
+            if L["ffn"] is None:  # (Nemotron-H's mixer blocks have none)
+                continue
+            act = act_in
             if L["ffn"] == "relu2":  # Nemotron-H: down(relu(up x)^2)
                 f = L["w_up"].rows
                 up, act = gu.reshape(-1)[: n * f].reshape(n, f), act_in.reshape(-1)[: n * f].reshape(n, f)
                 normed(L["ffn_norm"])
                 self._linear(up, [L["w_up"]], h_in)
                 ops.glu(act, up, ops.RELU2)
-                branch(L["w_down"], act, None, None)
-                continue
-            if L["ffn"] is None:  # (Nemotron-H's mixer blocks have none)
-                continue
-            if not self.parallel:
-                normed(L["ffn_norm"])
-                self._linear(gu, [L["w_gate"], L["w_up"]], h_in)
-            ops.glu(act_in, gu, ops.GLU_GELU if self.gemma else ops.GLU_SILU)
-            branch(L["w_down"], act_in, L["post_ffn_norm"], None)
+            else:
+                if not self.parallel:
+                    normed(L["ffn_norm"])
+                    self._linear(gu, [L["w_gate"], L["w_up"]], h_in)
+                ops.glu(act_in, gu, ops.GLU_GELU if self.gemma else ops.GLU_SILU)
+            branch(L["w_down"], act, L["post_ffn_norm"], None)
         if self.head_only:
             return x
         cap = getattr(cfg, "final_logit_softcapping", None)

@@ -138,7 +138,7 @@ class HybridDecoder:
         on_cpu = range(self.n_gpu_layers, cfg.num_hidden_layers)
         if self.gpu.conv_cache:  # LFM2: the CPU layers' attention and convolution layers
             n_conv = sum(map(cfg.is_conv, on_cpu))
-            cpu = ShortConvKVCache(n_cpu - n_conv, *heads, n_conv, cfg.hidden_size)
+            cpu = ShortConvKVCache(sum(map(cfg.keeps_kv, on_cpu)), *heads, n_conv, cfg.hidden_size)
         elif self.gpu.rec_cache:  # Qwen3.5, Granite 4.0-H, Nemotron-H: the CPU's attention, recurrent layers
             n_rec = sum(map(cfg.is_recurrent, on_cpu))
             cpu = RecurrentKVCache(sum(map(cfg.keeps_kv, on_cpu)), *heads, n_rec, *cfg.recurrent_shapes)

@@ -48,7 +48,6 @@ class NemotronHBlocks:
     rotates)."""
 
     rope_mscale = 1.0
-    mla = False
 
     def __init__(self, model: NemotronHModel):
         c = model.cfg
